@@ -1,0 +1,136 @@
+"""The kernel registry.
+
+Kernels are registered with a decorator into a plain dict keyed by ``(backend, domain, op)``; each key
+holds entries sorted by the opset version they apply from. :func:`lookup` picks the newest entry whose
+``since`` is not above the model's opset for that domain.
+
+A kernel takes the node's inputs positionally (``None`` for an omitted optional input) and its
+attributes as keywords, with the ONNX spec's defaults as Python defaults. Two keyword-only parameters
+are special and are filled in by the executor when the kernel's signature names them:
+
+* ``_n_outputs``: how many outputs the node asks for (Split, MaxPool's indices, Dropout's mask, ...).
+* ``_ctx``: the executor, for kernels that run subgraphs (If, Loop, Scan, SequenceMap).
+
+A kernel returns one value, or a tuple of values for several outputs. Values are numpy arrays
+(strings as object arrays), lists of arrays for sequences, and ``None`` for an empty optional.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from tensorkiln.errors import UnsupportedOpError
+
+DEFAULT_DOMAIN = ""
+_DOMAIN_ALIASES = {"ai.onnx": ""}
+
+
+def normalize_domain(domain: str | None) -> str:
+    """Map the spellings of the default ONNX domain ('' and 'ai.onnx') to ''."""
+    domain = domain or ""
+    return _DOMAIN_ALIASES.get(domain, domain)
+
+
+@dataclass(frozen=True, slots=True)
+class KernelEntry:
+    op: str
+    domain: str
+    since: int
+    backend: str
+    fn: Callable
+    wants_n_outputs: bool
+    wants_ctx: bool
+
+
+_REGISTRY: dict[tuple[str, str, str], list[KernelEntry]] = {}
+
+
+def register(
+    ops: str | Iterable[str],
+    *,
+    domain: str = DEFAULT_DOMAIN,
+    since: int = 1,
+    backend: str = "reference",
+) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as the kernel of ``ops`` from opset ``since`` on (until a newer entry)."""
+    names = [ops] if isinstance(ops, str) else list(ops)
+    domain = normalize_domain(domain)
+
+    def decorator(fn: Callable) -> Callable:
+        params = inspect.signature(fn).parameters
+        for op in names:
+            entry = KernelEntry(
+                op=op,
+                domain=domain,
+                since=since,
+                backend=backend,
+                fn=fn,
+                wants_n_outputs="_n_outputs" in params,
+                wants_ctx="_ctx" in params,
+            )
+            entries = _REGISTRY.setdefault((backend, domain, op), [])
+            entries[:] = [e for e in entries if e.since != since]
+            entries.append(entry)
+            entries.sort(key=lambda e: e.since)
+        return fn
+
+    return decorator
+
+
+def _ensure_loaded(backend: str) -> None:
+    if backend == "reference":
+        import tensorkiln.kernels.reference  # noqa: F401  (registers the numpy kernels)
+
+
+def has_kernel(op: str, domain: str = "", backend: str = "reference") -> bool:
+    _ensure_loaded(backend)
+    return (backend, normalize_domain(domain), op) in _REGISTRY
+
+
+def registered_ops(backend: str = "reference", domain: str | None = None) -> list[tuple[str, str]]:
+    """Sorted (domain, op) pairs that have a kernel on ``backend``."""
+    _ensure_loaded(backend)
+    return sorted(
+        (d, op) for (b, d, op) in _REGISTRY if b == backend and (domain is None or d == domain)
+    )
+
+
+def lookup(
+    op: str, domain: str, opset: int, backend: str = "reference", node: str | None = None
+) -> KernelEntry:
+    """The kernel for ``op`` at ``opset``; raises UnsupportedOpError naming what exists."""
+    _ensure_loaded(backend)
+    domain = normalize_domain(domain)
+    entries = _REGISTRY.get((backend, domain, op))
+    where = f"node '{node}' " if node else ""
+    shown = domain or "ai.onnx"
+    if not entries:
+        known = [o for (b, d, o) in _REGISTRY if b == backend and d == domain]
+        hint = difflib.get_close_matches(op, known, n=3)
+        msg = (
+            f"{where}uses operator '{op}' of domain '{shown}' (opset {opset}), which the "
+            f"'{backend}' backend does not support."
+        )
+        if hint:
+            msg += f" Did you mean: {', '.join(hint)}?"
+        domains = sorted({d or "ai.onnx" for (b, d, _) in _REGISTRY if b == backend})
+        if domain not in {d for (b, d, _) in _REGISTRY if b == backend}:
+            msg += f" Supported domains: {', '.join(domains)}."
+        else:
+            msg += f" {len(known)} operators of '{shown}' are supported; see `tensorkiln ops`."
+        raise UnsupportedOpError(msg)
+    best = None
+    for e in entries:
+        if e.since <= opset:
+            best = e
+    if best is None:
+        versions = ", ".join(str(e.since) for e in entries)
+        raise UnsupportedOpError(
+            f"{where}uses '{op}' of domain '{shown}' at opset {opset}; the '{backend}' backend "
+            f"implements it from opset(s) {versions}. Convert the model to a newer opset "
+            "(onnx.version_converter) and try again."
+        )
+    return best
