@@ -8,18 +8,21 @@ from importlib import import_module
 _MODULES = (
     "elementwise",
     "math",
-    "tensor",
-    "nn",
     "reduce",
     "quant",
+    "loss",
+    "tensor",
+    "image",
+    "nn",
     "rnn",
     "signal",
+    "attention",
     "sequence",
     "control",
     "text",
     "ml",
     "training",
-    "attention",
+    "random",
 )
 
 for _name in _MODULES:
