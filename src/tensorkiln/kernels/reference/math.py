@@ -1,0 +1,287 @@
+"""Reference kernels for linear algebra, scans, softmax-like ops and arg/top-k selection."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+from tensorkiln.kernels.registry import register
+
+# Narrow float types are computed in float32 and cast back: numpy has no BLAS for them and
+# accumulating in them loses precision the oracle cannot afford.
+_NARROW_FLOATS = frozenset(
+    np.dtype(t)
+    for t in (
+        np.float16,
+        ml_dtypes.bfloat16,
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float4_e2m1fn,
+    )
+)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype to compute in for inputs of ``dtype`` (float32 for narrow floats)."""
+    dtype = np.dtype(dtype)
+    return np.dtype(np.float32) if dtype in _NARROW_FLOATS else dtype
+
+
+def widen(x: np.ndarray) -> np.ndarray:
+    """``x`` in its compute dtype (no copy when it already is)."""
+    return x.astype(compute_dtype(x.dtype), copy=False)
+
+
+def _axis_of(axis: np.ndarray | int, ndim: int) -> int:
+    a = int(np.asarray(axis).reshape(-1)[0])
+    if not -max(ndim, 1) <= a < max(ndim, 1):
+        raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
+    return a % max(ndim, 1)
+
+
+# ---------------------------------------------------------------- matrix products
+
+
+@register("MatMul", since=1)
+def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """numpy.matmul semantics (1-D operands promoted and squeezed, batch dims broadcast)."""
+    if a.dtype in _NARROW_FLOATS:
+        return np.matmul(widen(a), widen(b)).astype(a.dtype)
+    return np.matmul(a, b)
+
+
+@register("Gemm", since=1)
+def gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    transA: int = 0,
+    transB: int = 0,
+    broadcast: int = 0,  # opset < 7; C always broadcasts unidirectionally here
+) -> np.ndarray:
+    """Y = alpha * A' @ B' + beta * C, with A', B' optionally transposed (views, no copies)."""
+    dtype = a.dtype
+    a = widen(a).T if transA else widen(a)
+    b = widen(b).T if transB else widen(b)
+    y = np.matmul(a, b)
+    if y.dtype.kind in "iu" and (alpha != 1.0 or (c is not None and beta != 1.0)):
+        y = alpha * y.astype(np.float64)
+        if c is not None and beta != 0.0:
+            y += beta * c.astype(np.float64)
+        return y.astype(dtype)
+    if alpha != 1.0:
+        y *= y.dtype.type(alpha)
+    if c is not None and beta != 0.0:
+        c = widen(c)
+        y += c if beta == 1.0 else c * c.dtype.type(beta)
+    return y.astype(dtype, copy=False)
+
+
+def _row_zero_point(zp: np.ndarray) -> np.ndarray:
+    # A 1-D zero point of A holds one value per row: make it broadcast along the rows.
+    return zp.reshape(-1, 1) if zp.ndim == 1 and zp.size > 1 else zp
+
+
+def integer_matmul(a: np.ndarray, b: np.ndarray, a_zp=None, b_zp=None) -> np.ndarray:
+    """(A - a_zp) @ (B - b_zp) exactly, as float64 (BLAS; exact for any realistic K)."""
+    a64 = a.astype(np.float64)
+    b64 = b.astype(np.float64)
+    if a_zp is not None:
+        a64 -= _row_zero_point(a_zp.astype(np.float64))
+    if b_zp is not None:
+        b64 -= b_zp.astype(np.float64)
+    return np.matmul(a64, b64)
+
+
+@register("MatMulInteger", since=10)
+def matmul_integer(
+    a: np.ndarray,
+    b: np.ndarray,
+    a_zero_point: np.ndarray | None = None,
+    b_zero_point: np.ndarray | None = None,
+) -> np.ndarray:
+    """(A - a_zero_point) @ (B - b_zero_point) in int32; A's zero point per row, B's per column."""
+    return integer_matmul(a, b, a_zero_point, b_zero_point).astype(np.int32)
+
+
+@register("Einsum", since=12)
+def einsum(*inputs: np.ndarray, equation: str) -> np.ndarray:
+    """numpy.einsum with the same implicit-output rule as ONNX (letters in alphabetical order)."""
+    eq = equation.replace(" ", "")
+    dtype = inputs[0].dtype
+    args = [widen(x) for x in inputs]
+    y = np.einsum(eq, *args, optimize=len(args) > 1)
+    return np.asarray(y).astype(dtype, copy=False)
+
+
+@register("Det", since=11)
+def det(x: np.ndarray) -> np.ndarray:
+    """Determinant of the last two dims."""
+    wide = x.astype(np.float64) if x.dtype in _NARROW_FLOATS else x
+    return np.asarray(np.linalg.det(wide)).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- scans
+
+
+def _scan(
+    x: np.ndarray, axis, exclusive: int, reverse: int, ufunc: np.ufunc, identity: int
+) -> np.ndarray:
+    ax = _axis_of(axis, x.ndim)
+    acc = compute_dtype(x.dtype)
+    src = np.flip(x, ax) if reverse else x
+    y = ufunc.accumulate(src, axis=ax, dtype=acc)
+    if exclusive:
+        shifted = np.full_like(y, identity)
+        dst = [slice(None)] * y.ndim
+        dst[ax] = slice(1, None)
+        stop = [slice(None)] * y.ndim
+        stop[ax] = slice(0, -1)
+        shifted[tuple(dst)] = y[tuple(stop)]
+        y = shifted
+    if reverse:
+        y = np.flip(y, ax)
+    return np.ascontiguousarray(y, dtype=x.dtype)
+
+
+@register("CumSum", since=11)
+def cumsum(x: np.ndarray, axis: np.ndarray, *, exclusive: int = 0, reverse: int = 0) -> np.ndarray:
+    """Cumulative sum along ``axis`` (a scalar tensor input)."""
+    return _scan(x, axis, exclusive, reverse, np.add, 0)
+
+
+@register("CumProd", since=26)
+def cumprod(x: np.ndarray, axis: np.ndarray, *, exclusive: int = 0, reverse: int = 0) -> np.ndarray:
+    """Cumulative product along ``axis`` (a scalar tensor input)."""
+    return _scan(x, axis, exclusive, reverse, np.multiply, 1)
+
+
+# ---------------------------------------------------------------- softmax family
+
+
+def _softmax_along(x: np.ndarray, axis: int, log: bool) -> np.ndarray:
+    y = np.subtract(x, x.max(axis=axis, keepdims=True), dtype=compute_dtype(x.dtype))
+    if log:
+        s = np.exp(y).sum(axis=axis, keepdims=True)
+        y -= np.log(s, out=s)
+    else:
+        np.exp(y, out=y)
+        y /= y.sum(axis=axis, keepdims=True)
+    return y.astype(x.dtype, copy=False)
+
+
+def _coerced_2d(fn, x: np.ndarray, axis: int) -> np.ndarray:
+    # Opset < 13: flatten to [prod(shape[:axis]), prod(shape[axis:])] and work along dim 1.
+    ax = _axis_of(axis, x.ndim) if x.ndim else 0
+    rows = int(np.prod(x.shape[:ax], dtype=np.int64))
+    flat = x.reshape(rows, -1) if x.size else x.reshape(rows, int(np.prod(x.shape[ax:])))
+    return fn(flat, 1).reshape(x.shape)
+
+
+def _hardmax_along(x: np.ndarray, axis: int) -> np.ndarray:
+    idx = np.expand_dims(np.argmax(x, axis=axis), axis)
+    y = np.zeros_like(x)
+    np.put_along_axis(y, idx, 1, axis=axis)
+    return y
+
+
+@register("Softmax", since=1)
+def softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    """Softmax over the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
+
+
+@register("Softmax", since=13)
+def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    """Numerically stable softmax along ``axis``."""
+    return _softmax_along(x, _axis_of(axis, x.ndim), log=False)
+
+
+@register("LogSoftmax", since=1)
+def log_softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    """LogSoftmax over the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
+
+
+@register("LogSoftmax", since=13)
+def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    """Numerically stable log-softmax along ``axis``."""
+    return _softmax_along(x, _axis_of(axis, x.ndim), log=True)
+
+
+@register("Hardmax", since=1)
+def hardmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    """One-hot of the first maximum of each row of the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(_hardmax_along, x, axis)
+
+
+@register("Hardmax", since=13)
+def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
+    """One-hot of the first maximum along ``axis``."""
+    return _hardmax_along(x, _axis_of(axis, x.ndim))
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _arg_reduce(fn, x: np.ndarray, axis: int, keepdims: int, select_last_index: int) -> np.ndarray:
+    ax = _axis_of(axis, x.ndim)
+    if select_last_index:
+        idx = x.shape[ax] - 1 - fn(np.flip(x, ax), axis=ax)
+    else:
+        idx = fn(x, axis=ax)
+    if keepdims:
+        idx = np.expand_dims(idx, ax)
+    return np.asarray(idx, dtype=np.int64)
+
+
+@register("ArgMax", since=1)
+def argmax(
+    data: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
+) -> np.ndarray:
+    """Index (int64) of the first (or last) maximum along ``axis``."""
+    return _arg_reduce(np.argmax, data, axis, keepdims, select_last_index)
+
+
+@register("ArgMin", since=1)
+def argmin(
+    data: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
+) -> np.ndarray:
+    """Index (int64) of the first (or last) minimum along ``axis``."""
+    return _arg_reduce(np.argmin, data, axis, keepdims, select_last_index)
+
+
+@register("TopK", since=1)
+def topk(
+    x: np.ndarray,
+    k_in: np.ndarray | None = None,
+    *,
+    axis: int = -1,
+    largest: int = 1,
+    sorted: int = 1,
+    k: int | None = None,  # opset 1: k is an attribute
+) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest (or smallest) values along ``axis`` and their int64 indices.
+
+    Always sorted; among equal values the lower index comes first.
+    """
+    ax = _axis_of(axis, x.ndim)
+    kk = int(np.asarray(k_in).reshape(-1)[0]) if k_in is not None else k
+    if kk is None or not 0 <= kk <= x.shape[ax]:
+        raise ValueError(f"TopK: k={kk} must be in [0, {x.shape[ax]}] for axis {ax}")
+    n = x.shape[ax]
+    if largest:
+        # Stable ascending sort of the flipped data, read backwards: descending values, and
+        # equal values in increasing original index. Works for unsigned and bool (no negation).
+        order = np.argsort(np.flip(x, ax), axis=ax, kind="stable")
+        order = np.flip(order, ax)
+        idx = (n - 1) - np.take(order, np.arange(kk), axis=ax)
+    else:
+        idx = np.take(np.argsort(x, axis=ax, kind="stable"), np.arange(kk), axis=ax)
+    idx = idx.astype(np.int64, copy=False)
+    return np.take_along_axis(x, idx, axis=ax), idx
