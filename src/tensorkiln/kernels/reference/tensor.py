@@ -1,0 +1,477 @@
+"""Reference kernels that move data without computing on it: reshapes, slices, pads, constants.
+
+Gathers, scatters and the other index-driven ops live in :mod:`.indexing`. Kernels that only change
+the view of their input (Reshape, Transpose, Slice, Squeeze, Unsqueeze, Flatten, Split) return numpy
+views; the executor never writes into its inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensorkiln.ir.dtypes import DType
+from tensorkiln.kernels.registry import register
+
+
+def _axis(axis: int, rank: int, op: str, what: str = "axis") -> int:
+    """``axis`` normalized to [0, rank); ValueError when it is out of [-rank, rank)."""
+    axis = int(axis)
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: {what} {axis} is out of range for a tensor of rank {rank}")
+    return axis % rank
+
+
+def _axes(axes: Sequence[int], rank: int, op: str) -> list[int]:
+    """Every axis normalized; ValueError on out-of-range or repeated axes."""
+    out = [_axis(a, rank, op) for a in axes]
+    if len(set(out)) != len(out):
+        raise ValueError(f"{op}: axes {list(axes)} name the same axis twice")
+    return out
+
+
+def _ints(value: np.ndarray | Sequence[int] | None) -> list[int] | None:
+    return None if value is None else [int(v) for v in np.asarray(value).reshape(-1)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reshape, Flatten, Squeeze, Unsqueeze, Transpose
+
+
+@register("Reshape", since=5)
+def reshape(data: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.ndarray:
+    """Reshape; 0 copies the input's dimension unless ``allowzero``, -1 is inferred."""
+    dims = _ints(shape)
+    if not allowzero:
+        for i, d in enumerate(dims):
+            if d == 0:
+                if i >= data.ndim:
+                    raise ValueError(
+                        f"Reshape: shape {dims} has 0 at position {i}, but the input has only "
+                        f"{data.ndim} dimensions to copy from"
+                    )
+                dims[i] = data.shape[i]
+    if dims.count(-1) > 1 or any(d < -1 for d in dims):
+        raise ValueError(
+            f"Reshape: invalid target shape {dims} (at most one -1, no other negatives)"
+        )
+    if -1 in dims:
+        known = math.prod(d for d in dims if d != -1)
+        if known == 0 or data.size % known:
+            raise ValueError(
+                f"Reshape: cannot infer -1 in {dims} for an input of shape {data.shape} "
+                f"({data.size} elements)"
+            )
+        dims[dims.index(-1)] = data.size // known
+    if math.prod(dims) != data.size:
+        raise ValueError(
+            f"Reshape: cannot reshape input of shape {data.shape} ({data.size} elements) to "
+            f"{dims} ({math.prod(dims)} elements)"
+        )
+    return data.reshape(dims)
+
+
+@register("Reshape", since=1)
+def reshape_v1(data: np.ndarray, *, shape: Sequence[int] = (), consumed_inputs=None) -> np.ndarray:
+    """Reshape-1: the target shape is an attribute."""
+    return reshape(data, np.asarray(shape, dtype=np.int64))
+
+
+@register("Flatten", since=1)
+def flatten(input: np.ndarray, *, axis: int = 1) -> np.ndarray:
+    """Flatten into 2-D: dimensions before ``axis`` become the rows, the rest the columns."""
+    rank = input.ndim
+    if not -rank <= axis <= rank:
+        raise ValueError(f"Flatten: axis {axis} is out of range [-{rank}, {rank}]")
+    axis = axis + rank if axis < 0 else axis
+    return input.reshape(math.prod(input.shape[:axis]), math.prod(input.shape[axis:]))
+
+
+@register("Squeeze", since=1)
+def squeeze(data: np.ndarray, axes: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+    """Remove size-1 dimensions (``axes`` as attribute before opset 13, as input from 13)."""
+    if axes is None:
+        return np.squeeze(data)
+    norm = _axes(_ints(axes), data.ndim, "Squeeze")
+    bad = [a for a in norm if data.shape[a] != 1]
+    if bad:
+        raise ValueError(
+            f"Squeeze: cannot squeeze axes {bad} of a tensor of shape {data.shape}: size is not 1"
+        )
+    return np.squeeze(data, axis=tuple(norm))
+
+
+@register("Unsqueeze", since=1)
+def unsqueeze(data: np.ndarray, axes: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
+    """Insert size-1 dimensions at ``axes`` of the output (attribute before 13, input from 13)."""
+    if axes is None:
+        raise ValueError("Unsqueeze: axes are required")
+    out_rank = data.ndim + len(_ints(axes))
+    norm = _axes(_ints(axes), out_rank, "Unsqueeze")
+    return np.expand_dims(data, tuple(norm))
+
+
+@register("Transpose", since=1)
+def transpose(data: np.ndarray, *, perm: Sequence[int] | None = None) -> np.ndarray:
+    """Permute the axes; without ``perm`` reverse them."""
+    if perm is None:
+        return np.transpose(data)
+    if sorted(perm) != list(range(data.ndim)):
+        raise ValueError(f"Transpose: perm {list(perm)} is not a permutation of 0..{data.ndim - 1}")
+    return np.transpose(data, perm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Concat, Split, Slice, Expand, Tile
+
+
+@register("Concat", since=1)
+def concat(*inputs: np.ndarray, axis: int = 1) -> np.ndarray:
+    """Join the inputs along ``axis``."""
+    if not inputs:
+        raise ValueError("Concat: needs at least one input")
+    rank = inputs[0].ndim
+    axis = _axis(axis, rank, "Concat")
+    for x in inputs:
+        if x.ndim != rank or any(
+            x.shape[d] != inputs[0].shape[d] for d in range(rank) if d != axis
+        ):
+            shapes = [x.shape for x in inputs]
+            raise ValueError(f"Concat: input shapes {shapes} differ outside axis {axis}")
+    return np.concatenate(inputs, axis=axis)
+
+
+@register("Split", since=1)
+def split(
+    input: np.ndarray,
+    split: np.ndarray | Sequence[int] | None = None,
+    *,
+    axis: int = 0,
+    num_outputs: int | None = None,
+    _n_outputs: int = 1,
+) -> np.ndarray | tuple[np.ndarray, ...]:
+    """Split along ``axis`` by the sizes in ``split`` (input or attribute), else into equal parts.
+
+    With ``num_outputs`` (opset 18) an uneven split makes the last part smaller; without it the
+    dimension must divide evenly into the node's outputs.
+    """
+    axis = _axis(axis, input.ndim, "Split")
+    dim = input.shape[axis]
+    sizes = _ints(split)
+    if not sizes:  # None, or an empty 'split' input
+        n = num_outputs if num_outputs is not None else _n_outputs
+        if num_outputs is None and dim % n:
+            raise ValueError(
+                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
+            )
+        chunk = -(-dim // n)
+        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+    if sum(sizes) != dim or any(s < 0 for s in sizes):
+        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    parts = tuple(np.split(input, np.cumsum(sizes)[:-1], axis=axis))
+    return parts[0] if len(parts) == 1 else parts
+
+
+@register("Slice", since=10)
+def slice_(
+    data: np.ndarray,
+    starts: np.ndarray,
+    ends: np.ndarray,
+    axes: np.ndarray | None = None,
+    steps: np.ndarray | None = None,
+) -> np.ndarray:
+    """Strided slice; out-of-range starts/ends clamp like Python slicing does."""
+    starts, ends = _ints(starts), _ints(ends)
+    axes = list(range(len(starts))) if axes is None else _ints(axes)
+    steps = [1] * len(starts) if steps is None else _ints(steps)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ValueError(
+            f"Slice: starts, ends, axes and steps differ in length "
+            f"({len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})"
+        )
+    index = [slice(None)] * data.ndim
+    for start, end, axis, step in zip(starts, ends, _axes(axes, data.ndim, "Slice"), steps):
+        if step == 0:
+            raise ValueError(f"Slice: step of axis {axis} is 0")
+        index[axis] = slice(start, end, step)
+    return data[tuple(index)]
+
+
+@register("Slice", since=1)
+def slice_v1(
+    data: np.ndarray,
+    *,
+    starts: Sequence[int] = (),
+    ends: Sequence[int] = (),
+    axes: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Slice-1: starts, ends and axes are attributes; step 1."""
+    return slice_(data, np.asarray(starts), np.asarray(ends), None if axes is None else axes)
+
+
+@register("Expand", since=8)
+def expand(input: np.ndarray, shape: np.ndarray) -> np.ndarray:
+    """Broadcast ``input`` against ``shape`` (the output may be larger than ``shape``)."""
+    target = tuple(_ints(shape))
+    try:
+        out_shape = np.broadcast_shapes(input.shape, target)
+    except ValueError:
+        raise ValueError(
+            f"Expand: input shape {input.shape} does not broadcast with shape {target}"
+        ) from None
+    return np.broadcast_to(input, out_shape).copy()
+
+
+@register("Tile", since=6)
+def tile(input: np.ndarray, repeats: np.ndarray) -> np.ndarray:
+    """Repeat the whole tensor ``repeats[i]`` times along each axis i."""
+    reps = _ints(repeats)
+    if len(reps) != input.ndim or any(r < 0 for r in reps):
+        raise ValueError(
+            f"Tile: repeats {reps} must be {input.ndim} non-negative values for input {input.shape}"
+        )
+    return np.tile(input, reps)
+
+
+@register("Tile", since=1)
+def tile_v1(input: np.ndarray, tiles: np.ndarray, axis: np.ndarray) -> np.ndarray:
+    """Tile-1: repeat ``tiles`` times along the single axis ``axis``."""
+    reps = [1] * input.ndim
+    reps[_axis(int(np.asarray(axis).reshape(-1)[0]), input.ndim, "Tile")] = int(
+        np.asarray(tiles).reshape(-1)[0]
+    )
+    return tile(input, np.asarray(reps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Pad, CenterCropPad
+
+
+_NP_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
+
+
+@register("Pad", since=1)
+def pad(
+    data: np.ndarray,
+    pads: np.ndarray | Sequence[int] | None = None,
+    constant_value: np.ndarray | None = None,
+    axes: np.ndarray | None = None,
+    *,
+    mode: str = "constant",
+    value: float = 0.0,
+    paddings: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Pad (negative pads crop). Handles pads as attribute (opset 1 ``paddings``, 2 ``pads``/
+    ``value``) and as inputs (11: ``pads``/``constant_value``, 18: ``axes``)."""
+    if mode not in _NP_PAD_MODES:
+        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
+    flat = _ints(pads if pads is not None else paddings)
+    if flat is None:
+        raise ValueError("Pad: pads are required")
+    axes_list = list(range(data.ndim)) if axes is None else _axes(_ints(axes), data.ndim, "Pad")
+    if len(flat) != 2 * len(axes_list):
+        raise ValueError(
+            f"Pad: {len(flat)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
+        )
+    begin = [0] * data.ndim
+    end = [0] * data.ndim
+    for i, a in enumerate(axes_list):
+        begin[a], end[a] = flat[i], flat[i + len(axes_list)]
+    # Negative pads crop the input first; then the positive ones pad.
+    crop = tuple(
+        slice(max(-b, 0), data.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
+    )
+    data = data[crop]
+    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    if mode == "constant":
+        fill = value if constant_value is None else np.asarray(constant_value).reshape(-1)
+        fill = fill if np.ndim(fill) == 0 else (fill[0] if fill.size else 0)
+        return np.pad(data, widths, mode="constant", constant_values=fill)
+    for d, (b, e) in enumerate(widths):
+        if (b or e) and data.shape[d] == 0:
+            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
+    return np.pad(data, widths, mode=_NP_PAD_MODES[mode])
+
+
+@register("CenterCropPad", since=18)
+def center_crop_pad(
+    input_data: np.ndarray, shape: np.ndarray, *, axes: Sequence[int] | None = None
+) -> np.ndarray:
+    """Crop or zero-pad the given axes to ``shape``, keeping the content centred."""
+    target = _ints(shape)
+    axes_list = list(range(input_data.ndim)) if axes is None else list(axes)
+    axes_list = _axes(axes_list, input_data.ndim, "CenterCropPad")
+    if len(target) != len(axes_list):
+        raise ValueError(f"CenterCropPad: shape {target} has not one value per axis {axes_list}")
+    out_shape = list(input_data.shape)
+    src = [slice(None)] * input_data.ndim
+    dst = [slice(None)] * input_data.ndim
+    for a, size in zip(axes_list, target):
+        dim = input_data.shape[a]
+        out_shape[a] = size
+        if size < dim:
+            start = (dim - size) // 2
+            src[a] = slice(start, start + size)
+        elif size > dim:
+            start = (size - dim) // 2
+            dst[a] = slice(start, start + dim)
+    out = np.zeros(out_shape, dtype=input_data.dtype)
+    out[tuple(dst)] = input_data[tuple(src)]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape, Size, constants, Identity, Range, EyeLike, Trilu
+
+
+@register("Shape", since=1)
+def shape(data: np.ndarray, *, start: int = 0, end: int | None = None) -> np.ndarray:
+    """The input's shape as int64, optionally only dimensions [start, end) (clamped)."""
+    return np.array(data.shape[start:end], dtype=np.int64)
+
+
+@register("Size", since=1)
+def size(data: np.ndarray) -> np.ndarray:
+    """The number of elements, as an int64 scalar."""
+    return np.array(data.size, dtype=np.int64)
+
+
+@register("ConstantOfShape", since=9)
+def constant_of_shape(input: np.ndarray, *, value: np.ndarray | None = None) -> np.ndarray:
+    """A tensor of shape ``input`` filled with ``value`` (float32 0 by default)."""
+    dims = _ints(input)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"ConstantOfShape: negative dimension in shape {dims}")
+    if value is None:
+        value = np.zeros(1, dtype=np.float32)
+    value = np.asarray(value)
+    if value.size != 1:
+        raise ValueError(f"ConstantOfShape: value must hold one element, not {value.size}")
+    return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
+
+
+@register("Constant", since=1)
+def constant(
+    *,
+    value: np.ndarray | None = None,
+    sparse_value: np.ndarray | None = None,
+    value_float: float | None = None,
+    value_floats: Sequence[float] | None = None,
+    value_int: int | None = None,
+    value_ints: Sequence[int] | None = None,
+    value_string: str | None = None,
+    value_strings: Sequence[str] | None = None,
+) -> np.ndarray:
+    """The one attribute that is set, as a tensor."""
+    given = {
+        "value": None if value is None else np.asarray(value),
+        "sparse_value": None if sparse_value is None else np.asarray(sparse_value),
+        "value_float": None if value_float is None else np.array(value_float, np.float32),
+        "value_floats": None if value_floats is None else np.array(value_floats, np.float32),
+        "value_int": None if value_int is None else np.array(value_int, np.int64),
+        "value_ints": None if value_ints is None else np.array(value_ints, np.int64),
+        "value_string": None if value_string is None else np.array(value_string, dtype=object),
+        "value_strings": None
+        if value_strings is None
+        else np.array(list(value_strings), dtype=object).reshape(-1),
+    }
+    set_ = [k for k, v in given.items() if v is not None]
+    if len(set_) != 1:
+        raise ValueError(f"Constant: exactly one value attribute must be set, got {set_ or 'none'}")
+    return given[set_[0]]
+
+
+@register("Identity", since=1)
+def identity(input: np.ndarray | list | None) -> np.ndarray | list | None:
+    """The input unchanged: a tensor, a sequence (list) or an optional (``None`` when empty)."""
+    return list(input) if isinstance(input, list) else input
+
+
+_STASH_DTYPES = {1: np.float32, 11: np.float64}
+
+
+@register("Range", since=11)
+def range_(
+    start: np.ndarray, limit: np.ndarray, delta: np.ndarray, *, stash_type: int = 1
+) -> np.ndarray:
+    """``start + i * delta`` for i in [0, ceil((limit - start) / delta)), in start's type."""
+    dtype = start.dtype
+    if dtype.kind in "iu":
+        s, lim, d = int(start), int(limit), int(delta)
+        if d == 0:
+            raise ValueError("Range: delta is 0")
+        n = max(-((s - lim) // d), 0)
+        return (s + np.arange(n, dtype=np.int64) * d).astype(dtype)
+    # float16/bfloat16 compute in the stash type (float32 by default); other floats in their own.
+    compute = _STASH_DTYPES.get(stash_type, np.float32) if dtype.itemsize <= 2 else dtype
+    s, lim, d = (np.asarray(v).astype(compute).reshape(()) for v in (start, limit, delta))
+    if d == 0:
+        raise ValueError("Range: delta is 0")
+    n = max(math.ceil(float(lim - s) / float(d)), 0)
+    return (s + np.arange(n, dtype=compute) * d).astype(dtype)
+
+
+@register("EyeLike", since=9)
+def eye_like(input: np.ndarray, *, dtype: int | None = None, k: int = 0) -> np.ndarray:
+    """A 2-D tensor shaped like ``input`` with ones on diagonal ``k``."""
+    if input.ndim != 2:
+        raise ValueError(f"EyeLike: input must be 2-D, got shape {input.shape}")
+    out_dtype = input.dtype if dtype is None else DType(dtype).numpy
+    return np.eye(*input.shape, k=k, dtype=out_dtype)
+
+
+@register("Trilu", since=14)
+def trilu(input: np.ndarray, k: np.ndarray | None = None, *, upper: int = 1) -> np.ndarray:
+    """Keep the upper (or lower) triangle of the last two axes from diagonal ``k``; zero others."""
+    if input.ndim < 2:
+        raise ValueError(f"Trilu: input must have rank >= 2, got shape {input.shape}")
+    k = 0 if k is None else int(np.asarray(k).reshape(-1)[0])
+    return np.triu(input, k) if upper else np.tril(input, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# DepthToSpace, SpaceToDepth
+
+
+def _check_nchw(op: str, x: np.ndarray, blocksize: int) -> None:
+    if x.ndim != 4:
+        raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {x.shape}")
+    if blocksize < 1:
+        raise ValueError(f"{op}: blocksize must be positive, got {blocksize}")
+
+
+@register("DepthToSpace", since=1)
+def depth_to_space(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
+    """Move blocks of channels into (H, W) blocks; DCR: depth-column-row, CRD: column-row-depth."""
+    _check_nchw("DepthToSpace", input, blocksize)
+    n, c, h, w = input.shape
+    b = blocksize
+    if c % (b * b):
+        raise ValueError(f"DepthToSpace: channels {c} not divisible by blocksize^2 = {b * b}")
+    if mode == "DCR":
+        x = input.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
+    elif mode == "CRD":
+        x = input.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
+    else:
+        raise ValueError(f"DepthToSpace: unknown mode '{mode}' (DCR or CRD)")
+    return x.reshape(n, c // (b * b), h * b, w * b)
+
+
+@register("SpaceToDepth", since=1)
+def space_to_depth(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
+    """Move (H, W) blocks into channels; the inverse of DepthToSpace with the same mode."""
+    _check_nchw("SpaceToDepth", input, blocksize)
+    n, c, h, w = input.shape
+    b = blocksize
+    if h % b or w % b:
+        raise ValueError(f"SpaceToDepth: H={h} and W={w} must be divisible by blocksize {b}")
+    x = input.reshape(n, c, h // b, b, w // b, b)
+    if mode == "DCR":
+        x = x.transpose(0, 3, 5, 1, 2, 4)
+    elif mode == "CRD":
+        x = x.transpose(0, 1, 3, 5, 2, 4)
+    else:
+        raise ValueError(f"SpaceToDepth: unknown mode '{mode}' (DCR or CRD)")
+    return x.reshape(n, c * b * b, h // b, w // b)
