@@ -1,0 +1,293 @@
+"""Convolutions: Conv, ConvTranspose, ConvInteger, QLinearConv, DeformConv, CausalConvWithState.
+
+Every convolution is an im2col (a strided view of the padded input, copied once into a
+``(C*k, positions)`` matrix) followed by one GEMM per group; 1x1 convolutions skip the im2col and
+depthwise ones accumulate over the kernel taps instead of building the column matrix.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensorkiln.kernels.reference._window import (
+    Geometry,
+    compute_dtype,
+    geometry,
+    ints,
+    pad,
+    tap_slices,
+    windows,
+)
+from tensorkiln.kernels.registry import register
+
+
+def _check_conv_shapes(x: np.ndarray, w: np.ndarray, group: int, what: str = "Conv") -> None:
+    if x.ndim < 3 or w.ndim != x.ndim:
+        raise ValueError(
+            f"{what}: X of shape {x.shape} and W of shape {w.shape} must both have rank >= 3 "
+            "and the same rank (N, C, D1, ...) / (M, C/group, k1, ...)"
+        )
+    if group < 1 or x.shape[1] != w.shape[1] * group:
+        raise ValueError(
+            f"{what}: X has {x.shape[1]} channels but W of shape {w.shape} with group={group} "
+            f"expects {w.shape[1] * group}"
+        )
+    if w.shape[0] % group:
+        raise ValueError(
+            f"{what}: W's {w.shape[0]} output channels are not divisible by group={group}"
+        )
+
+
+def _conv_geometry(
+    x: np.ndarray, w: np.ndarray, auto_pad, dilations, kernel_shape, pads, strides
+) -> Geometry:
+    kernel = tuple(w.shape[2:])
+    if kernel_shape is not None and len(kernel_shape) and tuple(kernel_shape) != kernel:
+        raise ValueError(f"kernel_shape {tuple(kernel_shape)} does not match W's shape {w.shape}")
+    return geometry(x.shape[2:], kernel, strides, dilations, pads, auto_pad)
+
+
+def _gemm(w: np.ndarray, cols: np.ndarray, group: int) -> np.ndarray:
+    """``(M, C/g*k)`` weights times ``(N, C*k, P)`` columns, per group -> ``(N, M, P)``."""
+    n, _, p = cols.shape
+    m = w.shape[0]
+    if group == 1:
+        return np.matmul(w.reshape(m, -1), cols)
+    wg = w.reshape(group, m // group, -1)
+    return np.matmul(wg, cols.reshape(n, group, -1, p)).reshape(n, m, p)
+
+
+def _depthwise(xp: np.ndarray, w: np.ndarray, g: Geometry) -> np.ndarray:
+    """Depthwise conv (one input channel per group), accumulated over the kernel taps."""
+    n, c = xp.shape[:2]
+    mult = w.shape[0] // c
+    wt = w.reshape(c, mult, -1)
+    out = np.zeros((n, c, mult, *g.out), dtype=xp.dtype)
+    bcast = (slice(None), slice(None)) + (None,) * len(g.out)
+    for i, tap in enumerate(itertools.product(*(range(k) for k in g.kernel))):
+        view = xp[(Ellipsis, *tap_slices(g, tap))]
+        out += wt[:, :, i][bcast] * view[:, :, None]
+    return out.reshape(n, c * mult, -1)
+
+
+def _im2col(x: np.ndarray, g: Geometry) -> np.ndarray:
+    """The ``(N, C*prod(kernel), prod(out))`` column matrix of ``x``."""
+    n, c = x.shape[:2]
+    p = int(np.prod(g.out))
+    if all(k == 1 for k in g.kernel) and not g.padded:
+        sl = tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(g.out, g.strides))
+        return x[(Ellipsis, *sl)].reshape(n, c, p)
+    xp = pad(x, g.begin, g.end)
+    return windows(xp, g, kernel_first=True).reshape(n, -1, p)
+
+
+def conv_nd(x: np.ndarray, w: np.ndarray, g: Geometry, group: int) -> np.ndarray:
+    """Convolution of ``x`` (N, C, ...) with ``w`` in ``x``'s dtype; returns (N, M, *g.out)."""
+    n, c = x.shape[:2]
+    if group == c and w.shape[1] == 1 and group > 1:
+        y = _depthwise(pad(x, g.begin, g.end), w, g)
+    else:
+        y = _gemm(w, _im2col(x, g), group)
+    return y.reshape(n, w.shape[0], *g.out)
+
+
+def _add_bias(y: np.ndarray, b: np.ndarray | None, m: int, what: str) -> np.ndarray:
+    if b is None:
+        return y
+    if b.size != m:
+        raise ValueError(f"{what}: bias B has {b.size} values but there are {m} output channels")
+    y += b.astype(y.dtype, copy=False).reshape(m, *([1] * (y.ndim - 2)))
+    return y
+
+
+@register("Conv", since=1)
+def conv(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """N-d convolution (cross-correlation) with groups, dilations, strides and padding."""
+    _check_conv_shapes(x, w, group)
+    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    ct = compute_dtype(x.dtype)
+    y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
+    return _add_bias(y, b, w.shape[0], "Conv").astype(x.dtype, copy=False)
+
+
+def _transpose_pads(
+    in_sizes, kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+) -> tuple[list[int], list[int]]:
+    """ConvTranspose's begin pads and output sizes."""
+    n = len(in_sizes)
+    full = [
+        (i - 1) * s + (k - 1) * d + 1 for i, s, k, d in zip(in_sizes, strides, kernel, dilations)
+    ]
+    full = [f + a for f, a in zip(full, output_padding)]
+    if output_shape is not None and len(output_shape):
+        out = [int(o) for o in output_shape[-n:]]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out = [i * s for i, s in zip(in_sizes, strides)]
+    else:
+        if auto_pad == "VALID":
+            pads = None
+        pads = ints(pads, 2 * n, 0, "pads")
+        return list(pads[:n]), [f - b - e for f, b, e in zip(full, pads[:n], pads[n:])]
+    total = [f - o for f, o in zip(full, out)]
+    if auto_pad == "SAME_UPPER":
+        begin = [t // 2 for t in total]
+    else:
+        begin = [t - t // 2 for t in total]
+    return begin, out
+
+
+def _col2im(cols: np.ndarray, g: Geometry, begin: Sequence[int], out: Sequence[int]) -> np.ndarray:
+    """Scatter-add ``cols`` (N, M, *kernel, *in) into the (N, M, *out) window at ``begin``."""
+    n, m = cols.shape[:2]
+    nsp = len(g.kernel)
+    in_sizes = cols.shape[2 + nsp :]
+    full = [
+        (i - 1) * s + (k - 1) * d + 1
+        for i, s, k, d in zip(in_sizes, g.strides, g.kernel, g.dilations)
+    ]
+    off = [max(0, -b) for b in begin]
+    size = [o + max(f, b + t) for o, f, b, t in zip(off, full, begin, out)]
+    buf = np.zeros((n, m, *size), dtype=cols.dtype)
+    for tap in itertools.product(*(range(k) for k in g.kernel)):
+        dst = tuple(
+            slice(o + t * d, o + t * d + (i - 1) * s + 1, s)
+            for o, t, d, i, s in zip(off, tap, g.dilations, in_sizes, g.strides)
+        )
+        buf[(Ellipsis, *dst)] += cols[(slice(None), slice(None), *tap)]
+    crop = tuple(slice(o + b, o + b + t) for o, b, t in zip(off, begin, out))
+    return buf[(Ellipsis, *crop)]
+
+
+@register("ConvTranspose", since=1)
+def conv_transpose(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    output_padding: Sequence[int] | None = None,
+    output_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """N-d transposed convolution: one GEMM per group, then a col2im scatter-add."""
+    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
+        raise ValueError(
+            f"ConvTranspose: X of shape {x.shape} needs W of shape (C={x.shape[1]}, M/group, k...) "
+            f"with C divisible by group={group}; got W of shape {w.shape}"
+        )
+    n, c = x.shape[:2]
+    nsp = x.ndim - 2
+    kernel = tuple(w.shape[2:])
+    strides = ints(strides, nsp, 1, "strides")
+    dilations = ints(dilations, nsp, 1, "dilations")
+    output_padding = ints(output_padding, nsp, 0, "output_padding")
+    begin, out = _transpose_pads(
+        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+    )
+    if any(o <= 0 for o in out):
+        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
+    ct = compute_dtype(x.dtype)
+    mg = w.shape[1]
+    wt = w.astype(ct, copy=False).reshape(group, c // group, -1).transpose(0, 2, 1)
+    xs = x.astype(ct, copy=False).reshape(n, group, c // group, -1)
+    cols = np.matmul(wt, xs).reshape(n, group * mg, *kernel, *x.shape[2:])
+    g = Geometry(kernel, strides, dilations, (0,) * nsp, (0,) * nsp, tuple(x.shape[2:]))
+    y = _col2im(cols, g, begin, out)
+    return _add_bias(y, b, group * mg, "ConvTranspose").astype(x.dtype, copy=False)
+
+
+def _int_conv(x, w, x_zp, w_zp, group, g, what) -> np.ndarray:
+    """Exact integer convolution of (x - x_zp) and (w - w_zp), computed in float64."""
+    m = w.shape[0]
+    xf = x.astype(np.float64)
+    if x_zp is not None:
+        if np.size(x_zp) != 1:
+            raise ValueError(f"{what}: x_zero_point must be a scalar, got shape {np.shape(x_zp)}")
+        xf -= float(np.asarray(x_zp).reshape(-1)[0])
+    wf = w.astype(np.float64)
+    if w_zp is not None:
+        wz = np.asarray(w_zp, dtype=np.float64).reshape(-1)
+        if wz.size not in (1, m):
+            raise ValueError(f"{what}: w_zero_point has {wz.size} values, expected 1 or {m}")
+        wf -= wz.reshape(-1, *([1] * (w.ndim - 1)))
+    return conv_nd(xf, wf, g, group)
+
+
+@register("ConvInteger", since=10)
+def conv_integer(
+    x: np.ndarray,
+    w: np.ndarray,
+    x_zero_point: np.ndarray | None = None,
+    w_zero_point: np.ndarray | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Integer convolution with zero points; int32 result (exact: float64 holds the sums)."""
+    _check_conv_shapes(x, w, group, "ConvInteger")
+    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
+    return y.astype(np.int32)
+
+
+@register("QLinearConv", since=10)
+def qlinear_conv(
+    x: np.ndarray,
+    x_scale: np.ndarray,
+    x_zero_point: np.ndarray,
+    w: np.ndarray,
+    w_scale: np.ndarray,
+    w_zero_point: np.ndarray,
+    y_scale: np.ndarray,
+    y_zero_point: np.ndarray,
+    b: np.ndarray | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Quantized convolution: int32 accumulation, float32 requantization, round half to even."""
+    _check_conv_shapes(x, w, group, "QLinearConv")
+    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    m = w.shape[0]
+    acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
+    acc = _add_bias(acc, b, m, "QLinearConv")
+    ws = np.asarray(w_scale, dtype=np.float32).reshape(-1)
+    if ws.size not in (1, m):
+        raise ValueError(f"QLinearConv: w_scale has {ws.size} values, expected 1 or {m}")
+    scale = (
+        np.float32(np.asarray(x_scale).reshape(-1)[0])
+        * ws
+        / np.float32(np.asarray(y_scale).reshape(-1)[0])
+    )
+    scale = scale.reshape(-1, *([1] * (acc.ndim - 2)))
+    y = np.rint(acc.astype(np.float32) * scale) + np.float32(
+        np.asarray(y_zero_point).reshape(-1)[0]
+    )
+    info = np.iinfo(y_zero_point.dtype)
+    return np.clip(y, info.min, info.max).astype(y_zero_point.dtype)
