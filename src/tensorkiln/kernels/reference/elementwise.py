@@ -1,0 +1,579 @@
+"""Elementwise reference kernels: unary math, activations, arithmetic, comparison, logic, bitwise.
+
+Every kernel keeps the input's dtype. Transcendental activations compute float16, bfloat16 and
+float8 inputs in float32 and round once at the end; float32 stays float32 and float64 stays float64.
+Opset 1-6 binary ops took ``broadcast``/``axis`` attributes; they are accepted and honoured.
+Cast, CastLike and BitCast live in ``cast.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from tensorkiln.kernels.registry import register
+
+_SELU_ALPHA = 1.67326319217681884765625
+_SELU_GAMMA = 1.05070102214813232421875
+_SQRT_2_OVER_PI = 0.7978845608028654
+_SQRT_HALF = 0.7071067811865476
+
+
+def _wide(x: np.ndarray) -> np.ndarray:
+    """``x`` in a dtype to do float math in: float32/64 as they are, narrower floats widened."""
+    if x.dtype.kind == "f" and x.dtype.itemsize >= 4:
+        return x
+    return x.astype(np.float32)
+
+
+def _narrow(y, dtype: np.dtype) -> np.ndarray:
+    """``y`` as an ndarray of ``dtype`` (ufuncs return numpy scalars for 0-d inputs)."""
+    if not isinstance(y, np.ndarray):
+        return np.asarray(y, dtype=dtype)
+    return y if y.dtype == dtype else y.astype(dtype)
+
+
+def _arr(y) -> np.ndarray:
+    """A fresh ufunc result as an ndarray, so that later steps may write into it."""
+    return y if isinstance(y, np.ndarray) else np.asarray(y)
+
+
+# ---------------------------------------------------------------------------------------------
+# Unary math
+
+
+def _unary(ufunc: Callable) -> Callable:
+    def kernel(x: np.ndarray, *, consumed_inputs: list[int] | None = None) -> np.ndarray:
+        with np.errstate(all="ignore"):
+            return _narrow(ufunc(x), x.dtype)
+
+    kernel.__name__ = kernel.__qualname__ = ufunc.__name__
+    kernel.__doc__ = f"Elementwise ``np.{ufunc.__name__}``, dtype kept."
+    return kernel
+
+
+_UNARY = {
+    "Abs": np.abs,
+    "Acos": np.arccos,
+    "Acosh": np.arccosh,
+    "Asin": np.arcsin,
+    "Asinh": np.arcsinh,
+    "Atan": np.arctan,
+    "Atanh": np.arctanh,
+    "Ceil": np.ceil,
+    "Cos": np.cos,
+    "Cosh": np.cosh,
+    "Exp": np.exp,
+    "Floor": np.floor,
+    "Log": np.log,
+    "Neg": np.negative,
+    "Reciprocal": np.reciprocal,
+    "Round": np.rint,  # round half to even, as ONNX asks
+    "Sign": np.sign,
+    "Sin": np.sin,
+    "Sinh": np.sinh,
+    "Sqrt": np.sqrt,
+    "Tan": np.tan,
+    "Tanh": np.tanh,
+    "Not": np.logical_not,
+    "BitwiseNot": np.invert,
+}
+for _op, _ufunc in _UNARY.items():
+    register(_op, since=1)(_unary(_ufunc))
+
+
+@register("IsNaN", since=9)
+def isnan(x: np.ndarray) -> np.ndarray:
+    """True where ``x`` is NaN."""
+    return np.asarray(np.isnan(x))
+
+
+@register("IsInf", since=10)
+def isinf(x: np.ndarray, *, detect_negative: int = 1, detect_positive: int = 1) -> np.ndarray:
+    """True where ``x`` is an infinity of a detected sign."""
+    if detect_negative and detect_positive:
+        return np.asarray(np.isinf(x))
+    if detect_positive:
+        return np.asarray(np.isposinf(x))
+    if detect_negative:
+        return np.asarray(np.isneginf(x))
+    return np.zeros(x.shape, dtype=bool)
+
+
+# Erf. float32 (and narrower) uses Eigen's rational approximation on [-4, 4] (erf is +-1 in
+# float32 outside), at most 7 float32 ulp (4e-7 absolute) from the true value; float64 uses
+# Cephes' ndtr.c rational approximations (erf on |x| < 1, 1 - erfc above), within 3 float64 ulp.
+# fmt: off
+_ERF32_P = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+            -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+            -1.60960333262415e-02)
+_ERF32_Q = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+            -7.37332916720468e-03, -1.42647390514189e-02)
+_ERF64_T = (9.60497373987051638749e0, 9.00260197203842689217e1, 2.23200534594684319226e3,
+            7.00332514112805075473e3, 5.55923013010394962768e4)
+_ERF64_U = (1.0, 3.35617141647503099647e1, 5.21357949780152679795e2, 4.59432382970980127987e3,
+            2.26290000613890934246e4, 4.92673942608635921086e4)
+_ERFC64_P = (2.46196981473530512524e-10, 5.64189564831068821977e-1, 7.46321056442269912687e0,
+             4.86371970985681366614e1, 1.96520832956077098242e2, 5.26445194995477358631e2,
+             9.34528527171957607540e2, 1.02755188689515710272e3, 5.57535335369399327526e2)
+_ERFC64_Q = (1.0, 1.32281951154744992508e1, 8.67072140885989742329e1, 3.54937778887819891062e2,
+             9.75708501743205489753e2, 1.82390916687909736289e3, 2.24633760818710981792e3,
+             1.65666309194161350182e3, 5.57535340817727675546e2)
+# fmt: on
+
+
+def _horner(coeffs: tuple[float, ...], z: np.ndarray) -> np.ndarray:
+    """Evaluate the polynomial with ``coeffs`` (highest power first) at ``z``, in z's dtype."""
+    t = z.dtype.type
+    y = np.multiply(z, t(coeffs[0]))
+    for c in coeffs[1:-1]:
+        y += t(c)
+        y *= z
+    y += t(coeffs[-1])
+    return y
+
+
+def _erf32(x: np.ndarray) -> np.ndarray:
+    x = np.clip(x, np.float32(-4.0), np.float32(4.0))
+    z = x * x
+    p = _horner(_ERF32_P, z)
+    p *= x
+    p /= _horner(_ERF32_Q, z)
+    return p
+
+
+def _erf64(x: np.ndarray) -> np.ndarray:
+    a = np.abs(x)
+    out = np.empty_like(x)
+    small = a < 1.0
+    xs = x[small]
+    z = xs * xs
+    out[small] = xs * _horner(_ERF64_T, z) / _horner(_ERF64_U, z)
+    big = ~small
+    ab = np.minimum(a[big], 6.0)  # erf(6) is 1 in float64
+    erfc = np.exp(-ab * ab) * _horner(_ERFC64_P, ab) / _horner(_ERFC64_Q, ab)
+    out[big] = np.copysign(1.0 - erfc, x[big])
+    return out
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x)
+    return _erf64(x) if x.dtype == np.float64 else _erf32(x.astype(np.float32, copy=False))
+
+
+@register("Erf", since=9)
+def erf(x: np.ndarray) -> np.ndarray:
+    """The error function, elementwise (integer inputs too, rounded back to their dtype)."""
+    if x.dtype.kind in "iub":
+        return _narrow(_erf64(x.astype(np.float64)), x.dtype)
+    return _narrow(_erf(x), x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def _sigmoid(v: np.ndarray, alpha: float = 1.0) -> np.ndarray:
+    """1 / (1 + exp(-alpha v)) in v's (float32 or float64) dtype; exact to rounding for all v."""
+    y = _arr(np.multiply(v, -alpha))
+    with np.errstate(over="ignore"):
+        np.exp(y, out=y)
+    y += 1
+    return np.reciprocal(y, out=y)
+
+
+@register("Sigmoid", since=1)
+def sigmoid(x: np.ndarray, *, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """Logistic sigmoid."""
+    return _narrow(_sigmoid(_wide(x)), x.dtype)
+
+
+@register("Swish", since=24)
+def swish(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    """x * sigmoid(alpha x)."""
+    v = _wide(x)
+    y = _sigmoid(v, alpha)
+    y *= v
+    return _narrow(y, x.dtype)
+
+
+@register("SwiGLU", since=28)
+def swiglu(a: np.ndarray, b: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    """Swish(a) * b, for same-shaped gate ``a`` and value ``b``."""
+    if a.shape != b.shape:
+        raise ValueError(f"SwiGLU needs A and B of the same shape, got {a.shape} and {b.shape}")
+    v = _wide(a)
+    y = _sigmoid(v, alpha)
+    y *= v
+    y *= _wide(b)
+    return _narrow(y, a.dtype)
+
+
+@register("Relu", since=1)
+def relu(x: np.ndarray, *, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """max(x, 0); NaN stays NaN."""
+    return _narrow(np.maximum(x, x.dtype.type(0)), x.dtype)
+
+
+@register("LeakyRelu", since=1)
+def leaky_relu(
+    x: np.ndarray, *, alpha: float = 0.01, consumed_inputs: list[int] | None = None
+) -> np.ndarray:
+    """x where x >= 0, alpha x elsewhere."""
+    v = _wide(x)
+    return _narrow(np.where(v >= 0, v, v * v.dtype.type(alpha)), x.dtype)
+
+
+@register("PRelu", since=1)
+def prelu_legacy(
+    x: np.ndarray, slope: np.ndarray, *, consumed_inputs: list[int] | None = None
+) -> np.ndarray:
+    """PRelu of opsets 1-6: a 1-D slope of length C is laid along axis 1 (NCHW channels)."""
+    if slope.ndim == 1 and x.ndim > 2 and slope.shape[0] == x.shape[1] != x.shape[-1]:
+        slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))
+    return prelu(x, slope)
+
+
+@register("PRelu", since=7)
+def prelu(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
+    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x``."""
+    try:
+        fits = np.broadcast_shapes(slope.shape, x.shape) == x.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"PRelu slope of shape {slope.shape} does not broadcast to X {x.shape}")
+    return _narrow(np.where(x < 0, x * slope, x), x.dtype)
+
+
+@register("Elu", since=1)
+def elu(x: np.ndarray, *, alpha: float = 1.0, consumed_inputs: list[int] | None = None):
+    """x where x > 0, alpha (exp(x) - 1) elsewhere."""
+    v = _wide(x)
+    neg = _arr(np.expm1(np.minimum(v, 0)))
+    neg *= alpha
+    return _narrow(np.where(v > 0, v, neg), x.dtype)
+
+
+@register("Celu", since=12)
+def celu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
+    v = _wide(x)
+    neg = _arr(np.expm1(np.minimum(v, 0) / v.dtype.type(alpha)))
+    neg *= alpha
+    return _narrow(np.where(v > 0, v, neg), x.dtype)
+
+
+@register("Selu", since=1)
+def selu(
+    x: np.ndarray,
+    *,
+    alpha: float = _SELU_ALPHA,
+    gamma: float = _SELU_GAMMA,
+    consumed_inputs: list[int] | None = None,
+) -> np.ndarray:
+    """gamma x where x > 0, gamma alpha (exp(x) - 1) elsewhere."""
+    v = _wide(x)
+    neg = _arr(np.expm1(np.minimum(v, 0)))
+    neg *= alpha
+    y = _arr(np.where(v > 0, v, neg))
+    y *= gamma
+    return _narrow(y, x.dtype)
+
+
+@register("HardSigmoid", since=1)
+def hard_sigmoid(
+    x: np.ndarray,
+    *,
+    alpha: float = 0.2,
+    beta: float = 0.5,
+    consumed_inputs: list[int] | None = None,
+) -> np.ndarray:
+    """max(0, min(1, alpha x + beta))."""
+    v = _wide(x)
+    y = _arr(v * v.dtype.type(alpha))
+    y += beta
+    np.clip(y, 0, 1, out=y)
+    return _narrow(y, x.dtype)
+
+
+@register("HardSwish", since=14)
+def hard_swish(x: np.ndarray) -> np.ndarray:
+    """x * max(0, min(1, x / 6 + 1 / 2))."""
+    v = _wide(x)
+    y = _arr(v * v.dtype.type(1 / 6))
+    y += 0.5
+    np.clip(y, 0, 1, out=y)
+    y *= v
+    return _narrow(y, x.dtype)
+
+
+@register("ThresholdedRelu", since=10)
+def thresholded_relu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
+    """x where x > alpha, 0 elsewhere."""
+    return _narrow(np.where(x > alpha, x, x.dtype.type(0)), x.dtype)
+
+
+@register("Shrink", since=9)
+def shrink(x: np.ndarray, *, bias: float = 0.0, lambd: float = 0.5) -> np.ndarray:
+    """x + bias below -lambd, x - bias above lambd, 0 between (integer inputs too)."""
+    v = x.astype(np.float64) if x.dtype.kind in "iu" else _wide(x)
+    y = np.where(v < -lambd, v + bias, np.where(v > lambd, v - bias, 0))
+    return _narrow(y, x.dtype)
+
+
+def _softplus(v: np.ndarray) -> np.ndarray:
+    """log(1 + exp(v)) without overflow: max(v, 0) + log1p(exp(-|v|))."""
+    t = _arr(np.abs(v))
+    np.negative(t, out=t)
+    np.exp(t, out=t)
+    np.log1p(t, out=t)
+    t += np.maximum(v, 0)
+    return t
+
+
+@register("Softplus", since=1)
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + exp(x))."""
+    return _narrow(_softplus(_wide(x)), x.dtype)
+
+
+@register("Softsign", since=1)
+def softsign(x: np.ndarray) -> np.ndarray:
+    """x / (1 + |x|)."""
+    v = _wide(x)
+    d = _arr(np.abs(v))
+    d += 1
+    return _narrow(np.divide(v, d, out=d), x.dtype)
+
+
+@register("Mish", since=18)
+def mish(x: np.ndarray) -> np.ndarray:
+    """x * tanh(softplus(x))."""
+    v = _wide(x)
+    y = _softplus(v)
+    np.tanh(y, out=y)
+    y *= v
+    return _narrow(y, x.dtype)
+
+
+@register("Gelu", since=20)
+def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
+    """x Phi(x) with the exact erf form (``none``) or the tanh approximation (``tanh``)."""
+    v = _wide(x)
+    if approximate == "tanh":
+        y = _arr(v * v)
+        y *= 0.044715
+        y += 1
+        y *= v
+        y *= _SQRT_2_OVER_PI
+        np.tanh(y, out=y)
+    elif approximate == "none":
+        y = _erf(v * v.dtype.type(_SQRT_HALF))
+    else:
+        raise ValueError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
+    y += 1
+    y *= v
+    y *= 0.5
+    return _narrow(y, x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Binary arithmetic, comparison and logic (multidirectional broadcasting)
+
+
+def _legacy_b(a: np.ndarray, b: np.ndarray, broadcast: int, axis: int | None) -> np.ndarray:
+    """Opset 1-6 ``broadcast=1, axis=k``: ``b``'s dims line up with ``a``'s from axis k on."""
+    if broadcast and axis is not None and 0 < b.ndim < a.ndim:
+        axis = axis + a.ndim if axis < 0 else axis
+        trailing = a.ndim - axis - b.ndim
+        if trailing < 0:
+            raise ValueError(f"axis={axis} puts B of shape {b.shape} outside A of shape {a.shape}")
+        b = b.reshape(b.shape + (1,) * trailing)
+    return b
+
+
+def _binary(fn: Callable, name: str) -> Callable:
+    """A kernel applying ``fn(a, b)`` that also accepts the opset 1-6 broadcast attributes."""
+
+    def kernel(
+        a: np.ndarray,
+        b: np.ndarray,
+        *,
+        broadcast: int = 0,
+        axis: int | None = None,
+        consumed_inputs: list[int] | None = None,
+    ) -> np.ndarray:
+        if axis is not None:
+            b = _legacy_b(a, b, broadcast, axis)
+        with np.errstate(all="ignore"):
+            return _arr(fn(a, b))
+
+    kernel.__name__ = kernel.__qualname__ = name
+    kernel.__doc__ = f"Elementwise {name} with numpy broadcasting."
+    return kernel
+
+
+def _div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Float division, or integer division truncating toward zero (C semantics, as ONNX)."""
+    if a.dtype.kind == "i":
+        q = np.floor_divide(a, b)
+        # floor and trunc differ where the remainder is nonzero and the signs differ
+        q += (np.remainder(a, b) != 0) & ((a < 0) != (b < 0))
+        return q
+    if a.dtype.kind == "u":
+        return np.floor_divide(a, b)
+    return np.true_divide(a, b)
+
+
+_BINARY = {
+    "Add": np.add,
+    "Sub": np.subtract,
+    "Mul": np.multiply,
+    "Div": _div,
+    "Equal": np.equal,
+    "Greater": np.greater,
+    "GreaterOrEqual": np.greater_equal,
+    "Less": np.less,
+    "LessOrEqual": np.less_equal,
+    "And": np.logical_and,
+    "Or": np.logical_or,
+    "Xor": np.logical_xor,
+    "BitwiseAnd": np.bitwise_and,
+    "BitwiseOr": np.bitwise_or,
+    "BitwiseXor": np.bitwise_xor,
+}
+for _op, _fn in _BINARY.items():
+    register(_op, since=1)(_binary(_fn, _op))
+
+
+@register("Pow", since=1)
+def pow_(
+    x: np.ndarray, y: np.ndarray, *, broadcast: int = 0, axis: int | None = None
+) -> np.ndarray:
+    """x ** y in x's dtype (the exponent may be of another numeric type)."""
+    if axis is not None:
+        y = _legacy_b(x, y, broadcast, axis)
+    with np.errstate(all="ignore"):
+        if x.dtype.kind in "iu":
+            if y.dtype.kind in "iu" and (y.size == 0 or y.min() >= 0):
+                return _arr(np.power(x, y.astype(x.dtype, copy=False)))
+            return _narrow(np.power(x.astype(np.float64), y.astype(np.float64)), x.dtype)
+        if y.size == 1 and y.ndim <= x.ndim and float(y.reshape(-1)[0]) == 2.0:
+            return _arr(np.square(x))  # LayerNorm's Pow(x, 2): one pass, exact
+        v = _wide(x)
+        # a double exponent is applied in double, as std::pow(double, double) would
+        t = np.float64 if y.dtype == np.float64 else v.dtype
+        return _narrow(np.power(v.astype(t, copy=False), y.astype(t, copy=False)), x.dtype)
+
+
+@register("Mod", since=10)
+def mod(a: np.ndarray, b: np.ndarray, *, fmod: int = 0) -> np.ndarray:
+    """Remainder with the divisor's sign (``fmod=0``) or the dividend's (``fmod=1``, C fmod)."""
+    if fmod not in (0, 1):
+        raise ValueError(f"Mod fmod must be 0 or 1, got {fmod}")
+    with np.errstate(all="ignore"):
+        return _arr(np.fmod(a, b) if fmod else np.remainder(a, b))
+
+
+@register("BitShift", since=11)
+def bit_shift(x: np.ndarray, y: np.ndarray, *, direction: str) -> np.ndarray:
+    """Shift ``x`` left or right by ``y`` bits; shifts outside [0, bits) give the sign fill."""
+    bits = x.dtype.itemsize * 8
+    out_of_range = (y < 0) | (y >= bits)
+    amount = np.where(out_of_range, 0, y).astype(x.dtype)
+    if direction == "LEFT":
+        unsigned = np.dtype(f"u{x.dtype.itemsize}")
+        # shift the bit pattern unsigned: bits moved past the sign bit are dropped, no overflow
+        r = np.left_shift(x.view(unsigned), amount.view(unsigned)).view(x.dtype)
+        fill = x.dtype.type(0)
+    elif direction == "RIGHT":
+        r = np.right_shift(x, amount)
+        fill = np.where(x < 0, x.dtype.type(-1), x.dtype.type(0)) if x.dtype.kind == "i" else 0
+    else:
+        raise ValueError(f"BitShift direction must be 'LEFT' or 'RIGHT', got {direction!r}")
+    return _narrow(np.where(out_of_range, fill, r), x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Variadic, Where, Clip
+
+
+def _fold(ufunc: Callable, inputs: tuple[np.ndarray, ...], op: str) -> np.ndarray:
+    """``ufunc`` folded over ``inputs`` with broadcasting, writing into one fresh result."""
+    if not inputs:
+        raise ValueError(f"{op} needs at least one input")
+    out = _arr(ufunc(inputs[0], inputs[1])) if len(inputs) > 1 else inputs[0].copy()
+    for x in inputs[2:]:
+        if np.broadcast_shapes(out.shape, x.shape) == out.shape:
+            ufunc(out, x, out=out)
+        else:
+            out = ufunc(out, x)
+    return out
+
+
+@register("Max", since=1)
+def max_(*data: np.ndarray, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """Elementwise maximum of all inputs (NaN propagates)."""
+    return _fold(np.maximum, data, "Max")
+
+
+@register("Min", since=1)
+def min_(*data: np.ndarray, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """Elementwise minimum of all inputs (NaN propagates)."""
+    return _fold(np.minimum, data, "Min")
+
+
+@register("Sum", since=1)
+def sum_(*data: np.ndarray, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """Elementwise sum of all inputs."""
+    return _fold(np.add, data, "Sum")
+
+
+@register("Mean", since=1)
+def mean(*data: np.ndarray, consumed_inputs: list[int] | None = None) -> np.ndarray:
+    """Elementwise mean of all inputs."""
+    out = _fold(np.add, data, "Mean")
+    if out.dtype.kind in "iu":
+        return _arr(out // len(data))
+    out /= out.dtype.type(len(data))
+    return out
+
+
+@register("Where", since=9)
+def where(condition: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """x where ``condition`` holds, y elsewhere (all three broadcast)."""
+    return _arr(np.where(condition, x, y))
+
+
+def _clip(x: np.ndarray, lo, hi) -> np.ndarray:
+    """min(max(x, lo), hi): where lo > hi everything becomes hi, as ONNX specifies."""
+    y = _arr(np.maximum(x, lo)) if lo is not None else x.copy()
+    if hi is not None:
+        np.minimum(y, hi, out=y)
+    return y
+
+
+@register("Clip", since=1)
+def clip_legacy(
+    x: np.ndarray,
+    *,
+    min: float | None = None,  # ONNX's attribute names
+    max: float | None = None,
+    consumed_inputs: list[int] | None = None,
+) -> np.ndarray:
+    """Clip of opsets 1-10, bounds as attributes."""
+    t = x.dtype.type
+    return _clip(x, None if min is None else t(min), None if max is None else t(max))
+
+
+@register("Clip", since=11)
+def clip(x: np.ndarray, min: np.ndarray | None = None, max: np.ndarray | None = None) -> np.ndarray:
+    """Clip of opset 11 on, bounds as optional scalar inputs."""
+    for name, bound in (("min", min), ("max", max)):
+        if bound is not None and bound.size != 1:
+            raise ValueError(f"Clip {name} must be a scalar, got shape {bound.shape}")
+    lo = None if min is None else min.reshape(()).astype(x.dtype, copy=False)
+    hi = None if max is None else max.reshape(()).astype(x.dtype, copy=False)
+    return _clip(x, lo, hi)
