@@ -35,19 +35,22 @@ def _source_coords(
     """The input coordinate of every output position along one axis.
 
     ``length_resized`` in the spec's formulas is ``scale * n_in`` (not rounded), as in the ONNX
-    test data and onnxruntime; it differs from ``n_out`` when scales are given.
+    test data and onnxruntime; it differs from ``n_out`` when scales are given. Computed in
+    float32 like onnxruntime, so that ties in nearest rounding (scale 0.7: 3.5 / 0.7 - 0.5 = 4.5)
+    break the same way.
     """
-    y = np.arange(n_out, dtype=np.float64)
-    length = scale * n_in
+    y = np.arange(n_out, dtype=np.float32)
+    scale = np.float32(scale)
+    length = scale * np.float32(n_in)
     if ctm == "half_pixel":
         return (y + 0.5) / scale - 0.5
     if ctm == "half_pixel_symmetric":
         offset = n_in / 2 * (1 - n_out / length)
         return offset + (y + 0.5) / scale - 0.5
     if ctm == "pytorch_half_pixel":
-        return (y + 0.5) / scale - 0.5 if length > 1 else np.zeros(n_out)
+        return (y + 0.5) / scale - 0.5 if length > 1 else np.zeros(n_out, np.float32)
     if ctm == "align_corners":
-        return y * (n_in - 1) / (length - 1) if length != 1 else np.zeros(n_out)
+        return y * (n_in - 1) / (length - 1) if length != 1 else np.zeros(n_out, np.float32)
     if ctm == "asymmetric":
         return y / scale
     if ctm == "tf_half_pixel_for_nn":
@@ -55,7 +58,7 @@ def _source_coords(
     if ctm == "tf_crop_and_resize":
         start, end = roi
         if length == 1:
-            return np.full(n_out, 0.5 * (start + end) * (n_in - 1))
+            return np.full(n_out, 0.5 * (start + end) * (n_in - 1), np.float32)
         return start * (n_in - 1) + y * (end - start) * (n_in - 1) / (length - 1)
     raise ValueError(f"Resize: unknown coordinate_transformation_mode '{ctm}'")
 
@@ -120,7 +123,7 @@ def _along(v: np.ndarray, axis: int, ndim: int) -> np.ndarray:
 def _resize_axis(data: np.ndarray, axis: int, n_out: int, scale: float, opts: dict) -> np.ndarray:
     n_in = data.shape[axis]
     ctm = opts["coordinate_transformation_mode"]
-    x = _source_coords(ctm, n_out, n_in, scale, opts["roi"][axis])
+    x = _source_coords(ctm, n_out, n_in, scale, opts["roi"][axis]).astype(np.float64)
     if opts["mode"] == "nearest":
         idx = np.clip(_nearest_index(x, opts["nearest_mode"], scale), 0, n_in - 1)
         out = np.take(data, idx, axis=axis)
@@ -198,7 +201,7 @@ def _resize(x: np.ndarray, roi, scales, sizes, axes, policy: str, **opts) -> np.
             raise ValueError(f"Resize: tf_crop_and_resize needs an roi of {2 * len(axes)} values")
         roi = np.asarray(roi, dtype=np.float64).reshape(-1)
         for i, a in enumerate(axes):
-            boxes[a] = (float(roi[i]), float(roi[i + len(axes)]))
+            boxes[a] = (np.float32(roi[i]), np.float32(roi[i + len(axes)]))
     opts["roi"] = boxes
     if opts["mode"] not in ("nearest", "linear", "cubic"):
         raise ValueError(f"Resize: unknown mode '{opts['mode']}'")
