@@ -1,0 +1,200 @@
+"""Reference kernels for linear quantization: QuantizeLinear, DequantizeLinear,
+DynamicQuantizeLinear, QLinearMatMul.
+
+Scales and zero points are per-tensor (one element), per-axis (1-D, length of ``axis``) or blocked
+(same rank as the input, ``ceil(D/block_size)`` along ``axis``). Rounding is half to even.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+from onnx.helper import tensor_dtype_to_np_dtype
+
+from tensorkiln.kernels.reference.math import compute_dtype, integer_matmul
+from tensorkiln.kernels.registry import register
+
+_INT_TARGETS = frozenset(
+    np.dtype(t)
+    for t in (
+        np.uint8,
+        np.int8,
+        np.uint16,
+        np.int16,
+        ml_dtypes.uint4,
+        ml_dtypes.int4,
+        ml_dtypes.uint2,
+        ml_dtypes.int2,
+    )
+)
+_FLOAT_TARGETS = frozenset(
+    np.dtype(t)
+    for t in (
+        ml_dtypes.float8_e4m3fn,
+        ml_dtypes.float8_e4m3fnuz,
+        ml_dtypes.float8_e5m2,
+        ml_dtypes.float8_e5m2fnuz,
+        ml_dtypes.float4_e2m1fn,
+        ml_dtypes.float6_e2m3fn,
+        ml_dtypes.float6_e3m2fn,
+    )
+)
+_INT_INPUTS = _INT_TARGETS | {np.dtype(np.int32)}
+
+
+def _broadcastable(
+    v: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int, what: str
+) -> np.ndarray:
+    """``v`` (a scale or zero point) reshaped or repeated to broadcast against ``shape``."""
+    if v.size == 1:
+        return v.reshape(())
+    rank = len(shape)
+    if not -rank <= axis < rank:
+        raise ValueError(f"axis {axis} is out of range for an input of rank {rank}")
+    axis %= rank
+    if not block_size:
+        if v.ndim != 1 or v.size != shape[axis]:
+            raise ValueError(
+                f"per-axis {what} must be 1-D of length {shape[axis]} (input dim {axis}), "
+                f"got shape {v.shape}; for blocked quantization set block_size"
+            )
+        dims = [1] * rank
+        dims[axis] = v.size
+        return v.reshape(dims)
+    expected = list(shape)
+    expected[axis] = -(-shape[axis] // block_size)
+    if list(v.shape) != expected:
+        raise ValueError(
+            f"blocked {what} must have shape {tuple(expected)} for input {shape}, axis {axis} "
+            f"and block_size {block_size}; got {v.shape}"
+        )
+    return np.repeat(v, block_size, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
+
+
+def _nonzero(zp: np.ndarray | None) -> bool:
+    return zp is not None and bool(np.any(zp.astype(np.float32)))
+
+
+def _saturate_cast(q: np.ndarray, target: np.dtype, saturate: bool) -> np.ndarray:
+    """Round a float array to an integer or float8/6/4 target, clipping to its range."""
+    if target in _INT_TARGETS:
+        info = ml_dtypes.iinfo(target)
+        return np.clip(np.rint(q), info.min, info.max).astype(target)
+    if q.dtype not in (np.float32, np.float64):
+        q = q.astype(np.float32)
+    if saturate:
+        fmax = float(ml_dtypes.finfo(target).max)
+        q = np.clip(q, -fmax, fmax)
+    return q.astype(target)
+
+
+def _quant_target(zero_point: np.ndarray | None, output_dtype: int) -> np.dtype:
+    target = np.dtype(tensor_dtype_to_np_dtype(output_dtype)) if output_dtype else None
+    if zero_point is not None:
+        if target is not None and target != zero_point.dtype:
+            raise ValueError(
+                f"output_dtype {target} does not match y_zero_point's type {zero_point.dtype}"
+            )
+        target = zero_point.dtype
+    target = target or np.dtype(np.uint8)
+    if target not in _INT_TARGETS | _FLOAT_TARGETS:
+        raise ValueError(f"QuantizeLinear cannot quantize to {target}")
+    return target
+
+
+@register("QuantizeLinear", since=10)
+def quantize_linear(
+    x: np.ndarray,
+    y_scale: np.ndarray,
+    y_zero_point: np.ndarray | None = None,
+    *,
+    axis: int = 1,
+    saturate: int = 1,
+    block_size: int = 0,
+    output_dtype: int = 0,
+    precision: int = 0,
+) -> np.ndarray:
+    """y = saturate(round(x / y_scale) + y_zero_point), the division in ``precision``
+    (default: y_scale's type)."""
+    target = _quant_target(y_zero_point, output_dtype)
+    div = np.dtype(tensor_dtype_to_np_dtype(precision)) if precision else y_scale.dtype
+    scale = _broadcastable(y_scale, x.shape, axis, block_size, "y_scale")
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        q = x.astype(div, copy=False) / scale.astype(div, copy=False)
+        if target in _INT_TARGETS:
+            q = np.rint(q.astype(np.float64))
+        if _nonzero(y_zero_point):
+            zp = _broadcastable(y_zero_point, x.shape, axis, block_size, "y_zero_point")
+            q = q + zp.astype(np.float64 if target in _INT_TARGETS else np.float32)
+        return _saturate_cast(q, target, bool(saturate))
+
+
+@register("DequantizeLinear", since=10)
+def dequantize_linear(
+    x: np.ndarray,
+    x_scale: np.ndarray,
+    x_zero_point: np.ndarray | None = None,
+    *,
+    axis: int = 1,
+    block_size: int = 0,
+    output_dtype: int = 0,
+) -> np.ndarray:
+    """y = (x - x_zero_point) * x_scale, in ``output_dtype`` (default: x_scale's type)."""
+    out = np.dtype(tensor_dtype_to_np_dtype(output_dtype)) if output_dtype else x_scale.dtype
+    wide = np.dtype(np.float64) if x.dtype == np.int32 else compute_dtype(out)
+    if x.dtype in _INT_INPUTS:
+        dx = x.astype(np.int64)
+        if x_zero_point is not None:
+            dx -= _broadcastable(x_zero_point, x.shape, axis, block_size, "x_zero_point").astype(
+                np.int64
+            )
+        dx = dx.astype(wide)
+    else:  # float8/6/4: the zero point is zero in practice
+        dx = x.astype(wide)
+        if _nonzero(x_zero_point):
+            zp = _broadcastable(x_zero_point, x.shape, axis, block_size, "x_zero_point")
+            dx -= zp.astype(wide)
+    dx *= _broadcastable(x_scale, x.shape, axis, block_size, "x_scale").astype(wide)
+    return dx.astype(out, copy=False)
+
+
+@register("DynamicQuantizeLinear", since=11)
+def dynamic_quantize_linear(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Quantize to uint8 with a scale and zero point from the range of ``x`` (including 0)."""
+    x = x.astype(np.float32, copy=False)
+    hi = np.float32(max(0.0, float(x.max()))) if x.size else np.float32(0)
+    lo = np.float32(min(0.0, float(x.min()))) if x.size else np.float32(0)
+    # As onnxruntime: an all-zero input gets scale 1 rather than a division by zero.
+    scale = np.float32(1.0) if hi == lo else (hi - lo) / np.float32(255)
+    zp = np.rint(np.clip(np.float32(0) - lo / scale, 0, 255))
+    y = np.clip(np.rint(x / scale) + zp, 0, 255).astype(np.uint8)
+    return y, np.asarray(scale, dtype=np.float32), np.asarray(zp, dtype=np.uint8)
+
+
+def _row_scale(scale: np.ndarray) -> np.ndarray:
+    # A 1-D scale of A holds one value per row of A.
+    return scale.reshape(-1, 1) if scale.ndim == 1 and scale.size > 1 else scale
+
+
+@register("QLinearMatMul", since=10)
+def qlinear_matmul(
+    a: np.ndarray,
+    a_scale: np.ndarray,
+    a_zero_point: np.ndarray | None,
+    b: np.ndarray,
+    b_scale: np.ndarray,
+    b_zero_point: np.ndarray | None,
+    y_scale: np.ndarray,
+    y_zero_point: np.ndarray | None = None,
+) -> np.ndarray:
+    """Quantized MatMul: round((A - a_zp) @ (B - b_zp) * a_scale * b_scale / y_scale) + y_zp."""
+    acc = integer_matmul(a, b, a_zero_point, b_zero_point)
+    # The rescale factor is formed in the scales' own type, as the spec's formula reads.
+    factor = _row_scale(a_scale) * b_scale / y_scale
+    y = acc * factor.astype(np.float64)
+    target = y_zero_point.dtype if y_zero_point is not None else a.dtype
+    if target in _INT_TARGETS:
+        y = np.rint(y)
+    if _nonzero(y_zero_point):
+        y += y_zero_point.astype(np.float64)
+    return _saturate_cast(y, np.dtype(target), True)
