@@ -8,6 +8,9 @@ type (integers rounded half to even and saturated).
 
 from __future__ import annotations
 
+import io
+import itertools
+
 import numpy as np
 
 from tensorkiln.kernels.registry import register
@@ -348,3 +351,218 @@ def upsample_9(x: np.ndarray, scales: np.ndarray, *, mode: str = "nearest") -> n
     if mode not in ("nearest", "linear"):
         raise ValueError(f"Upsample: mode '{mode}' is not one of nearest, linear")
     return _resize(x, None, scales, None, None, "stretch", **_legacy_opts(mode))
+
+
+# ---------------------------------------------------------------------------------------------
+# GridSample, AffineGrid
+# ---------------------------------------------------------------------------------------------
+
+
+def _reflect(x: np.ndarray, lo: float, hi: float) -> np.ndarray:
+    """Reflect ``x`` at the borders lo and hi until it lies between them."""
+    span = hi - lo
+    if span <= 0:
+        return np.full_like(x, lo)
+    below = x < lo
+    dx = np.where(below, lo - x, x - hi)
+    n = np.floor(dx / span)
+    r = dx - n * span
+    even = n % 2 == 0
+    inside_low = np.where(even, lo + r, hi - r)  # reflected off the low border
+    inside_high = np.where(even, hi - r, lo + r)
+    out = np.where(below, inside_low, inside_high)
+    return np.where((x < lo) | (x > hi), out, x)
+
+
+def _pad_tap(i: np.ndarray, size: int, padding: str, lo: float, hi: float):
+    """Index into an axis of ``size`` for tap ``i``, and a 0/1 weight (zeros padding)."""
+    if padding == "zeros":
+        return np.clip(i, 0, size - 1), ((i >= 0) & (i < size)).astype(np.float64)
+    if padding == "reflection":
+        i = _reflect(i.astype(np.float64), lo, hi).astype(np.int64)
+    return np.clip(i, 0, size - 1), None
+
+
+def _grid_taps(c: np.ndarray, mode: str, size: int, padding: str, lo: float, hi: float):
+    """(index, weight) for each tap of one spatial axis at coordinates ``c``."""
+    if mode == "nearest":
+        base, weights = c.astype(np.int64), [np.ones_like(c)]
+    else:
+        base = np.floor(c).astype(np.int64)
+        t = c - base
+        if mode == "linear":
+            weights = [1 - t, t]
+        else:
+            weights = [_cubic_kernel(t + 1, -0.75), _cubic_kernel(t, -0.75)]
+            weights += [_cubic_kernel(1 - t, -0.75), _cubic_kernel(2 - t, -0.75)]
+            base = base - 1
+    taps = []
+    for k, w in enumerate(weights):
+        idx, valid = _pad_tap(base + k, size, padding, lo, hi)
+        taps.append((idx, w if valid is None else w * valid))
+    return taps
+
+
+def _grid_sample(x: np.ndarray, grid: np.ndarray, mode: str, padding: str, align: bool):
+    nd = x.ndim - 2
+    if grid.ndim != nd + 2 or grid.shape[-1] != nd or grid.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"GridSample: grid of shape {grid.shape} does not fit input of shape {x.shape}; "
+            f"expected (N={x.shape[0]}, *output_spatial ({nd} dims), {nd})"
+        )
+    if padding not in ("zeros", "border", "reflection"):
+        raise ValueError(f"GridSample: unknown padding_mode '{padding}'")
+    taps = []
+    for k, size in enumerate(x.shape[2:]):
+        g = grid[..., nd - 1 - k].astype(np.float64)  # grid's last entry indexes the first axis
+        c = (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+        lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+        if mode == "nearest":
+            c = np.rint(c)
+        outside = (c < lo) | (c > hi)
+        if padding == "border":
+            c = np.where(outside, np.clip(c, 0, size - 1), c)
+        elif padding == "reflection":
+            c = np.where(outside, _reflect(c, lo, hi), c)
+        taps.append(_grid_taps(c, mode, size, padding, lo, hi))
+    xt = np.moveaxis(x, 1, -1)  # (N, *spatial, C): gathers then give (N, *out, C)
+    n = np.arange(x.shape[0]).reshape((-1,) + (1,) * (grid.ndim - 2))
+    out = np.zeros((*grid.shape[:-1], x.shape[1]), np.float64)
+    for combo in itertools.product(*taps):
+        w = np.prod([tw for _, tw in combo], axis=0)
+        out += xt[(n, *[ti for ti, _ in combo])] * w[..., None]
+    return np.moveaxis(out, -1, 1).astype(x.dtype)
+
+
+@register("GridSample", since=16)
+def grid_sample_16(
+    x: np.ndarray,
+    grid: np.ndarray,
+    *,
+    align_corners: int = 0,
+    mode: str = "bilinear",
+    padding_mode: str = "zeros",
+) -> np.ndarray:
+    """GridSample-16: 4-D input, modes bilinear / nearest / bicubic."""
+    names = {"bilinear": "linear", "nearest": "nearest", "bicubic": "cubic"}
+    if mode not in names:
+        raise ValueError(f"GridSample-16: mode '{mode}' is not one of {', '.join(names)}")
+    if x.ndim != 4:
+        raise ValueError(f"GridSample-16: input must be 4-D, got shape {x.shape}")
+    return _grid_sample(x, grid, names[mode], padding_mode, bool(align_corners))
+
+
+@register("GridSample", since=20)
+def grid_sample_20(
+    x: np.ndarray,
+    grid: np.ndarray,
+    *,
+    align_corners: int = 0,
+    mode: str = "linear",
+    padding_mode: str = "zeros",
+) -> np.ndarray:
+    """GridSample-20/22: N-d input, modes linear / nearest / cubic."""
+    if mode not in ("linear", "nearest", "cubic"):
+        raise ValueError(f"GridSample: mode '{mode}' is not one of linear, nearest, cubic")
+    if x.ndim < 3:
+        raise ValueError(f"GridSample: input must have a spatial axis, got shape {x.shape}")
+    return _grid_sample(x, grid, mode, padding_mode, bool(align_corners))
+
+
+def _base_coords(length: int, align: bool) -> np.ndarray:
+    """Normalized [-1, 1] coordinates of ``length`` pixels (as torch.nn.functional.affine_grid)."""
+    c = np.linspace(-1.0, 1.0, length)
+    return c if align or length == 0 else c * (length - 1) / length
+
+
+@register("AffineGrid", since=20)
+def affine_grid(theta: np.ndarray, size: np.ndarray, *, align_corners: int = 0) -> np.ndarray:
+    """Sampling grid (N, *spatial, nd) of the affine maps ``theta`` (N, nd, nd + 1)."""
+    size = [int(s) for s in np.asarray(size).reshape(-1)]
+    spatial = size[2:]
+    nd = len(spatial)
+    if nd not in (2, 3) or theta.shape != (size[0], nd, nd + 1):
+        raise ValueError(
+            f"AffineGrid: theta of shape {theta.shape} does not fit size {size}; expected "
+            f"size of 4 or 5 values and theta of shape (N, nd, nd + 1)"
+        )
+    axes = [_base_coords(n, bool(align_corners)) for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")  # (D,) H, W
+    ones = np.ones(spatial)
+    base = np.stack([*mesh[::-1], ones], axis=-1)  # x, y, (z), 1
+    out = np.einsum("...k,njk->n...j", base, theta.astype(np.float64))
+    return out.astype(theta.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Col2Im
+# ---------------------------------------------------------------------------------------------
+
+
+@register("Col2Im", since=18)
+def col2im(
+    x: np.ndarray,
+    image_shape: np.ndarray,
+    block_shape: np.ndarray,
+    *,
+    dilations: list[int] | None = None,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> np.ndarray:
+    """Sum the columns (N, C * prod(block), L) back into images (N, C, *image_shape)."""
+    image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
+    block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
+    nd = len(image)
+    dil = list(dilations or [1] * nd)
+    stride = list(strides or [1] * nd)
+    pads = list(pads or [0] * 2 * nd)
+    if len(block) != nd or len(dil) != nd or len(stride) != nd or len(pads) != 2 * nd:
+        raise ValueError("Col2Im: image_shape, block_shape, dilations, strides, pads disagree")
+    padded = [image[d] + pads[d] + pads[d + nd] for d in range(nd)]
+    blocks = [(padded[d] - dil[d] * (block[d] - 1) - 1) // stride[d] + 1 for d in range(nd)]
+    n, ck, length = x.shape
+    kernel = int(np.prod(block))
+    if ck % kernel or length != int(np.prod(blocks)) or min(blocks) <= 0:
+        raise ValueError(
+            f"Col2Im: input of shape {x.shape} does not fit block_shape {block} and "
+            f"{blocks} block positions (from image_shape {image})"
+        )
+    cols = x.reshape(n, ck // kernel, *block, *blocks)
+    out = np.zeros((n, ck // kernel, *padded), x.dtype)
+    for k in itertools.product(*[range(b) for b in block]):
+        where = tuple(
+            slice(k[d] * dil[d], k[d] * dil[d] + stride[d] * (blocks[d] - 1) + 1, stride[d])
+            for d in range(nd)
+        )
+        out[(..., *where)] += cols[(slice(None), slice(None), *k)]
+    crop = tuple(slice(pads[d], pads[d] + image[d]) for d in range(nd))
+    return out[(..., *crop)]
+
+
+# ---------------------------------------------------------------------------------------------
+# ImageDecoder
+# ---------------------------------------------------------------------------------------------
+
+
+@register("ImageDecoder", since=20)
+def image_decoder(encoded_stream: np.ndarray, *, pixel_format: str = "RGB") -> np.ndarray:
+    """Decode an encoded image (uint8 bytes) to uint8 (H, W, 3) RGB/BGR or (H, W, 1) grayscale."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise ImportError(
+            "ImageDecoder needs Pillow to decode images; install it with `pip install pillow`"
+        ) from exc
+    if pixel_format not in ("RGB", "BGR", "Grayscale"):
+        raise ValueError(
+            f"ImageDecoder: pixel_format '{pixel_format}' is not RGB, BGR or Grayscale"
+        )
+    try:
+        img = Image.open(io.BytesIO(np.asarray(encoded_stream, np.uint8).tobytes()))
+        img.load()
+    except Exception as exc:  # Pillow raises several types for bad data
+        raise ValueError(f"ImageDecoder: could not decode the image: {exc}") from exc
+    if pixel_format == "Grayscale":
+        return np.asarray(img.convert("L"), np.uint8)[:, :, None]
+    rgb = np.asarray(img.convert("RGB"), np.uint8)
+    return np.ascontiguousarray(rgb[:, :, ::-1]) if pixel_format == "BGR" else rgb
