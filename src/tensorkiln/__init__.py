@@ -1,0 +1,33 @@
+"""tensorkiln: an open deep-learning inference optimizer and runtime.
+
+import tensorkiln
+outputs = tensorkiln.run_onnx("model.onnx", {"input": x})
+"""
+
+from tensorkiln.errors import (
+    GraphError,
+    InputError,
+    KernelError,
+    ModelLoadError,
+    ShapeInferenceError,
+    TensorkilnError,
+    UnsupportedOpError,
+)
+from tensorkiln.frontends.onnx import import_onnx
+from tensorkiln.runtime import Runner, run_onnx
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GraphError",
+    "InputError",
+    "KernelError",
+    "ModelLoadError",
+    "Runner",
+    "ShapeInferenceError",
+    "TensorkilnError",
+    "UnsupportedOpError",
+    "__version__",
+    "import_onnx",
+    "run_onnx",
+]

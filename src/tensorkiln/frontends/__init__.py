@@ -1,0 +1,1 @@
+"""Frontends turn models from training frameworks into the tensorkiln IR."""

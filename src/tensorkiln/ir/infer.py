@@ -1,0 +1,174 @@
+"""Shape and type inference over the IR, with symbolic dimensions.
+
+For each node, in order:
+
+1. If every input's value is known (initializers, Constant nodes, shapes of static tensors) and small,
+   the node is evaluated with its reference kernel: its outputs become known values with exact types.
+   This is how shape computations (Shape -> Gather -> Concat -> Reshape) resolve.
+2. Ops that compute shapes (Shape, Gather, Concat, Slice, Unsqueeze, ...) also propagate *symbolic*
+   values, so a dynamic batch "N" read by Shape and fed to Reshape stays "N".
+3. Otherwise a native rule from :mod:`tensorkiln.ir.shape_rules` gives the output types, or, for ops
+   without one, ONNX's own per-node schema inference does.
+
+Native rules raise :class:`ShapeInferenceError` (naming the node) on incompatible inputs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tensorkiln.errors import ShapeInferenceError, TensorkilnError
+from tensorkiln.ir.dims import is_anonymous
+from tensorkiln.ir.dtypes import DType
+from tensorkiln.ir.graph import Graph, Node, TensorType, Type, Value
+from tensorkiln.ir.onnx_types import from_type_proto, type_to_proto
+from tensorkiln.ir.shape_rules import RULES, InferContext, symbolic_value
+
+# Values up to this many elements are kept and used to evaluate downstream shape computations.
+_FOLD_LIMIT = 4096
+_NO_FOLD = {
+    "RandomNormal",
+    "RandomUniform",
+    "RandomNormalLike",
+    "RandomUniformLike",
+    "Bernoulli",
+    "Multinomial",
+    "If",
+    "Loop",
+    "Scan",
+    "SequenceMap",
+    "Dropout",
+}
+
+
+def infer_shapes(graph: Graph, known: dict[Value, np.ndarray] | None = None) -> None:
+    """Fill in the types of every value of ``graph`` (and its subgraphs) in place."""
+    known = dict(known or {})
+    for v in graph.initializers:
+        if v.const is not None and v.const.size <= _FOLD_LIMIT:
+            known[v] = v.const
+    for node in graph.nodes:
+        try:
+            _infer_node(graph, node, known)
+        except ShapeInferenceError:
+            raise
+        except TensorkilnError as exc:
+            raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
+
+
+def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> None:
+    for sub in node.subgraphs():
+        infer_shapes(sub, known)
+    values = [known.get(v) if v is not None else None for v in node.inputs]
+    folded = _try_fold(graph, node, values)
+    if folded is not None:
+        for v, arr in zip(node.outputs, folded):
+            if v is not None and isinstance(arr, np.ndarray):
+                v.type = TensorType(DType.from_numpy(arr.dtype), arr.shape)
+                if arr.size <= _FOLD_LIMIT:
+                    known[v] = arr
+        return
+    ctx = InferContext(node, graph.opset(node.domain), values)
+    rule = RULES.get((node.domain, node.op))
+    if rule is not None:
+        try:
+            types = rule(ctx)
+        except ShapeInferenceError:
+            raise
+        except (ValueError, IndexError, TypeError, KeyError) as exc:
+            raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
+    else:
+        types = _onnx_infer(graph, node)
+    for v, t in zip(node.outputs, types):
+        if v is not None and t is not None:
+            v.type = merge_types(v.type, t)
+    sym = symbolic_value(ctx)
+    if sym is not None and node.outputs and node.outputs[0] is not None:
+        known[node.outputs[0]] = sym
+
+
+def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
+    if node.op in _NO_FOLD or any(True for _ in node.subgraphs()):
+        return None
+    present = [v for v, inp in zip(values, node.inputs) if inp is not None]
+    if not present and node.op != "Constant":
+        return None
+    if any(not isinstance(v, np.ndarray) or v.dtype == object for v in present):
+        return None
+    if sum(v.size for v in present) > _FOLD_LIMIT:
+        return None
+    from tensorkiln.kernels.registry import lookup  # late: kernels import the IR
+
+    try:
+        entry = lookup(node.op, node.domain, graph.opset(node.domain), node=node.name)
+    except TensorkilnError:
+        return None
+    args = list(values)
+    while args and node.inputs[len(args) - 1] is None:
+        args.pop()
+    kwargs = dict(node.attrs)
+    if entry.wants_n_outputs:
+        kwargs["_n_outputs"] = len(node.outputs)
+    try:
+        out = entry.fn(*args, **kwargs)
+    except Exception:  # a kernel that rejects these inputs: leave it to the shape rules
+        return None
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+def merge_types(old: Type | None, new: Type) -> Type:
+    """The inferred type, keeping declared symbol names where inference only knows 'some size'."""
+    if not (isinstance(old, TensorType) and isinstance(new, TensorType)):
+        return new
+    dtype = new.dtype if new.dtype is not None else old.dtype
+    if new.shape is None:
+        return TensorType(dtype, old.shape)
+    if old.shape is None or len(old.shape) != len(new.shape):
+        return TensorType(dtype, new.shape)
+    shape = tuple(
+        o if is_anonymous(n) and not is_anonymous(o) else n for o, n in zip(old.shape, new.shape)
+    )
+    return TensorType(dtype, shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fallback: ONNX's own per-node inference.
+
+
+def _attr_to_proto(name: str, value: object) -> onnx.AttributeProto | None:
+    if isinstance(value, np.ndarray):
+        return helper.make_attribute(name, numpy_helper.from_array(value))
+    if isinstance(value, onnx.TypeProto):
+        return helper.make_attribute(name, value)
+    if isinstance(value, list) and value and isinstance(value[0], np.ndarray):
+        return helper.make_attribute(name, [numpy_helper.from_array(v) for v in value])
+    if isinstance(value, Graph) or (
+        isinstance(value, list) and value and isinstance(value[0], Graph)
+    ):
+        return None
+    return helper.make_attribute(name, value)
+
+
+def _onnx_infer(graph: Graph, node: Node) -> list[Type | None]:
+    try:
+        schema = onnx.defs.get_schema(node.op, graph.opset(node.domain), node.domain)
+    except onnx.defs.SchemaError:
+        return [None] * len(node.outputs)
+    names = [f"i{i}" if v is not None else "" for i, v in enumerate(node.inputs)]
+    outs = [f"o{i}" if v is not None else "" for i, v in enumerate(node.outputs)]
+    attrs = [a for k, v in node.attrs.items() if (a := _attr_to_proto(k, v)) is not None]
+    proto = helper.make_node(node.op, names, outs, domain=node.domain)
+    proto.attribute.extend(attrs)
+    types = {n: type_to_proto(v.type) for n, v in zip(names, node.inputs) if v is not None}
+    data = {}
+    for n, v in zip(names, node.inputs):
+        if v is not None and v.const is not None and v.const.size <= _FOLD_LIMIT:
+            data[n] = numpy_helper.from_array(v.const)
+    opsets = [helper.make_opsetid(d, ver) for d, ver in graph.opsets.items()]
+    try:
+        result = onnx.shape_inference.infer_node_outputs(schema, proto, types, data, None, opsets)
+    except Exception:  # ONNX could not infer (missing input types, unsupported case): unknown
+        return [None] * len(node.outputs)
+    return [from_type_proto(result.get(o)) if o else None for o in outs]

@@ -1,0 +1,62 @@
+"""Conversion between IR types and ONNX TypeProtos (both directions)."""
+
+from __future__ import annotations
+
+import onnx
+
+from tensorkiln.ir.dims import fresh_dim
+from tensorkiln.ir.dtypes import DType
+from tensorkiln.ir.graph import OptionalType, SequenceType, TensorType, Type
+
+
+def from_type_proto(tp: onnx.TypeProto | None) -> Type | None:
+    """An IR type from an ONNX TypeProto (None where ONNX leaves it unspecified).
+
+    A dimension with neither a value nor a name gets a fresh anonymous symbol.
+    """
+    if tp is None:
+        return None
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        tt = tp.tensor_type
+        dtype = DType(tt.elem_type) if tt.elem_type in DType._value2member_map_ else None
+        shape = None
+        if tt.HasField("shape"):
+            shape = tuple(_dim(d) for d in tt.shape.dim)
+        return TensorType(dtype, shape)
+    if kind == "sequence_type":
+        elem = tp.sequence_type.elem_type
+        return SequenceType(from_type_proto(elem) if elem.WhichOneof("value") else None)
+    if kind == "optional_type":
+        elem = tp.optional_type.elem_type
+        return OptionalType(from_type_proto(elem) if elem.WhichOneof("value") else None)
+    return None
+
+
+def _dim(d: onnx.TensorShapeProto.Dimension) -> int | str:
+    if d.HasField("dim_value"):
+        return int(d.dim_value)
+    if d.HasField("dim_param") and d.dim_param:
+        return d.dim_param
+    return fresh_dim()
+
+
+def type_to_proto(t: Type | None) -> onnx.TypeProto:
+    """An ONNX TypeProto for an IR type (symbolic dims become dim_params)."""
+    tp = onnx.TypeProto()
+    if isinstance(t, TensorType):
+        tp.tensor_type.elem_type = int(t.dtype) if t.dtype is not None else 0
+        if t.shape is not None:
+            shape = tp.tensor_type.shape
+            shape.SetInParent()
+            for d in t.shape:
+                dim = shape.dim.add()
+                if isinstance(d, int):
+                    dim.dim_value = d
+                else:
+                    dim.dim_param = d
+    elif isinstance(t, SequenceType):
+        tp.sequence_type.elem_type.CopyFrom(type_to_proto(t.elem))
+    elif isinstance(t, OptionalType):
+        tp.optional_type.elem_type.CopyFrom(type_to_proto(t.elem))
+    return tp

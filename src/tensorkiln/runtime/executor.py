@@ -1,0 +1,142 @@
+"""Execute an IR graph with the kernels of one backend.
+
+The executor resolves every node's kernel once (a *plan*), then runs the plan: values live in a dict
+keyed by Value identity and are dropped after their last use, so peak memory follows the live set.
+Subgraphs (If/Loop/Scan bodies) run through :meth:`Scope.run_graph`, which kernels receive as ``_ctx``;
+a subgraph sees the values of the scope that runs it.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
+from tensorkiln.ir import Graph, Node, Value, node_reads
+from tensorkiln.kernels.registry import KernelEntry, lookup
+
+
+@dataclass(slots=True)
+class _Step:
+    node: Node
+    kernel: KernelEntry
+    inputs: tuple[Value | None, ...]
+    outputs: tuple[Value | None, ...]
+    free: tuple[Value, ...]  # values whose last use is this step
+
+
+class Executor:
+    """Runs graphs on one backend; plans are made once per graph and reused."""
+
+    def __init__(self, graph: Graph, backend: str = "reference") -> None:
+        self.graph = graph
+        self.backend = backend
+        self._plans: dict[int, list[_Step]] = {}
+        check_supported(graph, backend)
+        self._plan(graph)
+
+    def _plan(self, graph: Graph) -> list[_Step]:
+        plan = self._plans.get(id(graph))
+        if plan is not None:
+            return plan
+        last_use: dict[Value, int] = {}
+        for i, n in enumerate(graph.nodes):
+            for v in node_reads(n):
+                last_use[v] = i
+        keep = set(graph.outputs)
+        frees: dict[int, list[Value]] = {}
+        for v, i in last_use.items():
+            if v not in keep:
+                frees.setdefault(i, []).append(v)
+        plan = []
+        for i, n in enumerate(graph.nodes):
+            entry = lookup(n.op, n.domain, graph.opset(n.domain), self.backend, node=n.name)
+            plan.append(_Step(n, entry, tuple(n.inputs), tuple(n.outputs), tuple(frees.get(i, ()))))
+        self._plans[id(graph)] = plan
+        return plan
+
+    def run(self, feeds: Mapping[Value, Any]) -> list[Any]:
+        """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order."""
+        return Scope(self, {}).run_graph(self.graph, [feeds[v] for v in self.graph.inputs])
+
+
+class Scope:
+    """The values visible while running one graph; kernels with subgraphs receive it as ``_ctx``."""
+
+    __slots__ = ("env", "executor")
+
+    def __init__(self, executor: Executor, env: Mapping[Value, Any]) -> None:
+        self.executor = executor
+        self.env = env
+
+    def run_graph(self, graph: Graph, inputs: list[Any]) -> list[Any]:
+        """Run ``graph`` binding ``inputs`` positionally to its inputs; returns its outputs."""
+        if len(inputs) > len(graph.inputs):
+            raise KernelError(
+                f"subgraph '{graph.name}' takes {len(graph.inputs)} inputs, got {len(inputs)}"
+            )
+        local: dict[Value, Any] = {v: v.const for v in graph.initializers}
+        local.update(zip(graph.inputs, inputs))
+        env = ChainMap(local, self.env) if self.env else local
+        inner = Scope(self.executor, env)
+        for step in self.executor._plan(graph):
+            _run_step(step, env, inner)
+            for v in step.free:
+                local.pop(v, None)
+        try:
+            return [env[v] for v in graph.outputs]
+        except KeyError as exc:
+            raise KernelError(f"graph '{graph.name}' output {exc} was never computed") from None
+
+
+def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
+    node, kernel = step.node, step.kernel
+    args = [None if v is None else env[v] for v in step.inputs]
+    while args and step.inputs[len(args) - 1] is None:
+        args.pop()  # trailing omitted inputs take the kernel's defaults
+    kwargs = dict(node.attrs)
+    if kernel.wants_n_outputs:
+        kwargs["_n_outputs"] = len(step.outputs)
+    if kernel.wants_ctx:
+        kwargs["_ctx"] = scope
+    try:
+        result = kernel.fn(*args, **kwargs)
+    except TensorkilnError as exc:
+        if f"'{node.name}'" in str(exc):
+            raise
+        raise type(exc)(f"node '{node.name}' ({node.op}): {exc}") from exc
+    except Exception as exc:
+        raise KernelError(
+            f"node '{node.name}' ({node.op}) failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    if len(step.outputs) == 1 or not isinstance(result, tuple | list):
+        result = (result,)
+    for v, r in zip(step.outputs, result):
+        if v is not None:
+            env[v] = r  # type: ignore[index]
+    if sum(v is not None for v in step.outputs) > len(result):
+        raise KernelError(
+            f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
+            f"{len(step.outputs)} were asked for"
+        )
+
+
+def check_supported(graph: Graph, backend: str = "reference") -> None:
+    """Raise one UnsupportedOpError listing every node of ``graph`` the backend cannot run."""
+    problems: list[str] = []
+    seen: set[tuple[str, str]] = set()
+    for g, n in graph.walk():
+        try:
+            lookup(n.op, n.domain, g.opset(n.domain), backend, node=n.name)
+        except UnsupportedOpError as exc:
+            if (n.domain, n.op) not in seen:
+                seen.add((n.domain, n.op))
+                problems.append(str(exc))
+    if len(problems) == 1:
+        raise UnsupportedOpError(problems[0])
+    if problems:
+        raise UnsupportedOpError(
+            f"{len(problems)} operators are not supported:\n  " + "\n  ".join(problems)
+        )

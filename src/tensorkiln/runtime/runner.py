@@ -1,0 +1,65 @@
+"""Run an IR graph (or an ONNX model) on a backend, with inputs and outputs by name."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.ir import Graph
+from tensorkiln.runtime.executor import Executor
+from tensorkiln.runtime.io import bind_inputs
+
+
+class Runner:
+    """Runs one model; usable as a context manager, like Polygraphy's runners.
+
+    with Runner("model.onnx") as runner:
+        outputs = runner.infer({"input": x})
+    """
+
+    def __init__(
+        self,
+        model: Graph | str | os.PathLike | bytes | Any,
+        *,
+        backend: str = "reference",
+    ) -> None:
+        if not isinstance(model, Graph):
+            from tensorkiln.frontends.onnx import import_onnx
+
+            model = import_onnx(model, backend=backend)
+        self.graph = model
+        self.backend = backend
+        self._executor = Executor(model, backend)
+
+    @property
+    def input_names(self) -> list[str]:
+        return [v.name for v in self.graph.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [v.name for v in self.graph.outputs]
+
+    def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Run the model on ``feeds`` (input name -> array); returns output name -> array."""
+        bound = bind_inputs(self.graph, feeds)
+        results = self._executor.run(bound)
+        return dict(zip(self.output_names, results))
+
+    def __enter__(self) -> Runner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def run_onnx(
+    model: Graph | str | os.PathLike | bytes | Any,
+    feeds: Mapping[str, Any],
+    *,
+    backend: str = "reference",
+) -> dict[str, np.ndarray]:
+    """Import ``model`` (a path, bytes, ModelProto or IR graph), run it once on ``feeds``."""
+    return Runner(model, backend=backend).infer(feeds)
