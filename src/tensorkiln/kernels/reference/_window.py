@@ -25,6 +25,7 @@ class Geometry:
     begin: tuple[int, ...]  # padding before each axis
     end: tuple[int, ...]  # padding after each axis (ceil_mode's extra rows included)
     out: tuple[int, ...]  # output size along each axis
+    explicit_end: tuple[int, ...] = ()  # the end padding asked for, without ceil_mode's extra
 
     @property
     def padded(self) -> bool:
@@ -87,11 +88,12 @@ def geometry(
             f"dilations {dilations} and pads {tuple(begin) + tuple(end)}"
         )
     # grow the end padding so that every window (ceil_mode's last one too) lies inside
+    asked = tuple(end)
     end = [
         max(a, (o - 1) * s + e - i - b)
         for a, o, s, e, i, b in zip(end, out, strides, eff, in_sizes, begin)
     ]
-    return Geometry(kernel, strides, dilations, tuple(begin), tuple(end), tuple(out))
+    return Geometry(kernel, strides, dilations, tuple(begin), tuple(end), tuple(out), asked)
 
 
 def pad(x: np.ndarray, begin: Sequence[int], end: Sequence[int], value: float = 0) -> np.ndarray:

@@ -8,6 +8,7 @@ depthwise ones accumulate over the kernel taps instead of building the column ma
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -291,3 +292,114 @@ def qlinear_conv(
     )
     info = np.iinfo(y_zero_point.dtype)
     return np.clip(y, info.min, info.max).astype(y_zero_point.dtype)
+
+
+def _deform_columns(
+    x: np.ndarray, offset: np.ndarray, mask: np.ndarray | None, g: Geometry, offset_group: int
+) -> np.ndarray:
+    """The (N, C*prod(kernel), P) columns of ``x`` sampled multi-linearly at the shifted taps."""
+    n, c = x.shape[:2]
+    in_sizes = x.shape[2:]
+    nsp, taps, p = len(in_sizes), math.prod(g.kernel), math.prod(g.out)
+    off = offset.reshape(n, offset_group, taps, nsp, p).astype(x.dtype, copy=False)
+    out_at = np.indices(g.out).reshape(nsp, 1, p)
+    tap_at = np.indices(g.kernel).reshape(nsp, taps, 1)
+    pos = [
+        out_at[d] * g.strides[d] - g.begin[d] + tap_at[d] * g.dilations[d] + off[:, :, :, d]
+        for d in range(nsp)
+    ]
+    low = [np.floor(q) for q in pos]
+    frac = [q - lo for q, lo in zip(pos, low)]
+    low = [lo.astype(np.int64) for lo in low]
+    xs = x.reshape(n, offset_group, c // offset_group, -1)
+    cols = np.zeros((n, offset_group, c // offset_group, taps * p), dtype=x.dtype)
+    flat_stride = [math.prod(in_sizes[d + 1 :]) for d in range(nsp)]
+    for corner in itertools.product((0, 1), repeat=nsp):
+        weight = np.ones_like(frac[0])
+        flat = np.zeros_like(low[0])
+        for d, bit in enumerate(corner):
+            idx = low[d] + bit
+            weight *= (frac[d] if bit else 1 - frac[d]) * ((idx >= 0) & (idx < in_sizes[d]))
+            flat += np.clip(idx, 0, in_sizes[d] - 1) * flat_stride[d]
+        if mask is not None:
+            weight *= mask.reshape(weight.shape)
+        shape = (n, offset_group, 1, taps * p)
+        picked = np.take_along_axis(xs, flat.reshape(shape), axis=-1)
+        cols += picked * weight.reshape(shape)
+    return cols.reshape(n, c * taps, p)
+
+
+@register("DeformConv", since=19)
+def deform_conv(
+    x: np.ndarray,
+    w: np.ndarray,
+    offset: np.ndarray,
+    b: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+    *,
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    offset_group: int = 1,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
+    _check_conv_shapes(x, w, group, "DeformConv")
+    g = _conv_geometry(x, w, "NOTSET", dilations, kernel_shape, pads, strides)
+    nsp, taps = x.ndim - 2, math.prod(g.kernel)
+    want = (x.shape[0], offset_group * taps * nsp, *g.out)
+    if offset_group < 1 or x.shape[1] % offset_group or offset.shape != want:
+        raise ValueError(
+            f"DeformConv: offset has shape {offset.shape}, expected {want} for X {x.shape}, "
+            f"kernel {g.kernel} and offset_group={offset_group} (which must divide C)"
+        )
+    if mask is not None and mask.size != x.shape[0] * offset_group * taps * math.prod(g.out):
+        raise ValueError(f"DeformConv: mask of shape {mask.shape} does not match offset {want}")
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    mc = None if mask is None else mask.astype(ct, copy=False)
+    cols = _deform_columns(xc, offset, mc, g, offset_group)
+    y = _gemm(w.astype(ct, copy=False), cols, group).reshape(x.shape[0], w.shape[0], *g.out)
+    return _add_bias(y, b, w.shape[0], "DeformConv").astype(x.dtype, copy=False)
+
+
+_ACTIVATIONS = ("none", "silu", "swish")
+
+
+@register("CausalConvWithState", since=27)
+def causal_conv_with_state(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    past_state: np.ndarray | None = None,
+    *,
+    activation: str = "none",
+) -> tuple[np.ndarray, np.ndarray]:
+    """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
+    if x.ndim != 3 or w.ndim != 3 or w.shape[:2] != (x.shape[1], 1):
+        raise ValueError(
+            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got {x.shape} "
+            f"and {w.shape}"
+        )
+    bsz, c, length = x.shape
+    k = w.shape[2]
+    if past_state is None:
+        past_state = np.zeros((bsz, c, k - 1), dtype=x.dtype)
+    elif past_state.shape != (bsz, c, k - 1):
+        raise ValueError(
+            f"CausalConvWithState: past_state has shape {past_state.shape}, expected "
+            f"{(bsz, c, k - 1)}"
+        )
+    full = np.concatenate([past_state, x], axis=2)
+    ct = compute_dtype(x.dtype)
+    fc, wc = full.astype(ct, copy=False), w.astype(ct, copy=False)
+    y = np.zeros((bsz, c, length), dtype=ct)
+    for j in range(k):
+        y += wc[:, 0, j, None] * fc[:, :, j : j + length]
+    y = _add_bias(y, b, c, "CausalConvWithState")
+    if activation != "none":
+        y = y / (1 + np.exp(-y))
+    return y.astype(x.dtype, copy=False), full[:, :, full.shape[2] - (k - 1) :].copy()

@@ -1,0 +1,265 @@
+"""Pooling: MaxPool, AveragePool, LpPool, the global pools, MaxUnpool, MaxRoiPool.
+
+The windowed pools pad once and then combine one strided view per kernel tap (a 3x3 pool is nine
+vectorized ``np.maximum`` / ``np.add`` calls over the whole output), so no window tensor is built.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from tensorkiln.kernels.reference._window import Geometry, compute_dtype, geometry, pad, tap_slices
+from tensorkiln.kernels.registry import register
+
+
+def _pool_geometry(
+    x: np.ndarray, op: str, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+):
+    if x.ndim < 3:
+        raise ValueError(f"{op}: input must be (N, C, D1, ...), got shape {x.shape}")
+    if not kernel_shape:
+        raise ValueError(f"{op}: the kernel_shape attribute is required")
+    if len(kernel_shape) != x.ndim - 2:
+        raise ValueError(
+            f"{op}: kernel_shape {tuple(kernel_shape)} has {len(kernel_shape)} axes but the input "
+            f"of shape {x.shape} has {x.ndim - 2} spatial axes"
+        )
+    return geometry(x.shape[2:], kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+
+
+def _taps(xp: np.ndarray, g: Geometry) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+    """(tap, strided view of ``xp`` read by that tap for every output position)."""
+    for tap in itertools.product(*(range(k) for k in g.kernel)):
+        yield tap, xp[(Ellipsis, *tap_slices(g, tap))]
+
+
+def _lowest(dtype: np.dtype):
+    return np.iinfo(dtype).min if dtype.kind in "iu" else -np.inf
+
+
+def _tap_index(g: Geometry, tap: Sequence[int], in_sizes: Sequence[int], column_major: bool):
+    """Flat spatial index into the unpadded input of every output position for one tap."""
+    n = len(tap)
+    sizes = list(in_sizes)
+    order = range(n) if column_major else reversed(range(n))
+    strides, acc = [0] * n, 1
+    for d in order:
+        strides[d], acc = acc, acc * sizes[d]
+    index = np.zeros(g.out, dtype=np.int64)
+    for d in range(n):
+        pos = np.arange(g.out[d]) * g.strides[d] - g.begin[d] + tap[d] * g.dilations[d]
+        index += (pos * strides[d]).reshape((-1,) + (1,) * (n - 1 - d))
+    return index
+
+
+@register("MaxPool", since=1)
+def max_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    storage_order: int = 0,
+    strides: Sequence[int] | None = None,
+    _n_outputs: int = 1,
+):
+    """Max over each window; with two outputs also the flat int64 index of each maximum."""
+    g = _pool_geometry(x, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    xp = pad(x, g.begin, g.end, _lowest(x.dtype))
+    n, c = x.shape[:2]
+    if _n_outputs < 2:
+        out = None
+        for _, view in _taps(xp, g):
+            out = view.copy() if out is None else np.maximum(out, view, out=out)
+        return out
+    best = np.full((n, c, *g.out), _lowest(x.dtype), dtype=x.dtype)
+    index = np.zeros(best.shape, dtype=np.int64)
+    for tap, view in _taps(xp, g):
+        better = view > best
+        np.copyto(best, view, where=better)
+        np.copyto(index, _tap_index(g, tap, x.shape[2:], bool(storage_order)), where=better)
+    size = math.prod(x.shape[2:])
+    index += (np.arange(n * c, dtype=np.int64) * size).reshape(n, c, *([1] * len(g.out)))
+    return best, index
+
+
+def _window_sum(xp: np.ndarray, g: Geometry) -> np.ndarray:
+    out = None
+    for _, view in _taps(xp, g):
+        out = view.copy() if out is None else np.add(out, view, out=out)
+    return out
+
+
+def _window_counts(in_sizes, g: Geometry, include_pad: bool, dtype) -> np.ndarray:
+    """How many taps of each window fall on the input (and, with ``include_pad``, its pads)."""
+    n = len(in_sizes)
+    if include_pad:
+        ones = np.ones([i + b + e for i, b, e in zip(in_sizes, g.begin, g.explicit_end)], dtype)
+        mask = pad(ones, (0,) * n, [e - a for e, a in zip(g.end, g.explicit_end)])
+    else:
+        mask = pad(np.ones(in_sizes, dtype), g.begin, g.end)
+    return _window_sum(mask, g)
+
+
+@register("AveragePool", since=1)
+def average_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    count_include_pad: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Mean over each window, counting the pads or not (``count_include_pad``)."""
+    g = _pool_geometry(
+        x, "AveragePool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
+    ct = compute_dtype(x.dtype)
+    total = _window_sum(pad(x.astype(ct, copy=False), g.begin, g.end), g)
+    counts = _window_counts(x.shape[2:], g, bool(count_include_pad), ct)
+    return (total / counts).astype(x.dtype, copy=False)
+
+
+def _pow_p(x: np.ndarray, p: float) -> np.ndarray:
+    return x * x if p == 2 else np.abs(x) ** p
+
+
+def _root_p(x: np.ndarray, p: float) -> np.ndarray:
+    return np.sqrt(x) if p == 2 else x ** (1.0 / p)
+
+
+@register("LpPool", since=1)
+def lp_pool(
+    x: np.ndarray,
+    *,
+    auto_pad: str = "NOTSET",
+    ceil_mode: int = 0,
+    dilations: Sequence[int] | None = None,
+    kernel_shape: Sequence[int] | None = None,
+    p: float = 2,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """(sum over each window of |x|^p)^(1/p); pads count as zeros."""
+    g = _pool_geometry(x, "LpPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    ct = compute_dtype(x.dtype)
+    xp = pad(_pow_p(x.astype(ct, copy=False), p), g.begin, g.end)
+    return _root_p(_window_sum(xp, g), p).astype(x.dtype, copy=False)
+
+
+def _spatial_axes(x: np.ndarray, op: str) -> tuple[int, ...]:
+    if x.ndim < 2:
+        raise ValueError(f"{op}: input must be (N, C, D1, ...), got shape {x.shape}")
+    return tuple(range(2, x.ndim))
+
+
+@register("GlobalAveragePool", since=1)
+def global_average_pool(x: np.ndarray) -> np.ndarray:
+    """Mean over all spatial axes, kept as size-1 axes."""
+    axes = _spatial_axes(x, "GlobalAveragePool")
+    return np.mean(x, axis=axes, keepdims=True, dtype=compute_dtype(x.dtype)).astype(x.dtype)
+
+
+@register("GlobalMaxPool", since=1)
+def global_max_pool(x: np.ndarray) -> np.ndarray:
+    """Max over all spatial axes, kept as size-1 axes."""
+    return np.max(x, axis=_spatial_axes(x, "GlobalMaxPool"), keepdims=True)
+
+
+@register("GlobalLpPool", since=1)
+def global_lp_pool(x: np.ndarray, *, p: float = 2) -> np.ndarray:
+    """(sum over all spatial axes of |x|^p)^(1/p), kept as size-1 axes."""
+    axes = _spatial_axes(x, "GlobalLpPool")
+    xc = x.astype(compute_dtype(x.dtype), copy=False)
+    return _root_p(np.sum(_pow_p(xc, p), axis=axes, keepdims=True), p).astype(x.dtype)
+
+
+@register("MaxUnpool", since=9)
+def max_unpool(
+    x: np.ndarray,
+    indices: np.ndarray,
+    output_shape: np.ndarray | None = None,
+    *,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> np.ndarray:
+    """Scatter ``x`` to the flat positions ``indices`` (MaxPool's) of a zero tensor."""
+    if x.shape != indices.shape:
+        raise ValueError(f"MaxUnpool: X of shape {x.shape} and I of shape {indices.shape} differ")
+    if not kernel_shape:
+        raise ValueError("MaxUnpool: the kernel_shape attribute is required")
+    nsp = x.ndim - 2
+    st = list(strides or [1] * nsp)
+    pd = list(pads or [0] * (2 * nsp))
+    sp = [
+        (i - 1) * s + k - b - e
+        for i, s, k, b, e in zip(x.shape[2:], st, kernel_shape, pd[:nsp], pd[nsp:])
+    ]
+    shape = (*x.shape[:2], *sp)
+    y = np.zeros(math.prod(shape), dtype=x.dtype)
+    flat = indices.reshape(-1).astype(np.int64)
+    if flat.size and (flat.min() < 0 or flat.max() >= y.size):
+        raise ValueError(f"MaxUnpool: an index in I lies outside the output of shape {shape}")
+    y[flat] = x.reshape(-1)
+    y = y.reshape(shape)
+    if output_shape is None:
+        return y
+    # the indices address the inferred shape; output_shape only adds zeros at the ends
+    wanted = tuple(int(s) for s in np.asarray(output_shape).reshape(-1))
+    if len(wanted) != x.ndim:
+        raise ValueError(f"MaxUnpool: output_shape {wanted} must have rank {x.ndim}")
+    out = np.zeros(wanted, dtype=x.dtype)
+    common = tuple(slice(0, min(a, b)) for a, b in zip(wanted, shape))
+    out[common] = y[common]
+    return out
+
+
+def _roi_bins(start: int, size: int, pooled: int, limit: int) -> list[tuple[int, int]]:
+    """Caffe's [begin, end) of each of ``pooled`` bins over ``size`` cells from ``start``."""
+    step = size / pooled
+    bins = []
+    for i in range(pooled):
+        lo = min(max(math.floor(i * step) + start, 0), limit)
+        hi = min(max(math.ceil((i + 1) * step) + start, 0), limit)
+        bins.append((lo, hi))
+    return bins
+
+
+@register("MaxRoiPool", since=1)
+def max_roi_pool(
+    x: np.ndarray,
+    rois: np.ndarray,
+    *,
+    pooled_shape: Sequence[int] | None = None,
+    spatial_scale: float = 1.0,
+) -> np.ndarray:
+    """Max over a pooled_shape grid of bins in each region (batch, x1, y1, x2, y2)."""
+    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 5:
+        raise ValueError(
+            f"MaxRoiPool: X must be (N, C, H, W) and rois (num_rois, 5); got {x.shape}, {rois.shape}"
+        )
+    if not pooled_shape or len(pooled_shape) != 2:
+        raise ValueError("MaxRoiPool: the pooled_shape attribute (2 ints) is required")
+    ph, pw = (int(v) for v in pooled_shape)
+    height, width = x.shape[2:]
+    y = np.zeros((rois.shape[0], x.shape[1], ph, pw), dtype=x.dtype)
+    for r, roi in enumerate(rois):
+        b = int(roi[0])
+        x1, y1, x2, y2 = (round(float(v) * spatial_scale) for v in roi[1:])
+        hbins = _roi_bins(y1, max(y2 - y1 + 1, 1), ph, height)
+        wbins = _roi_bins(x1, max(x2 - x1 + 1, 1), pw, width)
+        for i, (h0, h1) in enumerate(hbins):
+            for j, (w0, w1) in enumerate(wbins):
+                if h1 > h0 and w1 > w0:
+                    y[r, :, i, j] = x[b, :, h0:h1, w0:w1].max(axis=(1, 2))
+    return y
