@@ -1,0 +1,332 @@
+"""Normalizations: BatchNormalization, InstanceNormalization, LayerNormalization,
+GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization, LRN; and Dropout.
+
+Statistics are computed in float32 (float64 for float64 inputs, or the ``stash_type`` where the op
+has one); float16/bfloat16 inputs are widened once and the result narrowed once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from onnx import helper
+
+from tensorkiln.kernels.reference._window import compute_dtype
+from tensorkiln.kernels.registry import register
+
+
+def _channel_shape(x: np.ndarray) -> tuple[int, ...]:
+    """Broadcast shape of a per-channel vector against (N, C, D1, ...)."""
+    return (-1,) + (1,) * (x.ndim - 2)
+
+
+def _param(v: np.ndarray, x: np.ndarray, what: str, op: str, ct) -> np.ndarray:
+    if v.size != x.shape[1]:
+        raise ValueError(f"{op}: {what} has {v.size} values but X has {x.shape[1]} channels")
+    return v.astype(ct, copy=False).reshape(_channel_shape(x))
+
+
+def _bn_apply(x, scale, bias, mean, var, epsilon, ct) -> np.ndarray:
+    """y = x * a + b with the per-channel a = scale / sqrt(var + eps), b = bias - mean * a."""
+    a = scale / np.sqrt(var + ct.type(epsilon))
+    y = x.astype(ct, copy=False) * a
+    y += bias - mean * a
+    return y.astype(x.dtype, copy=False)
+
+
+def _bn_params(x, scale, bias, mean, var, spatial=1):
+    ct = compute_dtype(x.dtype)
+    if not spatial and scale.size == x[0].size and x.ndim > 2:
+        return ct, [v.astype(ct, copy=False).reshape(x.shape[1:]) for v in (scale, bias, mean, var)]
+    names = ("scale", "B", "input_mean", "input_var")
+    params = [
+        _param(v, x, n, "BatchNormalization", ct) for v, n in zip((scale, bias, mean, var), names)
+    ]
+    return ct, params
+
+
+def _batch_stats(x: np.ndarray, ct, spatial: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    axes = (0,) if not spatial else (0, *range(2, x.ndim))
+    xc = x.astype(ct, copy=False)
+    mean = xc.mean(axis=axes, keepdims=True)
+    var = np.square(xc - mean).mean(axis=axes, keepdims=True)
+    return mean, var
+
+
+@register("BatchNormalization", since=1)
+def batch_normalization_legacy(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    mean: np.ndarray,
+    var: np.ndarray,
+    *,
+    consumed_inputs: Sequence[int] | None = None,
+    epsilon: float = 1e-5,
+    is_test: int = 0,
+    momentum: float = 0.9,
+    spatial: int = 1,
+    _n_outputs: int = 1,
+):
+    """Opsets 1-13: inference with one output; with several, training-mode statistics.
+
+    The outputs then are Y, the updated running mean and variance, and the batch mean and variance.
+    """
+    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
+    if _n_outputs == 1 or is_test:
+        return _bn_apply(x, s, b, m, v, epsilon, ct)
+    bm, bv = _batch_stats(x, ct, spatial)
+    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    run_m = m * ct.type(momentum) + bm * ct.type(1 - momentum)
+    run_v = v * ct.type(momentum) + bv * ct.type(1 - momentum)
+    outs = [y] + [o.reshape(mean.shape).astype(mean.dtype) for o in (run_m, run_v, bm, bv)]
+    return tuple(outs[:_n_outputs])
+
+
+@register("BatchNormalization", since=14)
+def batch_normalization(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    mean: np.ndarray,
+    var: np.ndarray,
+    *,
+    epsilon: float = 1e-5,
+    momentum: float = 0.9,
+    training_mode: int = 0,
+    _n_outputs: int = 1,
+):
+    """Normalize per channel; training_mode uses the batch statistics and also returns the
+    updated running mean and variance."""
+    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
+    if not training_mode:
+        return _bn_apply(x, s, b, m, v, epsilon, ct)
+    bm, bv = _batch_stats(x, ct)
+    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    run_m = (m * ct.type(momentum) + bm * ct.type(1 - momentum)).reshape(mean.shape)
+    run_v = (v * ct.type(momentum) + bv * ct.type(1 - momentum)).reshape(var.shape)
+    outs = (y, run_m.astype(mean.dtype), run_v.astype(var.dtype))
+    return outs[:_n_outputs] if _n_outputs > 1 else y
+
+
+def _standardize(xc: np.ndarray, axes: tuple[int, ...], epsilon: float):
+    """(x - mean) / sqrt(var + eps) over ``axes``; also returns mean and 1/sqrt(var + eps)."""
+    mean = xc.mean(axis=axes, keepdims=True)
+    centered = xc - mean
+    var = np.mean(centered * centered, axis=axes, keepdims=True)
+    inv_std = 1 / np.sqrt(var + xc.dtype.type(epsilon))
+    centered *= inv_std
+    return centered, mean, inv_std
+
+
+@register("InstanceNormalization", since=1)
+def instance_normalization(
+    x: np.ndarray, scale: np.ndarray, bias: np.ndarray, *, epsilon: float = 1e-5
+) -> np.ndarray:
+    """Normalize each (n, c) plane over its spatial axes, then scale and shift per channel."""
+    if x.ndim < 3:
+        raise ValueError(f"InstanceNormalization: X must be (N, C, D1, ...), got shape {x.shape}")
+    ct = compute_dtype(x.dtype)
+    y, _, _ = _standardize(x.astype(ct), tuple(range(2, x.ndim)), epsilon)
+    y *= _param(scale, x, "scale", "InstanceNormalization", ct)
+    y += _param(bias, x, "B", "InstanceNormalization", ct)
+    return y.astype(x.dtype, copy=False)
+
+
+def _stash_dtype(x: np.ndarray, stash_type: int) -> np.dtype:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(stash_type))
+
+
+def _axis(axis: int, rank: int, op: str) -> int:
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
+    return axis % rank
+
+
+@register("LayerNormalization", since=17)
+def layer_normalization(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray | None = None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    stash_type: int = 1,
+    _n_outputs: int = 1,
+):
+    """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
+    axis = _axis(axis, x.ndim, "LayerNormalization")
+    st = _stash_dtype(x, stash_type)
+    y, mean, inv_std = _standardize(x.astype(st), tuple(range(axis, x.ndim)), epsilon)
+    y *= scale.astype(st, copy=False)
+    if bias is not None:
+        y += bias.astype(st, copy=False)
+    y = y.astype(x.dtype, copy=False)
+    if _n_outputs == 1:
+        return y
+    return (y, mean, inv_std)[:_n_outputs]
+
+
+def _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel: bool) -> np.ndarray:
+    n, c = x.shape[:2]
+    if num_groups < 1 or c % num_groups:
+        raise ValueError(
+            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
+        )
+    want = c if per_channel else num_groups
+    if scale.size != want or bias.size != want:
+        raise ValueError(
+            f"GroupNormalization: scale and bias need {want} values, got {scale.size} and "
+            f"{bias.size}"
+        )
+    xg = x.astype(ct).reshape(n, num_groups, -1)
+    y, _, _ = _standardize(xg, (2,), epsilon)
+    rest = (1,) * (x.ndim - 2)
+    if per_channel:
+        y = y.reshape(x.shape)
+        shape = (c, *rest)
+    else:
+        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
+        shape = (num_groups, 1, *rest)
+    y *= scale.astype(ct, copy=False).reshape(shape)
+    y += bias.astype(ct, copy=False).reshape(shape)
+    return y.reshape(x.shape).astype(x.dtype, copy=False)
+
+
+@register("GroupNormalization", since=18)
+def group_normalization_18(
+    x: np.ndarray, scale: np.ndarray, bias: np.ndarray, *, epsilon: float = 1e-5, num_groups: int
+) -> np.ndarray:
+    """Opset 18: normalize each group of channels; scale and bias have one value per group."""
+    ct = compute_dtype(x.dtype)
+    return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
+
+
+@register("GroupNormalization", since=21)
+def group_normalization(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray,
+    *,
+    epsilon: float = 1e-5,
+    num_groups: int,
+    stash_type: int = 1,
+) -> np.ndarray:
+    """Opset 21: normalize each group of channels; scale and bias have one value per channel."""
+    st = _stash_dtype(x, stash_type)
+    return _group_norm(x, scale, bias, num_groups, epsilon, st, per_channel=True)
+
+
+@register("RMSNormalization", since=23)
+def rms_normalization(
+    x: np.ndarray,
+    scale: np.ndarray,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    stash_type: int = 1,
+) -> np.ndarray:
+    """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
+    axis = _axis(axis, x.ndim, "RMSNormalization")
+    st = _stash_dtype(x, stash_type)
+    xs = x.astype(st)
+    ms = np.mean(xs * xs, axis=tuple(range(axis, x.ndim)), keepdims=True)
+    xs *= 1 / np.sqrt(ms + st.type(epsilon))
+    xs *= scale.astype(st, copy=False)
+    return xs.astype(x.dtype, copy=False)
+
+
+@register("LpNormalization", since=1)
+def lp_normalization(x: np.ndarray, *, axis: int = -1, p: int = 2) -> np.ndarray:
+    """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
+    if p not in (1, 2):
+        raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
+    axis = _axis(axis, x.ndim, "LpNormalization")
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    if p == 1:
+        norm = np.sum(np.abs(xc), axis=axis, keepdims=True)
+    else:
+        norm = np.sqrt(np.sum(xc * xc, axis=axis, keepdims=True))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.where(norm == 0, 0, xc / norm)
+    return y.astype(x.dtype, copy=False)
+
+
+@register("MeanVarianceNormalization", since=9)
+def mean_variance_normalization(x: np.ndarray, *, axes: Sequence[int] = (0, 2, 3)) -> np.ndarray:
+    """(x - mean) / (sqrt(E[x^2] - mean^2) + 1e-9) over ``axes`` (the spec's function body)."""
+    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    mean = xc.mean(axis=axes, keepdims=True)
+    var = np.mean(xc * xc, axis=axes, keepdims=True) - mean * mean
+    std = np.sqrt(np.maximum(var, 0)) + ct.type(1e-9)
+    return ((xc - mean) / std).astype(x.dtype, copy=False)
+
+
+@register("LRN", since=1)
+def lrn(
+    x: np.ndarray,
+    *,
+    alpha: float = 1e-4,
+    beta: float = 0.75,
+    bias: float = 1.0,
+    size: int,
+) -> np.ndarray:
+    """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
+    if x.ndim < 3:
+        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {x.shape}")
+    if size < 1:
+        raise ValueError(f"LRN: size must be positive, got {size}")
+    ct = compute_dtype(x.dtype)
+    xc = x.astype(ct, copy=False)
+    c, lo = x.shape[1], (size - 1) // 2
+    sq = np.zeros((x.shape[0], c + size - 1, *x.shape[2:]), dtype=ct)
+    np.square(xc, out=sq[:, lo : lo + c])
+    window = sq[:, :c].copy()
+    for j in range(1, size):  # channel c sums the squares of channels c - lo .. c - lo + size - 1
+        window += sq[:, j : j + c]
+    base = ct.type(bias) + ct.type(alpha / size) * window
+    return (xc / base ** ct.type(beta)).astype(x.dtype, copy=False)
+
+
+def _dropout(x, ratio: float, training: bool, seed: int | None, n_outputs: int):
+    if not 0 <= ratio < 1:
+        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
+    if not training or ratio == 0:
+        y, mask = x, np.ones(x.shape, dtype=bool)
+    else:
+        rng = np.random.RandomState(seed) if seed is not None else np.random.RandomState()
+        mask = rng.uniform(0.0, 1.0, x.shape) >= ratio
+        y = (mask * x * (1.0 / (1.0 - ratio))).astype(x.dtype, copy=False)
+    return (y, mask) if n_outputs > 1 else y
+
+
+@register("Dropout", since=1)
+def dropout_legacy(
+    x: np.ndarray,
+    *,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
+    ratio: float = 0.5,
+    _n_outputs: int = 1,
+):
+    """Opsets 1-11: identity in inference (all-true mask); ratio is an attribute."""
+    return _dropout(x, float(ratio), False, None, _n_outputs)
+
+
+@register("Dropout", since=12)
+def dropout(
+    x: np.ndarray,
+    ratio: np.ndarray | None = None,
+    training_mode: np.ndarray | None = None,
+    *,
+    seed: int | None = None,
+    _n_outputs: int = 1,
+):
+    """Identity unless training_mode; then zero elements with probability ratio, scale the rest."""
+    r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
+    training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
+    return _dropout(x, r, training, seed, _n_outputs)
