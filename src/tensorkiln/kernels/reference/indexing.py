@@ -82,10 +82,11 @@ def _nd_index(data: np.ndarray, indices: np.ndarray, batch_dims: int, op: str):
             f"{op}: batch dimensions differ: data {data.shape[:b]} vs indices {indices.shape[:b]}"
         )
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
+    rows = int(np.prod(indices.shape[b:-1], dtype=np.int64))
     flat = data.reshape(batch, *data.shape[b:])
-    idx = indices.reshape(batch, -1, k)
+    idx = indices.reshape(batch, rows, k)
     cols = [_indices(idx[..., j], data.shape[b + j], op, b + j) for j in range(k)]
-    index = (np.arange(batch)[:, None], *cols)
+    index = (np.broadcast_to(np.arange(batch)[:, None], (batch, rows)), *cols)
     return flat, index, indices.shape[:-1]
 
 

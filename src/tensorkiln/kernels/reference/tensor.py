@@ -168,6 +168,8 @@ def split(
             )
         chunk = -(-dim // n)
         sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+    elif len(sizes) != _n_outputs:
+        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {_n_outputs} outputs")
     if sum(sizes) != dim or any(s < 0 for s in sizes):
         raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
     parts = tuple(np.split(input, np.cumsum(sizes)[:-1], axis=axis))
@@ -399,7 +401,7 @@ def range_(
     """``start + i * delta`` for i in [0, ceil((limit - start) / delta)), in start's type."""
     dtype = start.dtype
     if dtype.kind in "iu":
-        s, lim, d = int(start), int(limit), int(delta)
+        s, lim, d = (int(np.asarray(v).reshape(-1)[0]) for v in (start, limit, delta))
         if d == 0:
             raise ValueError("Range: delta is 0")
         n = max(-((s - lim) // d), 0)
