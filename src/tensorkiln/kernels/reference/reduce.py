@@ -17,14 +17,16 @@ from tensorkiln.kernels.registry import register
 Axes = tuple[int, ...]
 
 
-def _resolve_axes(
-    ndim: int, axes_in: np.ndarray | None, axes: list[int] | None, noop: int
-) -> Axes | None:
-    """Normalized axes to reduce, or None when the op is a no-op (empty axes and noop set)."""
+def _resolve_axes(ndim: int, axes_in: np.ndarray | None, axes: list[int] | None, noop: int) -> Axes:
+    """Normalized axes to reduce; () when axes are empty and noop_with_empty_axes is set.
+
+    Reducing over () still applies the op's element-wise steps: ReduceLogSum gives log(x),
+    ReduceSumSquare x * x, as the spec says.
+    """
     if axes_in is not None:
         axes = [int(a) for a in np.asarray(axes_in).reshape(-1)]
     if not axes:
-        return None if noop else tuple(range(ndim))
+        return () if noop else tuple(range(ndim))
     bad = [a for a in axes if not -ndim <= a < ndim]
     if bad:
         raise ValueError(f"axes {bad} out of range for a tensor of rank {ndim}")
@@ -44,8 +46,6 @@ def _reduction(op: str) -> Callable:
             noop_with_empty_axes: int = 0,
         ) -> np.ndarray:
             ax = _resolve_axes(data.ndim, axes_in, axes, noop_with_empty_axes)
-            if ax is None:
-                return data
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 y = core(data, ax, bool(keepdims))
             return np.asarray(y).astype(data.dtype, copy=False)
