@@ -105,13 +105,13 @@ def lookup(
     _ensure_loaded(backend)
     domain = normalize_domain(domain)
     entries = _REGISTRY.get((backend, domain, op))
-    where = f"node '{node}' " if node else ""
+    where = f"node '{node}' uses " if node else ""
     shown = domain or "ai.onnx"
     if not entries:
         known = [o for (b, d, o) in _REGISTRY if b == backend and d == domain]
         hint = difflib.get_close_matches(op, known, n=3)
         msg = (
-            f"{where}uses operator '{op}' of domain '{shown}' (opset {opset}), which the "
+            f"{where}operator '{op}' of domain '{shown}' (opset {opset}), which the "
             f"'{backend}' backend does not support."
         )
         if hint:
@@ -129,7 +129,7 @@ def lookup(
     if best is None:
         versions = ", ".join(str(e.since) for e in entries)
         raise UnsupportedOpError(
-            f"{where}uses '{op}' of domain '{shown}' at opset {opset}; the '{backend}' backend "
+            f"{where}'{op}' of domain '{shown}' at opset {opset}; the '{backend}' backend "
             f"implements it from opset(s) {versions}. Convert the model to a newer opset "
             "(onnx.version_converter) and try again."
         )

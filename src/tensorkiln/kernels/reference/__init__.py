@@ -7,13 +7,18 @@ from importlib import import_module
 
 _MODULES = (
     "elementwise",
+    "cast",
     "math",
     "reduce",
     "quant",
     "loss",
     "tensor",
+    "indexing",
     "image",
+    "detection",
     "nn",
+    "pool",
+    "norm",
     "rnn",
     "signal",
     "attention",
