@@ -37,18 +37,18 @@ def _source_coords(
 ) -> np.ndarray:
     """The input coordinate of every output position along one axis.
 
-    ``length_resized`` in the spec's formulas is ``scale * n_in`` (not rounded), as in the ONNX
-    test data and onnxruntime; it differs from ``n_out`` when scales are given. Computed in
-    float32 like onnxruntime, so that ties in nearest rounding (scale 0.7: 3.5 / 0.7 - 0.5 = 4.5)
-    break the same way.
+    ``length_resized`` in the spec's formulas is the output length ``n_out``, as in onnxruntime,
+    TensorRT and PyTorch (the ONNX reference implementation uses the unrounded ``scale * n_in``,
+    which differs when scales are given). Computed in float32 like onnxruntime, so that exact ties
+    in nearest rounding (scale 0.7: 3.5 / 0.7 - 0.5 = 4.5) break the same way.
     """
     y = np.arange(n_out, dtype=np.float32)
     scale = np.float32(scale)
-    length = scale * np.float32(n_in)
+    length = np.float32(n_out)
     if ctm == "half_pixel":
         return (y + 0.5) / scale - 0.5
     if ctm == "half_pixel_symmetric":
-        offset = n_in / 2 * (1 - n_out / length)
+        offset = n_in / 2 * (1 - length / (scale * np.float32(n_in)))
         return offset + (y + 0.5) / scale - 0.5
     if ctm == "pytorch_half_pixel":
         return (y + 0.5) / scale - 0.5 if length > 1 else np.zeros(n_out, np.float32)
