@@ -224,6 +224,10 @@ def max_unpool(
     return out
 
 
+def _round_half_away(v: float) -> int:
+    return int(math.copysign(math.floor(abs(v) + 0.5), v))
+
+
 def _roi_bins(start: int, size: int, pooled: int, limit: int) -> list[tuple[int, int]]:
     """Caffe's [begin, end) of each of ``pooled`` bins over ``size`` cells from ``start``."""
     step = size / pooled
@@ -255,7 +259,7 @@ def max_roi_pool(
     y = np.zeros((rois.shape[0], x.shape[1], ph, pw), dtype=x.dtype)
     for r, roi in enumerate(rois):
         b = int(roi[0])
-        x1, y1, x2, y2 = (round(float(v) * spatial_scale) for v in roi[1:])
+        x1, y1, x2, y2 = (_round_half_away(float(v) * spatial_scale) for v in roi[1:])
         hbins = _roi_bins(y1, max(y2 - y1 + 1, 1), ph, height)
         wbins = _roi_bins(x1, max(x2 - x1 + 1, 1), pw, width)
         for i, (h0, h1) in enumerate(hbins):
