@@ -50,13 +50,18 @@ def onnx_dtype(to: int | str) -> np.dtype:
 
 
 def _to_string(x: np.ndarray) -> np.ndarray:
-    """Numbers as their shortest round-trip text ("0.5", "INF", "-INF", "NaN")."""
-    if x.dtype.kind == "f":
-        text = np.char.upper(x.astype(np.str_))
-        text = np.where(text == "NAN", "NaN", text)
-    else:
-        text = x.astype(np.str_)
-    return text.astype(object)
+    """Numbers as text the way onnxruntime writes them: floats with 8 significant digits
+    ("0.5", "1.2345679e+08", "INF", "-INF", "NaN"), integers in full, bools as "1"/"0"."""
+    if x.dtype == np.bool_:
+        x = x.astype(np.uint8)
+    if x.dtype.kind in "iu":
+        return x.astype(np.str_).astype(object)
+    v = x.astype(np.float64)
+    text = np.char.mod("%.8g", v).astype(object)
+    text[np.isnan(v)] = "NaN"
+    text[np.isposinf(v)] = "INF"
+    text[np.isneginf(v)] = "-INF"
+    return text
 
 
 def _parse(s: str) -> float:
