@@ -229,6 +229,15 @@ def test_pad_opset11_and_attribute_form(mode):
     check_against_ort("Pad", {"x": x.astype(np.float32)}, attrs, opset=2)
 
 
+def test_pad_reflect_wider_than_axis_raises():
+    with pytest.raises(ValueError, match="reflect pads"):
+        run_kernel("Pad", {"x": rand(3, 2), "pads": i64(0, 2, 0, 0)}, {"mode": "reflect"})
+
+
+def test_squeeze_empty_axes_input_squeezes_all():
+    check_against_ort("Squeeze", {"x": rand(1, 2, 1), "axes": i64()}, opset=13)
+
+
 @pytest.mark.parametrize(
     "in_shape, target, axes",
     [

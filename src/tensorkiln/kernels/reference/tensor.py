@@ -91,8 +91,11 @@ def flatten(input: np.ndarray, *, axis: int = 1) -> np.ndarray:
 
 @register("Squeeze", since=1)
 def squeeze(data: np.ndarray, axes: np.ndarray | Sequence[int] | None = None) -> np.ndarray:
-    """Remove size-1 dimensions (``axes`` as attribute before opset 13, as input from 13)."""
-    if axes is None:
+    """Remove size-1 dimensions (``axes`` as attribute before opset 13, as input from 13).
+
+    Without axes, or with an empty axes input (as onnxruntime treats it), remove every size-1 one.
+    """
+    if axes is None or np.size(axes) == 0:
         return np.squeeze(data)
     norm = _axes(_ints(axes), data.ndim, "Squeeze")
     bad = [a for a in norm if data.shape[a] != 1]
@@ -294,6 +297,11 @@ def pad(
     for d, (b, e) in enumerate(widths):
         if (b or e) and data.shape[d] == 0:
             raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
+        if mode == "reflect" and max(b, e) >= data.shape[d]:
+            raise ValueError(
+                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
+                f"{data.shape[d]} (after negative pads crop)"
+            )
     return np.pad(data, widths, mode=_NP_PAD_MODES[mode])
 
 
