@@ -39,7 +39,6 @@ _FLOAT_TARGETS = frozenset(
         ml_dtypes.float6_e3m2fn,
     )
 )
-_INT_INPUTS = _INT_TARGETS | {np.dtype(np.int32)}
 
 
 def _broadcastable(
@@ -76,15 +75,16 @@ def _nonzero(zp: np.ndarray | None) -> bool:
 
 
 def _saturate_cast(q: np.ndarray, target: np.dtype, saturate: bool) -> np.ndarray:
-    """Round a float array to an integer or float8/6/4 target, clipping to its range."""
+    """Cast a (fresh, already rounded for integer targets) float array to ``target``, clipping
+    it in place to the target's range (float8 only when ``saturate``)."""
     if target in _INT_TARGETS:
         info = ml_dtypes.iinfo(target)
-        return np.clip(np.rint(q), info.min, info.max).astype(target)
+        return np.clip(q, info.min, info.max, out=q).astype(target)
     if q.dtype not in (np.float32, np.float64):
         q = q.astype(np.float32)
     if saturate:
         fmax = float(ml_dtypes.finfo(target).max)
-        q = np.clip(q, -fmax, fmax)
+        np.clip(q, -fmax, fmax, out=q)
     return q.astype(target)
 
 
@@ -121,11 +121,15 @@ def quantize_linear(
     scale = _broadcastable(y_scale, x.shape, axis, block_size, "y_scale")
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         q = x.astype(div, copy=False) / scale.astype(div, copy=False)
+        # Rounding and adding the zero point in float32 is exact for every integer target: float32
+        # holds all of int16/uint16, and larger values are clipped anyway.
+        q = q.astype(compute_dtype(q.dtype), copy=False)
         if target in _INT_TARGETS:
-            q = np.rint(q.astype(np.float64))
+            np.rint(q, out=q)
         if _nonzero(y_zero_point):
-            zp = _broadcastable(y_zero_point, x.shape, axis, block_size, "y_zero_point")
-            q = q + zp.astype(np.float64 if target in _INT_TARGETS else np.float32)
+            q += _broadcastable(y_zero_point, x.shape, axis, block_size, "y_zero_point").astype(
+                q.dtype
+            )
         return _saturate_cast(q, target, bool(saturate))
 
 
@@ -141,19 +145,11 @@ def dequantize_linear(
 ) -> np.ndarray:
     """y = (x - x_zero_point) * x_scale, in ``output_dtype`` (default: x_scale's type)."""
     out = np.dtype(tensor_dtype_to_np_dtype(output_dtype)) if output_dtype else x_scale.dtype
+    # float32 holds every 2-16 bit integer and float8/6/4 value exactly; int32 needs float64.
     wide = np.dtype(np.float64) if x.dtype == np.int32 else compute_dtype(out)
-    if x.dtype in _INT_INPUTS:
-        dx = x.astype(np.int64)
-        if x_zero_point is not None:
-            dx -= _broadcastable(x_zero_point, x.shape, axis, block_size, "x_zero_point").astype(
-                np.int64
-            )
-        dx = dx.astype(wide)
-    else:  # float8/6/4: the zero point is zero in practice
-        dx = x.astype(wide)
-        if _nonzero(x_zero_point):
-            zp = _broadcastable(x_zero_point, x.shape, axis, block_size, "x_zero_point")
-            dx -= zp.astype(wide)
+    dx = x.astype(wide)
+    if _nonzero(x_zero_point):  # skipped when zero, so float8's -0 stays -0
+        dx -= _broadcastable(x_zero_point, x.shape, axis, block_size, "x_zero_point").astype(wide)
     dx *= _broadcastable(x_scale, x.shape, axis, block_size, "x_scale").astype(wide)
     return dx.astype(out, copy=False)
 
