@@ -313,7 +313,15 @@ def dropout_legacy(
     ratio: float = 0.5,
     _n_outputs: int = 1,
 ):
-    """Opsets 1-11: identity in inference (all-true mask); ratio is an attribute."""
+    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
+    if _n_outputs == 1:
+        return x
+    return x, np.ones(x.shape, dtype=x.dtype)
+
+
+@register("Dropout", since=10)
+def dropout_10(x: np.ndarray, *, ratio: float = 0.5, _n_outputs: int = 1):
+    """Opsets 10-11: identity in inference; the mask is bool (all true)."""
     return _dropout(x, float(ratio), False, None, _n_outputs)
 
 
