@@ -155,7 +155,8 @@ def _arith(ctx: InferContext) -> list[Type | None]:
 
 @rule("PRelu")
 def _prelu(ctx: InferContext) -> list[Type | None]:
-    return [_t(ctx.dtype(0), _broadcast(ctx, [0, 1]))]
+    # The slope broadcasts to X (unidirectionally; per channel in opsets before 7).
+    return [ctx.type(0)]
 
 
 @rule("And", "Or", "Xor", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")

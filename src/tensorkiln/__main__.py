@@ -1,0 +1,5 @@
+"""``python -m tensorkiln`` is the ``tensorkiln`` command."""
+
+from tensorkiln.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The ``tensorkiln`` command line."""
