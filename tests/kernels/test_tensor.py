@@ -176,7 +176,7 @@ def test_slice_int64_extremes():
     check_against_ort("Slice", inputs, opset=13)
 
 
-def test_slice_v1_attributes():
+def test_slice_opset1_attributes():
     attrs = {"starts": [1, -3], "ends": [100, -1], "axes": [0, 2]}
     check_against_ort("Slice", {"x": rand(4, 5, 6)}, attrs, opset=9)
 

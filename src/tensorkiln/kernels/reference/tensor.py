@@ -74,7 +74,9 @@ def reshape(data: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.nd
 
 
 @register("Reshape", since=1)
-def reshape_v1(data: np.ndarray, *, shape: Sequence[int] = (), consumed_inputs=None) -> np.ndarray:
+def reshape_from_attribute(
+    data: np.ndarray, *, shape: Sequence[int] = (), consumed_inputs=None
+) -> np.ndarray:
     """Reshape-1: the target shape is an attribute."""
     return reshape(data, np.asarray(shape, dtype=np.int64))
 
@@ -205,7 +207,7 @@ def slice_(
 
 
 @register("Slice", since=1)
-def slice_v1(
+def slice_from_attributes(
     data: np.ndarray,
     *,
     starts: Sequence[int] = (),
@@ -241,7 +243,7 @@ def tile(input: np.ndarray, repeats: np.ndarray) -> np.ndarray:
 
 
 @register("Tile", since=1)
-def tile_v1(input: np.ndarray, tiles: np.ndarray, axis: np.ndarray) -> np.ndarray:
+def tile_one_axis(input: np.ndarray, tiles: np.ndarray, axis: np.ndarray) -> np.ndarray:
     """Tile-1: repeat ``tiles`` times along the single axis ``axis``."""
     reps = [1] * input.ndim
     reps[_axis(int(np.asarray(axis).reshape(-1)[0]), input.ndim, "Tile")] = int(
