@@ -331,3 +331,26 @@ def test_clip(bounds, dtype):
 def test_clip_legacy_attributes():
     x = _rand((4, 5))
     check_against_ort("Clip", {"X": x}, {"min": -0.5, "max": 0.75}, opset=6)
+
+
+@pytest.mark.parametrize(
+    "op,attrs,opset",
+    [("Gelu", {}, 20), ("Erf", {}, 13), ("Sigmoid", {}, 13), ("LeakyRelu", {"alpha": 0.25}, 16),
+     ("Mish", {}, 22), ("Elu", {}, 22), ("Pow3", {}, 15)],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_large_inputs_processed_in_pieces(op, attrs, opset, dtype):
+    x = _rand((301, 457), dtype, -6, 6)  # > 64K elements, not a multiple of the piece size
+    x.flat[::1000] = np.nan
+    inputs = {"X": x}
+    if op == "Pow3":
+        op, inputs = "Pow", {"X": x, "Y": np.array(3.0, dtype=dtype)}
+    tol = TOL[dtype] if dtype == np.float16 else {"rtol": 1e-5, "atol": 1e-5}
+    if dtype == np.float16 and op in ("Gelu", "Erf", "Mish", "Elu"):
+        (y,) = run_kernel(op, inputs, attrs, opset=opset)  # no float16 kernel in onnxruntime
+        (y32,) = run_ort(one_node_model(op, {"X": x.astype(np.float32)}, attrs, opset=opset),
+                         {"X": x.astype(np.float32)})  # fmt: skip
+        assert y.dtype == np.float16 and y.shape == x.shape
+        np.testing.assert_allclose(y.astype(np.float32), y32, **tol)
+        return
+    check_against_ort(op, inputs, attrs, opset=opset, **tol)
