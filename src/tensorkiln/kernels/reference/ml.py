@@ -420,19 +420,18 @@ def tree_ensemble_regressor(
     scores = _aggregate(values, has, aggregate_function)
     base = _tensor_or_list(base_values_as_tensor, base_values)
     if len(base):
-        scores = scores + base
+        # as onnxruntime: a target no reached leaf scores stays 0, without its base value
+        scores = np.where(has.any(axis=1), scores + base, 0)
     return _post_transform(scores, post_transform).astype(np.float32)
 
 
 def _binary_scores(score: np.ndarray, case: np.ndarray, post: str) -> np.ndarray:
     """Two class scores from one (onnxruntime's rule for a binary classifier scoring one class):
-    case 0/1 (weights all >= 0): [1 - s, s]; case 2: [-s, s]; case 3: [s, -s] (both
-    [logistic(-s), logistic(s)] with LOGISTIC)."""
+    [1 - s, s] when all weights are >= 0 (case 0/1), else [-s, s]; [logistic(-s), logistic(s)]
+    with LOGISTIC."""
     if post == "LOGISTIC":
         return np.stack([1 / (1 + np.exp(score)), 1 / (1 + np.exp(-score))], axis=1)
-    first = np.select([case <= 1, case == 2], [1 - score, -score], default=score)
-    second = np.select([case <= 1, case == 2], [score, score], default=-score)
-    return np.stack([first, second], axis=1)
+    return np.stack([np.where(case <= 1, 1 - score, -score), score], axis=1)
 
 
 def _classify_binary(scores, has, base, all_positive, one_class_used, post):
