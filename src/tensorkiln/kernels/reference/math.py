@@ -191,7 +191,7 @@ def _hardmax_along(x: np.ndarray, axis: int) -> np.ndarray:
 
 
 @register("Softmax", since=1)
-def softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+def softmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     """Softmax over the input coerced to 2-D at ``axis``."""
     return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
 
@@ -203,7 +203,7 @@ def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
 
 
 @register("LogSoftmax", since=1)
-def log_softmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+def log_softmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     """LogSoftmax over the input coerced to 2-D at ``axis``."""
     return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
 
@@ -215,7 +215,7 @@ def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
 
 
 @register("Hardmax", since=1)
-def hardmax_v1(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
+def hardmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
     """One-hot of the first maximum of each row of the input coerced to 2-D at ``axis``."""
     return _coerced_2d(_hardmax_along, x, axis)
 
