@@ -15,6 +15,7 @@ import traceback
 import warnings
 
 import numpy as np
+import onnx
 from onnx import helper, numpy_helper
 from onnx.backend.test.loader import load_model_tests
 
@@ -33,6 +34,11 @@ def _attrs(node):
             v = numpy_helper.to_array(v)
         out[a.name] = v
     return out
+
+
+def _np(t):
+    """ONNX's loader hands some data (float8, int4, ...) over as TensorProtos."""
+    return numpy_helper.to_array(t) if isinstance(t, onnx.TensorProto) else t
 
 
 def _compare(name, got, exp, rtol, atol):
@@ -75,6 +81,8 @@ def main(patterns: list[str]) -> int:
         try:
             entry = lookup(node.op_type, domain, opsets.get(domain, 1))
             for inputs, outputs in case.data_sets:
+                inputs = [_np(t) for t in inputs]
+                outputs = [_np(t) for t in outputs]
                 feeds = dict(zip([i.name for i in graph.input], inputs))
                 args = [feeds[n] if n else None for n in node.input]
                 kwargs = _attrs(node)
