@@ -92,7 +92,8 @@ def main(patterns: list[str]) -> int:
                 if not isinstance(res, tuple):
                     res = (res,)
                 for i, exp in enumerate(outputs):
-                    _compare(f"{case.name} output {i}", res[i], exp, case.rtol, case.atol)
+                    pos = list(node.output).index(graph.output[i].name)
+                    _compare(f"{case.name} output {i}", res[pos], exp, case.rtol, case.atol)
             passed += 1
         except Exception as exc:  # report and go on
             failed += 1
