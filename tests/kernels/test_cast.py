@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-import tensorkiln.kernels.reference.cast  # noqa: F401  (registers the kernels)
 from tests.kernels.ort_oracle import check_against_ort, one_node_model, run_kernel, run_ort
 
 NUMERIC = {
