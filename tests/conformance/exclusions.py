@@ -7,11 +7,32 @@ _ALIGN_CORNERS = (
     "scale * input_length; the spec (and onnxruntime, TensorRT, PyTorch) divides by the output "
     "length - 1, as our Resize does"
 )
+_RANDOM = (
+    "Bernoulli draws random numbers: ONNX generates the expected values with an unseeded "
+    "numpy generator each time the suite loads, so no implementation can reproduce them; "
+    "tests/kernels/test_random.py checks shapes, dtypes, seeding and the distribution instead"
+)
 
 # pattern -> why it is excluded
 EXCLUSIONS: dict[str, str] = {
     r"^test_resize_downsample_scales_linear_align_corners_": _ALIGN_CORNERS,
     r"^test_resize_downsample_scales_cubic_align_corners_": _ALIGN_CORNERS,
+    r"^test_bernoulli(_double|_seed)?(_expanded)?_": _RANDOM,
+    r"^test_attention_4d_causal_fp16_expanded_": (
+        "the expected data multiplies float16 matrices with numpy's float16 matmul, which "
+        "rounds every partial sum to float16; our MatMul accumulates float16 products in float32 "
+        "(as cuBLAS and onnxruntime do), which is more accurate and differs by one float16 step "
+        "in 2 of 192 elements. The single-node test_attention_4d_causal_fp16 passes"
+    ),
+    r"^test_loop16_seq_none_": (
+        "ONNX's test runner raises TypeError comparing a sequence whose first element is a 0-d "
+        "tensor (onnx/backend/test/runner: len() of an unsized array); our output equals the "
+        "expected one element by element, checked in tests/kernels/test_control.py"
+    ),
+    r"^test_gradient_of_add(_and_mul)?_": (
+        "ai.onnx.preview.training Gradient needs automatic differentiation of the graph, "
+        "which an inference runtime does not do"
+    ),
 }
 
 EXCLUDED = list(EXCLUSIONS)
