@@ -31,8 +31,4 @@ _MODULES = (
 )
 
 for _name in _MODULES:
-    try:
-        import_module(f"{__name__}.{_name}")
-    except ModuleNotFoundError as exc:  # a module not written yet
-        if exc.name != f"{__name__}.{_name}":
-            raise
+    import_module(f"{__name__}.{_name}")
