@@ -33,3 +33,11 @@ class InputError(TensorkilnError):
 
 class KernelError(TensorkilnError):
     """A kernel failed while running a node; the message names the node."""
+
+
+class EngineFormatError(TensorkilnError):
+    """An engine file is damaged, truncated or not an engine at all."""
+
+
+class EngineCompatibilityError(TensorkilnError):
+    """An intact engine built for another backend, device or tensorkiln version."""

@@ -8,6 +8,7 @@ a subgraph sees the values of the scope that runs it.
 
 from __future__ import annotations
 
+import time
 from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,9 +58,14 @@ class Executor:
         self._plans[id(graph)] = plan
         return plan
 
-    def run(self, feeds: Mapping[Value, Any]) -> list[Any]:
-        """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order."""
-        return Scope(self, {}).run_graph(self.graph, [feeds[v] for v in self.graph.inputs])
+    def run(self, feeds: Mapping[Value, Any], timings: dict[str, float] | None = None) -> list[Any]:
+        """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order.
+
+        With ``timings``, each top-level node's seconds are added under its name (a node's
+        subgraphs count towards it).
+        """
+        scope = Scope(self, {})
+        return scope.run_graph(self.graph, [feeds[v] for v in self.graph.inputs], timings)
 
 
 class Scope:
@@ -71,7 +77,9 @@ class Scope:
         self.executor = executor
         self.env = env
 
-    def run_graph(self, graph: Graph, inputs: list[Any]) -> list[Any]:
+    def run_graph(
+        self, graph: Graph, inputs: list[Any], timings: dict[str, float] | None = None
+    ) -> list[Any]:
         """Run ``graph`` binding ``inputs`` positionally to its inputs; returns its outputs."""
         if len(inputs) > len(graph.inputs):
             raise KernelError(
@@ -82,7 +90,13 @@ class Scope:
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
         for step in self.executor._plan(graph):
-            _run_step(step, env, inner)
+            if timings is None:
+                _run_step(step, env, inner)
+            else:
+                t0 = time.perf_counter()
+                _run_step(step, env, inner)
+                name = step.node.name
+                timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
             for v in step.free:
                 local.pop(v, None)
         try:

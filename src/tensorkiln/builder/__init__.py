@@ -1,0 +1,14 @@
+"""The builder: model in, engine out."""
+
+from tensorkiln.builder.builder import Builder, BuildReport
+from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
+from tensorkiln.builder.memory import MemoryPlan, plan_memory
+
+__all__ = [
+    "BuildReport",
+    "Builder",
+    "BuilderConfig",
+    "MemoryPlan",
+    "OptimizationProfile",
+    "plan_memory",
+]

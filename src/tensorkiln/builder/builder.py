@@ -1,0 +1,231 @@
+"""The Builder: model in, Engine out (TensorRT's IBuilder, in Python).
+
+Phases: parse (import + shape inference), optimize (graph passes, by optimization level), tactics
+(choose each layer's implementation and precision), memory (plan the activation arena). Each phase
+is timed for the build report; a progress bar shows in a terminal.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import onnx
+
+from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
+from tensorkiln.builder.memory import plan_memory
+from tensorkiln.engine.engine import Engine, target_of
+from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.frontends.onnx import import_onnx, load_model_proto
+from tensorkiln.ir import Graph, TensorType
+from tensorkiln.kernels.registry import lookup
+
+
+@dataclass
+class BuildReport:
+    """What a build did: per-phase seconds, layers with their implementation, the memory plan."""
+
+    phases: dict[str, float] = field(default_factory=dict)
+    layers: list[dict] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        lines = [f"layers: {len(self.layers)}"]
+        lines += [f"{name}: {secs * 1e3:.1f} ms" for name, secs in self.phases.items()]
+        if self.memory:
+            lines.append(
+                f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "
+                f"{self.memory['naive_bytes']:,} bytes"
+            )
+        return "\n".join(lines)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+class Builder:
+    """Builds engines for one backend: 'reference' (numpy, any CPU), 'cuda', or 'auto'."""
+
+    def __init__(self, backend: str = "auto") -> None:
+        if backend not in ("auto", "reference", "cuda"):
+            raise InputError(f"unknown backend '{backend}'; choose auto, reference or cuda")
+        if backend == "auto":
+            backend = "reference"  # the cuda backend is not implemented yet
+        elif backend == "cuda":
+            raise InputError(
+                "the cuda backend is not available in this version of tensorkiln; use "
+                "backend='reference' (or 'auto')"
+                + ("" if _cuda_available() else "; this machine also has no CUDA device")
+            )
+        self.backend = backend
+        self.last_report: BuildReport | None = None
+
+    def create_builder_config(self) -> BuilderConfig:
+        return BuilderConfig()
+
+    def create_optimization_profile(self) -> OptimizationProfile:
+        return OptimizationProfile()
+
+    def build(
+        self,
+        model: str | os.PathLike | bytes | onnx.ModelProto,
+        config: BuilderConfig | None = None,
+        *,
+        progress: bool | None = None,
+    ) -> Engine:
+        """Build an engine from an ONNX model (path, bytes or ModelProto)."""
+        config = config or BuilderConfig()
+        config.validate()
+        report = BuildReport()
+        with _Progress(progress) as bar:
+            with _phase(report, "parse", bar):
+                source_bytes, source_name = _source_bytes(model)
+                graph = import_onnx(model, backend=self.backend)
+                _check_profiles(graph, config.profiles)
+            with _phase(report, "optimize", bar):
+                graph = optimize(graph, config.optimization_level)
+            with _phase(report, "tactics", bar):
+                report.layers = _choose_tactics(graph, self.backend)
+            with _phase(report, "memory", bar):
+                report.memory = plan_memory(graph, _plan_symbols(graph, config.profiles)).to_json()
+        self.last_report = report
+        return Engine(
+            graph,
+            backend=self.backend,
+            profiles=config.profiles,
+            layers=report.layers,
+            memory=report.memory,
+            source={
+                "name": source_name,
+                "sha256": hashlib.sha256(source_bytes).hexdigest(),
+            },
+            source_model=source_bytes if config.embed_source else None,
+            build={"config": config.to_json(), "phases_s": report.phases},
+            target=target_of(self.backend),
+        )
+
+
+def optimize(graph: Graph, level: int) -> Graph:
+    """Graph optimization passes for ``level`` (0 = none). The pass pipeline plugs in here."""
+    return graph
+
+
+def _source_bytes(model: Any) -> tuple[bytes, str]:
+    if isinstance(model, onnx.ModelProto):
+        return model.SerializeToString(), "model.onnx"
+    if isinstance(model, bytes | bytearray):
+        return bytes(model), "model.onnx"
+    path = Path(model)
+    proto = load_model_proto(path)  # validates and pulls external data in
+    return proto.SerializeToString(), path.name
+
+
+def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
+    inputs = {v.name: v for v in graph.inputs}
+    for i, p in enumerate(profiles):
+        for name, (lo, _, hi) in p.shapes.items():
+            v = inputs.get(name)
+            if v is None:
+                raise InputError(
+                    f"profile {i} names '{name}', which is not an input; inputs are "
+                    f"{', '.join(inputs)}"
+                )
+            if v.shape is None:
+                continue
+            if len(v.shape) != len(lo):
+                raise InputError(
+                    f"profile {i} gives '{name}' rank {len(lo)}; the model declares {list(v.shape)}"
+                )
+            for axis, (d, a, b) in enumerate(zip(v.shape, lo, hi)):
+                if isinstance(d, int) and not a == b == d:
+                    raise InputError(
+                        f"profile {i}: '{name}' axis {axis} is fixed at {d} in the model, but "
+                        f"the profile gives {a}..{b}"
+                    )
+
+
+def _plan_symbols(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, int]:
+    """Symbol sizes to plan memory for: the largest any profile allows (1 without profiles)."""
+    symbols: dict[str, int] = {}
+    for p in profiles:
+        for v in graph.inputs:
+            if v.name not in p.shapes or v.shape is None:
+                continue
+            for d, hi in zip(v.shape, p.shapes[v.name][2]):
+                if isinstance(d, str):
+                    symbols[d] = max(symbols.get(d, 1), hi)
+    for v in graph.inputs:
+        for d in v.shape or ():
+            if isinstance(d, str):
+                symbols.setdefault(d, 1)
+    return symbols
+
+
+def _choose_tactics(graph: Graph, backend: str) -> list[dict]:
+    layers = []
+    for n in graph.nodes:
+        entry = lookup(n.op, n.domain, graph.opset(n.domain), backend, node=n.name)
+        out = n.outputs[0] if n.outputs else None
+        t = out.type if out is not None else None
+        precision = t.dtype.short if isinstance(t, TensorType) and t.dtype is not None else "-"
+        layers.append(
+            {
+                "name": n.name,
+                "op": f"{n.domain}.{n.op}" if n.domain else n.op,
+                "impl": f"{backend}:{entry.fn.__module__.rsplit('.', 1)[-1]}.{entry.fn.__name__}",
+                "precision": precision,
+                "inputs": [v.name if v is not None else "" for v in n.inputs],
+                "outputs": [v.name if v is not None else "" for v in n.outputs],
+            }
+        )
+    return layers
+
+
+@contextmanager
+def _phase(report: BuildReport, name: str, bar: Any):
+    t0 = time.perf_counter()
+    try:
+        yield
+    except TensorkilnError:
+        raise
+    finally:
+        report.phases[name] = time.perf_counter() - t0
+        bar.advance(name)
+
+
+class _Progress:
+    """A rich progress bar over the build phases, shown only in a terminal."""
+
+    PHASES = 4
+
+    def __init__(self, enabled: bool | None) -> None:
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._progress = None
+
+    def __enter__(self) -> _Progress:
+        if self.enabled:
+            from rich.progress import Progress
+
+            self._progress = Progress(transient=True)
+            self._progress.__enter__()
+            self._task = self._progress.add_task("building", total=self.PHASES)
+        return self
+
+    def advance(self, name: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, advance=1, description=f"building: {name} done")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._progress is not None:
+            self._progress.__exit__(*exc)

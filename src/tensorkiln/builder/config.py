@@ -1,0 +1,96 @@
+"""What a build is asked to do: precisions, shape profiles, optimization level, limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorkiln.errors import InputError
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+LOG_LEVELS = ("error", "warning", "info", "verbose")
+
+
+@dataclass
+class OptimizationProfile:
+    """min/opt/max shapes per dynamic input (TensorRT's IOptimizationProfile).
+
+    The engine accepts any input shape between ``min`` and ``max`` (per axis); ``opt`` is the shape
+    kernels are tuned for.
+    """
+
+    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
+        default_factory=dict
+    )
+
+    def set_shape(self, name: str, min: Any, opt: Any, max: Any) -> OptimizationProfile:
+        lo, mid, hi = (tuple(int(d) for d in s) for s in (min, opt, max))
+        if not len(lo) == len(mid) == len(hi):
+            raise InputError(
+                f"profile for '{name}': min {lo}, opt {mid} and max {hi} differ in rank"
+            )
+        for axis, (a, b, c) in enumerate(zip(lo, mid, hi)):
+            if not 0 <= a <= b <= c:
+                raise InputError(
+                    f"profile for '{name}' axis {axis}: need 0 <= min <= opt <= max, got "
+                    f"{a}, {b}, {c}"
+                )
+        self.shapes[name] = (lo, mid, hi)
+        return self
+
+    def to_json(self) -> dict:
+        return {
+            k: {"min": list(a), "opt": list(b), "max": list(c)}
+            for k, (a, b, c) in self.shapes.items()
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> OptimizationProfile:
+        p = cls()
+        for name, s in data.items():
+            p.set_shape(name, s["min"], s["opt"], s["max"])
+        return p
+
+
+@dataclass
+class BuilderConfig:
+    """Build options. Precision flags are recorded now and honoured by the GPU backend."""
+
+    precisions: set[str] = field(default_factory=lambda: {"fp32"})
+    profiles: list[OptimizationProfile] = field(default_factory=list)
+    timing_cache: str | None = None
+    optimization_level: int = 3
+    memory_limit: int | None = None
+    log_level: str = "warning"
+    embed_source: bool = False
+
+    def set_flag(self, precision: str) -> None:
+        """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8'."""
+        if precision not in PRECISIONS:
+            raise InputError(
+                f"unknown precision '{precision}'; choose from {', '.join(PRECISIONS)}"
+            )
+        self.precisions.add(precision)
+
+    def add_optimization_profile(self, profile: OptimizationProfile) -> int:
+        self.profiles.append(profile)
+        return len(self.profiles) - 1
+
+    def validate(self) -> None:
+        for p in self.precisions:
+            if p not in PRECISIONS:
+                raise InputError(f"unknown precision '{p}'; choose from {', '.join(PRECISIONS)}")
+        if not 0 <= self.optimization_level <= 5:
+            raise InputError(f"optimization level must be 0..5, got {self.optimization_level}")
+        if self.memory_limit is not None and self.memory_limit <= 0:
+            raise InputError(f"memory limit must be positive, got {self.memory_limit}")
+        if self.log_level not in LOG_LEVELS:
+            raise InputError(f"log level must be one of {', '.join(LOG_LEVELS)}")
+
+    def to_json(self) -> dict:
+        return {
+            "precisions": sorted(self.precisions),
+            "optimization_level": self.optimization_level,
+            "memory_limit": self.memory_limit,
+            "timing_cache": self.timing_cache,
+        }

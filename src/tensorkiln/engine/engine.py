@@ -1,0 +1,273 @@
+"""The Engine: an optimized graph bound to a backend, with its profiles, layers and memory plan.
+
+An engine is built once (:class:`tensorkiln.builder.Builder`), saved to one file, loaded many times,
+and runs through execution contexts (:meth:`Engine.create_execution_context`).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import tensorkiln
+from tensorkiln.builder.config import OptimizationProfile
+from tensorkiln.engine import format as fmt
+from tensorkiln.engine.serialize import graph_from_json, graph_to_json
+from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
+from tensorkiln.ir import Graph, TensorType
+from tensorkiln.ir.verify import verify
+
+BACKENDS = ("reference", "cuda")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An engine input or output: name, dtype, shape (str dims are dynamic), profile ranges."""
+
+    name: str
+    dtype: str | None
+    shape: tuple[int | str, ...] | None
+    is_input: bool
+    ranges: tuple[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]], ...] = ()
+
+    def __str__(self) -> str:
+        shape = "?" if self.shape is None else "x".join(str(d) for d in self.shape)
+        return f"{'input ' if self.is_input else 'output'} {self.name}: {self.dtype} [{shape}]"
+
+
+def target_of(backend: str) -> dict[str, Any]:
+    """What an engine for ``backend`` is bound to on this machine."""
+    if backend == "reference":
+        return {"device": "cpu", "machine": platform.machine(), "numpy": np.__version__}
+    import torch  # the cuda backend needs torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+    }
+
+
+class Engine:
+    """A built model. Create with a Builder or :meth:`load`; run with execution contexts."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        *,
+        backend: str,
+        profiles: list[OptimizationProfile] | None = None,
+        layers: list[dict] | None = None,
+        memory: dict | None = None,
+        source: dict | None = None,
+        source_model: bytes | None = None,
+        build: dict | None = None,
+        target: dict | None = None,
+    ) -> None:
+        self.graph = graph
+        self.backend = backend
+        self.profiles = list(profiles or [])
+        self.layers = list(layers or [])
+        self.memory = dict(memory or {})
+        self.source = dict(source or {})
+        self.source_model = source_model
+        self.build = dict(build or {})
+        self.target = dict(target or target_of(backend))
+        self.tensorkiln_version = tensorkiln.__version__
+
+    # ------------------------------------------------------------------ description
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        return [self._spec(v, True) for v in self.graph.inputs]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        return [self._spec(v, False) for v in self.graph.outputs]
+
+    def _spec(self, v: Any, is_input: bool) -> TensorSpec:
+        t = v.type
+        dtype = t.dtype.name if isinstance(t, TensorType) and t.dtype is not None else None
+        shape = tuple(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
+        ranges = (
+            tuple(p.shapes[v.name] for p in self.profiles if v.name in p.shapes) if is_input else ()
+        )
+        return TensorSpec(v.name, dtype, shape, is_input, ranges)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.graph.nodes)
+
+    def create_execution_context(self, profile_index: int = 0) -> Any:
+        """A context with its own activation memory; several may run at once from threads."""
+        from tensorkiln.runtime.context import ExecutionContext
+
+        return ExecutionContext(self, profile_index)
+
+    # ------------------------------------------------------------------ files
+    def _plan(self) -> tuple[dict, dict[str, np.ndarray]]:
+        graph_json, tensors, _ = graph_to_json(self.graph)
+        if self.source_model is not None:
+            tensors["source/model.onnx"] = np.frombuffer(self.source_model, dtype=np.uint8)
+        plan = {
+            "format_version": fmt.FORMAT_VERSION,
+            "tensorkiln_version": self.tensorkiln_version,
+            "backend": self.backend,
+            "target": self.target,
+            "io": {
+                "inputs": [_spec_json(s) for s in self.inputs],
+                "outputs": [_spec_json(s) for s in self.outputs],
+            },
+            "profiles": [p.to_json() for p in self.profiles],
+            "layers": self.layers,
+            "memory": self.memory,
+            "source": {**self.source, "embedded": self.source_model is not None},
+            "build": self.build,
+            "graph": graph_json,
+        }
+        return plan, tensors
+
+    def serialize(self) -> bytes:
+        plan, tensors = self._plan()
+        return fmt.encode(plan, tensors)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the engine to one file (weights in safetensors, plan as JSON; no pickle)."""
+        plan, tensors = self._plan()
+        fmt.write(path, plan, tensors)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Engine:
+        """Read and validate an engine file; raises EngineFormatError / EngineCompatibilityError."""
+        path = Path(path)
+        plan, tensors = fmt.read(path)
+        return _from_plan(plan, tensors, f"'{path}'")
+
+    @classmethod
+    def deserialize(cls, data: bytes) -> Engine:
+        plan, tensors = fmt.decode(data)
+        return _from_plan(plan, tensors, "engine")
+
+    def __repr__(self) -> str:
+        return f"Engine({self.graph.name!r}, backend={self.backend!r}, {self.num_layers} layers)"
+
+
+def _spec_json(s: TensorSpec) -> dict:
+    return {"name": s.name, "dtype": s.dtype, "shape": None if s.shape is None else list(s.shape)}
+
+
+def _rebuild_hint(plan: dict, where: str) -> str:
+    src = plan.get("source") if isinstance(plan.get("source"), dict) else {}
+    if src.get("embedded"):
+        return f"Rebuild it here with `tensorkiln build --from-engine {where.strip(chr(39))} -o NEW.engine`."
+    name = src.get("name") or "model.onnx"
+    return f"Rebuild it from its model with `tensorkiln build {name} -o NEW.engine`."
+
+
+def _check_compatible(plan: dict, where: str) -> str:
+    version = plan.get("tensorkiln_version")
+    backend = plan.get("backend")
+    if not isinstance(version, str) or not isinstance(backend, str):
+        raise EngineFormatError(f"{where}: the plan lacks its version or backend")
+    if backend not in BACKENDS:
+        raise EngineFormatError(f"{where}: unknown backend '{backend}' in the plan")
+    hint = _rebuild_hint(plan, where)
+    if version != tensorkiln.__version__:
+        raise EngineCompatibilityError(
+            f"{where} was built by tensorkiln {version}; this is tensorkiln {tensorkiln.__version__}. {hint}"
+        )
+    target = plan.get("target")
+    if not isinstance(target, dict):
+        raise EngineFormatError(f"{where}: the plan lacks its target")
+    if backend == "cuda":
+        try:
+            here = target_of("cuda")
+        except Exception:  # no torch or no GPU here
+            raise EngineCompatibilityError(
+                f"{where} was built for the GPU ({target.get('device')}, compute capability "
+                f"{target.get('compute_capability')}); this machine has no usable CUDA device. {hint}"
+            ) from None
+        for key in ("device", "compute_capability"):
+            if target.get(key) != here[key]:
+                raise EngineCompatibilityError(
+                    f"{where} was built for {key} {target.get(key)!r}; this machine has "
+                    f"{here[key]!r}. {hint}"
+                )
+    return backend
+
+
+def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
+    backend = _check_compatible(plan, where)
+    source_model = tensors.pop("source/model.onnx", None)
+    try:
+        graph, _ = graph_from_json(plan.get("graph"), tensors)
+        verify(graph)
+        profiles = [OptimizationProfile.from_json(p) for p in _list(plan, "profiles", where)]
+        engine = Engine(
+            graph,
+            backend=backend,
+            profiles=profiles,
+            layers=_list(plan, "layers", where),
+            memory=_dict(plan, "memory", where),
+            source=_dict(plan, "source", where),
+            source_model=None if source_model is None else source_model.tobytes(),
+            build=_dict(plan, "build", where),
+            target=_dict(plan, "target", where),
+        )
+        _check_io(engine, plan, where)
+        from tensorkiln.runtime.executor import check_supported
+
+        check_supported(graph, backend)
+    except (EngineFormatError, EngineCompatibilityError):
+        raise
+    except TensorkilnError as exc:
+        raise EngineFormatError(f"{where}: the engine's graph is invalid: {exc}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        raise EngineFormatError(
+            f"{where}: the plan is damaged ({type(exc).__name__}: {exc})"
+        ) from None
+    return engine
+
+
+def _list(plan: dict, key: str, where: str) -> list:
+    v = plan.get(key)
+    if not isinstance(v, list):
+        raise EngineFormatError(f"{where}: the plan's '{key}' is missing or not a list")
+    return v
+
+
+def _dict(plan: dict, key: str, where: str) -> dict:
+    v = plan.get(key)
+    if not isinstance(v, dict):
+        raise EngineFormatError(f"{where}: the plan's '{key}' is missing or not an object")
+    return v
+
+
+def _check_io(engine: Engine, plan: dict, where: str) -> None:
+    io = _dict(plan, "io", where)
+    for kind, specs in (("inputs", engine.inputs), ("outputs", engine.outputs)):
+        declared = io.get(kind)
+        if not isinstance(declared, list) or [
+            d.get("name") for d in declared if isinstance(d, dict)
+        ] != [s.name for s in specs]:
+            raise EngineFormatError(f"{where}: the plan's {kind} do not match its graph")
+        for d, s in zip(declared, specs):
+            if d.get("dtype") != s.dtype:
+                raise EngineFormatError(
+                    f"{where}: {kind[:-1]} '{s.name}' is declared {d.get('dtype')} but the graph has {s.dtype}"
+                )
+    if len(engine.layers) != len(engine.graph.nodes):
+        raise EngineFormatError(
+            f"{where}: the plan lists {len(engine.layers)} layers for {len(engine.graph.nodes)} nodes"
+        )
+    names = {v.name for v in engine.graph.inputs}
+    for p in engine.profiles:
+        unknown = set(p.shapes) - names
+        if unknown:
+            raise EngineFormatError(f"{where}: a profile names unknown inputs {sorted(unknown)}")

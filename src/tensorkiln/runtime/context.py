@@ -1,0 +1,147 @@
+"""ExecutionContext: one stream of inference on an engine, with its own activation memory.
+
+Several contexts can run the same engine from different threads at once: each has its own executor
+state, the engine's graph and weights are only read.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.errors import InputError
+from tensorkiln.ir import Graph, TensorType
+from tensorkiln.ir.infer import infer_shapes
+from tensorkiln.runtime.executor import Executor
+from tensorkiln.runtime.io import bind_inputs
+
+
+class ExecutionContext:
+    """Runs an engine: ``with engine.create_execution_context() as ctx: ctx.infer(feeds)``."""
+
+    def __init__(self, engine: Any, profile_index: int = 0) -> None:
+        if engine.profiles and not 0 <= profile_index < len(engine.profiles):
+            raise InputError(
+                f"profile index {profile_index} is out of range; the engine has "
+                f"{len(engine.profiles)} profile(s)"
+            )
+        self.engine = engine
+        self.profile_index = profile_index
+        self.profile = engine.profiles[profile_index] if engine.profiles else None
+        self._executor = Executor(engine.graph, engine.backend)
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._out_cache: dict[tuple, dict[str, tuple[int, ...] | None]] = {}
+        self.last_compute_s = 0.0
+
+    # -------------------------------------------------------------- shapes
+    def set_input_shape(self, name: str, shape: Any) -> None:
+        """Declare the shape of input ``name`` for the next runs; checked against the profile."""
+        spec = {s.name: s for s in self.engine.inputs}.get(name)
+        if spec is None:
+            raise InputError(
+                f"unknown input '{name}'; the engine's inputs are "
+                f"{', '.join(repr(s.name) for s in self.engine.inputs)}"
+            )
+        shape = tuple(int(d) for d in shape)
+        self._check_shape(name, spec.shape, shape)
+        self._shapes[name] = shape
+
+    def _check_shape(self, name: str, declared: Any, shape: tuple[int, ...]) -> None:
+        if declared is not None:
+            if len(declared) != len(shape):
+                raise InputError(
+                    f"input '{name}' has rank {len(declared)}, got shape {list(shape)}"
+                )
+            for axis, (d, s) in enumerate(zip(declared, shape)):
+                if isinstance(d, int) and d != s:
+                    raise InputError(
+                        f"input '{name}' axis {axis} is fixed at {d}, got shape {list(shape)}"
+                    )
+        if self.profile is not None and name in self.profile.shapes:
+            lo, _, hi = self.profile.shapes[name]
+            if len(lo) != len(shape) or any(not a <= s <= b for a, s, b in zip(lo, shape, hi)):
+                raise InputError(
+                    f"input '{name}' shape {list(shape)} is outside optimization profile "
+                    f"{self.profile_index}: min {list(lo)}, max {list(hi)}. Rebuild the engine with "
+                    "a profile that covers it (--min-shapes/--max-shapes)."
+                )
+
+    def get_tensor_shape(self, name: str) -> tuple[int, ...] | None:
+        """The shape of an input (as set) or of an output (inferred from the inputs' shapes).
+
+        An output whose size depends on input values (NonZero, ...) has -1 in those axes.
+        """
+        if name in self._shapes:
+            return self._shapes[name]
+        outputs = self._output_shapes()
+        if name not in outputs:
+            raise InputError(f"'{name}' is not an input or output of this engine")
+        return outputs[name]
+
+    def _output_shapes(self) -> dict[str, tuple[int, ...] | None]:
+        missing = [s.name for s in self.engine.inputs if s.name not in self._shapes]
+        fixed = {
+            s.name: s.shape
+            for s in self.engine.inputs
+            if s.name in missing
+            and s.shape is not None
+            and all(isinstance(d, int) for d in s.shape)
+        }
+        still = [m for m in missing if m not in fixed]
+        if still:
+            raise InputError(
+                f"set the shape of input(s) {', '.join(still)} first (set_input_shape)"
+            )
+        shapes = {**fixed, **self._shapes}
+        key = tuple(sorted(shapes.items()))
+        if key not in self._out_cache:
+            self._out_cache[key] = _infer_output_shapes(self.engine.graph, shapes)
+        return self._out_cache[key]
+
+    # -------------------------------------------------------------- running
+    def infer(
+        self, feeds: Mapping[str, Any], *, layer_times: dict[str, float] | None = None
+    ) -> dict[str, np.ndarray]:
+        """Run on ``feeds`` (name -> numpy array); returns output name -> array.
+
+        ``layer_times``, when given, receives each layer's seconds (added up over calls).
+        :attr:`last_compute_s` holds the time spent running layers in the last call, the rest of
+        the call being host-side work (input checks, output gathering).
+        """
+        bound = bind_inputs(self.engine.graph, feeds)
+        for v, arr in bound.items():
+            if isinstance(arr, np.ndarray):
+                self._check_shape(v.name, v.shape, arr.shape)
+        t0 = time.perf_counter()
+        results = self._executor.run(bound, layer_times)
+        self.last_compute_s = time.perf_counter() - t0
+        return {v.name: r for v, r in zip(self.engine.graph.outputs, results)}
+
+    def __enter__(self) -> ExecutionContext:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict:
+    """Output shapes for concrete input shapes, by shape inference on a copy of the graph."""
+    shared: dict[int, Any] = {}  # weights are shared with the engine, not copied
+    graphs = {id(graph): graph} | {id(g): g for g, _ in graph.walk()}
+    for sub in graphs.values():
+        for v in sub.initializers:
+            shared[id(v.const)] = v.const
+    g = copy.deepcopy(graph, shared)
+    for v in g.inputs:
+        if v.name in shapes and isinstance(v.type, TensorType):
+            v.type = TensorType(v.type.dtype, shapes[v.name])
+    infer_shapes(g)
+    out = {}
+    for v in g.outputs:
+        s = v.shape
+        out[v.name] = None if s is None else tuple(d if isinstance(d, int) else -1 for d in s)
+    return out
