@@ -65,7 +65,7 @@ def encode(plan: dict[str, Any], tensors: dict[str, np.ndarray]) -> bytes:
     table = {}
     stored = {}
     for key, arr in tensors.items():
-        arr = np.ascontiguousarray(arr)
+        arr = np.asarray(arr, order="C")  # keeps 0-d (ascontiguousarray makes it 1-d)
         table[key] = {
             "dtype": DType.from_numpy(arr.dtype).name,
             "shape": list(arr.shape),

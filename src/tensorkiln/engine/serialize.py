@@ -37,7 +37,7 @@ class _Writer:
         arr = np.asarray(arr)
         if arr.dtype == object:
             return {"strings": [str(s) for s in arr.reshape(-1)], "shape": list(arr.shape)}
-        self.tensors[key] = np.ascontiguousarray(arr)
+        self.tensors[key] = np.asarray(arr, order="C")  # keeps 0-d arrays 0-d
         return {"tensor": key}
 
     def graph(self, g: Graph, path: str) -> dict:
