@@ -77,6 +77,13 @@ class ExecutionContext:
         """
         if name in self._shapes:
             return self._shapes[name]
+        spec = {s.name: s for s in self.engine.inputs}.get(name)
+        if (
+            spec is not None
+            and spec.shape is not None
+            and all(isinstance(d, int) for d in spec.shape)
+        ):
+            return tuple(spec.shape)  # a fixed input needs no set_input_shape
         outputs = self._output_shapes()
         if name not in outputs:
             raise InputError(f"'{name}' is not an input or output of this engine")
