@@ -1,0 +1,217 @@
+"""``tensorkiln build``: ONNX model (or an engine's embedded model) in, engine file out."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tensorkiln.cli.common import (
+    CLIError,
+    add_subcommand,
+    byte_count,
+    existing_file,
+    is_engine_file,
+    mib,
+    parse_shapes,
+    print_table,
+)
+from tensorkiln.errors import InputError
+
+EPILOG = """examples:
+  tensorkiln build model.onnx -o model.engine
+  tensorkiln build model.onnx -o model.engine --fp16 --shapes input:8x3x224x224
+  tensorkiln build model.onnx -o model.engine \\
+      --min-shapes input:1x3x224x224 --opt-shapes input:8x3x224x224 --max-shapes input:32x3x224x224
+  tensorkiln build model.onnx -o model.engine --embed-source     # rebuildable later
+  tensorkiln build --from-engine old.engine -o new.engine        # rebuild for this machine
+
+--shapes fixes dynamic inputs (min = opt = max); --min/--opt/--max-shapes give a range
+(--opt-shapes alone also fixes a shape). Precision flags are recorded in the engine and honoured
+by the GPU backend; the CPU reference backend computes in the model's own types.
+"""
+
+PRECISION_FLAGS = ("tf32", "fp16", "bf16", "int8", "fp8")
+
+
+def add_parser(sub: Any) -> None:
+    p = add_subcommand(sub, "build", "optimize an ONNX model and write an engine file", EPILOG)
+    p.add_argument("model", nargs="?", help="the .onnx model (omit with --from-engine)")
+    p.add_argument("-o", "--output", required=True, metavar="ENGINE", help="engine file to write")
+    for name in PRECISION_FLAGS:
+        p.add_argument(f"--{name}", action="store_true", help=f"allow {name} kernels")
+    p.add_argument("--best", action="store_true", help="allow every precision")
+    p.add_argument(
+        "--shapes", metavar="SHAPES", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128"
+    )
+    p.add_argument("--min-shapes", metavar="SHAPES", help="smallest shapes the engine accepts")
+    p.add_argument("--opt-shapes", metavar="SHAPES", help="shapes to tune kernels for")
+    p.add_argument("--max-shapes", metavar="SHAPES", help="largest shapes the engine accepts")
+    p.add_argument("--timing-cache", metavar="FILE", help="timing cache to read and update")
+    p.add_argument(
+        "--opt-level",
+        type=int,
+        choices=range(6),
+        default=None,
+        metavar="N",
+        help="graph optimization level 0..5 (default 3; 0 = no graph passes)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=byte_count,
+        metavar="BYTES",
+        help="activation memory limit, e.g. 268435456, 256M or 2G",
+    )
+    p.add_argument(
+        "--embed-source",
+        action="store_true",
+        help="store the ONNX model in the engine so it can be rebuilt (--from-engine)",
+    )
+    p.add_argument(
+        "--from-engine",
+        metavar="ENGINE",
+        help="rebuild from the model embedded in ENGINE (which may come from another machine "
+        "or version); keeps its profiles and settings unless flags override them",
+    )
+    p.set_defaults(handler=run_build)
+
+
+def profiles_from_args(args: argparse.Namespace) -> list[Any]:
+    """Zero or one OptimizationProfile from --shapes and --min/--opt/--max-shapes."""
+    from tensorkiln.builder import OptimizationProfile
+
+    fixed = parse_shapes(args.shapes, "--shapes")
+    lo = parse_shapes(args.min_shapes, "--min-shapes")
+    mid = parse_shapes(args.opt_shapes, "--opt-shapes")
+    hi = parse_shapes(args.max_shapes, "--max-shapes")
+    if not (fixed or lo or mid or hi):
+        return []
+    profile = OptimizationProfile()
+    for name, shape in fixed.items():
+        if name in lo or name in mid or name in hi:
+            raise InputError(
+                f"input '{name}' is in --shapes and in --min/--opt/--max-shapes; give one"
+            )
+        profile.set_shape(name, shape, shape, shape)
+    for name in dict.fromkeys([*lo, *mid, *hi]):
+        if name not in lo and name not in hi:  # --opt-shapes alone: a fixed shape
+            lo[name] = hi[name] = mid[name]
+        if name not in lo or name not in hi:
+            raise InputError(
+                f"input '{name}' needs both --min-shapes and --max-shapes (or --opt-shapes alone)"
+            )
+        profile.set_shape(name, lo[name], mid.get(name, hi[name]), hi[name])
+    return [profile]
+
+
+def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
+    """The ONNX bytes embedded in an engine, and its plan, without checking it can run here.
+
+    Goes through the container reader (magic, format version, checksums) and skips the engine's
+    compatibility checks, so an engine built for another device or tensorkiln version still yields
+    its model.
+    """
+    import tensorkiln.builder  # noqa: F401  (first: tensorkiln.engine alone hits an import cycle)
+    from tensorkiln.engine import format as fmt
+
+    p = existing_file(path)
+    plan, tensors = fmt.read(p)
+    source = tensors.get("source/model.onnx")
+    if source is None:
+        name = (plan.get("source") or {}).get("name") or "its ONNX model"
+        raise CLIError(
+            f"'{p}' does not embed its source model (it was built without --embed-source); "
+            f"rebuild from {name} instead"
+        )
+    return source.tobytes(), plan
+
+
+def _config(args: argparse.Namespace, plan: dict | None) -> Any:
+    from tensorkiln.builder import BuilderConfig, OptimizationProfile
+
+    old = (plan or {}).get("build", {}).get("config", {}) if plan else {}
+    config = BuilderConfig()
+    wanted = set(PRECISION_FLAGS) if args.best else {n for n in PRECISION_FLAGS if getattr(args, n)}
+    for precision in wanted or set(old.get("precisions", ())):
+        config.set_flag(precision)
+    profiles = profiles_from_args(args)
+    if not profiles and plan:
+        profiles = [OptimizationProfile.from_json(p) for p in plan.get("profiles", [])]
+    for profile in profiles:
+        config.add_optimization_profile(profile)
+    # flags given now win; otherwise a rebuild keeps the old engine's settings
+    config.optimization_level = _first(args.opt_level, old.get("optimization_level"), 3)
+    config.timing_cache = _first(args.timing_cache, old.get("timing_cache"))
+    config.memory_limit = _first(args.memory_limit, old.get("memory_limit"))
+    config.embed_source = args.embed_source or plan is not None
+    return config
+
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
+
+
+def run_build(args: argparse.Namespace) -> int:
+    from tensorkiln.builder import Builder
+
+    if (args.model is None) == (args.from_engine is None):
+        raise CLIError("give either an ONNX model or --from-engine ENGINE (one of them)")
+    plan = None
+    with tempfile.TemporaryDirectory(prefix="tensorkiln-") as tmp:
+        if args.from_engine is not None:
+            source, plan = read_embedded_source(args.from_engine)
+            # a file under the original name keeps the engine's source name and checksum
+            name = Path((plan.get("source") or {}).get("name") or "model.onnx").name
+            model = Path(tmp) / name
+            model.write_bytes(source)
+        else:
+            model = existing_file(args.model)
+            if is_engine_file(model):
+                raise CLIError(
+                    f"'{model}' is an engine, not an ONNX model; to rebuild it use "
+                    f"`tensorkiln build --from-engine {model} -o NEW.engine`"
+                )
+        config = _config(args, plan)
+        builder = Builder()
+        t0 = time.perf_counter()
+        engine = builder.build(model, config)
+        total = time.perf_counter() - t0
+    try:
+        engine.save(args.output)
+    except OSError as exc:
+        raise CLIError(f"cannot write '{args.output}': {exc.strerror or exc}") from None
+    _print_report(args, engine, builder.last_report, total, config)
+    return 0
+
+
+def _print_report(
+    args: argparse.Namespace, engine: Any, report: Any, total: float, config: Any
+) -> None:
+    src = args.from_engine or args.model
+    print(f"built {src} -> {args.output} in {total * 1e3:.1f} ms (backend {engine.backend})")
+    print(
+        f"layers: {len(report.layers)}   precisions allowed: {', '.join(sorted(config.precisions))}"
+    )
+    for i, p in enumerate(config.profiles):
+        for name, (lo, mid, hi) in p.shapes.items():
+            print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
+    print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
+    mem = report.memory
+    if mem:
+        naive, peak = mem["naive_bytes"], mem["peak_bytes"]
+        saved = f" ({1 - peak / naive:.0%} less)" if naive else ""
+        print(
+            f"activation memory: planned peak {peak:,} bytes ({mib(peak)}), naive sum "
+            f"{naive:,} bytes ({mib(naive)}){saved}"
+        )
+        if mem.get("dynamic"):
+            print(f"dynamic buffers (sized at run time): {len(mem['dynamic'])}")
+        if config.memory_limit is not None and peak > config.memory_limit:
+            print(
+                f"warning: the planned peak {peak:,} bytes exceeds --memory-limit "
+                f"{config.memory_limit:,} bytes"
+            )
+    if config.embed_source:
+        print("source model embedded (rebuild with --from-engine)")

@@ -1,0 +1,304 @@
+"""``tensorkiln run``: time an engine (or an ONNX model built in memory), trtexec style."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.cli.common import (
+    add_subcommand,
+    check_feed_names,
+    input_shapes,
+    load_inputs,
+    load_or_build,
+    non_negative,
+    parse_shapes,
+    percentiles,
+    print_table,
+    random_inputs,
+    save_npz,
+    shape_str,
+    write_text,
+)
+
+EPILOG = """examples:
+  tensorkiln run model.engine
+  tensorkiln run model.onnx --shapes input:8x3x224x224 --iterations 100
+  tensorkiln run model.engine --load-inputs in.npz --save-outputs out.npz
+  tensorkiln run model.engine --duration 10 --percentile 50,99,99.9 --json
+  tensorkiln run model.engine --dump-profile --export-times times.json
+
+Timing follows trtexec: --warmup seconds of untimed runs, then at least --iterations runs and at
+least --duration seconds (default: 10 runs and 3 s; giving only --iterations runs exactly that
+many). Latency is the host-measured time of each call; compute is the time spent running layers;
+host is the rest (input checks, binding, output gathering). Random inputs are standard normal
+floats, integers in 0..9 and random booleans; dynamic dims come from --shapes, else the engine's
+profile (opt shape), else 1.
+"""
+
+DEFAULT_ITERATIONS = 10
+DEFAULT_DURATION_S = 3.0
+
+
+def add_parser(sub: Any) -> None:
+    p = add_subcommand(sub, "run", "run an engine or an ONNX model and report its speed", EPILOG)
+    p.add_argument("model", help="an engine file, or an .onnx model (built in memory first)")
+    p.add_argument("--shapes", help="input shapes, e.g. input:1x3x224x224,mask:1x128")
+    p.add_argument("--load-inputs", metavar="NPZ", help="inputs from an .npz file (by name)")
+    p.add_argument(
+        "--save-outputs", metavar="NPZ", help="write the last run's outputs to an .npz file"
+    )
+    p.add_argument(
+        "--iterations",
+        type=non_negative(int),
+        metavar="N",
+        help=f"run at least N timed iterations (default {DEFAULT_ITERATIONS})",
+    )
+    p.add_argument(
+        "--duration",
+        type=non_negative(float),
+        metavar="S",
+        help=f"run for at least S seconds (default {DEFAULT_DURATION_S:g} unless --iterations is given)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=non_negative(float),
+        default=0.2,
+        metavar="S",
+        help="untimed runs for S seconds first (default 0.2)",
+    )
+    p.add_argument(
+        "--percentile",
+        type=percentiles,
+        default=[90.0, 95.0, 99.0],
+        metavar="P,P",
+        help="latency percentiles to report (default 90,95,99)",
+    )
+    p.add_argument("--seed", type=int, help="seed for the random inputs")
+    p.add_argument("--export-times", metavar="JSON", help="write each iteration's timings as JSON")
+    p.add_argument(
+        "--dump-profile",
+        action="store_true",
+        help="per-layer times (from a separate profiling run of as many iterations)",
+    )
+    p.add_argument("--json", action="store_true", help="print all results as one JSON object")
+    p.set_defaults(handler=run_run)
+
+
+@dataclass
+class Timings:
+    start_s: list[float] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)
+    warmup_runs: int = 0
+    wall_s: float = 0.0
+
+    def host_s(self) -> list[float]:
+        return [max(t - c, 0.0) for t, c in zip(self.latency_s, self.compute_s)]
+
+
+def measure(
+    ctx: Any, feeds: dict, warmup_s: float, iterations: int, duration_s: float
+) -> tuple[Timings, dict]:
+    """Warm up, then run until both ``iterations`` and ``duration_s`` are reached (at least once)."""
+    t = Timings()
+    outputs: dict = {}
+    end = time.perf_counter() + warmup_s
+    while warmup_s > 0 and time.perf_counter() < end:
+        outputs = ctx.infer(feeds)
+        t.warmup_runs += 1
+    begin = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        outputs = ctx.infer(feeds)
+        t1 = time.perf_counter()
+        t.start_s.append(t0 - begin)
+        t.latency_s.append(t1 - t0)
+        t.compute_s.append(ctx.last_compute_s)
+        if len(t.latency_s) >= iterations and t1 - begin >= duration_s:
+            break
+    t.wall_s = time.perf_counter() - begin
+    return t, outputs
+
+
+def stats_ms(seconds: list[float], pcts: list[float]) -> dict[str, float]:
+    a = np.asarray(seconds) * 1e3
+    out = {
+        "min": float(a.min()),
+        "mean": float(a.mean()),
+        "median": float(np.median(a)),
+        "max": float(a.max()),
+    }
+    for p in pcts:
+        out[f"p{p:g}"] = float(np.percentile(a, p))
+    return out
+
+
+def profile_layers(ctx: Any, engine: Any, feeds: dict, runs: int) -> list[dict]:
+    """Per-layer totals over ``runs`` iterations, slowest first."""
+    times: dict[str, float] = {}
+    for _ in range(runs):
+        ctx.infer(feeds, layer_times=times)
+    ops = {n.name: (f"{n.domain}.{n.op}" if n.domain else n.op) for n in engine.graph.nodes}
+    total = sum(times.values()) or 1.0
+    rows = [
+        {
+            "name": name,
+            "op": ops.get(name, "?"),
+            "total_ms": secs * 1e3,
+            "average_ms": secs * 1e3 / runs,
+            "percent": 100.0 * secs / total,
+        }
+        for name, secs in times.items()
+    ]
+    return sorted(rows, key=lambda r: -r["total_ms"])
+
+
+def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
+    if args.iterations is None and args.duration is None:
+        return DEFAULT_ITERATIONS, DEFAULT_DURATION_S
+    return max(args.iterations or 1, 1), args.duration or 0.0
+
+
+def run_run(args: argparse.Namespace) -> int:
+    shapes = parse_shapes(args.shapes)
+    loaded = load_or_build(args.model, shapes)
+    engine = loaded.engine
+    note = sys.stderr if args.json else sys.stdout
+    if loaded.built is not None:
+        print(
+            f"built {loaded.path.name} in memory ({len(loaded.built.layers)} layers, "
+            f"{loaded.build_s * 1e3:.1f} ms); save an engine with `tensorkiln build` to skip this",
+            file=note,
+        )
+    if args.load_inputs:
+        feeds = load_inputs(args.load_inputs)
+        check_feed_names(engine, feeds, f"'{args.load_inputs}'")
+        origin = args.load_inputs
+    else:
+        feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed)
+        origin = "random"
+    iterations, duration = _iterations_and_duration(args)
+    with engine.create_execution_context() as ctx:
+        for name, arr in feeds.items():
+            ctx.set_input_shape(name, np.shape(arr))  # a clear error for shapes outside the profile
+        timings, outputs = measure(ctx, feeds, args.warmup, iterations, duration)
+        profile = (
+            profile_layers(ctx, engine, feeds, len(timings.latency_s))
+            if args.dump_profile
+            else None
+        )
+    result = _result(args, loaded, feeds, origin, outputs, timings, profile)
+    if args.save_outputs:
+        save_npz(args.save_outputs, outputs)
+    if args.export_times:
+        write_text(args.export_times, json.dumps(_per_iteration(timings), indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_text(args, result)
+    return 0
+
+
+def _result(
+    args: argparse.Namespace,
+    loaded: Any,
+    feeds: dict,
+    origin: str,
+    outputs: dict,
+    timings: Timings,
+    profile: list[dict] | None,
+) -> dict:
+    n = len(timings.latency_s)
+    result = {
+        "model": str(loaded.path),
+        "built_in_memory": loaded.built is not None,
+        "backend": loaded.engine.backend,
+        "inputs": {
+            k: {"dtype": str(np.asarray(v).dtype), "shape": list(np.shape(v))}
+            for k, v in feeds.items()
+        },
+        "input_source": origin,
+        "outputs": {
+            k: {"dtype": str(np.asarray(v).dtype), "shape": list(np.shape(v))}
+            for k, v in outputs.items()
+        },
+        "warmup_s": args.warmup,
+        "warmup_runs": timings.warmup_runs,
+        "iterations": n,
+        "wall_s": timings.wall_s,
+        "throughput_qps": n / timings.wall_s if timings.wall_s > 0 else float("inf"),
+        "latency_ms": stats_ms(timings.latency_s, args.percentile),
+        "compute_ms": stats_ms(timings.compute_s, args.percentile),
+        "host_ms": stats_ms(timings.host_s(), args.percentile),
+    }
+    if profile is not None:
+        result["profile"] = profile
+    if args.save_outputs:
+        result["outputs_saved_to"] = args.save_outputs
+    if args.export_times:
+        result["times_exported_to"] = args.export_times
+    return result
+
+
+def _per_iteration(t: Timings) -> list[dict]:
+    return [
+        {
+            "start_ms": s * 1e3,
+            "latency_ms": lat * 1e3,
+            "compute_ms": c * 1e3,
+            "host_ms": h * 1e3,
+        }
+        for s, lat, c, h in zip(t.start_s, t.latency_s, t.compute_s, t.host_s())
+    ]
+
+
+def _print_text(args: argparse.Namespace, r: dict) -> None:
+    print(f"model: {r['model']}  backend: {r['backend']}")
+    for name, spec in r["inputs"].items():
+        print(f"input  {name}: {spec['dtype']} {shape_str(spec['shape'])} ({r['input_source']})")
+    for name, spec in r["outputs"].items():
+        print(f"output {name}: {spec['dtype']} {shape_str(spec['shape'])}")
+    print(
+        f"warmup: {r['warmup_runs']} runs in {r['warmup_s']:g} s; timed: {r['iterations']} "
+        f"iterations in {r['wall_s']:.3f} s"
+    )
+    print(f"throughput: {r['throughput_qps']:.2f} qps")
+    keys = list(r["latency_ms"])
+    print_table(
+        ["ms", *keys],
+        [
+            [label, *(f"{r[key][k]:.4f}" for k in keys)]
+            for label, key in (
+                ("latency", "latency_ms"),
+                ("compute", "compute_ms"),
+                ("host", "host_ms"),
+            )
+        ],
+    )
+    if "profile" in r:
+        print()
+        print_table(
+            ["layer", "op", "total ms", "average ms", "percent"],
+            [
+                [
+                    p["name"],
+                    p["op"],
+                    f"{p['total_ms']:.4f}",
+                    f"{p['average_ms']:.4f}",
+                    f"{p['percent']:.1f}%",
+                ]
+                for p in r["profile"]
+            ],
+            title=f"per-layer profile ({r['iterations']} iterations)",
+        )
+    if args.save_outputs:
+        print(f"outputs saved to {args.save_outputs}")
+    if args.export_times:
+        print(f"per-iteration times written to {args.export_times}")
