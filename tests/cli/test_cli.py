@@ -1,4 +1,4 @@
-"""The `tensorkiln` command: outputs match the model, user errors exit non-zero with one message."""
+"""The `tensorkiln` command as a whole: entry points, help, ops, and one-line user errors."""
 
 from __future__ import annotations
 
@@ -6,90 +6,94 @@ import subprocess
 import sys
 
 import numpy as np
-import onnx
-from onnx import TensorProto, helper, numpy_helper
+import pytest
 
-from tensorkiln.cli.main import main
+from tests.cli.helpers import FAST, assert_one_line_error
 
-
-def _model(tmp_path):
-    rng = np.random.default_rng()
-    w = rng.standard_normal((4, 3)).astype(np.float32)
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 3])
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "g",
-        [x],
-        [y],
-        initializer=[numpy_helper.from_array(w, "w")],
-    )
-    path = tmp_path / "m.onnx"
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
-    return path, w
+COMMANDS = ["build", "run", "inspect", "compare", "ops"]
 
 
-def test_run_with_inputs_and_outputs_files(tmp_path, capsys):
-    path, w = _model(tmp_path)
-    x = np.random.default_rng().standard_normal((5, 4)).astype(np.float32)
-    np.savez(tmp_path / "in.npz", x=x)
-    rc = main(
-        [
-            "run",
-            str(path),
-            "--load-inputs",
-            str(tmp_path / "in.npz"),
-            "--save-outputs",
-            str(tmp_path / "out.npz"),
-            "--iterations",
-            "3",
-        ]
-    )
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert "latency ms" in out and "median" in out and "output y: float32 [5, 3]" in out
-    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], x @ w, rtol=1e-5)
-
-
-def test_run_random_inputs_with_shapes(tmp_path, capsys):
-    path, _ = _model(tmp_path)
-    assert main(["run", str(path), "--shapes", "x:7x4", "--iterations", "2"]) == 0
-    assert "output y: float32 [7, 3]" in capsys.readouterr().out
-
-
-def test_user_errors_exit_1_with_one_line(tmp_path, capsys):
-    path, _ = _model(tmp_path)
-    cases = [
-        ["run", str(tmp_path / "missing.onnx")],
-        ["run", str(path), "--shapes", "x:7x5"],
-        ["run", str(path), "--shapes", "nope:1x4"],
-        ["run", str(path), "--shapes", "garbage"],
-        ["run", str(path), "--load-inputs", str(tmp_path / "none.npz")],
-        ["inspect", str(tmp_path / "missing.onnx")],
-    ]
-    for argv in cases:
-        assert main(argv) == 1, argv
-        err = capsys.readouterr().err
-        assert err.startswith("tensorkiln: error: ") and "Traceback" not in err, argv
-
-
-def test_inspect_and_ops(tmp_path, capsys):
-    path, _ = _model(tmp_path)
-    assert main(["inspect", str(path)]) == 0
-    assert "%y: f32[N,3] = MatMul(%x, %w)" in capsys.readouterr().out
-    assert main(["ops"]) == 0
-    out = capsys.readouterr().out
-    assert "ai.onnx\tConv" in out and "ai.onnx\tMatMul" in out
-
-
-def test_module_entry_point_and_bad_flag():
+def test_module_entry_point_runs_and_rejects_unknown_flags():
     proc = subprocess.run(
         [sys.executable, "-m", "tensorkiln", "run", "m.onnx", "--bogus"],
         capture_output=True,
         text=True,
     )
-    assert proc.returncode == 2 and "unrecognized arguments" in proc.stderr
+    assert proc.returncode == 2
+    assert_one_line_error(proc.returncode, proc.stderr, code=2)
+    assert "unrecognized arguments: --bogus" in proc.stderr
     proc = subprocess.run(
         [sys.executable, "-m", "tensorkiln", "--help"], capture_output=True, text=True
     )
-    assert proc.returncode == 0 and "run" in proc.stdout
+    assert proc.returncode == 0
+    assert all(c in proc.stdout for c in COMMANDS)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help_with_examples(cli, command):
+    rc, out, _ = cli(command, "--help")
+    assert rc == 0
+    assert "examples:" in out and f"tensorkiln {command}" in out
+
+
+def test_ops_lists_the_reference_kernels(cli):
+    rc, out, err = cli("ops")
+    assert rc == 0 and "ai.onnx\tConv" in out and "ai.onnx\tMatMul" in out
+    assert "operators" in err
+    rc, out, _ = cli("ops", "--domain", "ai.onnx.ml")
+    assert rc == 0 and "TreeEnsembleClassifier" in out and "\tConv\n" not in out
+
+
+def test_usage_errors_exit_2_with_one_line(cli, mlp, tmp_path):
+    cases = [
+        ["run", mlp, "--iterations", "many"],
+        ["run", mlp, "--warmup", "-1"],
+        ["run", mlp, "--percentile", "90,101"],
+        ["build", mlp],  # no -o
+        ["build", mlp, "-o", tmp_path / "e", "--opt-level", "9"],
+        ["build", mlp, "-o", tmp_path / "e", "--memory-limit", "lots"],
+        ["compare", mlp, "--atol", "x"],
+        ["frobnicate"],
+    ]
+    for argv in cases:
+        rc, _, err = cli(*argv)
+        assert_one_line_error(rc, err, code=2)
+
+
+def test_user_errors_exit_1_with_one_line(cli, mlp, tmp_path):
+    np.savez(tmp_path / "wrong.npz", z=np.zeros((2, 4), np.float32))
+    (tmp_path / "junk.engine").write_bytes(b"TKENGINE" + b"\0" * 10)
+    cases = [
+        ["run", tmp_path / "missing.onnx"],
+        ["run", mlp, "--shapes", "x:7x5"],
+        ["run", mlp, "--shapes", "nope:1x4"],
+        ["run", mlp, "--shapes", "garbage"],
+        ["run", mlp, "--shapes", "x:2xA"],
+        ["run", mlp, "--load-inputs", tmp_path / "none.npz"],
+        ["run", mlp, "--load-inputs", tmp_path / "wrong.npz"],
+        ["run", mlp, "--load-inputs", mlp],  # not an npz
+        ["run", mlp, *FAST, "--save-outputs", tmp_path / "no" / "dir" / "out.npz"],
+        ["run", tmp_path / "junk.engine"],
+        ["inspect", tmp_path / "missing.onnx"],
+        ["inspect", tmp_path / "junk.engine"],
+        ["build", mlp, "-o", tmp_path / "no" / "dir" / "m.engine"],
+    ]
+    for argv in cases:
+        rc, _, err = cli(*argv)
+        assert_one_line_error(rc, err)
+
+
+def test_verbose_before_or_after_the_command_shows_the_traceback(cli, tmp_path):
+    for argv in (
+        ["--verbose", "run", tmp_path / "x.onnx"],
+        ["run", tmp_path / "x.onnx", "--verbose"],
+    ):
+        rc, _, err = cli(*argv)
+        assert rc == 1 and "Traceback" in err and err.strip().endswith("does not exist")
+
+
+def test_wrong_input_dtype_names_the_input(cli, mlp, tmp_path):
+    np.savez(tmp_path / "in.npz", x=np.zeros((2, 4), np.float64))
+    rc, _, err = cli("run", mlp, "--load-inputs", tmp_path / "in.npz")
+    assert_one_line_error(rc, err)
+    assert "'x'" in err and "float64" in err

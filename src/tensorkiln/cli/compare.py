@@ -17,6 +17,7 @@ from tensorkiln.cli.common import (
     input_shapes,
     load_inputs,
     load_or_build,
+    non_negative,
     parse_shapes,
     print_table,
     random_inputs,
@@ -46,13 +47,13 @@ def add_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--atol",
-        type=float,
+        type=non_negative(float),
         default=DEFAULT_ATOL,
         help=f"absolute tolerance (default {DEFAULT_ATOL:g})",
     )
     p.add_argument(
         "--rtol",
-        type=float,
+        type=non_negative(float),
         default=DEFAULT_RTOL,
         help=f"relative tolerance (default {DEFAULT_RTOL:g})",
     )

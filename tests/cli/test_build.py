@@ -1,0 +1,133 @@
+"""`tensorkiln build`: engines from ONNX models, profiles from shape flags, rebuilds from engines."""
+
+from __future__ import annotations
+
+import numpy as np
+
+import tensorkiln.builder  # noqa: F401  (tensorkiln.engine cannot be imported first: import cycle)
+from tensorkiln.engine import Engine
+from tensorkiln.engine import format as fmt
+from tests.cli.helpers import assert_one_line_error, ort_outputs
+
+
+def test_build_writes_an_engine_and_reports_phases_and_memory(cli, mlp, tmp_path):
+    engine = tmp_path / "mlp.engine"
+    rc, out, err = cli("build", mlp, "-o", engine, "--shapes", "x:5x4")
+    assert rc == 0, err
+    assert "layers: 4" in out
+    for phase in ("parse", "optimize", "tactics", "memory"):
+        assert phase in out
+    assert "planned peak" in out and "naive sum" in out
+    assert "profile 0: x min [5, 4] opt [5, 4] max [5, 4]" in out
+    e = Engine.load(engine)
+    assert [layer["name"] for layer in e.layers] == ["fc1", "bias1", "act1", "fc2"]
+    assert e.profiles[0].shapes["x"] == ((5, 4), (5, 4), (5, 4))
+    x = np.random.default_rng().standard_normal((5, 4)).astype(np.float32)
+    got = e.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_shape_ranges_precisions_and_settings_are_recorded(cli, mlp, tmp_path):
+    engine = tmp_path / "mlp.engine"
+    rc, _, err = cli(
+        "build", mlp, "-o", engine, "--best", "--opt-level", "0", "--memory-limit", "64K",
+        "--min-shapes", "x:1x4", "--opt-shapes", "x:4x4", "--max-shapes", "x:16x4",
+        "--timing-cache", tmp_path / "cache.json",
+    )  # fmt: skip
+    assert rc == 0, err
+    e = Engine.load(engine)
+    assert e.profiles[0].shapes["x"] == ((1, 4), (4, 4), (16, 4))
+    config = e.build["config"]
+    assert config["precisions"] == ["bf16", "fp16", "fp32", "fp8", "int8", "tf32"]
+    assert config["optimization_level"] == 0 and config["memory_limit"] == 64 << 10
+    assert config["timing_cache"].endswith("cache.json")
+    rc, _, _ = cli("build", mlp, "-o", engine, "--fp16", "--int8")
+    assert sorted(Engine.load(engine).build["config"]["precisions"]) == ["fp16", "fp32", "int8"]
+
+
+def test_memory_limit_below_the_plan_warns(cli, mlp, tmp_path):
+    rc, out, _ = cli(
+        "build", mlp, "-o", tmp_path / "e", "--shapes", "x:64x4", "--memory-limit", "1"
+    )
+    assert rc == 0 and "warning: the planned peak" in out
+
+
+def test_bad_shape_flags_are_one_line_errors(cli, mlp, tmp_path):
+    out = tmp_path / "e"
+    cases = [
+        ["--shapes", "x:2x4", "--min-shapes", "x:1x4", "--max-shapes", "x:4x4"],
+        ["--min-shapes", "x:1x4"],
+        ["--min-shapes", "x:4x4", "--max-shapes", "x:2x4"],
+        ["--shapes", "x:2x5"],  # axis 1 is fixed at 4
+        ["--shapes", "y:2x3"],  # not an input
+    ]
+    for flags in cases:
+        rc, _, err = cli("build", mlp, "-o", out, *flags)
+        assert_one_line_error(rc, err)
+    assert not out.exists()
+
+
+def test_model_and_from_engine_exclude_each_other(cli, mlp, tmp_path):
+    engine = tmp_path / "e.engine"
+    assert cli("build", mlp, "-o", engine)[0] == 0
+    for argv in (
+        ["build", "-o", tmp_path / "n"],
+        ["build", mlp, "--from-engine", engine, "-o", tmp_path / "n"],
+    ):
+        assert_one_line_error(*cli(*argv)[::2])
+    rc, _, err = cli("build", engine, "-o", tmp_path / "n")
+    assert_one_line_error(rc, err)
+    assert "--from-engine" in err
+
+
+def _as_if_from_elsewhere(src, dst):
+    """Rewrite an engine as if an older tensorkiln had built it for a GPU this machine lacks."""
+    plan, tensors = fmt.read(src)
+    plan = {k: v for k, v in plan.items() if k != "tensors"}
+    plan.update(
+        tensorkiln_version="0.0.1",
+        backend="cuda",
+        target={"device": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0"},
+    )
+    fmt.write(dst, plan, tensors)
+    return dst
+
+
+def test_from_engine_rebuilds_an_engine_from_another_machine(cli, mlp, tmp_path):
+    original = tmp_path / "orig.engine"
+    rc, _, err = cli(
+        "build", mlp, "-o", original, "--embed-source", "--fp16",
+        "--min-shapes", "x:1x4", "--opt-shapes", "x:2x4", "--max-shapes", "x:8x4",
+    )  # fmt: skip
+    assert rc == 0, err
+    foreign = _as_if_from_elsewhere(original, tmp_path / "foreign.engine")
+    rc, _, err = cli("run", foreign)
+    assert_one_line_error(rc, err)
+    assert "--from-engine" in err
+
+    rebuilt = tmp_path / "rebuilt.engine"
+    rc, out, err = cli("build", "--from-engine", foreign, "-o", rebuilt)
+    assert rc == 0, err
+    assert "source model embedded" in out
+    old, new = Engine.load(original), Engine.load(rebuilt)
+    assert new.source == old.source  # same name and sha256
+    assert new.profiles[0].shapes == old.profiles[0].shapes  # settings carried over
+    assert "fp16" in new.build["config"]["precisions"]
+    x = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
+    a = old.create_execution_context().infer({"x": x})["y"]
+    b = new.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_from_engine_without_embedded_source_says_so(cli, mlp, tmp_path):
+    engine = tmp_path / "e.engine"
+    assert cli("build", mlp, "-o", engine)[0] == 0
+    rc, _, err = cli(
+        "build",
+        "--from-engine",
+        _as_if_from_elsewhere(engine, tmp_path / "f"),
+        "-o",
+        tmp_path / "n",
+    )
+    assert_one_line_error(rc, err)
+    assert "--embed-source" in err and "mlp.onnx" in err

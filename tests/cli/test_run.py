@@ -1,0 +1,165 @@
+"""`tensorkiln run`: outputs match onnxruntime, shapes within profiles, statistics and profiles."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.cli.helpers import FAST, assert_one_line_error, ort_outputs, two_io_model
+
+STAT_KEYS = {"min", "mean", "median", "max"}
+
+
+@pytest.fixture
+def dynamic_engine(cli, mlp, tmp_path):
+    engine = tmp_path / "dyn.engine"
+    rc, _, err = cli(
+        "build",
+        mlp,
+        "-o",
+        engine,
+        "--min-shapes",
+        "x:1x4",
+        "--opt-shapes",
+        "x:4x4",
+        "--max-shapes",
+        "x:8x4",
+    )
+    assert rc == 0, err
+    return engine
+
+
+def test_engine_outputs_match_onnxruntime(cli, mlp, tmp_path):
+    engine = tmp_path / "mlp.engine"
+    assert cli("build", mlp, "-o", engine)[0] == 0
+    x = np.random.default_rng().standard_normal((6, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    rc, out, err = cli(
+        "run",
+        engine,
+        *FAST,
+        "--load-inputs",
+        tmp_path / "in.npz",
+        "--save-outputs",
+        tmp_path / "out.npz",
+    )
+    assert rc == 0, err
+    assert "output y: float32 [6, 3]" in out and "throughput:" in out and "qps" in out
+    for row in ("latency", "compute", "host"):
+        assert any(line.startswith(row) for line in out.splitlines()), out
+    got = np.load(tmp_path / "out.npz")["y"]
+    np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_digits_engine_matches_onnxruntime(cli, digits, tmp_path):
+    engine = tmp_path / "digits.engine"
+    assert cli("build", digits, "-o", engine, "--min-shapes", "input:1x1x8x8",
+               "--opt-shapes", "input:4x1x8x8", "--max-shapes", "input:16x1x8x8")[0] == 0  # fmt: skip
+    x = np.random.default_rng().standard_normal((5, 1, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", input=x)
+    rc, _, err = cli("run", engine, *FAST, "--load-inputs", tmp_path / "in.npz",
+                     "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+    assert rc == 0, err
+    want = ort_outputs(digits, {"input": x})["logits"]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["logits"], want, rtol=1e-4, atol=1e-4)
+
+
+def test_dynamic_batch_inside_the_profile_runs_and_outside_fails(
+    cli, mlp, dynamic_engine, tmp_path
+):
+    rng = np.random.default_rng()
+    for batch in (2, 7):
+        x = rng.standard_normal((batch, 4)).astype(np.float32)
+        np.savez(tmp_path / "in.npz", x=x)
+        rc, out, err = cli("run", dynamic_engine, *FAST, "--load-inputs", tmp_path / "in.npz",
+                           "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+        assert rc == 0, err
+        assert f"output y: float32 [{batch}, 3]" in out
+        got = np.load(tmp_path / "out.npz")["y"]
+        np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
+    rc, _, err = cli("run", dynamic_engine, *FAST, "--shapes", "x:9x4")
+    assert_one_line_error(rc, err)
+    assert "outside optimization profile" in err and "max [8, 4]" in err
+
+
+def test_random_inputs_default_to_the_profile_opt_shape(cli, dynamic_engine):
+    r = cli.json("run", dynamic_engine, *FAST, "--json")
+    assert r["inputs"]["x"] == {"dtype": "float32", "shape": [4, 4]}
+    assert r["outputs"]["y"]["shape"] == [4, 3]
+    r = cli.json("run", dynamic_engine, *FAST, "--json", "--shapes", "x:3x4")
+    assert r["inputs"]["x"]["shape"] == [3, 4]
+
+
+def test_json_has_the_statistics(cli, dynamic_engine):
+    r = cli.json(
+        "run",
+        dynamic_engine,
+        "--warmup",
+        "0.01",
+        "--iterations",
+        "5",
+        "--percentile",
+        "90,99",
+        "--json",
+    )
+    assert r["iterations"] >= 5 and r["warmup_runs"] >= 1
+    assert r["throughput_qps"] > 0 and r["wall_s"] > 0
+    for key in ("latency_ms", "compute_ms", "host_ms"):
+        assert set(r[key]) == STAT_KEYS | {"p90", "p99"}
+        s = r[key]
+        assert 0 <= s["min"] <= s["median"] <= s["p90"] <= s["p99"] <= s["max"]
+    assert r["compute_ms"]["min"] <= r["latency_ms"]["max"]
+    assert r["backend"] == "reference" and r["built_in_memory"] is False
+
+
+def test_duration_is_a_minimum(cli, dynamic_engine):
+    r = cli.json("run", dynamic_engine, "--warmup", "0", "--duration", "0.2", "--json")
+    assert r["wall_s"] >= 0.2 and r["iterations"] >= 1
+
+
+def test_dump_profile_lists_every_layer(cli, dynamic_engine):
+    rc, out, err = cli("run", dynamic_engine, *FAST, "--dump-profile")
+    assert rc == 0, err
+    table = out[out.index("per-layer profile") :].splitlines()
+    assert table[1].split() == ["layer", "op", "total", "ms", "average", "ms", "percent"]
+    rows = {line.split()[0]: line.split() for line in table[2:] if line.strip()}
+    assert set(rows) == {"fc1", "bias1", "act1", "fc2"}
+    assert rows["fc1"][1] == "MatMul" and rows["act1"][1] == "Relu"
+    assert abs(sum(float(r[-1].rstrip("%")) for r in rows.values()) - 100) < 0.5
+    r = cli.json("run", dynamic_engine, *FAST, "--dump-profile", "--json")
+    times = [p["total_ms"] for p in r["profile"]]
+    assert times == sorted(times, reverse=True) and len(times) == 4
+
+
+def test_export_times_writes_each_iteration(cli, dynamic_engine, tmp_path):
+    path = tmp_path / "times.json"
+    r = cli.json("run", dynamic_engine, *FAST, "--export-times", path, "--json")
+    times = json.loads(path.read_text())
+    assert len(times) == r["iterations"]
+    for t in times:
+        assert set(t) == {"start_ms", "latency_ms", "compute_ms", "host_ms"}
+        assert t["latency_ms"] >= t["compute_ms"] >= 0
+    assert [t["start_ms"] for t in times] == sorted(t["start_ms"] for t in times)
+
+
+def test_onnx_model_is_built_in_memory(cli, mlp):
+    rc, out, err = cli("run", mlp, *FAST, "--shapes", "x:3x4")
+    assert rc == 0, err
+    assert out.startswith("built mlp.onnx in memory") and "output y: float32 [3, 3]" in out
+    rc, out, err = cli("run", mlp, *FAST, "--json")
+    assert rc == 0 and "built mlp.onnx in memory" in err
+    assert json.loads(out)["built_in_memory"] is True
+
+
+def test_random_integer_inputs_and_scalar_outputs(cli, tmp_path):
+    model = two_io_model(tmp_path / "two.onnx")
+    r = cli.json("run", model, *FAST, "--shapes", "a:2x3,k:2", "--seed", "3", "--json",
+                 "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+    assert r["inputs"]["k"] == {"dtype": "int64", "shape": [2]}
+    assert r["outputs"]["total"]["shape"] == []
+    out = np.load(tmp_path / "out.npz")
+    np.testing.assert_allclose(out["total"], out["out"].sum(), rtol=1e-5)
+    rc, _, err = cli("run", model, *FAST, "--shapes", "a:2x3,k:3")
+    assert_one_line_error(rc, err)
