@@ -139,6 +139,7 @@ def _print_engine(info: dict) -> None:
         print(
             f"activation memory: planned peak {m['peak_bytes']:,} bytes ({mib(m['peak_bytes'])}) vs "
             f"naive {naive:,} bytes ({mib(naive)}{saved}); {m['buffers']} buffers"
+            + (", sized for the profiles' max shapes" if info["num_profiles"] else "")
         )
     dyn = m["dynamic"]
     print(
