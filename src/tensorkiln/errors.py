@@ -41,3 +41,7 @@ class EngineFormatError(TensorkilnError):
 
 class EngineCompatibilityError(TensorkilnError):
     """An intact engine built for another backend, device or tensorkiln version."""
+
+
+class BuildError(TensorkilnError):
+    """A build cannot satisfy its configuration (memory limit, precision, profile)."""

@@ -45,11 +45,12 @@ def test_shape_ranges_precisions_and_settings_are_recorded(cli, mlp, tmp_path):
     assert sorted(Engine.load(engine).build["config"]["precisions"]) == ["fp16", "fp32", "int8"]
 
 
-def test_memory_limit_below_the_plan_warns(cli, mlp, tmp_path):
-    rc, out, _ = cli(
+def test_memory_limit_below_the_plan_fails_the_build(cli, mlp, tmp_path):
+    rc, _, err = cli(
         "build", mlp, "-o", tmp_path / "e", "--shapes", "x:64x4", "--memory-limit", "1"
     )
-    assert rc == 0 and "warning: the planned peak" in out
+    assert rc == 1 and "exceeds the memory limit of 1 bytes" in err
+    assert not (tmp_path / "e").exists()
 
 
 def test_bad_shape_flags_are_one_line_errors(cli, mlp, tmp_path):

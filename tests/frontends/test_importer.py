@@ -112,3 +112,16 @@ def test_model_from_bytes_and_path_agree(tmp_path):
     b = tensorkiln.run_onnx(model.SerializeToString(), feeds)["y"]
     np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(a, run_ort(model, feeds)[0], rtol=1e-6)
+
+
+def test_duplicate_node_names_are_made_unique():
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="n"),
+        helper.make_node("Neg", ["a"], ["b"], name="n"),
+        helper.make_node("Exp", ["b"], ["y"]),
+    ]
+    model = helper.make_model(helper.make_graph(nodes, "g", [x], [y]), opset_imports=_opset())
+    names = [n.name for n in tensorkiln.import_onnx(model).nodes]
+    assert len(set(names)) == 3 and names[0] == "n"

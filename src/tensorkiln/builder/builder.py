@@ -21,7 +21,7 @@ import onnx
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
 from tensorkiln.builder.memory import plan_memory
 from tensorkiln.engine.engine import Engine, target_of
-from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.errors import BuildError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
 from tensorkiln.ir import Graph, TensorType
 from tensorkiln.kernels.registry import lookup
@@ -83,14 +83,19 @@ class Builder:
         config: BuilderConfig | None = None,
         *,
         progress: bool | None = None,
+        source_name: str | None = None,
     ) -> Engine:
-        """Build an engine from an ONNX model (path, bytes or ModelProto)."""
+        """Build an engine from an ONNX model (path, bytes or ModelProto).
+
+        ``source_name`` is the model's name recorded in the engine (default: the file's name).
+        Raises BuildError when the planned activation memory exceeds ``config.memory_limit``.
+        """
         config = config or BuilderConfig()
         config.validate()
         report = BuildReport()
         with _Progress(progress) as bar:
             with _phase(report, "parse", bar):
-                source_bytes, source_name = _source_bytes(model)
+                source_bytes, default_name = _source_bytes(model)
                 graph = import_onnx(model, backend=self.backend)
                 _check_profiles(graph, config.profiles)
             with _phase(report, "optimize", bar):
@@ -99,6 +104,7 @@ class Builder:
                 report.layers = _choose_tactics(graph, self.backend)
             with _phase(report, "memory", bar):
                 report.memory = plan_memory(graph, _plan_symbols(graph, config.profiles)).to_json()
+                _check_memory_limit(report.memory, config.memory_limit)
         self.last_report = report
         return Engine(
             graph,
@@ -107,12 +113,21 @@ class Builder:
             layers=report.layers,
             memory=report.memory,
             source={
-                "name": source_name,
+                "name": source_name or default_name,
                 "sha256": hashlib.sha256(source_bytes).hexdigest(),
             },
             source_model=source_bytes if config.embed_source else None,
             build={"config": config.to_json(), "phases_s": report.phases},
             target=target_of(self.backend),
+        )
+
+
+def _check_memory_limit(memory: dict, limit: int | None) -> None:
+    if limit is not None and memory["peak_bytes"] > limit:
+        raise BuildError(
+            f"the planned activation memory ({memory['peak_bytes']:,} bytes at the profiles' "
+            f"largest shapes) exceeds the memory limit of {limit:,} bytes; raise the limit or "
+            "build with smaller --max-shapes"
         )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -113,12 +112,12 @@ def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
     compatibility checks, so an engine built for another device or tensorkiln version still yields
     its model.
     """
-    import tensorkiln.builder  # noqa: F401  (first: tensorkiln.engine alone hits an import cycle)
     from tensorkiln.engine import format as fmt
+    from tensorkiln.engine.engine import SOURCE_KEY
 
     p = existing_file(path)
     plan, tensors = fmt.read(p)
-    source = tensors.get("source/model.onnx")
+    source = tensors.get(SOURCE_KEY)
     if source is None:
         name = (plan.get("source") or {}).get("name") or "its ONNX model"
         raise CLIError(
@@ -159,25 +158,22 @@ def run_build(args: argparse.Namespace) -> int:
     if (args.model is None) == (args.from_engine is None):
         raise CLIError("give either an ONNX model or --from-engine ENGINE (one of them)")
     plan = None
-    with tempfile.TemporaryDirectory(prefix="tensorkiln-") as tmp:
-        if args.from_engine is not None:
-            source, plan = read_embedded_source(args.from_engine)
-            # a file under the original name keeps the engine's source name and checksum
-            name = Path((plan.get("source") or {}).get("name") or "model.onnx").name
-            model = Path(tmp) / name
-            model.write_bytes(source)
-        else:
-            model = existing_file(args.model)
-            if is_engine_file(model):
-                raise CLIError(
-                    f"'{model}' is an engine, not an ONNX model; to rebuild it use "
-                    f"`tensorkiln build --from-engine {model} -o NEW.engine`"
-                )
-        config = _config(args, plan)
-        builder = Builder()
-        t0 = time.perf_counter()
-        engine = builder.build(model, config)
-        total = time.perf_counter() - t0
+    source_name = None
+    if args.from_engine is not None:
+        model, plan = read_embedded_source(args.from_engine)
+        source_name = Path((plan.get("source") or {}).get("name") or "model.onnx").name
+    else:
+        model = existing_file(args.model)
+        if is_engine_file(model):
+            raise CLIError(
+                f"'{model}' is an engine, not an ONNX model; to rebuild it use "
+                f"`tensorkiln build --from-engine {model} -o NEW.engine`"
+            )
+    config = _config(args, plan)
+    builder = Builder()
+    t0 = time.perf_counter()
+    engine = builder.build(model, config, source_name=source_name)
+    total = time.perf_counter() - t0
     try:
         engine.save(args.output)
     except OSError as exc:
@@ -208,10 +204,5 @@ def _print_report(
         )
         if mem.get("dynamic"):
             print(f"dynamic buffers (sized at run time): {len(mem['dynamic'])}")
-        if config.memory_limit is not None and peak > config.memory_limit:
-            print(
-                f"warning: the planned peak {peak:,} bytes exceeds --memory-limit "
-                f"{config.memory_limit:,} bytes"
-            )
     if config.embed_source:
         print("source model embedded (rebuild with --from-engine)")

@@ -48,7 +48,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def describe_engine(path: Any) -> dict:
     """The engine's plan as a plain dict for people: IO with profile ranges, layers, memory, target."""
-    import tensorkiln.builder  # noqa: F401  (first: tensorkiln.engine alone hits an import cycle)
     from tensorkiln.engine import Engine
     from tensorkiln.engine import format as fmt
 

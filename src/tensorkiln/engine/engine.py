@@ -10,19 +10,22 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 import tensorkiln
-from tensorkiln.builder.config import OptimizationProfile
 from tensorkiln.engine import format as fmt
 from tensorkiln.engine.serialize import graph_from_json, graph_to_json
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
 from tensorkiln.ir import Graph, TensorType
 from tensorkiln.ir.verify import verify
 
+if TYPE_CHECKING:
+    from tensorkiln.builder.config import OptimizationProfile
+
 BACKENDS = ("reference", "cuda")
+SOURCE_KEY = "source/model.onnx"  # the tensor holding an embedded source model
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,7 @@ class Engine:
     def _plan(self) -> tuple[dict, dict[str, np.ndarray]]:
         graph_json, tensors, _ = graph_to_json(self.graph)
         if self.source_model is not None:
-            tensors["source/model.onnx"] = np.frombuffer(self.source_model, dtype=np.uint8)
+            tensors[SOURCE_KEY] = np.frombuffer(self.source_model, dtype=np.uint8)
         plan = {
             "format_version": fmt.FORMAT_VERSION,
             "tensorkiln_version": self.tensorkiln_version,
@@ -156,6 +159,22 @@ class Engine:
 
     def __repr__(self) -> str:
         return f"Engine({self.graph.name!r}, backend={self.backend!r}, {self.num_layers} layers)"
+
+
+def read_plan(path: str | os.PathLike) -> dict:
+    """An engine file's plan, after the container checks but without the compatibility checks.
+
+    For inspecting engines built for another device or version.
+    """
+    plan, _ = fmt.read(path)
+    return plan
+
+
+def read_source_model(path: str | os.PathLike) -> bytes | None:
+    """The ONNX model embedded in an engine (``embed_source``), or None; no compatibility checks."""
+    _, tensors = fmt.read(path)
+    source = tensors.get(SOURCE_KEY)
+    return None if source is None else source.tobytes()
 
 
 def _spec_json(s: TensorSpec) -> dict:
@@ -203,8 +222,10 @@ def _check_compatible(plan: dict, where: str) -> str:
 
 
 def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
+    from tensorkiln.builder.config import OptimizationProfile
+
     backend = _check_compatible(plan, where)
-    source_model = tensors.pop("source/model.onnx", None)
+    source_model = tensors.pop(SOURCE_KEY, None)
     try:
         graph, _ = graph_from_json(plan.get("graph"), tensors)
         verify(graph)

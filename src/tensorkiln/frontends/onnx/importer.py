@@ -66,6 +66,7 @@ class _Scope:
 class _Converter:
     def __init__(self, opsets: dict[str, int]) -> None:
         self.opsets = opsets
+        self.node_names: set[str] = set()
 
     def graph(self, gp: onnx.GraphProto, parent: _Scope | None) -> Graph:
         scope = _Scope(parent)
@@ -117,8 +118,17 @@ class _Converter:
         scope.names[v.name] = v
         return v
 
+    def unique_name(self, name: str) -> str:
+        """Node names are unique across the model (profiles and reports key layers by name)."""
+        base, k = name, 1
+        while name in self.node_names:
+            name = f"{base}_{k}"
+            k += 1
+        self.node_names.add(name)
+        return name
+
     def node(self, np_: onnx.NodeProto, index: int, scope: _Scope) -> Node:
-        name = np_.name or f"{np_.op_type}_{index}"
+        name = self.unique_name(np_.name or f"{np_.op_type}_{index}")
         inputs: list[Value | None] = []
         for inp in np_.input:
             if not inp:
