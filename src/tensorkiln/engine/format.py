@@ -91,7 +91,7 @@ def decode(data: bytes, where: str = "engine") -> tuple[dict[str, Any], dict[str
     """(plan, tensors) from engine bytes, after checking magic, version, length and checksums."""
     if len(data) < HEADER_SIZE:
         raise EngineFormatError(f"{where} is not a tensorkiln engine: only {len(data)} bytes")
-    magic, version, _reserved, length, digest = _HEADER.unpack_from(data)
+    magic, version, reserved, length, digest = _HEADER.unpack_from(data)
     if magic != MAGIC:
         hint = (
             " (it looks like an ONNX model: build it with `tensorkiln build`)"
@@ -103,6 +103,10 @@ def decode(data: bytes, where: str = "engine") -> tuple[dict[str, Any], dict[str
         raise EngineCompatibilityError(
             f"{where} has engine format version {version}; this tensorkiln reads version "
             f"{FORMAT_VERSION}. Rebuild the engine with this tensorkiln (`tensorkiln build`)."
+        )
+    if reserved != 0:
+        raise EngineFormatError(
+            f"{where} is corrupted: its header's reserved field is {reserved:#x}, not 0"
         )
     payload = data[HEADER_SIZE:]
     if len(payload) != length:
