@@ -249,7 +249,7 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
         raise
     except TensorkilnError as exc:
         raise EngineFormatError(f"{where}: the engine's graph is invalid: {exc}") from None
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RecursionError) as exc:
         raise EngineFormatError(
             f"{where}: the plan is damaged ({type(exc).__name__}: {exc})"
         ) from None

@@ -119,7 +119,8 @@ def decode(data: bytes, where: str = "engine") -> tuple[dict[str, Any], dict[str
     plan_text, stored = _read_payload(payload, where)
     try:
         plan = json.loads(plan_text)
-    except ValueError as exc:
+    # RecursionError: JSON nested deeper than Python's stack, which json reports as such
+    except (ValueError, RecursionError) as exc:
         raise EngineFormatError(f"{where}: the plan is not valid JSON ({exc})") from None
     if not isinstance(plan, dict):
         raise EngineFormatError(f"{where}: the plan is not a JSON object")
