@@ -190,6 +190,13 @@ def _rebuild_hint(plan: dict, where: str) -> str:
 
 
 def _check_compatible(plan: dict, where: str) -> str:
+    # The header's version was checked already; the plan's copy must agree with it.
+    fv = plan.get("format_version")
+    if type(fv) is not int or fv != fmt.FORMAT_VERSION:
+        raise EngineFormatError(
+            f"{where}: the plan's format version {fv!r} does not match the file's "
+            f"{fmt.FORMAT_VERSION}"
+        )
     version = plan.get("tensorkiln_version")
     backend = plan.get("backend")
     if not isinstance(version, str) or not isinstance(backend, str):
