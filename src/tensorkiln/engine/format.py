@@ -162,7 +162,7 @@ def _restore(plan: dict, stored: dict[str, np.ndarray], where: str) -> dict[str,
             if arr.dtype != dtype:
                 # Only types safetensors cannot hold travel as raw bytes; any other mismatch
                 # would reinterpret the bytes (their sha256 still matching) as another type.
-                if dtype in _NATIVE or dtype == object or arr.dtype != np.uint8:
+                if dtype in _NATIVE or dtype.kind == "O" or arr.dtype != np.uint8:
                     raise ValueError(f"stored as {arr.dtype}, the plan says {info['dtype']}")
                 arr = arr.view(dtype).reshape(shape)
             ok = arr.shape == shape and tensor_digest(arr) == info["sha256"]
