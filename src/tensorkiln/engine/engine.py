@@ -6,6 +6,7 @@ and runs through execution contexts (:meth:`Engine.create_execution_context`).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
 from dataclasses import dataclass
@@ -130,11 +131,17 @@ class Engine:
             "profiles": [p.to_json() for p in self.profiles],
             "layers": self.layers,
             "memory": self.memory,
-            "source": {**self.source, "embedded": self.source_model is not None},
+            "source": self._source_json(),
             "build": self.build,
             "graph": graph_json,
         }
         return plan, tensors
+
+    def _source_json(self) -> dict:
+        source = {**self.source, "embedded": self.source_model is not None}
+        if self.source_model is not None:  # what the loader checks the embedded bytes against
+            source["sha256"] = hashlib.sha256(self.source_model).hexdigest()
+        return source
 
     def serialize(self) -> bytes:
         plan, tensors = self._plan()
@@ -172,9 +179,28 @@ def read_plan(path: str | os.PathLike) -> dict:
 
 def read_source_model(path: str | os.PathLike) -> bytes | None:
     """The ONNX model embedded in an engine (``embed_source``), or None; no compatibility checks."""
-    _, tensors = fmt.read(path)
-    source = tensors.get(SOURCE_KEY)
-    return None if source is None else source.tobytes()
+    plan, tensors = fmt.read(path)
+    return _source_model(plan, tensors, f"'{path}'")
+
+
+def _source_model(plan: dict, tensors: dict[str, np.ndarray], where: str) -> bytes | None:
+    """Take the embedded source model out of ``tensors``, checked against the plan's record."""
+    arr = tensors.pop(SOURCE_KEY, None)
+    source = plan.get("source")
+    embedded = isinstance(source, dict) and source.get("embedded") is True
+    if embedded != (arr is not None):
+        raise EngineFormatError(
+            f"{where}: the plan says the source model is {'' if embedded else 'not '}embedded, "
+            f"but the weights {'lack' if arr is None else 'hold'} it"
+        )
+    if arr is None:
+        return None
+    data = arr.tobytes()
+    if hashlib.sha256(data).hexdigest() != source.get("sha256"):
+        raise EngineFormatError(
+            f"{where}: the embedded source model does not match the sha256 the plan records"
+        )
+    return data
 
 
 def _spec_json(s: TensorSpec) -> dict:
@@ -232,7 +258,7 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
     from tensorkiln.builder.config import OptimizationProfile
 
     backend = _check_compatible(plan, where)
-    source_model = tensors.pop(SOURCE_KEY, None)
+    source_model = _source_model(plan, tensors, where)
     try:
         graph, _ = graph_from_json(plan.get("graph"), tensors)
         verify(graph)
@@ -244,7 +270,7 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
             layers=_list(plan, "layers", where),
             memory=_dict(plan, "memory", where),
             source=_dict(plan, "source", where),
-            source_model=None if source_model is None else source_model.tobytes(),
+            source_model=source_model,
             build=_dict(plan, "build", where),
             target=_dict(plan, "target", where),
         )
