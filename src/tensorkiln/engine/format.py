@@ -95,7 +95,7 @@ def decode(data: bytes, where: str = "engine") -> tuple[dict[str, Any], dict[str
     if magic != MAGIC:
         hint = (
             " (it looks like an ONNX model: build it with `tensorkiln build`)"
-            if data[:2] == b"\x08"
+            if data[:1] == b"\x08"  # ModelProto starts with ir_version, field 1 varint
             else ""
         )
         raise EngineFormatError(f"{where} is not a tensorkiln engine: wrong magic {magic!r}{hint}")
