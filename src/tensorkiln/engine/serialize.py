@@ -248,6 +248,8 @@ class _Reader:
         ]
         attrs_d = _get(d, "attrs", dict, where)
         attrs = {k: self.attr(v, f"{where}.attrs.{k}") for k, v in attrs_d.items()}
+        if op in _VALUE_OPS and domain in ("", "ai.onnx") and outs and outs[0] is not None:
+            _check_value_attr(attrs.get("value"), outs[0], where)
         return Node(op, ins, outs, attrs, domain, name)
 
     def attr(self, d: Any, where: str) -> Any:
@@ -276,6 +278,26 @@ class _Reader:
             _expect(isinstance(v, list), where, "not a list")
             return [self.attr(x, f"{where}[{i}]") for i, x in enumerate(v)]
         raise _fail(where, f"unknown attribute kind '{kind}'")
+
+
+# Ops whose output takes its element type from the tensor attribute 'value'.
+_VALUE_OPS = ("Constant", "ConstantOfShape")
+
+
+def _check_value_attr(value: Any, out: Value, where: str) -> None:
+    """The 'value' tensor must have the dtype its output declares.
+
+    Types safetensors lacks (float8, int4, ...) are stored as bytes and typed by the tensor table
+    alone; an attribute tensor has no declared type elsewhere to compare with, except this one.
+    """
+    t = out.type
+    if not isinstance(value, np.ndarray) or not isinstance(t, TensorType) or t.dtype is None:
+        return
+    _expect(
+        value.dtype == t.dtype.numpy,
+        f"{where}.attrs.value",
+        f"tensor of dtype {value.dtype}, but output '{out.name}' is declared {t.dtype.name}",
+    )
 
 
 def graph_from_json(data: Any, tensors: dict[str, np.ndarray]) -> tuple[Graph, dict[int, Value]]:
