@@ -138,14 +138,19 @@ def control_flow() -> onnx.ModelProto:
 
 
 def typed_constants() -> onnx.ModelProto:
-    """Constants of string, bool, int64, float16, bfloat16 and int4, each used by a node."""
+    """Constants of string, bool, int64, float16, bfloat16, int4 and float8, each used by a node."""
     strings = np.array([["kiln", "engine"], ["ünïcode", ""]], dtype=object)
     int4 = np.array([-8, -1, 0, 3, 7, 5, -3], dtype=ml_dtypes.int4)
     bf16 = np.array([1.5, -2.25, 3.0e5, 0.1], dtype=ml_dtypes.bfloat16)
+    f8 = np.array([0.5, -1.75, 448.0], dtype=ml_dtypes.float8_e4m3fn)
+    f8_value = helper.make_tensor(
+        "f8", TensorProto.FLOAT8E4M3FN, [3], f8.view(np.uint8).tobytes(), raw=True
+    )
     consts = [
         helper.make_node(
             "Constant", [], ["words"], name="c_str", value=numpy_helper.from_array(strings)
         ),
+        helper.make_node("Constant", [], ["f8c"], name="c_f8", value=f8_value),
         helper.make_node(
             "Constant",
             [],
@@ -164,6 +169,7 @@ def typed_constants() -> onnx.ModelProto:
         helper.make_node("Cast", ["bf"], ["bf_f32"], name="cast_bf16", to=TensorProto.FLOAT),
         helper.make_node("Mul", ["bf_f32", "xf"], ["bf_out"], name="mul_bf16"),
         helper.make_node("DequantizeLinear", ["q4", "q4_scale"], ["q4_out"], name="dq_int4"),
+        helper.make_node("Cast", ["f8c"], ["f8_out"], name="cast_f8", to=TensorProto.FLOAT),
     ]
     inits = [
         numpy_helper.from_array(np.array(0.0, np.float16), "zero16"),
@@ -188,6 +194,7 @@ def typed_constants() -> onnx.ModelProto:
         helper.make_tensor_value_info("h_out", TensorProto.FLOAT16, [4]),
         helper.make_tensor_value_info("bf_out", TensorProto.FLOAT, [4]),
         helper.make_tensor_value_info("q4_out", TensorProto.FLOAT, [7]),
+        helper.make_tensor_value_info("f8_out", TensorProto.FLOAT, [3]),
     ]
     return _model(nodes, "typed_constants", ins, outs, inits)
 
