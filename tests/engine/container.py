@@ -115,5 +115,6 @@ def reseal(data: bytes) -> bytes:
     return wrap(data[HEADER.size :], version, reserved)
 
 
-def digest(raw: bytes) -> str:
-    return hashlib.sha256(raw).hexdigest()
+def digest(raw: bytes, dtype: str, shape: list[int]) -> str:
+    """The plan's per-tensor checksum: sha256 over the element type name, the shape and the bytes."""
+    return hashlib.sha256(f"{dtype}{list(shape)}".encode() + raw).hexdigest()

@@ -368,7 +368,7 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
         c.plan["tensors"]["extra/unused"] = {
             "dtype": "UINT8",
             "shape": [16],
-            "sha256": C.digest(raw),
+            "sha256": C.digest(raw, "UINT8", [16]),
         }
 
     def stored_dtype(c: C.Container) -> None:
@@ -392,7 +392,7 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
             c.plan["tensors"]["source/model.onnx"] = {
                 "dtype": "UINT8",
                 "shape": [len(raw)],
-                "sha256": C.digest(raw),
+                "sha256": C.digest(raw, "UINT8", [len(raw)]),
             }
 
         yield "source: embedded model removed", source_removed

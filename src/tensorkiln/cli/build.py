@@ -112,19 +112,18 @@ def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
     compatibility checks, so an engine built for another device or tensorkiln version still yields
     its model.
     """
-    from tensorkiln.engine import format as fmt
-    from tensorkiln.engine.engine import SOURCE_KEY
+    from tensorkiln.engine.engine import read_plan, read_source_model
 
     p = existing_file(path)
-    plan, tensors = fmt.read(p)
-    source = tensors.get(SOURCE_KEY)
+    plan = read_plan(p)
+    source = read_source_model(p)  # checked against the sha256 the plan records
     if source is None:
         name = (plan.get("source") or {}).get("name") or "its ONNX model"
         raise CLIError(
             f"'{p}' does not embed its source model (it was built without --embed-source); "
             f"rebuild from {name} instead"
         )
-    return source.tobytes(), plan
+    return source, plan
 
 
 def _config(args: argparse.Namespace, plan: dict | None) -> Any:

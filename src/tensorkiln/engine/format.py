@@ -55,7 +55,10 @@ _NATIVE = {
 
 
 def tensor_digest(arr: np.ndarray) -> str:
-    return hashlib.sha256(np.ascontiguousarray(arr).tobytes()).hexdigest()
+    """sha256 over a tensor's element type, shape and bytes (so a retyped or reshaped tensor fails)."""
+    h = hashlib.sha256(f"{DType.from_numpy(arr.dtype).name}{list(arr.shape)}".encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+    return h.hexdigest()
 
 
 def encode(plan: dict[str, Any], tensors: dict[str, np.ndarray]) -> bytes:
