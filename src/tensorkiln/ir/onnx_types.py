@@ -12,7 +12,7 @@ from tensorkiln.ir.graph import OptionalType, SequenceType, TensorType, Type
 def from_type_proto(tp: onnx.TypeProto | None) -> Type | None:
     """An IR type from an ONNX TypeProto (None where ONNX leaves it unspecified).
 
-    A dimension with neither a value nor a name gets a fresh anonymous symbol.
+    A dimension with neither a (non-negative) value nor a name gets a fresh anonymous symbol.
     """
     if tp is None:
         return None
@@ -34,8 +34,8 @@ def from_type_proto(tp: onnx.TypeProto | None) -> Type | None:
 
 
 def _dim(d: onnx.TensorShapeProto.Dimension) -> int | str:
-    if d.HasField("dim_value"):
-        return int(d.dim_value)
+    if d.HasField("dim_value") and d.dim_value >= 0:
+        return int(d.dim_value)  # (ONNX inference can say -1 for "unknown": a fresh symbol below)
     if d.HasField("dim_param") and d.dim_param:
         return d.dim_param
     return fresh_dim()
