@@ -210,7 +210,8 @@ def _spec_json(s: TensorSpec) -> dict:
 def _rebuild_hint(plan: dict, where: str) -> str:
     src = plan.get("source") if isinstance(plan.get("source"), dict) else {}
     if src.get("embedded"):
-        return f"Rebuild it here with `tensorkiln build --from-engine {where.strip(chr(39))} -o NEW.engine`."
+        path = where.strip("'") if where.startswith("'") else "ENGINE_FILE"
+        return f"Rebuild it here with `tensorkiln build --from-engine {path} -o NEW.engine`."
     name = src.get("name") or "model.onnx"
     return f"Rebuild it from its model with `tensorkiln build {name} -o NEW.engine`."
 
@@ -255,14 +256,12 @@ def _check_compatible(plan: dict, where: str) -> str:
 
 
 def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
-    from tensorkiln.builder.config import OptimizationProfile
-
     backend = _check_compatible(plan, where)
     source_model = _source_model(plan, tensors, where)
     try:
         graph, _ = graph_from_json(plan.get("graph"), tensors)
         verify(graph)
-        profiles = [OptimizationProfile.from_json(p) for p in _list(plan, "profiles", where)]
+        profiles = _profiles(plan, where)
         engine = Engine(
             graph,
             backend=backend,
@@ -287,6 +286,17 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
             f"{where}: the plan is damaged ({type(exc).__name__}: {exc})"
         ) from None
     return engine
+
+
+def _profiles(plan: dict, where: str) -> list:
+    from tensorkiln.builder.config import OptimizationProfile
+
+    try:
+        return [OptimizationProfile.from_json(p) for p in _list(plan, "profiles", where)]
+    except (TensorkilnError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise EngineFormatError(
+            f"{where}: an optimization profile in the plan is damaged ({exc})"
+        ) from None
 
 
 def _list(plan: dict, key: str, where: str) -> list:
