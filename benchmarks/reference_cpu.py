@@ -1,11 +1,11 @@
 """tensorkiln's reference (numpy) backend next to onnxruntime on the CPU, on real architectures.
 
-    python benchmarks/reference_cpu.py [--runs 10] [--rounds 3] [--warmup 2] [--models resnet50 ...]
+    python benchmarks/reference_cpu.py [--runs 10] [--rounds 3] [--models ...] [--exporters ...]
 
 Exports full-size ResNet-50 (batch 1, 224x224), BERT-base and GPT-2 (batch 1, seq 128) and a
-small nn.TransformerEncoder with both torch exporters into a temporary folder; for each model it
-first checks tensorkiln's outputs against onnxruntime's on the same inputs, then times both in this
-process: warm-up runs, then --rounds rounds alternating between the two runtimes, each the median
+small nn.TransformerEncoder with both torch exporters (dynamo also at opset 23, where attention
+is one ONNX Attention node) into a temporary folder; for each model it first checks tensorkiln's
+outputs against onnxruntime's on the same inputs, then times both in this process: warm-up runs, then --rounds rounds alternating between the two runtimes, each the median
 of at least --runs runs; the lowest round median is reported (robust to bursts of load from other
 processes). onnxruntime runs with default session options and 2 intra-op threads. Prints a
 markdown table and the versions, for benchmarks/RESULTS.md.
@@ -100,12 +100,21 @@ def ort_session(path: Path):
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
-def measure(name: str, dynamo: bool, folder: Path, args: argparse.Namespace) -> Row:
-    row = Row(name, "dynamo" if dynamo else "torchscript")
+# exporter name -> torch.onnx.export options; from opset 23 the dynamo exporter writes
+# scaled dot-product attention as one ONNX Attention node.
+EXPORTERS = {
+    "torchscript": {"dynamo": False},
+    "dynamo": {"dynamo": True},
+    "dynamo-opset23": {"dynamo": True, "opset": 23},
+}
+
+
+def measure(name: str, exporter: str, folder: Path, args: argparse.Namespace) -> Row:
+    row = Row(name, exporter)
     model, feeds = BUILDERS[name](full=True)
     try:  # the exporters print progress on stdout; keep stdout for the table
         with contextlib.redirect_stdout(sys.stderr):
-            path = export(model, feeds, folder / f"{name}-{row.exporter}", dynamo=dynamo)
+            path = export(model, feeds, folder / f"{name}-{exporter}", **EXPORTERS[exporter])
     except Exception as exc:
         row.note = f"export failed: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
         return row
@@ -192,13 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per model (lowest median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs first")
     parser.add_argument("--models", nargs="+", default=list(BUILDERS), choices=list(BUILDERS))
+    parser.add_argument("--exporters", nargs="+", default=list(EXPORTERS), choices=list(EXPORTERS))
     args = parser.parse_args(argv)
     rows = []
     load_at_start = load_average()
     with tempfile.TemporaryDirectory(prefix="tensorkiln-bench-") as tmp:
         for name in args.models:
-            for dynamo in (False, True):
-                row = measure(name, dynamo, Path(tmp), args)
+            for exporter in args.exporters:
+                row = measure(name, exporter, Path(tmp), args)
                 print(f"{row.model} {row.exporter}: {row}", file=sys.stderr, flush=True)
                 rows.append(row)
     print("\n".join([*table(rows), "", *environment(load_at_start)]))

@@ -187,7 +187,15 @@ def build_gpt2(full: bool = False) -> tuple[nn.Module, Feeds]:
     if full:  # gpt2 (124M): 12 layers, hidden 768, 12 heads, vocab 50257
         config, batch, seq = GPT2Config(), 1, 128
     else:
-        config = GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=64)
+        config = GPT2Config(
+            vocab_size=1000,
+            n_embd=128,
+            n_layer=2,
+            n_head=4,
+            n_positions=64,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
         batch, seq = 2, 16
     torch.manual_seed(0)
     return GPT2Decoder(config).eval(), _token_feeds(batch, seq, config.vocab_size)
@@ -226,12 +234,17 @@ def _no_mha_fastpath() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(enabled)
 
 
-def export(model: nn.Module, feeds: Feeds, folder: Path, *, dynamo: bool) -> Path:
-    """Export ``model`` to ``folder``/model.onnx (dynamo may add model.onnx.data next to it)."""
+def export(
+    model: nn.Module, feeds: Feeds, folder: Path, *, dynamo: bool, opset: int | None = None
+) -> Path:
+    """Export ``model`` to ``folder``/model.onnx (dynamo may add model.onnx.data next to it).
+
+    ``opset`` defaults to 17 for the TorchScript exporter and to the dynamo exporter's default.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "model.onnx"
     args = tuple(torch.from_numpy(x) for x in feeds.values())
-    options = {"dynamo": True} if dynamo else {"dynamo": False, "opset_version": 17}
+    options: dict = {"dynamo": dynamo, "opset_version": opset or (None if dynamo else 17)}
     with warnings.catch_warnings(), _no_mha_fastpath(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(model, args, str(path), input_names=list(feeds), verbose=False, **options)
@@ -279,27 +292,34 @@ def _small(name: str) -> tuple[nn.Module, Feeds]:
     return BUILDERS[name](full=False)
 
 
+# dynamo-opset23: from opset 23 the dynamo exporter writes scaled dot-product attention as one
+# ONNX Attention node (with the padding or causal mask as its attn_mask).
 CASES = [
-    pytest.param("resnet50", False, id="resnet50-torchscript", marks=pytest.mark.slow),
-    pytest.param("resnet50", True, id="resnet50-dynamo", marks=pytest.mark.slow),
-    pytest.param("bert", False, id="bert-torchscript"),
-    pytest.param("bert", True, id="bert-dynamo"),
-    pytest.param("gpt2", False, id="gpt2-torchscript"),
-    pytest.param("gpt2", True, id="gpt2-dynamo"),
-    pytest.param("transformer_encoder", False, id="transformer_encoder-torchscript"),
-    pytest.param("transformer_encoder", True, id="transformer_encoder-dynamo"),
+    pytest.param("resnet50", "torchscript", id="resnet50-torchscript", marks=pytest.mark.slow),
+    pytest.param("resnet50", "dynamo", id="resnet50-dynamo", marks=pytest.mark.slow),
+    pytest.param("bert", "torchscript", id="bert-torchscript"),
+    pytest.param("bert", "dynamo", id="bert-dynamo"),
+    pytest.param("bert", "dynamo-opset23", id="bert-dynamo-opset23"),
+    pytest.param("gpt2", "torchscript", id="gpt2-torchscript"),
+    pytest.param("gpt2", "dynamo", id="gpt2-dynamo"),
+    pytest.param("gpt2", "dynamo-opset23", id="gpt2-dynamo-opset23"),
+    pytest.param("transformer_encoder", "torchscript", id="transformer_encoder-torchscript"),
+    pytest.param("transformer_encoder", "dynamo", id="transformer_encoder-dynamo"),
+    pytest.param("transformer_encoder", "dynamo-opset23", id="transformer_encoder-dynamo-opset23"),
 ]
 
 
-@pytest.mark.parametrize(("name", "dynamo"), CASES)
-def test_architecture_matches_onnxruntime(name: str, dynamo: bool, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("name", "exporter"), CASES)
+def test_architecture_matches_onnxruntime(name: str, exporter: str, tmp_path: Path) -> None:
     pytest.importorskip("onnxruntime")
     if name in ("bert", "gpt2"):
         pytest.importorskip("transformers")
+    dynamo = exporter.startswith("dynamo")
     if dynamo:
         pytest.importorskip("onnxscript")
     model, feeds = _small(name)
-    path = export(model, feeds, tmp_path, dynamo=dynamo)
+    opset = 23 if exporter == "dynamo-opset23" else None
+    path = export(model, feeds, tmp_path, dynamo=dynamo, opset=opset)
     expected = run_onnxruntime(path, feeds)
     got = run_tensorkiln(path, feeds)
     assert_agree(got, expected)
