@@ -1,6 +1,7 @@
 """Quick start: run a small CNN on scikit-learn's digits test set with tensorkiln.
 
-    python examples/digits.py
+    python examples/digits.py                   # build in memory from examples/digits_cnn.onnx
+    python examples/digits.py digits.engine     # or run an engine made by `tensorkiln build`
 
 Needs numpy and tensorkiln; compares against onnxruntime when it is installed. Exits with
 status 1 if accuracy is below 0.9 or if the logits disagree with onnxruntime.
@@ -23,21 +24,33 @@ MIN_ACCURACY = 0.9
 RTOL = 1e-4  # relative to the largest logit magnitude
 
 
-def per_image_latency_ms(runner: tensorkiln.Runner, images: np.ndarray) -> np.ndarray:
-    name = runner.input_names[0]
-    runner.infer({name: images[:1]})  # warm-up
+def open_model(argv: list[str]):
+    """An execution context of the engine named on the command line, or of the bundled model."""
+    from tensorkiln.builder import Builder
+    from tensorkiln.engine import Engine
+
+    if argv:
+        engine = Engine.load(argv[0])
+        print(f"engine: {argv[0]} ({engine.num_layers} layers, backend {engine.backend})")
+    else:
+        engine = Builder().build(MODEL_PATH)
+        print(f"model: {MODEL_PATH.name} (built in memory, {engine.num_layers} layers)")
+    return engine.create_execution_context(), engine.inputs[0].name, engine.outputs[0].name
+
+
+def per_image_latency_ms(ctx, name: str, images: np.ndarray) -> np.ndarray:
+    ctx.infer({name: images[:1]})  # warm-up
     times = []
     for i in range(len(images)):
         start = time.perf_counter()
-        runner.infer({name: images[i : i + 1]})
+        ctx.infer({name: images[i : i + 1]})
         times.append(time.perf_counter() - start)
     return np.asarray(times) * 1e3
 
 
-def batch_logits(runner: tensorkiln.Runner, images: np.ndarray) -> tuple[np.ndarray, float]:
-    name = runner.input_names[0]
+def batch_logits(ctx, name: str, output: str, images: np.ndarray) -> tuple[np.ndarray, float]:
     start = time.perf_counter()
-    logits = runner.infer({name: images})[runner.output_names[0]]
+    logits = ctx.infer({name: images})[output]
     return logits, time.perf_counter() - start
 
 
@@ -50,12 +63,13 @@ def onnxruntime_logits(images: np.ndarray) -> np.ndarray | None:
     return session.run(None, {session.get_inputs()[0].name: images})[0]
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     data = np.load(TEST_PATH)
     images, labels = data["images"], data["labels"]
-    with tensorkiln.Runner(MODEL_PATH) as runner:
-        logits, batch_s = batch_logits(runner, images)
-        latency = per_image_latency_ms(runner, images)
+    ctx, name, output = open_model(argv)
+    with ctx:
+        logits, batch_s = batch_logits(ctx, name, output, images)
+        latency = per_image_latency_ms(ctx, name, images)
     accuracy = float((logits.argmax(1) == labels).mean())
     ok = accuracy >= MIN_ACCURACY
     print(f"accuracy: {accuracy:.4f} ({len(labels)} test images)")
@@ -81,4 +95,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except tensorkiln.TensorkilnError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -32,6 +32,42 @@ def test_digits_script_runs_and_reaches_accuracy(tmp_path: Path) -> None:
     assert float(match.group(1)) >= 0.9
 
 
+def test_quick_start_engine_path(tmp_path: Path) -> None:
+    """README's first command: build an engine with the CLI, then run the example on it."""
+    engine = tmp_path / "digits.engine"
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tensorkiln",
+            "build",
+            str(MODEL_PATH),
+            "-o",
+            str(engine),
+            "--min-shapes",
+            "input:1x1x8x8",
+            "--opt-shapes",
+            "input:1x1x8x8",
+            "--max-shapes",
+            "input:512x1x8x8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "digits.py"), str(engine)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    assert f"engine: {engine}" in proc.stdout
+    assert float(re.search(r"accuracy: ([0-9.]+)", proc.stdout).group(1)) >= 0.9
+    assert "argmax agreement 100.00%" in proc.stdout
+
+
 def test_digits_logits_match_onnxruntime() -> None:
     ort = pytest.importorskip("onnxruntime")
     data = np.load(TEST_PATH)
