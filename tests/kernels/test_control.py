@@ -153,7 +153,7 @@ def test_loop_while_and_for():
     expected = x0
     for i in range(7):
         expected = expected * np.float32(1.5) + np.float32(i)
-    np.testing.assert_allclose(final, expected, rtol=1e-5)
+    np.testing.assert_allclose(final, expected, rtol=1e-5, atol=1e-6)
     assert stacked.shape == (7, 1)
 
 
@@ -235,8 +235,8 @@ def test_scan8_batches_and_sequence_lens():
     for b in range(3):
         part = x[b, : lens[b]][::-1]
         run = init[b] + np.cumsum(part, axis=0)
-        np.testing.assert_allclose(got_s[b], run[-1] if lens[b] else init[b], rtol=1e-5)
-        np.testing.assert_allclose(got_y[b, : lens[b]], run, rtol=1e-5)
+        np.testing.assert_allclose(got_s[b], run[-1] if lens[b] else init[b], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_y[b, : lens[b]], run, rtol=1e-5, atol=1e-6)
         assert not got_y[b, lens[b] :].any()
     assert got_y.shape == (3, 4, 2)
 

@@ -48,7 +48,7 @@ def test_adagrad_matches_torch():
     got = _steps("Adagrad", 0.1, xs, gs, [[np.zeros_like(x) for x in xs]], attrs, 3)
     ref = _torch(torch.optim.Adagrad, xs, gs, 3, lr=0.1, lr_decay=decay, eps=1e-6)
     for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, rtol=1e-6)
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
 
 
 def test_adam_first_step():
@@ -90,7 +90,7 @@ def test_momentum_matches_torch(mode):
         got = _steps("Momentum", 0.05, xs, gs, [[np.zeros_like(x) for x in xs]], attrs, 3)
         ref = _torch(torch.optim.SGD, xs, gs, 3, lr=0.05, momentum=alpha, nesterov=True)
     for g, r in zip(got, ref):
-        np.testing.assert_allclose(g, r, rtol=1e-6)
+        np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-7)
 
 
 def test_bad_input_count():
