@@ -71,6 +71,8 @@ def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> Non
                     known[v] = arr
         return
     ctx = InferContext(node, graph.opset(node.domain), values)
+    if node.domain == "tensorkiln":
+        import tensorkiln.kernels.reference  # noqa: F401  (fused ops register their shape rules)
     rule = RULES.get((node.domain, node.op))
     if rule is not None:
         try:

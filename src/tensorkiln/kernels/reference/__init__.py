@@ -28,6 +28,12 @@ _MODULES = (
     "ml",
     "training",
     "random",
+    # fused ops of the tensorkiln domain, made by the graph optimizer
+    "fused_conv",
+    "fused_gemm",
+    "fused_norm",
+    "fused_attention",
+    "fused_pointwise",
 )
 
 for _name in _MODULES:

@@ -1,0 +1,1 @@
+"""Graph passes: cleanup (being written)."""

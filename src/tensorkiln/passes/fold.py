@@ -1,0 +1,1 @@
+"""Graph passes: fold (being written)."""

@@ -1,0 +1,1 @@
+"""Graph passes: fuse_gemm (being written)."""

@@ -1,0 +1,1 @@
+"""Graph passes: fuse_pointwise (being written)."""

@@ -1,0 +1,107 @@
+"""The PassManager: named passes by optimization level, statistics, IR dumps, verification.
+
+    pm = PassManager(level=3, dump_dir="ir/", verify=True)
+    graph = pm.run(graph)
+    print(pm.stats)        # {"dead_code": 12, "fuse_conv_act": 49, ...}
+
+A pass is a function ``(graph) -> int`` that changes the graph in place and returns how many
+matches it rewrote. It is registered with :func:`register_pass` under a name and the lowest
+optimization level that runs it (0 runs nothing).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorkiln.ir import Graph
+from tensorkiln.ir.printer import format_graph
+from tensorkiln.ir.verify import verify as verify_graph
+
+PassFn = Callable[[Graph], int]
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    level: int
+    fn: PassFn
+    order: int
+
+
+PASSES: dict[str, PassInfo] = {}
+
+
+def register_pass(name: str, *, level: int, order: int) -> Callable[[PassFn], PassFn]:
+    """Register a pass run at optimization ``level`` and above, in ascending ``order``."""
+
+    def decorator(fn: PassFn) -> PassFn:
+        PASSES[name] = PassInfo(name, level, fn, order)
+        return fn
+
+    return decorator
+
+
+def _load_passes() -> None:
+    import tensorkiln.passes.registry  # noqa: F401  (registers the built-in passes)
+
+
+class PassManager:
+    """Runs the registered passes for an optimization level, in order, until nothing changes."""
+
+    def __init__(
+        self,
+        level: int = 3,
+        *,
+        dump_dir: str | os.PathLike | None = None,
+        verify: bool = False,
+        max_rounds: int = 4,
+        only: list[str] | None = None,
+    ) -> None:
+        _load_passes()
+        self.level = level
+        self.dump_dir = Path(dump_dir) if dump_dir is not None else None
+        self.verify = verify
+        self.max_rounds = max_rounds
+        chosen = [p for p in PASSES.values() if 0 < p.level <= level]
+        if only is not None:
+            unknown = set(only) - set(PASSES)
+            if unknown:
+                raise KeyError(f"unknown pass(es) {sorted(unknown)}; known: {sorted(PASSES)}")
+            chosen = [PASSES[n] for n in only]
+        self.passes = sorted(chosen, key=lambda p: p.order)
+        self.stats: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}
+        self._dumps = 0
+
+    def run(self, graph: Graph) -> Graph:
+        self._dump(graph, "input")
+        for _ in range(self.max_rounds):
+            changed = 0
+            for p in self.passes:
+                t0 = time.perf_counter()
+                n = p.fn(graph)
+                self.seconds[p.name] = self.seconds.get(p.name, 0.0) + time.perf_counter() - t0
+                self.stats[p.name] = self.stats.get(p.name, 0) + n
+                changed += n
+                if n:
+                    if self.verify:
+                        verify_graph(graph)
+                    self._dump(graph, p.name)
+            if not changed:
+                break
+        return graph
+
+    def _dump(self, graph: Graph, name: str) -> None:
+        if self.dump_dir is None:
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        path = self.dump_dir / f"{self._dumps:03d}_{name}.txt"
+        path.write_text(format_graph(graph) + "\n")
+        self._dumps += 1
+
+    def summary(self) -> str:
+        return "\n".join(f"{name}: {n}" for name, n in self.stats.items() if n)

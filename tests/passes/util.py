@@ -1,0 +1,50 @@
+"""Helpers for pass tests: build small graphs, run them, compare before and after."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import onnx
+from onnx import helper
+
+import tensorkiln
+from tensorkiln.ir import Graph
+from tensorkiln.ir.verify import verify
+from tensorkiln.runtime import Runner
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def graph_of(m: onnx.ModelProto) -> Graph:
+    return tensorkiln.import_onnx(m)
+
+
+def ops(graph: Graph) -> list[str]:
+    """The graph's ops in order, fused ones as 'tensorkiln.Op'."""
+    return [f"{n.domain}.{n.op}" if n.domain else n.op for n in graph.nodes]
+
+
+def run(graph: Graph, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return Runner(graph).infer(feeds)
+
+
+def assert_pass_preserves_outputs(
+    graph: Graph, apply, feeds: dict[str, np.ndarray], rtol: float = 1e-5, atol: float = 1e-6
+) -> Graph:
+    """Run ``apply`` (graph -> None/int) on a copy of ``graph``; outputs must stay equal.
+
+    Returns the transformed copy (verified) for Before/Expected structure checks.
+    """
+    before = run(graph, feeds)
+    after_graph = copy.deepcopy(graph)
+    apply(after_graph)
+    verify(after_graph)
+    after = run(after_graph, feeds)
+    assert list(after) == list(before), f"outputs changed: {list(before)} -> {list(after)}"
+    for name in before:
+        np.testing.assert_allclose(after[name], before[name], rtol=rtol, atol=atol, err_msg=name)
+    return after_graph
