@@ -132,3 +132,12 @@ def test_from_engine_without_embedded_source_says_so(cli, mlp, tmp_path):
     )
     assert_one_line_error(rc, err)
     assert "--embed-source" in err and "mlp.onnx" in err
+
+
+def test_dump_ir_writes_the_graph_before_the_passes(cli, mlp, tmp_path):
+    dump = tmp_path / "ir"
+    rc, _, err = cli("build", mlp, "-o", tmp_path / "e", "--dump-ir", dump)
+    assert rc == 0, err
+    first = sorted(dump.iterdir())[0]
+    assert first.name == "000_input.txt"
+    assert "graph" in first.read_text() and "MatMul" in first.read_text()

@@ -32,12 +32,14 @@ class BuildReport:
     """What a build did: per-phase seconds, layers with their implementation, the memory plan."""
 
     phases: dict[str, float] = field(default_factory=dict)
+    passes: dict[str, int] = field(default_factory=dict)  # optimizer matches per pass
     layers: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"layers: {len(self.layers)}"]
         lines += [f"{name}: {secs * 1e3:.1f} ms" for name, secs in self.phases.items()]
+        lines += [f"pass {name}: {n}" for name, n in self.passes.items()]
         if self.memory:
             lines.append(
                 f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "
@@ -99,7 +101,7 @@ class Builder:
                 graph = import_onnx(model, backend=self.backend)
                 _check_profiles(graph, config.profiles)
             with _phase(report, "optimize", bar):
-                graph = optimize(graph, config.optimization_level)
+                report.passes = optimize(graph, config.optimization_level, config.dump_ir)
             with _phase(report, "tactics", bar):
                 report.layers = _choose_tactics(graph, self.backend)
             with _phase(report, "memory", bar):
@@ -117,7 +119,7 @@ class Builder:
                 "sha256": hashlib.sha256(source_bytes).hexdigest(),
             },
             source_model=source_bytes if config.embed_source else None,
-            build={"config": config.to_json(), "phases_s": report.phases},
+            build={"config": config.to_json(), "phases_s": report.phases, "passes": report.passes},
             target=target_of(self.backend),
         )
 
@@ -131,9 +133,19 @@ def _check_memory_limit(memory: dict, limit: int | None) -> None:
         )
 
 
-def optimize(graph: Graph, level: int) -> Graph:
-    """Graph optimization passes for ``level`` (0 = none). The pass pipeline plugs in here."""
-    return graph
+def optimize(graph: Graph, level: int, dump_dir: str | os.PathLike | None = None) -> dict[str, int]:
+    """Run the graph optimizer at ``level`` (0 = none) in place; returns matches per pass."""
+    if level <= 0:
+        return {}
+    from tensorkiln.ir.infer import infer_shapes
+    from tensorkiln.ir.verify import verify
+    from tensorkiln.passes import PassManager
+
+    pm = PassManager(level, dump_dir=dump_dir)
+    pm.run(graph)
+    infer_shapes(graph)
+    verify(graph)
+    return {name: n for name, n in pm.stats.items() if n}
 
 
 def _source_bytes(model: Any) -> tuple[bytes, str]:

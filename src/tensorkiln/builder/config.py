@@ -63,6 +63,7 @@ class BuilderConfig:
     memory_limit: int | None = None
     log_level: str = "warning"
     embed_source: bool = False
+    dump_ir: str | None = None  # a folder: the IR is written there after every optimizer pass
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8'."""

@@ -64,6 +64,11 @@ def add_parser(sub: Any) -> None:
         help="activation memory limit, e.g. 268435456, 256M or 2G",
     )
     p.add_argument(
+        "--dump-ir",
+        metavar="DIR",
+        help="write the IR to DIR after every graph optimizer pass that changed it",
+    )
+    p.add_argument(
         "--embed-source",
         action="store_true",
         help="store the ONNX model in the engine so it can be rebuilt (--from-engine)",
@@ -144,6 +149,7 @@ def _config(args: argparse.Namespace, plan: dict | None) -> Any:
     config.timing_cache = _first(args.timing_cache, old.get("timing_cache"))
     config.memory_limit = _first(args.memory_limit, old.get("memory_limit"))
     config.embed_source = args.embed_source or plan is not None
+    config.dump_ir = args.dump_ir
     return config
 
 
@@ -193,6 +199,8 @@ def _print_report(
         for name, (lo, mid, hi) in p.shapes.items():
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
     print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
+    if report.passes:
+        print_table(["optimizer pass", "matches"], [[k, str(n)] for k, n in report.passes.items()])
     mem = report.memory
     if mem:
         naive, peak = mem["naive_bytes"], mem["peak_bytes"]
