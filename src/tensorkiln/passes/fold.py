@@ -1,1 +1,462 @@
-"""Graph passes: fold (being written)."""
+"""Folding passes (level 2): constant per-channel affine ops into weights, layout ops into each other.
+
+* ``fold_batchnorm``: inference-mode BatchNormalization into the Conv / ConvTranspose / Gemm / 2-D
+  MatMul before it (new weight and bias initializers).
+* ``fold_mul_add_into_conv_gemm``: Mul / Add / Sub by a per-output-channel constant into the same.
+* ``push_transpose_through_pointwise``: Transpose -> pointwise chain -> Transpose(s) becomes
+  pointwise chain -> composed Transpose(s), one Transpose fewer each time.
+* ``merge_transposes``: Transpose(Transpose(x)) composed, dropped when the identity.
+* ``merge_reshapes``: Reshape(Reshape/Flatten/Squeeze/Unsqueeze(x)) reads x directly.
+
+Every rule checks all it relies on (constant weights, single consumer of the intermediate value,
+attribute values, broadcast shapes, dtypes) and returns None when anything is not as required.
+Folded weights are new initializers; shared initializers are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tensorkiln.ir import Graph, Node, TensorType, Value
+from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value, only_use
+
+Rule = Callable[["_Ctx", Node], Rewrite | None]
+
+
+@dataclass
+class _Ctx:
+    """What the rules of one sweep over one graph look at."""
+
+    graph: Graph
+    producers: dict[Value, Node]
+    consumers: dict[Value, list[Node]]
+    taken: set[Node]  # nodes already claimed by a match of this sweep
+
+    def const(self, v: Value | None) -> np.ndarray | None:
+        return const_value(v, self.producers)
+
+    def sole_reader(self, v: Value | None) -> Node | None:
+        return None if v is None else only_use(self.graph, v, self.consumers)
+
+    def producer(self, v: Value | None, *ops: str) -> Node | None:
+        p = self.producers.get(v) if v is not None else None
+        if p is None or p.domain != "" or p.op not in ops or p in self.taken:
+            return None
+        return p
+
+
+def _graphs(graph: Graph) -> Iterator[Graph]:
+    yield graph
+    for node in graph.nodes:
+        for sub in node.subgraphs():
+            yield from _graphs(sub)
+
+
+def _sweep(graph: Graph, rule: Rule) -> int:
+    """Apply ``rule`` to every node of one graph; the matches are applied together."""
+    ctx = _Ctx(graph, graph.producers(), graph.consumers(), set())
+    total = Rewrite()
+    for node in list(graph.nodes):
+        if node in ctx.taken:
+            continue
+        rw = rule(ctx, node)
+        if rw is not None:
+            ctx.taken.update(rw.remove)
+            ctx.taken.add(node)
+            total.merge(rw)
+    return total.apply(graph)
+
+
+def _run(graph: Graph, rule: Rule, max_sweeps: int = 64) -> int:
+    """Sweep every (sub)graph until the rule finds nothing more; each match removes nodes."""
+    count = 0
+    for g in list(_graphs(graph)):
+        for _ in range(max_sweeps):
+            n = _sweep(g, rule)
+            count += n
+            if not n:
+                break
+    return count
+
+
+def _is_float(a: np.ndarray | None) -> bool:
+    return a is not None and np.issubdtype(a.dtype, np.floating)
+
+
+# ---------------------------------------------------------------- per-channel affine into weights
+
+
+@dataclass
+class _Linear:
+    """A Conv / ConvTranspose / Gemm / MatMul with a constant weight, seen as y = W x + b."""
+
+    node: Node
+    w: np.ndarray
+    b: np.ndarray | None  # Conv bias [M], or Gemm's C (any broadcastable shape)
+    rank: int  # rank of the output
+    axis: int  # output channel axis
+    channels: int
+
+
+def _as_linear(ctx: _Ctx, node: Node | None) -> _Linear | None:
+    if node is None or node.domain != "" or node in ctx.taken:
+        return None
+    if any(v is None for v in node.outputs[:1]) or len(node.outputs) != 1:
+        return None
+    w = ctx.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    b_in = node.inputs[2] if len(node.inputs) > 2 else None
+    b = ctx.const(b_in)
+    if not _is_float(w) or (b_in is not None and (b is None or b.dtype != w.dtype)):
+        return None
+    if node.inputs[0] is None or ctx.const(node.inputs[0]) is not None:
+        return None
+    if node.op == "Conv" and w.ndim >= 3:
+        return _Linear(node, w, b, w.ndim, 1, w.shape[0])
+    if node.op == "ConvTranspose" and w.ndim >= 3:
+        group = int(node.attrs.get("group", 1))
+        return _Linear(node, w, b, w.ndim, 1, w.shape[1] * group)
+    if node.op == "Gemm" and w.ndim == 2:
+        n = w.shape[0] if node.attrs.get("transB", 0) else w.shape[1]
+        return _Linear(node, w, b, 2, 1, n)
+    if node.op == "MatMul" and w.ndim == 2:
+        x_shape = node.inputs[0].shape
+        if x_shape is None or len(x_shape) < 2:
+            return None
+        return _Linear(node, w, None, len(x_shape), len(x_shape) - 1, w.shape[1])
+    return None
+
+
+def _channel_vector(c: np.ndarray, lin: _Linear) -> np.ndarray | None:
+    """``c`` as a [channels] vector when it only varies along the output channel axis."""
+    if c.ndim > lin.rank:
+        return None  # broadcasting would add axes
+    shape = (1,) * (lin.rank - c.ndim) + c.shape
+    if any(d != 1 for i, d in enumerate(shape) if i != lin.axis):
+        return None
+    if shape[lin.axis] not in (1, lin.channels):
+        return None
+    return np.broadcast_to(c.reshape(-1).astype(np.float64), (lin.channels,))
+
+
+def _scale_weight(lin: _Linear, s: np.ndarray) -> np.ndarray:
+    w, op = lin.w.astype(np.float64), lin.node.op
+    if op == "Conv":
+        return w * s.reshape((-1,) + (1,) * (w.ndim - 1))
+    if op == "ConvTranspose":  # [C_in, M/g, k...]: output channel g_i * M/g + j
+        g = int(lin.node.attrs.get("group", 1))
+        k = w.shape[2:]
+        grouped = w.reshape((g, w.shape[0] // g, w.shape[1], *k))
+        scaled = grouped * s.reshape((g, 1, w.shape[1]) + (1,) * len(k))
+        return scaled.reshape(w.shape)
+    if op == "Gemm" and lin.node.attrs.get("transB", 0):
+        return w * s[:, None]
+    return w * s[None, :]  # Gemm [K, N], MatMul [K, N]
+
+
+def _new_bias(lin: _Linear, s: np.ndarray | None, t: np.ndarray | None) -> np.ndarray | None:
+    b = lin.b
+    if b is not None:
+        b = b.astype(np.float64)
+        if lin.node.op == "Gemm":
+            b = b * float(lin.node.attrs.get("beta", 1.0))
+        if s is not None:
+            b = b * s
+    if t is not None:
+        b = t if b is None else b + t
+    return b
+
+
+def _fold_affine(ctx: _Ctx, lin: _Linear, s, t, out: Value, name: str) -> list[Node] | None:
+    """New node(s) computing ``lin`` * s + t (per output channel) into ``out``."""
+    node, dtype = lin.node, lin.w.dtype
+    graph = ctx.graph
+    inputs = list(node.inputs[:2])
+    attrs = dict(node.attrs)
+    if s is not None:
+        w = _scale_weight(lin, s).astype(dtype)
+        inputs[1] = add_constant(graph, f"{node.inputs[1].name}_folded", w)
+    b = _new_bias(lin, s, t)
+    op = node.op
+    if op == "MatMul" and b is not None:
+        if lin.rank != 2:
+            return None  # MatMul + Add of a bias is already the smallest form
+        op = "Gemm"
+    if b is not None:
+        inputs.append(add_constant(graph, f"{name}_bias_folded", b.astype(dtype)))
+        if op == "Gemm":
+            attrs["beta"] = 1.0
+    return [Node(op, inputs, [out], attrs, "", name=f"{node.name or name}_folded")]
+
+
+def _is_inference_bn(ctx: _Ctx, node: Node) -> bool:
+    if node.op != "BatchNormalization" or node.domain != "" or len(node.inputs) != 5:
+        return False
+    if any(v is not None for v in node.outputs[1:]) or node.outputs[0] is None:
+        return False
+    return node.attrs.get("training_mode", 0) == 0 and node.attrs.get("spatial", 1) == 1
+
+
+def _rule_batchnorm(ctx: _Ctx, node: Node) -> Rewrite | None:
+    if not _is_inference_bn(ctx, node):
+        return None
+    params = [ctx.const(v) for v in node.inputs[1:]]
+    x = node.inputs[0]
+    lin = _as_linear(ctx, ctx.producers.get(x))
+    if lin is None or ctx.sole_reader(x) is not node or lin.axis != 1:
+        return None  # BatchNormalization normalizes axis 1
+    if not all(_is_float(p) and p.shape == (lin.channels,) for p in params):
+        return None
+    scale, bias, mean, var = (p.astype(np.float64) for p in params)
+    s = scale / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
+    t = bias - mean * s
+    new = _fold_affine(ctx, lin, s, t, node.outputs[0], node.name)
+    if new is None:
+        return None
+    return Rewrite(remove=[lin.node, node], add=new, count=1)
+
+
+@register_pass("fold_batchnorm", level=2, order=20)
+def fold_batchnorm(graph: Graph) -> int:
+    """Fold inference BatchNormalization into the Conv/ConvTranspose/Gemm/MatMul before it."""
+    return _run(graph, _rule_batchnorm)
+
+
+def _rule_mul_add(ctx: _Ctx, node: Node) -> Rewrite | None:
+    if node.domain != "" or node.op not in ("Mul", "Add", "Sub") or len(node.inputs) != 2:
+        return None
+    for i, y in enumerate(node.inputs):
+        c = ctx.const(node.inputs[1 - i])
+        lin = _as_linear(ctx, ctx.producers.get(y))
+        if lin is None or c is None or ctx.sole_reader(y) is not node:
+            continue
+        if c.dtype != lin.w.dtype or (node.op == "Sub" and i != 0):
+            continue
+        vec = _channel_vector(c, lin)
+        if vec is None:
+            continue
+        s = vec if node.op == "Mul" else None
+        t = None if node.op == "Mul" else (vec if node.op == "Add" else -vec)
+        new = _fold_affine(ctx, lin, s, t, node.outputs[0], node.name)
+        if new is not None:
+            return Rewrite(remove=[lin.node, node], add=new, count=1)
+    return None
+
+
+@register_pass("fold_mul_add_into_conv_gemm", level=2, order=22)
+def fold_mul_add_into_conv_gemm(graph: Graph) -> int:
+    """Fold Mul/Add/Sub by a per-output-channel constant into Conv/ConvTranspose/Gemm/MatMul."""
+    return _run(graph, _rule_mul_add)
+
+
+# ---------------------------------------------------------------- transposes
+
+
+def _perm(node: Node, rank: int | None) -> list[int] | None:
+    perm = node.attrs.get("perm")
+    if perm is None:
+        return None if rank is None else list(range(rank))[::-1]
+    return [int(p) for p in perm]
+
+
+def _input_rank(node: Node) -> int | None:
+    shape = node.inputs[0].shape if node.inputs and node.inputs[0] is not None else None
+    return None if shape is None else len(shape)
+
+
+def _transpose(ctx: _Ctx, x: Value, perm: list[int], out: Value, name: str) -> Rewrite:
+    """x transposed by ``perm`` into ``out``; the identity permutation reads x directly."""
+    if perm == list(range(len(perm))):
+        return Rewrite(replace={out: x}, count=1)
+    node = Node("Transpose", [x], [out], {"perm": perm}, "", name=name)
+    return Rewrite(add=[node], count=1)
+
+
+def _rule_merge_transposes(ctx: _Ctx, node: Node) -> Rewrite | None:
+    if node.op != "Transpose" or node.domain != "" or node.inputs[0] is None:
+        return None
+    first = ctx.producer(node.inputs[0], "Transpose")
+    if first is None:
+        return None
+    p1, p2 = _perm(first, _input_rank(first)), _perm(node, _input_rank(node))
+    if p1 is None or p2 is None or len(p1) != len(p2):
+        return None
+    composed = [p1[i] for i in p2]  # y2[i] = y1[p2[i]] = x[p1[p2[i]]]
+    rw = _transpose(ctx, first.inputs[0], composed, node.outputs[0], node.name)
+    rw.remove.append(node)
+    if ctx.sole_reader(first.outputs[0]) is node:
+        rw.remove.append(first)  # else the first Transpose stays for its other readers
+    return rw
+
+
+@register_pass("merge_transposes", level=2, order=31)
+def merge_transposes(graph: Graph) -> int:
+    """Compose consecutive Transposes; drop the result when it is the identity permutation."""
+    return _run(graph, _rule_merge_transposes)
+
+
+_UNARY = frozenset(
+    [
+        "Relu",
+        "Sigmoid",
+        "Tanh",
+        "Erf",
+        "Neg",
+        "Abs",
+        "Exp",
+        "Log",
+        "Sqrt",
+        "Reciprocal",
+        "Floor",
+        "Ceil",
+        "Round",
+        "Sign",
+        "Sin",
+        "Cos",
+        "Tan",
+        "Softplus",
+        "Softsign",
+        "Elu",
+        "Selu",
+        "Celu",
+        "LeakyRelu",
+        "HardSigmoid",
+        "HardSwish",
+        "Gelu",
+        "Mish",
+        "ThresholdedRelu",
+        "Identity",
+        "Not",
+        "Cast",
+        "IsNaN",
+        "IsInf",
+    ]
+)
+_BINARY = frozenset(["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"])
+
+
+def _pointwise_operand(ctx: _Ctx, node: Node, x: Value, rank: int) -> bool:
+    """``node`` is pointwise in ``x`` alone: unary, or binary with a constant of one element."""
+    if node.domain != "" or len(node.outputs) != 1 or node.outputs[0] is None:
+        return False
+    if node.op in _UNARY:
+        return len(node.inputs) == 1
+    if node.op not in _BINARY or len(node.inputs) != 2 or x not in node.inputs:
+        return False
+    other = node.inputs[1] if node.inputs[0] is x else node.inputs[0]
+    c = ctx.const(other)
+    return c is not None and c.size == 1 and c.ndim <= rank and other is not x
+
+
+def _pointwise_chain(ctx: _Ctx, start: Value, rank: int) -> list[Node] | None:
+    """The single-reader pointwise nodes from ``start`` up to one read only by Transposes."""
+    chain: list[Node] = []
+    v = start
+    while True:
+        reader = ctx.sole_reader(v)
+        if reader is None or reader in ctx.taken or not _pointwise_operand(ctx, reader, v, rank):
+            return None
+        chain.append(reader)
+        v = reader.outputs[0]
+        readers = ctx.consumers.get(v, [])
+        if v in ctx.graph.outputs or not readers:
+            return None
+        if all(r.op == "Transpose" and r.domain == "" and r not in ctx.taken for r in readers):
+            return chain
+
+
+def _rule_push_transpose(ctx: _Ctx, node: Node) -> Rewrite | None:
+    if node.op != "Transpose" or node.domain != "" or node.inputs[0] is None:
+        return None
+    rank = _input_rank(node)
+    perm = _perm(node, rank)
+    if perm is None:
+        return None
+    chain = _pointwise_chain(ctx, node.outputs[0], len(perm))
+    if chain is None:
+        return None
+    inverse = [perm.index(i) for i in range(len(perm))]
+    rw = Rewrite(remove=[node, *chain], count=1)
+    x = node.inputs[0]
+    prev = node.outputs[0]
+    for p in chain:
+        out = p.outputs[0]
+        shape = None if out.shape is None else tuple(out.shape[i] for i in inverse)
+        new_out = Value(f"{out.name}_untransposed", TensorType(out.dtype, shape))
+        inputs = [x if v is prev else v for v in p.inputs]
+        rw.add.append(Node(p.op, inputs, [new_out], dict(p.attrs), "", name=p.name))
+        x, prev = new_out, out
+    for t in ctx.consumers[prev]:
+        t_perm = _perm(t, len(perm))
+        rw.merge(_transpose(ctx, x, [perm[i] for i in t_perm], t.outputs[0], t.name))
+        rw.remove.append(t)
+        rw.count -= 1
+    return rw
+
+
+@register_pass("push_transpose_through_pointwise", level=2, order=30)
+def push_transpose_through_pointwise(graph: Graph) -> int:
+    """Transpose -> pointwise ops -> Transpose(s): apply the ops first, compose the Transposes.
+
+    Only applied when every reader at the end of the chain is a Transpose, so each match removes
+    one Transpose (and more when a composed permutation is the identity): it cannot cycle.
+    """
+    return _run(graph, _rule_push_transpose)
+
+
+# ---------------------------------------------------------------- reshapes
+
+_RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
+
+
+def _target_shape(ctx: _Ctx, node: Node) -> np.ndarray | None:
+    """The Reshape's shape with 0 entries (copies of the input's dims) resolved, or None."""
+    shape = ctx.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    if shape is None or shape.dtype != np.int64 or shape.ndim != 1:
+        return None
+    if node.attrs.get("allowzero", 0) or not (shape == 0).any():
+        return shape
+    middle = node.inputs[0].shape
+    if middle is None:
+        return None
+    resolved = shape.copy()
+    for i in np.flatnonzero(shape == 0):
+        if i >= len(middle) or not isinstance(middle[i], int):
+            return None  # the 0 copies a dimension only the middle tensor knows
+        resolved[i] = middle[i]
+    return resolved
+
+
+def _rule_merge_reshapes(ctx: _Ctx, node: Node) -> Rewrite | None:
+    if node.op != "Reshape" or node.domain != "" or len(node.inputs) != 2:
+        return None
+    first = ctx.producer(node.inputs[0], *_RESHAPES)
+    if first is None or first.inputs[0] is None:
+        return None
+    shape = _target_shape(ctx, node)
+    if shape is None:
+        return None  # a Reshape only depends on the element count, unless a 0 copies a dim
+    if np.array_equal(shape, ctx.const(node.inputs[1])):
+        shape_value = node.inputs[1]
+    else:
+        shape_value = add_constant(ctx.graph, f"{node.inputs[1].name}_resolved", shape)
+    new = Node("Reshape", [first.inputs[0], shape_value], list(node.outputs), dict(node.attrs))
+    new.name = node.name
+    rw = Rewrite(remove=[node], add=[new], count=1)
+    if ctx.sole_reader(first.outputs[0]) is node:
+        rw.remove.append(first)
+    return rw
+
+
+@register_pass("merge_reshapes", level=2, order=33)
+def merge_reshapes(graph: Graph) -> int:
+    """Reshape of a Reshape/Flatten/Squeeze/Unsqueeze reads the original tensor directly.
+
+    A Reshape's result depends only on its input's element count, except where its shape has a
+    0 entry that copies a dimension (allowzero=0): those are resolved from the inferred middle
+    shape when it is static, otherwise the pair is left alone.
+    """
+    return _run(graph, _rule_merge_reshapes)
