@@ -1,1 +1,292 @@
-"""Graph passes: fuse_pointwise (being written)."""
+"""fuse_pointwise: maximal trees of elementwise ops become one tensorkiln.Pointwise node.
+
+Runs last among the fusions (level 3, order 90) and takes what the conv/gemm/norm/attention fusions
+left. Pattern, check, replacement:
+
+* **Pattern**: starting from the last elementwise node not yet taken (the *root*), absorb the
+  elementwise producers of the group's inputs, one at a time.
+* **Check**: a producer is absorbed when every reader of its output is in the group, or, when some
+  are not, its output becomes an extra output of the fused node, provided no path leads from those
+  outside readers back into the group (that would make a cycle). Integer-only arithmetic (shape
+  computations) is left alone, so that shape inference and folding keep seeing it. A group of one
+  op is not fused.
+* **Replacement**: ``Pointwise(external inputs...) {body}``, whose outputs are the root's output then
+  the intermediates read outside, in that order. The body is a copy of the group over fresh Values;
+  constants read by the group (initializers, Constant nodes) become initializers of the body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value, node_reads
+from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.rewrite import Rewrite, const_value
+
+DOMAIN = "tensorkiln"
+
+UNARY = frozenset(
+    [
+        "Abs",
+        "Acos",
+        "Acosh",
+        "Asin",
+        "Asinh",
+        "Atan",
+        "Atanh",
+        "Ceil",
+        "Cos",
+        "Cosh",
+        "Elu",
+        "Celu",
+        "Selu",
+        "Erf",
+        "Exp",
+        "Floor",
+        "Gelu",
+        "HardSigmoid",
+        "HardSwish",
+        "Identity",
+        "IsInf",
+        "IsNaN",
+        "LeakyRelu",
+        "Log",
+        "Mish",
+        "Neg",
+        "Not",
+        "Reciprocal",
+        "Relu",
+        "Round",
+        "Sigmoid",
+        "Sign",
+        "Sin",
+        "Sinh",
+        "Softplus",
+        "Softsign",
+        "Sqrt",
+        "Swish",
+        "Tan",
+        "Tanh",
+        "ThresholdedRelu",
+        "Shrink",
+        "Cast",
+        "Clip",
+    ]
+)
+BINARY = frozenset(
+    [
+        "Add",
+        "Sub",
+        "Mul",
+        "Div",
+        "Pow",
+        "Mod",
+        "Max",
+        "Min",
+        "Sum",
+        "Mean",
+        "PRelu",
+        "Where",
+        "And",
+        "Or",
+        "Xor",
+        "Equal",
+        "Less",
+        "Greater",
+        "LessOrEqual",
+        "GreaterOrEqual",
+    ]
+)
+ELEMENTWISE = UNARY | BINARY
+
+
+@dataclass
+class Group:
+    """Nodes fused into one Pointwise, with the values it reads from and gives to the outside."""
+
+    root: Node
+    nodes: list[Node] = field(default_factory=list)
+    outputs: list[Value] = field(default_factory=list)  # root output first, then extra ones
+
+
+def is_elementwise(node: Node) -> bool:
+    """An elementwise op on tensors of known dtype, with at least one floating value involved."""
+    if node.domain not in ("", "ai.onnx") or node.op not in ELEMENTWISE:
+        return False
+    if "broadcast" in node.attrs or "axis" in node.attrs:  # opset < 7 unidirectional broadcasting
+        return False
+    if len(node.outputs) != 1 or node.outputs[0] is None or not node.inputs:
+        return False
+    values = [v for v in node.inputs if v is not None] + [node.outputs[0]]
+    types = [v.type for v in values]
+    if not all(isinstance(t, TensorType) and t.dtype is not None for t in types):
+        return False
+    return any(t.dtype.is_float for t in types)
+
+
+@register_pass("fuse_pointwise", level=3, order=90)
+def fuse_pointwise(graph: Graph) -> int:
+    """Fuse maximal groups of elementwise ops into tensorkiln.Pointwise nodes; returns groups fused."""
+    groups = find_groups(graph, extra_outputs=True)
+    if not acyclic_after(graph, groups):  # two groups feeding each other through extra outputs
+        groups = find_groups(graph, extra_outputs=False)
+    rw = Rewrite()
+    for k, group in enumerate(groups):
+        rw.merge(replace_group(graph, group, k))
+    return rw.apply(graph)
+
+
+def find_groups(graph: Graph, *, extra_outputs: bool = True) -> list[Group]:
+    """Groups of two or more elementwise nodes, found from the last node backwards.
+
+    Without ``extra_outputs`` an intermediate read outside its group stops the group there.
+    """
+    producers = graph.producers()
+    consumers = graph.consumers()
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    taken: set[Node] = set()
+    groups = []
+    for node in reversed(graph.nodes):
+        if node in taken or not is_elementwise(node):
+            continue
+        group = grow(graph, node, producers, consumers, index, taken, extra_outputs)
+        if len(group.nodes) >= 2:
+            taken.update(group.nodes)
+            groups.append(group)
+    return groups
+
+
+def grow(
+    graph: Graph,
+    root: Node,
+    producers: dict[Value, Node],
+    consumers: dict[Value, list[Node]],
+    index: dict[Node, int],
+    taken: set[Node],
+    extra_outputs: bool,
+) -> Group:
+    """The largest group with ``root`` as its last node, absorbing producers while the check holds."""
+    group = Group(root, [root], [root.outputs[0]])
+    members = {root}
+    frontier = [v for v in root.inputs if v is not None]
+    while frontier:
+        v = frontier.pop()
+        p = producers.get(v)
+        if p is None or p in members or p in taken or not is_elementwise(p):
+            continue
+        outside = [c for c in consumers.get(v, []) if c not in members]
+        if (outside or v in graph.outputs) and not extra_outputs:
+            continue
+        if outside and reaches(outside, members, consumers, index, index[root]):
+            continue  # an outside reader leads back into the group: fusing would make a cycle
+        if outside or v in graph.outputs:
+            group.outputs.append(v)
+        members.add(p)
+        group.nodes.append(p)
+        frontier.extend(x for x in p.inputs if x is not None)
+    group.nodes.sort(key=index.__getitem__)
+    return group
+
+
+def reaches(
+    start: list[Node],
+    targets: set[Node],
+    consumers: dict[Value, list[Node]],
+    index: dict[Node, int],
+    limit: int,
+) -> bool:
+    """Whether a path leads from ``start`` to a node of ``targets`` (none lies after ``limit``)."""
+    seen: set[Node] = set()
+    stack = list(start)
+    while stack:
+        n = stack.pop()
+        if n in targets:
+            return True
+        if n in seen or index[n] > limit:
+            continue
+        seen.add(n)
+        for v in n.outputs:
+            if v is not None:
+                stack.extend(consumers.get(v, []))
+    return False
+
+
+def acyclic_after(graph: Graph, groups: list[Group]) -> bool:
+    """Whether the graph stays acyclic with each group contracted to one node."""
+    unit: dict[Node, object] = {n: n for n in graph.nodes}
+    for g in groups:
+        unit.update(dict.fromkeys(g.nodes, g.root))
+    producers = graph.producers()
+    deps: dict[object, set[object]] = {u: set() for u in unit.values()}
+    for n in graph.nodes:
+        for v in node_reads(n):
+            p = producers.get(v)
+            if p is not None and unit[p] is not unit[n]:
+                deps[unit[n]].add(unit[p])
+    users: dict[object, list[object]] = {u: [] for u in deps}
+    for u, ds in deps.items():
+        for d in ds:
+            users[d].append(u)
+    pending = {u: len(ds) for u, ds in deps.items()}
+    ready = [u for u, k in pending.items() if k == 0]
+    done = 0
+    while ready:
+        u = ready.pop()
+        done += 1
+        for w in users[u]:
+            pending[w] -= 1
+            if pending[w] == 0:
+                ready.append(w)
+    return done == len(deps)
+
+
+def replace_group(graph: Graph, group: Group, k: int) -> Rewrite:
+    """The Rewrite that swaps ``group`` for one Pointwise node holding it as its body."""
+    body, inputs = make_body(graph, group, k)
+    fused = Node(
+        "Pointwise",
+        inputs,
+        list(group.outputs),
+        {"body": body},
+        domain=DOMAIN,
+        name=f"{group.root.name or 'pointwise'}_pointwise",
+    )
+    return Rewrite(remove=list(group.nodes), add=[fused], count=1)
+
+
+def make_body(graph: Graph, group: Group, k: int) -> tuple[Graph, list[Value]]:
+    """(body graph over fresh Values, the outer values bound to its inputs in order)."""
+    producers = graph.producers()
+    mapping: dict[Value, Value] = {}
+    inputs: list[Value] = []
+    body = Graph(name=f"pointwise_{k}", opsets=dict(graph.opsets))
+    produced = {n.outputs[0] for n in group.nodes}
+    for node in group.nodes:
+        for v in node.inputs:
+            if v is None or v in produced or v in mapping:
+                continue
+            data = const_value(v, producers)
+            fresh = Value(v.name, v.type, const=data)
+            if data is not None:
+                fresh.type = TensorType(DType.from_numpy(data.dtype), data.shape)
+                body.initializers.append(fresh)
+            else:
+                inputs.append(v)
+                body.inputs.append(fresh)
+            mapping[v] = fresh
+        for v in node.outputs:
+            mapping[v] = Value(v.name, v.type)
+        body.nodes.append(_copy(node, mapping))
+    body.outputs = [mapping[v] for v in group.outputs]
+    return body, inputs
+
+
+def _copy(node: Node, mapping: dict[Value, Value]) -> Node:
+    return Node(
+        node.op,
+        [None if v is None else mapping[v] for v in node.inputs],
+        [None if v is None else mapping[v] for v in node.outputs],
+        dict(node.attrs),
+        node.domain,
+        node.name,
+    )
