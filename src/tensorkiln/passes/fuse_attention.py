@@ -1,1 +1,401 @@
-"""Graph passes: fuse_attention (being written)."""
+"""fuse_attention: scaled dot-product attention -> one tensorkiln.Attention node.
+
+Pattern (as the TorchScript and torch.export exporters write it, before or after the earlier passes)::
+
+    K^T   = Transpose(K, [0,1,3,2]) | Transpose(Kbshd, [0,2,3,1]) | Reshape(Transpose(Reshape(K)))
+    S     = MatMul(Q * a, K^T * b) [* c | / c]        a, b, c scalar constants: scale = a*b*c
+    S     = S + mask                                  optional; mask broadcast over the heads
+    P     = Softmax(S, axis=last)  [-> Where(IsNaN(P), 0, P)]
+    O     = MatMul(P, V)                              Q, K, V: [B, H, S, D]
+
+Replacement: ``O = tensorkiln.Attention(Q, K, V, mask?)``. The head split around it
+(``Transpose(Reshape(X, [B, S, H, D]), [0, 2, 1, 3])`` for all of Q, K and V) and the head merge
+after it (``Reshape(Transpose(O, [0, 2, 1, 3]), [B, S, H*Dv])``) are absorbed into the node's
+``input_layout`` / ``output_layout`` attributes when the shapes prove them.
+
+Every intermediate that disappears must have this match as its only reader; the scale factors must
+be scalar constants; the softmax must run over the last axis; the mask must not change the shape of
+the scores. ONNX Attention nodes (opset 23+) are left as they are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tensorkiln.ir import Graph, Node, TensorType, Value
+from tensorkiln.ir.dims import dim_product
+from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.rewrite import Rewrite, const_value, only_use
+
+_SWAP_LAST = (0, 1, 3, 2)
+_HEADS = (0, 2, 1, 3)  # [B, S, H, D] <-> [B, H, S, D]
+
+
+@dataclass
+class _Ctx:
+    """The graph and the maps a match reads."""
+
+    graph: Graph
+    producers: dict[Value, Node]
+    consumers: dict[Value, list[Node]]
+    taken: set[str] = field(default_factory=set)  # value and node names in use
+
+    def single(self, v: Value) -> Node | None:
+        """The only reader of ``v`` (None when several nodes read it or it is a graph output)."""
+        return only_use(self.graph, v, self.consumers)
+
+    def made_by(self, v: Value, op: str) -> Node | None:
+        """The producer of ``v`` if it is the ONNX op ``op`` and ``v`` has no other reader."""
+        p = self.producers.get(v)
+        if p is None or p.op != op or p.domain != "" or self.single(v) is None:
+            return None
+        return p
+
+
+@dataclass
+class _Source:
+    """A [B, H, S, D] operand, seen as ``Transpose(base, perm)`` (perm None: base itself)."""
+
+    base: Value
+    perm: tuple[int, ...] | None = None
+    nodes: list[Node] = field(default_factory=list)  # peeled nodes, removed if the match uses base
+
+
+@dataclass
+class _Match:
+    q: Value
+    k: Value
+    v: Value
+    scale: float
+    mask: Value | None
+    mask_kind: str
+    softmax: Node
+    out: Node  # the MatMul P @ V
+    remove: list[Node] = field(default_factory=list)
+
+
+# ---------------------------------------------------------------- small checks
+
+
+def _shape(v: Value | None) -> tuple | None:
+    return None if v is None or v.shape is None else tuple(v.shape)
+
+
+def _rank(v: Value) -> int | None:
+    s = _shape(v)
+    return None if s is None else len(s)
+
+
+def _scalar(ctx: _Ctx, v: Value | None) -> float | None:
+    """The value of a one-element floating-point constant, else None."""
+    data = const_value(v, ctx.producers)
+    if (
+        data is None
+        or data.size != 1
+        or data.ndim > 4
+        or not np.issubdtype(data.dtype, np.floating)
+    ):
+        return None
+    return float(data.reshape(-1)[0])
+
+
+def _perm(node: Node) -> tuple[int, ...] | None:
+    perm = node.attrs.get("perm")
+    return None if perm is None else tuple(int(p) for p in perm)
+
+
+def _compose(inner: tuple[int, ...] | None, outer: tuple[int, ...]) -> tuple[int, ...] | None:
+    """perm of Transpose(Transpose(x, inner), outer) as one Transpose of x (None: identity)."""
+    p = outer if inner is None else tuple(inner[i] for i in outer)
+    return None if p == tuple(range(len(p))) else p
+
+
+# ---------------------------------------------------------------- the scores: Q K^T * scale
+
+
+def _strip_scale(ctx: _Ctx, v: Value, removed: list[Node]) -> tuple[Value, float] | None:
+    """Walk up Mul/Div by scalar constants (each read only here); returns (source, factor)."""
+    factor = 1.0
+    while True:
+        p = ctx.made_by(v, "Mul") or ctx.made_by(v, "Div")
+        if p is None:
+            return v, factor
+        a, b = p.inputs
+        ca, cb = _scalar(ctx, a), _scalar(ctx, b)
+        if cb is not None and _rank(a) is not None and _rank(a) >= 1:
+            x, c = a, (cb if p.op == "Mul" else 1.0 / cb if cb else None)
+        elif p.op == "Mul" and ca is not None and _rank(b) is not None:
+            x, c = b, ca
+        else:
+            return v, factor
+        if c is None or _shape(p.outputs[0]) != _shape(x):  # the constant must not broadcast x up
+            return v, factor
+        factor *= c
+        removed.append(p)
+        v = x
+
+
+def _scores(ctx: _Ctx, v: Value) -> tuple[Value, Value, float, list[Node]] | None:
+    """(Q, K^T, scale, nodes) when ``v`` is (Q*a) @ (K^T*b) * c with scalar constants a, b, c."""
+    removed: list[Node] = []
+    found = _strip_scale(ctx, v, removed)
+    mm = ctx.made_by(found[0], "MatMul")
+    if mm is None:
+        return None
+    removed.append(mm)
+    q, qa = _strip_scale(ctx, mm.inputs[0], removed)
+    kt, kb = _strip_scale(ctx, mm.inputs[1], removed)
+    if _rank(q) != 4 or _rank(kt) != 4:
+        return None
+    return q, kt, found[1] * qa * kb, removed
+
+
+def _softmax_input_ok(ctx: _Ctx, sm: Node) -> bool:
+    """Softmax over the last axis (opset < 13: the flattened trailing axes, so the last one)."""
+    rank = _rank(sm.inputs[0])
+    if rank is None:
+        return False
+    default = -1 if ctx.graph.opset("") >= 13 else 1
+    return int(sm.attrs.get("axis", default)) % rank == rank - 1
+
+
+# ---------------------------------------------------------------- mask
+
+
+def _split_mask(ctx: _Ctx, v: Value) -> tuple[Value, Value | None, Node | None]:
+    """(scores, mask, add node) when ``v`` = scores + mask; (v, None, None) otherwise."""
+    add = ctx.made_by(v, "Add")
+    if add is None:
+        return v, None, None
+    for i in (0, 1):
+        s, m = add.inputs[i], add.inputs[1 - i]
+        mm = ctx.producers.get(s)
+        scores_side = mm is not None and mm.op in ("MatMul", "Mul", "Div")
+        if scores_side and _shape(s) is not None and _shape(s) == _shape(v) and _mask_ok(m, s):
+            return s, m, add
+    return v, None, None
+
+
+def _mask_ok(mask: Value, scores: Value) -> bool:
+    shape = _shape(mask)
+    return shape is not None and len(shape) <= 4 and mask.dtype == scores.dtype
+
+
+def _as_bool_mask(ctx: _Ctx, mask: Value) -> tuple[Value, Node] | None:
+    """``Where(cond, 0, -inf)`` read only here -> (cond, where) for a boolean mask."""
+    w = ctx.made_by(mask, "Where")
+    if w is None or w.inputs[0].dtype is None or w.inputs[0].dtype.name != "BOOL":
+        return None
+    zero, neg = _scalar(ctx, w.inputs[1]), _scalar(ctx, w.inputs[2])
+    if zero != 0.0 or neg != -np.inf or _shape(mask) != _shape(w.inputs[0]):
+        return None
+    return w.inputs[0], w
+
+
+# ---------------------------------------------------------------- after the softmax
+
+
+def _probs(ctx: _Ctx, sm: Node) -> tuple[Value, list[Node]] | None:
+    """The softmax output, through an ``Where(IsNaN(P), 0, P)`` guard if there is one."""
+    p = sm.outputs[0]
+    readers = ctx.consumers.get(p, [])
+    if p in ctx.graph.outputs:
+        return None
+    if len(readers) == 1:
+        return p, []
+    if len(readers) != 2:
+        return None
+    isnan = next((n for n in readers if n.op == "IsNaN" and n.domain == ""), None)
+    where = next((n for n in readers if n.op == "Where" and n.domain == ""), None)
+    if isnan is None or where is None or ctx.single(isnan.outputs[0]) is not where:
+        return None
+    if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p:
+        return None
+    if _scalar(ctx, where.inputs[1]) != 0.0 or _shape(where.outputs[0]) != _shape(p):
+        return None
+    return where.outputs[0], [isnan, where]
+
+
+# ---------------------------------------------------------------- operands
+
+
+def _key_source(ctx: _Ctx, kt: Value) -> _Source:
+    """K as [B, H, S, D] from K^T: peel the transposes (and torch.export's 3-D round trip)."""
+    src = _Source(kt, _SWAP_LAST)
+    rtr = _reshape_round_trip(ctx, kt)
+    if rtr is not None:
+        return rtr
+    t = ctx.made_by(kt, "Transpose")
+    if t is not None and _perm(t) is not None and len(_perm(t)) == 4:
+        src = _Source(t.inputs[0], _compose(_perm(t), _SWAP_LAST), [t])
+    return src
+
+
+def _reshape_round_trip(ctx: _Ctx, kt: Value) -> _Source | None:
+    """``Reshape(Transpose(Reshape(K, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`` -> K."""
+    r2 = ctx.made_by(kt, "Reshape")
+    t = r2 and ctx.made_by(r2.inputs[0], "Transpose")
+    r1 = t and _perm(t) == (0, 2, 1) and ctx.made_by(t.inputs[0], "Reshape")
+    if not r1:
+        return None
+    k, flat = _shape(r1.inputs[0]), _shape(r1.outputs[0])
+    if k is None or flat is None or len(k) != 4 or len(flat) != 3:
+        return None
+    if flat != (dim_product(k[:2]), k[2], k[3]) or _shape(kt) != (k[0], k[1], k[3], k[2]):
+        return None
+    return _Source(r1.inputs[0], None, [r2, t, r1])
+
+
+def _packed(ctx: _Ctx, src: _Source) -> tuple[Value, int, list[Node]] | None:
+    """(X, H, nodes) when the operand is ``Transpose(Reshape(X [B,S,H*D], [B,S,H,D]), [0,2,1,3])``."""
+    if src.perm is None:  # the operand itself may be the Transpose
+        t = ctx.made_by(src.base, "Transpose")
+        if t is None or _perm(t) != _HEADS:
+            return None
+        src = _Source(t.inputs[0], _HEADS, [*src.nodes, t])
+    if src.perm != _HEADS:
+        return None
+    nodes, base = list(src.nodes), src.base
+    r = ctx.made_by(base, "Reshape")
+    if r is None:
+        return None
+    x, y = _shape(r.inputs[0]), _shape(base)
+    if x is None or y is None or len(x) != 3 or len(y) != 4 or not isinstance(y[2], int):
+        return None
+    if x[:2] != y[:2] or x[2] != dim_product(y[2:]):
+        return None
+    return r.inputs[0], y[2], [*nodes, r]
+
+
+# ---------------------------------------------------------------- the match
+
+
+def _match(ctx: _Ctx, sm: Node) -> tuple[_Match, list[_Source]] | None:
+    """Everything between Q, K, V (and the mask) and the P @ V MatMul, or None."""
+    if not _softmax_input_ok(ctx, sm) or ctx.single(sm.inputs[0]) is not sm:
+        return None
+    remove = [sm]
+    s, mask, add = _split_mask(ctx, sm.inputs[0])
+    if add is not None:
+        remove.append(add)
+    scores = _scores(ctx, s)
+    probs = _probs(ctx, sm)
+    if scores is None or probs is None:
+        return None
+    q, kt, scale, nodes = scores
+    pv = ctx.single(probs[0])
+    if pv is None or pv.op != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs[0]:
+        return None
+    if _rank(pv.inputs[1]) != 4 or not np.isfinite(scale) or scale == 0.0:
+        return None
+    remove += nodes + probs[1] + [pv]
+    kind = "" if mask is None else "additive"
+    as_bool = None if mask is None else _as_bool_mask(ctx, mask)
+    if as_bool is not None:
+        mask, kind = as_bool[0], "bool"
+        remove.append(as_bool[1])
+    m = _Match(q, kt, pv.inputs[1], scale, mask, kind, sm, pv, remove)
+    return m, [_Source(q), _key_source(ctx, kt), _Source(pv.inputs[1])]
+
+
+def _output_layout(ctx: _Ctx, out: Value, heads: int | None) -> tuple[str, Value, list[Node]]:
+    """Absorb ``Reshape(Transpose(O, [0,2,1,3]), [B, S, H*Dv])`` after the op when proven."""
+    v, nodes = out, []
+    r0 = _reader(ctx, v, "Reshape")
+    if r0 is not None and _shape(r0.outputs[0]) == _shape(v) and None not in (_shape(v) or (None,)):
+        v, nodes = r0.outputs[0], [r0]
+    t = _reader(ctx, v, "Transpose")
+    if t is None or _perm(t) != _HEADS:
+        return "bhsd", out, []
+    v, nodes = t.outputs[0], [*nodes, t]
+    r = _reader(ctx, v, "Reshape")
+    y, z = _shape(v), r and _shape(r.outputs[0])
+    if r is not None and _merges_heads(y, z) and (heads is None or y[2] == heads):
+        return "bsd", r.outputs[0], [*nodes, r]
+    return "bshd", v, nodes
+
+
+def _merges_heads(y: tuple | None, z: tuple | None) -> bool:
+    """Whether a Reshape from ``y`` [B, S, H, Dv] to ``z`` is [B, S, H*Dv]."""
+    if y is None or z is None or len(y) != 4 or len(z) != 3:
+        return False
+    return z[:2] == y[:2] and z[2] == dim_product(y[2:])
+
+
+def _reader(ctx: _Ctx, v: Value, op: str) -> Node | None:
+    n = ctx.single(v)
+    return n if n is not None and n.op == op and n.domain == "" and n.inputs[0] is v else None
+
+
+# ---------------------------------------------------------------- the replacement
+
+
+def _transpose(ctx: _Ctx, x: Value, perm: tuple[int, ...], name: str, rw: Rewrite) -> Value:
+    shape = _shape(x)
+    new_shape = None if shape is None else tuple(shape[p] for p in perm)
+    out = Value(_fresh(ctx, name), TensorType(x.dtype, new_shape))
+    ctx.taken.add(out.name)
+    rw.add.append(Node("Transpose", [x], [out], {"perm": list(perm)}, name=out.name))
+    return out
+
+
+def _fresh(ctx: _Ctx, name: str) -> str:
+    base, k = name, 1
+    while name in ctx.taken:
+        name = f"{base}_{k}"
+        k += 1
+    return name
+
+
+def _inputs(ctx: _Ctx, m: _Match, srcs: list[_Source], rw: Rewrite) -> tuple[list[Value], int]:
+    """Q, K, V for the new node, and num_heads (0: they are [B, H, S, D])."""
+    packed = [_packed(ctx, s) for s in srcs]
+    heads = {p[1] for p in packed if p is not None}
+    if None not in packed and len(heads) == 1:
+        for p in packed:
+            rw.remove.extend(p[2])
+        return [p[0] for p in packed], heads.pop()
+    k = srcs[1]
+    rw.remove.extend(k.nodes)
+    key = k.base if k.perm is None else _transpose(ctx, k.base, k.perm, f"{m.k.name}_bhsd", rw)
+    return [m.q, key, m.v], 0
+
+
+def _rewrite(ctx: _Ctx, m: _Match, srcs: list[_Source]) -> Rewrite:
+    rw = Rewrite(remove=list(m.remove), count=1)
+    inputs, heads = _inputs(ctx, m, srcs, rw)
+    layout, out, nodes = _output_layout(ctx, m.out.outputs[0], heads or None)
+    rw.remove.extend(nodes)
+    attrs = {
+        "scale": m.scale,
+        "causal": 0,
+        "mask_kind": m.mask_kind,
+        "num_heads": heads,
+        "input_layout": "bsd" if heads else "bhsd",
+        "output_layout": layout,
+    }
+    name = _fresh(ctx, f"{m.softmax.name or m.out.name}_attention")
+    ctx.taken.add(name)
+    node = Node(
+        "Attention", [*inputs, m.mask] if m.mask else inputs, [out], attrs, "tensorkiln", name
+    )
+    rw.add.append(node)
+    return rw
+
+
+@register_pass("fuse_attention", level=3, order=70)
+def fuse_attention(graph: Graph) -> int:
+    """Fuse each scaled dot-product attention into one tensorkiln.Attention node."""
+    taken = {v.name for v in graph.values()} | {n.name for n in graph.nodes}
+    ctx = _Ctx(graph, graph.producers(), graph.consumers(), taken)
+    rw = Rewrite()
+    for node in list(graph.nodes):
+        if node.op == "Softmax" and node.domain == "":
+            found = _match(ctx, node)
+            if found is not None:
+                rw.merge(_rewrite(ctx, *found))
+    if rw.count:
+        graph.opsets.setdefault("tensorkiln", 1)
+    return rw.apply(graph)

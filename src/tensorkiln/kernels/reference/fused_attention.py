@@ -1,1 +1,129 @@
-"""Reference kernels of the tensorkiln-domain fused ops: fused_attention (being written)."""
+"""tensorkiln.Attention: softmax(Q K^T * scale + mask) V as one op, made by passes/fuse_attention.
+
+Inputs ``Q, K, V, mask?``. K is *not* pre-transposed. Attributes:
+
+* ``scale`` (float; 0 means 1/sqrt(head size)): multiplies Q K^T.
+* ``causal`` (int): key j is hidden from query i when j > i (top-left aligned, as torch's is_causal).
+* ``mask_kind``: ``""`` (no mask), ``"additive"`` (added to the scaled scores, broadcast to
+  [B, H, Sq, Sk]) or ``"bool"`` (True keeps a key, False hides it).
+* ``num_heads`` and ``input_layout``: ``"bhsd"`` takes Q [B, H, Sq, D], K [B, H, Sk, D],
+  V [B, H, Sk, Dv]; ``"bsd"`` takes them with the heads packed, [B, S, H*D], split into
+  ``num_heads`` heads inside the op.
+* ``output_layout``: ``"bhsd"`` gives [B, H, Sq, Dv], ``"bshd"`` [B, Sq, H, Dv] and ``"bsd"``
+  [B, Sq, H*Dv] (the heads merged back, ready for the output projection).
+
+Arithmetic runs in float32 (float64 for float64 inputs) with a max-subtracted softmax. A query
+row whose keys are all hidden gives zeros, not NaN: that is what the exporters' IsNaN -> Where
+guard after the softmax computes, and what fused attention kernels do.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorkiln.ir.dims import dim_divide, dim_product
+from tensorkiln.ir.graph import Shape, TensorType, Type
+from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.registry import register
+
+LAYOUTS_IN = ("bhsd", "bsd")
+LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
+MASK_KINDS = ("", "additive", "bool")
+
+
+def _split_heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
+    """[B, S, H*D] -> [B, H, S, D]."""
+    if x.ndim != 3 or heads <= 0 or x.shape[2] % heads:
+        raise ValueError(
+            f"{name} must be [B, S, {heads} * D] for input_layout 'bsd', got {x.shape}"
+        )
+    b, s, e = x.shape
+    return x.reshape(b, s, heads, e // heads).transpose(0, 2, 1, 3)
+
+
+def _arrange_output(y: np.ndarray, layout: str) -> np.ndarray:
+    """[B, H, S, Dv] -> the requested output layout."""
+    if layout == "bhsd":
+        return y
+    y = y.transpose(0, 2, 1, 3)
+    return y if layout == "bshd" else y.reshape(y.shape[0], y.shape[1], -1)
+
+
+def _stable_softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis; a row that is all -inf gives zeros."""
+    m = np.max(x, axis=-1, keepdims=True)
+    m = np.where(np.isneginf(m), 0, m)
+    e = np.exp(x - m)
+    s = np.sum(e, axis=-1, keepdims=True)
+    return e / np.where(s == 0, 1, s)
+
+
+def _check_attrs(mask_kind: str, input_layout: str, output_layout: str) -> None:
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if input_layout not in LAYOUTS_IN:
+        raise ValueError(f"input_layout must be one of {LAYOUTS_IN}, got {input_layout!r}")
+    if output_layout not in LAYOUTS_OUT:
+        raise ValueError(f"output_layout must be one of {LAYOUTS_OUT}, got {output_layout!r}")
+
+
+@register("Attention", domain="tensorkiln", since=1)
+def fused_attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    mask: np.ndarray | None = None,
+    *,
+    scale: float = 0.0,
+    causal: int = 0,
+    mask_kind: str = "",
+    num_heads: int = 0,
+    input_layout: str = "bhsd",
+    output_layout: str = "bhsd",
+) -> np.ndarray:
+    """Scaled dot-product attention with an optional additive or boolean mask and causal masking."""
+    _check_attrs(mask_kind, input_layout, output_layout)
+    if (mask is None) != (mask_kind == ""):
+        raise ValueError(
+            f"mask_kind {mask_kind!r} does not fit the mask input ({mask is not None})"
+        )
+    if input_layout == "bsd":
+        q, k, v = (_split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V")))
+    if not q.ndim == k.ndim == v.ndim == 4:
+        raise ValueError(
+            f"Q, K, V must be rank 4 [B, H, S, D], got {q.shape}, {k.shape}, {v.shape}"
+        )
+    ct = np.float64 if q.dtype == np.float64 else np.float32
+    s = np.float64(scale) if scale else 1.0 / np.sqrt(q.shape[-1])
+    scores = np.matmul(q.astype(ct), k.astype(ct).swapaxes(-1, -2)) * ct(s)
+    if mask_kind == "additive":
+        scores = scores + mask.astype(ct)
+    elif mask_kind == "bool":
+        scores = np.where(mask.astype(bool), scores, ct(-np.inf))
+    if causal:
+        sq, sk = scores.shape[-2:]
+        scores = np.where(np.tri(sq, sk, dtype=bool), scores, ct(-np.inf))
+    y = np.matmul(_stable_softmax(scores), v.astype(ct)).astype(q.dtype)
+    return _arrange_output(y, output_layout)
+
+
+def _heads_view(shape: Shape | None, heads: int) -> Shape | None:
+    """[B, S, H*D] -> [B, H, S, D] as a shape."""
+    if shape is None or len(shape) != 3:
+        return None
+    d = dim_divide(shape[2], heads)
+    return None if d is None else (shape[0], heads, shape[1], d)
+
+
+@rule("Attention", domain="tensorkiln")
+def _attention_shape(ctx: InferContext) -> list[Type | None]:
+    q, v = ctx.shape(0), ctx.shape(2)
+    if ctx.attr("input_layout", "bhsd") == "bsd":
+        heads = int(ctx.attr("num_heads", 0))
+        q, v = _heads_view(q, heads), _heads_view(v, heads)
+    if q is None or v is None or len(q) != 4 or len(v) != 4:
+        return [TensorType(ctx.dtype(0), None)]
+    b, h, s, dv = q[0], q[1], q[2], v[3]
+    layout = ctx.attr("output_layout", "bhsd")
+    shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
+    return [TensorType(ctx.dtype(0), shape[layout])]
