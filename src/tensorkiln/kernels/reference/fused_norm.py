@@ -1,1 +1,127 @@
-"""Reference kernels of the tensorkiln-domain fused ops: fused_norm (being written)."""
+"""Reference kernels and shape rules of the fused normalization and activation ops.
+
+The ops of the ``tensorkiln`` domain that :mod:`tensorkiln.passes.fuse_norm` makes:
+
+* ``LayerNorm(X, scale, bias?, residual?) {axis=-1, epsilon=1e-5}`` -> ``Y[, S]``: with a residual,
+  ``S = X + residual`` is normalized, and the optional second output returns ``S`` itself (the
+  pre-norm sum a pre-LN transformer reads again for its next residual).
+* ``RMSNorm(X, scale) {axis=-1, epsilon=1e-5}``: ``X / sqrt(mean(X^2) + epsilon) * scale``.
+* ``Gelu(X) {approximate="none"}``: ONNX Gelu for models below opset 20, where ONNX has none.
+* ``SiLU(X)``: ``X * sigmoid(X)`` (ONNX Swish with alpha 1 only exists from opset 24).
+
+Normalizations compute in float32 (float64 stays float64) on a 2-D ``[rows, normalized]`` view, and
+write the result back in the input's dtype. Scale and bias broadcast against the normalized axes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorkiln.ir.dims import broadcast_shapes
+from tensorkiln.ir.graph import TensorType, Type
+from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
+from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
+from tensorkiln.kernels.registry import register
+
+DOMAIN = "tensorkiln"
+
+
+def _compute_dtype(dtype: np.dtype) -> np.dtype:
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+def _norm_axis(axis: int, rank: int, op: str) -> int:
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
+    return axis % rank
+
+
+def _rows(x: np.ndarray, axis: int, ct: np.dtype) -> np.ndarray:
+    """``x`` as a contiguous ``[rows, normalized]`` array of the compute dtype (a copy)."""
+    cols = int(np.prod(x.shape[axis:], dtype=np.int64))
+    return np.array(x, dtype=ct, copy=True).reshape(-1, cols) if cols else x.astype(ct)
+
+
+def _affine(y: np.ndarray, shape: tuple[int, ...], axis: int, w: np.ndarray | None, add: bool):
+    """Apply scale (``add`` False) or bias (``add`` True) in place on the normalized view."""
+    if w is None:
+        return y
+    full = y.reshape(shape)
+    if add:
+        full += w.astype(y.dtype, copy=False)
+    else:
+        full *= w.astype(y.dtype, copy=False)
+    return y
+
+
+@register("LayerNorm", domain=DOMAIN, since=1)
+def layer_norm(
+    x: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray | None = None,
+    residual: np.ndarray | None = None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    _n_outputs: int = 1,
+):
+    """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
+    s = x if residual is None else np.add(x, residual)
+    axis = _norm_axis(axis, s.ndim, "LayerNorm")
+    ct = _compute_dtype(s.dtype)
+    y = _rows(s, axis, ct)
+    y -= y.mean(axis=1, keepdims=True)
+    var = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
+    y *= (1.0 / np.sqrt(var + ct.type(epsilon))).astype(ct, copy=False)[:, None]
+    _affine(y, s.shape, axis, scale, add=False)
+    _affine(y, s.shape, axis, bias, add=True)
+    out = y.reshape(s.shape).astype(s.dtype, copy=False)
+    return out if _n_outputs == 1 else (out, s)
+
+
+@register("RMSNorm", domain=DOMAIN, since=1)
+def rms_norm(x: np.ndarray, scale: np.ndarray, *, axis: int = -1, epsilon: float = 1e-5):
+    """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
+    axis = _norm_axis(axis, x.ndim, "RMSNorm")
+    ct = _compute_dtype(x.dtype)
+    y = _rows(x, axis, ct)
+    ms = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
+    y *= (1.0 / np.sqrt(ms + ct.type(epsilon))).astype(ct, copy=False)[:, None]
+    _affine(y, x.shape, axis, scale, add=False)
+    return y.reshape(x.shape).astype(x.dtype, copy=False)
+
+
+@register("Gelu", domain=DOMAIN, since=1)
+def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
+    """GELU as ONNX Gelu (opset 20) defines it, for models of older opsets."""
+    return _onnx_gelu(x, approximate=approximate)
+
+
+@register("SiLU", domain=DOMAIN, since=1)
+def silu(x: np.ndarray) -> np.ndarray:
+    """``x * sigmoid(x)``."""
+    return x * _sigmoid(x)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules
+
+
+def _input_type(ctx: InferContext) -> TensorType:
+    return TensorType(ctx.dtype(0), ctx.shape(0))
+
+
+@rule("LayerNorm", domain=DOMAIN)
+def _layer_norm_rule(ctx: InferContext) -> list[Type | None]:
+    shape = ctx.shape(0)
+    if len(ctx.node.inputs) > 3 and ctx.node.inputs[3] is not None:
+        res = ctx.shape(3)
+        shape = None if shape is None or res is None else broadcast_shapes(shape, res)
+    t = TensorType(ctx.dtype(0), shape)
+    return [t] * len(ctx.node.outputs)
+
+
+@rule("RMSNorm", "Gelu", "SiLU", domain=DOMAIN)
+def _same_as_input_rule(ctx: InferContext) -> list[Type | None]:
+    return [_input_type(ctx)]
