@@ -1,1 +1,180 @@
-"""Reference kernels of the tensorkiln-domain fused ops: fused_conv (being written)."""
+"""tensorkiln.ConvAct: convolution + bias + residual + activation in one kernel.
+
+``Y = act(conv(X, W) + B + Z)`` (``residual_order="add_act"``, the ResNet form, the default) or
+``Y = act(conv(X, W) + B) + Z`` (``residual_order="act_add"``). The convolution is the reference
+im2col + GEMM; the epilogue (bias, residual, activation) then runs in place on the fresh GEMM output,
+one block of output channels at a time, so each block is still in cache while it is finished.
+
+The activation helpers here are shared with :mod:`fused_gemm`. They reuse the cores of the
+elementwise kernels, so a fused activation rounds exactly as the unfused op does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tensorkiln.ir.dims import fresh_dim
+from tensorkiln.ir.graph import TensorType, Type
+from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.reference._window import compute_dtype, geometry
+from tensorkiln.kernels.reference.elementwise import (
+    _gelu,
+    _hard_sigmoid,
+    _hard_swish,
+    _leaky,
+    _swish,
+)
+from tensorkiln.kernels.reference.nn import _check_conv_shapes, _conv_geometry, conv_nd
+from tensorkiln.kernels.registry import register
+
+# Elements per epilogue block: 64K float32 = 256 KiB, about one core's L2.
+_BLOCK = 1 << 16
+
+ACTIVATIONS = (
+    "",
+    "Relu",
+    "LeakyRelu",
+    "Clip",
+    "Sigmoid",
+    "Swish",
+    "HardSigmoid",
+    "HardSwish",
+    "Gelu",
+    "GeluTanh",
+    "Tanh",
+)
+
+
+def _sigmoid_inplace(v: np.ndarray, alpha: float = 1.0) -> None:
+    # same steps as elementwise._sigmoid: 1 / (1 + exp(-alpha v))
+    np.multiply(v, -alpha, out=v)
+    with np.errstate(over="ignore"):
+        np.exp(v, out=v)
+    v += 1
+    np.reciprocal(v, out=v)
+
+
+def activate(v: np.ndarray, activation: str, alpha: float, beta: float, lo, hi) -> None:
+    """Apply ``activation`` to the contiguous float32/float64 array ``v`` in place."""
+    if activation == "":
+        return
+    if activation == "Relu":
+        np.maximum(v, v.dtype.type(0), out=v)
+    elif activation == "Tanh":
+        np.tanh(v, out=v)
+    elif activation == "Sigmoid":
+        _sigmoid_inplace(v)
+    elif activation == "Clip":
+        _clip_inplace(v, lo, hi)
+    else:
+        flat = v.reshape(-1)
+        flat[...] = _CORES[activation](flat, alpha, beta)
+
+
+def _clip_inplace(v: np.ndarray, lo, hi) -> None:
+    if lo is not None and hi is not None:
+        np.clip(v, v.dtype.type(lo), v.dtype.type(hi), out=v)
+    elif lo is not None:
+        np.maximum(v, v.dtype.type(lo), out=v)
+    elif hi is not None:
+        np.minimum(v, v.dtype.type(hi), out=v)
+
+
+_CORES = {
+    "LeakyRelu": lambda v, a, b: _leaky(v, a),
+    "Swish": lambda v, a, b: _swish(v, a),
+    "HardSigmoid": lambda v, a, b: _hard_sigmoid(v, a, b),
+    "HardSwish": lambda v, a, b: _hard_swish(v),
+    "Gelu": lambda v, a, b: _gelu(v, "none"),
+    "GeluTanh": lambda v, a, b: _gelu(v, "tanh"),
+}
+
+
+def check_activation(activation: str, what: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: unknown activation {activation!r}; known: {ACTIVATIONS[1:]}")
+
+
+def _epilogue(
+    y: np.ndarray, b: np.ndarray | None, z: np.ndarray | None, act: tuple, after: bool
+) -> None:
+    """Finish ``y`` (N, M, P) in place, one block of output channels of one image at a time."""
+    n, m, p = y.shape
+    step = max(1, _BLOCK // max(p, 1))
+    for i in range(n):
+        for c0 in range(0, m, step):
+            blk = y[i, c0 : c0 + step]
+            if b is not None:
+                blk += b[c0 : c0 + step, None]
+            if z is not None and not after:
+                blk += z[i, c0 : c0 + step]
+            activate(blk, *act)
+            if z is not None and after:
+                blk += z[i, c0 : c0 + step]
+
+
+@register("ConvAct", domain="tensorkiln", since=1)
+def conv_act(
+    x: np.ndarray,
+    w: np.ndarray,
+    b: np.ndarray | None = None,
+    z: np.ndarray | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+    activation: str = "",
+    activation_alpha: float = 0.01,
+    activation_beta: float = 0.5,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+) -> np.ndarray:
+    """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
+    _check_conv_shapes(x, w, group, "ConvAct")
+    check_activation(activation, "ConvAct")
+    if residual_order not in ("add_act", "act_add"):
+        raise ValueError(
+            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
+        )
+    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    ct = compute_dtype(x.dtype)
+    y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
+    m = w.shape[0]
+    if b is not None and b.size != m:
+        raise ValueError(f"ConvAct: bias B has {b.size} values but there are {m} output channels")
+    if z is not None and z.shape != y.shape:
+        raise ValueError(f"ConvAct: residual Z of shape {z.shape} must have the output's {y.shape}")
+    y = np.ascontiguousarray(y).reshape(y.shape[0], m, -1)
+    bb = None if b is None else b.astype(ct, copy=False).reshape(m)
+    zz = None if z is None else z.astype(ct, copy=False).reshape(y.shape)
+    act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
+    _epilogue(y, bb, zz, act, residual_order == "act_add")
+    return y.reshape(x.shape[0], m, *g.out).astype(x.dtype, copy=False)
+
+
+@rule("ConvAct", domain="tensorkiln")
+def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
+    """(N, M, *out) with the conv geometry; symbolic spatial sizes give fresh symbols."""
+    xs, ws = ctx.shape(0), ctx.shape(1)
+    if xs is None or ws is None:
+        return [TensorType(ctx.dtype(0), None)]
+    spatial, kernel = xs[2:], ws[2:]
+    if all(isinstance(d, int) for d in (*spatial, *kernel)):
+        g = geometry(
+            spatial,
+            kernel,
+            ctx.attr("strides"),
+            ctx.attr("dilations"),
+            ctx.attr("pads"),
+            ctx.attr("auto_pad", "NOTSET"),
+        )
+        out = list(g.out)
+    else:
+        out = [fresh_dim() for _ in spatial]
+    return [TensorType(ctx.dtype(0), (xs[0], ws[0], *out))]
