@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import copy
+import warnings
+from pathlib import Path
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from tensorkiln.ir.verify import verify
+from tensorkiln.passes import PassManager
 from tensorkiln.passes.fold import (
     fold_batchnorm,
     fold_mul_add_into_conv_gemm,
+    merge_reshapes,
+    merge_transposes,
+    push_transpose_through_pointwise,
 )
 from tests.passes.util import assert_pass_preserves_outputs, graph_of, model, ops
 
@@ -256,3 +265,179 @@ def test_mul_negative_cases() -> None:
         [w, init("k", rand(3, 1, 1))],
     )
     check(m, fold_mul_add_into_conv_gemm, x, ["Conv", "Sub"], 0)
+
+
+# ---------------------------------------------------------------- transposes
+
+
+def _t(x: str, y: str, perm) -> object:
+    return helper.make_node("Transpose", [x], [y], perm=list(perm))
+
+
+def test_transposes_cancel() -> None:
+    nodes = [_t("x", "a", [0, 2, 3, 1]), _t("a", "y", [0, 3, 1, 2])]
+    m = model(nodes, [inp("x", [2, 3, 4, 5])], [out()])
+    after = check(m, merge_transposes, {"x": rand(2, 3, 4, 5)}, ["Identity"], 1)
+    assert after.outputs[0].name == "y"
+
+
+def test_transposes_compose_and_shared_first_stays() -> None:
+    nodes = [
+        _t("x", "a", [1, 2, 0]),
+        _t("a", "y", [0, 2, 1]),
+        helper.make_node("Relu", ["a"], ["r"]),
+    ]
+    m = model(nodes, [inp("x", [2, 3, 4])], [out(), out("r")])
+    after = check(m, merge_transposes, {"x": rand(2, 3, 4)}, None, 1)
+    assert sorted(ops(after)) == ["Relu", "Transpose", "Transpose"]
+    m = model(nodes[:2], [inp("x", [2, 3, 4])], [out()])
+    check(m, merge_transposes, {"x": rand(2, 3, 4)}, ["Transpose"], 1)
+
+
+def test_push_transpose_through_pointwise_chain() -> None:
+    nodes = [
+        _t("x", "a", [0, 2, 1]),
+        helper.make_node("Relu", ["a"], ["b"]),
+        helper.make_node("Mul", ["k", "b"], ["c"]),
+        _t("c", "y", [0, 2, 1]),
+        _t("c", "z", [2, 1, 0]),
+    ]
+    m = model(nodes, [inp("x", [2, 3, 4])], [out(), out("z")], [init("k", rand())])
+    after = check(m, push_transpose_through_pointwise, {"x": rand(2, 3, 4)}, None, 1)
+    # y's composed permutation is the identity: y is now the Mul's output, renamed
+    assert sorted(ops(after)) == ["Mul", "Relu", "Transpose"]
+
+
+def test_push_transpose_left_alone_without_a_transpose_to_meet() -> None:
+    # moving the Transpose below the Relu would gain nothing; a tensor operand is not pointwise
+    x = {"x": rand(2, 3, 4)}
+    m = model(
+        [_t("x", "a", [0, 2, 1]), helper.make_node("Relu", ["a"], ["y"])],
+        [inp("x", [2, 3, 4])],
+        [out()],
+    )
+    check(m, push_transpose_through_pointwise, x, ["Transpose", "Relu"], 0)
+    nodes = [
+        _t("x", "a", [0, 2, 1]),
+        helper.make_node("Add", ["a", "k"], ["b"]),
+        _t("b", "y", [0, 2, 1]),
+    ]
+    m = model(nodes, [inp("x", [2, 3, 4])], [out()], [init("k", rand(3))])
+    check(m, push_transpose_through_pointwise, x, ["Transpose", "Add", "Transpose"], 0)
+    # the pointwise result is also read by a non-Transpose
+    nodes = [
+        _t("x", "a", [0, 2, 1]),
+        helper.make_node("Relu", ["a"], ["b"]),
+        _t("b", "y", [0, 2, 1]),
+    ]
+    m = model(nodes, [inp("x", [2, 3, 4])], [out(), out("b")])
+    check(m, push_transpose_through_pointwise, x, ["Transpose", "Relu", "Transpose"], 0)
+
+
+# ---------------------------------------------------------------- reshapes
+
+
+def _r(x: str, shape: str, y: str, **attrs) -> object:
+    return helper.make_node("Reshape", [x, shape], [y], **attrs)
+
+
+def _shape(name: str, *dims: int):
+    return init(name, np.array(dims, np.int64))
+
+
+@pytest.mark.parametrize("first", ["Reshape", "Flatten", "Unsqueeze"])
+def test_reshapes_collapse(first: str) -> None:
+    if first == "Reshape":
+        n1 = _r("x", "s1", "a")
+    elif first == "Flatten":
+        n1 = helper.make_node("Flatten", ["x"], ["a"], axis=2)
+    else:
+        n1 = helper.make_node("Unsqueeze", ["x", "ax"], ["a"])
+    nodes = [n1, _r("a", "s2", "y")]
+    inits = [_shape("s1", 6, -1), _shape("s2", -1, 0), _shape("ax", 0)]
+    m = model(nodes, [inp("x", [2, 3, 4, 5])], [out()], inits)
+    expected = ["Reshape"]
+    if first == "Flatten":  # 0 copies the Flatten's dim 1 (4): resolved from the static shape
+        expected = ["Reshape"]
+    check(m, merge_reshapes, {"x": rand(2, 3, 4, 5)}, expected, 1)
+
+
+def test_reshape_zero_on_a_symbolic_dim_is_left_alone() -> None:
+    nodes = [_r("x", "s1", "a"), _r("a", "s2", "y")]
+    m = model(nodes, [inp("x", ["N", 12])], [out()], [_shape("s1", 0, 3, 4), _shape("s2", 0, -1)])
+    check(m, merge_reshapes, {"x": rand(2, 12)}, ["Reshape", "Reshape"], 0)
+
+
+def test_reshape_with_allowzero_collapses() -> None:
+    nodes = [_r("x", "s1", "a"), _r("a", "s2", "y", allowzero=1)]
+    m = model(nodes, [inp("x", ["N", 12])], [out()], [_shape("s1", -1, 4), _shape("s2", 3, -1)])
+    check(m, merge_reshapes, {"x": rand(2, 12)}, ["Reshape"], 1)
+
+
+# ---------------------------------------------------------------- real exported models
+
+
+def _export(build, folder: Path, **options) -> Path:
+    torch = pytest.importorskip("torch")
+    model_, feeds = build()
+    path = folder / "model.onnx"
+    args = tuple(torch.from_numpy(x) for x in feeds.values())
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(model_, args, str(path), input_names=list(feeds), **options)
+    return path
+
+
+def _optimize_and_compare(path: Path, feeds) -> dict[str, int]:
+    import tensorkiln
+    from tensorkiln.runtime import Runner
+
+    graph = tensorkiln.import_onnx(path)
+    feeds = {v.name: feeds[v.name] for v in graph.inputs}
+    before = Runner(graph).infer(feeds)
+    optimized = copy.deepcopy(graph)
+    pm = PassManager(level=2, only=FOLD_PASSES, verify=True)
+    pm.run(optimized)
+    verify(optimized)
+    after = Runner(optimized).infer(feeds)
+    assert list(after) == list(before)
+    for name in before:
+        atol = 1e-5 * float(np.abs(before[name]).max())
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-5, atol=atol, err_msg=name)
+    return {"nodes_before": len(graph.nodes), "nodes_after": len(optimized.nodes), **pm.stats}
+
+
+def test_resnet50_batchnorms_fold(tmp_path: Path) -> None:
+    # the TorchScript exporter without constant folding keeps all 53 BatchNormalization nodes
+    # (with default options both exporters of this torch version fold them already)
+    from tests.models.test_architectures import build_resnet50
+
+    path = _export(
+        build_resnet50, tmp_path, dynamo=False, opset_version=17, do_constant_folding=False
+    )
+    stats = _optimize_and_compare(path, build_resnet50()[1])
+    assert stats["fold_batchnorm"] == 53
+    assert stats["nodes_after"] == stats["nodes_before"] - 53
+
+
+@pytest.mark.parametrize("dynamo", [False, True], ids=["torchscript", "dynamo"])
+def test_transformer_encoder_exports(dynamo: bool, tmp_path: Path) -> None:
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    from tests.models.test_architectures import build_transformer_encoder, export
+
+    model_, feeds = build_transformer_encoder()
+    path = export(model_, feeds, tmp_path, dynamo=dynamo)
+    stats = _optimize_and_compare(path, feeds)
+    assert stats["nodes_after"] <= stats["nodes_before"]
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_transformers_torchscript_export(name: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from tests.models.test_architectures import BUILDERS, export
+
+    model_, feeds = BUILDERS[name](full=False)
+    path = export(model_, feeds, tmp_path, dynamo=False)
+    stats = _optimize_and_compare(path, feeds)
+    assert stats["nodes_after"] <= stats["nodes_before"]
