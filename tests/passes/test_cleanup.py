@@ -351,3 +351,31 @@ def test_cleanup_verified_end_to_end():
     verify(after)
     # the Reshape to the same static shape goes, then the Shape nobody reads
     assert ops(after) == ["Exp", "Add"]
+
+
+# ---------------------------------------------------------------- real exported models
+
+MODELS = [
+    pytest.param("transformer_encoder", False, id="transformer_encoder-torchscript"),
+    pytest.param("transformer_encoder", True, id="transformer_encoder-dynamo"),
+    pytest.param("gpt2", False, id="gpt2-torchscript"),
+]
+
+
+@pytest.mark.parametrize(("name", "dynamo"), MODELS)
+def test_cleanup_on_exported_model(name: str, dynamo: bool, tmp_path) -> None:
+    arch = pytest.importorskip("tests.models.test_architectures")
+    if name == "gpt2":
+        pytest.importorskip("transformers")
+    if dynamo:
+        pytest.importorskip("onnxscript")
+    m, feeds = arch.BUILDERS[name](full=False)
+    g = graph_of(arch.export(m, feeds, tmp_path, dynamo=dynamo))
+    rng = np.random.default_rng()
+    feeds = {
+        k: rng.standard_normal(v.shape).astype(v.dtype) if v.dtype == np.float32 else v
+        for k, v in feeds.items()
+    }
+    after = assert_pass_preserves_outputs(g, run_cleanup, feeds)
+    assert len(after.nodes) <= len(g.nodes)
+    assert "Constant" not in ops(after) and "Identity" not in ops(after)
