@@ -46,7 +46,6 @@ UNARY = frozenset(
         "Gelu",
         "HardSigmoid",
         "HardSwish",
-        "Identity",
         "IsInf",
         "IsNaN",
         "LeakyRelu",
@@ -97,6 +96,7 @@ BINARY = frozenset(
         "GreaterOrEqual",
     ]
 )
+# Identity is left out: it renames (graph outputs), and cleanup removes the others.
 ELEMENTWISE = UNARY | BINARY
 
 
@@ -130,10 +130,15 @@ def fuse_pointwise(graph: Graph) -> int:
     groups = find_groups(graph, extra_outputs=True)
     if not acyclic_after(graph, groups):  # two groups feeding each other through extra outputs
         groups = find_groups(graph, extra_outputs=False)
+    producers = graph.producers()
     rw = Rewrite()
     for k, group in enumerate(groups):
-        rw.merge(replace_group(graph, group, k))
-    return rw.apply(graph)
+        rw.merge(replace_group(graph, group, k, producers))
+    count = rw.apply(graph)
+    if count:
+        taken = [v for g in groups for n in g.nodes for v in n.inputs if v is not None]
+        drop_unread_constants(graph, taken)
+    return count
 
 
 def find_groups(graph: Graph, *, extra_outputs: bool = True) -> list[Group]:
@@ -240,9 +245,9 @@ def acyclic_after(graph: Graph, groups: list[Group]) -> bool:
     return done == len(deps)
 
 
-def replace_group(graph: Graph, group: Group, k: int) -> Rewrite:
+def replace_group(graph: Graph, group: Group, k: int, producers: dict[Value, Node]) -> Rewrite:
     """The Rewrite that swaps ``group`` for one Pointwise node holding it as its body."""
-    body, inputs = make_body(graph, group, k)
+    body, inputs = make_body(graph, group, k, producers)
     fused = Node(
         "Pointwise",
         inputs,
@@ -254,9 +259,10 @@ def replace_group(graph: Graph, group: Group, k: int) -> Rewrite:
     return Rewrite(remove=list(group.nodes), add=[fused], count=1)
 
 
-def make_body(graph: Graph, group: Group, k: int) -> tuple[Graph, list[Value]]:
+def make_body(
+    graph: Graph, group: Group, k: int, producers: dict[Value, Node]
+) -> tuple[Graph, list[Value]]:
     """(body graph over fresh Values, the outer values bound to its inputs in order)."""
-    producers = graph.producers()
     mapping: dict[Value, Value] = {}
     inputs: list[Value] = []
     body = Graph(name=f"pointwise_{k}", opsets=dict(graph.opsets))
@@ -290,3 +296,16 @@ def _copy(node: Node, mapping: dict[Value, Value]) -> Node:
         node.domain,
         node.name,
     )
+
+
+def drop_unread_constants(graph: Graph, candidates: list[Value]) -> None:
+    """Remove the initializers and Constant nodes among ``candidates``' sources that the fused
+    groups took into their bodies and nothing else reads any more."""
+    read = set(graph.consumers()) | set(graph.outputs)
+    gone = {v for v in candidates if v not in read}
+    graph.initializers = [v for v in graph.initializers if v not in gone]
+    graph.nodes = [
+        n
+        for n in graph.nodes
+        if not (n.op == "Constant" and n.domain == "" and n.outputs[0] in gone)
+    ]
