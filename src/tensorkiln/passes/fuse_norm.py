@@ -83,7 +83,7 @@ class Match:
 
     def scalar(self, v: Value | None) -> float | None:
         c = self.const(v)
-        if c is None or c.size != 1 or c.dtype.kind not in "fiu":
+        if c is None or c.size != 1 or c.ndim > 1 or c.dtype.kind not in "fiu":
             return None
         return float(c.reshape(-1)[0])
 
@@ -120,9 +120,11 @@ def _rank(v: Value) -> int | None:
     return None if v.shape is None else len(v.shape)
 
 
-def _reduce_axes(m: Match, node: Node) -> tuple[int, ...] | None:
-    """The sorted, non-negative axes a keepdims reduction uses; None when unknown or not keepdims."""
-    rank = _rank(node.inputs[0])
+def _reduce_axes(m: Match, node: Node, rank: int | None) -> tuple[int, ...] | None:
+    """The sorted, non-negative axes a keepdims reduction of a rank-``rank`` input uses.
+
+    None when they are unknown or the reduction does not keep dims.
+    """
     if rank is None or node.attrs.get("keepdims", 1) != 1:
         return None
     if "axes" in node.attrs:
@@ -219,7 +221,7 @@ def _inv_std(
     Returns the matched nodes after ``sq``, epsilon, and the node computing ``num / std``.
     """
     mean = m.sole(sq.outputs[0], "ReduceMean")
-    if mean is None or _reduce_axes(m, mean) != axes:
+    if mean is None or _reduce_axes(m, mean, axes[-1] + 1) != axes:
         return None
     add = m.sole(mean.outputs[0], "Add")
     eps = m.scalar(_other(add, mean.outputs[0])) if add is not None else None
@@ -266,7 +268,8 @@ def _ones_scale(m: Match, x: Value, axis: int) -> Value:
 
 def _layer_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
     x = mean.inputs[0]
-    axis = _trailing_axis(_reduce_axes(m, mean), _rank(x)) if _is_float(x) else None
+    axes = _reduce_axes(m, mean, _rank(x))
+    axis = _trailing_axis(axes, _rank(x)) if _is_float(x) else None
     sub = m.sole(mean.outputs[0], "Sub") if axis is not None else None
     if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean.outputs[0]:
         return None
@@ -275,7 +278,7 @@ def _layer_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
     if d in m.outputs or len(readers) != 2:
         return None
     sq = next((r for r in readers if _square_of(m, r, d)), None)
-    std = _inv_std(m, sq, _reduce_axes(m, mean), d) if sq is not None else None
+    std = _inv_std(m, sq, axes, d) if sq is not None else None
     if std is None or std[2] not in readers:
         return None
     body, eps, norm = std
@@ -338,7 +341,7 @@ def _rms_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
         or m.sole(sq.outputs[0]) is not mean
     ):
         return None
-    axes = _reduce_axes(m, mean)
+    axes = _reduce_axes(m, mean, _rank(x))
     axis = _trailing_axis(axes, _rank(x))
     std = _inv_std(m, sq, axes, x) if axis is not None else None
     if std is None:
@@ -484,13 +487,12 @@ def _silu(m: Match, sig: Node) -> Rewrite | None:
 # Softmax
 
 
-def _last_axis_reduce(m: Match, node: Node | None, v: Value) -> bool:
-    rank = _rank(v)
-    return node is not None and rank is not None and _reduce_axes(m, node) == (rank - 1,)
+def _last_axis_reduce(m: Match, node: Node | None, rank: int | None) -> bool:
+    return node is not None and rank is not None and _reduce_axes(m, node, rank) == (rank - 1,)
 
 
 def _max_ok(m: Match, mx: Node) -> bool:
-    return _last_axis_reduce(m, mx, mx.inputs[0])
+    return _last_axis_reduce(m, mx, _rank(mx.inputs[0]))
 
 
 def _softmax(m: Match, exp: Node) -> Rewrite | None:
@@ -500,7 +502,7 @@ def _softmax(m: Match, exp: Node) -> Rewrite | None:
     div = m.sole(rs.outputs[0], "Div") if rs is not None else None
     if div is None or div.inputs != [e, rs.outputs[0]] or e in m.outputs or len(readers) != 2:
         return None
-    if not _is_float(x) or not _last_axis_reduce(m, rs, e):
+    if not _is_float(x) or not _last_axis_reduce(m, rs, _rank(x)):
         return None
     nodes = [exp, rs, div]
     sub = m.made_by(x, "Sub")
