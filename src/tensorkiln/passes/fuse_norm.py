@@ -8,7 +8,8 @@ does not hold. Matches are collected first and applied once; the pass returns th
   ``ReduceMean -> Sub -> Pow(2) | Mul(d, d) -> ReduceMean -> Add(eps) -> Sqrt -> Div | Reciprocal+Mul
   [-> Mul(scale)] [-> Add(bias)]``, become ``tensorkiln.LayerNorm``.
 * ``fold_residual_into_layer_norm``: ``LayerNorm(Add(a, b))`` becomes ``LayerNorm(a, .., residual=b)``;
-  when the sum is read elsewhere, the fused node's second output returns it.
+  when the sum is read elsewhere, the fused node's second output returns it. One operand may be a
+  constant (the dynamo exporter folds position embeddings into one); the residual may broadcast.
 * ``fuse_rms_norm``: ONNX RMSNormalization, and ``Pow(2) | Mul(x, x) -> ReduceMean -> Add(eps) ->
   Sqrt -> Div | Reciprocal+Mul [-> Mul(scale)]``, become ``tensorkiln.RMSNorm``.
 * ``fuse_gelu``: the erf form ``x * 0.5 * (1 + erf(x / sqrt 2))`` (Div by sqrt 2 or Mul by
