@@ -65,9 +65,9 @@ class _Source:
 
 @dataclass
 class _Match:
-    q: Value
-    k: Value
-    v: Value
+    q: _Source
+    k: _Source
+    v: _Source
     scale: float
     mask: Value | None
     mask_kind: str
@@ -106,50 +106,71 @@ def _perm(node: Node) -> tuple[int, ...] | None:
     return None if perm is None else tuple(int(p) for p in perm)
 
 
-def _compose(inner: tuple[int, ...] | None, outer: tuple[int, ...]) -> tuple[int, ...] | None:
-    """perm of Transpose(Transpose(x, inner), outer) as one Transpose of x (None: identity)."""
-    p = outer if inner is None else tuple(inner[i] for i in outer)
+def _then(first: tuple[int, ...] | None, second: tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """perm of Transpose(Transpose(x, first), second) as one Transpose of x (None: identity)."""
+    if first is None or second is None:
+        return first if second is None else second
+    p = tuple(first[i] for i in second)
     return None if p == tuple(range(len(p))) else p
 
 
 # ---------------------------------------------------------------- the scores: Q K^T * scale
 
 
-def _strip_scale(ctx: _Ctx, v: Value, removed: list[Node]) -> tuple[Value, float] | None:
-    """Walk up Mul/Div by scalar constants (each read only here); returns (source, factor)."""
+def _scaled(ctx: _Ctx, v: Value) -> tuple[Value, float, Node] | None:
+    """``v = x * c`` or ``x / c`` with a scalar constant c that does not broadcast x up."""
+    p = ctx.made_by(v, "Mul") or ctx.made_by(v, "Div")
+    if p is None:
+        return None
+    a, b = p.inputs
+    ca, cb = _scalar(ctx, a), _scalar(ctx, b)
+    if cb is not None and _rank(a):
+        x, c = a, (cb if p.op == "Mul" else 1.0 / cb if cb else None)
+    elif p.op == "Mul" and ca is not None and _rank(b):
+        x, c = b, ca
+    else:
+        return None
+    if c is None or _shape(p.outputs[0]) != _shape(x):
+        return None
+    return x, c, p
+
+
+def _peel(ctx: _Ctx, v: Value, perm: tuple[int, ...] | None, scaled: bool) -> tuple[_Source, float]:
+    """Walk up from an operand through transposes (and scalar scale factors when ``scaled``).
+
+    The operand in [B, H, S, D] is ``Transpose(v, perm)``; the result says the same of the value
+    reached, with the product of the factors passed.
+    """
+    nodes: list[Node] = []
     factor = 1.0
     while True:
-        p = ctx.made_by(v, "Mul") or ctx.made_by(v, "Div")
-        if p is None:
-            return v, factor
-        a, b = p.inputs
-        ca, cb = _scalar(ctx, a), _scalar(ctx, b)
-        if cb is not None and _rank(a) is not None and _rank(a) >= 1:
-            x, c = a, (cb if p.op == "Mul" else 1.0 / cb if cb else None)
-        elif p.op == "Mul" and ca is not None and _rank(b) is not None:
-            x, c = b, ca
+        rtr = _reshape_round_trip(ctx, v)
+        t = ctx.made_by(v, "Transpose")
+        step = _scaled(ctx, v) if scaled else None
+        if rtr is not None:
+            v, perm, nodes = rtr[0], _then(_SWAP_LAST, perm), nodes + rtr[1]
+        elif t is not None and _perm(t) is not None and len(_perm(t)) == 4:
+            v, perm, nodes = t.inputs[0], _then(_perm(t), perm), [*nodes, t]
+        elif step is not None:
+            v, factor, nodes = step[0], factor * step[1], [*nodes, step[2]]
         else:
-            return v, factor
-        if c is None or _shape(p.outputs[0]) != _shape(x):  # the constant must not broadcast x up
-            return v, factor
-        factor *= c
-        removed.append(p)
-        v = x
+            return _Source(v, perm, nodes), factor
 
 
-def _scores(ctx: _Ctx, v: Value) -> tuple[Value, Value, float, list[Node]] | None:
-    """(Q, K^T, scale, nodes) when ``v`` is (Q*a) @ (K^T*b) * c with scalar constants a, b, c."""
+def _scores(ctx: _Ctx, v: Value) -> tuple[_Source, _Source, float, list[Node]] | None:
+    """(Q, K, scale, nodes) when ``v`` is (Q*a) @ (K^T*b) * c with scalar constants a, b, c."""
     removed: list[Node] = []
-    found = _strip_scale(ctx, v, removed)
-    mm = ctx.made_by(found[0], "MatMul")
-    if mm is None:
+    factor = 1.0
+    while (step := _scaled(ctx, v)) is not None:
+        v, factor = step[0], factor * step[1]
+        removed.append(step[2])
+    mm = ctx.made_by(v, "MatMul")
+    if mm is None or _rank(mm.inputs[0]) != 4 or _rank(mm.inputs[1]) != 4:
         return None
     removed.append(mm)
-    q, qa = _strip_scale(ctx, mm.inputs[0], removed)
-    kt, kb = _strip_scale(ctx, mm.inputs[1], removed)
-    if _rank(q) != 4 or _rank(kt) != 4:
-        return None
-    return q, kt, found[1] * qa * kb, removed
+    q, qa = _peel(ctx, mm.inputs[0], None, scaled=True)
+    k, kb = _peel(ctx, mm.inputs[1], _SWAP_LAST, scaled=True)
+    return q, k, factor * qa * kb, removed
 
 
 def _softmax_input_ok(ctx: _Ctx, sm: Node) -> bool:
@@ -221,20 +242,8 @@ def _probs(ctx: _Ctx, sm: Node) -> tuple[Value, list[Node]] | None:
 # ---------------------------------------------------------------- operands
 
 
-def _key_source(ctx: _Ctx, kt: Value) -> _Source:
-    """K as [B, H, S, D] from K^T: peel the transposes (and torch.export's 3-D round trip)."""
-    src = _Source(kt, _SWAP_LAST)
-    rtr = _reshape_round_trip(ctx, kt)
-    if rtr is not None:
-        return rtr
-    t = ctx.made_by(kt, "Transpose")
-    if t is not None and _perm(t) is not None and len(_perm(t)) == 4:
-        src = _Source(t.inputs[0], _compose(_perm(t), _SWAP_LAST), [t])
-    return src
-
-
-def _reshape_round_trip(ctx: _Ctx, kt: Value) -> _Source | None:
-    """``Reshape(Transpose(Reshape(K, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])`` -> K."""
+def _reshape_round_trip(ctx: _Ctx, kt: Value) -> tuple[Value, list[Node]] | None:
+    """``Reshape(Transpose(Reshape(K, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])``: (K, nodes)."""
     r2 = ctx.made_by(kt, "Reshape")
     t = r2 and ctx.made_by(r2.inputs[0], "Transpose")
     r1 = t and _perm(t) == (0, 2, 1) and ctx.made_by(t.inputs[0], "Reshape")
@@ -245,16 +254,11 @@ def _reshape_round_trip(ctx: _Ctx, kt: Value) -> _Source | None:
         return None
     if flat != (dim_product(k[:2]), k[2], k[3]) or _shape(kt) != (k[0], k[1], k[3], k[2]):
         return None
-    return _Source(r1.inputs[0], None, [r2, t, r1])
+    return r1.inputs[0], [r2, t, r1]
 
 
 def _packed(ctx: _Ctx, src: _Source) -> tuple[Value, int, list[Node]] | None:
     """(X, H, nodes) when the operand is ``Transpose(Reshape(X [B,S,H*D], [B,S,H,D]), [0,2,1,3])``."""
-    if src.perm is None:  # the operand itself may be the Transpose
-        t = ctx.made_by(src.base, "Transpose")
-        if t is None or _perm(t) != _HEADS:
-            return None
-        src = _Source(t.inputs[0], _HEADS, [*src.nodes, t])
     if src.perm != _HEADS:
         return None
     nodes, base = list(src.nodes), src.base
@@ -272,7 +276,7 @@ def _packed(ctx: _Ctx, src: _Source) -> tuple[Value, int, list[Node]] | None:
 # ---------------------------------------------------------------- the match
 
 
-def _match(ctx: _Ctx, sm: Node) -> tuple[_Match, list[_Source]] | None:
+def _match(ctx: _Ctx, sm: Node) -> _Match | None:
     """Everything between Q, K, V (and the mask) and the P @ V MatMul, or None."""
     if not _softmax_input_ok(ctx, sm) or ctx.single(sm.inputs[0]) is not sm:
         return None
@@ -284,7 +288,7 @@ def _match(ctx: _Ctx, sm: Node) -> tuple[_Match, list[_Source]] | None:
     probs = _probs(ctx, sm)
     if scores is None or probs is None:
         return None
-    q, kt, scale, nodes = scores
+    q, k, scale, nodes = scores
     pv = ctx.single(probs[0])
     if pv is None or pv.op != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs[0]:
         return None
@@ -296,8 +300,8 @@ def _match(ctx: _Ctx, sm: Node) -> tuple[_Match, list[_Source]] | None:
     if as_bool is not None:
         mask, kind = as_bool[0], "bool"
         remove.append(as_bool[1])
-    m = _Match(q, kt, pv.inputs[1], scale, mask, kind, sm, pv, remove)
-    return m, [_Source(q), _key_source(ctx, kt), _Source(pv.inputs[1])]
+    v = _peel(ctx, pv.inputs[1], None, scaled=False)[0]
+    return _Match(q, k, v, scale, mask, kind, sm, pv, remove)
 
 
 def _output_layout(ctx: _Ctx, out: Value, heads: int | None) -> tuple[str, Value, list[Node]]:
@@ -349,23 +353,32 @@ def _fresh(ctx: _Ctx, name: str) -> str:
     return name
 
 
-def _inputs(ctx: _Ctx, m: _Match, srcs: list[_Source], rw: Rewrite) -> tuple[list[Value], int]:
+def _inputs(ctx: _Ctx, m: _Match, rw: Rewrite) -> tuple[list[Value], int]:
     """Q, K, V for the new node, and num_heads (0: they are [B, H, S, D])."""
+    srcs = [m.q, m.k, m.v]
     packed = [_packed(ctx, s) for s in srcs]
     heads = {p[1] for p in packed if p is not None}
     if None not in packed and len(heads) == 1:
         for p in packed:
             rw.remove.extend(p[2])
         return [p[0] for p in packed], heads.pop()
-    k = srcs[1]
-    rw.remove.extend(k.nodes)
-    key = k.base if k.perm is None else _transpose(ctx, k.base, k.perm, f"{m.k.name}_bhsd", rw)
-    return [m.q, key, m.v], 0
+    return [_as_bhsd(ctx, s, rw) for s in srcs], 0
 
 
-def _rewrite(ctx: _Ctx, m: _Match, srcs: list[_Source]) -> Rewrite:
+def _as_bhsd(ctx: _Ctx, src: _Source, rw: Rewrite) -> Value:
+    """The operand as one value: its base, the Transpose already there, or a new Transpose."""
+    first = src.nodes[0] if len(src.nodes) == 1 else None
+    if first is not None and first.op == "Transpose" and _perm(first) == src.perm:
+        return first.outputs[0]  # the graph already has exactly this transpose: keep it
+    rw.remove.extend(src.nodes)
+    if src.perm is None:
+        return src.base
+    return _transpose(ctx, src.base, src.perm, f"{src.base.name}_bhsd", rw)
+
+
+def _rewrite(ctx: _Ctx, m: _Match) -> Rewrite:
     rw = Rewrite(remove=list(m.remove), count=1)
-    inputs, heads = _inputs(ctx, m, srcs, rw)
+    inputs, heads = _inputs(ctx, m, rw)
     layout, out, nodes = _output_layout(ctx, m.out.outputs[0], heads or None)
     rw.remove.extend(nodes)
     attrs = {
@@ -395,7 +408,7 @@ def fuse_attention(graph: Graph) -> int:
         if node.op == "Softmax" and node.domain == "":
             found = _match(ctx, node)
             if found is not None:
-                rw.merge(_rewrite(ctx, *found))
+                rw.merge(_rewrite(ctx, found))
     if rw.count:
         graph.opsets.setdefault("tensorkiln", 1)
     return rw.apply(graph)
