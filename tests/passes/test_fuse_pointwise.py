@@ -78,7 +78,7 @@ def test_chain_becomes_one_pointwise() -> None:
     (pw,) = after.nodes
     body = pw.attrs["body"]
     assert [v.name for v in pw.inputs] == ["x", "y"]  # external inputs only
-    assert [v.name for v in body.initializers] == ["scale"]  # constants live in the body
+    assert [v.name for v in body.initializers] == ["pw0/scale"]  # constants live in the body
     assert [v.name for v in pw.outputs] == ["out"]
 
 
@@ -163,6 +163,25 @@ def test_comparison_where_and_cast_inside_one_group() -> None:
     after = fused(before)
     assert ops(after) == ["tensorkiln.Pointwise"]
     assert after.outputs[0].dtype == before.outputs[0].dtype  # float16 in, float16 out
+
+
+def test_attention_mask_of_bools_is_fused() -> None:
+    """Integer/bool ops on rank >= 2 tensors are masks, not shape arithmetic."""
+    before = graph_of(
+        model(
+            [
+                node("Cast", ["mask"], ["keep"], to=TensorProto.BOOL),
+                node("And", ["keep", "causal"], ["both"]),
+                node("Where", ["both", "zero", "neg"], ["out"]),
+            ],
+            [vi("mask", [2, 1, 1, 8], I64), vi("causal", [1, 1, 8, 8], TensorProto.BOOL)],
+            [vi("out", [2, 1, 8, 8])],
+            [const("zero", 0.0), const("neg", -1e9)],
+        )
+    )
+    after = fused(before)
+    assert ops(after) == ["tensorkiln.Pointwise"]
+    assert body_ops(after) == [["Cast", "And", "Where"]]
 
 
 # ------------------------------------------------------------------------- negative cases

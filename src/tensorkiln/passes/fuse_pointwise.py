@@ -7,9 +7,9 @@ left. Pattern, check, replacement:
   elementwise producers of the group's inputs, one at a time.
 * **Check**: a producer is absorbed when every reader of its output is in the group, or, when some
   are not, its output becomes an extra output of the fused node, provided no path leads from those
-  outside readers back into the group (that would make a cycle). Integer-only arithmetic (shape
-  computations) is left alone, so that shape inference and folding keep seeing it. A group of one
-  op is not fused.
+  outside readers back into the group (that would make a cycle). Integer-only arithmetic on
+  scalars and vectors (shape computations) is left alone, so that shape inference and folding keep
+  seeing it. A group of one op is not fused.
 * **Replacement**: ``Pointwise(external inputs...) {body}``, whose outputs are the root's output then
   the intermediates read outside, in that order. The body is a copy of the group over fresh Values;
   constants read by the group (initializers, Constant nodes) become initializers of the body.
@@ -110,7 +110,12 @@ class Group:
 
 
 def is_elementwise(node: Node) -> bool:
-    """An elementwise op on tensors of known dtype, with at least one floating value involved."""
+    """An elementwise op on tensors of known dtype that is not shape arithmetic.
+
+    Integer and bool ops on scalars and vectors (or of unknown rank) are taken for shape
+    computations and left alone, so that shape inference and folding keep seeing them; integer and
+    bool ops on tensors of rank 2 and up (attention masks) are fused.
+    """
     if node.domain not in ("", "ai.onnx") or node.op not in ELEMENTWISE:
         return False
     if "broadcast" in node.attrs or "axis" in node.attrs:  # opset < 7 unidirectional broadcasting
@@ -119,9 +124,11 @@ def is_elementwise(node: Node) -> bool:
         return False
     values = [v for v in node.inputs if v is not None] + [node.outputs[0]]
     types = [v.type for v in values]
-    if not all(isinstance(t, TensorType) and t.dtype is not None for t in types):
+    if not all(isinstance(t, TensorType) and t.dtype not in (None, DType.STRING) for t in types):
         return False
-    return any(t.dtype.is_float for t in types)
+    if any(t.dtype.is_float for t in types):
+        return True
+    return all(t.shape is not None and len(t.shape) >= 2 for t in types)
 
 
 @register_pass("fuse_pointwise", level=3, order=90)
@@ -262,17 +269,22 @@ def replace_group(graph: Graph, group: Group, k: int, producers: dict[Value, Nod
 def make_body(
     graph: Graph, group: Group, k: int, producers: dict[Value, Node]
 ) -> tuple[Graph, list[Value]]:
-    """(body graph over fresh Values, the outer values bound to its inputs in order)."""
+    """(body graph over fresh Values, the outer values bound to its inputs in order).
+
+    Body values are prefixed ``pw<k>/`` so that no name of the body shadows one of the graph
+    (ONNX forbids it in subgraphs; the printer and IR dumps stay unambiguous).
+    """
     mapping: dict[Value, Value] = {}
     inputs: list[Value] = []
     body = Graph(name=f"pointwise_{k}", opsets=dict(graph.opsets))
+    prefix = f"pw{k}/"
     produced = {n.outputs[0] for n in group.nodes}
     for node in group.nodes:
         for v in node.inputs:
             if v is None or v in produced or v in mapping:
                 continue
             data = const_value(v, producers)
-            fresh = Value(v.name, v.type, const=data)
+            fresh = Value(prefix + v.name, v.type, const=data)
             if data is not None:
                 fresh.type = TensorType(DType.from_numpy(data.dtype), data.shape)
                 body.initializers.append(fresh)
@@ -281,7 +293,7 @@ def make_body(
                 body.inputs.append(fresh)
             mapping[v] = fresh
         for v in node.outputs:
-            mapping[v] = Value(v.name, v.type)
+            mapping[v] = Value(prefix + v.name, v.type)
         body.nodes.append(_copy(node, mapping))
     body.outputs = [mapping[v] for v in group.outputs]
     return body, inputs

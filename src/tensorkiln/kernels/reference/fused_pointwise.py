@@ -16,8 +16,10 @@ from tensorkiln.ir.graph import Graph, TensorType, Type
 from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.registry import register
 
-# Elements per block: the temporaries of one block (a few per op) fit in L2.
-BLOCK_ELEMENTS = 1 << 16
+# Elements per block: the temporaries of one block (a few per op) stay in L2; measured on a
+# 9-op GELU over 256x3072 floats, 1 << 16..17 is ~10% faster than whole arrays, smaller blocks lose
+# to the per-op overhead.
+BLOCK_ELEMENTS = 1 << 17
 
 
 @register("Pointwise", domain="tensorkiln", since=1)
