@@ -49,6 +49,11 @@ class Ctx:
         return node
 
     def const(self, v: Value | None) -> np.ndarray | None:
+        """The data of ``v`` when it is constant (through Identity, which exporters leave)."""
+        p = self.producers.get(v) if v is not None else None
+        while p is not None and p.op == "Identity" and p.domain == "":
+            v = p.inputs[0]
+            p = self.producers.get(v)
         return const_value(v, self.producers)
 
     def scalar(self, v: Value | None) -> float | None:
@@ -99,6 +104,18 @@ def _simple(ctx: Ctx, node: Node) -> dict[str, Any] | None:
     return None
 
 
+def _ours(node: Node) -> dict[str, Any] | None:
+    """tensorkiln.Gelu / tensorkiln.SiLU, which fuse_norm makes from the decomposed forms."""
+    if node.domain != "tensorkiln":
+        return None
+    if node.op == "SiLU":
+        return {"activation": "Swish", "activation_alpha": 1.0}
+    if node.op == "Gelu":
+        tanh = node.attrs.get("approximate", "none") in ("tanh", b"tanh")
+        return {"activation": "GeluTanh" if tanh else "Gelu"}
+    return None
+
+
 def _clip(ctx: Ctx, node: Node) -> dict[str, Any] | None:
     if "min" in node.attrs or "max" in node.attrs:  # opset < 11
         bounds = [node.attrs.get("min"), node.attrs.get("max")]
@@ -112,7 +129,7 @@ def _clip(ctx: Ctx, node: Node) -> dict[str, Any] | None:
             if bounds[-1] is None:  # a bound computed at run time: not fused
                 return None
     attrs: dict[str, Any] = {"activation": "Clip"}
-    for key, b in zip(("activation_min", "activation_max"), bounds + [None, None]):
+    for key, b in zip(("activation_min", "activation_max"), [*bounds, None, None]):
         if b is not None:
             attrs[key] = float(b)
     return attrs
@@ -198,9 +215,9 @@ def match_activation(ctx: Ctx, v: Value) -> Activation | None:
         if found is not None:
             return found
     node = only_use(ctx.graph, v, ctx.consumers)
-    if node is None or node.domain != "" or node in ctx.claimed or node.inputs[0] is not v:
+    if node is None or node in ctx.claimed or node.inputs[0] is not v:
         return None
-    attrs = _simple(ctx, node)
+    attrs = _simple(ctx, node) if node.domain == "" else _ours(node)
     return None if attrs is None else Activation([node], node.outputs[0], attrs)
 
 

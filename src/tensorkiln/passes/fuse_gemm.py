@@ -1,1 +1,258 @@
-"""Graph passes: fuse_gemm (being written)."""
+"""GEMM fusion: MatMul/Gemm with a constant weight + bias + activation -> tensorkiln.GemmAct, and
+merging of projections that share their input.
+
+``fuse_gemm_act`` rules, tried on every MatMul/Gemm whose B is a constant 2-D weight:
+
+* ``bias``: Add(y, C), C constant, 1 everywhere but the last axis -> GemmAct's C.
+* ``act``:  an activation of y (see :func:`tensorkiln.passes.fuse_conv.match_activation`), also
+            through one Reshape (act(Reshape(y)) = Reshape(act(y)); GPT-2 writes its MLP so).
+
+MatMuls with two computed operands (attention's Q K^T and P V) are never touched.
+
+``merge_shared_matmuls``: MatMuls/GemmActs that read the same A with constant weights of the same
+K (Q, K and V projections) become one over the concatenated weights, followed by a Split whose
+outputs are the original output values, so every consumer keeps reading what it read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.ir import Graph, Node, TensorType, Value
+from tensorkiln.passes.fuse_conv import FLOATS, Ctx, match_activation, other_input
+from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.rewrite import Rewrite, add_constant
+
+_ACT_KEYS = (
+    "activation",
+    "activation_alpha",
+    "activation_beta",
+    "activation_min",
+    "activation_max",
+)
+
+
+@dataclass
+class GemmMatch:
+    """A GEMM chain being grown."""
+
+    start: Node
+    nodes: list[Node]
+    out: Value
+    bias: np.ndarray | None
+    attrs: dict[str, Any]
+    after: list[Node] = field(default_factory=list)  # nodes kept after the GemmAct (a Reshape)
+    grown: bool = False
+
+
+def _weight(ctx: Ctx, node: Node) -> np.ndarray | None:
+    """The constant 2-D B of a MatMul/Gemm/GemmAct with a float A of rank >= 2, else None."""
+    if len(node.inputs) < 2 or len(node.outputs) != 1:
+        return None
+    a, w = node.inputs[0], ctx.const(node.inputs[1])
+    if a is None or a.dtype not in FLOATS or a.shape is None or len(a.shape) < 2:
+        return None
+    if w is None or w.ndim != 2 or w.dtype != a.dtype.numpy:
+        return None
+    return w
+
+
+def _start(ctx: Ctx, node: Node) -> GemmMatch | None:
+    kind = (node.domain, node.op)
+    if kind not in (("", "MatMul"), ("", "Gemm"), ("tensorkiln", "GemmAct")):
+        return None
+    if node in ctx.claimed or _weight(ctx, node) is None:
+        return None
+    c = node.inputs[2] if len(node.inputs) > 2 else None
+    bias = ctx.const(c)
+    if c is not None and bias is None:
+        return None
+    attrs = dict(node.attrs)
+    if node.op == "GemmAct" and attrs.get("activation"):
+        return None  # already finished
+    return GemmMatch(node, [node], node.outputs[0], bias, attrs)
+
+
+def _last_axis(c: np.ndarray, shape: tuple) -> bool:
+    """Adding ``c`` to a tensor of ``shape`` adds one value per column, nothing broadcast out."""
+    if c.ndim > len(shape) or not isinstance(shape[-1], int):
+        return False
+    padded = (1,) * (len(shape) - c.ndim) + c.shape
+    return all(d == 1 for d in padded[:-1]) and padded[-1] in (1, shape[-1])
+
+
+def _rule_bias(ctx: Ctx, m: GemmMatch) -> bool:
+    add = ctx.next_node(m.out, "Add")
+    if add is None or m.bias is not None or m.attrs.get("activation") or m.after:
+        return False
+    c = ctx.const(other_input(add, m.out))
+    if c is None or m.out.shape is None or c.dtype != m.out.dtype.numpy:
+        return False
+    if not _last_axis(c, m.out.shape):
+        return False
+    m.bias = c.reshape(c.shape[-1:]) if c.ndim else c
+    m.attrs["beta"] = 1.0
+    return _take(m, [add], add.outputs[0])
+
+
+def _rule_act(ctx: Ctx, m: GemmMatch) -> bool:
+    if m.attrs.get("activation"):
+        return False
+    act = match_activation(ctx, m.out)
+    reshape = None
+    if act is None:
+        reshape = ctx.next_node(m.out, "Reshape")
+        act = reshape and match_activation(ctx, reshape.outputs[0])
+    if act is None:
+        return False
+    m.attrs.update(act.attrs)
+    if reshape is not None:
+        m.after.append(reshape)
+        m.nodes.append(reshape)
+        ctx.claimed.add(reshape)
+    return _take(m, act.nodes, act.out)
+
+
+def _take(m: GemmMatch, nodes: list[Node], out: Value) -> bool:
+    m.nodes.extend(nodes)
+    m.out = out
+    m.grown = True
+    return True
+
+
+RULES = (_rule_bias, _rule_act)
+
+
+def _fused(graph: Graph, m: GemmMatch, rw: Rewrite) -> None:
+    """Queue the GemmAct (and the Reshape kept after it) that replace ``m.nodes``."""
+    s = m.start
+    c = s.inputs[2] if len(s.inputs) > 2 else None
+    if m.bias is not None and c is None:
+        c = add_constant(graph, f"{s.name or 'gemm'}_fused_bias", np.ascontiguousarray(m.bias))
+    inputs = [s.inputs[0], s.inputs[1]] + ([c] if c is not None else [])
+    y = s.outputs[0] if m.after else m.out
+    attrs = {k: v for k, v in m.attrs.items() if k != "broadcast"}
+    rw.add.append(Node("GemmAct", inputs, [y], attrs, domain="tensorkiln", name=s.name or y.name))
+    for r in m.after:  # Reshape(y) now writes the chain's output
+        rw.add.append(Node(r.op, [y, *r.inputs[1:]], [m.out], dict(r.attrs), r.domain, r.name))
+    rw.remove.extend(m.nodes)
+    rw.count += 1
+
+
+@register_pass("fuse_gemm_act", level=3, order=55)
+def fuse_gemm_act(graph: Graph) -> int:
+    """Fuse the bias Add and activation that follow a MatMul/Gemm with a constant weight."""
+    ctx = Ctx.of(graph)
+    rw = Rewrite()
+    for node in list(graph.nodes):
+        m = _start(ctx, node)
+        if m is None:
+            continue
+        ctx.claimed.add(node)
+        for rule in RULES:
+            if rule(ctx, m):
+                ctx.claimed.update(m.nodes)
+        if m.grown:
+            _fused(graph, m, rw)
+    n = rw.apply(graph)
+    if n:
+        graph.opsets.setdefault("tensorkiln", 1)
+    return n
+
+
+# ------------------------------------------------------------------------------ shared matmuls
+
+
+@dataclass
+class Projection:
+    """One MatMul/GemmAct as (A @ B + C) then an activation, B not transposed, C of shape (N,)."""
+
+    node: Node
+    b: np.ndarray
+    c: np.ndarray | None
+
+
+def _projection(ctx: Ctx, node: Node) -> Projection | None:
+    kind = (node.domain, node.op)
+    if kind not in (("", "MatMul"), ("tensorkiln", "GemmAct")) or node.outputs[0] is None:
+        return None
+    w = _weight(ctx, node)
+    if w is None:
+        return None
+    a = node.attrs
+    if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0:
+        return None
+    b = w.T if a.get("transB", 0) else w
+    c_in = node.inputs[2] if len(node.inputs) > 2 else None
+    c = ctx.const(c_in)
+    if c is not None:
+        if node.inputs[0].shape is None or not _last_axis(c, (1, b.shape[1])):
+            return None
+        beta = a.get("beta", 1.0)
+        c = np.broadcast_to(c.reshape(-1), (b.shape[1],)) * c.dtype.type(beta)
+    return Projection(node, b, c)
+
+
+def _key(p: Projection) -> tuple:
+    kind = "MatMul" if p.node.op == "MatMul" else "GemmAct"
+    act = tuple(p.node.attrs.get(k) for k in _ACT_KEYS)
+    if kind == "GemmAct" and not act[0]:
+        kind = "MatMul"  # a GemmAct without activation merges with plain MatMuls
+    return (p.node.inputs[0], p.b.shape[0], p.b.dtype.str, act if kind == "GemmAct" else None)
+
+
+def _merge(graph: Graph, group: list[Projection], rw: Rewrite) -> None:
+    first = group[0].node
+    a = first.inputs[0]
+    sizes = [p.b.shape[1] for p in group]
+    w = add_constant(
+        graph,
+        f"{first.name or 'matmul'}_merged_weight",
+        np.concatenate([p.b for p in group], axis=1),
+    )
+    out_type = TensorType(a.dtype, (*a.shape[:-1], sum(sizes)))
+    merged_out = Value(f"{first.outputs[0].name}_merged", out_type)
+    biased = any(p.c is not None for p in group) or any(
+        p.node.attrs.get("activation") for p in group
+    )
+    if biased:
+        cs = [p.c if p.c is not None else np.zeros(p.b.shape[1], p.b.dtype) for p in group]
+        c = add_constant(graph, f"{first.name or 'matmul'}_merged_bias", np.concatenate(cs))
+        attrs = {k: first.attrs[k] for k in _ACT_KEYS if k in first.attrs}
+        node = Node("GemmAct", [a, w, c], [merged_out], attrs, "tensorkiln", f"{first.name}_merged")
+    else:
+        node = Node("MatMul", [a, w], [merged_out], {}, "", f"{first.name}_merged")
+    rw.add.append(node)
+    rw.add.append(_split(graph, merged_out, sizes, [p.node.outputs[0] for p in group], first.name))
+    rw.remove.extend(p.node for p in group)
+    rw.count += 1
+
+
+def _split(graph: Graph, v: Value, sizes: list[int], outs: list[Value], name: str) -> Node:
+    """Split ``v`` along its last axis into ``outs``, in the form the graph's opset takes."""
+    if graph.opset("") >= 13:
+        s = add_constant(graph, f"{name}_split_sizes", np.asarray(sizes, dtype=np.int64))
+        return Node("Split", [v, s], list(outs), {"axis": -1}, "", f"{name}_split")
+    return Node("Split", [v], list(outs), {"axis": -1, "split": sizes}, "", f"{name}_split")
+
+
+@register_pass("merge_shared_matmuls", level=3, order=56)
+def merge_shared_matmuls(graph: Graph) -> int:
+    """Merge projections of one input (Q, K, V) into one GEMM over concatenated weights + Split."""
+    ctx = Ctx.of(graph)
+    groups: dict[tuple, list[Projection]] = {}
+    for node in graph.nodes:
+        p = _projection(ctx, node)
+        if p is not None:
+            groups.setdefault(_key(p), []).append(p)
+    rw = Rewrite()
+    for group in groups.values():
+        if len(group) > 1:
+            _merge(graph, group, rw)
+    n = rw.apply(graph)
+    if n:
+        graph.opsets.setdefault("tensorkiln", 1)
+    return n

@@ -1,1 +1,95 @@
-"""Reference kernels of the tensorkiln-domain fused ops: fused_gemm (being written)."""
+"""tensorkiln.GemmAct: Gemm or MatMul with a 2-D weight, + bias + activation, in one kernel.
+
+``Y = act(alpha * A' @ B' + beta * C)``. A of rank 2 is Gemm's A (``transA`` allowed, C broadcast
+to (M, N) as Gemm does); A of higher rank is MatMul's, its leading dims folded into the rows
+(``transA`` must be 0, C broadcast along the last axis only). The GEMM writes a fresh array and the
+epilogue (scale, bias, activation) runs in place on blocks of rows while they are in cache.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tensorkiln.ir.graph import TensorType, Type
+from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.reference._window import compute_dtype
+from tensorkiln.kernels.reference.fused_conv import activate, check_activation
+from tensorkiln.kernels.registry import register
+
+_BLOCK = 1 << 16  # elements per epilogue block (256 KiB of float32)
+
+
+def _operands(a: np.ndarray, b: np.ndarray, trans_a: int, trans_b: int) -> tuple:
+    if b.ndim != 2:
+        raise ValueError(f"GemmAct: B must be 2-D, got shape {b.shape}")
+    if a.ndim > 2 and trans_a:
+        raise ValueError(f"GemmAct: transA is only allowed for 2-D A, got shape {a.shape}")
+    if a.ndim < 2:
+        raise ValueError(f"GemmAct: A must have rank >= 2, got shape {a.shape}")
+    ct = compute_dtype(a.dtype)
+    a2 = a.reshape(-1, a.shape[-1]).astype(ct, copy=False)
+    a2 = a2.T if trans_a else a2
+    b2 = b.astype(ct, copy=False)
+    b2 = b2.T if trans_b else b2
+    if a2.shape[1] != b2.shape[0]:
+        raise ValueError(f"GemmAct: inner dimensions differ: A {a.shape}, B {b.shape}")
+    return a2, b2
+
+
+def _bias(c: np.ndarray | None, beta: float, y: np.ndarray, rank: int) -> np.ndarray | None:
+    if c is None or beta == 0.0:
+        return None
+    c = c.astype(y.dtype, copy=False)
+    if beta != 1.0:
+        c = c * y.dtype.type(beta)
+    if rank > 2:  # MatMul form: along the last axis only
+        if c.size not in (1, y.shape[1]) or (c.ndim and c.shape[-1] != c.size):
+            raise ValueError(f"GemmAct: C of shape {c.shape} must broadcast along the last axis")
+        c = c.reshape(-1)
+    return np.broadcast_to(c, y.shape)
+
+
+@register("GemmAct", domain="tensorkiln", since=1)
+def gemm_act(
+    a: np.ndarray,
+    b: np.ndarray,
+    c: np.ndarray | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    transA: int = 0,
+    transB: int = 0,
+    activation: str = "",
+    activation_alpha: float = 0.01,
+    activation_beta: float = 0.5,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+) -> np.ndarray:
+    """act(alpha * A' @ B' + beta * C), leading dims of A kept."""
+    check_activation(activation, "GemmAct")
+    a2, b2 = _operands(a, b, transA, transB)
+    y = np.matmul(a2, b2)
+    if alpha != 1.0:
+        y *= y.dtype.type(alpha)
+    cb = _bias(c, beta, y, a.ndim)
+    act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
+    step = max(1, _BLOCK // max(y.shape[1], 1))
+    for r0 in range(0, y.shape[0], step):
+        blk = y[r0 : r0 + step]
+        if cb is not None:
+            blk += cb[r0 : r0 + step]
+        activate(blk, *act)
+    shape = (*a.shape[:-1], b2.shape[1]) if a.ndim > 2 else y.shape
+    return y.reshape(shape).astype(a.dtype, copy=False)
+
+
+@rule("GemmAct", domain="tensorkiln")
+def _gemm_act_shape(ctx: InferContext) -> list[Type | None]:
+    """(M, N) for a 2-D A (transA applied), (*A[:-1], N) for a higher rank."""
+    a, b = ctx.shape(0), ctx.shape(1)
+    if a is None or b is None:
+        return [TensorType(ctx.dtype(0), None)]
+    n = b[0] if ctx.attr("transB", 0) else b[1]
+    if len(a) == 2 and ctx.attr("transA", 0):
+        return [TensorType(ctx.dtype(0), (a[1], n))]
+    return [TensorType(ctx.dtype(0), (*a[:-1], n))]
