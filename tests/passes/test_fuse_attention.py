@@ -40,6 +40,7 @@ def _sdpa(
     scores_out: bool = False,
     scale_input: bool = False,
     batch: int = B,
+    causal: np.ndarray | None = None,
 ):
     """softmax(Q K^T / sqrt(D) [+ mask]) V on [B, H, S, D] inputs, in the exporters' spelling."""
     inputs = [_vi(n, (batch, H, S, D)) for n in "qkv"]
@@ -55,15 +56,22 @@ def _sdpa(
         nodes.append(helper.make_node("Mul", ["kt", "root"], ["kts"]))
         nodes.append(helper.make_node("MatMul", ["qs", "kts"], ["s"]))
     logits = "s"
+    if causal is not None:  # GPT-2's constant lower-triangular buffer
+        inits += [
+            numpy_helper.from_array(causal, "tril"),
+            _const("lowest", np.finfo(np.float32).min),
+        ]
+        nodes.append(helper.make_node("Where", ["tril", "s", "lowest"], ["sc"]))
+        logits = "sc"
     if mask == "additive":
         inputs.append(_vi("mask", (B, 1, S, S)))
-        nodes.append(helper.make_node("Add", ["s", "mask"], ["logits"]))
+        nodes.append(helper.make_node("Add", [logits, "mask"], ["logits"]))
         logits = "logits"
     elif mask == "bool":
         inputs.append(_vi("keep", (B, 1, S, S), TensorProto.BOOL))
         inits.append(_const("ninf", -np.inf))
         nodes.append(helper.make_node("Where", ["keep", "zero", "ninf"], ["bias"]))
-        nodes.append(helper.make_node("Add", ["s", "bias"], ["logits"]))
+        nodes.append(helper.make_node("Add", [logits, "bias"], ["logits"]))
         logits = "logits"
     nodes.append(helper.make_node("Softmax", [logits], ["p"], axis=axis))
     probs = "p"
@@ -134,6 +142,22 @@ def test_where_mask_becomes_bool_mask():
     assert node.attrs["mask_kind"] == "bool" and node.inputs[3].name == "keep"
 
 
+def test_causal_buffer_becomes_causal_attribute():
+    tril = np.tri(S, dtype=bool)[None, None]
+    before = _sdpa(mask="additive", causal=tril)
+    assert ops(before) == ["Transpose", "MatMul", "Div", "Where", "Add", "Softmax", "MatMul"]
+    after = _fused(before)
+    assert ops(after) == ["tensorkiln.Attention"]
+    node = _attention_node(after)
+    assert node.attrs["causal"] == 1 and node.attrs["mask_kind"] == "additive"
+
+
+def test_not_fused_when_the_constant_mask_is_not_causal():
+    before = _sdpa(causal=np.tri(S, k=1, dtype=bool)[None, None])
+    after = _fused(before)
+    assert ops(after) == ops(before)
+
+
 def _packed_graph(merge: bool = True):
     """Linear-projected [B, S, E] inputs split into heads, attention, heads merged back."""
     rng = _rng()
@@ -168,6 +192,16 @@ def test_head_split_and_merge_absorbed():
     assert node.attrs["num_heads"] == H
     assert node.attrs["input_layout"] == "bsd" and node.attrs["output_layout"] == "bsd"
     assert [v.name for v in node.inputs] == ["qp", "kp", "vp"] and node.outputs[0].name == "y"
+
+
+def test_shape_rule_gives_the_replaced_types():
+    from tensorkiln.ir.infer import infer_shapes
+
+    after = _fused(_packed_graph())
+    out = after.outputs[0]
+    out.type = None
+    infer_shapes(after)
+    assert tuple(out.shape) == (B, S, E)
 
 
 def test_head_transpose_absorbed_without_merge():

@@ -74,6 +74,7 @@ class _Match:
     softmax: Node
     out: Node  # the MatMul P @ V
     remove: list[Node] = field(default_factory=list)
+    causal: bool = False
 
 
 # ---------------------------------------------------------------- small checks
@@ -185,18 +186,40 @@ def _softmax_input_ok(ctx: _Ctx, sm: Node) -> bool:
 # ---------------------------------------------------------------- mask
 
 
-def _split_mask(ctx: _Ctx, v: Value) -> tuple[Value, Value | None, Node | None]:
-    """(scores, mask, add node) when ``v`` = scores + mask; (v, None, None) otherwise."""
+def _split_mask(ctx: _Ctx, v: Value) -> list[tuple[Value, Value | None, Node | None]]:
+    """The ways to read ``v`` as scores + mask: [(scores, mask, add)], or [(v, None, None)]."""
     add = ctx.made_by(v, "Add")
     if add is None:
-        return v, None, None
+        return [(v, None, None)]
+    found = []
     for i in (0, 1):
         s, m = add.inputs[i], add.inputs[1 - i]
-        mm = ctx.producers.get(s)
-        scores_side = mm is not None and mm.op in ("MatMul", "Mul", "Div")
-        if scores_side and _shape(s) is not None and _shape(s) == _shape(v) and _mask_ok(m, s):
-            return s, m, add
-    return v, None, None
+        if _shape(s) is not None and _shape(s) == _shape(v) and _mask_ok(m, s):
+            found.append((s, m, add))
+    return found
+
+
+def _causal(ctx: _Ctx, v: Value) -> tuple[Value, Node] | None:
+    """``Where(tril, scores, fill)``: a constant lower-triangular [..., S, S] condition, fill -inf.
+
+    fill may also be a huge negative number (<= -1e30, e.g. float32's lowest): a key it hides
+    gets no weight either way, except in a row where every key is hidden.
+    """
+    w = ctx.made_by(v, "Where")
+    cond = None if w is None else const_value(w.inputs[0], ctx.producers)
+    fill = None if w is None else _scalar(ctx, w.inputs[2])
+    if cond is None or fill is None or fill > -1e30 or cond.dtype != np.bool_ or cond.ndim < 2:
+        return None
+    sq, sk = cond.shape[-2:]
+    if (
+        sq != sk
+        or cond.size != sq * sk
+        or not np.array_equal(cond.reshape(sq, sk), np.tri(sq, dtype=bool))
+    ):
+        return None
+    if _shape(w.inputs[1]) != _shape(v) or _shape(v) is None or tuple(_shape(v)[-2:]) != (sq, sk):
+        return None
+    return w.inputs[1], w
 
 
 def _mask_ok(mask: Value, scores: Value) -> bool:
@@ -280,28 +303,30 @@ def _match(ctx: _Ctx, sm: Node) -> _Match | None:
     """Everything between Q, K, V (and the mask) and the P @ V MatMul, or None."""
     if not _softmax_input_ok(ctx, sm) or ctx.single(sm.inputs[0]) is not sm:
         return None
-    remove = [sm]
-    s, mask, add = _split_mask(ctx, sm.inputs[0])
-    if add is not None:
-        remove.append(add)
-    scores = _scores(ctx, s)
     probs = _probs(ctx, sm)
-    if scores is None or probs is None:
-        return None
-    q, k, scale, nodes = scores
-    pv = ctx.single(probs[0])
+    pv = None if probs is None else ctx.single(probs[0])
     if pv is None or pv.op != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs[0]:
         return None
-    if _rank(pv.inputs[1]) != 4 or not np.isfinite(scale) or scale == 0.0:
+    if _rank(pv.inputs[1]) != 4:
         return None
-    remove += nodes + probs[1] + [pv]
-    kind = "" if mask is None else "additive"
-    as_bool = None if mask is None else _as_bool_mask(ctx, mask)
-    if as_bool is not None:
-        mask, kind = as_bool[0], "bool"
-        remove.append(as_bool[1])
-    v = _peel(ctx, pv.inputs[1], None, scaled=False)[0]
-    return _Match(q, k, v, scale, mask, kind, sm, pv, remove)
+    for s, mask, add in _split_mask(ctx, sm.inputs[0]):
+        causal = _causal(ctx, s)
+        if causal is not None:
+            s = causal[0]
+        scores = _scores(ctx, s)
+        if scores is None or not np.isfinite(scores[2]) or scores[2] == 0.0:
+            continue
+        q, k, scale, nodes = scores
+        extra = [n for n in (add, causal and causal[1]) if n is not None]
+        remove = [sm, *extra, *nodes, *probs[1], pv]
+        kind = "" if mask is None else "additive"
+        as_bool = None if mask is None else _as_bool_mask(ctx, mask)
+        if as_bool is not None:
+            mask, kind = as_bool[0], "bool"
+            remove.append(as_bool[1])
+        v = _peel(ctx, pv.inputs[1], None, scaled=False)[0]
+        return _Match(q, k, v, scale, mask, kind, sm, pv, remove, causal is not None)
+    return None
 
 
 def _output_layout(ctx: _Ctx, out: Value, heads: int | None) -> tuple[str, Value, list[Node]]:
@@ -383,7 +408,7 @@ def _rewrite(ctx: _Ctx, m: _Match) -> Rewrite:
     rw.remove.extend(nodes)
     attrs = {
         "scale": m.scale,
-        "causal": 0,
+        "causal": int(m.causal),
         "mask_kind": m.mask_kind,
         "num_heads": heads,
         "input_layout": "bsd" if heads else "bhsd",

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.dims import dim_divide, dim_product
+from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product
 from tensorkiln.ir.graph import Shape, TensorType, Type
 from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.registry import register
@@ -117,13 +117,14 @@ def _heads_view(shape: Shape | None, heads: int) -> Shape | None:
 
 @rule("Attention", domain="tensorkiln")
 def _attention_shape(ctx: InferContext) -> list[Type | None]:
-    q, v = ctx.shape(0), ctx.shape(2)
+    q, k, v = ctx.shape(0), ctx.shape(1), ctx.shape(2)
     if ctx.attr("input_layout", "bhsd") == "bsd":
         heads = int(ctx.attr("num_heads", 0))
-        q, v = _heads_view(q, heads), _heads_view(v, heads)
-    if q is None or v is None or len(q) != 4 or len(v) != 4:
+        q, k, v = (_heads_view(x, heads) for x in (q, k, v))
+    if any(x is None or len(x) != 4 for x in (q, k, v)):
         return [TensorType(ctx.dtype(0), None)]
-    b, h, s, dv = q[0], q[1], q[2], v[3]
+    b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # batch and heads broadcast as in the matmuls
+    s, dv = q[2], v[3]
     layout = ctx.attr("output_layout", "bhsd")
     shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
     return [TensorType(ctx.dtype(0), shape[layout])]
