@@ -134,9 +134,7 @@ def is_elementwise(node: Node) -> bool:
 @register_pass("fuse_pointwise", level=3, order=90)
 def fuse_pointwise(graph: Graph) -> int:
     """Fuse maximal groups of elementwise ops into tensorkiln.Pointwise nodes; returns groups fused."""
-    groups = find_groups(graph, extra_outputs=True)
-    if not acyclic_after(graph, groups):  # two groups feeding each other through extra outputs
-        groups = find_groups(graph, extra_outputs=False)
+    groups = find_groups(graph)
     producers = graph.producers()
     rw = Rewrite()
     for k, group in enumerate(groups):
@@ -148,21 +146,33 @@ def fuse_pointwise(graph: Graph) -> int:
     return count
 
 
-def find_groups(graph: Graph, *, extra_outputs: bool = True) -> list[Group]:
+def find_groups(graph: Graph) -> list[Group]:
     """Groups of two or more elementwise nodes, found from the last node backwards.
 
-    Without ``extra_outputs`` an intermediate read outside its group stops the group there.
+    Two groups can feed each other through their extra outputs although neither reaches back into
+    itself; a group that would close such a cycle is grown again without extra outputs (or, if
+    that still closes one, dropped).
     """
     producers = graph.producers()
     consumers = graph.consumers()
     index = {n: i for i, n in enumerate(graph.nodes)}
     taken: set[Node] = set()
-    groups = []
+    groups: list[Group] = []
+    extras = False  # whether an accepted group has extra outputs: only then can cycles appear
     for node in reversed(graph.nodes):
         if node in taken or not is_elementwise(node):
             continue
-        group = grow(graph, node, producers, consumers, index, taken, extra_outputs)
+        for extra_outputs in (True, False):
+            group = grow(graph, node, producers, consumers, index, taken, extra_outputs)
+            has_extra = len(group.outputs) > 1
+            if len(group.nodes) < 2 or not (extras or has_extra):
+                break
+            if acyclic_after(graph, [*groups, group]):
+                break
+        else:
+            continue
         if len(group.nodes) >= 2:
+            extras |= has_extra
             taken.update(group.nodes)
             groups.append(group)
     return groups
