@@ -374,6 +374,32 @@ def test_reshape_with_allowzero_collapses() -> None:
     check(m, merge_reshapes, {"x": rand(2, 12)}, ["Reshape"], 1)
 
 
+def test_flatten_after_reshape_merges_only_with_a_static_shape() -> None:
+    nodes = [_r("x", "s1", "a"), helper.make_node("Flatten", ["a"], ["y"], axis=-1)]
+    m = model(nodes, [inp("x", [2, 3, 4])], [out()], [_shape("s1", 4, 3, 2)])
+    check(m, merge_reshapes, {"x": rand(2, 3, 4)}, ["Reshape"], 1)
+    m = model(nodes, [inp("x", ["N", 3, 4])], [out()], [_shape("s1", 4, 3, -1)])
+    check(m, merge_reshapes, {"x": rand(2, 3, 4)}, ["Reshape", "Flatten"], 0)
+
+
+def test_linear_bias_batchnorm_becomes_one_gemm() -> None:
+    # MatMul + Add (2-D) folds into a Gemm, then the BatchNormalization into that Gemm
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["mm"]),
+        helper.make_node("Add", ["mm", "b"], ["a"]),
+        bn("a", "y"),
+    ]
+    inits = [init("w", rand(5, 6)), init("b", rand(6)), *bn_inits(6)]
+    m = model(nodes, [inp("x", [3, 5])], [out()], inits)
+
+    def apply(graph) -> int:
+        pm = PassManager(level=2, only=FOLD_PASSES, verify=True)
+        pm.run(graph)
+        return sum(pm.stats.values())
+
+    check(m, apply, {"x": rand(3, 5)}, ["Gemm"], 2)
+
+
 # ---------------------------------------------------------------- real exported models
 
 

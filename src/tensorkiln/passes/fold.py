@@ -173,20 +173,19 @@ def _new_bias(lin: _Linear, s: np.ndarray | None, t: np.ndarray | None) -> np.nd
 def _fold_affine(ctx: _Ctx, lin: _Linear, s, t, out: Value, name: str) -> list[Node] | None:
     """New node(s) computing ``lin`` * s + t (per output channel) into ``out``."""
     node, dtype = lin.node, lin.w.dtype
-    graph = ctx.graph
-    inputs = list(node.inputs[:2])
-    attrs = dict(node.attrs)
-    if s is not None:
-        w = _scale_weight(lin, s).astype(dtype)
-        inputs[1] = add_constant(graph, f"{node.inputs[1].name}_folded", w)
     b = _new_bias(lin, s, t)
     op = node.op
     if op == "MatMul" and b is not None:
         if lin.rank != 2:
             return None  # MatMul + Add of a bias is already the smallest form
         op = "Gemm"
+    inputs = list(node.inputs[:2])
+    attrs = dict(node.attrs)
+    if s is not None:
+        w = _scale_weight(lin, s).astype(dtype)
+        inputs[1] = add_constant(ctx.graph, f"{node.inputs[1].name}_folded", w)
     if b is not None:
-        inputs.append(add_constant(graph, f"{name}_bias_folded", b.astype(dtype)))
+        inputs.append(add_constant(ctx.graph, f"{name}_bias_folded", b.astype(dtype)))
         if op == "Gemm":
             attrs["beta"] = 1.0
     return [Node(op, inputs, [out], attrs, "", name=f"{node.name or name}_folded")]
@@ -430,20 +429,37 @@ def _target_shape(ctx: _Ctx, node: Node) -> np.ndarray | None:
     return resolved
 
 
+def _flatten_shape(node: Node) -> np.ndarray | None:
+    """Flatten's output shape as a Reshape target, when its input shape is static."""
+    middle = node.inputs[0].shape
+    if middle is None or not all(isinstance(d, int) for d in middle):
+        return None
+    axis = int(node.attrs.get("axis", 1))
+    axis = axis + len(middle) if axis < 0 else axis
+    if not 0 <= axis <= len(middle):
+        return None
+    outer = int(np.prod(middle[:axis], dtype=np.int64))
+    return np.array([outer, int(np.prod(middle[axis:], dtype=np.int64))], np.int64)
+
+
 def _rule_merge_reshapes(ctx: _Ctx, node: Node) -> Rewrite | None:
-    if node.op != "Reshape" or node.domain != "" or len(node.inputs) != 2:
+    if node.domain != "" or not node.inputs or node.inputs[0] is None:
+        return None
+    if node.op == "Reshape" and len(node.inputs) == 2:
+        shape = _target_shape(ctx, node)
+    elif node.op == "Flatten":
+        shape = _flatten_shape(node)
+    else:
         return None
     first = ctx.producer(node.inputs[0], *_RESHAPES)
-    if first is None or first.inputs[0] is None:
-        return None
-    shape = _target_shape(ctx, node)
-    if shape is None:
+    if first is None or first.inputs[0] is None or shape is None:
         return None  # a Reshape only depends on the element count, unless a 0 copies a dim
-    if np.array_equal(shape, ctx.const(node.inputs[1])):
+    if node.op == "Reshape" and np.array_equal(shape, ctx.const(node.inputs[1])):
         shape_value = node.inputs[1]
     else:
-        shape_value = add_constant(ctx.graph, f"{node.inputs[1].name}_resolved", shape)
-    new = Node("Reshape", [first.inputs[0], shape_value], list(node.outputs), dict(node.attrs))
+        shape_value = add_constant(ctx.graph, f"{node.name or 'shape'}_target", shape)
+    attrs = {"allowzero": node.attrs["allowzero"]} if "allowzero" in node.attrs else {}
+    new = Node("Reshape", [first.inputs[0], shape_value], list(node.outputs), attrs)
     new.name = node.name
     rw = Rewrite(remove=[node], add=[new], count=1)
     if ctx.sole_reader(first.outputs[0]) is node:
@@ -453,10 +469,11 @@ def _rule_merge_reshapes(ctx: _Ctx, node: Node) -> Rewrite | None:
 
 @register_pass("merge_reshapes", level=2, order=33)
 def merge_reshapes(graph: Graph) -> int:
-    """Reshape of a Reshape/Flatten/Squeeze/Unsqueeze reads the original tensor directly.
+    """Reshape (or Flatten) of a Reshape/Flatten/Squeeze/Unsqueeze reads the original directly.
 
     A Reshape's result depends only on its input's element count, except where its shape has a
     0 entry that copies a dimension (allowzero=0): those are resolved from the inferred middle
-    shape when it is static, otherwise the pair is left alone.
+    shape when it is static, otherwise the pair is left alone. A Flatten depends on its input's
+    shape, so it is only merged (as a Reshape) when that shape is fully static.
     """
     return _run(graph, _rule_merge_reshapes)
