@@ -16,6 +16,10 @@ after it (``Reshape(Transpose(O, [0, 2, 1, 3]), [B, S, H*Dv])``) are absorbed in
 Every intermediate that disappears must have this match as its only reader; the scale factors must
 be scalar constants; the softmax must run over the last axis; the mask must not change the shape of
 the scores. ONNX Attention nodes (opset 23+) are left as they are.
+
+The fused op gives zeros for a query row whose keys are all hidden, which is what the exporters'
+IsNaN guard computes (without the guard the unfused graph gives NaN there), and a causal buffer
+filled with float32's lowest value is read as -inf (the two differ only on such rows).
 """
 
 from __future__ import annotations

@@ -50,12 +50,14 @@ def _arrange_output(y: np.ndarray, layout: str) -> np.ndarray:
 
 
 def _stable_softmax(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis; a row that is all -inf gives zeros."""
+    """Softmax over the last axis, in place on ``x``; a row that is all -inf gives zeros."""
     m = np.max(x, axis=-1, keepdims=True)
-    m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(x - m)
-    s = np.sum(e, axis=-1, keepdims=True)
-    return e / np.where(s == 0, 1, s)
+    m[np.isneginf(m)] = 0
+    np.subtract(x, m, out=x)
+    np.exp(x, out=x)
+    total = np.sum(x, axis=-1, keepdims=True)
+    total[total == 0] = 1
+    return np.divide(x, total, out=x)
 
 
 def _check_attrs(mask_kind: str, input_layout: str, output_layout: str) -> None:
@@ -95,9 +97,10 @@ def fused_attention(
         )
     ct = np.float64 if q.dtype == np.float64 else np.float32
     s = np.float64(scale) if scale else 1.0 / np.sqrt(q.shape[-1])
-    scores = np.matmul(q.astype(ct), k.astype(ct).swapaxes(-1, -2)) * ct(s)
+    scores = np.matmul(q.astype(ct), k.astype(ct).swapaxes(-1, -2))
+    scores *= ct(s)
     if mask_kind == "additive":
-        scores = scores + mask.astype(ct)
+        scores = np.add(scores, mask.astype(ct), dtype=ct)
     elif mask_kind == "bool":
         scores = np.where(mask.astype(bool), scores, ct(-np.inf))
     if causal:
