@@ -214,6 +214,21 @@ def test_sub_into_gemm_and_mul_into_matmul() -> None:
     check(m, fold_mul_add_into_conv_gemm, {"x": rand(3, 5)}, ["Gemm", "MatMul"], 2)
 
 
+def test_mul_into_grouped_conv_transpose_and_gemm() -> None:
+    nodes = [
+        helper.make_node("ConvTranspose", ["x", "w"], ["c"], group=3),
+        helper.make_node("Mul", ["c", "k"], ["y"]),
+        helper.make_node("Gemm", ["v", "w2"], ["g"], alpha=2.0),
+        helper.make_node("Add", ["g", "a"], ["z"]),
+    ]
+    inits = [init("w", rand(6, 2, 3, 3)), init("k", rand(1, 6, 1, 1))]
+    inits += [init("w2", rand(4, 5)), init("a", rand(1, 5))]
+    m = model(nodes, [inp("x", [1, 6, 4, 4]), inp("v", [3, 4])], [out(), out("z")], inits)
+    feeds = {"x": rand(1, 6, 4, 4), "v": rand(3, 4)}
+    after = check(m, fold_mul_add_into_conv_gemm, feeds, None, 2)
+    assert sorted(ops(after)) == ["ConvTranspose", "Gemm"]
+
+
 def test_add_into_3d_matmul_is_left_alone() -> None:
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["mm"]),

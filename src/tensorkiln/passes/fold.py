@@ -16,7 +16,7 @@ Folded weights are new initializers; shared initializers are never modified.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -35,9 +35,19 @@ class _Ctx:
     producers: dict[Value, Node]
     consumers: dict[Value, list[Node]]
     taken: set[Node]  # nodes already claimed by a match of this sweep
+    new_names: set[str] = field(default_factory=set)  # names given to values not yet added
 
     def const(self, v: Value | None) -> np.ndarray | None:
         return const_value(v, self.producers)
+
+    def fresh_name(self, base: str) -> str:
+        """A value name not yet used in the graph (names stay unique for the engine file)."""
+        taken = {v.name for v in self.graph.values()} | self.new_names
+        name, k = base, 1
+        while name in taken:
+            name, k = f"{base}_{k}", k + 1
+        self.new_names.add(name)
+        return name
 
     def sole_reader(self, v: Value | None) -> Node | None:
         return None if v is None else only_use(self.graph, v, self.consumers)
@@ -384,7 +394,7 @@ def _rule_push_transpose(ctx: _Ctx, node: Node) -> Rewrite | None:
     for p in chain:
         out = p.outputs[0]
         shape = None if out.shape is None else tuple(out.shape[i] for i in inverse)
-        new_out = Value(f"{out.name}_untransposed", TensorType(out.dtype, shape))
+        new_out = Value(ctx.fresh_name(f"{out.name}_untransposed"), TensorType(out.dtype, shape))
         inputs = [x if v is prev else v for v in p.inputs]
         rw.add.append(Node(p.op, inputs, [new_out], dict(p.attrs), "", name=p.name))
         x, prev = new_out, out
