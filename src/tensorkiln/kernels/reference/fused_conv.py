@@ -56,7 +56,15 @@ def _sigmoid_inplace(v: np.ndarray, alpha: float = 1.0) -> None:
     np.reciprocal(v, out=v)
 
 
-def activate(v: np.ndarray, activation: str, alpha: float, beta: float, lo, hi) -> None:
+# the ONNX defaults of the activation parameters (alpha, beta), as the attributes store them
+_DEFAULTS = {
+    "LeakyRelu": (0.009999999776482582, None),
+    "Swish": (1.0, None),
+    "HardSigmoid": (0.20000000298023224, 0.5),
+}
+
+
+def activate(v: np.ndarray, activation: str, alpha, beta, lo, hi) -> None:
     """Apply ``activation`` to the contiguous float32/float64 array ``v`` in place."""
     if activation == "":
         return
@@ -69,6 +77,9 @@ def activate(v: np.ndarray, activation: str, alpha: float, beta: float, lo, hi) 
     elif activation == "Clip":
         _clip_inplace(v, lo, hi)
     else:
+        a, b = _DEFAULTS.get(activation, (None, None))
+        alpha = a if alpha is None else alpha
+        beta = b if beta is None else beta
         flat = v.reshape(-1)
         flat[...] = _CORES[activation](flat, alpha, beta)
 
@@ -129,8 +140,8 @@ def conv_act(
     pads: Sequence[int] | None = None,
     strides: Sequence[int] | None = None,
     activation: str = "",
-    activation_alpha: float = 0.01,
-    activation_beta: float = 0.5,
+    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
+    activation_beta: float | None = None,
     activation_min: float | None = None,
     activation_max: float | None = None,
     residual_order: str = "add_act",

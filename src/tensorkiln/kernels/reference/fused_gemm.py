@@ -60,8 +60,8 @@ def gemm_act(
     transA: int = 0,
     transB: int = 0,
     activation: str = "",
-    activation_alpha: float = 0.01,
-    activation_beta: float = 0.5,
+    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
+    activation_beta: float | None = None,
     activation_min: float | None = None,
     activation_max: float | None = None,
 ) -> np.ndarray:
