@@ -253,7 +253,7 @@ def test_different_inputs_are_not_merged() -> None:
         ("bert", True),
         ("gpt2", False),
         ("gpt2", True),
-        ("transformer_encoder", True),
+        pytest.param("transformer_encoder", True, marks=pytest.mark.slow),
     ],
 )
 def test_transformers_keep_their_outputs(name: str, dynamo: bool, tmp_path: Path) -> None:
