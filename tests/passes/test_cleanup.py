@@ -379,3 +379,16 @@ def test_cleanup_on_exported_model(name: str, dynamo: bool, tmp_path) -> None:
     after = assert_pass_preserves_outputs(g, run_cleanup, feeds)
     assert len(after.nodes) <= len(g.nodes)
     assert "Constant" not in ops(after) and "Identity" not in ops(after)
+
+
+def test_widening_cast_of_compact_constant_is_not_folded():
+    half = numpy_helper.from_array(rand(3).astype(np.float16), "h")
+    m = model(
+        [node("Cast", ["h"], ["hf"], to=F), node("Add", ["x", "hf"], ["y"])],
+        [inp("x", [3])],
+        [inp("y", [3])],
+        [half],
+    )
+    g = graph_of(m)
+    assert constant_folding(g) == 0
+    assert ops(g) == ["Cast", "Add"]

@@ -382,8 +382,21 @@ def _worth_folding(node: Node, args: list[np.ndarray | None]) -> bool:
     return True
 
 
+def _widening_cast(node: Node) -> bool:
+    """A Cast of a compact constant (float16/bfloat16/float8/int4) to a wider type: folding it
+    would store the weight wide; keeping it compact is the precision step's decision."""
+    if node.op not in ("Cast", "CastLike") or node.outputs[0] is None:
+        return False
+    src, dst = node.inputs[0].dtype, node.outputs[0].dtype
+    if src is None or dst is None or src.bits >= dst.bits:
+        return False
+    return src.is_float or src.bits < 8
+
+
 def _fold_one(graph: Graph, node: Node) -> list[np.ndarray] | None:
     if node.op in NO_FOLD or node.op == "Constant" or any(True for _ in node.subgraphs()):
+        return None
+    if _widening_cast(node):
         return None
     present = [v for v in node.inputs if v is not None]
     if not present or any(v.const is None or v.const.dtype == object for v in present):
