@@ -89,7 +89,9 @@ def _rule_bias(ctx: Ctx, m: GemmMatch) -> bool:
     if add is None or m.bias is not None or m.attrs.get("activation") or m.after:
         return False
     c = ctx.const(other_input(add, m.out))
-    if c is None or m.out.shape is None or c.dtype != m.out.dtype.numpy:
+    if c is None or m.out.shape is None or m.out.dtype is None:
+        return False
+    if c.dtype != m.out.dtype.numpy:
         return False
     if not _last_axis(c, m.out.shape):
         return False
