@@ -275,7 +275,7 @@ def _random_graph(seed: int, n: int = 14) -> Graph:
 
 @pytest.mark.parametrize("seed", range(0, 100, 10))
 def test_random_graphs_stay_acyclic_and_exact(seed: int) -> None:
-    """Groups with extra outputs can feed each other; those that would close a cycle are regrown."""
+    """Groups with extra outputs can feed each other; one that would close a cycle is regrown."""
     for s in range(seed, seed + 10):
         graph = _random_graph(s)
         assert_pass_preserves_outputs(graph, fuse_pointwise, feeds_for(graph, s), rtol=0, atol=0)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tensorkiln.ir import DType, Graph, Node, TensorType, Value, node_reads
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 
@@ -158,6 +158,7 @@ def find_groups(graph: Graph) -> list[Group]:
     index = {n: i for i, n in enumerate(graph.nodes)}
     taken: set[Node] = set()
     groups: list[Group] = []
+    grouped: dict[Node, Group] = {}
     extras = False  # whether an accepted group has extra outputs: only then can cycles appear
     for node in reversed(graph.nodes):
         if node in taken or not is_elementwise(node):
@@ -167,13 +168,14 @@ def find_groups(graph: Graph) -> list[Group]:
             has_extra = len(group.outputs) > 1
             if len(group.nodes) < 2 or not (extras or has_extra):
                 break
-            if acyclic_after(graph, [*groups, group]):
+            if not closes_cycle(group, grouped, consumers):
                 break
         else:
             continue
         if len(group.nodes) >= 2:
             extras |= has_extra
             taken.update(group.nodes)
+            grouped.update(dict.fromkeys(group.nodes, group))
             groups.append(group)
     return groups
 
@@ -233,33 +235,29 @@ def reaches(
     return False
 
 
-def acyclic_after(graph: Graph, groups: list[Group]) -> bool:
-    """Whether the graph stays acyclic with each group contracted to one node."""
-    unit: dict[Node, object] = {n: n for n in graph.nodes}
-    for g in groups:
-        unit.update(dict.fromkeys(g.nodes, g.root))
-    producers = graph.producers()
-    deps: dict[object, set[object]] = {u: set() for u in unit.values()}
-    for n in graph.nodes:
-        for v in node_reads(n):
-            p = producers.get(v)
-            if p is not None and unit[p] is not unit[n]:
-                deps[unit[n]].add(unit[p])
-    users: dict[object, list[object]] = {u: [] for u in deps}
-    for u, ds in deps.items():
-        for d in ds:
-            users[d].append(u)
-    pending = {u: len(ds) for u, ds in deps.items()}
-    ready = [u for u, k in pending.items() if k == 0]
-    done = 0
-    while ready:
-        u = ready.pop()
-        done += 1
-        for w in users[u]:
-            pending[w] -= 1
-            if pending[w] == 0:
-                ready.append(w)
-    return done == len(deps)
+def closes_cycle(
+    group: Group, grouped: dict[Node, Group], consumers: dict[Value, list[Node]]
+) -> bool:
+    """Whether a path leads from ``group``'s outputs back into it once every group is one node.
+
+    ``grouped`` maps the nodes of the groups accepted so far to their group: reaching one of its
+    nodes reaches all of its outputs.
+    """
+    members = set(group.nodes)
+    stack = [c for v in group.outputs for c in consumers.get(v, []) if c not in members]
+    seen: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in members:
+            return True
+        if n in seen:
+            continue
+        unit = grouped[n].nodes if n in grouped else [n]
+        seen.update(unit)
+        stack.extend(
+            c for m in unit for v in m.outputs if v is not None for c in consumers.get(v, [])
+        )
+    return False
 
 
 def replace_group(graph: Graph, group: Group, k: int, producers: dict[Value, Node]) -> Rewrite:
