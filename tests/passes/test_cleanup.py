@@ -392,3 +392,33 @@ def test_widening_cast_of_compact_constant_is_not_folded():
     g = graph_of(m)
     assert constant_folding(g) == 0
     assert ops(g) == ["Cast", "Add"]
+
+
+def test_noops_inside_subgraphs():
+    then_g = helper.make_graph(
+        [
+            node("Identity", ["x"], ["tx"]),
+            node("Mul", ["tx", "one"], ["tm"]),
+            node("Neg", ["tm"], ["t"]),
+        ],
+        "then",
+        [],
+        [inp("t", [2])],
+    )
+    else_g = helper.make_graph([node("Identity", ["x"], ["e"])], "else", [], [inp("e", [2])])
+    m = model(
+        [
+            node("ReduceSum", ["x"], ["s"], keepdims=0),
+            node("Greater", ["s", "zero"], ["c"]),
+            node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g),
+        ],
+        [inp("x", [2])],
+        [inp("y", [2])],
+        [const("one", np.float32(1)), const("zero", np.float32(0))],
+    )
+    g = graph_of(m)
+    for x in (rand(2), -rand(2) - 1):
+        after = assert_pass_preserves_outputs(g, run_cleanup, {"x": x})
+    branches = after.nodes[-1].attrs
+    assert ops(branches["then_branch"]) == ["Neg"]
+    assert ops(branches["else_branch"]) == ["Identity"]  # reads an outer value: keeps its name
