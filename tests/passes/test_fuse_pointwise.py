@@ -184,6 +184,32 @@ def test_attention_mask_of_bools_is_fused() -> None:
     assert body_ops(after) == [["Cast", "And", "Where"]]
 
 
+def test_chains_inside_an_if_branch_are_fused() -> None:
+    branch = helper.make_graph(
+        [node("Mul", ["x", "two"], ["m"]), node("Sigmoid", ["m"], ["then_out"])],
+        "then",
+        [],
+        [vi("then_out", [3, 4])],
+        [const("two", 2.0)],
+    )
+    other = helper.make_graph(
+        [node("Neg", ["x"], ["else_out"])], "else", [], [vi("else_out", [3, 4])]
+    )
+    before = graph_of(
+        model(
+            [node("If", ["c"], ["out"], then_branch=branch, else_branch=other)],
+            [vi("c", [], TensorProto.BOOL), vi("x", [3, 4])],
+            [vi("out", [3, 4])],
+        )
+    )
+    for c in (True, False):
+        feeds = {"c": np.array(c), "x": feeds_for(before)["x"]}
+        after = assert_pass_preserves_outputs(before, fuse_pointwise, feeds)
+    assert ops(after) == ["If"]
+    assert ops(after.nodes[0].attrs["then_branch"]) == ["tensorkiln.Pointwise"]
+    assert ops(after.nodes[0].attrs["else_branch"]) == ["Neg"]
+
+
 # ------------------------------------------------------------------------- negative cases
 
 

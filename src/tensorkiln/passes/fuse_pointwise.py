@@ -133,7 +133,13 @@ def is_elementwise(node: Node) -> bool:
 
 @register_pass("fuse_pointwise", level=3, order=90)
 def fuse_pointwise(graph: Graph) -> int:
-    """Fuse maximal groups of elementwise ops into tensorkiln.Pointwise nodes; returns groups fused."""
+    """Fuse maximal groups of elementwise ops into tensorkiln.Pointwise nodes; returns groups fused.
+
+    Subgraphs (If branches, Loop and Scan bodies) are fused too, each on its own.
+    """
+    nested = sum(
+        fuse_pointwise(sub) for n in graph.nodes if n.domain != DOMAIN for sub in n.subgraphs()
+    )
     groups = find_groups(graph)
     producers = graph.producers()
     rw = Rewrite()
@@ -143,7 +149,7 @@ def fuse_pointwise(graph: Graph) -> int:
     if count:
         taken = [v for g in groups for n in g.nodes for v in n.inputs if v is not None]
         drop_unread_constants(graph, taken)
-    return count
+    return count + nested
 
 
 def find_groups(graph: Graph) -> list[Group]:
