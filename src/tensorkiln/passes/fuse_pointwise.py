@@ -131,7 +131,7 @@ def is_elementwise(node: Node) -> bool:
     return all(t.shape is not None and len(t.shape) >= 2 for t in types)
 
 
-@register_pass("fuse_pointwise", level=3, order=90)
+@register_pass("fuse_pointwise", level=3, order=90, late=True)
 def fuse_pointwise(graph: Graph) -> int:
     """Fuse maximal groups of elementwise ops into tensorkiln.Pointwise nodes; returns groups fused.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensorkiln.ir import Graph
+from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.ir.verify import verify as verify_graph
 
@@ -30,16 +31,23 @@ class PassInfo:
     level: int
     fn: PassFn
     order: int
+    late: bool = False
 
 
 PASSES: dict[str, PassInfo] = {}
 
 
-def register_pass(name: str, *, level: int, order: int) -> Callable[[PassFn], PassFn]:
-    """Register a pass run at optimization ``level`` and above, in ascending ``order``."""
+def register_pass(
+    name: str, *, level: int, order: int, late: bool = False
+) -> Callable[[PassFn], PassFn]:
+    """Register a pass run at optimization ``level`` and above, in ascending ``order``.
+
+    A ``late`` pass (generic fusion of what is left) joins its stage only once the other passes
+    of the stage have reached their fixed point, so it never takes a pattern they would fuse.
+    """
 
     def decorator(fn: PassFn) -> PassFn:
-        PASSES[name] = PassInfo(name, level, fn, order)
+        PASSES[name] = PassInfo(name, level, fn, order, late)
         return fn
 
     return decorator
@@ -50,7 +58,7 @@ def _load_passes() -> None:
 
 
 class PassManager:
-    """Runs the registered passes for an optimization level, in order, until nothing changes."""
+    """Runs the registered passes of an optimization level in stages, each to its fixed point."""
 
     def __init__(
         self,
@@ -78,22 +86,33 @@ class PassManager:
         self._dumps = 0
 
     def run(self, graph: Graph) -> Graph:
+        """Optimize ``graph`` in place, stage by stage.
+
+        Stage L runs every chosen pass of level <= L until nothing changes, so clean-up and shape
+        simplification reach their fixed point before folds, and folds before fusions; types are
+        inferred again after every pass that changed the graph, so later passes see exact shapes.
+        """
         self._dump(graph, "input")
-        for _ in range(self.max_rounds):
-            changed = 0
-            for p in self.passes:
-                t0 = time.perf_counter()
-                n = p.fn(graph)
-                self.seconds[p.name] = self.seconds.get(p.name, 0.0) + time.perf_counter() - t0
-                self.stats[p.name] = self.stats.get(p.name, 0) + n
-                changed += n
-                if n:
-                    if self.verify:
-                        verify_graph(graph)
-                    self._dump(graph, p.name)
-            if not changed:
-                break
+        for stage in sorted({p.level for p in self.passes}):
+            group = [p for p in self.passes if p.level <= stage]
+            for members in ([p for p in group if not p.late], group):
+                for _ in range(self.max_rounds):
+                    if not sum(self._run_pass(p, graph) for p in members):
+                        break
         return graph
+
+    def _run_pass(self, p: PassInfo, graph: Graph) -> int:
+        t0 = time.perf_counter()
+        n = p.fn(graph)
+        if n:
+            infer_shapes(graph)
+        self.seconds[p.name] = self.seconds.get(p.name, 0.0) + time.perf_counter() - t0
+        self.stats[p.name] = self.stats.get(p.name, 0) + n
+        if n:
+            if self.verify:
+                verify_graph(graph)
+            self._dump(graph, p.name)
+        return n
 
     def _dump(self, graph: Graph, name: str) -> None:
         if self.dump_dir is None:
