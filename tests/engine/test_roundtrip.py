@@ -89,7 +89,8 @@ def test_small_model_round_trip(name: str, tmp_path: Path) -> None:
 
 def test_typed_constants_keep_their_types(tmp_path: Path) -> None:
     # Every exotic dtype must come back as itself, not as its storage type (uint8 bytes).
-    built = Builder().build(M.typed_constants())
+    # Level 0: the optimizer would fold these constants' Casts away.
+    built = Builder().build(M.typed_constants(), BuilderConfig(optimization_level=0))
     built.save(tmp_path / "t.engine")
     loaded = Engine.load(tmp_path / "t.engine")
     want = {v.name: v.const for v in built.graph.initializers}
@@ -101,7 +102,7 @@ def test_typed_constants_keep_their_types(tmp_path: Path) -> None:
 
 
 def test_float8_initializer_is_stored_bit_exact(tmp_path: Path) -> None:
-    built = Builder().build(M.float8_initializer())
+    built = Builder().build(M.float8_initializer(), BuilderConfig(optimization_level=0))
     loaded = Engine.deserialize(built.serialize())
     got = {v.name: v.const for v in loaded.graph.initializers}
     assert str(got["w8"].dtype) == "float8_e4m3fn" and str(got["w5"].dtype) == "float8_e5m2"
