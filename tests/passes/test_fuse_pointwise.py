@@ -432,3 +432,16 @@ def test_real_models_keep_their_outputs(name: str, exporter: str, tmp_path: Path
     n_fused = ops(after).count("tensorkiln.Pointwise")
     assert n_fused > 0
     assert len(after.nodes) < n_before
+
+
+def test_blocked_kernel_does_not_slice_past_a_per_channel_constant():
+    """Blocks along the channel axis would cut the input but not a [C,1,1] constant of the body."""
+    rng = np.random.default_rng()
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64, 112, 112])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 112, 112])
+    scale = numpy_helper.from_array(rng.standard_normal((64, 1, 1)).astype(np.float32), "s")
+    nodes = [helper.make_node("Mul", ["x", "s"], ["m"]), helper.make_node("Relu", ["m"], ["y"])]
+    graph = graph_of(model(nodes, [x], [y], [scale]))
+    feeds = {"x": rng.standard_normal((1, 64, 112, 112)).astype(np.float32)}
+    after = assert_pass_preserves_outputs(graph, PassManager(3, only=["fuse_pointwise"]).run, feeds)
+    assert ops(after) == ["tensorkiln.Pointwise"]

@@ -25,18 +25,21 @@ BLOCK_ELEMENTS = 1 << 17
 @register("Pointwise", domain="tensorkiln", since=1)
 def pointwise(*inputs: np.ndarray, body: Graph, _ctx) -> np.ndarray | tuple[np.ndarray, ...]:
     """Evaluate ``body`` on ``inputs``; in blocks of rows when that is possible and worth it."""
-    plan = _block_plan(inputs)
+    plan = _block_plan(inputs, body)
     outs = None if plan is None else _run_blocked(inputs, body, _ctx, *plan)
     if outs is None:
         outs = tuple(_ctx.run_graph(body, list(inputs)))
     return outs[0] if len(outs) == 1 else outs
 
 
-def _block_plan(inputs: tuple[np.ndarray, ...]) -> tuple[int, int, tuple[int, ...]] | None:
+def _block_plan(
+    inputs: tuple[np.ndarray, ...], body: Graph
+) -> tuple[int, int, tuple[int, ...]] | None:
     """(axis, rows per block, full shape) for blocked evaluation, or None to run whole.
 
     The axis is the first one of the broadcast shape above 1 (every dim before it is 1, so blocks
-    along it are contiguous in the result); each input either spans it or broadcasts over it.
+    along it are contiguous in the result); each input either spans it or broadcasts over it, and
+    the body's own constants must broadcast over it (they are not sliced).
     """
     if not all(isinstance(x, np.ndarray) and x.dtype != object for x in inputs):
         return None
@@ -54,6 +57,10 @@ def _block_plan(inputs: tuple[np.ndarray, ...]) -> tuple[int, int, tuple[int, ..
     rows = max(2, BLOCK_ELEMENTS // max(row, 1))
     if rows >= full[axis]:
         return None
+    for c in body.initializers:
+        k = axis - (len(full) - c.const.ndim)
+        if k >= 0 and c.const.shape[k] != 1:
+            return None  # e.g. a per-channel constant when blocking along the channels
     return axis, rows, full
 
 
