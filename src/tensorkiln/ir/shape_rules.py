@@ -371,6 +371,45 @@ def _flatten(ctx: InferContext) -> list[Type | None]:
     return [_t(ctx.dtype(0), (dim_product(s[:axis]), dim_product(s[axis:])))]
 
 
+@rule("Split")
+def _split(ctx: InferContext) -> list[Type | None]:
+    n = len(ctx.node.outputs)
+    s = ctx.shape(0)
+    if s is None:
+        return [_t(ctx.dtype(0), None)] * n
+    axis = _axis(ctx.attr("axis", 0), len(s))
+    sizes = ctx.ints(1, "split")
+    dim = s[axis]
+    if sizes is not None and len(sizes) != n:
+        raise ValueError(f"split gives {len(sizes)} sizes for {n} outputs")
+    if sizes is None:
+        if isinstance(dim, int):
+            chunk = -(-dim // n)  # the last part is smaller when num_outputs does not divide
+            sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+            if "num_outputs" not in ctx.node.attrs and dim % n:
+                raise ValueError(f"size {dim} of axis {axis} does not split into {n} equal parts")
+        else:
+            part = dim_divide(dim, n)
+            sizes = [part if part is not None else fresh_dim() for _ in range(n)]
+    elif isinstance(dim, int) and all(isinstance(x, int) for x in sizes) and sum(sizes) != dim:
+        raise ValueError(f"split sizes {sizes} do not add up to {dim}, the size of axis {axis}")
+    return [_t(ctx.dtype(0), (*s[:axis], size, *s[axis + 1 :])) for size in sizes]
+
+
+@rule("Range")
+def _range(ctx: InferContext) -> list[Type | None]:
+    start, limit, delta = (ctx.value(i) for i in range(3))
+    dtype = ctx.dtype(0)
+    if start is not None and limit is not None and delta is not None:
+        a, b, d = (np.asarray(x).reshape(-1)[0] for x in (start, limit, delta))
+        if isinstance(b, str) and not isinstance(a, str) and not isinstance(d, str):
+            if int(a) == 0 and int(d) == 1:
+                return [_t(dtype, (b,))]  # arange(S) has S elements, symbolically too
+        elif not any(isinstance(x, str) for x in (a, b, d)) and float(d) != 0:
+            return [_t(dtype, (max(int(np.ceil((float(b) - float(a)) / float(d))), 0),))]
+    return [_t(dtype, (fresh_dim(),))]
+
+
 # ---------------------------------------------------------------------------------------------
 # Symbolic values: what shape-computing nodes produce when the shapes they read are symbolic.
 
