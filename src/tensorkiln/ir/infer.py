@@ -28,19 +28,19 @@ from tensorkiln.ir.shape_rules import RULES, InferContext, symbolic_value
 
 # Values up to this many elements are kept and used to evaluate downstream shape computations.
 _FOLD_LIMIT = 4096
-_NO_FOLD = {
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "If",
-    "Loop",
-    "Scan",
-    "SequenceMap",
-    "Dropout",
-}
+# Ops whose outputs are random draws: never evaluated ahead of time, never merged.
+RANDOM_OPS = frozenset(
+    {
+        "RandomNormal",
+        "RandomUniform",
+        "RandomNormalLike",
+        "RandomUniformLike",
+        "Bernoulli",
+        "Multinomial",
+        "Dropout",
+    }
+)
+_NO_FOLD = RANDOM_OPS | {"If", "Loop", "Scan", "SequenceMap"}
 
 
 def infer_shapes(graph: Graph, known: dict[Value, np.ndarray] | None = None) -> None:

@@ -20,6 +20,7 @@ from tensorkiln.errors import TensorkilnError
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
+from tensorkiln.ir.infer import RANDOM_OPS
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 
@@ -30,15 +31,6 @@ FOLD_SMALL = 4096
 FOLD_GROWTH = 2
 
 # Ops never folded or merged: randomness, subgraphs, and Q/DQ that precision passes must see.
-RANDOM_OPS = {
-    "RandomNormal",
-    "RandomUniform",
-    "RandomNormalLike",
-    "RandomUniformLike",
-    "Bernoulli",
-    "Multinomial",
-    "Dropout",
-}
 NO_FOLD = RANDOM_OPS | {"QuantizeLinear", "DequantizeLinear", "DynamicQuantizeLinear"}
 
 
