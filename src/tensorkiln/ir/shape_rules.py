@@ -396,6 +396,46 @@ def _split(ctx: InferContext) -> list[Type | None]:
     return [_t(ctx.dtype(0), (*s[:axis], size, *s[axis + 1 :])) for size in sizes]
 
 
+_BIG = 1 << 62  # exporters write "to the end" as INT64_MAX or similar
+
+
+def _slice_len(d: Dim, start: Dim, end: Dim, step: int) -> Dim:
+    """Elements of ``d`` in [start:end:step] (ONNX clamping), symbolic where it can be."""
+    if isinstance(d, int) and isinstance(start, int) and isinstance(end, int):
+        return len(range(*slice(start, end, step).indices(d)))
+    if step == 1 and start == 0:
+        if isinstance(end, int) and end >= _BIG:
+            return d
+        if end == d:
+            return d
+        if isinstance(end, str) and isinstance(d, int):
+            return end  # x[:S] of a table with d rows: S rows (S <= d, or the kernel fails)
+    return fresh_dim()
+
+
+@rule("Slice")
+def _slice_rule(ctx: InferContext) -> list[Type | None]:
+    s = ctx.shape(0)
+    starts, ends = ctx.ints(1, "starts"), ctx.ints(2, "ends")
+    if s is None or starts is None or ends is None:
+        return [_t(ctx.dtype(0), None)]
+    axes = ctx.ints(3, "axes") or list(range(len(starts)))
+    steps = (ctx.ints(4, "_") if ctx.opset >= 10 else None) or [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        raise ValueError(
+            f"starts {starts}, ends {ends}, axes {axes}, steps {steps} differ in length"
+        )
+    out = list(s)
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        if not isinstance(step, int) or not isinstance(axis, int):
+            return [_t(ctx.dtype(0), None)]
+        if step == 0:
+            raise ValueError("Slice step must not be 0")
+        a = _axis(axis, len(s))
+        out[a] = _slice_len(s[a], start, end, step)
+    return [_t(ctx.dtype(0), tuple(out))]
+
+
 @rule("Range")
 def _range(ctx: InferContext) -> list[Type | None]:
     start, limit, delta = (ctx.value(i) for i in range(3))
