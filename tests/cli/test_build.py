@@ -142,3 +142,14 @@ def test_dump_ir_writes_the_graph_before_the_passes(cli, mlp, tmp_path):
     first = sorted(dump.iterdir())[0]
     assert first.name == "000_input.txt"
     assert "graph" in first.read_text() and "MatMul" in first.read_text()
+
+
+def test_build_report_names_the_fused_layers(cli, digits, tmp_path):
+    rc, out, err = cli("build", digits, "-o", tmp_path / "d.engine")
+    assert rc == 0, err
+    assert "layers: 5 (from 7 nodes)" in out
+    assert "fuse_conv_act" in out
+    fused = [line.split() for line in out.splitlines() if "tensorkiln.ConvAct" in line]
+    assert [row[1] for row in fused] == ["tensorkiln.ConvAct"] * 2
+    rc, out, _ = cli("inspect", tmp_path / "d.engine")
+    assert rc == 0 and out.count("tensorkiln.ConvAct") == 2

@@ -33,11 +33,12 @@ class BuildReport:
 
     phases: dict[str, float] = field(default_factory=dict)
     passes: dict[str, int] = field(default_factory=dict)  # optimizer matches per pass
+    nodes_before: int = 0  # nodes after import, before the optimizer
     layers: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
 
     def summary(self) -> str:
-        lines = [f"layers: {len(self.layers)}"]
+        lines = [f"layers: {len(self.layers)} (from {self.nodes_before} nodes)"]
         lines += [f"{name}: {secs * 1e3:.1f} ms" for name, secs in self.phases.items()]
         lines += [f"pass {name}: {n}" for name, n in self.passes.items()]
         if self.memory:
@@ -101,6 +102,7 @@ class Builder:
                 graph = import_onnx(model, backend=self.backend)
                 _check_profiles(graph, config.profiles)
             with _phase(report, "optimize", bar):
+                report.nodes_before = len(graph.nodes)
                 report.passes = optimize(graph, config.optimization_level, config.dump_ir)
             with _phase(report, "tactics", bar):
                 report.layers = _choose_tactics(graph, self.backend)
@@ -119,7 +121,12 @@ class Builder:
                 "sha256": hashlib.sha256(source_bytes).hexdigest(),
             },
             source_model=source_bytes if config.embed_source else None,
-            build={"config": config.to_json(), "phases_s": report.phases, "passes": report.passes},
+            build={
+                "config": config.to_json(),
+                "phases_s": report.phases,
+                "passes": report.passes,
+                "nodes_before": report.nodes_before,
+            },
             target=target_of(self.backend),
         )
 

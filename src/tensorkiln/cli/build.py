@@ -187,13 +187,17 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+FUSED_SHOWN = 20  # fused layers listed in the build report
+
+
 def _print_report(
     args: argparse.Namespace, engine: Any, report: Any, total: float, config: Any
 ) -> None:
     src = args.from_engine or args.model
     print(f"built {src} -> {args.output} in {total * 1e3:.1f} ms (backend {engine.backend})")
     print(
-        f"layers: {len(report.layers)}   precisions allowed: {', '.join(sorted(config.precisions))}"
+        f"layers: {len(report.layers)} (from {report.nodes_before} nodes)   precisions allowed: "
+        f"{', '.join(sorted(config.precisions))}"
     )
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():
@@ -201,6 +205,14 @@ def _print_report(
     print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
     if report.passes:
         print_table(["optimizer pass", "matches"], [[k, str(n)] for k, n in report.passes.items()])
+    fused = [[x["name"], x["op"]] for x in report.layers if x["op"].startswith("tensorkiln.")]
+    if fused:
+        shown = fused[:FUSED_SHOWN]
+        print_table(["fused layer", "op"], shown)
+        if len(fused) > len(shown):
+            print(
+                f"... and {len(fused) - len(shown)} more fused layers (`tensorkiln inspect` lists all)"
+            )
     mem = report.memory
     if mem:
         naive, peak = mem["naive_bytes"], mem["peak_bytes"]
