@@ -101,23 +101,24 @@ def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
         return None
     if sum(v.size for v in present) > _FOLD_LIMIT:
         return None
-    from tensorkiln.kernels.registry import lookup  # late: kernels import the IR
+    return evaluate_node(graph, node, values)
+
+
+def evaluate_node(graph: Graph, node: Node, args: list) -> list | None:
+    """The node's outputs computed by its reference kernel on ``args``, or None when that is not
+    possible (no kernel, a kernel that runs subgraphs, or one that rejects these inputs)."""
+    from tensorkiln.kernels.registry import invoke, lookup  # late: kernels import the IR
 
     try:
         entry = lookup(node.op, node.domain, graph.opset(node.domain), node=node.name)
     except TensorkilnError:
         return None
-    args = list(values)
-    while args and node.inputs[len(args) - 1] is None:
-        args.pop()
-    kwargs = dict(node.attrs)
-    if entry.wants_n_outputs:
-        kwargs["_n_outputs"] = len(node.outputs)
-    try:
-        out = entry.fn(*args, **kwargs)
-    except Exception:  # a kernel that rejects these inputs: leave it to the shape rules
+    if entry.wants_ctx:
         return None
-    return list(out) if isinstance(out, tuple) else [out]
+    try:
+        return invoke(entry, args, node.attrs, len(node.outputs))
+    except Exception:  # a kernel that rejects these inputs: leave the node to the shape rules
+        return None
 
 
 def merge_types(old: Type | None, new: Type) -> Type:

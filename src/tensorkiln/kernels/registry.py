@@ -21,6 +21,7 @@ import difflib
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from tensorkiln.errors import UnsupportedOpError
 
@@ -78,6 +79,32 @@ def register(
         return fn
 
     return decorator
+
+
+def invoke(
+    entry: KernelEntry,
+    args: list[Any],
+    attrs: dict[str, Any],
+    n_outputs: int,
+    ctx: Any = None,
+) -> list[Any]:
+    """Call a kernel by the convention above; returns its outputs as a list of ``n_outputs``.
+
+    Trailing omitted inputs (None) are dropped so the kernel's defaults apply; ``_n_outputs`` and
+    ``_ctx`` are passed when the kernel asks for them. Exceptions propagate.
+    """
+    args = list(args)
+    while args and args[-1] is None:
+        args.pop()
+    kwargs = dict(attrs)
+    if entry.wants_n_outputs:
+        kwargs["_n_outputs"] = n_outputs
+    if entry.wants_ctx:
+        kwargs["_ctx"] = ctx
+    result = entry.fn(*args, **kwargs)
+    if n_outputs == 1 or not isinstance(result, tuple | list):
+        return [result]  # (a single output may itself be a list: a sequence)
+    return list(result)
 
 
 def _ensure_loaded(backend: str) -> None:

@@ -16,11 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.errors import TensorkilnError
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
-from tensorkiln.ir.infer import RANDOM_OPS
+from tensorkiln.ir.infer import RANDOM_OPS, evaluate_node
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 
@@ -40,29 +39,6 @@ def each_graph(graph: Graph) -> Iterator[Graph]:
         for sub in n.subgraphs():
             yield from each_graph(sub)
     yield graph
-
-
-def evaluate(graph: Graph, node: Node, args: list[np.ndarray | None]) -> list[Any] | None:
-    """The node's outputs computed by its reference kernel, or None when that is not possible."""
-    from tensorkiln.kernels.registry import lookup  # late: kernels import the IR
-
-    try:
-        entry = lookup(node.op, node.domain, graph.opset(node.domain), node=node.name)
-    except TensorkilnError:
-        return None
-    args = list(args)
-    while args and args[-1] is None:
-        args.pop()
-    kwargs = dict(node.attrs)
-    if entry.wants_n_outputs:
-        kwargs["_n_outputs"] = len(node.outputs)
-    if entry.wants_ctx:
-        return None
-    try:
-        out = entry.fn(*args, **kwargs)
-    except Exception:  # a kernel that rejects these inputs: leave the node alone
-        return None
-    return list(out) if isinstance(out, tuple) else [out]
 
 
 def _set_const(v: Value, data: np.ndarray) -> None:
@@ -96,7 +72,7 @@ def _constant_data(graph: Graph, node: Node) -> np.ndarray | None:
     out = node.outputs[0]
     if out is None or out in graph.outputs:
         return None
-    result = evaluate(graph, node, [])
+    result = evaluate_node(graph, node, [])
     if not result or not isinstance(result[0], np.ndarray) or result[0].dtype == object:
         return None
     return result[0]
@@ -398,7 +374,7 @@ def _fold_one(graph: Graph, node: Node) -> list[np.ndarray] | None:
     args = [None if v is None else v.const for v in node.inputs]
     if not _worth_folding(node, args):
         return None
-    result = evaluate(graph, node, args)
+    result = evaluate_node(graph, node, args)
     if result is None or len(result) != len(node.outputs):
         return None
     result = [np.asarray(a) if isinstance(a, np.generic) else a for a in result]

@@ -21,8 +21,9 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.graph import Dim, Shape, TensorType
+from tensorkiln.ir.infer import evaluate_node
 from tensorkiln.ir.shape_rules import InferContext, symbolic_value
-from tensorkiln.passes.cleanup import NO_FOLD, evaluate
+from tensorkiln.passes.cleanup import NO_FOLD
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 
@@ -80,12 +81,12 @@ def static_shapes(graph: Graph) -> int:
 
 def _node_values(graph: Graph, node: Node, values: list[np.ndarray | None]) -> list | None:
     if node.op == "Constant" and node.domain == "":
-        return evaluate(graph, node, [])
+        return evaluate_node(graph, node, [])
     present = [v for v, inp in zip(values, node.inputs) if inp is not None]
     numeric = all(isinstance(v, np.ndarray) and v.dtype != object for v in present)
     small = numeric and sum(v.size for v in present) <= VALUE_LIMIT
     if present and small and node.op not in NO_FOLD and not any(True for _ in node.subgraphs()):
-        result = evaluate(graph, node, values)
+        result = evaluate_node(graph, node, values)
         if result is not None:
             return result
     sym = symbolic_value(InferContext(node, graph.opset(node.domain), values))

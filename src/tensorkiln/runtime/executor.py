@@ -16,7 +16,7 @@ from typing import Any
 
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
-from tensorkiln.kernels.registry import KernelEntry, lookup
+from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 
 
 @dataclass(slots=True)
@@ -106,17 +106,10 @@ class Scope:
 
 
 def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
-    node, kernel = step.node, step.kernel
+    node = step.node
     args = [None if v is None else env[v] for v in step.inputs]
-    while args and step.inputs[len(args) - 1] is None:
-        args.pop()  # trailing omitted inputs take the kernel's defaults
-    kwargs = dict(node.attrs)
-    if kernel.wants_n_outputs:
-        kwargs["_n_outputs"] = len(step.outputs)
-    if kernel.wants_ctx:
-        kwargs["_ctx"] = scope
     try:
-        result = kernel.fn(*args, **kwargs)
+        result = invoke(step.kernel, args, node.attrs, len(step.outputs), scope)
     except TensorkilnError as exc:
         if f"'{node.name}'" in str(exc):
             raise
@@ -125,8 +118,6 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
         raise KernelError(
             f"node '{node.name}' ({node.op}) failed: {type(exc).__name__}: {exc}"
         ) from exc
-    if len(step.outputs) == 1 or not isinstance(result, tuple | list):
-        result = (result,)
     for v, r in zip(step.outputs, result):
         if v is not None:
             env[v] = r  # type: ignore[index]
