@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from tensorkiln.errors import UnsupportedOpError
+from tensorkiln.errors import TensorkilnError, UnsupportedOpError
 
 DEFAULT_DOMAIN = ""
 _DOMAIN_ALIASES = {"ai.onnx": ""}
@@ -110,6 +110,14 @@ def invoke(
 def _ensure_loaded(backend: str) -> None:
     if backend == "reference":
         import tensorkiln.kernels.reference  # noqa: F401  (registers the numpy kernels)
+    elif backend == "cuda":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise TensorkilnError(
+                "the cuda backend needs PyTorch (pip install torch); this Python has none"
+            ) from None
+        import tensorkiln.kernels.cuda  # noqa: F401  (registers the torch and Triton kernels)
 
 
 def has_kernel(op: str, domain: str = "", backend: str = "reference") -> bool:

@@ -31,12 +31,25 @@ class _Step:
 class Executor:
     """Runs graphs on one backend; plans are made once per graph and reused."""
 
-    def __init__(self, graph: Graph, backend: str = "reference") -> None:
+    def __init__(self, graph: Graph, backend: str = "reference", device: Any = None) -> None:
         self.graph = graph
         self.backend = backend
         self._plans: dict[int, list[_Step]] = {}
+        self._consts: dict[Value, Any] = {}
         check_supported(graph, backend)
+        self.device = _device(backend, device)
         self._plan(graph)
+
+    def const(self, v: Value) -> Any:
+        """The value of initializer ``v`` as this backend's kernels take it (on the device)."""
+        if self.device is None:
+            return v.const
+        c = self._consts.get(v)
+        if c is None:
+            from tensorkiln.kernels.cuda.convert import to_torch
+
+            c = self._consts[v] = to_torch(v.const, self.device)
+        return c
 
     def _plan(self, graph: Graph) -> list[_Step]:
         plan = self._plans.get(id(graph))
@@ -65,7 +78,21 @@ class Executor:
         subgraphs count towards it).
         """
         scope = Scope(self, {})
-        return scope.run_graph(self.graph, [feeds[v] for v in self.graph.inputs], timings)
+        inputs = [feeds[v] for v in self.graph.inputs]
+        if self.device is None:
+            return scope.run_graph(self.graph, inputs, timings)
+        from tensorkiln.kernels.cuda.convert import to_torch, use_device
+
+        with use_device(self.device):
+            inputs = [to_torch(x, self.device) for x in inputs]
+            return scope.run_graph(self.graph, inputs, timings)
+
+    def synchronize(self) -> None:
+        """Wait for the device's queued work (a no-op on the reference backend)."""
+        if self.device is not None and self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
 
 class Scope:
@@ -85,7 +112,7 @@ class Scope:
             raise KernelError(
                 f"subgraph '{graph.name}' takes {len(graph.inputs)} inputs, got {len(inputs)}"
             )
-        local: dict[Value, Any] = {v: v.const for v in graph.initializers}
+        local: dict[Value, Any] = {v: self.executor.const(v) for v in graph.initializers}
         local.update(zip(graph.inputs, inputs))
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
@@ -93,8 +120,10 @@ class Scope:
             if timings is None:
                 _run_step(step, env, inner)
             else:
+                self.executor.synchronize()
                 t0 = time.perf_counter()
                 _run_step(step, env, inner)
+                self.executor.synchronize()
                 name = step.node.name
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
             for v in step.free:
@@ -126,6 +155,25 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
             f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
             f"{len(step.outputs)} were asked for"
         )
+
+
+def _device(backend: str, device: Any) -> Any:
+    """The torch device the cuda backend runs on (CUDA when present; "cpu" runs its kernels in
+    tests); None for the reference backend."""
+    if backend == "reference":
+        if device not in (None, "cpu"):
+            raise TensorkilnError(f"the reference backend runs on the CPU, not on '{device}'")
+        return None
+    import torch
+
+    if device is None:
+        if not torch.cuda.is_available():
+            raise TensorkilnError(
+                "the cuda backend needs a CUDA device and this machine has none (torch "
+                f"{torch.__version__}); use the reference backend"
+            )
+        device = "cuda"
+    return torch.device(device)
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:

@@ -25,6 +25,7 @@ class Runner:
         model: Graph | str | os.PathLike | bytes | Any,
         *,
         backend: str = "reference",
+        device: Any = None,
     ) -> None:
         if not isinstance(model, Graph):
             from tensorkiln.frontends.onnx import import_onnx
@@ -32,7 +33,7 @@ class Runner:
             model = import_onnx(model, backend=backend)
         self.graph = model
         self.backend = backend
-        self._executor = Executor(model, backend)
+        self._executor = Executor(model, backend, device)
 
     @property
     def input_names(self) -> list[str]:
@@ -46,6 +47,10 @@ class Runner:
         """Run the model on ``feeds`` (input name -> array); returns output name -> array."""
         bound = bind_inputs(self.graph, feeds)
         results = self._executor.run(bound)
+        if self._executor.device is not None:
+            from tensorkiln.kernels.cuda.convert import to_numpy
+
+            results = [to_numpy(r) for r in results]
         return dict(zip(self.output_names, results))
 
     def __enter__(self) -> Runner:

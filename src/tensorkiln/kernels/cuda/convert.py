@@ -1,0 +1,121 @@
+"""Moving values between numpy (the host) and torch (the device), and the device kernels run on.
+
+The cuda backend's kernels take and return torch tensors. Weights, attributes and the reference
+backend speak numpy; these helpers convert both ways, including the dtypes numpy spells through
+ml_dtypes (bfloat16, float8), which torch reads by reinterpreting the bytes. Strings and the 4-bit
+types have no torch dtype: such values stay numpy arrays on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+
+_DEVICE: contextvars.ContextVar[torch.device] = contextvars.ContextVar(
+    "tensorkiln_device", default=torch.device("cuda" if torch.cuda.is_available() else "cpu")
+)
+
+# numpy dtypes torch cannot take directly: (numpy dtype, same-size integer view, torch dtype)
+_VIEWED = {
+    np.dtype(ml_dtypes.bfloat16): (np.int16, torch.bfloat16),
+    np.dtype(ml_dtypes.float8_e4m3fn): (np.uint8, torch.float8_e4m3fn),
+    np.dtype(ml_dtypes.float8_e4m3fnuz): (np.uint8, torch.float8_e4m3fnuz),
+    np.dtype(ml_dtypes.float8_e5m2): (np.uint8, torch.float8_e5m2),
+    np.dtype(ml_dtypes.float8_e5m2fnuz): (np.uint8, torch.float8_e5m2fnuz),
+}
+_BACK = {t: (np_dtype, view) for np_dtype, (view, t) in _VIEWED.items()}
+
+_NUMPY_TO_TORCH = {
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.uint16): torch.uint16,
+    np.dtype(np.uint32): torch.uint32,
+    np.dtype(np.uint64): torch.uint64,
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.complex64): torch.complex64,
+    np.dtype(np.complex128): torch.complex128,
+} | {k: t for k, (_, t) in _VIEWED.items()}
+_TORCH_TO_NUMPY = {t: k for k, t in _NUMPY_TO_TORCH.items()}
+
+
+def current_device() -> torch.device:
+    """The device kernels create new tensors on (set by the executor for each run)."""
+    return _DEVICE.get()
+
+
+@contextlib.contextmanager
+def use_device(device: torch.device | str) -> Iterator[torch.device]:
+    token = _DEVICE.set(torch.device(device))
+    try:
+        yield _DEVICE.get()
+    finally:
+        _DEVICE.reset(token)
+
+
+def torch_dtype(dtype: Any) -> torch.dtype:
+    """The torch dtype of a numpy dtype (or anything np.dtype takes); TypeError when none."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    t = _NUMPY_TO_TORCH.get(np.dtype(dtype))
+    if t is None:
+        raise TypeError(f"dtype {np.dtype(dtype)} has no torch equivalent")
+    return t
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return _TORCH_TO_NUMPY[dtype]
+
+
+def on_device(dtype: np.dtype) -> bool:
+    """Whether values of numpy ``dtype`` live on the device (strings and 4-bit types do not)."""
+    return np.dtype(dtype) in _NUMPY_TO_TORCH
+
+
+def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
+    """numpy arrays (and lists of them, for sequences) to tensors on ``device``; others as is."""
+    if isinstance(value, np.ndarray):
+        if not on_device(value.dtype):
+            return value
+        dev = current_device() if device is None else torch.device(device)
+        arr = np.ascontiguousarray(value)
+        viewed = _VIEWED.get(arr.dtype)
+        if viewed is not None:
+            t = torch.from_numpy(arr.view(viewed[0])).view(viewed[1])
+        else:
+            t = torch.from_numpy(arr)
+        return t.to(dev, non_blocking=False) if t.device != dev else t.clone()
+    if isinstance(value, np.generic):
+        return to_torch(np.asarray(value), device)
+    if isinstance(value, list):
+        return [to_torch(v, device) for v in value]
+    return value
+
+
+def to_numpy(value: Any) -> Any:
+    """Tensors (and lists of them) to numpy arrays on the host; others as is."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        back = _BACK.get(t.dtype)
+        if back is not None:
+            return t.contiguous().view(_VIEW_TORCH[back[1]]).numpy().view(back[0])
+        return t.resolve_conj().numpy()
+    if isinstance(value, list):
+        return [to_numpy(v) for v in value]
+    return value
+
+
+_VIEW_TORCH = {np.int16: torch.int16, np.uint8: torch.uint8}

@@ -1,0 +1,80 @@
+"""Tactics: the candidate implementations of one op on the cuda backend.
+
+Every op's registered cuda kernel is its ``default`` tactic. Further candidates (Triton kernels with
+several tile configs, cuDNN vs an implicit GEMM, ...) register here with a constraint check; the
+builder's autotuner times each one that applies on the profile's opt shapes and keeps the fastest.
+
+A tactic's function has the kernel convention (inputs positionally as torch tensors, attributes as
+keywords) and must compute the same function as the op's reference kernel.
+
+    @tactic("GemmAct", domain="tensorkiln", name="triton_128x64x32", supports=fits_triton)
+    def gemm_triton(a, b, c=None, *, alpha=1.0, ...): ...
+
+``supports(spec)`` receives a :class:`LayerSpec` and returns True when the tactic can run it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tensorkiln.kernels.registry import normalize_domain
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """What a tactic's constraints look at: the node's op, attributes, input shapes and dtypes."""
+
+    op: str
+    domain: str
+    attrs: dict[str, Any]
+    shapes: tuple[tuple[int, ...] | None, ...]  # concrete input shapes; None for an omitted input
+    dtypes: tuple[str | None, ...]  # numpy dtype names ("float16", ...); None for omitted
+    device: str = "cuda"  # torch device type the layer runs on
+    constant: tuple[bool, ...] = field(default=())  # which inputs are initializers (weights)
+
+
+@dataclass(frozen=True, slots=True)
+class Tactic:
+    name: str
+    op: str
+    domain: str
+    fn: Callable
+    supports: Callable[[LayerSpec], bool] | None = None
+
+    def applies(self, spec: LayerSpec) -> bool:
+        return self.supports is None or bool(self.supports(spec))
+
+
+_TACTICS: dict[tuple[str, str], dict[str, Tactic]] = {}
+
+
+def tactic(
+    op: str, *, domain: str = "", name: str, supports: Callable[[LayerSpec], bool] | None = None
+) -> Callable[[Callable], Callable]:
+    """Register ``fn`` as tactic ``name`` of ``op`` (besides the op's default kernel)."""
+    domain = normalize_domain(domain)
+
+    def decorator(fn: Callable) -> Callable:
+        if name == "default":
+            raise ValueError("'default' names the op's registered kernel; pick another name")
+        _TACTICS.setdefault((domain, op), {})[name] = Tactic(name, op, domain, fn, supports)
+        return fn
+
+    return decorator
+
+
+def tactics_for(op: str, domain: str = "") -> list[Tactic]:
+    """The registered non-default tactics of ``op``, in registration order."""
+    _load()
+    return list(_TACTICS.get((normalize_domain(domain), op), {}).values())
+
+
+def get_tactic(op: str, domain: str, name: str) -> Tactic | None:
+    _load()
+    return _TACTICS.get((normalize_domain(domain), op), {}).get(name)
+
+
+def _load() -> None:
+    import tensorkiln.kernels.cuda  # noqa: F401  (kernel modules register their tactics)

@@ -1,0 +1,26 @@
+"""ONNX's backend test suite on the cuda backend (GPU when present, else torch on the CPU).
+
+Same cases and exclusions as the reference backend's run; cases whose ops have no cuda kernel are
+skipped with the op's name.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+pytest.importorskip("torch")
+
+import onnx.backend.test  # noqa: E402
+
+from tests.conformance import cuda_backend  # noqa: E402
+from tests.conformance.exclusions import EXCLUDED  # noqa: E402
+
+warnings.filterwarnings("ignore", category=RuntimeWarning)
+
+backend_test = onnx.backend.test.BackendTest(cuda_backend, __name__)
+for pattern in EXCLUDED:
+    backend_test.exclude(pattern)
+
+globals().update(backend_test.test_cases)
