@@ -21,6 +21,12 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+# Without a GPU, Triton kernels run on torch CPU tensors through Triton's interpreter. Triton reads
+# this when a kernel is defined, so it is set before any test module imports one.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if _has_cuda():
         return
