@@ -1,0 +1,173 @@
+"""Triton implicit-GEMM convolution with the ConvAct epilogue: ``Y = act(conv(X, W) + B + Z)``.
+
+The convolution is a GEMM whose rows are the output pixels (n, oh, ow), whose columns are the output
+channels and whose reduction runs over (kh, kw, input channel): each step gathers one kernel tap's
+block of input channels straight from the NCHW input (padding is a masked load, nothing is
+unfolded in memory) and multiplies it with the matching OIHW weight block. Groups run along grid
+axis 1. The epilogue adds the bias and the residual and applies the activation on the float32
+accumulator (``residual_order="act_add"`` adds the residual after), as the reference does.
+
+1-D convolutions run as 2-D ones of height 1. Each :class:`~tensorkiln.kernels.triton.gemm.TileConfig`
+of :data:`CONFIGS` is a separate tactic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from tensorkiln.kernels.reference._window import Geometry, geometry
+from tensorkiln.kernels.triton import interpreting
+from tensorkiln.kernels.triton.gemm import (
+    NO_ACTIVATION,
+    Epilogue,
+    TileConfig,
+    dot_precision,
+    finish,
+    swizzle,
+)
+
+
+@triton.jit
+def _conv_kernel(
+    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
+    NB, C, H, W, OC, OH, OW, KH, KW,
+    sx_n, sx_c, sx_h, sx_w, sw_o, sw_c, sw_h, sw_w,
+    sz_n, sz_c, sz_h, sz_w, sy_n, sy_c, sy_h, sy_w,
+    stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
+    p0, p1, lo, hi,
+    HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # C and OC are the input and output channels of one group
+    M = NB * OH * OW
+    pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
+    g = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ow = rm % OW
+    oh = (rm // OW) % OH
+    n = rm // (OW * OH)
+    m_ok = rm < M
+    ih0 = oh * stride_h - pad_h
+    iw0 = ow * stride_w - pad_w
+    x_rows = x_ptr + n * sx_n + g * C * sx_c
+    co = g * OC + rn % OC  # columns past the edge read a valid channel again (wrapped)
+    w_cols = w_ptr + co * sw_o
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    c_steps = tl.cdiv(C, BLOCK_K)
+    for step in range(0, KH * KW * c_steps):
+        tap = step // c_steps
+        cc = (step % c_steps) * BLOCK_K + rk
+        kh = tap // KW
+        kw = tap % KW
+        ih = ih0 + kh * dil_h
+        iw = iw0 + kw * dil_w
+        row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+        c_ok = cc < C
+        x_ptrs = x_rows[:, None] + (ih * sx_h + iw * sx_w)[:, None] + cc[None, :] * sx_c
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+        w_ptrs = w_cols[None, :] + cc[:, None] * sw_c + (kh * sw_h + kw * sw_w)
+        b = tl.load(w_ptrs, mask=c_ok[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies bfloat16 as raw integers
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    mask = m_ok[:, None] & (rn < OC)[None, :]
+    bias = 0.0
+    if HAS_B:
+        bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
+    z = 0.0
+    if HAS_Z:
+        z_ptrs = z_ptr + (n * sz_n + oh * sz_h + ow * sz_w)[:, None] + co[None, :] * sz_c
+        z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+    acc = finish(acc, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
+    y_ptrs = y_ptr + (n * sy_n + oh * sy_h + ow * sy_w)[:, None] + co[None, :] * sy_c
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# Implicit-GEMM tilings for Hopper: wide pixel tiles for early layers (many pixels, few channels),
+# wide channel tiles for late ones.
+CONFIGS = (
+    TileConfig(128, 128, 64, 8, 3),
+    TileConfig(128, 128, 32, 4, 3),
+    TileConfig(128, 64, 32, 4, 4),
+    TileConfig(64, 128, 32, 4, 4),
+    TileConfig(64, 64, 32, 4, 4),
+)
+
+
+def conv_geometry(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    auto_pad: str,
+    dilations: Sequence[int] | None,
+    kernel_shape: Sequence[int] | None,
+    pads: Sequence[int] | None,
+    strides: Sequence[int] | None,
+) -> Geometry:
+    """The reference's window geometry of a convolution (ValueError when it has none)."""
+    kernel = tuple(w_shape[2:])
+    if kernel_shape is not None and len(kernel_shape) and tuple(kernel_shape) != kernel:
+        raise ValueError(f"kernel_shape {tuple(kernel_shape)} does not match W's shape {w_shape}")
+    return geometry(tuple(x_shape[2:]), kernel, strides, dilations, pads, auto_pad)
+
+
+def _as_2d(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t if t is None or t.dim() == 4 else t.unsqueeze(2)
+
+
+def conv_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    geom: Geometry,
+    group: int = 1,
+    epilogue: Epilogue = NO_ACTIVATION,
+    residual_after: bool = False,
+    config: TileConfig = CONFIGS[1],
+) -> torch.Tensor:
+    """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights."""
+    if x.dim() not in (3, 4) or w.dim() != x.dim():
+        raise ValueError(f"ConvAct: 1-D or 2-D convolutions only: X {tuple(x.shape)}")
+    if x.dim() == 3:  # height 1
+        g1 = Geometry(
+            (1, *geom.kernel), (1, *geom.strides), (1, *geom.dilations),
+            (0, *geom.begin), (0, *geom.end), (1, *geom.out),
+        )  # fmt: skip
+        y = conv_act(
+            _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
+            residual_after=residual_after, config=config,
+        )  # fmt: skip
+        return y.squeeze(2)
+    nb, c, h, wd = x.shape
+    oc = w.shape[0]
+    oh, ow = geom.out
+    y = torch.empty((nb, oc, oh, ow), dtype=x.dtype, device=x.device)
+    if y.numel() == 0:
+        return y
+    if z is not None and tuple(z.shape) != tuple(y.shape):
+        raise ValueError(f"ConvAct: residual Z {tuple(z.shape)} must have the output's shape")
+    bias = None if b is None else b.reshape(oc).contiguous()
+    ocg = oc // group
+    grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
+    _conv_kernel[grid](
+        x, w, bias if bias is not None else y, z if z is not None else y, y,
+        nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3],
+        *x.stride(), *w.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
+        *geom.strides, *geom.begin, *geom.dilations,
+        epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
+        HAS_B=bias is not None, HAS_Z=z is not None, Z_AFTER=bool(residual_after),
+        ACT=epilogue.code, PRECISION=dot_precision(x.dtype),
+        UPCAST=interpreting() and x.dtype == torch.bfloat16,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return y
