@@ -1,0 +1,371 @@
+"""Convolutions on the cuda backend: Conv, ConvTranspose, ConvInteger, QLinearConv, DeformConv,
+CausalConvWithState.
+
+Convolutions over 1-3 spatial axes are torch's (cuDNN's); asymmetric padding is applied with one
+F.pad first, and inputs of more spatial axes are split over the taps of their first axis. The
+integer convolutions compute in float64, which holds their sums exactly (cuDNN has no integer
+convolution). Shapes and attributes are checked and resolved by the reference kernels' helpers, so
+both backends agree on every geometry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tensorkiln.kernels.reference import nn as ref
+from tensorkiln.kernels.reference._window import Geometry, ints
+from tensorkiln.kernels.registry import register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_T = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype to do arithmetic in: float32 for the narrow floats and bytes, else ``dtype``."""
+    if dtype in (torch.float16, torch.bfloat16) or dtype.itemsize == 1:
+        return torch.float32
+    return dtype
+
+
+def torch_pads(begin: Sequence[int], end: Sequence[int]) -> list[int]:
+    """F.pad's argument (last axis first) for begin/end pads of the trailing axes."""
+    out: list[int] = []
+    for b, e in zip(reversed(begin), reversed(end)):
+        out += [b, e]
+    return out
+
+
+def channel_view(v: torch.Tensor, ndim: int) -> torch.Tensor:
+    """A per-channel vector shaped to broadcast against (N, C, D1, ...) of rank ``ndim``."""
+    return v.reshape(-1, *([1] * (ndim - 2)))
+
+
+def _split_first_axis(x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> torch.Tensor:
+    """Convolution of an already padded ``x`` with 4+ spatial axes: for each tap of the first
+    axis, one convolution of the remaining axes with that axis folded into the batch."""
+    n, c, o0 = x.shape[0], x.shape[1], g.out[0]
+    rest = Geometry(g.kernel[1:], g.strides[1:], g.dilations[1:], (0,) * len(g.out[1:]),
+                    (0,) * len(g.out[1:]), g.out[1:])  # fmt: skip
+    y = None
+    for t in range(g.kernel[0]):
+        start = t * g.dilations[0]
+        xs = x[:, :, start : start + (o0 - 1) * g.strides[0] + 1 : g.strides[0]]
+        xs = xs.movedim(2, 1).reshape(n * o0, c, *xs.shape[3:])
+        part = conv_nd(xs, w[:, :, t], None, rest, group)
+        part = part.reshape(n, o0, *part.shape[1:]).movedim(1, 2)
+        y = part if y is None else y + part
+    return y
+
+
+def conv_nd(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: Geometry, group: int
+) -> torch.Tensor:
+    """Convolution (cross-correlation) of ``x`` (N, C, ...) with ``w`` in ``x``'s dtype."""
+    nsp = x.ndim - 2
+    padding = tuple(g.begin)
+    if tuple(g.begin) != tuple(g.end) or (nsp > 3 and g.padded):
+        x, padding = F.pad(x, torch_pads(g.begin, g.end)), (0,) * nsp
+    if nsp <= 3:
+        return _CONV[nsp](x, w, b, g.strides, padding, g.dilations, group)
+    y = _split_first_axis(x, w, g, group)
+    return y if b is None else y + channel_view(b, y.ndim)
+
+
+def _bias(b: torch.Tensor | None, m: int, dtype: torch.dtype, what: str) -> torch.Tensor | None:
+    if b is None:
+        return None
+    if b.numel() != m:
+        raise ValueError(f"{what}: bias B has {b.numel()} values but there are {m} output channels")
+    return b.reshape(-1).to(dtype)
+
+
+@register("Conv", since=1, backend="cuda")
+def conv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """N-d convolution with groups, dilations, strides and padding (cuDNN for 1-3 axes)."""
+    ref._check_conv_shapes(x, w, group)
+    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
+
+
+def _transpose_raw(
+    x: torch.Tensor, w: torch.Tensor, strides: Sequence[int], dilations: Sequence[int], group: int
+) -> torch.Tensor:
+    """The unpadded transposed convolution (every output position any tap reaches)."""
+    nsp = x.ndim - 2
+    if nsp <= 3:
+        return _CONV_T[nsp](x, w, None, strides, 0, 0, group, dilations)
+    # 4+ spatial axes: fold the first input axis into the batch, then place each of its taps
+    n, c, i0 = x.shape[:3]
+    xs = x.movedim(2, 1).reshape(n * i0, c, *x.shape[3:])
+    span = (i0 - 1) * strides[0] + 1
+    y = None
+    for t in range(w.shape[2]):
+        part = _transpose_raw(xs, w[:, :, t], strides[1:], dilations[1:], group)
+        part = part.reshape(n, i0, *part.shape[1:]).movedim(1, 2)
+        if y is None:
+            full = span + (w.shape[2] - 1) * dilations[0]
+            y = part.new_zeros(n, part.shape[1], full, *part.shape[3:])
+        start = t * dilations[0]
+        y[:, :, start : start + span : strides[0]] += part
+    return y
+
+
+@register("ConvTranspose", since=1, backend="cuda")
+def conv_transpose(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    output_padding: Sequence[int] | None = None,
+    output_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """N-d transposed convolution; the output is the window [begin, begin + out) of the unpadded
+    result, zero-extended where it reaches past it (output_padding, a larger output_shape)."""
+    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
+        raise ValueError(
+            f"ConvTranspose: X of shape {tuple(x.shape)} needs W of shape (C={x.shape[1]}, "
+            f"M/group, k...) with C divisible by group={group}; got W of shape {tuple(w.shape)}"
+        )
+    nsp = x.ndim - 2
+    kernel = tuple(w.shape[2:])
+    strides = ints(strides, nsp, 1, "strides")
+    dilations = ints(dilations, nsp, 1, "dilations")
+    output_padding = ints(output_padding, nsp, 0, "output_padding")
+    begin, out = ref._transpose_pads(
+        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+    )
+    if any(o <= 0 for o in out):
+        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
+    w = w.to(x.dtype)
+    bias = _bias(b, group * w.shape[1], x.dtype, "ConvTranspose")
+    full = [
+        (i - 1) * s + (k - 1) * d + 1 for i, s, k, d in zip(x.shape[2:], strides, kernel, dilations)
+    ]
+    # torch crops `begin` from both ends and then appends output_padding zeros (< stride)
+    extra = [bg + o - f + bg for bg, o, f in zip(begin, out, full)]
+    if nsp <= 3 and all(bg >= 0 and 0 <= e < max(s, d) for bg, e, s, d in
+                        zip(begin, extra, strides, dilations)):  # fmt: skip
+        return _CONV_T[nsp](x, w, bias, strides, begin, extra, group, dilations)
+    y = _transpose_raw(x, w, strides, dilations, group)
+    y = F.pad(
+        y, torch_pads([-bg for bg in begin], [bg + o - f for bg, o, f in zip(begin, out, full)])
+    )
+    return y if bias is None else y + channel_view(bias, y.ndim)
+
+
+def _int_conv(x, w, x_zp, w_zp, group: int, g: Geometry, what: str) -> torch.Tensor:
+    """Exact integer convolution of (x - x_zp) and (w - w_zp), computed in float64."""
+    m = w.shape[0]
+    xf = x.to(torch.float64)
+    if x_zp is not None:
+        if x_zp.numel() != 1:
+            raise ValueError(
+                f"{what}: x_zero_point must be a scalar, got shape {tuple(x_zp.shape)}"
+            )
+        xf = xf - x_zp.reshape(()).to(torch.float64)
+    wf = w.to(torch.float64)
+    if w_zp is not None:
+        if w_zp.numel() not in (1, m):
+            raise ValueError(f"{what}: w_zero_point has {w_zp.numel()} values, expected 1 or {m}")
+        wf = wf - w_zp.reshape(-1, *([1] * (w.ndim - 1))).to(torch.float64)
+    return conv_nd(xf, wf, None, g, group)
+
+
+@register("ConvInteger", since=10, backend="cuda")
+def conv_integer(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    x_zero_point: torch.Tensor | None = None,
+    w_zero_point: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Integer convolution with zero points; exact int32 result."""
+    ref._check_conv_shapes(x, w, group, "ConvInteger")
+    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
+    return y.to(torch.int32)
+
+
+@register("QLinearConv", since=10, backend="cuda")
+def qlinear_conv(
+    x: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_zero_point: torch.Tensor,
+    w: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_zero_point: torch.Tensor,
+    y_scale: torch.Tensor,
+    y_zero_point: torch.Tensor,
+    b: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Quantized convolution: exact accumulation, float32 requantization, round half to even."""
+    ref._check_conv_shapes(x, w, group, "QLinearConv")
+    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    m = w.shape[0]
+    acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
+    bias = _bias(b, m, torch.float64, "QLinearConv")
+    if bias is not None:
+        acc = acc + channel_view(bias, acc.ndim)
+    if w_scale.numel() not in (1, m):
+        raise ValueError(f"QLinearConv: w_scale has {w_scale.numel()} values, expected 1 or {m}")
+    f32 = torch.float32
+    scale = x_scale.reshape(-1)[0].to(f32) * w_scale.reshape(-1).to(f32)
+    scale = channel_view(scale / y_scale.reshape(-1)[0].to(f32), acc.ndim)
+    y = torch.round(acc.to(f32) * scale) + y_zero_point.reshape(-1)[0].to(f32)
+    info = torch.iinfo(y_zero_point.dtype)
+    return y.clamp(info.min, info.max).to(y_zero_point.dtype)
+
+
+def _grid_indices(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
+    """(len(sizes), prod(sizes)) coordinates of every position of a grid, row-major."""
+    axes = [torch.arange(s, device=device) for s in sizes]
+    return torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(len(sizes), -1)
+
+
+def _deform_columns(x, offset, mask, g: Geometry, offset_group: int) -> torch.Tensor:
+    """The (N, C*prod(kernel), P) columns of ``x`` sampled multi-linearly at the shifted taps."""
+    n, c = x.shape[:2]
+    in_sizes = x.shape[2:]
+    nsp, taps, p = len(in_sizes), math.prod(g.kernel), math.prod(g.out)
+    off = offset.reshape(n, offset_group, taps, nsp, p).to(x.dtype)
+    out_at = _grid_indices(g.out, x.device).reshape(nsp, 1, p)
+    tap_at = _grid_indices(g.kernel, x.device).reshape(nsp, taps, 1)
+    pos = [
+        out_at[d] * g.strides[d] - g.begin[d] + tap_at[d] * g.dilations[d] + off[:, :, :, d]
+        for d in range(nsp)
+    ]
+    low = [torch.floor(q) for q in pos]
+    frac = [q - lo for q, lo in zip(pos, low)]
+    low = [lo.to(torch.int64) for lo in low]
+    xs = x.reshape(n, offset_group, c // offset_group, -1)
+    cols = x.new_zeros(n, offset_group, c // offset_group, taps * p)
+    flat_stride = [math.prod(in_sizes[d + 1 :]) for d in range(nsp)]
+    shape = (n, offset_group, 1, taps * p)
+    for corner in itertools.product((0, 1), repeat=nsp):
+        weight = torch.ones_like(frac[0])
+        flat = torch.zeros_like(low[0])
+        for d, bit in enumerate(corner):
+            idx = low[d] + bit
+            inside = (idx >= 0) & (idx < in_sizes[d])
+            weight = weight * (frac[d] if bit else 1 - frac[d]) * inside
+            flat = flat + idx.clamp(0, in_sizes[d] - 1) * flat_stride[d]
+        if mask is not None:
+            weight = weight * mask.reshape(weight.shape)
+        index = flat.reshape(shape).expand(n, offset_group, c // offset_group, taps * p)
+        cols = cols + torch.gather(xs, 3, index) * weight.reshape(shape)
+    return cols.reshape(n, c * taps, p)
+
+
+@register("DeformConv", since=19, backend="cuda")
+def deform_conv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offset: torch.Tensor,
+    b: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    *,
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    offset_group: int = 1,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
+    ref._check_conv_shapes(x, w, group, "DeformConv")
+    g = ref._conv_geometry(x, w, "NOTSET", dilations, kernel_shape, pads, strides)
+    nsp, taps = x.ndim - 2, math.prod(g.kernel)
+    want = (x.shape[0], offset_group * taps * nsp, *g.out)
+    if offset_group < 1 or x.shape[1] % offset_group or tuple(offset.shape) != want:
+        raise ValueError(
+            f"DeformConv: offset has shape {tuple(offset.shape)}, expected {want} for X "
+            f"{tuple(x.shape)}, kernel {g.kernel} and offset_group={offset_group} (which must "
+            "divide C)"
+        )
+    if mask is not None and mask.numel() != x.shape[0] * offset_group * taps * math.prod(g.out):
+        raise ValueError(
+            f"DeformConv: mask of shape {tuple(mask.shape)} does not match offset {want}"
+        )
+    ct = compute_dtype(x.dtype)
+    mc = None if mask is None else mask.to(ct)
+    cols = _deform_columns(x.to(ct), offset, mc, g, offset_group)
+    n, m, p = x.shape[0], w.shape[0], cols.shape[-1]
+    wg = w.to(ct).reshape(group, m // group, -1)
+    y = torch.matmul(wg, cols.reshape(n, group, -1, p)).reshape(n, m, *g.out)
+    bias = _bias(b, m, ct, "DeformConv")
+    if bias is not None:
+        y = y + channel_view(bias, y.ndim)
+    return y.to(x.dtype)
+
+
+_ACTIVATIONS = ("none", "silu", "swish")
+
+
+@register("CausalConvWithState", since=27, backend="cuda")
+def causal_conv_with_state(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    past_state: torch.Tensor | None = None,
+    *,
+    activation: str = "none",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
+    if x.ndim != 3 or w.ndim != 3 or tuple(w.shape[:2]) != (x.shape[1], 1):
+        raise ValueError(
+            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got "
+            f"{tuple(x.shape)} and {tuple(w.shape)}"
+        )
+    bsz, c, length = x.shape
+    k = w.shape[2]
+    if past_state is None:
+        past_state = x.new_zeros(bsz, c, k - 1)
+    elif tuple(past_state.shape) != (bsz, c, k - 1):
+        raise ValueError(
+            f"CausalConvWithState: past_state has shape {tuple(past_state.shape)}, expected "
+            f"{(bsz, c, k - 1)}"
+        )
+    full = torch.cat([past_state.to(x.dtype), x], dim=2)
+    ct = compute_dtype(x.dtype)
+    bias = _bias(b, c, ct, "CausalConvWithState")
+    y = F.conv1d(full.to(ct), w.to(ct), bias, groups=c)
+    if activation != "none":
+        y = F.silu(y)
+    return y.to(x.dtype), full[:, :, length:].clone()
