@@ -36,11 +36,15 @@ class BuildReport:
     nodes_before: int = 0  # nodes after import, before the optimizer
     layers: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
+    timing_cache: dict = field(default_factory=dict)  # hits and misses of the tactic timing cache
 
     def summary(self) -> str:
         lines = [f"layers: {len(self.layers)} (from {self.nodes_before} nodes)"]
         lines += [f"{name}: {secs * 1e3:.1f} ms" for name, secs in self.phases.items()]
         lines += [f"pass {name}: {n}" for name, n in self.passes.items()]
+        if self.timing_cache:
+            tc = self.timing_cache
+            lines.append(f"timing cache: {tc['hits']} hits, {tc['misses']} misses")
         if self.memory:
             lines.append(
                 f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "
@@ -58,20 +62,27 @@ def _cuda_available() -> bool:
 
 
 class Builder:
-    """Builds engines for one backend: 'reference' (numpy, any CPU), 'cuda', or 'auto'."""
+    """Builds engines for one backend: 'reference' (numpy, any CPU), 'cuda', or 'auto' (cuda
+    where a CUDA device is present, else reference).
 
-    def __init__(self, backend: str = "auto") -> None:
+    ``device`` is the torch device of the cuda backend: 'cuda' (default) or 'cpu', which runs the
+    same torch kernels on the CPU (for tests; its timings say nothing about a GPU).
+    """
+
+    def __init__(self, backend: str = "auto", device: str | None = None) -> None:
         if backend not in ("auto", "reference", "cuda"):
             raise InputError(f"unknown backend '{backend}'; choose auto, reference or cuda")
         if backend == "auto":
-            backend = "reference"  # the cuda backend is not implemented yet
-        elif backend == "cuda":
+            backend = "cuda" if _cuda_available() else "reference"
+        if backend == "cuda" and device in (None, "cuda") and not _cuda_available():
             raise InputError(
-                "the cuda backend is not available in this version of tensorkiln; use "
-                "backend='reference' (or 'auto')"
-                + ("" if _cuda_available() else "; this machine also has no CUDA device")
+                "the cuda backend needs PyTorch with a CUDA device, and this machine has none; "
+                "use backend='reference' (or 'auto')"
             )
+        if device not in (None, "cpu", "cuda"):
+            raise InputError(f"unknown device '{device}'; choose cuda or cpu")
         self.backend = backend
+        self.device = None if backend == "reference" else (device or "cuda")
         self.last_report: BuildReport | None = None
 
     def create_builder_config(self) -> BuilderConfig:
@@ -104,8 +115,16 @@ class Builder:
             with _phase(report, "optimize", bar):
                 report.nodes_before = len(graph.nodes)
                 report.passes = optimize(graph, config.optimization_level, config.dump_ir)
+            precision = _precision(config, self.backend)
+            with _phase(report, "precision", bar):
+                _apply_precision(graph, precision)
             with _phase(report, "tactics", bar):
-                report.layers = _choose_tactics(graph, self.backend)
+                if self.backend == "cuda":
+                    report.layers, report.timing_cache = _tune(
+                        graph, config, self.device, precision
+                    )
+                else:
+                    report.layers = _choose_tactics(graph, self.backend)
             with _phase(report, "memory", bar):
                 report.memory = plan_memory(graph, _plan_symbols(graph, config.profiles)).to_json()
                 _check_memory_limit(report.memory, config.memory_limit)
@@ -126,8 +145,10 @@ class Builder:
                 "phases_s": report.phases,
                 "passes": report.passes,
                 "nodes_before": report.nodes_before,
+                "precision": precision,
+                "timing_cache": report.timing_cache,
             },
-            target=target_of(self.backend),
+            target=target_of(self.backend, self.device),
         )
 
 
@@ -206,6 +227,53 @@ def _plan_symbols(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str
     return symbols
 
 
+def _precision(config: BuilderConfig, backend: str) -> str:
+    """What the layers compute in: the cheapest float precision the config allows."""
+    if backend != "cuda":
+        return "fp32"
+    for p in ("fp16", "bf16", "tf32"):
+        if p in config.precisions:
+            return p
+    return "fp32"
+
+
+def _apply_precision(graph: Graph, precision: str) -> None:
+    if precision in ("fp16", "bf16"):
+        from tensorkiln.ir import DType
+        from tensorkiln.precision import reduce_precision
+
+        reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16)
+
+
+def _tune(
+    graph: Graph, config: BuilderConfig, device: str | None, precision: str
+) -> tuple[list[dict], dict]:
+    from tensorkiln.runtime.mathmode import math_mode
+    from tensorkiln.tactics.autotune import TuneOptions, choose_tactics
+    from tensorkiln.tactics.cache import TimingCache
+
+    cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
+    shapes = _opt_shapes(graph, config.profiles)
+    options = TuneOptions(precision=precision, enabled=config.optimization_level > 0)
+    with math_mode(precision):
+        layers = choose_tactics(graph, device, shapes, options, cache)
+    if config.timing_cache:
+        cache.save(config.timing_cache)
+    return layers, {"hits": cache.hits, "misses": cache.misses}
+
+
+def _opt_shapes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, tuple[int, ...]]:
+    """Input shapes to tune for: profile 0's opt shapes; a dynamic dim without one is 1."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    opt = profiles[0].shapes if profiles else {}
+    for v in graph.inputs:
+        if v.name in opt:
+            shapes[v.name] = opt[v.name][1]
+        elif v.shape is not None:
+            shapes[v.name] = tuple(d if isinstance(d, int) else 1 for d in v.shape)
+    return shapes
+
+
 def _choose_tactics(graph: Graph, backend: str) -> list[dict]:
     layers = []
     for n in graph.nodes:
@@ -241,7 +309,7 @@ def _phase(report: BuildReport, name: str, bar: Any):
 class _Progress:
     """A rich progress bar over the build phases, shown only in a terminal."""
 
-    PHASES = 4
+    PHASES = 5
 
     def __init__(self, enabled: bool | None) -> None:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled

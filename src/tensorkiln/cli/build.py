@@ -50,6 +50,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-shapes", metavar="SHAPES", help="largest shapes the engine accepts")
     p.add_argument("--timing-cache", metavar="FILE", help="timing cache to read and update")
     p.add_argument(
+        "--backend",
+        choices=("auto", "reference", "cuda"),
+        default="auto",
+        help="cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present",
+    )
+    p.add_argument(
         "--opt-level",
         type=int,
         choices=range(6),
@@ -175,7 +181,7 @@ def run_build(args: argparse.Namespace) -> int:
                 f"`tensorkiln build --from-engine {model} -o NEW.engine`"
             )
     config = _config(args, plan)
-    builder = Builder()
+    builder = Builder(args.backend)
     t0 = time.perf_counter()
     engine = builder.build(model, config, source_name=source_name)
     total = time.perf_counter() - t0

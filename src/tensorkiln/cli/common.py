@@ -154,7 +154,7 @@ class Loaded:
     build_s: float = 0.0
 
 
-def load_or_build(path: str, shapes: dict[str, tuple[int, ...]]) -> Loaded:
+def load_or_build(path: str, shapes: dict[str, tuple[int, ...]], backend: str = "auto") -> Loaded:
     """Load an engine file, or build an ONNX model in memory (``shapes`` fixes dynamic inputs)."""
     import time
 
@@ -168,7 +168,7 @@ def load_or_build(path: str, shapes: dict[str, tuple[int, ...]]) -> Loaded:
     dynamic = _dynamic_shapes(p, shapes)
     if dynamic:
         config.add_optimization_profile(profile_from_shapes(dynamic))
-    builder = Builder()
+    builder = Builder(backend)
     t0 = time.perf_counter()
     engine = builder.build(p, config)
     return Loaded(engine, p, builder.last_report, time.perf_counter() - t0)

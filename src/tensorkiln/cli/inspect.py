@@ -82,7 +82,11 @@ def describe_engine(path: Any) -> dict:
         "outputs": [spec(d, False) for d in io.get("outputs", [])],
         "num_profiles": len(profiles),
         "layers": [
-            {k: layer.get(k) for k in ("name", "op", "impl", "precision")}
+            {
+                k: layer.get(k)
+                for k in ("name", "op", "impl", "precision", "tactic", "timings_ms", "rejected")
+                if k in layer
+            }
             for layer in plan.get("layers", [])
         ],
         "memory": {
@@ -96,6 +100,19 @@ def describe_engine(path: Any) -> dict:
         "source": plan.get("source"),
         "build": plan.get("build"),
     }
+
+
+def _tactic_cells(layer: dict) -> list[str]:
+    """The chosen tactic with its time, and the other candidates' times, fastest first."""
+    name = layer.get("tactic", "default")
+    times = layer.get("timings_ms") or {}
+    chosen = f"{name} {times[name]:.4f}" if name in times else name
+    others = sorted((t, k) for k, t in times.items() if k != name)
+    rest = ", ".join(f"{k} {t:.4f}" for t, k in others)
+    rejected = layer.get("rejected") or {}
+    if rejected:
+        rest += (", " if rest else "") + f"{len(rejected)} rejected"
+    return [chosen, rest or "-"]
 
 
 def _print_engine(info: dict) -> None:
@@ -125,9 +142,14 @@ def _print_engine(info: dict) -> None:
     _print_io(info)
     print()
     layers = info["layers"]
+    tuned = any("tactic" in x for x in layers)
     print_table(
-        ["layer", "op", "implementation", "precision"],
-        [[x["name"], x["op"], x["impl"], x["precision"]] for x in layers],
+        ["layer", "op", "implementation", "precision"]
+        + (["tactic (ms)", "runners-up (ms)"] if tuned else []),
+        [
+            [x["name"], x["op"], x["impl"], x["precision"]] + (_tactic_cells(x) if tuned else [])
+            for x in layers
+        ],
         title=f"layers ({len(layers)})",
     )
     print()

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.cli.common import (
+    CLIError,
     add_subcommand,
     check_feed_names,
     input_shapes,
@@ -88,6 +89,23 @@ def add_parser(sub: Any) -> None:
         help="per-layer times (from a separate profiling run of as many iterations)",
     )
     p.add_argument("--json", action="store_true", help="print all results as one JSON object")
+    p.add_argument(
+        "--use-cuda-graph",
+        action="store_true",
+        help="cuda engines: capture the whole engine as a CUDA graph and replay it",
+    )
+    p.add_argument(
+        "--device-io",
+        action="store_true",
+        help="cuda engines: keep inputs and outputs on the GPU (torch tensors) instead of "
+        "copying numpy arrays in and out on every run",
+    )
+    p.add_argument(
+        "--backend",
+        choices=("auto", "reference", "cuda"),
+        default="auto",
+        help="backend for an .onnx model built in memory (auto: cuda where a GPU is present)",
+    )
     p.set_defaults(handler=run_run)
 
 
@@ -168,7 +186,7 @@ def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
 
 def run_run(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shapes)
-    loaded = load_or_build(args.model, shapes)
+    loaded = load_or_build(args.model, shapes, args.backend)
     engine = loaded.engine
     note = sys.stderr if args.json else sys.stdout
     if loaded.built is not None:
@@ -185,10 +203,19 @@ def run_run(args: argparse.Namespace) -> int:
         feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed)
         origin = "random"
     iterations, duration = _iterations_and_duration(args)
-    with engine.create_execution_context() as ctx:
+    on_gpu = engine.backend == "cuda" and engine.device == "cuda"
+    if (args.use_cuda_graph or args.device_io) and not on_gpu:
+        raise CLIError(
+            "--use-cuda-graph and --device-io need an engine of the cuda backend on a GPU"
+        )
+    with engine.create_execution_context(use_cuda_graph=args.use_cuda_graph) as ctx:
         for name, arr in feeds.items():
             ctx.set_input_shape(name, np.shape(arr))  # a clear error for shapes outside the profile
-        timings, outputs = measure(ctx, feeds, args.warmup, iterations, duration)
+        run_feeds = _to_device(feeds) if args.device_io else feeds
+        timings, outputs = measure(ctx, run_feeds, args.warmup, iterations, duration)
+        outputs = _to_host(outputs)
+        if args.use_cuda_graph and ctx.cuda_graph_fallback:
+            print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
         profile = (
             profile_layers(ctx, engine, feeds, len(timings.latency_s))
             if args.dump_profile
@@ -206,6 +233,20 @@ def run_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _to_device(feeds: dict) -> dict:
+    from tensorkiln.kernels.cuda.convert import to_torch
+
+    return {k: to_torch(v, "cuda") for k, v in feeds.items()}
+
+
+def _to_host(outputs: dict) -> dict:
+    if not any(type(v).__module__.startswith("torch") for v in outputs.values()):
+        return outputs
+    from tensorkiln.kernels.cuda.convert import to_numpy
+
+    return {k: to_numpy(v) for k, v in outputs.items()}
+
+
 def _result(
     args: argparse.Namespace,
     loaded: Any,
@@ -220,6 +261,8 @@ def _result(
         "model": str(loaded.path),
         "built_in_memory": loaded.built is not None,
         "backend": loaded.engine.backend,
+        "cuda_graph": bool(args.use_cuda_graph),
+        "device_io": bool(args.device_io),
         "inputs": {
             k: {"dtype": str(np.asarray(v).dtype), "shape": list(np.shape(v))}
             for k, v in feeds.items()
@@ -260,7 +303,8 @@ def _per_iteration(t: Timings) -> list[dict]:
 
 
 def _print_text(args: argparse.Namespace, r: dict) -> None:
-    print(f"model: {r['model']}  backend: {r['backend']}")
+    mode = "  (CUDA graph)" if r["cuda_graph"] else ""
+    print(f"model: {r['model']}  backend: {r['backend']}{mode}")
     for name, spec in r["inputs"].items():
         print(f"input  {name}: {spec['dtype']} {shape_str(spec['shape'])} ({r['input_source']})")
     for name, spec in r["outputs"].items():

@@ -44,11 +44,15 @@ class TensorSpec:
         return f"{'input ' if self.is_input else 'output'} {self.name}: {self.dtype} [{shape}]"
 
 
-def target_of(backend: str) -> dict[str, Any]:
-    """What an engine for ``backend`` is bound to on this machine."""
+def target_of(backend: str, device: str | None = None) -> dict[str, Any]:
+    """What an engine for ``backend`` is bound to on this machine (``device``: the cuda
+    backend's torch device, 'cuda' or 'cpu')."""
     if backend == "reference":
         return {"device": "cpu", "machine": platform.machine(), "numpy": np.__version__}
     import torch  # the cuda backend needs torch
+
+    if device == "cpu":  # the cuda backend's kernels on torch CPU tensors
+        return {"device": "cpu", "torch_device": "cpu", "torch": torch.__version__}
 
     props = torch.cuda.get_device_properties(0)
     return {
@@ -84,6 +88,8 @@ class Engine:
         self.source_model = source_model
         self.build = dict(build or {})
         self.target = dict(target or target_of(backend))
+        # the torch device a cuda engine runs on ('cpu' runs its kernels on torch CPU tensors)
+        self.device = "cpu" if self.target.get("torch_device") == "cpu" else "cuda"
         self.tensorkiln_version = tensorkiln.__version__
 
     # ------------------------------------------------------------------ description
@@ -108,11 +114,17 @@ class Engine:
     def num_layers(self) -> int:
         return len(self.graph.nodes)
 
-    def create_execution_context(self, profile_index: int = 0) -> Any:
-        """A context with its own activation memory; several may run at once from threads."""
+    def create_execution_context(
+        self, profile_index: int = 0, *, use_cuda_graph: bool = False
+    ) -> Any:
+        """A context with its own activation memory; several may run at once from threads.
+
+        ``use_cuda_graph`` (cuda engines): capture the whole engine as a CUDA graph per input
+        shape and replay it.
+        """
         from tensorkiln.runtime.context import ExecutionContext
 
-        return ExecutionContext(self, profile_index)
+        return ExecutionContext(self, profile_index, use_cuda_graph=use_cuda_graph)
 
     # ------------------------------------------------------------------ files
     def _plan(self) -> tuple[dict, dict[str, np.ndarray]]:
@@ -238,7 +250,14 @@ def _check_compatible(plan: dict, where: str) -> str:
     target = plan.get("target")
     if not isinstance(target, dict):
         raise EngineFormatError(f"{where}: the plan lacks its target")
-    if backend == "cuda":
+    if backend == "cuda" and target.get("torch_device") == "cpu":
+        try:
+            import torch  # noqa: F401
+        except ImportError:
+            raise EngineCompatibilityError(
+                f"{where} needs PyTorch, which is not installed"
+            ) from None
+    elif backend == "cuda":
         try:
             here = target_of("cuda")
         except Exception:  # no torch or no GPU here

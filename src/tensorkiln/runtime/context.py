@@ -23,7 +23,9 @@ from tensorkiln.runtime.io import bind_inputs
 class ExecutionContext:
     """Runs an engine: ``with engine.create_execution_context() as ctx: ctx.infer(feeds)``."""
 
-    def __init__(self, engine: Any, profile_index: int = 0) -> None:
+    def __init__(
+        self, engine: Any, profile_index: int = 0, *, use_cuda_graph: bool = False
+    ) -> None:
         if engine.profiles and not 0 <= profile_index < len(engine.profiles):
             raise InputError(
                 f"profile index {profile_index} is out of range; the engine has "
@@ -32,7 +34,19 @@ class ExecutionContext:
         self.engine = engine
         self.profile_index = profile_index
         self.profile = engine.profiles[profile_index] if engine.profiles else None
-        self._executor = Executor(engine.graph, engine.backend)
+        self._executor = _executor(engine)
+        self.precision = engine.build.get("precision", "fp32")
+        self._stream = None
+        self._graphs = None
+        dev = self._executor.device
+        if dev is not None and dev.type == "cuda":
+            import torch
+
+            from tensorkiln.runtime.device import GraphRunner
+
+            self._stream = torch.cuda.Stream(dev)
+            if use_cuda_graph:
+                self._graphs = GraphRunner(self._run_device, dev)
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._out_cache: dict[tuple, dict[str, tuple[int, ...] | None]] = {}
         self.last_compute_s = 0.0
@@ -111,14 +125,23 @@ class ExecutionContext:
 
     # -------------------------------------------------------------- running
     def infer(
-        self, feeds: Mapping[str, Any], *, layer_times: dict[str, float] | None = None
-    ) -> dict[str, np.ndarray]:
-        """Run on ``feeds`` (name -> numpy array); returns output name -> array.
+        self,
+        feeds: Mapping[str, Any],
+        *,
+        layer_times: dict[str, float] | None = None,
+        outputs: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Run on ``feeds`` (name -> array); returns output name -> array.
 
+        On the cuda backend, numpy inputs are copied to the GPU and numpy arrays come back;
+        torch tensors (or DLPack producers) are used in place and torch tensors come back.
+        ``outputs`` (name -> torch tensor) are written with the results as well.
         ``layer_times``, when given, receives each layer's seconds (added up over calls).
         :attr:`last_compute_s` holds the time spent running layers in the last call, the rest of
         the call being host-side work (input checks, output gathering).
         """
+        if self._executor.device is not None:
+            return self._infer_device(feeds, layer_times, outputs)
         bound = bind_inputs(self.engine.graph, feeds)
         for v, arr in bound.items():
             if isinstance(arr, np.ndarray):
@@ -128,11 +151,67 @@ class ExecutionContext:
         self.last_compute_s = time.perf_counter() - t0
         return {v.name: r for v, r in zip(self.engine.graph.outputs, results)}
 
+    def _infer_device(self, feeds, layer_times, outputs) -> dict[str, Any]:
+        import contextlib
+
+        import torch
+
+        from tensorkiln.kernels.cuda.convert import to_numpy
+        from tensorkiln.runtime.device import bind_device_inputs, write_outputs
+        from tensorkiln.runtime.mathmode import math_mode
+
+        graph = self.engine.graph
+        bound, as_tensors = bind_device_inputs(graph, feeds, self._executor.device)
+        for v, arr in bound.items():
+            if hasattr(arr, "shape"):
+                self._check_shape(v.name, v.shape, tuple(arr.shape))
+        t0 = time.perf_counter()
+        stream = self._stream
+        caller = torch.cuda.current_stream(stream.device) if stream is not None else None
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with math_mode(self.precision), torch.no_grad(), ctx:
+            if stream is not None:
+                stream.wait_stream(caller)
+            inputs = [bound[v] for v in graph.inputs]
+            if self._graphs is not None and layer_times is None:
+                results = self._graphs(inputs)
+            else:
+                results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
+            named = {v.name: r for v, r in zip(graph.outputs, results)}
+            if outputs:
+                write_outputs(named, outputs)
+        if stream is not None:
+            caller.wait_stream(stream)
+            for r in results:  # tell the allocator these tensors are used on the caller's stream
+                if isinstance(r, torch.Tensor) and r.is_cuda:
+                    r.record_stream(caller)
+        if not as_tensors:
+            named = {k: to_numpy(r) for k, r in named.items()}
+        self.last_compute_s = time.perf_counter() - t0
+        return named
+
+    def _run_device(self, inputs: list[Any]) -> list[Any]:
+        return self._executor.run(dict(zip(self.engine.graph.inputs, inputs)))
+
+    @property
+    def cuda_graph_fallback(self) -> str | None:
+        """Why CUDA graphs were not used (None when they were, or were not asked for)."""
+        return None if self._graphs is None else self._graphs.eager_reason
+
     def __enter__(self) -> ExecutionContext:
         return self
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _executor(engine: Any) -> Executor:
+    if engine.backend != "cuda":
+        return Executor(engine.graph, engine.backend)
+    from tensorkiln.tactics.autotune import tactic_functions
+
+    tactics = tactic_functions(engine.graph, engine.layers)
+    return Executor(engine.graph, "cuda", engine.device, tactics=tactics)
 
 
 def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict:

@@ -17,8 +17,8 @@ import ml_dtypes
 import numpy as np
 import torch
 
-_DEVICE: contextvars.ContextVar[torch.device] = contextvars.ContextVar(
-    "tensorkiln_device", default=torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
+    "tensorkiln_device", default=None
 )
 
 # numpy dtypes torch cannot take directly: (numpy dtype, same-size integer view, torch dtype)
@@ -52,7 +52,10 @@ _TORCH_TO_NUMPY = {t: k for k, t in _NUMPY_TO_TORCH.items()}
 
 def current_device() -> torch.device:
     """The device kernels create new tensors on (set by the executor for each run)."""
-    return _DEVICE.get()
+    dev = _DEVICE.get()
+    if dev is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return dev
 
 
 @contextlib.contextmanager
@@ -119,3 +122,28 @@ def to_numpy(value: Any) -> Any:
 
 
 _VIEW_TORCH = {np.int16: torch.int16, np.uint8: torch.uint8}
+
+
+# Host copies of small integer constants (shapes, axes, pads): a kernel that needs such an input's
+# values on the host reads them here instead of synchronizing with the device, which also keeps
+# engines capturable as CUDA graphs. The executor registers each small integer initializer it
+# uploads.
+_HOST_VALUES: dict[int, tuple[torch.Tensor, list]] = {}
+HOST_VALUES_LIMIT = 64  # elements
+
+
+def remember_host_values(t: torch.Tensor, arr: np.ndarray) -> None:
+    if arr.dtype.kind in "iub" and arr.size <= HOST_VALUES_LIMIT:
+        _HOST_VALUES[id(t)] = (t, arr.tolist())
+
+
+def host_list(t: Any) -> Any:
+    """``t.tolist()``, without a device synchronization when ``t`` is a known small constant."""
+    if isinstance(t, torch.Tensor):
+        hit = _HOST_VALUES.get(id(t))
+        if hit is not None and hit[0] is t:
+            return hit[1]
+        return t.tolist()
+    if isinstance(t, np.ndarray):
+        return t.tolist()
+    return t

@@ -1,0 +1,161 @@
+"""Running a cuda engine: input binding (numpy, torch, DLPack), one stream per context, and
+whole-engine CUDA graphs captured per input shape.
+
+Inputs given as numpy arrays are copied to the device and the outputs come back as numpy arrays;
+inputs given as torch tensors on the engine's device (or any DLPack producer) are used in place and
+the outputs are torch tensors. Callers may pass their own output tensors to be written.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.errors import InputError
+from tensorkiln.ir import Graph, TensorType, Value
+from tensorkiln.runtime.io import _check_shape, bind_inputs
+
+
+def bind_device_inputs(
+    graph: Graph, feeds: Mapping[str, Any], device: Any
+) -> tuple[dict[Value, Any], bool]:
+    """Check ``feeds`` against the graph's inputs; returns (value -> tensor-or-array, whether the
+    caller gave tensors, in which case outputs are returned as tensors)."""
+    if not isinstance(feeds, Mapping):
+        raise InputError(f"inputs must be a dict of name -> array, got {type(feeds).__name__}")
+    tensors = {k: _as_tensor(k, x) for k, x in feeds.items() if _is_tensor_like(x)}
+    if not tensors:
+        return bind_inputs(graph, feeds), False
+    expected = {v.name: v for v in graph.inputs}
+    host = {k: x for k, x in feeds.items() if k not in tensors}
+    host.update({k: _placeholder(expected.get(k), t) for k, t in tensors.items()})
+    bound = bind_inputs(graph, host)  # names, dtypes and shapes checked once, the same way
+    symbols: dict = {}
+    for v in graph.inputs:
+        t = tensors.get(v.name)
+        if t is None:
+            continue
+        if t.device != device:
+            t = t.to(device)
+        if isinstance(v.type, TensorType) and v.type.shape is not None:
+            _check_shape(v.name, v.type.shape, tuple(t.shape), symbols)
+        bound[v] = t
+    return bound, True
+
+
+def _is_tensor_like(x: Any) -> bool:
+    import torch
+
+    return isinstance(x, torch.Tensor) or (
+        not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__")
+    )
+
+
+def _as_tensor(name: str, x: Any) -> Any:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x
+    try:
+        return torch.from_dlpack(x)
+    except Exception as exc:
+        raise InputError(f"input '{name}': cannot take it through DLPack ({exc})") from None
+
+
+def _placeholder(v: Value | None, t: Any) -> np.ndarray:
+    """A zero-stride numpy stand-in with ``t``'s dtype and shape, for the shared checks."""
+    from tensorkiln.kernels.cuda.convert import numpy_dtype
+
+    try:
+        dt = numpy_dtype(t.dtype)
+    except KeyError:
+        want = v.dtype.name if v is not None and v.dtype is not None else "?"
+        raise InputError(
+            f"input '{v.name if v else '?'}' expects dtype {want}, got torch {t.dtype}"
+        ) from None
+    return np.lib.stride_tricks.as_strided(
+        np.zeros(1, dt), shape=tuple(t.shape), strides=(0,) * t.dim()
+    )
+
+
+def write_outputs(results: dict[str, Any], outputs: Mapping[str, Any]) -> None:
+    """Copy results into caller-supplied output tensors (same shape and dtype)."""
+    for name, buf in outputs.items():
+        if name not in results:
+            raise InputError(
+                f"output buffer for '{name}', which is not an output; outputs are "
+                f"{', '.join(map(repr, results))}"
+            )
+        r = results[name]
+        if tuple(buf.shape) != tuple(r.shape) or buf.dtype != r.dtype:
+            raise InputError(
+                f"output buffer '{name}' is {buf.dtype}{list(buf.shape)}; the output is "
+                f"{r.dtype}{list(r.shape)}"
+            )
+        buf.copy_(r)
+
+
+class GraphRunner:
+    """Whole-engine CUDA graphs, one per set of input shapes, replayed on later calls.
+
+    The first call with new shapes runs the engine twice to warm up (kernel compilation and
+    autotuning caches), then captures a third run into a graph whose inputs and outputs are fixed
+    tensors. Later calls copy the inputs into place and replay. An engine that cannot be captured
+    (a layer reads device values on the host, say) runs eagerly, with one warning.
+    """
+
+    def __init__(self, run: Any, device: Any) -> None:
+        import torch
+
+        self._run = run  # inputs (list of tensors) -> outputs (list)
+        self._device = device
+        self._graphs: dict[tuple, Any] = {}
+        self._pool = torch.cuda.graph_pool_handle()
+        self.eager_reason: str | None = None
+
+    def __call__(self, inputs: list[Any]) -> list[Any]:
+        import torch
+
+        if self.eager_reason is not None or not all(isinstance(x, torch.Tensor) for x in inputs):
+            return self._run(inputs)
+        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(inputs)
+            if entry is None:
+                return self._run(inputs)
+            self._graphs[key] = entry
+        graph, static_in, static_out = entry
+        for s, x in zip(static_in, inputs):
+            s.copy_(x)
+        graph.replay()
+        return [o.clone() if isinstance(o, torch.Tensor) else o for o in static_out]
+
+    def _capture(self, inputs: list[Any]) -> tuple | None:
+        import torch
+
+        static_in = [x.clone() for x in inputs]
+        side = torch.cuda.Stream(self._device)
+        side.wait_stream(torch.cuda.current_stream(self._device))
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    self._run(static_in)
+            torch.cuda.current_stream(self._device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                static_out = self._run(static_in)
+        except Exception as exc:  # not capturable: run eagerly from now on
+            torch.cuda.synchronize(self._device)
+            self.eager_reason = f"{type(exc).__name__}: {str(exc)[:300]}"
+            warnings.warn(
+                f"the engine cannot run as a CUDA graph ({self.eager_reason}); running it "
+                "layer by layer",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        return graph, static_in, static_out

@@ -1,0 +1,42 @@
+"""The math mode an engine's layers run under: TF32 on or off for cuBLAS, cuDNN and Triton dots.
+
+torch keeps these switches process-wide; an engine sets them for the span of each run (and of its
+build's tuning) and restores what it found, so engines of different precisions share a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def math_mode(precision: str) -> Iterator[None]:
+    import torch
+
+    tf32 = precision == "tf32"
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    triton_saved = _set_triton_dot("tf32" if tf32 else "ieee")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+        if triton_saved is not None:
+            _set_triton_dot(triton_saved)
+
+
+def _set_triton_dot(mode: str) -> str | None:
+    """Set the Triton kernels' float32 dot precision; returns the previous one (None: no Triton)."""
+    try:
+        from tensorkiln.kernels import triton as tk_triton
+    except ImportError:
+        return None
+    getter = getattr(tk_triton, "fp32_dot_precision", None)
+    setter = getattr(tk_triton, "set_fp32_dot_precision", None)
+    if getter is None or setter is None:
+        return None
+    before = getter()
+    setter(mode)
+    return before

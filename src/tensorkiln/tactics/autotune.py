@@ -1,0 +1,318 @@
+"""The autotuner: for each layer, time every applicable tactic on the opt shapes, keep the fastest.
+
+Per layer with more than one applicable tactic:
+
+1. inputs: the layer's weights as they are, activations drawn fresh from a normal distribution
+   (never zeros) at the first profile's opt shapes;
+2. oracle: the op's default kernel on the same inputs in float32 with TF32 off;
+3. each candidate runs once and must match the oracle (relative L2 error under the precision's
+   tolerance), or it is rejected with the reason recorded;
+4. each accepted candidate is warmed up, then timed with CUDA events (one event pair a run, the
+   median of ``runs``); the fastest wins, and every timing goes into the engine and the cache.
+
+Layers whose inputs are not all floating point, or whose shapes depend on values, keep their
+default kernel. A timing cache hit skips steps 1-4.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.ir import Graph, Node, TensorType
+from tensorkiln.ir.infer import infer_shapes
+from tensorkiln.ir.printer import format_graph
+from tensorkiln.kernels.registry import invoke, lookup
+from tensorkiln.runtime.executor import Executor, Scope, with_fn
+from tensorkiln.tactics.cache import TimingCache
+from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for
+
+# relative L2 error a candidate may show against the float32 oracle, by compute precision
+TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 1e-2, "bf16": 3e-2}
+
+
+@dataclass
+class TuneOptions:
+    precision: str = "fp32"  # what the layers compute in: fp32, tf32, fp16 or bf16
+    warmup: int = 3
+    runs: int = 15
+    enabled: bool = True  # False: every layer keeps its default tactic (optimization level 0)
+
+
+def choose_tactics(
+    graph: Graph,
+    device: Any,
+    shapes: dict[str, tuple[int, ...]],
+    options: TuneOptions,
+    cache: TimingCache | None = None,
+    log: Callable[[str], None] | None = None,
+) -> list[dict]:
+    """One dict per top-level node: its op, chosen tactic, timings and rejections."""
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import use_device
+
+    executor = Executor(graph, "cuda", device)
+    types = _concrete_types(graph, shapes)
+    layers = []
+    with use_device(executor.device), torch.no_grad():
+        for node in graph.nodes:
+            layers.append(_tune_layer(graph, node, executor, types, options, cache, log))
+    return layers
+
+
+def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
+    entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
+    layer = _describe(node, entry)
+    spec = _spec(node, types, executor.device.type)
+    candidates = [t for t in tactics_for(node.op, node.domain) if spec and t.applies(spec)]
+    if not candidates:
+        return layer
+    layer["candidates"] = ["default"] + [t.name for t in candidates]
+    if not options.enabled:
+        return layer
+    key = TimingCache.key(_signature(node, spec, options, executor.device))
+    hit = cache.get(key) if cache is not None else None
+    if hit is not None and (
+        hit["tactic"] == "default" or get_tactic(node.op, node.domain, hit["tactic"])
+    ):
+        layer.update(tactic=hit["tactic"], timings_ms=hit["timings_ms"], cached=True)
+        return layer
+    args = _inputs(node, spec, executor)
+    if args is None:
+        return layer
+    scope = Scope(executor, {})
+    n_out = len(node.outputs)
+    oracle = _oracle(entry, node, args, n_out, scope)
+    timings: dict[str, float] = {}
+    rejected: dict[str, str] = {}
+    for name, fn in [("default", entry.fn)] + [(t.name, t.fn) for t in candidates]:
+        e = with_fn(entry, fn)
+        try:
+            got = invoke(e, args, node.attrs, n_out, scope)
+            err = _rel_error(got, oracle)
+            if not err <= TOLERANCE[options.precision]:
+                rejected[name] = f"relative error {err:.2e} vs the float32 oracle"
+                continue
+            timings[name] = _time(e, args, node.attrs, n_out, scope, executor.device, options)
+        except Exception as exc:  # a candidate that cannot run here is rejected, not fatal
+            rejected[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+    if not timings:
+        rejected_text = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+        raise RuntimeError(f"layer '{node.name}' ({node.op}): every tactic failed: {rejected_text}")
+    best = min(timings, key=timings.get)
+    layer.update(tactic=best, timings_ms={k: round(v, 5) for k, v in timings.items()})
+    if rejected:
+        layer["rejected"] = rejected
+    if cache is not None:
+        cache.put(key, best, layer["timings_ms"])
+    if log is not None:
+        log(
+            f"{node.name} ({node.op}): {best} "
+            + " ".join(f"{k}={v:.4f}ms" for k, v in timings.items())
+        )
+    return layer
+
+
+def _describe(node: Node, entry: Any) -> dict:
+    out = node.outputs[0] if node.outputs else None
+    t = out.type if out is not None else None
+    return {
+        "name": node.name,
+        "op": f"{node.domain}.{node.op}" if node.domain else node.op,
+        "impl": f"cuda:{entry.fn.__module__.rsplit('.', 1)[-1]}.{entry.fn.__name__}",
+        "precision": t.dtype.short if isinstance(t, TensorType) and t.dtype is not None else "-",
+        "tactic": "default",
+        "inputs": [v.name if v is not None else "" for v in node.inputs],
+        "outputs": [v.name if v is not None else "" for v in node.outputs],
+    }
+
+
+def _concrete_types(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorType]:
+    """Types of every top-level value with the inputs at ``shapes`` (weights shared, not copied)."""
+    shared = {id(v.const): v.const for g in [graph] for v in g.initializers}
+    g = copy.deepcopy(graph, shared)
+    for v in g.inputs:
+        if v.name in shapes and isinstance(v.type, TensorType):
+            v.type = TensorType(v.type.dtype, tuple(shapes[v.name]))
+    infer_shapes(g)
+    return {v.name: v.type for v in g.values() if isinstance(v.type, TensorType)}
+
+
+def _spec(node: Node, types: dict[str, TensorType], device_type: str) -> LayerSpec | None:
+    shapes, dtypes = [], []
+    for v in node.inputs:
+        if v is None:
+            shapes.append(None)
+            dtypes.append(None)
+            continue
+        t = types.get(v.name)
+        if (
+            t is None
+            or t.shape is None
+            or t.dtype is None
+            or not all(isinstance(d, int) for d in t.shape)
+        ):
+            return None
+        shapes.append(tuple(t.shape))
+        dtypes.append(np.dtype(t.dtype.numpy).name)
+    return LayerSpec(
+        op=node.op,
+        domain=node.domain,
+        attrs=node.attrs,
+        shapes=tuple(shapes),
+        dtypes=tuple(dtypes),
+        device=device_type,
+        constant=tuple(v is not None and v.const is not None for v in node.inputs),
+    )
+
+
+def _attr_text(a: Any) -> Any:
+    if isinstance(a, Graph):
+        return format_graph(a)
+    if isinstance(a, np.ndarray):
+        return [a.dtype.name, list(a.shape), hashlib.sha256(a.tobytes()).hexdigest()]
+    if isinstance(a, list):
+        return [_attr_text(x) for x in a]
+    return a
+
+
+def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -> dict:
+    import torch
+
+    sig = {
+        "op": f"{node.domain}.{node.op}",
+        "attrs": {k: _attr_text(v) for k, v in sorted(node.attrs.items())},
+        "shapes": spec.shapes,
+        "dtypes": spec.dtypes,
+        "constant": spec.constant,
+        "precision": options.precision,
+        "torch": torch.__version__,
+        "device": device.type,
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        sig["device"] = f"{props.name} sm_{props.major}{props.minor}"
+        sig["cuda"] = torch.version.cuda
+        sig["cudnn"] = torch.backends.cudnn.version()
+    try:
+        import triton
+
+        sig["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return sig
+
+
+def _inputs(node: Node, spec: LayerSpec, executor: Executor) -> list | None:
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import torch_dtype
+
+    gen = torch.Generator(device=executor.device).manual_seed(len(node.name))
+    args: list = []
+    for v, shape, dtype in zip(node.inputs, spec.shapes, spec.dtypes):
+        if v is None:
+            args.append(None)
+        elif v.const is not None:
+            args.append(executor.const(v))
+        elif dtype in ("float32", "float16", "bfloat16", "float64"):
+            t = torch.randn(shape, generator=gen, device=executor.device, dtype=torch.float32)
+            args.append(t.to(torch_dtype(dtype)))
+        else:
+            return None  # indices, masks, shapes: their values matter; keep the default kernel
+    return args
+
+
+def _oracle(entry, node, args, n_out, scope) -> list:
+    import torch
+
+    up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    with _fp32_math():
+        return invoke(entry, up, node.attrs, n_out, scope)
+
+
+class _fp32_math:
+    """TF32 off for cuBLAS and cuDNN inside the block."""
+
+    def __enter__(self) -> None:
+        import torch
+
+        self.saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+
+
+def _rel_error(got: list, want: list) -> float:
+    import torch
+
+    worst = 0.0
+    for g, w in zip(got, want):
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point():
+            continue
+        if not isinstance(g, torch.Tensor) or g.shape != w.shape:
+            return float("inf")
+        g64, w64 = g.double(), w.double()
+        if not torch.isfinite(g64).all():
+            return float("inf")
+        denom = torch.linalg.vector_norm(w64).item() or 1.0
+        worst = max(worst, torch.linalg.vector_norm(g64 - w64).item() / denom)
+    return worst
+
+
+def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> float:
+    """Median milliseconds of one call."""
+    import torch
+
+    for _ in range(options.warmup):
+        invoke(entry, args, attrs, n_out, scope)
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(options.runs):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            invoke(entry, args, attrs, n_out, scope)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+    else:
+        for _ in range(options.runs):
+            t0 = time.perf_counter()
+            invoke(entry, args, attrs, n_out, scope)
+            samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def tactic_functions(graph: Graph, layers: list[dict]) -> dict[str, Callable]:
+    """Node name -> tactic function for the layers whose chosen tactic is not the default."""
+    by_name = {n.name: n for n in graph.nodes}
+    out = {}
+    for layer in layers:
+        name = layer.get("tactic", "default")
+        node = by_name.get(layer.get("name"))
+        if name == "default" or node is None:
+            continue
+        t = get_tactic(node.op, node.domain, name)
+        if t is None:
+            from tensorkiln.errors import EngineCompatibilityError
+
+            raise EngineCompatibilityError(
+                f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
+                "(is triton installed?); rebuild the engine here"
+            )
+        out[node.name] = t.fn
+    return out
