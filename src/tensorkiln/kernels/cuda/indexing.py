@@ -1,0 +1,333 @@
+"""Torch kernels driven by index tensors: gathers, scatters, OneHot, NonZero, Unique, Compress.
+
+They mirror :mod:`tensorkiln.kernels.reference.indexing`. Negative indices count from the end of
+their axis. The reference raises on an index out of range; checking that here would cost a
+device-to-host sync on every Gather, so indices beyond the axis are clamped to it instead (on the
+GPU an unchecked one would fault the device). OneHot's depth is read to the host (it is the
+output's shape); NonZero, Unique and Compress produce data-dependent shapes, so they synchronize
+by nature.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tensorkiln.kernels.cuda.tensor import (
+    as_signed,
+    from_order_key,
+    from_signed,
+    host_scalar,
+    norm_axis,
+    order_key,
+)
+from tensorkiln.kernels.registry import register
+
+
+def _indices(indices: torch.Tensor, size: int) -> torch.Tensor:
+    """``indices`` as int64 in [0, size): negatives wrapped, others clamped (see the module doc)."""
+    idx = indices.to(torch.int64)
+    idx = torch.where(idx < 0, idx + size, idx)
+    return idx.clamp(0, max(size - 1, 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathers
+
+
+@register("Gather", since=1, backend="cuda")
+def gather(data: torch.Tensor, indices: torch.Tensor, *, axis: int = 0) -> torch.Tensor:
+    """Take the slices of ``data`` at ``indices`` along ``axis``."""
+    axis = norm_axis(axis, data.dim(), "Gather")
+    idx = _indices(indices, data.shape[axis])
+    out = data.index_select(axis, idx.reshape(-1))
+    return out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :])
+
+
+def _check_elements(data: torch.Tensor, indices: torch.Tensor, axis: int, op: str) -> None:
+    if indices.dim() != data.dim():
+        raise ValueError(
+            f"{op}: indices of rank {indices.dim()} for data of rank {data.dim()} (must match)"
+        )
+    for d, (i, n) in enumerate(zip(indices.shape, data.shape)):
+        if d != axis and i > n:
+            raise ValueError(
+                f"{op}: indices shape {list(indices.shape)} exceeds data shape "
+                f"{list(data.shape)} on axis {d}"
+            )
+
+
+@register("GatherElements", since=11, backend="cuda")
+def gather_elements(data: torch.Tensor, indices: torch.Tensor, *, axis: int = 0) -> torch.Tensor:
+    """``out[i][j] = data[indices[i][j]][j]`` (for axis 0); the output is shaped like indices."""
+    axis = norm_axis(axis, data.dim(), "GatherElements")
+    _check_elements(data, indices, axis, "GatherElements")
+    idx = _indices(indices, data.shape[axis])
+    return from_signed(torch.gather(as_signed(data), axis, idx), data.dtype)
+
+
+def _nd_rows(data: torch.Tensor, indices: torch.Tensor, batch_dims: int, op: str):
+    """GatherND/ScatterND addressing: data as (batch, prod(indexed dims), *tail) and, for each
+    batch entry, the linear position of every index tuple, shaped (batch, rows)."""
+    b = batch_dims
+    k = indices.shape[-1] if indices.dim() else 0
+    if indices.dim() < 1 or k > data.dim() - b:
+        raise ValueError(
+            f"{op}: indices of shape {list(indices.shape)} cannot index data of shape "
+            f"{list(data.shape)} with batch_dims={b}"
+        )
+    if data.shape[:b] != indices.shape[:b]:
+        raise ValueError(
+            f"{op}: batch dimensions differ: data {list(data.shape[:b])} vs indices "
+            f"{list(indices.shape[:b])}"
+        )
+    batch = math.prod(data.shape[:b])
+    indexed = data.shape[b : b + k]
+    idx = indices.reshape(batch, math.prod(indices.shape[b:-1]), k)
+    linear = torch.zeros(idx.shape[:2], dtype=torch.int64, device=data.device)
+    for j, size in enumerate(indexed):
+        linear = linear * size + _indices(idx[..., j], size)
+    flat = data.reshape(batch, math.prod(indexed), *data.shape[b + k :])
+    return flat, linear
+
+
+@register("GatherND", since=11, backend="cuda")
+def gather_nd(data: torch.Tensor, indices: torch.Tensor, *, batch_dims: int = 0) -> torch.Tensor:
+    """Gather slices addressed by the last axis of ``indices`` (after ``batch_dims`` batch axes)."""
+    flat, linear = _nd_rows(data, indices, batch_dims, "GatherND")
+    k = indices.shape[-1]
+    rows = torch.arange(flat.shape[0], device=data.device).unsqueeze(1)
+    out = flat[rows, linear]
+    return out.reshape(*indices.shape[:-1], *data.shape[batch_dims + k :])
+
+
+# ---------------------------------------------------------------------------------------------
+# Scatters
+
+_TORCH_REDUCE = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}
+
+
+def _check_reduction(reduction: str, op: str) -> None:
+    if reduction != "none" and reduction not in _TORCH_REDUCE:
+        raise ValueError(f"{op}: unknown reduction '{reduction}' (none, add, mul, max or min)")
+
+
+def _scatter_along(
+    out: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduction: str
+) -> torch.Tensor:
+    """``out`` with ``src`` scattered (or reduced, numpy ``ufunc.at`` style) along ``dim``."""
+    dtype = out.dtype
+    if reduction == "none":
+        return from_signed(as_signed(out).scatter_(dim, index, as_signed(src)), dtype)
+    if reduction in ("max", "min") or dtype == torch.bool:
+        key = order_key(out).scatter_reduce_(dim, index, order_key(src), _TORCH_REDUCE[reduction])
+        return from_order_key(key, dtype)
+    # add and mul wrap the same way on the signed view of an unsigned type
+    reduced = as_signed(out).scatter_reduce_(dim, index, as_signed(src), _TORCH_REDUCE[reduction])
+    return from_signed(reduced, dtype)
+
+
+@register("ScatterElements", since=11, backend="cuda")
+def scatter_elements(
+    data: torch.Tensor,
+    indices: torch.Tensor,
+    updates: torch.Tensor,
+    *,
+    axis: int = 0,
+    reduction: str = "none",
+) -> torch.Tensor:
+    """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
+    axis = norm_axis(axis, data.dim(), "ScatterElements")
+    _check_reduction(reduction, "ScatterElements")
+    if updates.shape != indices.shape:
+        raise ValueError(
+            f"ScatterElements: updates shape {list(updates.shape)} != indices shape "
+            f"{list(indices.shape)}"
+        )
+    _check_elements(data, indices, axis, "ScatterElements")
+    idx = _indices(indices, data.shape[axis])
+    return _scatter_along(data.clone(), axis, idx, updates, reduction)
+
+
+@register("Scatter", since=9, backend="cuda")
+def scatter(
+    data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, *, axis: int = 0
+) -> torch.Tensor:
+    """Scatter (deprecated in opset 11): ScatterElements without reduction."""
+    return scatter_elements(data, indices, updates, axis=axis)
+
+
+@register("ScatterND", since=11, backend="cuda")
+def scatter_nd(
+    data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, *, reduction: str = "none"
+) -> torch.Tensor:
+    """A copy of ``data`` with slices addressed by ``indices[..., :]`` replaced by (or reduced
+    with) ``updates``."""
+    _check_reduction(reduction, "ScatterND")
+    flat, linear = _nd_rows(data, indices, 0, "ScatterND")
+    k = indices.shape[-1]
+    tail = data.shape[k:]
+    expected = (*indices.shape[:-1], *tail)
+    if tuple(updates.shape) != expected:
+        raise ValueError(
+            f"ScatterND: updates shape {list(updates.shape)} != {list(expected)} expected from "
+            f"indices {list(indices.shape)} and data {list(data.shape)}"
+        )
+    out = flat[0].clone(memory_format=torch.contiguous_format)  # (prod(indexed dims), *tail)
+    upd = updates.reshape(-1, *tail)
+    index = linear.reshape(-1, *([1] * len(tail))).expand(upd.shape)
+    return _scatter_along(out, 0, index, upd, reduction).reshape(data.shape)
+
+
+@register("TensorScatter", since=24, backend="cuda")
+def tensor_scatter(
+    past_cache: torch.Tensor,
+    update: torch.Tensor,
+    write_indices: torch.Tensor | None = None,
+    *,
+    mode: str = "linear",
+    axis: int = -2,
+) -> torch.Tensor:
+    """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
+    from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
+    rank = past_cache.dim()
+    axis = norm_axis(axis, rank, "TensorScatter")
+    if axis == 0:
+        raise ValueError("TensorScatter: the sequence axis cannot be the batch axis 0")
+    if mode not in ("linear", "circular"):
+        raise ValueError(f"TensorScatter: unknown mode '{mode}' (linear or circular)")
+    shape, ushape = past_cache.shape, update.shape
+    if (
+        update.dim() != rank
+        or any(ushape[d] != shape[d] for d in range(rank) if d != axis)
+        or ushape[axis] > shape[axis]
+    ):
+        raise ValueError(
+            f"TensorScatter: update shape {list(ushape)} does not fit cache shape {list(shape)} "
+            f"on axis {axis}"
+        )
+    batch, max_len, seq = shape[0], shape[axis], ushape[axis]
+    device = past_cache.device
+    if write_indices is None:
+        starts = torch.zeros(batch, dtype=torch.int64, device=device)
+    else:
+        starts = write_indices.to(torch.int64).reshape(-1)
+    pos = starts.unsqueeze(1) + torch.arange(seq, device=device)
+    pos = pos.remainder(max_len) if mode == "circular" else pos.clamp(0, max(max_len - 1, 0))
+    out = past_cache.clone()
+    view = as_signed(out).movedim(axis, 1)  # (batch, max_len, ...) view into out
+    rows = torch.arange(batch, device=device).unsqueeze(1)
+    view[rows, pos] = as_signed(update).movedim(axis, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# OneHot, NonZero, Unique, Compress, ReverseSequence
+
+
+@register("OneHot", since=9, backend="cuda")
+def one_hot(
+    indices: torch.Tensor, depth: torch.Tensor, values: torch.Tensor, *, axis: int = -1
+) -> torch.Tensor:
+    """``values[1]`` where the new ``axis`` position equals the index, ``values[0]`` elsewhere;
+    indices outside [-depth, depth) give an all-off row."""
+    n = int(host_scalar(depth))
+    if n < 0:
+        raise ValueError(f"OneHot: depth must be non-negative, got {n}")
+    values = values.reshape(-1)
+    if values.numel() != 2:
+        raise ValueError(f"OneHot: values must hold [off_value, on_value], got {values.numel()}")
+    axis = norm_axis(axis, indices.dim() + 1, "OneHot")
+    idx = indices.to(torch.int64)
+    idx = torch.where(idx < 0, idx + n, idx)
+    hot = idx.unsqueeze(-1) == torch.arange(n, device=idx.device)
+    v = as_signed(values)
+    out = torch.where(hot, v[1], v[0])
+    return from_signed(out.movedim(-1, axis).contiguous(), values.dtype)
+
+
+@register("NonZero", since=9, backend="cuda")
+def nonzero(X: torch.Tensor) -> torch.Tensor:
+    """Indices of the non-zero elements, shape (rank, count) int64; a scalar counts as 1-D."""
+    x = as_signed(X.reshape(1) if X.dim() == 0 else X)
+    return torch.nonzero(x).t().contiguous()
+
+
+def _first_occurrence(inverse: torch.Tensor, n_unique: int) -> torch.Tensor:
+    """For each unique entry, the smallest position whose inverse index points to it."""
+    positions = torch.arange(inverse.numel(), device=inverse.device)
+    first = torch.full((n_unique,), inverse.numel(), dtype=torch.int64, device=inverse.device)
+    return first.scatter_reduce_(0, inverse, positions, "amin")
+
+
+@register("Unique", since=11, backend="cuda")
+def unique(
+    X: torch.Tensor, *, axis: int | None = None, sorted: int = 1, _n_outputs: int = 1
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """Unique values (or slices along ``axis``), with first-occurrence indices, inverse indices
+    and counts; ``sorted=0`` keeps first-occurrence order."""
+    key = order_key(X)
+    if axis is None:
+        y, inverse, counts = torch.unique(
+            key.reshape(-1), sorted=True, return_inverse=True, return_counts=True
+        )
+    else:
+        axis = norm_axis(axis, X.dim(), "Unique")
+        y, inverse, counts = torch.unique(
+            key, sorted=True, return_inverse=True, return_counts=True, dim=axis
+        )
+    inverse = inverse.reshape(-1)
+    first = _first_occurrence(inverse, counts.numel())
+    if not sorted:
+        order = torch.argsort(first)
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device)
+        y = y.index_select(0 if axis is None else axis, order)
+        first, counts, inverse = first[order], counts[order], rank[inverse]
+    outs = (from_order_key(y, X.dtype), first, inverse, counts.to(torch.int64))
+    return outs[0] if _n_outputs == 1 else outs[:_n_outputs]
+
+
+@register("Compress", since=9, backend="cuda")
+def compress(input: torch.Tensor, condition: torch.Tensor, *, axis: int | None = None):
+    """The slices (or, without ``axis``, the flattened elements) where ``condition`` is true."""
+    cond = condition.reshape(-1).to(torch.bool)
+    if axis is not None:
+        axis = norm_axis(axis, input.dim(), "Compress")
+    length = input.numel() if axis is None else input.shape[axis]
+    if cond.numel() > length:
+        where = "the flattened input" if axis is None else f"axis {axis}"
+        raise ValueError(
+            f"Compress: condition of length {cond.numel()} is longer than {where} ({length})"
+        )
+    picked = torch.nonzero(cond).reshape(-1)
+    if axis is None:
+        return input.reshape(-1).index_select(0, picked)
+    return input.index_select(axis, picked)
+
+
+@register("ReverseSequence", since=10, backend="cuda")
+def reverse_sequence(
+    input: torch.Tensor, sequence_lens: torch.Tensor, *, batch_axis: int = 1, time_axis: int = 0
+) -> torch.Tensor:
+    """Reverse the first ``sequence_lens[b]`` steps along ``time_axis`` of every batch entry b
+    (lengths are clamped to [0, steps])."""
+    if sorted((batch_axis, time_axis)) != [0, 1] or input.dim() < 2:
+        raise ValueError(
+            f"ReverseSequence: batch_axis {batch_axis} and time_axis {time_axis} must be 0 and 1 "
+            f"(input shape {list(input.shape)})"
+        )
+    x = input.movedim((batch_axis, time_axis), (0, 1))
+    batch, steps = x.shape[:2]
+    lens = sequence_lens.to(torch.int64).reshape(-1)
+    if lens.shape != (batch,):
+        raise ValueError(
+            f"ReverseSequence: sequence_lens of shape {list(sequence_lens.shape)} must hold "
+            f"{batch} values"
+        )
+    lens = lens.clamp(0, steps).unsqueeze(1)
+    t = torch.arange(steps, device=x.device)
+    src = torch.where(t < lens, lens - 1 - t, t)
+    out = x[torch.arange(batch, device=x.device).unsqueeze(1), src]
+    return out.movedim((0, 1), (batch_axis, time_axis)).contiguous()

@@ -1,0 +1,276 @@
+"""Torch kernels for linear algebra, scans, softmax-like ops and arg/top-k selection.
+
+They mirror :mod:`tensorkiln.kernels.reference.math`. Float matrix products go to cuBLAS through
+torch.matmul/addmm in the inputs' own type (cuBLAS accumulates float16/bfloat16 in float32);
+integer products, which cuBLAS lacks, multiply and sum in int64 (wrapping like numpy) and
+MatMulInteger goes through float64 (exact for any realistic K). Softmax-like ops compute narrow
+floats in float32. Axis and k inputs are read to the host: they pick the output's shape.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from tensorkiln.kernels.cuda.tensor import from_order_key, host_scalar, order_key
+from tensorkiln.kernels.registry import register
+
+_NARROW = frozenset({torch.float16, torch.bfloat16})
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in _NARROW else dtype
+
+
+def _axis_of(axis: Any, ndim: int) -> int:
+    a = int(host_scalar(axis)) if not isinstance(axis, int) else axis
+    if not -max(ndim, 1) <= a < max(ndim, 1):
+        raise ValueError(f"axis {a} is out of range for a tensor of rank {ndim}")
+    return a % max(ndim, 1)
+
+
+# ---------------------------------------------------------------- matrix products
+
+
+def _integer_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """numpy.matmul of integer tensors, in int64 (cuBLAS has no integer GEMM); int64 wraps
+    modulo 2**64, so casting back gives numpy's wrapped result in the narrower type."""
+    dtype = a.dtype
+    a64, b64 = a.to(torch.int64), b.to(torch.int64)
+    vec_a, vec_b = a64.dim() == 1, b64.dim() == 1
+    if vec_a:
+        a64 = a64.unsqueeze(0)
+    if vec_b:
+        b64 = b64.unsqueeze(1)
+    y = (a64.unsqueeze(-1) * b64.unsqueeze(-3)).sum(-2)
+    if vec_a:
+        y = y.squeeze(-2)
+    if vec_b:
+        y = y.squeeze(-1)
+    return y.to(dtype)
+
+
+@register("MatMul", since=1, backend="cuda")
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """numpy.matmul semantics (1-D operands promoted and squeezed, batch dims broadcast)."""
+    if a.dtype.is_floating_point:
+        return torch.matmul(a, b)
+    return _integer_matmul(a, b)
+
+
+@register("Gemm", since=1, backend="cuda")
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    *,
+    alpha: float = 1.0,
+    beta: float = 1.0,
+    transA: int = 0,
+    transB: int = 0,
+    broadcast: int = 0,  # opset < 7; C always broadcasts unidirectionally here
+) -> torch.Tensor:
+    """Y = alpha * A' @ B' + beta * C, with A', B' optionally transposed (views, no copies)."""
+    a = a.t() if transA else a
+    b = b.t() if transB else b
+    use_c = c is not None and beta != 0.0
+    if not a.dtype.is_floating_point:
+        y = _integer_matmul(a, b)
+        if alpha != 1.0 or (use_c and beta != 1.0):
+            wide = alpha * y.to(torch.float64)
+            if use_c:
+                wide = wide + beta * c.to(torch.float64)
+            return wide.to(a.dtype)
+        return y + c if use_c else y
+    if use_c:
+        return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # c broadcasts to (M, N)
+    y = torch.mm(a, b)
+    return y * alpha if alpha != 1.0 else y
+
+
+def _row_zero_point(zp: torch.Tensor) -> torch.Tensor:
+    # A 1-D zero point of A holds one value per row: make it broadcast along the rows.
+    return zp.reshape(-1, 1) if zp.dim() == 1 and zp.numel() > 1 else zp
+
+
+@register("MatMulInteger", since=10, backend="cuda")
+def matmul_integer(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_zero_point: torch.Tensor | None = None,
+    b_zero_point: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(A - a_zero_point) @ (B - b_zero_point) in int32; A's zero point per row, B's per column."""
+    a64 = a.to(torch.float64)
+    b64 = b.to(torch.float64)
+    if a_zero_point is not None:
+        a64 = a64 - _row_zero_point(a_zero_point.to(torch.float64))
+    if b_zero_point is not None:
+        b64 = b64 - b_zero_point.to(torch.float64)
+    return torch.matmul(a64, b64).to(torch.int32)
+
+
+@register("Einsum", since=12, backend="cuda")
+def einsum(*inputs: torch.Tensor, equation: str) -> torch.Tensor:
+    """torch.einsum (numpy's implicit-output rule); integers go through float64, which cuBLAS
+    multiplies exactly for values below 2**53."""
+    eq = equation.replace(" ", "")
+    dtype = inputs[0].dtype
+    if dtype.is_floating_point:
+        return torch.einsum(eq, *inputs)
+    y = torch.einsum(eq, *[x.to(torch.float64) for x in inputs])
+    return y.round().to(dtype)
+
+
+@register("Det", since=11, backend="cuda")
+def det(x: torch.Tensor) -> torch.Tensor:
+    """Determinant of the last two dims (narrow floats in float64)."""
+    wide = x.to(torch.float64) if x.dtype in _NARROW else x
+    return torch.linalg.det(wide).to(x.dtype)
+
+
+# ---------------------------------------------------------------- scans
+
+_SCAN_AS_INT64 = frozenset({torch.bool, torch.uint16, torch.uint32, torch.uint64})
+
+
+def _scan(x: torch.Tensor, axis: Any, exclusive: int, reverse: int, prod: bool) -> torch.Tensor:
+    ax = _axis_of(axis, x.dim())
+    x_in = x.reshape(1) if x.dim() == 0 else x
+    # unsigned types torch cannot scan wrap the same way in int64
+    acc = torch.int64 if x.dtype in _SCAN_AS_INT64 else _compute_dtype(x.dtype)
+    src = x_in.flip(ax) if reverse else x_in
+    y = torch.cumprod(src, ax, dtype=acc) if prod else torch.cumsum(src, ax, dtype=acc)
+    if exclusive:
+        first = torch.full_like(y.narrow(ax, 0, min(1, y.shape[ax])), 1 if prod else 0)
+        y = torch.cat([first, y.narrow(ax, 0, max(y.shape[ax] - 1, 0))], dim=ax)
+    if reverse:
+        y = y.flip(ax)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+@register("CumSum", since=11, backend="cuda")
+def cumsum(x: torch.Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
+    """Cumulative sum along ``axis`` (a scalar tensor input)."""
+    return _scan(x, axis, exclusive, reverse, prod=False)
+
+
+@register("CumProd", since=26, backend="cuda")
+def cumprod(x: torch.Tensor, axis: Any, *, exclusive: int = 0, reverse: int = 0) -> torch.Tensor:
+    """Cumulative product along ``axis`` (a scalar tensor input)."""
+    return _scan(x, axis, exclusive, reverse, prod=True)
+
+
+# ---------------------------------------------------------------- softmax family
+
+
+def _softmax_along(x: torch.Tensor, axis: int, log: bool) -> torch.Tensor:
+    # float16/bfloat16 compute in float32 (their exp-sum overflows) and round once at the end
+    fn = torch.log_softmax if log else torch.softmax
+    if x.dtype in _NARROW:
+        return fn(x, axis, dtype=torch.float32).to(x.dtype)
+    return fn(x, axis)
+
+
+def _coerced_2d(fn, x: torch.Tensor, axis: int) -> torch.Tensor:
+    # Opset < 13: flatten to [prod(shape[:axis]), prod(shape[axis:])] and work along dim 1.
+    ax = _axis_of(axis, x.dim()) if x.dim() else 0
+    rows, cols = math.prod(x.shape[:ax]), math.prod(x.shape[ax:])
+    return fn(x.reshape(rows, cols), 1).reshape(x.shape)
+
+
+def _hardmax_along(x: torch.Tensor, axis: int) -> torch.Tensor:
+    idx = torch.argmax(order_key(x), dim=axis, keepdim=True)
+    return torch.zeros_like(x).scatter_(axis, idx, 1)
+
+
+@register("Softmax", since=1, backend="cuda")
+def softmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
+    """Softmax over the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
+
+
+@register("Softmax", since=13, backend="cuda")
+def softmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
+    """Numerically stable softmax along ``axis``."""
+    return _softmax_along(x, _axis_of(axis, x.dim()), log=False)
+
+
+@register("LogSoftmax", since=1, backend="cuda")
+def log_softmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
+    """LogSoftmax over the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
+
+
+@register("LogSoftmax", since=13, backend="cuda")
+def log_softmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
+    """Numerically stable log-softmax along ``axis``."""
+    return _softmax_along(x, _axis_of(axis, x.dim()), log=True)
+
+
+@register("Hardmax", since=1, backend="cuda")
+def hardmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
+    """One-hot of the first maximum of each row of the input coerced to 2-D at ``axis``."""
+    return _coerced_2d(_hardmax_along, x, axis)
+
+
+@register("Hardmax", since=13, backend="cuda")
+def hardmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
+    """One-hot of the first maximum along ``axis``."""
+    return _hardmax_along(x, _axis_of(axis, x.dim()))
+
+
+# ---------------------------------------------------------------- selection
+
+
+def _arg_reduce(
+    fn, x: torch.Tensor, axis: int, keepdims: int, select_last_index: int
+) -> torch.Tensor:
+    ax = _axis_of(axis, x.dim())
+    key = order_key(x)
+    if select_last_index:
+        return (x.shape[ax] - 1) - fn(key.flip(ax), dim=ax, keepdim=bool(keepdims))
+    return fn(key, dim=ax, keepdim=bool(keepdims))
+
+
+@register("ArgMax", since=1, backend="cuda")
+def argmax(
+    data: torch.Tensor, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
+) -> torch.Tensor:
+    """Index (int64) of the first (or last) maximum along ``axis``."""
+    return _arg_reduce(torch.argmax, data, axis, keepdims, select_last_index)
+
+
+@register("ArgMin", since=1, backend="cuda")
+def argmin(
+    data: torch.Tensor, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
+) -> torch.Tensor:
+    """Index (int64) of the first (or last) minimum along ``axis``."""
+    return _arg_reduce(torch.argmin, data, axis, keepdims, select_last_index)
+
+
+@register("TopK", since=1, backend="cuda")
+def topk(
+    x: torch.Tensor,
+    k_in: torch.Tensor | None = None,
+    *,
+    axis: int = -1,
+    largest: int = 1,
+    sorted: int = 1,
+    k: int | None = None,  # opset 1: k is an attribute
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest (or smallest) values along ``axis`` and their int64 indices.
+
+    Always sorted; among equal values the lower index comes first (a stable sort: torch.topk
+    leaves the order of ties open).
+    """
+    ax = _axis_of(axis, x.dim())
+    kk = int(host_scalar(k_in)) if k_in is not None else k
+    if kk is None or not 0 <= kk <= x.shape[ax]:
+        raise ValueError(f"TopK: k={kk} must be in [0, {x.shape[ax]}] for axis {ax}")
+    key = order_key(x)
+    values, idx = torch.sort(key, dim=ax, descending=bool(largest), stable=True)
+    values, idx = values.narrow(ax, 0, kk), idx.narrow(ax, 0, kk)
+    return from_order_key(values.contiguous(), x.dtype), idx.contiguous()
