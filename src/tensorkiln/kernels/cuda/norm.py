@@ -1,0 +1,348 @@
+"""Normalizations on the cuda backend: BatchNormalization, InstanceNormalization,
+LayerNormalization, GroupNormalization, RMSNormalization, LpNormalization,
+MeanVarianceNormalization, LRN; and Dropout.
+
+As in the reference, statistics are computed in float32 (float64 for float64 inputs, or the
+``stash_type`` where the op has one) and the result is narrowed once. Dropout's ratio and
+training_mode inputs are read on the host (scalars that decide what runs).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from onnx import helper
+
+from tensorkiln.kernels.cuda.convert import to_torch, torch_dtype
+from tensorkiln.kernels.cuda.nn import compute_dtype
+from tensorkiln.kernels.registry import register
+
+
+def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
+    """Broadcast shape of a per-channel vector against (N, C, D1, ...)."""
+    return (-1,) + (1,) * (x.ndim - 2)
+
+
+def _param(v: torch.Tensor, x: torch.Tensor, what: str, op: str, ct) -> torch.Tensor:
+    if v.numel() != x.shape[1]:
+        raise ValueError(f"{op}: {what} has {v.numel()} values but X has {x.shape[1]} channels")
+    return v.to(ct).reshape(_channel_shape(x))
+
+
+def _bn_apply(x, scale, bias, mean, var, epsilon: float, ct) -> torch.Tensor:
+    """y = x * a + b with the per-channel a = scale / sqrt(var + eps), b = bias - mean * a."""
+    a = scale / torch.sqrt(var + epsilon)
+    return torch.addcmul(bias - mean * a, x.to(ct), a).to(x.dtype)
+
+
+def _bn_params(x, scale, bias, mean, var, spatial: int = 1):
+    ct = compute_dtype(x.dtype)
+    if not spatial and scale.numel() == x[0].numel() and x.ndim > 2:
+        return ct, [v.to(ct).reshape(x.shape[1:]) for v in (scale, bias, mean, var)]
+    names = ("scale", "B", "input_mean", "input_var")
+    params = [
+        _param(v, x, n, "BatchNormalization", ct) for v, n in zip((scale, bias, mean, var), names)
+    ]
+    return ct, params
+
+
+def _batch_stats(x: torch.Tensor, ct, spatial: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    axes = (0,) if not spatial else (0, *range(2, x.ndim))
+    var, mean = torch.var_mean(x.to(ct), dim=axes, correction=0, keepdim=True)
+    return mean, var
+
+
+def _running(old, batch, momentum: float, like: torch.Tensor) -> torch.Tensor:
+    return (old * momentum + batch * (1 - momentum)).reshape(like.shape).to(like.dtype)
+
+
+@register("BatchNormalization", since=1, backend="cuda")
+def batch_normalization_legacy(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    *,
+    consumed_inputs: Sequence[int] | None = None,
+    epsilon: float = 1e-5,
+    is_test: int = 0,
+    momentum: float = 0.9,
+    spatial: int = 1,
+    _n_outputs: int = 1,
+):
+    """Opsets 1-13: inference with one output; with several, training-mode statistics (Y, the
+    updated running mean and variance, the batch mean and variance)."""
+    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
+    if _n_outputs == 1 or is_test:
+        return _bn_apply(x, s, b, m, v, epsilon, ct)
+    bm, bv = _batch_stats(x, ct, spatial)
+    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    outs = [y, _running(m, bm, momentum, mean), _running(v, bv, momentum, mean)]
+    outs += [bm.reshape(mean.shape).to(mean.dtype), bv.reshape(mean.shape).to(mean.dtype)]
+    return tuple(outs[:_n_outputs])
+
+
+@register("BatchNormalization", since=14, backend="cuda")
+def batch_normalization(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    *,
+    epsilon: float = 1e-5,
+    momentum: float = 0.9,
+    training_mode: int = 0,
+    _n_outputs: int = 1,
+):
+    """Normalize per channel; training_mode uses the batch statistics and also returns the
+    updated running mean and variance."""
+    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
+    if not training_mode:
+        return _bn_apply(x, s, b, m, v, epsilon, ct)
+    bm, bv = _batch_stats(x, ct)
+    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    outs = (y, _running(m, bm, momentum, mean), _running(v, bv, momentum, var))
+    return outs[:_n_outputs] if _n_outputs > 1 else y
+
+
+def _standardize(xc: torch.Tensor, axes: tuple[int, ...], epsilon: float):
+    """(x - mean) / sqrt(var + eps) over ``axes``; also returns mean and 1/sqrt(var + eps)."""
+    var, mean = torch.var_mean(xc, dim=axes, correction=0, keepdim=True)
+    inv_std = 1 / torch.sqrt(var + epsilon)
+    return (xc - mean) * inv_std, mean, inv_std
+
+
+@register("InstanceNormalization", since=1, backend="cuda")
+def instance_normalization(
+    x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, *, epsilon: float = 1e-5
+) -> torch.Tensor:
+    """Normalize each (n, c) plane over its spatial axes, then scale and shift per channel."""
+    if x.ndim < 3:
+        raise ValueError(
+            f"InstanceNormalization: X must be (N, C, D1, ...), got shape {tuple(x.shape)}"
+        )
+    ct = compute_dtype(x.dtype)
+    y, _, _ = _standardize(x.to(ct), tuple(range(2, x.ndim)), epsilon)
+    y = y * _param(scale, x, "scale", "InstanceNormalization", ct)
+    y = y + _param(bias, x, "B", "InstanceNormalization", ct)
+    return y.to(x.dtype)
+
+
+def _stash_dtype(stash_type: int) -> torch.dtype:
+    return torch_dtype(helper.tensor_dtype_to_np_dtype(stash_type))
+
+
+def _axis(axis: int, rank: int, op: str) -> int:
+    if not -rank <= axis < rank:
+        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
+    return axis % rank
+
+
+_FUSED_LN = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@register("LayerNormalization", since=17, backend="cuda")
+def layer_normalization(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    stash_type: int = 1,
+    _n_outputs: int = 1,
+):
+    """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
+    axis = _axis(axis, x.ndim, "LayerNormalization")
+    st = _stash_dtype(stash_type)
+    shape = tuple(x.shape[axis:])
+    fused = _n_outputs == 1 and st == torch.float32 and x.dtype in _FUSED_LN
+    if fused and tuple(scale.shape) == shape and (bias is None or tuple(bias.shape) == shape):
+        # torch's kernel keeps float32 statistics for narrow inputs, as the stash type asks
+        b = None if bias is None else bias.to(x.dtype)
+        return F.layer_norm(x, shape, scale.to(x.dtype), b, epsilon)
+    y, mean, inv_std = _standardize(x.to(st), tuple(range(axis, x.ndim)), epsilon)
+    y = y * scale.to(st)
+    if bias is not None:
+        y = y + bias.to(st)
+    y = y.to(x.dtype)
+    if _n_outputs == 1:
+        return y
+    return (y, mean, inv_std)[:_n_outputs]
+
+
+def _group_norm(x, scale, bias, num_groups: int, epsilon: float, ct, per_channel: bool):
+    n, c = x.shape[:2]
+    if num_groups < 1 or c % num_groups:
+        raise ValueError(
+            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
+        )
+    want = c if per_channel else num_groups
+    if scale.numel() != want or bias.numel() != want:
+        raise ValueError(
+            f"GroupNormalization: scale and bias need {want} values, got {scale.numel()} and "
+            f"{bias.numel()}"
+        )
+    y, _, _ = _standardize(x.to(ct).reshape(n, num_groups, -1), (2,), epsilon)
+    rest = (1,) * (x.ndim - 2)
+    if per_channel:
+        y = y.reshape(x.shape)
+        shape = (c, *rest)
+    else:
+        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
+        shape = (num_groups, 1, *rest)
+    y = y * scale.to(ct).reshape(shape) + bias.to(ct).reshape(shape)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+@register("GroupNormalization", since=18, backend="cuda")
+def group_normalization_18(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    epsilon: float = 1e-5,
+    num_groups: int,
+) -> torch.Tensor:
+    """Opset 18: normalize each group of channels; scale and bias have one value per group."""
+    ct = compute_dtype(x.dtype)
+    return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
+
+
+@register("GroupNormalization", since=21, backend="cuda")
+def group_normalization(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    epsilon: float = 1e-5,
+    num_groups: int,
+    stash_type: int = 1,
+) -> torch.Tensor:
+    """Opset 21: normalize each group of channels; scale and bias have one value per channel."""
+    st = _stash_dtype(stash_type)
+    return _group_norm(x, scale, bias, num_groups, epsilon, st, per_channel=True)
+
+
+@register("RMSNormalization", since=23, backend="cuda")
+def rms_normalization(
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    axis: int = -1,
+    epsilon: float = 1e-5,
+    stash_type: int = 1,
+) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
+    axis = _axis(axis, x.ndim, "RMSNormalization")
+    st = _stash_dtype(stash_type)
+    xs = x.to(st)
+    ms = (xs * xs).mean(dim=tuple(range(axis, x.ndim)), keepdim=True)
+    return (xs * (1 / torch.sqrt(ms + epsilon)) * scale.to(st)).to(x.dtype)
+
+
+@register("LpNormalization", since=1, backend="cuda")
+def lp_normalization(x: torch.Tensor, *, axis: int = -1, p: int = 2) -> torch.Tensor:
+    """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
+    if p not in (1, 2):
+        raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
+    axis = _axis(axis, x.ndim, "LpNormalization")
+    xc = x.to(compute_dtype(x.dtype))
+    if p == 1:
+        norm = xc.abs().sum(dim=axis, keepdim=True)
+    else:
+        norm = torch.sqrt((xc * xc).sum(dim=axis, keepdim=True))
+    y = torch.where(norm == 0, 0, xc / norm)
+    return y.to(x.dtype)
+
+
+@register("MeanVarianceNormalization", since=9, backend="cuda")
+def mean_variance_normalization(
+    x: torch.Tensor, *, axes: Sequence[int] = (0, 2, 3)
+) -> torch.Tensor:
+    """(x - mean) / (sqrt(E[x^2] - mean^2) + 1e-9) over ``axes`` (the spec's function body)."""
+    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    xc = x.to(compute_dtype(x.dtype))
+    mean = xc.mean(dim=axes, keepdim=True)
+    var = (xc * xc).mean(dim=axes, keepdim=True) - mean * mean
+    std = torch.sqrt(var.clamp(min=0)) + 1e-9
+    return ((xc - mean) / std).to(x.dtype)
+
+
+@register("LRN", since=1, backend="cuda")
+def lrn(
+    x: torch.Tensor,
+    *,
+    alpha: float = 1e-4,
+    beta: float = 0.75,
+    bias: float = 1.0,
+    size: int,
+) -> torch.Tensor:
+    """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
+    if x.ndim < 3:
+        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {tuple(x.shape)}")
+    if size < 1:
+        raise ValueError(f"LRN: size must be positive, got {size}")
+    xc = x.to(compute_dtype(x.dtype))
+    lo = (size - 1) // 2  # channel c sums the squares of channels c - lo .. c - lo + size - 1
+    sq = F.pad((xc * xc).movedim(1, -1), (lo, size - 1 - lo))
+    window = sq.unfold(-1, size, 1).sum(dim=-1).movedim(-1, 1)
+    return (xc / (bias + (alpha / size) * window) ** beta).to(x.dtype)
+
+
+def _dropout(x: torch.Tensor, ratio: float, training: bool, seed: int | None, n_outputs: int):
+    if not 0 <= ratio < 1:
+        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
+    if not training or ratio == 0:
+        y = x
+        mask = torch.ones(x.shape, dtype=torch.bool, device=x.device) if n_outputs > 1 else None
+    else:
+        if seed is not None:
+            # a seeded mask is drawn as the reference draws it, so that both backends agree
+            rng = np.random.RandomState(seed)
+            mask = to_torch(rng.uniform(0.0, 1.0, tuple(x.shape)) >= ratio, x.device)
+        else:
+            mask = torch.rand(x.shape, device=x.device) >= ratio
+        y = (x * mask * (1.0 / (1.0 - ratio))).to(x.dtype)
+    return (y, mask) if n_outputs > 1 else y
+
+
+@register("Dropout", since=1, backend="cuda")
+def dropout_legacy(
+    x: torch.Tensor,
+    *,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
+    ratio: float = 0.5,
+    _n_outputs: int = 1,
+):
+    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
+    if _n_outputs == 1:
+        return x
+    return x, torch.ones_like(x)
+
+
+@register("Dropout", since=10, backend="cuda")
+def dropout_10(x: torch.Tensor, *, ratio: float = 0.5, _n_outputs: int = 1):
+    """Opsets 10-11: identity in inference; the mask is bool (all true)."""
+    return _dropout(x, float(ratio), False, None, _n_outputs)
+
+
+@register("Dropout", since=12, backend="cuda")
+def dropout(
+    x: torch.Tensor,
+    ratio: torch.Tensor | None = None,
+    training_mode: torch.Tensor | None = None,
+    *,
+    seed: int | None = None,
+    _n_outputs: int = 1,
+):
+    """Identity unless training_mode; then zero elements with probability ratio, scale the rest."""
+    training = training_mode is not None and bool(training_mode.reshape(-1)[0].item())
+    r = 0.5 if ratio is None or not training else float(ratio.reshape(-1)[0].item())
+    return _dropout(x, r, training, seed, _n_outputs)
