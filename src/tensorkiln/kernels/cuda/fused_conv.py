@@ -1,0 +1,175 @@
+"""tensorkiln.ConvAct on the cuda backend: torch's convolution (cuDNN on the GPU) + epilogue.
+
+``Y = act(conv(X, W) + B + Z)`` (``residual_order="add_act"``) or ``act(conv(X, W) + B) + Z``
+(``"act_add"``), as :mod:`tensorkiln.kernels.reference.fused_conv` defines it. The bias goes into the
+convolution call (cuDNN adds it in its epilogue); the residual and the activation then run in place on
+the convolution's fresh output, so the op allocates nothing beyond its result. Symmetric padding is
+the convolution's own; asymmetric padding (auto_pad SAME_* with an odd total, or explicit pads) pads
+the input first. One to three spatial axes map onto F.conv1d/2d/3d; more are reduced tap by tap along
+the first spatial axis to convolutions of one axis fewer.
+
+The in-place activations here are shared with :mod:`tensorkiln.kernels.cuda.fused_gemm`. The
+convolution follows the device's precision settings: on CUDA, float32 convolutions use TF32 when
+``torch.backends.cudnn.allow_tf32`` is set (torch's default).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from tensorkiln.kernels.reference._window import Geometry
+from tensorkiln.kernels.reference.fused_conv import check_activation
+from tensorkiln.kernels.reference.nn import _check_conv_shapes, _conv_geometry
+from tensorkiln.kernels.registry import register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+# the ONNX defaults of the activation parameters (alpha, beta), as the attributes store them
+_DEFAULTS = {
+    "LeakyRelu": (0.009999999776482582, None),
+    "Swish": (1.0, None),
+    "HardSigmoid": (0.20000000298023224, 0.5),
+}
+
+
+def activate_(
+    y: torch.Tensor,
+    activation: str,
+    alpha: float | None = None,
+    beta: float | None = None,
+    lo: float | None = None,
+    hi: float | None = None,
+) -> torch.Tensor:
+    """Apply ``activation`` to the fresh tensor ``y`` in place and return it."""
+    if activation == "":
+        return y
+    a, b = _DEFAULTS.get(activation, (None, None))
+    alpha = a if alpha is None else alpha
+    beta = b if beta is None else beta
+    if activation == "Relu":
+        return y.relu_()
+    if activation == "Tanh":
+        return y.tanh_()
+    if activation == "Sigmoid":
+        return y.sigmoid_()
+    if activation == "Clip":
+        return y if lo is None and hi is None else y.clamp_(lo, hi)
+    if activation == "LeakyRelu":
+        return F.leaky_relu_(y, alpha)
+    if activation == "Swish":
+        if alpha == 1.0:
+            return F.silu(y, inplace=True)
+        return y.mul_(torch.sigmoid(y * alpha))
+    if activation == "HardSigmoid":
+        return y.mul_(alpha).add_(beta).clamp_(0.0, 1.0)
+    if activation == "HardSwish":
+        return F.hardswish(y, inplace=True)
+    if activation in ("Gelu", "GeluTanh"):
+        return torch.ops.aten.gelu_(y, approximate="tanh" if activation == "GeluTanh" else "none")
+    raise ValueError(f"unknown activation {activation!r}")  # check_activation runs first
+
+
+def _torch_pads(begin: Sequence[int], end: Sequence[int]) -> list[int]:
+    """F.pad's argument: (begin, end) pairs from the last axis backwards."""
+    out: list[int] = []
+    for b, e in zip(reversed(begin), reversed(end)):
+        out += [b, e]
+    return out
+
+
+def _conv_valid(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    strides: tuple[int, ...],
+    dilations: tuple[int, ...],
+    padding: tuple[int, ...],
+    group: int,
+) -> torch.Tensor:
+    """Convolution with symmetric ``padding``; more than 3 spatial axes go tap by tap."""
+    n = x.ndim - 2
+    if n <= 3:
+        return _CONV[n](x, w, b, strides, padding, dilations, group)
+    if any(padding):
+        x = F.pad(x, _torch_pads(padding, padding))
+    # y[:, :, o] = sum over taps t of conv_{n-1}(x[:, :, o*s + t*d], w[:, :, t]): the first spatial
+    # axis is folded into the batch, one (n-1)-d convolution per tap of the kernel along it
+    s0, d0 = strides[0], dilations[0]
+    out0 = (x.shape[2] - (w.shape[2] - 1) * d0 - 1) // s0 + 1
+    batch, m = x.shape[0], w.shape[0]
+    y = None
+    for t in range(w.shape[2]):
+        rows = x[:, :, t * d0 : t * d0 + (out0 - 1) * s0 + 1 : s0]
+        rows = rows.movedim(2, 1).reshape(batch * out0, x.shape[1], *x.shape[3:])
+        part = _conv_valid(
+            rows, w[:, :, t], None, strides[1:], dilations[1:], (0,) * (n - 1), group
+        )
+        y = part if y is None else y.add_(part)
+    y = y.reshape(batch, out0, m, *y.shape[2:]).movedim(1, 2).contiguous()
+    return y if b is None else y.add_(b.reshape(m, *(1,) * n))
+
+
+def conv(
+    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: Geometry, group: int
+) -> torch.Tensor:
+    """The convolution of ``x`` with ``w`` (+ per-channel ``b``) under geometry ``g``."""
+    padding = g.begin
+    if g.begin != g.end:
+        x = F.pad(x, _torch_pads(g.begin, g.end))
+        padding = (0,) * len(g.begin)
+    return _conv_valid(x, w, b, g.strides, g.dilations, padding, group)
+
+
+def _check_residual_order(residual_order: str) -> None:
+    if residual_order not in ("add_act", "act_add"):
+        raise ValueError(
+            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
+        )
+
+
+@register("ConvAct", domain="tensorkiln", since=1, backend="cuda")
+def conv_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+    activation: str = "",
+    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
+    activation_beta: float | None = None,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+) -> torch.Tensor:
+    """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
+    _check_conv_shapes(x, w, group, "ConvAct")
+    check_activation(activation, "ConvAct")
+    _check_residual_order(residual_order)
+    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    m = w.shape[0]
+    if b is not None and b.numel() != m:
+        raise ValueError(
+            f"ConvAct: bias B has {b.numel()} values but there are {m} output channels"
+        )
+    bias = None if b is None else b.reshape(m).to(x.dtype)
+    y = conv(x, w.to(x.dtype), bias, g, group)
+    if z is not None and tuple(z.shape) != tuple(y.shape):
+        raise ValueError(
+            f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's {tuple(y.shape)}"
+        )
+    after = residual_order == "act_add"
+    if z is not None and not after:
+        y.add_(z)
+    activate_(y, activation, activation_alpha, activation_beta, activation_min, activation_max)
+    if z is not None and after:
+        y.add_(z)
+    return y
