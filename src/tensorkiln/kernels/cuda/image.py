@@ -1,0 +1,517 @@
+"""Image ops on the cuda backend: Resize, Upsample, GridSample, AffineGrid, Col2Im; ImageDecoder
+runs on the host.
+
+Resize is separable, as in the reference: for each resized axis the source coordinate of every
+output position is computed on the device (in float32, so ties in nearest rounding break as the
+reference's do), turned into tap indices and float64 weights (out_len x taps), and applied as one
+gather along that axis and a weighted sum over the taps. Integer inputs interpolate in float64 and
+round half to even. Resize's roi/scales/sizes, AffineGrid's size and Col2Im's shapes are read on
+the host (they decide output shapes).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tensorkiln.kernels.cuda.convert import numpy_dtype
+from tensorkiln.kernels.cuda.host import register_host
+from tensorkiln.kernels.cuda.nn import torch_pads
+from tensorkiln.kernels.reference import image as ref
+from tensorkiln.kernels.registry import register
+
+f32, f64 = torch.float32, torch.float64
+
+# ---------------------------------------------------------------------------------------------
+# Resize: coordinates, taps, one axis at a time
+# ---------------------------------------------------------------------------------------------
+
+
+def _source_coords(ctm: str, n_out: int, n_in: int, scale: float, roi, device) -> torch.Tensor:
+    """The input coordinate (float32) of every output position along one axis.
+
+    The same formulas and float32 rounding steps as the reference's (see there why the output
+    length is ``n_out``); scalar-only parts are evaluated with numpy float32 scalars.
+    """
+    y = torch.arange(n_out, dtype=f32, device=device)
+    s = np.float32(scale)
+    length = np.float32(n_out)
+    if ctm == "half_pixel":
+        return (y + 0.5) / float(s) - 0.5
+    if ctm == "half_pixel_symmetric":
+        offset = n_in / 2 * (1 - length / (s * np.float32(n_in)))
+        return float(np.float32(offset)) + (y + 0.5) / float(s) - 0.5
+    if ctm == "pytorch_half_pixel":
+        return (y + 0.5) / float(s) - 0.5 if length > 1 else torch.zeros_like(y)
+    if ctm == "align_corners":
+        return y * (n_in - 1) / float(length - 1) if length != 1 else torch.zeros_like(y)
+    if ctm == "asymmetric":
+        return y / float(s)
+    if ctm == "tf_half_pixel_for_nn":
+        return (y + 0.5) / float(s)
+    if ctm == "tf_crop_and_resize":
+        start, end = roi
+        if length == 1:
+            return torch.full_like(y, float(np.float32(0.5 * (start + end) * (n_in - 1))))
+        a, b = np.float32(start * (n_in - 1)), np.float32(end - start)
+        return float(a) + y * float(b) * (n_in - 1) / float(length - 1)
+    raise ValueError(f"Resize: unknown coordinate_transformation_mode '{ctm}'")
+
+
+def _nearest_index(x: torch.Tensor, nearest_mode: str, scale: float) -> torch.Tensor:
+    if nearest_mode == "round_prefer_floor":
+        idx = torch.ceil(x - 0.5)
+    elif nearest_mode == "round_prefer_ceil":
+        idx = torch.floor(x + 0.5)
+    elif nearest_mode == "floor":
+        idx = torch.floor(x)
+    elif nearest_mode == "ceil":
+        idx = torch.ceil(x)
+    elif nearest_mode == "simple":  # opset < 11 (Resize-10, Upsample), as onnxruntime does it
+        idx = torch.ceil(x) if scale < 1 else torch.floor(x)
+    else:
+        raise ValueError(f"Resize: unknown nearest_mode '{nearest_mode}'")
+    return idx.to(torch.int64)
+
+
+def _linear_kernel(s: torch.Tensor, a: float) -> torch.Tensor:
+    return (1 - s.abs()).clamp(min=0)
+
+
+def _cubic_kernel(s: torch.Tensor, a: float) -> torch.Tensor:
+    """Keys' cubic convolution kernel with coefficient ``a``."""
+    s = s.abs()
+    near = ((a + 2) * s - (a + 3)) * s * s + 1
+    far = ((a * s - 5 * a) * s + 8 * a) * s - 4 * a
+    return torch.where(s <= 1, near, torch.where(s < 2, far, 0.0))
+
+
+def _taps(x: torch.Tensor, mode: str, n_in: int, scale: float, a: float, antialias, exclude):
+    """Tap indices (unclipped) and float64 weights, both (len(x), taps), for linear or cubic."""
+    kernel, radius = (_linear_kernel, 1) if mode == "linear" else (_cubic_kernel, 2)
+    # Antialiasing stretches the filter by 1/scale when downsampling.
+    stretch = min(scale, 1.0) if antialias else 1.0
+    start = int(np.floor(-radius / stretch)) + 1
+    offsets = torch.arange(start, 2 - start, dtype=f64, device=x.device)
+    base = torch.ceil(x) - 1  # the tap left of x; ratio in (0, 1]
+    ratio = x - base
+    idx = base.to(torch.int64)[:, None] + offsets.to(torch.int64)
+    w = kernel((offsets - ratio[:, None]) * stretch, a)
+    if antialias:
+        w = w / w.sum(dim=1, keepdim=True)
+    if exclude:
+        w = torch.where((idx < 0) | (idx >= n_in), 0.0, w)
+        total = w.sum(dim=1, keepdim=True)
+        w = w / torch.where(total == 0, 1.0, total)
+    return idx, w
+
+
+def _along(v: torch.Tensor, axis: int, ndim: int) -> torch.Tensor:
+    """A tensor of leading shape (n,) or (n, taps) shaped to broadcast from ``axis`` on."""
+    shape = [1] * ndim
+    shape[axis : axis + v.ndim] = v.shape
+    return v.reshape(shape)
+
+
+def _resize_axis(data: torch.Tensor, axis: int, n_out: int, scale: float, opts: dict):
+    n_in = data.shape[axis]
+    ctm = opts["coordinate_transformation_mode"]
+    coords = _source_coords(ctm, n_out, n_in, scale, opts["roi"][axis], data.device)
+    x = coords.to(f64)
+    if opts["mode"] == "nearest":
+        idx = _nearest_index(x, opts["nearest_mode"], scale).clamp(0, n_in - 1)
+        out = data.index_select(axis, idx)
+    else:
+        args = (opts["cubic_coeff_a"], opts["antialias"], opts["exclude_outside"])
+        idx, w = _taps(x, opts["mode"], n_in, scale, *args)
+        picked = data.index_select(axis, idx.clamp(0, n_in - 1).reshape(-1))
+        picked = picked.unflatten(axis, tuple(idx.shape))
+        out = (picked * _along(w.to(data.dtype), axis, picked.ndim)).sum(dim=axis + 1)
+    if ctm == "tf_crop_and_resize":
+        outside = _along((x < 0) | (x > n_in - 1), axis, data.ndim)
+        fill = torch.tensor(opts["extrapolation_value"], dtype=f64, device=data.device)
+        out = torch.where(outside, fill.to(out.dtype), out)
+    return out
+
+
+def _cast_back(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if y.dtype == dtype:
+        return y
+    if not dtype.is_floating_point and dtype != torch.bool:
+        info = torch.iinfo(dtype)
+        return torch.round(y).clamp(info.min, info.max).to(dtype)
+    return y.to(dtype)
+
+
+def _host(v: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
+    """A small shape-like input (roi, scales, sizes) as a host array of its own dtype."""
+    if v is None or isinstance(v, np.ndarray):
+        return v
+    return np.asarray(v.tolist(), dtype=numpy_dtype(v.dtype)).reshape(-1)
+
+
+def _interp_dtype(dtype: torch.dtype) -> torch.dtype:
+    return f32 if dtype in (torch.float16, torch.bfloat16, f32) else f64
+
+
+def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> torch.Tensor:
+    r = x.ndim
+    axes = list(range(r)) if not axes else [int(a) + r if a < 0 else int(a) for a in axes]
+    if any(not 0 <= a < r for a in axes) or len(set(axes)) != len(axes):
+        raise ValueError(f"Resize: invalid axes {axes} for a {r}-D input")
+    out_len, scale = ref._plan(tuple(x.shape), _host(scales), _host(sizes), axes, policy)
+    boxes = [(0.0, 1.0)] * r
+    if opts["coordinate_transformation_mode"] == "tf_crop_and_resize":
+        box = _host(roi)
+        if box is None or box.size != 2 * len(axes):
+            raise ValueError(f"Resize: tf_crop_and_resize needs an roi of {2 * len(axes)} values")
+        for i, a in enumerate(axes):
+            boxes[a] = (np.float32(box[i]), np.float32(box[i + len(axes)]))
+    opts["roi"] = boxes
+    if opts["mode"] not in ("nearest", "linear", "cubic"):
+        raise ValueError(f"Resize: unknown mode '{opts['mode']}'")
+    y = x if opts["mode"] == "nearest" else x.to(_interp_dtype(x.dtype))
+    shifted = opts["coordinate_transformation_mode"] == "tf_half_pixel_for_nn"
+    for a, n, s in zip(axes, out_len, scale):
+        if n == x.shape[a] and s == 1.0 and boxes[a] == (0.0, 1.0) and not shifted:
+            continue  # the identity along this axis
+        y = _resize_axis(y, a, n, s, opts)
+    return _cast_back(y, x.dtype)
+
+
+@register("Resize", since=10, backend="cuda")
+def resize_10(x: torch.Tensor, scales: torch.Tensor, *, mode: str = "nearest") -> torch.Tensor:
+    """Resize-10: scales only, asymmetric coordinates (like Upsample)."""
+    ref._check(mode, ("nearest", "linear"), "mode", 10)
+    return _resize(x, None, scales, None, None, "stretch", **ref._legacy_opts(mode))
+
+
+def _resize_11_to_19(opset: int, x, roi, scales, sizes, attrs: dict) -> torch.Tensor:
+    modes = {11: ref._COORD_MODES_11, 13: ref._COORD_MODES_13, 18: ref._COORD_MODES_13}.get(
+        opset, ref._COORD_MODES_19
+    )
+    ctm = attrs["coordinate_transformation_mode"]
+    ref._check(ctm, modes, "coordinate_transformation_mode", opset)
+    ref._check(attrs["nearest_mode"], ref._NEAREST_MODES, "nearest_mode", opset)
+    axes = attrs.pop("axes", None)
+    policy = attrs.pop("keep_aspect_ratio_policy", "stretch")
+    attrs["antialias"] = bool(attrs.get("antialias", 0))
+    attrs["exclude_outside"] = bool(attrs["exclude_outside"])
+    return _resize(x, roi, scales, sizes, axes, policy, **attrs)
+
+
+def _attrs(local_vars: dict) -> dict:
+    return {k: v for k, v in local_vars.items() if k not in ("x", "roi", "scales", "sizes")}
+
+
+@register("Resize", since=11, backend="cuda")
+def resize_11(
+    x: torch.Tensor,
+    roi: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    sizes: torch.Tensor | None = None,
+    *,
+    coordinate_transformation_mode: str = "half_pixel",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: int = 0,
+    extrapolation_value: float = 0.0,
+    mode: str = "nearest",
+    nearest_mode: str = "round_prefer_floor",
+) -> torch.Tensor:
+    """Resize-11: roi/scales/sizes inputs, coordinate modes incl. tf_half_pixel_for_nn."""
+    return _resize_11_to_19(11, x, roi, scales, sizes, _attrs(locals()))
+
+
+@register("Resize", since=13, backend="cuda")
+def resize_13(
+    x: torch.Tensor,
+    roi: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    sizes: torch.Tensor | None = None,
+    *,
+    coordinate_transformation_mode: str = "half_pixel",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: int = 0,
+    extrapolation_value: float = 0.0,
+    mode: str = "nearest",
+    nearest_mode: str = "round_prefer_floor",
+) -> torch.Tensor:
+    """Resize-13: roi and scales optional; tf_half_pixel_for_nn removed."""
+    return _resize_11_to_19(13, x, roi, scales, sizes, _attrs(locals()))
+
+
+@register("Resize", since=18, backend="cuda")
+def resize_18(
+    x: torch.Tensor,
+    roi: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    sizes: torch.Tensor | None = None,
+    *,
+    antialias: int = 0,
+    axes: list[int] | None = None,
+    coordinate_transformation_mode: str = "half_pixel",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: int = 0,
+    extrapolation_value: float = 0.0,
+    keep_aspect_ratio_policy: str = "stretch",
+    mode: str = "nearest",
+    nearest_mode: str = "round_prefer_floor",
+) -> torch.Tensor:
+    """Resize-18: adds antialias, axes and keep_aspect_ratio_policy."""
+    return _resize_11_to_19(18, x, roi, scales, sizes, _attrs(locals()))
+
+
+@register("Resize", since=19, backend="cuda")
+def resize_19(
+    x: torch.Tensor,
+    roi: torch.Tensor | None = None,
+    scales: torch.Tensor | None = None,
+    sizes: torch.Tensor | None = None,
+    *,
+    antialias: int = 0,
+    axes: list[int] | None = None,
+    coordinate_transformation_mode: str = "half_pixel",
+    cubic_coeff_a: float = -0.75,
+    exclude_outside: int = 0,
+    extrapolation_value: float = 0.0,
+    keep_aspect_ratio_policy: str = "stretch",
+    mode: str = "nearest",
+    nearest_mode: str = "round_prefer_floor",
+) -> torch.Tensor:
+    """Resize-19: adds the half_pixel_symmetric coordinate mode."""
+    return _resize_11_to_19(19, x, roi, scales, sizes, _attrs(locals()))
+
+
+@register("Upsample", since=7, backend="cuda")
+def upsample_7(x: torch.Tensor, *, mode: str = "nearest", scales: list[float] | None = None):
+    """Upsample-7: scales as an attribute."""
+    if scales is None:
+        raise ValueError("Upsample: the 'scales' attribute is required")
+    return _upsample(x, np.asarray(scales, dtype=np.float32), mode)
+
+
+@register("Upsample", since=9, backend="cuda")
+def upsample_9(x: torch.Tensor, scales: torch.Tensor, *, mode: str = "nearest") -> torch.Tensor:
+    """Upsample-9/10: scales as an input; behaves as Resize-10."""
+    return _upsample(x, scales, mode)
+
+
+def _upsample(x: torch.Tensor, scales, mode: str) -> torch.Tensor:
+    mode = "linear" if mode == "bilinear" else mode
+    if mode not in ("nearest", "linear"):
+        raise ValueError(f"Upsample: mode '{mode}' is not one of nearest, linear")
+    return _resize(x, None, scales, None, None, "stretch", **ref._legacy_opts(mode))
+
+
+# ---------------------------------------------------------------------------------------------
+# GridSample, AffineGrid
+# ---------------------------------------------------------------------------------------------
+
+
+def _reflect(x: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """Reflect ``x`` at the borders lo and hi until it lies between them."""
+    span = hi - lo
+    if span <= 0:
+        return torch.full_like(x, lo)
+    below = x < lo
+    dx = torch.where(below, lo - x, x - hi)
+    n = torch.floor(dx / span)
+    r = dx - n * span
+    even = torch.remainder(n, 2) == 0
+    inside_low = torch.where(even, lo + r, hi - r)  # reflected off the low border
+    inside_high = torch.where(even, hi - r, lo + r)
+    out = torch.where(below, inside_low, inside_high)
+    return torch.where((x < lo) | (x > hi), out, x)
+
+
+def _pad_tap(i: torch.Tensor, size: int, padding: str, lo: float, hi: float):
+    """Index into an axis of ``size`` for tap ``i``, and a 0/1 weight (zeros padding)."""
+    if padding == "zeros":
+        return i.clamp(0, size - 1), ((i >= 0) & (i < size)).to(f64)
+    if padding == "reflection":
+        i = _reflect(i.to(f64), lo, hi).to(torch.int64)
+    return i.clamp(0, size - 1), None
+
+
+def _grid_taps(c: torch.Tensor, mode: str, size: int, padding: str, lo: float, hi: float):
+    """(index, weight) for each tap of one spatial axis at coordinates ``c``."""
+    if mode == "nearest":
+        base, weights = c.to(torch.int64), [torch.ones_like(c)]
+    else:
+        base = torch.floor(c).to(torch.int64)
+        t = c - base
+        if mode == "linear":
+            weights = [1 - t, t]
+        else:
+            weights = [_cubic_kernel(t + 1, -0.75), _cubic_kernel(t, -0.75)]
+            weights += [_cubic_kernel(1 - t, -0.75), _cubic_kernel(2 - t, -0.75)]
+            base = base - 1
+    taps = []
+    for k, w in enumerate(weights):
+        idx, valid = _pad_tap(base + k, size, padding, lo, hi)
+        taps.append((idx, w if valid is None else w * valid))
+    return taps
+
+
+def _grid_sample(x: torch.Tensor, grid: torch.Tensor, mode: str, padding: str, align: bool):
+    nd = x.ndim - 2
+    if grid.ndim != nd + 2 or grid.shape[-1] != nd or grid.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"GridSample: grid of shape {tuple(grid.shape)} does not fit input of shape "
+            f"{tuple(x.shape)}; expected (N={x.shape[0]}, *output_spatial ({nd} dims), {nd})"
+        )
+    if padding not in ("zeros", "border", "reflection"):
+        raise ValueError(f"GridSample: unknown padding_mode '{padding}'")
+    taps = []
+    for k, size in enumerate(x.shape[2:]):
+        g = grid[..., nd - 1 - k].to(f64)  # grid's last entry indexes the first axis
+        c = (g + 1) / 2 * (size - 1) if align else ((g + 1) * size - 1) / 2
+        lo, hi = (0.0, size - 1.0) if align else (-0.5, size - 0.5)
+        if mode == "nearest":
+            c = torch.round(c)
+        outside = (c < lo) | (c > hi)
+        if padding == "border":
+            c = torch.where(outside, c.clamp(0, size - 1), c)
+        elif padding == "reflection":
+            c = torch.where(outside, _reflect(c, lo, hi), c)
+        taps.append(_grid_taps(c, mode, size, padding, lo, hi))
+    ct = _interp_dtype(x.dtype)
+    n_, ch = x.shape[0], x.shape[1]
+    flat_x = x.movedim(1, -1).reshape(-1, ch).to(ct)  # (N * prod(spatial), C)
+    batch = torch.arange(n_, device=x.device).reshape((-1,) + (1,) * (grid.ndim - 2))
+    out = None
+    for combo in itertools.product(*taps):
+        flat, w = batch, None
+        for (ti, tw), size in zip(combo, x.shape[2:]):
+            flat = flat * size + ti
+            w = tw if w is None else w * tw
+        part = flat_x[flat] * w.to(ct)[..., None]  # (N, *out, C)
+        out = part if out is None else out + part
+    return out.movedim(-1, 1).to(x.dtype)
+
+
+@register("GridSample", since=16, backend="cuda")
+def grid_sample_16(
+    x: torch.Tensor,
+    grid: torch.Tensor,
+    *,
+    align_corners: int = 0,
+    mode: str = "bilinear",
+    padding_mode: str = "zeros",
+) -> torch.Tensor:
+    """GridSample-16: 4-D input, modes bilinear / nearest / bicubic."""
+    names = {"bilinear": "linear", "nearest": "nearest", "bicubic": "cubic"}
+    if mode not in names:
+        raise ValueError(f"GridSample-16: mode '{mode}' is not one of {', '.join(names)}")
+    if x.ndim != 4:
+        raise ValueError(f"GridSample-16: input must be 4-D, got shape {tuple(x.shape)}")
+    return _grid_sample(x, grid, names[mode], padding_mode, bool(align_corners))
+
+
+@register("GridSample", since=20, backend="cuda")
+def grid_sample_20(
+    x: torch.Tensor,
+    grid: torch.Tensor,
+    *,
+    align_corners: int = 0,
+    mode: str = "linear",
+    padding_mode: str = "zeros",
+) -> torch.Tensor:
+    """GridSample-20/22: N-d input, modes linear / nearest / cubic."""
+    if mode not in ("linear", "nearest", "cubic"):
+        raise ValueError(f"GridSample: mode '{mode}' is not one of linear, nearest, cubic")
+    if x.ndim < 3:
+        raise ValueError(f"GridSample: input must have a spatial axis, got shape {tuple(x.shape)}")
+    return _grid_sample(x, grid, mode, padding_mode, bool(align_corners))
+
+
+def _base_coords(length: int, align: bool, device) -> torch.Tensor:
+    """Normalized [-1, 1] coordinates of ``length`` pixels (as torch.nn.functional.affine_grid)."""
+    c = torch.linspace(-1.0, 1.0, length, dtype=f64, device=device)
+    return c if align or length == 0 else c * (length - 1) / length
+
+
+@register("AffineGrid", since=20, backend="cuda")
+def affine_grid(theta: torch.Tensor, size: torch.Tensor, *, align_corners: int = 0) -> torch.Tensor:
+    """Sampling grid (N, *spatial, nd) of the affine maps ``theta`` (N, nd, nd + 1)."""
+    size = [int(s) for s in size.reshape(-1).tolist()]
+    spatial = size[2:]
+    nd = len(spatial)
+    if nd not in (2, 3) or tuple(theta.shape) != (size[0], nd, nd + 1):
+        raise ValueError(
+            f"AffineGrid: theta of shape {tuple(theta.shape)} does not fit size {size}; "
+            "expected size of 4 or 5 values and theta of shape (N, nd, nd + 1)"
+        )
+    axes = [_base_coords(n, bool(align_corners), theta.device) for n in spatial]
+    mesh = torch.meshgrid(*axes, indexing="ij")  # (D,) H, W
+    base = torch.stack([*mesh[::-1], torch.ones_like(mesh[0])], dim=-1)  # x, y, (z), 1
+    out = torch.einsum("...k,njk->n...j", base, theta.to(f64))
+    return out.to(theta.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Col2Im
+# ---------------------------------------------------------------------------------------------
+
+
+def _col2im_taps(cols: torch.Tensor, padded, block, blocks, dil, stride) -> torch.Tensor:
+    """Sum (N, C, *block, *blocks) columns into (N, C, *padded) one kernel tap at a time."""
+    n, c = cols.shape[:2]
+    nd = len(block)
+    out = cols.new_zeros(n, c, *padded)
+    for k in itertools.product(*[range(b) for b in block]):
+        where = tuple(
+            slice(k[d] * dil[d], k[d] * dil[d] + stride[d] * (blocks[d] - 1) + 1, stride[d])
+            for d in range(nd)
+        )
+        out[(..., *where)] += cols[(slice(None), slice(None), *k)]
+    return out
+
+
+@register("Col2Im", since=18, backend="cuda")
+def col2im(
+    x: torch.Tensor,
+    image_shape: torch.Tensor,
+    block_shape: torch.Tensor,
+    *,
+    dilations: list[int] | None = None,
+    pads: list[int] | None = None,
+    strides: list[int] | None = None,
+) -> torch.Tensor:
+    """Sum the columns (N, C * prod(block), L) back into images (N, C, *image_shape)."""
+    image = [int(v) for v in image_shape.reshape(-1).tolist()]
+    block = [int(v) for v in block_shape.reshape(-1).tolist()]
+    nd = len(image)
+    dil = list(dilations or [1] * nd)
+    stride = list(strides or [1] * nd)
+    pads = list(pads or [0] * 2 * nd)
+    if len(block) != nd or len(dil) != nd or len(stride) != nd or len(pads) != 2 * nd:
+        raise ValueError("Col2Im: image_shape, block_shape, dilations, strides, pads disagree")
+    padded = [image[d] + pads[d] + pads[d + nd] for d in range(nd)]
+    blocks = [(padded[d] - dil[d] * (block[d] - 1) - 1) // stride[d] + 1 for d in range(nd)]
+    n, ck, length = x.shape
+    kernel = int(np.prod(block))
+    if ck % kernel or length != int(np.prod(blocks)) or min(blocks) <= 0:
+        raise ValueError(
+            f"Col2Im: input of shape {tuple(x.shape)} does not fit block_shape {block} and "
+            f"{blocks} block positions (from image_shape {image})"
+        )
+    if nd == 2 and x.dtype.is_floating_point:
+        out = F.fold(x, padded, block, dilation=dil, padding=0, stride=stride)
+    else:
+        cols = x.reshape(n, ck // kernel, *block, *blocks)
+        out = _col2im_taps(cols, padded, block, blocks, dil, stride)
+    return F.pad(out, torch_pads([-p for p in pads[:nd]], [-p for p in pads[nd:]]))
+
+
+# ---------------------------------------------------------------------------------------------
+# ImageDecoder
+# ---------------------------------------------------------------------------------------------
+
+register_host(
+    "ImageDecoder",
+    "decodes a compressed image (JPEG, PNG, ...) with Pillow, a host library",
+)
