@@ -42,7 +42,7 @@ def gather(data: torch.Tensor, indices: torch.Tensor, *, axis: int = 0) -> torch
     axis = norm_axis(axis, data.dim(), "Gather")
     idx = _indices(indices, data.shape[axis])
     out = data.index_select(axis, idx.reshape(-1))
-    return out.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :])
+    return out.reshape((*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :]))
 
 
 def _check_elements(data: torch.Tensor, indices: torch.Tensor, axis: int, op: str) -> None:
@@ -99,7 +99,7 @@ def gather_nd(data: torch.Tensor, indices: torch.Tensor, *, batch_dims: int = 0)
     k = indices.shape[-1]
     rows = torch.arange(flat.shape[0], device=data.device).unsqueeze(1)
     out = flat[rows, linear]
-    return out.reshape(*indices.shape[:-1], *data.shape[batch_dims + k :])
+    return out.reshape((*indices.shape[:-1], *data.shape[batch_dims + k :]))
 
 
 # ---------------------------------------------------------------------------------------------
