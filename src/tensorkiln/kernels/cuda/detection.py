@@ -1,0 +1,244 @@
+"""Detection ops on the cuda backend: RoiAlign and NonMaxSuppression.
+
+RoiAlign samples every ROI at once: one gather of feature-map rows per (corner, sample row),
+each covering all ROIs, bins, sample columns and channels. With an adaptive sampling grid
+(sampling_ratio 0) each ROI's grid size differs; the largest is read on the host (it sizes the
+loop) and the samples past an ROI's own grid are masked out.
+
+NonMaxSuppression is greedy and so sequential in the boxes of a class, but each step runs for every
+(batch, class) pair at once on the device: one step per score rank. The number of selected boxes
+decides the output's shape, so it is read on the host at the end, as are the scalar limit and
+threshold inputs and, with a score threshold, the number of boxes above it (the steps to run).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tensorkiln.kernels.registry import register
+
+f64 = torch.float64
+
+# ---------------------------------------------------------------------------------------------
+# RoiAlign
+# ---------------------------------------------------------------------------------------------
+
+
+def _bilinear_taps(s: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Low/high indices and their weights (each stacked on a new first axis) for sample positions
+    ``s`` along an axis of ``size``; samples more than one pixel outside weigh zero."""
+    empty = (s < -1.0) | (s > size)
+    s = s.clamp(min=0.0)
+    low = torch.floor(s).to(torch.int64)
+    at_end = low >= size - 1
+    low = torch.where(at_end, size - 1, low)
+    high = torch.where(at_end, size - 1, low + 1)
+    s = torch.where(at_end, low.to(s.dtype), s)
+    frac = s - low
+    keep = ~empty
+    return torch.stack([low, high]), torch.stack([(1 - frac) * keep, frac * keep])
+
+
+def _samples(start, length, grid, pooled: int, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample positions (R, pooled, most) along one axis, and which exist (g < the ROI's grid)."""
+    bin_size = (length / pooled)[:, None, None]
+    p = torch.arange(pooled, device=start.device, dtype=f64)[None, :, None]
+    g = torch.arange(most, device=start.device, dtype=f64)[None, None, :]
+    step = bin_size / grid.clamp(min=1).to(f64)[:, None, None]
+    pos = start[:, None, None] + p * bin_size + (g + 0.5) * step
+    return pos, (g < grid[:, None, None]).expand(pos.shape)
+
+
+def _grid_size(extent: torch.Tensor, pooled: int, ratio: int) -> tuple[torch.Tensor, int]:
+    """Each ROI's sample count along an axis, and the largest (read on the host)."""
+    if ratio > 0:
+        return torch.full_like(extent, ratio, dtype=torch.int64), ratio
+    grid = torch.ceil(extent / pooled).clamp(min=0).to(torch.int64)
+    return grid, int(grid.max().item()) if grid.numel() else 0
+
+
+def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
+    if mode not in ("avg", "max"):
+        raise ValueError(f"RoiAlign: mode '{mode}' is not one of avg, max")
+    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4:
+        raise ValueError(
+            "RoiAlign: need X (N, C, H, W) and rois (R, 4); got "
+            f"{tuple(x.shape)}, {tuple(rois.shape)}"
+        )
+    if batch_indices.numel() != rois.shape[0]:
+        raise ValueError(
+            f"RoiAlign: batch_indices has {batch_indices.numel()} values for {rois.shape[0]} rois"
+        )
+    c, height, width = x.shape[1:]
+    ct = torch.float64 if x.dtype == f64 else torch.float32
+    boxes = rois.to(f64) * scale - (0.5 if half else 0.0)
+    x1, y1, x2, y2 = boxes.unbind(1)
+    rh, rw = y2 - y1, x2 - x1
+    if not half:  # legacy mode: force malformed ROIs to be at least 1x1
+        rh, rw = rh.clamp(min=1.0), rw.clamp(min=1.0)
+    gh, most_h = _grid_size(rh, out_h, ratio)
+    gw, most_w = _grid_size(rw, out_w, ratio)
+    sy, ok_y = _samples(y1, rh, gh, out_h, most_h)  # (R, out_h, most_h)
+    sx, ok_x = _samples(x1, rw, gw, out_w, most_w)
+    iy, wy = _bilinear_taps(sy, height)  # (2, R, out_h, most_h)
+    ix, wx = _bilinear_taps(sx, width)
+    # columns: (R, out_w, 2 * most_w) over both x corners and every sample column
+    cols = ix.permute(1, 2, 0, 3).reshape(len(rois), out_w, -1)
+    wcol = (wx * ok_x).permute(1, 2, 0, 3).reshape(len(rois), out_w, -1)
+    ok_col = ok_x[None].expand(2, *ok_x.shape).permute(1, 2, 0, 3).reshape(wcol.shape)
+    fmap = x.permute(0, 2, 3, 1).reshape(-1, c).to(ct)  # (N * H * W, C)
+    base = batch_indices.reshape(-1).to(torch.int64) * (height * width)
+    out = None
+    for a in range(2):
+        for g in range(most_h):
+            rows = base[:, None] + iy[a, :, :, g] * width  # (R, out_h)
+            flat = rows[:, :, None, None] + cols[:, None]  # (R, out_h, out_w, S)
+            w = (wy[a, :, :, g] * ok_y[:, :, g])[:, :, None, None] * wcol[:, None]
+            vals = fmap[flat] * w[..., None].to(ct)  # (R, out_h, out_w, S, C)
+            if mode == "avg":
+                part = vals.sum(dim=3)
+                out = part if out is None else out + part
+            else:
+                valid = (ok_y[:, :, g, None, None] & ok_col[:, None])[..., None]
+                part = vals.masked_fill(~valid, -torch.inf).amax(dim=3)
+                out = part if out is None else torch.maximum(out, part)
+    if out is None:  # no samples at all
+        return x.new_zeros(len(rois), c, out_h, out_w)
+    if mode == "avg":
+        out = out / (gh * gw).clamp(min=1).to(ct)[:, None, None, None]
+    else:
+        out = torch.where(torch.isinf(out) & (out < 0), 0.0, out)
+    return out.permute(0, 3, 1, 2).to(x.dtype)
+
+
+@register("RoiAlign", since=10, backend="cuda")
+def roi_align_10(
+    x: torch.Tensor,
+    rois: torch.Tensor,
+    batch_indices: torch.Tensor,
+    *,
+    mode: str = "avg",
+    output_height: int = 1,
+    output_width: int = 1,
+    sampling_ratio: int = 0,
+    spatial_scale: float = 1.0,
+) -> torch.Tensor:
+    """RoiAlign-10: pixel coordinates without the half-pixel shift (output_half_pixel)."""
+    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, False)
+    return _roi_align(x, rois, batch_indices, *args)
+
+
+@register("RoiAlign", since=16, backend="cuda")
+def roi_align_16(
+    x: torch.Tensor,
+    rois: torch.Tensor,
+    batch_indices: torch.Tensor,
+    *,
+    coordinate_transformation_mode: str = "half_pixel",
+    mode: str = "avg",
+    output_height: int = 1,
+    output_width: int = 1,
+    sampling_ratio: int = 0,
+    spatial_scale: float = 1.0,
+) -> torch.Tensor:
+    """RoiAlign-16/22: adds coordinate_transformation_mode (half_pixel by default)."""
+    if coordinate_transformation_mode not in ("half_pixel", "output_half_pixel"):
+        raise ValueError(
+            f"RoiAlign: coordinate_transformation_mode '{coordinate_transformation_mode}' is not "
+            "one of half_pixel, output_half_pixel"
+        )
+    half = coordinate_transformation_mode == "half_pixel"
+    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
+    return _roi_align(x, rois, batch_indices, *args)
+
+
+# ---------------------------------------------------------------------------------------------
+# NonMaxSuppression
+# ---------------------------------------------------------------------------------------------
+
+
+def _corners(boxes: torch.Tensor, center_point_box: int) -> torch.Tensor:
+    """Boxes as (y_min, x_min, y_max, x_max), whichever corners or centers they were given as."""
+    b = boxes.to(f64)
+    if center_point_box:
+        xc, yc, w, h = b.unbind(-1)
+        return torch.stack([yc - h / 2, xc - w / 2, yc + h / 2, xc + w / 2], dim=-1)
+    y = b[..., [0, 2]].sort(dim=-1).values
+    x = b[..., [1, 3]].sort(dim=-1).values
+    return torch.stack([y[..., 0], x[..., 0], y[..., 1], x[..., 1]], dim=-1)
+
+
+def _area(b: torch.Tensor) -> torch.Tensor:
+    return (b[..., 2] - b[..., 0]) * (b[..., 3] - b[..., 1])
+
+
+def _iou(one: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+    """IoU of each box ``one`` (N, K, 4) with every box of its batch ``others`` (N, B, 4) as
+    (N, K, B); 0 where either box has no area."""
+    a, b = one[:, :, None, :], others[:, None, :, :]
+    h = torch.minimum(a[..., 2], b[..., 2]) - torch.maximum(a[..., 0], b[..., 0])
+    w = torch.minimum(a[..., 3], b[..., 3]) - torch.maximum(a[..., 1], b[..., 1])
+    inter = torch.where((h > 0) & (w > 0), h * w, 0.0)
+    area, areas = _area(a), _area(b)
+    union = area + areas - inter
+    ok = (area > 0) & (areas > 0) & (union > 0) & (inter > 0)
+    return torch.where(ok, inter / torch.where(ok, union, 1.0), 0.0)
+
+
+def _scalar(v: torch.Tensor | None, name: str):
+    if v is None or v.numel() == 0:
+        return None
+    if v.numel() != 1:
+        raise ValueError(
+            f"NonMaxSuppression: '{name}' must hold one value, got shape {tuple(v.shape)}"
+        )
+    return v.reshape(-1)[0].item()
+
+
+@register("NonMaxSuppression", since=10, backend="cuda")
+def non_max_suppression(
+    boxes: torch.Tensor,
+    scores: torch.Tensor,
+    max_output_boxes_per_class: torch.Tensor | None = None,
+    iou_threshold: torch.Tensor | None = None,
+    score_threshold: torch.Tensor | None = None,
+    *,
+    center_point_box: int = 0,
+) -> torch.Tensor:
+    """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
+    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3:
+        raise ValueError(
+            "NonMaxSuppression: need boxes (N, B, 4) and scores (N, classes, B); got "
+            f"{tuple(boxes.shape)} and {tuple(scores.shape)}"
+        )
+    if scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
+        raise ValueError(
+            f"NonMaxSuppression: boxes {tuple(boxes.shape)} and scores {tuple(scores.shape)} differ"
+        )
+    limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
+    iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
+    score_thr = _scalar(score_threshold, "score_threshold")
+    n, classes, count = scores.shape
+    device = scores.device
+    if limit <= 0 or count == 0 or n * classes == 0:
+        return torch.zeros((0, 3), dtype=torch.int64, device=device)
+    corners = _corners(boxes, center_point_box)  # (N, B, 4)
+    s = scores.to(f64)
+    order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # (N, classes, B)
+    eligible = torch.ones_like(s, dtype=torch.bool) if score_thr is None else s > score_thr
+    # the eligible boxes come first in score order: no step is needed past the longest run
+    steps = count if score_thr is None else int(eligible.sum(dim=-1).max().item())
+    suppressed = torch.zeros_like(eligible)  # by box index
+    kept = torch.zeros_like(eligible)  # by rank
+    taken = torch.zeros((n, classes), dtype=torch.int64, device=device)
+    batch = torch.arange(n, device=device)[:, None]
+    for r in range(steps):  # one greedy step for every (batch, class) at once
+        box = order[:, :, r]
+        free = torch.gather(eligible & ~suppressed, 2, box[:, :, None])[:, :, 0]
+        take = free & (taken < limit)
+        kept[:, :, r] = take
+        taken += take
+        overlap = _iou(corners[batch, box], corners) > iou_thr  # (N, classes, B)
+        suppressed |= take[:, :, None] & overlap
+    nb, cls, rank = kept.nonzero(as_tuple=True)
+    return torch.stack([nb, cls, order[nb, cls, rank]], dim=1)
