@@ -155,6 +155,22 @@ def _attr_to_proto(name: str, value: object) -> onnx.AttributeProto | None:
 
 
 def _onnx_infer(graph: Graph, node: Node) -> list[Type | None]:
+    types = _onnx_infer_as(graph, node, {})
+    narrow = {v.dtype for v in node.inputs if v is not None} & {DType.BFLOAT16, DType.FLOAT16}
+    if all(t is None for t in types) and narrow:
+        # Older op versions leave bfloat16 (or float16) out of their type constraints, though our
+        # kernels take it (engines in reduced precision): infer in float32 and narrow the result.
+        (dt,) = narrow if len(narrow) == 1 else (DType.BFLOAT16,)
+        wide = _onnx_infer_as(graph, node, {dt: DType.FLOAT})
+        types = [
+            TensorType(dt, t.shape) if isinstance(t, TensorType) and t.dtype == DType.FLOAT else t
+            for t in wide
+        ]
+    return types
+
+
+def _onnx_infer_as(graph: Graph, node: Node, swap: dict[DType, DType]) -> list[Type | None]:
+    """ONNX's inference for ``node`` with input dtypes replaced as ``swap`` says."""
     try:
         schema = onnx.defs.get_schema(node.op, graph.opset(node.domain), node.domain)
     except onnx.defs.SchemaError:
@@ -164,9 +180,15 @@ def _onnx_infer(graph: Graph, node: Node) -> list[Type | None]:
     attrs = [a for k, v in node.attrs.items() if (a := _attr_to_proto(k, v)) is not None]
     proto = helper.make_node(node.op, names, outs, domain=node.domain)
     proto.attribute.extend(attrs)
-    types = {n: type_to_proto(v.type) for n, v in zip(names, node.inputs) if v is not None}
+    types = {
+        n: type_to_proto(_swapped(v.type, swap))
+        for n, v in zip(names, node.inputs)
+        if v is not None
+    }
     data = {}
     for n, v in zip(names, node.inputs):
+        if swap and v is not None and v.dtype in swap:
+            continue
         if v is not None and v.const is not None and v.const.size <= _FOLD_LIMIT:
             data[n] = numpy_helper.from_array(v.const)
     opsets = [helper.make_opsetid(d, ver) for d, ver in graph.opsets.items()]
@@ -175,3 +197,9 @@ def _onnx_infer(graph: Graph, node: Node) -> list[Type | None]:
     except Exception:  # ONNX could not infer (missing input types, unsupported case): unknown
         return [None] * len(node.outputs)
     return [from_type_proto(result.get(o)) if o else None for o in outs]
+
+
+def _swapped(t: Type | None, swap: dict[DType, DType]) -> Type | None:
+    if isinstance(t, TensorType) and t.dtype in swap:
+        return TensorType(swap[t.dtype], t.shape)
+    return t

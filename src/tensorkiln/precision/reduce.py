@@ -13,6 +13,7 @@ inside the kernels, which upcast internally.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
@@ -77,7 +78,7 @@ def _convert_consts(g: Graph, dtype: DType) -> None:
 def _narrow(arr: np.ndarray, dtype: DType) -> np.ndarray:
     """float32 -> float16/bfloat16, saturating instead of overflowing to infinity (a -3.4e38 mask
     constant becomes the reduced type's lowest finite value, as TensorRT clamps)."""
-    info = np.finfo(dtype.numpy)
+    info = ml_dtypes.finfo(dtype.numpy)
     finite = np.isfinite(arr)
     clipped = np.where(finite, np.clip(arr, float(info.min), float(info.max)), arr)
     return clipped.astype(dtype.numpy)

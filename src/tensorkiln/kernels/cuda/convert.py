@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -94,10 +95,12 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         dev = current_device() if device is None else torch.device(device)
         arr = np.ascontiguousarray(value)
         viewed = _VIEWED.get(arr.dtype)
-        if viewed is not None:
-            t = torch.from_numpy(arr.view(viewed[0])).view(viewed[1])
-        else:
-            t = torch.from_numpy(arr)
+        with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
+            warnings.simplefilter("ignore", UserWarning)
+            if viewed is not None:
+                t = torch.from_numpy(arr.view(viewed[0])).view(viewed[1])
+            else:
+                t = torch.from_numpy(arr)
         return t.to(dev, non_blocking=False) if t.device != dev else t.clone()
     if isinstance(value, np.generic):
         return to_torch(np.asarray(value), device)

@@ -1,0 +1,163 @@
+"""The cuda backend on a real GPU: engines built and autotuned there, CUDA graphs, streams,
+zero-copy IO and reduced precision, each checked against the reference backend.
+
+Run on a GPU machine:  PYTHONPATH=src python3 -m pytest -q -m gpu tests
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # noqa: E402
+from tensorkiln.engine import Engine  # noqa: E402
+from tensorkiln.runtime import Runner  # noqa: E402
+from tests.passes.util import model  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+F = TensorProto.FLOAT
+
+
+def _cnn():
+    """Conv-BN-ReLU, a residual block, pooling and a classifier, with a dynamic batch."""
+    rng = np.random.default_rng(1)
+
+    def w(*s, scale=0.2):
+        return (rng.standard_normal(s) * scale).astype(np.float32)
+
+    inits = {
+        "w0": w(16, 3, 3, 3),
+        "b0": w(16),
+        "w1": w(16, 16, 3, 3),
+        "w2": w(16, 16, 3, 3),
+        "fc": w(16, 10),
+        "fb": w(10),
+    }
+    nodes = [
+        helper.make_node("Conv", ["x", "w0", "b0"], ["c0"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c0"], ["r0"]),
+        helper.make_node("Conv", ["r0", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"], pads=[1, 1, 1, 1]),
+        helper.make_node("Add", ["c2", "r0"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["p"]),
+        helper.make_node("Flatten", ["p"], ["f"]),
+        helper.make_node("MatMul", ["f", "fc"], ["m"]),
+        helper.make_node("Add", ["m", "fb"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, ["N", 3, 16, 16])],
+        [helper.make_tensor_value_info("y", F, ["N", 10])],
+        [numpy_helper.from_array(a, k) for k, a in inits.items()],
+    )
+
+
+def _engine(precision=None, tmp_path=None, opt=8):
+    cfg = BuilderConfig()
+    if precision:
+        cfg.set_flag(precision)
+    cfg.add_optimization_profile(
+        OptimizationProfile().set_shape("x", (1, 3, 16, 16), (opt, 3, 16, 16), (32, 3, 16, 16))
+    )
+    if tmp_path is not None:
+        cfg.timing_cache = str(tmp_path / "timing.cache")
+    b = Builder("cuda")
+    return b.build(_cnn(), cfg, progress=False), b.last_report
+
+
+def _x(n, seed=0):
+    return np.random.default_rng(seed).standard_normal((n, 3, 16, 16)).astype(np.float32)
+
+
+def _rel(got, want):
+    got = got.float().cpu().numpy() if isinstance(got, torch.Tensor) else got
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+@pytest.mark.parametrize(
+    "precision,tol", [(None, 1e-5), ("tf32", 5e-3), ("fp16", 1e-2), ("bf16", 3e-2)]
+)
+def test_engine_matches_reference(precision, tol, tmp_path) -> None:
+    engine, _ = _engine(precision, tmp_path)
+    assert engine.target["device"] == torch.cuda.get_device_name(0)
+    tuned = [x for x in engine.layers if x.get("timings_ms")]
+    assert tuned and all(len(x["timings_ms"]) >= 2 for x in tuned), engine.layers
+    for n in (1, 8, 32):
+        x = _x(n, n)
+        want = Runner(_cnn()).infer({"x": x})["y"]
+        got = engine.create_execution_context().infer({"x": x})["y"]
+        assert got.dtype == np.float32 and got.shape == want.shape
+        assert _rel(got, want) < tol
+    # the rebuild is served by the timing cache
+    _, again = _engine(precision, tmp_path)
+    assert again.timing_cache["misses"] == 0 and again.timing_cache["hits"] == len(tuned)
+
+
+def test_cuda_graph_replays_correctly_when_shapes_change(tmp_path) -> None:
+    engine, _ = _engine()
+    ctx = engine.create_execution_context(use_cuda_graph=True)
+    eager = engine.create_execution_context()
+    for n, seed in ((4, 0), (4, 1), (9, 2), (4, 3), (32, 4), (9, 5)):
+        x = torch.from_numpy(_x(n, seed)).cuda()
+        got = ctx.infer({"x": x})["y"]
+        want = eager.infer({"x": x})["y"]
+        assert ctx.cuda_graph_fallback is None
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        ref = Runner(_cnn()).infer({"x": _x(n, seed)})["y"]
+        assert _rel(got, ref) < 1e-5
+
+
+def test_zero_copy_io_and_caller_buffers() -> None:
+    engine, _ = _engine()
+    ctx = engine.create_execution_context()
+    x = torch.randn(8, 3, 16, 16, device="cuda")
+    out = ctx.infer({"x": x})["y"]
+    assert out.is_cuda and out.dtype == torch.float32
+    want = Runner(_cnn()).infer({"x": x.cpu().numpy()})["y"]
+    assert _rel(out, want) < 1e-5
+    buf = torch.full((8, 10), float("nan"), device="cuda")
+    ctx.infer({"x": x}, outputs={"y": buf})
+    assert _rel(buf, want) < 1e-5
+    # a CPU tensor is moved to the GPU; the result is still a tensor
+    assert _rel(ctx.infer({"x": x.cpu()})["y"], want) < 1e-5
+
+
+def test_contexts_run_concurrently_from_threads() -> None:
+    engine, _ = _engine()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        ctx = engine.create_execution_context()
+        for i in range(5):
+            x = _x(8, seed * 10 + i)
+            got = ctx.infer({"x": x})["y"]
+            want = Runner(_cnn()).infer({"x": x})["y"]
+            if _rel(got, want) > 1e-5:
+                errors.append(f"thread {seed} run {i}: {_rel(got, want)}")
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_engine_file_round_trip(tmp_path) -> None:
+    engine, _ = _engine("fp16")
+    path = tmp_path / "cnn.engine"
+    engine.save(path)
+    loaded = Engine.load(path)
+    assert loaded.backend == "cuda" and loaded.build["precision"] == "fp16"
+    assert [x["tactic"] for x in loaded.layers] == [x["tactic"] for x in engine.layers]
+    x = _x(8, 7)
+    a = engine.create_execution_context().infer({"x": x})["y"]
+    b = loaded.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_array_equal(a, b)

@@ -1,0 +1,200 @@
+"""The autotuner and the timing cache, on the cuda backend's torch kernels running on the CPU.
+
+Test tactics stand in for the Triton ones (which the interpreter runs too slowly to time here):
+a correct one, a correct but slow one, and a wrong one the oracle check must reject.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
+from tensorkiln.engine import Engine  # noqa: E402
+from tensorkiln.errors import BuildError, EngineCompatibilityError  # noqa: E402
+from tensorkiln.kernels.registry import lookup  # noqa: E402
+from tensorkiln.runtime import Runner  # noqa: E402
+from tensorkiln.tactics import registry  # noqa: E402
+from tests.passes.util import model  # noqa: E402
+
+F = TensorProto.FLOAT
+RNG = np.random.default_rng(17)
+
+
+def _mlp():
+    rng = np.random.default_rng(3)  # the same weights on every call
+    w1 = rng.standard_normal((32, 64)).astype(np.float32) * 0.2
+    b1 = rng.standard_normal(64).astype(np.float32)
+    w2 = rng.standard_normal((64, 16)).astype(np.float32) * 0.2
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"]),
+        helper.make_node("Add", ["h", "b1"], ["hb"]),
+        helper.make_node("Relu", ["hb"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"]),
+    ]
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w1, "w1"), (b1, "b1"), (w2, "w2"))]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [8, 32])],
+        [helper.make_tensor_value_info("y", F, [8, 16])],
+        inits,
+    )
+
+
+def _default(op: str, domain: str):
+    return lookup(op, domain, 1, "cuda").fn
+
+
+@pytest.fixture
+def test_tactics(monkeypatch):
+    """Replace every registered tactic by three test tactics per GEMM-like op."""
+    registry._load()  # the real kernel modules register theirs first, into the real table
+    table: dict = {}
+    monkeypatch.setattr(registry, "_TACTICS", table)
+    for op, domain in (("GemmAct", "tensorkiln"), ("MatMul", "")):
+        default = _default(op, domain)
+
+        def same(*a, _f=default, **k):
+            return _f(*a, **k)
+
+        def slow(*a, _f=default, **k):
+            time.sleep(0.02)
+            return _f(*a, **k)
+
+        def wrong(*a, _f=default, **k):
+            return _f(*a, **k) + 1.0
+
+        for name, fn in (("t_same", same), ("t_slow", slow), ("t_wrong", wrong)):
+            registry.tactic(op, domain=domain, name=name)(fn)
+    return table
+
+
+def _build(tmp_path, cache=True, level=3, precision=None):
+    cfg = BuilderConfig(optimization_level=level)
+    if precision:
+        cfg.set_flag(precision)
+    if cache:
+        cfg.timing_cache = str(tmp_path / "timing.cache")
+    b = Builder("cuda", device="cpu")
+    return b.build(_mlp(), cfg, progress=False), b.last_report
+
+
+def test_autotuner_times_checks_and_records(test_tactics, tmp_path) -> None:
+    engine, report = _build(tmp_path)
+    tuned = [x for x in engine.layers if x.get("timings_ms")]
+    assert tuned, engine.layers
+    for layer in tuned:
+        assert layer["candidates"] == ["default", "t_same", "t_slow", "t_wrong"]
+        assert set(layer["timings_ms"]) == {"default", "t_same", "t_slow"}
+        assert "relative error" in layer["rejected"]["t_wrong"]
+        assert layer["tactic"] in ("default", "t_same")  # never the one 20 ms slower
+        assert layer["timings_ms"]["t_slow"] >= 20.0
+    assert report.timing_cache == {"hits": 0, "misses": len(tuned)}
+    x = RNG.standard_normal((8, 32)).astype(np.float32)
+    want = Runner(_mlp()).infer({"x": x})["y"]
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_timing_cache_makes_the_rebuild_measure_nothing(test_tactics, tmp_path) -> None:
+    first, r1 = _build(tmp_path)
+    second, r2 = _build(tmp_path)
+    assert r1.timing_cache["misses"] > 0
+    assert r2.timing_cache == {"hits": r1.timing_cache["misses"], "misses": 0}
+    choices = [(x["name"], x["tactic"]) for x in first.layers]
+    assert choices == [(x["name"], x["tactic"]) for x in second.layers]
+    assert all(x.get("cached") for x in second.layers if x.get("timings_ms"))
+    data = json.loads((tmp_path / "timing.cache").read_text())
+    assert data["format"] == "tensorkiln-timing-cache" and len(data["entries"]) == len(
+        [x for x in first.layers if x.get("timings_ms")]
+    )
+
+
+def test_damaged_timing_cache_is_a_clear_error(test_tactics, tmp_path) -> None:
+    (tmp_path / "timing.cache").write_text("{not json")
+    with pytest.raises(BuildError, match=r"timing cache .*timing\.cache"):
+        _build(tmp_path)
+    (tmp_path / "timing.cache").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(BuildError, match="not a tensorkiln timing cache"):
+        _build(tmp_path)
+
+
+def test_level_zero_skips_timing(test_tactics, tmp_path) -> None:
+    engine, report = _build(tmp_path, level=0)
+    assert all(x["tactic"] == "default" and "timings_ms" not in x for x in engine.layers)
+    assert any(x.get("candidates") for x in engine.layers)
+    assert report.timing_cache["misses"] == 0
+
+
+def test_engine_keeps_its_tactics_through_a_file(test_tactics, tmp_path, monkeypatch) -> None:
+    engine, _ = _build(tmp_path)
+    # force a non-default choice so the loaded engine must find the tactic by name
+    layer = next(x for x in engine.layers if x.get("timings_ms"))
+    layer["tactic"] = "t_same"
+    path = tmp_path / "m.engine"
+    engine.save(path)
+    loaded = Engine.load(path)
+    assert [x.get("tactic") for x in loaded.layers] == [x.get("tactic") for x in engine.layers]
+    x = RNG.standard_normal((8, 32)).astype(np.float32)
+    got = loaded.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(got, Runner(_mlp()).infer({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(registry, "_TACTICS", {})  # an installation without that tactic
+    with pytest.raises(EngineCompatibilityError, match=r"t_same.*rebuild"):
+        loaded.create_execution_context()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_reduced_precision_engine(test_tactics, tmp_path, precision) -> None:
+    engine, _ = _build(tmp_path, cache=False, precision=precision)
+    assert engine.build["precision"] == precision
+    assert engine.inputs[0].dtype == "FLOAT" and engine.outputs[0].dtype == "FLOAT"
+    x = RNG.standard_normal((8, 32)).astype(np.float32)
+    want = Runner(_mlp()).infer({"x": x})["y"]
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    assert got.dtype == np.float32
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 2e-2
+
+
+def test_torch_inputs_come_back_as_tensors(test_tactics, tmp_path) -> None:
+    engine, _ = _build(tmp_path, cache=False)
+    x = torch.randn(8, 32)
+    want = Runner(_mlp()).infer({"x": x.numpy()})["y"]
+    with engine.create_execution_context() as ctx:
+        out = ctx.infer({"x": x})
+        assert isinstance(out["y"], torch.Tensor)
+        np.testing.assert_allclose(out["y"].numpy(), want, rtol=1e-5, atol=1e-5)
+        buf = torch.full((8, 16), float("nan"))
+        ctx.infer({"x": x}, outputs={"y": buf})
+        np.testing.assert_allclose(buf.numpy(), want, rtol=1e-5, atol=1e-5)
+
+        class Producer:  # any DLPack producer
+            def __init__(self, t):
+                self.t = t
+
+            def __dlpack__(self, **kw):
+                return self.t.__dlpack__(**kw)
+
+            def __dlpack_device__(self):
+                return self.t.__dlpack_device__()
+
+        out = ctx.infer({"x": Producer(x)})
+        np.testing.assert_allclose(out["y"].numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_wrong_tensor_inputs_are_clear_errors(test_tactics, tmp_path) -> None:
+    from tensorkiln.errors import InputError
+
+    engine, _ = _build(tmp_path, cache=False)
+    ctx = engine.create_execution_context()
+    with pytest.raises(InputError, match="'x' expects dtype float32"):
+        ctx.infer({"x": torch.randn(8, 32, dtype=torch.float64)})
+    with pytest.raises(InputError, match="'x'"):
+        ctx.infer({"x": torch.randn(8, 31)})
+    with pytest.raises(InputError, match="output buffer 'y' is"):
+        ctx.infer({"x": torch.randn(8, 32)}, outputs={"y": torch.empty(8, 15)})
