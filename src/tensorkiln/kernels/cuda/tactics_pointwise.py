@@ -1,0 +1,121 @@
+"""Triton tactics of the memory-bound layers: fused Pointwise bodies, LayerNorm/RMSNorm, Softmax.
+
+Each is an alternative to the op's default cuda kernel; the autotuner times it where ``supports``
+accepts the layer. Nothing registers when Triton cannot be imported. The kernels run on CUDA
+tensors, or on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``, in tests).
+"""
+
+from __future__ import annotations
+
+from tensorkiln.kernels.triton import available, interpreting
+from tensorkiln.tactics.registry import LayerSpec, tactic
+
+NORM_DTYPES = frozenset(["float16", "bfloat16", "float32"])
+
+
+def _runs_here(spec: LayerSpec) -> bool:
+    return spec.device == "cuda" or interpreting()
+
+
+def _last_axis(axis: int, rank: int) -> bool:
+    return rank >= 1 and -rank <= axis < rank and axis % rank == rank - 1
+
+
+def _per_column(shape: tuple[int, ...] | None, n: int) -> bool:
+    """Whether a scale/bias of ``shape`` holds one value per column of rows of ``n``."""
+    return (
+        shape is not None and len(shape) >= 1 and shape[-1] == n and all(d == 1 for d in shape[:-1])
+    )
+
+
+def _norm_fits(spec: LayerSpec, n_params: int = 1) -> bool:
+    """x of a float dtype normalized over its last axis, with ``n_params`` per-column inputs
+    (scale, then an optional bias) after it."""
+    if not _runs_here(spec) or spec.dtypes[0] not in NORM_DTYPES or spec.shapes[0] is None:
+        return False
+    shape = spec.shapes[0]
+    if not _last_axis(int(spec.attrs.get("axis", -1)), len(shape)):
+        return False
+    params = list(spec.shapes[1 : 1 + n_params])
+    if not params or params[0] is None:
+        return False
+    return all(s is None or _per_column(s, shape[-1]) for s in params)
+
+
+def _layer_norm_fits(spec: LayerSpec) -> bool:
+    if not _norm_fits(spec, 2):
+        return False
+    if len(spec.shapes) > 3 and spec.shapes[3] is not None:  # residual: same shape and dtype
+        return spec.shapes[3] == spec.shapes[0] and spec.dtypes[3] == spec.dtypes[0]
+    return True
+
+
+def _onnx_layer_norm_fits(spec: LayerSpec) -> bool:
+    return int(spec.attrs.get("stash_type", 1)) == 1 and _norm_fits(spec, 2)
+
+
+def _softmax_fits(spec: LayerSpec) -> bool:
+    """The last axis, named: below opset 13 a missing axis means 1 (a flattening), not -1."""
+    if not _runs_here(spec) or spec.dtypes[0] not in NORM_DTYPES or spec.shapes[0] is None:
+        return False
+    rank = len(spec.shapes[0])
+    if "axis" not in spec.attrs:
+        return rank in (1, 2)
+    return _last_axis(int(spec.attrs["axis"]), rank)
+
+
+def _pointwise_fits(spec: LayerSpec) -> bool:
+    from tensorkiln.kernels.triton.pointwise import can_generate
+
+    body = spec.attrs.get("body")
+    return _runs_here(spec) and body is not None and can_generate(body)
+
+
+if available():
+    from tensorkiln.kernels.triton import norm, pointwise, softmax
+
+    @tactic("Pointwise", domain="tensorkiln", name="triton", supports=_pointwise_fits)
+    def pointwise_triton(*inputs, body):
+        """The body as one generated Triton kernel."""
+        outs = pointwise.run(body, inputs)
+        return outs[0] if len(outs) == 1 else outs
+
+    @tactic("LayerNorm", domain="tensorkiln", name="triton", supports=_layer_norm_fits)
+    def layer_norm_triton(
+        x, scale, bias=None, residual=None, *, axis: int = -1, epsilon: float = 1e-5,
+        _n_outputs: int = 1,
+    ):  # fmt: skip
+        """LayerNorm of ``x + residual`` over the last axis; second output the sum."""
+        want_sum = _n_outputs > 1 and residual is not None
+        y, s, _, _ = norm.normalize(x, scale, bias, residual, eps=epsilon, want_sum=want_sum)
+        if _n_outputs == 1:
+            return y
+        return y, (s if residual is not None else x)
+
+    @tactic("RMSNorm", domain="tensorkiln", name="triton", supports=_norm_fits)
+    def rms_norm_triton(x, scale, *, axis: int = -1, epsilon: float = 1e-5):
+        """``x / sqrt(mean(x^2) + epsilon) * scale`` over the last axis."""
+        return norm.normalize(x, scale, eps=epsilon, rms=True)[0]
+
+    @tactic("LayerNormalization", name="triton", supports=_onnx_layer_norm_fits)
+    def layer_normalization_triton(
+        x, scale, bias=None, *, axis: int = -1, epsilon: float = 1e-5, stash_type: int = 1,
+        _n_outputs: int = 1,
+    ):  # fmt: skip
+        """ONNX LayerNormalization over the last axis; Mean and InvStdDev in float32."""
+        want = _n_outputs > 1
+        y, _, mean, inv = norm.normalize(x, scale, bias, eps=epsilon, want_stats=want)
+        if not want:
+            return y
+        keep = (*x.shape[:-1], 1)
+        return (y, mean.reshape(keep), inv.reshape(keep))[:_n_outputs]
+
+    @tactic("Softmax", name="triton", supports=_softmax_fits)
+    def softmax_triton(x, *, axis: int = -1):
+        """Softmax over the last axis."""
+        return softmax.softmax_last(x)
+
+    @tactic("LogSoftmax", name="triton", supports=_softmax_fits)
+    def log_softmax_triton(x, *, axis: int = -1):
+        """LogSoftmax over the last axis."""
+        return softmax.softmax_last(x, log=True)

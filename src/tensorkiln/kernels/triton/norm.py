@@ -1,0 +1,161 @@
+"""Triton LayerNorm and RMSNorm over the last axis (tensorkiln.LayerNorm/RMSNorm, ONNX
+LayerNormalization).
+
+Rows of ``N`` contiguous values. A row that fits one block (``N <= MAX_BLOCK``) is read once: the
+program holds ``ROWS`` such rows in a ``[ROWS, BLOCK_N]`` tile (many rows per program when rows are
+short), computes the mean and the variance of the centred values in float32 (two passes over
+registers, as the reference) and writes ``(x - mean) / sqrt(var + eps) * scale + bias`` in the
+input's dtype. Longer rows take one program each and loop over the row in blocks (statistics, then
+the normalized writes; an added residual is written first and read back).
+
+With a residual, ``s = x + residual`` is rounded to the input's dtype (what the second output
+stores, and what the reference normalizes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import triton
+import triton.language as tl
+
+MAX_BLOCK = 16384  # longest row held in registers at once (float32: 64 values a thread at 8 warps)
+LOOP_BLOCK = 4096
+
+
+@triton.jit
+def _norm_rows(
+    X, R, W, B, Y, S, MEAN, INV, n_rows, N, eps,
+    HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, STATS: tl.constexpr,
+    RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(Y.dtype.element_ty).to(tl.float32)
+        if STORE_S:
+            tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
+    if RMS:
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+        y = x * inv[:, None]
+    else:
+        mean = tl.sum(x, axis=1) / N
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        y = xc * inv[:, None]
+        if STATS:
+            tl.store(MEAN + rows, mean, mask=rmask)
+            tl.store(INV + rows, inv, mask=rmask)
+    y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _norm_long_rows(
+    X, R, W, B, Y, S, MEAN, INV, N, eps,
+    HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STATS: tl.constexpr, RMS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    X += row * N
+    Y += row * N
+    if HAS_RES:  # the sum goes to S first; the later passes read it from there
+        R += row * N
+        S += row * N
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            m = cols < N
+            s = tl.load(X + cols, mask=m, other=0.0).to(tl.float32)
+            s += tl.load(R + cols, mask=m, other=0.0).to(tl.float32)
+            tl.store(S + cols, s.to(S.dtype.element_ty), mask=m)
+        X = S
+    mean = 0.0
+    if not RMS:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            acc += tl.load(X + cols, mask=cols < N, other=0.0).to(tl.float32)
+        mean = tl.sum(acc, axis=0) / N
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        xc = tl.where(m, tl.load(X + cols, mask=m, other=0.0).to(tl.float32) - mean, 0.0)
+        acc += xc * xc
+    inv = 1.0 / tl.sqrt(tl.sum(acc, axis=0) / N + eps)
+    if STATS:
+        tl.store(MEAN + row, mean)
+        tl.store(INV + row, inv)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        m = cols < N
+        y = (tl.load(X + cols, mask=m, other=0.0).to(tl.float32) - mean) * inv
+        y = y * tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_B:
+            y = y + tl.load(B + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+def row_tile(n: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_N, rows a program, warps) for rows of ``n`` that fit one block: about 4K values a
+    program, so that short rows share one."""
+    block_n = triton.next_power_of_2(n)
+    per = max(1, min(4096 // block_n, 64, triton.next_power_of_2(rows)))
+    size = block_n * per
+    return block_n, per, 4 if size <= 2048 else 8 if size <= 8192 else 16
+
+
+def normalize(
+    x,
+    scale,
+    bias=None,
+    residual=None,
+    *,
+    eps: float,
+    rms: bool = False,
+    want_sum: bool = False,
+    want_stats: bool = False,
+):
+    """Normalize ``x`` (+ ``residual``) over its last axis; returns (y, sum or None, mean, inv_std).
+
+    ``scale`` and ``bias`` hold one value per column (any shape of that size); mean and inv_std
+    are float32 of shape ``x.shape[:-1]`` when ``want_stats``.
+    """
+    import torch
+
+    shape = x.shape
+    n = shape[-1] if x.dim() else 1
+    rows = x.numel() // n if n else 0
+    x2 = x.reshape(rows, n).contiguous()
+    w = scale.reshape(-1).contiguous()
+    b = bias.reshape(-1).contiguous() if bias is not None else w
+    r = residual.reshape(rows, n).contiguous() if residual is not None else x2
+    y = torch.empty_like(x2)
+    long_rows = n > MAX_BLOCK
+    s = torch.empty_like(x2) if residual is not None and (want_sum or long_rows) else y
+    stats = [torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(want_stats * 2)]
+    mean, inv = stats if want_stats else (y, y)  # (unused pointers without the statistics)
+    flags = dict(HAS_RES=residual is not None, HAS_B=bias is not None, RMS=rms)
+    with np.errstate(all="ignore"):  # the interpreter computes masked-off lanes too
+        if rows and long_rows:
+            _norm_long_rows[(rows,)](
+                x2, r, w, b, y, s, mean, inv, n, eps, STATS=want_stats, BLOCK_N=LOOP_BLOCK,
+                num_warps=8, **flags,
+            )  # fmt: skip
+        elif rows and n:
+            block_n, per, warps = row_tile(n, rows)
+            _norm_rows[(triton.cdiv(rows, per),)](
+                x2, r, w, b, y, s, mean, inv, rows, n, eps, STORE_S=s is not y,
+                STATS=want_stats, ROWS=per, BLOCK_N=block_n, num_warps=warps, **flags,
+            )  # fmt: skip
+    out_sum = s.reshape(shape) if want_sum and residual is not None else None
+    if not want_stats:
+        return y.reshape(shape), out_sum, None, None
+    return y.reshape(shape), out_sum, stats[0].reshape(shape[:-1]), stats[1].reshape(shape[:-1])
