@@ -61,7 +61,8 @@ def _torch_padding(x: torch.Tensor, g: Geometry, ceil_mode: int) -> tuple[int, .
 
 def _flat_index(idx, sizes_from, shift, sizes_to, column_major: bool) -> torch.Tensor:
     """Re-express row-major flat indices over ``sizes_from`` (positions moved by ``shift``) as
-    flat indices over ``sizes_to``, row- or column-major."""
+    flat indices over ``sizes_to``, row- or column-major. A window that lies wholly in the padding
+    takes index 0, as in the reference."""
     coords = []
     for s in reversed(sizes_from):
         coords.append(idx % s)
@@ -69,10 +70,12 @@ def _flat_index(idx, sizes_from, shift, sizes_to, column_major: bool) -> torch.T
     coords = [c - d for c, d in zip(reversed(coords), shift)]
     order = range(len(sizes_to)) if column_major else reversed(range(len(sizes_to)))
     out, step = torch.zeros_like(idx), 1
+    inside = torch.ones_like(idx, dtype=torch.bool)
     for d in order:
         out = out + coords[d] * step
         step *= sizes_to[d]
-    return out
+        inside &= (coords[d] >= 0) & (coords[d] < sizes_to[d])
+    return torch.where(inside, out, 0)
 
 
 def _plane_offsets(x: torch.Tensor, nsp: int) -> torch.Tensor:
@@ -95,7 +98,7 @@ def _max_pool_torch(x, g: Geometry, ceil_mode: int, storage_order: int, with_ind
     y, idx = _MAX_POOL[nsp](xp, *args, return_indices=True)
     crop = (Ellipsis, *(slice(0, o) for o in g.out))
     y, idx = y[crop], idx[crop]
-    if any(shift) or storage_order:
+    if xp is not x or storage_order:
         idx = _flat_index(idx, xp.shape[2:], shift, x.shape[2:], bool(storage_order))
     return y, idx + _plane_offsets(x, nsp)
 
