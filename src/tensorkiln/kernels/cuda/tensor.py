@@ -97,6 +97,14 @@ def from_order_key(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return k
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """A host array as a tensor on ``device`` (:func:`to_torch`), keeping 0-d arrays 0-d."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        t = to_torch(value.reshape(1), device)
+        return t.reshape(()) if isinstance(t, torch.Tensor) else value
+    return to_torch(value, device)
+
+
 def device_of(*values: Any) -> torch.device:
     """The device of the first tensor among ``values``, else the current device."""
     for v in values:
@@ -473,7 +481,7 @@ def constant_of_shape(input: Any, *, value: np.ndarray | None = None) -> torch.T
     value = np.zeros(1, dtype=np.float32) if value is None else np.asarray(value)
     if value.size != 1:
         raise ValueError(f"ConstantOfShape: value must hold one element, not {value.size}")
-    fill = to_torch(value.reshape(()), device_of(input))
+    fill = to_device(value.reshape(()), device_of(input))
     return fill.expand(dims).contiguous() if dims else fill
 
 
@@ -481,7 +489,7 @@ def constant_of_shape(input: Any, *, value: np.ndarray | None = None) -> torch.T
 def constant(**attrs: Any) -> Any:
     """The one value attribute that is set, as a tensor on the current device (strings stay
     numpy arrays on the host)."""
-    return to_torch(ref.constant(**attrs), current_device())
+    return to_device(ref.constant(**attrs), current_device())
 
 
 @register("Identity", since=1, backend="cuda")
