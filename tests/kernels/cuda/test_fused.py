@@ -435,6 +435,12 @@ def test_attention_uneven_lengths_and_broadcasts(mask_kind):
     check("Attention", [q, k, v] + ([mask] if mask is not None else []), attrs)
 
 
+@pytest.mark.parametrize("shape", [(), (S,)])
+def test_attention_scalar_and_per_key_masks(shape):
+    mask = _rand(*shape)
+    check("Attention", [*_qkv("bhsd"), mask], {"mask_kind": "additive", "causal": 1})
+
+
 def test_attention_fully_masked_rows_give_zeros():
     q, k, v = _qkv("bhsd")
     keep = np.ones((B, 1, S, S), bool)

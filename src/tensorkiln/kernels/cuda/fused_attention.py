@@ -107,6 +107,8 @@ def fused_attention(
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is not None:
         mask = mask.to(torch.bool) if mask_kind == "bool" else _additive(mask, q.dtype)
+        if mask.ndim < 2:  # a scalar or per-key mask: SDPA wants the [Sq, Sk] axes
+            mask = mask.reshape(1, -1)
         if causal:
             mask = _with_causal(mask, mask_kind, q.shape[2], k.shape[2])
     y = F.scaled_dot_product_attention(
