@@ -353,7 +353,10 @@ def shrink(x: Tensor, *, bias: float = 0.0, lambd: float = 0.5) -> Tensor:
 @_cuda("Softplus")
 def softplus(x: Tensor) -> Tensor:
     """log(1 + exp(x))."""
-    return _native(F.softplus, x)
+    # above the threshold torch returns x; log1p(exp(x)) rounds to x there in float32 from 17 on,
+    # in float64 only from 37 on
+    threshold = 40.0 if x.dtype == torch.float64 else 20.0
+    return _native(lambda v: F.softplus(v, threshold=threshold), x)
 
 
 @_cuda("Softsign")
