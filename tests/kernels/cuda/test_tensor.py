@@ -1,5 +1,5 @@
 """The cuda backend's data-movement, indexing and sequence kernels against the numpy reference,
-on fresh random inputs (torch CPU tensors here; the same code runs on the GPU)."""
+on fresh random inputs (on the GPU when there is one, else on torch CPU tensors)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
 
 rng = np.random.default_rng()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rand(*shape: int, dtype=np.float32) -> np.ndarray:
@@ -30,8 +31,8 @@ def tt(a):
     if isinstance(a, list):
         return [tt(x) for x in a]
     if isinstance(a, np.ndarray) and a.ndim == 0:
-        return to_torch(a.reshape(1), "cpu").reshape(())
-    return to_torch(a, "cpu")
+        return to_torch(a.reshape(1), DEVICE).reshape(())
+    return to_torch(a, DEVICE)
 
 
 def run(op, args, attrs=None, n_outputs=1, opset=24, torch_args=None):

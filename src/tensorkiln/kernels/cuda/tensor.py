@@ -3,8 +3,9 @@
 They mirror :mod:`tensorkiln.kernels.reference.tensor`. Reshape, Flatten, Squeeze, Unsqueeze,
 Transpose, Split and Slice (with positive steps) return views of their input; nothing downstream
 writes into its inputs. Shape-like inputs (Reshape's shape, Slice's starts/ends, Pad's pads,
-Tile's repeats, Range's scalars, ...) are read to the host with ``tolist()``/``item()``: they decide
-the output's shape, so the host needs them anyway.
+Tile's repeats, Range's scalars, ...) are read to the host: they decide the output's shape, so the
+host needs them anyway. Constants come from the executor's host copy (no device sync), other
+values through ``tolist()``.
 
 The module also holds the dtype helpers the other data-movement modules share: torch implements
 few ops for uint16/32/64, so those move as the signed type of the same width (a bit-for-bit view)
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.kernels.cuda.convert import current_device, to_torch, torch_dtype
+from tensorkiln.kernels.cuda.convert import current_device, host_list, to_torch, torch_dtype
 from tensorkiln.kernels.reference import tensor as ref
 from tensorkiln.kernels.registry import register
 
@@ -31,20 +32,32 @@ from tensorkiln.kernels.registry import register
 _SIGNED_OF = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
 
 
+def _flat(values: Any) -> list:
+    if isinstance(values, list | tuple):
+        return [v for item in values for v in _flat(item)]
+    return [values]
+
+
+def host_values(value: Any) -> list:
+    """A small shape-like value (tensor, array, list or scalar) flattened to a host list.
+
+    Constants the executor uploaded come from their host copy, without a device sync.
+    """
+    if isinstance(value, torch.Tensor | np.ndarray):
+        return _flat(host_list(value))
+    if isinstance(value, np.generic):
+        return [value.item()]
+    return _flat(value)
+
+
 def host_ints(value: Any) -> list[int] | None:
-    """A small shape-like value (tensor, array, list or scalar) as Python ints on the host."""
-    if value is None:
-        return None
-    if isinstance(value, torch.Tensor):
-        return [int(v) for v in value.reshape(-1).tolist()]
-    return [int(v) for v in np.asarray(value).reshape(-1)]
+    """:func:`host_values` as ints (None stays None)."""
+    return None if value is None else [int(v) for v in host_values(value)]
 
 
 def host_scalar(value: Any) -> Any:
-    """The single element of a small tensor (or array) as a Python number."""
-    if isinstance(value, torch.Tensor):
-        return value.reshape(-1)[0].item()
-    return np.asarray(value).reshape(-1)[0].item()
+    """The first (only) element of a small tensor or array as a Python number."""
+    return host_values(value)[0]
 
 
 def norm_axis(axis: int, rank: int, op: str, what: str = "axis") -> int:
@@ -514,13 +527,15 @@ def range_(
         n = max(-((s - lim) // d), 0)
         return (s + torch.arange(n, dtype=torch.int64, device=device) * d).to(dtype)
     # float16/bfloat16 compute in the stash type (float32 by default); other floats in their own.
+    # The three scalars are rebuilt on the host (exactly: Python floats hold any of these types).
     compute = _STASH_DTYPES.get(stash_type, torch.float32) if dtype.itemsize <= 2 else dtype
-    s_t, lim_t, d_t = (v.reshape(()).to(compute) for v in (start, limit, delta))
-    s, d, span = s_t.item(), d_t.item(), (lim_t - s_t).item()
+    s, lim, d = (
+        torch.tensor(host_scalar(v), dtype=dtype).to(compute) for v in (start, limit, delta)
+    )
     if d == 0:
         raise ValueError("Range: delta is 0")
-    n = max(math.ceil(span / d), 0)
-    return (torch.arange(n, dtype=compute, device=device) * d_t + s_t).to(dtype)
+    n = max(math.ceil((lim - s).item() / d.item()), 0)
+    return (torch.arange(n, dtype=compute, device=device) * d.item() + s.item()).to(dtype)
 
 
 @register("EyeLike", since=9, backend="cuda")
