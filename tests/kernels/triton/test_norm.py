@@ -1,0 +1,175 @@
+"""Triton LayerNorm, RMSNorm, LayerNormalization, Softmax and LogSoftmax against the reference.
+
+Short rows share a program, long rows loop over blocks: the tests shrink the block limits so that
+the loops run on small shapes (the interpreter is slow). Inputs are fresh random values; float32
+must agree within 1e-5 of the output's scale, float16/bfloat16 within 1e-2.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
+from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.triton import norm, softmax  # noqa: E402
+from tensorkiln.tactics.registry import LayerSpec, get_tactic  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = [np.float32, np.float16, BF16]
+DTYPE_IDS = ["float32", "float16", "bfloat16"]
+OPSET = {"": 17, "tensorkiln": 1}
+rng = np.random.default_rng()
+
+
+@pytest.fixture(params=["one block", "looped"])
+def rows_path(request, monkeypatch):
+    """Run each test once with rows in one block and once with rows looped over small blocks."""
+    if request.param == "looped":
+        for module in (norm, softmax):
+            monkeypatch.setattr(module, "MAX_BLOCK", 32)
+            monkeypatch.setattr(module, "LOOP_BLOCK", 16)
+    return request.param
+
+
+def randn(*shape: int, dtype=np.float32, scale: float = 1.0, shift: float = 0.0) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale + shift).astype(dtype)
+
+
+def spec_of(op: str, domain: str, args: list, attrs: dict) -> LayerSpec:
+    shapes = tuple(None if a is None else a.shape for a in args)
+    dtypes = tuple(None if a is None else a.dtype.name for a in args)
+    return LayerSpec(op, domain, attrs, shapes, dtypes, DEVICE)
+
+
+def check(op: str, domain: str, args: list, attrs: dict | None = None, n_outputs: int = 1):
+    """The op's Triton tactic against its reference kernel on ``args``, output by output."""
+    attrs = attrs or {}
+    tactic = get_tactic(op, domain, "triton")
+    assert tactic.applies(spec_of(op, domain, args, attrs))
+    ref = invoke(lookup(op, domain, OPSET.get(domain, 17)), args, attrs, n_outputs)
+    tensors = [None if a is None else to_torch(a, DEVICE) for a in args]
+    while tensors and tensors[-1] is None:
+        tensors.pop()
+    got = tactic.fn(*tensors, **attrs, **({"_n_outputs": n_outputs} if n_outputs > 1 else {}))
+    got = list(got) if isinstance(got, tuple) else [got]
+    assert len(got) == n_outputs
+    for k, (g, r) in enumerate(zip(got, ref)):
+        g = to_numpy(g)
+        assert g.shape == r.shape and g.dtype == r.dtype, (
+            f"output {k}: {g.dtype}{g.shape} {r.dtype}{r.shape}"
+        )
+        tol = 1e-5 if r.dtype == np.float32 else 1e-2
+        scale = float(np.abs(r.astype(np.float32)).max()) if r.size else 0.0
+        np.testing.assert_allclose(
+            g.astype(np.float32),
+            r.astype(np.float32),
+            rtol=tol,
+            atol=tol * scale,
+            err_msg=f"output {k}",
+        )
+
+
+# ------------------------------------------------------------------------- LayerNorm / RMSNorm
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_norm(rows_path, dtype):
+    x = randn(3, 5, 40, dtype=dtype, scale=3, shift=2)  # a mean far from 0: centring matters
+    w, b = randn(40, dtype=dtype), randn(40, dtype=dtype)
+    check("LayerNorm", "tensorkiln", [x, w, b], {"epsilon": 1e-3})
+    check("LayerNorm", "tensorkiln", [x, w], {})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_norm_with_residual_and_its_sum(rows_path, dtype):
+    x, res = randn(4, 7, 24, dtype=dtype), randn(4, 7, 24, dtype=dtype)
+    w, b = randn(24, dtype=dtype), randn(24, dtype=dtype)
+    check("LayerNorm", "tensorkiln", [x, w, b, res], n_outputs=2)
+    check("LayerNorm", "tensorkiln", [x, w, None, res])
+    check("LayerNorm", "tensorkiln", [x, w, b], n_outputs=2)  # no residual: the sum is x
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm(rows_path, dtype):
+    check("RMSNorm", "tensorkiln", [randn(6, 50, dtype=dtype), randn(50, dtype=dtype)])
+    check("RMSNorm", "tensorkiln", [randn(2, 3, 33), randn(1, 33)], {"epsilon": 1e-2})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_normalization_with_statistics(rows_path, dtype):
+    x, w, b = randn(2, 9, 36, dtype=dtype, shift=1), randn(36, dtype=dtype), randn(36, dtype=dtype)
+    check("LayerNormalization", "", [x, w, b], {"axis": -1, "epsilon": 1e-5}, n_outputs=3)
+    check("LayerNormalization", "", [x, w], {"axis": 2})
+
+
+def test_rows_of_one_and_empty_inputs():
+    check("LayerNorm", "tensorkiln", [randn(5, 1), randn(1), randn(1)])
+    check("RMSNorm", "tensorkiln", [randn(0, 8), randn(8)])
+    check("Softmax", "", [randn(4, 1)])
+    check("Softmax", "", [randn(0, 3, 5)], {"axis": -1})
+
+
+def test_norm_supports():
+    fits = get_tactic("LayerNorm", "tensorkiln", "triton").applies
+    x, w = randn(2, 3, 8), randn(8)
+    assert fits(spec_of("LayerNorm", "tensorkiln", [x, w], {}))
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w], {"axis": 1}))  # two axes
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, randn(3, 8)], {}))  # scale per row
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x.astype(np.float64), w], {}))
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w, None, randn(3, 8)], {}))  # broadcast
+    onnx_fits = get_tactic("LayerNormalization", "", "triton").applies
+    assert not onnx_fits(spec_of("LayerNormalization", "", [x, w], {"stash_type": 11}))
+    assert onnx_fits(spec_of("LayerNormalization", "", [x, w], {"axis": 2}))
+
+
+# ------------------------------------------------------------------------- Softmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax(rows_path, op, dtype):
+    check(op, "", [randn(3, 4, 45, dtype=dtype, scale=4)], {"axis": -1})
+    check(op, "", [randn(7, 20, dtype=dtype, scale=4)])
+
+
+@pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
+def test_softmax_masked_rows(rows_path, op):
+    """-inf where an attention mask removes a key, with whole masked blocks of a long row."""
+    x = randn(4, 40, scale=3)
+    x[:, :20] = -np.inf
+    x[1, 25:] = -np.inf
+    x[2, ::3] = -np.inf
+    check(op, "", [x], {"axis": 1})
+
+
+def test_softmax_supports():
+    fits = get_tactic("Softmax", "", "triton").applies
+    assert fits(spec_of("Softmax", "", [randn(2, 3, 5)], {"axis": -1}))
+    assert fits(spec_of("Softmax", "", [randn(2, 3, 5)], {"axis": 2}))
+    assert not fits(spec_of("Softmax", "", [randn(2, 3, 5)], {"axis": 1}))
+    # no axis: -1 from opset 13, 1 (a flattening) below it; only rank 2 means the same in both
+    assert not fits(spec_of("Softmax", "", [randn(2, 3, 5)], {}))
+    assert fits(spec_of("Softmax", "", [randn(3, 5)], {}))
+
+
+# ------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("n", [768, 4096, 50000])
+def test_large_rows_on_the_gpu(dtype, n):
+    rows = max(1, (1 << 22) // n)
+    x, res = randn(rows, n, dtype=dtype, shift=1), randn(rows, n, dtype=dtype)
+    w, b = randn(n, dtype=dtype), randn(n, dtype=dtype)
+    check("LayerNorm", "tensorkiln", [x, w, b, res], n_outputs=2)
+    check("RMSNorm", "tensorkiln", [x, w])
+    check("LayerNormalization", "", [x, w, b], n_outputs=3)
+    check("Softmax", "", [x], {"axis": -1})
+    check("LogSoftmax", "", [x], {"axis": -1})
