@@ -14,8 +14,16 @@ torch = pytest.importorskip("torch")
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.cuda.host import HOST_OPS  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.runtime.mathmode import math_mode  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 rng = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _full_float32():
+    with math_mode("fp32"):  # no TF32 in cuDNN's convolutions on the GPU
+        yield
 
 
 def _randn(*shape: int, dtype=np.float32) -> np.ndarray:
@@ -25,7 +33,7 @@ def _randn(*shape: int, dtype=np.float32) -> np.ndarray:
 def _compare(op, args, attrs=None, *, opset=22, n_outputs=1, tol=1e-5):
     attrs = attrs or {}
     ref = invoke(lookup(op, "", opset, "reference"), args, attrs, n_outputs)
-    got = invoke(lookup(op, "", opset, "cuda"), [to_torch(a, "cpu") for a in args], attrs,
+    got = invoke(lookup(op, "", opset, "cuda"), [to_torch(a, DEVICE) for a in args], attrs,
                  n_outputs)  # fmt: skip
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
@@ -63,6 +71,17 @@ def test_resize_nearest_modes_on_ties(nearest_mode):
     x = rng.integers(0, 100, (1, 2, 10, 10)).astype(np.int32)
     scales = np.array([1, 1, 0.7, 2.5], np.float32)
     _compare("Resize", [x, None, scales], {"nearest_mode": nearest_mode}, opset=13)
+
+
+@pytest.mark.parametrize("ctm", [*CTMS, "tf_half_pixel_for_nn"])
+@pytest.mark.parametrize("nearest_mode", ["round_prefer_floor", "round_prefer_ceil", "floor"])
+def test_resize_nearest_whole_factors(ctm, nearest_mode):
+    # the repeat path where it applies, the general one elsewhere: both must match
+    x = rng.integers(0, 100, (2, 3, 4, 5)).astype(np.int64)
+    attrs = {"coordinate_transformation_mode": ctm, "nearest_mode": nearest_mode}
+    opset = 11 if ctm == "tf_half_pixel_for_nn" else 19
+    _compare("Resize", [x, None, np.array([1, 2, 3, 2], np.float32)], attrs, opset=opset)
+    _compare("Resize", [x, None, None, np.array([2, 3, 12, 5], np.int64)], attrs, opset=opset)
 
 
 def test_resize_antialias_exclude_outside_and_policies():

@@ -10,8 +10,16 @@ torch = pytest.importorskip("torch")
 
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.runtime.mathmode import math_mode  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 rng = np.random.default_rng()
+
+
+@pytest.fixture(autouse=True)
+def _full_float32():
+    with math_mode("fp32"):  # no TF32 in cuDNN's convolutions on the GPU
+        yield
 
 
 def _randn(*shape: int, dtype=np.float32) -> np.ndarray:
@@ -22,7 +30,7 @@ def _strided(t):
     """The same values as a non-contiguous tensor (a view into a wider buffer)."""
     if t.ndim == 0 or t.numel() == 0:
         return t
-    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
+    wide = t.new_zeros(*t.shape[:-1], 2 * t.shape[-1])
     wide[..., ::2] = t
     return wide[..., ::2]
 
@@ -30,7 +38,7 @@ def _strided(t):
 def _compare(op, args, attrs=None, *, opset=22, n_outputs=1, tol=1e-5, strided=False):
     attrs = attrs or {}
     ref = invoke(lookup(op, "", opset, "reference"), args, attrs, n_outputs)
-    inputs = [to_torch(a, "cpu") for a in args]
+    inputs = [to_torch(a, DEVICE) for a in args]
     if strided:
         inputs = [_strided(t) if isinstance(t, torch.Tensor) else t for t in inputs]
     got = invoke(lookup(op, "", opset, "cuda"), inputs, attrs, n_outputs)
@@ -247,7 +255,7 @@ def test_dropout():
     _compare("Dropout", [x], opset=7, n_outputs=2)
     seeded = [x, np.array(0.4, np.float32), np.array(True)]
     _compare("Dropout", seeded, {"seed": 5}, n_outputs=2)
-    y, mask = invoke(lookup("Dropout", "", 22, "cuda"), [to_torch(a, "cpu") for a in seeded],
+    y, mask = invoke(lookup("Dropout", "", 22, "cuda"), [to_torch(a, DEVICE) for a in seeded],
                      {}, 2)  # fmt: skip
     kept = to_numpy(mask)
     np.testing.assert_allclose(to_numpy(y), np.where(kept, x / 0.6, 0), rtol=1e-6)
@@ -283,7 +291,7 @@ def test_random_shapes_dtypes_seeds_and_moments():
     n = _run("RandomNormal", [], {"shape": [20000], "mean": 1.0, "scale": 2.0, "dtype": 11})
     assert n.dtype == torch.float64 and abs(n.mean().item() - 1) < 0.1
     assert abs(n.std().item() - 2) < 0.1
-    like = torch.zeros(3, 4, dtype=torch.float16)
+    like = torch.zeros(3, 4, dtype=torch.float16, device=DEVICE)
     assert _run("RandomNormalLike", [like], {}).dtype == torch.float16
     assert _run("RandomUniformLike", [like], {"dtype": 16}).dtype == torch.bfloat16
     with pytest.raises(ValueError, match="floating-point"):
@@ -291,13 +299,14 @@ def test_random_shapes_dtypes_seeds_and_moments():
 
 
 def test_bernoulli_and_multinomial():
-    p = torch.tensor([0.1, 0.5, 0.9]).repeat(4000, 1)
+    p = torch.tensor([0.1, 0.5, 0.9], device=DEVICE).repeat(4000, 1)
     b = _run("Bernoulli", [p], {})
     assert b.dtype == torch.float32
-    np.testing.assert_allclose(b.mean(0).numpy(), [0.1, 0.5, 0.9], atol=0.03)
+    np.testing.assert_allclose(b.mean(0).cpu().numpy(), [0.1, 0.5, 0.9], atol=0.03)
     assert _run("Bernoulli", [p], {"dtype": 9, "seed": 1.0}).dtype == torch.bool
-    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, -1.0]])
+    logits = torch.tensor([[0.0, 1.0, 2.0], [2.0, 0.0, -1.0]], device=DEVICE)
     s = _run("Multinomial", [logits], {"sample_size": 20000, "seed": 3.0, "dtype": 7})
     assert s.shape == (2, 20000) and s.dtype == torch.int64
     freq = torch.stack([torch.bincount(r, minlength=3) for r in s]).double() / 20000
-    np.testing.assert_allclose(freq.numpy(), torch.softmax(logits.double(), 1).numpy(), atol=0.02)
+    probs = torch.softmax(logits.double(), 1)
+    np.testing.assert_allclose(freq.cpu().numpy(), probs.cpu().numpy(), atol=0.02)

@@ -157,6 +157,41 @@ def _interp_dtype(dtype: torch.dtype) -> torch.dtype:
     return f32 if dtype in (torch.float16, torch.bfloat16, f32) else f64
 
 
+# (coordinate mode, nearest mode) pairs that pick source floor(y / f) when upsampling by a whole
+# factor f: the fractional part of the source coordinate stays clear of the rounding boundary
+_REPEATS = {
+    ("asymmetric", "floor"), ("asymmetric", "simple"), ("tf_half_pixel_for_nn", "floor"),
+    *((m, r) for m in ("half_pixel", "pytorch_half_pixel", "half_pixel_symmetric")
+      for r in ("round_prefer_floor", "round_prefer_ceil")),
+}  # fmt: skip
+
+
+def _whole_factors(shape, axes, out_len, scale, opts) -> dict[int, int] | None:
+    """{axis: f} when nearest Resize only repeats every element f times along each axis."""
+    if opts["mode"] != "nearest":
+        return None
+    if (opts["coordinate_transformation_mode"], opts["nearest_mode"]) not in _REPEATS:
+        return None
+    factors = {}
+    for a, n, s in zip(axes, out_len, scale):
+        f = n // shape[a] if shape[a] else 0
+        if f < 1 or n != f * shape[a] or s != f:
+            return None
+        factors[a] = f
+    return factors
+
+
+def _repeat(x: torch.Tensor, factors: dict[int, int]) -> torch.Tensor:
+    """Each element of ``x`` repeated ``factors[axis]`` times along its axes, in one copy."""
+    view, grown, out = [], [], []
+    for d, size in enumerate(x.shape):
+        f = factors.get(d, 1)
+        view += [size, 1]
+        grown += [size, f]
+        out.append(size * f)
+    return x.reshape(view).expand(grown).reshape(out)
+
+
 def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> torch.Tensor:
     r = x.ndim
     axes = list(range(r)) if not axes else [int(a) + r if a < 0 else int(a) for a in axes]
@@ -173,6 +208,9 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     opts["roi"] = boxes
     if opts["mode"] not in ("nearest", "linear", "cubic"):
         raise ValueError(f"Resize: unknown mode '{opts['mode']}'")
+    factors = _whole_factors(x.shape, axes, out_len, scale, opts)
+    if factors is not None:
+        return _repeat(x, factors)
     y = x if opts["mode"] == "nearest" else x.to(_interp_dtype(x.dtype))
     shifted = opts["coordinate_transformation_mode"] == "tf_half_pixel_for_nn"
     for a, n, s in zip(axes, out_len, scale):
