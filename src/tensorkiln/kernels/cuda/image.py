@@ -192,6 +192,38 @@ def _repeat(x: torch.Tensor, factors: dict[int, int]) -> torch.Tensor:
     return x.reshape(view).expand(grown).reshape(out)
 
 
+_UPSAMPLE = {
+    ("linear", 3): torch.ops.aten.upsample_linear1d.default,
+    ("linear", 4): torch.ops.aten.upsample_bilinear2d.default,
+    ("linear", 5): torch.ops.aten.upsample_trilinear3d.default,
+    ("cubic", 4): torch.ops.aten.upsample_bicubic2d.default,
+}
+
+
+def _torch_upsample(x: torch.Tensor, axes, out_len, scale, opts) -> torch.Tensor | None:
+    """Linear or cubic Resize through torch's one-pass kernels, where they compute the same
+    thing: spatial axes only, float data, no antialias, the half-pixel or align-corners mapping
+    (torch clamps taps at the border as the reference's clipped indices do), Keys' a = -0.75."""
+    op = _UPSAMPLE.get((opts["mode"], x.ndim))
+    ctm = opts["coordinate_transformation_mode"]
+    if op is None or not x.dtype.is_floating_point or opts["antialias"]:
+        return None
+    if opts["mode"] == "cubic" and (opts["cubic_coeff_a"] != -0.75 or opts["exclude_outside"]):
+        return None
+    size, scales = list(x.shape[2:]), [1.0] * (x.ndim - 2)
+    for a, n, s in zip(axes, out_len, scale):
+        if a < 2:
+            if n != x.shape[a] or s != 1.0:
+                return None
+            continue
+        size[a - 2], scales[a - 2] = n, s
+    if ctm == "pytorch_half_pixel" and min(size) > 1:
+        ctm = "half_pixel"  # the same mapping unless an axis shrinks to one element
+    if ctm not in ("half_pixel", "align_corners"):
+        return None
+    return op(x, size, ctm == "align_corners", *scales)
+
+
 def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> torch.Tensor:
     r = x.ndim
     axes = list(range(r)) if not axes else [int(a) + r if a < 0 else int(a) for a in axes]
@@ -211,6 +243,9 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     factors = _whole_factors(x.shape, axes, out_len, scale, opts)
     if factors is not None:
         return _repeat(x, factors)
+    fused = _torch_upsample(x, axes, out_len, scale, opts)
+    if fused is not None:
+        return fused
     y = x if opts["mode"] == "nearest" else x.to(_interp_dtype(x.dtype))
     shifted = opts["coordinate_transformation_mode"] == "tf_half_pixel_for_nn"
     for a, n, s in zip(axes, out_len, scale):
