@@ -54,10 +54,14 @@ def _add_ops(sub: Any) -> None:
     p = add_subcommand(
         sub,
         "ops",
-        "list the operators the reference backend implements",
-        "examples:\n  tensorkiln ops\n  tensorkiln ops --domain ai.onnx.ml\n",
+        "list the operators a backend implements",
+        "examples:\n  tensorkiln ops\n  tensorkiln ops --domain ai.onnx.ml\n"
+        "  tensorkiln ops --backend cuda   (ops that run on the host are marked, with why)\n",
     )
     p.add_argument("--domain", default=None, help="only this domain ('ai.onnx' is the default one)")
+    p.add_argument(
+        "--backend", choices=("reference", "cuda"), default="reference", help="default: reference"
+    )
     p.set_defaults(handler=_run_ops)
 
 
@@ -65,10 +69,15 @@ def _run_ops(args: argparse.Namespace) -> int:
     from tensorkiln.kernels.registry import normalize_domain, registered_ops
 
     domain = None if args.domain is None else normalize_domain(args.domain)
-    rows = registered_ops("reference", domain)
+    rows = registered_ops(args.backend, domain)
+    host: dict = {}
+    if args.backend == "cuda":
+        from tensorkiln.kernels.cuda.host import HOST_OPS as host
     for d, op in rows:
-        print(f"{d or 'ai.onnx'}\t{op}")
-    print(f"{len(rows)} operators", file=sys.stderr)
+        why = host.get((d, op))
+        print(f"{d or 'ai.onnx'}\t{op}" + (f"\thost: {why}" if why else ""))
+    extra = f", {sum((d, o) in host for d, o in rows)} of them on the host" if host else ""
+    print(f"{len(rows)} operators{extra}", file=sys.stderr)
     return 0
 
 
