@@ -429,6 +429,9 @@ def _grid_taps(c: torch.Tensor, mode: str, size: int, padding: str, lo: float, h
     return taps
 
 
+_TORCH_GRID_MODES = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicubic"}
+
+
 def _grid_sample(x: torch.Tensor, grid: torch.Tensor, mode: str, padding: str, align: bool):
     nd = x.ndim - 2
     if grid.ndim != nd + 2 or grid.shape[-1] != nd or grid.shape[0] != x.shape[0]:
@@ -438,6 +441,12 @@ def _grid_sample(x: torch.Tensor, grid: torch.Tensor, mode: str, padding: str, a
         )
     if padding not in ("zeros", "border", "reflection"):
         raise ValueError(f"GridSample: unknown padding_mode '{padding}'")
+    if nd in (2, 3) and x.dtype.is_floating_point and (mode, padding) != ("cubic", "border"):
+        # torch's kernel samples as the reference does, except bicubic at a clamped border;
+        # narrow floats are widened so that the coordinates keep float32 precision
+        ct = torch.promote_types(torch.promote_types(x.dtype, grid.dtype), f32)
+        y = F.grid_sample(x.to(ct), grid.to(ct), _TORCH_GRID_MODES[mode], padding, align)
+        return y.to(x.dtype)
     taps = []
     for k, size in enumerate(x.shape[2:]):
         g = grid[..., nd - 1 - k].to(f64)  # grid's last entry indexes the first axis
