@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 
+try:
+    import torch
+except ImportError:  # the test modules skip
+    torch = None
+
 RTOL = 1e-4
+DEVICE = (
+    "cuda" if torch is not None and torch.cuda.is_available() else "cpu"
+)  # CPU tensors run through the interpreter
 HALF_TOL = 1e-2
 
 
@@ -25,14 +33,12 @@ def check(
     args: list,
     attrs: dict | None = None,
     *,
-    device: str = "cpu",
+    device: str = DEVICE,
     transform=None,
 ) -> np.ndarray:
     """Run tactic ``tactic_name`` of ``op`` and the reference kernel on ``args`` (numpy, all of one
     float dtype, None for omitted inputs); assert they agree. ``transform`` maps each device tensor
     (to pass a strided view). Returns the tactic's output."""
-    import torch
-
     from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
     from tensorkiln.kernels.registry import invoke, lookup
     from tensorkiln.tactics.registry import LayerSpec, get_tactic

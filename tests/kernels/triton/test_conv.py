@@ -15,7 +15,7 @@ pytest.importorskip("triton")
 
 from tensorkiln.kernels.triton import conv  # noqa: E402
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for  # noqa: E402
-from tests.kernels.triton import check, rand  # noqa: E402
+from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SMALL = "triton_conv_64x64x32_w4_s4"
@@ -79,7 +79,7 @@ def test_plain_conv_many_channels():
     check("Conv", "", SMALL, [rand(1, 40, 5, 5), rand(9, 40, 3, 3), rand(9)], {"pads": [1] * 4})
 
 
-def _spec(shapes, dtypes, attrs=None, device="cpu"):
+def _spec(shapes, dtypes, attrs=None, device=DEVICE):
     return LayerSpec("ConvAct", "tensorkiln", attrs or {}, tuple(shapes), tuple(dtypes), device)
 
 

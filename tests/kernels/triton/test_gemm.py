@@ -16,7 +16,7 @@ pytest.importorskip("triton")
 from tensorkiln.kernels import triton as tk_triton  # noqa: E402
 from tensorkiln.kernels.triton import gemm  # noqa: E402
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for  # noqa: E402
-from tests.kernels.triton import check, rand  # noqa: E402
+from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 SMALL = "triton_gemm_64x64x64_w4_s4"
@@ -111,7 +111,9 @@ def test_every_config_runs():
 
 
 def test_empty_rows():
-    got = get_tactic("GemmAct", "tensorkiln", SMALL).fn(torch.zeros(0, 8), torch.ones(8, 5))
+    got = get_tactic("GemmAct", "tensorkiln", SMALL).fn(
+        torch.zeros(0, 8, device=DEVICE), torch.ones(8, 5, device=DEVICE)
+    )
     assert got.shape == (0, 5)
 
 
@@ -121,7 +123,7 @@ def test_tf32_precision_setting():
     try:
         assert gemm.dot_precision(torch.float32) == "tf32"
         assert gemm.dot_precision(torch.float16) == "tf32"
-        a, b = torch.randn(20, 40), torch.randn(40, 24)
+        a, b = torch.randn(20, 40, device=DEVICE), torch.randn(40, 24, device=DEVICE)
         got = gemm.gemm_act(a, b, config=gemm.CONFIGS[5])
         torch.testing.assert_close(got, a @ b, rtol=1e-2, atol=1e-2)
     finally:
@@ -130,7 +132,7 @@ def test_tf32_precision_setting():
         tk_triton.set_fp32_dot_precision("fast")
 
 
-def _spec(op, shapes, dtypes, attrs=None, device="cpu", domain="tensorkiln"):
+def _spec(op, shapes, dtypes, attrs=None, device=DEVICE, domain="tensorkiln"):
     return LayerSpec(op, domain, attrs or {}, tuple(shapes), tuple(dtypes), device=device)
 
 
