@@ -72,6 +72,26 @@ def unordered(y: Tensor, dtype: torch.dtype) -> Tensor:
     return y if y.dtype == dtype else y.to(dtype)
 
 
+_SAME_WIDTH = {torch.uint16: torch.int16, torch.uint32: torch.int32, torch.uint64: torch.int64}
+
+
+def select(condition: Tensor, a: Tensor, b: Tensor) -> Tensor:
+    """torch.where for every dtype (CUDA's has no uint16/32/64: those select as signed bits)."""
+    view = _SAME_WIDTH.get(a.dtype)
+    if view is None:
+        return torch.where(condition, a, b)
+    return torch.where(condition, a.view(view), b.view(view)).view(a.dtype)
+
+
+def full(shape: list[int] | tuple[int, ...], value: float, dtype: torch.dtype, device) -> Tensor:
+    """torch.full for every dtype (CUDA cannot fill uint16/32/64 directly)."""
+    if dtype == torch.uint64:
+        return unordered(torch.full(shape, value - 2**63, dtype=torch.int64, device=device), dtype)
+    if dtype in _WIDER:
+        return torch.full(shape, value, dtype=_WIDER[dtype], device=device).to(dtype)
+    return torch.full(shape, value, dtype=dtype, device=device)
+
+
 def compute(x: Tensor) -> Tensor:
     """``x`` in the dtype float formulas run in: float32 for narrow floats, float64 for integers."""
     if x.dtype in NARROW:
@@ -494,8 +514,9 @@ def pow_(x: Tensor, y: Tensor, *, broadcast: int = 0, axis: int | None = None) -
         ya = y.view(torch.int64) if y.dtype == torch.uint64 else arith(y)
         if not y.dtype.is_signed:
             return unarith(torch.pow(xa, ya.to(xa.dtype)), x.dtype)
-        exact = unarith(torch.pow(xa, ya.clamp(min=0).to(xa.dtype)), x.dtype)
-        return torch.where(ya >= 0, exact, torch.pow(x.double(), y.double()).to(x.dtype))
+        exact = torch.pow(xa, ya.clamp(min=0).to(xa.dtype))
+        as_float = arith(torch.pow(x.double(), y.double()).to(x.dtype))
+        return unarith(torch.where(ya >= 0, exact, as_float), x.dtype)
     if y.dtype == x.dtype and x.dtype not in FLOAT8:
         return torch.pow(x, y)
     # a double exponent is applied in double, as std::pow(double, double) would
@@ -525,13 +546,13 @@ def mod(a: Tensor, b: Tensor, *, fmod: int = 0) -> Tensor:
 
 
 def _shift_right(x: Tensor, amount: Tensor) -> Tensor:
-    """x >> amount: arithmetic for signed types, logical for unsigned ones (0 <= amount < bits)."""
+    """x >> amount on :func:`arith` values: arithmetic for signed types, logical for unsigned
+    ones (0 <= amount < bits)."""
+    xa = arith(x)
     if x.dtype != torch.uint64:
-        xa = arith(x)
-        return unarith(torch.bitwise_right_shift(xa, amount.to(xa.dtype)), x.dtype)
-    v = x.view(torch.int64)
-    logical = ((v >> 1) & (2**63 - 1)) >> (amount - 1).clamp(min=0)
-    return torch.where(amount == 0, v, logical).view(torch.uint64)
+        return torch.bitwise_right_shift(xa, amount.to(xa.dtype))
+    logical = ((xa >> 1) & (2**63 - 1)) >> (amount - 1).clamp(min=0)
+    return torch.where(amount == 0, xa, logical)
 
 
 @_cuda("BitShift", since=11)
@@ -541,17 +562,17 @@ def bit_shift(x: Tensor, y: Tensor, *, direction: str) -> Tensor:
     y = ordered(y) if y.dtype != torch.uint64 else y.view(torch.int64)  # huge ones go negative
     out_of_range = (y < 0) | (y >= bits)
     amount = torch.where(out_of_range, 0, y)
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    xa = arith(x)
+    zero = torch.zeros((), dtype=xa.dtype, device=x.device)
     if direction == "LEFT":
-        xa = arith(x)
-        r = unarith(torch.bitwise_left_shift(xa, amount.to(xa.dtype)), x.dtype)
+        r = torch.bitwise_left_shift(xa, amount.to(xa.dtype))
         fill = zero
     elif direction == "RIGHT":
         r = _shift_right(x, amount)
-        fill = torch.where(x < 0, -1, zero) if x.dtype.is_signed else zero
+        fill = xa >> (bits - 1) if x.dtype.is_signed else zero  # -1 for negative signed values
     else:
         raise ValueError(f"BitShift direction must be 'LEFT' or 'RIGHT', got {direction!r}")
-    return torch.where(out_of_range, fill, r)
+    return unarith(torch.where(out_of_range, fill, r), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -609,7 +630,7 @@ def where(condition: Tensor, x: Tensor, y: Tensor) -> Tensor:
     """x where ``condition`` holds, y elsewhere (all three broadcast; strings on the host)."""
     if _on_host(x, y):
         return _host(ref.where, condition, x, y)
-    return torch.where(condition, x, y)
+    return select(condition, x, y)
 
 
 def _clip(x: Tensor, lo: Tensor | None, hi: Tensor | None) -> Tensor:
@@ -628,7 +649,7 @@ def _bound(value: float | None, x: Tensor) -> Tensor | None:
         return None
     if not x.is_floating_point():
         value = int(value)
-    return torch.full((), value, dtype=x.dtype, device=x.device)
+    return full((), value, x.dtype, x.device)
 
 
 @_cuda("Clip")

@@ -14,7 +14,15 @@ from collections.abc import Callable
 
 import torch
 
-from tensorkiln.kernels.cuda.elementwise import NARROW, UNSIGNED, arith, ordered, unarith, unordered
+from tensorkiln.kernels.cuda.elementwise import (
+    NARROW,
+    UNSIGNED,
+    arith,
+    full,
+    ordered,
+    unarith,
+    unordered,
+)
 from tensorkiln.kernels.registry import register
 
 Tensor = torch.Tensor
@@ -131,7 +139,7 @@ def _extreme(x: Tensor, axes: Axes, keepdims: bool, largest: bool) -> Tensor:
         return x
     if any(x.shape[a] == 0 for a in axes):
         shape = [1 if a in axes else n for a, n in enumerate(x.shape) if keepdims or a not in axes]
-        fill = torch.full((), _identity(x.dtype, largest), dtype=x.dtype, device=x.device)
+        fill = full((), _identity(x.dtype, largest), x.dtype, x.device)
         return fill.expand(shape).clone()
     reduce = torch.amax if largest else torch.amin
     return unordered(reduce(ordered(x), dim=axes, keepdim=keepdims), x.dtype)
