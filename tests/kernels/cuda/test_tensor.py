@@ -244,10 +244,11 @@ def test_scatter_elements_reductions_with_duplicates(reduction, dtype):
 
 
 @pytest.mark.parametrize("reduction", ["add", "mul", "max", "min"])
-def test_scatter_nd_reductions_with_duplicates(reduction):
-    data = rand(5, 3, 2, dtype=np.int64)
+@pytest.mark.parametrize("dtype", [np.int64, np.uint16, np.bool_])
+def test_scatter_nd_reductions_with_duplicates(reduction, dtype):
+    data = rand(5, 3, 2, dtype=dtype)
     idx = rng.integers(-5, 5, size=(6, 1))
-    upd = rand(6, 3, 2, dtype=np.int64)
+    upd = rand(6, 3, 2, dtype=dtype)
     check("ScatterND", [data, idx, upd], {"reduction": reduction})
 
 
@@ -307,6 +308,8 @@ def test_compress_and_reverse_sequence():
     seq = rand(5, 3, 2, dtype=np.float16)
     check("ReverseSequence", [seq, np.array([5, 0, 3])], {"batch_axis": 1, "time_axis": 0})
     check("ReverseSequence", [seq, np.array([1, 2, 2, 3, 0])], {"batch_axis": 0, "time_axis": 1})
+    seq = rand(4, 2, 3, dtype=np.uint64)
+    check("ReverseSequence", [seq, np.array([4, 1])], {"batch_axis": 1, "time_axis": 0})
 
 
 # ---------------------------------------------------------------------------------------------

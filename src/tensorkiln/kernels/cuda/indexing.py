@@ -98,7 +98,7 @@ def gather_nd(data: torch.Tensor, indices: torch.Tensor, *, batch_dims: int = 0)
     flat, linear = _nd_rows(data, indices, batch_dims, "GatherND")
     k = indices.shape[-1]
     rows = torch.arange(flat.shape[0], device=data.device).unsqueeze(1)
-    out = flat[rows, linear]
+    out = from_signed(as_signed(flat)[rows, linear], data.dtype)
     return out.reshape((*indices.shape[:-1], *data.shape[batch_dims + k :]))
 
 
@@ -329,5 +329,5 @@ def reverse_sequence(
     lens = lens.clamp(0, steps).unsqueeze(1)
     t = torch.arange(steps, device=x.device)
     src = torch.where(t < lens, lens - 1 - t, t)
-    out = x[torch.arange(batch, device=x.device).unsqueeze(1), src]
+    out = from_signed(as_signed(x)[torch.arange(batch, device=x.device).unsqueeze(1), src], x.dtype)
     return out.movedim((0, 1), (batch_axis, time_axis)).contiguous()
