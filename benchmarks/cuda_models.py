@@ -255,8 +255,13 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     res["large_batch"] = large
     res["build_fp16_large_s"] = secs
     res["fp16_large_planned_peak_bytes"] = engine.memory.get("peak_bytes")
+    eager = engine.create_execution_context()
+    eager.infer(dev)
+    res["fp16_large_context_pool_bytes"] = eager.device_memory_bytes()
+    del eager
     ctx = engine.create_execution_context(use_cuda_graph=True)
     got = first(list(ctx.infer(dev).values())).float()
+    res["fp16_large_graph_fallback"] = ctx.cuda_graph_fallback
     res["fp16_large_norm_rel_vs_torch_fp32"] = float(
         torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)
     )

@@ -12,10 +12,10 @@ import pytest
 
 pytest.importorskip("torch")
 
-import onnx.backend.test  # noqa: E402
+import onnx.backend.test
 
-from tests.conformance import cuda_backend  # noqa: E402
-from tests.conformance.exclusions import EXCLUDED  # noqa: E402
+from tests.conformance import cuda_backend
+from tests.conformance.exclusions import EXCLUDED
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 

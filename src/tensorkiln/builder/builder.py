@@ -254,7 +254,10 @@ def _tune(
 
     cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
     shapes = _opt_shapes(graph, config.profiles)
-    options = TuneOptions(precision=precision, enabled=config.optimization_level > 0)
+    sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
+    options = TuneOptions(
+        precision=precision, enabled=config.optimization_level > 0, sources=sources
+    )
     with math_mode(precision):
         layers = choose_tactics(graph, device, shapes, options, cache)
     if config.timing_cache:

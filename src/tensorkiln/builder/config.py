@@ -9,6 +9,7 @@ from tensorkiln.errors import InputError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
 LOG_LEVELS = ("error", "warning", "info", "verbose")
+TACTIC_SOURCES = ("triton",)  # each tactic's name starts with its source: "triton_gemm_..."
 
 
 @dataclass
@@ -64,6 +65,9 @@ class BuilderConfig:
     log_level: str = "warning"
     embed_source: bool = False
     dump_ir: str | None = None  # a folder: the IR is written there after every optimizer pass
+    # the kinds of tactic the autotuner may try besides each op's default kernel (cuBLAS/cuDNN
+    # through torch): "triton" for the generated kernels; None allows every kind
+    tactic_sources: set[str] | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8'."""
@@ -85,6 +89,12 @@ class BuilderConfig:
             raise InputError(f"optimization level must be 0..5, got {self.optimization_level}")
         if self.memory_limit is not None and self.memory_limit <= 0:
             raise InputError(f"memory limit must be positive, got {self.memory_limit}")
+        unknown = set(self.tactic_sources or ()) - set(TACTIC_SOURCES)
+        if unknown:
+            raise InputError(
+                f"unknown tactic source(s) {', '.join(sorted(unknown))}; choose from "
+                f"{', '.join(TACTIC_SOURCES)}"
+            )
         if self.log_level not in LOG_LEVELS:
             raise InputError(f"log level must be one of {', '.join(LOG_LEVELS)}")
 
@@ -94,4 +104,5 @@ class BuilderConfig:
             "optimization_level": self.optimization_level,
             "memory_limit": self.memory_limit,
             "timing_cache": self.timing_cache,
+            "tactic_sources": None if self.tactic_sources is None else sorted(self.tactic_sources),
         }

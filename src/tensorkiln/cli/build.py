@@ -50,6 +50,12 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-shapes", metavar="SHAPES", help="largest shapes the engine accepts")
     p.add_argument("--timing-cache", metavar="FILE", help="timing cache to read and update")
     p.add_argument(
+        "--tactic-sources",
+        metavar="LIST",
+        help="kinds of generated kernel the autotuner may try besides cuBLAS/cuDNN, e.g. triton; "
+        "'none' times nothing but the defaults (default: all)",
+    )
+    p.add_argument(
         "--backend",
         choices=("auto", "reference", "cuda"),
         default="auto",
@@ -156,6 +162,9 @@ def _config(args: argparse.Namespace, plan: dict | None) -> Any:
     config.memory_limit = _first(args.memory_limit, old.get("memory_limit"))
     config.embed_source = args.embed_source or plan is not None
     config.dump_ir = args.dump_ir
+    if args.tactic_sources is not None:
+        names = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
+        config.tactic_sources = set() if names == {"none"} else names
     return config
 
 

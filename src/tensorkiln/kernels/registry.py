@@ -109,7 +109,7 @@ def invoke(
 
 def _ensure_loaded(backend: str) -> None:
     if backend == "reference":
-        import tensorkiln.kernels.reference  # noqa: F401  (registers the numpy kernels)
+        import tensorkiln.kernels.reference
     elif backend == "cuda":
         try:
             import torch  # noqa: F401

@@ -38,6 +38,7 @@ class ExecutionContext:
         self.precision = engine.build.get("precision", "fp32")
         self._stream = None
         self._graphs = None
+        self._pool = None
         dev = self._executor.device
         if dev is not None and dev.type == "cuda":
             import torch
@@ -45,6 +46,9 @@ class ExecutionContext:
             from tensorkiln.runtime.device import GraphRunner
 
             self._stream = torch.cuda.Stream(dev)
+            # The context's activations come from its own memory pool, reserved on the first run
+            # and reused by every later one (CUDA graphs capture into a pool of their own).
+            self._pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
             if use_cuda_graph:
                 self._graphs = GraphRunner(self._run_device, dev)
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -169,11 +173,17 @@ class ExecutionContext:
         stream = self._stream
         caller = torch.cuda.current_stream(stream.device) if stream is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with math_mode(self.precision), torch.no_grad(), ctx:
+        use_graph = self._graphs is not None and layer_times is None
+        pool = (
+            torch.cuda.use_mem_pool(self._pool)
+            if self._pool is not None and not use_graph
+            else contextlib.nullcontext()
+        )
+        with math_mode(self.precision), torch.no_grad(), ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [bound[v] for v in graph.inputs]
-            if self._graphs is not None and layer_times is None:
+            if use_graph:
                 results = self._graphs(inputs)
             else:
                 results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
@@ -192,6 +202,17 @@ class ExecutionContext:
 
     def _run_device(self, inputs: list[Any]) -> list[Any]:
         return self._executor.run(dict(zip(self.engine.graph.inputs, inputs)))
+
+    def device_memory_bytes(self) -> int:
+        """Bytes of device memory this context holds for activations (its pool's segments)."""
+        pools = [self._pool] if self._pool is not None else []
+        if self._graphs is not None:
+            pools.append(self._graphs.pool)
+        total = 0
+        for p in pools:
+            snapshot = p.snapshot() if hasattr(p, "snapshot") else []
+            total += sum(seg.get("total_size", 0) for seg in snapshot)
+        return total
 
     @property
     def cuda_graph_fallback(self) -> str | None:

@@ -114,6 +114,7 @@ class GraphRunner:
         self._device = device
         self._graphs: dict[tuple, Any] = {}
         self._pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
         self.eager_reason: str | None = None
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
@@ -134,6 +135,9 @@ class GraphRunner:
         graph.replay()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in static_out]
 
+    def _pool_handle(self) -> Any:
+        return self.pool.id if self.pool is not None else self._pool
+
     def _capture(self, inputs: list[Any]) -> tuple | None:
         import torch
 
@@ -146,7 +150,7 @@ class GraphRunner:
                     self._run(static_in)
             torch.cuda.current_stream(self._device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool_handle()):
                 static_out = self._run(static_in)
         except Exception as exc:  # not capturable: run eagerly from now on
             torch.cuda.synchronize(self._device)

@@ -44,6 +44,7 @@ class TuneOptions:
     warmup: int = 3
     runs: int = 15
     enabled: bool = True  # False: every layer keeps its default tactic (optimization level 0)
+    sources: frozenset[str] | None = None  # tactic kinds allowed besides the default; None: all
 
 
 def choose_tactics(
@@ -72,7 +73,11 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
     entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
     layer = _describe(node, entry)
     spec = _spec(node, types, executor.device.type)
-    candidates = [t for t in tactics_for(node.op, node.domain) if spec and t.applies(spec)]
+    candidates = [
+        t
+        for t in tactics_for(node.op, node.domain)
+        if spec and t.applies(spec) and _allowed(t.name, options.sources)
+    ]
     if not candidates:
         return layer
     layer["candidates"] = ["default"] + [t.name for t in candidates]
@@ -119,6 +124,10 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
             + " ".join(f"{k}={v:.4f}ms" for k, v in timings.items())
         )
     return layer
+
+
+def _allowed(name: str, sources: frozenset[str] | None) -> bool:
+    return sources is None or name.split("_", 1)[0] in sources
 
 
 def _describe(node: Node, entry: Any) -> dict:
