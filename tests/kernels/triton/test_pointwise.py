@@ -332,6 +332,7 @@ def test_integer_ops():
         ("Relu", ["i0"], DType.INT64),
         ("Sign", ["i0"], DType.INT64),
         ("Pow", ["i0", "c0"], DType.INT64),
+        ("Pow", ["i0", "c3"], DType.INT64),  # x ** 0
         ("Clip", ["i0", "c1", "c2"], DType.INT64),
         ("Add", ["i2", "i2"], DType.INT32),
         ("Cast", ["i0"], DType.INT32, {"to": int(DType.INT32)}),
@@ -341,7 +342,7 @@ def test_integer_ops():
     ]
     x = rng.integers(-50, 50, (4, 2, 5)).astype(np.int64)
     y = rng.integers(1, 7, (2, 1)).astype(np.int64) * np.array([[1], [-1]])  # both signs, no 0
-    consts = [np.int64(3), np.int64(-10), np.int64(20)]
+    consts = [np.int64(3), np.int64(-10), np.int64(20), np.int64(0)]
     body = op_body(ops, [DType.INT64, DType.INT64, DType.INT32], consts)
     check(body, [x, y, x.astype(np.int32)], [o[0] for o in ops])
 

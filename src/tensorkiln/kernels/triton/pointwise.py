@@ -144,6 +144,10 @@ def _attr(node: Node, name: str, default: Any) -> Any:
     return node.attrs.get(name, default)
 
 
+def _domain(node: Node) -> str:
+    return "" if node.domain == "ai.onnx" else node.domain
+
+
 def _max(a: str, b: str, is_float: bool, op: str = "maximum") -> str:
     nan = ", propagate_nan=tl.PropagateNan.ALL" if is_float else ""
     return f"tl.{op}({a}, {b}{nan})"
@@ -152,16 +156,68 @@ def _max(a: str, b: str, is_float: bool, op: str = "maximum") -> str:
 # ---------------------------------------------------------------------------------------------
 # Ops. Each returns the expression of the node's output from its input terms.
 
+# Templates: {0}, {1}... are the inputs, {name} the attribute ``name`` (default given) as a float
+# literal. Kind: "any" dtype, "float" only, "bool" only.
+_TEMPLATES: dict[tuple[str, str], tuple[str, str, dict[str, float]]] = {
+    ("", "Identity"): ("{0}", "any", {}),
+    ("", "Add"): ("{0} + {1}", "any", {}),
+    ("", "Sub"): ("{0} - {1}", "any", {}),
+    ("", "Mul"): ("{0} * {1}", "any", {}),
+    ("", "Neg"): ("-{0}", "any", {}),
+    ("", "Abs"): ("tl.abs({0})", "any", {}),
+    ("", "PRelu"): ("tl.where({0} >= 0, {0}, {0} * {1})", "any", {}),
+    ("", "Where"): ("tl.where({0}, {1}, {2})", "any", {}),
+    ("", "Equal"): ("{0} == {1}", "any", {}),
+    ("", "Less"): ("{0} < {1}", "any", {}),
+    ("", "Greater"): ("{0} > {1}", "any", {}),
+    ("", "LessOrEqual"): ("{0} <= {1}", "any", {}),
+    ("", "GreaterOrEqual"): ("{0} >= {1}", "any", {}),
+    ("", "And"): ("{0} & {1}", "bool", {}),
+    ("", "Or"): ("{0} | {1}", "bool", {}),
+    ("", "Xor"): ("{0} ^ {1}", "bool", {}),
+    ("", "Not"): ("{0} == 0", "bool", {}),
+    ("", "Exp"): ("tl.exp({0})", "float", {}),
+    ("", "Log"): ("tl.log({0})", "float", {}),
+    ("", "Sqrt"): ("tl.sqrt({0})", "float", {}),
+    ("", "Reciprocal"): ("1.0 / {0}", "float", {}),
+    ("", "Sigmoid"): ("tl.sigmoid({0})", "float", {}),
+    ("", "Tanh"): ("_tanh({0})", "float", {}),
+    ("", "Erf"): ("_erf({0})", "float", {}),
+    ("", "Floor"): ("tl.floor({0})", "float", {}),
+    ("", "Ceil"): ("tl.ceil({0})", "float", {}),
+    ("", "Round"): ("_round_even({0})", "float", {}),
+    ("", "Softplus"): ("_softplus({0})", "float", {}),
+    ("", "Softsign"): ("{0} / (1.0 + tl.abs({0}))", "float", {}),
+    ("", "Mish"): ("{0} * _tanh(_softplus({0}))", "float", {}),
+    ("", "IsNaN"): ("{0} != {0}", "float", {}),
+    ("", "LeakyRelu"): (
+        "tl.where({0} >= 0, {0}, {0} * {alpha})",
+        "float",
+        {"alpha": 0.009999999776482582},
+    ),
+    ("", "ThresholdedRelu"): ("tl.where({0} > {alpha}, {0}, 0.0)", "float", {"alpha": 1.0}),
+    ("", "Shrink"): (
+        "tl.where({0} < -{lambd}, {0} + {bias}, tl.where({0} > {lambd}, {0} - {bias}, 0.0))",
+        "float",
+        {"bias": 0.0, "lambd": 0.5},
+    ),
+    ("", "Swish"): ("{0} * tl.sigmoid({0} * {alpha})", "float", {"alpha": 1.0}),
+    ("tensorkiln", "SiLU"): ("{0} * tl.sigmoid({0})", "float", {}),
+}
 
-@_op("Identity")
-def _identity(g, n, a):
-    return a[0].code
+
+def _template(g, n, a):
+    template, kind, defaults = _TEMPLATES[(_domain(n), n.op)]
+    if kind == "float":
+        _floats(*a)
+    elif kind == "bool" and any(t.dtype != DType.BOOL for t in a):
+        raise Unsupported(f"{n.op} on {a[0].dtype.name}")
+    attrs = {k: flt(_attr(n, k, d)) for k, d in defaults.items()}
+    return template.format(*(t.code for t in a), **attrs)
 
 
-@_op("Add", "Sub", "Mul")
-def _arith(g, n, a):
-    sign = {"Add": "+", "Sub": "-", "Mul": "*"}[n.op]
-    return f"{a[0].code} {sign} {a[1].code}"
+for _domain_name, _name in _TEMPLATES:
+    _op(_name, domain=_domain_name)(_template)
 
 
 @_op("Sum")
@@ -198,19 +254,9 @@ def _maxmin(g, n, a):
     return expr
 
 
-@_op("Neg")
-def _neg(g, n, a):
-    return f"-{a[0].code}"
-
-
-@_op("Abs")
-def _abs(g, n, a):
-    return f"tl.abs({a[0].code})"
-
-
 @_op("Relu")
 def _relu(g, n, a):
-    return _max(a[0].code, "0", a[0].is_float)
+    return _max(a[0].code, "0", a[0].is_float)  # NaN stays NaN, as numpy's maximum
 
 
 @_op("Sign")
@@ -220,96 +266,35 @@ def _sign(g, n, a):
     return f"tl.where({x} > 0, {one}, tl.where({x} < 0, -{one}, {zero}))"
 
 
-_UNARY_FLOAT = {
-    "Exp": "tl.exp({x})",
-    "Log": "tl.log({x})",
-    "Sqrt": "tl.sqrt({x})",
-    "Reciprocal": "1.0 / {x}",
-    "Sigmoid": "tl.sigmoid({x})",
-    "Tanh": "_tanh({x})",
-    "Erf": "_erf({x})",
-    "Floor": "tl.floor({x})",
-    "Ceil": "tl.ceil({x})",
-    "Round": "_round_even({x})",
-    "Softplus": "_softplus({x})",
-    "Softsign": "{x} / (1.0 + tl.abs({x}))",
-    "Mish": "{x} * _tanh(_softplus({x}))",
-    "IsNaN": "{x} != {x}",
-}
-
-
-def _unary_float(g, n, a):
-    _floats(a[0])
-    return _UNARY_FLOAT[n.op].format(x=a[0].code)
-
-
-for _name in _UNARY_FLOAT:
-    _op(_name)(_unary_float)
-
-
 @_op("IsInf")
 def _isinf(g, n, a):
     _floats(a[0])
     x = a[0].code
-    neg, pos = _attr(n, "detect_negative", 1), _attr(n, "detect_positive", 1)
-    parts = ([f"({x} == float('-inf'))"] if neg else []) + (
-        [f"({x} == float('inf'))"] if pos else []
-    )
+    parts = []
+    if _attr(n, "detect_negative", 1):
+        parts.append(f"({x} == float('-inf'))")
+    if _attr(n, "detect_positive", 1):
+        parts.append(f"({x} == float('inf'))")
     return " | ".join(parts) if parts else f"({x} != {x}) & ({x} == {x})"
 
 
-@_op("LeakyRelu")
-def _leaky_relu(g, n, a):
-    _floats(a[0])
-    x = a[0].code
-    return f"tl.where({x} >= 0, {x}, {x} * {flt(_attr(n, 'alpha', 0.009999999776482582))})"
+# Elu, Selu, Celu: gamma (max(x, 0) + alpha expm1(min(x, 0) / scale)), as the reference computes
+_ELU = {
+    "Elu": {"alpha": 1.0},
+    "Selu": {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
+    "Celu": {"alpha": 1.0},
+}
 
 
-@_op("PRelu")
-def _prelu(g, n, a):
-    x, s = a
-    return f"tl.where({x.code} >= 0, {x.code}, {x.code} * {s.code})"
-
-
-@_op("ThresholdedRelu")
-def _thresholded_relu(g, n, a):
-    _floats(a[0])
-    x = a[0].code
-    return f"tl.where({x} > {flt(_attr(n, 'alpha', 1.0))}, {x}, 0.0)"
-
-
-@_op("Shrink")
-def _shrink(g, n, a):
-    _floats(a[0])
-    x, bias, lambd = a[0].code, flt(_attr(n, "bias", 0.0)), flt(_attr(n, "lambd", 0.5))
-    return f"tl.where({x} < -{lambd}, {x} + {bias}, tl.where({x} > {lambd}, {x} - {bias}, 0.0))"
-
-
-def _elu_expr(x: str, alpha: float, gamma: float = 1.0, scale: float = 1.0) -> str:
-    """gamma (max(x, 0) + alpha expm1(min(x, 0) / scale)), as the reference computes Elu/Selu/Celu."""
-    neg = f"tl.minimum({x}, 0.0)" + (f" / {flt(scale)}" if scale != 1.0 else "")
-    expr = f"(tl.maximum({x}, 0.0) + {flt(alpha)} * _expm1({neg}))"
-    return f"{expr} * {flt(gamma)}" if gamma != 1.0 else expr
-
-
-@_op("Elu")
+@_op(*_ELU)
 def _elu(g, n, a):
     _floats(a[0])
-    return _elu_expr(a[0].code, float(_attr(n, "alpha", 1.0)))
-
-
-@_op("Selu")
-def _selu(g, n, a):
-    _floats(a[0])
-    alpha = float(_attr(n, "alpha", 1.67326319217681884765625))
-    return _elu_expr(a[0].code, alpha, float(_attr(n, "gamma", 1.05070102214813232421875)))
-
-
-@_op("Celu")
-def _celu(g, n, a):
-    _floats(a[0])
-    alpha = float(_attr(n, "alpha", 1.0))
-    return _elu_expr(a[0].code, alpha, 1.0, alpha)
+    x = a[0].code
+    p = {k: float(_attr(n, k, d)) for k, d in _ELU[n.op].items()}
+    scale = p["alpha"] if n.op == "Celu" else 1.0
+    neg = f"tl.minimum({x}, 0.0)" + (f" / {flt(scale)}" if scale != 1.0 else "")
+    expr = f"(tl.maximum({x}, 0.0) + {flt(p['alpha'])} * _expm1({neg}))"
+    return f"{expr} * {flt(p['gamma'])}" if "gamma" in p else expr
 
 
 def _hard_sigmoid_expr(x: str, alpha: float, beta: float) -> str:
@@ -345,69 +330,21 @@ def _gelu(g, n, a):
     return f"(({inner}) + 1.0) * {x} * 0.5"
 
 
-@_op("Swish")
-def _swish(g, n, a):
-    _floats(a[0])
-    x, alpha = a[0].code, float(_attr(n, "alpha", 1.0))
-    return f"{x} * tl.sigmoid({x} * {flt(alpha)})" if alpha != 1.0 else f"{x} * tl.sigmoid({x})"
-
-
-@_op("SiLU", domain="tensorkiln")
-def _silu(g, n, a):
-    _floats(a[0])
-    return f"{a[0].code} * tl.sigmoid({a[0].code})"
-
-
 @_op("Clip")
 def _clip(g, n, a):
     x = a[0]
     lo = a[1] if len(a) > 1 else None
     hi = a[2] if len(a) > 2 else None
-    expr = x.code
     if "min" in n.attrs:  # opset < 11: bounds as attributes
         lo = g.const(n.attrs["min"], x.dtype)
     if "max" in n.attrs:
         hi = g.const(n.attrs["max"], x.dtype)
+    expr = x.code
     if lo is not None:
         expr = _max(expr, lo.code, x.is_float)
     if hi is not None:
         expr = _max(expr, hi.code, x.is_float, "minimum")
     return expr
-
-
-@_op("Where")
-def _where(g, n, a):
-    c, x, y = a
-    return f"tl.where({c.code}, {x.code}, {y.code})"
-
-
-_COMPARE = {
-    "Equal": "==",
-    "Less": "<",
-    "Greater": ">",
-    "LessOrEqual": "<=",
-    "GreaterOrEqual": ">=",
-}
-_LOGIC = {"And": "&", "Or": "|", "Xor": "^"}
-
-
-@_op(*_COMPARE)
-def _compare(g, n, a):
-    return f"{a[0].code} {_COMPARE[n.op]} {a[1].code}"
-
-
-@_op(*_LOGIC)
-def _logic(g, n, a):
-    if a[0].dtype != DType.BOOL:
-        raise Unsupported(f"{n.op} on {a[0].dtype.name}")
-    return f"{a[0].code} {_LOGIC[n.op]} {a[1].code}"
-
-
-@_op("Not")
-def _not(g, n, a):
-    if a[0].dtype != DType.BOOL:
-        raise Unsupported(f"Not on {a[0].dtype.name}")
-    return f"{a[0].code} == 0"
 
 
 @_op("Cast")
@@ -462,7 +399,7 @@ def _int_pow(x: Term, y: Term) -> str:
     if y.value is None or y.value != int(y.value) or not 0 <= int(y.value) <= 16:
         raise Unsupported("integer Pow with an exponent other than a constant 0..16")
     e = int(y.value)
-    return " * ".join([x.code] * e) if e else "1"
+    return " * ".join([x.code] * e) if e else f"tl.full([1, 1], 1, {_TL[x.dtype]})"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,7 +550,7 @@ def analyse(body: Graph) -> Program:
 
 
 def _emit_node(g: _Emitter, node: Node, terms: dict[Value, Term], deps: dict[Value, list]) -> None:
-    domain = node.domain if node.domain != "ai.onnx" else ""
+    domain = _domain(node)
     emit = _OPS.get((domain, node.op))
     if emit is None:
         raise Unsupported(f"op {domain + '.' if domain else ''}{node.op}")
