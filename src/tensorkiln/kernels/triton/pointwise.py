@@ -567,6 +567,7 @@ def _emit_node(g: _Emitter, node: Node, terms: dict[Value, Term], deps: dict[Val
     terms[out] = g.assign(emit(g, node, args), out.dtype)
 
 
+CACHE_LIMIT = 4096  # bodies (and body constants) remembered before the caches start over
 _PROGRAMS: dict[int, tuple[Graph, Program | Unsupported]] = {}  # holds the body: ids stay its
 
 
@@ -578,6 +579,8 @@ def program(body: Graph) -> Program:
             got: Program | Unsupported = analyse(body)
         except Unsupported as exc:
             got = exc
+        if len(_PROGRAMS) >= CACHE_LIMIT:
+            _PROGRAMS.clear()
         hit = _PROGRAMS[id(body)] = (body, got)
     if isinstance(hit[1], Unsupported):
         raise Unsupported(str(hit[1]))
@@ -807,6 +810,8 @@ def _device_const(op: Operand, device: Any) -> Any:
     if hit is None or hit[0] is not op.data:
         from tensorkiln.kernels.cuda.convert import to_torch
 
+        if len(_CONSTS) >= CACHE_LIMIT:
+            _CONSTS.clear()
         hit = _CONSTS[key] = (op.data, to_torch(np.array(op.data), device))  # a writable copy
     return hit[1]
 
