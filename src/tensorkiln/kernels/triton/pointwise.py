@@ -13,8 +13,9 @@ vectorize), rows decomposed into the outer dims' indices. Each tensor's strides 
 ``expand(full_shape)``, so a broadcast dim has stride 0 and is left out of the tensor's offset, and
 non-contiguous inputs need no copy. The source depends on the body, the dtypes and that layout's
 pattern, never on data: it is written to a file in a cache folder (``triton.jit`` reads a kernel's
-source from its file) and imported once per distinct text. Only op names of the table below and
-numbers formatted by this module (``repr`` of floats and ints) ever reach the source.
+source from its file) and imported once per distinct text. Only this module's templates and the
+numbers it formats (``repr`` of floats and ints) reach the source; no name or string of the model
+does.
 """
 
 from __future__ import annotations
