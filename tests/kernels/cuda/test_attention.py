@@ -10,13 +10,15 @@ torch = pytest.importorskip("torch")
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 B, HQ, HKV, SQ, SKV, D, DV = 2, 4, 2, 5, 7, 8, 6
 
 
 def _compare(op, args, attrs=None, *, opset=23, n_outputs=1, domain="", rtol=1e-5, atol=1e-5):
     attrs = attrs or {}
     ref = invoke(lookup(op, domain, opset, "reference"), args, attrs, n_outputs)
-    got = invoke(lookup(op, domain, opset, "cuda"), [to_torch(a, "cpu") for a in args], attrs,
+    got = invoke(lookup(op, domain, opset, "cuda"), [to_torch(a, DEVICE) for a in args], attrs,
                  n_outputs)  # fmt: skip
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
@@ -87,8 +89,8 @@ def test_attention_nonpad_and_windows():
 def test_attention_non_contiguous_inputs():
     rng = np.random.default_rng()
     q, k, v = _qkv(rng)
-    args = [to_torch(x, "cpu").transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
-    args[0] = to_torch(q.transpose(0, 2, 1, 3).copy(), "cpu").transpose(1, 2)
+    args = [to_torch(x, DEVICE).transpose(-1, -2).contiguous().transpose(-1, -2) for x in (q, k, v)]
+    args[0] = to_torch(q.transpose(0, 2, 1, 3).copy(), DEVICE).transpose(1, 2)
     ref = lookup("Attention", "", 23).fn(q, k, v, is_causal=1)
     got = lookup("Attention", "", 23, "cuda").fn(*args, is_causal=1)
     np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-5, atol=1e-5)

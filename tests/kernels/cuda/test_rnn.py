@@ -10,13 +10,15 @@ torch = pytest.importorskip("torch")
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 T, B, I, H = 5, 3, 4, 6
 GATES = {"RNN": 1, "GRU": 3, "LSTM": 4}
 
 
 def _compare(op, args, attrs, n_outputs, rtol=1e-5, atol=1e-5):
     ref = invoke(lookup(op, "", 22, "reference"), args, attrs, n_outputs)
-    got = invoke(lookup(op, "", 22, "cuda"), [to_torch(a, "cpu") for a in args], attrs, n_outputs)
+    got = invoke(lookup(op, "", 22, "cuda"), [to_torch(a, DEVICE) for a in args], attrs, n_outputs)
     for g, r in zip(got, ref):
         g = to_numpy(g)
         assert g.dtype == r.dtype and g.shape == r.shape
@@ -79,14 +81,14 @@ def test_only_y_and_missing_optional_inputs():
     rng = np.random.default_rng()
     x, w, r = _inputs(rng, "GRU", 1)[:3]
     ref = invoke(lookup("GRU", "", 22), [x, w, r], {}, 2)[0]
-    (got,) = invoke(lookup("GRU", "", 22, "cuda"), [to_torch(a, "cpu") for a in (x, w, r)], {}, 1)
+    (got,) = invoke(lookup("GRU", "", 22, "cuda"), [to_torch(a, DEVICE) for a in (x, w, r)], {}, 1)
     np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_non_contiguous_weights():
     rng = np.random.default_rng()
     x, w, r = _inputs(rng, "RNN", 1)[:3]
-    wt = to_torch(np.ascontiguousarray(w.transpose(0, 2, 1)), "cpu").transpose(1, 2)
-    got = lookup("RNN", "", 22, "cuda").fn(to_torch(x, "cpu"), wt, to_torch(r, "cpu"))
+    wt = to_torch(np.ascontiguousarray(w.transpose(0, 2, 1)), DEVICE).transpose(1, 2)
+    got = lookup("RNN", "", 22, "cuda").fn(to_torch(x, DEVICE), wt, to_torch(r, DEVICE))
     ref = lookup("RNN", "", 22).fn(x, w, r)
     np.testing.assert_allclose(to_numpy(got[0]), ref[0], rtol=1e-5, atol=1e-5)
