@@ -70,6 +70,8 @@ def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
             f"RoiAlign: batch_indices has {batch_indices.numel()} values for {rois.shape[0]} rois"
         )
     c, height, width = x.shape[1:]
+    if rois.shape[0] == 0:
+        return x.new_zeros(0, c, out_h, out_w)
     ct = torch.float64 if x.dtype == f64 else torch.float32
     boxes = rois.to(f64) * scale - (0.5 if half else 0.0)
     x1, y1, x2, y2 = boxes.unbind(1)
