@@ -86,7 +86,9 @@ def gemm_act(
     a2, b2 = _operands(a, b, transA, transB)
     n = b2.shape[1]
     bias = _bias(c, beta, n, a.ndim, a2.dtype)
-    use_gelu = None if bias is None else _fused_epilogue(activation, a2.device)
+    # (an empty inner dimension skips the epilogue in torch's CUDA path: not fused then)
+    fusable = bias is not None and a2.shape[1] > 0
+    use_gelu = _fused_epilogue(activation, a2.device) if fusable else None
     if use_gelu is not None:
         y = torch._addmm_activation(bias, a2, b2, beta=beta, alpha=alpha, use_gelu=use_gelu)
     else:
