@@ -36,7 +36,7 @@ def _tap_tiles(
     step, c_steps, x_rows, w_cols, ih0, iw0, m_ok, rk, C, H, W, KW,
     sx_c, sx_h, sx_w, sw_c, sw_h, sw_w, dil_h, dil_w, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Step ``step`` of the (tap, channel block) loop: A^T (BLOCK_K, BLOCK_M) and B (BLOCK_K, BLOCK_N)."""
+    """Step ``step`` of the (tap, channel block) loop: A (BLOCK_M, BLOCK_K), B (BLOCK_K, BLOCK_N)."""
     tap = step // c_steps
     cc = (step % c_steps) * BLOCK_K + rk
     kh = tap // KW
@@ -45,13 +45,11 @@ def _tap_tiles(
     iw = iw0 + kw * dil_w
     row_ok = m_ok & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
     c_ok = cc < C
-    # pixels along the fast axis: with nothing provably contiguous, the threads of a warp walk it,
-    # and neighbouring output pixels of an NCHW input are neighbours in memory
-    x_ptrs = x_rows[None, :] + (ih * sx_h + iw * sx_w)[None, :] + cc[:, None] * sx_c
-    a_t = tl.load(x_ptrs, mask=c_ok[:, None] & row_ok[None, :], other=0.0)
+    x_ptrs = x_rows[:, None] + (ih * sx_h + iw * sx_w)[:, None] + cc[None, :] * sx_c
+    a = tl.load(x_ptrs, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
     w_ptrs = w_cols[None, :] + cc[:, None] * sw_c + (kh * sw_h + kw * sw_w)
     b = tl.load(w_ptrs, mask=c_ok[:, None], other=0.0)
-    return a_t, b
+    return a, b
 
 
 @triton.jit
@@ -66,13 +64,13 @@ def _flat_tiles(
     kh = (kk // KW) % KH
     kw = kk % KW
     k_ok = kk < C * KH * KW
-    ih = ih0[None, :] + (kh * dil_h)[:, None]
-    iw = iw0[None, :] + (kw * dil_w)[:, None]
-    ok = k_ok[:, None] & m_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
-    a_t = tl.load(x_rows[None, :] + c[:, None] * sx_c + ih * sx_h + iw * sx_w, mask=ok, other=0.0)
+    ih = ih0[:, None] + (kh * dil_h)[None, :]
+    iw = iw0[:, None] + (kw * dil_w)[None, :]
+    ok = m_ok[:, None] & k_ok[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)
+    a = tl.load(x_rows[:, None] + c[None, :] * sx_c + ih * sx_h + iw * sx_w, mask=ok, other=0.0)
     w_ptrs = w_cols[None, :] + (c * sw_c + kh * sw_h + kw * sw_w)[:, None]
     b = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
-    return a_t, b
+    return a, b
 
 
 @triton.jit
@@ -108,33 +106,30 @@ def _conv_kernel(
     steps = tl.cdiv(C * KH * KW, BLOCK_K) if FLAT_K else KH * KW * c_steps
     for step in range(0, steps):
         if FLAT_K:
-            a_t, b = _flat_tiles(
+            a, b = _flat_tiles(
                 step * BLOCK_K, x_rows, w_cols, ih0, iw0, m_ok, rk, C, H, W, KH, KW,
                 sx_c, sx_h, sx_w, sw_c, sw_h, sw_w, dil_h, dil_w,
             )  # fmt: skip
         else:
-            a_t, b = _tap_tiles(
+            a, b = _tap_tiles(
                 step, c_steps, x_rows, w_cols, ih0, iw0, m_ok, rk, C, H, W, KW,
                 sx_c, sx_h, sx_w, sw_c, sw_h, sw_w, dil_h, dil_w, BLOCK_K,
             )  # fmt: skip
-        a = tl.trans(a_t)
         if UPCAST:  # the interpreter multiplies bfloat16 as raw integers
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
-    # the epilogue works on (channel, pixel) blocks, pixels along the fast axis as in NCHW memory
-    out = tl.trans(acc)
-    mask = (rn < OC)[:, None] & m_ok[None, :]
+    mask = m_ok[:, None] & (rn < OC)[None, :]
     bias = 0.0
     if HAS_B:
-        bias = tl.load(b_ptr + co).to(tl.float32)[:, None]
+        bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
     z = 0.0
     if HAS_Z:
-        z_ptrs = z_ptr + co[:, None] * sz_c + (n * sz_n + oh * sz_h + ow * sz_w)[None, :]
+        z_ptrs = z_ptr + (n * sz_n + oh * sz_h + ow * sz_w)[:, None] + co[None, :] * sz_c
         z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
-    out = finish(out, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
-    y_ptrs = y_ptr + co[:, None] * sy_c + (n * sy_n + oh * sy_h + ow * sy_w)[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=mask)
+    acc = finish(acc, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
+    y_ptrs = y_ptr + (n * sy_n + oh * sy_h + ow * sy_w)[:, None] + co[None, :] * sy_c
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # Implicit-GEMM tilings for Hopper: wide pixel tiles for early layers (many pixels, few channels),
