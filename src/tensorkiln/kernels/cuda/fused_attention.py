@@ -13,8 +13,8 @@ Differences from SDPA that the op's definition fixes:
 * An additive mask is cast to Q's dtype (SDPA's kernels want that); for float16/bfloat16 its finite
   values are clamped to the dtype's range first, so float32's "very negative" (-3.4e38, -1e9) stays
   a large finite negative instead of becoming -inf.
-* A query row whose keys are all hidden gives zeros (SDPA's kernels differ there: NaN or zeros), so
-  with a mask the rows with no visible key are zeroed after SDPA.
+* A query row whose keys are all hidden gives zeros (SDPA gives NaN, zeros or, in float16 on the
+  GPU, arbitrary values there), so with a mask the rows with no visible key are zeroed after SDPA.
 """
 
 from __future__ import annotations
