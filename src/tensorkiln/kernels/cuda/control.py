@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorkiln.kernels.cuda.convert import current_device, torch_dtype
+from tensorkiln.kernels.cuda.convert import current_device, host_list, torch_dtype
 from tensorkiln.kernels.registry import register
 
 Value = Any  # a tensor, a list of tensors (sequence) or None (empty optional)
@@ -24,10 +24,24 @@ def _pack(outputs: list[Value]) -> Value | tuple[Value, ...]:
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 
-def _scalar_bool(x: torch.Tensor, what: str) -> bool:
+def _host_item(x: torch.Tensor, what: str) -> bool | int | float:
+    """The one element of ``x`` on the host (no device sync for a known small constant)."""
     if x.numel() != 1:
         raise ValueError(f"{what} must hold exactly one element, got shape {tuple(x.shape)}.")
-    return bool(x.reshape(()))  # a host read: the control decision is made there
+    v = host_list(x)
+    while isinstance(v, list):
+        v = v[0]
+    return v
+
+
+def _flat(v: object) -> list:
+    if not isinstance(v, list):
+        return [v]
+    return [x for item in v for x in _flat(item)]
+
+
+def _scalar_bool(x: torch.Tensor, what: str) -> bool:
+    return bool(_host_item(x, what))  # a host read: the control decision is made there
 
 
 def _device_of(*values: Value) -> torch.device:
@@ -84,7 +98,7 @@ def loop(
     runs until the condition is false.
     """
     device = _device_of(M, cond, *v_initial)
-    trips = None if M is None else int(M.reshape(()))
+    trips = None if M is None else int(_host_item(M, "Loop: M"))
     keep = True if cond is None else _scalar_bool(cond, "Loop: cond")
     carried = list(v_initial)
     n_carried = len(carried)
@@ -225,7 +239,7 @@ def scan_8(
     batch = inputs[0].shape[0]
     max_len = scan_in[0].shape[1] if scan_in else 0
     # the per-batch step counts drive the host loop
-    lens = [max_len] * batch if sequence_lens is None else sequence_lens.reshape(-1).tolist()
+    lens = [max_len] * batch if sequence_lens is None else _flat(host_list(sequence_lens))
     if len(lens) != batch or any(n < 0 or n > max_len for n in lens):
         raise ValueError(
             f"Scan: sequence_lens must have {batch} entries between 0 and {max_len}, got {lens}."

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from tensorkiln.kernels.cuda.convert import current_device, torch_dtype
+from tensorkiln.kernels.cuda.convert import current_device, host_list, torch_dtype
 from tensorkiln.kernels.registry import register
 
 
@@ -23,7 +23,10 @@ def _scalar(value: torch.Tensor | int | float, name: str) -> float | int:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(value.shape)}")
-        return value.reshape(-1)[0].item()
+        v = host_list(value)  # no device sync for a known small constant
+        while isinstance(v, list):
+            v = v[0]
+        return v
     return value
 
 
