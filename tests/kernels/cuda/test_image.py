@@ -82,6 +82,8 @@ def test_resize_nearest_whole_factors(ctm, nearest_mode):
     opset = 11 if ctm == "tf_half_pixel_for_nn" else 19
     _compare("Resize", [x, None, np.array([1, 2, 3, 2], np.float32)], attrs, opset=opset)
     _compare("Resize", [x, None, None, np.array([2, 3, 12, 5], np.int64)], attrs, opset=opset)
+    xf = _randn(2, 3, 4, 5)
+    _compare("Resize", [xf, None, np.array([1, 1, 2, 4], np.float32)], attrs, opset=opset)
 
 
 def test_resize_antialias_exclude_outside_and_policies():

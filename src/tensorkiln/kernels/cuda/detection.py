@@ -5,10 +5,11 @@ each covering all ROIs, bins, sample columns and channels. With an adaptive samp
 (sampling_ratio 0) each ROI's grid size differs; the largest is read on the host (it sizes the
 loop) and the samples past an ROI's own grid are masked out.
 
-NonMaxSuppression is greedy and so sequential in the boxes of a class, but each step runs for every
-(batch, class) pair at once on the device: one step per score rank. The number of selected boxes
-decides the output's shape, so it is read on the host at the end, as are the scalar limit and
-threshold inputs and, with a score threshold, the number of boxes above it (the steps to run).
+NonMaxSuppression's greedy selection is computed for every (batch, class) pair at once, as the
+fixed point of one whole-matrix step over a precomputed "suppresses" relation between ranked
+boxes (see _greedy), read from one IoU matrix per batch. The number of selected boxes decides the output's shape, so it is read on the
+host at the end, as are the scalar limit and threshold inputs and, with a score threshold, the
+number of boxes above it.
 """
 
 from __future__ import annotations
@@ -224,23 +225,47 @@ def non_max_suppression(
     device = scores.device
     if limit <= 0 or count == 0 or n * classes == 0:
         return torch.zeros((0, 3), dtype=torch.int64, device=device)
-    corners = _corners(boxes, center_point_box)  # (N, B, 4)
     s = scores.to(f64)
     order = torch.sort(s, dim=-1, descending=True, stable=True).indices  # (N, classes, B)
     eligible = torch.ones_like(s, dtype=torch.bool) if score_thr is None else s > score_thr
-    # the eligible boxes come first in score order: no step is needed past the longest run
-    steps = count if score_thr is None else int(eligible.sum(dim=-1).max().item())
-    suppressed = torch.zeros_like(eligible)  # by box index
-    kept = torch.zeros_like(eligible)  # by rank
-    taken = torch.zeros((n, classes), dtype=torch.int64, device=device)
-    batch = torch.arange(n, device=device)[:, None]
-    for r in range(steps):  # one greedy step for every (batch, class) at once
-        box = order[:, :, r]
-        free = torch.gather(eligible & ~suppressed, 2, box[:, :, None])[:, :, 0]
-        take = free & (taken < limit)
-        kept[:, :, r] = take
-        taken += take
-        overlap = _iou(corners[batch, box], corners) > iou_thr  # (N, classes, B)
-        suppressed |= take[:, :, None] & overlap
+    # the eligible boxes come first in score order: no rank past the longest run matters
+    ranks = count if score_thr is None else int(eligible.sum(dim=-1).max().item())
+    order = order[:, :, :ranks]
+    eligible = torch.gather(eligible, 2, order)  # by rank from here on
+    overlaps = _overlaps(_corners(boxes, center_point_box), iou_thr)  # (N, B, B) by box index
+    batch = torch.arange(n, device=device)[:, None, None, None]
+    later = torch.ones(ranks, ranks, dtype=torch.bool, device=device).triu(diagonal=1)
+    # beats[n, c, i, j]: the box of rank i suppresses the one of rank j when it is kept
+    beats = overlaps[batch, order[:, :, :, None], order[:, :, None, :]] & later
+    kept = _greedy(eligible.reshape(n * classes, ranks), beats.reshape(n * classes, ranks, ranks))
+    kept = kept.reshape(n, classes, ranks)
+    kept &= kept.cumsum(dim=-1) <= limit
     nb, cls, rank = kept.nonzero(as_tuple=True)
     return torch.stack([nb, cls, order[nb, cls, rank]], dim=1)
+
+
+_PAIRS_PER_CHUNK = 1 << 24
+
+
+def _overlaps(corners: torch.Tensor, iou_thr: float) -> torch.Tensor:
+    """(N, B, B) bool: IoU above the threshold, for every pair of boxes of each batch; built a
+    block of rows at a time to bound the float64 IoU temporaries."""
+    count = corners.shape[1]
+    step = max(1, _PAIRS_PER_CHUNK // max(count, 1))
+    rows = [_iou(corners[:, i : i + step], corners) > iou_thr for i in range(0, count, step)]
+    return torch.cat(rows, dim=1)
+
+
+def _greedy(eligible: torch.Tensor, beats: torch.Tensor) -> torch.Tensor:
+    """The greedy selection (G, R) as the fixed point of "kept = eligible and not suppressed by a
+    kept better box": iteration t settles at least the first t ranks, and real boxes settle in a
+    few iterations (the longest chain of suppressions), each a whole-matrix step on the device.
+    Whether it moved is read on the host after each iteration."""
+    kept = eligible
+    for _ in range(eligible.shape[-1]):
+        hit = (kept[:, :, None] & beats).any(dim=1)
+        nxt = eligible & ~hit
+        if torch.equal(nxt, kept):
+            break
+        kept = nxt
+    return kept

@@ -129,7 +129,13 @@ def _resize_axis(data: torch.Tensor, axis: int, n_out: int, scale: float, opts: 
         idx, w = _taps(x, opts["mode"], n_in, scale, *args)
         picked = data.index_select(axis, idx.clamp(0, n_in - 1).reshape(-1))
         picked = picked.unflatten(axis, tuple(idx.shape))
-        out = (picked * _along(w.to(data.dtype), axis, picked.ndim)).sum(dim=axis + 1)
+        w = w.to(data.dtype)
+        out = None
+        for t in range(
+            idx.shape[1]
+        ):  # tap by tap, in the reference's order (exact ties round alike)
+            part = picked.select(axis + 1, t) * _along(w[:, t], axis, data.ndim)
+            out = part if out is None else out + part
     if ctm == "tf_crop_and_resize":
         outside = _along((x < 0) | (x > n_in - 1), axis, data.ndim)
         fill = torch.tensor(opts["extrapolation_value"], dtype=f64, device=data.device)
@@ -181,8 +187,22 @@ def _whole_factors(shape, axes, out_len, scale, opts) -> dict[int, int] | None:
     return factors
 
 
+_NEAREST = {
+    3: torch.ops.aten.upsample_nearest1d.default,
+    4: torch.ops.aten.upsample_nearest2d.default,
+    5: torch.ops.aten.upsample_nearest3d.default,
+}
+
+
 def _repeat(x: torch.Tensor, factors: dict[int, int]) -> torch.Tensor:
     """Each element of ``x`` repeated ``factors[axis]`` times along its axes, in one copy."""
+    op = _NEAREST.get(x.ndim)
+    spatial = all(a >= 2 or f == 1 for a, f in factors.items())
+    if op is not None and spatial and x.dtype.is_floating_point:
+        fs = [factors.get(a, 1) for a in range(2, x.ndim)]
+        if all(f & (f - 1) == 0 for f in fs):
+            # torch's kernel takes floor(y * (1 / f)), exact when 1 / f is a power of two
+            return op(x, [s * f for s, f in zip(x.shape[2:], fs)], *map(float, fs))
     view, grown, out = [], [], []
     for d, size in enumerate(x.shape):
         f = factors.get(d, 1)

@@ -26,14 +26,19 @@ def _channel_shape(x: torch.Tensor) -> tuple[int, ...]:
     return (-1,) + (1,) * (x.ndim - 2)
 
 
-def _param(v: torch.Tensor, x: torch.Tensor, what: str, op: str, ct) -> torch.Tensor:
+def _param(v: torch.Tensor, x: torch.Tensor, what: str, op: str, ct, flat=False) -> torch.Tensor:
     if v.numel() != x.shape[1]:
         raise ValueError(f"{op}: {what} has {v.numel()} values but X has {x.shape[1]} channels")
-    return v.to(ct).reshape(_channel_shape(x))
+    return v.to(ct).reshape(-1 if flat else _channel_shape(x))
 
 
 def _bn_apply(x, scale, bias, mean, var, epsilon: float, ct) -> torch.Tensor:
     """y = x * a + b with the per-channel a = scale / sqrt(var + eps), b = bias - mean * a."""
+    if scale.ndim == 1:
+        if x.dtype.is_floating_point:
+            # torch's kernel: float32 arithmetic for narrow inputs, one pass
+            return F.batch_norm(x, mean, var, scale, bias, False, 0.0, epsilon)
+        scale, bias, mean, var = (v.reshape(_channel_shape(x)) for v in (scale, bias, mean, var))
     a = scale / torch.sqrt(var + epsilon)
     return torch.addcmul(bias - mean * a, x.to(ct), a).to(x.dtype)
 
@@ -44,7 +49,8 @@ def _bn_params(x, scale, bias, mean, var, spatial: int = 1):
         return ct, [v.to(ct).reshape(x.shape[1:]) for v in (scale, bias, mean, var)]
     names = ("scale", "B", "input_mean", "input_var")
     params = [
-        _param(v, x, n, "BatchNormalization", ct) for v, n in zip((scale, bias, mean, var), names)
+        _param(v, x, n, "BatchNormalization", ct, flat=True)
+        for v, n in zip((scale, bias, mean, var), names)
     ]
     return ct, params
 
@@ -56,7 +62,11 @@ def _batch_stats(x: torch.Tensor, ct, spatial: int = 1) -> tuple[torch.Tensor, t
 
 
 def _running(old, batch, momentum: float, like: torch.Tensor) -> torch.Tensor:
-    return (old * momentum + batch * (1 - momentum)).reshape(like.shape).to(like.dtype)
+    return (
+        (old.reshape(batch.shape) * momentum + batch * (1 - momentum))
+        .reshape(like.shape)
+        .to(like.dtype)
+    )
 
 
 @register("BatchNormalization", since=1, backend="cuda")
@@ -80,7 +90,7 @@ def batch_normalization_legacy(
     if _n_outputs == 1 or is_test:
         return _bn_apply(x, s, b, m, v, epsilon, ct)
     bm, bv = _batch_stats(x, ct, spatial)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
     outs = [y, _running(m, bm, momentum, mean), _running(v, bv, momentum, mean)]
     outs += [bm.reshape(mean.shape).to(mean.dtype), bv.reshape(mean.shape).to(mean.dtype)]
     return tuple(outs[:_n_outputs])
@@ -105,7 +115,7 @@ def batch_normalization(
     if not training_mode:
         return _bn_apply(x, s, b, m, v, epsilon, ct)
     bm, bv = _batch_stats(x, ct)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
+    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
     outs = (y, _running(m, bm, momentum, mean), _running(v, bv, momentum, var))
     return outs[:_n_outputs] if _n_outputs > 1 else y
 
@@ -241,6 +251,10 @@ def rms_normalization(
     """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
     axis = _axis(axis, x.ndim, "RMSNormalization")
     st = _stash_dtype(stash_type)
+    shape = tuple(x.shape[axis:])
+    if st == torch.float32 and x.dtype in _FUSED_LN and tuple(scale.shape) == shape:
+        # torch's kernel keeps float32 statistics for narrow inputs, as the stash type asks
+        return F.rms_norm(x, shape, scale.to(x.dtype), epsilon)
     xs = x.to(st)
     ms = (xs * xs).mean(dim=tuple(range(axis, x.ndim)), keepdim=True)
     return (xs * (1 / torch.sqrt(ms + epsilon)) * scale.to(st)).to(x.dtype)

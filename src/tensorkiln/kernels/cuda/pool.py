@@ -242,7 +242,7 @@ def global_average_pool(x: torch.Tensor) -> torch.Tensor:
     axes = _spatial_axes(x, "GlobalAveragePool")
     if not axes:
         return x
-    return x.mean(dim=axes, keepdim=True, dtype=compute_dtype(x.dtype)).to(x.dtype)
+    return x.mean(dim=axes, keepdim=True)  # float32 accumulation for narrow floats
 
 
 @register("GlobalMaxPool", since=1, backend="cuda")
