@@ -14,8 +14,10 @@ number of boxes above it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.registry import register
 
 f64 = torch.float64
@@ -195,7 +197,7 @@ def _scalar(v: torch.Tensor | None, name: str):
         raise ValueError(
             f"NonMaxSuppression: '{name}' must hold one value, got shape {tuple(v.shape)}"
         )
-    return v.reshape(-1)[0].item()
+    return np.ravel(host_list(v))[0].item()
 
 
 @register("NonMaxSuppression", since=10, backend="cuda")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda.convert import numpy_dtype
+from tensorkiln.kernels.cuda.convert import host_list, numpy_dtype
 from tensorkiln.kernels.cuda.host import register_host
 from tensorkiln.kernels.cuda.nn import torch_pads
 from tensorkiln.kernels.reference import image as ref
@@ -156,7 +156,7 @@ def _host(v: torch.Tensor | np.ndarray | None) -> np.ndarray | None:
     """A small shape-like input (roi, scales, sizes) as a host array of its own dtype."""
     if v is None or isinstance(v, np.ndarray):
         return v
-    return np.asarray(v.tolist(), dtype=numpy_dtype(v.dtype)).reshape(-1)
+    return np.asarray(host_list(v), dtype=numpy_dtype(v.dtype)).reshape(-1)
 
 
 def _interp_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -539,7 +539,7 @@ def _base_coords(length: int, align: bool, device) -> torch.Tensor:
 @register("AffineGrid", since=20, backend="cuda")
 def affine_grid(theta: torch.Tensor, size: torch.Tensor, *, align_corners: int = 0) -> torch.Tensor:
     """Sampling grid (N, *spatial, nd) of the affine maps ``theta`` (N, nd, nd + 1)."""
-    size = [int(s) for s in size.reshape(-1).tolist()]
+    size = [int(s) for s in np.ravel(host_list(size))]
     spatial = size[2:]
     nd = len(spatial)
     if nd not in (2, 3) or tuple(theta.shape) != (size[0], nd, nd + 1):
@@ -584,8 +584,8 @@ def col2im(
     strides: list[int] | None = None,
 ) -> torch.Tensor:
     """Sum the columns (N, C * prod(block), L) back into images (N, C, *image_shape)."""
-    image = [int(v) for v in image_shape.reshape(-1).tolist()]
-    block = [int(v) for v in block_shape.reshape(-1).tolist()]
+    image = [int(v) for v in np.ravel(host_list(image_shape))]
+    block = [int(v) for v in np.ravel(host_list(block_shape))]
     nd = len(image)
     dil = list(dilations or [1] * nd)
     stride = list(strides or [1] * nd)

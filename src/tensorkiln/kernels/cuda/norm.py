@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from onnx import helper
 
-from tensorkiln.kernels.cuda.convert import to_torch, torch_dtype
+from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.nn import compute_dtype
 from tensorkiln.kernels.registry import register
 
@@ -357,6 +357,6 @@ def dropout(
     _n_outputs: int = 1,
 ):
     """Identity unless training_mode; then zero elements with probability ratio, scale the rest."""
-    training = training_mode is not None and bool(training_mode.reshape(-1)[0].item())
-    r = 0.5 if ratio is None or not training else float(ratio.reshape(-1)[0].item())
+    training = training_mode is not None and bool(np.ravel(host_list(training_mode))[0])
+    r = 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
     return _dropout(x, r, training, seed, _n_outputs)

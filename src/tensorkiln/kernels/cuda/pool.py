@@ -13,9 +13,11 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.nn import compute_dtype, torch_pads
 from tensorkiln.kernels.reference import pool as ref
 from tensorkiln.kernels.reference._window import Geometry, tap_slices
@@ -292,7 +294,7 @@ def max_unpool(
     if output_shape is None:
         return y
     # the indices address the inferred shape; output_shape only adds zeros at the ends
-    wanted = tuple(int(s) for s in output_shape.reshape(-1).tolist())
+    wanted = tuple(int(s) for s in np.ravel(host_list(output_shape)))
     if len(wanted) != x.ndim:
         raise ValueError(f"MaxUnpool: output_shape {wanted} must have rank {x.ndim}")
     out = x.new_zeros(wanted)
