@@ -46,11 +46,14 @@ class Runner:
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the model on ``feeds`` (input name -> array); returns output name -> array."""
         bound = bind_inputs(self.graph, feeds)
-        results = self._executor.run(bound)
-        if self._executor.device is not None:
+        if self._executor.device is None:
+            results = self._executor.run(bound)
+        else:
             from tensorkiln.kernels.cuda.convert import to_numpy
+            from tensorkiln.runtime.mathmode import math_mode
 
-            results = [to_numpy(r) for r in results]
+            with math_mode("fp32"):  # TF32 off: cuDNN would use it for float32 convolutions
+                results = [to_numpy(r) for r in self._executor.run(bound)]
         return dict(zip(self.output_names, results))
 
     def __enter__(self) -> Runner:

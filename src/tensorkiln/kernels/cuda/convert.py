@@ -93,7 +93,7 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         if not on_device(value.dtype):
             return value
         dev = current_device() if device is None else torch.device(device)
-        arr = np.ascontiguousarray(value)
+        arr = np.ascontiguousarray(value).reshape(value.shape)  # (keeps 0-d arrays 0-d)
         viewed = _VIEWED.get(arr.dtype)
         with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
             warnings.simplefilter("ignore", UserWarning)

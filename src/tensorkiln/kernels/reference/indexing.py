@@ -96,7 +96,7 @@ def gather_nd(data: np.ndarray, indices: np.ndarray, *, batch_dims: int = 0) -> 
     flat, index, prefix = _nd_index(data, indices, batch_dims, "GatherND")
     k = indices.shape[-1]
     out = flat[index]
-    return out.reshape(*prefix, *data.shape[batch_dims + k :])
+    return out.reshape((*prefix, *data.shape[batch_dims + k :]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def reduce_log_sum_exp(x: np.ndarray, axes: Axes, keepdims: bool) -> np.ndarray:
     w = widen(x)
     if w.dtype.kind not in "fc":
         w = w.astype(np.float64)
-    m = np.max(w, axis=axes, keepdims=True, initial=-np.inf)
+    m = np.asarray(np.max(w, axis=axes, keepdims=True, initial=-np.inf))  # 0-d: an array too
     m[~np.isfinite(m)] = 0  # all -inf (or empty) slices: no shift, log(0) = -inf as wanted
     y = np.log(np.sum(np.exp(w - m), axis=axes, keepdims=True)) + m
     return y if keepdims else np.squeeze(y, axis=axes)
