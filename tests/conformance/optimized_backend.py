@@ -20,9 +20,18 @@ RTOL = 1e-5
 
 
 class OptimizedRep(BackendRep):
-    def __init__(self, model: onnx.ModelProto) -> None:
+    def __init__(self, model: onnx.ModelProto, backend: str = "reference") -> None:
         self.plain = Runner(model)
-        engine = Builder().build(model, BuilderConfig(optimization_level=3), progress=False)
+        if backend == "reference":
+            engine = Builder("reference").build(
+                model, BuilderConfig(optimization_level=3), progress=False
+            )
+        else:  # the cuda backend's default kernels (on the CPU without a GPU), nothing timed
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            config = BuilderConfig(optimization_level=3, tactic_sources=set())
+            engine = Builder("cuda", device=device).build(model, config, progress=False)
         self.context = engine.create_execution_context()
         self.names = self.plain.output_names
 

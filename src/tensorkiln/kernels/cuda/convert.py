@@ -127,16 +127,16 @@ def to_numpy(value: Any) -> Any:
 _VIEW_TORCH = {np.int16: torch.int16, np.uint8: torch.uint8}
 
 
-# Host copies of small integer constants (shapes, axes, pads): a kernel that needs such an input's
+# Host copies of small constants (shapes, axes, pads, scales): a kernel that needs such an input's
 # values on the host reads them here instead of synchronizing with the device, which also keeps
-# engines capturable as CUDA graphs. The executor registers each small integer initializer it
+# engines capturable as CUDA graphs. The executor registers each small initializer it
 # uploads.
 _HOST_VALUES: dict[int, tuple[torch.Tensor, list]] = {}
 HOST_VALUES_LIMIT = 64  # elements
 
 
 def remember_host_values(t: torch.Tensor, arr: np.ndarray) -> None:
-    if arr.dtype.kind in "iub" and arr.size <= HOST_VALUES_LIMIT:
+    if arr.dtype.kind in "iubf" and arr.size <= HOST_VALUES_LIMIT:
         _HOST_VALUES[id(t)] = (t, arr.tolist())
 
 
