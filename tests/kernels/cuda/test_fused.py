@@ -738,11 +738,6 @@ def test_optimized_pointwise():
     assert "tensorkiln.Pointwise" in ops, ops
 
 
-@pytest.mark.xfail(
-    reason="convert.to_torch gives 0-d initializers shape (1,) (np.ascontiguousarray makes 0-d "
-    "arrays 1-d), so a Pointwise body's scalar constants broadcast a scalar result to (1,)",
-    strict=False,
-)
 def test_optimized_pointwise_of_scalars():
     """DynamicQuantizeLinear's scale arithmetic: 0-d values and 0-d body constants stay 0-d."""
     n = helper.make_node
