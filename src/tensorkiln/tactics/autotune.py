@@ -7,8 +7,11 @@ Per layer with more than one applicable tactic:
 2. oracle: the op's default kernel on the same inputs in float32 with TF32 off;
 3. each candidate runs once and must match the oracle (relative L2 error under the precision's
    tolerance), or it is rejected with the reason recorded;
-4. each accepted candidate is warmed up, then timed with CUDA events (one event pair a run, the
-   median of ``runs``); the fastest wins, and every timing goes into the engine and the cache.
+4. each accepted candidate is warmed up, then timed with CUDA events: by default ``runs``
+   replays of a CUDA graph holding several calls (the kernels' time without Python's launch
+   overhead, as engines run under --use-cuda-graph), or single calls where capture fails; the
+   median wins, every timing goes into the engine and the cache, and the layer records how long
+   its tuning took (``tune_s``).
 
 Layers whose inputs are not all floating point, or whose shapes depend on values, keep their
 default kernel. A timing cache hit skips steps 1-4.
@@ -45,6 +48,7 @@ class TuneOptions:
     runs: int = 15
     enabled: bool = True  # False: every layer keeps its default tactic (optimization level 0)
     sources: frozenset[str] | None = None  # tactic kinds allowed besides the default; None: all
+    graph_timing: bool = True  # time kernels under CUDA graphs (no Python launch overhead)
 
 
 def choose_tactics(
@@ -65,7 +69,11 @@ def choose_tactics(
     layers = []
     with use_device(executor.device), torch.no_grad():
         for node in graph.nodes:
-            layers.append(_tune_layer(graph, node, executor, types, options, cache, log))
+            t0 = time.perf_counter()
+            layer = _tune_layer(graph, node, executor, types, options, cache, log)
+            if "candidates" in layer:
+                layer["tune_s"] = round(time.perf_counter() - t0, 3)
+            layers.append(layer)
     return layers
 
 
@@ -282,27 +290,64 @@ def _rel_error(got: list, want: list) -> float:
 
 
 def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> float:
-    """Median milliseconds of one call."""
+    """Median milliseconds of one call: on the GPU, of the kernels alone (replays of a CUDA graph
+    of ``GRAPH_CALLS`` calls, as engines run under --use-cuda-graph), else of single calls timed
+    with CUDA events (launch overhead included); on the CPU, one call."""
     import torch
 
-    for _ in range(options.warmup if device.type == "cuda" else 0):
+    def call() -> None:
         invoke(entry, args, attrs, n_out, scope)
+
+    if device.type != "cuda":  # torch on the CPU (tests): the number says nothing about a GPU
+        t0 = time.perf_counter()
+        call()
+        return (time.perf_counter() - t0) * 1e3
+    for _ in range(options.warmup):
+        call()
+    torch.cuda.synchronize(device)
+    if options.graph_timing:
+        ms = _time_graph(call, device, options.runs)
+        if ms is not None:
+            return ms
     samples = []
-    if device.type == "cuda":
+    for _ in range(options.runs):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        call()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+GRAPH_CALLS = 10  # calls captured in one graph when timing
+
+
+def _time_graph(call: Callable[[], None], device: Any, runs: int) -> float | None:
+    """Median ms a call over ``runs`` replays; None when the calls cannot be captured (a kernel
+    that synchronizes with the host, say)."""
+    import torch
+
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(GRAPH_CALLS):
+                call()
+    except Exception:
         torch.cuda.synchronize(device)
-        for _ in range(options.runs):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            invoke(entry, args, attrs, n_out, scope)
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-    else:  # torch on the CPU (tests): one timed call; the numbers say nothing about a GPU
-        for _ in range(1):
-            t0 = time.perf_counter()
-            invoke(entry, args, attrs, n_out, scope)
-            samples.append((time.perf_counter() - t0) * 1e3)
+        return None
+    graph.replay()
+    samples = []
+    for _ in range(runs):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / GRAPH_CALLS)
+    del graph
     return statistics.median(samples)
 
 
