@@ -141,8 +141,9 @@ def test_export_times_writes_each_iteration(cli, dynamic_engine, tmp_path):
     times = json.loads(path.read_text())
     assert len(times) == r["iterations"]
     for t in times:
-        assert set(t) == {"start_ms", "latency_ms", "compute_ms", "host_ms"}
+        assert set(t) == {"start_ms", "latency_ms", "compute_ms", "enqueue_ms", "host_ms"}
         assert t["latency_ms"] >= t["compute_ms"] >= 0
+        assert t["latency_ms"] >= t["enqueue_ms"] >= 0
     assert [t["start_ms"] for t in times] == sorted(t["start_ms"] for t in times)
 
 

@@ -203,6 +203,28 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 FUSED_SHOWN = 20  # fused layers listed in the build report
+UNSUPPORTED_PRECISIONS = ("int8", "fp8")  # allowed by flags, not implemented by any backend yet
+
+
+def _print_tuning(engine: Any, report: Any, config: Any) -> None:
+    precision = engine.build.get("precision", "fp32")
+    print(f"layers compute in {precision}; inputs and outputs keep the model's dtypes")
+    later = sorted(p for p in config.precisions if p in UNSUPPORTED_PRECISIONS)
+    if later:
+        print(
+            f"note: {', '.join(later)} allowed, but this version has no {'/'.join(later)} kernels; "
+            f"no layer uses them"
+        )
+    tuned = [x for x in report.layers if x.get("timings_ms")]
+    chosen: dict[str, int] = {}
+    for x in report.layers:
+        chosen[x.get("tactic", "default")] = chosen.get(x.get("tactic", "default"), 0) + 1
+    tc = report.timing_cache
+    print(
+        f"autotuner: {len(tuned)} layers timed ({tc.get('hits', 0)} from the timing cache, "
+        f"{tc.get('misses', 0)} measured); tactics chosen: "
+        + ", ".join(f"{k} x{n}" for k, n in sorted(chosen.items(), key=lambda kv: -kv[1]))
+    )
 
 
 def _print_report(
@@ -217,6 +239,8 @@ def _print_report(
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
+    if engine.backend == "cuda":
+        _print_tuning(engine, report, config)
     print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
     if report.passes:
         print_table(["optimizer pass", "matches"], [[k, str(n)] for k, n in report.passes.items()])

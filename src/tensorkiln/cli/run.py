@@ -37,8 +37,10 @@ EPILOG = """examples:
 
 Timing follows trtexec: --warmup seconds of untimed runs, then at least --iterations runs and at
 least --duration seconds (default: 10 runs and 3 s; giving only --iterations runs exactly that
-many). Latency is the host-measured time of each call; compute is the time spent running layers;
-host is the rest (input checks, binding, output gathering). Random inputs are standard normal
+many). Latency is the host-measured time of each call until its results are ready; enqueue is
+the time until the call returned (on the GPU, work may still be queued then); compute is the time
+spent running layers (cuda engines: GPU time between CUDA events); host is latency minus compute
+(input checks, binding, copies, output gathering). Random inputs are standard normal
 floats, integers in 0..9 and random booleans; dynamic dims come from --shapes, else the engine's
 profile (opt shape), else 1.
 """
@@ -113,7 +115,8 @@ def add_parser(sub: Any) -> None:
 class Timings:
     start_s: list[float] = field(default_factory=list)
     latency_s: list[float] = field(default_factory=list)
-    compute_s: list[float] = field(default_factory=list)
+    compute_s: list[float] = field(default_factory=list)  # GPU time (CUDA events) on cuda engines
+    enqueue_s: list[float] = field(default_factory=list)  # until infer() returned
     warmup_runs: int = 0
     wall_s: float = 0.0
 
@@ -130,15 +133,20 @@ def measure(
     end = time.perf_counter() + warmup_s
     while warmup_s > 0 and time.perf_counter() < end:
         outputs = ctx.infer(feeds)
+        ctx.synchronize()
         t.warmup_runs += 1
     begin = time.perf_counter()
     while True:
         t0 = time.perf_counter()
         outputs = ctx.infer(feeds)
+        t_enqueued = time.perf_counter()
+        ctx.synchronize()  # device outputs return before the GPU is done: wait, as trtexec does
         t1 = time.perf_counter()
         t.start_s.append(t0 - begin)
         t.latency_s.append(t1 - t0)
-        t.compute_s.append(ctx.last_compute_s)
+        t.enqueue_s.append(t_enqueued - t0)
+        gpu = ctx.last_gpu_s
+        t.compute_s.append(ctx.last_compute_s if gpu is None else gpu)
         if len(t.latency_s) >= iterations and t1 - begin >= duration_s:
             break
     t.wall_s = time.perf_counter() - begin
@@ -279,6 +287,8 @@ def _result(
         "throughput_qps": n / timings.wall_s if timings.wall_s > 0 else float("inf"),
         "latency_ms": stats_ms(timings.latency_s, args.percentile),
         "compute_ms": stats_ms(timings.compute_s, args.percentile),
+        "compute_measured_by": "cuda events" if loaded.engine.backend == "cuda" else "host clock",
+        "enqueue_ms": stats_ms(timings.enqueue_s, args.percentile),
         "host_ms": stats_ms(timings.host_s(), args.percentile),
     }
     if profile is not None:
@@ -296,9 +306,10 @@ def _per_iteration(t: Timings) -> list[dict]:
             "start_ms": s * 1e3,
             "latency_ms": lat * 1e3,
             "compute_ms": c * 1e3,
+            "enqueue_ms": e * 1e3,
             "host_ms": h * 1e3,
         }
-        for s, lat, c, h in zip(t.start_s, t.latency_s, t.compute_s, t.host_s())
+        for s, lat, c, e, h in zip(t.start_s, t.latency_s, t.compute_s, t.enqueue_s, t.host_s())
     ]
 
 
@@ -321,7 +332,11 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
             [label, *(f"{r[key][k]:.4f}" for k in keys)]
             for label, key in (
                 ("latency", "latency_ms"),
-                ("compute", "compute_ms"),
+                ("enqueue", "enqueue_ms"),
+                (
+                    "gpu compute" if r["compute_measured_by"] == "cuda events" else "compute",
+                    "compute_ms",
+                ),
                 ("host", "host_ms"),
             )
         ],

@@ -39,6 +39,8 @@ class ExecutionContext:
         self._stream = None
         self._graphs = None
         self._pool = None
+        self._events: tuple = ()
+        self._timed = False
         dev = self._executor.device
         if dev is not None and dev.type == "cuda":
             import torch
@@ -46,6 +48,10 @@ class ExecutionContext:
             from tensorkiln.runtime.device import GraphRunner
 
             self._stream = torch.cuda.Stream(dev)
+            self._events = (
+                torch.cuda.Event(enable_timing=True),
+                torch.cuda.Event(enable_timing=True),
+            )
             # The context's activations come from its own memory pool, reserved on the first run
             # and reused by every later one (CUDA graphs capture into a pool of their own).
             self._pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
@@ -182,11 +188,15 @@ class ExecutionContext:
         with math_mode(self.precision), torch.no_grad(), ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
+                self._events[0].record(stream)
             inputs = [bound[v] for v in graph.inputs]
             if use_graph:
                 results = self._graphs(inputs)
             else:
                 results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
+            if stream is not None:
+                self._events[1].record(stream)
+                self._timed = True
             named = {v.name: r for v, r in zip(graph.outputs, results)}
             if outputs:
                 write_outputs(named, outputs)
@@ -202,6 +212,20 @@ class ExecutionContext:
 
     def _run_device(self, inputs: list[Any]) -> list[Any]:
         return self._executor.run(dict(zip(self.engine.graph.inputs, inputs)))
+
+    def synchronize(self) -> None:
+        """Wait until the work this context queued on the GPU is done (no-op on the CPU)."""
+        if self._stream is not None:
+            self._stream.synchronize()
+
+    @property
+    def last_gpu_s(self) -> float | None:
+        """Seconds the GPU spent on the last call's layers (CUDA events around them, input and
+        output copies excluded); None on the reference backend. Waits for that call to finish."""
+        if not self._timed:
+            return None
+        self._events[1].synchronize()
+        return self._events[0].elapsed_time(self._events[1]) / 1e3
 
     def device_memory_bytes(self) -> int:
         """Bytes of device memory this context holds for activations (its pool's segments)."""

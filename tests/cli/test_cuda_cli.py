@@ -1,0 +1,77 @@
+"""The command line with the cuda backend: clear errors where there is no GPU, and on a GPU the
+build report's tuning lines, inspect's tactic columns and run's GPU statistics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.cli.helpers import FAST, assert_one_line_error, ort_outputs
+
+torch = pytest.importorskip("torch")
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="checks the message on machines without a GPU")
+def test_cuda_build_without_a_gpu_is_a_clear_error(cli, mlp, tmp_path) -> None:
+    rc, _, err = cli("build", mlp, "-o", tmp_path / "m.engine", "--backend", "cuda")
+    assert_one_line_error(rc, err)
+    assert "needs PyTorch with a CUDA device" in err and "backend='reference'" in err
+
+
+def test_cuda_run_flags_need_a_cuda_engine(cli, mlp, tmp_path) -> None:
+    engine = tmp_path / "m.engine"
+    assert cli("build", mlp, "-o", engine, "--backend", "reference")[0] == 0
+    for flag in ("--use-cuda-graph", "--device-io"):
+        rc, _, err = cli("run", engine, *FAST, flag)
+        assert_one_line_error(rc, err)
+        assert "need an engine of the cuda backend on a GPU" in err
+
+
+def test_unknown_tactic_source_is_a_clear_error(cli, mlp, tmp_path) -> None:
+    rc, _, err = cli("build", mlp, "-o", tmp_path / "m.engine", "--tactic-sources", "cutlass")
+    assert_one_line_error(rc, err)
+    assert "unknown tactic source(s) cutlass; choose from triton" in err
+
+
+@pytest.mark.gpu
+def test_build_inspect_run_on_the_gpu(cli, digits, tmp_path) -> None:
+    engine, cache = tmp_path / "d.engine", tmp_path / "d.cache"
+    shapes = ["--min-shapes", "input:1x1x8x8", "--opt-shapes", "input:64x1x8x8"]
+    shapes += ["--max-shapes", "input:64x1x8x8"]
+    rc, out, err = cli("build", digits, "-o", engine, "--fp16", "--timing-cache", cache, *shapes)
+    assert rc == 0, err
+    assert "backend cuda" in out and "layers compute in fp16" in out
+    assert "autotuner:" in out and "measured" in out
+    rc, out, err = cli("build", digits, "-o", engine, "--fp16", "--timing-cache", cache, *shapes)
+    assert rc == 0 and " 0 measured" in out, out
+    rc, out, _ = cli("inspect", engine)
+    assert rc == 0 and "tactic (ms)" in out and "runners-up (ms)" in out
+    r = cli.json(
+        "run",
+        engine,
+        *FAST,
+        "--shapes",
+        "input:64x1x8x8",
+        "--use-cuda-graph",
+        "--device-io",
+        "--json",
+    )
+    assert r["backend"] == "cuda" and r["cuda_graph"] and r["compute_measured_by"] == "cuda events"
+    assert r["latency_ms"]["median"] >= r["compute_ms"]["median"] > 0
+    x = np.random.default_rng(0).standard_normal((64, 1, 8, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", input=x)
+    rc, _, err = cli(
+        "run",
+        engine,
+        *FAST,
+        "--load-inputs",
+        tmp_path / "in.npz",
+        "--save-outputs",
+        tmp_path / "out.npz",
+    )
+    assert rc == 0, err
+    got = np.load(tmp_path / "out.npz")
+    want = ort_outputs(digits, {"input": x})
+    for name, w in want.items():
+        assert np.linalg.norm(got[name] - w) / np.linalg.norm(w) < 1e-2
