@@ -73,7 +73,17 @@ def _flat_tiles(
     return a, b
 
 
-@triton.jit
+# Triton compiles a variant for every pattern of integer arguments equal to 1 or divisible by 16;
+# over a network's layers the geometry takes many such patterns, and compiling them dominated the
+# autotuner's time. Only the innermost strides (1 for contiguous tensors) stay specialized.
+_GENERIC = [
+    "NB", "C", "H", "W", "OC", "OH", "OW", "KH", "KW",
+    "sx_n", "sx_c", "sx_h", "sw_o", "sw_c", "sw_h", "sz_n", "sz_c", "sz_h", "sy_n", "sy_c", "sy_h",
+    "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w",
+]  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_GENERIC)
 def _conv_kernel(
     x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
     NB, C, H, W, OC, OH, OW, KH, KW,
