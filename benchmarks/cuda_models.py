@@ -167,6 +167,25 @@ def interleaved(fns: dict, rounds: int = 3, runs: int = 30) -> dict[str, float]:
     return best
 
 
+def cli_run(engine, path: Path) -> dict:
+    """`tensorkiln run ENGINE --use-cuda-graph --device-io --json`: trtexec-style statistics."""
+    import contextlib
+    import io
+
+    from tensorkiln.cli.main import main as tensorkiln_main
+
+    engine.save(path)
+    buf = io.StringIO()
+    args = [str(path), "--use-cuda-graph", "--device-io", "--warmup", "0.5", "--duration", "1"]
+    with contextlib.redirect_stdout(buf):
+        rc = tensorkiln_main(["run", *args, "--json"])
+    if rc != 0:
+        return {"error": f"tensorkiln run exited {rc}"}
+    r = json.loads(buf.getvalue())
+    keep = ("throughput_qps", "latency_ms", "enqueue_ms", "compute_ms", "host_ms", "iterations")
+    return {k: r[k] for k in keep}
+
+
 def engine_runner(engine, feeds_dev, graph: bool):
     ctx = engine.create_execution_context(use_cuda_graph=graph)
     return ctx, (lambda: ctx.infer(feeds_dev))
@@ -222,6 +241,7 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
             1 for x in engine.layers if x.get("tactic", "default") != "default"
         )
         res[f"{precision}_planned_peak_bytes"] = engine.memory.get("peak_bytes")
+        res[f"{precision}_tensorkiln_run"] = cli_run(engine, folder / f"{name}_{precision}.engine")
         engines[precision] = engine
         log(
             f"{name} {precision}: built in {secs:.1f}s, cache {tc}, "
