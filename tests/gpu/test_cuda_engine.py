@@ -161,3 +161,17 @@ def test_engine_file_round_trip(tmp_path) -> None:
     a = engine.create_execution_context().infer({"x": x})["y"]
     b = loaded.create_execution_context().infer({"x": x})["y"]
     np.testing.assert_array_equal(a, b)
+
+
+def test_context_memory_is_reserved_from_the_plan_and_stable() -> None:
+    engine, _ = _engine()
+    planned = engine.memory["peak_bytes"]
+    ctx = engine.create_execution_context()
+    assert ctx.device_memory_bytes() >= planned > 0  # reserved before the first run
+    x = torch.randn(32, 3, 16, 16, device="cuda")  # the profile's largest batch
+    ctx.infer({"x": x})
+    held = ctx.device_memory_bytes()
+    for _ in range(5):
+        ctx.infer({"x": x})
+        ctx.infer({"x": x[:3]})
+    assert ctx.device_memory_bytes() == held  # later runs reuse the context's memory

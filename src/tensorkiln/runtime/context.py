@@ -52,9 +52,12 @@ class ExecutionContext:
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),
             )
-            # The context's activations come from its own memory pool, reserved on the first run
-            # and reused by every later one (CUDA graphs capture into a pool of their own).
+            # The context's activations come from its own memory pool (CUDA graphs capture into
+            # a pool of their own). The pool is reserved up front with the memory plan's peak, as
+            # one segment the allocator then places activations in; device_memory_bytes() shows
+            # whether a run needed more.
             self._pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
+            self._reserve(int(engine.memory.get("peak_bytes") or 0))
             if use_cuda_graph:
                 self._graphs = GraphRunner(self._run_device, dev)
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -212,6 +215,15 @@ class ExecutionContext:
 
     def _run_device(self, inputs: list[Any]) -> list[Any]:
         return self._executor.run(dict(zip(self.engine.graph.inputs, inputs)))
+
+    def _reserve(self, nbytes: int) -> None:
+        import torch
+
+        if self._pool is None or nbytes <= 0:
+            return
+        with torch.cuda.use_mem_pool(self._pool):
+            block = torch.empty(nbytes, dtype=torch.uint8, device=self._executor.device)
+        del block  # freed into the pool, which keeps the segment for the runs
 
     def synchronize(self) -> None:
         """Wait until the work this context queued on the GPU is done (no-op on the CPU)."""
