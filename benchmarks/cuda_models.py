@@ -105,11 +105,16 @@ def make_feeds(name: str, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 def export(model, feeds, path: Path) -> Path:
     args = tuple(torch.from_numpy(x) for x in feeds.values())
+    # eval-mode nn.MultiheadAttention (ViT) takes a fused fast path the TorchScript exporter
+    # cannot export; the decomposed path computes the same
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             model, args, str(path), input_names=list(feeds), dynamo=False, opset_version=17
         )
+    torch.backends.mha.set_fastpath_enabled(fastpath)
     return path
 
 
