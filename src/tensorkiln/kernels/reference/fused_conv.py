@@ -11,6 +11,7 @@ elementwise kernels, so a fused activation rounds exactly as the unfused op does
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -161,7 +162,7 @@ def conv_act(
         raise ValueError(f"ConvAct: bias B has {b.size} values but there are {m} output channels")
     if z is not None and z.shape != y.shape:
         raise ValueError(f"ConvAct: residual Z of shape {z.shape} must have the output's {y.shape}")
-    y = np.ascontiguousarray(y).reshape(y.shape[0], m, -1)
+    y = np.ascontiguousarray(y).reshape(y.shape[0], m, math.prod(g.out))
     bb = None if b is None else b.astype(ct, copy=False).reshape(m)
     zz = None if z is None else z.astype(ct, copy=False).reshape(y.shape)
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)

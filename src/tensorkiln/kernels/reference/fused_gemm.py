@@ -8,6 +8,8 @@ epilogue (scale, bias, activation) runs in place on blocks of rows while they ar
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tensorkiln.ir.graph import TensorType, Type
@@ -27,7 +29,8 @@ def _operands(a: np.ndarray, b: np.ndarray, trans_a: int, trans_b: int) -> tuple
     if a.ndim < 2:
         raise ValueError(f"GemmAct: A must have rank >= 2, got shape {a.shape}")
     ct = compute_dtype(a.dtype)
-    a2 = a.reshape(-1, a.shape[-1]).astype(ct, copy=False)
+    # rows given explicitly: reshape(-1, 0) cannot infer them when K=0
+    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]).astype(ct, copy=False)
     a2 = a2.T if trans_a else a2
     b2 = b.astype(ct, copy=False)
     b2 = b2.T if trans_b else b2

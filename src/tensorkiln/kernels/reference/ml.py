@@ -6,6 +6,8 @@ node indices advances one level per step until every entry sits on a leaf.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from tensorkiln.kernels.registry import register
@@ -247,7 +249,8 @@ class _Forest:
 
     def leaves(self, X: np.ndarray) -> np.ndarray:
         """The leaf reached by every row in every tree, as a [rows, trees] index array."""
-        X = np.asarray(X, dtype=np.float64).reshape(len(X), -1)
+        X = np.asarray(X, dtype=np.float64)
+        X = X.reshape(len(X), math.prod(X.shape[1:]))  # not -1: zero rows leave it ambiguous
         cur = np.tile(self.roots, (len(X), 1))
         done = np.tile(self.root_leaf, (len(X), 1))
         for _ in range(len(self.mode) + 1):

@@ -53,36 +53,37 @@ def _conv_geometry(
 
 def _gemm(w: np.ndarray, cols: np.ndarray, group: int) -> np.ndarray:
     """``(M, C/g*k)`` weights times ``(N, C*k, P)`` columns, per group -> ``(N, M, P)``."""
-    n, _, p = cols.shape
+    n, ck, p = cols.shape
     m = w.shape[0]
+    # explicit sizes, never -1: numpy cannot infer one when another axis is 0 (N=0, M=0)
     if group == 1:
-        return np.matmul(w.reshape(m, -1), cols)
-    wg = w.reshape(group, m // group, -1)
-    return np.matmul(wg, cols.reshape(n, group, -1, p)).reshape(n, m, p)
+        return np.matmul(w.reshape(m, ck), cols)
+    wg = w.reshape(group, m // group, ck // group)
+    return np.matmul(wg, cols.reshape(n, group, ck // group, p)).reshape(n, m, p)
 
 
 def _depthwise(xp: np.ndarray, w: np.ndarray, g: Geometry) -> np.ndarray:
     """Depthwise conv (one input channel per group), accumulated over the kernel taps."""
     n, c = xp.shape[:2]
     mult = w.shape[0] // c
-    wt = w.reshape(c, mult, -1)
+    wt = w.reshape(c, mult, math.prod(g.kernel))
     out = np.zeros((n, c, mult, *g.out), dtype=xp.dtype)
     bcast = (slice(None), slice(None)) + (None,) * len(g.out)
     for i, tap in enumerate(itertools.product(*(range(k) for k in g.kernel))):
         view = xp[(Ellipsis, *tap_slices(g, tap))]
         out += wt[:, :, i][bcast] * view[:, :, None]
-    return out.reshape(n, c * mult, -1)
+    return out.reshape(n, c * mult, math.prod(g.out))
 
 
 def _im2col(x: np.ndarray, g: Geometry) -> np.ndarray:
     """The ``(N, C*prod(kernel), prod(out))`` column matrix of ``x``."""
     n, c = x.shape[:2]
-    p = int(np.prod(g.out))
+    p = math.prod(g.out)
     if all(k == 1 for k in g.kernel) and not g.padded:
         sl = tuple(slice(0, (o - 1) * s + 1, s) for o, s in zip(g.out, g.strides))
         return x[(Ellipsis, *sl)].reshape(n, c, p)
     xp = pad(x, g.begin, g.end)
-    return windows(xp, g, kernel_first=True).reshape(n, -1, p)
+    return windows(xp, g, kernel_first=True).reshape(n, c * math.prod(g.kernel), p)
 
 
 def conv_nd(x: np.ndarray, w: np.ndarray, g: Geometry, group: int) -> np.ndarray:
@@ -207,8 +208,9 @@ def conv_transpose(
         raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
     ct = compute_dtype(x.dtype)
     mg = w.shape[1]
-    wt = w.astype(ct, copy=False).reshape(group, c // group, -1).transpose(0, 2, 1)
-    xs = x.astype(ct, copy=False).reshape(n, group, c // group, -1)
+    taps, positions = math.prod(kernel), math.prod(x.shape[2:])
+    wt = w.astype(ct, copy=False).reshape(group, c // group, mg * taps).transpose(0, 2, 1)
+    xs = x.astype(ct, copy=False).reshape(n, group, c // group, positions)
     cols = np.matmul(wt, xs).reshape(n, group * mg, *kernel, *x.shape[2:])
     g = Geometry(kernel, strides, dilations, (0,) * nsp, (0,) * nsp, tuple(x.shape[2:]))
     y = _col2im(cols, g, begin, out)
@@ -311,7 +313,7 @@ def _deform_columns(
     low = [np.floor(q) for q in pos]
     frac = [q - lo for q, lo in zip(pos, low)]
     low = [lo.astype(np.int64) for lo in low]
-    xs = x.reshape(n, offset_group, c // offset_group, -1)
+    xs = x.reshape(n, offset_group, c // offset_group, math.prod(in_sizes))
     cols = np.zeros((n, offset_group, c // offset_group, taps * p), dtype=x.dtype)
     flat_stride = [math.prod(in_sizes[d + 1 :]) for d in range(nsp)]
     for corner in itertools.product((0, 1), repeat=nsp):
