@@ -136,7 +136,7 @@ def test_engine_keeps_its_tactics_through_a_file(test_tactics, tmp_path, monkeyp
     engine, _ = _build(tmp_path)
     # force a non-default choice so the loaded engine must find the tactic by name
     layer = next(x for x in engine.layers if x.get("timings_ms"))
-    layer["tactic"] = "t_same"
+    layer["tactic"] = layer["tactic_eager"] = "t_same"
     path = tmp_path / "m.engine"
     engine.save(path)
     loaded = Engine.load(path)
@@ -147,6 +147,20 @@ def test_engine_keeps_its_tactics_through_a_file(test_tactics, tmp_path, monkeyp
     monkeypatch.setattr(registry, "_TACTICS", {})  # an installation without that tactic
     with pytest.raises(EngineCompatibilityError, match=r"t_same.*rebuild"):
         loaded.create_execution_context()
+
+
+def test_graph_and_eager_choices_are_kept_apart(test_tactics, tmp_path) -> None:
+    from tensorkiln.tactics.autotune import tactic_functions
+
+    engine, _ = _build(tmp_path)
+    tuned = [x for x in engine.layers if x.get("timings_ms")]
+    for layer in tuned:
+        assert set(layer["timings_eager_ms"]) == set(layer["timings_ms"])
+        assert layer["tactic_eager"] in ("default", "t_same")
+        layer["tactic"], layer["tactic_eager"] = "t_same", "default"
+    graph_mode = tactic_functions(engine.graph, engine.layers, "graph")
+    assert set(graph_mode) == {x["name"] for x in tuned}
+    assert tactic_functions(engine.graph, engine.layers, "eager") == {}
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -198,3 +212,18 @@ def test_wrong_tensor_inputs_are_clear_errors(test_tactics, tmp_path) -> None:
         ctx.infer({"x": torch.randn(8, 31)})
     with pytest.raises(InputError, match="output buffer 'y' is"):
         ctx.infer({"x": torch.randn(8, 32)}, outputs={"y": torch.empty(8, 15)})
+
+
+def test_inspect_shows_tactics_and_runners_up(test_tactics, tmp_path, capsys) -> None:
+    from tensorkiln.cli.main import main
+
+    engine, _ = _build(tmp_path)
+    layer = next(x for x in engine.layers if x.get("timings_ms"))
+    layer["tactic"], layer["tactic_eager"] = "t_same", "default"
+    engine.save(tmp_path / "m.engine")
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "m.engine")]) == 0
+    out = capsys.readouterr().out
+    assert "tactic (ms, as a CUDA graph)" in out and "runners-up (ms)" in out
+    assert f"t_same {layer['timings_ms']['t_same']:.4f} (layer by layer: default" in out
+    assert "1 rejected" in out  # t_wrong

@@ -84,7 +84,17 @@ def describe_engine(path: Any) -> dict:
         "layers": [
             {
                 k: layer.get(k)
-                for k in ("name", "op", "impl", "precision", "tactic", "timings_ms", "rejected")
+                for k in (
+                    "name",
+                    "op",
+                    "impl",
+                    "precision",
+                    "tactic",
+                    "timings_ms",
+                    "tactic_eager",
+                    "timings_eager_ms",
+                    "rejected",
+                )
                 if k in layer
             }
             for layer in plan.get("layers", [])
@@ -112,6 +122,10 @@ def _tactic_cells(layer: dict) -> list[str]:
     rejected = layer.get("rejected") or {}
     if rejected:
         rest += (", " if rest else "") + f"{len(rejected)} rejected"
+    eager = layer.get("tactic_eager", name)
+    if eager != name:  # launch overhead changes the winner when the engine runs layer by layer
+        ms = (layer.get("timings_eager_ms") or {}).get(eager)
+        chosen += f" (layer by layer: {eager}" + (f" {ms:.4f})" if ms is not None else ")")
     return [chosen, rest or "-"]
 
 
@@ -145,7 +159,7 @@ def _print_engine(info: dict) -> None:
     tuned = any("tactic" in x for x in layers)
     print_table(
         ["layer", "op", "implementation", "precision"]
-        + (["tactic (ms)", "runners-up (ms)"] if tuned else []),
+        + (["tactic (ms, as a CUDA graph)", "runners-up (ms)"] if tuned else []),
         [
             [x["name"], x["op"], x["impl"], x["precision"]] + (_tactic_cells(x) if tuned else [])
             for x in layers

@@ -34,7 +34,7 @@ class ExecutionContext:
         self.engine = engine
         self.profile_index = profile_index
         self.profile = engine.profiles[profile_index] if engine.profiles else None
-        self._executor = _executor(engine)
+        self._executor = _executor(engine, "graph" if use_cuda_graph else "eager")
         self.precision = engine.build.get("precision", "fp32")
         self._stream = None
         self._graphs = None
@@ -262,12 +262,12 @@ class ExecutionContext:
         return None
 
 
-def _executor(engine: Any) -> Executor:
+def _executor(engine: Any, mode: str) -> Executor:
     if engine.backend != "cuda":
         return Executor(engine.graph, engine.backend)
     from tensorkiln.tactics.autotune import tactic_functions
 
-    tactics = tactic_functions(engine.graph, engine.layers)
+    tactics = tactic_functions(engine.graph, engine.layers, mode)
     return Executor(engine.graph, "cuda", engine.device, tactics=tactics)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.errors import BuildError, EngineCompatibilityError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.printer import format_graph
@@ -93,18 +94,49 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
         return layer
     key = TimingCache.key(_signature(node, spec, options, executor.device))
     hit = cache.get(key) if cache is not None else None
-    if hit is not None and (
-        hit["tactic"] == "default" or get_tactic(node.op, node.domain, hit["tactic"])
+    if hit is not None and all(
+        n == "default" or get_tactic(node.op, node.domain, n)
+        for n in (hit["tactic"], hit.get("tactic_eager", "default"))
     ):
-        layer.update(tactic=hit["tactic"], timings_ms=hit["timings_ms"], cached=True)
+        layer.update(_cached_choice(hit))
         return layer
     args = _inputs(node, spec, executor)
     if args is None:
         return layer
+    choice = _measure_candidates(node, entry, candidates, args, executor, options)
+    layer.update(choice)
+    if cache is not None:
+        cache.put(key, {k: choice[k] for k in CACHED_KEYS})
+    if log is not None:
+        log(
+            f"{node.name} ({node.op}): {choice['tactic']} "
+            + " ".join(f"{k}={v:.4f}ms" for k, v in choice["timings_ms"].items())
+        )
+    return layer
+
+
+# what a timing cache entry holds: the choice for engines run as CUDA graphs (kernel time) and for
+# engines run layer by layer (Python's launch overhead included), and the timings behind both
+CACHED_KEYS = ("tactic", "timings_ms", "tactic_eager", "timings_eager_ms")
+
+
+def _cached_choice(hit: dict) -> dict:
+    return {
+        "tactic": hit["tactic"],
+        "timings_ms": hit["timings_ms"],
+        "tactic_eager": hit.get("tactic_eager", hit["tactic"]),
+        "timings_eager_ms": hit.get("timings_eager_ms", hit["timings_ms"]),
+        "cached": True,
+    }
+
+
+def _measure_candidates(node, entry, candidates, args, executor, options) -> dict:
+    """Check every candidate against the oracle, time the ones that agree, pick the fastest."""
     scope = Scope(executor, {})
     n_out = len(node.outputs)
     oracle = _oracle(entry, node, args, n_out, scope)
-    timings: dict[str, float] = {}
+    graph_ms: dict[str, float] = {}
+    eager_ms: dict[str, float] = {}
     rejected: dict[str, str] = {}
     for name, fn in [("default", entry.fn)] + [(t.name, t.fn) for t in candidates]:
         e = with_fn(entry, fn)
@@ -114,24 +146,26 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
             if not err <= TOLERANCE[options.precision]:
                 rejected[name] = f"relative error {err:.2e} vs the float32 oracle"
                 continue
-            timings[name] = _time(e, args, node.attrs, n_out, scope, executor.device, options)
+            graph_ms[name], eager_ms[name] = _time(
+                e, args, node.attrs, n_out, scope, executor.device, options
+            )
         except Exception as exc:  # a candidate that cannot run here is rejected, not fatal
             rejected[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    if not timings:
-        rejected_text = "; ".join(f"{k}: {v}" for k, v in rejected.items())
-        raise RuntimeError(f"layer '{node.name}' ({node.op}): every tactic failed: {rejected_text}")
-    best = min(timings, key=timings.get)
-    layer.update(tactic=best, timings_ms={k: round(v, 5) for k, v in timings.items()})
-    if rejected:
-        layer["rejected"] = rejected
-    if cache is not None:
-        cache.put(key, best, layer["timings_ms"])
-    if log is not None:
-        log(
-            f"{node.name} ({node.op}): {best} "
-            + " ".join(f"{k}={v:.4f}ms" for k, v in timings.items())
+    if not graph_ms:
+        why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+        raise BuildError(
+            f"layer '{node.name}' ({node.op}): no implementation ran correctly on this device "
+            f"({why})"
         )
-    return layer
+    out = {
+        "tactic": min(graph_ms, key=graph_ms.get),
+        "timings_ms": {k: round(v, 5) for k, v in graph_ms.items()},
+        "tactic_eager": min(eager_ms, key=eager_ms.get),
+        "timings_eager_ms": {k: round(v, 5) for k, v in eager_ms.items()},
+    }
+    if rejected:
+        out["rejected"] = rejected
+    return out
 
 
 def _allowed(name: str, sources: frozenset[str] | None) -> bool:
@@ -289,26 +323,27 @@ def _rel_error(got: list, want: list) -> float:
     return worst
 
 
-def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> float:
-    """Median milliseconds of one call: on the GPU, of the kernels alone (replays of a CUDA graph
-    of ``GRAPH_CALLS`` calls, as engines run under --use-cuda-graph), else of single calls timed
-    with CUDA events (launch overhead included); on the CPU, one call."""
+def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> tuple[float, float]:
+    """Median milliseconds of one call, (as a CUDA graph, layer by layer).
+
+    As a graph: replays of a CUDA graph of ``GRAPH_CALLS`` calls, the kernels' time alone (where
+    capture fails, the layer-by-layer time). Layer by layer: single calls between CUDA events,
+    Python's launch overhead included where it exceeds the kernels' time. On the CPU (tests), one
+    call, for both.
+    """
     import torch
 
     def call() -> None:
         invoke(entry, args, attrs, n_out, scope)
 
-    if device.type != "cuda":  # torch on the CPU (tests): the number says nothing about a GPU
+    if device.type != "cuda":  # torch on the CPU: the number says nothing about a GPU
         t0 = time.perf_counter()
         call()
-        return (time.perf_counter() - t0) * 1e3
+        ms = (time.perf_counter() - t0) * 1e3
+        return ms, ms
     for _ in range(options.warmup):
         call()
     torch.cuda.synchronize(device)
-    if options.graph_timing:
-        ms = _time_graph(call, device, options.runs)
-        if ms is not None:
-            return ms
     samples = []
     for _ in range(options.runs):
         start = torch.cuda.Event(enable_timing=True)
@@ -318,7 +353,9 @@ def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> flo
         end.record()
         end.synchronize()
         samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
+    eager = statistics.median(samples)
+    graph = _time_graph(call, device, options.runs) if options.graph_timing else None
+    return (eager if graph is None else graph), eager
 
 
 GRAPH_CALLS = 10  # calls captured in one graph when timing
@@ -351,19 +388,21 @@ def _time_graph(call: Callable[[], None], device: Any, runs: int) -> float | Non
     return statistics.median(samples)
 
 
-def tactic_functions(graph: Graph, layers: list[dict]) -> dict[str, Callable]:
-    """Node name -> tactic function for the layers whose chosen tactic is not the default."""
+def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:
+    """Node name -> tactic function for the layers whose chosen tactic is not the default;
+    ``mode`` picks the choice for engines run as CUDA graphs ("graph") or layer by layer
+    ("eager")."""
     by_name = {n.name: n for n in graph.nodes}
     out = {}
     for layer in layers:
         name = layer.get("tactic", "default")
+        if mode == "eager":
+            name = layer.get("tactic_eager", name)
         node = by_name.get(layer.get("name"))
         if name == "default" or node is None:
             continue
         t = get_tactic(node.op, node.domain, name)
         if t is None:
-            from tensorkiln.errors import EngineCompatibilityError
-
             raise EngineCompatibilityError(
                 f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
                 "(is triton installed?); rebuild the engine here"

@@ -18,11 +18,11 @@ from typing import Any
 from tensorkiln.errors import BuildError
 
 FORMAT = "tensorkiln-timing-cache"
-VERSION = 1
+VERSION = 2  # 2: eager and CUDA-graph choices
 
 
 class TimingCache:
-    """In memory: key -> {"tactic": name, "timings_ms": {name: ms}}; load/save to one file."""
+    """In memory: key -> {"tactic": name, "timings_ms": {name: ms}, ...}; load/save to one file."""
 
     def __init__(self, entries: dict[str, dict] | None = None) -> None:
         self.entries: dict[str, dict] = dict(entries or {})
@@ -42,8 +42,9 @@ class TimingCache:
             self.hits += 1
         return hit
 
-    def put(self, key: str, tactic: str, timings_ms: dict[str, float]) -> None:
-        self.entries[key] = {"tactic": tactic, "timings_ms": timings_ms}
+    def put(self, key: str, entry: dict) -> None:
+        """Store a layer's choice: at least "tactic" and "timings_ms" (name -> ms)."""
+        self.entries[key] = dict(entry)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> TimingCache:
