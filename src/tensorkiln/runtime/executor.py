@@ -14,8 +14,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
+from tensorkiln.ir.infer import RANDOM_OPS
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 
 
@@ -45,6 +48,7 @@ class Executor:
         self.tactics = dict(tactics or {})
         self._plans: dict[int, list[_Step]] = {}
         self._consts: dict[Value, Any] = {}
+        self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
         self._plan(graph)
@@ -100,6 +104,48 @@ class Executor:
             inputs = [to_torch(x, self.device) for x in inputs]
             return scope.run_graph(self.graph, inputs, timings)
 
+    def shadow_host_values(self, node: Node, env: Mapping[Value, Any]) -> None:
+        """Shape arithmetic on the device, mirrored on the host: when a node's small outputs come
+        from inputs whose values (or, for Shape and Size, shapes) the host knows, compute them
+        with the reference kernel too and attach them, so a later Reshape or Slice reads its
+        shape without waiting for the device (and the engine stays capturable as a CUDA graph)."""
+        from tensorkiln.kernels.cuda.convert import (
+            HOST_VALUES_LIMIT,
+            host_values,
+            remember_host_values,
+        )
+
+        outs = [env.get(v) for v in node.outputs if v is not None]
+        if not outs or not all(
+            hasattr(o, "numel") and o.numel() <= HOST_VALUES_LIMIT and host_values(o) is None
+            for o in outs
+        ):
+            return
+        args = _host_args(node, env, host_values)
+        entry = self._reference_kernel(node) if args is not None else None
+        if entry is None:
+            return
+        try:
+            results = invoke(entry, args, node.attrs, len(node.outputs))
+        except Exception:  # the device kernel ran; the mirror is only a shortcut
+            return
+        for v, r in zip(node.outputs, results):
+            t = env.get(v) if v is not None else None
+            if isinstance(r, np.ndarray) and t is not None and tuple(t.shape) == r.shape:
+                remember_host_values(t, r)
+
+    def _reference_kernel(self, node: Node) -> KernelEntry | None:
+        key = id(node)
+        if key not in self._references:
+            try:
+                opset = self.graph.opset(node.domain)
+                entry = lookup(node.op, node.domain, opset, "reference")
+                ok = not (entry.wants_ctx or node.op in RANDOM_OPS or any(node.subgraphs()))
+                self._references[key] = entry if ok else None
+            except TensorkilnError:
+                self._references[key] = None
+        return self._references[key]
+
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the reference backend)."""
         if self.device is not None and self.device.type == "cuda":
@@ -129,6 +175,7 @@ class Scope:
         local.update(zip(graph.inputs, inputs))
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
+        shadow = self.executor.device is not None
         for step in self.executor._plan(graph):
             if timings is None:
                 _run_step(step, env, inner)
@@ -139,6 +186,8 @@ class Scope:
                 self.executor.synchronize()
                 name = step.node.name
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+            if shadow:
+                self.executor.shadow_host_values(step.node, env)
             for v in step.free:
                 local.pop(v, None)
         try:
@@ -168,6 +217,26 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
             f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
             f"{len(step.outputs)} were asked for"
         )
+
+
+def _host_args(node: Node, env: Mapping[Value, Any], host_values: Any) -> list | None:
+    """The node's inputs as host arrays, or None when one is not known on the host."""
+    if node.op in ("Shape", "Size") and node.domain == "" and node.inputs[0] is not None:
+        x = env.get(node.inputs[0])
+        if not hasattr(x, "shape"):
+            return None
+        shape = tuple(x.shape)  # known on the host whatever the values
+        return [np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape, (0,) * len(shape))]
+    args = []
+    for v in node.inputs:
+        if v is None:
+            args.append(None)
+            continue
+        known = host_values(env.get(v))
+        if known is None:
+            return None
+        args.append(known)
+    return args
 
 
 def with_fn(entry: KernelEntry, fn: Any) -> KernelEntry:

@@ -127,25 +127,33 @@ def to_numpy(value: Any) -> Any:
 _VIEW_TORCH = {np.int16: torch.int16, np.uint8: torch.uint8}
 
 
-# Host copies of small constants (shapes, axes, pads, scales): a kernel that needs such an input's
+# Host copies of small values (shapes, axes, pads, scales): a kernel that needs such an input's
 # values on the host reads them here instead of synchronizing with the device, which also keeps
-# engines capturable as CUDA graphs. The executor registers each small initializer it
-# uploads.
-_HOST_VALUES: dict[int, tuple[torch.Tensor, list]] = {}
+# engines capturable as CUDA graphs. The executor attaches them to each small initializer it
+# uploads, and to the outputs of small shape computations whose inputs it knows on the host.
+_HOST_ATTR = "_tensorkiln_host"
 HOST_VALUES_LIMIT = 64  # elements
+HOST_READ_MISSES = [0]  # host reads of values the host did not know (on a GPU: a device sync)
 
 
 def remember_host_values(t: torch.Tensor, arr: np.ndarray) -> None:
+    """Attach ``arr`` (the values of ``t``) to ``t`` when it is small and numeric."""
     if arr.dtype.kind in "iubf" and arr.size <= HOST_VALUES_LIMIT:
-        _HOST_VALUES[id(t)] = (t, arr.tolist())
+        setattr(t, _HOST_ATTR, np.array(arr))
+
+
+def host_values(t: Any) -> np.ndarray | None:
+    """The host copy attached to tensor ``t``, or None."""
+    return getattr(t, _HOST_ATTR, None) if isinstance(t, torch.Tensor) else None
 
 
 def host_list(t: Any) -> Any:
-    """``t.tolist()``, without a device synchronization when ``t`` is a known small constant."""
+    """``t.tolist()``, without a device synchronization when ``t``'s values are known on the host."""
     if isinstance(t, torch.Tensor):
-        hit = _HOST_VALUES.get(id(t))
-        if hit is not None and hit[0] is t:
-            return hit[1]
+        known = getattr(t, _HOST_ATTR, None)
+        if known is not None:
+            return known.tolist()
+        HOST_READ_MISSES[0] += 1
         return t.tolist()
     if isinstance(t, np.ndarray):
         return t.tolist()
