@@ -193,6 +193,10 @@ class ExecutionContext:
                 stream.wait_stream(caller)
                 self._events[0].record(stream)
             inputs = [bound[v] for v in graph.inputs]
+            if stream is not None:
+                for x in inputs:  # the caller may free its tensors before this stream is done
+                    if isinstance(x, torch.Tensor) and x.is_cuda:
+                        x.record_stream(stream)
             if use_graph:
                 results = self._graphs(inputs)
             else:
