@@ -112,6 +112,9 @@ def test_cuda_graph_replays_correctly_when_shapes_change(tmp_path) -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         ref = Runner(_cnn()).infer({"x": _x(n, seed)})["y"]
         assert _rel(got, ref) < 1e-5
+        host = ctx.infer({"x": _x(n, seed)})["y"]  # numpy in: uploaded, then the graph replays
+        assert isinstance(host, np.ndarray) and ctx.cuda_graph_fallback is None
+        assert _rel(host, ref) < 1e-5
 
 
 def test_zero_copy_io_and_caller_buffers() -> None:

@@ -169,7 +169,7 @@ class ExecutionContext:
 
         import torch
 
-        from tensorkiln.kernels.cuda.convert import to_numpy
+        from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
         from tensorkiln.runtime.device import bind_device_inputs, write_outputs
         from tensorkiln.runtime.mathmode import math_mode
 
@@ -192,7 +192,7 @@ class ExecutionContext:
             if stream is not None:
                 stream.wait_stream(caller)
                 self._events[0].record(stream)
-            inputs = [bound[v] for v in graph.inputs]
+            inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
             if stream is not None:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:
