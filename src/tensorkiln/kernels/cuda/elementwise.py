@@ -1,12 +1,11 @@
-"""Elementwise kernels of the cuda backend: unary math, activations, arithmetic, comparison, logic,
-bitwise, Where and Clip, in torch. They match ``kernels/reference/elementwise.py`` op for op.
+"""Elementwise kernels of the cuda backend: unary math, arithmetic, comparison, logic, bitwise,
+Where and Clip, in torch. They match ``kernels/reference/elementwise.py`` op for op; the
+activations are in :mod:`tensorkiln.kernels.cuda.activations`, which shares the dtype plumbing here.
 
 torch has hardly any arithmetic for uint16/uint32/uint64: such values compute in a wider signed type
 (uint16, uint32) or in int64's bit pattern (uint64), and come back modulo 2**bits, which is what the
 unsigned op gives; comparisons map uint64 onto int64 order by flipping the top bit. float8 inputs
-compute in float32. Composite activations compute float16/bfloat16 in float32 and round once, as
-the reference does; single torch functions (sigmoid, gelu, mish...) take float16 as is (torch
-computes them in float32 internally). String inputs (Equal, Where) run the reference on the host.
+compute in float32. String inputs (Equal, Where) run the reference on the host.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
 from tensorkiln.kernels.reference import elementwise as ref
@@ -212,191 +210,6 @@ def isinf(x: Tensor, *, detect_negative: int = 1, detect_positive: int = 1) -> T
 
 
 _cuda("Erf", since=9)(_unary(_float_unary(torch.erf), "Erf"))
-
-
-# ---------------------------------------------------------------------------------------------
-# Activations
-
-
-def _in_float(fn: Callable[..., Tensor], x: Tensor, *args: object) -> Tensor:
-    """A multi-step formula ``fn(v, *args)`` on ``x`` in its compute dtype, rounded back once."""
-    v = compute(x)
-    y = fn(v, *args)
-    return y if v is x else y.to(x.dtype)
-
-
-def _native(fn: Callable[[Tensor], Tensor], x: Tensor) -> Tensor:
-    """A single torch function: float16/bfloat16 as is, float8 and integers through a float."""
-    if x.dtype in FLOAT8 or not x.is_floating_point():
-        return fn(compute(x)).to(x.dtype)
-    return fn(x)
-
-
-@_cuda("Sigmoid")
-def sigmoid(x: Tensor, *, consumed_inputs: list[int] | None = None) -> Tensor:
-    """Logistic sigmoid."""
-    return _native(torch.sigmoid, x)
-
-
-def _swish(v: Tensor, alpha: float) -> Tensor:
-    return v * torch.sigmoid(v * alpha)
-
-
-@_cuda("Swish", since=24)
-def swish(x: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """x * sigmoid(alpha x)."""
-    if alpha == 1.0:
-        return _native(F.silu, x)
-    return _in_float(_swish, x, alpha)
-
-
-@_cuda("SwiGLU", since=28)
-def swiglu(a: Tensor, b: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """Swish(a) * b, for same-shaped gate ``a`` and value ``b``."""
-    if a.shape != b.shape:
-        raise ValueError(
-            f"SwiGLU needs A and B of the same shape, got {tuple(a.shape)} and {tuple(b.shape)}"
-        )
-    return _in_float(lambda v: _swish(v, alpha) * compute(b), a)
-
-
-@_cuda("Relu")
-def relu(x: Tensor, *, consumed_inputs: list[int] | None = None) -> Tensor:
-    """max(x, 0); NaN stays NaN."""
-    if x.dtype in UNSIGNED:
-        return x
-    return _native(torch.relu, x) if x.dtype in FLOAT8 else torch.relu(x)
-
-
-@_cuda("LeakyRelu")
-def leaky_relu(
-    x: Tensor,
-    *,
-    alpha: float = 0.009999999776482582,
-    consumed_inputs: list[int] | None = None,
-) -> Tensor:
-    """x where x >= 0, alpha x elsewhere."""
-    return _native(lambda v: F.leaky_relu(v, alpha), x)
-
-
-@_cuda("PRelu")
-def prelu_legacy(x: Tensor, slope: Tensor, *, consumed_inputs: list[int] | None = None) -> Tensor:
-    """PRelu of opsets 1-6: a 1-D slope of length C is laid along axis 1 (NCHW channels)."""
-    if slope.ndim == 1 and x.ndim > 2 and slope.shape[0] == x.shape[1] != x.shape[-1]:
-        slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))
-    return prelu(x, slope)
-
-
-@_cuda("PRelu", since=7)
-def prelu(x: Tensor, slope: Tensor) -> Tensor:
-    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x``."""
-    try:
-        fits = torch.broadcast_shapes(slope.shape, x.shape) == x.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"PRelu slope of shape {tuple(slope.shape)} does not broadcast to X {tuple(x.shape)}"
-        )
-    if x.dtype in UNSIGNED:
-        return x.clone()
-    if x.dtype in FLOAT8:
-        return prelu(x.float(), slope.float()).to(x.dtype)
-    return torch.where(x < 0, x * slope.to(x.dtype), x)
-
-
-@_cuda("Elu")
-def elu(x: Tensor, *, alpha: float = 1.0, consumed_inputs: list[int] | None = None) -> Tensor:
-    """x where x > 0, alpha (exp(x) - 1) elsewhere."""
-    return _native(lambda v: F.elu(v, alpha), x)
-
-
-@_cuda("Celu", since=12)
-def celu(x: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """max(0, x) + min(0, alpha (exp(x / alpha) - 1))."""
-    return _native(lambda v: F.celu(v, alpha), x)
-
-
-@_cuda("Selu")
-def selu(
-    x: Tensor,
-    *,
-    alpha: float = 1.67326319217681884765625,
-    gamma: float = 1.05070102214813232421875,
-    consumed_inputs: list[int] | None = None,
-) -> Tensor:
-    """gamma x where x > 0, gamma alpha (exp(x) - 1) elsewhere."""
-    # aten's elu takes the output scale: gamma (x > 0 ? x : alpha (exp(x) - 1)) in one pass
-    return _native(lambda v: torch.ops.aten.elu(v, alpha, gamma, 1.0), x)
-
-
-def _hard_sigmoid(v: Tensor, alpha: float, beta: float) -> Tensor:
-    return (v * alpha + beta).clamp_(0.0, 1.0)
-
-
-@_cuda("HardSigmoid")
-def hard_sigmoid(
-    x: Tensor,
-    *,
-    alpha: float = 0.20000000298023224,
-    beta: float = 0.5,
-    consumed_inputs: list[int] | None = None,
-) -> Tensor:
-    """max(0, min(1, alpha x + beta))."""
-    return _in_float(_hard_sigmoid, x, alpha, beta)
-
-
-@_cuda("HardSwish", since=14)
-def hard_swish(x: Tensor) -> Tensor:
-    """x * max(0, min(1, x / 6 + 1 / 2))."""
-    return _native(F.hardswish, x)
-
-
-@_cuda("ThresholdedRelu", since=10)
-def thresholded_relu(x: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """x where x > alpha, 0 elsewhere."""
-    v = x.float() if x.dtype in FLOAT8 else x
-    return torch.where(v > alpha, x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def _shrink(v: Tensor, bias: float, lambd: float) -> Tensor:
-    zero = torch.zeros((), dtype=v.dtype, device=v.device)
-    return torch.where(v < -lambd, v + bias, torch.where(v > lambd, v - bias, zero))
-
-
-@_cuda("Shrink", since=9)
-def shrink(x: Tensor, *, bias: float = 0.0, lambd: float = 0.5) -> Tensor:
-    """x + bias below -lambd, x - bias above lambd, 0 between (integer inputs too)."""
-    return _in_float(_shrink, x, bias, lambd)
-
-
-@_cuda("Softplus")
-def softplus(x: Tensor) -> Tensor:
-    """log(1 + exp(x))."""
-    # above the threshold torch returns x; log1p(exp(x)) rounds to x there in float32 from 17 on,
-    # in float64 only from 37 on
-    threshold = 40.0 if x.dtype == torch.float64 else 20.0
-    return _native(lambda v: F.softplus(v, threshold=threshold), x)
-
-
-@_cuda("Softsign")
-def softsign(x: Tensor) -> Tensor:
-    """x / (1 + |x|)."""
-    return _in_float(F.softsign, x)
-
-
-@_cuda("Mish", since=18)
-def mish(x: Tensor) -> Tensor:
-    """x * tanh(softplus(x))."""
-    return _native(F.mish, x)
-
-
-@_cuda("Gelu", since=20)
-def gelu(x: Tensor, *, approximate: str = "none") -> Tensor:
-    """x Phi(x) with the exact erf form (``none``) or the tanh approximation (``tanh``)."""
-    if approximate not in ("none", "tanh"):
-        raise ValueError(f"Gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _native(lambda v: F.gelu(v, approximate=approximate), x)
 
 
 # ---------------------------------------------------------------------------------------------
