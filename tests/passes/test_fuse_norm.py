@@ -15,6 +15,7 @@ import tensorkiln
 from tensorkiln.kernels.reference import fused_norm as K
 from tensorkiln.kernels.reference.elementwise import gelu as onnx_gelu
 from tensorkiln.kernels.reference.norm import layer_normalization, rms_normalization
+from tensorkiln.passes import fuse_activation as A
 from tensorkiln.passes import fuse_norm as F
 from tests.passes.util import assert_pass_preserves_outputs, graph_of, model, ops
 
@@ -23,9 +24,9 @@ PASSES = (
     F.fuse_layer_norm,
     F.fold_residual_into_layer_norm,
     F.fuse_rms_norm,
-    F.fuse_gelu,
-    F.fuse_silu,
-    F.fuse_softmax,
+    A.fuse_gelu,
+    A.fuse_silu,
+    A.fuse_softmax,
 )
 
 

@@ -25,7 +25,6 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.passes.fuse_activation import fuse_gelu, fuse_silu, fuse_softmax
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import (
@@ -39,19 +38,6 @@ from tensorkiln.passes.rules import (
     reduce_axes,
     run_rules,
 )
-
-# Importing the activation passes above registers them (passes/registry.py imports this module)
-# and keeps them importable from here.
-__all__ = [
-    "DOMAIN",
-    "fold_residual_into_layer_norm",
-    "fuse_gelu",
-    "fuse_layer_norm",
-    "fuse_rms_norm",
-    "fuse_silu",
-    "fuse_softmax",
-]
-
 
 # ---------------------------------------------------------------------------------------------
 # Matching helpers

@@ -30,7 +30,7 @@ def _randn(*shape: int, dtype=np.float32) -> np.ndarray:
     return rng.standard_normal(shape).astype(dtype)
 
 
-def _compare(op, args, attrs=None, *, opset=22, n_outputs=1, tol=1e-5):
+def _compare(op, args, attrs=None, *, opset=22, n_outputs=1, tol=1e-5, atol=None):
     attrs = attrs or {}
     ref = invoke(lookup(op, "", opset, "reference"), args, attrs, n_outputs)
     got = invoke(lookup(op, "", opset, "cuda"), [to_torch(a, DEVICE) for a in args], attrs,
@@ -43,7 +43,7 @@ def _compare(op, args, attrs=None, *, opset=22, n_outputs=1, tol=1e-5):
             np.testing.assert_array_equal(g, r)
         else:
             np.testing.assert_allclose(g.astype(np.float64), r.astype(np.float64), rtol=tol,
-                                       atol=tol)  # fmt: skip
+                                       atol=tol if atol is None else atol)  # fmt: skip
     return got
 
 
@@ -117,9 +117,12 @@ def test_resize_crop_and_resize_and_legacy_modes():
 def test_resize_other_types(dtype):
     x = rng.integers(0, 255, (1, 3, 5, 6)).astype(dtype)
     tol = 2e-3 if dtype == np.float16 else 0
+    # float16: a few units in the last place of values up to ~300 (cubic overshoots 255), where
+    # the order of the taps' sum decides the rounding
+    atol = 4 * 0.25 if dtype == np.float16 else 0
     for mode in ("nearest", "linear", "cubic"):
         _compare("Resize", [x, None, np.array([1, 1, 1.6, 0.75], np.float32)], {"mode": mode},
-                 opset=19, tol=tol)  # fmt: skip
+                 opset=19, tol=tol, atol=atol)  # fmt: skip
 
 
 # ------------------------------------------------------------------------- GridSample, AffineGrid
