@@ -191,12 +191,12 @@ class ExecutionContext:
         with math_mode(self.precision), torch.no_grad(), ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
-                self._events[0].record(stream)
             inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
             if stream is not None:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:
                         x.record_stream(stream)
+                self._events[0].record(stream)  # after the uploads: layers only
             if use_graph:
                 results = self._graphs(inputs)
             else:
