@@ -227,3 +227,36 @@ def test_inspect_shows_tactics_and_runners_up(test_tactics, tmp_path, capsys) ->
     assert "tactic (ms, as a CUDA graph)" in out and "runners-up (ms)" in out
     assert f"t_same {layer['timings_ms']['t_same']:.4f} (layer by layer: default" in out
     assert "1 rejected" in out  # t_wrong
+
+
+def test_pruning_keeps_the_best_estimated_candidates() -> None:
+    from tensorkiln.tactics.autotune import _prune
+    from tensorkiln.tactics.registry import LayerSpec, Tactic
+
+    spec = LayerSpec("MatMul", "", {}, ((8, 32), (32, 16)), ("float32", "float32"))
+    scores = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7, "e": 0.2}
+    tactics = [Tactic(n, "MatMul", "", len, None, lambda s, v=v: v) for n, v in scores.items()]
+    kept, pruned = _prune(tactics, spec, 3)
+    assert [t.name for t in kept] == ["b", "c", "d"]  # registration order among the kept
+    assert pruned == ["a", "e"]
+    assert _prune(tactics, spec, None) == (tactics, [])
+    assert _prune(tactics[:2], spec, 3) == (tactics[:2], [])
+
+
+def test_triton_gemm_estimates_favour_tiles_that_fill_the_gpu() -> None:
+    pytest.importorskip("triton")
+    from tensorkiln.tactics.autotune import _prune
+    from tensorkiln.tactics.registry import LayerSpec, tactics_for
+
+    def kept(m, k, n):
+        spec = LayerSpec(
+            "GemmAct", "tensorkiln", {"activation": "Relu"}, ((m, k), (k, n), (n,)),
+            ("float16",) * 3, "cuda", (False, True, True),
+        )  # fmt: skip
+        applicable = [t for t in tactics_for("GemmAct", "tensorkiln") if t.applies(spec)]
+        return {t.name for t in _prune(applicable, spec, 4)[0]}
+
+    small = kept(128, 768, 768)  # 128 x 768 outputs: large tiles leave most SMs idle
+    assert "triton_gemm_128x256x64_w8_s3" not in small and "triton_gemm_64x64x64_w4_s4" in small
+    large = kept(8192, 768, 3072)  # many waves of large tiles
+    assert "triton_gemm_128x256x64_w8_s3" in large

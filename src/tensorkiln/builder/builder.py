@@ -256,7 +256,11 @@ def _tune(
     shapes = _opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
     options = TuneOptions(
-        precision=precision, enabled=config.optimization_level > 0, sources=sources
+        precision=precision,
+        enabled=config.optimization_level > 0,
+        sources=sources,
+        # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few
+        max_candidates=None if config.optimization_level >= 4 else 4,
     )
     with math_mode(precision):
         layers = choose_tactics(graph, device, shapes, options, cache)

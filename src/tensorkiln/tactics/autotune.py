@@ -50,6 +50,9 @@ class TuneOptions:
     enabled: bool = True  # False: every layer keeps its default tactic (optimization level 0)
     sources: frozenset[str] | None = None  # tactic kinds allowed besides the default; None: all
     graph_timing: bool = True  # time kernels under CUDA graphs (no Python launch overhead)
+    # at most this many candidates besides the default are timed per layer, the best-estimated
+    # ones (each costs a compilation on a cold build); None times every applicable one
+    max_candidates: int | None = 4
 
 
 def choose_tactics(
@@ -89,7 +92,10 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
     ]
     if not candidates:
         return layer
+    candidates, pruned = _prune(candidates, spec, options.max_candidates)
     layer["candidates"] = ["default"] + [t.name for t in candidates]
+    if pruned:
+        layer["pruned"] = pruned
     if not options.enabled:
         return layer
     key = TimingCache.key(_signature(node, spec, options, executor.device))
@@ -166,6 +172,16 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     if rejected:
         out["rejected"] = rejected
     return out
+
+
+def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, list[str]]:
+    """The ``keep`` best-estimated candidates (in registration order among equals), and the
+    names of the others."""
+    if keep is None or len(candidates) <= keep:
+        return candidates, []
+    ranked = sorted(range(len(candidates)), key=lambda i: -candidates[i].score(spec))
+    chosen = sorted(ranked[:keep])
+    return [candidates[i] for i in chosen], [candidates[i].name for i in sorted(ranked[keep:])]
 
 
 def _allowed(name: str, sources: frozenset[str] | None) -> bool:

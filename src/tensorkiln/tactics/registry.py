@@ -11,6 +11,8 @@ keywords) and must compute the same function as the op's reference kernel.
     def gemm_triton(a, b, c=None, *, alpha=1.0, ...): ...
 
 ``supports(spec)`` receives a :class:`LayerSpec` and returns True when the tactic can run it.
+``estimate(spec)``, optional, scores how well the tactic should suit the layer (higher is
+better); when more tactics apply than the autotuner times, it keeps the best-scored ones.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ class Tactic:
     domain: str
     fn: Callable
     supports: Callable[[LayerSpec], bool] | None = None
+    estimate: Callable[[LayerSpec], float] | None = None
+
+    def score(self, spec: LayerSpec) -> float:
+        return 0.0 if self.estimate is None else float(self.estimate(spec))
 
     def applies(self, spec: LayerSpec) -> bool:
         return self.supports is None or bool(self.supports(spec))
@@ -51,7 +57,12 @@ _TACTICS: dict[tuple[str, str], dict[str, Tactic]] = {}
 
 
 def tactic(
-    op: str, *, domain: str = "", name: str, supports: Callable[[LayerSpec], bool] | None = None
+    op: str,
+    *,
+    domain: str = "",
+    name: str,
+    supports: Callable[[LayerSpec], bool] | None = None,
+    estimate: Callable[[LayerSpec], float] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Register ``fn`` as tactic ``name`` of ``op`` (besides the op's default kernel)."""
     domain = normalize_domain(domain)
@@ -59,7 +70,9 @@ def tactic(
     def decorator(fn: Callable) -> Callable:
         if name == "default":
             raise ValueError("'default' names the op's registered kernel; pick another name")
-        _TACTICS.setdefault((domain, op), {})[name] = Tactic(name, op, domain, fn, supports)
+        _TACTICS.setdefault((domain, op), {})[name] = Tactic(
+            name, op, domain, fn, supports, estimate
+        )
         return fn
 
     return decorator

@@ -295,6 +295,41 @@ def _conv_fn(cfg: gemm.TileConfig) -> Callable:
     return conv_
 
 
+# ------------------------------------------------------------------------------------ estimates
+
+
+def _sm_count() -> int:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).multi_processor_count
+    return 132  # an H100/H200
+
+
+def _tile_score(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
+    """How well ``cfg`` covers an M x N output on ``sms`` multiprocessors: the share of tile area
+    doing useful work times the share of the last wave of tiles that is busy, favouring larger
+    tiles (more reuse of each loaded operand) among equals."""
+    tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
+    useful = (m * n) / (tiles * cfg.block_m * cfg.block_n)
+    waves = math.ceil(tiles / sms)
+    busy = tiles / (waves * sms)
+    return useful * busy + 1e-7 * cfg.block_m * cfg.block_n
+
+
+def _gemm_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
+    dims = _gemm_dims(spec)
+    return 0.0 if dims is None else _tile_score(cfg, dims[0], dims[1], _sm_count())
+
+
+def _matmul_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
+    dims = _matmul_dims(*spec.shapes[:2]) if len(spec.shapes) == 2 else None
+    if dims is None:
+        return 0.0
+    nb, m, n = dims
+    return _tile_score(cfg, nb * m, n, _sm_count())  # the batch runs as more tiles
+
+
 # --------------------------------------------------------------------------------- registration
 
 
@@ -302,9 +337,18 @@ def _register() -> None:
     for cfg in gemm.CONFIGS:
         name = f"triton_gemm_{cfg.name}"
         fused = partial(_gemm_supported, cfg, True)
-        tactic("GemmAct", domain="tensorkiln", name=name, supports=fused)(_gemm_act_fn(cfg))
-        tactic("Gemm", name=name, supports=partial(_gemm_supported, cfg, False))(_gemm_fn(cfg))
-        tactic("MatMul", name=name, supports=partial(_matmul_supported, cfg))(_matmul_fn(cfg))
+        plain = partial(_gemm_supported, cfg, False)
+        score = partial(_gemm_estimate, cfg)
+        tactic("GemmAct", domain="tensorkiln", name=name, supports=fused, estimate=score)(
+            _gemm_act_fn(cfg)
+        )
+        tactic("Gemm", name=name, supports=plain, estimate=score)(_gemm_fn(cfg))
+        tactic(
+            "MatMul",
+            name=name,
+            supports=partial(_matmul_supported, cfg),
+            estimate=partial(_matmul_estimate, cfg),
+        )(_matmul_fn(cfg))
     for cfg in conv.CONFIGS:
         name = f"triton_conv_{cfg.name}"
         fused = partial(_conv_supported, cfg, True)
