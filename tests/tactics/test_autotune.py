@@ -260,3 +260,17 @@ def test_triton_gemm_estimates_favour_tiles_that_fill_the_gpu() -> None:
     assert "triton_gemm_128x256x64_w8_s3" not in small and "triton_gemm_64x64x64_w4_s4" in small
     large = kept(8192, 768, 3072)  # many waves of large tiles
     assert "triton_gemm_128x256x64_w8_s3" in large
+
+
+def test_a_narrower_search_does_not_answer_a_wider_one(test_tactics, tmp_path) -> None:
+    cfg = BuilderConfig(tactic_sources={"triton"}, timing_cache=str(tmp_path / "tc"))
+    # the test tactics' names start with "t", not "triton": nothing competes with the default
+    b = Builder("cuda", device="cpu")
+    b.build(_mlp(), cfg, progress=False)
+    assert b.last_report.timing_cache == {"hits": 0, "misses": 0}
+    cfg_all = BuilderConfig(timing_cache=str(tmp_path / "tc"))
+    b.build(_mlp(), cfg_all, progress=False)
+    assert b.last_report.timing_cache["misses"] > 0  # measured, not answered by the narrow run
+    cfg_lvl5 = BuilderConfig(optimization_level=5, timing_cache=str(tmp_path / "tc"))
+    b.build(_mlp(), cfg_lvl5, progress=False)
+    assert b.last_report.timing_cache["hits"] == 0  # a wider search than level 3's

@@ -261,6 +261,9 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -
         "dtypes": spec.dtypes,
         "constant": spec.constant,
         "precision": options.precision,
+        # what was allowed to compete: a narrower search must not answer a wider one
+        "sources": None if options.sources is None else sorted(options.sources),
+        "max_candidates": options.max_candidates,
         "torch": torch.__version__,
         "device": device.type,
     }
