@@ -1,12 +1,16 @@
 """Run ONNX's backend test suite against tensorkiln and print the counts as a markdown table.
 
-    python scripts/conformance_report.py          # the table README shows
+    python scripts/conformance_report.py                     # the reference backend (README)
+    python scripts/conformance_report.py --backend cuda      # the cuda backend's kernels
+    python scripts/conformance_report.py --backend cuda --optimized   # through level-3 engines
 
-Counts only the CPU variants (the suite also generates CUDA variants, which a CPU backend skips).
+Counts only the "_cpu" variants: ONNX's suite also generates CUDA variants, which these backends
+skip; the cuda backend's run uses the GPU when there is one (its case names still end in _cpu).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import sys
 
@@ -40,9 +44,22 @@ class _Collect:
                 self.failed.append(report.nodeid.split("::")[-1])
 
 
+SUITES = {
+    ("reference", False): "tests/conformance/test_onnx_backend.py",
+    ("reference", True): "tests/conformance/test_onnx_backend_optimized.py",
+    ("cuda", False): "tests/conformance/test_onnx_backend_cuda.py",
+    ("cuda", True): "tests/conformance/test_onnx_backend_cuda_optimized.py",
+}
+
+
 def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--backend", choices=("reference", "cuda"), default="reference")
+    ap.add_argument("--optimized", action="store_true", help="through level-3 engines")
+    args = ap.parse_args()
     collect = _Collect()
-    pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", "tests/conformance"], plugins=[collect])
+    suite = SUITES[(args.backend, args.optimized)]
+    pytest.main(["-q", "-p", "no:cacheprovider", "--tb=no", suite], plugins=[collect])
     print("\n| cases | total | passed | failed | excluded | pass rate |")
     print("|---|---:|---:|---:|---:|---:|")
     for kind in KINDS.values():
