@@ -16,6 +16,8 @@ sequence 128 and GPT-2 small at sequence 128), exported with the TorchScript exp
 3. memory: the engine's planned activation peak vs PyTorch eager's peak above its weights.
 
 Prints a markdown table for benchmarks/RESULTS.md and writes results.json to --out.
+``--device cpu --tiny`` runs the same steps on torch CPU tensors with 2-layer transformers: a
+smoke test of this script (tests/benchmarks runs it), whose timings mean nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +45,27 @@ from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
 
 SEQ = 128
 LARGE = {"resnet50": 128, "bert": 64, "gpt2": 32, "vit": 64}
+DEVICE = "cuda"  # --device cpu runs everything on torch CPU tensors (a smoke test of this script)
+TINY = False  # --tiny: 2-layer transformers of hidden size 64 at sequence 16 (smoke test)
+RUNS = 30  # timed calls per round
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_activation_bytes(fn) -> int | None:
+    """Peak device memory ``fn`` allocates above what was allocated before (None on the CPU)."""
+    if DEVICE != "cuda":
+        fn()
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
 
 
 def make_model(name: str) -> torch.nn.Module:
@@ -58,10 +81,14 @@ def make_model(name: str) -> torch.nn.Module:
     if name == "bert":
         from transformers import BertConfig, BertModel
 
+        small = dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
+        )
+
         class Bert(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.m = BertModel(BertConfig())
+                self.m = BertModel(BertConfig(**(small if TINY else {})))
 
             def forward(self, input_ids, attention_mask):
                 return self.m(
@@ -72,10 +99,12 @@ def make_model(name: str) -> torch.nn.Module:
     if name == "gpt2":
         from transformers import GPT2Config, GPT2Model
 
+        small = dict(n_embd=64, n_layer=2, n_head=4)
+
         class GPT2(torch.nn.Module):
             def __init__(self):
                 super().__init__()
-                self.m = GPT2Model(GPT2Config())
+                self.m = GPT2Model(GPT2Config(**(small if TINY else {})))
 
             def forward(self, input_ids, attention_mask):
                 return self.m(
@@ -130,7 +159,7 @@ def build(path: Path, precision: str, cache: Path) -> tuple[tensorkiln.Engine, f
     if precision != "fp32":
         config.set_flag(precision)
     config.timing_cache = str(cache)
-    b = Builder("cuda")
+    b = Builder("cuda", device=DEVICE)
     t0 = time.perf_counter()
     engine = b.build(path, config, progress=False)
     return engine, time.perf_counter() - t0, b.last_report.timing_cache
@@ -153,22 +182,22 @@ def norm_rel(got, want) -> float:
 def latency_ms(fn, runs: int = 50, warmup: int = 5) -> float:
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(runs):
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
 
 
-def interleaved(fns: dict, rounds: int = 3, runs: int = 30) -> dict[str, float]:
+def interleaved(fns: dict, rounds: int = 3) -> dict[str, float]:
     """Each peer's lowest round median, the rounds alternating between peers."""
     best: dict[str, float] = {}
     for _ in range(rounds):
         for k, fn in fns.items():
-            best[k] = min(best.get(k, float("inf")), latency_ms(fn, runs))
+            best[k] = min(best.get(k, float("inf")), latency_ms(fn, RUNS, min(5, RUNS)))
     return best
 
 
@@ -181,7 +210,11 @@ def cli_run(engine, path: Path) -> dict:
 
     engine.save(path)
     buf = io.StringIO()
-    args = [str(path), "--use-cuda-graph", "--device-io", "--warmup", "0.5", "--duration", "1"]
+    args = [str(path), "--warmup", "0.5", "--duration", "1"]
+    if DEVICE == "cuda":
+        args += ["--use-cuda-graph", "--device-io"]
+    else:  # the smoke test: a few runs
+        args = [str(path), "--warmup", "0", "--iterations", "2"]
     with contextlib.redirect_stdout(buf):
         rc = tensorkiln_main(["run", *args, "--json"])
     if rc != 0:
@@ -208,7 +241,7 @@ def torch_runner(model, feeds_dev, dtype):
 
 
 def to_dev(feeds):
-    return {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
+    return {k: torch.from_numpy(v).to(DEVICE) for k, v in feeds.items()}
 
 
 def first(out):
@@ -221,7 +254,7 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     feeds = make_feeds(name, 1)
     path = export(model, feeds, folder / f"{name}_b1.onnx")
     ref = ort_outputs(path, feeds)
-    model = model.cuda()
+    model = model.to(DEVICE)
     dev = to_dev(feeds)
     engines = {}
     for precision in ("fp32", "fp16"):
@@ -264,18 +297,16 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     res["b1_ms"] = times
     log(f"{name} batch 1 ms: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
     # large batch, fp16
-    model = make_model(name).cuda()
+    model = make_model(name).to(DEVICE)
     feeds = make_feeds(name, large, seed=1)
     dev = to_dev(feeds)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
     with torch.no_grad():
         want = first(model(*dev.values())).float()
-    torch.cuda.synchronize()
-    res["torch_fp32_peak_activation_bytes"] = torch.cuda.max_memory_allocated() - base
+    res["torch_fp32_peak_activation_bytes"] = peak_activation_bytes(
+        lambda: torch_runner(model, dev, torch.float32)()
+    )
     path = export(model.cpu(), feeds, folder / f"{name}_b{large}.onnx")
-    model = model.cuda()
+    model = model.to(DEVICE)
     engine, secs, tc = build(path, "fp16", cache)
     res["large_batch"] = large
     res["build_fp16_large_s"] = secs
@@ -291,12 +322,9 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
         torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want)
     )
     model16 = model.half()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    torch_runner(model16, dev, torch.float16)()
-    torch.cuda.synchronize()
-    res["torch_fp16_large_peak_activation_bytes"] = torch.cuda.max_memory_allocated() - base
+    res["torch_fp16_large_peak_activation_bytes"] = peak_activation_bytes(
+        torch_runner(model16, dev, torch.float16)
+    )
     t = interleaved(
         {
             "tk_fp16_graph": lambda: ctx.infer(dev),
@@ -311,28 +339,42 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
 
 def environment() -> dict:
     import onnxruntime
-    import triton
 
-    p = torch.cuda.get_device_properties(0)
-    return {
+    env = {
         "date": datetime.date.today().isoformat(),
-        "device": f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)",
         "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
-        "triton": triton.__version__,
         "onnxruntime": onnxruntime.__version__,
         "python": sys.version.split()[0],
         "tensorkiln": tensorkiln.__version__,
     }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if DEVICE == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        env["device"] = f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
+        env["cuda"] = torch.version.cuda
+        env["cudnn"] = torch.backends.cudnn.version()
+    else:
+        env["device"] = "cpu (torch CPU tensors; timings say nothing about a GPU)"
+    return env
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="resnet50,bert,gpt2,vit")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--batch-sizes", default="")
-    args = ap.parse_args()
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small transformers (a smoke test)")
+    args = ap.parse_args(argv)
+    global DEVICE, TINY, SEQ, RUNS
+    DEVICE, TINY = args.device, args.tiny
+    if TINY:
+        SEQ, RUNS = 16, 2
     large = dict(LARGE)
     for item in filter(None, args.batch_sizes.split(",")):
         k, v = item.split("=")
@@ -353,7 +395,51 @@ def main() -> int:
                 traceback.print_exc()
                 results["models"].append({"model": name, "error": f"{type(exc).__name__}: {exc}"})
             (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print("\n".join(summary(results)))
     return 0
+
+
+def _f(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def summary(results: dict) -> list[str]:
+    """Markdown tables of the results: agreement and build times; latency; large batches."""
+    rows = [r for r in results["models"] if "error" not in r]
+    lines = [
+        "| model | fp32 max rel vs ORT | fp16 rel L2 vs ORT | build fp32 s (warm) | build fp16 s |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        warm = r.get("build_fp32_warm_s")
+        lines.append(
+            f"| {r['model']} | {_f(r.get('fp32_max_rel_vs_ort'), '.1e')} | "
+            f"{_f(r.get('fp16_norm_rel_vs_ort'), '.1e')} | {_f(r.get('build_fp32_s'), '.1f')}"
+            f"{'' if warm is None else f' ({warm:.1f})'} | {_f(r.get('build_fp16_s'), '.1f')} |"
+        )
+    peers = ["tk_fp32", "tk_fp32_graph", "tk_fp16", "tk_fp16_graph", "torch_fp32", "torch_fp16"]
+    lines += ["", "| model, batch 1, ms | " + " | ".join(peers) + " |", "|---|" + "---:|" * 6]
+    for r in rows:
+        t = r.get("b1_ms", {})
+        lines.append(f"| {r['model']} | " + " | ".join(_f(t.get(p), ".3f") for p in peers) + " |")
+    lines += [
+        "",
+        "| model, fp16 | batch | tensorkiln (graph) /s | PyTorch eager /s | planned peak MiB | "
+        "PyTorch peak MiB |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        per = r.get("large_per_s", {})
+        plan, peak = (
+            r.get("fp16_large_planned_peak_bytes"),
+            r.get("torch_fp16_large_peak_activation_bytes"),
+        )
+        lines.append(
+            f"| {r['model']} | {r.get('large_batch')} | {_f(per.get('tk_fp16_graph'), '.0f')} | "
+            f"{_f(per.get('torch_fp16'), '.0f')} | {_f(plan and plan / 2**20, '.1f')} | "
+            f"{_f(peak and peak / 2**20, '.1f')} |"
+        )
+    return lines
 
 
 if __name__ == "__main__":
