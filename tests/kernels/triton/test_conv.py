@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from tensorkiln.kernels.triton import conv  # noqa: E402
+from tensorkiln.kernels.reference.nn import conv_geometry  # noqa: E402
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for  # noqa: E402
 from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 
@@ -31,7 +31,7 @@ def _conv_act(x, w, b=None, z=None, tactic=SMALL, **attrs):
 
 def _residual(xs, ws, attrs):
     """A random residual of the conv's output shape."""
-    g = conv.conv_geometry(
+    g = conv_geometry(
         xs, ws, attrs.get("auto_pad", "NOTSET"), attrs.get("dilations"), None,
         attrs.get("pads"), attrs.get("strides"),
     )  # fmt: skip

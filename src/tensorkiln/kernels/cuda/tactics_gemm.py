@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
+from tensorkiln.kernels.reference.nn import conv_geometry
 from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.tactics.registry import LayerSpec, tactic
 
@@ -211,7 +212,7 @@ def _conv_out(spec: LayerSpec) -> Shape | None:
         return None  # thin groups (depthwise) leave the tensor cores idle
     at = spec.attrs
     try:
-        geom = conv.conv_geometry(
+        geom = conv_geometry(
             x, w, at.get("auto_pad", "NOTSET"), at.get("dilations"), at.get("kernel_shape"),
             at.get("pads"), at.get("strides"),
         )  # fmt: skip
@@ -241,7 +242,7 @@ def _conv_supported(cfg: gemm.TileConfig, fused: bool, spec: LayerSpec) -> bool:
 
 
 def _geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides):
-    return conv.conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
+    return conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
 
 
 def _conv_act_fn(cfg: gemm.TileConfig) -> Callable:

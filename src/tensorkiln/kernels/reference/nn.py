@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,13 +43,21 @@ def _check_conv_shapes(x: np.ndarray, w: np.ndarray, group: int, what: str = "Co
         )
 
 
-def _conv_geometry(
-    x: np.ndarray, w: np.ndarray, auto_pad, dilations, kernel_shape, pads, strides
+def conv_geometry(
+    x_shape: Sequence[int], w_shape: Sequence[int], auto_pad, dilations, kernel_shape, pads, strides
 ) -> Geometry:
-    kernel = tuple(w.shape[2:])
+    """The window geometry of a convolution of X (N, C, *spatial) by W (M, C/g, *kernel); every
+    backend's convolution takes it from here (ValueError when the attributes contradict W)."""
+    kernel = tuple(w_shape[2:])
     if kernel_shape is not None and len(kernel_shape) and tuple(kernel_shape) != kernel:
-        raise ValueError(f"kernel_shape {tuple(kernel_shape)} does not match W's shape {w.shape}")
-    return geometry(x.shape[2:], kernel, strides, dilations, pads, auto_pad)
+        raise ValueError(
+            f"kernel_shape {tuple(kernel_shape)} does not match W's shape {tuple(w_shape)}"
+        )
+    return geometry(tuple(x_shape[2:]), kernel, strides, dilations, pads, auto_pad)
+
+
+def _conv_geometry(x: Any, w: Any, auto_pad, dilations, kernel_shape, pads, strides) -> Geometry:
+    return conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
 
 
 def _gemm(w: np.ndarray, cols: np.ndarray, group: int) -> np.ndarray:

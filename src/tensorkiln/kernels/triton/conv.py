@@ -13,13 +13,11 @@ of :data:`CONFIGS` is a separate tactic.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.reference._window import Geometry, geometry
+from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.triton import interpreting
 from tensorkiln.kernels.triton.gemm import (
     NO_ACTIVATION,
@@ -154,22 +152,6 @@ CONFIGS = (
 
 
 FLAT_BELOW = 16  # input channels per group under which the reduction runs in im2col order
-
-
-def conv_geometry(
-    x_shape: Sequence[int],
-    w_shape: Sequence[int],
-    auto_pad: str,
-    dilations: Sequence[int] | None,
-    kernel_shape: Sequence[int] | None,
-    pads: Sequence[int] | None,
-    strides: Sequence[int] | None,
-) -> Geometry:
-    """The reference's window geometry of a convolution (ValueError when it has none)."""
-    kernel = tuple(w_shape[2:])
-    if kernel_shape is not None and len(kernel_shape) and tuple(kernel_shape) != kernel:
-        raise ValueError(f"kernel_shape {tuple(kernel_shape)} does not match W's shape {w_shape}")
-    return geometry(tuple(x_shape[2:]), kernel, strides, dilations, pads, auto_pad)
 
 
 def _as_2d(t: torch.Tensor | None) -> torch.Tensor | None:
