@@ -9,6 +9,7 @@ from typing import Any
 
 from tensorkiln.cli.common import (
     CLIError,
+    add_backend_option,
     add_subcommand,
     byte_count,
     existing_file,
@@ -55,11 +56,8 @@ def add_parser(sub: Any) -> None:
         help="kinds of generated kernel the autotuner may try besides cuBLAS/cuDNN, e.g. triton; "
         "'none' times nothing but the defaults (default: all)",
     )
-    p.add_argument(
-        "--backend",
-        choices=("auto", "reference", "cuda"),
-        default="auto",
-        help="cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present",
+    add_backend_option(
+        p, "cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present"
     )
     p.add_argument(
         "--opt-level",

@@ -13,6 +13,7 @@ import numpy as np
 
 from tensorkiln.cli.common import (
     CLIError,
+    add_backend_option,
     add_subcommand,
     check_feed_names,
     input_shapes,
@@ -102,11 +103,8 @@ def add_parser(sub: Any) -> None:
         help="cuda engines: keep inputs and outputs on the GPU (torch tensors) instead of "
         "copying numpy arrays in and out on every run",
     )
-    p.add_argument(
-        "--backend",
-        choices=("auto", "reference", "cuda"),
-        default="auto",
-        help="backend for an .onnx model built in memory (auto: cuda where a GPU is present)",
+    add_backend_option(
+        p, "backend for an .onnx model built in memory (auto: cuda where a GPU is present)"
     )
     p.set_defaults(handler=run_run)
 
