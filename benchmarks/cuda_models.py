@@ -30,15 +30,21 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the model helpers of tests/models
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from tests.models.test_architectures import (  # noqa: E402
+    export,
+    max_rel_diff,
+    run_onnxruntime,
+    token_feeds,
+)
 
 import tensorkiln  # noqa: E402
 from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
@@ -119,39 +125,10 @@ def make_model(name: str) -> torch.nn.Module:
 
 
 def make_feeds(name: str, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
     if name in ("resnet50", "vit"):
+        rng = np.random.default_rng(seed)
         return {"input": rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)}
-    vocab = 30522 if name == "bert" else 50257
-    mask = np.ones((batch, SEQ), np.int64)
-    if batch > 1:
-        mask[-1, SEQ * 2 // 3 :] = 0
-    return {
-        "input_ids": rng.integers(0, vocab, (batch, SEQ)).astype(np.int64),
-        "attention_mask": mask,
-    }
-
-
-def export(model, feeds, path: Path) -> Path:
-    args = tuple(torch.from_numpy(x) for x in feeds.values())
-    # eval-mode nn.MultiheadAttention (ViT) takes a fused fast path the TorchScript exporter
-    # cannot export; the decomposed path computes the same
-    fastpath = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    with warnings.catch_warnings(), torch.no_grad():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, args, str(path), input_names=list(feeds), dynamo=False, opset_version=17
-        )
-    torch.backends.mha.set_fastpath_enabled(fastpath)
-    return path
-
-
-def ort_outputs(path: Path, feeds) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    s = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    return s.run(None, {i.name: feeds[i.name] for i in s.get_inputs()})
+    return token_feeds(batch, SEQ, 30522 if name == "bert" else 50257)
 
 
 def build(path: Path, precision: str, cache: Path) -> tuple[tensorkiln.Engine, float, dict]:
@@ -163,13 +140,6 @@ def build(path: Path, precision: str, cache: Path) -> tuple[tensorkiln.Engine, f
     t0 = time.perf_counter()
     engine = b.build(path, config, progress=False)
     return engine, time.perf_counter() - t0, b.last_report.timing_cache
-
-
-def max_rel(got, want) -> float:
-    return max(
-        float(np.abs(g.astype(np.float64) - w).max() / max(np.abs(w).max(), 1e-30))
-        for g, w in zip(got, want)
-    )
 
 
 def norm_rel(got, want) -> float:
@@ -252,8 +222,8 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     res: dict = {"model": name}
     model = make_model(name)
     feeds = make_feeds(name, 1)
-    path = export(model, feeds, folder / f"{name}_b1.onnx")
-    ref = ort_outputs(path, feeds)
+    path = export(model, feeds, folder / f"{name}_b1", dynamo=False)
+    ref = run_onnxruntime(path, feeds)
     model = model.to(DEVICE)
     dev = to_dev(feeds)
     engines = {}
@@ -267,7 +237,7 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
         ctx = engine.create_execution_context()
         got = ctx.infer(feeds)
         got = [got[o.name] for o in engine.outputs]
-        res[f"{precision}_max_rel_vs_ort"] = max_rel(got, ref)
+        res[f"{precision}_max_rel_vs_ort"] = max_rel_diff(got, ref)
         res[f"{precision}_norm_rel_vs_ort"] = norm_rel(got, ref)
         gctx = engine.create_execution_context(use_cuda_graph=True)
         gout = gctx.infer(dev)
@@ -305,7 +275,7 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     res["torch_fp32_peak_activation_bytes"] = peak_activation_bytes(
         lambda: torch_runner(model, dev, torch.float32)()
     )
-    path = export(model.cpu(), feeds, folder / f"{name}_b{large}.onnx")
+    path = export(model.cpu(), feeds, folder / f"{name}_b{large}", dynamo=False)
     model = model.to(DEVICE)
     engine, secs, tc = build(path, "fp16", cache)
     res["large_batch"] = large

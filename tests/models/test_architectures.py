@@ -143,7 +143,7 @@ class GPT2Decoder(nn.Module):
         return out[0]
 
 
-def _token_feeds(batch: int, seq: int, vocab: int) -> Feeds:
+def token_feeds(batch: int, seq: int, vocab: int) -> Feeds:
     """Random token ids and a mask whose last row is right-padded (exercises the masking)."""
     rng = np.random.default_rng(SEED)
     mask = np.ones((batch, seq), np.int64)
@@ -178,7 +178,7 @@ def build_bert(full: bool = False) -> tuple[nn.Module, Feeds]:
         )
         batch, seq = 2, 16
     torch.manual_seed(0)
-    return BertEncoder(config).eval(), _token_feeds(batch, seq, config.vocab_size)
+    return BertEncoder(config).eval(), token_feeds(batch, seq, config.vocab_size)
 
 
 def build_gpt2(full: bool = False) -> tuple[nn.Module, Feeds]:
@@ -198,7 +198,7 @@ def build_gpt2(full: bool = False) -> tuple[nn.Module, Feeds]:
         )
         batch, seq = 2, 16
     torch.manual_seed(0)
-    return GPT2Decoder(config).eval(), _token_feeds(batch, seq, config.vocab_size)
+    return GPT2Decoder(config).eval(), token_feeds(batch, seq, config.vocab_size)
 
 
 def build_transformer_encoder(full: bool = False) -> tuple[nn.Module, Feeds]:
