@@ -15,6 +15,8 @@ Native rules raise :class:`ShapeInferenceError` (naming the node) on incompatibl
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -56,6 +58,19 @@ def infer_shapes(graph: Graph, known: dict[Value, np.ndarray] | None = None) -> 
             raise
         except TensorkilnError as exc:
             raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
+
+
+def infer_at_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> Graph:
+    """A copy of ``graph`` with the named inputs at concrete ``shapes`` and every type inferred
+    from them; the weights (of subgraphs too) are shared with ``graph``, not copied."""
+    graphs = {id(graph): graph} | {id(g): g for g, _ in graph.walk()}
+    shared = {id(v.const): v.const for sub in graphs.values() for v in sub.initializers}
+    g = copy.deepcopy(graph, shared)
+    for v in g.inputs:
+        if v.name in shapes and isinstance(v.type, TensorType):
+            v.type = TensorType(v.type.dtype, tuple(shapes[v.name]))
+    infer_shapes(g)
+    return g
 
 
 def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> None:

@@ -6,7 +6,6 @@ state, the engine's graph and weights are only read.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -14,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.errors import InputError
-from tensorkiln.ir import Graph, TensorType
-from tensorkiln.ir.infer import infer_shapes
+from tensorkiln.ir import Graph
+from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.io import bind_inputs
 
@@ -277,16 +276,7 @@ def _executor(engine: Any, mode: str) -> Executor:
 
 def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict:
     """Output shapes for concrete input shapes, by shape inference on a copy of the graph."""
-    shared: dict[int, Any] = {}  # weights are shared with the engine, not copied
-    graphs = {id(graph): graph} | {id(g): g for g, _ in graph.walk()}
-    for sub in graphs.values():
-        for v in sub.initializers:
-            shared[id(v.const)] = v.const
-    g = copy.deepcopy(graph, shared)
-    for v in g.inputs:
-        if v.name in shapes and isinstance(v.type, TensorType):
-            v.type = TensorType(v.type.dtype, shapes[v.name])
-    infer_shapes(g)
+    g = infer_at_shapes(graph, shapes)
     out = {}
     for v in g.outputs:
         s = v.shape

@@ -19,7 +19,6 @@ default kernel. A timing cache hit skips steps 1-4.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import statistics
 import time
@@ -31,7 +30,7 @@ import numpy as np
 
 from tensorkiln.errors import BuildError, EngineCompatibilityError
 from tensorkiln.ir import Graph, Node, TensorType
-from tensorkiln.ir.infer import infer_shapes
+from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.kernels.registry import invoke, lookup
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
@@ -204,12 +203,7 @@ def _describe(node: Node, entry: Any) -> dict:
 
 def _concrete_types(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorType]:
     """Types of every top-level value with the inputs at ``shapes`` (weights shared, not copied)."""
-    shared = {id(v.const): v.const for g in [graph] for v in g.initializers}
-    g = copy.deepcopy(graph, shared)
-    for v in g.inputs:
-        if v.name in shapes and isinstance(v.type, TensorType):
-            v.type = TensorType(v.type.dtype, tuple(shapes[v.name]))
-    infer_shapes(g)
+    g = infer_at_shapes(graph, shapes)
     return {v.name: v.type for v in g.values() if isinstance(v.type, TensorType)}
 
 
