@@ -113,8 +113,9 @@ class GraphRunner:
         self._run = run  # inputs (list of tensors) -> outputs (list)
         self._device = device
         self._graphs: dict[tuple, Any] = {}
-        self._pool = torch.cuda.graph_pool_handle()
+        # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
         self.pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
+        self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
@@ -135,9 +136,6 @@ class GraphRunner:
         graph.replay()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in static_out]
 
-    def _pool_handle(self) -> Any:
-        return self.pool.id if self.pool is not None else self._pool
-
     def _capture(self, inputs: list[Any]) -> tuple | None:
         import torch
 
@@ -150,7 +148,7 @@ class GraphRunner:
                     self._run(static_in)
             torch.cuda.current_stream(self._device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_handle()):
+            with torch.cuda.graph(graph, pool=self._pool_id):
                 static_out = self._run(static_in)
         except Exception as exc:  # not capturable: run eagerly from now on
             torch.cuda.synchronize(self._device)
