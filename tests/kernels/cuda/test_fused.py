@@ -35,15 +35,6 @@ RTOL = 1e-5
 HALF_TOL = 1e-2
 
 
-@pytest.fixture(autouse=True)
-def _no_tf32():
-    """Exact float32 convolutions on the GPU (cuDNN uses TF32 by default)."""
-    old = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = old
-
-
 def _rng() -> np.random.Generator:
     return np.random.default_rng()  # fresh inputs on every run
 

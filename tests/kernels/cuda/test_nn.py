@@ -10,16 +10,9 @@ torch = pytest.importorskip("torch")
 
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
-from tensorkiln.runtime.mathmode import math_mode  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 rng = np.random.default_rng()
-
-
-@pytest.fixture(autouse=True)
-def _full_float32():
-    with math_mode("fp32"):  # no TF32 in cuDNN's convolutions on the GPU
-        yield
 
 
 def _randn(*shape: int, dtype=np.float32) -> np.ndarray:
