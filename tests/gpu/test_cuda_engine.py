@@ -181,7 +181,7 @@ def test_context_memory_is_reserved_from_the_plan_and_stable() -> None:
 
 
 def test_dynamic_shape_transformer_runs_as_a_cuda_graph(tmp_path) -> None:
-    from tests.passes.test_dynamic_axes import _export_dynamic
+    from tests.passes.test_dynamic_axes import _export_dynamic, token_feeds
 
     path = _export_dynamic("bert", tmp_path)
     plain = Runner(path)
@@ -189,12 +189,7 @@ def test_dynamic_shape_transformer_runs_as_a_cuda_graph(tmp_path) -> None:
     ctx = engine.create_execution_context(use_cuda_graph=True)
     rng = np.random.default_rng(3)
     for n, s in [(1, 5), (3, 13), (1, 5)]:
-        mask = np.ones((n, s), np.int64)
-        mask[-1, s // 2 :] = 0
-        feeds = {
-            "input_ids": rng.integers(0, 1000, (n, s)).astype(np.int64),
-            "attention_mask": mask,
-        }
+        feeds = token_feeds(n, s, rng)
         got = ctx.infer({k: torch.from_numpy(v).cuda() for k, v in feeds.items()})
         assert ctx.cuda_graph_fallback is None
         want = plain.infer(feeds)

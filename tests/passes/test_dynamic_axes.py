@@ -39,6 +39,14 @@ def _export_dynamic(name: str, folder):
     return path
 
 
+def token_feeds(n: int, s: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Fresh token ids (vocabulary 1000) for batch ``n`` and length ``s``, the last row's mask
+    right-padded from the middle."""
+    mask = np.ones((n, s), np.int64)
+    mask[-1, s // 2 :] = 0
+    return {"input_ids": rng.integers(0, 1000, (n, s)).astype(np.int64), "attention_mask": mask}
+
+
 @pytest.mark.parametrize("name", ["bert", "gpt2"])
 def test_dynamic_axes_models_fuse_attention_and_layernorm(name, tmp_path):
     path = _export_dynamic(name, tmp_path)
@@ -53,12 +61,7 @@ def test_dynamic_axes_models_fuse_attention_and_layernorm(name, tmp_path):
     ctx = engine.create_execution_context()
     rng = np.random.default_rng()
     for n, s in [(1, 5), (3, 13)]:
-        mask = np.ones((n, s), np.int64)
-        mask[-1, s // 2 :] = 0
-        feeds = {
-            "input_ids": rng.integers(0, 1000, (n, s)).astype(np.int64),
-            "attention_mask": mask,
-        }
+        feeds = token_feeds(n, s, rng)
         want = plain.infer(feeds)
         got = ctx.infer(feeds)
         for k in want:

@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 import tensorkiln  # noqa: E402
 from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
 from tensorkiln.kernels.cuda import convert  # noqa: E402
-from tests.passes.test_dynamic_axes import _export_dynamic  # noqa: E402
+from tests.passes.test_dynamic_axes import _export_dynamic, token_feeds  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
 
@@ -67,12 +67,7 @@ def test_dynamic_axes_transformers_read_no_device_values(name, tmp_path) -> None
     ctx = _cuda_engine(path).create_execution_context()
     rng = np.random.default_rng()
     for n, s in [(1, 5), (3, 13)]:
-        mask = np.ones((n, s), np.int64)
-        mask[-1, s // 2 :] = 0
-        feeds = {
-            "input_ids": rng.integers(0, 1000, (n, s)).astype(np.int64),
-            "attention_mask": mask,
-        }
+        feeds = token_feeds(n, s, rng)
         misses, got = _misses_of(ctx, feeds)
         assert misses == 0
         want = plain.infer(feeds)
