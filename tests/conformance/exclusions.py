@@ -36,3 +36,13 @@ EXCLUSIONS: dict[str, str] = {
 }
 
 EXCLUDED = list(EXCLUSIONS)
+
+# Cases the cuda backend's runs leave out besides the ones above (pattern -> reason).
+CUDA_EXCLUSIONS = {
+    r"^test_dft_inverse(_opset19)?_": (
+        "the expected data holds numpy's float32 rounding (1.9e-7) where the exact result is 0, "
+        "under a 1e-7 tolerance; torch.fft returns the exact 0 (the reference backend passes "
+        "only because it is the same numpy code that made the data)"
+    ),
+}
+CUDA_EXCLUDED = EXCLUDED + list(CUDA_EXCLUSIONS)

@@ -15,16 +15,12 @@ pytest.importorskip("torch")
 import onnx.backend.test
 
 from tests.conformance import cuda_backend
-from tests.conformance.exclusions import EXCLUDED
+from tests.conformance.exclusions import CUDA_EXCLUDED
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 backend_test = onnx.backend.test.BackendTest(cuda_backend, __name__)
-for pattern in EXCLUDED:
+for pattern in CUDA_EXCLUDED:
     backend_test.exclude(pattern)
-# The expected data of the inverse DFT holds numpy's float32 rounding (1.9e-7) where the exact
-# result is 0, under a 1e-7 tolerance; torch.fft returns the exact 0 (the reference backend passes
-# only because it is the same numpy code that made the data).
-backend_test.exclude(r"^test_dft_inverse(_opset19)?_")
 
 globals().update(backend_test.test_cases)

@@ -14,13 +14,12 @@ pytest.importorskip("torch")
 import onnx.backend.test
 
 from tests.conformance import optimized_cuda_backend
-from tests.conformance.exclusions import EXCLUDED
+from tests.conformance.exclusions import CUDA_EXCLUDED
 
 warnings.filterwarnings("ignore", category=RuntimeWarning)
 
 backend_test = onnx.backend.test.BackendTest(optimized_cuda_backend, __name__)
-for pattern in EXCLUDED:
+for pattern in CUDA_EXCLUDED:
     backend_test.exclude(pattern)
-backend_test.exclude(r"^test_dft_inverse(_opset19)?_")  # see test_onnx_backend_cuda.py
 
 globals().update(backend_test.test_cases)
