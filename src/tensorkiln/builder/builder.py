@@ -23,7 +23,7 @@ from tensorkiln.builder.memory import plan_memory
 from tensorkiln.engine.engine import Engine, target_of
 from tensorkiln.errors import BuildError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
-from tensorkiln.ir import Graph, TensorType
+from tensorkiln.ir import Graph
 from tensorkiln.kernels.registry import lookup
 
 
@@ -282,23 +282,12 @@ def _opt_shapes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, 
 
 
 def _choose_tactics(graph: Graph, backend: str) -> list[dict]:
-    layers = []
-    for n in graph.nodes:
-        entry = lookup(n.op, n.domain, graph.opset(n.domain), backend, node=n.name)
-        out = n.outputs[0] if n.outputs else None
-        t = out.type if out is not None else None
-        precision = t.dtype.short if isinstance(t, TensorType) and t.dtype is not None else "-"
-        layers.append(
-            {
-                "name": n.name,
-                "op": f"{n.domain}.{n.op}" if n.domain else n.op,
-                "impl": f"{backend}:{entry.fn.__module__.rsplit('.', 1)[-1]}.{entry.fn.__name__}",
-                "precision": precision,
-                "inputs": [v.name if v is not None else "" for v in n.inputs],
-                "outputs": [v.name if v is not None else "" for v in n.outputs],
-            }
-        )
-    return layers
+    from tensorkiln.tactics.autotune import describe_layer
+
+    return [
+        describe_layer(n, lookup(n.op, n.domain, graph.opset(n.domain), backend, node=n.name))
+        for n in graph.nodes
+    ]
 
 
 @contextmanager

@@ -32,7 +32,7 @@ from tensorkiln.errors import BuildError, EngineCompatibilityError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.ir.printer import format_graph
-from tensorkiln.kernels.registry import invoke, lookup
+from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for
@@ -82,7 +82,7 @@ def choose_tactics(
 
 def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
     entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
-    layer = _describe(node, entry)
+    layer = describe_layer(node, entry) | {"tactic": "default"}
     spec = _spec(node, types, executor.device.type)
     candidates = [
         t
@@ -187,15 +187,16 @@ def _allowed(name: str, sources: frozenset[str] | None) -> bool:
     return sources is None or name.split("_", 1)[0] in sources
 
 
-def _describe(node: Node, entry: Any) -> dict:
+def describe_layer(node: Node, entry: KernelEntry) -> dict:
+    """The engine's record of one layer: names, the kernel that runs it, its output precision."""
     out = node.outputs[0] if node.outputs else None
     t = out.type if out is not None else None
+    module = entry.fn.__module__.rsplit(".", 1)[-1]
     return {
         "name": node.name,
         "op": f"{node.domain}.{node.op}" if node.domain else node.op,
-        "impl": f"cuda:{entry.fn.__module__.rsplit('.', 1)[-1]}.{entry.fn.__name__}",
+        "impl": f"{entry.backend}:{module}.{entry.fn.__name__}",
         "precision": t.dtype.short if isinstance(t, TensorType) and t.dtype is not None else "-",
-        "tactic": "default",
         "inputs": [v.name if v is not None else "" for v in node.inputs],
         "outputs": [v.name if v is not None else "" for v in node.outputs],
     }
