@@ -45,4 +45,26 @@ CUDA_EXCLUSIONS = {
         "only because it is the same numpy code that made the data)"
     ),
 }
-CUDA_EXCLUDED = EXCLUDED + list(CUDA_EXCLUSIONS)
+# Cases left out only where the cuda backend really runs on a GPU (pattern -> reason).
+GPU_EXCLUSIONS = {
+    r"^test_(bvlc_alexnet|densenet121|inception_v1|inception_v2|resnet50|shufflenet|squeezenet|"
+    r"vgg19|zfnet512)_cpu$": (
+        "the light models' weights are constants, so every class gets the same logit, of "
+        "magnitude 1e10 (squeezenet) to 1e19 (resnet50); the expected uniform softmax then holds "
+        "only if every output channel is summed in the same order. GPU convolutions (cuDNN) sum "
+        "channels in different orders, one ulp at 1e10 is 1024, and the softmax becomes one-hot; "
+        "the same models pass on the CPU runs, and the real CNNs of benchmarks/cuda_models.py "
+        "check the GPU path against onnxruntime instead"
+    ),
+}
+
+
+def _on_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+CUDA_EXCLUDED = EXCLUDED + list(CUDA_EXCLUSIONS) + (list(GPU_EXCLUSIONS) if _on_gpu() else [])

@@ -6,6 +6,7 @@ Run on a GPU machine:  PYTHONPATH=src python3 -m pytest -q -m gpu tests
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import numpy as np
@@ -151,6 +152,45 @@ def test_contexts_run_concurrently_from_threads() -> None:
     for t in threads:
         t.join()
     assert not errors
+
+
+def test_contexts_created_and_dropped_on_threads() -> None:
+    """Contexts (eager and CUDA-graph) made and dropped on worker threads while others run: their
+    memory pools are recycled, never destroyed under a running thread."""
+    engine, _ = _engine()
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        for i in range(6):
+            ctx = engine.create_execution_context(use_cuda_graph=bool(i % 2))
+            x = _x(4 + seed, seed * 100 + i)
+            got = ctx.infer({"x": x})["y"]
+            want = Runner(_cnn()).infer({"x": x})["y"]
+            if _rel(got, want) > 1e-5:
+                errors.append(f"thread {seed} context {i}: {_rel(got, want)}")
+            del ctx
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_a_dropped_context_pool_is_reused() -> None:
+    engine, _ = _engine()
+    ctx = engine.create_execution_context()
+    pool_id = ctx._pool.id
+    x = _x(8, 11)
+    out = ctx.infer({"x": torch.from_numpy(x).cuda()})["y"]  # a result from the pool outlives ctx
+    del ctx
+    gc.collect()
+    again = engine.create_execution_context()
+    assert again._pool.id == pool_id
+    want = Runner(_cnn()).infer({"x": x})["y"]
+    assert _rel(again.infer({"x": x})["y"], want) < 1e-5
+    assert _rel(out, want) < 1e-5  # the earlier result was not overwritten
 
 
 def test_engine_file_round_trip(tmp_path) -> None:

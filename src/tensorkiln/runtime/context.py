@@ -7,6 +7,7 @@ state, the engine's graph and weights are only read.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,6 +16,7 @@ import numpy as np
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_at_shapes
+from tensorkiln.runtime import pools
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.io import bind_inputs
 
@@ -55,7 +57,9 @@ class ExecutionContext:
             # a pool of their own). The pool is reserved up front with the memory plan's peak, as
             # one segment the allocator then places activations in; device_memory_bytes() shows
             # whether a run needed more.
-            self._pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
+            # Pools are recycled, never destroyed (see runtime/pools.py).
+            self._pool = pools.acquire(dev)
+            weakref.finalize(self, pools.release, self._pool, dev, "activations", self._stream)
             self._reserve(int(engine.memory.get("peak_bytes") or 0))
             if use_cuda_graph:
                 self._graphs = GraphRunner(self._run_device, dev)

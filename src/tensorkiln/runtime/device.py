@@ -9,6 +9,7 @@ the outputs are torch tensors. Callers may pass their own output tensors to be w
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,6 +17,7 @@ import numpy as np
 
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
+from tensorkiln.runtime import pools
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
@@ -114,7 +116,10 @@ class GraphRunner:
         self._device = device
         self._graphs: dict[tuple, Any] = {}
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
-        self.pool = torch.cuda.MemPool() if hasattr(torch.cuda, "MemPool") else None
+        # (recycled, never destroyed: see runtime/pools.py)
+        self.pool = pools.acquire(device, "graphs")
+        if self.pool is not None:
+            weakref.finalize(self, pools.release, self.pool, device, "graphs")
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 

@@ -426,6 +426,24 @@ def test_attention_uneven_lengths_and_broadcasts(mask_kind):
     check("Attention", [q, k, v] + ([mask] if mask is not None else []), attrs)
 
 
+@pytest.mark.parametrize("mask_kind", ["additive", "bool"])
+def test_attention_expanded_mask(mask_kind):
+    """A mask broadcast along the key axis (stride 0, as an exporter's Expand leaves it): the
+    GPU's fused SDPA kernels want a unit stride there, so the kernel materializes it."""
+    q, k, v = _qkv("bhsd")
+    mask = _mask(mask_kind, (B, 1, S, 1))
+    if mask_kind == "bool":
+        mask[..., 0] = True  # (every row sees every key, or none)
+    attrs = {"causal": 0, "mask_kind": mask_kind}
+    ref = invoke(lookup("Attention", "tensorkiln", 1, "reference"),
+                 [q, k, v, np.broadcast_to(mask, (B, 1, S, S))], attrs, 1)  # fmt: skip
+    expanded = to_torch(mask, DEVICE).expand(B, 1, S, S)
+    assert expanded.stride(-1) == 0
+    args = [to_torch(a, DEVICE) for a in (q, k, v)] + [expanded]
+    got = invoke(lookup("Attention", "tensorkiln", 1, "cuda"), args, attrs, 1)
+    np.testing.assert_allclose(to_numpy(got[0]), ref[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("shape", [(), (S,)])
 def test_attention_scalar_and_per_key_masks(shape):
     mask = _rand(*shape)

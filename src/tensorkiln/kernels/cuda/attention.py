@@ -23,6 +23,17 @@ from tensorkiln.kernels.registry import register
 _PRECISIONS = {1: torch.float32, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16}
 
 
+def sdpa_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """``mask`` with a unit stride on its last axis, as the GPU's fused SDPA kernels require.
+
+    Broadcast masks (an expanded per-head or per-query mask, stride 0 on the key axis) are
+    materialized; a mask that is already row-contiguous is used as is.
+    """
+    if mask is None or mask.ndim == 0 or mask.shape[-1] <= 1 or mask.stride(-1) == 1:
+        return mask
+    return mask.contiguous()
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -184,7 +195,7 @@ def _sdpa(
         q = q.reshape(b, hkv, g * q_len, q.shape[-1])
         if mask is not None:
             mask = mask.expand(b, hq, q_len, kv_len).reshape(b, hkv, g * q_len, kv_len)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask), scale=scale)
     y = y.reshape(b, hq, q_len, v.shape[-1])
     dead = _dead_rows(bias)
     if dead is not None:

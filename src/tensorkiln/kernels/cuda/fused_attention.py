@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.cuda.attention import sdpa_mask
 from tensorkiln.kernels.reference.fused_attention import _check_attrs
 from tensorkiln.kernels.registry import register
 
@@ -115,7 +116,7 @@ def fused_attention(
         q,
         k,
         v,
-        attn_mask=mask,
+        attn_mask=sdpa_mask(mask),
         is_causal=bool(causal) and mask is None,
         scale=float(scale) if scale else None,
     )
