@@ -6,7 +6,6 @@ Run on a GPU machine:  PYTHONPATH=src python3 -m pytest -q -m gpu tests
 
 from __future__ import annotations
 
-import gc
 import threading
 
 import numpy as np
@@ -17,7 +16,7 @@ torch = pytest.importorskip("torch")
 
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # noqa: E402
 from tensorkiln.engine import Engine  # noqa: E402
-from tensorkiln.runtime import Runner  # noqa: E402
+from tensorkiln.runtime import Runner, pools  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -184,10 +183,11 @@ def test_a_dropped_context_pool_is_reused() -> None:
     pool_id = ctx._pool.id
     x = _x(8, 11)
     out = ctx.infer({"x": torch.from_numpy(x).cuda()})["y"]  # a result from the pool outlives ctx
-    del ctx
-    gc.collect()
+    del ctx  # (no reference cycle: released at once, not by the garbage collector)
+    idle = {p.id for p in pools._free[("activations", torch.cuda.current_device())]}
+    assert pool_id in idle
     again = engine.create_execution_context()
-    assert again._pool.id == pool_id
+    assert again._pool.id in idle
     want = Runner(_cnn()).infer({"x": x})["y"]
     assert _rel(again.infer({"x": x})["y"], want) < 1e-5
     assert _rel(out, want) < 1e-5  # the earlier result was not overwritten
@@ -213,7 +213,8 @@ def test_context_memory_is_reserved_from_the_plan_and_stable() -> None:
     assert ctx.device_memory_bytes() >= planned > 0  # reserved before the first run
     x = torch.randn(32, 3, 16, 16, device="cuda")  # the profile's largest batch
     ctx.infer({"x": x})
-    held = ctx.device_memory_bytes()
+    ctx.infer({"x": x[:3]})
+    held = ctx.device_memory_bytes()  # (a recycled pool may hold more than the plan)
     for _ in range(5):
         ctx.infer({"x": x})
         ctx.infer({"x": x[:3]})

@@ -74,3 +74,28 @@ def test_dynamic_axes_transformers_read_no_device_values(name, tmp_path) -> None
         for k in want:
             scale = float(np.abs(want[k]).max())
             np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5 * scale, err_msg=k)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        np.array([3, 128, 768], dtype=np.int64),
+        np.array(7, dtype=np.int64),
+        np.array([[1.5, -2.25], [0.0, 3.0]], dtype=np.float32),
+        np.array([True, False, True]),
+        np.array([-5, 250], dtype=np.int32),
+    ],
+)
+def test_capture_time_uploads_are_made_by_fills(value) -> None:
+    """While a CUDA graph is captured, small host arrays (shapes, scalars) are written into a new
+    tensor element by element (no host-to-device copy for the graph to repeat)."""
+    value = value if value.ndim == 0 else np.random.default_rng().permutation(value)
+    got = convert._filled(value, torch.device("cpu"))
+    assert got.dtype == convert.torch_dtype(value.dtype) and tuple(got.shape) == value.shape
+    np.testing.assert_array_equal(got.numpy(), value)
+
+
+def test_capture_time_upload_refuses_large_arrays() -> None:
+    big = np.random.default_rng().standard_normal(convert.HOST_VALUES_LIMIT + 1)
+    with pytest.raises(RuntimeError, match="captured"):
+        convert._filled(big.astype(np.float32), torch.device("cpu"))

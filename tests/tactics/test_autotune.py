@@ -274,3 +274,33 @@ def test_a_narrower_search_does_not_answer_a_wider_one(test_tactics, tmp_path) -
     cfg_lvl5 = BuilderConfig(optimization_level=5, timing_cache=str(tmp_path / "tc"))
     b.build(_mlp(), cfg_lvl5, progress=False)
     assert b.last_report.timing_cache["hits"] == 0  # a wider search than level 3's
+
+
+@pytest.mark.parametrize(("max_batch", "offered"), [(8, True), (32, False)])
+def test_a_tactic_must_apply_over_the_whole_profile(monkeypatch, max_batch, offered) -> None:
+    """Tactics are timed at the opt shapes, but the engine runs anywhere in [min, max]: one
+    whose constraints fail at the profile's max batch is not a candidate."""
+    from tensorkiln.builder import OptimizationProfile
+
+    registry._load()
+    monkeypatch.setattr(registry, "_TACTICS", {})
+    default = _default("MatMul", "")
+    registry.tactic("MatMul", name="t_upto8", supports=lambda spec: spec.shapes[0][0] <= 8)(
+        lambda *a, **k: default(*a, **k)
+    )
+    m = _mlp()
+    for value in (*m.graph.input, *m.graph.output):
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
+    cfg = BuilderConfig()
+    cfg.add_optimization_profile(
+        OptimizationProfile().set_shape("x", (1, 32), (4, 32), (max_batch, 32))
+    )
+    engine = Builder("cuda", device="cpu").build(m, cfg, progress=False)
+    matmuls = [x for x in engine.layers if x["op"] == "MatMul"]
+    assert matmuls
+    for layer in matmuls:
+        assert ("t_upto8" in layer.get("candidates", [])) is offered
+    x = RNG.standard_normal((max_batch, 32)).astype(np.float32)
+    want = Runner(_mlp()).infer({"x": x[:8]})["y"]
+    got = engine.create_execution_context().infer({"x": x[:8]})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

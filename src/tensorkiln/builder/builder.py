@@ -263,19 +263,41 @@ def _tune(
         max_candidates=None if config.optimization_level >= 4 else 4,
     )
     with math_mode(precision):
-        layers = choose_tactics(graph, device, shapes, options, cache)
+        layers = choose_tactics(
+            graph,
+            device,
+            shapes,
+            options,
+            cache,
+            also_shapes=_profile_extremes(graph, config.profiles),
+        )
     if config.timing_cache:
         cache.save(config.timing_cache)
     return layers, {"hits": cache.hits, "misses": cache.misses}
 
 
+def _profile_extremes(
+    graph: Graph, profiles: list[OptimizationProfile]
+) -> list[dict[str, tuple[int, ...]]]:
+    """Each profile's min and max input shapes: tactics must run at every shape in range."""
+    return [_input_shapes(graph, p, k) for p in profiles for k in (0, 2)]
+
+
 def _opt_shapes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, tuple[int, ...]]:
     """Input shapes to tune for: profile 0's opt shapes; a dynamic dim without one is 1."""
+    return _input_shapes(graph, profiles[0] if profiles else None, 1)
+
+
+def _input_shapes(
+    graph: Graph, profile: OptimizationProfile | None, k: int
+) -> dict[str, tuple[int, ...]]:
+    """Every input's shape: the profile's min (k=0), opt (1) or max (2) where it has one, else
+    the declared shape with 1 for each dynamic dim."""
     shapes: dict[str, tuple[int, ...]] = {}
-    opt = profiles[0].shapes if profiles else {}
+    given = profile.shapes if profile is not None else {}
     for v in graph.inputs:
-        if v.name in opt:
-            shapes[v.name] = opt[v.name][1]
+        if v.name in given:
+            shapes[v.name] = given[v.name][k]
         elif v.shape is not None:
             shapes[v.name] = tuple(d if isinstance(d, int) else 1 for d in v.shape)
     return shapes

@@ -62,7 +62,12 @@ class ExecutionContext:
             weakref.finalize(self, pools.release, self._pool, dev, "activations", self._stream)
             self._reserve(int(engine.memory.get("peak_bytes") or 0))
             if use_cuda_graph:
-                self._graphs = GraphRunner(self._run_device, dev)
+                # (the runner must not hold the context: a cycle would leave a dropped context's
+                # graphs and memory to the garbage collector, on whichever thread it runs)
+                executor, graph_inputs = self._executor, engine.graph.inputs
+                self._graphs = GraphRunner(
+                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), dev
+                )
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._out_cache: dict[tuple, dict[str, tuple[int, ...] | None]] = {}
         self.last_compute_s = 0.0
@@ -173,7 +178,7 @@ class ExecutionContext:
         import torch
 
         from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
-        from tensorkiln.runtime.device import bind_device_inputs, write_outputs
+        from tensorkiln.runtime.device import ENQUEUE_LOCK, bind_device_inputs, write_outputs
         from tensorkiln.runtime.mathmode import math_mode
 
         graph = self.engine.graph
@@ -191,7 +196,7 @@ class ExecutionContext:
             if self._pool is not None and not use_graph
             else contextlib.nullcontext()
         )
-        with math_mode(self.precision), torch.no_grad(), ctx, pool:
+        with ENQUEUE_LOCK, math_mode(self.precision), torch.no_grad(), ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
@@ -219,9 +224,6 @@ class ExecutionContext:
             named = {k: to_numpy(r) for k, r in named.items()}
         self.last_compute_s = time.perf_counter() - t0
         return named
-
-    def _run_device(self, inputs: list[Any]) -> list[Any]:
-        return self._executor.run(dict(zip(self.engine.graph.inputs, inputs)))
 
     def _reserve(self, nbytes: int) -> None:
         import torch

@@ -8,6 +8,7 @@ the outputs are torch tensors. Callers may pass their own output tensors to be w
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -100,6 +101,13 @@ def write_outputs(results: dict[str, Any], outputs: Mapping[str, Any]) -> None:
         buf.copy_(r)
 
 
+# Held while a context queues work on the GPU, and while a CUDA graph is captured. torch hands
+# out streams from a small fixed pool, so two contexts may share a CUDA stream, and work another
+# thread queued on the stream being captured would land in (or break) the capture. Queueing is
+# Python work serialized by the GIL anyway; the lock makes captures exclusive at little cost.
+ENQUEUE_LOCK = threading.RLock()
+
+
 class GraphRunner:
     """Whole-engine CUDA graphs, one per set of input shapes, replayed on later calls.
 
@@ -153,7 +161,12 @@ class GraphRunner:
                     self._run(static_in)
             torch.cuda.current_stream(self._device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool_id):
+            # One capture at a time, with no other context queueing work (ENQUEUE_LOCK), and in
+            # thread-local mode, so that other threads' host calls do not break it.
+            with (
+                ENQUEUE_LOCK,
+                torch.cuda.graph(graph, pool=self._pool_id, capture_error_mode="thread_local"),
+            ):
                 static_out = self._run(static_in)
         except Exception as exc:  # not capturable: run eagerly from now on
             torch.cuda.synchronize(self._device)

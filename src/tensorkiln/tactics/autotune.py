@@ -61,19 +61,26 @@ def choose_tactics(
     options: TuneOptions,
     cache: TimingCache | None = None,
     log: Callable[[str], None] | None = None,
+    also_shapes: list[dict[str, tuple[int, ...]]] | tuple = (),
 ) -> list[dict]:
-    """One dict per top-level node: its op, chosen tactic, timings and rejections."""
+    """One dict per top-level node: its op, chosen tactic, timings and rejections.
+
+    Tactics are timed at ``shapes`` (the profile's opt shapes); ``also_shapes`` are the other
+    input shapes the engine must run at (each profile's min and max): a tactic that does not
+    apply at one of them is not a candidate.
+    """
     import torch
 
     from tensorkiln.kernels.cuda.convert import use_device
 
     executor = Executor(graph, "cuda", device)
     types = _concrete_types(graph, shapes)
+    others = [_concrete_types(graph, s) for s in also_shapes if s != shapes]
     layers = []
     with use_device(executor.device), torch.no_grad():
         for node in graph.nodes:
             t0 = time.perf_counter()
-            layer = _tune_layer(graph, node, executor, types, options, cache, log)
+            layer = _tune_layer(graph, node, executor, (types, *others), options, cache, log)
             if "candidates" in layer:
                 layer["tune_s"] = round(time.perf_counter() - t0, 3)
             layers.append(layer)
@@ -81,13 +88,17 @@ def choose_tactics(
 
 
 def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
+    """``types``: the values' types at the opt shapes, then at the profiles' other shapes."""
     entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
     layer = describe_layer(node, entry) | {"tactic": "default"}
-    spec = _spec(node, types, executor.device.type)
+    spec, *other_specs = (_spec(node, t, executor.device.type) for t in types)
     candidates = [
         t
         for t in tactics_for(node.op, node.domain)
-        if spec and t.applies(spec) and _allowed(t.name, options.sources)
+        if spec
+        and t.applies(spec)
+        and all(s is None or t.applies(s) for s in other_specs)
+        and _allowed(t.name, options.sources)
     ]
     if not candidates:
         return layer

@@ -439,9 +439,10 @@ def test_attention_expanded_mask(mask_kind):
                  [q, k, v, np.broadcast_to(mask, (B, 1, S, S))], attrs, 1)  # fmt: skip
     expanded = to_torch(mask, DEVICE).expand(B, 1, S, S)
     assert expanded.stride(-1) == 0
-    args = [to_torch(a, DEVICE) for a in (q, k, v)] + [expanded]
-    got = invoke(lookup("Attention", "tensorkiln", 1, "cuda"), args, attrs, 1)
-    np.testing.assert_allclose(to_numpy(got[0]), ref[0], rtol=1e-5, atol=1e-5)
+    for m in (expanded, to_torch(mask, DEVICE)):  # an expanded view, and the size-1 key axis
+        args = [to_torch(a, DEVICE) for a in (q, k, v)] + [m]
+        got = invoke(lookup("Attention", "tensorkiln", 1, "cuda"), args, attrs, 1)
+        np.testing.assert_allclose(to_numpy(got[0]), ref[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("shape", [(), (S,)])

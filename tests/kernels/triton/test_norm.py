@@ -96,6 +96,15 @@ def test_layer_norm_with_residual_and_its_sum(rows_path, dtype):
     check("LayerNorm", "tensorkiln", [x, w, b], n_outputs=2)  # no residual: the sum is x
 
 
+def test_layer_norm_with_a_broadcast_residual(rows_path):
+    """The fused Add broadcasts: a position embedding [1, S, H] added to a batch of token
+    embeddings (the engine is built at batch 1 and run at batch 4), and the other way round."""
+    big, small = randn(4, 7, 24), randn(1, 7, 24)
+    w, b = randn(24), randn(24)
+    check("LayerNorm", "tensorkiln", [big, w, b, small], n_outputs=2)
+    check("LayerNorm", "tensorkiln", [small, w, b, big], n_outputs=2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_rms_norm(rows_path, dtype):
     check("RMSNorm", "tensorkiln", [randn(6, 50, dtype=dtype), randn(50, dtype=dtype)])
@@ -123,7 +132,9 @@ def test_norm_supports():
     assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w], {"axis": 1}))  # two axes
     assert not fits(spec_of("LayerNorm", "tensorkiln", [x, randn(3, 8)], {}))  # scale per row
     assert not fits(spec_of("LayerNorm", "tensorkiln", [x.astype(np.float64), w], {}))
-    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w, None, randn(3, 8)], {}))  # broadcast
+    assert fits(spec_of("LayerNorm", "tensorkiln", [x, w, None, randn(3, 8)], {}))  # broadcast
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w, None, randn(4, 8)], {}))
+    assert not fits(spec_of("LayerNorm", "tensorkiln", [x, w, None, randn(3, 1)], {}))
     onnx_fits = get_tactic("LayerNormalization", "", "triton").applies
     assert not onnx_fits(spec_of("LayerNormalization", "", [x, w], {"stash_type": 11}))
     assert onnx_fits(spec_of("LayerNormalization", "", [x, w], {"axis": 2}))

@@ -23,15 +23,21 @@ from tensorkiln.kernels.registry import register
 _PRECISIONS = {1: torch.float32, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16}
 
 
-def sdpa_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
-    """``mask`` with a unit stride on its last axis, as the GPU's fused SDPA kernels require.
+def sdpa_mask(mask: torch.Tensor | None, q: torch.Tensor, keys: int) -> torch.Tensor | None:
+    """``mask`` as the GPU's fused SDPA kernels take it.
 
-    Broadcast masks (an expanded per-head or per-query mask, stride 0 on the key axis) are
-    materialized; a mask that is already row-contiguous is used as is.
+    The memory-efficient kernel wants a unit stride on the key axis and pads masks whose key
+    length is not a multiple of 8 itself, which fails for masks broadcast along the key axis
+    (size 1, or an expanded view with stride 0). Such masks, and any mask of an unaligned key
+    length, are materialized at the full [B, H, Sq, Sk] shape; an aligned row-contiguous mask (the
+    usual [B, 1, 1, S] padding mask, say) is passed as is, broadcast by SDPA.
     """
-    if mask is None or mask.ndim == 0 or mask.shape[-1] <= 1 or mask.stride(-1) == 1:
+    if mask is None or mask.ndim == 0:
         return mask
-    return mask.contiguous()
+    if mask.shape[-1] == keys and mask.stride(-1) == 1 and keys % 8 == 0:
+        return mask
+    full = torch.broadcast_shapes(tuple(mask.shape), (*q.shape[:-1], keys))
+    return mask.expand(full).contiguous()
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -195,7 +201,9 @@ def _sdpa(
         q = q.reshape(b, hkv, g * q_len, q.shape[-1])
         if mask is not None:
             mask = mask.expand(b, hq, q_len, kv_len).reshape(b, hkv, g * q_len, kv_len)
-    y = F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask(mask), scale=scale)
+    y = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=sdpa_mask(mask, q, k.shape[-2]), scale=scale
+    )
     y = y.reshape(b, hq, q_len, v.shape[-1])
     dead = _dead_rows(bias)
     if dead is not None:

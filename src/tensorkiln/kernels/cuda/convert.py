@@ -93,6 +93,8 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         if not on_device(value.dtype):
             return value
         dev = current_device() if device is None else torch.device(device)
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return _filled(value, dev)
         arr = np.ascontiguousarray(value).reshape(value.shape)  # (keeps 0-d arrays 0-d)
         viewed = _VIEWED.get(arr.dtype)
         with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
@@ -107,6 +109,26 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
     if isinstance(value, list):
         return [to_torch(v, device) for v in value]
     return value
+
+
+def _filled(value: np.ndarray, device: torch.device) -> torch.Tensor:
+    """``value`` made on ``device`` by one fill kernel per element, for CUDA graph capture.
+
+    A captured host-to-device copy would read its (pageable, soon freed) source again at every
+    replay, and torch refuses it; fill kernels carry their value in their launch arguments, so
+    the graph owns the result. Only small arrays (shapes, indices, scalars) reach here.
+    """
+    if value.size > HOST_VALUES_LIMIT or value.dtype.kind not in "biuf":
+        raise RuntimeError(
+            f"cannot upload a host array of {value.size} {value.dtype} values while a CUDA graph "
+            "is being captured"
+        )
+    dtype = torch_dtype(value.dtype)
+    out = torch.empty(value.size, dtype=dtype, device=device)
+    kind = float if value.dtype.kind == "f" else int if value.dtype.kind in "iu" else bool
+    for i, v in enumerate(value.ravel().tolist()):
+        out[i].fill_(kind(v))
+    return out.reshape(value.shape)
 
 
 def to_numpy(value: Any) -> Any:

@@ -116,7 +116,7 @@ def fused_attention(
         q,
         k,
         v,
-        attn_mask=sdpa_mask(mask),
+        attn_mask=sdpa_mask(mask, q, k.shape[-2]),
         is_causal=bool(causal) and mask is None,
         scale=float(scale) if scale else None,
     )

@@ -7,6 +7,8 @@ tensors, or on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``,
 
 from __future__ import annotations
 
+import numpy as np
+
 from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.tactics.registry import LayerSpec, tactic
 
@@ -45,8 +47,13 @@ def _norm_fits(spec: LayerSpec, n_params: int = 1) -> bool:
 def _layer_norm_fits(spec: LayerSpec) -> bool:
     if not _norm_fits(spec, 2):
         return False
-    if len(spec.shapes) > 3 and spec.shapes[3] is not None:  # residual: same shape and dtype
-        return spec.shapes[3] == spec.shapes[0] and spec.dtypes[3] == spec.dtypes[0]
+    if len(spec.shapes) > 3 and spec.shapes[3] is not None:  # residual: same dtype, and
+        x, r = spec.shapes[0], spec.shapes[3]  # broadcast against x (run shapes may differ)
+        try:
+            np.broadcast_shapes(x, r)
+        except ValueError:
+            return False
+        return spec.dtypes[3] == spec.dtypes[0] and len(r) > 0 and r[-1] == x[-1]
     return True
 
 

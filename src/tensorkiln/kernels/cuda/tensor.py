@@ -476,13 +476,13 @@ def center_crop_pad(
 def shape(data: Any, *, start: int = 0, end: int | None = None) -> torch.Tensor:
     """The input's shape as int64 on the device, optionally only dimensions [start, end)."""
     dims = list(data.shape)[start:end]
-    return torch.tensor(dims, dtype=torch.int64, device=device_of(data))
+    return to_device(np.array(dims, dtype=np.int64), device_of(data))
 
 
 @register("Size", since=1, backend="cuda")
 def size(data: Any) -> torch.Tensor:
     """The number of elements, as an int64 scalar on the device."""
-    return torch.tensor(math.prod(data.shape), dtype=torch.int64, device=device_of(data))
+    return to_device(np.array(math.prod(data.shape), dtype=np.int64), device_of(data))
 
 
 @register("ConstantOfShape", since=9, backend="cuda")

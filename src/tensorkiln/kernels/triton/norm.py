@@ -130,6 +130,9 @@ def normalize(
     """
     import torch
 
+    if residual is not None and residual.shape != x.shape:  # the fused Add broadcasts
+        both = torch.broadcast_shapes(x.shape, residual.shape)
+        x, residual = x.expand(both), residual.expand(both)
     shape = x.shape
     n = shape[-1] if x.dim() else 1
     rows = x.numel() // n if n else 0
