@@ -212,13 +212,21 @@ def test_context_memory_is_reserved_from_the_plan_and_stable() -> None:
     ctx = engine.create_execution_context()
     assert ctx.device_memory_bytes() >= planned > 0  # reserved before the first run
     x = torch.randn(32, 3, 16, 16, device="cuda")  # the profile's largest batch
-    ctx.infer({"x": x})
-    ctx.infer({"x": x[:3]})
-    held = ctx.device_memory_bytes()  # (a recycled pool may hold more than the plan)
-    for _ in range(5):
-        ctx.infer({"x": x})
-        ctx.infer({"x": x[:3]})
-    assert ctx.device_memory_bytes() == held  # later runs reuse the context's memory
+    # (results are freed once the caller's stream has used them: waiting after each run makes
+    # the count exact; a recycled pool may already hold more than the plan)
+
+    def rounds(k):
+        for _ in range(k):
+            for n in (32, 3):
+                ctx.infer({"x": x[:n]})
+                torch.cuda.synchronize()
+        return ctx.device_memory_bytes()
+
+    held = rounds(1)
+    # a library workspace (cuBLAS's, one per stream) may still land in the pool once
+    settled = rounds(5)
+    assert settled <= held + 2**21
+    assert rounds(10) == settled  # then every run reuses the context's memory
 
 
 def test_dynamic_shape_transformer_runs_as_a_cuda_graph(tmp_path) -> None:

@@ -12,6 +12,7 @@ contexts alive at once, and their memory stays reserved for the contexts to come
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from typing import Any
 
@@ -38,7 +39,11 @@ def acquire(device: Any, kind: str = "activations") -> Any:
         if idle:
             return idle.pop()
     with torch.cuda.device(key[1]):
-        return torch.cuda.MemPool()
+        pool = torch.cuda.MemPool()
+    # one reference that is never dropped: not even the interpreter's shutdown destroys the pool
+    # (the driver takes the memory back when the process ends)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))
+    return pool
 
 
 def release(pool: Any, device: Any, kind: str = "activations", stream: Any = None) -> None:
