@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import tensorkiln.kernels.reference.norm  # noqa: F401  (registers the normalization kernels)
+from tensorkiln.kernels.registry import invoke, lookup
 from tests.kernels.ort_oracle import check_against_ort, run_kernel
 
 rng = np.random.default_rng()
@@ -123,6 +124,17 @@ def test_mean_variance_normalization(axes):
         rtol=1e-4,
         atol=1e-5,
     )
+
+
+def test_mean_variance_normalization_of_a_narrow_spread():
+    """A spread of 0.05 around 2 over three channels: the variance written as E[x^2] - mean^2
+    cancels in float32; the kernel must stay within float32 rounding of the float64 answer."""
+    x = (2 + 0.05 * _randn(2, 3, 4, 5)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    centred = x64 - x64.mean(axis=1, keepdims=True)
+    want = centred / (np.sqrt((centred**2).mean(axis=1, keepdims=True)) + 1e-9)
+    got = invoke(lookup("MeanVarianceNormalization", "", 13), [x], {"axes": [1]}, 1)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -279,13 +279,13 @@ def lp_normalization(x: torch.Tensor, *, axis: int = -1, p: int = 2) -> torch.Te
 def mean_variance_normalization(
     x: torch.Tensor, *, axes: Sequence[int] = (0, 2, 3)
 ) -> torch.Tensor:
-    """(x - mean) / (sqrt(E[x^2] - mean^2) + 1e-9) over ``axes`` (the spec's function body)."""
+    """(x - mean) / (sqrt(variance) + 1e-9) over ``axes``; the variance as E[(x - mean)^2], as
+    the reference computes it (not the spec body's cancelling E[x^2] - mean^2)."""
     axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
     xc = x.to(compute_dtype(x.dtype))
-    mean = xc.mean(dim=axes, keepdim=True)
-    var = (xc * xc).mean(dim=axes, keepdim=True) - mean * mean
-    std = torch.sqrt(var.clamp(min=0)) + 1e-9
-    return ((xc - mean) / std).to(x.dtype)
+    centred = xc - xc.mean(dim=axes, keepdim=True)
+    std = torch.sqrt((centred * centred).mean(dim=axes, keepdim=True)) + 1e-9
+    return (centred / std).to(x.dtype)
 
 
 @register("LRN", since=1, backend="cuda")
