@@ -132,6 +132,15 @@ def test_zero_copy_io_and_caller_buffers() -> None:
     assert _rel(ctx.infer({"x": x.cpu()})["y"], want) < 1e-5
 
 
+def _on_threads(worker, n: int) -> None:
+    """Run ``worker(seed)`` for seeds 0..n-1 on n threads at once; wait for all."""
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def test_contexts_run_concurrently_from_threads() -> None:
     engine, _ = _engine()
     errors: list[str] = []
@@ -145,11 +154,7 @@ def test_contexts_run_concurrently_from_threads() -> None:
             if _rel(got, want) > 1e-5:
                 errors.append(f"thread {seed} run {i}: {_rel(got, want)}")
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _on_threads(worker, 3)
     assert not errors
 
 
@@ -169,11 +174,7 @@ def test_contexts_created_and_dropped_on_threads() -> None:
                 errors.append(f"thread {seed} context {i}: {_rel(got, want)}")
             del ctx
 
-    threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    _on_threads(worker, 4)
     assert not errors
 
 

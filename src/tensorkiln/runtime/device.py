@@ -126,8 +126,7 @@ class GraphRunner:
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
         # (recycled, never destroyed: see runtime/pools.py)
         self.pool = pools.acquire(device, "graphs")
-        if self.pool is not None:
-            weakref.finalize(self, pools.release, self.pool, device, "graphs")
+        weakref.finalize(self, pools.release, self.pool, device, "graphs")
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 
