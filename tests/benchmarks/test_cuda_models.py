@@ -39,3 +39,14 @@ def test_smoke_run_agrees_with_onnxruntime(tmp_path, capsys) -> None:
         assert r["fp32_tensorkiln_run"]["iterations"] == 2
     out = capsys.readouterr().out
     assert "| model | fp32 max rel vs ORT |" in out and "| gpt2 |" in out
+
+
+def test_memory_only_run(tmp_path, capsys) -> None:
+    bench = _load()
+    argv = ["--models", "bert", "--device", "cpu", "--tiny", "--batch-sizes", "bert=2"]
+    assert bench.main([*argv, "--memory-only", "--out", str(tmp_path)]) == 0
+    (r,) = json.loads((tmp_path / "results.json").read_text())["models"]
+    assert "error" not in r, r
+    assert r["fp16_large_norm_rel_vs_torch_fp32"] < 1e-2
+    assert r["fp16_large_planned_peak_bytes"] > 0 and "large_per_s" not in r
+    assert "| bert | 2 | - | - |" in capsys.readouterr().out

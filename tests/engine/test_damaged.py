@@ -312,6 +312,22 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
     )
     yield "io/layers/profiles: profile not an object", lambda c: c.plan["profiles"].append([1, 2])
     yield (
+        "io/layers/profiles: memory buffer past the peak",
+        lambda c: c.plan["memory"]["buffers"][0].__setitem__(2, c.plan["memory"]["peak_bytes"] + 1),
+    )
+    yield (
+        "io/layers/profiles: memory buffer truncated",
+        lambda c: c.plan["memory"]["buffers"][0].pop(),
+    )
+    yield (
+        "io/layers/profiles: memory peak negative",
+        lambda c: c.plan["memory"].update(peak_bytes=-1),
+    )
+    yield (
+        "io/layers/profiles: memory buffers an object",
+        lambda c: c.plan["memory"].update(buffers={}),
+    )
+    yield (
         "io/layers/profiles: profile dims not numbers",
         lambda c: c.plan["profiles"].append(
             {io["inputs"][0]["name"]: {"min": ["a"], "opt": ["b"], "max": ["c"]}}

@@ -91,6 +91,9 @@ class Engine:
         # the torch device a cuda engine runs on ('cpu' runs its kernels on torch CPU tensors)
         self.device = "cpu" if self.target.get("torch_device") == "cpu" else "cuda"
         self.tensorkiln_version = tensorkiln.__version__
+        # the initializers on the device, uploaded by the first context and shared by all of them
+        # (per device: {str(torch device): {value: tensor}})
+        self.device_weights: dict[str, dict[Any, Any]] = {}
 
     # ------------------------------------------------------------------ description
     @property
@@ -286,7 +289,7 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
             backend=backend,
             profiles=profiles,
             layers=_list(plan, "layers", where),
-            memory=_dict(plan, "memory", where),
+            memory=_memory(plan, where),
             source=_dict(plan, "source", where),
             source_model=source_model,
             build=_dict(plan, "build", where),
@@ -316,6 +319,34 @@ def _profiles(plan: dict, where: str) -> list:
         raise EngineFormatError(
             f"{where}: an optimization profile in the plan is damaged ({exc})"
         ) from None
+
+
+def _memory(plan: dict, where: str) -> dict:
+    """The memory plan, checked: contexts reserve device memory from it."""
+    memory = _dict(plan, "memory", where)
+
+    def count(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+    peak, buffers = memory.get("peak_bytes", 0), memory.get("buffers", [])
+    if not (
+        count(peak)
+        and isinstance(buffers, list)
+        and all(
+            isinstance(b, list)
+            and len(b) == 5
+            and isinstance(b[0], str)
+            and all(count(x) for x in b[1:])
+            and b[1] + b[2] <= peak
+            and b[3] <= b[4]
+            for b in buffers
+        )
+    ):
+        raise EngineFormatError(
+            f"{where}: the plan's memory plan is damaged (each buffer must be [name, offset, "
+            "size, first step, last step] and lie within peak_bytes)"
+        )
+    return memory
 
 
 def _list(plan: dict, key: str, where: str) -> list:

@@ -48,19 +48,21 @@ class ExecutionContext:
 
             from tensorkiln.runtime.device import GraphRunner
 
-            self._stream = torch.cuda.Stream(dev)
+            # the weights go to the device once per engine, outside any context's pool: every
+            # context of the engine reads the same tensors
+            self._executor.upload_weights()
             self._events = (
                 torch.cuda.Event(enable_timing=True),
                 torch.cuda.Event(enable_timing=True),
             )
-            # The context's activations come from its own memory pool (CUDA graphs capture into
-            # a pool of their own). The pool is reserved up front with the memory plan's peak, as
-            # one segment the allocator then places activations in; device_memory_bytes() shows
-            # whether a run needed more.
-            # Pools are recycled, never destroyed (see runtime/pools.py).
-            self._pool = pools.acquire(dev)
-            weakref.finalize(self, pools.release, self._pool, dev, "activations", self._stream)
-            self._reserve(int(engine.memory.get("peak_bytes") or 0))
+            # The context's activations come from its own memory pool, on the pool's own stream
+            # (CUDA graphs capture into a pool of their own). The memory plan is reserved in the
+            # pool before the first run (see _reserve); device_memory_bytes() shows what a run
+            # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
+            self._pool, self._stream = pools.acquire(dev)
+            weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
+            if not use_cuda_graph:  # (a graph's activations are its own pool's, at capture)
+                self._reserve(engine.memory)
             if use_cuda_graph:
                 # (the runner must not hold the context: a cycle would leave a dropped context's
                 # graphs and memory to the garbage collector, on whichever thread it runs)
@@ -225,14 +227,31 @@ class ExecutionContext:
         self.last_compute_s = time.perf_counter() - t0
         return named
 
-    def _reserve(self, nbytes: int) -> None:
+    def _reserve(self, memory: Mapping[str, Any]) -> None:
+        """Reserve the memory plan in the context's pool: its buffers are allocated and freed
+        once, on the context's stream, in the order a run at the plan's shapes (the profile's
+        largest) allocates and frees them, so the pool holds the blocks such a run takes before
+        it starts. Kernels' own scratch memory (library workspaces) is not in the plan and is
+        added by the first run that needs it."""
         import torch
 
-        if self._pool is None or nbytes <= 0:
+        buffers = memory.get("buffers") or []
+        if self._pool is None or not buffers:
             return
-        with torch.cuda.use_mem_pool(self._pool):
-            block = torch.empty(nbytes, dtype=torch.uint8, device=self._executor.device)
-        del block  # freed into the pool, which keeps the segment for the runs
+        steps: dict[int, tuple[list, list]] = {}
+        for name, _, size, first, last in buffers:
+            steps.setdefault(first, ([], []))[0].append((name, size))
+            steps.setdefault(last, ([], []))[1].append(name)
+        live: dict[str, Any] = {}
+        dev = self._executor.device
+        with torch.cuda.use_mem_pool(self._pool), torch.cuda.stream(self._stream):
+            for step in sorted(steps):
+                made, freed = steps[step]
+                for name, size in made:
+                    live[name] = torch.empty(size, dtype=torch.uint8, device=dev)
+                for name in freed:
+                    live.pop(name, None)
+            live.clear()  # (graph outputs: freed at the end)
 
     def synchronize(self) -> None:
         """Wait until the work this context queued on the GPU is done (no-op on the CPU)."""
@@ -277,7 +296,9 @@ def _executor(engine: Any, mode: str) -> Executor:
     from tensorkiln.tactics.autotune import tactic_functions
 
     tactics = tactic_functions(engine.graph, engine.layers, mode)
-    return Executor(engine.graph, "cuda", engine.device, tactics=tactics)
+    return Executor(
+        engine.graph, "cuda", engine.device, tactics=tactics, weights=engine.device_weights
+    )
 
 
 def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict:

@@ -125,8 +125,8 @@ class GraphRunner:
         self._graphs: dict[tuple, Any] = {}
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
         # (recycled, never destroyed: see runtime/pools.py)
-        self.pool = pools.acquire(device, "graphs")
-        weakref.finalize(self, pools.release, self.pool, device, "graphs")
+        self.pool, self._stream = pools.acquire(device, "graphs")  # (captures run on the stream)
+        weakref.finalize(self, pools.release, self.pool, self._stream, device, "graphs")
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 
@@ -164,7 +164,12 @@ class GraphRunner:
             # thread-local mode, so that other threads' host calls do not break it.
             with (
                 ENQUEUE_LOCK,
-                torch.cuda.graph(graph, pool=self._pool_id, capture_error_mode="thread_local"),
+                torch.cuda.graph(
+                    graph,
+                    pool=self._pool_id,
+                    stream=self._stream,
+                    capture_error_mode="thread_local",
+                ),
             ):
                 static_out = self._run(static_in)
         except Exception as exc:  # not capturable: run eagerly from now on

@@ -40,17 +40,22 @@ class Executor:
         backend: str = "reference",
         device: Any = None,
         tactics: Mapping[str, Any] | None = None,
+        weights: dict[str, dict[Value, Any]] | None = None,
     ) -> None:
         """``tactics`` maps top-level node names to the function that runs them instead of the
-        op's registered kernel (the autotuner's choices)."""
+        op's registered kernel (the autotuner's choices). ``weights`` holds the initializers
+        already on a device, per device; executors given the same dict share them (an engine's
+        contexts do)."""
         self.graph = graph
         self.backend = backend
         self.tactics = dict(tactics or {})
         self._plans: dict[int, list[_Step]] = {}
-        self._consts: dict[Value, Any] = {}
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
+        self._consts: dict[Value, Any] = (
+            {} if weights is None else weights.setdefault(str(self.device), {})
+        )
         self._plan(graph)
 
     def const(self, v: Value) -> Any:
@@ -61,9 +66,19 @@ class Executor:
         if c is None:
             from tensorkiln.kernels.cuda.convert import remember_host_values, to_torch
 
-            c = self._consts[v] = to_torch(v.const, self.device)
+            c = to_torch(v.const, self.device)
             remember_host_values(c, v.const)
+            c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
+
+    def upload_weights(self) -> int:
+        """Put the main graph's initializers on the device now (not at the first run); their
+        bytes. Subgraphs' initializers are uploaded when first used."""
+        total = 0
+        for v in self.graph.initializers:
+            c = self.const(v)
+            total += c.numel() * c.element_size() if hasattr(c, "element_size") else 0
+        return total
 
     def _plan(self, graph: Graph) -> list[_Step]:
         plan = self._plans.get(id(graph))

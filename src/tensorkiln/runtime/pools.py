@@ -1,4 +1,4 @@
-"""Device memory pools that outlive the contexts using them.
+"""Device memory pools that outlive the contexts using them, each with the stream that uses it.
 
 Each cuda execution context places its activations in a memory pool of its own (and captures its
 CUDA graphs into another). torch frees a ``torch.cuda.MemPool``'s memory when the Python object
@@ -8,6 +8,10 @@ died on worker threads did). So pools are never destroyed here: a dead context's
 to a free list, after its stream has finished, and the next context on that device takes it,
 with whatever memory it already holds. The number of pools is therefore the largest number of
 contexts alive at once, and their memory stays reserved for the contexts to come.
+
+torch's allocator hands a free block only to allocations on the stream that freed it, so a pool
+travels with its stream: the context that takes a pool runs on that pool's stream, and finds all
+of the pool's memory usable.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import threading
 from typing import Any
 
 _lock = threading.Lock()
-_free: dict[tuple[str, int], list[Any]] = {}  # (kind, device index) -> idle pools
+_free: dict[tuple[str, int], list[tuple[Any, Any]]] = {}  # (kind, device) -> idle (pool, stream)
 
 
 def _key(kind: str, device: Any) -> tuple[str, int]:
@@ -27,30 +31,31 @@ def _key(kind: str, device: Any) -> tuple[str, int]:
     return kind, torch.cuda.current_device() if index is None else index
 
 
-def acquire(device: Any, kind: str = "activations") -> Any:
-    """An idle pool of ``kind`` on ``device``, or a new one (None where torch has no MemPool)."""
+def acquire(device: Any, kind: str = "activations") -> tuple[Any, Any]:
+    """An idle pool of ``kind`` on ``device`` and its stream, or new ones (the pool is None where
+    torch has no MemPool)."""
     import torch
 
-    if not hasattr(torch.cuda, "MemPool"):
-        return None
     key = _key(kind, device)
     with _lock:
         idle = _free.get(key)
         if idle:
             return idle.pop()
     with torch.cuda.device(key[1]):
+        stream = torch.cuda.Stream(key[1])
+        if not hasattr(torch.cuda, "MemPool"):
+            return None, stream
         pool = torch.cuda.MemPool()
     # one reference that is never dropped: not even the interpreter's shutdown destroys the pool
     # (the driver takes the memory back when the process ends)
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(pool))
-    return pool
+    return pool, stream
 
 
-def release(pool: Any, device: Any, kind: str = "activations", stream: Any = None) -> None:
-    """Give ``pool`` back for reuse, once ``stream`` (the last user's) has finished its work."""
+def release(pool: Any, stream: Any, device: Any, kind: str = "activations") -> None:
+    """Give ``pool`` and ``stream`` back for reuse, once the stream has finished its work."""
+    stream.synchronize()
     if pool is None:
         return
-    if stream is not None:
-        stream.synchronize()
     with _lock:
-        _free.setdefault(_key(kind, device), []).append(pool)
+        _free.setdefault(_key(kind, device), []).append((pool, stream))
