@@ -13,7 +13,10 @@ sequence 128 and GPT-2 small at sequence 128), exported with the TorchScript exp
    and fp16, alternating, in this process; medians of per-call latencies (synchronized).
 2. a large batch: fp16 engine vs PyTorch eager fp16 (checked against PyTorch fp32 on the GPU),
    throughput from the median latency.
-3. memory: the engine's planned activation peak vs PyTorch eager's peak above its weights.
+3. memory, at the large batch: the engine's planned activation peak; what a context reserves
+   from the plan before its first run and holds after two runs (layer by layer, and as a CUDA
+   graph); PyTorch eager's peak above its weights. ``--memory-only`` runs only this step and the
+   large batch's agreement check.
 
 Prints a markdown table for benchmarks/RESULTS.md and writes results.json to --out.
 ``--device cpu --tiny`` runs the same steps on torch CPU tensors with 2-layer transformers: a
@@ -54,6 +57,7 @@ LARGE = {"resnet50": 128, "bert": 64, "gpt2": 32, "vit": 64}
 DEVICE = "cuda"  # --device cpu runs everything on torch CPU tensors (a smoke test of this script)
 TINY = False  # --tiny: 2-layer transformers of hidden size 64 at sequence 16 (smoke test)
 RUNS = 30  # timed calls per round
+KEEP: list = []  # contexts kept alive, so that each measured context has a memory pool of its own
 
 
 def sync() -> None:
@@ -273,7 +277,34 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     times.update(interleaved({"torch_fp16": torch_runner(model16, dev, torch.float16)}))
     res["b1_ms"] = times
     log(f"{name} batch 1 ms: " + ", ".join(f"{k} {v:.3f}" for k, v in times.items()))
-    # large batch, fp16
+    res.update(large_batch(name, folder, cache, large, log, timed=True))
+    return res
+
+
+def context_memory(engine, feeds_dev, keep: list) -> dict:
+    """Device memory of the engine's contexts: what one reserves from the memory plan before its
+    first run, and what it holds after two runs, layer by layer and as a CUDA graph. The contexts
+    go to ``keep``, so that the next ones get pools of their own (a dropped context's pool, with
+    its memory, is handed to the next context made)."""
+    eager = engine.create_execution_context()
+    reserved = eager.device_memory_bytes()
+    graph = engine.create_execution_context(use_cuda_graph=True)
+    for ctx in (eager, graph):
+        for _ in range(2):
+            ctx.infer(feeds_dev)
+            sync()
+    keep += [eager, graph]
+    return {
+        "fp16_large_context_reserved_bytes": reserved,
+        "fp16_large_context_pool_bytes": eager.device_memory_bytes(),
+        "fp16_large_graph_pool_bytes": graph.device_memory_bytes(),
+    }
+
+
+def large_batch(name: str, folder: Path, cache: Path, large: int, log, timed: bool) -> dict:
+    """The fp16 engine at a large batch: agreement with PyTorch fp32, memory against PyTorch eager
+    fp16's, and (``timed``) throughput against it."""
+    res: dict = {"model": name}
     model = make_model(name).to(DEVICE)
     feeds = make_feeds(name, large, seed=1)
     dev = to_dev(feeds)
@@ -284,15 +315,13 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     )
     path = export(model.cpu(), feeds, folder / f"{name}_b{large}", dynamo=False)
     model = model.to(DEVICE)
-    engine, secs, tc = build(path, "fp16", cache)
+    engine, secs, _ = build(path, "fp16", cache)
     res["large_batch"] = large
     res["build_fp16_large_s"] = secs
     res["fp16_large_planned_peak_bytes"] = engine.memory.get("peak_bytes")
-    eager = engine.create_execution_context()
-    eager.infer(dev)
-    res["fp16_large_context_pool_bytes"] = eager.device_memory_bytes()
-    del eager
+    res.update(context_memory(engine, dev, KEEP))
     ctx = engine.create_execution_context(use_cuda_graph=True)
+    KEEP.append(ctx)
     got = first(list(ctx.infer(dev).values())).float()
     res["fp16_large_graph_fallback"] = ctx.cuda_graph_fallback
     res["fp16_large_norm_rel_vs_torch_fp32"] = float(
@@ -302,6 +331,16 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     res["torch_fp16_large_peak_activation_bytes"] = peak_activation_bytes(
         torch_runner(model16, dev, torch.float16)
     )
+    mib = {k: (v or 0) / 2**20 for k, v in res.items() if k.endswith("_bytes")}
+    log(
+        f"{name} batch {large} fp16 MiB: planned {mib['fp16_large_planned_peak_bytes']:.0f}, "
+        f"reserved {mib['fp16_large_context_reserved_bytes']:.0f}, context pool "
+        f"{mib['fp16_large_context_pool_bytes']:.0f}, graph context "
+        f"{mib['fp16_large_graph_pool_bytes']:.0f}, PyTorch eager fp16 peak "
+        f"{mib['torch_fp16_large_peak_activation_bytes']:.0f}"
+    )
+    if not timed:
+        return res
     t = interleaved(
         {
             "tk_fp16_graph": lambda: ctx.infer(dev),
@@ -347,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-sizes", default="")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--tiny", action="store_true", help="small transformers (a smoke test)")
+    ap.add_argument(
+        "--memory-only", action="store_true", help="only the large batch's memory and agreement"
+    )
     args = ap.parse_args(argv)
     global DEVICE, TINY, SEQ, RUNS
     DEVICE, TINY = args.device, args.tiny
@@ -363,8 +405,11 @@ def main(argv: list[str] | None = None) -> int:
         cache = Path(tmp) / "timing.cache"
         for name in args.models.split(","):
             try:
+                log = lambda s: print(s, flush=True)  # noqa: E731
                 results["models"].append(
-                    bench_model(name, Path(tmp), cache, large[name], lambda s: print(s, flush=True))
+                    large_batch(name, Path(tmp), cache, large[name], log, timed=False)
+                    if args.memory_only
+                    else bench_model(name, Path(tmp), cache, large[name], log)
                 )
             except Exception as exc:  # report and go on with the next model
                 import traceback
@@ -402,19 +447,24 @@ def summary(results: dict) -> list[str]:
     lines += [
         "",
         "| model, fp16 | batch | tensorkiln (graph) /s | PyTorch eager /s | planned peak MiB | "
-        "PyTorch peak MiB |",
-        "|---|---:|---:|---:|---:|---:|",
+        "context reserved MiB | context after runs MiB | graph context MiB | PyTorch peak MiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         per = r.get("large_per_s", {})
-        plan, peak = (
-            r.get("fp16_large_planned_peak_bytes"),
-            r.get("torch_fp16_large_peak_activation_bytes"),
-        )
+        mib = [
+            _f((r.get(f"{k}_bytes") or 0) / 2**20 if f"{k}_bytes" in r else None, ".0f")
+            for k in (
+                "fp16_large_planned_peak",
+                "fp16_large_context_reserved",
+                "fp16_large_context_pool",
+                "fp16_large_graph_pool",
+                "torch_fp16_large_peak_activation",
+            )
+        ]
         lines.append(
             f"| {r['model']} | {r.get('large_batch')} | {_f(per.get('tk_fp16_graph'), '.0f')} | "
-            f"{_f(per.get('torch_fp16'), '.0f')} | {_f(plan and plan / 2**20, '.1f')} | "
-            f"{_f(peak and peak / 2**20, '.1f')} |"
+            f"{_f(per.get('torch_fp16'), '.0f')} | " + " | ".join(mib) + " |"
         )
     return lines
 
