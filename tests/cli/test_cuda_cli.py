@@ -59,6 +59,8 @@ def test_build_inspect_run_on_the_gpu(cli, digits, tmp_path) -> None:
     )
     assert r["backend"] == "cuda" and r["cuda_graph"] and r["compute_measured_by"] == "cuda events"
     assert r["latency_ms"]["median"] >= r["compute_ms"]["median"] > 0
+    # a batch of 64 8x8 images in float16 holds at least the input's cast copy (8 KiB)
+    assert r["memory"]["context_device_bytes"] >= 64 * 64 * 2
     x = np.random.default_rng(0).standard_normal((64, 1, 8, 8)).astype(np.float32)
     np.savez(tmp_path / "in.npz", input=x)
     rc, _, err = cli(

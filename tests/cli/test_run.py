@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx
 import pytest
+from onnx import numpy_helper
 
 from tests.cli.helpers import FAST, assert_one_line_error, ort_outputs, two_io_model
 
@@ -114,6 +116,18 @@ def test_json_has_the_statistics(cli, dynamic_engine):
         assert 0 <= s["min"] <= s["median"] <= s["p90"] <= s["p99"] <= s["max"]
     assert r["compute_ms"]["min"] <= r["latency_ms"]["max"]
     assert r["backend"] == "reference" and r["built_in_memory"] is False
+
+
+def test_memory_is_reported(cli, mlp, dynamic_engine):
+    r = cli.json("run", dynamic_engine, *FAST, "--json")
+    weights = sum(numpy_helper.to_array(t).nbytes for t in onnx.load(mlp).graph.initializer)
+    m = r["memory"]
+    assert m["weights_bytes"] == weights
+    # the largest batch (8) through Relu and MatMul: at least h2 [8, 8] and y [8, 3] of float32
+    assert m["planned_activation_bytes"] >= (8 * 8 + 8 * 3) * 4
+    assert m["context_device_bytes"] is None  # (reported for cuda engines on a GPU)
+    rc, out, _ = cli("run", dynamic_engine, *FAST)
+    assert rc == 0 and f"memory: weights {weights / 1024:.1f} KiB, activations planned" in out
 
 
 def test_duration_is_a_minimum(cli, dynamic_engine):

@@ -19,6 +19,7 @@ from tensorkiln.cli.common import (
     input_shapes,
     load_inputs,
     load_or_build,
+    mib,
     non_negative,
     parse_shapes,
     percentiles,
@@ -220,6 +221,7 @@ def run_run(args: argparse.Namespace) -> int:
         run_feeds = _to_device(feeds) if args.device_io else feeds
         timings, outputs = measure(ctx, run_feeds, args.warmup, iterations, duration)
         outputs = _to_host(outputs)
+        held = ctx.device_memory_bytes() if on_gpu else None
         if args.use_cuda_graph and ctx.cuda_graph_fallback:
             print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
         profile = (
@@ -228,6 +230,11 @@ def run_run(args: argparse.Namespace) -> int:
             else None
         )
     result = _result(args, loaded, feeds, origin, outputs, timings, profile)
+    result["memory"] = {
+        "weights_bytes": engine.weight_bytes,
+        "planned_activation_bytes": engine.memory.get("peak_bytes"),
+        "context_device_bytes": held,  # what the context's pools hold after the runs (GPU only)
+    }
     if args.save_outputs:
         save_npz(args.save_outputs, outputs)
     if args.export_times:
@@ -323,6 +330,13 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
         f"iterations in {r['wall_s']:.3f} s"
     )
     print(f"throughput: {r['throughput_qps']:.2f} qps")
+    m = r["memory"]
+    parts = [f"weights {mib(m['weights_bytes'])}"]
+    if m["planned_activation_bytes"] is not None:
+        parts.append(f"activations planned {mib(m['planned_activation_bytes'])}")
+    if m["context_device_bytes"] is not None:
+        parts.append(f"context holds {mib(m['context_device_bytes'])} on the device")
+    print("memory: " + ", ".join(parts))
     keys = list(r["latency_ms"])
     print_table(
         ["ms", *keys],

@@ -114,6 +114,16 @@ class Engine:
         return TensorSpec(v.name, dtype, shape, is_input, ranges)
 
     @property
+    def weight_bytes(self) -> int:
+        """Bytes of the engine's weights (initializers, subgraphs' included) as stored."""
+
+        def total(g: Graph) -> int:
+            n = sum(int(getattr(v.const, "nbytes", 0)) for v in g.initializers)
+            return n + sum(total(sub) for node in g.nodes for sub in node.subgraphs())
+
+        return total(self.graph)
+
+    @property
     def num_layers(self) -> int:
         return len(self.graph.nodes)
 
