@@ -379,6 +379,10 @@ def environment() -> dict:
     return env
 
 
+def log(line: str) -> None:
+    print(line, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="resnet50,bert,gpt2,vit")
@@ -405,7 +409,6 @@ def main(argv: list[str] | None = None) -> int:
         cache = Path(tmp) / "timing.cache"
         for name in args.models.split(","):
             try:
-                log = lambda s: print(s, flush=True)  # noqa: E731
                 results["models"].append(
                     large_batch(name, Path(tmp), cache, large[name], log, timed=False)
                     if args.memory_only

@@ -61,9 +61,9 @@ class ExecutionContext:
             # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
             self._pool, self._stream = pools.acquire(dev)
             weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
-            if not use_cuda_graph:  # (a graph's activations are its own pool's, at capture)
+            if not use_cuda_graph:
                 self._reserve(engine.memory)
-            if use_cuda_graph:
+            else:  # (a graph's activations are in its own pool, taken at capture)
                 # (the runner must not hold the context: a cycle would leave a dropped context's
                 # graphs and memory to the garbage collector, on whichever thread it runs)
                 executor, graph_inputs = self._executor, engine.graph.inputs

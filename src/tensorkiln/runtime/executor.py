@@ -71,14 +71,11 @@ class Executor:
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
 
-    def upload_weights(self) -> int:
-        """Put the main graph's initializers on the device now (not at the first run); their
-        bytes. Subgraphs' initializers are uploaded when first used."""
-        total = 0
+    def upload_weights(self) -> None:
+        """Put the main graph's initializers on the device now (not at the first run).
+        Subgraphs' initializers are uploaded when first used."""
         for v in self.graph.initializers:
-            c = self.const(v)
-            total += c.numel() * c.element_size() if hasattr(c, "element_size") else 0
-        return total
+            self.const(v)
 
     def _plan(self, graph: Graph) -> list[_Step]:
         plan = self._plans.get(id(graph))
