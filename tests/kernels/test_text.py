@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
-from tests.kernels.ort_oracle import check_against_ort, run_kernel
+from tests.kernels.ort_oracle import check_against_ort, run_kernel, run_ort
 
 WORDS = ["a", "bb", "Ccc", "dD", "éé", "Ünï", "x y", "", "Zz", "monday"]
 
@@ -113,3 +115,73 @@ def test_tfidf_unigrams_only_with_skips():
     }
     got = check_against_ort("TfIdfVectorizer", {"X": x}, attrs, opset=9)[0]
     np.testing.assert_array_equal(got, np.stack([(x == v).sum(1) for v in (1, 3, 5)], 1))
+
+
+def _regex_model(pattern: str, x: np.ndarray | None = None):
+    """RegexFullMatch of the input X, or of a Constant holding ``x`` when it is given."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("RegexFullMatch", ["X"], ["Y"], pattern=pattern)]
+    inputs = [helper.make_tensor_value_info("X", TensorProto.STRING, [None])]
+    if x is not None:
+        value = helper.make_tensor("c", TensorProto.STRING, x.shape, [s.encode() for s in x])
+        nodes.insert(0, helper.make_node("Constant", [], ["X"], value=value))
+        inputs = []
+    out = helper.make_tensor_value_info("Y", TensorProto.BOOL, [None])
+    graph = helper.make_graph(nodes, "regex", inputs, [out])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+def test_regex_nested_quantifiers_answer_in_linear_time(backend):
+    """``(a+)+b`` backtracks exponentially in Python's ``re``; RE2 answers at once, as onnxruntime."""
+    from tensorkiln.builder import Builder
+    from tensorkiln.kernels.registry import has_kernel
+
+    if backend == "cuda":
+        pytest.importorskip("torch")
+    assert has_kernel("RegexFullMatch", "", backend)
+    rng = np.random.default_rng()
+    n = 40
+    x = np.array(
+        ["a" * n, "a" * n + "b", "a" * int(rng.integers(1, n)) + "c", "b", ""], dtype=object
+    )
+    x = x[rng.permutation(len(x))]
+    pattern = "(a+)+b"
+    want = run_ort(_regex_model(pattern), {"X": x})[0]
+    builder = Builder(backend, device="cpu" if backend == "cuda" else None)
+    t0 = time.perf_counter()
+    got = builder.build(_regex_model(pattern), progress=False).create_execution_context()
+    got = got.infer({"X": x})["Y"]
+    folded = builder.build(_regex_model(pattern, x), progress=False).create_execution_context()
+    folded = folded.infer({})["Y"]
+    assert time.perf_counter() - t0 < 10.0  # backtracking needs ~2**40 steps
+    np.testing.assert_array_equal(np.asarray(got), want)
+    np.testing.assert_array_equal(np.asarray(folded), want)
+
+
+def test_regex_invalid_pattern_is_a_clear_error():
+    from tensorkiln.builder import Builder
+    from tensorkiln.errors import TensorkilnError
+
+    x = np.array(["ab", "(a"], dtype=object)
+    ctx = Builder("reference").build(_regex_model("(a"), progress=False)
+    with pytest.raises(TensorkilnError, match=r"RegexFullMatch.*'\(a'.*not a valid RE2.*pattern"):
+        ctx.create_execution_context().infer({"X": x})
+    with pytest.raises(TensorkilnError, match="not a valid RE2"):
+        run_kernel("RegexFullMatch", {"X": x}, {"pattern": "a{2,1}"}, opset=20)
+
+
+def test_regex_without_re2_refuses_and_names_the_package(monkeypatch):
+    """No silent fallback to Python's backtracking ``re``."""
+    import sys
+
+    from tensorkiln.errors import UnsupportedOpError
+    from tensorkiln.kernels.reference import text
+
+    text._compile_re2.cache_clear()
+    monkeypatch.setitem(sys.modules, "re2", None)  # import re2 now raises ImportError
+    x = np.array(["ab"], dtype=object)
+    with pytest.raises(UnsupportedOpError, match="pip install google-re2"):
+        run_kernel("RegexFullMatch", {"X": x}, {"pattern": "a+b"}, opset=20)
+    text._compile_re2.cache_clear()

@@ -1,7 +1,7 @@
 """String operators and TfIdfVectorizer on the cuda backend: all run on the host.
 
 torch has no string tensors, so string values never leave the host and these ops run their
-reference kernels there; TfIdfVectorizer counts n-grams of a token pool, host logic on small
+reference kernels there (RegexFullMatch through RE2, as on the reference backend); TfIdfVectorizer counts n-grams of a token pool, host logic on small
 token tensors (its string form could not run on the device anyway).
 """
 

@@ -6,11 +6,13 @@ or list comprehensions (there is no faster numpy form for Python strings).
 
 from __future__ import annotations
 
+import functools
 import operator
-import re
+from typing import Any
 
 import numpy as np
 
+from tensorkiln.errors import GraphError, UnsupportedOpError
 from tensorkiln.kernels.registry import register
 
 
@@ -27,15 +29,45 @@ def string_concat(X: np.ndarray, Y: np.ndarray) -> np.ndarray:
     return _as_str_array(np.frompyfunc(operator.add, 2, 1)(X, Y), shape)
 
 
+def _re2() -> Any:
+    """The RE2 binding. Python's ``re`` is no substitute: ONNX specifies RE2's semantics, and a
+    backtracking engine takes exponential time on patterns like ``(a+)+b`` from a stranger's model.
+    """
+    try:
+        import re2  # imported when used: without it only models with RegexFullMatch fail
+    except ImportError:
+        raise UnsupportedOpError(
+            "RegexFullMatch needs the RE2 binding, which this Python lacks; "
+            "install it with: pip install google-re2"
+        ) from None
+    return re2
+
+
+@functools.lru_cache(maxsize=64)
+def _compile_re2(pattern: str) -> Any:
+    re2 = _re2()
+    options = re2.Options()
+    options.log_errors = False  # the error goes into our message, not onto stderr
+    try:
+        return re2.compile(pattern, options)
+    except re2.error as exc:
+        why = (
+            exc.args[0].decode(errors="replace")
+            if exc.args and isinstance(exc.args[0], bytes)
+            else str(exc)
+        )
+        raise GraphError(
+            f"RegexFullMatch: the pattern {pattern!r} is not a valid RE2 regular expression "
+            f"({why}); fix the node's 'pattern' attribute"
+        ) from None
+
+
 @register("RegexFullMatch", since=1)
 def regex_full_match(X: np.ndarray, *, pattern: str | None = None) -> np.ndarray:
-    """Whether each string matches ``pattern`` entirely (RE2 syntax; Python ``re`` here)."""
+    """Whether each string matches ``pattern`` entirely, with RE2's semantics (linear time)."""
     if pattern is None:
-        raise ValueError("RegexFullMatch: the 'pattern' attribute is required.")
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise ValueError(f"RegexFullMatch: invalid pattern {pattern!r}: {exc}") from None
+        raise GraphError("RegexFullMatch: the 'pattern' attribute is required")
+    regex = _compile_re2(pattern)
     flat = [regex.fullmatch(s) is not None for s in X.reshape(-1)]
     return np.array(flat, dtype=np.bool_).reshape(X.shape)
 
