@@ -45,6 +45,10 @@ class BuildReport:
         if self.timing_cache:
             tc = self.timing_cache
             lines.append(f"timing cache: {tc['hits']} hits, {tc['misses']} misses")
+        kept = [x for x in self.layers if x.get("fallback")]
+        if kept:  # tuning could not measure these; they run their default kernel
+            lines.append(f"tuning kept the default kernel of {len(kept)} layers:")
+            lines += [f"  {x['name']}: {x['fallback']}" for x in kept]
         if self.memory:
             lines.append(
                 f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "

@@ -2,19 +2,24 @@
 
 Per layer with more than one applicable tactic:
 
-1. inputs: the layer's weights as they are, activations drawn fresh from a normal distribution
-   (never zeros) at the first profile's opt shapes;
+1. inputs: the layer's weights as they are, and the activations the graph itself computes at the
+   first profile's opt shapes from drawn model inputs (:mod:`tensorkiln.tactics.inputs`), so
+   that each op sees values in its domain; drawn ones where those are not known;
 2. oracle: the op's default kernel on the same inputs in float32 with TF32 off;
-3. each candidate runs once and must match the oracle (relative L2 error under the precision's
-   tolerance), or it is rejected with the reason recorded;
-4. each accepted candidate is warmed up, then timed with CUDA events: by default ``runs``
+3. the default kernel runs and is timed: it is what runs without tuning, so it is never
+   rejected; where it cannot run or the oracle has no finite value, the layer keeps it and
+   records why (``fallback``) rather than failing the build;
+4. each candidate runs once and must match the oracle where the oracle is finite (relative L2
+   error under the precision's tolerance, or no worse than the default's), with the same inf
+   and NaN elsewhere, or it is rejected with the reason recorded;
+5. each accepted candidate is warmed up, then timed with CUDA events: by default ``runs``
    replays of a CUDA graph holding several calls (the kernels' time without Python's launch
    overhead, as engines run under --use-cuda-graph), or single calls where capture fails; the
    median wins, every timing goes into the engine and the cache, and the layer records how long
    its tuning took (``tune_s``).
 
-Layers whose inputs are not all floating point, or whose shapes depend on values, keep their
-default kernel. A timing cache hit skips steps 1-4.
+Layers whose shapes depend on values, or whose non-float inputs have no real values, keep their
+default kernel. A timing cache hit skips steps 1-5.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.errors import BuildError, EngineCompatibilityError
+from tensorkiln.errors import EngineCompatibilityError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache
+from tensorkiln.tactics.inputs import LayerInputs
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for
 
 # relative L2 error a candidate may show against the float32 oracle, by compute precision
@@ -78,17 +84,24 @@ def choose_tactics(
     others = [_concrete_types(graph, s) for s in also_shapes if s != shapes]
     layers = []
     with use_device(executor.device), torch.no_grad():
-        for node in graph.nodes:
+        # the real activations are only worth computing when something is measured on them
+        values = LayerInputs(graph, executor, shapes) if options.enabled else None
+        for i, node in enumerate(graph.nodes):
             t0 = time.perf_counter()
-            layer = _tune_layer(graph, node, executor, (types, *others), options, cache, log)
+            layer = _tune_layer(
+                graph, node, executor, (types, *others), options, cache, log, values
+            )
             if "candidates" in layer:
                 layer["tune_s"] = round(time.perf_counter() - t0, 3)
             layers.append(layer)
+            if values is not None:
+                values.advance(i, node)
     return layers
 
 
-def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
-    """``types``: the values' types at the opt shapes, then at the profiles' other shapes."""
+def _tune_layer(graph, node, executor, types, options, cache, log, values) -> dict:
+    """``types``: the values' types at the opt shapes, then at the profiles' other shapes;
+    ``values``: the graph's activations at the opt shapes (None when nothing is measured)."""
     entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
     layer = describe_layer(node, entry) | {"tactic": "default"}
     spec, *other_specs = (_spec(node, t, executor.device.type) for t in types)
@@ -116,11 +129,15 @@ def _tune_layer(graph, node, executor, types, options, cache, log) -> dict:
     ):
         layer.update(_cached_choice(hit))
         return layer
-    args = _inputs(node, spec, executor)
+    args = values.for_layer(node, spec) if values is not None else None
     if args is None:
         return layer
     choice = _measure_candidates(node, entry, candidates, args, executor, options)
     layer.update(choice)
+    if "fallback" in choice:  # not a measurement: the next build tries again
+        if log is not None:
+            log(f"{node.name} ({node.op}): default kept: {choice['fallback']}")
+        return layer
     if cache is not None:
         cache.put(key, {k: choice[k] for k in CACHED_KEYS})
     if log is not None:
@@ -147,32 +164,40 @@ def _cached_choice(hit: dict) -> dict:
 
 
 def _measure_candidates(node, entry, candidates, args, executor, options) -> dict:
-    """Check every candidate against the oracle, time the ones that agree, pick the fastest."""
+    """Check every candidate against the oracle, time the ones that agree, pick the fastest.
+
+    The default kernel is what runs without tuning, so it is never rejected: where it cannot be
+    run or timed here, or the oracle has no finite value to check against, the layer keeps it
+    and says why (``fallback``) instead of failing the build. A candidate must match the oracle
+    within the precision's tolerance, or be no less accurate than the default (twice its error:
+    a reduced precision may miss the float32 oracle by more than the tolerance on large sums).
+    """
     scope = Scope(executor, {})
     n_out = len(node.outputs)
-    oracle = _oracle(entry, node, args, n_out, scope)
-    graph_ms: dict[str, float] = {}
-    eager_ms: dict[str, float] = {}
+    try:
+        oracle = _oracle(entry, node, args, n_out, scope)
+        default = invoke(entry, args, node.attrs, n_out, scope)
+        default_err = _rel_error(default, oracle)
+        default_ms = _time(entry, args, node.attrs, n_out, scope, executor.device, options)
+    except Exception as exc:  # e.g. drawn inputs outside what the op accepts
+        return _fallback(f"the default kernel failed on the tuning inputs: {_reason(exc)}")
+    if not _checkable(oracle):
+        return _fallback("the oracle has no finite output on the tuning inputs to check against")
+    bound = max(TOLERANCE[options.precision], 2 * default_err)
+    graph_ms, eager_ms = {"default": default_ms[0]}, {"default": default_ms[1]}
     rejected: dict[str, str] = {}
-    for name, fn in [("default", entry.fn)] + [(t.name, t.fn) for t in candidates]:
-        e = with_fn(entry, fn)
+    for t in candidates:
+        e = with_fn(entry, t.fn)
         try:
-            got = invoke(e, args, node.attrs, n_out, scope)
-            err = _rel_error(got, oracle)
-            if not err <= TOLERANCE[options.precision]:
-                rejected[name] = f"relative error {err:.2e} vs the float32 oracle"
+            err = _rel_error(invoke(e, args, node.attrs, n_out, scope), oracle)
+            if not err <= bound:
+                rejected[t.name] = f"relative error {err:.2e} vs the float32 oracle"
                 continue
-            graph_ms[name], eager_ms[name] = _time(
+            graph_ms[t.name], eager_ms[t.name] = _time(
                 e, args, node.attrs, n_out, scope, executor.device, options
             )
         except Exception as exc:  # a candidate that cannot run here is rejected, not fatal
-            rejected[name] = f"{type(exc).__name__}: {str(exc)[:200]}"
-    if not graph_ms:
-        why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
-        raise BuildError(
-            f"layer '{node.name}' ({node.op}): no implementation ran correctly on this device "
-            f"({why})"
-        )
+            rejected[t.name] = _reason(exc)
     out = {
         "tactic": min(graph_ms, key=graph_ms.get),
         "timings_ms": {k: round(v, 5) for k, v in graph_ms.items()},
@@ -182,6 +207,14 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     if rejected:
         out["rejected"] = rejected
     return out
+
+
+def _fallback(why: str) -> dict:
+    return {"tactic": "default", "tactic_eager": "default", "fallback": why}
+
+
+def _reason(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
 def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, list[str]]:
@@ -287,26 +320,6 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -
     return sig
 
 
-def _inputs(node: Node, spec: LayerSpec, executor: Executor) -> list | None:
-    import torch
-
-    from tensorkiln.kernels.cuda.convert import torch_dtype
-
-    gen = torch.Generator(device=executor.device).manual_seed(len(node.name))
-    args: list = []
-    for v, shape, dtype in zip(node.inputs, spec.shapes, spec.dtypes):
-        if v is None:
-            args.append(None)
-        elif v.const is not None:
-            args.append(executor.const(v))
-        elif dtype in ("float32", "float16", "bfloat16", "float64"):
-            t = torch.randn(shape, generator=gen, device=executor.device, dtype=torch.float32)
-            args.append(t.to(torch_dtype(dtype)))
-        else:
-            return None  # indices, masks, shapes: their values matter; keep the default kernel
-    return args
-
-
 def _oracle(entry, node, args, n_out, scope) -> list:
     import torch
 
@@ -332,6 +345,8 @@ class _fp32_math:
 
 
 def _rel_error(got: list, want: list) -> float:
+    """The worst relative L2 error of ``got``'s float outputs against the oracle's, compared
+    where the oracle is finite; where it is not, ``got`` must hold the same inf or NaN."""
     import torch
 
     worst = 0.0
@@ -341,11 +356,25 @@ def _rel_error(got: list, want: list) -> float:
         if not isinstance(g, torch.Tensor) or g.shape != w.shape:
             return float("inf")
         g64, w64 = g.double(), w.double()
+        finite = torch.isfinite(w64)
+        same_nan = torch.equal(torch.isnan(g64), torch.isnan(w64))
+        inf = torch.isinf(w64)
+        if not same_nan or not torch.equal(g64[inf], w64[inf]):
+            return float("inf")
+        g64, w64 = g64[finite], w64[finite]
         if not torch.isfinite(g64).all():
             return float("inf")
         denom = torch.linalg.vector_norm(w64).item() or 1.0
         worst = max(worst, torch.linalg.vector_norm(g64 - w64).item() / denom)
     return worst
+
+
+def _checkable(oracle: list) -> bool:
+    """Whether the oracle's float outputs hold a finite value to compare (or none are float)."""
+    import torch
+
+    floats = [w for w in oracle if isinstance(w, torch.Tensor) and w.is_floating_point()]
+    return not floats or any(w.numel() == 0 or bool(torch.isfinite(w).any()) for w in floats)
 
 
 def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> tuple[float, float]:
