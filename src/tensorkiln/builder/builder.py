@@ -21,7 +21,7 @@ import onnx
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
 from tensorkiln.builder.memory import plan_memory
 from tensorkiln.engine.engine import Engine, target_of
-from tensorkiln.errors import BuildError, InputError, TensorkilnError
+from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
 from tensorkiln.ir import Graph
 from tensorkiln.kernels.registry import lookup
@@ -37,6 +37,7 @@ class BuildReport:
     layers: list[dict] = field(default_factory=list)
     memory: dict = field(default_factory=dict)
     timing_cache: dict = field(default_factory=dict)  # hits and misses of the tactic timing cache
+    notes: list[str] = field(default_factory=list)  # what the user may want to know or change
 
     def summary(self) -> str:
         lines = [f"layers: {len(self.layers)} (from {self.nodes_before} nodes)"]
@@ -49,6 +50,7 @@ class BuildReport:
         if kept:  # tuning could not measure these; they run their default kernel
             lines.append(f"tuning kept the default kernel of {len(kept)} layers:")
             lines += [f"  {x['name']}: {x['fallback']}" for x in kept]
+        lines += [f"note: {n}" for n in self.notes]
         if self.memory:
             lines.append(
                 f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "
@@ -127,6 +129,7 @@ class Builder:
                     report.layers, report.timing_cache = _tune(
                         graph, config, self.device, precision
                     )
+                    report.notes += _guessed_shapes_notes(graph, config)
                 else:
                     report.layers = _choose_tactics(graph, self.backend)
             with _phase(report, "memory", bar):
@@ -151,6 +154,7 @@ class Builder:
                 "nodes_before": report.nodes_before,
                 "precision": precision,
                 "timing_cache": report.timing_cache,
+                "notes": report.notes,
             },
             target=target_of(self.backend, self.device),
         )
@@ -266,18 +270,72 @@ def _tune(
         # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few
         max_candidates=None if config.optimization_level >= 4 else 4,
     )
-    with math_mode(precision):
-        layers = choose_tactics(
-            graph,
-            device,
-            shapes,
-            options,
-            cache,
-            also_shapes=_profile_extremes(graph, config.profiles),
-        )
+    try:
+        with math_mode(precision):
+            layers = choose_tactics(
+                graph,
+                device,
+                shapes,
+                options,
+                cache,
+                also_shapes=_profile_extremes(graph, config.profiles),
+            )
+    except GraphError as exc:  # the model does not infer at the shapes it is tuned at
+        raise BuildError(_tuning_shapes_error(graph, config.profiles, exc)) from None
     if config.timing_cache:
         cache.save(config.timing_cache)
     return layers, {"hits": cache.hits, "misses": cache.misses}
+
+
+def _unprofiled_axes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, list[str]]:
+    """Input -> its dynamic axes ("2 (height)") that no profile sizes: tuned at 1."""
+    given = profiles[0].shapes if profiles else {}
+    return {
+        v.name: [f"{a} ({d})" for a, d in enumerate(v.shape) if not isinstance(d, int)]
+        for v in graph.inputs
+        if v.name not in given
+        and v.shape is not None
+        and not all(isinstance(d, int) for d in v.shape)
+    }
+
+
+def _tuning_shapes_error(graph: Graph, profiles: list[OptimizationProfile], exc: Exception) -> str:
+    """The build error when the model does not infer at the shapes the builder tunes at: where
+    those were guessed (1 for a dynamic axis without a profile), which inputs need a profile, as
+    TensorRT refuses dynamic inputs without one."""
+    guessed = _unprofiled_axes(graph, profiles)
+    if not guessed:
+        return f"the model does not run at the optimization profile's shapes: {exc}"
+    axes = "; ".join(f"'{name}' axes {', '.join(a)}" for name, a in guessed.items())
+    shapes = {v.name: v.shape for v in graph.inputs if v.name in guessed}
+    example = " ".join(
+        f"{name}:" + "x".join(str(d) if isinstance(d, int) else f"<{d}>" for d in shape)
+        for name, shape in shapes.items()
+    )
+    return (
+        f"the model has dynamic inputs but no optimization profile sizes them ({axes}); tuning "
+        f"at 1 for each such axis fails: {exc}. Give the shapes to tune for with --opt-shapes "
+        f"(and --min-shapes/--max-shapes for a range), e.g. --opt-shapes {example}; in Python, "
+        "BuilderConfig.add_optimization_profile"
+    )
+
+
+def _guessed_shapes_notes(graph: Graph, config: BuilderConfig) -> list[str]:
+    """A note where layers were tuned at 1 for a dynamic axis past the first (a batch axis is
+    routinely tuned at 1; a sequence or image size of 1 says little about real ones)."""
+    if config.optimization_level <= 0 or config.tactic_sources == set():
+        return []
+    guessed = {
+        name: [a for a in axes if not a.startswith("0 ")]
+        for name, axes in _unprofiled_axes(graph, config.profiles).items()
+    }
+    axes = "; ".join(f"'{name}' axes {', '.join(a)}" for name, a in guessed.items() if a)
+    if not axes:
+        return []
+    return [
+        f"kernels were tuned at size 1 for dynamic axes without a profile ({axes}); give "
+        "--opt-shapes for timings that match the shapes the engine will run at"
+    ]
 
 
 def _profile_extremes(

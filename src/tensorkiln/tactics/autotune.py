@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.errors import EngineCompatibilityError
+from tensorkiln.errors import EngineCompatibilityError, GraphError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.ir.printer import format_graph
@@ -80,8 +80,13 @@ def choose_tactics(
     from tensorkiln.kernels.cuda.convert import use_device
 
     executor = Executor(graph, "cuda", device)
-    types = _concrete_types(graph, shapes)
-    others = [_concrete_types(graph, s) for s in also_shapes if s != shapes]
+    try:
+        types = _concrete_types(graph, shapes)
+        others = [_concrete_types(graph, s) for s in also_shapes if s != shapes]
+    except GraphError:
+        if _measures(options):
+            raise
+        types, others = {}, []  # nothing is timed: every layer keeps its default, unlisted
     layers = []
     with use_device(executor.device), torch.no_grad():
         # the real activations are only worth computing when something is measured on them
@@ -97,6 +102,11 @@ def choose_tactics(
             if values is not None:
                 values.advance(i, node)
     return layers
+
+
+def _measures(options: TuneOptions) -> bool:
+    """Whether tuning times anything (at level 0, or with no tactic source allowed, it does not)."""
+    return options.enabled and options.sources != frozenset()
 
 
 def _tune_layer(graph, node, executor, types, options, cache, log, values) -> dict:
@@ -247,8 +257,13 @@ def describe_layer(node: Node, entry: KernelEntry) -> dict:
 
 
 def _concrete_types(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> dict[str, TensorType]:
-    """Types of every top-level value with the inputs at ``shapes`` (weights shared, not copied)."""
-    g = infer_at_shapes(graph, shapes)
+    """Types of every top-level value with the inputs at ``shapes`` (weights shared, not copied);
+    a GraphError says at which input shapes the model does not infer."""
+    try:
+        g = infer_at_shapes(graph, shapes)
+    except GraphError as exc:
+        at = ", ".join(f"{k} {'x'.join(map(str, v))}" for k, v in shapes.items())
+        raise type(exc)(f"at input shapes {at}: {exc}") from None
     return {v.name: v.type for v in g.values() if isinstance(v.type, TensorType)}
 
 
