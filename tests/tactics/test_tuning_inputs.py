@@ -26,7 +26,7 @@ F = TensorProto.FLOAT
 D = 16
 
 
-def _rms_norm_model():
+def rms_norm_model():
     """T5's RMS norm as exported: w * (x * 1 / sqrt(mean(x^2) + eps))."""
     rng = np.random.default_rng()
     w = (rng.standard_normal(D) * 0.1 + 1).astype(np.float32)
@@ -61,7 +61,7 @@ def _pointwise(engine) -> list[dict]:
 
 
 def test_rms_norm_is_tuned_on_the_graphs_own_values() -> None:
-    m = _rms_norm_model()
+    m = rms_norm_model()
     engine, _ = _build(m)
     layers = _pointwise(engine)
     assert layers, engine.layers
@@ -88,7 +88,7 @@ def test_drawn_inputs_are_compared_where_the_oracle_is_finite(monkeypatch) -> No
         return autotune.invoke(entry, args, attrs, n_out, scope)
 
     monkeypatch.setattr(inputs, "invoke", invoke)
-    m = _rms_norm_model()
+    m = rms_norm_model()
     engine, _ = _build(m)
     assert failed
     layers = _pointwise(engine)
@@ -101,9 +101,8 @@ def test_drawn_inputs_are_compared_where_the_oracle_is_finite(monkeypatch) -> No
     np.testing.assert_allclose(got, run_ort(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
 
 
-def test_t5_encoder_builds_at_level_3(tmp_path) -> None:
-    """A tiny random T5 encoder as torch.onnx.export writes it: its RMS norms become Pointwise
-    layers, each tuned on the variance the model computes."""
+def export_tiny_t5(path) -> tuple:
+    """A tiny random T5 encoder exported by torch.onnx to ``path``: (module, token ids)."""
     transformers = pytest.importorskip("transformers")
     config = transformers.T5Config(
         vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
@@ -111,13 +110,19 @@ def test_t5_encoder_builds_at_level_3(tmp_path) -> None:
     )  # fmt: skip
     net = transformers.T5EncoderModel(config).eval()
     ids = np.random.default_rng().integers(0, 64, (1, 12))
-    path = tmp_path / "t5.onnx"
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(
             net, (torch.from_numpy(ids),), str(path), input_names=["input_ids"],
             output_names=["h"], dynamo=False, opset_version=17,
         )  # fmt: skip
+    return net, ids
+
+
+def test_t5_encoder_builds_at_level_3(tmp_path) -> None:
+    """T5's RMS norms become Pointwise layers, each tuned on the variance the model computes."""
+    path = tmp_path / "t5.onnx"
+    net, ids = export_tiny_t5(path)
     engine, _ = _build(str(path))
     norms = [x for x in _pointwise(engine) if "layer_norm" in x["name"]]
     assert norms, engine.layers
@@ -147,7 +152,7 @@ def _failing_time(*args, **kwargs):
 def test_a_tuning_problem_keeps_the_default(monkeypatch, tmp_path, target, replacement, why):
     """The build goes on with the default kernel and says why, and caches no measurement."""
     monkeypatch.setattr(autotune, target, replacement)
-    m = _rms_norm_model()
+    m = rms_norm_model()
     config = BuilderConfig(optimization_level=3)
     config.timing_cache = str(tmp_path / "timing.cache")
     engine, report = _build(m, config)
