@@ -119,3 +119,16 @@ def test_other_dynamic_axes_build_with_a_note() -> None:
     assert "--opt-shapes" in report.notes[0] and report.notes[0] in report.summary()
     assert engine.build["notes"] == report.notes
     _check_runs(engine, m, [(2, 7, 16)])
+
+
+def test_a_profile_the_model_cannot_run_at_is_named() -> None:
+    """6x6 gives 3x3 and, upsampled, 4x4: the profile's min shape does not fit the model."""
+    config = BuilderConfig(optimization_level=3)
+    config.add_optimization_profile(
+        OptimizationProfile().set_shape("x", (1, 3, 6, 6), (1, 3, 16, 16), (2, 3, 32, 32))
+    )
+    with pytest.raises(BuildError) as info:
+        _cuda_build(detector_neck(), config)
+    msg = str(info.value)
+    assert "does not run at the optimization profile's shapes" in msg and "\n" not in msg
+    assert "x 1x3x6x6" in msg and "/model.11/Concat" in msg

@@ -181,3 +181,12 @@ def test_relative_error_compares_where_the_oracle_is_finite() -> None:
     assert autotune._rel_error([finite], [want]) == float("inf")
     assert autotune._checkable([want])
     assert not autotune._checkable([torch.full((4,), float("nan"))])
+
+
+def test_a_candidate_may_be_as_far_off_as_the_default_within_reason() -> None:
+    tol = autotune.TOLERANCE["fp16"]
+    assert autotune._bound(tol, 0.0) == tol
+    assert autotune._bound(tol, 3 * tol) == 6 * tol  # a reduced-precision sum off the oracle
+    assert autotune._bound(tol, 100 * tol) == 10 * tol  # a default that far off vouches little
+    assert autotune._bound(tol, float("inf")) == 10 * tol
+    assert autotune._bound(tol, float("nan")) == tol
