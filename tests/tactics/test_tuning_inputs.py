@@ -190,3 +190,28 @@ def test_a_candidate_may_be_as_far_off_as_the_default_within_reason() -> None:
     assert autotune._bound(tol, 100 * tol) == 10 * tol  # a default that far off vouches little
     assert autotune._bound(tol, float("inf")) == 10 * tol
     assert autotune._bound(tol, float("nan")) == tol
+
+
+def test_a_failing_constraint_check_means_the_tactic_does_not_apply(monkeypatch) -> None:
+    """A tactic's supports() or estimate() that raises on an odd layer rules the tactic out (or
+    scores it 0); the build goes on with the tactics that do apply."""
+    from tensorkiln.tactics import registry
+
+    def broken(spec):
+        raise IndexError("an attribute this check did not expect")
+
+    registry._load()
+    table = {k: dict(v) for k, v in registry._TACTICS.items()}
+    monkeypatch.setattr(registry, "_TACTICS", table)
+    registry.tactic(
+        "Pointwise", domain="tensorkiln", name="t_broken", supports=broken, estimate=broken
+    )(lambda *a, **k: None)
+    m = rms_norm_model()
+    engine, _ = _build(m)
+    for layer in _pointwise(engine):
+        assert layer["candidates"] == ["default", "triton"], layer
+    t = registry.get_tactic("Pointwise", "tensorkiln", "t_broken")
+    assert t is not None and t.score(None) == 0.0
+    x = np.random.default_rng().standard_normal((2, 8, D)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(got, run_ort(m, {"x": x})[0], rtol=1e-5, atol=1e-5)

@@ -47,10 +47,23 @@ class Tactic:
     estimate: Callable[[LayerSpec], float] | None = None
 
     def score(self, spec: LayerSpec) -> float:
-        return 0.0 if self.estimate is None else float(self.estimate(spec))
+        """How well the tactic should suit the layer (0 where it has no estimate, or the
+        estimate fails on this layer)."""
+        if self.estimate is None:
+            return 0.0
+        try:
+            return float(self.estimate(spec))
+        except Exception:  # a third-party model's odd layer must not fail the build
+            return 0.0
 
     def applies(self, spec: LayerSpec) -> bool:
-        return self.supports is None or bool(self.supports(spec))
+        """Whether the tactic can run the layer; a constraint check that fails says no."""
+        if self.supports is None:
+            return True
+        try:
+            return bool(self.supports(spec))
+        except Exception:  # a third-party model's odd layer must not fail the build
+            return False
 
 
 _TACTICS: dict[tuple[str, str], dict[str, Tactic]] = {}
