@@ -305,7 +305,8 @@ def _tuning_shapes_error(graph: Graph, profiles: list[OptimizationProfile], exc:
     TensorRT refuses dynamic inputs without one."""
     guessed = _unprofiled_axes(graph, profiles)
     if not guessed:
-        return f"the model does not run at the optimization profile's shapes: {exc}"
+        where = "the optimization profile's shapes" if profiles else "its declared input shapes"
+        return f"the model does not run at {where}: {exc}"
     axes = "; ".join(f"'{name}' axes {', '.join(a)}" for name, a in guessed.items())
     shapes = {v.name: v.shape for v in graph.inputs if v.name in guessed}
     example = " ".join(
