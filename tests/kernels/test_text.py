@@ -185,3 +185,13 @@ def test_regex_without_re2_refuses_and_names_the_package(monkeypatch):
     with pytest.raises(UnsupportedOpError, match="pip install google-re2"):
         run_kernel("RegexFullMatch", {"X": x}, {"pattern": "a+b"}, opset=20)
     text._compile_re2.cache_clear()
+
+
+def test_regex_follows_re2_where_python_re_differs():
+    r"""RE2's ``\d`` and ``\w`` are ASCII where Python's are Unicode, and RE2 knows POSIX classes:
+    the answers are onnxruntime's, which uses RE2 too."""
+    rng = np.random.default_rng()
+    words = ["١٢٣", "123", "éa", "ea", "a1", "ß"]
+    x = np.array([words[i] for i in rng.permutation(len(words))], dtype=object)
+    for pattern in [r"\d+", r"\w+", r"[[:alpha:]]+\d?", r"(?i)EA"]:
+        check_against_ort("RegexFullMatch", {"X": x}, {"pattern": pattern}, opset=20)
