@@ -133,6 +133,29 @@ def existing_file(path: str) -> Path:
     return p
 
 
+TIMING_CACHE_MAX_BYTES = 256 << 20  # far above any real cache; a bound before reading it whole
+
+
+def timing_cache_file(text: str | None) -> str | None:
+    """--timing-cache: a regular file of bounded size, or one to be created (checked up front,
+    so /dev/zero or a folder is a one-line error rather than a read without end)."""
+    if text is None:
+        return None
+    p = Path(text)
+    if p.exists() or p.is_symlink():
+        if not p.is_file():
+            raise CLIError(f"timing cache '{p}' is not a regular file; pass a .json file path")
+        size = p.stat().st_size
+        if size > TIMING_CACHE_MAX_BYTES:
+            raise CLIError(
+                f"timing cache '{p}' is {size:,} bytes, more than a timing cache can be "
+                f"({TIMING_CACHE_MAX_BYTES:,}); delete it or pass another file"
+            )
+    elif not p.parent.is_dir():
+        raise CLIError(f"cannot create timing cache '{p}': folder '{p.parent}' does not exist")
+    return text
+
+
 def is_engine_file(path: Path) -> bool:
     """Engines are recognised by their magic bytes, whatever the file is called."""
     with open(path, "rb") as f:

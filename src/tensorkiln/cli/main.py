@@ -10,6 +10,7 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,8 +86,21 @@ def _one_line(text: str) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
+    """Warnings (a precision the backend does not implement, ...) as one line on stderr."""
+    print(f"tensorkiln: warning: {_one_line(str(message))}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.showwarning = _show_warning
+        return _handle(args)
+
+
+def _handle(args: argparse.Namespace) -> int:
     verbose = getattr(args, "verbose", False)
     try:
         return args.handler(args)
