@@ -180,3 +180,63 @@ def test_random_integer_inputs_and_scalar_outputs(cli, tmp_path):
     np.testing.assert_allclose(out["total"], out["out"].sum(), rtol=1e-5)
     rc, _, err = cli("run", model, *FAST, "--shapes", "a:2x3,k:3")
     assert_one_line_error(rc, err)
+
+
+def _foreign_engine(cli, mlp, path, version):
+    """An intact engine of another format version: the header says so, the rest is unchanged."""
+    from tensorkiln.engine import format as fmt
+
+    assert cli("build", mlp, "-o", path)[0] == 0
+    data = bytearray(path.read_bytes())
+    data[8:12] = version.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    assert version != fmt.FORMAT_VERSION
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b"", "it is empty"),
+        (b"TKENG", "a truncated tensorkiln engine"),
+        (b"name,value\n1,2\n", "a text file (it starts with 'name,value')"),
+        (b'{"format": "x"}\n', "a JSON file"),
+        (b"PK\x03\x04" + bytes(40), "a zip archive"),
+        (b"\x1f\x8b\x08\x00" + bytes(40), "gzip"),
+        (b"\x80\x04\x95" + bytes(40), "a Python pickle"),
+        (b"\x93NUMPY\x01\x00" + bytes(40), "a numpy .npy array"),
+        (bytes(range(1, 64)) * 4, "not a valid ONNX model"),  # binary, no known magic
+    ],
+)
+def test_a_file_that_is_no_model_is_named_by_its_content(cli, tmp_path, content, named):
+    for name in ("x.engine", "x.onnx"):  # the name decides nothing
+        path = tmp_path / name
+        path.write_bytes(content)
+        rc, _, err = cli("run", path, *FAST)
+        assert_one_line_error(rc, err)
+        assert "is neither a tensorkiln engine nor an ONNX model" in err or (
+            "is not a tensorkiln engine" in err
+        ), err
+        assert named in err, err
+
+
+def test_engine_and_onnx_are_told_apart_by_content_not_name(cli, mlp, tmp_path):
+    engine = tmp_path / "model.onnx"  # an engine with an ONNX name
+    assert cli("build", mlp, "-o", engine)[0] == 0
+    onnx_named_engine = tmp_path / "model.engine"  # and an ONNX model named like an engine
+    onnx_named_engine.write_bytes(mlp.read_bytes())
+    x = np.random.default_rng().standard_normal((2, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    want = ort_outputs(mlp, {"x": x})["y"]
+    for path in (engine, onnx_named_engine):
+        rc, _, err = cli("run", path, *FAST, "--load-inputs", tmp_path / "in.npz",
+                         "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+        assert rc == 0, err
+        np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_of_another_format_version_says_so(cli, mlp, tmp_path):
+    path = _foreign_engine(cli, mlp, tmp_path / "old.engine", 99)
+    rc, _, err = cli("run", path, *FAST)
+    assert_one_line_error(rc, err)
+    assert "engine format version 99" in err and "Rebuild" in err

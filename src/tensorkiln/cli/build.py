@@ -15,10 +15,11 @@ from tensorkiln.cli.common import (
     add_subcommand,
     byte_count,
     existing_file,
-    is_engine_file,
     mib,
+    not_a_model,
     parse_shapes,
     print_table,
+    sniff_file,
     timing_cache_file,
 )
 from tensorkiln.errors import InputError
@@ -211,11 +212,14 @@ def run_build(args: argparse.Namespace) -> int:
         source_name = Path((plan.get("source") or {}).get("name") or "model.onnx").name
     else:
         model = existing_file(args.model)
-        if is_engine_file(model):
+        kind = sniff_file(model)
+        if kind == "engine":
             raise CLIError(
                 f"'{model}' is an engine, not an ONNX model; to rebuild it use "
                 f"`tensorkiln build --from-engine {model} -o NEW.engine`"
             )
+        if kind is not None:
+            raise not_a_model(model, kind)
     builder = Builder(args.backend)
     config = _config(args, plan, builder.backend)
     t0 = time.perf_counter()

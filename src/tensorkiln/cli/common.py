@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
 
 ENGINE_MAGIC = b"TKENGINE"
 
@@ -162,6 +162,65 @@ def is_engine_file(path: Path) -> bool:
         return f.read(len(ENGINE_MAGIC)) == ENGINE_MAGIC
 
 
+# What files mistaken for models start with. ONNX (a protobuf) has no magic of its own, so a file
+# is an engine by its magic, one of these by theirs, and otherwise is tried as ONNX.
+_SIGNATURES = (
+    (b"PK\x03\x04", "a zip archive (an .npz, a PyTorch checkpoint or a zipped model?)"),
+    (b"\x1f\x8b", "a gzip-compressed file (decompress it first)"),
+    (b"\x93NUMPY", "a numpy .npy array"),
+    (b"\x89HDF\r\n", "an HDF5 file (a Keras model? export it to ONNX)"),
+    (b"\x7fELF", "an executable (ELF)"),
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+)
+_PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+def sniff_file(path: Path) -> str | None:
+    """'engine' for a tensorkiln engine; a description for a file that is surely not ONNX
+    ('empty', 'a zip archive (...)', 'a text file ...'); None for a file worth parsing as ONNX."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(ENGINE_MAGIC):
+        return "engine"
+    if not head:
+        return "empty"
+    if len(head) < len(ENGINE_MAGIC) and ENGINE_MAGIC.startswith(head):
+        return "a truncated tensorkiln engine"
+    for magic, what in _SIGNATURES:
+        if head.startswith(magic):
+            return what
+    if head[:2] in _PICKLE_PROTOCOLS:
+        return "a Python pickle (never loaded: pickles can run code)"
+    if head[8:10] == b'{"':  # an 8-byte header length, then the JSON header
+        return "a safetensors file (weights without a graph; export the model to ONNX)"
+    return _text_kind(head)
+
+
+def _text_kind(head: bytes) -> str | None:
+    """'a text file ...' when the first bytes read as text (protobuf field tags are not)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:  # may end inside a multi-byte character: retry without the end
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not text or not all(c.isprintable() or c in "\t\r\n" for c in text):
+        return None
+    first = text.strip().splitlines()[0][:40] if text.strip() else ""
+    kind = "JSON" if first[:1] in "{[" else "text"
+    return f"a {kind} file (it starts with {first!r})"
+
+
+def not_a_model(path: Path, what: str) -> CLIError:
+    """The error for a file that is neither an engine nor an ONNX model, naming what it is."""
+    return CLIError(
+        f"'{path}' is neither a tensorkiln engine nor an ONNX model: it is {what}; give an "
+        "engine from `tensorkiln build` or an .onnx model"
+    )
+
+
 def profile_from_shapes(shapes: dict[str, tuple[int, ...]]) -> Any:
     """One profile with min = opt = max for every named input (trtexec's --shapes at build time)."""
     from tensorkiln.builder import OptimizationProfile
@@ -190,25 +249,31 @@ def load_or_build(path: str, shapes: dict[str, tuple[int, ...]], backend: str = 
     from tensorkiln.engine import Engine
 
     p = existing_file(path)
-    if is_engine_file(p):
+    kind = sniff_file(p)  # by content, never by the file's name
+    if kind == "engine":
         return Loaded(Engine.load(p), p)
+    if kind is not None:
+        raise not_a_model(p, kind)
+    from tensorkiln.frontends.onnx import load_model_proto
+
+    try:
+        proto = load_model_proto(p)  # parsed once, here: the builder takes the ModelProto
+    except ModelLoadError as exc:
+        raise CLIError(f"'{p}' is not a tensorkiln engine (no TKENGINE magic), and {exc}") from None
     config = BuilderConfig()
-    dynamic = _dynamic_shapes(p, shapes)
+    dynamic = _dynamic_shapes(proto, shapes)
     if dynamic:
         config.add_optimization_profile(profile_from_shapes(dynamic))
     builder = Builder(backend)
     t0 = time.perf_counter()
-    engine = builder.build(p, config)
+    engine = builder.build(proto, config, source_name=p.name)
     return Loaded(engine, p, builder.last_report, time.perf_counter() - t0)
 
 
-def _dynamic_shapes(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def _dynamic_shapes(proto: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The --shapes entries worth a profile: those of inputs with a symbolic dim."""
     if not shapes:
         return {}
-    from tensorkiln.frontends.onnx import load_model_proto
-
-    proto = load_model_proto(path)
     inits = {t.name for t in proto.graph.initializer}
     declared = {}
     for vi in proto.graph.input:
