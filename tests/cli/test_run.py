@@ -240,3 +240,29 @@ def test_an_engine_of_another_format_version_says_so(cli, mlp, tmp_path):
     rc, _, err = cli("run", path, *FAST)
     assert_one_line_error(rc, err)
     assert "engine format version 99" in err and "Rebuild" in err
+
+
+def test_huge_random_input_is_refused_before_allocating(cli, tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "huge",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [60000, 80000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [60000, 80000])],
+    )
+    model = tmp_path / "huge.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    rc, _, err = cli("run", model, *FAST)
+    assert_one_line_error(rc, err)
+    want = 60000 * 80000 * 4
+    assert "'x' of shape [60000, 80000]" in err and f"{want:,} bytes" in err, err
+    assert "--max-input-bytes 18G" in err
+
+
+def test_max_input_bytes_moves_the_limit(cli, mlp):
+    rc, _, err = cli("run", mlp, *FAST, "--shapes", "x:65x4", "--max-input-bytes", "1K")
+    assert_one_line_error(rc, err)
+    assert "needs 1,040 bytes" in err and "limit of 1,024" in err
+    rc, _, err = cli("run", mlp, *FAST, "--shapes", "x:64x4", "--max-input-bytes", "1K")
+    assert rc == 0, err  # 64 x 4 float32 is exactly 1 KiB: at the limit, not above it

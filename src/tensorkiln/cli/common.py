@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -316,10 +317,45 @@ def input_shapes(engine: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, t
     return out
 
 
+RANDOM_INPUT_LIMIT = 2 << 30  # bytes per random input unless --max-input-bytes says otherwise
+
+
+def add_input_limit_option(p: argparse.ArgumentParser) -> None:
+    """--max-input-bytes: the bound random_inputs checks before allocating."""
+    p.add_argument(
+        "--max-input-bytes",
+        type=byte_count,
+        default=RANDOM_INPUT_LIMIT,
+        metavar="BYTES",
+        help=f"largest random input to allocate, e.g. 512M or 16G (default {mib(RANDOM_INPUT_LIMIT)})",
+    )
+
+
+def _check_input_size(name: str, shape: tuple[int, ...], dt: Any, limit: int) -> None:
+    """Refuse before allocating: a huge fixed shape must be a clear error, not a MemoryError."""
+    nbytes = math.prod(shape) * np.dtype(dt.numpy).itemsize
+    if nbytes > limit:
+        raise InputError(
+            f"random input '{name}' of shape {list(shape)} ({dt.name}) needs {nbytes:,} bytes "
+            f"({nbytes / (1 << 30):.1f} GiB), above the limit of {limit:,}; give smaller --shapes "
+            f"or raise the limit with --max-input-bytes {_round_up_gib(nbytes)}G"
+        )
+
+
+def _round_up_gib(nbytes: int) -> int:
+    return -(-nbytes // (1 << 30))
+
+
 def random_inputs(
-    engine: Any, shapes: dict[str, tuple[int, ...]], seed: int | None = None
+    engine: Any,
+    shapes: dict[str, tuple[int, ...]],
+    seed: int | None = None,
+    limit: int = RANDOM_INPUT_LIMIT,
 ) -> dict[str, np.ndarray]:
-    """Standard normal floats, small non-negative integers (0..9), random booleans."""
+    """Standard normal floats, small non-negative integers (0..9), random booleans.
+
+    Raises InputError, before allocating, for an input of more than ``limit`` bytes.
+    """
     from tensorkiln.ir import DType
 
     rng = np.random.default_rng(seed)
@@ -331,6 +367,7 @@ def random_inputs(
                 f"input '{spec.name}' has no declared type; give it with --load-inputs"
             )
         dt = DType[spec.dtype]
+        _check_input_size(spec.name, shape, dt, limit)
         if dt.is_float:
             feeds[spec.name] = rng.standard_normal(shape).astype(dt.numpy)
         elif dt.numpy == np.bool_:

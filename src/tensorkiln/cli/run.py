@@ -14,6 +14,7 @@ import numpy as np
 from tensorkiln.cli.common import (
     CLIError,
     add_backend_option,
+    add_input_limit_option,
     add_subcommand,
     check_feed_names,
     input_shapes,
@@ -86,6 +87,7 @@ def add_parser(sub: Any) -> None:
         help="latency percentiles to report (default 90,95,99)",
     )
     p.add_argument("--seed", type=int, help="seed for the random inputs")
+    add_input_limit_option(p)
     p.add_argument("--export-times", metavar="JSON", help="write each iteration's timings as JSON")
     p.add_argument(
         "--dump-profile",
@@ -207,7 +209,7 @@ def run_run(args: argparse.Namespace) -> int:
         check_feed_names(engine, feeds, f"'{args.load_inputs}'")
         origin = args.load_inputs
     else:
-        feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed)
+        feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed, args.max_input_bytes)
         origin = "random"
     iterations, duration = _iterations_and_duration(args)
     on_gpu = engine.backend == "cuda" and engine.device == "cuda"
