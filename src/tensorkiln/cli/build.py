@@ -201,6 +201,17 @@ def _first(*values: Any) -> Any:
 
 
 def run_build(args: argparse.Namespace) -> int:
+    engine, report, total, config = build_engine(args)
+    try:
+        engine.save(args.output)
+    except OSError as exc:
+        raise CLIError(f"cannot write '{args.output}': {exc.strerror or exc}") from None
+    print_report(args, engine, report, total, config)
+    return 0
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any, float, Any]:
+    """(engine, build report, seconds, config) for the build flags in ``args``; saves nothing."""
     from tensorkiln.builder import Builder
 
     if (args.model is None) == (args.from_engine is None):
@@ -224,13 +235,7 @@ def run_build(args: argparse.Namespace) -> int:
     config = _config(args, plan, builder.backend)
     t0 = time.perf_counter()
     engine = builder.build(model, config, source_name=source_name)
-    total = time.perf_counter() - t0
-    try:
-        engine.save(args.output)
-    except OSError as exc:
-        raise CLIError(f"cannot write '{args.output}': {exc.strerror or exc}") from None
-    _print_report(args, engine, builder.last_report, total, config)
-    return 0
+    return engine, builder.last_report, time.perf_counter() - t0, config
 
 
 FUSED_SHOWN = 20  # fused layers listed in the build report
@@ -249,11 +254,13 @@ def _print_tuning(engine: Any, report: Any) -> None:
     )
 
 
-def _print_report(
+def print_report(
     args: argparse.Namespace, engine: Any, report: Any, total: float, config: Any
 ) -> None:
+    """The build report: layers, precisions, profiles, phases, passes, fusions, memory."""
     src = args.from_engine or args.model
-    print(f"built {src} -> {args.output} in {total * 1e3:.1f} ms (backend {engine.backend})")
+    dst = args.output or "an engine in memory"
+    print(f"built {src} -> {dst} in {total * 1e3:.1f} ms (backend {engine.backend})")
     # what the engine records: the precisions its backend implements, not every flag given
     allowed = engine.build.get("config", {}).get("precisions", ["fp32"])
     print(

@@ -60,14 +60,18 @@ def add_subcommand(sub: Any, name: str, help: str, epilog: str) -> argparse.Argu
 
 
 def parse_shapes(text: str | None, flag: str = "--shapes") -> dict[str, tuple[int, ...]]:
-    """'a:1x3x224x224,b:1x128' -> {'a': (1, 3, 224, 224), 'b': (1, 128)}; 'c:' is a scalar."""
+    """'a:1x3x224x224,b:1x128' -> {'a': (1, 3, 224, 224), 'b': (1, 128)}, as trtexec reads them:
+    the name ends at the last ':' and may be quoted ('input:0':1x3); 'c:' or 'c:scalar' is 0-d."""
     shapes: dict[str, tuple[int, ...]] = {}
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
         name, sep, dims = item.rpartition(":")
+        if len(name) >= 2 and name[0] == name[-1] == "'":
+            name = name[1:-1]
         try:
             if not sep or not name:
                 raise ValueError
-            shape = tuple(int(d) for d in dims.split("x")) if dims else ()
+            scalar = dims in ("", "scalar")
+            shape = () if scalar else tuple(int(d) for d in dims.split("x"))
             if any(d < 0 for d in shape):
                 raise ValueError
         except ValueError:

@@ -13,6 +13,7 @@ import numpy as np
 
 from tensorkiln.cli.common import (
     CLIError,
+    Loaded,
     add_backend_option,
     add_input_limit_option,
     add_subcommand,
@@ -94,6 +95,12 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="per-layer times (from a separate profiling run of as many iterations)",
     )
+    p.add_argument(
+        "--avg-runs",
+        type=_positive_int,
+        metavar="N",
+        help="also report the mean times of each N consecutive iterations",
+    )
     p.add_argument("--json", action="store_true", help="print all results as one JSON object")
     p.add_argument(
         "--use-cuda-graph",
@@ -110,6 +117,13 @@ def add_parser(sub: Any) -> None:
         p, "backend for an .onnx model built in memory (auto: cuda where a GPU is present)"
     )
     p.set_defaults(handler=run_run)
+
+
+def _positive_int(text: str) -> int:
+    value = non_negative(int)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 @dataclass
@@ -196,14 +210,19 @@ def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
 def run_run(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shapes)
     loaded = load_or_build(args.model, shapes, args.backend)
-    engine = loaded.engine
-    note = sys.stderr if args.json else sys.stdout
     if loaded.built is not None:
         print(
             f"built {loaded.path.name} in memory ({len(loaded.built.layers)} layers, "
             f"{loaded.build_s * 1e3:.1f} ms); save an engine with `tensorkiln build` to skip this",
-            file=note,
+            file=sys.stderr if args.json else sys.stdout,
         )
+    return run_loaded(args, loaded, shapes)
+
+
+def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple[int, ...]]) -> int:
+    """Time ``loaded.engine`` as the run flags in ``args`` say, and report."""
+    engine = loaded.engine
+    note = sys.stderr if args.json else sys.stdout
     if args.load_inputs:
         feeds = load_inputs(args.load_inputs)
         check_feed_names(engine, feeds, f"'{args.load_inputs}'")
@@ -232,6 +251,8 @@ def run_run(args: argparse.Namespace) -> int:
             else None
         )
     result = _result(args, loaded, feeds, origin, outputs, timings, profile)
+    if args.avg_runs:
+        result["averages"] = _averages(timings, args.avg_runs)
     result["memory"] = {
         "weights_bytes": engine.weight_bytes,
         "planned_activation_bytes": engine.memory.get("peak_bytes"),
@@ -307,6 +328,22 @@ def _result(
     return result
 
 
+def _averages(t: Timings, runs: int) -> list[dict]:
+    """Mean times over each window of ``runs`` consecutive iterations (trtexec's --avgRuns)."""
+    out = []
+    for i in range(0, len(t.latency_s), runs):
+        window = slice(i, i + runs)
+        out.append(
+            {
+                "runs": len(t.latency_s[window]),
+                "latency_ms": float(np.mean(t.latency_s[window])) * 1e3,
+                "compute_ms": float(np.mean(t.compute_s[window])) * 1e3,
+                "enqueue_ms": float(np.mean(t.enqueue_s[window])) * 1e3,
+            }
+        )
+    return out
+
+
 def _per_iteration(t: Timings) -> list[dict]:
     return [
         {
@@ -355,6 +392,11 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
             )
         ],
     )
+    for a in r.get("averages", []):
+        print(
+            f"average on {a['runs']} runs - latency: {a['latency_ms']:.4f} ms - compute: "
+            f"{a['compute_ms']:.4f} ms (enqueue {a['enqueue_ms']:.4f} ms)"
+        )
     if "profile" in r:
         print()
         print_table(
