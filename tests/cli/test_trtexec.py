@@ -146,6 +146,7 @@ def test_model_flags_must_make_sense_together(cli, mlp, tmp_path):
         [f"--onnx={mlp}", f"--loadEngine={engine}"],
         [f"--loadEngine={engine}", "--minShapes=x:1x4"],
         [f"--loadEngine={engine}", f"--saveEngine={tmp_path / 'n'}"],
+        [f"--loadEngine={engine}", "--fp16"],  # the engine's precision was chosen at its build
     ):
         assert_one_line_error(*cli("trtexec", *argv)[::2], code=2)
     rc, _, err = cli("trtexec", f"--loadEngine={mlp}", *FAST)  # an ONNX model, not an engine

@@ -154,6 +154,21 @@ flags:
 """
 
 
+# what only a build uses: with --loadEngine these would do nothing, so they are refused
+BUILD_ONLY = (
+    "save_engine",
+    "min_shapes",
+    "opt_shapes",
+    "max_shapes",
+    "timing_cache",
+    "opt_level",
+    "best",
+    "no_tf32",
+    "backend",
+    *build.PRECISION_FLAGS,
+)
+
+
 class UsageError(Exception):
     """A flag trtexec would not accept, or one tensorkiln does not implement: exit 2."""
 
@@ -251,7 +266,7 @@ def _check_combination(opts: dict[str, Any]) -> None:
     if ("onnx" in opts) == ("load_engine" in opts):
         raise UsageError("give one model: --onnx=MODEL.onnx or --loadEngine=FILE.engine")
     if "load_engine" in opts:
-        for dest in ("save_engine", "min_shapes", "opt_shapes", "max_shapes", "timing_cache"):
+        for dest in BUILD_ONLY:
             if dest in opts:
                 name = next(n for n, f in SUPPORTED.items() if f.dest == dest)
                 raise UsageError(f"{name} is a build flag; it has no use with --loadEngine")
