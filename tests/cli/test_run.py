@@ -256,7 +256,7 @@ def test_huge_random_input_is_refused_before_allocating(cli, tmp_path):
     rc, _, err = cli("run", model, *FAST)
     assert_one_line_error(rc, err)
     want = 60000 * 80000 * 4
-    assert "'x' of shape [60000, 80000]" in err and f"{want:,} bytes" in err, err
+    assert "random FLOAT input 'x' of shape [60000, 80000]" in err and f"{want:,} bytes" in err, err
     assert "--max-input-bytes 18G" in err
 
 
@@ -266,3 +266,38 @@ def test_max_input_bytes_moves_the_limit(cli, mlp):
     assert "needs 1,040 bytes" in err and "limit of 1,024" in err
     rc, _, err = cli("run", mlp, *FAST, "--shapes", "x:64x4", "--max-input-bytes", "1K")
     assert rc == 0, err  # 64 x 4 float32 is exactly 1 KiB: at the limit, not above it
+
+
+def test_load_inputs_checks_each_array_size_before_reading_it(cli, mlp, tmp_path):
+    import zipfile
+
+    # an .npz whose header promises a 40 GB array: refused from the header, nothing allocated
+    bomb = tmp_path / "bomb.npz"
+    header = np.lib.format.header_data_from_array_1_0(np.zeros((1, 4), np.float32))
+    header["shape"] = (100000, 100000)
+    with zipfile.ZipFile(bomb, "w") as z, z.open("x.npy", "w") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", bomb)
+    assert_one_line_error(rc, err)
+    assert "input 'x'" in err and "[100000, 100000]" in err and "40,000,000,000 bytes" in err
+
+    x = np.random.default_rng().standard_normal((65, 4)).astype(np.float32)  # 1,040 bytes
+    np.savez_compressed(tmp_path / "in.npz", x=x)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", tmp_path / "in.npz",
+                     "--max-input-bytes", "1K")  # fmt: skip
+    assert_one_line_error(rc, err)
+    assert "needs 1,040 bytes" in err
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", tmp_path / "in.npz",
+                     "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+    assert rc == 0, err
+    want = ort_outputs(mlp, {"x": x})["y"]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello\n", np.lib.format.MAGIC_PREFIX + bytes(20)])
+def test_load_inputs_that_are_not_an_npz_say_so(cli, mlp, tmp_path, content):
+    path = tmp_path / "in.npz"
+    path.write_bytes(content)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", path)
+    assert_one_line_error(rc, err)
+    assert "is not an .npz file of named arrays" in err

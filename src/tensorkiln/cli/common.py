@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,18 +332,21 @@ def add_input_limit_option(p: argparse.ArgumentParser) -> None:
         type=byte_count,
         default=RANDOM_INPUT_LIMIT,
         metavar="BYTES",
-        help=f"largest random input to allocate, e.g. 512M or 16G (default {mib(RANDOM_INPUT_LIMIT)})",
+        help="largest input array to allocate, random or from --load-inputs, e.g. 512M or 16G "
+        f"(default {mib(RANDOM_INPUT_LIMIT)})",
     )
 
 
-def _check_input_size(name: str, shape: tuple[int, ...], dt: Any, limit: int) -> None:
-    """Refuse before allocating: a huge fixed shape must be a clear error, not a MemoryError."""
-    nbytes = math.prod(shape) * np.dtype(dt.numpy).itemsize
+def _check_input_size(
+    what: str, shape: Sequence[int], itemsize: int, limit: int, hint: str
+) -> None:
+    """Refuse before allocating: a huge shape must be a clear error, not a MemoryError."""
+    nbytes = math.prod(shape) * itemsize
     if nbytes > limit:
         raise InputError(
-            f"random input '{name}' of shape {list(shape)} ({dt.name}) needs {nbytes:,} bytes "
-            f"({nbytes / (1 << 30):.1f} GiB), above the limit of {limit:,}; give smaller --shapes "
-            f"or raise the limit with --max-input-bytes {_round_up_gib(nbytes)}G"
+            f"{what} of shape {list(shape)} needs {nbytes:,} bytes ({nbytes / (1 << 30):.1f} GiB), "
+            f"above the limit of {limit:,}; {hint}raise the limit with --max-input-bytes "
+            f"{_round_up_gib(nbytes)}G"
         )
 
 
@@ -371,7 +375,10 @@ def random_inputs(
                 f"input '{spec.name}' has no declared type; give it with --load-inputs"
             )
         dt = DType[spec.dtype]
-        _check_input_size(spec.name, shape, dt, limit)
+        what = f"random {dt.name} input '{spec.name}'"
+        _check_input_size(
+            what, shape, np.dtype(dt.numpy).itemsize, limit, "give smaller --shapes or "
+        )
         if dt.is_float:
             feeds[spec.name] = rng.standard_normal(shape).astype(dt.numpy)
         elif dt.numpy == np.bool_:
@@ -386,15 +393,36 @@ def random_inputs(
     return feeds
 
 
-def load_inputs(path: str) -> dict[str, np.ndarray]:
+def load_inputs(path: str, limit: int = RANDOM_INPUT_LIMIT) -> dict[str, np.ndarray]:
+    """Named arrays from an .npz file; each array's header is read, and its size checked against
+    ``limit``, before the array itself (a small compressed file can hold a huge array)."""
     p = existing_file(path)
+    if not zipfile.is_zipfile(p):
+        kind = sniff_file(p)
+        what = {"engine": "a tensorkiln engine", None: "not a zip archive"}.get(kind, kind)
+        raise CLIError(
+            f"'{p}' is not an .npz file of named arrays (it is {what}); save with np.savez"
+        )
     try:
         with np.load(p, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise ValueError("it holds one array, not named arrays (save with np.savez)")
+            for member in data.zip.namelist():
+                _check_npz_member(p, data.zip, member, limit)
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise CLIError(f"cannot read inputs from '{p}': {exc}") from None
+
+
+def _check_npz_member(path: Path, archive: zipfile.ZipFile, member: str, limit: int) -> None:
+    from numpy.lib import format as npy
+
+    readers = {(1, 0): npy.read_array_header_1_0, (2, 0): npy.read_array_header_2_0}
+    with archive.open(member) as f:
+        version = npy.read_magic(f)
+        if version not in readers:
+            raise ValueError(f"'{member}' has .npy format version {version}, not 1.0 or 2.0")
+        shape, _, dtype = readers[version](f)
+    name = member.removesuffix(".npy")
+    _check_input_size(f"input '{name}' in '{path}'", shape, dtype.itemsize, limit, "")
 
 
 def check_feed_names(engine: Any, feeds: dict[str, Any], where: str) -> None:

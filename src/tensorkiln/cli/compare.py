@@ -324,7 +324,7 @@ def run_compare(args: argparse.Namespace) -> int:
         _check_built_from(loaded, model)
     engine = loaded.engine
     if args.load_inputs:
-        feeds = load_inputs(args.load_inputs)
+        feeds = load_inputs(args.load_inputs, args.max_input_bytes)
         check_feed_names(engine, feeds, f"'{args.load_inputs}'")
     else:
         feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed, args.max_input_bytes)

@@ -224,7 +224,7 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
     engine = loaded.engine
     note = sys.stderr if args.json else sys.stdout
     if args.load_inputs:
-        feeds = load_inputs(args.load_inputs)
+        feeds = load_inputs(args.load_inputs, args.max_input_bytes)
         check_feed_names(engine, feeds, f"'{args.load_inputs}'")
         origin = args.load_inputs
     else:
