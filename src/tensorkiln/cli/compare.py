@@ -447,7 +447,7 @@ def _row(name: str, r: dict) -> list[str]:
         num(rel["max"]),
         num(rel["median"]),
         num(r["rel_l2"]),
-        f"{r['cosine']:.6f}",
+        f"{r['cosine']:.8f}",
         verdict,
     ]
 
@@ -456,7 +456,7 @@ def _failed_check(name: str, c: dict) -> str:
     if name == "elemwise":
         return f"{c['value']} elements beyond atol and rtol"
     if name == "cosine":
-        return f"cosine {c['value']:.6f} < {c['threshold']:g}"
+        return f"cosine {c['value']:.8f} < {c['threshold']:g}"
     if name == "rel_l2":
         label = "rel L2" if "of" not in c else "max abs"
         return f"{label} {c['value']:.3e} > {c['threshold']:g}"
