@@ -130,7 +130,7 @@ def non_negative(kind: type) -> Any:
 # ----------------------------------------------------------------------------- models and engines
 
 
-def existing_file(path: str) -> Path:
+def existing_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
         raise CLIError(f"file '{p}' does not exist")
@@ -247,7 +247,9 @@ class Loaded:
     build_s: float = 0.0
 
 
-def load_or_build(path: str, shapes: dict[str, tuple[int, ...]], backend: str = "auto") -> Loaded:
+def load_or_build(
+    path: str | os.PathLike, shapes: dict[str, tuple[int, ...]], backend: str = "auto"
+) -> Loaded:
     """Load an engine file, or build an ONNX model in memory (``shapes`` fixes dynamic inputs)."""
     import time
 

@@ -311,17 +311,7 @@ def run_compare(args: argparse.Namespace) -> int:
     _check_is_onnx(model)
     criteria = Criteria.from_args(args)
     shapes = parse_shapes(args.shapes)
-    if args.engine:
-        kind = sniff_file(existing_file(args.engine))
-        if kind != "engine":
-            what = f"it is {kind}" if kind else "it has no TKENGINE magic (an ONNX model?)"
-            raise CLIError(
-                f"--engine '{args.engine}' is not a tensorkiln engine: {what}; "
-                "give the ONNX model first and its engine with --engine"
-            )
-    loaded = load_or_build(args.engine or args.model, {} if args.engine else shapes)
-    if args.engine:
-        _check_built_from(loaded, model)
+    loaded = _engine_of(args.engine, model) if args.engine else load_or_build(model, shapes)
     engine = loaded.engine
     if args.load_inputs:
         feeds = load_inputs(args.load_inputs, args.max_input_bytes)
@@ -354,6 +344,20 @@ def _check_is_onnx(model: Path) -> None:
         )
     if kind is not None:
         raise not_a_model(model, kind)
+
+
+def _engine_of(path: str, model: Path) -> Loaded:
+    """The engine --engine names, refused unless it was built from ``model``."""
+    kind = sniff_file(existing_file(path))
+    if kind != "engine":
+        what = f"it is {kind}" if kind else "it has no TKENGINE magic (an ONNX model?)"
+        raise CLIError(
+            f"--engine '{path}' is not a tensorkiln engine: {what}; "
+            "give the ONNX model first and its engine with --engine"
+        )
+    loaded = load_or_build(path, {})
+    _check_built_from(loaded, model)
+    return loaded
 
 
 def _check_built_from(loaded: Loaded, model: Path) -> None:
