@@ -158,6 +158,8 @@ def test_verbose_shows_the_traceback(cli, tmp_path):
     missing = tmp_path / "missing.onnx"
     rc, _, err = cli("trtexec", f"--onnx={missing}", "--verbose")
     assert rc == 1 and "Traceback" in err and "does not exist" in err
+    rc, _, err = cli("--verbose", "trtexec", f"--onnx={missing}")  # tensorkiln's, before
+    assert rc == 1 and "Traceback" in err
     rc, _, err = cli("trtexec", f"--onnx={missing}")
     assert_one_line_error(rc, err)
 

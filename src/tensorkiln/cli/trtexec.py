@@ -249,7 +249,8 @@ def run_trtexec(args: argparse.Namespace) -> int:
         _check_combination(opts)
     except UsageError as exc:
         _usage_error(str(exc))
-    args.verbose = opts.get("verbose", False)  # main reads it when an error reaches it
+    # main reads it when an error reaches it; `tensorkiln --verbose trtexec ...` set it already
+    args.verbose = getattr(args, "verbose", False) or opts.get("verbose", False)
     loaded = _build(opts) if "onnx" in opts else _load(opts["load_engine"])
     if opts.get("skip_inference"):
         return 0
