@@ -91,8 +91,9 @@ def _not_implemented(precisions: Any) -> None:
         names = "/".join(p.upper() for p in later)
         raise BuildError(
             f"{names} {'is' if len(later) == 1 else 'are'} not implemented yet: no tensorkiln "
-            f"backend has {names} kernels; build without {', '.join(later)} "
-            "(fp16 or bf16 are the reduced precisions the cuda backend implements)"
+            f"backend has {names} kernels; build without "
+            + " and ".join(f"--{p} (set_flag('{p}'))" for p in later)
+            + "; fp16 and bf16 are the reduced precisions the cuda backend implements"
         )
 
 
