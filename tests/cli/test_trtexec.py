@@ -57,6 +57,39 @@ def test_build_save_and_run_with_a_shape_range(cli, mlp, tmp_path):
     np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
 
 
+def test_raw_inputs_exported_outputs_and_profile(cli, tmp_path):
+    """--loadInputs (raw files, the quoted name of one input) and --exportOutput against
+    onnxruntime; --exportProfile lists every layer."""
+    from tests.cli.helpers import two_io_model
+
+    model = two_io_model(tmp_path / "two.onnx")  # a float[N,3] and an int64 k[N]
+    rng = np.random.default_rng()
+    a = rng.standard_normal((5, 3)).astype(np.float32)
+    a.tofile(tmp_path / "a.bin")
+    outputs, profile = tmp_path / "out.json", tmp_path / "profile.json"
+    rc, out, err = cli(
+        "trtexec", f"--onnx={model}", "--shapes=a:5x3,k:5", f"--loadInputs='a':{tmp_path / 'a.bin'}",
+        f"--exportOutput={outputs}", f"--exportProfile={profile}", *FAST,
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "input  a: float32 [5, 3] (raw files, random for k)" in out
+    assert "per-layer profile (" not in out  # exported, not printed (no --dumpProfile)
+    assert {row["op"] for row in json.loads(profile.read_text())} >= {"ReduceSum"}
+    rows = {row["name"]: row for row in json.loads(outputs.read_text())}
+    assert rows["out"]["dimensions"] == "5x3" and rows["total"]["dimensions"] == ""
+    # k was random: recover it from the output (out = a*a + k) and check both against onnxruntime
+    got = np.array(rows["out"]["values"], np.float32).reshape(5, 3)
+    k = np.rint(got[:, 0] - a[:, 0] ** 2).astype(np.int64)
+    want = ort_outputs(model, {"a": a, "k": k})
+    np.testing.assert_allclose(got, want["out"], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(rows["total"]["values"], want["total"], rtol=1e-5)
+    # a raw file of the wrong size says what it needed
+    rc, _, err = cli("trtexec", f"--onnx={model}", "--shapes=a:4x3,k:4",
+                     f"--loadInputs=a:{tmp_path / 'a.bin'}", *FAST)  # fmt: skip
+    assert_one_line_error(rc, err)
+    assert "holds 60 bytes" in err and "needs 48" in err
+
+
 def test_load_engine_runs_it(cli, mlp, tmp_path):
     engine = tmp_path / "mlp.engine"
     rc, out, err = cli("trtexec", f"--onnx={mlp}", f"--saveEngine={engine}", "--shapes=x:2x4",
@@ -112,7 +145,8 @@ def test_timing_cache_file_is_the_builds(cli, mlp, tmp_path):
     ("argv", "says"),
     [
         (["--memPoolSize=workspace:1024"], "trtexec flag --memPoolSize is not supported"),
-        (["--loadInputs=x:x.bin"], "--load-inputs"),
+        (["--loadInputs=x.bin"], "bad entry 'x.bin': expected NAME:FILE"),
+        (["--dumpOutput"], "--exportOutput=FILE.json"),
         (["--int4"], "INT4 is not implemented yet"),
         (["--noSuchFlag"], "unknown trtexec flag --noSuchFlag"),
         (["--saveEngine", "m.engine"], "take their value after '='"),

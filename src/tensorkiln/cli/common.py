@@ -427,6 +427,37 @@ def _check_npz_member(path: Path, archive: zipfile.ZipFile, member: str, limit: 
     _check_input_size(f"input '{name}' in '{path}'", shape, dtype.itemsize, limit, "")
 
 
+def load_raw_inputs(
+    engine: Any, files: dict[str, str], shapes: dict[str, tuple[int, ...]], limit: int
+) -> dict[str, np.ndarray]:
+    """Inputs from raw binary files, one per input (trtexec's --loadInputs): each file holds the
+    input's elements in its dtype, C order, for its shape; its size must match exactly."""
+    from tensorkiln.ir import DType
+
+    specs = {s.name: s for s in engine.inputs}
+    unknown = [n for n in files if n not in specs]
+    if unknown:
+        raise InputError(
+            f"--loadInputs names unknown input(s) {', '.join(map(repr, unknown))}; the inputs "
+            f"are {', '.join(map(repr, specs))}"
+        )
+    feeds = {}
+    for name, path in files.items():
+        dtype = np.dtype(DType[specs[name].dtype].numpy)
+        shape = shapes[name]
+        _check_input_size(f"input '{name}'", shape, dtype.itemsize, limit, "")
+        p = existing_file(path)
+        want = math.prod(shape) * dtype.itemsize
+        size = p.stat().st_size
+        if size != want:
+            raise InputError(
+                f"'{p}' holds {size:,} bytes; input '{name}' of shape {list(shape)} "
+                f"({dtype}) needs {want:,}; set its shape with --shapes"
+            )
+        feeds[name] = np.fromfile(p, dtype=dtype, count=math.prod(shape)).reshape(shape)
+    return feeds
+
+
 def check_feed_names(engine: Any, feeds: dict[str, Any], where: str) -> None:
     names = [s.name for s in engine.inputs]
     unknown = [k for k in feeds if k not in names]

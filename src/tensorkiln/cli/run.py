@@ -21,6 +21,7 @@ from tensorkiln.cli.common import (
     input_shapes,
     load_inputs,
     load_or_build,
+    load_raw_inputs,
     mib,
     non_negative,
     parse_shapes,
@@ -90,6 +91,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--seed", type=int, help="seed for the random inputs")
     add_input_limit_option(p)
     p.add_argument("--export-times", metavar="JSON", help="write each iteration's timings as JSON")
+    p.add_argument(
+        "--export-profile",
+        metavar="JSON",
+        help="write the per-layer times as JSON (from a profiling run, as --dump-profile)",
+    )
     p.add_argument(
         "--dump-profile",
         action="store_true",
@@ -223,13 +229,7 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
     """Time ``loaded.engine`` as the run flags in ``args`` say, and report."""
     engine = loaded.engine
     note = sys.stderr if args.json else sys.stdout
-    if args.load_inputs:
-        feeds = load_inputs(args.load_inputs, args.max_input_bytes)
-        check_feed_names(engine, feeds, f"'{args.load_inputs}'")
-        origin = args.load_inputs
-    else:
-        feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed, args.max_input_bytes)
-        origin = "random"
+    feeds, origin = _feeds(args, engine, shapes)
     iterations, duration = _iterations_and_duration(args)
     on_gpu = engine.backend == "cuda" and engine.device == "cuda"
     if (args.use_cuda_graph or args.device_io) and not on_gpu:
@@ -247,7 +247,7 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
             print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
         profile = (
             profile_layers(ctx, engine, feeds, len(timings.latency_s))
-            if args.dump_profile
+            if args.dump_profile or args.export_profile
             else None
         )
     result = _result(args, loaded, feeds, origin, outputs, timings, profile)
@@ -262,11 +262,34 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
         save_npz(args.save_outputs, outputs)
     if args.export_times:
         write_text(args.export_times, json.dumps(_per_iteration(timings), indent=1) + "\n")
+    if args.export_profile:
+        write_text(args.export_profile, json.dumps(profile, indent=1) + "\n")
+    if getattr(args, "export_output", None):  # trtexec's --exportOutput
+        write_text(args.export_output, json.dumps(_outputs_json(outputs)) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_text(args, result)
     return 0
+
+
+def _feeds(
+    args: argparse.Namespace, engine: Any, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Any], str]:
+    """The inputs and where they came from: an .npz, raw files per input (trtexec's
+    --loadInputs, random data for the rest) or random data."""
+    if args.load_inputs:
+        feeds = load_inputs(args.load_inputs, args.max_input_bytes)
+        check_feed_names(engine, feeds, f"'{args.load_inputs}'")
+        return feeds, args.load_inputs
+    concrete = input_shapes(engine, shapes)
+    feeds = random_inputs(engine, concrete, args.seed, args.max_input_bytes)
+    raw = getattr(args, "raw_inputs", None)
+    if not raw:
+        return feeds, "random"
+    feeds.update(load_raw_inputs(engine, raw, concrete, args.max_input_bytes))
+    rest = [k for k in feeds if k not in raw]
+    return feeds, "raw files" + (f", random for {', '.join(rest)}" if rest else "")
 
 
 def _to_device(feeds: dict) -> dict:
@@ -344,6 +367,18 @@ def _averages(t: Timings, runs: int) -> list[dict]:
     return out
 
 
+def _outputs_json(outputs: dict) -> list[dict]:
+    """Outputs as trtexec's --exportOutput writes them: name, dimensions ('2x3'), values."""
+    return [
+        {
+            "name": name,
+            "dimensions": "x".join(str(d) for d in np.shape(v)),
+            "values": np.asarray(v).ravel().tolist(),
+        }
+        for name, v in outputs.items()
+    ]
+
+
 def _per_iteration(t: Timings) -> list[dict]:
     return [
         {
@@ -397,7 +432,7 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
             f"average on {a['runs']} runs - latency: {a['latency_ms']:.4f} ms - compute: "
             f"{a['compute_ms']:.4f} ms (enqueue {a['enqueue_ms']:.4f} ms)"
         )
-    if "profile" in r:
+    if "profile" in r and args.dump_profile:
         print()
         print_table(
             ["layer", "op", "total ms", "average ms", "percent"],
@@ -417,3 +452,5 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
         print(f"outputs saved to {args.save_outputs}")
     if args.export_times:
         print(f"per-iteration times written to {args.export_times}")
+    if args.export_profile:
+        print(f"per-layer profile written to {args.export_profile}")

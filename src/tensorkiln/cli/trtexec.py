@@ -71,6 +71,23 @@ def _text(text: str) -> str:
     return text
 
 
+def _name_files(text: str) -> dict[str, str]:
+    """--loadInputs's 'NAME:FILE,NAME:FILE' (the name up to the last ':', maybe quoted)."""
+    files: dict[str, str] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, path = item.rpartition(":")
+        if len(name) >= 2 and name[0] == name[-1] == "'":
+            name = name[1:-1]
+        if not sep or not name or not path:
+            raise ValueError(f"bad entry '{item}': expected NAME:FILE, e.g. x:x.bin")
+        if name in files:
+            raise ValueError(f"input '{name}' is given twice")
+        files[name] = path
+    if not files:
+        raise ValueError("needs NAME:FILE entries")
+    return files
+
+
 SUPPORTED: dict[str, Flag] = {
     "--onnx": Flag("onnx", "the ONNX model to build", _text),
     "--saveEngine": Flag("save_engine", "write the engine built from --onnx here", _text),
@@ -99,6 +116,9 @@ SUPPORTED: dict[str, Flag] = {
     "--separateProfileRun": Flag("separate_profile", "per-layer times come from a separate run"),
     "--dumpProfile": Flag("dump_profile", "print per-layer times"),
     "--exportTimes": Flag("export_times", "write each iteration's times as JSON", _text),
+    "--exportProfile": Flag("export_profile", "write the per-layer times as JSON", _text),
+    "--loadInputs": Flag("raw_inputs", "NAME:FILE,...: raw inputs (others random)", _name_files),
+    "--exportOutput": Flag("export_output", "write the last run's outputs as JSON", _text),
     "--verbose": Flag("verbose", "show tracebacks on errors"),
     "-v": Flag("verbose", "as --verbose"),
     "--backend": Flag("backend", "tensorkiln's own: auto, reference or cuda", _text),
@@ -131,10 +151,7 @@ UNSUPPORTED: dict[str, str] = {
     ),
     "--int4": "INT4 is not implemented yet",
     "--tacticSources": "`tensorkiln build --tactic-sources` chooses tactic kinds",
-    "--loadInputs": "`tensorkiln run --load-inputs FILE.npz` reads inputs by name",
-    "--dumpOutput": "`tensorkiln run --save-outputs FILE.npz` writes the outputs",
-    "--exportOutput": "`tensorkiln run --save-outputs FILE.npz` writes the outputs",
-    "--exportProfile": "`tensorkiln run --dump-profile --json` gives per-layer times as JSON",
+    "--dumpOutput": "--exportOutput=FILE.json writes the outputs",
 }
 
 EPILOG = """examples: trtexec command lines, unchanged but for the program's name
@@ -337,6 +354,9 @@ def _run_args(opts: dict[str, Any]) -> argparse.Namespace:
         avg_runs=opts.get("avg_runs"),
         dump_profile=opts.get("dump_profile", False),
         export_times=opts.get("export_times"),
+        export_profile=opts.get("export_profile"),
+        raw_inputs=opts.get("raw_inputs"),
+        export_output=opts.get("export_output"),
         use_cuda_graph=opts.get("use_cuda_graph", False),
         device_io=opts.get("device_io", False),
     )
