@@ -15,20 +15,22 @@ import numpy as np
 from tensorkiln.cli.common import (
     CLIError,
     Loaded,
-    add_input_limit_option,
     add_subcommand,
-    check_feed_names,
     existing_file,
-    input_shapes,
-    load_inputs,
     load_or_build,
     non_negative,
     not_a_model,
     parse_shapes,
     print_table,
-    random_inputs,
     save_npz,
     sniff_file,
+)
+from tensorkiln.cli.inputs import (
+    add_input_limit_option,
+    check_feed_names,
+    input_shapes,
+    load_inputs,
+    random_inputs,
 )
 
 DEFAULT_REL_L2 = 1e-4  # a correct fp32 engine: ~1e-7..1e-5; a wrong one: ~1

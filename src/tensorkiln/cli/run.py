@@ -15,22 +15,24 @@ from tensorkiln.cli.common import (
     CLIError,
     Loaded,
     add_backend_option,
-    add_input_limit_option,
     add_subcommand,
-    check_feed_names,
-    input_shapes,
-    load_inputs,
     load_or_build,
-    load_raw_inputs,
     mib,
     non_negative,
     parse_shapes,
     percentiles,
     print_table,
-    random_inputs,
     save_npz,
     shape_str,
     write_text,
+)
+from tensorkiln.cli.inputs import (
+    add_input_limit_option,
+    check_feed_names,
+    input_shapes,
+    load_inputs,
+    load_raw_inputs,
+    random_inputs,
 )
 
 EPILOG = """examples:
@@ -39,6 +41,7 @@ EPILOG = """examples:
   tensorkiln run model.engine --load-inputs in.npz --save-outputs out.npz
   tensorkiln run model.engine --duration 10 --percentile 50,99,99.9 --json
   tensorkiln run model.engine --dump-profile --export-times times.json
+  tensorkiln run model.engine --export-profile layers.json --avg-runs 10
 
 Timing follows trtexec: --warmup seconds of untimed runs, then at least --iterations runs and at
 least --duration seconds (default: 10 runs and 3 s; giving only --iterations runs exactly that

@@ -18,7 +18,6 @@ from typing import Any, NoReturn
 
 from tensorkiln.cli import build, run
 from tensorkiln.cli.common import (
-    RANDOM_INPUT_LIMIT,
     CLIError,
     Loaded,
     existing_file,
@@ -26,6 +25,9 @@ from tensorkiln.cli.common import (
     parse_shapes,
     percentiles,
     sniff_file,
+)
+from tensorkiln.cli.inputs import (
+    RANDOM_INPUT_LIMIT,
 )
 
 
