@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-import numpy as np
+import warnings
 
-import tensorkiln.builder  # noqa: F401  (tensorkiln.engine cannot be imported first: import cycle)
+import numpy as np
+import pytest
+
+import tensorkiln.builder
+from tensorkiln.builder import Builder
 from tensorkiln.engine import Engine
 from tensorkiln.engine import format as fmt
 from tests.cli.helpers import assert_one_line_error, ort_outputs
@@ -28,10 +32,10 @@ def test_build_writes_an_engine_and_reports_phases_and_memory(cli, mlp, tmp_path
     np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
 
 
-def test_shape_ranges_precisions_and_settings_are_recorded(cli, mlp, tmp_path):
+def test_shape_ranges_and_settings_are_recorded(cli, mlp, tmp_path):
     engine = tmp_path / "mlp.engine"
     rc, _, err = cli(
-        "build", mlp, "-o", engine, "--best", "--opt-level", "0", "--memory-limit", "64K",
+        "build", mlp, "-o", engine, "--opt-level", "0", "--memory-limit", "64K",
         "--min-shapes", "x:1x4", "--opt-shapes", "x:4x4", "--max-shapes", "x:16x4",
         "--timing-cache", tmp_path / "cache.json",
     )  # fmt: skip
@@ -39,11 +43,73 @@ def test_shape_ranges_precisions_and_settings_are_recorded(cli, mlp, tmp_path):
     e = Engine.load(engine)
     assert e.profiles[0].shapes["x"] == ((1, 4), (4, 4), (16, 4))
     config = e.build["config"]
-    assert config["precisions"] == ["bf16", "fp16", "fp32", "fp8", "int8", "tf32"]
+    assert config["precisions"] == ["fp32"]
     assert config["optimization_level"] == 0 and config["memory_limit"] == 64 << 10
     assert config["timing_cache"].endswith("cache.json")
-    rc, _, _ = cli("build", mlp, "-o", engine, "--fp16", "--int8")
-    assert sorted(Engine.load(engine).build["config"]["precisions"]) == ["fp16", "fp32", "int8"]
+
+
+@pytest.mark.parametrize("flag", ["--int8", "--fp8"])
+def test_int8_and_fp8_are_refused_as_not_implemented(cli, mlp, tmp_path, flag):
+    out = tmp_path / "e"
+    rc, _, err = cli("build", mlp, "-o", out, "--fp16", flag)
+    assert_one_line_error(rc, err)
+    assert f"{flag[2:].upper()} is not implemented yet" in err
+    assert not out.exists()
+
+
+def test_reduced_precision_on_the_reference_backend_warns_and_stays_fp32(cli, mlp, tmp_path):
+    engine = tmp_path / "e"
+    rc, out, err = cli("build", mlp, "-o", engine, "--backend", "reference", "--fp16", "--bf16")
+    assert rc == 0, err
+    warning = [line for line in err.splitlines() if line.startswith("tensorkiln: warning: ")]
+    assert len(warning) == 1 and "bf16, fp16" in warning[0] and "float32" in warning[0], err
+    # the report lists only what a layer can use, and so does the engine
+    assert "precisions allowed: fp32; layers compute in fp32" in out
+    e = Engine.load(engine)
+    assert e.build["config"]["precisions"] == ["fp32"] and e.build["precision"] == "fp32"
+    x = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
+    got = e.create_execution_context().infer({"x": x})["y"]
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ort_outputs(mlp, {"x": x})["y"], rtol=1e-5, atol=1e-5)
+
+
+def test_best_warns_and_allows_what_the_backend_implements(cli, mlp, tmp_path):
+    engine = tmp_path / "e"
+    rc, out, err = cli("build", mlp, "-o", engine, "--backend", "reference", "--best")
+    assert rc == 0, err
+    assert "--best: INT8/FP8 are not implemented yet" in err
+    assert len(err.strip().splitlines()) == 1  # no second warning about fp16: --best asked for fp32
+    assert "precisions allowed: fp32;" in out
+    assert Engine.load(engine).build["config"]["precisions"] == ["fp32"]
+
+
+def test_builder_config_refuses_or_warns_in_the_api(mlp):
+    from tensorkiln.builder import Builder, BuilderConfig, PrecisionWarning
+    from tensorkiln.errors import BuildError
+
+    for precision in ("int8", "fp8"):
+        with pytest.raises(BuildError, match="not implemented yet"):
+            BuilderConfig().set_flag(precision)
+    sneaked = BuilderConfig(precisions={"fp32", "int8"})  # set directly, past set_flag
+    with pytest.raises(BuildError, match="INT8 is not implemented yet"):
+        Builder("reference").build(mlp, sneaked)
+    config = BuilderConfig()
+    config.set_flag("fp16")
+    with pytest.warns(PrecisionWarning, match="engine stays float32"):
+        engine = Builder("reference").build(mlp, config)
+    assert engine.build["config"]["precisions"] == ["fp32"]
+    assert config.precisions == {"fp16", "fp32"}  # the caller's config is left as it was
+
+
+def test_cuda_backend_keeps_its_reduced_precisions_without_a_warning():
+    from tensorkiln.builder import BuilderConfig
+
+    config = BuilderConfig()
+    config.set_flag("fp16")
+    config.set_flag("tf32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config.for_backend("cuda").precisions == {"fp16", "fp32", "tf32"}
 
 
 def test_memory_limit_below_the_plan_fails_the_build(cli, mlp, tmp_path):
@@ -114,7 +180,8 @@ def test_from_engine_rebuilds_an_engine_from_another_machine(cli, mlp, tmp_path)
     old, new = Engine.load(original), Engine.load(rebuilt)
     assert new.source == old.source  # same name and sha256
     assert new.profiles[0].shapes == old.profiles[0].shapes  # settings carried over
-    assert "fp16" in new.build["config"]["precisions"]
+    # the reference backend implements no fp16: neither engine claims it
+    assert new.build["config"]["precisions"] == old.build["config"]["precisions"] == ["fp32"]
     x = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
     a = old.create_execution_context().infer({"x": x})["y"]
     b = new.create_execution_context().infer({"x": x})["y"]
@@ -153,3 +220,42 @@ def test_build_report_names_the_fused_layers(cli, digits, tmp_path):
     assert [row[1] for row in fused] == ["tensorkiln.ConvAct"] * 2
     rc, out, _ = cli("inspect", tmp_path / "d.engine")
     assert rc == 0 and out.count("tensorkiln.ConvAct") == 2
+
+
+def test_from_engine_never_uses_the_timing_cache_path_the_engine_names(
+    cli, mlp, tmp_path, monkeypatch
+):
+
+    original = tmp_path / "orig.engine"
+    named = tmp_path / "named-by-the-engine.json"
+    rc, _, err = cli("build", mlp, "-o", original, "--embed-source", "--timing-cache", named)
+    assert rc == 0, err
+    plan, tensors = fmt.read(original)
+    plan = {k: v for k, v in plan.items() if k != "tensors"}
+    plan["build"]["config"]["timing_cache"] = "/dev/zero"  # a stranger's engine names any path
+    fmt.write(original, plan, tensors)
+
+    # the cuda builder (torch kernels on the CPU) is the one that reads and writes timing caches
+    monkeypatch.setattr(
+        tensorkiln.builder, "Builder", lambda backend: Builder("cuda", device="cpu")
+    )
+    rebuilt = tmp_path / "rebuilt.engine"
+    rc, _, err = cli("build", "--from-engine", original, "-o", rebuilt, "--opt-level", "0")
+    assert rc == 0, err
+    assert not named.exists()
+    assert Engine.load(rebuilt).build["config"]["timing_cache"] is None
+
+    # a cache given on this command line is used, and created
+    mine = tmp_path / "mine.json"
+    rc, _, err = cli("build", "--from-engine", original, "-o", rebuilt, "--timing-cache", mine)
+    assert rc == 0, err
+    assert mine.is_file() and Engine.load(rebuilt).build["config"]["timing_cache"] == str(mine)
+
+
+@pytest.mark.parametrize("where", ["/dev/zero", "folder", "missing/cache.json"])
+def test_timing_cache_that_is_not_a_file_is_a_one_line_error(cli, mlp, tmp_path, where):
+    (tmp_path / "folder").mkdir()
+    path = where if where.startswith("/") else tmp_path / where
+    rc, _, err = cli("build", mlp, "-o", tmp_path / "e", "--timing-cache", path)
+    assert_one_line_error(rc, err)
+    assert "timing cache" in err

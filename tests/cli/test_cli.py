@@ -10,7 +10,7 @@ import pytest
 
 from tests.cli.helpers import FAST, assert_one_line_error
 
-COMMANDS = ["build", "run", "inspect", "compare", "ops"]
+COMMANDS = ["build", "run", "inspect", "compare", "trtexec", "ops"]
 
 
 def test_module_entry_point_runs_and_rejects_unknown_flags():

@@ -77,3 +77,30 @@ def test_build_inspect_run_on_the_gpu(cli, digits, tmp_path) -> None:
     want = ort_outputs(digits, {"input": x})
     for name, w in want.items():
         assert np.linalg.norm(got[name] - w) / np.linalg.norm(w) < 1e-2
+
+
+@pytest.mark.gpu
+def test_trtexec_and_compare_on_the_gpu(cli, digits, tmp_path) -> None:
+    """trtexec's flags build fp32 and fp16 engines and time them as CUDA graphs; compare puts
+    the fp32 engine's relative L2 error below 1e-5 and the fp16 one's between 1e-5 and 1e-2."""
+    profile = ["--minShapes=input:1x1x8x8", "--optShapes=input:16x1x8x8"]
+    profile += ["--maxShapes=input:64x1x8x8", "--shapes=input:16x1x8x8"]
+    fast = ["--warmUp=0", "--iterations=5", "--duration=0"]
+    engines = {p: tmp_path / f"{p}.engine" for p in ("fp32", "fp16")}
+    for precision, engine in engines.items():
+        flags = ["--fp16"] if precision == "fp16" else []
+        rc, out, err = cli("trtexec", f"--onnx={digits}", f"--saveEngine={engine}", *flags,
+                           *profile, *fast, "--useCudaGraph", "--noDataTransfers")  # fmt: skip
+        assert rc == 0, err
+        assert "backend cuda" in out and f"layers compute in {precision}" in out
+        assert "(CUDA graph)" in out
+    rc, _, err = cli("trtexec", f"--onnx={digits}", "--int8", "--skipInference")
+    assert_one_line_error(rc, err)
+    shapes = ["--shapes", "input:16x1x8x8", "--seed", "0", "--json"]
+    r32 = cli.json("compare", digits, "--engine", engines["fp32"], *shapes)
+    assert r32["passed"] and r32["outputs"]["logits"]["rel_l2"] < 1e-5
+    r16 = cli.json("compare", digits, "--engine", engines["fp16"], *shapes, "--rel-l2", "1e-2")
+    rel_l2 = r16["outputs"]["logits"]["rel_l2"]
+    assert r16["passed"] and 1e-5 < rel_l2 < 1e-2
+    rc, _, _ = cli("compare", digits, "--engine", engines["fp16"], *shapes)  # default: 1e-4
+    assert rc == (0 if rel_l2 <= 1e-4 else 1)

@@ -180,3 +180,124 @@ def test_random_integer_inputs_and_scalar_outputs(cli, tmp_path):
     np.testing.assert_allclose(out["total"], out["out"].sum(), rtol=1e-5)
     rc, _, err = cli("run", model, *FAST, "--shapes", "a:2x3,k:3")
     assert_one_line_error(rc, err)
+
+
+def _foreign_engine(cli, mlp, path, version):
+    """An intact engine of another format version: the header says so, the rest is unchanged."""
+    from tensorkiln.engine import format as fmt
+
+    assert cli("build", mlp, "-o", path)[0] == 0
+    data = bytearray(path.read_bytes())
+    data[8:12] = version.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    assert version != fmt.FORMAT_VERSION
+    return path
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b"", "it is empty"),
+        (b"TKENG", "a truncated tensorkiln engine"),
+        (b"name,value\n1,2\n", "a text file (it starts with 'name,value')"),
+        (b'{"format": "x"}\n', "a JSON file"),
+        (b"PK\x03\x04" + bytes(40), "a zip archive"),
+        (b"\x1f\x8b\x08\x00" + bytes(40), "gzip"),
+        (b"\x80\x04\x95" + bytes(40), "a Python pickle"),
+        (b"\x93NUMPY\x01\x00" + bytes(40), "a numpy .npy array"),
+        (bytes(range(1, 64)) * 4, "not a valid ONNX model"),  # binary, no known magic
+    ],
+)
+def test_a_file_that_is_no_model_is_named_by_its_content(cli, tmp_path, content, named):
+    for name in ("x.engine", "x.onnx"):  # the name decides nothing
+        path = tmp_path / name
+        path.write_bytes(content)
+        rc, _, err = cli("run", path, *FAST)
+        assert_one_line_error(rc, err)
+        assert "is neither a tensorkiln engine nor an ONNX model" in err or (
+            "is not a tensorkiln engine" in err
+        ), err
+        assert named in err, err
+
+
+def test_engine_and_onnx_are_told_apart_by_content_not_name(cli, mlp, tmp_path):
+    engine = tmp_path / "model.onnx"  # an engine with an ONNX name
+    assert cli("build", mlp, "-o", engine)[0] == 0
+    onnx_named_engine = tmp_path / "model.engine"  # and an ONNX model named like an engine
+    onnx_named_engine.write_bytes(mlp.read_bytes())
+    x = np.random.default_rng().standard_normal((2, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    want = ort_outputs(mlp, {"x": x})["y"]
+    for path in (engine, onnx_named_engine):
+        rc, _, err = cli("run", path, *FAST, "--load-inputs", tmp_path / "in.npz",
+                         "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+        assert rc == 0, err
+        np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_of_another_format_version_says_so(cli, mlp, tmp_path):
+    path = _foreign_engine(cli, mlp, tmp_path / "old.engine", 99)
+    rc, _, err = cli("run", path, *FAST)
+    assert_one_line_error(rc, err)
+    assert "engine format version 99" in err and "Rebuild" in err
+
+
+def test_huge_random_input_is_refused_before_allocating(cli, tmp_path):
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "huge",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [60000, 80000])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [60000, 80000])],
+    )
+    model = tmp_path / "huge.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), model)
+    rc, _, err = cli("run", model, *FAST)
+    assert_one_line_error(rc, err)
+    want = 60000 * 80000 * 4
+    assert "random FLOAT input 'x' of shape [60000, 80000]" in err and f"{want:,} bytes" in err, err
+    assert "--max-input-bytes 18G" in err
+
+
+def test_max_input_bytes_moves_the_limit(cli, mlp):
+    rc, _, err = cli("run", mlp, *FAST, "--shapes", "x:65x4", "--max-input-bytes", "1K")
+    assert_one_line_error(rc, err)
+    assert "needs 1,040 bytes" in err and "limit of 1,024" in err
+    rc, _, err = cli("run", mlp, *FAST, "--shapes", "x:64x4", "--max-input-bytes", "1K")
+    assert rc == 0, err  # 64 x 4 float32 is exactly 1 KiB: at the limit, not above it
+
+
+def test_load_inputs_checks_each_array_size_before_reading_it(cli, mlp, tmp_path):
+    import zipfile
+
+    # an .npz whose header promises a 40 GB array: refused from the header, nothing allocated
+    bomb = tmp_path / "bomb.npz"
+    header = np.lib.format.header_data_from_array_1_0(np.zeros((1, 4), np.float32))
+    header["shape"] = (100000, 100000)
+    with zipfile.ZipFile(bomb, "w") as z, z.open("x.npy", "w") as f:
+        np.lib.format.write_array_header_1_0(f, header)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", bomb)
+    assert_one_line_error(rc, err)
+    assert "input 'x'" in err and "[100000, 100000]" in err and "40,000,000,000 bytes" in err
+
+    x = np.random.default_rng().standard_normal((65, 4)).astype(np.float32)  # 1,040 bytes
+    np.savez_compressed(tmp_path / "in.npz", x=x)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", tmp_path / "in.npz",
+                     "--max-input-bytes", "1K")  # fmt: skip
+    assert_one_line_error(rc, err)
+    assert "needs 1,040 bytes" in err
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", tmp_path / "in.npz",
+                     "--save-outputs", tmp_path / "out.npz")  # fmt: skip
+    assert rc == 0, err
+    want = ort_outputs(mlp, {"x": x})["y"]
+    np.testing.assert_allclose(np.load(tmp_path / "out.npz")["y"], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello\n", np.lib.format.MAGIC_PREFIX + bytes(20)])
+def test_load_inputs_that_are_not_an_npz_say_so(cli, mlp, tmp_path, content):
+    path = tmp_path / "in.npz"
+    path.write_bytes(content)
+    rc, _, err = cli("run", mlp, *FAST, "--load-inputs", path)
+    assert_one_line_error(rc, err)
+    assert "is not an .npz file of named arrays" in err

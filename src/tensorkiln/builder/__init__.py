@@ -1,7 +1,7 @@
 """The builder: model in, engine out."""
 
 from tensorkiln.builder.builder import Builder, BuildReport
-from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
+from tensorkiln.builder.config import BuilderConfig, OptimizationProfile, PrecisionWarning
 from tensorkiln.builder.memory import MemoryPlan, plan_memory
 
 __all__ = [
@@ -10,5 +10,6 @@ __all__ = [
     "BuilderConfig",
     "MemoryPlan",
     "OptimizationProfile",
+    "PrecisionWarning",
     "plan_memory",
 ]

@@ -110,8 +110,8 @@ class Builder:
         ``source_name`` is the model's name recorded in the engine (default: the file's name).
         Raises BuildError when the planned activation memory exceeds ``config.memory_limit``.
         """
-        config = config or BuilderConfig()
-        config.validate()
+        # precisions this backend cannot honour are refused or dropped with a warning
+        config = (config or BuilderConfig()).for_backend(self.backend)
         report = BuildReport()
         with _Progress(progress) as bar:
             with _phase(report, "parse", bar):

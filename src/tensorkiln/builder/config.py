@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import warnings
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tensorkiln.errors import InputError
+from tensorkiln.errors import BuildError, InputError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+# Precisions no backend has kernels for yet: asking for one is an error, not a silent no-op.
+NOT_IMPLEMENTED = ("int8", "fp8")
+# The precisions each backend's layers can compute in; a backend not listed computes in fp32.
+BACKEND_PRECISIONS = {"cuda": ("fp32", "tf32", "fp16", "bf16")}
 LOG_LEVELS = ("error", "warning", "info", "verbose")
 TACTIC_SOURCES = ("triton",)  # each tactic's name starts with its source: "triton_gemm_..."
 
@@ -39,6 +44,24 @@ class OptimizationProfile:
         self.shapes[name] = (lo, mid, hi)
         return self
 
+    def for_backend(self, backend: str) -> BuilderConfig:
+        """A validated copy allowing only the precisions ``backend`` implements.
+
+        Each dropped precision gets a PrecisionWarning, so a request the engine cannot honour is
+        never silent, and the engine records only precisions its layers can use.
+        """
+        self.validate()
+        usable = implemented_precisions(backend)
+        dropped = sorted(p for p in self.precisions if p not in usable)
+        if dropped:
+            warnings.warn(
+                f"the {backend} backend does not implement {', '.join(dropped)}: the engine stays "
+                f"float32 on this backend ({', '.join(usable)} implemented)",
+                PrecisionWarning,
+                stacklevel=3,
+            )
+        return replace(self, precisions={p for p in self.precisions if p in usable} | {"fp32"})
+
     def to_json(self) -> dict:
         return {
             k: {"min": list(a), "opt": list(b), "max": list(c)}
@@ -53,9 +76,31 @@ class OptimizationProfile:
         return p
 
 
+class PrecisionWarning(UserWarning):
+    """A precision was allowed that the chosen backend does not implement; the build keeps fp32."""
+
+
+def implemented_precisions(backend: str) -> tuple[str, ...]:
+    """The precisions layers of ``backend`` ('reference', 'cuda', ...) can compute in."""
+    return BACKEND_PRECISIONS.get(backend, ("fp32",))
+
+
+def _not_implemented(precisions: Any) -> None:
+    later = [p for p in NOT_IMPLEMENTED if p in precisions]
+    if later:
+        names = "/".join(p.upper() for p in later)
+        raise BuildError(
+            f"{names} {'is' if len(later) == 1 else 'are'} not implemented yet: no tensorkiln "
+            f"backend has {names} kernels; build without "
+            + " and ".join(f"--{p} (set_flag('{p}'))" for p in later)
+            + "; fp16 and bf16 are the reduced precisions the cuda backend implements"
+        )
+
+
 @dataclass
 class BuilderConfig:
-    """Build options. Precision flags are recorded now and honoured by the GPU backend."""
+    """Build options. Precisions a backend does not implement are refused (int8, fp8) or
+    dropped with a :class:`PrecisionWarning` (fp16, bf16, tf32 on the reference backend)."""
 
     precisions: set[str] = field(default_factory=lambda: {"fp32"})
     profiles: list[OptimizationProfile] = field(default_factory=list)
@@ -70,11 +115,13 @@ class BuilderConfig:
     tactic_sources: set[str] | None = None
 
     def set_flag(self, precision: str) -> None:
-        """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8'."""
+        """Allow a precision: 'fp32', 'tf32', 'fp16' or 'bf16' ('int8' and 'fp8' raise
+        BuildError: no backend implements them yet)."""
         if precision not in PRECISIONS:
             raise InputError(
                 f"unknown precision '{precision}'; choose from {', '.join(PRECISIONS)}"
             )
+        _not_implemented({precision})
         self.precisions.add(precision)
 
     def add_optimization_profile(self, profile: OptimizationProfile) -> int:
@@ -85,6 +132,7 @@ class BuilderConfig:
         for p in self.precisions:
             if p not in PRECISIONS:
                 raise InputError(f"unknown precision '{p}'; choose from {', '.join(PRECISIONS)}")
+        _not_implemented(self.precisions)
         if not 0 <= self.optimization_level <= 5:
             raise InputError(f"optimization level must be 0..5, got {self.optimization_level}")
         if self.memory_limit is not None and self.memory_limit <= 0:
@@ -97,6 +145,24 @@ class BuilderConfig:
             )
         if self.log_level not in LOG_LEVELS:
             raise InputError(f"log level must be one of {', '.join(LOG_LEVELS)}")
+
+    def for_backend(self, backend: str) -> BuilderConfig:
+        """A validated copy allowing only the precisions ``backend`` implements.
+
+        Each dropped precision gets a PrecisionWarning, so a request the engine cannot honour is
+        never silent, and the engine records only precisions its layers can use.
+        """
+        self.validate()
+        usable = implemented_precisions(backend)
+        dropped = sorted(p for p in self.precisions if p not in usable)
+        if dropped:
+            warnings.warn(
+                f"the {backend} backend does not implement {', '.join(dropped)}: the engine stays "
+                f"float32 on this backend ({', '.join(usable)} implemented)",
+                PrecisionWarning,
+                stacklevel=3,
+            )
+        return replace(self, precisions={p for p in self.precisions if p in usable} | {"fp32"})
 
     def to_json(self) -> dict:
         return {

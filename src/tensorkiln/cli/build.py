@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import argparse
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
+from tensorkiln.builder.config import NOT_IMPLEMENTED, PrecisionWarning, implemented_precisions
 from tensorkiln.cli.common import (
     CLIError,
     add_backend_option,
     add_subcommand,
     byte_count,
     existing_file,
-    is_engine_file,
     mib,
+    not_a_model,
     parse_shapes,
     print_table,
+    sniff_file,
+    timing_cache_file,
 )
 from tensorkiln.errors import InputError
 
@@ -29,8 +33,10 @@ EPILOG = """examples:
   tensorkiln build --from-engine old.engine -o new.engine        # rebuild for this machine
 
 --shapes fixes dynamic inputs (min = opt = max); --min/--opt/--max-shapes give a range
-(--opt-shapes alone also fixes a shape). Precision flags are recorded in the engine and honoured
-by the GPU backend; the CPU reference backend computes in the model's own types.
+(--opt-shapes alone also fixes a shape). --fp16, --bf16 and --tf32 let the cuda backend's layers
+compute in that precision; the reference backend computes in float32 and says so with a warning.
+--int8 and --fp8 are errors: no backend implements them yet. --best allows every precision the
+backend implements (with a warning that INT8/FP8 are not among them).
 """
 
 PRECISION_FLAGS = ("tf32", "fp16", "bf16", "int8", "fp8")
@@ -41,8 +47,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", help="the .onnx model (omit with --from-engine)")
     p.add_argument("-o", "--output", required=True, metavar="ENGINE", help="engine file to write")
     for name in PRECISION_FLAGS:
-        p.add_argument(f"--{name}", action="store_true", help=f"allow {name} kernels")
-    p.add_argument("--best", action="store_true", help="allow every precision")
+        later = name in NOT_IMPLEMENTED
+        p.add_argument(
+            f"--{name}",
+            action="store_true",
+            help=f"allow {name} kernels" + (" (not implemented yet: an error)" if later else ""),
+        )
+    p.add_argument(
+        "--best", action="store_true", help="allow every precision the backend implements"
+    )
     p.add_argument(
         "--shapes", metavar="SHAPES", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128"
     )
@@ -141,13 +154,29 @@ def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
     return source, plan
 
 
-def _config(args: argparse.Namespace, plan: dict | None) -> Any:
+def wanted_precisions(args: argparse.Namespace, backend: str) -> set[str]:
+    """The precisions the flags ask for; --best means all that ``backend`` implements."""
+    wanted = {n for n in PRECISION_FLAGS if getattr(args, n, False)}
+    if args.best:
+        best = implemented_precisions(backend)
+        warnings.warn(
+            f"--best: {'/'.join(p.upper() for p in NOT_IMPLEMENTED)} are not implemented yet; "
+            f"allowing what the {backend} backend implements: {', '.join(best)}",
+            PrecisionWarning,
+            stacklevel=2,
+        )
+        wanted |= set(best)
+    return wanted
+
+
+def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     from tensorkiln.builder import BuilderConfig, OptimizationProfile
 
     old = (plan or {}).get("build", {}).get("config", {}) if plan else {}
     config = BuilderConfig()
-    wanted = set(PRECISION_FLAGS) if args.best else {n for n in PRECISION_FLAGS if getattr(args, n)}
-    for precision in wanted or set(old.get("precisions", ())):
+    # an old engine may record int8/fp8, which never did anything: a rebuild drops them
+    kept = {p for p in old.get("precisions", ()) if p not in NOT_IMPLEMENTED}
+    for precision in wanted_precisions(args, backend) or kept:
         config.set_flag(precision)
     profiles = profiles_from_args(args)
     if not profiles and plan:
@@ -156,7 +185,8 @@ def _config(args: argparse.Namespace, plan: dict | None) -> Any:
         config.add_optimization_profile(profile)
     # flags given now win; otherwise a rebuild keeps the old engine's settings
     config.optimization_level = _first(args.opt_level, old.get("optimization_level"), 3)
-    config.timing_cache = _first(args.timing_cache, old.get("timing_cache"))
+    # never a path the engine names: only the command line says which files are read or written
+    config.timing_cache = timing_cache_file(args.timing_cache)
     config.memory_limit = _first(args.memory_limit, old.get("memory_limit"))
     config.embed_source = args.embed_source or plan is not None
     config.dump_ir = args.dump_ir
@@ -171,6 +201,17 @@ def _first(*values: Any) -> Any:
 
 
 def run_build(args: argparse.Namespace) -> int:
+    engine, report, total, config = build_engine(args)
+    try:
+        engine.save(args.output)
+    except OSError as exc:
+        raise CLIError(f"cannot write '{args.output}': {exc.strerror or exc}") from None
+    print_report(args, engine, report, total, config)
+    return 0
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Any, Any, float, Any]:
+    """(engine, build report, seconds, config) for the build flags in ``args``; saves nothing."""
     from tensorkiln.builder import Builder
 
     if (args.model is None) == (args.from_engine is None):
@@ -182,37 +223,25 @@ def run_build(args: argparse.Namespace) -> int:
         source_name = Path((plan.get("source") or {}).get("name") or "model.onnx").name
     else:
         model = existing_file(args.model)
-        if is_engine_file(model):
+        kind = sniff_file(model)
+        if kind == "engine":
             raise CLIError(
                 f"'{model}' is an engine, not an ONNX model; to rebuild it use "
                 f"`tensorkiln build --from-engine {model} -o NEW.engine`"
             )
-    config = _config(args, plan)
+        if kind is not None:
+            raise not_a_model(model, kind)
     builder = Builder(args.backend)
+    config = _config(args, plan, builder.backend)
     t0 = time.perf_counter()
     engine = builder.build(model, config, source_name=source_name)
-    total = time.perf_counter() - t0
-    try:
-        engine.save(args.output)
-    except OSError as exc:
-        raise CLIError(f"cannot write '{args.output}': {exc.strerror or exc}") from None
-    _print_report(args, engine, builder.last_report, total, config)
-    return 0
+    return engine, builder.last_report, time.perf_counter() - t0, config
 
 
 FUSED_SHOWN = 20  # fused layers listed in the build report
-UNSUPPORTED_PRECISIONS = ("int8", "fp8")  # allowed by flags, not implemented by any backend yet
 
 
-def _print_tuning(engine: Any, report: Any, config: Any) -> None:
-    precision = engine.build.get("precision", "fp32")
-    print(f"layers compute in {precision}; inputs and outputs keep the model's dtypes")
-    later = sorted(p for p in config.precisions if p in UNSUPPORTED_PRECISIONS)
-    if later:
-        print(
-            f"note: {', '.join(later)} allowed, but this version has no {'/'.join(later)} kernels; "
-            f"no layer uses them"
-        )
+def _print_tuning(engine: Any, report: Any) -> None:
     tuned = [x for x in report.layers if x.get("timings_ms")]
     chosen: dict[str, int] = {}
     for x in report.layers:
@@ -225,20 +254,24 @@ def _print_tuning(engine: Any, report: Any, config: Any) -> None:
     )
 
 
-def _print_report(
+def print_report(
     args: argparse.Namespace, engine: Any, report: Any, total: float, config: Any
 ) -> None:
+    """The build report: layers, precisions, profiles, phases, passes, fusions, memory."""
     src = args.from_engine or args.model
-    print(f"built {src} -> {args.output} in {total * 1e3:.1f} ms (backend {engine.backend})")
+    dst = args.output or "an engine in memory"
+    print(f"built {src} -> {dst} in {total * 1e3:.1f} ms (backend {engine.backend})")
+    # what the engine records: the precisions its backend implements, not every flag given
+    allowed = engine.build.get("config", {}).get("precisions", ["fp32"])
     print(
         f"layers: {len(report.layers)} (from {report.nodes_before} nodes)   precisions allowed: "
-        f"{', '.join(sorted(config.precisions))}"
+        f"{', '.join(allowed)}; layers compute in {engine.build.get('precision', 'fp32')}"
     )
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
     if engine.backend == "cuda":
-        _print_tuning(engine, report, config)
+        _print_tuning(engine, report)
     print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
     if report.passes:
         print_table(["optimizer pass", "matches"], [[k, str(n)] for k, n in report.passes.items()])

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
 
 ENGINE_MAGIC = b"TKENGINE"
 
@@ -59,14 +59,18 @@ def add_subcommand(sub: Any, name: str, help: str, epilog: str) -> argparse.Argu
 
 
 def parse_shapes(text: str | None, flag: str = "--shapes") -> dict[str, tuple[int, ...]]:
-    """'a:1x3x224x224,b:1x128' -> {'a': (1, 3, 224, 224), 'b': (1, 128)}; 'c:' is a scalar."""
+    """'a:1x3x224x224,b:1x128' -> {'a': (1, 3, 224, 224), 'b': (1, 128)}, as trtexec reads them:
+    the name ends at the last ':' and may be quoted ('input:0':1x3); 'c:' or 'c:scalar' is 0-d."""
     shapes: dict[str, tuple[int, ...]] = {}
     for item in filter(None, (s.strip() for s in (text or "").split(","))):
         name, sep, dims = item.rpartition(":")
+        if len(name) >= 2 and name[0] == name[-1] == "'":
+            name = name[1:-1]
         try:
             if not sep or not name:
                 raise ValueError
-            shape = tuple(int(d) for d in dims.split("x")) if dims else ()
+            scalar = dims in ("", "scalar")
+            shape = () if scalar else tuple(int(d) for d in dims.split("x"))
             if any(d < 0 for d in shape):
                 raise ValueError
         except ValueError:
@@ -124,7 +128,7 @@ def non_negative(kind: type) -> Any:
 # ----------------------------------------------------------------------------- models and engines
 
 
-def existing_file(path: str) -> Path:
+def existing_file(path: str | os.PathLike) -> Path:
     p = Path(path)
     if not p.exists():
         raise CLIError(f"file '{p}' does not exist")
@@ -133,10 +137,92 @@ def existing_file(path: str) -> Path:
     return p
 
 
+TIMING_CACHE_MAX_BYTES = 256 << 20  # far above any real cache; a bound before reading it whole
+
+
+def timing_cache_file(text: str | None) -> str | None:
+    """--timing-cache: a regular file of bounded size, or one to be created (checked up front,
+    so /dev/zero or a folder is a one-line error rather than a read without end)."""
+    if text is None:
+        return None
+    p = Path(text)
+    if p.exists() or p.is_symlink():
+        if not p.is_file():
+            raise CLIError(f"timing cache '{p}' is not a regular file; pass a .json file path")
+        size = p.stat().st_size
+        if size > TIMING_CACHE_MAX_BYTES:
+            raise CLIError(
+                f"timing cache '{p}' is {size:,} bytes, more than a timing cache can be "
+                f"({TIMING_CACHE_MAX_BYTES:,}); delete it or pass another file"
+            )
+    elif not p.parent.is_dir():
+        raise CLIError(f"cannot create timing cache '{p}': folder '{p.parent}' does not exist")
+    return text
+
+
 def is_engine_file(path: Path) -> bool:
     """Engines are recognised by their magic bytes, whatever the file is called."""
     with open(path, "rb") as f:
         return f.read(len(ENGINE_MAGIC)) == ENGINE_MAGIC
+
+
+# What files mistaken for models start with. ONNX (a protobuf) has no magic of its own, so a file
+# is an engine by its magic, one of these by theirs, and otherwise is tried as ONNX.
+_SIGNATURES = (
+    (b"PK\x03\x04", "a zip archive (an .npz, a PyTorch checkpoint or a zipped model?)"),
+    (b"\x1f\x8b", "a gzip-compressed file (decompress it first)"),
+    (b"\x93NUMPY", "a numpy .npy array"),
+    (b"\x89HDF\r\n", "an HDF5 file (a Keras model? export it to ONNX)"),
+    (b"\x7fELF", "an executable (ELF)"),
+    (b"\x89PNG", "a PNG image"),
+    (b"\xff\xd8\xff", "a JPEG image"),
+)
+_PICKLE_PROTOCOLS = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")
+
+
+def sniff_file(path: Path) -> str | None:
+    """'engine' for a tensorkiln engine; a description for a file that is surely not ONNX
+    ('empty', 'a zip archive (...)', 'a text file ...'); None for a file worth parsing as ONNX."""
+    with open(path, "rb") as f:
+        head = f.read(64)
+    if head.startswith(ENGINE_MAGIC):
+        return "engine"
+    if not head:
+        return "empty"
+    if len(head) < len(ENGINE_MAGIC) and ENGINE_MAGIC.startswith(head):
+        return "a truncated tensorkiln engine"
+    for magic, what in _SIGNATURES:
+        if head.startswith(magic):
+            return what
+    if head[:2] in _PICKLE_PROTOCOLS:
+        return "a Python pickle (never loaded: pickles can run code)"
+    if head[8:10] == b'{"':  # an 8-byte header length, then the JSON header
+        return "a safetensors file (weights without a graph; export the model to ONNX)"
+    return _text_kind(head)
+
+
+def _text_kind(head: bytes) -> str | None:
+    """'a text file ...' when the first bytes read as text (protobuf field tags are not)."""
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:  # may end inside a multi-byte character: retry without the end
+        try:
+            text = head[:-3].decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    if not text or not all(c.isprintable() or c in "\t\r\n" for c in text):
+        return None
+    first = text.strip().splitlines()[0][:40] if text.strip() else ""
+    kind = "JSON" if first[:1] in "{[" else "text"
+    return f"a {kind} file (it starts with {first!r})"
+
+
+def not_a_model(path: Path, what: str) -> CLIError:
+    """The error for a file that is neither an engine nor an ONNX model, naming what it is."""
+    return CLIError(
+        f"'{path}' is neither a tensorkiln engine nor an ONNX model: it is {what}; give an "
+        "engine from `tensorkiln build` or an .onnx model"
+    )
 
 
 def profile_from_shapes(shapes: dict[str, tuple[int, ...]]) -> Any:
@@ -159,7 +245,9 @@ class Loaded:
     build_s: float = 0.0
 
 
-def load_or_build(path: str, shapes: dict[str, tuple[int, ...]], backend: str = "auto") -> Loaded:
+def load_or_build(
+    path: str | os.PathLike, shapes: dict[str, tuple[int, ...]], backend: str = "auto"
+) -> Loaded:
     """Load an engine file, or build an ONNX model in memory (``shapes`` fixes dynamic inputs)."""
     import time
 
@@ -167,25 +255,31 @@ def load_or_build(path: str, shapes: dict[str, tuple[int, ...]], backend: str = 
     from tensorkiln.engine import Engine
 
     p = existing_file(path)
-    if is_engine_file(p):
+    kind = sniff_file(p)  # by content, never by the file's name
+    if kind == "engine":
         return Loaded(Engine.load(p), p)
+    if kind is not None:
+        raise not_a_model(p, kind)
+    from tensorkiln.frontends.onnx import load_model_proto
+
+    try:
+        proto = load_model_proto(p)  # parsed once, here: the builder takes the ModelProto
+    except ModelLoadError as exc:
+        raise CLIError(f"'{p}' is not a tensorkiln engine (no TKENGINE magic), and {exc}") from None
     config = BuilderConfig()
-    dynamic = _dynamic_shapes(p, shapes)
+    dynamic = _dynamic_shapes(proto, shapes)
     if dynamic:
         config.add_optimization_profile(profile_from_shapes(dynamic))
     builder = Builder(backend)
     t0 = time.perf_counter()
-    engine = builder.build(p, config)
+    engine = builder.build(proto, config, source_name=p.name)
     return Loaded(engine, p, builder.last_report, time.perf_counter() - t0)
 
 
-def _dynamic_shapes(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+def _dynamic_shapes(proto: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The --shapes entries worth a profile: those of inputs with a symbolic dim."""
     if not shapes:
         return {}
-    from tensorkiln.frontends.onnx import load_model_proto
-
-    proto = load_model_proto(path)
     inits = {t.name for t in proto.graph.initializer}
     declared = {}
     for vi in proto.graph.input:
@@ -200,87 +294,6 @@ def _dynamic_shapes(path: Path, shapes: dict[str, tuple[int, ...]]) -> dict[str,
             f"inputs are {', '.join(map(repr, declared))}"
         )
     return {n: s for n, s in shapes.items() if None in declared[n] or not declared[n]}
-
-
-# ----------------------------------------------------------------------------- inputs
-
-
-def input_shapes(engine: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Concrete input shapes: --shapes, else the first profile's opt shape, else dynamic dims = 1."""
-    specs = {s.name: s for s in engine.inputs}
-    unknown = [n for n in shapes if n not in specs]
-    if unknown:
-        raise InputError(
-            f"--shapes names unknown input(s) {', '.join(map(repr, unknown))}; the engine's "
-            f"inputs are {', '.join(map(repr, specs))}"
-        )
-    profile = engine.profiles[0].shapes if engine.profiles else {}
-    out = {}
-    for name, s in specs.items():
-        if name in shapes:
-            out[name] = shapes[name]
-        elif name in profile:
-            out[name] = tuple(profile[name][1])
-        elif s.shape is None:
-            raise InputError(f"input '{name}' has no declared shape; give it with --shapes")
-        else:
-            out[name] = tuple(d if isinstance(d, int) else 1 for d in s.shape)
-    return out
-
-
-def random_inputs(
-    engine: Any, shapes: dict[str, tuple[int, ...]], seed: int | None = None
-) -> dict[str, np.ndarray]:
-    """Standard normal floats, small non-negative integers (0..9), random booleans."""
-    from tensorkiln.ir import DType
-
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for spec in engine.inputs:
-        shape = shapes[spec.name]
-        if spec.dtype is None:
-            raise InputError(
-                f"input '{spec.name}' has no declared type; give it with --load-inputs"
-            )
-        dt = DType[spec.dtype]
-        if dt.is_float:
-            feeds[spec.name] = rng.standard_normal(shape).astype(dt.numpy)
-        elif dt.numpy == np.bool_:
-            feeds[spec.name] = rng.integers(0, 2, shape).astype(bool)
-        elif dt.is_integer:
-            feeds[spec.name] = rng.integers(0, 10, shape).astype(dt.numpy)
-        else:
-            raise InputError(
-                f"cannot make random data for input '{spec.name}' of type {dt.name}; "
-                "give it with --load-inputs"
-            )
-    return feeds
-
-
-def load_inputs(path: str) -> dict[str, np.ndarray]:
-    p = existing_file(path)
-    try:
-        with np.load(p, allow_pickle=False) as data:
-            if not hasattr(data, "files"):
-                raise ValueError("it holds one array, not named arrays (save with np.savez)")
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as exc:
-        raise CLIError(f"cannot read inputs from '{p}': {exc}") from None
-
-
-def check_feed_names(engine: Any, feeds: dict[str, Any], where: str) -> None:
-    names = [s.name for s in engine.inputs]
-    unknown = [k for k in feeds if k not in names]
-    missing = [k for k in names if k not in feeds]
-    if unknown or missing:
-        parts = []
-        if missing:
-            parts.append(f"lacks {', '.join(map(repr, missing))}")
-        if unknown:
-            parts.append(f"has unknown {', '.join(map(repr, unknown))}")
-        raise InputError(
-            f"{where} {' and '.join(parts)}; the inputs are {', '.join(map(repr, names))}"
-        )
 
 
 def save_npz(path: str, arrays: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""``tensorkiln``: build, run, inspect and compare engines; list supported operators.
+"""``tensorkiln``: build, run, inspect and compare engines; trtexec's flags; list supported ops.
 
 User errors print one line, ``tensorkiln: error: ...``, on stderr and exit 1 (usage errors exit 2);
 ``--verbose``, before or after the command, adds the traceback.
@@ -10,10 +10,11 @@ import argparse
 import os
 import sys
 import traceback
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from tensorkiln.cli import build, compare, inspect, run
+from tensorkiln.cli import build, compare, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
 from tensorkiln.errors import TensorkilnError
 
@@ -24,6 +25,7 @@ EPILOG = """examples:
   tensorkiln run model.engine --dump-profile
   tensorkiln inspect model.engine
   tensorkiln compare model.onnx --engine model.engine
+  tensorkiln trtexec --onnx=model.onnx --saveEngine=model.engine --shapes=input:8x3x224x224
   tensorkiln ops --domain ai.onnx.ml
 
 Run `tensorkiln COMMAND --help` for each command's options.
@@ -46,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_parser(sub)
     inspect.add_parser(sub)
     compare.add_parser(sub)
+    trtexec.add_parser(sub)
     _add_ops(sub)
     return p
 
@@ -85,13 +88,30 @@ def _one_line(text: str) -> str:
     return "; ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
+def _verbose(args: argparse.Namespace) -> bool:
+    # read when an error arrives: `trtexec` learns of its --verbose only while it runs
+    return bool(getattr(args, "verbose", False))
+
+
+def _show_warning(message: Any, category: Any, *_: Any, **__: Any) -> None:
+    """Warnings (a precision the backend does not implement, ...) as one line on stderr."""
+    print(f"tensorkiln: warning: {_one_line(str(message))}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    verbose = getattr(args, "verbose", False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("default")
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+        warnings.showwarning = _show_warning
+        return _handle(args)
+
+
+def _handle(args: argparse.Namespace) -> int:
     try:
         return args.handler(args)
     except TensorkilnError as exc:
-        if verbose:
+        if _verbose(args):
             traceback.print_exc()
         print(f"tensorkiln: error: {_one_line(str(exc))}", file=sys.stderr)
         return 1
@@ -99,7 +119,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as exc:  # unreadable or unwritable files named on the command line
-        if verbose:
+        if _verbose(args):
             traceback.print_exc()
         where = f" '{exc.filename}'" if exc.filename else ""
         print(f"tensorkiln: error: {exc.strerror or exc}{where}", file=sys.stderr)

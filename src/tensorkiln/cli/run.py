@@ -13,21 +13,26 @@ import numpy as np
 
 from tensorkiln.cli.common import (
     CLIError,
+    Loaded,
     add_backend_option,
     add_subcommand,
-    check_feed_names,
-    input_shapes,
-    load_inputs,
     load_or_build,
     mib,
     non_negative,
     parse_shapes,
     percentiles,
     print_table,
-    random_inputs,
     save_npz,
     shape_str,
     write_text,
+)
+from tensorkiln.cli.inputs import (
+    add_input_limit_option,
+    check_feed_names,
+    input_shapes,
+    load_inputs,
+    load_raw_inputs,
+    random_inputs,
 )
 
 EPILOG = """examples:
@@ -36,6 +41,7 @@ EPILOG = """examples:
   tensorkiln run model.engine --load-inputs in.npz --save-outputs out.npz
   tensorkiln run model.engine --duration 10 --percentile 50,99,99.9 --json
   tensorkiln run model.engine --dump-profile --export-times times.json
+  tensorkiln run model.engine --export-profile layers.json --avg-runs 10
 
 Timing follows trtexec: --warmup seconds of untimed runs, then at least --iterations runs and at
 least --duration seconds (default: 10 runs and 3 s; giving only --iterations runs exactly that
@@ -86,11 +92,23 @@ def add_parser(sub: Any) -> None:
         help="latency percentiles to report (default 90,95,99)",
     )
     p.add_argument("--seed", type=int, help="seed for the random inputs")
+    add_input_limit_option(p)
     p.add_argument("--export-times", metavar="JSON", help="write each iteration's timings as JSON")
+    p.add_argument(
+        "--export-profile",
+        metavar="JSON",
+        help="write the per-layer times as JSON (from a profiling run, as --dump-profile)",
+    )
     p.add_argument(
         "--dump-profile",
         action="store_true",
         help="per-layer times (from a separate profiling run of as many iterations)",
+    )
+    p.add_argument(
+        "--avg-runs",
+        type=_positive_int,
+        metavar="N",
+        help="also report the mean times of each N consecutive iterations",
     )
     p.add_argument("--json", action="store_true", help="print all results as one JSON object")
     p.add_argument(
@@ -108,6 +126,13 @@ def add_parser(sub: Any) -> None:
         p, "backend for an .onnx model built in memory (auto: cuda where a GPU is present)"
     )
     p.set_defaults(handler=run_run)
+
+
+def _positive_int(text: str) -> int:
+    value = non_negative(int)(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 @dataclass
@@ -194,21 +219,20 @@ def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
 def run_run(args: argparse.Namespace) -> int:
     shapes = parse_shapes(args.shapes)
     loaded = load_or_build(args.model, shapes, args.backend)
-    engine = loaded.engine
-    note = sys.stderr if args.json else sys.stdout
     if loaded.built is not None:
         print(
             f"built {loaded.path.name} in memory ({len(loaded.built.layers)} layers, "
             f"{loaded.build_s * 1e3:.1f} ms); save an engine with `tensorkiln build` to skip this",
-            file=note,
+            file=sys.stderr if args.json else sys.stdout,
         )
-    if args.load_inputs:
-        feeds = load_inputs(args.load_inputs)
-        check_feed_names(engine, feeds, f"'{args.load_inputs}'")
-        origin = args.load_inputs
-    else:
-        feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed)
-        origin = "random"
+    return run_loaded(args, loaded, shapes)
+
+
+def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple[int, ...]]) -> int:
+    """Time ``loaded.engine`` as the run flags in ``args`` say, and report."""
+    engine = loaded.engine
+    note = sys.stderr if args.json else sys.stdout
+    feeds, origin = _feeds(args, engine, shapes)
     iterations, duration = _iterations_and_duration(args)
     on_gpu = engine.backend == "cuda" and engine.device == "cuda"
     if (args.use_cuda_graph or args.device_io) and not on_gpu:
@@ -226,10 +250,12 @@ def run_run(args: argparse.Namespace) -> int:
             print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
         profile = (
             profile_layers(ctx, engine, feeds, len(timings.latency_s))
-            if args.dump_profile
+            if args.dump_profile or args.export_profile
             else None
         )
     result = _result(args, loaded, feeds, origin, outputs, timings, profile)
+    if args.avg_runs:
+        result["averages"] = _averages(timings, args.avg_runs)
     result["memory"] = {
         "weights_bytes": engine.weight_bytes,
         "planned_activation_bytes": engine.memory.get("peak_bytes"),
@@ -239,11 +265,34 @@ def run_run(args: argparse.Namespace) -> int:
         save_npz(args.save_outputs, outputs)
     if args.export_times:
         write_text(args.export_times, json.dumps(_per_iteration(timings), indent=1) + "\n")
+    if args.export_profile:
+        write_text(args.export_profile, json.dumps(profile, indent=1) + "\n")
+    if getattr(args, "export_output", None):  # trtexec's --exportOutput
+        write_text(args.export_output, json.dumps(_outputs_json(outputs)) + "\n")
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         _print_text(args, result)
     return 0
+
+
+def _feeds(
+    args: argparse.Namespace, engine: Any, shapes: dict[str, tuple[int, ...]]
+) -> tuple[dict[str, Any], str]:
+    """The inputs and where they came from: an .npz, raw files per input (trtexec's
+    --loadInputs, random data for the rest) or random data."""
+    if args.load_inputs:
+        feeds = load_inputs(args.load_inputs, args.max_input_bytes)
+        check_feed_names(engine, feeds, f"'{args.load_inputs}'")
+        return feeds, args.load_inputs
+    concrete = input_shapes(engine, shapes)
+    feeds = random_inputs(engine, concrete, args.seed, args.max_input_bytes)
+    raw = getattr(args, "raw_inputs", None)
+    if not raw:
+        return feeds, "random"
+    feeds.update(load_raw_inputs(engine, raw, concrete, args.max_input_bytes))
+    rest = [k for k in feeds if k not in raw]
+    return feeds, "raw files" + (f", random for {', '.join(rest)}" if rest else "")
 
 
 def _to_device(feeds: dict) -> dict:
@@ -305,6 +354,34 @@ def _result(
     return result
 
 
+def _averages(t: Timings, runs: int) -> list[dict]:
+    """Mean times over each window of ``runs`` consecutive iterations (trtexec's --avgRuns)."""
+    out = []
+    for i in range(0, len(t.latency_s), runs):
+        window = slice(i, i + runs)
+        out.append(
+            {
+                "runs": len(t.latency_s[window]),
+                "latency_ms": float(np.mean(t.latency_s[window])) * 1e3,
+                "compute_ms": float(np.mean(t.compute_s[window])) * 1e3,
+                "enqueue_ms": float(np.mean(t.enqueue_s[window])) * 1e3,
+            }
+        )
+    return out
+
+
+def _outputs_json(outputs: dict) -> list[dict]:
+    """Outputs as trtexec's --exportOutput writes them: name, dimensions ('2x3'), values."""
+    return [
+        {
+            "name": name,
+            "dimensions": "x".join(str(d) for d in np.shape(v)),
+            "values": np.asarray(v).ravel().tolist(),
+        }
+        for name, v in outputs.items()
+    ]
+
+
 def _per_iteration(t: Timings) -> list[dict]:
     return [
         {
@@ -353,7 +430,12 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
             )
         ],
     )
-    if "profile" in r:
+    for a in r.get("averages", []):
+        print(
+            f"average on {a['runs']} runs - latency: {a['latency_ms']:.4f} ms - compute: "
+            f"{a['compute_ms']:.4f} ms (enqueue {a['enqueue_ms']:.4f} ms)"
+        )
+    if "profile" in r and args.dump_profile:
         print()
         print_table(
             ["layer", "op", "total ms", "average ms", "percent"],
@@ -373,3 +455,5 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
         print(f"outputs saved to {args.save_outputs}")
     if args.export_times:
         print(f"per-iteration times written to {args.export_times}")
+    if args.export_profile:
+        print(f"per-layer profile written to {args.export_profile}")
