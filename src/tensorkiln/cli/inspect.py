@@ -18,7 +18,7 @@ from tensorkiln.cli.common import (
     print_table,
     shape_str,
 )
-from tensorkiln.errors import TensorkilnError
+from tensorkiln.errors import EngineCompatibilityError
 
 EPILOG = """examples:
   tensorkiln inspect model.engine
@@ -51,12 +51,13 @@ def describe_engine(path: Any) -> dict:
     from tensorkiln.engine import Engine
     from tensorkiln.engine import format as fmt
 
-    plan, tensors = fmt.read(path)
+    plan, tensors = fmt.read(path)  # the container's checks and the plan's types
     try:
         Engine.load(path)
         loadable, why = True, None
-    except TensorkilnError as exc:
+    except EngineCompatibilityError as exc:  # intact, but built for elsewhere: still described
         loadable, why = False, str(exc)
+    # (an EngineFormatError, a damaged engine, is the command's error: nothing to describe)
     profiles = plan.get("profiles") or []
     io = plan.get("io") or {}
 

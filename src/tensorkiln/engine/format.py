@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.engine.schema import check_plan
+from tensorkiln.engine.schema import check_plan, printable
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError
 from tensorkiln.ir.dtypes import DType
 
@@ -172,10 +172,13 @@ def _restore(plan: dict, stored: dict[str, np.ndarray], where: str) -> dict[str,
                 arr = arr.view(dtype).reshape(shape)
             ok = arr.shape == shape and tensor_digest(arr) == info["sha256"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngineFormatError(f"{where}: tensor '{key}' does not decode ({exc})") from None
+            raise EngineFormatError(
+                f"{where}: tensor {printable(repr(key))} does not decode ({exc})"
+            ) from None
         if not ok:
             raise EngineFormatError(
-                f"{where}: tensor '{key}' does not match the plan (shape or checksum differs)"
+                f"{where}: tensor {printable(repr(key))} does not match the plan (shape or "
+                "checksum differs)"
             )
         tensors[key] = arr
     return tensors

@@ -38,15 +38,15 @@ def printable(text: str) -> str:
     )
 
 
-def _show(x: Any) -> str:
-    """A short, printable description of a value found in a file (never the raw text)."""
-    text = repr(x)
+def show(x: Any) -> str:
+    """A short, printable description of a value found in a file, for messages."""
+    text = printable(repr(x))
     return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _kind(x: Any) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}.get(
-        type(x), "null" if x is None else f"the number {_show(x)}"
+        type(x), "null" if x is None else f"the number {show(x)}"
     )
 
 
@@ -74,7 +74,7 @@ class Int(Spec):
         if type(x) is not int:  # bool is a subclass of int; JSON's 1.0 is a float
             raise PlanError(where, f"expected an integer, found {_kind(x)}")
         if not self.lo <= x <= self.hi:
-            raise PlanError(where, f"{_show(x)} is outside {self.lo}..{self.hi}")
+            raise PlanError(where, f"{show(x)} is outside {self.lo}..{self.hi}")
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class Float(Spec):
         if type(x) not in (int, float) or not math.isfinite(x):
             raise PlanError(where, f"expected a finite number, found {_kind(x)}")
         if x < self.lo:
-            raise PlanError(where, f"{_show(x)} is below {self.lo}")
+            raise PlanError(where, f"{show(x)} is below {self.lo}")
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ class Str(Spec):
         if not isinstance(x, str):
             raise PlanError(where, f"expected a string, found {_kind(x)}")
         if self.choices and x not in self.choices:
-            raise PlanError(where, f"{_show(x)} is not one of the known names")
+            raise PlanError(where, f"{show(x)} is not one of the known names")
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ class Map(Spec):
         if not isinstance(x, dict):
             raise PlanError(where, f"expected an object, found {_kind(x)}")
         for k, v in x.items():
-            self.value.check(v, f"{where}[{_show(k)}]")
+            self.value.check(v, f"{where}[{show(k)}]")
 
 
 @dataclass(frozen=True)
