@@ -654,6 +654,67 @@ def test_hostile_plans_are_one_line_errors_everywhere(
     assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
 
 
+def test_hostile_plans_are_one_line_errors_in_build_from_engine(
+    engines: dict[str, bytes], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A rebuild reads the old plan's profiles and build settings without loading the engine.
+    cli = CLI(capsys)
+    base = C.unpack(engines["cnn+source"])
+    path, out = tmp_path / "hostile.engine", tmp_path / "rebuilt.engine"
+    problems = []
+    # (the graph is not read: the rebuild starts from the embedded model)
+    for name, edit in [(n, e) for n, e in hostile_values(base) if not n.startswith("graph")]:
+        c = base.copy()
+        edit(c)
+        path.write_bytes(C.pack(c))
+        rc, _, err = cli("build", "--from-engine", path, "-o", out)
+        try:
+            assert_one_line_error(rc, err)
+            assert "damaged" in err and not out.exists()
+        except AssertionError:
+            problems.append(f"{name}: rc {rc}: {err[-300:]}")
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda p: p["layers"][0].__setitem__("name", ["fc1"]),
+            "plan.layers[0].name: expected a string, found a list",
+        ),
+        (
+            lambda p: p["profiles"][0]["x"]["max"].__setitem__(0, math.inf),
+            "plan.profiles[0]['x'].max[0]: expected an integer, found the number inf",
+        ),
+        (
+            lambda p: p["tensors"]["const/w1"]["shape"].__setitem__(0, 2**64),
+            "plan.tensors['const/w1'].shape[0]: 18446744073709551616 is outside 0..",
+        ),
+        (
+            lambda p: p["memory"]["buffers"][0].__setitem__(2, True),
+            "plan.memory.buffers[0][2]: expected an integer, found a boolean",
+        ),
+        (
+            lambda p: p["build"]["phases_s"].__setitem__("parse", math.nan),
+            "plan.build.phases_s['parse']: expected a finite number, found the number nan",
+        ),
+        (
+            lambda p: p["io"]["inputs"][0].__setitem__("dtype", "FLOAT\x1b[2J"),
+            "plan.io.inputs[0].dtype: 'FLOAT\\x1b[2J' is not one of the known names",
+        ),
+    ],
+    ids=["layer name", "profile max", "table shape", "buffer size", "phase time", "io dtype"],
+)
+def test_schema_errors_name_the_field(engines: dict[str, bytes], edit, message: str) -> None:
+    c = C.unpack(engines["square_mlp"])
+    edit(c.plan)
+    with pytest.raises(EngineFormatError) as exc:
+        Engine.deserialize(C.pack(c))
+    assert message in str(exc.value) and "rebuild" in str(exc.value), str(exc.value)
+    assert "\x1b" not in str(exc.value)
+
+
 def test_missing_file_and_folder_are_refused(tmp_path: Path) -> None:
     with pytest.raises(EngineFormatError, match="does not exist"):
         Engine.load(tmp_path / "nope.engine")

@@ -122,13 +122,23 @@ class OneOf(Spec):
     what: str
 
     def check(self, x: Any, where: str) -> None:
+        errors = []
         for spec in self.options:
             try:
                 spec.check(x, where)
                 return
-            except PlanError:
-                continue
+            except PlanError as exc:
+                errors.append(exc)
+        # The option of the right kind says best what is wrong: its error is deeper in the value
+        # (a bad dim in a shape) or about the value rather than its kind (an unknown name).
+        best = max(errors, key=lambda e: (_depth(e.where), not e.what.startswith("expected")))
+        if best.where != where or not best.what.startswith("expected"):
+            raise best
         raise PlanError(where, f"expected {self.what}, found {_kind(x)}")
+
+
+def _depth(where: str) -> int:
+    return where.count("[") + where.count(".")
 
 
 def nullable(spec: Spec, what: str) -> Spec:
