@@ -109,15 +109,16 @@ class Bool(Spec):
 
 
 @dataclass(frozen=True)
-class Anything(Spec):
-    """A section another reader validates (the graph), or a value nobody reads."""
-
+class Null(Spec):
     def check(self, x: Any, where: str) -> None:
-        return None
+        if x is not None:
+            raise PlanError(where, f"expected null, found {_kind(x)}")
 
 
 @dataclass(frozen=True)
 class OneOf(Spec):
+    """The first of ``options`` that accepts the value; ``what`` names them all for messages."""
+
     options: tuple[Spec, ...]
     what: str
 
@@ -146,13 +147,6 @@ def nullable(spec: Spec, what: str) -> Spec:
 
 
 @dataclass(frozen=True)
-class Null(Spec):
-    def check(self, x: Any, where: str) -> None:
-        if x is not None:
-            raise PlanError(where, f"expected null, found {_kind(x)}")
-
-
-@dataclass(frozen=True)
 class List(Spec):
     item: Spec
 
@@ -171,7 +165,8 @@ class Tuple(Spec):
 
     def check(self, x: Any, where: str) -> None:
         if not isinstance(x, list) or len(x) != len(self.items):
-            raise PlanError(where, f"expected a list of {len(self.items)}, found {_kind(x)}")
+            found = f"a list of {len(x)}" if isinstance(x, list) else _kind(x)
+            raise PlanError(where, f"expected a list of {len(self.items)}, found {found}")
         for i, (spec, v) in enumerate(zip(self.items, x)):
             spec.check(v, f"{where}[{i}]")
 
