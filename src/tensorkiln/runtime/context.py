@@ -55,20 +55,22 @@ class ExecutionContext:
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
         dev = self._executor.device
-        if dev is not None:
-            _check_fits(engine.memory, dev)
+        if dev is not None and dev.type != "cuda":  # torch CPU tensors: nothing is reserved
+            _check_fits(engine.memory, dev, held=0)
         if dev is not None and dev.type == "cuda":
             from tensorkiln.runtime.device import GraphRunner
 
-            # the weights go to the device once per engine, outside any context's pool: every
-            # context of the engine reads the same tensors
-            self._executor.upload_weights()
             # The context's activations come from its own memory pool, on the pool's own stream
             # (CUDA graphs capture into a pool of their own). The memory plan is reserved in the
             # pool before the first run (see _reserve); device_memory_bytes() shows what a run
             # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
             self._pool, self._stream = pools.acquire(dev)
             weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
+            # before anything is allocated; a recycled pool's memory counts as available
+            _check_fits(engine.memory, dev, held=self.device_memory_bytes())
+            # the weights go to the device once per engine, outside any context's pool: every
+            # context of the engine reads the same tensors
+            self._executor.upload_weights()
             if not use_cuda_graph:
                 self._reserve(engine.memory)
             else:  # (a graph's activations are in its own pool, taken at capture)
@@ -197,8 +199,8 @@ class ExecutionContext:
         torch tensors (or DLPack producers) are used in place and torch tensors come back.
         ``outputs`` (name -> torch tensor) are written with the results as well.
         ``layer_times``, when given, receives each layer's seconds (added up over calls).
-        :attr:`last_compute_s` holds the time spent running layers in the last call, the rest of
-        the call being host-side work (input checks, output gathering).
+        :attr:`last_compute_s` holds the time this thread's last call spent running layers, the
+        rest of the call being host-side work (input checks, output gathering).
         """
         if self._executor.device is not None:
             return self._infer_device(feeds, layer_times, outputs)
@@ -334,18 +336,19 @@ class ExecutionContext:
         return None
 
 
-def _check_fits(memory: Mapping[str, Any], device: Any) -> None:
+def _check_fits(memory: Mapping[str, Any], device: Any, held: int) -> None:
     """Refuse a context whose memory plan cannot fit where it would run.
 
     The plan was checked against the engine's graph on loading (it is what the graph needs at the
     profile's largest shapes), but a graph may still allow shapes larger than this device: on a
-    GPU the plan is reserved before the first run, and must fit the memory free now; on the CPU
-    nothing is reserved ahead, and the bound is the machine's memory.
+    GPU the plan is reserved before the first run, and must fit the memory free now plus what the
+    context's (recycled) pool ``held`` already; on the CPU nothing is reserved ahead, and the
+    bound is the machine's memory.
     """
     need = memory.get("peak_bytes") or 0
     limit, what = _memory_limit(device)
-    if limit is not None and need > limit:
-        raise _too_big(need, limit, what)
+    if limit is not None and need > limit + held:
+        raise _too_big(need, limit + held, what)
 
 
 def _memory_limit(device: Any) -> tuple[int | None, str]:
@@ -354,7 +357,7 @@ def _memory_limit(device: Any) -> tuple[int | None, str]:
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
-        return free, f"free on {torch.cuda.get_device_name(device)}"
+        return free, f"free on {torch.cuda.get_device_name(device)} (its context's pool included)"
     try:  # (POSIX; elsewhere no bound is known)
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of this machine's memory"
     except (AttributeError, ValueError, OSError):
