@@ -116,8 +116,9 @@ def _hostile_model(path: Path) -> tuple[Path, str]:
 @pytest.fixture
 def hostile(cli, tmp_path):
     """An engine whose every printed string carries escapes: names from its model, and the
-    layers' op, kernel, tactic, timings and rejections, the target, source and build record
-    edited into the plan (checksums recomputed: none of these are checked against anything)."""
+    layers' op, kernel, tactic, timings and rejections, the target, source, build record and
+    version edited into the plan (checksums recomputed). Its version makes it an engine from
+    elsewhere, which inspect describes without the content checks that loading runs."""
     model, x = _hostile_model(tmp_path / "hostile.onnx")
     path = tmp_path / "hostile.engine"
     rc, _, err = cli("build", model, "-o", path, "--opt-level", "0", "--min-shapes", f"{x}:1x4",
@@ -134,6 +135,7 @@ def hostile(cli, tmp_path):
     c.plan["target"]["machine"] = "x86\x1b[6n[bold]"
     c.plan["source"]["name"] = "model\x1b[2J[blink].onnx"
     c.plan["build"]["config"]["precisions"] = ["fp32\x1b[31m"]
+    c.plan["tensorkiln_version"] = "0.0.9\x1b[5m[blink]"
     path.write_bytes(C.pack(c))
     return path
 
@@ -154,6 +156,7 @@ def test_inspect_escapes_what_an_engine_names(cli, hostile):
     assert rc == 0, err
     _assert_shown_not_obeyed(out)
     assert "model\\x1b[2J[blink].onnx" in out and "x86\\x1b[6n[bold]" in out
+    assert "loads on this machine: no" in out and "tensorkiln 0.0.9\\x1b[5m[blink]" in out
 
 
 def test_inspect_escapes_in_rich_tables(cli, hostile, monkeypatch):

@@ -343,6 +343,8 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
         yield f"hostile value: {name}", edit
     for name, edit in memory_edits(c):
         yield f"memory plan: {name}", edit
+    for name, edit in description_edits(c):
+        yield f"description: {name}", edit
     for name, edit in _graph_edits(c.plan["graph"]):
         yield f"graph: {name}", lambda c, edit=edit: edit(c.plan["graph"])
     if _subgraph(c.plan) is not None:
@@ -539,6 +541,19 @@ def memory_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], 
     yield "extra key", lambda c: c.plan["memory"].update(reserve_bytes=40 << 30)
 
 
+def description_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], None]]]:
+    """Well-typed descriptions (io, layers) that disagree with the graph: inspect shows them."""
+    layer = lambda c: c.plan["layers"][0]  # noqa: E731
+    x = lambda c: c.plan["io"]["inputs"][0]  # noqa: E731
+    yield "layer renamed", lambda c: layer(c).__setitem__("name", "other")
+    yield "layer op changed", lambda c: layer(c).__setitem__("op", "Conv")
+    yield "layer outputs changed", lambda c: layer(c).__setitem__("outputs", ["ghost"])
+    yield "layer inputs dropped", lambda c: layer(c).__setitem__("inputs", [])
+    yield "io shape: a dim grown", lambda c: x(c)["shape"].__setitem__(-1, x(c)["shape"][-1] + 1)
+    yield "io shape: a dim renamed", lambda c: x(c)["shape"].__setitem__(0, "batch")
+    yield "io shape: unknown", lambda c: x(c).__setitem__("shape", None)
+
+
 def edited(data: bytes) -> Iterator[Variant]:
     base = C.unpack(data)
     unchanged = C.pack(base)
@@ -622,6 +637,15 @@ def test_damaged_corpus_is_refused(engines: dict[str, bytes], tmp_path: Path) ->
     assert not failures, f"{len(failures)} variants were not refused:\n" + "\n".join(failures)
 
 
+# What a refusal of a hostile plan says: which field is damaged, or what disagrees with the graph.
+EXPLAINED = (
+    "damaged at",
+    "memory plan does not match",
+    "but its node has",
+    "in the plan but the graph has",
+)
+
+
 def test_hostile_plans_are_one_line_errors_everywhere(
     engines: dict[str, bytes], tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
@@ -630,7 +654,7 @@ def test_hostile_plans_are_one_line_errors_everywhere(
     cli = CLI(capsys)
     base = C.unpack(engines["square_mlp"])
     path = tmp_path / "hostile.engine"
-    cases = [*hostile_values(base), *memory_edits(base)]
+    cases = [*hostile_values(base), *memory_edits(base), *description_edits(base)]
     problems = []
     for name, edit in cases:
         c = base.copy()
@@ -640,7 +664,7 @@ def test_hostile_plans_are_one_line_errors_everywhere(
             Engine.load(path)
             problems.append(f"{name}: Engine.load accepted it")
         except EngineFormatError as exc:
-            if "damaged at" not in str(exc) and "memory plan does not match" not in str(exc):
+            if not any(words in str(exc) for words in EXPLAINED):
                 problems.append(f"{name}: Engine.load said {exc}")
         except Exception as exc:  # the point of the test: report, do not crash
             problems.append(f"{name}: Engine.load raised {type(exc).__name__}: {exc}")

@@ -380,10 +380,28 @@ def _check_io(engine: Engine, plan: dict, where: str) -> None:
         raise EngineFormatError(
             f"{where}: the plan lists {len(engine.layers)} layers for {len(engine.graph.nodes)} nodes"
         )
+    for i, (layer, node) in enumerate(zip(engine.layers, engine.graph.nodes)):
+        _check_layer(i, layer, node, where)
     names = {v.name for v in engine.graph.inputs}
     for p in engine.profiles:
         unknown = set(p.shapes) - names
         if unknown:
             raise EngineFormatError(
                 f"{where}: a profile names unknown inputs {printable(repr(sorted(unknown)))}"
+            )
+
+
+def _check_layer(i: int, layer: dict, node: Any, where: str) -> None:
+    """A layer's record names its node: the same name, op, inputs and outputs, where given."""
+    facts = {
+        "name": node.name,
+        "op": f"{node.domain}.{node.op}" if node.domain else node.op,
+        "inputs": [v.name if v is not None else "" for v in node.inputs],
+        "outputs": [v.name if v is not None else "" for v in node.outputs],
+    }
+    for key, fact in facts.items():
+        if key in layer and layer[key] != fact:
+            raise EngineFormatError(
+                f"{where}: layer {i} of the plan gives {key} {printable(repr(layer[key]))}, but "
+                f"its node has {printable(repr(fact))}"
             )
