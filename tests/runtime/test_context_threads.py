@@ -1,6 +1,7 @@
 """One ExecutionContext shared by several threads: each thread's shape queries answer for the
 shapes that thread set, never another's, and runs stay right. Checked against onnxruntime, on the
-reference backend and on the cuda backend's kernels over torch CPU tensors."""
+reference backend and on the cuda backend's kernels over torch CPU tensors (and on the GPU, where
+there is one)."""
 
 from __future__ import annotations
 
@@ -37,9 +38,9 @@ def _engine(backend: str) -> Engine:
     return Engine.deserialize(builder.build(M.mlp(), config, progress=False).serialize())
 
 
-@pytest.fixture(params=["reference", "cuda-cpu"])
+@pytest.fixture(params=["reference", "cuda-cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request: pytest.FixtureRequest) -> Engine:
-    if request.param == "cuda-cpu":
+    if request.param != "reference":
         pytest.importorskip("torch")
     return _engine(request.param)
 
@@ -118,6 +119,9 @@ def test_shapes_and_runs_interleaved_in_threads(engine: Engine, session, busy_sw
                 np.testing.assert_allclose(np.asarray(out[n]), want[n], rtol=1e-4, atol=1e-5)
             if ctx.last_compute_s <= 0.0:
                 wrong.append(f"thread {i}: last_compute_s {ctx.last_compute_s}")
+            gpu_s = ctx.last_gpu_s  # this thread's own CUDA events (None off the GPU)
+            if engine.backend == "cuda" and engine.device == "cuda" and not gpu_s:
+                wrong.append(f"thread {i}: last_gpu_s {gpu_s}")
 
     _in_threads(work)
     assert not wrong, wrong
