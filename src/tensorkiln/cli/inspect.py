@@ -1,7 +1,8 @@
 """``tensorkiln inspect``: what an engine holds (or an ONNX model's IR).
 
-Engines are described from their plan, read through the container checks only, so an engine built
-for another device or tensorkiln version can still be inspected; whether it loads here is reported.
+Engines are described from their plan, read through the container checks (and the plan's types)
+only, so an engine built for another device or tensorkiln version can still be inspected; whether
+it loads here is reported. A damaged engine is an error. Names from the file are shown escaped.
 """
 
 from __future__ import annotations
