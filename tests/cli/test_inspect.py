@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from tests.cli.helpers import assert_one_line_error
 from tests.cli.test_build import _as_if_from_elsewhere
+from tests.engine import container as C
 
 
 @pytest.fixture
@@ -78,3 +86,102 @@ def test_inspect_damaged_engine(cli, engine):
     rc, _, err = cli("inspect", engine)
     assert_one_line_error(rc, err)
     assert "corrupted" in err
+
+
+# Strings an engine (or a model) can carry that a terminal would obey: colours, clearing the
+# screen, blinking, a window-title escape ended by BEL, a cursor report request, a bidi override.
+ESCAPES = ("\x1b[31m", "\x1b[2J", "\x1b[5m", "\x1b]0;pwned\x07", "\x1b[6n", "\x1b[7m", "\u202e")
+MARKUP = ("[bold]", "[red]layer[/red]", "[blink]")  # rich markup must show as typed
+
+
+def _hostile_model(path: Path) -> tuple[Path, str]:
+    """x -> MatMul -> Relu -> y with names full of escapes and markup (ONNX allows any string)."""
+    x, y, h, w = "x\x1b[31m[bold]in", "y\x07\x1b]0;pwned\x07", "h\u202e", "w\x1b[2J"
+    weight = np.random.default_rng().standard_normal((4, 3)).astype(np.float32)
+    nodes = [
+        helper.make_node("MatMul", [x, w], [h], name="fc\x1b[2J[red]layer[/red]"),
+        helper.make_node("Relu", [h], [y], name="act\x1b[5m"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "g\x1b[6n",
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["N\x1b[7m", 4])],
+        [helper.make_tensor_value_info(y, TensorProto.FLOAT, ["N\x1b[7m", 3])],
+        initializer=[numpy_helper.from_array(weight, w)],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path, x
+
+
+@pytest.fixture
+def hostile(cli, tmp_path):
+    """An engine whose every printed string carries escapes: names from its model, and the
+    layers' op, kernel, tactic, timings and rejections, the target, source, build record and
+    version edited into the plan (checksums recomputed). Its version makes it an engine from
+    elsewhere, which inspect describes without the content checks that loading runs."""
+    model, x = _hostile_model(tmp_path / "hostile.onnx")
+    path = tmp_path / "hostile.engine"
+    rc, _, err = cli("build", model, "-o", path, "--opt-level", "0", "--min-shapes", f"{x}:1x4",
+                     "--opt-shapes", f"{x}:2x4", "--max-shapes", f"{x}:8x4")  # fmt: skip
+    assert rc == 0, err
+    c = C.unpack(path.read_bytes())
+    c.plan["layers"][0].update(
+        op="MatMul\x1b[5m[blink]",
+        impl="reference:math.matmul\x1b[7m",
+        tactic="t\x1b]0;pwned\x07",
+        timings_ms={"t\x1b]0;pwned\x07": 0.5, "other\x1b[31m[bold]": 0.7},
+        rejected={"bad\x1b[2J": "why\x1b[5m"},
+    )
+    c.plan["target"]["machine"] = "x86\x1b[6n[bold]"
+    c.plan["source"]["name"] = "model\x1b[2J[blink].onnx"
+    c.plan["build"]["config"]["precisions"] = ["fp32\x1b[31m"]
+    c.plan["tensorkiln_version"] = "0.0.9\x1b[5m[blink]"
+    path.write_bytes(C.pack(c))
+    return path
+
+
+def _assert_shown_not_obeyed(out: str) -> None:
+    for seq in ESCAPES:
+        assert seq not in out, f"{seq!r} reached the terminal"
+    assert "\x07" not in out
+    assert "\\x1b[31m" in out and "\\x1b]0;pwned\\x07" in out
+    for tag in MARKUP:
+        assert tag in out, f"{tag} was not shown as typed"
+    for name in ("fc\\x1b[2J[red]layer[/red]", "act\\x1b[5m", "t\\x1b]0;pwned\\x07"):
+        assert name in out
+
+
+def test_inspect_escapes_what_an_engine_names(cli, hostile):
+    rc, out, err = cli("inspect", hostile)
+    assert rc == 0, err
+    _assert_shown_not_obeyed(out)
+    assert "model\\x1b[2J[blink].onnx" in out and "x86\\x1b[6n[bold]" in out
+    assert "loads on this machine: no" in out and "tensorkiln 0.0.9\\x1b[5m[blink]" in out
+
+
+def test_inspect_escapes_in_rich_tables(cli, hostile, monkeypatch):
+    # In a terminal the tables go through rich, which would read '[bold]' as markup.
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    monkeypatch.setenv("COLUMNS", "400")  # no wrapping, no cells cut short
+    rc, out, err = cli("inspect", hostile)
+    assert rc == 0, err
+    _assert_shown_not_obeyed(out)
+
+
+def test_inspect_json_escapes_control_characters(cli, hostile):
+    rc, out, err = cli("inspect", hostile, "--json")
+    assert rc == 0, err
+    assert not any(ord(ch) < 0x20 and ch not in "\n " for ch in out)
+    info = json.loads(out)  # the names themselves survive, escaped by JSON
+    assert info["layers"][0]["tactic"] == "t\x1b]0;pwned\x07"
+    assert info["inputs"][0]["name"] == "x\x1b[31m[bold]in"
+
+
+def test_inspect_onnx_escapes_names(cli, tmp_path):
+    model, _ = _hostile_model(tmp_path / "hostile.onnx")
+    rc, out, err = cli("inspect", model)
+    assert rc == 0, err
+    for seq in ESCAPES:
+        assert seq not in out
+    assert "# fc\\x1b[2J[red]layer[/red]" in out and "%h\\u202e" in out

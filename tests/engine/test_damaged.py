@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import json
+import math
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +24,7 @@ import pytest
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
+from tests.cli.helpers import CLI, FAST, assert_one_line_error
 from tests.engine import container as C
 from tests.engine import models as M
 
@@ -337,6 +339,12 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
     yield "graph: opset version a string", lambda c: c.plan["graph"]["opsets"].__setitem__("", "21")
     yield "graph: opset version 0", lambda c: c.plan["graph"]["opsets"].__setitem__("", 0)
 
+    for name, edit in hostile_values(c):
+        yield f"hostile value: {name}", edit
+    for name, edit in memory_edits(c):
+        yield f"memory plan: {name}", edit
+    for name, edit in description_edits(c):
+        yield f"description: {name}", edit
     for name, edit in _graph_edits(c.plan["graph"]):
         yield f"graph: {name}", lambda c, edit=edit: edit(c.plan["graph"])
     if _subgraph(c.plan) is not None:
@@ -414,6 +422,136 @@ def plan_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], No
         yield "source: embedded model removed", source_removed
         yield "source: embedded model replaced", source_replaced
         yield "source: says not embedded", lambda c: c.plan["source"].__setitem__("embedded", False)
+
+
+# Where the plan wants a count (a dim, a size, a step), what a stranger can write instead.
+BAD_COUNTS = {
+    "Infinity": math.inf,
+    "-Infinity": -math.inf,
+    "NaN": math.nan,
+    "2**64": 2**64,
+    "-1": -1,
+    "true": True,
+    "1.5": 1.5,
+    "a list": [1],
+}
+
+
+def _first_shaped_tensor(c: C.Container) -> str:
+    return next(k for k, v in c.plan["tensors"].items() if v["shape"])
+
+
+def hostile_values(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], None]]]:
+    """Fields of the wrong type or range, one per section of the plan (the schema's job)."""
+    plan = c.plan
+    x = plan["io"]["inputs"][0]["name"]
+    key = _first_shaped_tensor(c)
+    for label, bad in BAD_COUNTS.items():
+        yield (
+            f"table shape {label}",
+            lambda c, bad=bad: c.plan["tensors"][key]["shape"].__setitem__(0, bad),
+        )
+        if plan["profiles"] and x in plan["profiles"][0]:
+            for end in ("min", "max"):
+                yield (
+                    f"profile {end} {label}",
+                    lambda c, bad=bad, end=end: c.plan["profiles"][0][x][end].__setitem__(0, bad),
+                )
+        yield (
+            f"io shape {label}",
+            lambda c, bad=bad: c.plan["io"]["inputs"][0]["shape"].__setitem__(-1, bad),
+        )
+        yield (
+            f"graph value dim {label}",
+            lambda c, bad=bad: c.plan["graph"]["values"][0]["type"]["shape"].__setitem__(-1, bad),
+        )
+        if plan["memory"].get("buffers"):
+            yield (
+                f"memory buffer size {label}",
+                lambda c, bad=bad: c.plan["memory"]["buffers"][0].__setitem__(2, bad),
+            )
+            yield f"memory peak {label}", lambda c, bad=bad: c.plan["memory"].update(peak_bytes=bad)
+    layer = lambda c: c.plan["layers"][0]  # noqa: E731
+    yield "layer name a list", lambda c: layer(c).__setitem__("name", ["fc1"])
+    yield "layer op a list", lambda c: layer(c).__setitem__("op", ["Gemm"])
+    yield "layer tactic a list", lambda c: layer(c).__setitem__("tactic", ["default"])
+    yield "layer tactic_eager an object", lambda c: layer(c).__setitem__("tactic_eager", {})
+    yield (
+        "layer timings Infinity",
+        lambda c: layer(c).__setitem__("timings_ms", {"default": math.inf}),
+    )
+    yield "layer rejected a list", lambda c: layer(c).__setitem__("rejected", ["x"])
+    yield "layer a string", lambda c: c.plan["layers"].__setitem__(0, "fc1")
+    yield "io name a list", lambda c: c.plan["io"]["inputs"][0].__setitem__("name", [x])
+    yield "io dtype unknown", lambda c: c.plan["io"]["inputs"][0].__setitem__("dtype", "FLOAT128")
+    yield "io entry a string", lambda c: c.plan["io"]["outputs"].__setitem__(0, "y")
+    yield "source name a list", lambda c: c.plan["source"].__setitem__("name", ["m.onnx"])
+    yield "source embedded a string", lambda c: c.plan["source"].__setitem__("embedded", "yes")
+    yield "build precision a list", lambda c: c.plan["build"].__setitem__("precision", ["fp32"])
+    yield (
+        "build config precisions a string",
+        lambda c: c.plan["build"].setdefault("config", {}).__setitem__("precisions", "fp32"),
+    )
+    yield (
+        "build optimization level Infinity",
+        lambda c: (
+            c.plan["build"].setdefault("config", {}).__setitem__("optimization_level", math.inf)
+        ),
+    )
+    yield (
+        "build phase time NaN",
+        lambda c: c.plan["build"]["phases_s"].__setitem__("parse", math.nan),
+    )
+    yield "target value an object", lambda c: c.plan["target"].__setitem__("device", {"a": 1})
+    yield "table sha256 a list", lambda c: c.plan["tensors"][key].__setitem__("sha256", ["0"])
+    yield "profile range a list", lambda c: c.plan["profiles"].append({x: [[1], [1], [1]]})
+
+
+def memory_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], None]]]:
+    """Memory plans that are consistent in themselves but not the graph's: contexts reserve
+    device memory from the plan, so it must be exactly what the graph needs."""
+    if not c.plan["memory"].get("buffers"):
+        return
+
+    def grow(c: C.Container, size: int) -> None:
+        m = c.plan["memory"]
+        b = m["buffers"][0]
+        m["naive_bytes"] += size - b[2]
+        b[2] = size
+        m["peak_bytes"] = max(m["peak_bytes"], b[1] + size)
+
+    yield "a buffer of 40 GiB", lambda c: grow(c, 40 << 30)
+    yield "a buffer of 2**62 bytes", lambda c: grow(c, 2**62)
+    yield "a buffer of 256 bytes more", lambda c: grow(c, c.plan["memory"]["buffers"][0][2] + 256)
+    yield "peak of 40 GiB", lambda c: c.plan["memory"].update(peak_bytes=40 << 30)
+    yield "naive bytes edited", lambda c: c.plan["memory"].update(naive_bytes=1)
+    yield (
+        "buffer named after an input",
+        lambda c: c.plan["memory"]["buffers"][0].__setitem__(0, c.plan["io"]["inputs"][0]["name"]),
+    )
+    yield "buffer lives longer", lambda c: c.plan["memory"]["buffers"][0].__setitem__(4, 10**6)
+    yield "buffer moved", lambda c: c.plan["memory"]["buffers"][0].__setitem__(1, 1 << 20)
+    yield "buffer dropped", lambda c: c.plan["memory"]["buffers"].pop()
+    yield (
+        "buffer duplicated",
+        lambda c: c.plan["memory"]["buffers"].append(list(c.plan["memory"]["buffers"][0])),
+    )
+    yield "alignment 1", lambda c: c.plan["memory"].update(alignment=1)
+    yield "dynamic value added", lambda c: c.plan["memory"]["dynamic"].append("ghost")
+    yield "extra key", lambda c: c.plan["memory"].update(reserve_bytes=40 << 30)
+
+
+def description_edits(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container], None]]]:
+    """Well-typed descriptions (io, layers) that disagree with the graph: inspect shows them."""
+    layer = lambda c: c.plan["layers"][0]  # noqa: E731
+    x = lambda c: c.plan["io"]["inputs"][0]  # noqa: E731
+    yield "layer renamed", lambda c: layer(c).__setitem__("name", "other")
+    yield "layer op changed", lambda c: layer(c).__setitem__("op", "Conv")
+    yield "layer outputs changed", lambda c: layer(c).__setitem__("outputs", ["ghost"])
+    yield "layer inputs dropped", lambda c: layer(c).__setitem__("inputs", [])
+    yield "io shape: a dim grown", lambda c: x(c)["shape"].__setitem__(-1, x(c)["shape"][-1] + 1)
+    yield "io shape: a dim renamed", lambda c: x(c)["shape"].__setitem__(0, "batch")
+    yield "io shape: unknown", lambda c: x(c).__setitem__("shape", None)
 
 
 def edited(data: bytes) -> Iterator[Variant]:
@@ -497,6 +635,108 @@ def test_damaged_corpus_is_refused(engines: dict[str, bytes], tmp_path: Path) ->
         print(f"  {n:4d}  {kind}")
     assert total >= 200
     assert not failures, f"{len(failures)} variants were not refused:\n" + "\n".join(failures)
+
+
+# What a refusal of a hostile plan says: which field is damaged, or what disagrees with the graph.
+EXPLAINED = (
+    "damaged at",
+    "memory plan does not match",
+    "but its node has",
+    "in the plan but the graph has",
+)
+
+
+def test_hostile_plans_are_one_line_errors_everywhere(
+    engines: dict[str, bytes], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # Each hostile field through the library and through the commands that read engines: a
+    # one-line error naming the problem and exit code 1, never a traceback.
+    cli = CLI(capsys)
+    base = C.unpack(engines["square_mlp"])
+    path = tmp_path / "hostile.engine"
+    cases = [*hostile_values(base), *memory_edits(base), *description_edits(base)]
+    problems = []
+    for name, edit in cases:
+        c = base.copy()
+        edit(c)
+        path.write_bytes(C.pack(c))
+        try:
+            Engine.load(path)
+            problems.append(f"{name}: Engine.load accepted it")
+        except EngineFormatError as exc:
+            if not any(words in str(exc) for words in EXPLAINED):
+                problems.append(f"{name}: Engine.load said {exc}")
+        except Exception as exc:  # the point of the test: report, do not crash
+            problems.append(f"{name}: Engine.load raised {type(exc).__name__}: {exc}")
+        for command in (["inspect", path], ["inspect", path, "--json"], ["run", path, *FAST]):
+            rc, _, err = cli(*command)
+            try:
+                assert_one_line_error(rc, err)
+            except AssertionError:
+                problems.append(f"{name}: {command[0]} gave rc {rc}: {err[-300:]}")
+    assert len(cases) >= 60
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+def test_hostile_plans_are_one_line_errors_in_build_from_engine(
+    engines: dict[str, bytes], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    # A rebuild reads the old plan's profiles and build settings without loading the engine.
+    cli = CLI(capsys)
+    base = C.unpack(engines["cnn+source"])
+    path, out = tmp_path / "hostile.engine", tmp_path / "rebuilt.engine"
+    problems = []
+    # (the graph is not read: the rebuild starts from the embedded model)
+    for name, edit in [(n, e) for n, e in hostile_values(base) if not n.startswith("graph")]:
+        c = base.copy()
+        edit(c)
+        path.write_bytes(C.pack(c))
+        rc, _, err = cli("build", "--from-engine", path, "-o", out)
+        try:
+            assert_one_line_error(rc, err)
+            assert "damaged" in err and not out.exists()
+        except AssertionError:
+            problems.append(f"{name}: rc {rc}: {err[-300:]}")
+    assert not problems, f"{len(problems)} problems:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda p: p["layers"][0].__setitem__("name", ["fc1"]),
+            "plan.layers[0].name: expected a string, found a list",
+        ),
+        (
+            lambda p: p["profiles"][0]["x"]["max"].__setitem__(0, math.inf),
+            "plan.profiles[0]['x'].max[0]: expected an integer, found the number inf",
+        ),
+        (
+            lambda p: p["tensors"]["const/w1"]["shape"].__setitem__(0, 2**64),
+            "plan.tensors['const/w1'].shape[0]: 18446744073709551616 is outside 0..",
+        ),
+        (
+            lambda p: p["memory"]["buffers"][0].__setitem__(2, True),
+            "plan.memory.buffers[0][2]: expected an integer, found a boolean",
+        ),
+        (
+            lambda p: p["build"]["phases_s"].__setitem__("parse", math.nan),
+            "plan.build.phases_s['parse']: expected a finite number, found the number nan",
+        ),
+        (
+            lambda p: p["io"]["inputs"][0].__setitem__("dtype", "FLOAT\x1b[2J"),
+            "plan.io.inputs[0].dtype: 'FLOAT\\x1b[2J' is not one of the known names",
+        ),
+    ],
+    ids=["layer name", "profile max", "table shape", "buffer size", "phase time", "io dtype"],
+)
+def test_schema_errors_name_the_field(engines: dict[str, bytes], edit, message: str) -> None:
+    c = C.unpack(engines["square_mlp"])
+    edit(c.plan)
+    with pytest.raises(EngineFormatError) as exc:
+        Engine.deserialize(C.pack(c))
+    assert message in str(exc.value) and "rebuild" in str(exc.value), str(exc.value)
+    assert "\x1b" not in str(exc.value)
 
 
 def test_missing_file_and_folder_are_refused(tmp_path: Path) -> None:

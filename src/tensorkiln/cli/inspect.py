@@ -1,13 +1,16 @@
 """``tensorkiln inspect``: what an engine holds (or an ONNX model's IR).
 
-Engines are described from their plan, read through the container checks only, so an engine built
-for another device or tensorkiln version can still be inspected; whether it loads here is reported.
+Engines are described from their plan, read through the container checks (and the plan's types)
+only, so an engine built for another device or tensorkiln version can still be inspected; whether
+it loads here is reported. A damaged engine is an error. Names from the file are shown escaped.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from typing import Any
 
 from tensorkiln.cli.common import (
@@ -18,7 +21,8 @@ from tensorkiln.cli.common import (
     print_table,
     shape_str,
 )
-from tensorkiln.errors import TensorkilnError
+from tensorkiln.engine.schema import printable
+from tensorkiln.errors import EngineCompatibilityError
 
 EPILOG = """examples:
   tensorkiln inspect model.engine
@@ -51,12 +55,13 @@ def describe_engine(path: Any) -> dict:
     from tensorkiln.engine import Engine
     from tensorkiln.engine import format as fmt
 
-    plan, tensors = fmt.read(path)
+    plan, tensors = fmt.read(path)  # the container's checks and the plan's types
     try:
         Engine.load(path)
         loadable, why = True, None
-    except TensorkilnError as exc:
+    except EngineCompatibilityError as exc:  # intact, but built for elsewhere: still described
         loadable, why = False, str(exc)
+    # (an EngineFormatError, a damaged engine, is the command's error: nothing to describe)
     profiles = plan.get("profiles") or []
     io = plan.get("io") or {}
 
@@ -112,6 +117,31 @@ def describe_engine(path: Any) -> dict:
     }
 
 
+# ------------------------------------------------------------------ output
+# Everything an engine names (layers, ops, tactics, IO, source, target, errors quoting them) is
+# text from a stranger: it is shown with control characters escaped, so an ESC sequence in a layer
+# name cannot drive the terminal, and in rich tables with markup escaped, so '[bold]' is shown, not
+# obeyed. (JSON output needs neither: json.dumps escapes control characters itself.)
+
+
+def _say(text: str = "") -> None:
+    print(printable(text))
+
+
+def _table(headers: list[str], rows: list[list[Any]], title: str) -> None:
+    cells = [[printable(str(c)) for c in r] for r in rows]
+    if _rich_tables():
+        from rich.markup import escape
+
+        cells = [[escape(c) for c in r] for r in cells]
+    print_table(headers, cells, title=title)
+
+
+def _rich_tables() -> bool:
+    """Whether print_table renders through rich, which reads markup in cells (its own test)."""
+    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+
+
 def _tactic_cells(layer: dict) -> list[str]:
     """The chosen tactic with its time, and the other candidates' times, fastest first."""
     name = layer.get("tactic", "default")
@@ -131,33 +161,33 @@ def _tactic_cells(layer: dict) -> list[str]:
 
 def _print_engine(info: dict) -> None:
     target = ", ".join(f"{k} {v}" for k, v in (info["target"] or {}).items())
-    print(f"engine: {info['file']}")
-    print(
+    _say(f"engine: {info['file']}")
+    _say(
         f"tensorkiln {info['tensorkiln_version']}, format {info['format_version']}, "
         f"backend {info['backend']}, target: {target}"
     )
     if info["loadable_here"]:
-        print("loads on this machine: yes")
+        _say("loads on this machine: yes")
     else:
-        print(f"loads on this machine: no ({info['not_loadable_because']})")
+        _say(f"loads on this machine: no ({info['not_loadable_because']})")
     src = info["source"] or {}
-    print(
+    _say(
         f"source: {src.get('name')}  sha256 {src.get('sha256')}  "
         f"embedded: {'yes' if src.get('embedded') else 'no'}"
     )
     build = info["build"] or {}
     config = build.get("config") or {}
     if config:
-        print(
+        _say(
             f"built with: precisions {', '.join(config.get('precisions', []))}, optimization level "
             f"{config.get('optimization_level')}, memory limit {config.get('memory_limit') or 'none'}"
         )
-    print()
+    _say()
     _print_io(info)
-    print()
+    _say()
     layers = info["layers"]
     tuned = any("tactic" in x for x in layers)
-    print_table(
+    _table(
         ["layer", "op", "implementation", "precision"]
         + (["tactic (ms, as a CUDA graph)", "runners-up (ms)"] if tuned else []),
         [
@@ -166,25 +196,25 @@ def _print_engine(info: dict) -> None:
         ],
         title=f"layers ({len(layers)})",
     )
-    print()
+    _say()
     m = info["memory"]
     if m["peak_bytes"] is not None:
         naive = m["naive_bytes"] or 0
         saved = f", {1 - m['peak_bytes'] / naive:.0%} less" if naive else ""
-        print(
+        _say(
             f"activation memory: planned peak {m['peak_bytes']:,} bytes ({mib(m['peak_bytes'])}) vs "
             f"naive {naive:,} bytes ({mib(naive)}{saved}); {m['buffers']} buffers"
             + (", sized for the profiles' max shapes" if info["num_profiles"] else "")
         )
     dyn = m["dynamic"]
-    print(
+    _say(
         f"dynamic buffers (sized at run time): {len(dyn)}"
         + (f": {', '.join(dyn[:8])}" if dyn else "")
     )
     if len(dyn) > 8:
-        print(f"  ... and {len(dyn) - 8} more")
+        _say(f"  ... and {len(dyn) - 8} more")
     w = info["weights"]
-    print(f"weights: {w['tensors']} tensors, {w['bytes']:,} bytes ({mib(w['bytes'])})")
+    _say(f"weights: {w['tensors']} tensors, {w['bytes']:,} bytes ({mib(w['bytes'])})")
 
 
 def _print_io(info: dict) -> None:
@@ -199,9 +229,7 @@ def _print_io(info: dict) -> None:
             rows.append(
                 [kind, s["name"], s["dtype"], shape_str(s["shape"]), dyn, "; ".join(ranges) or "-"]
             )
-    print_table(
-        ["io", "name", "dtype", "shape", "dynamic axes", "profile ranges"], rows, title="io"
-    )
+    _table(["io", "name", "dtype", "shape", "dynamic axes", "profile ranges"], rows, title="io")
 
 
 def _inspect_onnx(path: Any, as_json: bool) -> int:
@@ -210,7 +238,8 @@ def _inspect_onnx(path: Any, as_json: bool) -> int:
 
     graph = import_onnx(path)
     if not as_json:
-        print(format_graph(graph))
+        for line in format_graph(graph).splitlines():  # names from the model, escaped too
+            _say(line)
         return 0
 
     def value(v: Any) -> dict:

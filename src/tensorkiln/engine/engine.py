@@ -17,6 +17,7 @@ import numpy as np
 
 import tensorkiln
 from tensorkiln.engine import format as fmt
+from tensorkiln.engine.schema import printable
 from tensorkiln.engine.serialize import graph_from_json, graph_to_json
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
 from tensorkiln.ir import Graph, TensorType
@@ -233,36 +234,32 @@ def _spec_json(s: TensorSpec) -> dict:
 
 
 def _rebuild_hint(plan: dict, where: str) -> str:
-    src = plan.get("source") if isinstance(plan.get("source"), dict) else {}
+    src = plan["source"]
     if src.get("embedded"):
         path = where.strip("'") if where.startswith("'") else "ENGINE_FILE"
         return f"Rebuild it here with `tensorkiln build --from-engine {path} -o NEW.engine`."
-    name = src.get("name") or "model.onnx"
+    name = printable(src.get("name") or "model.onnx")
     return f"Rebuild it from its model with `tensorkiln build {name} -o NEW.engine`."
 
 
 def _check_compatible(plan: dict, where: str) -> str:
+    """The plan's types were checked on reading (engine/schema.py); here, its values."""
     # The header's version was checked already; the plan's copy must agree with it.
-    fv = plan.get("format_version")
-    if type(fv) is not int or fv != fmt.FORMAT_VERSION:
+    fv = plan["format_version"]
+    if fv != fmt.FORMAT_VERSION:
         raise EngineFormatError(
-            f"{where}: the plan's format version {fv!r} does not match the file's "
+            f"{where}: the plan's format version {fv} does not match the file's "
             f"{fmt.FORMAT_VERSION}"
         )
-    version = plan.get("tensorkiln_version")
-    backend = plan.get("backend")
-    if not isinstance(version, str) or not isinstance(backend, str):
-        raise EngineFormatError(f"{where}: the plan lacks its version or backend")
+    version, backend, target = plan["tensorkiln_version"], plan["backend"], plan["target"]
     if backend not in BACKENDS:
-        raise EngineFormatError(f"{where}: unknown backend '{backend}' in the plan")
+        raise EngineFormatError(f"{where}: unknown backend {printable(repr(backend))} in the plan")
     hint = _rebuild_hint(plan, where)
     if version != tensorkiln.__version__:
         raise EngineCompatibilityError(
-            f"{where} was built by tensorkiln {version}; this is tensorkiln {tensorkiln.__version__}. {hint}"
+            f"{where} was built by tensorkiln {printable(version)!r}; this is tensorkiln "
+            f"{tensorkiln.__version__}. {hint}"
         )
-    target = plan.get("target")
-    if not isinstance(target, dict):
-        raise EngineFormatError(f"{where}: the plan lacks its target")
     if backend == "cuda" and target.get("torch_device") == "cpu":
         try:
             import torch  # noqa: F401
@@ -271,41 +268,47 @@ def _check_compatible(plan: dict, where: str) -> str:
                 f"{where} needs PyTorch, which is not installed"
             ) from None
     elif backend == "cuda":
-        try:
-            here = target_of("cuda")
-        except Exception:  # no torch or no GPU here
-            raise EngineCompatibilityError(
-                f"{where} was built for the GPU ({target.get('device')}, compute capability "
-                f"{target.get('compute_capability')}); this machine has no usable CUDA device. {hint}"
-            ) from None
-        for key in ("device", "compute_capability"):
-            if target.get(key) != here[key]:
-                raise EngineCompatibilityError(
-                    f"{where} was built for {key} {target.get(key)!r}; this machine has "
-                    f"{here[key]!r}. {hint}"
-                )
+        _check_gpu(target, where, hint)
     return backend
+
+
+def _check_gpu(target: dict, where: str, hint: str) -> None:
+    def show(key: str) -> str:
+        return printable(repr(target.get(key)))
+
+    try:
+        here = target_of("cuda")
+    except Exception:  # no torch or no GPU here
+        raise EngineCompatibilityError(
+            f"{where} was built for the GPU ({show('device')}, compute capability "
+            f"{show('compute_capability')}); this machine has no usable CUDA device. {hint}"
+        ) from None
+    for key in ("device", "compute_capability"):
+        if target.get(key) != here[key]:
+            raise EngineCompatibilityError(
+                f"{where} was built for {key} {show(key)}; this machine has {here[key]!r}. {hint}"
+            )
 
 
 def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
     backend = _check_compatible(plan, where)
     source_model = _source_model(plan, tensors, where)
     try:
-        graph, _ = graph_from_json(plan.get("graph"), tensors)
+        graph, _ = graph_from_json(plan["graph"], tensors)
         verify(graph)
-        profiles = _profiles(plan, where)
         engine = Engine(
             graph,
             backend=backend,
-            profiles=profiles,
-            layers=_list(plan, "layers", where),
-            memory=_memory(plan, where),
-            source=_dict(plan, "source", where),
+            profiles=_profiles(plan, where),
+            layers=plan["layers"],
+            memory=plan["memory"],
+            source=plan["source"],
             source_model=source_model,
-            build=_dict(plan, "build", where),
-            target=_dict(plan, "target", where),
+            build=plan["build"],
+            target=plan["target"],
         )
         _check_io(engine, plan, where)
+        _check_memory(engine, where)
         from tensorkiln.runtime.executor import check_supported
 
         check_supported(graph, backend)
@@ -324,74 +327,81 @@ def _profiles(plan: dict, where: str) -> list:
     from tensorkiln.builder.config import OptimizationProfile
 
     try:
-        return [OptimizationProfile.from_json(p) for p in _list(plan, "profiles", where)]
-    except (TensorkilnError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        return [OptimizationProfile.from_json(p) for p in plan["profiles"]]
+    except TensorkilnError as exc:  # ranks that differ, min > opt or opt > max
         raise EngineFormatError(
             f"{where}: an optimization profile in the plan is damaged ({exc})"
         ) from None
 
 
-def _memory(plan: dict, where: str) -> dict:
-    """The memory plan, checked: contexts reserve device memory from it."""
-    memory = _dict(plan, "memory", where)
+def _check_memory(engine: Engine, where: str) -> None:
+    """The memory plan must be the one the graph needs at the profiles' largest shapes.
 
-    def count(x: Any) -> bool:
-        return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    A cuda context reserves device memory from this plan before its first run, so a plan is
+    never taken on trust: it is planned again from the graph (planning is deterministic, and an
+    engine only loads in the tensorkiln version that built it) and must come out the same. An
+    empty plan (an engine made without the builder) reserves nothing.
+    """
+    if not engine.memory:
+        return
+    # (the builder's planner and its choice of symbol sizes, reused rather than copied)
+    from tensorkiln.builder.builder import _plan_symbols
+    from tensorkiln.builder.memory import plan_memory
 
-    peak, buffers = memory.get("peak_bytes", 0), memory.get("buffers", [])
-    if not (
-        count(peak)
-        and isinstance(buffers, list)
-        and all(
-            isinstance(b, list)
-            and len(b) == 5
-            and isinstance(b[0], str)
-            and all(count(x) for x in b[1:])
-            and b[1] + b[2] <= peak
-            and b[3] <= b[4]
-            for b in buffers
-        )
-    ):
-        raise EngineFormatError(
-            f"{where}: the plan's memory plan is damaged (each buffer must be [name, offset, "
-            "size, first step, last step] and lie within peak_bytes)"
-        )
-    return memory
-
-
-def _list(plan: dict, key: str, where: str) -> list:
-    v = plan.get(key)
-    if not isinstance(v, list):
-        raise EngineFormatError(f"{where}: the plan's '{key}' is missing or not a list")
-    return v
-
-
-def _dict(plan: dict, key: str, where: str) -> dict:
-    v = plan.get(key)
-    if not isinstance(v, dict):
-        raise EngineFormatError(f"{where}: the plan's '{key}' is missing or not an object")
-    return v
+    expected = plan_memory(engine.graph, _plan_symbols(engine.graph, engine.profiles)).to_json()
+    if engine.memory == expected:
+        return
+    got = engine.memory
+    differs = next((k for k in expected if got.get(k) != expected[k]), None) or next(
+        k for k in got if k not in expected
+    )
+    raise EngineFormatError(
+        f"{where}: the plan's activation memory plan does not match its graph (its "
+        f"{printable(repr(differs))} differs: the plan asks for a peak of "
+        f"{printable(repr(got.get('peak_bytes')))} bytes, the graph needs {expected['peak_bytes']:,} "
+        "at the profiles' largest shapes); refusing to reserve memory from it. Rebuild the engine."
+    )
 
 
 def _check_io(engine: Engine, plan: dict, where: str) -> None:
-    io = _dict(plan, "io", where)
+    """The plan's description of the engine (IO, layers, profiles) must agree with its graph:
+    tools such as `tensorkiln inspect` show the plan, the runtime runs the graph."""
     for kind, specs in (("inputs", engine.inputs), ("outputs", engine.outputs)):
-        declared = io.get(kind)
-        if not isinstance(declared, list) or [
-            d.get("name") for d in declared if isinstance(d, dict)
-        ] != [s.name for s in specs]:
+        declared = plan["io"][kind]
+        if [d["name"] for d in declared] != [s.name for s in specs]:
             raise EngineFormatError(f"{where}: the plan's {kind} do not match its graph")
         for d, s in zip(declared, specs):
-            if d.get("dtype") != s.dtype:
+            if d != _spec_json(s):
                 raise EngineFormatError(
-                    f"{where}: {kind[:-1]} '{s.name}' is declared {d.get('dtype')} but the graph has {s.dtype}"
+                    f"{where}: {kind[:-1]} {printable(repr(s.name))} is declared "
+                    f"{printable(repr(d))} in the plan but the graph has {printable(repr(_spec_json(s)))}"
                 )
     if len(engine.layers) != len(engine.graph.nodes):
         raise EngineFormatError(
             f"{where}: the plan lists {len(engine.layers)} layers for {len(engine.graph.nodes)} nodes"
         )
+    for i, (layer, node) in enumerate(zip(engine.layers, engine.graph.nodes)):
+        _check_layer(i, layer, node, where)
     names = {v.name for v in engine.graph.inputs}
     for p in engine.profiles:
         unknown = set(p.shapes) - names
         if unknown:
-            raise EngineFormatError(f"{where}: a profile names unknown inputs {sorted(unknown)}")
+            raise EngineFormatError(
+                f"{where}: a profile names unknown inputs {printable(repr(sorted(unknown)))}"
+            )
+
+
+def _check_layer(i: int, layer: dict, node: Any, where: str) -> None:
+    """A layer's record names its node: the same name, op, inputs and outputs, where given."""
+    facts = {
+        "name": node.name,
+        "op": f"{node.domain}.{node.op}" if node.domain else node.op,
+        "inputs": [v.name if v is not None else "" for v in node.inputs],
+        "outputs": [v.name if v is not None else "" for v in node.outputs],
+    }
+    for key, fact in facts.items():
+        if key in layer and layer[key] != fact:
+            raise EngineFormatError(
+                f"{where}: layer {i} of the plan gives {key} {printable(repr(layer[key]))}, but "
+                f"its node has {printable(repr(fact))}"
+            )

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.engine.schema import check_plan, printable
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError
 from tensorkiln.ir.dtypes import DType
 
@@ -127,6 +128,7 @@ def decode(data: bytes, where: str = "engine") -> tuple[dict[str, Any], dict[str
         raise EngineFormatError(f"{where}: the plan is not valid JSON ({exc})") from None
     if not isinstance(plan, dict):
         raise EngineFormatError(f"{where}: the plan is not a JSON object")
+    check_plan(plan, where)  # every reader of the plan, from here on, reads checked data
     return plan, _restore(plan, stored, where)
 
 
@@ -161,7 +163,7 @@ def _restore(plan: dict, stored: dict[str, np.ndarray], where: str) -> dict[str,
         info = table[key]
         try:
             dtype = DType[info["dtype"]].numpy
-            shape = tuple(int(d) for d in info["shape"])
+            shape = tuple(info["shape"])  # ints in int64's range (checked with the plan)
             if arr.dtype != dtype:
                 # Only types safetensors cannot hold travel as raw bytes; any other mismatch
                 # would reinterpret the bytes (their sha256 still matching) as another type.
@@ -170,10 +172,13 @@ def _restore(plan: dict, stored: dict[str, np.ndarray], where: str) -> dict[str,
                 arr = arr.view(dtype).reshape(shape)
             ok = arr.shape == shape and tensor_digest(arr) == info["sha256"]
         except (KeyError, TypeError, ValueError) as exc:
-            raise EngineFormatError(f"{where}: tensor '{key}' does not decode ({exc})") from None
+            raise EngineFormatError(
+                f"{where}: tensor {printable(repr(key))} does not decode ({exc})"
+            ) from None
         if not ok:
             raise EngineFormatError(
-                f"{where}: tensor '{key}' does not match the plan (shape or checksum differs)"
+                f"{where}: tensor {printable(repr(key))} does not match the plan (shape or "
+                "checksum differs)"
             )
         tensors[key] = arr
     return tensors

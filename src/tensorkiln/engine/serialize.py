@@ -12,11 +12,13 @@ broken graph.
 from __future__ import annotations
 
 import base64
+import math
 from typing import Any
 
 import numpy as np
 import onnx
 
+from tensorkiln.engine.schema import is_dim, printable, show
 from tensorkiln.errors import EngineFormatError
 from tensorkiln.ir import DType, Graph, Node, OptionalType, SequenceType, TensorType, Type, Value
 
@@ -117,7 +119,8 @@ def graph_to_json(graph: Graph) -> tuple[dict, dict[str, np.ndarray], dict[Value
 
 
 def _fail(where: str, what: str) -> EngineFormatError:
-    return EngineFormatError(f"engine plan is damaged at {where}: {what}")
+    # (names in ``where`` and ``what`` come from the file: shown escaped)
+    return EngineFormatError(printable(f"engine plan is damaged at {where}: {what}"))
 
 
 def _expect(cond: bool, where: str, what: str) -> None:
@@ -153,12 +156,7 @@ def type_from_json(d: Any, where: str) -> Type | None:
         if shape is not None:
             _expect(isinstance(shape, list), where, "shape is not a list")
             for s in shape:
-                _expect(
-                    (isinstance(s, int) and not isinstance(s, bool) and s >= 0)
-                    or isinstance(s, str),
-                    where,
-                    f"bad dimension {s!r}",
-                )
+                _expect(is_dim(s) or isinstance(s, str), where, f"bad dimension {show(s)}")
             shape = tuple(shape)
         return TensorType(DType[dt] if dt else None, shape)
     if "sequence" in d:
@@ -183,8 +181,8 @@ class _Reader:
             _expect(
                 all(isinstance(s, str) for s in strings), where, "non-string in a string tensor"
             )
-            _expect(all(isinstance(x, int) and x >= 0 for x in shape), where, "bad shape")
-            _expect(int(np.prod(shape)) == len(strings), where, "string count does not match shape")
+            _expect(all(is_dim(x) for x in shape), where, "bad shape")
+            _expect(math.prod(shape) == len(strings), where, "string count does not match shape")
             return np.array(strings, dtype=object).reshape(shape)
         key = _get(d, "tensor", str, where)
         _expect(key in self.tensors, where, f"tensor '{key}' is missing from the weights")

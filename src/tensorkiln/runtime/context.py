@@ -1,11 +1,15 @@
 """ExecutionContext: one stream of inference on an engine, with its own activation memory.
 
 Several contexts can run the same engine from different threads at once: each has its own executor
-state, the engine's graph and weights are only read.
+state, the engine's graph and weights are only read. One context may also be shared by threads:
+what a call leaves behind for the next (input shapes set, the last call's timings) is kept per
+thread, so one thread never reads another's.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -13,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.errors import InputError
+from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.runtime import pools
@@ -22,7 +26,15 @@ from tensorkiln.runtime.io import bind_inputs
 
 
 class ExecutionContext:
-    """Runs an engine: ``with engine.create_execution_context() as ctx: ctx.infer(feeds)``."""
+    """Runs an engine: ``with engine.create_execution_context() as ctx: ctx.infer(feeds)``.
+
+    Threads: a context may be used by several threads. :meth:`infer` is safe to call from any
+    of them at once (on the GPU, calls on one context run in turn on its stream: for work that
+    overlaps, create one context per thread, as TensorRT requires). The state a call leaves for
+    later calls is kept per thread: the shapes set with :meth:`set_input_shape` (and so what
+    :meth:`get_tensor_shape` answers), :attr:`last_compute_s` and :attr:`last_gpu_s`. A thread
+    sees only the shapes it set itself, never another thread's.
+    """
 
     def __init__(
         self, engine: Any, profile_index: int = 0, *, use_cuda_graph: bool = False
@@ -40,27 +52,25 @@ class ExecutionContext:
         self._stream = None
         self._graphs = None
         self._pool = None
-        self._events: tuple = ()
-        self._timed = False
+        # per thread: input shapes set, the last call's compute time and CUDA events
+        self._local = threading.local()
         dev = self._executor.device
+        if dev is not None and dev.type != "cuda":  # torch CPU tensors: nothing is reserved
+            _check_fits(engine.memory, dev, held=0)
         if dev is not None and dev.type == "cuda":
-            import torch
-
             from tensorkiln.runtime.device import GraphRunner
 
-            # the weights go to the device once per engine, outside any context's pool: every
-            # context of the engine reads the same tensors
-            self._executor.upload_weights()
-            self._events = (
-                torch.cuda.Event(enable_timing=True),
-                torch.cuda.Event(enable_timing=True),
-            )
             # The context's activations come from its own memory pool, on the pool's own stream
             # (CUDA graphs capture into a pool of their own). The memory plan is reserved in the
             # pool before the first run (see _reserve); device_memory_bytes() shows what a run
             # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
             self._pool, self._stream = pools.acquire(dev)
             weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
+            # before anything is allocated; a recycled pool's memory counts as available
+            _check_fits(engine.memory, dev, held=self.device_memory_bytes())
+            # the weights go to the device once per engine, outside any context's pool: every
+            # context of the engine reads the same tensors
+            self._executor.upload_weights()
             if not use_cuda_graph:
                 self._reserve(engine.memory)
             else:  # (a graph's activations are in its own pool, taken at capture)
@@ -70,9 +80,37 @@ class ExecutionContext:
                 self._graphs = GraphRunner(
                     lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), dev
                 )
-        self._shapes: dict[str, tuple[int, ...]] = {}
+        # output shapes per set of input shapes: the same for every thread (a race only
+        # computes an entry twice)
         self._out_cache: dict[tuple, dict[str, tuple[int, ...] | None]] = {}
-        self.last_compute_s = 0.0
+
+    # -------------------------------------------------------------- per-thread state
+    @property
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        """The input shapes this thread has set."""
+        shapes = getattr(self._local, "shapes", None)
+        if shapes is None:
+            shapes = self._local.shapes = {}
+        return shapes
+
+    @property
+    def last_compute_s(self) -> float:
+        """Seconds this thread's last :meth:`infer` spent running layers (0.0 before one)."""
+        return getattr(self._local, "compute_s", 0.0)
+
+    @last_compute_s.setter
+    def last_compute_s(self, seconds: float) -> None:
+        self._local.compute_s = seconds
+
+    def _thread_events(self) -> tuple[Any, Any]:
+        """This thread's pair of CUDA timing events (made on its first call)."""
+        events = getattr(self._local, "events", None)
+        if events is None:
+            import torch
+
+            events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._local.events = events
+        return events
 
     # -------------------------------------------------------------- shapes
     def set_input_shape(self, name: str, shape: Any) -> None:
@@ -138,7 +176,8 @@ class ExecutionContext:
         still = [m for m in missing if m not in fixed]
         if still:
             raise InputError(
-                f"set the shape of input(s) {', '.join(still)} first (set_input_shape)"
+                f"set the shape of input(s) {', '.join(still)} first (set_input_shape; shapes "
+                "are kept per thread, so set them in the thread that asks)"
             )
         shapes = {**fixed, **self._shapes}
         key = tuple(sorted(shapes.items()))
@@ -160,8 +199,8 @@ class ExecutionContext:
         torch tensors (or DLPack producers) are used in place and torch tensors come back.
         ``outputs`` (name -> torch tensor) are written with the results as well.
         ``layer_times``, when given, receives each layer's seconds (added up over calls).
-        :attr:`last_compute_s` holds the time spent running layers in the last call, the rest of
-        the call being host-side work (input checks, output gathering).
+        :attr:`last_compute_s` holds the time this thread's last call spent running layers, the
+        rest of the call being host-side work (input checks, output gathering).
         """
         if self._executor.device is not None:
             return self._infer_device(feeds, layer_times, outputs)
@@ -190,6 +229,7 @@ class ExecutionContext:
                 self._check_shape(v.name, v.shape, tuple(arr.shape))
         t0 = time.perf_counter()
         stream = self._stream
+        events = self._thread_events() if stream is not None else ()
         caller = torch.cuda.current_stream(stream.device) if stream is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         use_graph = self._graphs is not None and layer_times is None
@@ -206,14 +246,14 @@ class ExecutionContext:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:
                         x.record_stream(stream)
-                self._events[0].record(stream)  # after the uploads: layers only
+                events[0].record(stream)  # after the uploads: layers only
             if use_graph:
                 results = self._graphs(inputs)
             else:
                 results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
             if stream is not None:
-                self._events[1].record(stream)
-                self._timed = True
+                events[1].record(stream)
+                self._local.timed = events
             named = {v.name: r for v, r in zip(graph.outputs, results)}
             if outputs:
                 write_outputs(named, outputs)
@@ -244,13 +284,17 @@ class ExecutionContext:
             steps.setdefault(last, ([], []))[1].append(name)
         live: dict[str, Any] = {}
         dev = self._executor.device
-        with torch.cuda.use_mem_pool(self._pool), torch.cuda.stream(self._stream):
-            for step in sorted(steps):
-                made, freed = steps[step]
-                for name, size in made:
-                    live[name] = torch.empty(size, dtype=torch.uint8, device=dev)
-                for name in freed:
-                    live.pop(name, None)
+        try:
+            with torch.cuda.use_mem_pool(self._pool), torch.cuda.stream(self._stream):
+                for step in sorted(steps):
+                    made, freed = steps[step]
+                    for name, size in made:
+                        live[name] = torch.empty(size, dtype=torch.uint8, device=dev)
+                    for name in freed:
+                        live.pop(name, None)
+        except torch.OutOfMemoryError:  # another process took the memory since _check_fits
+            raise _too_big(memory.get("peak_bytes", 0), None, f"out of memory on {dev}") from None
+        finally:
             live.clear()  # (graph outputs: freed at the end)
 
     def synchronize(self) -> None:
@@ -260,12 +304,14 @@ class ExecutionContext:
 
     @property
     def last_gpu_s(self) -> float | None:
-        """Seconds the GPU spent on the last call's layers (CUDA events around them, input and
-        output copies excluded); None on the reference backend. Waits for that call to finish."""
-        if not self._timed:
+        """Seconds the GPU spent on this thread's last call's layers (CUDA events around them,
+        input and output copies excluded); None on the reference backend and before a call.
+        Waits for that call to finish."""
+        events = getattr(self._local, "timed", None)
+        if events is None:
             return None
-        self._events[1].synchronize()
-        return self._events[0].elapsed_time(self._events[1]) / 1e3
+        events[1].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3
 
     def device_memory_bytes(self) -> int:
         """Bytes of device memory this context holds for activations (its pool's segments)."""
@@ -288,6 +334,43 @@ class ExecutionContext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def _check_fits(memory: Mapping[str, Any], device: Any, held: int) -> None:
+    """Refuse a context whose memory plan cannot fit where it would run.
+
+    The plan was checked against the engine's graph on loading (it is what the graph needs at the
+    profile's largest shapes), but a graph may still allow shapes larger than this device: on a
+    GPU the plan is reserved before the first run, and must fit the memory free now plus what the
+    context's (recycled) pool ``held`` already; on the CPU nothing is reserved ahead, and the
+    bound is the machine's memory.
+    """
+    need = memory.get("peak_bytes") or 0
+    limit, what = _memory_limit(device)
+    if limit is not None and need > limit + held:
+        raise _too_big(need, limit + held, what)
+
+
+def _memory_limit(device: Any) -> tuple[int | None, str]:
+    """(bytes a context may plan for on ``device``, what that bound is); None: unknown."""
+    if device.type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {torch.cuda.get_device_name(device)} (its context's pool included)"
+    try:  # (POSIX; elsewhere no bound is known)
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of this machine's memory"
+    except (AttributeError, ValueError, OSError):
+        return None, ""
+
+
+def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityError:
+    fits = f"more than the {limit:,} bytes {what}" if limit is not None else f"and failed: {what}"
+    return EngineCompatibilityError(
+        f"the engine's activation memory plan needs {need:,} bytes per context (at its "
+        f"profile's largest shapes), {fits}; free memory, create fewer contexts, or rebuild the "
+        "engine with smaller --max-shapes"
+    )
 
 
 def _executor(engine: Any, mode: str) -> Executor:
