@@ -22,7 +22,7 @@ ids within the embedding table), then for each backend an engine built at optimi
 benchmarks/cuda_models.py). ``cuda-*`` backends with ``--device cpu`` run the cuda kernels on
 torch CPU tensors. Each model runs in a child process (``--jobs`` at a time, killed after
 ``--timeout`` seconds) unless ``--jobs 0``, which runs them in this process. Writes
-corpus.json and corpus.md (a markdown table) to --out.
+NAME.json and NAME.md (a markdown table; --name, default corpus) to --out, after every model.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import zipfile
@@ -435,6 +436,7 @@ def check_all(args: argparse.Namespace) -> dict:
     models = find_models([Path(d) for d in args.models_dir])
     if args.only:
         models = [m for m in models if any(s in m[1] for s in args.only.split(","))]
+    models.sort(key=_priority)
     backends = args.backends.split(",")
     unknown = set(backends) - set(BACKENDS)
     if unknown:
@@ -446,24 +448,40 @@ def check_all(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + args.budget if args.budget else None
+    lock = threading.Lock()
 
-    def one(item: tuple[Path, str, dict]) -> dict:
+    def one(item: tuple[Path, str, dict]) -> None:
         path, name, meta = item
         if deadline is not None and time.monotonic() > deadline:
-            return {"model": name, "source": meta.get("package") or meta.get("source", "?"),
-                    "error": "not run: the time budget was spent", "backends": {}}  # fmt: skip
-        if args.jobs == 0:
+            rec = {"model": name, "source": meta.get("package") or meta.get("source", "?"),
+                   "error": "not run: the time budget was spent", "backends": {}}  # fmt: skip
+        elif args.jobs == 0:
             rec = check_model(path, name, meta, backends, args.device)
         else:
             rec = _check_child(path, name, meta, args, args.jobs)
         print(_line(rec), flush=True)
-        return rec
+        with lock:  # written after every model: a run cut short keeps what it did
+            results["models"].append(rec)
+            results["models"].sort(key=lambda r: r["model"])
+            _write(results, out, args.name)
 
     with concurrent.futures.ThreadPoolExecutor(max(args.jobs, 1)) as pool:
-        results["models"] = list(pool.map(one, models))
-    (out / "corpus.json").write_text(json.dumps(results, indent=1, default=str))
-    (out / "corpus.md").write_text("\n".join(summary(results)) + "\n")
+        list(pool.map(one, models))
+    _write(results, out, args.name)
     return results
+
+
+def _priority(item: tuple[Path, str, dict]) -> tuple:
+    """The order models start in, so that a run cut short by --budget has covered the most:
+    shipped models, then exports by the dynamo exporter, then TorchScript opset 17, then 13."""
+    _, name, meta = item
+    tag = name.rsplit("-", 1)[-1] if "exporter" in meta else ""
+    return ("exporter" in meta, {"dynamo": 0, "ts17": 1, "ts13": 2}.get(tag, 3), name)
+
+
+def _write(results: dict, out: Path, name: str) -> None:
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / f"{name}.md").write_text("\n".join(summary(results)) + "\n")
 
 
 def _line(rec: dict) -> str:
@@ -545,6 +563,7 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--timeout", type=float, default=300, help="seconds per model (children)")
     k.add_argument("--budget", type=float, default=0, help="start no model after this many s")
     k.add_argument("--out", default=os.environ.get("OUT", "."))
+    k.add_argument("--name", default="corpus", help="result files: NAME.json and NAME.md")
     one = sub.add_parser("check-one")  # what each child process of `check` runs
     one.add_argument("path", type=Path)
     one.add_argument("--name", required=True)
