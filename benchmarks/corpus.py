@@ -130,6 +130,23 @@ def _mark_carry(records: list[dict], carry_mib: float) -> None:
         total += rec["size"] if rec["carry"] else 0
 
 
+def manifest_table(records: list[dict]) -> list[str]:
+    """The collected models as a markdown table."""
+    lines = [
+        "| package | version | file | sha256 | MiB | license | carried |",
+        "|---|---|---|---|---:|---|---|",
+    ]
+    for r in records:
+        if "duplicate_of" in r:
+            continue
+        path = r["file"].split("/", 1)[1]
+        lines.append(
+            f"| {r['package']} | {r['version']} | {path} | {r['sha256'][:12]} | "
+            f"{r['size'] / MiB:.1f} | {r.get('license') or '-'} | {'yes' if r['carry'] else 'no'} |"
+        )
+    return lines
+
+
 def copy_carried(models_dir: Path, dest: Path) -> int:
     """Copy the models marked to carry (and the manifest) to ``dest``; returns bytes copied."""
     records = json.loads((models_dir / "manifest.json").read_text())
@@ -147,9 +164,17 @@ def copy_carried(models_dir: Path, dest: Path) -> int:
 # ---------------------------------------------------------------- export
 
 
-def export_all(out: Path, only: list[str] | None, exporters: list[str], jobs: int) -> list[dict]:
-    """Export each architecture with each exporter (``jobs`` child processes at a time, or in
-    this process with jobs 0); returns one record per (architecture, exporter)."""
+def export_all(
+    out: Path,
+    only: list[str] | None,
+    exporters: list[str],
+    jobs: int,
+    timeout: float = 300,
+    budget: float = 0,
+) -> list[dict]:
+    """Export each architecture with each exporter (``jobs`` child processes at a time, each
+    killed after ``timeout`` s, or in this process with jobs 0; none started after ``budget`` s
+    when given); returns one record per (architecture, exporter)."""
     from corpus_export import ARCHITECTURES, importable
 
     names = only or list(ARCHITECTURES)
@@ -160,14 +185,22 @@ def export_all(out: Path, only: list[str] | None, exporters: list[str], jobs: in
         print(f"skipped: {', '.join(missing)} not importable here", flush=True)
     todo = [(n, t) for n in names if ARCHITECTURES[n][0] not in missing for t in exporters]
     out.mkdir(parents=True, exist_ok=True)
-    run = _export_here if jobs == 0 else _export_child
+    deadline = time.monotonic() + budget if budget else None
+
+    def run(name: str, tag: str) -> dict:
+        if deadline is not None and time.monotonic() > deadline:
+            return {"model": name, "tag": tag, "error": "not run: the time budget was spent"}
+        if jobs == 0:
+            return _export_here(name, tag, out)
+        return _export_child(name, tag, out, jobs, timeout)
+
     with concurrent.futures.ThreadPoolExecutor(max(jobs, 1)) as pool:
-        records = list(pool.map(lambda nt: run(*nt, out, jobs), todo))
+        records = list(pool.map(lambda nt: run(*nt), todo))
     (out / "export.json").write_text(json.dumps(records, indent=1))
     return records
 
 
-def _export_here(name: str, tag: str, out: Path, jobs: int = 0) -> dict:
+def _export_here(name: str, tag: str, out: Path) -> dict:
     from corpus_export import export_one
 
     t0 = time.perf_counter()
@@ -180,10 +213,15 @@ def _export_here(name: str, tag: str, out: Path, jobs: int = 0) -> dict:
     return rec
 
 
-def _export_child(name: str, tag: str, out: Path, jobs: int) -> dict:
+def _export_child(name: str, tag: str, out: Path, jobs: int, timeout: float) -> dict:
     cmd = [sys.executable, __file__, "export", "--out", str(out), "--only", name,
            "--exporters", tag, "--jobs", "0"]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_child_env(jobs), timeout=900)
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=_child_env(jobs), timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return {"model": name, "tag": tag, "error": f"timed out after {timeout} s"}
     return _read_meta(out / f"{name}-{tag}", name, tag, proc)
 
 
@@ -409,17 +447,19 @@ def check_model(path: Path, name: str, meta: dict, backends: list[str], device: 
     return rec
 
 
-def _check_child(path: Path, name: str, meta: dict, args: argparse.Namespace, jobs: int) -> dict:
+def _check_child(
+    path: Path, name: str, meta: dict, args: argparse.Namespace, backends: list[str]
+) -> dict:
     """check_model in a child process, killed after ``args.timeout`` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "model.json"
         cmd = [sys.executable, __file__, "check-one", str(path), "--name", name,
-               "--meta", json.dumps(meta), "--backends", args.backends,
+               "--meta", json.dumps(meta), "--backends", ",".join(backends),
                "--device", args.device, "--result", str(result)]  # fmt: skip
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
-                cmd, capture_output=True, text=True, env=_child_env(jobs), timeout=args.timeout
+                cmd, capture_output=True, text=True, env=_child_env(args.jobs), timeout=args.timeout
             )
         except subprocess.TimeoutExpired:
             return {"model": name, "source": meta.get("package") or meta.get("source", "?"),
@@ -456,9 +496,9 @@ def check_all(args: argparse.Namespace) -> dict:
             rec = {"model": name, "source": meta.get("package") or meta.get("source", "?"),
                    "error": "not run: the time budget was spent", "backends": {}}  # fmt: skip
         elif args.jobs == 0:
-            rec = check_model(path, name, meta, backends, args.device)
+            rec = check_model(path, name, meta, _backends_for(name, backends, args), args.device)
         else:
-            rec = _check_child(path, name, meta, args, args.jobs)
+            rec = _check_child(path, name, meta, args, _backends_for(name, backends, args))
         print(_line(rec), flush=True)
         with lock:  # written after every model: a run cut short keeps what it did
             results["models"].append(rec)
@@ -469,6 +509,15 @@ def check_all(args: argparse.Namespace) -> dict:
         list(pool.map(one, models))
     _write(results, out, args.name)
     return results
+
+
+def _backends_for(name: str, backends: list[str], args: argparse.Namespace) -> list[str]:
+    """The backends to run ``name`` on: without the reference backend for models that
+    --skip-reference names (their reference run was done elsewhere)."""
+    skip = [s for s in (getattr(args, "skip_reference", "") or "").split(",") if s]
+    if any(s in name for s in skip):
+        return [b for b in backends if b != "reference"]
+    return backends
 
 
 def _priority(item: tuple[Path, str, dict]) -> tuple:
@@ -526,8 +575,9 @@ def summary(results: dict) -> list[str]:
     entries = {(r["model"], r.get("exporter"), r.get("opset")) for r in rows}
     lines += ["", f"{len(rows)} models, {len(entries)} distinct (model, exporter, opset)."]
     for b in backends:
-        ok = sum(1 for r in rows if r.get("backends", {}).get(b, {}).get("ok"))
-        lines.append(f"- {b}: {ok} of {len(rows)} pass")
+        ran = [r["backends"][b] for r in rows if b in r.get("backends", {})]
+        ok = sum(1 for res in ran if res.get("ok"))
+        lines.append(f"- {b}: {ok} of {len(ran)} pass ({len(rows) - len(ran)} not run)")
     lines += ["", "Failures:"]
     for r in rows:
         if r.get("error") or r.get("ort_error"):
@@ -554,12 +604,17 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--only", default="")
     e.add_argument("--exporters", default="ts13,ts17,dynamo")
     e.add_argument("--jobs", type=int, default=0, help="child processes (0: this one)")
+    e.add_argument("--timeout", type=float, default=300, help="seconds per export (children)")
+    e.add_argument("--budget", type=float, default=0, help="start no export after this many s")
     k = sub.add_parser("check", help="check every model against onnxruntime")
     k.add_argument("--models-dir", nargs="+", required=True)
     k.add_argument("--backends", default="reference")
     k.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     k.add_argument("--only", default="", help="comma-separated substrings of model names")
     k.add_argument("--jobs", type=int, default=1, help="child processes (0: this one)")
+    k.add_argument(
+        "--skip-reference", default="", help="substrings of models not to run on reference"
+    )
     k.add_argument("--timeout", type=float, default=300, help="seconds per model (children)")
     k.add_argument("--budget", type=float, default=0, help="start no model after this many s")
     k.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -582,11 +637,14 @@ def main(argv: list[str] | None = None) -> int:
         carry = [r for r in kept if r["carry"]]
         print(f"{len(kept)} models ({sum(r['size'] for r in kept) / MiB:.1f} MiB), "
               f"{len(carry)} to carry ({sum(r['size'] for r in carry) / MiB:.1f} MiB)")  # fmt: skip
+        print("\n".join(manifest_table(records)))
         if args.carry_to:
             copy_carried(args.models_dir, args.carry_to)
     elif args.command == "export":
         only = [s for s in args.only.split(",") if s]
-        records = export_all(args.out, only or None, args.exporters.split(","), args.jobs)
+        records = export_all(
+            args.out, only or None, args.exporters.split(","), args.jobs, args.timeout, args.budget
+        )
         done = [r for r in records if "error" not in r]
         print(f"{len(done)} of {len(records)} exports written to {args.out}")
     elif args.command == "check":

@@ -92,7 +92,7 @@ def test_collect_exports_and_check_agree_with_onnxruntime(corpus, tmp_path: Path
     assert len(saved["models"]) == 3
     table = (tmp_path / "out" / "corpus.md").read_text()
     assert "| hf-gpt2-dynamo | transformers | dynamo |" in table
-    assert "- cuda-fp16: 3 of 3 pass" in table
+    assert "- cuda-fp16: 3 of 3 pass (0 not run)" in table
 
 
 def test_token_ids_stay_inside_the_embedding_table(corpus, tmp_path: Path) -> None:
