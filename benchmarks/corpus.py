@@ -97,6 +97,9 @@ def collect(wheels_dir: Path, models_dir: Path, carry_mib: float = 45.0) -> list
     seen: dict[str, str] = {}
     for wheel in sorted(wheels_dir.glob("*.whl")):
         package, version = _wheel_name(wheel)
+        if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", package):  # it names a folder
+            print(f"skipped {wheel.name}: not a wheel's file name", flush=True)
+            continue
         with zipfile.ZipFile(wheel) as zf:
             license_ = _license(zf)
             for info in zf.infolist():

@@ -1,9 +1,10 @@
 """benchmarks/corpus.py on a small corpus made at test time: nothing is downloaded.
 
 Two tiny transformers architectures are exported (TorchScript at opset 13, the dynamo exporter
-at its default), one of them is also packed into a wheel-like zip (beside a member whose path
-climbs out of the folder), collected, and every model is checked against onnxruntime on the
-reference backend and on the cuda kernels run on torch CPU tensors, in fp32 and fp16.
+at its default); one of them is also packed into a wheel-like zip (beside a member whose path
+climbs out of the folder, and again under a wheel file name that would), collected, and every
+model is checked against onnxruntime on the reference backend and on the cuda kernels run on
+torch CPU tensors, in fp32 and fp16.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def test_collect_exports_and_check_agree_with_onnxruntime(corpus, tmp_path: Path
     wheels, models = tmp_path / "wheels", tmp_path / "models"
     wheels.mkdir()
     _wheel(wheels / "tinypkg-0.1.0-py3-none-any.whl", exports / "hf-bert-ts13" / "model.onnx")
+    _wheel(wheels / "..-0.1.0-py3-none-any.whl", exports / "hf-bert-ts13" / "model.onnx")
     (record,) = corpus.collect(wheels, models, carry_mib=45)
     data = (exports / "hf-bert-ts13" / "model.onnx").read_bytes()
     assert record["file"] == "tinypkg/tinypkg/models/encoder.onnx"
@@ -65,6 +67,7 @@ def test_collect_exports_and_check_agree_with_onnxruntime(corpus, tmp_path: Path
     assert record["size"] == len(data) and record["carry"]
     assert (models / record["file"]).read_bytes() == data
     assert not (tmp_path / "escape.onnx").exists() and not list(models.rglob("escape.onnx"))
+    assert not (tmp_path / "tinypkg").exists()  # the wheel named ".." wrote nothing
 
     args = argparse.Namespace(
         models_dir=[str(models), str(exports)],
