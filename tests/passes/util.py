@@ -16,7 +16,8 @@ from tensorkiln.runtime import Runner
 
 def model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
     graph = helper.make_graph(nodes, "g", inputs, outputs, initializer=list(inits))
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    # IR 10: what onnxruntime reads wherever it is installed (a newer onnx writes a newer default)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=10)
 
 
 def graph_of(m: onnx.ModelProto) -> Graph:
