@@ -48,13 +48,20 @@ def _decode_strings(arr: np.ndarray) -> np.ndarray:
 
 
 def sparse_to_array(sp: onnx.SparseTensorProto, external: ExternalData | None = None) -> np.ndarray:
+    """The dense array of a sparse tensor; malformed dims or indices are a ModelLoadError."""
     values = tensor_to_array(sp.values, external)
     indices = tensor_to_array(sp.indices, external).astype(np.int64)
-    dense = np.zeros(tuple(sp.dims), dtype=values.dtype)
-    if indices.ndim == 1:
-        dense.reshape(-1)[indices] = values
-    else:
-        dense[tuple(indices.T)] = values
+    try:
+        dense = np.zeros(tuple(sp.dims), dtype=values.dtype)
+        if indices.ndim == 1:
+            dense.reshape(-1)[indices] = values
+        else:
+            dense[tuple(indices.T)] = values
+    except (MemoryError, ValueError, IndexError) as exc:  # dims or indices a file got wrong
+        raise ModelLoadError(
+            f"sparse tensor '{sp.values.name}' of dims {list(sp.dims)} cannot be made dense: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     return dense
 
 
