@@ -236,3 +236,33 @@ def test_engine_stores_shared_external_data_once(tmp_path):
     want = ort.InferenceSession(str(path)).run(None, {"x": x})[0]
     got = engine.create_execution_context().infer({"x": x})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cli_refuses_a_link_outside_in_one_line(tmp_path, capsys):
+    from tests.cli.helpers import CLI, assert_one_line_error
+
+    secret = _secret(tmp_path)
+    path = _save(tmp_path / "m", _model(_w()))
+    os.symlink(secret, tmp_path / "m" / "weights.bin")
+    cli = CLI(capsys)
+    for args in [("run", path), ("build", path, "-o", tmp_path / "m.engine", "--embed-source")]:
+        rc, _, err = cli(*args)
+        assert_one_line_error(rc, err)
+        assert "outside the model's folder" in err
+    assert not (tmp_path / "m.engine").exists()
+
+
+def test_cli_runs_a_model_with_external_data_like_onnxruntime(tmp_path, capsys):
+    from tests.cli.helpers import CLI, ort_outputs
+
+    w = _w()
+    path = _save(tmp_path / "m", _model(w))
+    (tmp_path / "m" / "weights.bin").write_bytes(w.tobytes())
+    x = np.random.default_rng().standard_normal((3, 4)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    rc, _, err = CLI(capsys)(
+        "run", path, "--load-inputs", tmp_path / "in.npz", "--save-outputs", tmp_path / "out.npz"
+    )
+    assert rc == 0, err
+    got = np.load(tmp_path / "out.npz")["y"]
+    np.testing.assert_allclose(got, ort_outputs(path, {"x": x})["y"], rtol=1e-6)
