@@ -266,3 +266,11 @@ def test_cli_runs_a_model_with_external_data_like_onnxruntime(tmp_path, capsys):
     assert rc == 0, err
     got = np.load(tmp_path / "out.npz")["y"]
     np.testing.assert_allclose(got, ort_outputs(path, {"x": x})["y"], rtol=1e-6)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="needs /dev/zero")
+def test_model_file_linked_to_a_device_is_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    os.symlink("/dev/zero", tmp_path / "m" / "model.onnx")
+    with pytest.raises(ModelLoadError, match="not a regular file"):
+        tensorkiln.import_onnx(tmp_path / "m" / "model.onnx")

@@ -189,6 +189,8 @@ class ExternalData:
 
     def _decode(self, tensor: onnx.TensorProto, span: _Span) -> np.ndarray:
         buf = self._map(span.path)
+        if span.offset + span.length > len(buf):
+            raise self._error(tensor.name, f"lost its data: '{span.path}' shrank while being read")
         dims = tuple(tensor.dims)
         if tensor.data_type in _PACKED or sys.byteorder != "little":
             copy = onnx.TensorProto()

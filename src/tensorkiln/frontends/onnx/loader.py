@@ -7,6 +7,7 @@ inside the model's folder (see :mod:`tensorkiln.frontends.onnx.external`).
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,7 +57,7 @@ def open_model(
             raise ModelLoadError(f"model file '{path}' does not exist")
         if path.is_dir():
             raise ModelLoadError(f"'{path}' is a folder, not an ONNX model file")
-        model = _parse(path.read_bytes(), where)
+        model = _parse(_read_model_file(path), where)
         if base_dir is None:
             base_dir = path.parent
     _check_model(model, where)
@@ -88,6 +89,22 @@ def _embed_external(model: onnx.ModelProto, external: ExternalData) -> None:
         tensor.raw_data = external.read(tensor)
         del tensor.external_data[:]
         tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def _read_model_file(path: Path) -> bytes:
+    """The file's bytes; a device or pipe (which could be read forever) and a file larger than a
+    protobuf can be are refused before reading."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(
+            f"'{path}' is not a regular file (a device or pipe?); refusing to read it as a model"
+        )
+    if st.st_size >= _PROTOBUF_LIMIT:
+        raise ModelLoadError(
+            f"'{path}' is {st.st_size:,} bytes, more than an ONNX protobuf can hold (2 GiB); a "
+            "model that large keeps its weights in external data files"
+        )
+    return path.read_bytes()
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
