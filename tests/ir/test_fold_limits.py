@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 import tensorkiln
 import tensorkiln.ir.infer as infer
 from tensorkiln.builder import Builder
-from tensorkiln.errors import KernelError
+from tensorkiln.errors import EngineCompatibilityError, KernelError
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.cleanup import constant_folding
 
@@ -145,7 +145,16 @@ def test_data_dependent_ops_bounded_by_inputs_still_fold() -> None:
     np.testing.assert_allclose(tensorkiln.run_onnx(ir, {"x": xv})["y"], want, rtol=1e-6)
 
 
-def test_impossible_size_is_a_clear_error_at_run_time() -> None:
+@pytest.mark.parametrize(
+    ("backend", "error", "match"),
+    [
+        ("reference", KernelError, r"ConstantOfShape.*allocate"),
+        ("cuda", EngineCompatibilityError, r"activation memory plan needs [\d,]+ bytes"),
+    ],
+)
+def test_impossible_size_is_a_clear_error_at_run_time(backend, error, match) -> None:
+    """The reference backend fails the node; the cuda one (on CPU tensors here) refuses to
+    create a context whose memory plan cannot fit."""
     nodes = [
         helper.make_node("ConstantOfShape", ["shape"], ["big"], value=_one()),
         helper.make_node("ReduceMax", ["big"], ["m"], keepdims=0),
@@ -155,6 +164,7 @@ def test_impossible_size_is_a_clear_error_at_run_time() -> None:
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
     graph = helper.make_graph(nodes, "g", [x], [y], initializer=[_ints("shape", [1 << 50])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    engine = Builder().build(model, progress=False)
-    with pytest.raises(KernelError, match=r"ConstantOfShape.*allocate"):
+    builder = Builder() if backend == "reference" else Builder("cuda", device="cpu")
+    engine = builder.build(model, progress=False)
+    with pytest.raises(error, match=match):
         engine.create_execution_context().infer({"x": np.ones(3, np.float32)})
