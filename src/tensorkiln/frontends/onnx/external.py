@@ -39,6 +39,10 @@ _PACKED = frozenset(
 )
 
 
+# Data files from this size on are mapped; smaller ones are read (see _map_or_read).
+_MAP_MIN_BYTES = 1 << 20
+
+
 def uses_external_data(tensor: onnx.TensorProto) -> bool:
     """Whether ``tensor`` keeps its bytes in an external file."""
     return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
@@ -181,7 +185,7 @@ class ExternalData:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise ModelLoadError(f"{self.where}: external data '{path}' is not a regular file")
-            m = mmap.mmap(fd, 0, access=mmap.ACCESS_READ) if st.st_size else b""
+            m = _map_or_read(fd, st.st_size)
         finally:
             os.close(fd)
         self._maps[path] = m
@@ -206,6 +210,24 @@ class ExternalData:
         count = span.length // dtype.itemsize
         arr = np.frombuffer(buf, dtype=dtype, count=count, offset=span.offset)
         return arr.reshape(dims)
+
+
+def _map_or_read(fd: int, size: int) -> mmap.mmap | bytes:
+    """The file read-only: mapped when large, read when small. A mapping holds a duplicate of the
+    descriptor, and models saved one file per tensor have thousands of small files."""
+    if size >= _MAP_MIN_BYTES:
+        try:
+            return mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except OSError:  # out of descriptors or address space: read it instead
+            pass
+    chunks, left = [], size
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 30))
+        if not chunk:
+            break  # (shrank since the check: the caller finds the bytes missing)
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
 
 
 def _expected_bytes(tensor: onnx.TensorProto) -> int:
