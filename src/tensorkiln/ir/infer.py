@@ -35,9 +35,9 @@ _FOLD_LIMIT = 4096
 # is for shape arithmetic and small weight transforms: the passes keep at most 1M elements per
 # output (passes.cleanup.FOLD_MAX_ELEMENTS, 8 MiB at 8 bytes each), so 16 MiB never refuses what
 # they want, while a 180-byte model whose ConstantOfShape asks for 4 GiB is left to run at run
-# time, as onnx-graphsurgeon's fold_constants(size_threshold=...) and Polygraphy leave large
-# constants unfolded. Nodes whose output size cannot be known before running are not evaluated,
-# except those whose outputs are bounded by their inputs (_BOUNDED_BY_INPUTS).
+# time (the same idea as the size_threshold of onnx-graphsurgeon's fold_constants, Polygraphy's
+# --fold-size-threshold). Nodes whose output size cannot be known before running are not
+# evaluated, except those whose outputs are bounded by their inputs (_BOUNDED_BY_INPUTS).
 FOLD_MAX_BYTES = 16 << 20
 # Ops whose output sizes depend on input values but never exceed a small multiple of the inputs'
 # (NonZero: rank x count indices; Unique and Compress: at most their input).
