@@ -18,8 +18,9 @@ from tensorkiln.engine import Engine
 from tensorkiln.errors import InputError
 
 
-def _paddle_like(marker: str) -> onnx.ModelProto:
-    """Conv -> Relu -> global pool, with input [marker, 3, marker, marker] like paddle2onnx's."""
+def _paddle_like(marker: str | int) -> onnx.ModelProto:
+    """Conv -> Relu -> global pool, with input [marker, 3, marker, marker] like paddle2onnx's
+    (an int marker is a dim_value: -1 is how some exporters say "unknown")."""
     rng = np.random.default_rng()
     w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [marker, 3, marker, marker])
@@ -38,8 +39,8 @@ def _ort(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
     return ort.InferenceSession(model.SerializeToString()).run(None, feeds)
 
 
-@pytest.mark.parametrize("marker", ["?", "", "-1", "None", "unk"])
-def test_each_marker_axis_is_its_own_unknown(marker: str) -> None:
+@pytest.mark.parametrize("marker", ["?", "", "-1", "None", "unk", -1])
+def test_each_marker_axis_is_its_own_unknown(marker: str | int) -> None:
     model = _paddle_like(marker)
     graph = tensorkiln.import_onnx(model)
     dims = [d for d in graph.inputs[0].shape if not isinstance(d, int)]
