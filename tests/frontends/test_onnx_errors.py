@@ -216,3 +216,18 @@ def test_incompatible_static_shapes_fail_at_import():
     )
     with pytest.raises(GraphError, match=r"'mm'.*3 != 4"):
         tensorkiln.import_onnx(model)
+
+
+@pytest.mark.parametrize(("dims", "index"), [([1 << 50], 0), ([3], 5)])
+def test_sparse_initializer_with_impossible_dims_or_index(dims, index):
+    """A sparse tensor's dense size and indices come from the file: bounded, never a traceback."""
+    values = numpy_helper.from_array(np.ones(1, np.float32), "s")
+    indices = numpy_helper.from_array(np.array([index], np.int64), "i")
+    sparse = helper.make_sparse_tensor(values, indices, dims)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, dims)
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, None)
+    node = helper.make_node("Add", ["x", "s"], ["y"])
+    graph = helper.make_graph([node], "g", [x], [y], sparse_initializer=[sparse])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(ModelLoadError, match="sparse tensor 's'"):
+        tensorkiln.import_onnx(model)

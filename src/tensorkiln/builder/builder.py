@@ -115,7 +115,7 @@ class Builder:
         report = BuildReport()
         with _Progress(progress) as bar:
             with _phase(report, "parse", bar):
-                source_bytes, default_name = _source_bytes(model)
+                source_bytes, default_name = _source_bytes(model, config.embed_source)
                 graph = import_onnx(model, backend=self.backend)
                 _check_profiles(graph, config.profiles)
             with _phase(report, "optimize", bar):
@@ -184,12 +184,18 @@ def optimize(graph: Graph, level: int, dump_dir: str | os.PathLike | None = None
     return {name: n for name, n in pm.stats.items() if n}
 
 
-def _source_bytes(model: Any) -> tuple[bytes, str]:
+def _source_bytes(model: Any, embed: bool) -> tuple[bytes, str]:
+    """The model as recorded in the engine (hashed; embedded when ``embed``), and its name.
+
+    External data is pulled in only to embed it: a model whose data files are larger than one
+    protobuf can hold still builds, its record hashing the model file alone."""
     if isinstance(model, onnx.ModelProto):
         return model.SerializeToString(), "model.onnx"
     if isinstance(model, bytes | bytearray):
         return bytes(model), "model.onnx"
     path = Path(model)
+    if not embed and path.is_file():
+        return path.read_bytes(), path.name  # (import_onnx checks the file and its data)
     proto = load_model_proto(path)  # validates and pulls external data in
     return proto.SerializeToString(), path.name
 

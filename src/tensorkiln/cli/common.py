@@ -260,10 +260,10 @@ def load_or_build(
         return Loaded(Engine.load(p), p)
     if kind is not None:
         raise not_a_model(p, kind)
-    from tensorkiln.frontends.onnx import load_model_proto
+    from tensorkiln.frontends.onnx import open_model
 
     try:
-        proto = load_model_proto(p)  # parsed once, here: the builder takes the ModelProto
+        proto, external = open_model(p)  # parsed once, here; external data checked, not read
     except ModelLoadError as exc:
         raise CLIError(f"'{p}' is not a tensorkiln engine (no TKENGINE magic), and {exc}") from None
     config = BuilderConfig()
@@ -272,7 +272,9 @@ def load_or_build(
         config.add_optimization_profile(profile_from_shapes(dynamic))
     builder = Builder(backend)
     t0 = time.perf_counter()
-    engine = builder.build(proto, config, source_name=p.name)
+    # External data is found (and mapped, not copied) from the model's path.
+    model = proto if external is None else p
+    engine = builder.build(model, config, source_name=p.name)
     return Loaded(engine, p, builder.last_report, time.perf_counter() - t0)
 
 

@@ -30,6 +30,18 @@ from tensorkiln.ir.shape_rules import RULES, InferContext, symbolic_value
 
 # Values up to this many elements are kept and used to evaluate downstream shape computations.
 _FOLD_LIMIT = 4096
+# The most bytes evaluating one node ahead of time (at import, in constant folding and shape
+# passes) may materialize, computed from the output shapes before anything is allocated. Folding
+# is for shape arithmetic and small weight transforms: the passes keep at most 1M elements per
+# output (passes.cleanup.FOLD_MAX_ELEMENTS, 8 MiB at 8 bytes each), so 16 MiB never refuses what
+# they want, while a 180-byte model whose ConstantOfShape asks for 4 GiB is left to run at run
+# time (the same idea as the size_threshold of onnx-graphsurgeon's fold_constants, Polygraphy's
+# --fold-size-threshold). Nodes whose output size cannot be known before running are not
+# evaluated, except those whose outputs are bounded by their inputs (_BOUNDED_BY_INPUTS).
+FOLD_MAX_BYTES = 16 << 20
+# Ops whose output sizes depend on input values but never exceed a small multiple of the inputs'
+# (NonZero: rank x count indices; Unique and Compress: at most their input).
+_BOUNDED_BY_INPUTS = frozenset({"NonZero", "Unique", "Compress"})
 # Ops whose outputs are random draws: never evaluated ahead of time, never merged.
 RANDOM_OPS = frozenset(
     {
@@ -85,25 +97,28 @@ def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> Non
                 if arr.size <= _FOLD_LIMIT:
                     known[v] = arr
         return
-    ctx = InferContext(node, graph.opset(node.domain), values)
+    for v, t in zip(node.outputs, node_types(graph, node, values)):
+        if v is not None and t is not None:
+            v.type = merge_types(v.type, t)
+    sym = symbolic_value(InferContext(node, graph.opset(node.domain), values))
+    if sym is not None and node.outputs and node.outputs[0] is not None:
+        known[node.outputs[0]] = sym
+
+
+def node_types(graph: Graph, node: Node, values: list) -> list[Type | None]:
+    """The node's output types from its native shape rule or, without one, ONNX's inference;
+    ``values`` are the input values known ahead of time (None where not)."""
     if node.domain == "tensorkiln":
         import tensorkiln.kernels.reference  # noqa: F401  (fused ops register their shape rules)
     rule = RULES.get((node.domain, node.op))
-    if rule is not None:
-        try:
-            types = rule(ctx)
-        except ShapeInferenceError:
-            raise
-        except (ValueError, IndexError, TypeError, KeyError) as exc:
-            raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
-    else:
-        types = _onnx_infer(graph, node)
-    for v, t in zip(node.outputs, types):
-        if v is not None and t is not None:
-            v.type = merge_types(v.type, t)
-    sym = symbolic_value(ctx)
-    if sym is not None and node.outputs and node.outputs[0] is not None:
-        known[node.outputs[0]] = sym
+    if rule is None:
+        return _onnx_infer(graph, node)
+    try:
+        return rule(InferContext(node, graph.opset(node.domain), values))
+    except ShapeInferenceError:
+        raise
+    except (ValueError, IndexError, TypeError, KeyError) as exc:
+        raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
 
 
 def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
@@ -119,21 +134,72 @@ def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
     return evaluate_node(graph, node, values)
 
 
-def evaluate_node(graph: Graph, node: Node, args: list) -> list | None:
+def evaluate_node(
+    graph: Graph, node: Node, args: list, *, max_bytes: int | None = None
+) -> list | None:
     """The node's outputs computed by its reference kernel on ``args``, or None when that is not
-    possible (no kernel, a kernel that runs subgraphs, or one that rejects these inputs)."""
+    possible (no kernel, a kernel that runs subgraphs, or one that rejects these inputs) or not
+    wise: outputs of more than ``max_bytes`` together (default :data:`FOLD_MAX_BYTES`), or of a
+    size unknown before running."""
     from tensorkiln.kernels.registry import invoke, lookup  # late: kernels import the IR
 
     try:
         entry = lookup(node.op, node.domain, graph.opset(node.domain), node=node.name)
     except TensorkilnError:
         return None
-    if entry.wants_ctx:
+    limit = FOLD_MAX_BYTES if max_bytes is None else max_bytes
+    if entry.wants_ctx or not _fits(graph, node, args, limit):
         return None
     try:
-        return invoke(entry, args, node.attrs, len(node.outputs))
+        return invoke(entry, args, node.attrs, len(node.outputs))[: len(node.outputs)]
     except Exception:  # a kernel that rejects these inputs: leave the node to the shape rules
         return None
+
+
+def _fits(graph: Graph, node: Node, args: list, max_bytes: int) -> bool:
+    """Whether evaluating ``node`` on ``args`` stays within ``max_bytes`` of outputs."""
+    if node.op == "Constant" and node.domain == "":
+        return True  # its output is its attribute, already in memory
+    size = output_bytes(graph, node, args)
+    if size is not None:
+        return size <= max_bytes
+    if node.op not in _BOUNDED_BY_INPUTS or node.domain != "":
+        return False
+    inputs = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+    return 8 * inputs <= max_bytes  # (NonZero's int64 indices: up to rank x 8 bytes each)
+
+
+def output_bytes(graph: Graph, node: Node, args: list) -> int | None:
+    """The bytes the node's declared outputs take when computed on ``args``, from the shape rules
+    on the args' own types and values (not the types the graph declares, which a hostile file
+    may state wrongly); None when a size is not known before running."""
+    inputs: list[Value | None] = []
+    for i, v in enumerate(node.inputs):
+        a = args[i] if i < len(args) else None
+        if v is None or not isinstance(a, np.ndarray) or a.dtype == object:
+            inputs.append(v)
+            continue
+        try:
+            t = TensorType(DType.from_numpy(a.dtype), a.shape)
+        except (TypeError, ValueError, KeyError):
+            return None
+        inputs.append(Value(v.name, t, const=a))
+    outputs = [None if v is None else Value(v.name) for v in node.outputs]
+    probe = Node(node.op, inputs, outputs, node.attrs, node.domain, node.name)
+    try:
+        types = node_types(graph, probe, list(args))
+    except Exception:  # a rule that rejects these inputs: the size is not known
+        return None
+    total = 0
+    for v, t in zip(node.outputs, [*types, *[None] * len(node.outputs)]):
+        if v is None:
+            continue
+        if not isinstance(t, TensorType) or t.dtype is None or t.shape is None:
+            return None
+        if not all(isinstance(d, int) for d in t.shape):
+            return None
+        total += (int(np.prod(t.shape, dtype=object)) * t.dtype.bits + 7) // 8
+    return total
 
 
 def merge_types(old: Type | None, new: Type) -> Type:

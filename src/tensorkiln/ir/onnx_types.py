@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import onnx
 
 from tensorkiln.ir.dims import fresh_dim
@@ -12,7 +14,8 @@ from tensorkiln.ir.graph import OptionalType, SequenceType, TensorType, Type
 def from_type_proto(tp: onnx.TypeProto | None) -> Type | None:
     """An IR type from an ONNX TypeProto (None where ONNX leaves it unspecified).
 
-    A dimension with neither a (non-negative) value nor a name gets a fresh anonymous symbol.
+    A dimension with neither a (non-negative) value nor a name, or whose name is only a marker for
+    "unknown" ("?", "-1", ...), gets a fresh anonymous symbol of its own.
     """
     if tp is None:
         return None
@@ -33,10 +36,22 @@ def from_type_proto(tp: onnx.TypeProto | None) -> Type | None:
     return None
 
 
+# dim_params that mark a size as unknown rather than name it: paddle2onnx writes "?" on every
+# dynamic axis, other exporters "-1", "None" or "unk". Two such axes are not the same size
+# (onnxruntime treats each as its own unknown), so each gets a fresh symbol instead of one shared
+# name. A bare number is no name either (it would read as a constant factor in a product).
+_ANONYMOUS_PARAM = re.compile(r"[\s?*_-]*|-?\d+|none|null|unk|unknown", re.IGNORECASE)
+
+
+def is_anonymous_param(param: str) -> bool:
+    """Whether a dim_param is a marker for "some size" rather than a symbol's name."""
+    return _ANONYMOUS_PARAM.fullmatch(param.strip()) is not None
+
+
 def _dim(d: onnx.TensorShapeProto.Dimension) -> int | str:
     if d.HasField("dim_value") and d.dim_value >= 0:
         return int(d.dim_value)  # (ONNX inference can say -1 for "unknown": a fresh symbol below)
-    if d.HasField("dim_param") and d.dim_param:
+    if d.HasField("dim_param") and not is_anonymous_param(d.dim_param):
         return d.dim_param
     return fresh_dim()
 

@@ -88,7 +88,8 @@ def invoke(
     n_outputs: int,
     ctx: Any = None,
 ) -> list[Any]:
-    """Call a kernel by the convention above; returns its outputs as a list of ``n_outputs``.
+    """Call a kernel by the convention above; returns its outputs as a list, which may be longer
+    than ``n_outputs`` (a kernel can compute outputs the node does not declare).
 
     Trailing omitted inputs (None) are dropped so the kernel's defaults apply; ``_n_outputs`` and
     ``_ctx`` are passed when the kernel asks for them. Exceptions propagate.
@@ -102,7 +103,11 @@ def invoke(
     if entry.wants_ctx:
         kwargs["_ctx"] = ctx
     result = entry.fn(*args, **kwargs)
-    if n_outputs == 1 or not isinstance(result, tuple | list):
+    if isinstance(result, tuple):
+        # Several outputs, whatever the node declares: an LSTM that names only Y still gets
+        # (Y, Y_h, Y_c) from its kernel; callers bind the ones the node declares.
+        return list(result)
+    if n_outputs == 1 or not isinstance(result, list):
         return [result]  # (a single output may itself be a list: a sequence)
     return list(result)
 

@@ -289,9 +289,14 @@ def _merge_constants(graph: Graph, resolve: dict[Value, Value]) -> int:
     seen: dict[tuple, Value] = {}
     count = 0
     for v in graph.initializers:
-        if v.const is None or v.const.dtype == object or v.const.size > FOLD_MAX_ELEMENTS:
+        if v.const is None or v.const.dtype == object:
             continue
-        key = (v.const.dtype.str, v.const.shape, v.const.tobytes())
+        if v.const.size > FOLD_MAX_ELEMENTS:
+            # Too large to compare byte by byte, but one array named by several initializers
+            # (external data that tensors share) is the same constant.
+            key: tuple = ("same array", id(v.const))
+        else:
+            key = (v.const.dtype.str, v.const.shape, v.const.tobytes())
         first = seen.setdefault(key, v)
         if first is not v and v not in graph.outputs:
             resolve[v] = first

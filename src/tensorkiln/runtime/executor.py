@@ -224,7 +224,9 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
     for v, r in zip(step.outputs, result):
         if v is not None:
             env[v] = r  # type: ignore[index]
-    if sum(v is not None for v in step.outputs) > len(result):
+    # A kernel may return more outputs than the node declares (the extras are unused), never
+    # fewer than the last declared one.
+    if len(result) < len(step.outputs) and any(v is not None for v in step.outputs[len(result) :]):
         raise KernelError(
             f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
             f"{len(step.outputs)} were asked for"

@@ -9,12 +9,12 @@ import onnx
 from tensorkiln.errors import GraphError, ModelLoadError
 from tensorkiln.frontends.onnx.functions import expand_functions
 from tensorkiln.frontends.onnx.importer import convert_model, tensor_to_array
-from tensorkiln.frontends.onnx.loader import ModelSource, load_model_proto
+from tensorkiln.frontends.onnx.loader import ModelSource, load_model_proto, open_model
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.verify import verify
 
-__all__ = ["import_onnx", "load_model_proto", "tensor_to_array"]
+__all__ = ["import_onnx", "load_model_proto", "open_model", "tensor_to_array"]
 
 
 def import_onnx(
@@ -25,10 +25,10 @@ def import_onnx(
     Model-local functions are inlined, and standard ops that ``backend`` has no kernel for but ONNX
     defines as a function of other ops are expanded into that function's body.
     """
-    model = load_model_proto(source, base_dir)
+    model, external = open_model(source, base_dir)  # external data stays mapped, not copied
     _check_opsets(model)
     model = expand_functions(model, backend)
-    graph = convert_model(model)
+    graph = convert_model(model, external)
     infer_shapes(graph)
     verify(graph)
     return graph

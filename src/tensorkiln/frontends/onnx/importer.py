@@ -14,14 +14,25 @@ import onnx
 from onnx import numpy_helper
 
 from tensorkiln.errors import GraphError, ModelLoadError
+from tensorkiln.frontends.onnx.external import ExternalData, uses_external_data
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.ir.onnx_types import from_type_proto
 from tensorkiln.ir.toposort import toposort
 from tensorkiln.kernels.registry import normalize_domain
 
 
-def tensor_to_array(t: onnx.TensorProto) -> np.ndarray:
-    """A numpy array from a TensorProto; strings become object arrays of str."""
+def tensor_to_array(t: onnx.TensorProto, external: ExternalData | None = None) -> np.ndarray:
+    """A numpy array from a TensorProto; strings become object arrays of str.
+
+    A tensor with external data is read through ``external`` (a read-only view of the mapped file).
+    """
+    if uses_external_data(t):
+        if external is None:
+            raise ModelLoadError(
+                f"tensor '{t.name}' keeps its data in an external file; load the model from its "
+                "path (or pass base_dir=) so the file can be found"
+            )
+        return external.array(t)
     try:
         arr = numpy_helper.to_array(t)
     except Exception as exc:  # malformed tensor payloads raise assorted errors inside onnx
@@ -36,14 +47,21 @@ def _decode_strings(arr: np.ndarray) -> np.ndarray:
     return np.array(flat, dtype=object).reshape(arr.shape)
 
 
-def sparse_to_array(sp: onnx.SparseTensorProto) -> np.ndarray:
-    values = tensor_to_array(sp.values)
-    indices = tensor_to_array(sp.indices).astype(np.int64)
-    dense = np.zeros(tuple(sp.dims), dtype=values.dtype)
-    if indices.ndim == 1:
-        dense.reshape(-1)[indices] = values
-    else:
-        dense[tuple(indices.T)] = values
+def sparse_to_array(sp: onnx.SparseTensorProto, external: ExternalData | None = None) -> np.ndarray:
+    """The dense array of a sparse tensor; malformed dims or indices are a ModelLoadError."""
+    values = tensor_to_array(sp.values, external)
+    indices = tensor_to_array(sp.indices, external).astype(np.int64)
+    try:
+        dense = np.zeros(tuple(sp.dims), dtype=values.dtype)
+        if indices.ndim == 1:
+            dense.reshape(-1)[indices] = values
+        else:
+            dense[tuple(indices.T)] = values
+    except (MemoryError, ValueError, IndexError) as exc:  # dims or indices a file got wrong
+        raise ModelLoadError(
+            f"sparse tensor '{sp.values.name}' of dims {list(sp.dims)} cannot be made dense: "
+            f"{type(exc).__name__}: {exc}"
+        ) from None
     return dense
 
 
@@ -64,8 +82,9 @@ class _Scope:
 
 
 class _Converter:
-    def __init__(self, opsets: dict[str, int]) -> None:
+    def __init__(self, opsets: dict[str, int], external: ExternalData | None) -> None:
         self.opsets = opsets
+        self.external = external
         self.node_names: set[str] = set()
 
     def graph(self, gp: onnx.GraphProto, parent: _Scope | None) -> Graph:
@@ -82,11 +101,11 @@ class _Converter:
             v = Value(vi.name, from_type_proto(vi.type))
             graph.inputs.append(self._define(scope, v, "graph input"))
         for t in gp.initializer:
-            arr = tensor_to_array(t)
+            arr = tensor_to_array(t, self.external)
             v = Value(t.name, TensorType(DType(t.data_type), arr.shape), const=arr)
             graph.initializers.append(self._define(scope, v, "initializer"))
         for sp in gp.sparse_initializer:
-            arr = sparse_to_array(sp)
+            arr = sparse_to_array(sp, self.external)
             v = Value(sp.values.name, TensorType(DType(sp.values.data_type), arr.shape), const=arr)
             graph.initializers.append(self._define(scope, v, "initializer"))
         # Define every node output first, so that files whose nodes are out of order still import.
@@ -157,11 +176,11 @@ class _Converter:
             case T.STRING:
                 return a.s.decode("utf-8", errors="replace")
             case T.TENSOR:
-                return tensor_to_array(a.t)
+                return tensor_to_array(a.t, self.external)
             case T.GRAPH:
                 return self.graph(a.g, scope)
             case T.SPARSE_TENSOR:
-                return sparse_to_array(a.sparse_tensor)
+                return sparse_to_array(a.sparse_tensor, self.external)
             case T.TYPE_PROTO:
                 return a.tp
             case T.FLOATS:
@@ -171,11 +190,11 @@ class _Converter:
             case T.STRINGS:
                 return [s.decode("utf-8", errors="replace") for s in a.strings]
             case T.TENSORS:
-                return [tensor_to_array(t) for t in a.tensors]
+                return [tensor_to_array(t, self.external) for t in a.tensors]
             case T.GRAPHS:
                 return [self.graph(g, scope) for g in a.graphs]
             case T.SPARSE_TENSORS:
-                return [sparse_to_array(s) for s in a.sparse_tensors]
+                return [sparse_to_array(s, self.external) for s in a.sparse_tensors]
             case T.TYPE_PROTOS:
                 return list(a.type_protos)
         raise GraphError(f"node '{node}' attribute '{a.name}' has unknown type {a.type}")
@@ -188,6 +207,6 @@ def opsets_of(model: onnx.ModelProto) -> dict[str, int]:
     return opsets
 
 
-def convert_model(model: onnx.ModelProto) -> Graph:
-    """Convert a (function-free) ModelProto to an IR Graph."""
-    return _Converter(opsets_of(model)).graph(model.graph, None)
+def convert_model(model: onnx.ModelProto, external: ExternalData | None = None) -> Graph:
+    """Convert a (function-free) ModelProto to an IR Graph; ``external`` reads external data."""
+    return _Converter(opsets_of(model), external).graph(model.graph, None)

@@ -1,12 +1,13 @@
 """Reading ONNX files: the protobuf, its external data, and the checks that make bad files fail early.
 
-Nothing here executes or unpickles anything from the file. External data is read only from files inside
-the model's folder.
+Nothing here executes or unpickles anything from the file. External data is read only from regular files
+inside the model's folder (see :mod:`tensorkiln.frontends.onnx.external`).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,8 +15,12 @@ import onnx
 from google.protobuf.message import DecodeError
 
 from tensorkiln.errors import ModelLoadError
+from tensorkiln.frontends.onnx.external import ExternalData, uses_external_data
 
 ModelSource = str | os.PathLike | bytes | onnx.ModelProto
+
+# A serialized protobuf message cannot exceed 2 GiB.
+_PROTOBUF_LIMIT = 2**31
 
 
 def load_model_proto(
@@ -23,7 +28,23 @@ def load_model_proto(
 ) -> onnx.ModelProto:
     """Read an ONNX model from a path, bytes or a ModelProto, with its external data loaded.
 
-    Raises ModelLoadError for a missing, truncated or malformed file and for missing external data.
+    Raises ModelLoadError for a missing, truncated or malformed file, for missing or unsafe
+    external data, and for external data too large to hold inside one protobuf (2 GiB); such models
+    import through :func:`open_model`, which maps their data instead.
+    """
+    model, external = open_model(source, base_dir)
+    if external is not None:
+        _embed_external(model, external)
+    return model
+
+
+def open_model(
+    source: ModelSource, base_dir: str | os.PathLike | None = None
+) -> tuple[onnx.ModelProto, ExternalData | None]:
+    """Read and check an ONNX model, leaving its external data in its files.
+
+    Returns the model and, when it has external data, the reader that maps it; every external
+    reference has been checked (inside the model's folder, a regular file, bytes in range).
     """
     if isinstance(source, onnx.ModelProto):
         model, where = source, "the given ModelProto"
@@ -36,20 +57,54 @@ def load_model_proto(
             raise ModelLoadError(f"model file '{path}' does not exist")
         if path.is_dir():
             raise ModelLoadError(f"'{path}' is a folder, not an ONNX model file")
-        model = _parse(path.read_bytes(), where)
+        model = _parse(_read_model_file(path), where)
         if base_dir is None:
             base_dir = path.parent
     _check_model(model, where)
-    if any(_uses_external_data(t) for t in iter_tensors(model.graph)):
-        if base_dir is None:
-            raise ModelLoadError(
-                f"{where} keeps weights in external data files; load it from its path (or pass "
-                "base_dir=) so the data files next to it can be found"
-            )
-        for tensor in iter_tensors(model.graph):
-            if _uses_external_data(tensor):
-                _load_external(tensor, Path(base_dir), where)
-    return model
+    tensors = [t for t in iter_tensors(model.graph) if uses_external_data(t)]
+    if not tensors:
+        return model, None
+    if base_dir is None:
+        raise ModelLoadError(
+            f"{where} keeps weights in external data files; load it from its path (or pass "
+            "base_dir=) so the data files next to it can be found"
+        )
+    external = ExternalData(base_dir, where)
+    for tensor in tensors:
+        external.locate(tensor)
+    return model, external
+
+
+def _embed_external(model: onnx.ModelProto, external: ExternalData) -> None:
+    """Copy every external tensor's bytes into the model (bounded by what protobuf can hold)."""
+    tensors = [t for t in iter_tensors(model.graph) if uses_external_data(t)]
+    total = sum(external.locate(t).length for t in tensors)
+    if total + model.ByteSize() >= _PROTOBUF_LIMIT:
+        raise ModelLoadError(
+            f"{external.where}: its tensors name {total / 2**30:.1f} GiB of external data, more "
+            "than one ONNX protobuf can hold (2 GiB); this step needs the weights inside the "
+            "model. Build without embedding the source model."
+        )
+    for tensor in tensors:
+        tensor.raw_data = external.read(tensor)
+        del tensor.external_data[:]
+        tensor.data_location = onnx.TensorProto.DEFAULT
+
+
+def _read_model_file(path: Path) -> bytes:
+    """The file's bytes; a device or pipe (which could be read forever) and a file larger than a
+    protobuf can be are refused before reading."""
+    st = path.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise ModelLoadError(
+            f"'{path}' is not a regular file (a device or pipe?); refusing to read it as a model"
+        )
+    if st.st_size >= _PROTOBUF_LIMIT:
+        raise ModelLoadError(
+            f"'{path}' is {st.st_size:,} bytes, more than an ONNX protobuf can hold (2 GiB); a "
+            "model that large keeps its weights in external data files"
+        )
+    return path.read_bytes()
 
 
 def _parse(data: bytes, where: str) -> onnx.ModelProto:
@@ -97,49 +152,3 @@ def iter_tensors(graph: onnx.GraphProto) -> Iterator[onnx.TensorProto]:
                 yield from iter_tensors(attr.g)
             for g in attr.graphs:
                 yield from iter_tensors(g)
-
-
-def _uses_external_data(tensor: onnx.TensorProto) -> bool:
-    return tensor.HasField("data_location") and tensor.data_location == onnx.TensorProto.EXTERNAL
-
-
-def _load_external(tensor: onnx.TensorProto, base_dir: Path, where: str) -> None:
-    info = {e.key: e.value for e in tensor.external_data}
-    location = info.get("location", "")
-    name = tensor.name or "<unnamed>"
-    if not location:
-        raise ModelLoadError(f"{where}: tensor '{name}' uses external data but names no file")
-    if os.path.isabs(location) or ".." in Path(location).parts:
-        raise ModelLoadError(
-            f"{where}: tensor '{name}' points at external data '{location}' outside the model's "
-            "folder; refusing to read it"
-        )
-    path = base_dir / location
-    if not path.is_file():
-        raise ModelLoadError(
-            f"{where}: tensor '{name}' keeps its data in '{location}', which was not found in "
-            f"'{base_dir}'. Copy the data file next to the model."
-        )
-    try:
-        offset = int(info.get("offset", 0))
-        length = int(info["length"]) if "length" in info else None
-    except ValueError:
-        raise ModelLoadError(
-            f"{where}: tensor '{name}' has a bad external data offset/length"
-        ) from None
-    size = path.stat().st_size
-    if (
-        offset < 0
-        or offset > size
-        or (length is not None and (length < 0 or offset + length > size))
-    ):
-        raise ModelLoadError(
-            f"{where}: tensor '{name}' reads bytes {offset}..{offset + (length or 0)} of '{location}', "
-            f"which has only {size} bytes (truncated data file?)"
-        )
-    with open(path, "rb") as f:
-        f.seek(offset)
-        data = f.read() if length is None else f.read(length)
-    tensor.raw_data = data
-    del tensor.external_data[:]
-    tensor.data_location = onnx.TensorProto.DEFAULT
