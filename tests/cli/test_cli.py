@@ -6,7 +6,9 @@ import subprocess
 import sys
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper
 
 from tests.cli.helpers import FAST, assert_one_line_error
 
@@ -97,3 +99,20 @@ def test_wrong_input_dtype_names_the_input(cli, mlp, tmp_path):
     rc, _, err = cli("run", mlp, "--load-inputs", tmp_path / "in.npz")
     assert_one_line_error(rc, err)
     assert "'x'" in err and "float64" in err
+
+
+def test_error_messages_show_control_characters_in_names_escaped(cli, tmp_path):
+    """A name from a model file reaches the one-line error escaped, never as a terminal command."""
+    name = "x\x1b[2J\x1b]0;title\x07"
+    graph = helper.make_graph(
+        [helper.make_node("Relu", [name], ["y"])],
+        "g",
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+    )
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    rc, out, err = cli("run", path, "--shapes", f"{name}:3x4")
+    assert_one_line_error(rc, err)
+    assert "\x1b" not in err and "\x07" not in err and "\x1b" not in out
+    assert "x\\x1b[2J" in err

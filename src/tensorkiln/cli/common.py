@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from tensorkiln.engine.schema import printable
 from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
 
 ENGINE_MAGIC = b"TKENGINE"
@@ -327,18 +328,23 @@ def mib(n: int | float) -> str:
 def print_table(
     headers: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None
 ) -> None:
-    """A rich table in a terminal; plain aligned columns otherwise (what scripts and tests read)."""
-    cells = [[str(c) for c in r] for r in rows]
+    """A rich table in a terminal; plain aligned columns otherwise (what scripts and tests read).
+
+    Cells often hold names from a model or engine file: control characters are shown escaped and
+    rich markup is never read in them, so a name like '[bold]' or an ESC sequence is shown as it is.
+    """
+    cells = [[printable(str(c)) for c in r] for r in rows]
     if sys.stdout.isatty() and not os.environ.get("NO_COLOR"):
         from rich.console import Console
         from rich.table import Table
+        from rich.text import Text
 
-        table = Table(title=title, title_justify="left")
+        table = Table(title=Text(title) if title else None, title_justify="left")
         for i, h in enumerate(headers):
             numeric = bool(cells) and all(_is_number(r[i]) for r in cells)
-            table.add_column(h, justify="right" if numeric else "left")
+            table.add_column(Text(h), justify="right" if numeric else "left")
         for r in cells:
-            table.add_row(*r)
+            table.add_row(*(Text(c) for c in r))
         Console().print(table)
         return
     if title:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from typing import Any
 
 from tensorkiln.cli.common import (
@@ -129,17 +127,7 @@ def _say(text: str = "") -> None:
 
 
 def _table(headers: list[str], rows: list[list[Any]], title: str) -> None:
-    cells = [[printable(str(c)) for c in r] for r in rows]
-    if _rich_tables():
-        from rich.markup import escape
-
-        cells = [[escape(c) for c in r] for r in cells]
-    print_table(headers, cells, title=title)
-
-
-def _rich_tables() -> bool:
-    """Whether print_table renders through rich, which reads markup in cells (its own test)."""
-    return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    print_table(headers, rows, title=printable(title))
 
 
 def _tactic_cells(layer: dict) -> list[str]:

@@ -16,6 +16,7 @@ from typing import Any
 
 from tensorkiln.cli import build, compare, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
+from tensorkiln.engine.schema import printable
 from tensorkiln.errors import TensorkilnError
 
 __all__ = ["main", "parse_shapes"]
@@ -85,7 +86,8 @@ def _run_ops(args: argparse.Namespace) -> int:
 
 
 def _one_line(text: str) -> str:
-    return "; ".join(line.strip() for line in text.splitlines() if line.strip())
+    """A message on one line, with control characters escaped: messages quote names from files."""
+    return "; ".join(printable(line.strip()) for line in text.splitlines() if line.strip())
 
 
 def _verbose(args: argparse.Namespace) -> bool:
