@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
-from tensorkiln.builder.memory import plan_memory
+from tensorkiln.builder.memory import max_profile_symbols, plan_memory
 from tensorkiln.engine.engine import Engine, target_of
 from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
@@ -133,7 +133,9 @@ class Builder:
                 else:
                     report.layers = _choose_tactics(graph, self.backend)
             with _phase(report, "memory", bar):
-                report.memory = plan_memory(graph, _plan_symbols(graph, config.profiles)).to_json()
+                report.memory = plan_memory(
+                    graph, max_profile_symbols(graph, config.profiles)
+                ).to_json()
                 _check_memory_limit(report.memory, config.memory_limit)
         self.last_report = report
         return Engine(
@@ -222,23 +224,6 @@ def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
                         f"profile {i}: '{name}' axis {axis} is fixed at {d} in the model, but "
                         f"the profile gives {a}..{b}"
                     )
-
-
-def _plan_symbols(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, int]:
-    """Symbol sizes to plan memory for: the largest any profile allows (1 without profiles)."""
-    symbols: dict[str, int] = {}
-    for p in profiles:
-        for v in graph.inputs:
-            if v.name not in p.shapes or v.shape is None:
-                continue
-            for d, hi in zip(v.shape, p.shapes[v.name][2]):
-                if isinstance(d, str):
-                    symbols[d] = max(symbols.get(d, 1), hi)
-    for v in graph.inputs:
-        for d in v.shape or ():
-            if isinstance(d, str):
-                symbols.setdefault(d, 1)
-    return symbols
 
 
 def _precision(config: BuilderConfig, backend: str) -> str:

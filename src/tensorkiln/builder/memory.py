@@ -8,7 +8,9 @@ whose lifetime intersects (the greedy-by-size strategy of TFLite's arena planner
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tensorkiln.ir import Graph, TensorType, Value, node_reads
 from tensorkiln.ir.dims import dim_product
@@ -109,3 +111,23 @@ def _lowest_fit(b: Buffer, placed: list[Buffer]) -> int:
             break
         offset = max(offset, hi)
     return offset
+
+
+def max_profile_symbols(graph: Graph, profiles: Sequence[Any]) -> dict[str, int]:
+    """Symbol sizes to plan memory for: the largest any profile allows (1 without profiles).
+
+    ``profiles`` are OptimizationProfiles (anything with ``shapes``: name -> (min, opt, max)).
+    """
+    symbols: dict[str, int] = {}
+    for p in profiles:
+        for v in graph.inputs:
+            if v.name not in p.shapes or v.shape is None:
+                continue
+            for d, hi in zip(v.shape, p.shapes[v.name][2]):
+                if isinstance(d, str):
+                    symbols[d] = max(symbols.get(d, 1), hi)
+    for v in graph.inputs:
+        for d in v.shape or ():
+            if isinstance(d, str):
+                symbols.setdefault(d, 1)
+    return symbols

@@ -345,10 +345,11 @@ def _check_memory(engine: Engine, where: str) -> None:
     if not engine.memory:
         return
     # (the builder's planner and its choice of symbol sizes, reused rather than copied)
-    from tensorkiln.builder.builder import _plan_symbols
-    from tensorkiln.builder.memory import plan_memory
+    from tensorkiln.builder.memory import max_profile_symbols, plan_memory
 
-    expected = plan_memory(engine.graph, _plan_symbols(engine.graph, engine.profiles)).to_json()
+    expected = plan_memory(
+        engine.graph, max_profile_symbols(engine.graph, engine.profiles)
+    ).to_json()
     if engine.memory == expected:
         return
     got = engine.memory
