@@ -117,3 +117,36 @@ def test_region_stops_at_the_square_root() -> None:
 
 def test_rms_norm_keeps_nothing() -> None:
     assert cancellation_prone(graph_of(_layer_norm(subtract=False))) == {}
+
+
+def _integer_matmul():
+    """x -> DynamicQuantizeLinear -> MatMulInteger (int32 sums in the millions) -> Cast to float
+    -> times the scales: the pattern of onnxruntime's dynamic quantization."""
+    w = RNG.integers(40, 128, (D, 16)).astype(np.int8)
+    w_scale = np.array(0.01, np.float32)
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
+        helper.make_node("MatMulInteger", ["xq", "w", "xz"], ["acc"]),
+        helper.make_node("Cast", ["acc"], ["accf"], to=F),
+        helper.make_node("Mul", ["xs", "w_scale"], ["scale"]),
+        helper.make_node("Mul", ["accf", "scale"], ["y"]),
+    ]
+    return model(
+        nodes,
+        [helper.make_tensor_value_info("x", F, [2, 8, D])],
+        [helper.make_tensor_value_info("y", F, [2, 8, 16])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w_scale, "w_scale")],
+    )
+
+
+def test_fp16_integer_accumulator_stays_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _integer_matmul()
+    x = RNG.uniform(0, 4, (2, 8, D)).astype(np.float32)
+    builder = Builder("cuda", device="cpu")
+    assert _fp16_error(m, x, builder) < 1e-2
+    assert any("32/64-bit integer" in n for n in builder.last_report.notes)
+    import tensorkiln.precision  # without the rule the int32 sums overflow float16 to inf
+
+    monkeypatch.setattr(tensorkiln.precision, "cancellation_prone", lambda graph: {})
+    err = _fp16_error(m, x)
+    assert np.isnan(err) or err > 0.1

@@ -1,4 +1,5 @@
-"""Find the cancellation-prone subgraphs that a float16/bfloat16 engine must keep in float32.
+"""Find the subgraphs that a float16/bfloat16 engine must keep in float32: cancellation-prone
+variances, and the conversions between float and 32/64-bit integers.
 
 A variance written as ``E[x^2] - E[x]^2`` (LayerNorms exported from TensorFlow and jax, hand-written
 normalizations) subtracts two nearly equal numbers when the mean is large beside the spread: each
@@ -15,6 +16,13 @@ The rule matches on the optimized graph, so the pieces may sit in fused ``Pointw
 * everything downstream of both reductions through elementwise and shape-only ops, up to and
   including the node that takes the square root (Sqrt, Reciprocal, Pow) of the result;
 * provided a subtraction is among them (otherwise it is a plain RMS, which does not cancel).
+
+Integer-quantized models (ConvInteger, MatMulInteger as onnxruntime's quantizer writes them) add an
+int32 bias to an int32 accumulator and cast the sum to float before multiplying by the scales: the
+sum passes float16's largest value (65504) long before the scale brings it back, and the quantized
+bias itself is computed as Floor(bias / scale) in float and cast to int32. A node that casts
+between float and a 32- or 64-bit integer therefore stays float32, with the scaling that follows
+it (as TensorRT keeps integer accumulators out of FP16).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from tensorkiln.ir import Graph, Node, Value
+from tensorkiln.ir import DType, Graph, Node, Value
 
 _REDUCTIONS = {"ReduceSum", "ReduceMean"}
 # ops the variance may flow through between the reductions and its square root
@@ -33,10 +41,58 @@ _PASS = {
 }  # fmt: skip
 _ROOTS = {"Sqrt", "Reciprocal", "Pow"}  # where the variance becomes a standard deviation
 REASON = "variance computed as E[x^2] - E[x]^2 cancels in the reduced type"
+INT_REASON = "conversion between float and a 32/64-bit integer exceeds the reduced type's range"
+_WIDE_INTS = {d.value for d in (DType.INT32, DType.INT64, DType.UINT32, DType.UINT64)}
+_DYNAMIC_QUANT = {("", "DynamicQuantizeLinear"), ("com.microsoft", "DynamicQuantizeLSTM")}
+_FLOATS = {d.value for d in (DType.FLOAT, DType.FLOAT16, DType.BFLOAT16)}
 
 
 def cancellation_prone(graph: Graph) -> dict[Node, str]:
     """Nodes of ``graph`` (top level) to keep in float32, each with the reason why."""
+    keep = _variances(graph)
+    for n, reason in _int_conversions(graph).items():
+        keep.setdefault(n, reason)
+    return keep
+
+
+def _int_conversions(graph: Graph) -> dict[Node, str]:
+    """Nodes that cast between float and a wide integer, and the Mul/Div scaling a bare
+    integer-to-float Cast's result."""
+    consumers = graph.consumers()
+    keep: dict[Node, str] = {}
+    for n in graph.nodes:
+        casts = _wide_int_casts(n)
+        if (n.domain, n.op) in _DYNAMIC_QUANT:
+            keep[n] = INT_REASON  # its range and rounding need the float32 values
+        if not casts:
+            continue
+        keep[n] = INT_REASON
+        if n.op == "Cast" and casts == {"to_float"}:
+            for c in consumers.get(n.outputs[0], []):
+                if c.op in ("Mul", "Div"):
+                    keep[c] = INT_REASON
+    return keep
+
+
+def _wide_int_casts(node: Node) -> set[str]:
+    """'to_float' / 'to_int' for each Cast between float and a 32/64-bit integer in ``node`` (or
+    in its Pointwise body)."""
+    nodes = node.attrs["body"].nodes if node.op == "Pointwise" else [node]
+    found = set()
+    for m in nodes:
+        if m.op != "Cast" or not m.inputs or m.inputs[0] is None:
+            continue
+        src = m.inputs[0].dtype.value if m.inputs[0].dtype is not None else None
+        dst = m.attrs.get("to")
+        if src in _WIDE_INTS and dst in _FLOATS:
+            found.add("to_float")
+        elif src in _FLOATS and dst in _WIDE_INTS:
+            found.add("to_int")
+    return found
+
+
+def _variances(graph: Graph) -> dict[Node, str]:
+    """The E[x^2] - E[x]^2 regions of ``graph`` (see the module)."""
     producers = graph.producers()
     consumers = graph.consumers()
     reductions = [n for n in graph.nodes if n.op in _REDUCTIONS and n.domain == ""]
