@@ -74,12 +74,13 @@ def _inputs() -> np.ndarray:
     return (40 + RNG.standard_normal((2, 8, D))).astype(np.float32)
 
 
-def _fp16_error(m, x: np.ndarray, builder: Builder | None = None) -> float:
+def _fp16_error(m, x: np.ndarray, builder: Builder | None = None, flag: str = "fp16") -> float:
+    """Relative L2 of the engine built with ``flag`` against onnxruntime in float32."""
     want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, {"x": x}
     )[0]
     config = BuilderConfig(optimization_level=3)
-    config.set_flag("fp16")
+    config.set_flag(flag)
     builder = builder or Builder("cuda", device="cpu")
     engine = builder.build(m, config, progress=False)
     got = engine.create_execution_context().infer({"x": x})["y"]
@@ -96,6 +97,11 @@ def test_fp16_variance_matches_onnxruntime_fp32(square: str, reduce: str) -> Non
     assert _fp16_error(m, _inputs(), builder) < 1e-2
     notes = [n for n in builder.last_report.notes if "kept in fp32" in n]
     assert len(notes) == 1 and "E[x^2] - E[x]^2" in notes[0]
+
+
+def test_bf16_variance_matches_onnxruntime_fp32() -> None:
+    # bfloat16 has 8 bits: the variance would cancel even sooner than in float16
+    assert _fp16_error(_layer_norm(), _inputs(), flag="bf16") < 3e-2
 
 
 def test_fp16_without_the_rule_loses_the_variance(monkeypatch: pytest.MonkeyPatch) -> None:
