@@ -117,3 +117,110 @@ def test_token_ids_stay_inside_the_embedding_table(corpus, tmp_path: Path) -> No
     assert feeds["ids"].shape == (1, 32)
     assert feeds["ids"].min() >= 0 and feeds["ids"].max() < 7
     assert len(np.unique(feeds["ids"])) > 1
+
+
+def _conv_sigmoid(tmp_path: Path, rng: np.random.Generator) -> tuple[Path, np.ndarray, dict]:
+    """A 1x1 Conv (no double kernel in onnxruntime) then a Sigmoid whose logits lie deep in the
+    tail, where onnxruntime's float32 Sigmoid is an approximation; returns the path, the weights
+    and a feed."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    w = rng.uniform(0.5, 1.0, (2, 3, 1, 1)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["z"]), helper.make_node("Sigmoid", ["z"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 4, 5])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    path = tmp_path / "conv_sigmoid.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x = rng.uniform(-12, -6, (1, 3, 4, 5)).astype(np.float32)  # logits about -36 to -9
+    return path, w, {"x": x}
+
+
+def test_float64_arbiter_finds_the_inaccurate_side(corpus, tmp_path: Path) -> None:
+    import onnx
+
+    from tests.models.test_architectures import run_onnxruntime
+
+    rng = np.random.default_rng()
+    path, w, feeds = _conv_sigmoid(tmp_path, rng)
+    logits = np.einsum("oi,bihw->bohw", w[:, :, 0, 0].astype(np.float64), feeds["x"])
+    exact = 1 / (1 + np.exp(-logits))  # numpy in float64: the independent oracle
+    outs, name = corpus.run_float64(onnx.load(str(path)), feeds)
+    assert name == "onnxruntime float64 (Conv in float32)"
+    assert np.abs(outs[0] - exact).max() / exact.max() < 1e-5  # the Conv's float32 rounding
+    ort32 = run_onnxruntime(path, feeds)
+    arbiter = corpus.Arbiter(path, feeds, {"y": ort32[0]})
+    if corpus.max_rel_diff(ort32, [exact]) > 1e-4:  # onnxruntime's tail approximation
+        verdict = arbiter.judge([exact.astype(np.float32)], fp16=False)
+        assert verdict["ok"] and verdict["vs_f64"] < 1e-5 < verdict["ort_vs_f64"]
+    wrong = (exact * rng.uniform(1.5, 2.5, exact.shape)).astype(np.float32)  # worse than both
+    verdict = arbiter.judge([wrong], fp16=False)
+    assert not verdict["ok"] and verdict["vs_f64"] > verdict["ort_vs_f64"], verdict
+
+
+def test_noise_floor_measures_how_far_a_quantized_model_jumps(corpus, tmp_path: Path) -> None:
+    """A model that rounds to a uint8 grid moves by grid steps when its input is rounded to
+    float16; a smooth one by float16's rounding only."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tests.models.test_architectures import run_onnxruntime
+
+    def save(nodes, name: str) -> Path:
+        graph = helper.make_graph(
+            nodes,
+            "g",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 64])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        )
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+        return path
+
+    quantized = save(
+        [
+            helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "s", "z"]),
+            helper.make_node("DequantizeLinear", ["q", "s", "z"], ["y"]),
+        ],
+        "quantized",
+    )
+    smooth = save([helper.make_node("Relu", ["x"], ["y"])], "smooth")
+    feeds = {"x": np.random.default_rng().standard_normal((64, 64)).astype(np.float32)}
+    floors = {}
+    for path in (quantized, smooth):
+        want = run_onnxruntime(path, feeds)
+        floors[path.stem] = corpus.noise_floor(
+            lambda f, p=path: run_onnxruntime(p, f), feeds, want, corpus.max_rel_diff, fp16=True
+        )
+    scale = float(np.ptp(np.append(feeds["x"], 0))) / 255
+    assert floors["quantized"] >= 0.9 * scale / np.abs(feeds["x"]).max()  # a whole grid step
+    assert floors["smooth"] <= 2.0**-11  # float16's rounding of the input, no more
+
+
+def test_ocr_detector_gets_a_document_page(corpus, tmp_path: Path) -> None:
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, "h", "w"])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
+    path = tmp_path / "ch_PP-OCRv4_det_infer.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x = corpus.sample_inputs(path, path.name, {})["x"]
+    assert x.shape == (1, 3, 96, 128) and x.dtype == np.float32
+    page = (
+        x[0] * np.array([0.229, 0.224, 0.225])[:, None, None]
+        + np.array([0.485, 0.456, 0.406])[:, None, None]
+    )  # PaddleOCR's normalization undone: the 0..1 image
+    assert page.min() >= 0 and page.max() <= 1
+    assert np.mean(page > 0.8) > 0.7  # mostly light paper
+    assert 0.01 < np.mean(page < 0.3) < 0.3  # with dark strokes
+    other = corpus.sample_inputs(path, "ch_PP-OCRv4_rec_infer.onnx", {})["x"]  # not a detector
+    assert np.mean(other > 1.5) < 0.2  # random, not a page

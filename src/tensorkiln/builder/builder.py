@@ -123,7 +123,7 @@ class Builder:
                 report.passes = optimize(graph, config.optimization_level, config.dump_ir)
             precision = _precision(config, self.backend)
             with _phase(report, "precision", bar):
-                _apply_precision(graph, precision)
+                report.notes += _apply_precision(graph, precision)
             with _phase(report, "tactics", bar):
                 if self.backend == "cuda":
                     report.layers, report.timing_cache = _tune(
@@ -236,12 +236,16 @@ def _precision(config: BuilderConfig, backend: str) -> str:
     return "fp32"
 
 
-def _apply_precision(graph: Graph, precision: str) -> None:
-    if precision in ("fp16", "bf16"):
-        from tensorkiln.ir import DType
-        from tensorkiln.precision import reduce_precision
+def _apply_precision(graph: Graph, precision: str) -> list[str]:
+    """Lower the graph to ``precision``; returns notes naming the layers kept in fp32, and why."""
+    if precision not in ("fp16", "bf16"):
+        return []
+    from tensorkiln.ir import DType
+    from tensorkiln.precision import cancellation_prone, kept_fp32_notes, reduce_precision
 
-        reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16)
+    keep = cancellation_prone(graph)
+    reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16, keep)
+    return kept_fp32_notes(keep, precision)
 
 
 def _tune(

@@ -1,5 +1,6 @@
 """Precision: which dtype each layer computes in (fp32, tf32, fp16, bf16; int8/fp8 later)."""
 
+from tensorkiln.precision.cancellation import cancellation_prone, kept_fp32_notes
 from tensorkiln.precision.reduce import KEEP_FP32_INPUTS, reduce_precision
 
-__all__ = ["KEEP_FP32_INPUTS", "reduce_precision"]
+__all__ = ["KEEP_FP32_INPUTS", "cancellation_prone", "kept_fp32_notes", "reduce_precision"]

@@ -8,10 +8,14 @@ shape inference then carries the new type through the graph. Inputs that are coo
 scales rather than data (Resize's roi and scales, ...) are cast back to float32 where they are read.
 
 Overflow-prone accumulations (LayerNorm and Softmax statistics, reductions, attention) stay float32
-inside the kernels, which upcast internally.
+inside the kernels, which upcast internally. Nodes named in ``keep`` (cancellation-prone subgraphs,
+see :mod:`tensorkiln.precision.cancellation`) stay float32 as a whole: their float inputs are cast
+up (constants keep their float32 values), and what they give to the rest of the graph is cast down.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import ml_dtypes
 import numpy as np
@@ -40,20 +44,27 @@ _DTYPE_ATTRS = {
 }
 
 
-def reduce_precision(graph: Graph, dtype: DType) -> int:
-    """Rewrite ``graph`` in place to compute its float32 tensors in ``dtype``; returns how many
-    values changed type."""
+def reduce_precision(graph: Graph, dtype: DType, keep: Collection[Node] = ()) -> int:
+    """Rewrite ``graph`` in place to compute its float32 tensors in ``dtype``, but the top-level
+    nodes in ``keep``, which stay float32; returns how many values changed type."""
     if dtype not in (DType.FLOAT16, DType.BFLOAT16):
         raise ValueError(f"reduce_precision takes float16 or bfloat16, not {dtype.name}")
-    for g in _graphs(graph):
+    keep = set(keep)
+    originals = {  # float32 constants the kept nodes read, before they are narrowed
+        v: v.const for n in keep for v in n.inputs if v is not None and _is_f32_const(v)
+    }
+    for g in _graphs(graph, keep):
         _convert_consts(g, dtype)
         for n in g.nodes:
-            _convert_attrs(n, dtype)
+            if n not in keep:
+                _convert_attrs(n, dtype)
         if g is not graph:  # subgraph inputs (Pointwise bodies, loop-carried state) follow along
             for v in g.inputs:
                 if v.dtype == F32:
                     v.type = TensorType(dtype, v.shape)
     _cast_io(graph, dtype)
+    if keep:
+        _isolate(graph, keep, dtype, originals)
     for g in _graphs(graph):
         _keep_fp32_inputs(g)
     before = {v: v.dtype for g in _graphs(graph) for v in g.values()}
@@ -61,11 +72,71 @@ def reduce_precision(graph: Graph, dtype: DType) -> int:
     return sum(1 for v, d in before.items() if d == F32 and v.dtype == dtype)
 
 
-def _graphs(graph: Graph) -> list[Graph]:
+def _graphs(graph: Graph, skip: Collection[Node] = ()) -> list[Graph]:
+    """``graph`` and its subgraphs, but those of the nodes in ``skip``."""
     out = [graph]
     for _, n in graph.walk():
-        out.extend(n.subgraphs())
+        if n not in skip:
+            out.extend(n.subgraphs())
     return out
+
+
+def _is_f32_const(v: Value) -> bool:
+    return v.const is not None and v.const.dtype == np.float32
+
+
+def _isolate(graph: Graph, keep: set[Node], dtype: DType, originals: dict) -> None:
+    """Cast the inputs of the kept nodes up to float32 and their outputs read by other nodes
+    down to ``dtype``; a kept node reading a constant gets a float32 copy of the original."""
+    consumers, producers = graph.consumers(), graph.producers()
+    # a kept node reads a float32 engine input as it is, not its cast to the reduced type
+    up: dict[Value, Value] = {
+        n.outputs[0]: n.inputs[0]
+        for n in graph.nodes
+        if n.op == "Cast" and n.inputs[0] in graph.inputs and n.name.endswith("__cast_in")
+    }
+    nodes: list[Node] = []
+    for n in graph.nodes:
+        if n not in keep:
+            nodes.append(n)
+            continue
+        for i, v in enumerate(n.inputs):
+            if v is None or v.dtype not in (dtype, F32):
+                continue
+            if v not in up and v in originals:
+                up[v] = Value(f"{v.name}__fp32", TensorType(F32, v.shape), originals[v])
+                graph.initializers.append(up[v])
+            elif v not in up and v.const is None and producers.get(v) not in keep:
+                up[v] = Value(f"{v.name}__fp32", TensorType(F32, v.shape))
+                nodes.append(Node("Cast", [v], [up[v]], {"to": F32.value}, name=up[v].name))
+            n.inputs[i] = up.get(v, v)
+        nodes.append(n)
+        nodes.extend(_cast_down(n, keep, consumers, dtype))
+    graph.nodes[:] = nodes
+
+
+def _cast_down(
+    n: Node, keep: set[Node], consumers: dict[Value, list[Node]], dtype: DType
+) -> list[Node]:
+    """Casts to ``dtype`` of ``n``'s float32 outputs for the consumers outside ``keep`` (a Cast
+    to float32, such as the engine's output cast, reads the float32 value as it is)."""
+    casts = []
+    for v in n.outputs:
+        if v is None or v.dtype not in (F32, dtype):  # (types are not inferred again yet)
+            continue
+        readers = [
+            c
+            for c in consumers.get(v, [])
+            if c not in keep and not (c.op == "Cast" and c.attrs.get("to") == F32.value)
+        ]
+        if not readers:
+            continue
+        low = Value(f"{v.name}__{dtype.short}", TensorType(dtype, v.shape))
+        casts.append(Node("Cast", [v], [low], {"to": dtype.value}, name=low.name))
+        for c in readers:
+            c.inputs = [low if x is v else x for x in c.inputs]
+            _replace_in_subgraphs(c, v, low)
+    return casts
 
 
 def _convert_consts(g: Graph, dtype: DType) -> None:

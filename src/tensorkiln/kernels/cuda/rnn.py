@@ -288,6 +288,38 @@ def lstm(
     _n_outputs: int = 3,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """LSTM with gates (i, o, f, c), optional peepholes P = (p_i, p_o, p_f)."""
+    outs = lstm_layer(
+        x, w, r, b, sequence_lens, initial_h, initial_c, p,
+        activation_alpha=activation_alpha, activation_beta=activation_beta,
+        activations=activations, clip=clip, direction=direction, hidden_size=hidden_size,
+        input_forget=input_forget, layout=layout,
+    )  # fmt: skip
+    return outs[0] if _n_outputs <= 1 else outs[:_n_outputs]
+
+
+def lstm_layer(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    r: torch.Tensor,
+    b: torch.Tensor | None = None,
+    sequence_lens: torch.Tensor | None = None,
+    initial_h: torch.Tensor | None = None,
+    initial_c: torch.Tensor | None = None,
+    p: torch.Tensor | None = None,
+    *,
+    activation_alpha: list[float] | None = None,
+    activation_beta: list[float] | None = None,
+    activations: list[str] | None = None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    input_forget: int = 0,
+    layout: int = 0,
+    recurrent_input: Act | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """LSTM with gates (i, o, f, c), optional peepholes P = (p_i, p_o, p_f); returns (Y, Y_h,
+    Y_c). ``recurrent_input`` maps the hidden state before it is multiplied by R (a quantized
+    LSTM rounds it to its activation grid there); the state itself is kept as it is."""
     _check_hidden(hidden_size, r)
     acts = _activations(
         activations, activation_alpha, activation_beta, ["Sigmoid", "Tanh", "Tanh"],
@@ -303,6 +335,7 @@ def lstm(
 
         def step(xw: torch.Tensor, s: State) -> State:
             h, c = s
+            h = h if recurrent_input is None else recurrent_input(h)
             gates = torch.addmm(xw + rb, h, rt[d])
             gi, go = gates[:, :hid], gates[:, hid : 2 * hid]
             gf, gc = gates[:, 2 * hid : 3 * hid], gates[:, 3 * hid :]
@@ -322,4 +355,4 @@ def lstm(
         x, w, b, sequence_lens, [initial_h, initial_c], make_step, n_gates=4,
         direction=direction, layout=layout,
     )  # fmt: skip
-    return outs[0] if _n_outputs <= 1 else outs[:_n_outputs]
+    return outs

@@ -26,6 +26,7 @@ _MODULES = (
     "control",
     "text",
     "ml",
+    "contrib",
     "training",
     "random",
     # fused ops of the tensorkiln domain, made by the graph optimizer

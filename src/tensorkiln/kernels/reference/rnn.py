@@ -280,6 +280,38 @@ def lstm(
     _n_outputs: int = 3,
 ) -> tuple[np.ndarray, ...]:
     """LSTM with gates (i, o, f, c), optional peepholes P = (p_i, p_o, p_f)."""
+    outs = lstm_layer(
+        x, w, r, b, sequence_lens, initial_h, initial_c, p,
+        activation_alpha=activation_alpha, activation_beta=activation_beta,
+        activations=activations, clip=clip, direction=direction, hidden_size=hidden_size,
+        input_forget=input_forget, layout=layout,
+    )  # fmt: skip
+    return outs[: max(_n_outputs, 1)]
+
+
+def lstm_layer(
+    x: np.ndarray,
+    w: np.ndarray,
+    r: np.ndarray,
+    b: np.ndarray | None = None,
+    sequence_lens: np.ndarray | None = None,
+    initial_h: np.ndarray | None = None,
+    initial_c: np.ndarray | None = None,
+    p: np.ndarray | None = None,
+    *,
+    activation_alpha: list[float] | None = None,
+    activation_beta: list[float] | None = None,
+    activations: list[str] | None = None,
+    clip: float | None = None,
+    direction: str = "forward",
+    hidden_size: int | None = None,
+    input_forget: int = 0,
+    layout: int = 0,
+    recurrent_input: Act | None = None,
+) -> tuple[np.ndarray, ...]:
+    """LSTM with gates (i, o, f, c), optional peepholes P = (p_i, p_o, p_f); returns (Y, Y_h,
+    Y_c). ``recurrent_input`` maps the hidden state before it is multiplied by R (a quantized
+    LSTM rounds it to its activation grid there); the state itself is kept as it is."""
     _check_hidden(hidden_size, r)
     acts = _activations(
         activations, activation_alpha, activation_beta, ["Sigmoid", "Tanh", "Tanh"],
@@ -296,6 +328,7 @@ def lstm(
 
         def step(xw: np.ndarray, s: State) -> State:
             h, c = s
+            h = h if recurrent_input is None else recurrent_input(h)
             gates = xw + h @ rt[d] + rb
             i = f(cl(gates[:, :hid] + p_i * c))
             if input_forget:
@@ -312,4 +345,4 @@ def lstm(
         x, w, b, sequence_lens, [initial_h, initial_c], make_step, n_gates=4,
         direction=direction, layout=layout,
     )  # fmt: skip
-    return outs[: max(_n_outputs, 1)]
+    return outs
