@@ -291,8 +291,10 @@ class ExecutionContext:
 
 
 def _executor(engine: Any, mode: str) -> Executor:
-    if engine.backend != "cuda":
-        return Executor(engine.graph, engine.backend)
+    if engine.backend == "reference":
+        return Executor(engine.graph, "reference")
+    if engine.backend == "cpu":  # the torch kernels on CPU tensors, with the engine's weights
+        return Executor(engine.graph, "cpu", "cpu", weights=engine.device_weights)
     from tensorkiln.tactics.autotune import tactic_functions
 
     tactics = tactic_functions(engine.graph, engine.layers, mode)

@@ -276,6 +276,10 @@ def _device(backend: str, device: Any) -> Any:
         return None
     import torch
 
+    if backend == "cpu":
+        if device not in (None, "cpu") and torch.device(device).type != "cpu":
+            raise TensorkilnError(f"the cpu backend runs on the CPU, not on '{device}'")
+        return torch.device("cpu")
     if device is None:
         if not torch.cuda.is_available():
             raise TensorkilnError(
