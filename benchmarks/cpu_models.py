@@ -15,8 +15,7 @@ relative to the largest |onnxruntime output| under 1e-4), then both are timed in
 warm-up runs, then --rounds rounds alternating between the two runtimes, each round the median of
 --runs runs (a runtime runs alone within a round: onnxruntime's thread pool spins after each run);
 the median of the round medians is reported. onnxruntime runs with its default graph optimizations
-and intra_op_num_threads = the machine's cores; torch uses its default thread count (the physical
-cores). The reference (numpy) backend is timed at batch 1 for context (fewer runs).
+and intra_op_num_threads = --threads (default: the machine's cores), torch with as many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
 --tiny uses small configs and images (for the smoke test; its numbers mean nothing).
 Prints a markdown table and the versions, and writes results.json to --out when given.
 """
@@ -330,11 +329,11 @@ def median_ms(fn: Callable[[], object], runs: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def ort_session(path: Path):
+def ort_session(path: Path, threads: int):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = os.cpu_count() or 1
+    options.intra_op_num_threads = threads
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
@@ -382,7 +381,7 @@ def run_model(name: str, args) -> list[Row]:
     except Exception as exc:
         note = f"export failed: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
         return [Row(name, b, note=note) for b in args.batch_sizes]
-    session = ort_session(path)
+    session = ort_session(path, args.threads)
     feeds = MODELS[name].feeds(1, args.tiny)
     try:
         engine = build_engine(path, feeds, args.batch_sizes, "cpu")
@@ -422,6 +421,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per round (median)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed runs of each first")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="both runtimes' threads"
+    )
     parser.add_argument("--tiny", action="store_true", help="small configs (smoke test)")
     parser.add_argument("--no-reference", dest="reference", action="store_false")
     parser.add_argument("--cache", default="/tmp/tk-cpu-models", help="exported ONNX files")
@@ -437,10 +439,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     load_at_start = load_average()
     rows = [row for name in args.models for row in run_model(name, args)]
     env = environment(load_at_start)
-    env.append(f"- torch threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}")
+    env.append(
+        f"- torch threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}"
+    )
     print("\n".join([*table(rows), "", *env]))
     if args.out:
         out = Path(args.out)

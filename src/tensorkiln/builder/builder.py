@@ -62,9 +62,11 @@ def _cuda_available() -> bool:
 
 
 def _torch_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
+    try:
+        import torch  # noqa: F401  (the cpu and cuda backends' optional dependency)
+    except ImportError:
+        return False
+    return True
 
 
 def auto_backend() -> str:
@@ -98,7 +100,7 @@ class Builder:
         if backend == "cuda" and device in (None, "cuda") and not _cuda_available():
             raise InputError(
                 "the cuda backend needs PyTorch with a CUDA device, and this machine has none; "
-                "use backend='cpu' (or 'auto')"
+                "use backend='cpu' (PyTorch on the CPU), backend='reference' or 'auto'"
             )
         if device not in (None, "cpu", "cuda") or (backend == "cpu" and device == "cuda"):
             raise InputError(f"unknown device '{device}' for the {backend} backend")

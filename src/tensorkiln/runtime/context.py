@@ -198,7 +198,11 @@ class ExecutionContext:
             if self._pool is not None and not use_graph
             else contextlib.nullcontext()
         )
-        with ENQUEUE_LOCK, math_mode(self.precision), torch.no_grad(), ctx, pool:
+        # a cpu engine runs no CUDA math (TF32, Triton dots) and needs no autograd at all
+        on_cpu = self.engine.backend == "cpu"
+        mode = contextlib.nullcontext() if on_cpu else math_mode(self.precision)
+        grad = torch.inference_mode() if on_cpu else torch.no_grad()
+        with ENQUEUE_LOCK, mode, grad, ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
