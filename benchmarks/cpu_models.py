@@ -13,9 +13,11 @@ Per model and batch size: an engine is built for the cpu backend with a profile 
 sizes; its outputs are checked against onnxruntime's on the same fresh random inputs (max |diff|
 relative to the largest |onnxruntime output| under 1e-4), then both are timed in this process:
 warm-up runs, then --rounds rounds alternating between the two runtimes, each round the median of
---runs runs (a runtime runs alone within a round: onnxruntime's thread pool spins after each run);
-the median of the round medians is reported. onnxruntime runs with its default graph optimizations
-and intra_op_num_threads = --threads (default: the machine's cores), torch with as many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
+--runs runs, fewer for slow models (a round of one runtime lasts about --round-s seconds; a
+runtime runs alone within a round: onnxruntime's thread pool spins after each run);
+the median of the round medians is reported. onnxruntime runs with its default graph
+optimizations and intra_op_num_threads = --threads (default: the machine's cores), torch with as
+many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
 --tiny uses small configs and images (for the smoke test; its numbers mean nothing).
 Prints a markdown table and the versions, and writes results.json to --out when given.
 """
@@ -363,9 +365,13 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     for _ in range(args.warmup):
         ctx.infer(feeds)
         session.run(None, feeds)
+    # runs per round: --runs, fewer where one run is long (at most about --round-s a round)
+    t0 = time.perf_counter()
+    session.run(None, feeds)
+    runs = max(1, min(args.runs, int(args.round_s / (time.perf_counter() - t0))))
     for _ in range(args.rounds):
-        row.rounds_ort_ms.append(median_ms(lambda: session.run(None, feeds), args.runs))
-        row.rounds_tk_ms.append(median_ms(lambda: ctx.infer(feeds), args.runs))
+        row.rounds_ort_ms.append(median_ms(lambda: session.run(None, feeds), runs))
+        row.rounds_tk_ms.append(median_ms(lambda: ctx.infer(feeds), runs))
     row.tensorkiln_ms = statistics.median(row.rounds_tk_ms)
     row.onnxruntime_ms = statistics.median(row.rounds_ort_ms)
     if batch == 1 and args.reference:
@@ -420,7 +426,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (median)")
     parser.add_argument("--runs", type=int, default=5, help="timed runs per round (median)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed runs of each first")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each first")
+    parser.add_argument(
+        "--round-s", type=float, default=2.0, help="fewer runs per round for slow models"
+    )
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="both runtimes' threads"
     )

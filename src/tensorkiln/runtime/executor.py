@@ -56,8 +56,8 @@ class Executor:
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
-        # on the CPU, convolution weights are stored channels-last once, as the kernels run them
-        # (kernels/cuda/fused_conv.py's cpu_layout says why)
+        # on the CPU, convolution weights are stored channels-last once, as the kernels run them,
+        # and marked for prepacking (kernels/cuda/cpu_conv.py says why)
         on_cpu = self.device is not None and self.device.type == "cpu"
         self._channels_last = _conv_weights(graph) if on_cpu else frozenset()
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
@@ -79,7 +79,10 @@ class Executor:
             if v in self._channels_last and c.ndim == 4:
                 import torch
 
+                from tensorkiln.kernels.cuda.cpu_conv import mark_packable
+
                 c = c.contiguous(memory_format=torch.channels_last)
+                mark_packable(c)
             remember_host_values(c, v.const)
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
