@@ -8,8 +8,8 @@ also reorders the weights into its blocked layout at every call unless given the
 cpu backend marks each convolution weight it holds (:func:`mark_packable`), and the first call
 with a geometry keeps the packed copy on the weight tensor, as the host copies of small values
 are kept (convert.py). Measured per layer at batch 1, 1 thread: a 512x512 3x3 at 7x7 takes 2.39 ms
-through F.conv2d + in-place ReLU, 1.35 ms prepacked with the ReLU fused; 1x1 convolutions of
-small images are faster through F.conv2d (0.035 against 0.059 ms), so they keep it.
+through F.conv2d + in-place ReLU, 1.35 ms prepacked with the ReLU fused; small 1x1 convolutions
+of small images are faster through F.conv2d (see _SMALL_1X1), so they keep it.
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_convolution_pointwise"
 )
-# 1x1 convolutions over fewer output positions (batch x height x width) keep F.conv2d
-_SMALL_1X1 = 2048
+# 1x1 convolutions over fewer output positions (batch x height x width), with smaller weights,
+# keep F.conv2d (a plain GEMM there). At 1 thread: 240->40 at 14x14 0.033 ms against 0.061
+# prepacked; 2048->512 at 7x7 0.90 ms against 0.67; 16->96 at 112x112 0.55 against 0.40.
+_SMALL_1X1 = (2048, 131072)  # (positions, weight elements)
 
 # ConvAct's activations that oneDNN fuses, with their scalars: (name, scalars, algorithm)
 _PLAIN = {
@@ -68,6 +70,10 @@ def fused_activation(
     return None
 
 
+def _small(positions: int, w: torch.Tensor) -> bool:
+    return positions < _SMALL_1X1[0] and w.shape[0] * w.shape[1] < _SMALL_1X1[1]
+
+
 def packed_conv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -82,7 +88,7 @@ def packed_conv(
     packs = getattr(w, _PACKED, None)
     if packs is None or x.ndim != 4 or x.dtype != torch.float32 or x.device.type != "cpu":
         return None
-    if g.begin != g.end or (g.kernel == (1, 1) and x.shape[0] * g.out[0] * g.out[1] < _SMALL_1X1):
+    if g.begin != g.end or (g.kernel == (1, 1) and _small(x.shape[0] * g.out[0] * g.out[1], w)):
         return None
     pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
     key = (g.begin, g.strides, g.dilations, group)
