@@ -63,6 +63,11 @@ def _conv_net() -> nn.Module:
         _Block(16, 32, 16, 3, 1, nn.ReLU),
         _Block(16, 48, 24, 5, 2, nn.SiLU),
         nn.Conv2d(24, 24, 3, 1, 1, groups=4),  # grouped, not depthwise
+        nn.Conv2d(24, 512, 1),  # 1x1 convolutions with large weights (prepacked)
+        nn.ReLU(),
+        nn.Conv2d(512, 256, 1),
+        nn.ReLU6(),  # (Clip)
+        nn.Conv2d(256, 24, 1),
         nn.AdaptiveAvgPool2d(1),
         nn.Flatten(),
         nn.Linear(24, 10),
@@ -116,7 +121,7 @@ def _build(path: Path, backend: str, shape: tuple[int, ...], max_batch: int) -> 
     return Builder(backend).build(path, config, progress=False)
 
 
-def _check_against_oracles(path: Path, shape: tuple[int, ...]) -> None:
+def _check_against_oracles(path: Path, shape: tuple[int, ...]) -> Engine:
     cpu = _build(path, "cpu", shape, 4)
     ref = _build(path, "reference", shape, 4)
     assert cpu.backend == "cpu" and ref.backend == "reference"
@@ -133,12 +138,18 @@ def _check_against_oracles(path: Path, shape: tuple[int, ...]) -> None:
             for expected in (want, onnxruntime):
                 atol = RTOL * float(np.abs(expected).max())
                 np.testing.assert_allclose(got, expected, rtol=RTOL, atol=atol)
+    return cpu
 
 
 def test_conv_net_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     shape = (1, 3, 32, 32)
     path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
-    _check_against_oracles(path, shape)
+    engine = _check_against_oracles(path, shape)
+    # the convolutions ran on weights held channels-last, prepacked where it pays
+    weights = [w for w in engine.device_weights["cpu"].values() if w.ndim == 4]
+    assert weights and all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+    packed = [w for w in weights if getattr(w, "_tensorkiln_packed", None)]
+    assert {tuple(w.shape[2:]) for w in packed} == {(3, 3), (5, 5), (1, 1)}
 
 
 def test_transformer_block_matches_reference_and_onnxruntime(tmp_path: Path) -> None:

@@ -56,10 +56,9 @@ class Executor:
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
-        # on the CPU, convolution weights are stored channels-last once, as the kernels run them,
-        # and marked for prepacking (kernels/cuda/cpu_conv.py says why)
-        on_cpu = self.device is not None and self.device.type == "cpu"
-        self._channels_last = _conv_weights(graph) if on_cpu else frozenset()
+        # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
+        # convolutions run them (kernels/cuda/cpu_conv.py says why)
+        self._conv_weights = _conv_weights(graph) if backend == "cpu" else frozenset()
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
         self._shadow = self.device is not None and backend != "cpu"
         self._consts: dict[Value, Any] = (
@@ -76,13 +75,10 @@ class Executor:
             from tensorkiln.kernels.cuda.convert import remember_host_values, to_torch
 
             c = to_torch(v.const, self.device)
-            if v in self._channels_last and c.ndim == 4:
-                import torch
+            if v in self._conv_weights:
+                from tensorkiln.kernels.cuda.cpu_conv import hold_weight
 
-                from tensorkiln.kernels.cuda.cpu_conv import mark_packable
-
-                c = c.contiguous(memory_format=torch.channels_last)
-                mark_packable(c)
+                c = hold_weight(c)
             remember_host_values(c, v.const)
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c

@@ -3,11 +3,12 @@ activation fused into the convolution.
 
 torch's NCHW convolutions on the CPU fall back to slow loops for grouped and depthwise kernels (a
 depthwise 3x3 of 96x112x112 takes 44 ms in NCHW, 0.16 ms channels-last, on 2 cores), so on the CPU
-every 2-D convolution runs channels-last and its output stays so for the next layers. oneDNN
-also reorders the weights into its blocked layout at every call unless given them prepacked: the
-cpu backend marks each convolution weight it holds (:func:`mark_packable`), and the first call
-with a geometry keeps the packed copy on the weight tensor, as the host copies of small values
-are kept (convert.py). Measured per layer at batch 1, 1 thread: a 512x512 3x3 at 7x7 takes 2.39 ms
+the cpu backend's 2-D convolutions run channels-last and their outputs stay so for the next
+layers. oneDNN also reorders the weights into its blocked layout at every call unless given them
+prepacked: the cpu backend holds each convolution weight channels-last and marked
+(:func:`hold_weight`), and the first call with a geometry keeps the packed copy on the weight
+tensor, as the host copies of small values are kept (convert.py). The cuda backend's kernels run
+on CPU tensors in tests as they are, NCHW and unpacked: these paths need a held weight. Measured per layer at batch 1, 1 thread: a 512x512 3x3 at 7x7 takes 2.39 ms
 through F.conv2d + in-place ReLU, 1.35 ms prepacked with the ReLU fused; small 1x1 convolutions
 of small images are faster through F.conv2d (see _SMALL_1X1), so they keep it.
 """
@@ -37,20 +38,23 @@ _PLAIN = {
 }
 
 
+def hold_weight(w: torch.Tensor) -> torch.Tensor:
+    """The cpu backend's copy of convolution weight ``w`` (a constant, never an activation):
+    channels-last, and marked so that convolutions run channels-last with it and keep a
+    prepacked copy of it (which lives as long as the weight does)."""
+    if w.ndim != 4 or not w.is_floating_point():
+        return w
+    w = w.contiguous(memory_format=torch.channels_last)
+    setattr(w, _PACKED, {})
+    return w
+
+
 def cpu_layout(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` and ``w`` channels-last for a 2-D convolution on the CPU (as they are elsewhere);
-    a no-op for tensors already so, as the cpu backend's weights are."""
-    if x.device.type != "cpu" or x.ndim != 4:
+    """``x`` channels-last where ``w`` is a weight the cpu backend holds (:func:`hold_weight`);
+    both as they are otherwise (the cuda backend's kernels, on any device)."""
+    if x.ndim != 4 or getattr(w, _PACKED, None) is None:
         return x, w
-    cl = torch.channels_last
-    return x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
-
-
-def mark_packable(w: torch.Tensor) -> None:
-    """Let convolutions keep a prepacked copy of ``w``, a constant weight (never an activation:
-    its packed copies live as long as it does)."""
-    if _MKLDNN and w.ndim == 4 and w.dtype == torch.float32:
-        setattr(w, _PACKED, {})
+    return x.contiguous(memory_format=torch.channels_last), w
 
 
 def fused_activation(
@@ -86,7 +90,9 @@ def packed_conv(
     this path does not apply (``w`` not marked, not float32 2-D on the CPU, asymmetric padding)
     or does not pay (small 1x1 convolutions)."""
     packs = getattr(w, _PACKED, None)
-    if packs is None or x.ndim != 4 or x.dtype != torch.float32 or x.device.type != "cpu":
+    if packs is None or not _MKLDNN or x.ndim != 4:
+        return None
+    if x.dtype != torch.float32 or w.dtype != torch.float32:
         return None
     if g.begin != g.end or (g.kernel == (1, 1) and _small(x.shape[0] * g.out[0] * g.out[1], w)):
         return None
