@@ -21,7 +21,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda.cpu_conv import cpu_layout, fused_activation, packed_conv
+from tensorkiln.kernels.cuda.cpu_conv import (
+    cpu_layout,
+    fused_activation,
+    packed_conv,
+    pointwise_gemm,
+)
 from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.reference.fused_conv import check_activation
 from tensorkiln.kernels.reference.nn import _check_conv_shapes, conv_geometry
@@ -194,6 +199,8 @@ def conv_act(
     y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
     if y is not None and post is not None:
         return y
+    if y is None:
+        y = pointwise_gemm(x, w, bias, g, group)
     if y is None:
         y = conv(x, _as(w, x.dtype), bias, g, group)
     if z is not None and tuple(z.shape) != tuple(y.shape):
