@@ -452,8 +452,10 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = load_average()
     rows = [row for name in args.models for row in run_model(name, args)]
     env = environment(load_at_start)
+    wait = os.environ.get("OMP_WAIT_POLICY", "unset")
     env.append(
         f"- torch threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}"
+        f", OMP_WAIT_POLICY {wait}"
     )
     print("\n".join([*table(rows), "", *env]))
     if args.out:
