@@ -320,7 +320,7 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
     return frozenset(
         n.inputs[1]
         for _, n in graph.walk()
-        if n.op in ("Conv", "ConvAct")
+        if (n.domain, n.op) in (("", "Conv"), ("tensorkiln", "ConvAct"))
         and len(n.inputs) > 1
         and n.inputs[1] is not None
         and n.inputs[1].const is not None
