@@ -30,6 +30,8 @@ def dynamic_engine(cli, mlp, tmp_path):
         "x:8x4",
         "--opt-level",
         "0",  # keep the model's own layers, which the profile assertions name
+        "--backend",
+        "reference",
     )
     assert rc == 0, err
     return engine

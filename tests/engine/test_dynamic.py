@@ -27,7 +27,8 @@ def build_with_profile(model: onnx.ModelProto, name: str, rest: tuple[int, ...])
     profile = OptimizationProfile().set_shape(name, (1, *rest), (4, *rest), (16, *rest))
     config = BuilderConfig()
     config.add_optimization_profile(profile)
-    return Engine.deserialize(Builder().build(model, config).serialize())
+    # the reference backend: outputs are compared bit for bit with run_onnx's (also numpy)
+    return Engine.deserialize(Builder("reference").build(model, config).serialize())
 
 
 @pytest.fixture(scope="module")

@@ -67,28 +67,51 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def _torch_available() -> bool:
+    try:
+        import torch  # noqa: F401  (the cpu and cuda backends' optional dependency)
+    except ImportError:
+        return False
+    return True
+
+
+def auto_backend() -> str:
+    """What 'auto' builds for here: cuda on a GPU, else cpu where PyTorch is installed, else the
+    reference (numpy)."""
+    if _cuda_available():
+        return "cuda"
+    return "cpu" if _torch_available() else "reference"
+
+
 class Builder:
-    """Builds engines for one backend: 'reference' (numpy, any CPU), 'cuda', or 'auto' (cuda
-    where a CUDA device is present, else reference).
+    """Builds engines for one backend: 'reference' (numpy, any CPU, the oracle), 'cpu' (the torch
+    kernels on CPU tensors: oneDNN convolutions and GEMMs; needs PyTorch), 'cuda', or 'auto'
+    (cuda where a CUDA device is present, else cpu where PyTorch is installed, else reference).
 
     ``device`` is the torch device of the cuda backend: 'cuda' (default) or 'cpu', which runs the
     same torch kernels on the CPU (for tests; its timings say nothing about a GPU).
     """
 
     def __init__(self, backend: str = "auto", device: str | None = None) -> None:
-        if backend not in ("auto", "reference", "cuda"):
-            raise InputError(f"unknown backend '{backend}'; choose auto, reference or cuda")
+        if backend not in ("auto", "reference", "cpu", "cuda"):
+            raise InputError(f"unknown backend '{backend}'; choose auto, reference, cpu or cuda")
         if backend == "auto":
-            backend = "cuda" if _cuda_available() else "reference"
+            backend = auto_backend()
+        if backend == "cpu" and not _torch_available():
+            raise InputError(
+                "the cpu backend needs PyTorch, and this Python has none; install the CPU build "
+                "with `pip install torch --index-url https://download.pytorch.org/whl/cpu`, or "
+                "use backend='reference'"
+            )
         if backend == "cuda" and device in (None, "cuda") and not _cuda_available():
             raise InputError(
                 "the cuda backend needs PyTorch with a CUDA device, and this machine has none; "
-                "use backend='reference' (or 'auto')"
+                "use backend='cpu' (PyTorch on the CPU), backend='reference' or 'auto'"
             )
-        if device not in (None, "cpu", "cuda"):
-            raise InputError(f"unknown device '{device}'; choose cuda or cpu")
+        if device not in (None, "cpu", "cuda") or (backend == "cpu" and device == "cuda"):
+            raise InputError(f"unknown device '{device}' for the {backend} backend")
         self.backend = backend
-        self.device = None if backend == "reference" else (device or "cuda")
+        self.device = {"reference": None, "cpu": "cpu"}.get(backend, device or "cuda")
         self.last_report: BuildReport | None = None
 
     def create_builder_config(self) -> BuilderConfig:

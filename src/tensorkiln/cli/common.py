@@ -41,7 +41,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def add_backend_option(p: argparse.ArgumentParser, help: str) -> None:
     """--backend, as the Builder takes it (checked here too, for argparse's one-line error)."""
-    p.add_argument("--backend", choices=("auto", "reference", "cuda"), default="auto", help=help)
+    p.add_argument(
+        "--backend", choices=("auto", "reference", "cpu", "cuda"), default="auto", help=help
+    )
 
 
 def add_subcommand(sub: Any, name: str, help: str, epilog: str) -> argparse.ArgumentParser:

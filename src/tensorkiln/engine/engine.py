@@ -26,7 +26,7 @@ from tensorkiln.ir.verify import verify
 if TYPE_CHECKING:
     from tensorkiln.builder.config import OptimizationProfile
 
-BACKENDS = ("reference", "cuda")
+BACKENDS = ("reference", "cpu", "cuda")
 SOURCE_KEY = "source/model.onnx"  # the tensor holding an embedded source model
 
 
@@ -50,7 +50,16 @@ def target_of(backend: str, device: str | None = None) -> dict[str, Any]:
     backend's torch device, 'cuda' or 'cpu')."""
     if backend == "reference":
         return {"device": "cpu", "machine": platform.machine(), "numpy": np.__version__}
-    import torch  # the cuda backend needs torch
+    import torch  # the cpu and cuda backends need torch
+
+    if backend == "cpu":  # recorded, not enforced: torch picks its kernels per ISA at run time
+        isa = torch.backends.cpu.get_cpu_capability()
+        return {
+            "device": "cpu",
+            "machine": platform.machine(),
+            "torch": torch.__version__,
+            "isa": isa,
+        }
 
     if device == "cpu":  # the cuda backend's kernels on torch CPU tensors
         return {"device": "cpu", "torch_device": "cpu", "torch": torch.__version__}
@@ -90,7 +99,8 @@ class Engine:
         self.build = dict(build or {})
         self.target = dict(target or target_of(backend))
         # the torch device a cuda engine runs on ('cpu' runs its kernels on torch CPU tensors)
-        self.device = "cpu" if self.target.get("torch_device") == "cpu" else "cuda"
+        on_cpu = backend == "cpu" or self.target.get("torch_device") == "cpu"
+        self.device = "cpu" if on_cpu else "cuda"
         self.tensorkiln_version = tensorkiln.__version__
         # the initializers on the device, uploaded by the first context and shared by all of them
         # (per device: {str(torch device): {value: tensor}})
@@ -260,12 +270,14 @@ def _check_compatible(plan: dict, where: str) -> str:
             f"{where} was built by tensorkiln {printable(version)!r}; this is tensorkiln "
             f"{tensorkiln.__version__}. {hint}"
         )
-    if backend == "cuda" and target.get("torch_device") == "cpu":
+    if backend == "cpu" or (backend == "cuda" and target.get("torch_device") == "cpu"):
         try:
             import torch  # noqa: F401
         except ImportError:
             raise EngineCompatibilityError(
-                f"{where} needs PyTorch, which is not installed"
+                f"{where} needs PyTorch, which is not installed; install the CPU build with "
+                "`pip install torch --index-url https://download.pytorch.org/whl/cpu`, or rebuild "
+                f"the engine with --backend reference. {hint}"
             ) from None
     elif backend == "cuda":
         _check_gpu(target, where, hint)

@@ -112,27 +112,36 @@ def invoke(
     return list(result)
 
 
+# backends that run another backend's kernels: the cpu backend runs the cuda backend's torch
+# kernels on CPU tensors (oneDNN convolutions and GEMMs), so it has no registry entries of its own
+KERNELS_OF = {"cpu": "cuda"}
+
+
 def _ensure_loaded(backend: str) -> None:
     if backend == "reference":
         import tensorkiln.kernels.reference
-    elif backend == "cuda":
+    elif backend in ("cuda", "cpu"):
         try:
             import torch  # noqa: F401
         except ImportError:
             raise TensorkilnError(
-                "the cuda backend needs PyTorch (pip install torch); this Python has none"
+                f"the {backend} backend needs PyTorch, and this Python has none; install the "
+                "CPU build with `pip install torch --index-url "
+                "https://download.pytorch.org/whl/cpu`, or use the reference backend"
             ) from None
         import tensorkiln.kernels.cuda  # noqa: F401  (registers the torch and Triton kernels)
 
 
 def has_kernel(op: str, domain: str = "", backend: str = "reference") -> bool:
     _ensure_loaded(backend)
+    backend = KERNELS_OF.get(backend, backend)
     return (backend, normalize_domain(domain), op) in _REGISTRY
 
 
 def registered_ops(backend: str = "reference", domain: str | None = None) -> list[tuple[str, str]]:
     """Sorted (domain, op) pairs that have a kernel on ``backend``."""
     _ensure_loaded(backend)
+    backend = KERNELS_OF.get(backend, backend)
     return sorted(
         (d, op) for (b, d, op) in _REGISTRY if b == backend and (domain is None or d == domain)
     )
@@ -143,6 +152,8 @@ def lookup(
 ) -> KernelEntry:
     """The kernel for ``op`` at ``opset``; raises UnsupportedOpError naming what exists."""
     _ensure_loaded(backend)
+    shown_backend = backend
+    backend = KERNELS_OF.get(backend, backend)
     domain = normalize_domain(domain)
     entries = _REGISTRY.get((backend, domain, op))
     where = f"node '{node}' uses " if node else ""
@@ -152,7 +163,7 @@ def lookup(
         hint = difflib.get_close_matches(op, known, n=3)
         msg = (
             f"{where}operator '{op}' of domain '{shown}' (opset {opset}), which the "
-            f"'{backend}' backend does not support."
+            f"'{shown_backend}' backend does not support."
         )
         if hint:
             msg += f" Did you mean: {', '.join(hint)}?"
@@ -169,7 +180,7 @@ def lookup(
     if best is None:
         versions = ", ".join(str(e.since) for e in entries)
         raise UnsupportedOpError(
-            f"{where}'{op}' of domain '{shown}' at opset {opset}; the '{backend}' backend "
+            f"{where}'{op}' of domain '{shown}' at opset {opset}; the '{shown_backend}' backend "
             f"implements it from opset(s) {versions}. Convert the model to a newer opset "
             "(onnx.version_converter) and try again."
         )

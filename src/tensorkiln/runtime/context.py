@@ -238,7 +238,11 @@ class ExecutionContext:
             if self._pool is not None and not use_graph
             else contextlib.nullcontext()
         )
-        with ENQUEUE_LOCK, math_mode(self.precision), torch.no_grad(), ctx, pool:
+        # a cpu engine runs no CUDA math (TF32, Triton dots) and needs no autograd at all
+        on_cpu = self.engine.backend == "cpu"
+        mode = contextlib.nullcontext() if on_cpu else math_mode(self.precision)
+        grad = torch.inference_mode() if on_cpu else torch.no_grad()
+        with ENQUEUE_LOCK, mode, grad, ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
@@ -374,8 +378,10 @@ def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityErro
 
 
 def _executor(engine: Any, mode: str) -> Executor:
-    if engine.backend != "cuda":
-        return Executor(engine.graph, engine.backend)
+    if engine.backend == "reference":
+        return Executor(engine.graph, "reference")
+    if engine.backend == "cpu":  # the torch kernels on CPU tensors, with the engine's weights
+        return Executor(engine.graph, "cpu", "cpu", weights=engine.device_weights)
     from tensorkiln.tactics.autotune import tactic_functions
 
     tactics = tactic_functions(engine.graph, engine.layers, mode)

@@ -29,6 +29,9 @@ class _Step:
     inputs: tuple[Value | None, ...]
     outputs: tuple[Value | None, ...]
     free: tuple[Value, ...]  # values whose last use is this step
+    # the kernel's keywords, made once at plan time: the attributes, and _n_outputs when the
+    # kernel takes it (a run adds only _ctx); the run loop then calls the kernel directly
+    kwargs: dict[str, Any]
 
 
 class Executor:
@@ -53,6 +56,11 @@ class Executor:
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
+        # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
+        # convolutions run them (kernels/cuda/cpu_conv.py says why)
+        self._conv_weights = _conv_weights(graph) if backend == "cpu" else frozenset()
+        # shape arithmetic mirrored on the host pays only where a device sync is the alternative
+        self._shadow = self.device is not None and backend != "cpu"
         self._consts: dict[Value, Any] = (
             {} if weights is None else weights.setdefault(str(self.device), {})
         )
@@ -67,6 +75,10 @@ class Executor:
             from tensorkiln.kernels.cuda.convert import remember_host_values, to_torch
 
             c = to_torch(v.const, self.device)
+            if v in self._conv_weights:
+                from tensorkiln.kernels.cuda.cpu_conv import hold_weight
+
+                c = hold_weight(c)
             remember_host_values(c, v.const)
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
@@ -96,7 +108,11 @@ class Executor:
             fn = self.tactics.get(n.name) if graph is self.graph else None
             if fn is not None:
                 entry = with_fn(entry, fn)
-            plan.append(_Step(n, entry, tuple(n.inputs), tuple(n.outputs), tuple(frees.get(i, ()))))
+            kwargs = dict(n.attrs)
+            if entry.wants_n_outputs:
+                kwargs["_n_outputs"] = len(n.outputs)
+            free = tuple(frees.get(i, ()))
+            plan.append(_Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs))
         self._plans[id(graph)] = plan
         return plan
 
@@ -187,7 +203,7 @@ class Scope:
         local.update(zip(graph.inputs, inputs))
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
-        shadow = self.executor.device is not None
+        shadow = self.executor._shadow
         for step in self.executor._plan(graph):
             if timings is None:
                 _run_step(step, env, inner)
@@ -209,10 +225,19 @@ class Scope:
 
 
 def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
+    # invoke()'s calling convention, inlined: this runs once per layer per inference, and on the
+    # CPU a small layer's kernel takes only tens of microseconds
     node = step.node
     args = [None if v is None else env[v] for v in step.inputs]
+    while args and args[-1] is None:
+        args.pop()
+    kwargs = step.kwargs
+    if step.kernel.wants_ctx:
+        kwargs = {**kwargs, "_ctx": scope}
     try:
-        result = invoke(step.kernel, args, node.attrs, len(step.outputs), scope)
+        result = step.kernel.fn(*args, **kwargs)
+        if len(step.outputs) == 1 or not isinstance(result, tuple | list):
+            result = [result]  # (a single output may itself be a list: a sequence)
     except TensorkilnError as exc:
         if f"'{node.name}'" in str(exc):
             raise
@@ -278,6 +303,10 @@ def _device(backend: str, device: Any) -> Any:
         return None
     import torch
 
+    if backend == "cpu":
+        if device not in (None, "cpu") and torch.device(device).type != "cpu":
+            raise TensorkilnError(f"the cpu backend runs on the CPU, not on '{device}'")
+        return torch.device("cpu")
     if device is None:
         if not torch.cuda.is_available():
             raise TensorkilnError(
@@ -286,6 +315,18 @@ def _device(backend: str, device: Any) -> Any:
             )
         device = "cuda"
     return torch.device(device)
+
+
+def _conv_weights(graph: Graph) -> frozenset[Value]:
+    """The initializers that are convolutions' weights (input 1 of Conv and ConvAct)."""
+    return frozenset(
+        n.inputs[1]
+        for _, n in graph.walk()
+        if (n.domain, n.op) in (("", "Conv"), ("tensorkiln", "ConvAct"))
+        and len(n.inputs) > 1
+        and n.inputs[1] is not None
+        and n.inputs[1].const is not None
+    )
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:

@@ -137,6 +137,8 @@ def to_numpy(value: Any) -> Any:
         t = value.detach()
         if t.device.type != "cpu":
             t = t.cpu()
+        if not t.is_contiguous():  # (channels-last activations on the CPU): C order for numpy
+            t = t.contiguous()
         back = _BACK.get(t.dtype)
         if back is not None:
             return t.contiguous().view(_VIEW_TORCH[back[1]]).numpy().view(back[0])

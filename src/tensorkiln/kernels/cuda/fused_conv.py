@@ -15,14 +15,21 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.cuda.cpu_conv import (
+    cpu_layout,
+    fused_activation,
+    packed_conv,
+    pointwise_gemm,
+)
 from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.reference.fused_conv import check_activation
-from tensorkiln.kernels.reference.nn import _check_conv_shapes, _conv_geometry
+from tensorkiln.kernels.reference.nn import _check_conv_shapes, conv_geometry
 from tensorkiln.kernels.registry import register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -80,6 +87,26 @@ def _torch_pads(begin: Sequence[int], end: Sequence[int]) -> list[int]:
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _geometry(x_shape, w_shape, auto_pad, dilations, kernel_shape, pads, strides) -> Geometry:
+    return conv_geometry(x_shape, w_shape, auto_pad, dilations, kernel_shape, pads, strides)
+
+
+def geometry_of(
+    x: torch.Tensor, w: torch.Tensor, auto_pad, dilations, kernel_shape, pads, strides
+) -> Geometry:
+    """The convolution's window geometry, memoized: a layer's attributes are fixed and its
+    shapes repeat from run to run, so each layer resolves its padding once per input shape
+    (tens of microseconds a call otherwise, which is much of a small layer's time on the CPU)."""
+
+    def t(v: Sequence[int] | None) -> tuple[int, ...] | None:
+        return None if v is None else tuple(v)
+
+    return _geometry(
+        tuple(x.shape), tuple(w.shape), auto_pad, t(dilations), t(kernel_shape), t(pads), t(strides)
+    )
+
+
 def _conv_valid(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -92,6 +119,7 @@ def _conv_valid(
     """Convolution with symmetric ``padding``; more than 3 spatial axes go tap by tap."""
     n = x.ndim - 2
     if n <= 3:
+        x, w = cpu_layout(x, w)
         return _CONV[n](x, w, b, strides, padding, dilations, group)
     if any(padding):
         x = F.pad(x, _torch_pads(padding, padding))
@@ -121,6 +149,10 @@ def conv(
         x = F.pad(x, _torch_pads(g.begin, g.end))
         padding = (0,) * len(g.begin)
     return _conv_valid(x, w, b, g.strides, g.dilations, padding, group)
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _check_residual_order(residual_order: str) -> None:
@@ -154,14 +186,23 @@ def conv_act(
     _check_conv_shapes(x, w, group, "ConvAct")
     check_activation(activation, "ConvAct")
     _check_residual_order(residual_order)
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     m = w.shape[0]
     if b is not None and b.numel() != m:
         raise ValueError(
             f"ConvAct: bias B has {b.numel()} values but there are {m} output channels"
         )
-    bias = None if b is None else b.reshape(m).to(x.dtype)
-    y = conv(x, w.to(x.dtype), bias, g, group)
+    bias = None if b is None else _as(b.reshape(m), x.dtype)
+    act = (activation_alpha, activation_beta, activation_min, activation_max)
+    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can
+    post = None if z is not None else fused_activation(activation, act[0], act[2], act[3])
+    y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
+    if y is not None and post is not None:
+        return y
+    if y is None:
+        y = pointwise_gemm(x, w, bias, g, group)
+    if y is None:
+        y = conv(x, _as(w, x.dtype), bias, g, group)
     if z is not None and tuple(z.shape) != tuple(y.shape):
         raise ValueError(
             f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's {tuple(y.shape)}"
@@ -169,7 +210,7 @@ def conv_act(
     after = residual_order == "act_add"
     if z is not None and not after:
         y.add_(z)
-    activate_(y, activation, activation_alpha, activation_beta, activation_min, activation_max)
+    activate_(y, activation, *act)
     if z is not None and after:
         y.add_(z)
     return y

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
+from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.reference import nn as ref
 from tensorkiln.kernels.reference._window import Geometry, ints
 from tensorkiln.kernels.registry import register
@@ -71,6 +73,7 @@ def conv_nd(
     if tuple(g.begin) != tuple(g.end) or (nsp > 3 and g.padded):
         x, padding = F.pad(x, torch_pads(g.begin, g.end)), (0,) * nsp
     if nsp <= 3:
+        x, w = cpu_layout(x, w)
         return _CONV[nsp](x, w, b, g.strides, padding, g.dilations, group)
     y = _split_first_axis(x, w, g, group)
     return y if b is None else y + channel_view(b, y.ndim)
@@ -99,7 +102,7 @@ def conv(
 ) -> torch.Tensor:
     """N-d convolution with groups, dilations, strides and padding (cuDNN for 1-3 axes)."""
     ref._check_conv_shapes(x, w, group)
-    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
 
 

@@ -1,0 +1,218 @@
+"""The cpu backend (the torch kernels on CPU tensors) against the reference backend and
+onnxruntime: a small conv net with the layers of MobileNet and EfficientNet (depthwise and
+grouped convolutions, squeeze-excite, residual adds, hardswish, SiLU), a transformer block, dynamic
+batch, the "auto" choice, engine files, and clear errors where PyTorch is missing."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
+from tensorkiln.builder import builder as builder_module
+from tensorkiln.engine import Engine
+from tensorkiln.errors import EngineCompatibilityError, InputError, TensorkilnError
+from tests.cli.helpers import CLI, assert_one_line_error, mlp_model
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+nn = torch.nn
+
+RTOL = 1e-4
+
+
+class _Block(nn.Module):
+    """Expand 1x1, depthwise kxk (strided), squeeze-excite, project 1x1, residual where it fits."""
+
+    def __init__(self, cin: int, cexp: int, cout: int, k: int, stride: int, act) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(
+            nn.Conv2d(cin, cexp, 1, bias=False), nn.BatchNorm2d(cexp), act()
+        )
+        self.depthwise = nn.Sequential(
+            nn.Conv2d(cexp, cexp, k, stride, k // 2, groups=cexp, bias=False),
+            nn.BatchNorm2d(cexp),
+            act(),
+        )
+        self.se = nn.Sequential(
+            nn.AdaptiveAvgPool2d(1),
+            nn.Conv2d(cexp, 8, 1),
+            nn.ReLU(),
+            nn.Conv2d(8, cexp, 1),
+            nn.Hardsigmoid(),
+        )
+        self.project = nn.Sequential(nn.Conv2d(cexp, cout, 1, bias=False), nn.BatchNorm2d(cout))
+        self.residual = stride == 1 and cin == cout
+
+    def forward(self, x):
+        y = self.depthwise(self.expand(x))
+        y = self.project(y * self.se(y))
+        return x + y if self.residual else y
+
+
+def _conv_net() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False),
+        nn.BatchNorm2d(16),
+        nn.Hardswish(),
+        _Block(16, 32, 16, 3, 1, nn.ReLU),
+        _Block(16, 48, 24, 5, 2, nn.SiLU),
+        nn.Conv2d(24, 24, 3, 1, 1, groups=4),  # grouped, not depthwise
+        nn.Conv2d(24, 512, 1),  # 1x1 convolutions with large weights (prepacked)
+        nn.ReLU(),
+        nn.Conv2d(512, 256, 1),
+        nn.ReLU6(),  # (Clip)
+        nn.Conv2d(256, 24, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(24, 10),
+    )
+    with torch.no_grad():  # BatchNorm statistics that are not the identity
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.normal_(0.0, 0.2)
+                m.running_var.uniform_(0.5, 1.5)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def _transformer() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+
+
+def _export(model: nn.Module, example: np.ndarray, name: str, folder: Path) -> Path:
+    """TorchScript exporter, opset 17, dynamic batch."""
+    path = folder / f"{name}.onnx"
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)  # (the fused path does not export)
+    try:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            torch.onnx.export(
+                model,
+                (torch.from_numpy(example),),
+                str(path),
+                input_names=["x"],
+                output_names=["y"],
+                dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
+                opset_version=17,
+                dynamo=False,
+            )
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    return path
+
+
+def _build(path: Path, backend: str, shape: tuple[int, ...], max_batch: int) -> Engine:
+    config = BuilderConfig()
+    rest = shape[1:]
+    profile = OptimizationProfile().set_shape(
+        "x", min=(1, *rest), opt=(1, *rest), max=(max_batch, *rest)
+    )
+    config.add_optimization_profile(profile)
+    return Builder(backend).build(path, config, progress=False)
+
+
+def _check_against_oracles(path: Path, shape: tuple[int, ...]) -> Engine:
+    cpu = _build(path, "cpu", shape, 4)
+    ref = _build(path, "reference", shape, 4)
+    assert cpu.backend == "cpu" and ref.backend == "reference"
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    with cpu.create_execution_context() as c, ref.create_execution_context() as r:
+        for batch in (1, 3, 1):  # dynamic batch, and back
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32)
+            got = c.infer({"x": x})["y"]
+            want = r.infer({"x": x})["y"]
+            (onnxruntime,) = session.run(None, {"x": x})
+            assert isinstance(got, np.ndarray) and got.flags.c_contiguous
+            assert got.shape == want.shape == onnxruntime.shape and got.dtype == np.float32
+            for expected in (want, onnxruntime):
+                atol = RTOL * float(np.abs(expected).max())
+                np.testing.assert_allclose(got, expected, rtol=RTOL, atol=atol)
+    return cpu
+
+
+def test_conv_net_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    engine = _check_against_oracles(path, shape)
+    # the convolutions ran on weights held channels-last, prepacked where it pays
+    weights = [w for w in engine.device_weights["cpu"].values() if w.ndim == 4]
+    assert weights and all(w.is_contiguous(memory_format=torch.channels_last) for w in weights)
+    packed = [w for w in weights if getattr(w, "_tensorkiln_packed", None)]
+    assert {tuple(w.shape[2:]) for w in packed} == {(3, 3), (5, 5), (1, 1)}
+
+
+def test_transformer_block_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
+    shape = (1, 12, 32)
+    path = _export(_transformer(), np.zeros(shape, np.float32), "encoder", tmp_path)
+    _check_against_oracles(path, shape)
+
+
+def test_engine_file_round_trip(tmp_path: Path) -> None:
+    path = mlp_model(tmp_path / "mlp.onnx")
+    engine = Builder("cpu").build(path, progress=False)
+    assert engine.target["device"] == "cpu" and engine.target["torch"] == torch.__version__
+    assert engine.target["isa"] == torch.backends.cpu.get_cpu_capability()
+    engine.save(tmp_path / "mlp.engine")
+    loaded = Engine.load(tmp_path / "mlp.engine")
+    assert loaded.backend == "cpu" and loaded.device == "cpu"
+    x = np.random.default_rng().standard_normal((5, 4)).astype(np.float32)
+    want = Builder("reference").build(path, progress=False).create_execution_context()
+    with loaded.create_execution_context() as ctx:
+        got = ctx.infer({"x": x})["y"]
+        as_tensor = ctx.infer({"x": torch.from_numpy(x)})["y"]  # tensors in, tensors out
+    np.testing.assert_allclose(got, want.infer({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    assert isinstance(as_tensor, torch.Tensor)
+    np.testing.assert_allclose(as_tensor.numpy(), got, rtol=1e-6, atol=1e-6)
+
+
+def test_auto_is_cpu_without_a_gpu_and_reference_without_torch(monkeypatch) -> None:
+    monkeypatch.setattr(builder_module, "_cuda_available", lambda: False)
+    assert Builder().backend == "cpu" and Builder().device == "cpu"
+    monkeypatch.setattr(builder_module, "_cuda_available", lambda: True)
+    assert builder_module.auto_backend() == "cuda"
+    _without_torch(monkeypatch)
+    monkeypatch.setattr(builder_module, "_cuda_available", lambda: False)
+    assert Builder().backend == "reference" and Builder().device is None
+
+
+def _without_torch(monkeypatch) -> None:
+    """Make `import torch` fail, as on a machine without it."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+
+
+def test_cpu_backend_without_torch_is_a_clear_error(monkeypatch, tmp_path: Path) -> None:
+    path = mlp_model(tmp_path / "mlp.onnx")
+    Builder("cpu").build(path, progress=False).save(tmp_path / "mlp.engine")
+    _without_torch(monkeypatch)
+    with pytest.raises(
+        InputError, match=r"cpu backend needs PyTorch.*download\.pytorch\.org/whl/cpu"
+    ):
+        Builder("cpu")
+    with pytest.raises(EngineCompatibilityError, match=r"needs PyTorch.*--backend reference"):
+        Engine.load(tmp_path / "mlp.engine")
+
+
+def test_cli_cpu_backend_without_torch_is_one_line(monkeypatch, capsys, tmp_path: Path) -> None:
+    path = mlp_model(tmp_path / "mlp.onnx")
+    _without_torch(monkeypatch)
+    rc, _, err = CLI(capsys)("build", path, "-o", tmp_path / "m.engine", "--backend", "cpu")
+    assert_one_line_error(rc, err)
+    assert "needs PyTorch" in err
+
+
+def test_unsupported_op_names_the_cpu_backend() -> None:
+    from tensorkiln.kernels.registry import lookup
+
+    with pytest.raises(TensorkilnError, match="'cpu' backend does not support"):
+        lookup("NoSuchOp", "", 17, "cpu")
