@@ -102,14 +102,18 @@ def invoke(
         kwargs["_n_outputs"] = n_outputs
     if entry.wants_ctx:
         kwargs["_ctx"] = ctx
-    result = entry.fn(*args, **kwargs)
+    return as_outputs(entry.fn(*args, **kwargs), n_outputs)
+
+
+def as_outputs(result: Any, n_outputs: int) -> list[Any]:
+    """A kernel's return value as the list of its outputs (see :func:`invoke`)."""
     if isinstance(result, tuple):
         # Several outputs, whatever the node declares: an LSTM that names only Y still gets
         # (Y, Y_h, Y_c) from its kernel; callers bind the ones the node declares.
         return list(result)
     if n_outputs == 1 or not isinstance(result, list):
         return [result]  # (a single output may itself be a list: a sequence)
-    return list(result)
+    return result
 
 
 # backends that run another backend's kernels: the cpu backend runs the cuda backend's torch

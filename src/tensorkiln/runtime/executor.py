@@ -19,7 +19,7 @@ import numpy as np
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
 from tensorkiln.ir.infer import RANDOM_OPS
-from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
+from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup
 
 
 @dataclass(slots=True)
@@ -235,9 +235,7 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
     if step.kernel.wants_ctx:
         kwargs = {**kwargs, "_ctx": scope}
     try:
-        result = step.kernel.fn(*args, **kwargs)
-        if len(step.outputs) == 1 or not isinstance(result, tuple | list):
-            result = [result]  # (a single output may itself be a list: a sequence)
+        result = as_outputs(step.kernel.fn(*args, **kwargs), len(step.outputs))
     except TensorkilnError as exc:
         if f"'{node.name}'" in str(exc):
             raise
