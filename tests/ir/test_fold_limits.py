@@ -149,12 +149,13 @@ def test_data_dependent_ops_bounded_by_inputs_still_fold() -> None:
     ("backend", "error", "match"),
     [
         ("reference", KernelError, r"ConstantOfShape.*allocate"),
+        ("cpu", EngineCompatibilityError, r"activation memory plan needs [\d,]+ bytes"),
         ("cuda", EngineCompatibilityError, r"activation memory plan needs [\d,]+ bytes"),
     ],
 )
 def test_impossible_size_is_a_clear_error_at_run_time(backend, error, match) -> None:
-    """The reference backend fails the node; the cuda one (on CPU tensors here) refuses to
-    create a context whose memory plan cannot fit."""
+    """The reference backend fails the node; the torch backends (cpu, and cuda on CPU tensors
+    here) refuse to create a context whose memory plan cannot fit."""
     nodes = [
         helper.make_node("ConstantOfShape", ["shape"], ["big"], value=_one()),
         helper.make_node("ReduceMax", ["big"], ["m"], keepdims=0),
@@ -164,7 +165,7 @@ def test_impossible_size_is_a_clear_error_at_run_time(backend, error, match) -> 
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])
     graph = helper.make_graph(nodes, "g", [x], [y], initializer=[_ints("shape", [1 << 50])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
-    builder = Builder() if backend == "reference" else Builder("cuda", device="cpu")
+    builder = Builder("cuda", device="cpu") if backend == "cuda" else Builder(backend)
     engine = builder.build(model, progress=False)
     with pytest.raises(error, match=match):
         engine.create_execution_context().infer({"x": np.ones(3, np.float32)})
