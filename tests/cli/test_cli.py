@@ -116,3 +116,10 @@ def test_error_messages_show_control_characters_in_names_escaped(cli, tmp_path):
     assert_one_line_error(rc, err)
     assert "\x1b" not in err and "\x07" not in err and "\x1b" not in out
     assert "x\\x1b[2J" in err
+
+
+def test_ops_of_the_cpu_backend_are_the_cuda_backends_torch_kernels(cli):
+    pytest.importorskip("torch")
+    rc, cpu, _ = cli("ops", "--backend", "cpu")
+    rc2, cuda, _ = cli("ops", "--backend", "cuda")
+    assert rc == rc2 == 0 and cpu == cuda and "ai.onnx\tConv" in cpu

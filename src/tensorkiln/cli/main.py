@@ -64,7 +64,10 @@ def _add_ops(sub: Any) -> None:
     )
     p.add_argument("--domain", default=None, help="only this domain ('ai.onnx' is the default one)")
     p.add_argument(
-        "--backend", choices=("reference", "cuda"), default="reference", help="default: reference"
+        "--backend",
+        choices=("reference", "cpu", "cuda"),
+        default="reference",
+        help="default: reference",
     )
     p.set_defaults(handler=_run_ops)
 
@@ -75,7 +78,7 @@ def _run_ops(args: argparse.Namespace) -> int:
     domain = None if args.domain is None else normalize_domain(args.domain)
     rows = registered_ops(args.backend, domain)
     host: dict = {}
-    if args.backend == "cuda":
+    if args.backend in ("cpu", "cuda"):  # the cpu backend runs the cuda backend's torch kernels
         from tensorkiln.kernels.cuda.host import HOST_OPS as host
     for d, op in rows:
         why = host.get((d, op))
