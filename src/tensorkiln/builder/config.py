@@ -44,24 +44,6 @@ class OptimizationProfile:
         self.shapes[name] = (lo, mid, hi)
         return self
 
-    def for_backend(self, backend: str) -> BuilderConfig:
-        """A validated copy allowing only the precisions ``backend`` implements.
-
-        Each dropped precision gets a PrecisionWarning, so a request the engine cannot honour is
-        never silent, and the engine records only precisions its layers can use.
-        """
-        self.validate()
-        usable = implemented_precisions(backend)
-        dropped = sorted(p for p in self.precisions if p not in usable)
-        if dropped:
-            warnings.warn(
-                f"the {backend} backend does not implement {', '.join(dropped)}: the engine stays "
-                f"float32 on this backend ({', '.join(usable)} implemented)",
-                PrecisionWarning,
-                stacklevel=3,
-            )
-        return replace(self, precisions={p for p in self.precisions if p in usable} | {"fp32"})
-
     def to_json(self) -> dict:
         return {
             k: {"min": list(a), "opt": list(b), "max": list(c)}
