@@ -3,7 +3,7 @@
 # backend suite on the cuda backend (plain, and through optimized engines). Logs go to $OUT (or
 # ./gpu-logs); a summary is printed. About 3 minutes on an H200.
 set -uo pipefail
-export PYTHONPATH=src PYTHONUNBUFFERED=1
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
