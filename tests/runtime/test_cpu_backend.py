@@ -216,3 +216,67 @@ def test_unsupported_op_names_the_cpu_backend() -> None:
 
     with pytest.raises(TensorkilnError, match="'cpu' backend does not support"):
         lookup("NoSuchOp", "", 17, "cpu")
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads for the test, the caller's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _sleeps(at_one: float, at_more: float, calls: list[int]):
+    """A run that takes ``at_one`` seconds on 1 torch thread and ``at_more`` on more."""
+    import time
+
+    def fn() -> int:
+        calls.append(torch.get_num_threads())
+        time.sleep(at_one if torch.get_num_threads() == 1 else at_more)
+        return len(calls)
+
+    return fn
+
+
+def test_thread_choice_keeps_the_faster_count_per_shape(two_threads) -> None:
+    from tensorkiln.runtime.cpu_threads import ThreadChoice
+
+    choice = ThreadChoice()
+    calls: list[int] = []
+    # a run slower on 2 threads than on 1 (fork/join per small layer): 1 thread from then on
+    assert choice.run("small", _sleeps(0.001, 0.006, calls)) == 1  # the first run's result
+    assert choice.chosen("small") == 1 and 1 in calls and 2 in calls
+    assert torch.get_num_threads() == 2  # restored after every run
+    calls.clear()
+    choice.run("small", _sleeps(0.001, 0.006, calls))
+    assert calls == [1] and torch.get_num_threads() == 2
+    # another shape, faster on 2 threads: measured on its own, keeps 2
+    choice.run("large", _sleeps(0.006, 0.001, calls))
+    assert choice.chosen("large") == 2 and choice.chosen("small") == 1
+    # a run too long to be worth measuring runs once, at torch's count
+    calls.clear()
+    choice.run("slow", _sleeps(0.0, 0.06, calls))
+    assert calls == [2] and choice.chosen("slow") == 2
+    # torch's count is the upper bound: set to 1, nothing is measured
+    torch.set_num_threads(1)
+    calls.clear()
+    choice.run("one", _sleeps(0.006, 0.001, calls))
+    assert calls == [1] and choice.chosen("one") == 1
+
+
+def test_context_runs_agree_whatever_the_thread_choice(tmp_path: Path, two_threads) -> None:
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    engine = _build(path, "cpu", shape, 4)
+    rng = np.random.default_rng()
+    with engine.create_execution_context() as ctx:
+        for batch in (1, 4, 1, 4):  # measured at the first run of each shape, then kept
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32)
+            got = ctx.infer({"x": x})["y"]
+            (want,) = session.run(None, {"x": x})
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()))
+            assert torch.get_num_threads() == 2
+        assert {ctx._threads.chosen(k) for k in ctx._threads._best} <= {1, 2}
+        assert len(ctx._threads._best) == 2
