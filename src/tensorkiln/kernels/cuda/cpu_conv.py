@@ -10,7 +10,7 @@ prepacked: the cpu backend holds each convolution weight channels-last and marke
 tensor, as the host copies of small values are kept (convert.py). The cuda backend's kernels run
 on CPU tensors in tests as they are, NCHW and unpacked: these paths need a held weight. Measured per layer at batch 1, 1 thread: a 512x512 3x3 at 7x7 takes 2.39 ms
 through F.conv2d + in-place ReLU, 1.35 ms prepacked with the ReLU fused; small 1x1 convolutions
-of small images are faster through F.conv2d (see _SMALL_1X1), so they keep it.
+are faster as one GEMM (see _SMALL_1X1_MACS), so they run as one.
 """
 
 from __future__ import annotations
@@ -23,10 +23,14 @@ _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_convolution_pointwise"
 )
-# 1x1 convolutions over fewer output positions (batch x height x width), with smaller weights,
-# run as a plain GEMM (pointwise_gemm; F.conv2d's own GEMM when strided). At 1 thread: 240->40 at 14x14 0.033 ms against 0.061
-# prepacked; 2048->512 at 7x7 0.90 ms against 0.67; 16->96 at 112x112 0.55 against 0.40.
-_SMALL_1X1 = (2048, 131072)  # (positions, weight elements)
+# 1x1 convolutions with fewer multiply-adds (batch x height x width x weight elements) run as a
+# plain GEMM (pointwise_gemm; F.conv2d's own GEMM when strided): oneDNN's call costs about 40
+# microseconds whatever the size, and its kernels win only on larger products. Measured, oneDNN
+# (prepacked, hardswish fused) against addmm + hardswish, 1 and 2 threads: 16->16 at 1x56x56
+# (0.8M) 51 against 30 us; 96->576 at 1x7x7 (2.7M) 66 against 47; 16->72 at 1x56x56 (3.6M) 128
+# against 129 (179 against 147 on 2 threads); 16->72 at 4x56x56 (14M) 389 against 658; 96->576
+# at 16x7x7 (43M) 542 against 700; 2048->512 at 1x7x7 (51M) 670 against 900.
+_SMALL_1X1_MACS = 8_000_000
 
 # ConvAct's activations that oneDNN fuses, with their scalars: (name, scalars, algorithm)
 _PLAIN = {
@@ -94,9 +98,8 @@ def pointwise_gemm(
 
 
 def small_1x1(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
-    """Whether a 1x1 convolution is too small for oneDNN to pay (see _SMALL_1X1)."""
-    positions = x.shape[0] * g.out[0] * g.out[1]
-    return positions < _SMALL_1X1[0] and w.shape[0] * w.shape[1] < _SMALL_1X1[1]
+    """Whether a 1x1 convolution is too small for oneDNN to pay (see _SMALL_1X1_MACS)."""
+    return x.shape[0] * g.out[0] * g.out[1] * w.shape[0] * w.shape[1] < _SMALL_1X1_MACS
 
 
 def packed_conv(
