@@ -280,3 +280,46 @@ def test_context_runs_agree_whatever_the_thread_choice(tmp_path: Path, two_threa
             assert torch.get_num_threads() == 2
         assert {ctx._threads.chosen(k) for k in ctx._threads._best} <= {1, 2}
         assert len(ctx._threads._best) == 2
+
+
+def _conv_and_relu_model(path: Path, x_also_to_relu: bool) -> Path:
+    """x[N,3,8,8] -> Conv 3x3 -> y; with ``x_also_to_relu``, Relu(x) is a second output."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng()
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], name="conv")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])]
+    if x_also_to_relu:
+        nodes.append(helper.make_node("Relu", ["x"], ["r"], name="relu"))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 3, 8, 8]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])
+    graph = helper.make_graph(nodes, "g", [x], outputs, initializer=[w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("x_also_to_relu", [False, True])
+def test_inputs_only_convolutions_read_are_uploaded_channels_last(
+    tmp_path: Path, x_also_to_relu: bool
+) -> None:
+    path = _conv_and_relu_model(tmp_path / "m.onnx", x_also_to_relu)
+    engine = _build(path, "cpu", (1, 3, 8, 8), 2)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng().standard_normal((2, 3, 8, 8)).astype(np.float32)
+    kept = x.copy()
+    with engine.create_execution_context() as ctx:
+        executor = ctx._executor
+        (graph_input,) = engine.graph.inputs
+        uploaded = executor.upload_input(graph_input, x)
+        # one fresh channels-last copy where only the convolution reads the input; otherwise
+        # the plain upload (a Relu may take it NCHW)
+        assert uploaded.is_contiguous(memory_format=torch.channels_last) != x_also_to_relu
+        assert uploaded.data_ptr() != x.ctypes.data
+        got = ctx.infer({"x": x})
+    for name, want in zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})):
+        np.testing.assert_allclose(
+            got[name], want, rtol=RTOL, atol=RTOL * float(np.abs(want).max())
+        )
+    np.testing.assert_array_equal(x, kept)  # the caller's array is never written

@@ -221,7 +221,7 @@ class ExecutionContext:
 
         import torch
 
-        from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
+        from tensorkiln.kernels.cuda.convert import to_numpy
         from tensorkiln.runtime.device import ENQUEUE_LOCK, bind_device_inputs, write_outputs
         from tensorkiln.runtime.mathmode import math_mode
 
@@ -248,7 +248,7 @@ class ExecutionContext:
         with ENQUEUE_LOCK, mode, grad, ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
-            inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
+            inputs = [self._executor.upload_input(v, bound[v]) for v in graph.inputs]
             if stream is not None:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:

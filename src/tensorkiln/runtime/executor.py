@@ -59,6 +59,8 @@ class Executor:
         # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
         # convolutions run them (kernels/cuda/cpu_conv.py says why)
         self._conv_weights = _conv_weights(graph) if backend == "cpu" else frozenset()
+        # and takes the inputs only those convolutions read channels-last in one copy
+        self._conv_inputs = _conv_inputs(graph, self._conv_weights)
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
         self._shadow = self.device is not None and backend != "cpu"
         self._consts: dict[Value, Any] = (
@@ -126,11 +128,24 @@ class Executor:
         inputs = [feeds[v] for v in self.graph.inputs]
         if self.device is None:
             return scope.run_graph(self.graph, inputs, timings)
-        from tensorkiln.kernels.cuda.convert import to_torch, use_device
+        from tensorkiln.kernels.cuda.convert import use_device
 
         with use_device(self.device):
-            inputs = [to_torch(x, self.device) for x in inputs]
+            inputs = [self.upload_input(v, x) for v, x in zip(self.graph.inputs, inputs)]
             return scope.run_graph(self.graph, inputs, timings)
+
+    def upload_input(self, v: Value, x: Any) -> Any:
+        """Input ``x`` of graph input ``v`` as the kernels take it (a fresh tensor on the
+        device for a numpy array; tensors as they are)."""
+        from tensorkiln.kernels.cuda.convert import to_torch
+
+        if v in self._conv_inputs:
+            from tensorkiln.kernels.cuda.cpu_conv import channels_last_input
+
+            t = channels_last_input(x)
+            if t is not None:
+                return t
+        return to_torch(x, self.device)
 
     def shadow_host_values(self, node: Node, env: Mapping[Value, Any]) -> None:
         """Shape arithmetic on the device, mirrored on the host: when a node's small outputs come
@@ -327,6 +342,20 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
         and n.inputs[1] is not None
         and n.inputs[1].const is not None
     )
+
+
+def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
+    """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``
+    (anywhere, subgraphs included), and not themselves outputs."""
+    if not weights:
+        return frozenset()
+    ok = {v: v not in graph.outputs for v in graph.inputs}
+    for _, n in graph.walk():
+        conv = n.op in ("Conv", "ConvAct") and len(n.inputs) > 1 and n.inputs[1] in weights
+        for i, v in enumerate(node_reads(n)):
+            if v in ok and not (conv and i == 0 and v not in n.inputs[1:]):
+                ok[v] = False
+    return frozenset(v for v, good in ok.items() if good)
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:

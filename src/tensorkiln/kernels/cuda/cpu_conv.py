@@ -15,6 +15,9 @@ are faster as one GEMM (see _SMALL_1X1_MACS), so they run as one.
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 from tensorkiln.kernels.reference._window import Geometry
@@ -51,6 +54,17 @@ def hold_weight(w: torch.Tensor) -> torch.Tensor:
     w = w.contiguous(memory_format=torch.channels_last)
     setattr(w, _PACKED, {})
     return w
+
+
+def channels_last_input(x: Any) -> torch.Tensor | None:
+    """A float32 4-D numpy input that only convolutions with held weights read, as a fresh
+    channels-last tensor: one copy where uploading (a clone, so that kernels never write into the
+    caller's array) and the first convolution's layout change would make two (0.72 + 2.24 ms for
+    16x3x224x224 on 2 threads). None for anything else (uploaded as usual)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4:
+        return None
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
 
 
 def cpu_layout(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,8 @@ _DEFAULTS = {
     "Swish": (1.0, None),
     "HardSigmoid": (0.20000000298023224, 0.5),
 }
+# nn.Hardsigmoid's relu6(x + 3) / 6 as ONNX writes it (alpha 1/6 in float32, beta 0.5)
+_TORCH_HARDSIGMOID = (0.1666666716337204, 0.5)
 
 
 def activate_(
@@ -71,6 +73,9 @@ def activate_(
             return F.silu(y, inplace=True)
         return y.mul_(torch.sigmoid(y * alpha))
     if activation == "HardSigmoid":
+        if y.device.type == "cpu" and (alpha, beta) == _TORCH_HARDSIGMOID:
+            # torch's constants (what nn.Hardsigmoid exports, in SE blocks): one pass, not three
+            return F.hardsigmoid(y, inplace=True)
         return y.mul_(alpha).add_(beta).clamp_(0.0, 1.0)
     if activation == "HardSwish":
         return F.hardswish(y, inplace=True)
