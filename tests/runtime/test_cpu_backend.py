@@ -152,6 +152,32 @@ def test_conv_net_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     assert {tuple(w.shape[2:]) for w in packed} == {(3, 3), (5, 5), (1, 1)}
 
 
+def test_shape_specialized_convolutions_match_the_oracles(tmp_path: Path) -> None:
+    import functools
+
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    engine = _build(path, "cpu", shape, 4)
+    ref = _build(path, "reference", shape, 4).create_execution_context()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    with engine.create_execution_context() as ctx:
+        ctx._threads = None  # (one run per call: the second call at a shape is specialized)
+        for batch in (2, 2, 1, 2, 1):
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32) * 3
+            got = ctx.infer({"x": x})["y"]
+            for want in (ref.infer({"x": x})["y"], session.run(None, {"x": x})[0]):
+                atol = RTOL * float(np.abs(want).max())
+                np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol)
+        steps = ctx._executor._plan(engine.graph)
+        tables = [s.specialized for s in steps if s.node.op == "ConvAct"]
+        assert tables and all(t is not None and len(t) == 2 for t in tables)  # 2 shapes each
+        fns = [fn for t in tables for fn in t.values()]
+        # oneDNN (fused activation) and GEMM paths specialized; the rest run the kernel itself
+        special = [fn for fn in fns if not isinstance(fn, functools.partial)]
+        assert {fn.__name__ for fn in special} == {"conv", "gemm"}
+
+
 def test_transformer_block_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     shape = (1, 12, 32)
     path = _export(_transformer(), np.zeros(shape, np.float32), "encoder", tmp_path)

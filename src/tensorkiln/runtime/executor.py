@@ -8,6 +8,7 @@ a subgraph sees the values of the scope that runs it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import ChainMap
 from collections.abc import Mapping
@@ -32,6 +33,9 @@ class _Step:
     # the kernel's keywords, made once at plan time: the attributes, and _n_outputs when the
     # kernel takes it (a run adds only _ctx); the run loop then calls the kernel directly
     kwargs: dict[str, Any]
+    # the cpu backend: the kernel's shape-specialized functions by input shapes (see
+    # _run_specialized), for kernels that offer them; None elsewhere
+    specialized: dict[tuple, Any] | None = None
 
 
 class Executor:
@@ -114,9 +118,24 @@ class Executor:
             if entry.wants_n_outputs:
                 kwargs["_n_outputs"] = len(n.outputs)
             free = tuple(frees.get(i, ()))
-            plan.append(_Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs))
+            step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
+            if self._specializes(entry):
+                step.specialized = {}
+            plan.append(step)
         self._plans[id(graph)] = plan
         return plan
+
+    def _specializes(self, entry: KernelEntry) -> bool:
+        """Whether steps of ``entry`` keep shape-specialized functions: on the cpu backend,
+        where the kernel offers them (a ``specialize`` attribute with the kernel's signature
+        that returns a function of the same positional arguments for inputs of those shapes,
+        or None)."""
+        return (
+            self.backend == "cpu"
+            and hasattr(entry.fn, "specialize")
+            and not entry.wants_ctx
+            and not entry.wants_n_outputs
+        )
 
     def run(self, feeds: Mapping[Value, Any], timings: dict[str, float] | None = None) -> list[Any]:
         """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order.
@@ -250,7 +269,10 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
     if step.kernel.wants_ctx:
         kwargs = {**kwargs, "_ctx": scope}
     try:
-        result = step.kernel.fn(*args, **kwargs)
+        if step.specialized is None:
+            result = step.kernel.fn(*args, **kwargs)
+        else:
+            result = _run_specialized(step, args, kwargs)
         if len(step.outputs) == 1 or not isinstance(result, tuple | list):
             result = [result]  # (a single output may itself be a list: a sequence)
     except TensorkilnError as exc:
@@ -271,6 +293,27 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
             f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
             f"{len(step.outputs)} were asked for"
         )
+
+
+_SPECIALIZED_SHAPES = 16  # per layer; more input shapes than this run the kernel as it is
+
+
+def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The step's kernel on ``args``: the first call at a set of input shapes runs the kernel
+    itself (which checks the arguments) and asks it for a function specialized to those shapes;
+    later calls at the same shapes run that function. It skips, per call, what depends only on
+    the shapes and attributes (checks, geometry, choice of path), which on the CPU is a
+    large part of a small layer's time."""
+    table = step.specialized
+    key = tuple(None if a is None else a.shape for a in args)
+    fn = table.get(key)  # type: ignore[union-attr]
+    if fn is not None:
+        return fn(*args)
+    result = step.kernel.fn(*args, **kwargs)
+    if len(table) < _SPECIALIZED_SHAPES:  # type: ignore[arg-type]
+        fn = step.kernel.fn.specialize(*args, **kwargs)
+        table[key] = fn if fn is not None else functools.partial(step.kernel.fn, **kwargs)  # type: ignore[index]
+    return result
 
 
 def _host_args(node: Node, env: Mapping[Value, Any], host_values: Any) -> list | None:

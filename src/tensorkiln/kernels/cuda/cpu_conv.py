@@ -15,6 +15,7 @@ are faster as one GEMM (see _SMALL_1X1_MACS), so they run as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -99,9 +100,7 @@ def pointwise_gemm(
     on the channels-last view: (N*H*W, C) @ (C, M), no copies in or out. F.conv2d would take
     oneDNN with a weight reorder per call whenever torch runs more than one thread (its 1x1
     heuristic): MobileNetV3-Small at batch 1 takes 8.4 ms on 2 threads that way, 4.8 on 1."""
-    if getattr(w, _PACKED, None) is None or x.ndim != 4 or group != 1 or g.kernel != (1, 1):
-        return None
-    if g.padded or g.strides != (1, 1) or g.dilations != (1, 1) or x.dtype != w.dtype:
+    if getattr(w, _PACKED, None) is None or x.ndim != 4 or not _gemm_applies(x, w, g, group):
         return None
     n, c, h, wd = x.shape
     m = w.shape[0]
@@ -116,6 +115,85 @@ def small_1x1(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
     return x.shape[0] * g.out[0] * g.out[1] * w.shape[0] * w.shape[1] < _SMALL_1X1_MACS
 
 
+def _packed(w: torch.Tensor, x: torch.Tensor, g: Geometry, group: int) -> torch.Tensor:
+    """``w`` in oneDNN's layout for geometry ``g``, packed at the first call and kept."""
+    packs = getattr(w, _PACKED)
+    key = (g.begin, g.strides, g.dilations, group)
+    packed = packs.get(key)
+    if packed is None:  # (the packing suits any batch; the first call's shape only tunes it)
+        packed = torch.ops.mkldnn._reorder_convolution_weight(
+            w, list(g.begin), list(g.strides), list(g.dilations), group, list(x.shape)
+        )
+        packed = packs.setdefault(key, packed)
+    return packed
+
+
+def _packed_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
+    return (
+        getattr(w, _PACKED, None) is not None
+        and _MKLDNN
+        and x.ndim == 4
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and g.begin == g.end
+        and not (g.kernel == (1, 1) and small_1x1(x, w, g))
+    )
+
+
+def specialized_conv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    g: Geometry,
+    group: int,
+    post: tuple[str, list[float], str] | None,
+    finish: Callable[[torch.Tensor], Any],
+) -> Callable[..., torch.Tensor] | None:
+    """A function of ``(x, w, b)`` that does what ConvAct's CPU paths (:func:`packed_conv` with
+    the activation ``post`` fused, or :func:`pointwise_gemm` then ``finish`` in place) do for
+    inputs of ``x``'s shape with the held weight ``w``, with every decision and derived weight
+    made once here: the executor calls it for later runs at that shape. ConvAct's Python work
+    per call (checks, geometry, path choice) is about half of a small layer's time at batch 1.
+    None where neither path applies (the kernel then runs as it is)."""
+    if x.device.type != "cpu" or getattr(w, _PACKED, None) is None or x.ndim != 4:
+        return None
+    if post is not None and _packed_applies(x, w, g):
+        packed = _packed(w, x, g, group)
+        pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
+        name, scalars, algorithm = post
+        run = torch.ops.mkldnn._convolution_pointwise
+
+        def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+            x = x.contiguous(memory_format=torch.channels_last)
+            b = None if b is None else b.reshape(-1)
+            return run(x, packed, b, pads, strides, dilations, group, name, scalars, algorithm)
+
+        return conv
+    if _packed_applies(x, w, g) or not _gemm_applies(x, w, g, group):
+        return None
+    n, c, h, wd = x.shape
+    m = w.shape[0]
+    w2 = w.reshape(m, c).t()
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
+        y = torch.mm(rows, w2) if b is None else torch.addmm(b.reshape(-1), rows, w2)
+        finish(y)
+        return y.view(n, h, wd, m).permute(0, 3, 1, 2)
+
+    return gemm
+
+
+def _gemm_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> bool:
+    return (
+        group == 1
+        and g.kernel == (1, 1)
+        and not g.padded
+        and g.strides == (1, 1)
+        and g.dilations == (1, 1)
+        and x.dtype == w.dtype
+    )
+
+
 def packed_conv(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -127,21 +205,10 @@ def packed_conv(
     """``post(conv(x, w) + b)`` through oneDNN with ``w`` prepacked, channels-last; None where
     this path does not apply (``w`` not marked, not float32 2-D on the CPU, asymmetric padding)
     or does not pay (small 1x1 convolutions)."""
-    packs = getattr(w, _PACKED, None)
-    if packs is None or not _MKLDNN or x.ndim != 4:
-        return None
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        return None
-    if g.begin != g.end or (g.kernel == (1, 1) and small_1x1(x, w, g)):
+    if not _packed_applies(x, w, g):
         return None
     pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
-    key = (g.begin, g.strides, g.dilations, group)
-    packed = packs.get(key)
-    if packed is None:  # (the packing suits any batch; the first call's shape only tunes it)
-        packed = torch.ops.mkldnn._reorder_convolution_weight(
-            w, pads, strides, dilations, group, list(x.shape)
-        )
-        packed = packs.setdefault(key, packed)
+    packed = _packed(w, x, g, group)
     x = x.contiguous(memory_format=torch.channels_last)
     b = None if b is None else b.contiguous()
     name, scalars, algorithm = post

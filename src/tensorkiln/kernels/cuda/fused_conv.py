@@ -26,6 +26,7 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     fused_activation,
     packed_conv,
     pointwise_gemm,
+    specialized_conv,
 )
 from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.reference.fused_conv import check_activation
@@ -219,3 +220,46 @@ def conv_act(
     if z is not None and after:
         y.add_(z)
     return y
+
+
+def _specialize_conv_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+    activation: str = "",
+    activation_alpha: float | None = None,
+    activation_beta: float | None = None,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+):
+    """:func:`conv_act` for inputs of these shapes, decided once (cpu_conv.specialized_conv):
+    the CPU paths without a residual, on weights the cpu backend holds; None otherwise. Called
+    after :func:`conv_act` ran (and checked) these arguments."""
+    if z is not None or (b is not None and b.dtype != x.dtype):
+        return None
+    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    act = (activation_alpha, activation_beta, activation_min, activation_max)
+    post = fused_activation(activation, act[0], act[2], act[3])
+    return specialized_conv(
+        x,
+        w,
+        g,
+        group,
+        post,
+        functools.partial(
+            activate_, activation=activation, alpha=act[0], beta=act[1], lo=act[2], hi=act[3]
+        ),
+    )
+
+
+# the executor asks for it where a layer's weight is one the cpu backend holds
+conv_act.specialize = _specialize_conv_act  # type: ignore[attr-defined]
