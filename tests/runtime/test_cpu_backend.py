@@ -175,7 +175,7 @@ def test_shape_specialized_convolutions_match_the_oracles(tmp_path: Path) -> Non
         fns = [fn for t in tables for fn in t.values()]
         # oneDNN (fused activation) and GEMM paths specialized; the rest run the kernel itself
         special = [fn for fn in fns if not isinstance(fn, functools.partial)]
-        assert {fn.__name__ for fn in special} == {"conv", "gemm"}
+        assert {"conv", "gemm"} <= {fn.__name__ for fn in special} <= {"conv", "gemm", "conv_add"}
 
 
 def test_transformer_block_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
@@ -349,3 +349,39 @@ def test_inputs_only_convolutions_read_are_uploaded_channels_last(
             got[name], want, rtol=RTOL, atol=RTOL * float(np.abs(want).max())
         )
     np.testing.assert_array_equal(x, kept)  # the caller's array is never written
+
+
+@pytest.mark.parametrize(
+    ("activation", "order", "kernel"),
+    [("", "add_act", 3), ("Relu", "add_act", 3), ("Relu", "act_add", 3), ("Relu", "add_act", 1)],
+)
+def test_residual_convolutions_on_held_weights_match_the_reference(
+    activation: str, order: str, kernel: int
+) -> None:
+    """ConvAct with a residual on a weight the cpu backend holds: oneDNN's conv + add + ReLU in
+    one call where the activation follows the add (or there is none), the separate passes
+    otherwise; the same numbers as the numpy reference either way, first call and specialized."""
+    from tensorkiln.kernels.cuda.cpu_conv import hold_weight
+    from tensorkiln.kernels.cuda.fused_conv import conv_act
+    from tensorkiln.kernels.reference.fused_conv import conv_act as reference
+
+    rng = np.random.default_rng()
+    x, w, b, z = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in ((2, 16, 40, 40), (24, 16, kernel, kernel), (24,), (2, 24, 40, 40))
+    )
+    attrs = {"pads": [kernel // 2] * 4, "activation": activation, "residual_order": order}
+    want = reference(x, w, b, z, **attrs)
+    args = (torch.from_numpy(x), hold_weight(torch.from_numpy(w)), torch.from_numpy(b))
+    zt = torch.from_numpy(z).clone()
+    with torch.inference_mode():
+        got = conv_act(*args, zt, **attrs)
+        fast = conv_act.specialize(*args, zt, **attrs)
+        fused = kernel == 3 and (order == "add_act" or activation == "")
+        assert (fast is not None) == fused
+        runs = [got] + ([fast(*args, zt)] if fast is not None else [])
+    for y in runs:
+        np.testing.assert_allclose(
+            y.numpy(), want, rtol=RTOL, atol=RTOL * float(np.abs(want).max())
+        )
+    np.testing.assert_array_equal(zt.numpy(), z)  # the residual is read, never written

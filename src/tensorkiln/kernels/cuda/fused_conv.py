@@ -26,6 +26,7 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     fused_activation,
     packed_conv,
     pointwise_gemm,
+    residual_conv,
     specialized_conv,
 )
 from tensorkiln.kernels.reference._window import Geometry
@@ -200,7 +201,12 @@ def conv_act(
         )
     bias = None if b is None else _as(b.reshape(m), x.dtype)
     act = (activation_alpha, activation_beta, activation_min, activation_max)
-    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can
+    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can, and
+    # the residual too where the activation comes after it (or there is none)
+    if z is not None and (residual_order == "add_act" or activation == ""):
+        with_z = residual_conv(x, w, g, group, z, activation)
+        if with_z is not None:
+            return with_z(x, bias, z)
     post = None if z is not None else fused_activation(activation, act[0], act[2], act[3])
     y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
     if y is not None and post is not None:
@@ -244,9 +250,20 @@ def _specialize_conv_act(
     """:func:`conv_act` for inputs of these shapes, decided once (cpu_conv.specialized_conv):
     the CPU paths without a residual, on weights the cpu backend holds; None otherwise. Called
     after :func:`conv_act` ran (and checked) these arguments."""
-    if z is not None or (b is not None and b.dtype != x.dtype):
+    if b is not None and b.dtype != x.dtype:
         return None
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    if z is not None:
+        if residual_order != "add_act" and activation != "":
+            return None
+        with_z = residual_conv(x, w, g, group, z, activation)
+        if with_z is None:
+            return None
+
+        def conv_add(x, w, b=None, z=None):
+            return with_z(x, b, z)
+
+        return conv_add
     act = (activation_alpha, activation_beta, activation_min, activation_max)
     post = fused_activation(activation, act[0], act[2], act[3])
     return specialized_conv(
