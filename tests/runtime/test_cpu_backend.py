@@ -342,7 +342,9 @@ def test_inputs_only_convolutions_read_are_uploaded_channels_last(
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     x = np.random.default_rng().standard_normal((2, 3, 8, 8)).astype(np.float32)
     kept = x.copy()
-    with engine.create_execution_context() as ctx:
+    x.setflags(write=False)  # (read-only arrays are taken without a warning)
+    with engine.create_execution_context() as ctx, warnings.catch_warnings():
+        warnings.simplefilter("error")
         executor = ctx._executor
         (graph_input,) = engine.graph.inputs
         uploaded = executor.upload_input(graph_input, x)

@@ -15,6 +15,7 @@ are faster as one GEMM (see _SMALL_1X1_MACS), so they run as one.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -64,7 +65,9 @@ def channels_last_input(x: Any) -> torch.Tensor | None:
     16x3x224x224 on 2 threads). None for anything else (uploaded as usual)."""
     if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4:
         return None
-    t = torch.from_numpy(np.ascontiguousarray(x))
+    with warnings.catch_warnings():  # (a read-only array: only read, into the copy)
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(x))
     return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
 
 
@@ -157,8 +160,9 @@ def specialized_conv(
     the activation ``post`` fused, or :func:`pointwise_gemm` then ``finish`` in place) do for
     inputs of ``x``'s shape with the held weight ``w``, with every decision and derived weight
     made once here: the executor calls it for later runs at that shape. ConvAct's Python work
-    per call (checks, geometry, path choice) is about half of a small layer's time at batch 1.
-    None where neither path applies (the kernel then runs as it is)."""
+    per call (checks, geometry, path choice) is a visible part of a small layer's time at batch
+    1: MobileNetV3-Small went from 4.63 to 4.32 ms with it. None where neither path applies
+    (the kernel then runs as it is)."""
     if x.device.type != "cpu" or getattr(w, _PACKED, None) is None or x.ndim != 4:
         return None
     if post is not None and _packed_applies(x, w, g):

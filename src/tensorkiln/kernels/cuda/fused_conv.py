@@ -16,7 +16,7 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -246,10 +246,11 @@ def _specialize_conv_act(
     activation_min: float | None = None,
     activation_max: float | None = None,
     residual_order: str = "add_act",
-):
-    """:func:`conv_act` for inputs of these shapes, decided once (cpu_conv.specialized_conv):
-    the CPU paths without a residual, on weights the cpu backend holds; None otherwise. Called
-    after :func:`conv_act` ran (and checked) these arguments."""
+) -> Callable[..., torch.Tensor] | None:
+    """:func:`conv_act` for inputs of these shapes, decided once, on weights the cpu backend
+    holds: oneDNN with the activation fused, or with the residual add (and ReLU) fused, or the
+    GEMM of a small 1x1 (cpu_conv.specialized_conv, cpu_conv.residual_conv); None otherwise.
+    Called after :func:`conv_act` ran (and checked) these arguments."""
     if b is not None and b.dtype != x.dtype:
         return None
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
@@ -260,7 +261,12 @@ def _specialize_conv_act(
         if with_z is None:
             return None
 
-        def conv_add(x, w, b=None, z=None):
+        def conv_add(
+            x: torch.Tensor,
+            w: torch.Tensor,
+            b: torch.Tensor | None = None,
+            z: torch.Tensor | None = None,
+        ) -> torch.Tensor:
             return with_z(x, b, z)
 
         return conv_add
