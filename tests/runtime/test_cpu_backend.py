@@ -152,6 +152,32 @@ def test_conv_net_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     assert {tuple(w.shape[2:]) for w in packed} == {(3, 3), (5, 5), (1, 1)}
 
 
+def test_shape_specialized_convolutions_match_the_oracles(tmp_path: Path) -> None:
+    import functools
+
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    engine = _build(path, "cpu", shape, 4)
+    ref = _build(path, "reference", shape, 4).create_execution_context()
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    with engine.create_execution_context() as ctx:
+        ctx._threads = None  # (one run per call: the second call at a shape is specialized)
+        for batch in (2, 2, 1, 2, 1):
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32) * 3
+            got = ctx.infer({"x": x})["y"]
+            for want in (ref.infer({"x": x})["y"], session.run(None, {"x": x})[0]):
+                atol = RTOL * float(np.abs(want).max())
+                np.testing.assert_allclose(got, want, rtol=RTOL, atol=atol)
+        steps = ctx._executor._plan(engine.graph)
+        tables = [s.specialized for s in steps if s.node.op == "ConvAct"]
+        assert tables and all(t is not None and len(t) == 2 for t in tables)  # 2 shapes each
+        fns = [fn for t in tables for fn in t.values()]
+        # oneDNN (fused activation) and GEMM paths specialized; the rest run the kernel itself
+        special = [fn for fn in fns if not isinstance(fn, functools.partial)]
+        assert {"conv", "gemm"} <= {fn.__name__ for fn in special} <= {"conv", "gemm", "conv_add"}
+
+
 def test_transformer_block_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     shape = (1, 12, 32)
     path = _export(_transformer(), np.zeros(shape, np.float32), "encoder", tmp_path)
@@ -216,3 +242,155 @@ def test_unsupported_op_names_the_cpu_backend() -> None:
 
     with pytest.raises(TensorkilnError, match="'cpu' backend does not support"):
         lookup("NoSuchOp", "", 17, "cpu")
+
+
+@pytest.fixture
+def two_threads():
+    """torch on 2 threads for the test, the caller's count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def _sleeps(at_one: float, at_more: float, calls: list[int]):
+    """A run that takes ``at_one`` seconds on 1 torch thread and ``at_more`` on more."""
+    import time
+
+    def fn() -> int:
+        calls.append(torch.get_num_threads())
+        time.sleep(at_one if torch.get_num_threads() == 1 else at_more)
+        return len(calls)
+
+    return fn
+
+
+def test_thread_choice_keeps_the_faster_count_per_shape(two_threads) -> None:
+    from tensorkiln.runtime.cpu_threads import ThreadChoice
+
+    choice = ThreadChoice()
+    calls: list[int] = []
+    # a run slower on 2 threads than on 1 (fork/join per small layer): 1 thread from then on
+    assert choice.run("small", _sleeps(0.001, 0.006, calls)) == 1  # the first run's result
+    assert choice.chosen("small") == 1 and 1 in calls and 2 in calls
+    assert torch.get_num_threads() == 2  # restored after every run
+    calls.clear()
+    choice.run("small", _sleeps(0.001, 0.006, calls))
+    assert calls == [1] and torch.get_num_threads() == 2
+    # another shape, faster on 2 threads: measured on its own, keeps 2
+    choice.run("large", _sleeps(0.006, 0.001, calls))
+    assert choice.chosen("large") == 2 and choice.chosen("small") == 1
+    # a run too long to be worth measuring runs once, at torch's count; the first may be slow
+    # only because it is the first (weights uploaded and packed): decided at the second
+    calls.clear()
+    choice.run("slow", _sleeps(0.0, 0.06, calls))
+    assert calls == [2] and choice.chosen("slow") is None
+    choice.run("slow", _sleeps(0.0, 0.06, calls))
+    assert calls == [2, 2] and choice.chosen("slow") == 2
+    calls.clear()
+    choice.run("cold", _sleeps(0.0, 0.06, calls))
+    choice.run("cold", _sleeps(0.001, 0.006, calls))  # warm: measured
+    assert choice.chosen("cold") == 1 and calls.count(1) >= 2
+    # torch's count is the upper bound: set to 1, nothing is measured
+    torch.set_num_threads(1)
+    calls.clear()
+    choice.run("one", _sleeps(0.006, 0.001, calls))
+    assert calls == [1] and choice.chosen("one") == 1
+
+
+def test_context_runs_agree_whatever_the_thread_choice(tmp_path: Path, two_threads) -> None:
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    engine = _build(path, "cpu", shape, 4)
+    rng = np.random.default_rng()
+    with engine.create_execution_context() as ctx:
+        for batch in (1, 4, 1, 4):  # measured at the first run of each shape, then kept
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32)
+            got = ctx.infer({"x": x})["y"]
+            (want,) = session.run(None, {"x": x})
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()))
+            assert torch.get_num_threads() == 2
+        assert {ctx._threads.chosen(k) for k in ctx._threads._best} <= {1, 2}
+        assert len(ctx._threads._best) == 2
+
+
+def _conv_and_relu_model(path: Path, x_also_to_relu: bool) -> Path:
+    """x[N,3,8,8] -> Conv 3x3 -> y; with ``x_also_to_relu``, Relu(x) is a second output."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng()
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1], name="conv")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 8, 8])]
+    if x_also_to_relu:
+        nodes.append(helper.make_node("Relu", ["x"], ["r"], name="relu"))
+        outputs.append(helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 3, 8, 8]))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 8, 8])
+    graph = helper.make_graph(nodes, "g", [x], outputs, initializer=[w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+@pytest.mark.parametrize("x_also_to_relu", [False, True])
+def test_inputs_only_convolutions_read_are_uploaded_channels_last(
+    tmp_path: Path, x_also_to_relu: bool
+) -> None:
+    path = _conv_and_relu_model(tmp_path / "m.onnx", x_also_to_relu)
+    engine = _build(path, "cpu", (1, 3, 8, 8), 2)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng().standard_normal((2, 3, 8, 8)).astype(np.float32)
+    kept = x.copy()
+    x.setflags(write=False)  # (read-only arrays are taken without a warning)
+    with engine.create_execution_context() as ctx, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        executor = ctx._executor
+        (graph_input,) = engine.graph.inputs
+        uploaded = executor.upload_input(graph_input, x)
+        # one fresh channels-last copy where only the convolution reads the input; otherwise
+        # the plain upload (a Relu may take it NCHW)
+        assert uploaded.is_contiguous(memory_format=torch.channels_last) != x_also_to_relu
+        assert uploaded.data_ptr() != x.ctypes.data
+        got = ctx.infer({"x": x})
+    for name, want in zip([o.name for o in session.get_outputs()], session.run(None, {"x": x})):
+        np.testing.assert_allclose(
+            got[name], want, rtol=RTOL, atol=RTOL * float(np.abs(want).max())
+        )
+    np.testing.assert_array_equal(x, kept)  # the caller's array is never written
+
+
+@pytest.mark.parametrize(
+    ("activation", "order", "kernel"),
+    [("", "add_act", 3), ("Relu", "add_act", 3), ("Relu", "act_add", 3), ("Relu", "add_act", 1)],
+)
+def test_residual_convolutions_on_held_weights_match_the_reference(
+    activation: str, order: str, kernel: int
+) -> None:
+    """ConvAct with a residual on a weight the cpu backend holds: oneDNN's conv + add + ReLU in
+    one call where the activation follows the add (or there is none), the separate passes
+    otherwise; the same numbers as the numpy reference either way, first call and specialized."""
+    from tensorkiln.kernels.cuda.cpu_conv import hold_weight
+    from tensorkiln.kernels.cuda.fused_conv import conv_act
+    from tensorkiln.kernels.reference.fused_conv import conv_act as reference
+
+    rng = np.random.default_rng()
+    x, w, b, z = (
+        rng.standard_normal(s).astype(np.float32)
+        for s in ((2, 16, 40, 40), (24, 16, kernel, kernel), (24,), (2, 24, 40, 40))
+    )
+    attrs = {"pads": [kernel // 2] * 4, "activation": activation, "residual_order": order}
+    want = reference(x, w, b, z, **attrs)
+    args = (torch.from_numpy(x), hold_weight(torch.from_numpy(w)), torch.from_numpy(b))
+    zt = torch.from_numpy(z).clone()
+    with torch.inference_mode():
+        got = conv_act(*args, zt, **attrs)
+        fast = conv_act.specialize(*args, zt, **attrs)
+        fused = kernel == 3 and (order == "add_act" or activation == "")
+        assert (fast is not None) == fused
+        runs = [got] + ([fast(*args, zt)] if fast is not None else [])
+    for y in runs:
+        np.testing.assert_allclose(
+            y.numpy(), want, rtol=RTOL, atol=RTOL * float(np.abs(want).max())
+        )
+    np.testing.assert_array_equal(zt.numpy(), z)  # the residual is read, never written

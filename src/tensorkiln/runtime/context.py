@@ -21,6 +21,7 @@ from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.runtime import pools
+from tensorkiln.runtime.cpu_threads import ThreadChoice
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.io import bind_inputs
 
@@ -52,6 +53,8 @@ class ExecutionContext:
         self._stream = None
         self._graphs = None
         self._pool = None
+        # the cpu backend's thread count, measured per set of input shapes (cpu_threads.py)
+        self._threads = ThreadChoice() if engine.backend == "cpu" else None
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
         dev = self._executor.device
@@ -218,7 +221,7 @@ class ExecutionContext:
 
         import torch
 
-        from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
+        from tensorkiln.kernels.cuda.convert import to_numpy
         from tensorkiln.runtime.device import ENQUEUE_LOCK, bind_device_inputs, write_outputs
         from tensorkiln.runtime.mathmode import math_mode
 
@@ -245,7 +248,7 @@ class ExecutionContext:
         with ENQUEUE_LOCK, mode, grad, ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
-            inputs = [to_torch(bound[v], self._executor.device) for v in graph.inputs]
+            inputs = [self._executor.upload_input(v, bound[v]) for v in graph.inputs]
             if stream is not None:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:
@@ -253,6 +256,11 @@ class ExecutionContext:
                 events[0].record(stream)  # after the uploads: layers only
             if use_graph:
                 results = self._graphs(inputs)
+            elif self._threads is not None and layer_times is None:
+                results = self._threads.run(
+                    _shapes_key(inputs),
+                    lambda: self._executor.run(dict(zip(graph.inputs, inputs))),
+                )
             else:
                 results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
             if stream is not None:
@@ -387,6 +395,13 @@ def _executor(engine: Any, mode: str) -> Executor:
     tactics = tactic_functions(engine.graph, engine.layers, mode)
     return Executor(
         engine.graph, "cuda", engine.device, tactics=tactics, weights=engine.device_weights
+    )
+
+
+def _shapes_key(inputs: list[Any]) -> tuple:
+    """The inputs' shapes and dtypes (what a run's speed depends on), hashable."""
+    return tuple(
+        (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__ for x in inputs
     )
 
 

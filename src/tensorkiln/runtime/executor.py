@@ -8,6 +8,7 @@ a subgraph sees the values of the scope that runs it.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import ChainMap
 from collections.abc import Mapping
@@ -32,6 +33,9 @@ class _Step:
     # the kernel's keywords, made once at plan time: the attributes, and _n_outputs when the
     # kernel takes it (a run adds only _ctx); the run loop then calls the kernel directly
     kwargs: dict[str, Any]
+    # the cpu backend: the kernel's shape-specialized functions by input shapes (see
+    # _run_specialized), for kernels that offer them; None elsewhere
+    specialized: dict[tuple, Any] | None = None
 
 
 class Executor:
@@ -59,6 +63,8 @@ class Executor:
         # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
         # convolutions run them (kernels/cuda/cpu_conv.py says why)
         self._conv_weights = _conv_weights(graph) if backend == "cpu" else frozenset()
+        # and takes the inputs only those convolutions read channels-last in one copy
+        self._conv_inputs = _conv_inputs(graph, self._conv_weights)
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
         self._shadow = self.device is not None and backend != "cpu"
         self._consts: dict[Value, Any] = (
@@ -112,9 +118,24 @@ class Executor:
             if entry.wants_n_outputs:
                 kwargs["_n_outputs"] = len(n.outputs)
             free = tuple(frees.get(i, ()))
-            plan.append(_Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs))
+            step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
+            if self._specializes(entry):
+                step.specialized = {}
+            plan.append(step)
         self._plans[id(graph)] = plan
         return plan
+
+    def _specializes(self, entry: KernelEntry) -> bool:
+        """Whether steps of ``entry`` keep shape-specialized functions: on the cpu backend,
+        where the kernel offers them (a ``specialize`` attribute with the kernel's signature
+        that returns a function of the same positional arguments for inputs of those shapes,
+        or None)."""
+        return (
+            self.backend == "cpu"
+            and hasattr(entry.fn, "specialize")
+            and not entry.wants_ctx
+            and not entry.wants_n_outputs
+        )
 
     def run(self, feeds: Mapping[Value, Any], timings: dict[str, float] | None = None) -> list[Any]:
         """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order.
@@ -126,11 +147,24 @@ class Executor:
         inputs = [feeds[v] for v in self.graph.inputs]
         if self.device is None:
             return scope.run_graph(self.graph, inputs, timings)
-        from tensorkiln.kernels.cuda.convert import to_torch, use_device
+        from tensorkiln.kernels.cuda.convert import use_device
 
         with use_device(self.device):
-            inputs = [to_torch(x, self.device) for x in inputs]
+            inputs = [self.upload_input(v, x) for v, x in zip(self.graph.inputs, inputs)]
             return scope.run_graph(self.graph, inputs, timings)
+
+    def upload_input(self, v: Value, x: Any) -> Any:
+        """Input ``x`` of graph input ``v`` as the kernels take it (a fresh tensor on the
+        device for a numpy array; tensors as they are)."""
+        from tensorkiln.kernels.cuda.convert import to_torch
+
+        if v in self._conv_inputs:
+            from tensorkiln.kernels.cuda.cpu_conv import channels_last_input
+
+            t = channels_last_input(x)
+            if t is not None:
+                return t
+        return to_torch(x, self.device)
 
     def shadow_host_values(self, node: Node, env: Mapping[Value, Any]) -> None:
         """Shape arithmetic on the device, mirrored on the host: when a node's small outputs come
@@ -235,7 +269,11 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
     if step.kernel.wants_ctx:
         kwargs = {**kwargs, "_ctx": scope}
     try:
-        result = as_outputs(step.kernel.fn(*args, **kwargs), len(step.outputs))
+        if step.specialized is None:
+            result = step.kernel.fn(*args, **kwargs)
+        else:
+            result = _run_specialized(step, args, kwargs)
+        result = as_outputs(result, len(step.outputs))
     except TensorkilnError as exc:
         if f"'{node.name}'" in str(exc):
             raise
@@ -254,6 +292,27 @@ def _run_step(step: _Step, env: Mapping[Value, Any], scope: Scope) -> None:
             f"node '{node.name}' ({node.op}) produced {len(result)} outputs, "
             f"{len(step.outputs)} were asked for"
         )
+
+
+_SPECIALIZED_SHAPES = 16  # per layer; more input shapes than this run the kernel as it is
+
+
+def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> Any:
+    """The step's kernel on ``args``: the first call at a set of input shapes runs the kernel
+    itself (which checks the arguments) and asks it for a function specialized to those shapes;
+    later calls at the same shapes run that function. It skips, per call, what depends only on
+    the shapes and attributes (checks, geometry, choice of path), which on the CPU is a
+    large part of a small layer's time."""
+    table = step.specialized
+    key = tuple(None if a is None else a.shape for a in args)
+    fn = table.get(key)  # type: ignore[union-attr]
+    if fn is not None:
+        return fn(*args)
+    result = step.kernel.fn(*args, **kwargs)
+    if len(table) < _SPECIALIZED_SHAPES:  # type: ignore[arg-type]
+        fn = step.kernel.fn.specialize(*args, **kwargs)
+        table[key] = fn if fn is not None else functools.partial(step.kernel.fn, **kwargs)  # type: ignore[index]
+    return result
 
 
 def _host_args(node: Node, env: Mapping[Value, Any], host_values: Any) -> list | None:
@@ -325,6 +384,20 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
         and n.inputs[1] is not None
         and n.inputs[1].const is not None
     )
+
+
+def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
+    """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``
+    (anywhere, subgraphs included), and not themselves outputs."""
+    if not weights:
+        return frozenset()
+    ok = {v: v not in graph.outputs for v in graph.inputs}
+    for _, n in graph.walk():
+        conv = n.op in ("Conv", "ConvAct") and len(n.inputs) > 1 and n.inputs[1] in weights
+        for i, v in enumerate(node_reads(n)):
+            if v in ok and not (conv and i == 0 and v not in n.inputs[1:]):
+                ok[v] = False
+    return frozenset(v for v, good in ok.items() if good)
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:

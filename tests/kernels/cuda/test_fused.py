@@ -184,6 +184,8 @@ def test_conv_act_without_bias_and_activation_defaults():
     check("ConvAct", args)
     for act in ("LeakyRelu", "HardSigmoid", "Swish"):  # parameters left to the op's defaults
         check("ConvAct", args, {"activation": act})
+    # nn.Hardsigmoid's constants as exported (alpha 1/6 in float32): torch's hardsigmoid on CPU
+    check("ConvAct", args, {"activation": "HardSigmoid", "activation_alpha": 0.1666666716337204})
     check("ConvAct", args, {"activation": "Clip", "activation_max": 0.5})
     check("ConvAct", args, {"activation": "Clip"})
 

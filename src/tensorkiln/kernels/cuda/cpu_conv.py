@@ -10,11 +10,16 @@ prepacked: the cpu backend holds each convolution weight channels-last and marke
 tensor, as the host copies of small values are kept (convert.py). The cuda backend's kernels run
 on CPU tensors in tests as they are, NCHW and unpacked: these paths need a held weight. Measured per layer at batch 1, 1 thread: a 512x512 3x3 at 7x7 takes 2.39 ms
 through F.conv2d + in-place ReLU, 1.35 ms prepacked with the ReLU fused; small 1x1 convolutions
-of small images are faster through F.conv2d (see _SMALL_1X1), so they keep it.
+are faster as one GEMM (see _SMALL_1X1_MACS), so they run as one.
 """
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 import torch
 
 from tensorkiln.kernels.reference._window import Geometry
@@ -23,10 +28,14 @@ _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_convolution_pointwise"
 )
-# 1x1 convolutions over fewer output positions (batch x height x width), with smaller weights,
-# run as a plain GEMM (pointwise_gemm; F.conv2d's own GEMM when strided). At 1 thread: 240->40 at 14x14 0.033 ms against 0.061
-# prepacked; 2048->512 at 7x7 0.90 ms against 0.67; 16->96 at 112x112 0.55 against 0.40.
-_SMALL_1X1 = (2048, 131072)  # (positions, weight elements)
+# 1x1 convolutions with fewer multiply-adds (batch x height x width x weight elements) run as a
+# plain GEMM (pointwise_gemm; F.conv2d's own GEMM when strided): oneDNN's call costs about 40
+# microseconds whatever the size, and its kernels win only on larger products. Measured, oneDNN
+# (prepacked, hardswish fused) against addmm + hardswish, 1 and 2 threads: 16->16 at 1x56x56
+# (0.8M) 51 against 30 us; 96->576 at 1x7x7 (2.7M) 66 against 47; 16->72 at 1x56x56 (3.6M) 128
+# against 129 (179 against 147 on 2 threads); 16->72 at 4x56x56 (14M) 389 against 658; 96->576
+# at 16x7x7 (43M) 542 against 700; 2048->512 at 1x7x7 (51M) 670 against 900.
+_SMALL_1X1_MACS = 8_000_000
 
 # ConvAct's activations that oneDNN fuses, with their scalars: (name, scalars, algorithm)
 _PLAIN = {
@@ -49,12 +58,30 @@ def hold_weight(w: torch.Tensor) -> torch.Tensor:
     return w
 
 
+def channels_last_input(x: Any) -> torch.Tensor | None:
+    """A float32 4-D numpy input that only convolutions with held weights read, as a fresh
+    channels-last tensor: one copy where uploading (a clone, so that kernels never write into the
+    caller's array) and the first convolution's layout change would make two (0.72 + 2.24 ms for
+    16x3x224x224 on 2 threads). None for anything else (uploaded as usual)."""
+    if not isinstance(x, np.ndarray) or x.dtype != np.float32 or x.ndim != 4:
+        return None
+    with warnings.catch_warnings():  # (a read-only array: only read, into the copy)
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
+
+
 def cpu_layout(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` channels-last where ``w`` is a weight the cpu backend holds (:func:`hold_weight`);
     both as they are otherwise (the cuda backend's kernels, on any device)."""
     if x.ndim != 4 or getattr(w, _PACKED, None) is None:
         return x, w
     return x.contiguous(memory_format=torch.channels_last), w
+
+
+# ConvAct's activations that oneDNN applies after a fused residual add (torch's binary
+# convolution takes no other): activation -> its unary post-op
+_AFTER_ADD = {"": None, "Relu": "relu"}
 
 
 def fused_activation(
@@ -81,9 +108,7 @@ def pointwise_gemm(
     on the channels-last view: (N*H*W, C) @ (C, M), no copies in or out. F.conv2d would take
     oneDNN with a weight reorder per call whenever torch runs more than one thread (its 1x1
     heuristic): MobileNetV3-Small at batch 1 takes 8.4 ms on 2 threads that way, 4.8 on 1."""
-    if getattr(w, _PACKED, None) is None or x.ndim != 4 or group != 1 or g.kernel != (1, 1):
-        return None
-    if g.padded or g.strides != (1, 1) or g.dilations != (1, 1) or x.dtype != w.dtype:
+    if getattr(w, _PACKED, None) is None or x.ndim != 4 or not _gemm_applies(x, w, g, group):
         return None
     n, c, h, wd = x.shape
     m = w.shape[0]
@@ -94,9 +119,114 @@ def pointwise_gemm(
 
 
 def small_1x1(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
-    """Whether a 1x1 convolution is too small for oneDNN to pay (see _SMALL_1X1)."""
-    positions = x.shape[0] * g.out[0] * g.out[1]
-    return positions < _SMALL_1X1[0] and w.shape[0] * w.shape[1] < _SMALL_1X1[1]
+    """Whether a 1x1 convolution is too small for oneDNN to pay (see _SMALL_1X1_MACS)."""
+    return x.shape[0] * g.out[0] * g.out[1] * w.shape[0] * w.shape[1] < _SMALL_1X1_MACS
+
+
+def _packed(w: torch.Tensor, x: torch.Tensor, g: Geometry, group: int) -> torch.Tensor:
+    """``w`` in oneDNN's layout for geometry ``g``, packed at the first call and kept."""
+    packs = getattr(w, _PACKED)
+    key = (g.begin, g.strides, g.dilations, group)
+    packed = packs.get(key)
+    if packed is None:  # (the packing suits any batch; the first call's shape only tunes it)
+        packed = torch.ops.mkldnn._reorder_convolution_weight(
+            w, list(g.begin), list(g.strides), list(g.dilations), group, list(x.shape)
+        )
+        packed = packs.setdefault(key, packed)
+    return packed
+
+
+def _packed_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
+    return (
+        getattr(w, _PACKED, None) is not None
+        and _MKLDNN
+        and x.ndim == 4
+        and x.dtype == torch.float32
+        and w.dtype == torch.float32
+        and g.begin == g.end
+        and not (g.kernel == (1, 1) and small_1x1(x, w, g))
+    )
+
+
+def specialized_conv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    g: Geometry,
+    group: int,
+    post: tuple[str, list[float], str] | None,
+    finish: Callable[[torch.Tensor], Any],
+) -> Callable[..., torch.Tensor] | None:
+    """A function of ``(x, w, b)`` that does what ConvAct's CPU paths (:func:`packed_conv` with
+    the activation ``post`` fused, or :func:`pointwise_gemm` then ``finish`` in place) do for
+    inputs of ``x``'s shape with the held weight ``w``, with every decision and derived weight
+    made once here: the executor calls it for later runs at that shape. ConvAct's Python work
+    per call (checks, geometry, path choice) is a visible part of a small layer's time at batch
+    1: MobileNetV3-Small went from 4.63 to 4.32 ms with it. None where neither path applies
+    (the kernel then runs as it is)."""
+    if x.device.type != "cpu" or getattr(w, _PACKED, None) is None or x.ndim != 4:
+        return None
+    if post is not None and _packed_applies(x, w, g):
+        packed = _packed(w, x, g, group)
+        pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
+        name, scalars, algorithm = post
+        run = torch.ops.mkldnn._convolution_pointwise
+
+        def conv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+            x = x.contiguous(memory_format=torch.channels_last)
+            b = None if b is None else b.reshape(-1)
+            return run(x, packed, b, pads, strides, dilations, group, name, scalars, algorithm)
+
+        return conv
+    if _packed_applies(x, w, g) or not _gemm_applies(x, w, g, group):
+        return None
+    n, c, h, wd = x.shape
+    m = w.shape[0]
+    w2 = w.reshape(m, c).t()
+
+    def gemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
+        y = torch.mm(rows, w2) if b is None else torch.addmm(b.reshape(-1), rows, w2)
+        finish(y)
+        return y.view(n, h, wd, m).permute(0, 3, 1, 2)
+
+    return gemm
+
+
+def _gemm_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> bool:
+    return (
+        group == 1
+        and g.kernel == (1, 1)
+        and not g.padded
+        and g.strides == (1, 1)
+        and g.dilations == (1, 1)
+        and x.dtype == w.dtype
+    )
+
+
+def residual_conv(
+    x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int, z: torch.Tensor, activation: str
+) -> Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor] | None:
+    """A function of ``(x, b, z)`` that gives ``act(conv(x, w) + b + z)`` for inputs of these
+    shapes through oneDNN in one pass (a binary add post-op, then ReLU or nothing), where the
+    packed path applies; None otherwise. The residual is read, never written. Two passes over
+    the output fewer: ResNet-50's 64->256 1x1 at 16x56x56 takes 21.9 ms against 24.9 with
+    add_ and relu_ after, 0.51 against 0.74 at batch 1."""
+    if activation not in _AFTER_ADD or not _packed_applies(x, w, g) or z.dtype != x.dtype:
+        return None
+    if tuple(z.shape) != (x.shape[0], w.shape[0], *g.out):
+        return None
+    packed = _packed(w, x, g, group)
+    pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
+    unary = _AFTER_ADD[activation]
+    run = torch.ops.mkldnn._convolution_pointwise.binary
+
+    def conv_add(x: torch.Tensor, b: torch.Tensor | None, z: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous(memory_format=torch.channels_last)
+        z = z.contiguous(memory_format=torch.channels_last)
+        b = None if b is None else b.reshape(-1)
+        return run(x, z, packed, b, pads, strides, dilations, group, "add", None, unary, [], None)
+
+    return conv_add
 
 
 def packed_conv(
@@ -110,21 +240,10 @@ def packed_conv(
     """``post(conv(x, w) + b)`` through oneDNN with ``w`` prepacked, channels-last; None where
     this path does not apply (``w`` not marked, not float32 2-D on the CPU, asymmetric padding)
     or does not pay (small 1x1 convolutions)."""
-    packs = getattr(w, _PACKED, None)
-    if packs is None or not _MKLDNN or x.ndim != 4:
-        return None
-    if x.dtype != torch.float32 or w.dtype != torch.float32:
-        return None
-    if g.begin != g.end or (g.kernel == (1, 1) and small_1x1(x, w, g)):
+    if not _packed_applies(x, w, g):
         return None
     pads, strides, dilations = list(g.begin), list(g.strides), list(g.dilations)
-    key = (g.begin, g.strides, g.dilations, group)
-    packed = packs.get(key)
-    if packed is None:  # (the packing suits any batch; the first call's shape only tunes it)
-        packed = torch.ops.mkldnn._reorder_convolution_weight(
-            w, pads, strides, dilations, group, list(x.shape)
-        )
-        packed = packs.setdefault(key, packed)
+    packed = _packed(w, x, g, group)
     x = x.contiguous(memory_format=torch.channels_last)
     b = None if b is None else b.contiguous()
     name, scalars, algorithm = post

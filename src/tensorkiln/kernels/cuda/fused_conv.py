@@ -16,7 +16,7 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,8 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     fused_activation,
     packed_conv,
     pointwise_gemm,
+    residual_conv,
+    specialized_conv,
 )
 from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.reference.fused_conv import check_activation
@@ -40,6 +42,8 @@ _DEFAULTS = {
     "Swish": (1.0, None),
     "HardSigmoid": (0.20000000298023224, 0.5),
 }
+# nn.Hardsigmoid's relu6(x + 3) / 6 as ONNX writes it (alpha 1/6 in float32, beta 0.5)
+_TORCH_HARDSIGMOID = (0.1666666716337204, 0.5)
 
 
 def activate_(
@@ -71,6 +75,9 @@ def activate_(
             return F.silu(y, inplace=True)
         return y.mul_(torch.sigmoid(y * alpha))
     if activation == "HardSigmoid":
+        if y.device.type == "cpu" and (alpha, beta) == _TORCH_HARDSIGMOID:
+            # torch's constants (what nn.Hardsigmoid exports, in SE blocks): one pass, not three
+            return F.hardsigmoid(y, inplace=True)
         return y.mul_(alpha).add_(beta).clamp_(0.0, 1.0)
     if activation == "HardSwish":
         return F.hardswish(y, inplace=True)
@@ -194,7 +201,12 @@ def conv_act(
         )
     bias = None if b is None else _as(b.reshape(m), x.dtype)
     act = (activation_alpha, activation_beta, activation_min, activation_max)
-    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can
+    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can, and
+    # the residual too where the activation comes after it (or there is none)
+    if z is not None and (residual_order == "add_act" or activation == ""):
+        with_z = residual_conv(x, w, g, group, z, activation)
+        if with_z is not None:
+            return with_z(x, bias, z)
     post = None if z is not None else fused_activation(activation, act[0], act[2], act[3])
     y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
     if y is not None and post is not None:
@@ -214,3 +226,63 @@ def conv_act(
     if z is not None and after:
         y.add_(z)
     return y
+
+
+def _specialize_conv_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+    activation: str = "",
+    activation_alpha: float | None = None,
+    activation_beta: float | None = None,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+) -> Callable[..., torch.Tensor] | None:
+    """:func:`conv_act` for inputs of these shapes, decided once, on weights the cpu backend
+    holds: oneDNN with the activation fused, or with the residual add (and ReLU) fused, or the
+    GEMM of a small 1x1 (cpu_conv.specialized_conv, cpu_conv.residual_conv); None otherwise.
+    Called after :func:`conv_act` ran (and checked) these arguments."""
+    if b is not None and b.dtype != x.dtype:
+        return None
+    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    if z is not None:
+        if residual_order != "add_act" and activation != "":
+            return None
+        with_z = residual_conv(x, w, g, group, z, activation)
+        if with_z is None:
+            return None
+
+        def conv_add(
+            x: torch.Tensor,
+            w: torch.Tensor,
+            b: torch.Tensor | None = None,
+            z: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            return with_z(x, b, z)
+
+        return conv_add
+    act = (activation_alpha, activation_beta, activation_min, activation_max)
+    post = fused_activation(activation, act[0], act[2], act[3])
+    return specialized_conv(
+        x,
+        w,
+        g,
+        group,
+        post,
+        functools.partial(
+            activate_, activation=activation, alpha=act[0], beta=act[1], lo=act[2], hi=act[3]
+        ),
+    )
+
+
+# the executor asks for it where a layer's weight is one the cpu backend holds
+conv_act.specialize = _specialize_conv_act  # type: ignore[attr-defined]
