@@ -481,6 +481,8 @@ def hostile_values(c: C.Container) -> Iterator[tuple[str, Callable[[C.Container]
         lambda c: layer(c).__setitem__("timings_ms", {"default": math.inf}),
     )
     yield "layer rejected a list", lambda c: layer(c).__setitem__("rejected", ["x"])
+    yield "layer fallback a number", lambda c: layer(c).__setitem__("fallback", 5)
+    yield "build notes a string", lambda c: c.plan["build"].__setitem__("notes", "kept fp32")
     yield "layer a string", lambda c: c.plan["layers"].__setitem__(0, "fc1")
     yield "io name a list", lambda c: c.plan["io"]["inputs"][0].__setitem__("name", [x])
     yield "io dtype unknown", lambda c: c.plan["io"]["inputs"][0].__setitem__("dtype", "FLOAT128")

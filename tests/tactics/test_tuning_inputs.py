@@ -7,6 +7,8 @@ interpreter (tests/conftest.py sets TRITON_INTERPRET where there is no GPU).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
 import warnings
 
@@ -18,6 +20,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
+from tensorkiln.cli.main import main as cli_main  # noqa: E402
 from tensorkiln.tactics import autotune  # noqa: E402
 from tests.kernels.ort_oracle import run_ort  # noqa: E402
 from tests.passes.util import model  # noqa: E402
@@ -162,6 +165,12 @@ def test_a_tuning_problem_keeps_the_default(monkeypatch, tmp_path, target, repla
         assert layer["tactic"] == layer["tactic_eager"] == "default"
         assert re.search(why, layer["fallback"]), layer
     assert "kept the default kernel" in report.summary()
+    # the reason travels in the engine file and `inspect` shows it
+    engine.save(tmp_path / "m.engine")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert cli_main(["inspect", str(tmp_path / "m.engine")]) == 0
+    assert re.search(f"default kept: .*{why}", out.getvalue()), out.getvalue()
     x = np.random.default_rng().standard_normal((2, 8, D)).astype(np.float32)
     got = engine.create_execution_context().infer({"x": x})["y"]
     np.testing.assert_allclose(got, run_ort(m, {"x": x})[0], rtol=1e-5, atol=1e-5)

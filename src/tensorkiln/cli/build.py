@@ -22,6 +22,7 @@ from tensorkiln.cli.common import (
     sniff_file,
     timing_cache_file,
 )
+from tensorkiln.engine.schema import printable
 from tensorkiln.errors import InputError
 
 EPILOG = """examples:
@@ -272,6 +273,13 @@ def print_report(
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
     if engine.backend == "cuda":
         _print_tuning(engine, report)
+    kept = [x for x in report.layers if x.get("fallback")]
+    if kept:  # tuning could not measure these; they run their default kernel
+        print(f"tuning kept the default kernel of {len(kept)} layers:")
+        for x in kept[:FUSED_SHOWN]:
+            print(f"  {printable(x['name'])}: {printable(x['fallback'])}")
+    for note in report.notes:
+        print(f"note: {printable(note)}")
     print_table(["phase", "ms"], [[name, f"{s * 1e3:.1f}"] for name, s in report.phases.items()])
     if report.passes:
         print_table(["optimizer pass", "matches"], [[k, str(n)] for k, n in report.passes.items()])

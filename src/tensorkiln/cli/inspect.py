@@ -97,6 +97,7 @@ def describe_engine(path: Any) -> dict:
                     "tactic_eager",
                     "timings_eager_ms",
                     "rejected",
+                    "fallback",
                 )
                 if k in layer
             }
@@ -140,6 +141,8 @@ def _tactic_cells(layer: dict) -> list[str]:
     rejected = layer.get("rejected") or {}
     if rejected:
         rest += (", " if rest else "") + f"{len(rejected)} rejected"
+    if layer.get("fallback"):  # tuning could not measure it: the default kernel was kept
+        rest += (", " if rest else "") + f"default kept: {layer['fallback']}"
     eager = layer.get("tactic_eager", name)
     if eager != name:  # launch overhead changes the winner when the engine runs layer by layer
         ms = (layer.get("timings_eager_ms") or {}).get(eager)
@@ -170,6 +173,8 @@ def _print_engine(info: dict) -> None:
             f"built with: precisions {', '.join(config.get('precisions', []))}, optimization level "
             f"{config.get('optimization_level')}, memory limit {config.get('memory_limit') or 'none'}"
         )
+    for note in build.get("notes") or ():  # layers kept in fp32, shapes tuned at a guess, ...
+        _say(f"note: {note}")
     _say()
     _print_io(info)
     _say()

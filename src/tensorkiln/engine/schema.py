@@ -231,6 +231,7 @@ LAYER = Obj(
         "pruned": NAMES,
         "cached": Bool(),
         "tune_s": SECONDS,
+        "fallback": Str(),  # why tuning kept the default kernel
     }
 )
 BUFFER = Tuple((NAME, COUNT, COUNT, COUNT, COUNT))  # [value name, offset, size, first, last]
@@ -261,6 +262,7 @@ BUILD = Obj(
         "nodes_before": COUNT,
         "precision": NAME,
         "timing_cache": Map(COUNT),
+        "notes": NAMES,
     }
 )
 SCALAR = OneOf((Str(), Int(-MAX_INT - 1), Float(), Bool(), Null()), "a string or a number")
