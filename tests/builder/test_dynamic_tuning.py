@@ -7,6 +7,10 @@ The cuda backend's kernels run on CPU tensors here (``Builder("cuda", device="cp
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
+
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
@@ -14,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 pytest.importorskip("torch")
 
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
+from tensorkiln.cli.build import print_report
 from tensorkiln.errors import BuildError
 from tests.kernels.ort_oracle import run_ort
 from tests.passes.util import model
@@ -119,6 +124,12 @@ def test_other_dynamic_axes_build_with_a_note() -> None:
     assert "--opt-shapes" in report.notes[0] and report.notes[0] in report.summary()
     assert engine.build["notes"] == report.notes
     _check_runs(engine, m, [(2, 7, 16)])
+    # `tensorkiln build` prints the note (the CLI builds for cuda only on a GPU: its report here)
+    args = argparse.Namespace(from_engine=None, model="m.onnx", output="m.engine")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_report(args, engine, report, 0.1, BuilderConfig(optimization_level=3))
+    assert f"note: {report.notes[0]}" in out.getvalue().splitlines()
 
 
 def test_a_profile_the_model_cannot_run_at_is_named() -> None:
