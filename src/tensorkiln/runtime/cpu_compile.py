@@ -45,14 +45,12 @@ class CompiledRuns:
     key, falling back to the plain loop for any key where compiling or running fails."""
 
     def __init__(self, graph: Graph) -> None:
-        import torch  # (an optional dependency: only the cpu backend gets here)
-
         self.graph = graph
         # its own weights: the plain loop's are held channels-last with prepacked copies
         self._executor = Executor(graph, "cpu", "cpu", plain=True)
         self._executor.upload_weights()  # (numpy conversions are not for the trace)
         self._program = _Program(self._executor, graph)
-        self._compiled = torch.compile(self._program, dynamic=False, fullgraph=False)
+        self._compiled: Any = None  # torch.compile's wrapper, made at the first run
         self._ready: set[Hashable] = set()  # keys compiled and run once without error
         self._failed: set[Hashable] = set()  # keys that run the plain loop
         self._lock = threading.Lock()  # compiles one key at a time
@@ -79,6 +77,10 @@ class CompiledRuns:
 
     def _call(self, key: Hashable, inputs: list[Any], plain: Callable[[], list[Any]]) -> list[Any]:
         try:
+            if self._compiled is None:
+                import torch
+
+                self._compiled = torch.compile(self._program, dynamic=False, fullgraph=False)
             return list(self._compiled(*inputs))
         except Exception as exc:  # any failure of torch.compile: the plain loop is right
             self._failed.add(key)
