@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tensorkiln.errors import InputError
+from tests.cli.helpers import CLI, assert_one_line_error, mlp_model
 from tests.runtime.test_cpu_backend import RTOL, _build, _conv_net, _export
 
 torch = pytest.importorskip("torch")
@@ -82,3 +83,16 @@ def test_compile_is_for_the_cpu_backend_only(convnet: Path, monkeypatch) -> None
     assert cpu.create_execution_context(compile=False)._compiled is None
     monkeypatch.delenv("TENSORKILN_CPU_COMPILE")
     assert cpu.create_execution_context()._compiled is None
+
+
+def test_cli_cpu_compile(capsys, tmp_path: Path) -> None:
+    path = mlp_model(tmp_path / "mlp.onnx")
+    cli = CLI(capsys)
+    rc, _, err = cli("run", path, "--backend", "reference", "--cpu-compile")
+    assert_one_line_error(rc, err)
+    assert "--cpu-compile needs an engine of the cpu backend" in err
+    rc, out, err = cli(  # (compiles the MLP in the warm-up run)
+        "run", path, "--backend", "cpu", "--cpu-compile", "--shapes", "x:2x4", "--iterations", "2"
+    )
+    assert rc == 0 and "torch.compile failed" not in err, err
+    assert "ms" in out

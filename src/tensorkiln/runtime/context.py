@@ -263,10 +263,12 @@ class ExecutionContext:
             if use_graph:
                 results = self._graphs(inputs)
             elif self._compiled is not None and layer_times is None:
-                results = self._compiled.run(
-                    _shapes_key(inputs),
-                    inputs,
-                    lambda: self._executor.run(dict(zip(graph.inputs, inputs))),
+                key = _shapes_key(inputs)
+                results = self._threads.run(
+                    key,
+                    lambda: self._compiled.run(
+                        key, inputs, lambda: self._executor.run(dict(zip(graph.inputs, inputs)))
+                    ),
                 )
             elif self._threads is not None and layer_times is None:
                 results = self._threads.run(
