@@ -50,6 +50,11 @@ def test_compiled_conv_net_matches_reference_and_onnxruntime(convnet: Path) -> N
                 _assert_matches_oracles(ctx.infer({"x": x})["y"], x, convnet)
             runs = ctx._compiled
             assert len(runs._ready) == 2 and not runs._failed
+        # a second context of the engine runs the same programs: no second compile
+        with engine.create_execution_context(compile=True) as again:
+            assert again._compiled is runs
+            x = rng.standard_normal((3, *SHAPE[1:])).astype(np.float32)
+            _assert_matches_oracles(again.infer({"x": x})["y"], x, convnet)
 
 
 def test_compile_failure_falls_back_to_the_plain_loop(convnet: Path, monkeypatch) -> None:

@@ -412,7 +412,7 @@ def _compiled_runs(engine: Any, compile: bool | None) -> Any:
             f"compile=True is for the cpu backend; this engine is for '{engine.backend}' "
             "(leave compile off, or build the engine with --backend cpu)"
         )
-    return cpu_compile.CompiledRuns(engine.graph)
+    return cpu_compile.for_engine(engine)
 
 
 def _executor(engine: Any, mode: str) -> Executor:

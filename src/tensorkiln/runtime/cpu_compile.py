@@ -20,6 +20,7 @@ import functools
 import os
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -38,6 +39,20 @@ def wanted(compile: bool | None) -> bool:
     if compile is not None:
         return bool(compile)
     return os.environ.get(ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, CompiledRuns] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def for_engine(engine: Any) -> CompiledRuns:
+    """The engine's compiled runs, shared by its contexts: one copy of the weights and one
+    compile per input shape however many contexts run it."""
+    with _SHARED_LOCK:
+        runs = _SHARED.get(engine)
+        if runs is None:
+            runs = _SHARED[engine] = CompiledRuns(engine.graph)
+        return runs
 
 
 class CompiledRuns:
