@@ -75,6 +75,23 @@ def test_compile_failure_falls_back_to_the_plain_loop(convnet: Path, monkeypatch
             _assert_matches_oracles(ctx.infer({"x": x})["y"], x, convnet)
 
 
+@pytest.mark.slow
+def test_shapes_past_dynamos_recompile_limit_run_the_plain_loop(convnet: Path, monkeypatch) -> None:
+    torch._dynamo.reset()  # (programs of other tests' engines count towards the limit)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    engine = _build(convnet, "cpu", SHAPE, 4)
+    rng = np.random.default_rng()
+    with engine.create_execution_context(compile=True) as ctx:
+        x = rng.standard_normal((1, *SHAPE[1:])).astype(np.float32)
+        _assert_matches_oracles(ctx.infer({"x": x})["y"], x, convnet)
+        x = rng.standard_normal((2, *SHAPE[1:])).astype(np.float32)
+        with pytest.warns(RuntimeWarning, match="torch.compile failed"):
+            got = ctx.infer({"x": x})["y"]
+        _assert_matches_oracles(got, x, convnet)
+        assert len(ctx._compiled._ready) == len(ctx._compiled._failed) == 1
+    torch._dynamo.reset()
+
+
 def test_compile_is_for_the_cpu_backend_only(convnet: Path, monkeypatch) -> None:
     ref = _build(convnet, "reference", SHAPE, 4)
     with pytest.raises(InputError, match="cpu backend"):

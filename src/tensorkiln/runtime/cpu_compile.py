@@ -81,7 +81,15 @@ class CompiledRuns:
 
         # (the settings as a patch of Inductor's config while it compiles: freezing given in
         # torch.compile's options is not applied, the weights stay inputs of the program)
-        with self._lock, torch._inductor.config.patch(_OPTIONS), warnings.catch_warnings():
+        # (dynamo keeps at most recompile_limit programs per function, and Program.forward is
+        # one function for every engine: past that it would run the plan uncompiled, on the plain
+        # route, slower than the loop; failing instead sends those shapes to the loop)
+        with (
+            self._lock,
+            torch._inductor.config.patch(_OPTIONS),
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+            warnings.catch_warnings(),
+        ):
             # (dynamo traces through the kernels' lru_cache'd geometry, a pure function of
             # shapes and attributes, and says so once)
             warnings.filterwarnings("ignore", message=".*lru_cache", category=UserWarning)
@@ -104,7 +112,7 @@ class CompiledRuns:
                 f"tensorkiln: torch.compile failed for input shapes {key}; these shapes run "
                 f"the plain loop ({type(exc).__name__}: {first})",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=2,
             )
             return plain()
 
