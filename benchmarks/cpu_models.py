@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_models.py [--models mobilenet_v3_small,efficientnet_b0,...]
         [--batch-sizes 1,16] [--rounds 5] [--runs 5] [--tiny] [--cache DIR] [--out DIR]
+        [--compile]
 
 Models (random weights, nothing downloads): MobileNetV3-Small, EfficientNet-B0 and ResNet-50
 (written here in torch.nn with torchvision's layer shapes; torchvision is not a dependency),
@@ -19,6 +20,9 @@ the median of the round medians is reported. onnxruntime runs with its default g
 optimizations and intra_op_num_threads = --threads (default: the machine's cores), torch with as
 many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
 --tiny uses small configs and images (for the smoke test; its numbers mean nothing).
+--compile times the cpu backend's compiled path (create_execution_context(compile=True)): the
+first run, which compiles, is reported as compile s, and the plain loop runs in the same rounds
+(plain ms) for comparison.
 Prints a markdown table and the versions, and writes results.json to --out when given.
 """
 
@@ -313,6 +317,9 @@ class Row:
     max_rel_diff: float | None = None
     rounds_tk_ms: list[float] = field(default_factory=list)
     rounds_ort_ms: list[float] = field(default_factory=list)
+    compile_s: float | None = None  # --compile: the first run's seconds (compiling)
+    plain_ms: float | None = None  # --compile: the plain loop in the same rounds
+    rounds_plain_ms: list[float] = field(default_factory=list)
     note: str = ""
 
     @property
@@ -354,9 +361,15 @@ def build_engine(path: Path, feeds: Feeds, batches: list[int], backend: str):
 def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     row = Row(name, batch)
     feeds = MODELS[name].feeds(batch, args.tiny)
-    ctx = engine.create_execution_context()
+    ctx = engine.create_execution_context(compile=args.compile)
+    plain = engine.create_execution_context(compile=False) if args.compile else None
     names = [o.name for o in session.get_outputs()]
+    t0 = time.perf_counter()
     got = ctx.infer(feeds)
+    if args.compile:
+        row.compile_s = time.perf_counter() - t0
+        if ctx._compiled._failed:  # (it warned: the plain loop ran)
+            row.note = "compile failed; the plain loop ran"
     expected = session.run(None, feeds)
     row.max_rel_diff = max_rel_diff([got[n] for n in names], expected)
     if row.max_rel_diff > AGREE_RTOL:
@@ -365,6 +378,8 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     for _ in range(args.warmup):
         ctx.infer(feeds)
         session.run(None, feeds)
+        if plain is not None:
+            plain.infer(feeds)
     # runs per round: --runs, fewer where one run is long (at most about --round-s a round)
     t0 = time.perf_counter()
     session.run(None, feeds)
@@ -372,7 +387,11 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     for _ in range(args.rounds):
         row.rounds_ort_ms.append(median_ms(lambda: session.run(None, feeds), runs))
         row.rounds_tk_ms.append(median_ms(lambda: ctx.infer(feeds), runs))
+        if plain is not None:
+            row.rounds_plain_ms.append(median_ms(lambda: plain.infer(feeds), runs))
     row.tensorkiln_ms = statistics.median(row.rounds_tk_ms)
+    if plain is not None:
+        row.plain_ms = statistics.median(row.rounds_plain_ms)
     row.onnxruntime_ms = statistics.median(row.rounds_ort_ms)
     if batch == 1 and args.reference:
         ref = build_engine(path, feeds, [1], "reference").create_execution_context()
@@ -405,7 +424,9 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def table(rows: list[Row]) -> list[str]:
+def table(rows: list[Row], compiled: bool = False) -> list[str]:
+    if compiled:
+        return compile_table(rows)
     lines = [
         "| model | batch | tensorkiln cpu ms | onnxruntime ms | ratio | reference ms "
         "| max rel diff | note |",
@@ -416,6 +437,22 @@ def table(rows: list[Row]) -> list[str]:
             f"| {r.model} | {r.batch} | {_fmt(r.tensorkiln_ms, '.2f')} | "
             f"{_fmt(r.onnxruntime_ms, '.2f')} | {_fmt(r.ratio, '.2f')}x | "
             f"{_fmt(r.reference_ms, '.1f')} | {_fmt(r.max_rel_diff, '.1e')} | {r.note} |"
+        )
+    return lines
+
+
+def compile_table(rows: list[Row]) -> list[str]:
+    lines = [
+        "| model | batch | compile s | compiled ms | plain loop ms | onnxruntime ms | ratio "
+        "| max rel diff | note |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.model} | {r.batch} | {_fmt(r.compile_s, '.1f')} | "
+            f"{_fmt(r.tensorkiln_ms, '.2f')} | {_fmt(r.plain_ms, '.2f')} | "
+            f"{_fmt(r.onnxruntime_ms, '.2f')} | {_fmt(r.ratio, '.2f')}x | "
+            f"{_fmt(r.max_rel_diff, '.1e')} | {r.note} |"
         )
     return lines
 
@@ -435,6 +472,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--tiny", action="store_true", help="small configs (smoke test)")
     parser.add_argument("--no-reference", dest="reference", action="store_false")
+    parser.add_argument(
+        "--compile", action="store_true", help="the compiled path (torch.compile), with the loop"
+    )
     parser.add_argument("--cache", default="/tmp/tk-cpu-models", help="exported ONNX files")
     parser.add_argument("--out", default=None, help="folder for results.json")
     args = parser.parse_args(argv)
@@ -457,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- torch threads {torch.get_num_threads()}, ISA {torch.backends.cpu.get_cpu_capability()}"
         f", OMP_WAIT_POLICY {wait}"
     )
-    print("\n".join([*table(rows), "", *env]))
+    print("\n".join([*table(rows, args.compile), "", *env]))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,12 @@ def add_parser(sub: Any) -> None:
         help="cuda engines: capture the whole engine as a CUDA graph and replay it",
     )
     p.add_argument(
+        "--cpu-compile",
+        action="store_true",
+        help="cpu engines: run through torch.compile, compiled in the first (warm-up) run per "
+        "input shape, seconds (as TENSORKILN_CPU_COMPILE=1 does)",
+    )
+    p.add_argument(
         "--device-io",
         action="store_true",
         help="cuda engines: keep inputs and outputs on the GPU (torch tensors) instead of "
@@ -239,7 +245,12 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
         raise CLIError(
             "--use-cuda-graph and --device-io need an engine of the cuda backend on a GPU"
         )
-    with engine.create_execution_context(use_cuda_graph=args.use_cuda_graph) as ctx:
+    if args.cpu_compile and engine.backend != "cpu":
+        raise CLIError(f"--cpu-compile needs an engine of the cpu backend, not '{engine.backend}'")
+    compiled = True if args.cpu_compile else None  # (None: the environment decides)
+    with engine.create_execution_context(
+        use_cuda_graph=args.use_cuda_graph, compile=compiled
+    ) as ctx:
         for name, arr in feeds.items():
             ctx.set_input_shape(name, np.shape(arr))  # a clear error for shapes outside the profile
         run_feeds = _to_device(feeds) if args.device_io else feeds

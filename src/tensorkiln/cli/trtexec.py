@@ -361,4 +361,5 @@ def _run_args(opts: dict[str, Any]) -> argparse.Namespace:
         export_output=opts.get("export_output"),
         use_cuda_graph=opts.get("use_cuda_graph", False),
         device_io=opts.get("device_io", False),
+        cpu_compile=False,  # (trtexec has no such flag; TENSORKILN_CPU_COMPILE=1 still applies)
     )

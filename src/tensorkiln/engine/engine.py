@@ -139,16 +139,22 @@ class Engine:
         return len(self.graph.nodes)
 
     def create_execution_context(
-        self, profile_index: int = 0, *, use_cuda_graph: bool = False
+        self,
+        profile_index: int = 0,
+        *,
+        use_cuda_graph: bool = False,
+        compile: bool | None = None,
     ) -> Any:
         """A context with its own activation memory; several may run at once from threads.
 
         ``use_cuda_graph`` (cuda engines): capture the whole engine as a CUDA graph per input
-        shape and replay it.
+        shape and replay it. ``compile`` (cpu engines; default: TENSORKILN_CPU_COMPILE=1 in
+        the environment): run the engine through torch.compile, compiled at the first run per
+        input shape (runtime/cpu_compile.py).
         """
         from tensorkiln.runtime.context import ExecutionContext
 
-        return ExecutionContext(self, profile_index, use_cuda_graph=use_cuda_graph)
+        return ExecutionContext(self, profile_index, use_cuda_graph=use_cuda_graph, compile=compile)
 
     # ------------------------------------------------------------------ files
     def _plan(self) -> tuple[dict, dict[str, np.ndarray]]:

@@ -38,7 +38,12 @@ class ExecutionContext:
     """
 
     def __init__(
-        self, engine: Any, profile_index: int = 0, *, use_cuda_graph: bool = False
+        self,
+        engine: Any,
+        profile_index: int = 0,
+        *,
+        use_cuda_graph: bool = False,
+        compile: bool | None = None,
     ) -> None:
         if engine.profiles and not 0 <= profile_index < len(engine.profiles):
             raise InputError(
@@ -55,6 +60,7 @@ class ExecutionContext:
         self._pool = None
         # the cpu backend's thread count, measured per set of input shapes (cpu_threads.py)
         self._threads = ThreadChoice() if engine.backend == "cpu" else None
+        self._compiled = _compiled_runs(engine, compile)
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
         dev = self._executor.device
@@ -256,6 +262,14 @@ class ExecutionContext:
                 events[0].record(stream)  # after the uploads: layers only
             if use_graph:
                 results = self._graphs(inputs)
+            elif self._compiled is not None and layer_times is None:
+                key = _shapes_key(inputs)
+                results = self._threads.run(
+                    key,
+                    lambda: self._compiled.run(
+                        key, inputs, lambda: self._executor.run(dict(zip(graph.inputs, inputs)))
+                    ),
+                )
             elif self._threads is not None and layer_times is None:
                 results = self._threads.run(
                     _shapes_key(inputs),
@@ -383,6 +397,22 @@ def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityErro
         f"profile's largest shapes), {fits}; free memory, create fewer contexts, or rebuild the "
         "engine with smaller --max-shapes"
     )
+
+
+def _compiled_runs(engine: Any, compile: bool | None) -> Any:
+    """The cpu backend's compiled path (runtime/cpu_compile.py) where asked for, else None."""
+    from tensorkiln.runtime import cpu_compile
+
+    if not cpu_compile.wanted(compile):
+        return None
+    if engine.backend != "cpu":
+        if compile is None:  # (the environment asks for every context: only cpu ones take it)
+            return None
+        raise InputError(
+            f"compile=True is for the cpu backend; this engine is for '{engine.backend}' "
+            "(leave compile off, or build the engine with --backend cpu)"
+        )
+    return cpu_compile.for_engine(engine)
 
 
 def _executor(engine: Any, mode: str) -> Executor:

@@ -48,11 +48,15 @@ class Executor:
         device: Any = None,
         tactics: Mapping[str, Any] | None = None,
         weights: dict[str, dict[Value, Any]] | None = None,
+        *,
+        plain: bool = False,
     ) -> None:
         """``tactics`` maps top-level node names to the function that runs them instead of the
         op's registered kernel (the autotuner's choices). ``weights`` holds the initializers
         already on a device, per device; executors given the same dict share them (an engine's
-        contexts do)."""
+        contexts do). ``plain`` (the cpu backend) runs its kernels on their plain torch route:
+        weights as they are (not held for prepacking), no shape-specialized functions, inputs
+        uploaded as they are; what torch.compile traces (runtime/cpu_compile.py)."""
         self.graph = graph
         self.backend = backend
         self.tactics = dict(tactics or {})
@@ -62,7 +66,9 @@ class Executor:
         self.device = _device(backend, device)
         # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
         # convolutions run them (kernels/cuda/cpu_conv.py says why)
-        self._conv_weights = _conv_weights(graph) if backend == "cpu" else frozenset()
+        self._plain = plain
+        held = backend == "cpu" and not plain
+        self._conv_weights = _conv_weights(graph) if held else frozenset()
         # and takes the inputs only those convolutions read channels-last in one copy
         self._conv_inputs = _conv_inputs(graph, self._conv_weights)
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
@@ -132,6 +138,7 @@ class Executor:
         or None)."""
         return (
             self.backend == "cpu"
+            and not self._plain
             and hasattr(entry.fn, "specialize")
             and not entry.wants_ctx
             and not entry.wants_n_outputs
