@@ -48,7 +48,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from benchmarks.reference_cpu import environment, load_average  # noqa: E402
 from tests.models.test_architectures import (  # noqa: E402
-    BertEncoder,
+    build_bert,
     max_rel_diff,
     resnet50,
     token_feeds,
@@ -224,19 +224,8 @@ def _image(size_full: int, size_tiny: int) -> Callable[[int, bool], Feeds]:
 
 
 def _bert(tiny: bool) -> nn.Module:
-    from transformers import BertConfig
-
-    config = BertConfig()  # bert-base: 12 layers, hidden 768, 12 heads
-    if tiny:
-        config = BertConfig(
-            vocab_size=1000,
-            hidden_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=128,
-        )
-    torch.manual_seed(0)
-    return BertEncoder(config).eval()
+    # bert-base (12 layers, hidden 768, 12 heads), or the tests' small BERT (vocab 1000, seq 16)
+    return build_bert(full=not tiny)[0]
 
 
 def _bert_feeds(batch: int, tiny: bool) -> Feeds:

@@ -16,15 +16,21 @@ from tensorkiln.cli.common import CLIError, byte_count, existing_file, mib, snif
 from tensorkiln.errors import InputError
 
 
-def input_shapes(engine: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """Concrete input shapes: --shapes, else the first profile's opt shape, else dynamic dims = 1."""
+def _input_specs(engine: Any, named: dict[str, Any], flag: str) -> dict[str, Any]:
+    """The engine's inputs by name; InputError when ``flag`` names one it does not have."""
     specs = {s.name: s for s in engine.inputs}
-    unknown = [n for n in shapes if n not in specs]
+    unknown = [n for n in named if n not in specs]
     if unknown:
         raise InputError(
-            f"--shapes names unknown input(s) {', '.join(map(repr, unknown))}; the engine's "
+            f"{flag} names unknown input(s) {', '.join(map(repr, unknown))}; the engine's "
             f"inputs are {', '.join(map(repr, specs))}"
         )
+    return specs
+
+
+def input_shapes(engine: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """Concrete input shapes: --shapes, else the first profile's opt shape, else dynamic dims = 1."""
+    specs = _input_specs(engine, shapes, "--shapes")
     profile = engine.profiles[0].shapes if engine.profiles else {}
     out = {}
     for name, s in specs.items():
@@ -149,13 +155,7 @@ def load_raw_inputs(
     input's elements in its dtype, C order, for its shape; its size must match exactly."""
     from tensorkiln.ir import DType
 
-    specs = {s.name: s for s in engine.inputs}
-    unknown = [n for n in files if n not in specs]
-    if unknown:
-        raise InputError(
-            f"--loadInputs names unknown input(s) {', '.join(map(repr, unknown))}; the inputs "
-            f"are {', '.join(map(repr, specs))}"
-        )
+    specs = _input_specs(engine, files, "--loadInputs")
     feeds = {}
     for name, path in files.items():
         dtype = np.dtype(DType[specs[name].dtype].numpy)
