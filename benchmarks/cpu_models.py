@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_models.py [--models mobilenet_v3_small,efficientnet_b0,...]
         [--batch-sizes 1,16] [--rounds 5] [--runs 5] [--tiny] [--cache DIR] [--out DIR]
-        [--compile]
+        [--compile] [--pause S]
 
 Models (random weights, nothing downloads): MobileNetV3-Small, EfficientNet-B0 and ResNet-50
 (written here in torch.nn with torchvision's layer shapes; torchvision is not a dependency),
@@ -15,7 +15,10 @@ sizes; its outputs are checked against onnxruntime's on the same fresh random in
 relative to the largest |onnxruntime output| under 1e-4), then both are timed in this process:
 warm-up runs, then --rounds rounds alternating between the two runtimes, each round the median of
 --runs runs, fewer for slow models (a round of one runtime lasts about --round-s seconds; a
-runtime runs alone within a round: onnxruntime's thread pool spins after each run);
+runtime runs alone within a round, and --pause seconds pass before each round: the threads of the
+runtime that ran last keep spinning for a while and take a core from the next one, which made the
+cpu backend's MobileNetV3-Small at batch 1 run 7-8 ms after onnxruntime's rounds and 3.1-3.5 ms
+after a pause of 0.1 s; onnxruntime's own runs after the cpu backend's are slowed the same way);
 the median of the round medians is reported. onnxruntime runs with its default graph
 optimizations and intra_op_num_threads = --threads (default: the machine's cores), torch with as
 many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
@@ -365,7 +368,9 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
         row.note = "outputs disagree with onnxruntime; not timed"
         return row
     for _ in range(args.warmup):
+        time.sleep(args.pause)
         ctx.infer(feeds)
+        time.sleep(args.pause)
         session.run(None, feeds)
         if plain is not None:
             plain.infer(feeds)
@@ -374,9 +379,12 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     session.run(None, feeds)
     runs = max(1, min(args.runs, int(args.round_s / (time.perf_counter() - t0))))
     for _ in range(args.rounds):
+        time.sleep(args.pause)
         row.rounds_ort_ms.append(median_ms(lambda: session.run(None, feeds), runs))
+        time.sleep(args.pause)
         row.rounds_tk_ms.append(median_ms(lambda: ctx.infer(feeds), runs))
         if plain is not None:
+            time.sleep(args.pause)
             row.rounds_plain_ms.append(median_ms(lambda: plain.infer(feeds), runs))
     row.tensorkiln_ms = statistics.median(row.rounds_tk_ms)
     if plain is not None:
@@ -455,6 +463,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs of each first")
     parser.add_argument(
         "--round-s", type=float, default=2.0, help="fewer runs per round for slow models"
+    )
+    parser.add_argument(
+        "--pause", type=float, default=0.1, help="seconds of quiet before each round"
     )
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="both runtimes' threads"

@@ -152,8 +152,10 @@ def test_conv_net_matches_reference_and_onnxruntime(tmp_path: Path) -> None:
     assert {tuple(w.shape[2:]) for w in packed} == {(3, 3), (5, 5), (1, 1)}
 
 
-def test_shape_specialized_convolutions_match_the_oracles(tmp_path: Path) -> None:
+def test_shape_specialized_convolutions_match_the_oracles(tmp_path: Path, monkeypatch) -> None:
     import functools
+
+    monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "0")  # the torch paths (test_cpu_native.py: theirs)
 
     shape = (1, 3, 32, 32)
     path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
@@ -365,7 +367,7 @@ def test_inputs_only_convolutions_read_are_uploaded_channels_last(
     [("", "add_act", 3), ("Relu", "add_act", 3), ("Relu", "act_add", 3), ("Relu", "add_act", 1)],
 )
 def test_residual_convolutions_on_held_weights_match_the_reference(
-    activation: str, order: str, kernel: int
+    activation: str, order: str, kernel: int, monkeypatch
 ) -> None:
     """ConvAct with a residual on a weight the cpu backend holds: oneDNN's conv + add + ReLU in
     one call where the activation follows the add (or there is none), the separate passes
@@ -374,6 +376,7 @@ def test_residual_convolutions_on_held_weights_match_the_reference(
     from tensorkiln.kernels.cuda.fused_conv import conv_act
     from tensorkiln.kernels.reference.fused_conv import conv_act as reference
 
+    monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "0")  # oneDNN's paths (native: test_cpu_native)
     rng = np.random.default_rng()
     x, w, b, z = (
         rng.standard_normal(s).astype(np.float32)

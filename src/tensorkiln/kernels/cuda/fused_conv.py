@@ -16,11 +16,14 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.cpu_conv import (
     cpu_layout,
     fused_activation,
@@ -249,11 +252,102 @@ def _specialize_conv_act(
 ) -> Callable[..., torch.Tensor] | None:
     """:func:`conv_act` for inputs of these shapes, decided once, on weights the cpu backend
     holds: oneDNN with the activation fused, or with the residual add (and ReLU) fused, or the
-    GEMM of a small 1x1 (cpu_conv.specialized_conv, cpu_conv.residual_conv); None otherwise.
-    Called after :func:`conv_act` ran (and checked) these arguments."""
+    GEMM of a small 1x1 (cpu_conv.specialized_conv, cpu_conv.residual_conv); where the native
+    kernels apply (cpu_native.layer: small float32 2-D convolutions), the faster of theirs and
+    that, measured here on these inputs; None otherwise. Called after :func:`conv_act` ran (and
+    checked) these arguments."""
     if b is not None and b.dtype != x.dtype:
         return None
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    act = (activation_alpha, activation_beta, activation_min, activation_max)
+    spec = _specialized_torch(x, w, z, g, group, activation, act, residual_order)
+    code = cpu_native.activation(activation, *act)
+    native = cpu_native.layer(x, w, b, g, group, code, 0 if residual_order == "add_act" else 1)
+    if native is None:
+        return spec
+    attrs = {
+        "auto_pad": auto_pad,
+        "dilations": dilations,
+        "group": group,
+        "kernel_shape": kernel_shape,
+        "pads": pads,
+        "strides": strides,
+        "activation": activation,
+        "activation_alpha": activation_alpha,
+        "activation_beta": activation_beta,
+        "activation_min": activation_min,
+        "activation_max": activation_max,
+        "residual_order": residual_order,
+    }
+    generic = functools.partial(conv_act, **attrs)
+    run_native = _native_for(native, generic, w, b)
+    if cpu_native.always():
+        return run_native
+    return _faster_of(run_native, spec or generic, x, w, b, z)
+
+
+def _native_for(
+    native: Callable[..., torch.Tensor],
+    other: Callable[..., torch.Tensor],
+    w0: torch.Tensor,
+    b0: torch.Tensor | None,
+) -> Callable[..., torch.Tensor]:
+    """ConvAct's signature over the native kernel made for weight ``w0`` and bias ``b0`` (any
+    other weight or bias goes to ``other``, the kernel itself: the executor specializes layers
+    whose weights are constants, so this is a guard)."""
+
+    def run_native(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None = None,
+        z: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if w is not w0 or b is not b0:
+            return _call(other, x, w, b, z)
+        return native(x, z)
+
+    return run_native
+
+
+def _faster_of(
+    run_native: Callable[..., torch.Tensor],
+    other: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+) -> Callable[..., torch.Tensor]:
+    """The faster, measured on these inputs, of the native kernel and ``other``: 1 warm-up run
+    each, then _TIMED alternating runs, medians."""
+    times: list[list[float]] = [[], []]
+    fns = (run_native, other)
+    for i in range(_TIMED + 1):
+        for k, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            _call(fn, x, w, b, z)
+            if i:
+                times[k].append(time.perf_counter() - t0)
+    return run_native if statistics.median(times[0]) < statistics.median(times[1]) else other
+
+
+def _call(fn: Callable[..., torch.Tensor], x, w, b, z) -> torch.Tensor:
+    return fn(x, w, b) if z is None else fn(x, w, b, z)  # (the GEMM path takes no residual)
+
+
+_TIMED = 5  # alternating timed runs of each candidate when a ConvAct picks its CPU path
+
+
+def _specialized_torch(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    z: torch.Tensor | None,
+    g: Geometry,
+    group: int,
+    activation: str,
+    act: tuple[float | None, ...],
+    residual_order: str,
+) -> Callable[..., torch.Tensor] | None:
+    """The torch paths of :func:`_specialize_conv_act` (oneDNN, GEMM), or None."""
     if z is not None:
         if residual_order != "add_act" and activation != "":
             return None
@@ -270,7 +364,6 @@ def _specialize_conv_act(
             return with_z(x, b, z)
 
         return conv_add
-    act = (activation_alpha, activation_beta, activation_min, activation_max)
     post = fused_activation(activation, act[0], act[2], act[3])
     return specialized_conv(
         x,

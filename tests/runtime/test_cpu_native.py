@@ -1,0 +1,265 @@
+"""The cpu backend's native convolution kernels (kernels/cuda/cpu_native.c): every geometry,
+activation and residual order against the numpy reference ConvAct, NaN and inf kept, the network
+path against onnxruntime, and the ways the library can be missing (no compiler, switched off, a
+cache folder others can write), where the cpu backend must run as before."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+from tensorkiln.kernels.cuda import cpu_native  # noqa: E402
+from tensorkiln.kernels.cuda.cpu_conv import hold_weight  # noqa: E402
+from tensorkiln.kernels.cuda.fused_conv import conv_act, geometry_of  # noqa: E402
+from tensorkiln.kernels.reference.fused_conv import conv_act as reference  # noqa: E402
+from tests.runtime.test_cpu_backend import RTOL, _build, _conv_net, _export  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.library() is None, reason="no C compiler to build the native kernels"
+)
+
+ACTIVATIONS = [
+    ("", {}),
+    ("Relu", {}),
+    ("Clip", {"activation_min": -0.5, "activation_max": 0.75}),
+    ("Clip", {"activation_min": 0.0}),
+    ("HardSwish", {}),
+    ("HardSigmoid", {}),
+    ("HardSigmoid", {"activation_alpha": 1 / 6, "activation_beta": 0.5}),
+    ("Sigmoid", {}),
+    ("Swish", {}),
+    ("LeakyRelu", {"activation_alpha": 0.2}),
+    ("LeakyRelu", {}),
+]
+
+
+def _native(x, w, b, z, **attrs):
+    """The native function for these arguments (asserting that it applies)."""
+    xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+    bt = None if b is None else torch.from_numpy(b)
+    g = geometry_of(
+        xt,
+        wt,
+        attrs.get("auto_pad", "NOTSET"),
+        attrs.get("dilations"),
+        None,
+        attrs.get("pads"),
+        attrs.get("strides"),
+    )
+    act = cpu_native.activation(
+        attrs.get("activation", ""),
+        attrs.get("activation_alpha"),
+        attrs.get("activation_beta"),
+        attrs.get("activation_min"),
+        attrs.get("activation_max"),
+    )
+    order = 0 if attrs.get("residual_order", "add_act") == "add_act" else 1
+    fn = cpu_native.layer(xt, wt, bt, g, attrs.get("group", 1), act, order)
+    assert fn is not None
+    return fn(xt, None if z is None else torch.from_numpy(z))
+
+
+def _close(got, want) -> None:
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=RTOL, atol=RTOL * float(np.abs(want).max()))
+
+
+# (channels, kernel, strides, pads, dilations, batch, size): tails of every vector width
+DEPTHWISE = [
+    (16, 3, 1, [1, 1, 1, 1], 1, 1, 12),
+    (72, 3, 2, [1, 1, 1, 1], 1, 2, 15),
+    (20, 5, 1, [2, 2, 2, 2], 1, 1, 9),
+    (7, 5, 2, [0, 1, 2, 1], 1, 1, 11),  # asymmetric padding, fewer channels than a vector
+    (33, 3, 1, [2, 2, 2, 2], 2, 1, 10),  # dilated
+    (48, 3, 3, [0, 0, 0, 0], 1, 1, 13),
+    (12, 1, 1, [0, 0, 0, 0], 1, 1, 6),
+]
+
+
+@pytest.mark.parametrize(("c", "k", "s", "pads", "d", "n", "size"), DEPTHWISE)
+def test_depthwise_matches_the_reference(c, k, s, pads, d, n, size) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((n, c, size, size + 3)).astype(np.float32)
+    w = rng.standard_normal((c, 1, k, k)).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    for activation, extra in ACTIVATIONS:
+        attrs = {"group": c, "strides": [s, s], "pads": pads, "dilations": [d, d]}
+        attrs.update(activation=activation, **extra)
+        _close(_native(x, w, b, None, **attrs).numpy(), reference(x, w, b, **attrs))
+
+
+# (cin, cout, batch, height, width): rows and columns off the kernels' blocks
+POINTWISE = [
+    (16, 16, 1, 7, 9),
+    (24, 72, 2, 5, 5),
+    (96, 40, 1, 3, 3),
+    (5, 3, 1, 1, 1),
+    (8, 100, 1, 4, 1),
+]
+
+
+@pytest.mark.parametrize(("cin", "cout", "n", "h", "wd"), POINTWISE)
+def test_pointwise_matches_the_reference(cin, cout, n, h, wd) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((n, cin, h, wd)).astype(np.float32)
+    w = rng.standard_normal((cout, cin, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    for activation, extra in ACTIVATIONS:
+        attrs = {"activation": activation, **extra}
+        _close(_native(x, w, b, None, **attrs).numpy(), reference(x, w, b, **attrs))
+    _close(_native(x, w, None, None).numpy(), reference(x, w))  # no bias
+
+
+@pytest.mark.parametrize(
+    ("cin", "cout", "k", "s", "pads", "d"),
+    [(3, 16, 3, 2, [1, 1, 1, 1], 1), (3, 40, 3, 1, [0, 1, 1, 0], 1), (8, 8, 3, 1, [2, 2, 2, 2], 2)],
+)
+def test_stem_convolution_matches_the_reference(cin, cout, k, s, pads, d) -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, cin, 17, 14)).astype(np.float32)
+    w = rng.standard_normal((cout, cin, k, k)).astype(np.float32)
+    b = rng.standard_normal(cout).astype(np.float32)
+    for activation, extra in ACTIVATIONS[:5]:
+        attrs = {"strides": [s, s], "pads": pads, "dilations": [d, d], "activation": activation}
+        attrs.update(extra)
+        _close(_native(x, w, b, None, **attrs).numpy(), reference(x, w, b, **attrs))
+
+
+@pytest.mark.parametrize("order", ["add_act", "act_add"])
+@pytest.mark.parametrize("kind", ["depthwise", "pointwise", "stem"])
+def test_residual_in_both_orders(order: str, kind: str) -> None:
+    rng = np.random.default_rng()
+    c = 24
+    cin, k, group = {"depthwise": (c, 3, c), "pointwise": (40, 1, 1), "stem": (3, 3, 1)}[kind]
+    x = rng.standard_normal((2, cin, 9, 9)).astype(np.float32)
+    w = rng.standard_normal((c, cin // group, k, k)).astype(np.float32)
+    b = rng.standard_normal(c).astype(np.float32)
+    z = rng.standard_normal((2, c, 9, 9)).astype(np.float32)
+    kept = z.copy()
+    attrs = {
+        "group": group,
+        "pads": [k // 2] * 4,
+        "activation": "HardSwish",
+        "residual_order": order,
+    }
+    _close(_native(x, w, b, z, **attrs).numpy(), reference(x, w, b, z, **attrs))
+    np.testing.assert_array_equal(z, kept)  # the residual is read, never written
+
+
+def test_nan_and_inf_propagate_as_in_the_reference() -> None:
+    c = 16
+    x = np.random.default_rng().standard_normal((1, c, 6, 6)).astype(np.float32)
+    x[0, :4, 2, 2] = [np.nan, np.inf, -np.inf, 1e30]
+    w = np.abs(np.random.default_rng().standard_normal((c, 1, 1, 1))).astype(np.float32)
+    b = np.zeros(c, np.float32)
+    for activation, extra in ACTIVATIONS:
+        attrs = {"group": c, "activation": activation, **extra}
+        got = _native(x, w, b, None, **attrs).numpy()
+        with np.errstate(invalid="ignore", over="ignore"):
+            want = reference(x, w, b, **attrs)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(
+            got[~finite & ~np.isnan(want)], want[~finite & ~np.isnan(want)]
+        )
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-30)
+
+
+def test_network_through_native_kernels_matches_onnxruntime(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "always")
+    shape = (1, 3, 32, 32)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    engine = _build(path, "cpu", shape, 4)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng()
+    with engine.create_execution_context() as ctx:
+        ctx._threads = None  # (one run per call: the second call at a shape is specialized)
+        for batch in (2, 2, 1, 1):
+            x = rng.standard_normal((batch, *shape[1:])).astype(np.float32) * 3
+            _close(ctx.infer({"x": x})["y"], session.run(None, {"x": x})[0])
+        steps = ctx._executor._plan(engine.graph)
+        names = [fn.__name__ for s in steps if s.specialized for fn in s.specialized.values()]
+    # the depthwise, stem and 1x1 convolutions ran natively (the grouped one has no kernel here)
+    assert names.count("run_native") >= 10
+
+
+def test_native_function_hands_other_weights_to_the_kernel(monkeypatch) -> None:
+    """A specialized function serves the weight and bias it was made for; any other goes to
+    the general path (never the packed copy of the first)."""
+    monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "always")
+    rng = np.random.default_rng()
+    x = torch.from_numpy(rng.standard_normal((1, 8, 6, 6)).astype(np.float32))
+    w = hold_weight(torch.from_numpy(rng.standard_normal((8, 1, 3, 3)).astype(np.float32)))
+    b = torch.from_numpy(rng.standard_normal(8).astype(np.float32))
+    attrs = {"group": 8, "pads": [1, 1, 1, 1], "activation": "Relu"}
+    with torch.inference_mode():
+        fast = conv_act.specialize(x, w, b, **attrs)
+        assert fast is not None and fast.__name__ == "run_native"
+        b2 = b + 1.0
+        w2 = hold_weight(w * 2.0)
+        for ww, bb in ((w, b), (w, b2), (w2, b)):
+            want = reference(x.numpy(), ww.contiguous().numpy(), bb.numpy(), **attrs)
+            _close(fast(x, ww, bb).numpy(), want)
+
+
+def _reload(monkeypatch, **env: str) -> cpu_native.Native | None:
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    cpu_native._load.cache_clear()
+    try:
+        return cpu_native.library()
+    finally:
+        cpu_native._load.cache_clear()
+
+
+def test_missing_compiler_or_switched_off_runs_without_them(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    assert _reload(monkeypatch, TENSORKILN_CPU_NATIVE="0") is None
+    monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "1")
+    with caplog.at_level(logging.INFO, logger="tensorkiln"):
+        got = _reload(
+            monkeypatch,
+            CC="no-such-compiler",
+            PATH=str(tmp_path),
+            TENSORKILN_CACHE_DIR=str(tmp_path / "c"),
+        )
+    assert got is None
+    assert "native CPU kernels unavailable" in caplog.text and "no C compiler" in caplog.text
+    # the cpu backend then runs its torch paths, with the same answers
+    shape = (1, 3, 32, 32)
+    monkeypatch.setenv("PATH", os.defpath)
+    path = _export(_conv_net(), np.zeros(shape, np.float32), "convnet", tmp_path)
+    engine = _build(path, "cpu", shape, 2)
+    x = np.random.default_rng().standard_normal(shape).astype(np.float32)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with engine.create_execution_context() as ctx:
+        for _ in range(2):
+            _close(ctx.infer({"x": x})["y"], session.run(None, {"x": x})[0])
+
+
+def test_cache_folder_others_can_write_is_refused(tmp_path: Path, monkeypatch, caplog) -> None:
+    cache = tmp_path / "shared"
+    (cache / "native").mkdir(parents=True)
+    os.chmod(cache / "native", 0o777)
+    with caplog.at_level(logging.INFO, logger="tensorkiln"):
+        assert _reload(monkeypatch, TENSORKILN_CACHE_DIR=str(cache)) is None
+    assert "not private" in caplog.text
+
+
+def test_library_is_built_once_and_reused(tmp_path: Path, monkeypatch) -> None:
+    cache = tmp_path / "cache"
+    first = _reload(monkeypatch, TENSORKILN_CACHE_DIR=str(cache))
+    assert first is not None
+    built = list((cache / "native").glob("cpu_native-*.so"))
+    assert len(built) == 1 and oct(os.stat(cache / "native").st_mode & 0o777) == "0o700"
+    stamp = built[0].stat().st_mtime_ns
+    assert _reload(monkeypatch, TENSORKILN_CACHE_DIR=str(cache)) is not None
+    assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
