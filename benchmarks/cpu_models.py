@@ -2,7 +2,7 @@
 
     python benchmarks/cpu_models.py [--models mobilenet_v3_small,efficientnet_b0,...]
         [--batch-sizes 1,16] [--rounds 5] [--runs 5] [--tiny] [--cache DIR] [--out DIR]
-        [--compile] [--pause S]
+        [--compile] [--pause S] [--round-warmup N]
 
 Models (random weights, nothing downloads): MobileNetV3-Small, EfficientNet-B0 and ResNet-50
 (written here in torch.nn with torchvision's layer shapes; torchvision is not a dependency),
@@ -18,7 +18,9 @@ warm-up runs, then --rounds rounds alternating between the two runtimes, each ro
 runtime runs alone within a round, and --pause seconds pass before each round: the threads of the
 runtime that ran last keep spinning for a while and take a core from the next one, which made the
 cpu backend's MobileNetV3-Small at batch 1 run 7-8 ms after onnxruntime's rounds and 3.1-3.5 ms
-after a pause of 0.1 s; onnxruntime's own runs after the cpu backend's are slowed the same way);
+after a pause of 0.1 s; onnxruntime's own runs after the cpu backend's are slowed the same way;
+after the pause --round-warmup untimed runs, as the first runs after a pause are slow for both:
+the idle cores wake up, MobileNetV3-Small's first run after 0.1 s took 2x a warm one);
 the median of the round medians is reported. onnxruntime runs with its default graph
 optimizations and intra_op_num_threads = --threads (default: the machine's cores), torch with as
 many threads. The reference (numpy) backend is timed at batch 1 for context (fewer runs).
@@ -378,14 +380,18 @@ def measure(name: str, batch: int, path: Path, engine, session, args) -> Row:
     t0 = time.perf_counter()
     session.run(None, feeds)
     runs = max(1, min(args.runs, int(args.round_s / (time.perf_counter() - t0))))
+
+    def round_ms(fn: Callable[[], object]) -> float:
+        time.sleep(args.pause)
+        for _ in range(args.round_warmup if runs > 1 else 0):
+            fn()
+        return median_ms(fn, runs)
+
     for _ in range(args.rounds):
-        time.sleep(args.pause)
-        row.rounds_ort_ms.append(median_ms(lambda: session.run(None, feeds), runs))
-        time.sleep(args.pause)
-        row.rounds_tk_ms.append(median_ms(lambda: ctx.infer(feeds), runs))
+        row.rounds_ort_ms.append(round_ms(lambda: session.run(None, feeds)))
+        row.rounds_tk_ms.append(round_ms(lambda: ctx.infer(feeds)))
         if plain is not None:
-            time.sleep(args.pause)
-            row.rounds_plain_ms.append(median_ms(lambda: plain.infer(feeds), runs))
+            row.rounds_plain_ms.append(round_ms(lambda: plain.infer(feeds)))
     row.tensorkiln_ms = statistics.median(row.rounds_tk_ms)
     if plain is not None:
         row.plain_ms = statistics.median(row.rounds_plain_ms)
@@ -467,6 +473,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--pause", type=float, default=0.1, help="seconds of quiet before each round"
     )
+    parser.add_argument("--round-warmup", type=int, default=2, help="untimed runs after each pause")
     parser.add_argument(
         "--threads", type=int, default=os.cpu_count() or 1, help="both runtimes' threads"
     )

@@ -105,6 +105,10 @@ class Engine:
         # the initializers on the device, uploaded by the first context and shared by all of them
         # (per device: {str(torch device): {value: tensor}})
         self.device_weights: dict[str, dict[Any, Any]] = {}
+        # the cpu backend's shape-specialized functions, per layer name and input shapes: made
+        # by the first context that runs a shape and used by all (the same kernels, so the
+        # same numbers, in every context)
+        self.cpu_specialized: dict[str, dict[Any, Any]] = {}
 
     # ------------------------------------------------------------------ description
     @property

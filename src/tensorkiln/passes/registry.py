@@ -8,6 +8,7 @@ _MODULES = (
     "shape",
     "fuse_conv",
     "fuse_gemm",
+    "fuse_se",
     "fuse_norm",
     "fuse_activation",
     "fuse_attention",

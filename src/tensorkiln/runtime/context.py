@@ -419,7 +419,13 @@ def _executor(engine: Any, mode: str) -> Executor:
     if engine.backend == "reference":
         return Executor(engine.graph, "reference")
     if engine.backend == "cpu":  # the torch kernels on CPU tensors, with the engine's weights
-        return Executor(engine.graph, "cpu", "cpu", weights=engine.device_weights)
+        return Executor(
+            engine.graph,
+            "cpu",
+            "cpu",
+            weights=engine.device_weights,
+            specialized=getattr(engine, "cpu_specialized", None),
+        )
     from tensorkiln.tactics.autotune import tactic_functions
 
     tactics = tactic_functions(engine.graph, engine.layers, mode)

@@ -50,17 +50,22 @@ class Executor:
         weights: dict[str, dict[Value, Any]] | None = None,
         *,
         plain: bool = False,
+        specialized: dict[str, dict[tuple, Any]] | None = None,
     ) -> None:
         """``tactics`` maps top-level node names to the function that runs them instead of the
         op's registered kernel (the autotuner's choices). ``weights`` holds the initializers
         already on a device, per device; executors given the same dict share them (an engine's
         contexts do). ``plain`` (the cpu backend) runs its kernels on their plain torch route:
         weights as they are (not held for prepacking), no shape-specialized functions, inputs
-        uploaded as they are; what torch.compile traces (runtime/cpu_compile.py)."""
+        uploaded as they are; what torch.compile traces (runtime/cpu_compile.py).
+        ``specialized`` holds the cpu backend's shape-specialized functions of the top graph's
+        layers by name; executors given the same dict share them (an engine's contexts do)."""
         self.graph = graph
         self.backend = backend
         self.tactics = dict(tactics or {})
         self._plans: dict[int, list[_Step]] = {}
+        self._constants: dict[int, dict[Value, Any]] = {}  # see constants()
+        self._specialized = {} if specialized is None else specialized
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
         check_supported(graph, backend)
         self.device = _device(backend, device)
@@ -95,6 +100,15 @@ class Executor:
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
 
+    def constants(self, graph: Graph) -> dict[Value, Any]:
+        """``graph``'s initializers as :meth:`const` gives them, made once per graph: each run
+        starts from a copy (a run of a small network would otherwise spend tens of microseconds
+        looking each one up)."""
+        table = self._constants.get(id(graph))
+        if table is None:
+            table = self._constants[id(graph)] = {v: self.const(v) for v in graph.initializers}
+        return table
+
     def upload_weights(self) -> None:
         """Put the main graph's initializers on the device now (not at the first run).
         Subgraphs' initializers are uploaded when first used."""
@@ -126,7 +140,9 @@ class Executor:
             free = tuple(frees.get(i, ()))
             step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
             if self._specializes(entry):
-                step.specialized = {}
+                # (shared by name for the top graph; a subgraph's layers keep their own)
+                shared = self._specialized if graph is self.graph else {}
+                step.specialized = shared.setdefault(n.name, {})
             plan.append(step)
         self._plans[id(graph)] = plan
         return plan
@@ -240,7 +256,7 @@ class Scope:
             raise KernelError(
                 f"subgraph '{graph.name}' takes {len(graph.inputs)} inputs, got {len(inputs)}"
             )
-        local: dict[Value, Any] = {v: self.executor.const(v) for v in graph.initializers}
+        local: dict[Value, Any] = dict(self.executor.constants(graph))
         local.update(zip(graph.inputs, inputs))
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
@@ -306,8 +322,9 @@ _SPECIALIZED_SHAPES = 16  # per layer; more input shapes than this run the kerne
 
 def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> Any:
     """The step's kernel on ``args``: the first call at a set of input shapes runs the kernel
-    itself (which checks the arguments) and asks it for a function specialized to those shapes;
-    later calls at the same shapes run that function. It skips, per call, what depends only on
+    itself (which checks the arguments) and asks it for a function specialized to those shapes,
+    then answers with that function too; later calls at the same shapes run it. The table is
+    shared by an engine's contexts: every run of a layer at a shape goes through one function. It skips, per call, what depends only on
     the shapes and attributes (checks, geometry, choice of path), which on the CPU is a
     large part of a small layer's time."""
     table = step.specialized
@@ -317,8 +334,14 @@ def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> An
         return fn(*args)
     result = step.kernel.fn(*args, **kwargs)
     if len(table) < _SPECIALIZED_SHAPES:  # type: ignore[arg-type]
-        fn = step.kernel.fn.specialize(*args, **kwargs)
-        table[key] = fn if fn is not None else functools.partial(step.kernel.fn, **kwargs)  # type: ignore[index]
+        made = step.kernel.fn.specialize(*args, **kwargs)
+        if made is None:
+            made = functools.partial(step.kernel.fn, **kwargs)
+        fn = table.setdefault(key, made)  # type: ignore[union-attr]
+        if not isinstance(fn, functools.partial):
+            # the first run at these shapes gives what every later one will (the function
+            # chosen may be another path than the kernel's, with other roundings)
+            return fn(*args)
     return result
 
 

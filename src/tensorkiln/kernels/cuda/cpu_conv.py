@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.reference._window import Geometry
 
 _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations, group): packed}
@@ -68,7 +69,10 @@ def channels_last_input(x: Any) -> torch.Tensor | None:
     with warnings.catch_warnings():  # (a read-only array: only read, into the copy)
         warnings.simplefilter("ignore", UserWarning)
         t = torch.from_numpy(np.ascontiguousarray(x))
-    return torch.empty_like(t, memory_format=torch.channels_last).copy_(t)
+    y = torch.empty_like(t, memory_format=torch.channels_last)
+    if not cpu_native.to_channels_last(t, y):  # (torch's copy: 73 us for 1x3x224x224, 2 threads)
+        y.copy_(t)
+    return y
 
 
 def cpu_layout(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -97,27 +97,33 @@ static inline vf act_v(vf v, int act, float a0, float a1) {
     }
 }
 
-/* the epilogue of one output row of nv <= NR values at y (residual at res, or NULL) */
+/* the epilogue of one output row of nv <= NR values at y (residual at res, or NULL): whole
+   vectors straight to memory, a partial one through a buffer */
 static inline void epilogue(vf acc[2], const float *bias, float *y, const float *res, long nv,
                             int order, int act, float a0, float a1) {
-    float rt[NR], yt[NR];
-    if (res && nv < NR) {
-        memset(rt, 0, sizeof rt);
-        memcpy(rt, res, (size_t)nv * sizeof(float));
-        res = rt;
-    }
     int halves = nv > VL ? 2 : 1;
     for (int h = 0; h < halves; h++) {
+        long left = nv - h * VL;
         vf v = acc[h] + ld(bias + h * VL);
-        if (res && order == 0) v += ld(res + h * VL);
+        vf r = bc(0.0f);
+        if (res && left >= VL) {
+            r = ld(res + h * VL);
+        } else if (res) {
+            float rt[VL] = {0};
+            memcpy(rt, res + h * VL, (size_t)left * sizeof(float));
+            r = ld(rt);
+        }
+        if (order == 0) v += r;
         v = act_v(v, act, a0, a1);
-        if (res && order == 1) v += ld(res + h * VL);
-        if (nv == NR)
+        if (order == 1) v += r;
+        if (left >= VL) {
             st(y + h * VL, v);
-        else
-            st(yt + h * VL, v);
+        } else {
+            float yt[VL];
+            st(yt, v);
+            memcpy(y + h * VL, yt, (size_t)left * sizeof(float));
+        }
     }
-    if (nv < NR) memcpy(y, yt, (size_t)nv * sizeof(float));
 }
 
 /* MR rows a[i][0..K) times one packed panel b (K x NR): acc[i][0..2) */
@@ -125,20 +131,47 @@ static inline void epilogue(vf acc[2], const float *bias, float *y, const float 
     for (long k = 0; k < K; k++) {                                                            \
         vf b0 = ld(b + k * NR), b1 = NV > 1 ? ld(b + k * NR + VL) : bc(0.0f);                 \
         for (int i = 0; i < MR; i++) {                                                        \
-            vf s = bc(a[i][k]);                                                               \
-            acc[i][0] += s * b0;                                                              \
-            if (NV > 1) acc[i][1] += s * b1;                                                  \
+            float s = a[i][k];                                                                \
+            acc[i][0] += b0 * s;                                                              \
+            if (NV > 1) acc[i][1] += b1 * s;                                                  \
         }                                                                                     \
     }
 
-static inline void panel(const float *const a[MR], long K, const float *b, long nv,
-                         vf acc[MR][2]) {
-    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = bc(0.0f);
+/* acc += rows a[i][0..K) times the panel rows b[0..K) */
+static inline void panel_add(const float *const a[MR], long K, const float *b, long nv,
+                             vf acc[MR][2]) {
     if (nv > VL) {
         MICRO(2)
     } else {
         MICRO(1)
     }
+}
+
+static inline void panel(const float *const a[MR], long K, const float *b, long nv,
+                         vf acc[MR][2]) {
+    for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = bc(0.0f);
+    panel_add(a, K, b, nv, acc);
+}
+
+/* one row a[0..K) times a panel (fewer rows than MR: a small batch of vectors, the GEMV of a
+   classifier head), two chains of accumulators */
+static inline void row_panel(const float *a, long K, const float *b, long nv, vf acc[2]) {
+    vf s0 = bc(0.0f), s1 = bc(0.0f), t0 = bc(0.0f), t1 = bc(0.0f);
+    long k = 0;
+    for (; k + 2 <= K; k += 2) {
+        s0 += ld(b + k * NR) * a[k];
+        t0 += ld(b + (k + 1) * NR) * a[k + 1];
+        if (nv > VL) {
+            s1 += ld(b + k * NR + VL) * a[k];
+            t1 += ld(b + (k + 1) * NR + VL) * a[k + 1];
+        }
+    }
+    for (; k < K; k++) {
+        s0 += ld(b + k * NR) * a[k];
+        if (nv > VL) s1 += ld(b + k * NR + VL) * a[k];
+    }
+    acc[0] = s0 + t0;
+    acc[1] = s1 + t1;
 }
 
 /* y = act(x @ w + bias [+ res]), a 1x1 convolution over M = B*H*W rows of K channels:
@@ -153,8 +186,16 @@ void tk_gemm_rows(const float *x, long M, long K, const float *wp, const float *
         long pb = t % panels, m0 = (t / panels) * MR, n0 = pb * NR;
         long nv = N - n0 < NR ? N - n0 : NR;
         const float *a[MR];
-        for (int i = 0; i < MR; i++) a[i] = x + (m0 + i < M ? m0 + i : M - 1) * K;
         vf acc[MR][2];
+        if (M - m0 < MR) { /* the last rows, fewer than a block: one at a time */
+            for (long m = m0; m < M; m++) {
+                row_panel(x + m * K, K, wp + pb * K * NR, nv, acc[0]);
+                epilogue(acc[0], bias + n0, y + m * N + n0, res ? res + m * N + n0 : NULL, nv,
+                         order, act, a0, a1);
+            }
+            continue;
+        }
+        for (int i = 0; i < MR; i++) a[i] = x + (m0 + i) * K;
         panel(a, K, wp + pb * K * NR, nv, acc);
         for (int i = 0; i < MR && m0 + i < M; i++)
             epilogue(acc[i], bias + n0, y + (m0 + i) * N + n0,
@@ -180,19 +221,57 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
         float buf[MR * TK_CONV_MAX_K];
         const float *a[MR];
         long m0 = mb * MR;
+        /* the block's output pixels (b, ho, wo), stepping from the first (no division each) */
+        long pb_[MR], ph_[MR], pw_[MR];
+        {
+            long m = m0, b = m / (Ho * Wo), r = m % (Ho * Wo), ho = r / Wo, wo = r % Wo;
+            for (int i = 0; i < MR; i++) {
+                pb_[i] = b, ph_[i] = ho, pw_[i] = wo;
+                if (m0 + i + 1 < M && ++wo == Wo) {
+                    wo = 0;
+                    if (++ho == Ho) ho = 0, b++;
+                }
+            }
+        }
+        /* where every window of the block lies inside the input (and dw == 1), each kernel row
+           of a window is kw*C contiguous floats: multiply them in place, kernel row by row */
+        int inside = dw == 1;
+        long base[MR];
+        for (int i = 0; i < MR && inside; i++) {
+            long hi = ph_[i] * sh - pt, wi = pw_[i] * sw - pl;
+            inside = hi >= 0 && hi + (kh - 1) * dh < H && wi >= 0 && wi + kw - 1 < W;
+            base[i] = ((pb_[i] * H + hi) * W + wi) * C;
+        }
+        if (inside) {
+            long seg = kw * C;
+            for (long pb = 0; pb < panels; pb++) {
+                long n0 = pb * NR, nv = N - n0 < NR ? N - n0 : NR;
+                vf acc[MR][2];
+                for (int i = 0; i < MR; i++) acc[i][0] = acc[i][1] = bc(0.0f);
+                for (long u = 0; u < kh; u++) {
+                    for (int i = 0; i < MR; i++) a[i] = x + base[i] + u * dh * W * C;
+                    panel_add(a, seg, wp + pb * K * NR + u * seg * NR, nv, acc);
+                }
+                for (int i = 0; i < MR && m0 + i < M; i++)
+                    epilogue(acc[i], bias + n0, y + (m0 + i) * N + n0,
+                             res ? res + (m0 + i) * N + n0 : NULL, nv, order, act, a0, a1);
+            }
+            continue;
+        }
         for (int i = 0; i < MR; i++) {
-            long m = m0 + i < M ? m0 + i : M - 1;
-            long b = m / (Ho * Wo), ho = (m / Wo) % Ho, wo = m % Wo;
+            long b = pb_[i], ho = ph_[i], wo = pw_[i];
             float *row = buf + i * K;
             for (long u = 0; u < kh; u++) {
                 long hi = ho * sh - pt + u * dh;
                 for (long v = 0; v < kw; v++) {
                     long wi = wo * sw - pl + v * dw;
                     float *dst = row + (u * kw + v) * C;
-                    if (hi < 0 || hi >= H || wi < 0 || wi >= W)
-                        memset(dst, 0, (size_t)C * sizeof(float));
-                    else
-                        memcpy(dst, x + ((b * H + hi) * W + wi) * C, (size_t)C * sizeof(float));
+                    if (hi < 0 || hi >= H || wi < 0 || wi >= W) {
+                        for (long c = 0; c < C; c++) dst[c] = 0.0f;
+                    } else {
+                        const float *src = x + ((b * H + hi) * W + wi) * C;
+                        for (long c = 0; c < C; c++) dst[c] = src[c];
+                    }
                 }
             }
             a[i] = row;
@@ -219,7 +298,10 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
 void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, const float *bias,
                long kh, long kw, long sh, long sw, long pt, long pl, long dh, long dw, long Ho,
                long Wo, float *y, const float *res, int order, int act, float a0, float a1) {
-    long Cv = C - C % VL;
+    /* channels in vectors of VL; where C is no multiple of VL but at least VL, the last vector
+       starts at C - VL and overlaps the one before (those channels are computed twice, the same
+       way); only C < VL takes the zero-padded path below */
+    long Cv = C >= VL ? C : 0;
 #pragma omp parallel for collapse(2) schedule(static) if (B * Ho * Wo * C * kh * kw > 200000)
     for (long b = 0; b < B; b++) {
         for (long ho = 0; ho < Ho; ho++) {
@@ -235,7 +317,8 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
                 int full = j0 == 0 && j1 == kw && dw == 1;
                 float *yp = y + ((b * Ho + ho) * Wo + wo) * C;
                 const float *rp = res ? res + ((b * Ho + ho) * Wo + wo) * C : NULL;
-                for (long c = 0; c < Cv; c += VL) {
+                for (long c0 = 0; c0 < Cv; c0 += VL) {
+                    long c = c0 + VL <= C ? c0 : C - VL;
                     vf acc = ld(bias + c);
                     if (full && kw == 3) {
                         DW_TAPS(3)
@@ -254,7 +337,7 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
                     if (rp && order == 1) acc += ld(rp + c);
                     st(yp + c, acc);
                 }
-                if (Cv < C) { /* the last C % VL channels, through a zero-padded vector */
+                if (Cv < C) { /* fewer channels than a vector: through a zero-padded one */
                     float xt[VL], wt[VL], rt[VL], yt[VL];
                     size_t nt = (size_t)(C - Cv) * sizeof(float);
                     memset(xt, 0, sizeof xt);
@@ -279,4 +362,99 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
             }
         }
     }
+}
+
+/* squeeze-and-excitation: y = x * gate(W2 act(W1 mean(x) + b1) + b2), x and y (B, HW, C):
+   w1t (C, Sp) is W1 transposed with S padded to Sp (a multiple of VL) by zeros, b1 Sp values,
+   w2t (S, Cp) is W2 transposed with C padded to Cp, b2 Cp values; scratch holds
+   B * (2 * Cp + Sp) floats */
+void tk_se(const float *x, long B, long HW, long C, const float *w1t, const float *b1, long S,
+           long Sp, const float *w2t, const float *b2, long Cp, int act1, float a10, float a11,
+           int act2, float a20, float a21, float *y, float *scratch) {
+    long Cv = C - C % VL;
+#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > 200000)
+    for (long b = 0; b < B; b++) {
+        float *m = scratch + b * (2 * Cp + Sp), *h = m + Cp, *g = h + Sp;
+        const float *xb = x + b * HW * C;
+        memset(m, 0, (size_t)Cp * sizeof(float));
+        for (long c = 0; c < Cv; c += VL) {
+            vf s0 = bc(0.0f), s1 = bc(0.0f), s2 = bc(0.0f), s3 = bc(0.0f);
+            long i = 0;
+            for (; i + 4 <= HW; i += 4) {
+                s0 += ld(xb + i * C + c);
+                s1 += ld(xb + (i + 1) * C + c);
+                s2 += ld(xb + (i + 2) * C + c);
+                s3 += ld(xb + (i + 3) * C + c);
+            }
+            for (; i < HW; i++) s0 += ld(xb + i * C + c);
+            st(m + c, ((s0 + s1) + (s2 + s3)) / (float)HW);
+        }
+        for (long c = Cv; c < C; c++) {
+            float s = 0.0f;
+            for (long i = 0; i < HW; i++) s += xb[i * C + c];
+            m[c] = s / (float)HW;
+        }
+        /* the two small products with the weight rows outermost: independent accumulators */
+        memcpy(h, b1, (size_t)Sp * sizeof(float));
+        for (long c = 0; c < C; c++) {
+            vf mc = bc(m[c]);
+            const float *wr = w1t + c * Sp;
+            for (long s = 0; s < Sp; s += VL) st(h + s, ld(h + s) + mc * ld(wr + s));
+        }
+        for (long s = 0; s < Sp; s += VL) st(h + s, act_v(ld(h + s), act1, a10, a11));
+        memcpy(g, b2, (size_t)Cp * sizeof(float));
+        for (long s = 0; s < S; s++) {
+            vf hs = bc(h[s]);
+            const float *wr = w2t + s * Cp;
+            for (long c = 0; c < Cp; c += VL) st(g + c, ld(g + c) + hs * ld(wr + c));
+        }
+        for (long c = 0; c < Cp; c += VL) st(g + c, act_v(ld(g + c), act2, a20, a21));
+    }
+#pragma omp parallel for schedule(static) if (B * HW * C > 200000)
+    for (long r = 0; r < B * HW; r++) {
+        const float *g = scratch + (r / HW) * (2 * Cp + Sp) + Cp + Sp;
+        const float *xr = x + r * C;
+        float *yr = y + r * C;
+        for (long c = 0; c < Cv; c += VL) st(yr + c, ld(xr + c) * ld(g + c));
+        for (long c = Cv; c < C; c++) yr[c] = xr[c] * g[c];
+    }
+}
+
+/* The entry points ctypes calls: the layer's fixed arguments in one int64 array (sizes, weight
+   and bias addresses, activation codes) and one float array (activation scalars), the tensors
+   of the call apart. ctypes converts each argument it passes (about 0.4 us apiece). */
+#include <stdint.h>
+#define PTR(i) ((const float *)(intptr_t)p[i])
+
+void tk_gemm_rows_p(const int64_t *p, const float *f, const float *x, float *y, const float *res) {
+    tk_gemm_rows(x, p[0], p[1], PTR(2), PTR(3), p[4], y, res, (int)p[5], (int)p[6], f[0], f[1]);
+}
+
+void tk_conv_gemm_p(const int64_t *p, const float *f, const float *x, float *y, const float *res) {
+    tk_conv_gemm(x, p[0], p[1], p[2], p[3], PTR(4), PTR(5), p[6], p[7], p[8], p[9], p[10], p[11],
+                 p[12], p[13], p[14], p[15], p[16], y, res, (int)p[17], (int)p[18], f[0], f[1]);
+}
+
+void tk_dwconv_p(const int64_t *p, const float *f, const float *x, float *y, const float *res) {
+    tk_dwconv(x, p[0], p[1], p[2], p[3], PTR(4), PTR(5), p[6], p[7], p[8], p[9], p[10], p[11],
+              p[12], p[13], p[14], p[15], y, res, (int)p[16], (int)p[17], f[0], f[1]);
+}
+
+void tk_se_p(const int64_t *p, const float *f, const float *x, float *y, float *scratch) {
+    tk_se(x, p[0], p[1], p[2], PTR(3), PTR(4), p[5], p[6], PTR(7), PTR(8), p[9], (int)p[10], f[0],
+          f[1], (int)p[11], f[2], f[3], y, scratch);
+}
+
+/* a (B, C, H*W) array as (B, H*W, C): the channels-last copy of an NCHW input */
+void tk_to_channels_last(const float *x, long B, long C, long HW, float *y) {
+#pragma omp parallel for collapse(2) schedule(static) if (B * C * HW > 100000)
+    for (long b = 0; b < B; b++)
+        for (long p0 = 0; p0 < HW; p0 += 64) {
+            long p1 = p0 + 64 < HW ? p0 + 64 : HW;
+            for (long c = 0; c < C; c++) {
+                const float *src = x + (b * C + c) * HW;
+                float *dst = y + b * HW * C + c;
+                for (long p = p0; p < p1; p++) dst[p * C] = src[p];
+            }
+        }
 }

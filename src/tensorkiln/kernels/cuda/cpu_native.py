@@ -30,8 +30,10 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,15 +60,26 @@ _ACT = {
     "LeakyRelu": (7, (0.009999999776482582, 0.0)),
 }
 
-_L, _P, _I, _F = ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+_P = ctypes.c_void_p
 _SIGNATURES = {
-    "tk_vector_floats": ([], _I),
-    "tk_panel_floats": ([], _I),
-    "tk_conv_max_k": ([], _L),
-    "tk_gemm_rows": ([_P, _L, _L, _P, _P, _L, _P, _P, _I, _I, _F, _F], None),
-    "tk_conv_gemm": ([_P, _L, _L, _L, _L, _P, _P, _L] + [_L] * 10 + [_P, _P, _I, _I, _F, _F], None),
-    "tk_dwconv": ([_P, _L, _L, _L, _L, _P, _P] + [_L] * 10 + [_P, _P, _I, _I, _F, _F], None),
+    "tk_vector_floats": ([], ctypes.c_int),
+    "tk_panel_floats": ([], ctypes.c_int),
+    "tk_conv_max_k": ([], ctypes.c_long),
+    # (fixed int64 arguments, fixed float arguments, x, y, residual or scratch)
+    "tk_gemm_rows_p": ([_P] * 5, None),
+    "tk_conv_gemm_p": ([_P] * 5, None),
+    "tk_dwconv_p": ([_P] * 5, None),
+    "tk_se_p": ([_P] * 5, None),
+    "tk_to_channels_last": ([_P, ctypes.c_long, ctypes.c_long, ctypes.c_long, _P], None),
 }
+
+
+def _fixed(ints: tuple, floats: tuple) -> tuple[int, int, tuple]:
+    """A layer's fixed arguments as the addresses of an int64 and a float array (and the
+    arrays, which the caller keeps alive): one ctypes argument each instead of one per value."""
+    ia = (ctypes.c_int64 * len(ints))(*(int(v) for v in ints))
+    fa = (ctypes.c_float * len(floats))(*(float(v) for v in floats))
+    return ctypes.addressof(ia), ctypes.addressof(fa), (ia, fa)
 
 
 class Native:
@@ -78,6 +91,7 @@ class Native:
             fn.argtypes, fn.restype = args, res
         self.lib = lib
         self.panel = int(lib.tk_panel_floats())
+        self.vector = int(lib.tk_vector_floats())
         self.max_k = int(lib.tk_conv_max_k())
 
 
@@ -236,6 +250,23 @@ def _residual(z: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | 
     return _cl(z)
 
 
+def _runner(
+    fn: Any, ints: tuple, floats: tuple, m: int, g: Geometry, shape: tuple, keep: tuple
+) -> Layer:
+    """``(x, z) -> y`` calling convolution kernel ``fn`` with these fixed arguments."""
+    ip, fp, arrays = _fixed(ints, floats)
+
+    def run(x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        x = _cl(x)
+        r = _residual(z, shape)
+        y = _output(x, m, g)
+        fn(ip, fp, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
+        return y
+
+    run.keep = (keep, arrays)  # type: ignore[attr-defined]
+    return run
+
+
 def depthwise(
     native: Native,
     x: torch.Tensor,
@@ -254,30 +285,10 @@ def depthwise(
     kh, kw = w.shape[2:]
     taps = w.detach().reshape(c, kh * kw).t().contiguous()  # (kh*kw, C)
     bias = _padded_bias(b, c, 1)
-    fixed = (n, h, wd, c, taps.data_ptr(), bias.data_ptr(), kh, kw, *g.strides)
-    fixed += (g.begin[0], g.begin[1], *g.dilations, *g.out)
     code, a0, a1 = act
-    fn = native.lib.tk_dwconv
-    shape = (n, c, *g.out)
-
-    def run(x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x = _cl(x)
-        r = _residual(z, shape)
-        y = _output(x, c, g)
-        fn(
-            x.data_ptr(),
-            *fixed,
-            y.data_ptr(),
-            None if r is None else r.data_ptr(),
-            order,
-            code,
-            a0,
-            a1,
-        )
-        return y
-
-    run.keep = (taps, bias)  # type: ignore[attr-defined]
-    return run
+    ints = (n, h, wd, c, taps.data_ptr(), bias.data_ptr(), kh, kw, *g.strides, *g.begin[:2])
+    ints += (*g.dilations, *g.out, order, code)
+    return _runner(native.lib.tk_dwconv_p, ints, (a0, a1), c, g, (n, c, *g.out), (taps, bias))
 
 
 def pointwise(
@@ -302,32 +313,8 @@ def pointwise(
     bias = _padded_bias(b, m, native.panel)
     rows = n * h * wd
     code, a0, a1 = act
-    fn = native.lib.tk_gemm_rows
-    wp, bp = packed.data_ptr(), bias.data_ptr()
-    shape = (n, m, h, wd)
-
-    def run(x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x = _cl(x)
-        r = _residual(z, shape)
-        y = _output(x, m, g)
-        fn(
-            x.data_ptr(),
-            rows,
-            c,
-            wp,
-            bp,
-            m,
-            y.data_ptr(),
-            None if r is None else r.data_ptr(),
-            order,
-            code,
-            a0,
-            a1,
-        )
-        return y
-
-    run.keep = (packed, bias)  # type: ignore[attr-defined]
-    return run
+    ints = (rows, c, packed.data_ptr(), bias.data_ptr(), m, order, code)
+    return _runner(native.lib.tk_gemm_rows_p, ints, (a0, a1), m, g, (n, m, h, wd), (packed, bias))
 
 
 def im2col_conv(
@@ -351,30 +338,11 @@ def im2col_conv(
     w2 = w.detach().permute(2, 3, 1, 0).reshape(kh * kw * c, m)  # rows in (i, j, c) order
     packed = _panels(w2, native.panel)
     bias = _padded_bias(b, m, native.panel)
-    fixed = (n, h, wd, c, packed.data_ptr(), bias.data_ptr(), m, kh, kw, *g.strides)
-    fixed += (g.begin[0], g.begin[1], *g.dilations, *g.out)
     code, a0, a1 = act
-    fn = native.lib.tk_conv_gemm
-    shape = (n, m, *g.out)
-
-    def run(x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x = _cl(x)
-        r = _residual(z, shape)
-        y = _output(x, m, g)
-        fn(
-            x.data_ptr(),
-            *fixed,
-            y.data_ptr(),
-            None if r is None else r.data_ptr(),
-            order,
-            code,
-            a0,
-            a1,
-        )
-        return y
-
-    run.keep = (packed, bias)  # type: ignore[attr-defined]
-    return run
+    ints = (n, h, wd, c, packed.data_ptr(), bias.data_ptr(), m, kh, kw, *g.strides, *g.begin[:2])
+    ints += (*g.dilations, *g.out, order, code)
+    fn = native.lib.tk_conv_gemm_p
+    return _runner(fn, ints, (a0, a1), m, g, (n, m, *g.out), (packed, bias))
 
 
 def layer(
@@ -399,3 +367,163 @@ def layer(
         if fn is not None:
             return fn
     return None
+
+
+def to_channels_last(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Copy NCHW-contiguous float32 ``x`` into channels-last ``y`` of its shape natively; False
+    (nothing done) where the library or the layouts are not there."""
+    native = library()
+    if (
+        native is None
+        or x.dtype != torch.float32
+        or y.dtype != torch.float32
+        or x.ndim != 4
+        or x.shape != y.shape
+        or not x.is_contiguous()
+        or not y.is_contiguous(memory_format=torch.channels_last)
+    ):
+        return False
+    n, c, h, w = x.shape
+    native.lib.tk_to_channels_last(x.data_ptr(), n, c, h * w, y.data_ptr())
+    return True
+
+
+def squeeze_excite(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    b1: torch.Tensor | None,
+    w2: torch.Tensor,
+    b2: torch.Tensor | None,
+    act1: tuple[int, float, float] | None,
+    act2: tuple[int, float, float] | None,
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> y`` for a SqueezeExcite at ``x``'s shape with these weights (one pass over x for
+    the mean, one for the scaling), or None (no library, an activation the kernels lack)."""
+    native = library()
+    if native is None or act1 is None or act2 is None or not _applies(x, w1, b1):
+        return None
+    if w2.dtype != torch.float32 or (b2 is not None and b2.dtype != torch.float32):
+        return None
+    n, c, h, wd = x.shape
+    s = w1.shape[0]
+    vl = native.vector
+    sp, cp = -(-s // vl) * vl, -(-c // vl) * vl
+    w1t = torch.zeros(c, sp, dtype=torch.float32)
+    w1t[:, :s] = w1.detach().reshape(s, c).t()
+    w2t = torch.zeros(s, cp, dtype=torch.float32)
+    w2t[:, :c] = w2.detach().reshape(c, s).t()
+    b1p, b2p = _padded_bias(b1, s, vl), _padded_bias(b2, c, vl)
+    ip, fp, arrays = _fixed(
+        (n, h * wd, c, w1t.data_ptr(), b1p.data_ptr(), s, sp, w2t.data_ptr(), b2p.data_ptr(), cp,
+         act1[0], act2[0]),
+        (*act1[1:], *act2[1:]),
+    )  # fmt: skip
+    scratch = n * (2 * cp + sp)
+    fn = native.lib.tk_se_p
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        x = _cl(x)
+        y = torch.empty_like(x, memory_format=torch.channels_last)
+        work = torch.empty(scratch, dtype=torch.float32)
+        fn(ip, fp, x.data_ptr(), y.data_ptr(), work.data_ptr())
+        return y
+
+    run.keep = (w1t, w2t, b1p, b2p, arrays)  # type: ignore[attr-defined]
+    return run
+
+
+def gemm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    trans_b: int,
+    act: tuple[int, float, float] | None,
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``a -> act(a @ B' + c)`` for a 2-D float32 ``a`` of this shape and constant ``b``, ``c``
+    (C of N values), or None (no library, an activation the kernels lack, too large)."""
+    native = library()
+    if native is None or act is None or not _applies(a.reshape(1, 1, *a.shape), b, c):
+        return None
+    if a.ndim != 2 or b.ndim != 2:
+        return None
+    w2 = b.detach().t() if trans_b else b.detach()
+    m, k = a.shape
+    n = w2.shape[1]
+    if w2.shape[0] != k or m * k * n > _MAX_MACS:
+        return None
+    if c is not None and (c.numel() != n or (c.ndim == 2 and c.shape[0] != 1) or c.ndim > 2):
+        return None
+    packed = _panels(w2, native.panel)
+    bias = _padded_bias(c, n, native.panel)
+    ints = (m, k, packed.data_ptr(), bias.data_ptr(), n, 0, act[0])
+    ip, fp, arrays = _fixed(ints, act[1:])
+    fn = native.lib.tk_gemm_rows_p
+
+    def run(a: torch.Tensor) -> torch.Tensor:
+        a = a.contiguous()
+        y = torch.empty((m, n), dtype=torch.float32)
+        fn(ip, fp, a.data_ptr(), y.data_ptr(), None)
+        return y
+
+    run.keep = (packed, bias, arrays)  # type: ignore[attr-defined]
+    return run
+
+
+def specialize_gemm(
+    kernel: Callable[..., torch.Tensor],
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None,
+    attrs: dict[str, Any],
+) -> Callable[..., torch.Tensor] | None:
+    """The ``specialize`` of the Gemm and GemmAct kernels: the native GEMM where alpha, beta
+    and transA are the defaults and the activation is one the kernels have."""
+    get = attrs.get
+    if a.device.type != "cpu" or get("alpha", 1.0) != 1.0 or get("transA", 0):
+        return None
+    if c is not None and get("beta", 1.0) != 1.0:
+        return None
+    act = activation(
+        get("activation", ""), get("activation_alpha"), get("activation_beta"),
+        get("activation_min"), get("activation_max"),
+    )  # fmt: skip
+    native = gemm(a, b, c, get("transB", 0), act)
+    if native is None:
+        return None
+    return specialized(native, functools.partial(kernel, **attrs), (a, b, c))
+
+
+def specialized(
+    native: Callable[[torch.Tensor], torch.Tensor],
+    generic: Callable[..., torch.Tensor],
+    args: tuple,
+) -> Callable[..., torch.Tensor] | None:
+    """A kernel's specialized function over ``native`` (made for the constants ``args[1:]``: any
+    other goes to ``generic``), where it is the faster of the two on ``args`` (always with
+    TENSORKILN_CPU_NATIVE=always); None where ``generic`` is faster."""
+    consts = args[1:]
+
+    def run_native(x: torch.Tensor, *rest: Any) -> torch.Tensor:
+        if any(p is not q for p, q in zip(rest, consts)) or len(rest) != len(consts):
+            return generic(x, *rest)  # (a guard: the executor's weights are constants)
+        return native(x)
+
+    if always() or faster(run_native, generic, args) is run_native:
+        return run_native
+    return None
+
+
+def faster(
+    first: Callable[..., Any], second: Callable[..., Any], args: tuple, runs: int = 7
+) -> Callable[..., Any]:
+    """The faster of two functions of ``args``, measured here: 1 warm-up run each, then
+    ``runs`` alternating runs; the shorter best run wins (noise only ever adds time, and these
+    layers take microseconds), ``first`` on a tie."""
+    best = [float("inf"), float("inf")]
+    for i in range(runs + 1):
+        for k, fn in enumerate((first, second)):
+            t0 = time.perf_counter()
+            fn(*args)
+            if i:
+                best[k] = min(best[k], time.perf_counter() - t0)
+    return first if best[0] <= best[1] else second

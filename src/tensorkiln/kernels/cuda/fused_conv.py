@@ -16,8 +16,6 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -317,24 +315,14 @@ def _faster_of(
     b: torch.Tensor | None,
     z: torch.Tensor | None,
 ) -> Callable[..., torch.Tensor]:
-    """The faster, measured on these inputs, of the native kernel and ``other``: 1 warm-up run
-    each, then _TIMED alternating runs, medians."""
-    times: list[list[float]] = [[], []]
-    fns = (run_native, other)
-    for i in range(_TIMED + 1):
-        for k, fn in enumerate(fns):
-            t0 = time.perf_counter()
-            _call(fn, x, w, b, z)
-            if i:
-                times[k].append(time.perf_counter() - t0)
-    return run_native if statistics.median(times[0]) < statistics.median(times[1]) else other
+    """The faster, measured on these inputs, of the native kernel and ``other``."""
+    first = functools.partial(_call, run_native)
+    best = cpu_native.faster(first, functools.partial(_call, other), (x, w, b, z))
+    return run_native if best is first else other
 
 
 def _call(fn: Callable[..., torch.Tensor], x, w, b, z) -> torch.Tensor:
     return fn(x, w, b) if z is None else fn(x, w, b, z)  # (the GEMM path takes no residual)
-
-
-_TIMED = 5  # alternating timed runs of each candidate when a ConvAct picks its CPU path
 
 
 def _specialized_torch(

@@ -15,9 +15,12 @@ other than Relu, runs in place on the GEMM's fresh output instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
 from tensorkiln.kernels.reference.fused_conv import check_activation
 from tensorkiln.kernels.registry import register
@@ -101,3 +104,18 @@ def gemm_act(
         act = (activation_alpha, activation_beta, activation_min, activation_max)
         activate_(y, activation, *act)
     return y.reshape(*a.shape[:-1], n) if a.ndim > 2 else y
+
+
+def _specialize_gemm_act(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor | None = None,
+    **attrs: Any,
+) -> Callable[..., torch.Tensor] | None:
+    """On the cpu backend, the native GEMM for these shapes and constants where it applies and
+    is the faster (cpu_native.gemm: a classifier head's GEMV at batch 1); None otherwise."""
+    return cpu_native.specialize_gemm(gemm_act, a, b, c, attrs)
+
+
+# the executor asks for it on the cpu backend
+gemm_act.specialize = _specialize_gemm_act  # type: ignore[attr-defined]

@@ -10,10 +10,12 @@ floats in float32. Axis and k inputs are read to the host: they pick the output'
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.tensor import from_order_key, host_scalar, order_key
 from tensorkiln.kernels.registry import register
 
@@ -88,6 +90,20 @@ def gemm(
         return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # c broadcasts to (M, N)
     y = torch.mm(a, b)
     return y * alpha if alpha != 1.0 else y
+
+
+def _specialize_gemm(
+    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, **attrs: Any
+) -> Callable[..., torch.Tensor] | None:
+    """On the cpu backend, the native GEMM for these shapes and constants where it applies and
+    is the faster (cpu_native.specialize_gemm); None otherwise."""
+    if not a.dtype.is_floating_point:
+        return None
+    return cpu_native.specialize_gemm(gemm, a, b, c, attrs)
+
+
+# the executor asks for it on the cpu backend
+gemm.specialize = _specialize_gemm  # type: ignore[attr-defined]
 
 
 def _row_zero_point(zp: torch.Tensor) -> torch.Tensor:

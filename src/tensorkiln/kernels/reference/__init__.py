@@ -35,6 +35,7 @@ _MODULES = (
     "fused_norm",
     "fused_attention",
     "fused_pointwise",
+    "fused_se",
 )
 
 for _name in _MODULES:
