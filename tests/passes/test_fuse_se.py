@@ -124,3 +124,10 @@ def test_cuda_kernel_on_cpu_tensors_matches_the_reference() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="W2 must be"):
         squeeze_excite(t(x), t(w1), None, t(w1), None)
+
+
+def test_fusion_is_for_the_reference_and_cpu_backends_only() -> None:
+    for backend, fused in ((None, True), ("reference", True), ("cpu", True), ("cuda", False)):
+        graph = graph_of(_se_model())
+        PassManager(3, backend=backend).run(graph)
+        assert ("tensorkiln.SqueezeExcite" in ops(graph)) == fused, backend

@@ -143,7 +143,9 @@ class Builder:
                 _check_profiles(graph, config.profiles)
             with _phase(report, "optimize", bar):
                 report.nodes_before = len(graph.nodes)
-                report.passes = optimize(graph, config.optimization_level, config.dump_ir)
+                report.passes = optimize(
+                    graph, config.optimization_level, config.dump_ir, backend=self.backend
+                )
             precision = _precision(config, self.backend)
             with _phase(report, "precision", bar):
                 report.notes += _apply_precision(graph, precision)
@@ -194,15 +196,21 @@ def _check_memory_limit(memory: dict, limit: int | None) -> None:
         )
 
 
-def optimize(graph: Graph, level: int, dump_dir: str | os.PathLike | None = None) -> dict[str, int]:
-    """Run the graph optimizer at ``level`` (0 = none) in place; returns matches per pass."""
+def optimize(
+    graph: Graph,
+    level: int,
+    dump_dir: str | os.PathLike | None = None,
+    backend: str | None = None,
+) -> dict[str, int]:
+    """Run the graph optimizer at ``level`` (0 = none) in place, with the passes of ``backend``
+    (None: all); returns matches per pass."""
     if level <= 0:
         return {}
     from tensorkiln.ir.infer import infer_shapes
     from tensorkiln.ir.verify import verify
     from tensorkiln.passes import PassManager
 
-    pm = PassManager(level, dump_dir=dump_dir)
+    pm = PassManager(level, dump_dir=dump_dir, backend=backend)
     pm.run(graph)
     infer_shapes(graph)
     verify(graph)

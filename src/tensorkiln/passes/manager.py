@@ -32,22 +32,30 @@ class PassInfo:
     fn: PassFn
     order: int
     late: bool = False
+    backends: tuple[str, ...] | None = None  # None: every backend
 
 
 PASSES: dict[str, PassInfo] = {}
 
 
 def register_pass(
-    name: str, *, level: int, order: int, late: bool = False
+    name: str,
+    *,
+    level: int,
+    order: int,
+    late: bool = False,
+    backends: tuple[str, ...] | None = None,
 ) -> Callable[[PassFn], PassFn]:
     """Register a pass run at optimization ``level`` and above, in ascending ``order``.
 
     A ``late`` pass (generic fusion of what is left) joins its stage only once the other passes
     of the stage have reached their fixed point, so it never takes a pattern they would fuse.
+    ``backends`` limits the pass to graphs built for those backends (a fusion that pays on one
+    and not another); a PassManager given no backend runs every pass.
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        PASSES[name] = PassInfo(name, level, fn, order, late)
+        PASSES[name] = PassInfo(name, level, fn, order, late, backends)
         return fn
 
     return decorator
@@ -68,13 +76,19 @@ class PassManager:
         verify: bool = False,
         max_rounds: int = 4,
         only: list[str] | None = None,
+        backend: str | None = None,
     ) -> None:
         _load_passes()
         self.level = level
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.verify = verify
         self.max_rounds = max_rounds
-        chosen = [p for p in PASSES.values() if 0 < p.level <= level]
+        chosen = [
+            p
+            for p in PASSES.values()
+            if 0 < p.level <= level
+            and (backend is None or p.backends is None or backend in p.backends)
+        ]
         if only is not None:
             unknown = set(only) - set(PASSES)
             if unknown:
