@@ -43,16 +43,69 @@ enum { A_NONE, A_RELU, A_CLIP, A_HSWISH, A_HSIG, A_SIGMOID, A_SILU, A_LEAKY };
 int tk_vector_floats(void) { return VL; }
 int tk_panel_floats(void) { return NR; }
 
-/* exp on every lane: Cephes' expf (range reduction by ln 2, degree-6 polynomial), about 1 ulp;
-   inf above 88.38, 0 below -87.34, NaN kept */
-static inline vf vexp(vf x) {
-    const vf hi = bc(88.3762626647949f), lo = bc(-87.3365447505531f);
-    vf xc = sel(x > hi, hi, x);
-    xc = sel(xc < lo, lo, xc);
-    vf fx = xc * 1.44269504088896341f + 0.5f;
-    vf t = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
-    vf n = sel(t > fx, t - 1.0f, t); /* floor */
-    vf r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+/* Lane operations that keep a NaN of v: max(c, v), min(c, v), floor, a reciprocal estimate
+   and "x where x is NaN else y". With AVX-512 or AVX one instruction each (max/min return their
+   second operand when either is NaN, so v goes second); elsewhere through selects. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define M_(x) ((__m512)(x))
+static inline vf vmaxc(vf v, float c) { return (vf)_mm512_max_ps(_mm512_set1_ps(c), M_(v)); }
+static inline vf vminc(vf v, float c) { return (vf)_mm512_min_ps(_mm512_set1_ps(c), M_(v)); }
+static inline vf vfloor(vf v) {
+    return (vf)_mm512_roundscale_ps(M_(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+static inline vf vzero_below(vf v, float c, vf y) { /* y, or 0 where v < c */
+    return (vf)_mm512_maskz_mov_ps(_mm512_cmp_ps_mask(M_(v), _mm512_set1_ps(c), _CMP_NLT_UQ), M_(y));
+}
+static inline vf vnan_keep(vf x, vf y) {
+    return (vf)_mm512_mask_blend_ps(_mm512_cmp_ps_mask(M_(x), M_(x), _CMP_UNORD_Q), M_(y), M_(x));
+}
+static inline vf vrecip(vf d) { /* 14-bit estimate, one Newton step */
+    vf r = (vf)_mm512_rcp14_ps(M_(d));
+    return r * (2.0f - d * r);
+}
+#elif defined(__AVX__) && VL == 8
+#include <immintrin.h>
+#define M_(x) ((__m256)(x))
+static inline vf vmaxc(vf v, float c) { return (vf)_mm256_max_ps(_mm256_set1_ps(c), M_(v)); }
+static inline vf vminc(vf v, float c) { return (vf)_mm256_min_ps(_mm256_set1_ps(c), M_(v)); }
+static inline vf vfloor(vf v) {
+    return (vf)_mm256_round_ps(M_(v), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+static inline vf vzero_below(vf v, float c, vf y) {
+    return (vf)_mm256_and_ps(_mm256_cmp_ps(M_(v), _mm256_set1_ps(c), _CMP_NLT_UQ), M_(y));
+}
+static inline vf vnan_keep(vf x, vf y) {
+    return (vf)_mm256_blendv_ps(M_(y), M_(x), _mm256_cmp_ps(M_(x), M_(x), _CMP_UNORD_Q));
+}
+static inline vf vrecip(vf d) { /* 12-bit estimate, two Newton steps */
+    vf r = (vf)_mm256_rcp_ps(M_(d));
+    r = r * (2.0f - d * r);
+    return r * (2.0f - d * r);
+}
+#else
+static inline vf vmaxc(vf v, float c) { return sel(v < c, bc(c), v); }
+static inline vf vminc(vf v, float c) { return sel(v > c, bc(c), v); }
+static inline vf vfloor(vf v) {
+    vf t = __builtin_convertvector(__builtin_convertvector(v, vi), vf);
+    return sel(t > v, t - 1.0f, t);
+}
+static inline vf vzero_below(vf v, float c, vf y) { return sel(v < c, bc(0.0f), y); }
+static inline vf vnan_keep(vf x, vf y) { return sel(x != x, x, y); }
+static inline vf vrecip(vf d) { /* for 1 <= d < 1e38: an estimate from the exponent bits
+                                   (within 12.5%), three Newton steps */
+    vf r = (vf)((vi){0} + 0x7EF311C3 - (vi)d);
+    r = r * (2.0f - d * r);
+    r = r * (2.0f - d * r);
+    return r * (2.0f - d * r);
+}
+#endif
+
+/* exp(x) for x in [-87.34, 88.38]: Cephes' expf (range reduction by ln 2, degree-6
+   polynomial), about 1 ulp */
+static inline vf vexp_in_range(vf x) {
+    vf n = vfloor(x * 1.44269504088896341f + 0.5f);
+    vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf p = bc(1.9875691500E-4f);
     p = p * r + 1.3981999507E-3f;
     p = p * r + 8.3334519073E-3f;
@@ -61,35 +114,33 @@ static inline vf vexp(vf x) {
     p = p * r + 5.0000001201E-1f;
     p = p * r * r + r + 1.0f;
     vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    vf y = p * (vf)e;
-    y = sel(x > hi, bc(__builtin_inff()), y);
-    y = sel(x < lo, bc(0.0f), y);
-    return sel(x != x, x, y);
+    return p * (vf)e;
+}
+
+/* 1 / (1 + exp(-v)) to float precision without a division: exp of -v clamped to its range
+   (the sum stays below 2.4e38, where the reciprocal estimate holds), 0 below -87.3 (sigmoid is
+   under 1e-38 there, and -inf gives 0 as the reference's 1 / (1 + inf) does), NaN kept */
+static inline vf vsigmoid(vf v) {
+    vf t = vminc(vmaxc(-v, -87.3365447505531f), 87.3365447505531f);
+    vf s = vrecip(1.0f + vexp_in_range(t));
+    return vnan_keep(v, vzero_below(v, -87.3365447505531f, s));
 }
 
 /* comparisons are false for NaN, so each select below keeps a NaN as it is */
 static inline vf act_v(vf v, int act, float a0, float a1) {
     switch (act) {
     case A_RELU:
-        return sel(v <= 0.0f, bc(0.0f), v);
+        return vmaxc(v, 0.0f);
     case A_CLIP:
-        v = sel(v < a0, bc(a0), v);
-        return sel(v > a1, bc(a1), v);
-    case A_HSWISH: {
-        vf t = v + 3.0f;
-        t = sel(t < 0.0f, bc(0.0f), t);
-        t = sel(t > 6.0f, bc(6.0f), t);
-        return v * t * (1.0f / 6.0f);
-    }
-    case A_HSIG: {
-        vf t = v * a0 + a1;
-        t = sel(t < 0.0f, bc(0.0f), t);
-        return sel(t > 1.0f, bc(1.0f), t);
-    }
+        return vminc(vmaxc(v, a0), a1);
+    case A_HSWISH:
+        return v * vminc(vmaxc(v + 3.0f, 0.0f), 6.0f) * (1.0f / 6.0f);
+    case A_HSIG:
+        return vminc(vmaxc(v * a0 + a1, 0.0f), 1.0f);
     case A_SIGMOID:
-        return 1.0f / (1.0f + vexp(-v));
+        return vsigmoid(v);
     case A_SILU:
-        return v / (1.0f + vexp(-v));
+        return v * vsigmoid(v);
     case A_LEAKY:
         return sel(v < 0.0f, v * a0, v);
     default:
@@ -287,6 +338,51 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
     }
 }
 
+/* depthwise K x K (3 or 5, no dilation) of at least VL channels: per output row and block of
+   VL channels, the K*K weight vectors held in registers across the row, so each tap loads only
+   the input (one load per multiply-add, not two); rows and channel blocks shared by threads */
+#define DW_REG(K)                                                                             \
+    static void dw_reg_##K(const float *x, long B, long H, long W, long C, const float *w,     \
+                           const float *bias, long sh, long sw, long pt, long pl, long Ho,    \
+                           long Wo, float *y, const float *res, int order, int act, float a0, \
+                           float a1) {                                                        \
+        long nb = (C + VL - 1) / VL, work = B * Ho * Wo * C * K * K;                          \
+        _Pragma("omp parallel for collapse(3) schedule(static) if (work > 200000)")           \
+        for (long b = 0; b < B; b++)                                                          \
+            for (long ho = 0; ho < Ho; ho++)                                                  \
+                for (long cb = 0; cb < nb; cb++) {                                            \
+                    long c = cb * VL + VL <= C ? cb * VL : C - VL;                            \
+                    long hi0 = ho * sh - pt;                                                  \
+                    long i0 = hi0 < 0 ? -hi0 : 0, i1 = H - hi0 < K ? H - hi0 : K;             \
+                    vf wv[K * K];                                                             \
+                    for (int t = 0; t < K * K; t++) wv[t] = ld(w + t * C + c);                \
+                    vf bv = ld(bias + c);                                                     \
+                    for (long wo = 0; wo < Wo; wo++) {                                        \
+                        long wi0 = wo * sw - pl;                                              \
+                        long j0 = wi0 < 0 ? -wi0 : 0, j1 = W - wi0 < K ? W - wi0 : K;         \
+                        vf acc = bv;                                                          \
+                        const float *xb = x + ((b * H + hi0) * W + wi0) * C + c;             \
+                        if (i0 == 0 && i1 == K && j0 == 0 && j1 == K) {                       \
+                            for (int i = 0; i < K; i++)                                       \
+                                for (int j = 0; j < K; j++)                                   \
+                                    acc += ld(xb + (i * W + j) * C) * wv[i * K + j];          \
+                        } else {                                                              \
+                            for (long i = i0; i < i1; i++)                                    \
+                                for (long j = j0; j < j1; j++)                                \
+                                    acc += ld(xb + (i * W + j) * C) * wv[i * K + j];          \
+                        }                                                                     \
+                        long o = ((b * Ho + ho) * Wo + wo) * C + c;                           \
+                        vf r = res ? ld(res + o) : bc(0.0f);                                  \
+                        if (order == 0) acc += r;                                             \
+                        acc = act_v(acc, act, a0, a1);                                        \
+                        if (order == 1) acc += r;                                             \
+                        st(y + o, acc);                                                       \
+                    }                                                                         \
+                }                                                                             \
+    }
+DW_REG(3)
+DW_REG(5)
+
 /* depthwise convolution: w (kh, kw, C), bias C values; one output channel per input channel */
 #define DW_TAPS(KW)                                                                           \
     for (long i = i0; i < i1; i++) {                                                          \
@@ -298,6 +394,11 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
 void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, const float *bias,
                long kh, long kw, long sh, long sw, long pt, long pl, long dh, long dw, long Ho,
                long Wo, float *y, const float *res, int order, int act, float a0, float a1) {
+    if (C >= VL && kh == kw && dh == 1 && dw == 1 && (kh == 3 || kh == 5)) {
+        (kh == 3 ? dw_reg_3 : dw_reg_5)(x, B, H, W, C, w, bias, sh, sw, pt, pl, Ho, Wo, y, res,
+                                        order, act, a0, a1);
+        return;
+    }
     /* channels in vectors of VL; where C is no multiple of VL but at least VL, the last vector
        starts at C - VL and overlaps the one before (those channels are computed twice, the same
        way); only C < VL takes the zero-padded path below */

@@ -180,6 +180,7 @@ def _build() -> Path:
             done = _run([cc, *_FLAGS, *extra, "-o", str(out), str(src)])
             if done.returncode == 0:
                 break
+            _LOG.info("tensorkiln: %s %s failed: %s", cc, " ".join(extra), done.stderr[-300:])
         else:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-300:]}")
         os.replace(out, target)
