@@ -20,7 +20,7 @@ import numpy as np
 from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_at_shapes
-from tensorkiln.runtime import pools
+from tensorkiln.runtime import cpu_memory, pools
 from tensorkiln.runtime.cpu_threads import ThreadChoice
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.io import bind_inputs
@@ -60,6 +60,8 @@ class ExecutionContext:
         self._pool = None
         # the cpu backend's thread count, measured per set of input shapes (cpu_threads.py)
         self._threads = ThreadChoice() if engine.backend == "cpu" else None
+        if engine.backend == "cpu":
+            cpu_memory.tune()
         self._compiled = _compiled_runs(engine, compile)
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()

@@ -511,14 +511,19 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
         }
         for (long c = 0; c < Cp; c += VL) st(g + c, act_v(ld(g + c), act2, a20, a21));
     }
-#pragma omp parallel for schedule(static) if (B * HW * C > 200000)
-    for (long r = 0; r < B * HW; r++) {
-        const float *g = scratch + (r / HW) * (2 * Cp + Sp) + Cp + Sp;
-        const float *xr = x + r * C;
-        float *yr = y + r * C;
-        for (long c = 0; c < Cv; c += VL) st(yr + c, ld(xr + c) * ld(g + c));
-        for (long c = Cv; c < C; c++) yr[c] = xr[c] * g[c];
-    }
+    long chunks = (HW + 63) / 64; /* rows of an image in chunks of 64, shared by threads */
+#pragma omp parallel for collapse(2) schedule(static) if (B * HW * C > 200000)
+    for (long b = 0; b < B; b++)
+        for (long q = 0; q < chunks; q++) {
+            const float *g = scratch + b * (2 * Cp + Sp) + Cp + Sp;
+            long r1 = (q + 1) * 64 < HW ? (q + 1) * 64 : HW;
+            for (long r = b * HW + q * 64; r < b * HW + r1; r++) {
+                const float *xr = x + r * C;
+                float *yr = y + r * C;
+                for (long c = 0; c < Cv; c += VL) st(yr + c, ld(xr + c) * ld(g + c));
+                for (long c = Cv; c < C; c++) yr[c] = xr[c] * g[c];
+            }
+        }
 }
 
 /* The entry points ctypes calls: the layer's fixed arguments in one int64 array (sizes, weight

@@ -44,9 +44,12 @@ _SOURCE = Path(__file__).with_name("cpu_native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
 _LOG = logging.getLogger("tensorkiln")
 _LOCK = threading.Lock()
-# layers with more multiply-adds (batch x output positions x weight elements) are left to oneDNN,
-# whose kernels win on them (and timing both there would cost more than it finds)
-_MAX_MACS = 50_000_000
+# layers with more multiply-adds (batch x output positions x weight elements) are left to oneDNN
+# (timing both there would cost more than it could find: the native kernels win on small layers
+# and on depthwise, SE and small-K 1x1 convolutions at batch 16, up to a few 100M)
+_MAX_MACS = 2_000_000_000
+# seconds a layer's choice may spend timing its candidates beyond the first rounds
+_TIMING_S = 0.05
 
 # ConvAct activations the kernels apply: name -> (code, defaults of (a0, a1))
 _ACT = {
@@ -517,14 +520,19 @@ def specialized(
 def faster(
     first: Callable[..., Any], second: Callable[..., Any], args: tuple, runs: int = 7
 ) -> Callable[..., Any]:
-    """The faster of two functions of ``args``, measured here: 1 warm-up run each, then
-    ``runs`` alternating runs; the shorter best run wins (noise only ever adds time, and these
-    layers take microseconds), ``first`` on a tie."""
+    """The faster of two functions of ``args``, measured here: 1 warm-up run each, then up to
+    ``runs`` alternating runs (fewer for slow layers: about _TIMING_S of runs each); the
+    shorter best run wins (noise only ever adds time), ``first`` on a tie."""
     best = [float("inf"), float("inf")]
+    spent = 0.0
     for i in range(runs + 1):
         for k, fn in enumerate((first, second)):
             t0 = time.perf_counter()
             fn(*args)
+            took = time.perf_counter() - t0
+            spent += took
             if i:
-                best[k] = min(best[k], time.perf_counter() - t0)
+                best[k] = min(best[k], took)
+        if i >= 2 and spent > _TIMING_S:
+            break
     return first if best[0] <= best[1] else second
