@@ -380,3 +380,16 @@ def test_runs_at_batch_16_touch_no_new_pages_after_the_first(tmp_path: Path) -> 
             ctx.infer({"x": x})
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     assert faults < 50, faults
+
+
+def test_global_average_pool_matches_the_reference() -> None:
+    from tensorkiln.kernels.cuda.pool import global_average_pool
+    from tensorkiln.kernels.reference.pool import global_average_pool as reference_pool
+
+    for shape in ((1, 576, 7, 7), (3, 20, 5, 9), (2, 7, 1, 1)):
+        x = torch.randn(shape).contiguous(memory_format=torch.channels_last)
+        fast = global_average_pool.specialize(x)
+        assert fast is not None
+        want = reference_pool(x.contiguous().numpy())
+        _close(fast(x).numpy(), want)
+        _close(fast(x.contiguous()).numpy(), want)  # an NCHW input is made channels-last first

@@ -465,6 +465,35 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
     }
 }
 
+/* m[c] = mean over HW rows of x[., c] (x: HW rows of C floats), four partial sums a vector */
+static void spatial_mean(const float *xb, long HW, long C, float *m) {
+    long Cv = C - C % VL;
+    for (long c = 0; c < Cv; c += VL) {
+        vf s0 = bc(0.0f), s1 = bc(0.0f), s2 = bc(0.0f), s3 = bc(0.0f);
+        long i = 0;
+        for (; i + 4 <= HW; i += 4) {
+            s0 += ld(xb + i * C + c);
+            s1 += ld(xb + (i + 1) * C + c);
+            s2 += ld(xb + (i + 2) * C + c);
+            s3 += ld(xb + (i + 3) * C + c);
+        }
+        for (; i < HW; i++) s0 += ld(xb + i * C + c);
+        st(m + c, ((s0 + s1) + (s2 + s3)) / (float)HW);
+    }
+    for (long c = Cv; c < C; c++) {
+        float s = 0.0f;
+        for (long i = 0; i < HW; i++) s += xb[i * C + c];
+        m[c] = s / (float)HW;
+    }
+}
+
+/* global average pooling of channels-last x (B, HW, C) into y (B, C); one thread per image
+   where that pays (a wake of idle threads costs more than a small pooling) */
+void tk_spatial_mean(const float *x, long B, long HW, long C, float *y) {
+#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > 1000000)
+    for (long b = 0; b < B; b++) spatial_mean(x + b * HW * C, HW, C, y + b * C);
+}
+
 /* squeeze-and-excitation: y = x * gate(W2 act(W1 mean(x) + b1) + b2), x and y (B, HW, C):
    w1t (C, Sp) is W1 transposed with S padded to Sp (a multiple of VL) by zeros, b1 Sp values,
    w2t (S, Cp) is W2 transposed with C padded to Cp, b2 Cp values; scratch holds
@@ -478,23 +507,7 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
         float *m = scratch + b * (2 * Cp + Sp), *h = m + Cp, *g = h + Sp;
         const float *xb = x + b * HW * C;
         memset(m, 0, (size_t)Cp * sizeof(float));
-        for (long c = 0; c < Cv; c += VL) {
-            vf s0 = bc(0.0f), s1 = bc(0.0f), s2 = bc(0.0f), s3 = bc(0.0f);
-            long i = 0;
-            for (; i + 4 <= HW; i += 4) {
-                s0 += ld(xb + i * C + c);
-                s1 += ld(xb + (i + 1) * C + c);
-                s2 += ld(xb + (i + 2) * C + c);
-                s3 += ld(xb + (i + 3) * C + c);
-            }
-            for (; i < HW; i++) s0 += ld(xb + i * C + c);
-            st(m + c, ((s0 + s1) + (s2 + s3)) / (float)HW);
-        }
-        for (long c = Cv; c < C; c++) {
-            float s = 0.0f;
-            for (long i = 0; i < HW; i++) s += xb[i * C + c];
-            m[c] = s / (float)HW;
-        }
+        spatial_mean(xb, HW, C, m);
         /* the two small products with the weight rows outermost: independent accumulators */
         memcpy(h, b1, (size_t)Sp * sizeof(float));
         for (long c = 0; c < C; c++) {
