@@ -40,6 +40,11 @@ static inline vf sel(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m))
 
 enum { A_NONE, A_RELU, A_CLIP, A_HSWISH, A_HSIG, A_SIGMOID, A_SILU, A_LEAKY };
 
+/* work (multiply-adds, or values for passes over memory) from which a kernel runs on all
+   threads; smaller work stays on the calling thread */
+static long par_min = 50000;
+void tk_set_parallel_min(long v) { par_min = v; }
+
 int tk_vector_floats(void) { return VL; }
 int tk_panel_floats(void) { return NR; }
 
@@ -232,7 +237,7 @@ void tk_gemm_rows(const float *x, long M, long K, const float *wp, const float *
                   float *y, const float *res, int order, int act, float a0, float a1) {
     long panels = (N + NR - 1) / NR, blocks = (M + MR - 1) / MR;
     long tasks = panels * blocks;
-#pragma omp parallel for schedule(static) if (M * K * N > 400000)
+#pragma omp parallel for schedule(static) if (M * K * N > 2 * par_min)
     for (long t = 0; t < tasks; t++) {
         long pb = t % panels, m0 = (t / panels) * MR, n0 = pb * NR;
         long nv = N - n0 < NR ? N - n0 : NR;
@@ -267,7 +272,7 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
     long K = kh * kw * C, M = B * Ho * Wo;
     if (K > TK_CONV_MAX_K) return;
     long panels = (N + NR - 1) / NR, blocks = (M + MR - 1) / MR;
-#pragma omp parallel for schedule(static) if (M * K * N > 400000)
+#pragma omp parallel for schedule(static) if (M * K * N > 2 * par_min)
     for (long mb = 0; mb < blocks; mb++) {
         float buf[MR * TK_CONV_MAX_K];
         const float *a[MR];
@@ -347,7 +352,7 @@ void tk_conv_gemm(const float *x, long B, long H, long W, long C, const float *w
                            long Wo, float *y, const float *res, int order, int act, float a0, \
                            float a1) {                                                        \
         long nb = (C + VL - 1) / VL, work = B * Ho * Wo * C * K * K;                          \
-        _Pragma("omp parallel for collapse(3) schedule(static) if (work > 200000)")           \
+        _Pragma("omp parallel for collapse(3) schedule(static) if (work > par_min)")            \
         for (long b = 0; b < B; b++)                                                          \
             for (long ho = 0; ho < Ho; ho++)                                                  \
                 for (long cb = 0; cb < nb; cb++) {                                            \
@@ -403,7 +408,7 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
        starts at C - VL and overlaps the one before (those channels are computed twice, the same
        way); only C < VL takes the zero-padded path below */
     long Cv = C >= VL ? C : 0;
-#pragma omp parallel for collapse(2) schedule(static) if (B * Ho * Wo * C * kh * kw > 200000)
+#pragma omp parallel for collapse(2) schedule(static) if (B * Ho * Wo * C * kh * kw > par_min)
     for (long b = 0; b < B; b++) {
         for (long ho = 0; ho < Ho; ho++) {
             long hi0 = ho * sh - pt;
@@ -490,7 +495,7 @@ static void spatial_mean(const float *xb, long HW, long C, float *m) {
 /* global average pooling of channels-last x (B, HW, C) into y (B, C); one thread per image
    where that pays (a wake of idle threads costs more than a small pooling) */
 void tk_spatial_mean(const float *x, long B, long HW, long C, float *y) {
-#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > 1000000)
+#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > 5 * par_min)
     for (long b = 0; b < B; b++) spatial_mean(x + b * HW * C, HW, C, y + b * C);
 }
 
@@ -502,7 +507,7 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
            long Sp, const float *w2t, const float *b2, long Cp, int act1, float a10, float a11,
            int act2, float a20, float a21, float *y, float *scratch) {
     long Cv = C - C % VL;
-#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > 200000)
+#pragma omp parallel for schedule(static) if (B > 1 && B * HW * C > par_min)
     for (long b = 0; b < B; b++) {
         float *m = scratch + b * (2 * Cp + Sp), *h = m + Cp, *g = h + Sp;
         const float *xb = x + b * HW * C;
@@ -525,7 +530,7 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
         for (long c = 0; c < Cp; c += VL) st(g + c, act_v(ld(g + c), act2, a20, a21));
     }
     long chunks = (HW + 63) / 64; /* rows of an image in chunks of 64, shared by threads */
-#pragma omp parallel for collapse(2) schedule(static) if (B * HW * C > 200000)
+#pragma omp parallel for collapse(2) schedule(static) if (B * HW * C > par_min)
     for (long b = 0; b < B; b++)
         for (long q = 0; q < chunks; q++) {
             const float *g = scratch + b * (2 * Cp + Sp) + Cp + Sp;
@@ -566,7 +571,7 @@ void tk_se_p(const int64_t *p, const float *f, const float *x, float *y, float *
 
 /* a (B, C, H*W) array as (B, H*W, C): the channels-last copy of an NCHW input */
 void tk_to_channels_last(const float *x, long B, long C, long HW, float *y) {
-#pragma omp parallel for collapse(2) schedule(static) if (B * C * HW > 100000)
+#pragma omp parallel for collapse(2) schedule(static) if (B * C * HW > par_min / 2)
     for (long b = 0; b < B; b++)
         for (long p0 = 0; p0 < HW; p0 += 64) {
             long p1 = p0 + 64 < HW ? p0 + 64 : HW;

@@ -68,6 +68,7 @@ _SIGNATURES = {
     "tk_vector_floats": ([], ctypes.c_int),
     "tk_panel_floats": ([], ctypes.c_int),
     "tk_conv_max_k": ([], ctypes.c_long),
+    "tk_set_parallel_min": ([ctypes.c_long], None),
     # (fixed int64 arguments, fixed float arguments, x, y, residual or scratch)
     "tk_gemm_rows_p": ([_P] * 5, None),
     "tk_conv_gemm_p": ([_P] * 5, None),
@@ -96,6 +97,8 @@ class Native:
         self.lib = lib
         self.panel = int(lib.tk_panel_floats())
         self.vector = int(lib.tk_vector_floats())
+        if os.environ.get("TENSORKILN_CPU_PARALLEL_MIN", "").isdigit():  # (for tuning)
+            lib.tk_set_parallel_min(int(os.environ["TENSORKILN_CPU_PARALLEL_MIN"]))
         self.max_k = int(lib.tk_conv_max_k())
 
 
