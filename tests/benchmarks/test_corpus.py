@@ -226,3 +226,44 @@ def test_ocr_detector_gets_a_document_page(corpus, tmp_path: Path) -> None:
     assert 0.01 < np.mean(page < 0.3) < 0.3  # with dark strokes
     other = corpus.sample_inputs(path, "ch_PP-OCRv4_rec_infer.onnx", {})["x"]  # not a detector
     assert np.mean(other > 1.5) < 0.2  # random, not a page
+
+
+def test_fp16_floor_is_what_float16_storage_costs(corpus, tmp_path: Path) -> None:
+    """A sigmoid of a cancelling difference (1000 * (x1 - x2), x near 1.5): rounding x to
+    float16 moves the logits by up to 1, so any fp16 engine is far from float64. The floor matches numpy's
+    float16-storage emulation of the graph, an engine at it passes, a worse one fails."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from tests.models.test_architectures import run_onnxruntime
+
+    rng = np.random.default_rng()
+    w = np.array([[1000.0, -1000.0, 0.0]], np.float32).reshape(1, 3, 1, 1)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["z"]), helper.make_node("Sigmoid", ["z"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [onnx.numpy_helper.from_array(w, "w")],
+    )
+    path = tmp_path / "cancel.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    x1 = rng.uniform(1.0, 2.0, (1, 1, 8, 8))
+    x = np.concatenate([x1, x1 + rng.uniform(-0.01, 0.01, x1.shape), x1], 1).astype(np.float32)
+    feeds = {"x": x}
+    logits = 1000.0 * (x[:, :1].astype(np.float64) - x[:, 1:2])
+    exact = 1 / (1 + np.exp(-logits))  # the independent float64 oracle
+    x16 = x.astype(np.float16).astype(np.float32)
+    emulated = 1 / (1 + np.exp(-(1000.0 * (x16[:, :1] - x16[:, 1:2]))))
+    emulated = emulated.astype(np.float16).astype(np.float64)
+    expected_floor = corpus._norm_rel([emulated], [exact])
+    assert expected_floor > 0.03  # (far beyond the 1e-2 bound)
+    outs, _ = corpus.run_float64(onnx.load(str(path)), feeds)
+    floor = corpus.fp16_floor(onnx.load(str(path)), feeds, outs, corpus._norm_rel)
+    assert abs(floor - expected_floor) <= 0.02 * expected_floor, (floor, expected_floor)
+    arbiter = corpus.Arbiter(path, feeds, {"y": run_onnxruntime(path, feeds)[0]})
+    verdict = arbiter.judge([emulated.astype(np.float32)], fp16=True)
+    assert verdict["ok"] and verdict["fp16_floor"] == pytest.approx(floor)
+    worse = np.clip(emulated + rng.uniform(0.2, 0.4, emulated.shape), 0, 1).astype(np.float32)
+    verdict = arbiter.judge([worse], fp16=True)
+    assert not verdict["ok"] and verdict["vs_f64"] > verdict["fp16_floor"]
