@@ -236,10 +236,11 @@ static inline void row_panel(const float *a, long K, const float *b, long nv, vf
 void tk_gemm_rows(const float *x, long M, long K, const float *wp, const float *bias, long N,
                   float *y, const float *res, int order, int act, float a0, float a1) {
     long panels = (N + NR - 1) / NR, blocks = (M + MR - 1) / MR;
-    long tasks = panels * blocks;
-#pragma omp parallel for schedule(static) if (M * K * N > 2 * par_min)
-    for (long t = 0; t < tasks; t++) {
-        long pb = t % panels, m0 = (t / panels) * MR, n0 = pb * NR;
+    /* (two loops collapsed: an index division per task cost as much as a small K's products) */
+#pragma omp parallel for collapse(2) schedule(static) if (M * K * N > 2 * par_min)
+    for (long mb = 0; mb < blocks; mb++)
+    for (long pb = 0; pb < panels; pb++) {
+        long m0 = mb * MR, n0 = pb * NR;
         long nv = N - n0 < NR ? N - n0 : NR;
         const float *a[MR];
         vf acc[MR][2];
