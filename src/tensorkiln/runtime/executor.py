@@ -36,6 +36,9 @@ class _Step:
     # the cpu backend: the kernel's shape-specialized functions by input shapes (see
     # _run_specialized), for kernels that offer them; None elsewhere
     specialized: dict[tuple, Any] | None = None
+    # where exactly one input is not a constant: its position (a specialized function is then
+    # keyed by that input's shape alone; the constants' shapes never change)
+    key_input: int | None = None
 
 
 class Executor:
@@ -143,6 +146,10 @@ class Executor:
                 # (shared by name for the top graph; a subgraph's layers keep their own)
                 shared = self._specialized if graph is self.graph else {}
                 step.specialized = shared.setdefault(n.name, {})
+                consts = set(graph.initializers)
+                varying = [i for i, v in enumerate(n.inputs) if v is not None and v not in consts]
+                if len(varying) == 1:
+                    step.key_input = varying[0]
             plan.append(step)
         self._plans[id(graph)] = plan
         return plan
@@ -328,7 +335,11 @@ def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> An
     the shapes and attributes (checks, geometry, choice of path), which on the CPU is a
     large part of a small layer's time."""
     table = step.specialized
-    key = tuple(None if a is None else a.shape for a in args)
+    ki = step.key_input
+    if ki is not None:
+        key: Any = args[ki].shape
+    else:
+        key = tuple(None if a is None else a.shape for a in args)
     fn = table.get(key)  # type: ignore[union-attr]
     if fn is not None:
         return fn(*args)
