@@ -500,6 +500,19 @@ void tk_spatial_mean(const float *x, long B, long HW, long C, float *y) {
     for (long b = 0; b < B; b++) spatial_mean(x + b * HW * C, HW, C, y + b * C);
 }
 
+/* out[0..np) = act(bias + v[0..n) @ wt), wt (n, np) with np a multiple of VL: the weight rows
+   outermost, so each output vector is an independent accumulator */
+static void small_fc(const float *v, long n, const float *wt, long np, const float *bias,
+                     float *out, int act, float a0, float a1) {
+    memcpy(out, bias, (size_t)np * sizeof(float));
+    for (long i = 0; i < n; i++) {
+        vf vi = bc(v[i]);
+        const float *wr = wt + i * np;
+        for (long o = 0; o < np; o += VL) st(out + o, ld(out + o) + vi * ld(wr + o));
+    }
+    for (long o = 0; o < np; o += VL) st(out + o, act_v(ld(out + o), act, a0, a1));
+}
+
 /* squeeze-and-excitation: y = x * gate(W2 act(W1 mean(x) + b1) + b2), x and y (B, HW, C):
    w1t (C, Sp) is W1 transposed with S padded to Sp (a multiple of VL) by zeros, b1 Sp values,
    w2t (S, Cp) is W2 transposed with C padded to Cp, b2 Cp values; scratch holds
@@ -514,21 +527,8 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
         const float *xb = x + b * HW * C;
         memset(m, 0, (size_t)Cp * sizeof(float));
         spatial_mean(xb, HW, C, m);
-        /* the two small products with the weight rows outermost: independent accumulators */
-        memcpy(h, b1, (size_t)Sp * sizeof(float));
-        for (long c = 0; c < C; c++) {
-            vf mc = bc(m[c]);
-            const float *wr = w1t + c * Sp;
-            for (long s = 0; s < Sp; s += VL) st(h + s, ld(h + s) + mc * ld(wr + s));
-        }
-        for (long s = 0; s < Sp; s += VL) st(h + s, act_v(ld(h + s), act1, a10, a11));
-        memcpy(g, b2, (size_t)Cp * sizeof(float));
-        for (long s = 0; s < S; s++) {
-            vf hs = bc(h[s]);
-            const float *wr = w2t + s * Cp;
-            for (long c = 0; c < Cp; c += VL) st(g + c, ld(g + c) + hs * ld(wr + c));
-        }
-        for (long c = 0; c < Cp; c += VL) st(g + c, act_v(ld(g + c), act2, a20, a21));
+        small_fc(m, C, w1t, Sp, b1, h, act1, a10, a11);
+        small_fc(h, S, w2t, Cp, b2, g, act2, a20, a21);
     }
     long chunks = (HW + 63) / 64; /* rows of an image in chunks of 64, shared by threads */
 #pragma omp parallel for collapse(2) schedule(static) if (B * HW * C > par_min)

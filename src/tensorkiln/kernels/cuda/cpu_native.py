@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,23 @@ def _residual(z: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | 
     return _cl(z)
 
 
+@dataclass(frozen=True)
+class _Conv:
+    """A convolution layer's arguments, as the kernel choosers below take them."""
+
+    native: Native
+    x: torch.Tensor
+    w: torch.Tensor
+    b: torch.Tensor | None
+    g: Geometry
+    group: int
+    act: tuple[int, float, float]
+    order: int
+
+    def fields(self) -> tuple:
+        return (self.native, self.x, self.w, self.b, self.g, self.group, self.act, self.order)
+
+
 def _runner(
     fn: Any, ints: tuple, floats: tuple, m: int, g: Geometry, shape: tuple, keep: tuple
 ) -> Layer:
@@ -275,18 +293,10 @@ def _runner(
     return run
 
 
-def depthwise(
-    native: Native,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    g: Geometry,
-    group: int,
-    act: tuple[int, float, float],
-    order: int,
-) -> Layer | None:
+def depthwise(conv: _Conv) -> Layer | None:
     """``(x, z) -> y`` for a depthwise 2-D convolution (one channel per group) at ``x``'s
     shape, or None where the kernel does not apply."""
+    native, x, w, b, g, group, act, order = conv.fields()
     n, c, h, wd = x.shape
     if not _applies(x, w, b) or group != c or tuple(w.shape[:2]) != (c, 1) or len(g.out) != 2:
         return None
@@ -299,18 +309,10 @@ def depthwise(
     return _runner(native.lib.tk_dwconv_p, ints, (a0, a1), c, g, (n, c, *g.out), (taps, bias))
 
 
-def pointwise(
-    native: Native,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    g: Geometry,
-    group: int,
-    act: tuple[int, float, float],
-    order: int,
-) -> Layer | None:
+def pointwise(conv: _Conv) -> Layer | None:
     """``(x, z) -> y`` for a 1x1 convolution of one group, stride 1, no padding (a GEMM over
     the channels-last rows), or None where the kernel does not apply."""
+    native, x, w, b, g, group, act, order = conv.fields()
     n, c, h, wd = x.shape
     if not _applies(x, w, b) or group != 1 or tuple(w.shape[2:]) != (1, 1):
         return None
@@ -325,18 +327,10 @@ def pointwise(
     return _runner(native.lib.tk_gemm_rows_p, ints, (a0, a1), m, g, (n, m, h, wd), (packed, bias))
 
 
-def im2col_conv(
-    native: Native,
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None,
-    g: Geometry,
-    group: int,
-    act: tuple[int, float, float],
-    order: int,
-) -> Layer | None:
+def im2col_conv(conv: _Conv) -> Layer | None:
     """``(x, z) -> y`` for a 2-D convolution of one group whose patches (kh*kw*C values) are
     at most the kernel's limit (the stem of a mobile network: 3x3 over 3 channels), or None."""
+    native, x, w, b, g, group, act, order = conv.fields()
     n, c, h, wd = x.shape
     if not _applies(x, w, b) or group != 1 or w.shape[1] != c or len(g.out) != 2:
         return None
@@ -370,8 +364,9 @@ def layer(
     macs = x.shape[0] * w.numel() * g.out[0] * g.out[1]
     if macs > _MAX_MACS:
         return None
+    conv = _Conv(native, x, w, b, g, group, act, order)
     for make in (depthwise, pointwise, im2col_conv):
-        fn = make(native, x, w, b, g, group, act, order)
+        fn = make(conv)
         if fn is not None:
             return fn
     return None
