@@ -245,12 +245,6 @@ def _padded_bias(b: torch.Tensor | None, n: int, nr: int) -> torch.Tensor:
 Layer = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 
 
-def _output(x: torch.Tensor, m: int, g: Geometry) -> torch.Tensor:
-    return torch.empty(
-        (x.shape[0], m, *g.out), dtype=torch.float32, memory_format=torch.channels_last
-    )
-
-
 def _residual(z: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
     if z is None:
         return None
@@ -276,17 +270,21 @@ class _Conv:
         return (self.native, self.x, self.w, self.b, self.g, self.group, self.act, self.order)
 
 
-def _runner(
-    fn: Any, ints: tuple, floats: tuple, m: int, g: Geometry, shape: tuple, keep: tuple
-) -> Layer:
+def _runner(fn: Any, ints: tuple, floats: tuple, shape: tuple, keep: tuple) -> Layer:
     """``(x, z) -> y`` calling convolution kernel ``fn`` with these fixed arguments."""
     ip, fp, arrays = _fixed(ints, floats)
+    cl, f32 = torch.channels_last, torch.float32
 
     def run(x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
-        x = _cl(x)
-        r = _residual(z, shape)
-        y = _output(x, m, g)
-        fn(ip, fp, x.data_ptr(), y.data_ptr(), None if r is None else r.data_ptr())
+        # (inlined: this runs once per layer per inference, where a function call is a visible
+        # part of a small layer's time)
+        x = x.contiguous(memory_format=cl)
+        y = torch.empty(shape, dtype=f32, memory_format=cl)
+        if z is None:
+            fn(ip, fp, x.data_ptr(), y.data_ptr(), None)
+        else:
+            r = _residual(z, shape)  # (held while the kernel reads it: it may be a fresh copy)
+            fn(ip, fp, x.data_ptr(), y.data_ptr(), r.data_ptr())
         return y
 
     run.keep = (keep, arrays)  # type: ignore[attr-defined]
@@ -306,7 +304,7 @@ def depthwise(conv: _Conv) -> Layer | None:
     code, a0, a1 = act
     ints = (n, h, wd, c, taps.data_ptr(), bias.data_ptr(), kh, kw, *g.strides, *g.begin[:2])
     ints += (*g.dilations, *g.out, order, code)
-    return _runner(native.lib.tk_dwconv_p, ints, (a0, a1), c, g, (n, c, *g.out), (taps, bias))
+    return _runner(native.lib.tk_dwconv_p, ints, (a0, a1), (n, c, *g.out), (taps, bias))
 
 
 def pointwise(conv: _Conv) -> Layer | None:
@@ -324,7 +322,7 @@ def pointwise(conv: _Conv) -> Layer | None:
     rows = n * h * wd
     code, a0, a1 = act
     ints = (rows, c, packed.data_ptr(), bias.data_ptr(), m, order, code)
-    return _runner(native.lib.tk_gemm_rows_p, ints, (a0, a1), m, g, (n, m, h, wd), (packed, bias))
+    return _runner(native.lib.tk_gemm_rows_p, ints, (a0, a1), (n, m, h, wd), (packed, bias))
 
 
 def im2col_conv(conv: _Conv) -> Layer | None:
@@ -344,7 +342,7 @@ def im2col_conv(conv: _Conv) -> Layer | None:
     ints = (n, h, wd, c, packed.data_ptr(), bias.data_ptr(), m, kh, kw, *g.strides, *g.begin[:2])
     ints += (*g.dilations, *g.out, order, code)
     fn = native.lib.tk_conv_gemm_p
-    return _runner(fn, ints, (a0, a1), m, g, (n, m, *g.out), (packed, bias))
+    return _runner(fn, ints, (a0, a1), (n, m, *g.out), (packed, bias))
 
 
 def layer(
