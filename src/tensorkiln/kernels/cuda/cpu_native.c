@@ -390,13 +390,6 @@ DW_REG(3)
 DW_REG(5)
 
 /* depthwise convolution: w (kh, kw, C), bias C values; one output channel per input channel */
-#define DW_TAPS(KW)                                                                           \
-    for (long i = i0; i < i1; i++) {                                                          \
-        const float *xr = x + ((b * H + hi0 + i * dh) * W + wi0) * C + c;                     \
-        const float *wr = w + i * kw * C + c;                                                 \
-        for (long j = 0; j < KW; j++) acc += ld(xr + j * C) * ld(wr + j * C);                 \
-    }
-
 void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, const float *bias,
                long kh, long kw, long sh, long sw, long pt, long pl, long dh, long dw, long Ho,
                long Wo, float *y, const float *res, int order, int act, float a0, float a1) {
@@ -421,23 +414,16 @@ void tk_dwconv(const float *x, long B, long H, long W, long C, const float *w, c
                 long j0 = 0, j1 = kw;
                 while (j0 < kw && wi0 + j0 * dw < 0) j0++;
                 while (j1 > j0 && wi0 + (j1 - 1) * dw >= W) j1--;
-                int full = j0 == 0 && j1 == kw && dw == 1;
                 float *yp = y + ((b * Ho + ho) * Wo + wo) * C;
                 const float *rp = res ? res + ((b * Ho + ho) * Wo + wo) * C : NULL;
                 for (long c0 = 0; c0 < Cv; c0 += VL) {
                     long c = c0 + VL <= C ? c0 : C - VL;
                     vf acc = ld(bias + c);
-                    if (full && kw == 3) {
-                        DW_TAPS(3)
-                    } else if (full && kw == 5) {
-                        DW_TAPS(5)
-                    } else {
-                        for (long i = i0; i < i1; i++) {
-                            const float *xr = x + ((b * H + hi0 + i * dh) * W) * C + c;
-                            const float *wr = w + i * kw * C + c;
-                            for (long j = j0; j < j1; j++)
-                                acc += ld(xr + (wi0 + j * dw) * C) * ld(wr + j * C);
-                        }
+                    for (long i = i0; i < i1; i++) {
+                        const float *xr = x + ((b * H + hi0 + i * dh) * W) * C + c;
+                        const float *wr = w + i * kw * C + c;
+                        for (long j = j0; j < j1; j++)
+                            acc += ld(xr + (wi0 + j * dw) * C) * ld(wr + j * C);
                     }
                     if (rp && order == 0) acc += ld(rp + c);
                     acc = act_v(acc, act, a0, a1);
@@ -525,8 +511,7 @@ void tk_se(const float *x, long B, long HW, long C, const float *w1t, const floa
     for (long b = 0; b < B; b++) {
         float *m = scratch + b * (2 * Cp + Sp), *h = m + Cp, *g = h + Sp;
         const float *xb = x + b * HW * C;
-        memset(m, 0, (size_t)Cp * sizeof(float));
-        spatial_mean(xb, HW, C, m);
+        spatial_mean(xb, HW, C, m); /* (m's padding past C is never read) */
         small_fc(m, C, w1t, Sp, b1, h, act1, a10, a11);
         small_fc(h, S, w2t, Cp, b2, g, act2, a20, a21);
     }

@@ -213,9 +213,9 @@ def activation(
 
 
 def _applies(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """float32 CPU tensors (the callers check the ranks)."""
     return (
         x.device.type == "cpu"
-        and x.ndim == 4
         and x.dtype == torch.float32
         and w.dtype == torch.float32
         and (b is None or b.dtype == torch.float32)
@@ -462,9 +462,7 @@ def gemm(
     """``a -> act(a @ B' + c)`` for a 2-D float32 ``a`` of this shape and constant ``b``, ``c``
     (C of N values), or None (no library, an activation the kernels lack, too large)."""
     native = library()
-    if native is None or act is None or not _applies(a.reshape(1, 1, *a.shape), b, c):
-        return None
-    if a.ndim != 2 or b.ndim != 2:
+    if native is None or act is None or a.ndim != 2 or b.ndim != 2 or not _applies(a, b, c):
         return None
     w2 = b.detach().t() if trans_b else b.detach()
     m, k = a.shape

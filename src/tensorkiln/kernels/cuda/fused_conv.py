@@ -16,7 +16,9 @@ convolution follows the device's precision settings: on CUDA, float32 convolutio
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -234,54 +236,38 @@ def _specialize_conv_act(
     w: torch.Tensor,
     b: torch.Tensor | None = None,
     z: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-    activation: str = "",
-    activation_alpha: float | None = None,
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    residual_order: str = "add_act",
+    **attrs: Any,
 ) -> Callable[..., torch.Tensor] | None:
     """:func:`conv_act` for inputs of these shapes, decided once, on weights the cpu backend
     holds: oneDNN with the activation fused, or with the residual add (and ReLU) fused, or the
     GEMM of a small 1x1 (cpu_conv.specialized_conv, cpu_conv.residual_conv); where the native
     kernels apply (cpu_native.layer: small float32 2-D convolutions), the faster of theirs and
     that, measured here on these inputs; None otherwise. Called after :func:`conv_act` ran (and
-    checked) these arguments."""
+    checked) these arguments (``attrs``: its keywords, defaults as in its signature)."""
     if b is not None and b.dtype != x.dtype:
         return None
-    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
-    act = (activation_alpha, activation_beta, activation_min, activation_max)
-    spec = _specialized_torch(x, w, z, g, group, activation, act, residual_order)
+    a = {**_CONV_ACT_DEFAULTS, **attrs}
+    g = geometry_of(x, w, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"], a["strides"])
+    act = (a["activation_alpha"], a["activation_beta"], a["activation_min"], a["activation_max"])
+    group, activation, order = a["group"], a["activation"], a["residual_order"]
+    spec = _specialized_torch(x, w, z, g, group, activation, act, order)
     code = cpu_native.activation(activation, *act)
-    native = cpu_native.layer(x, w, b, g, group, code, 0 if residual_order == "add_act" else 1)
+    native = cpu_native.layer(x, w, b, g, group, code, 0 if order == "add_act" else 1)
     if native is None:
         return spec
-    attrs = {
-        "auto_pad": auto_pad,
-        "dilations": dilations,
-        "group": group,
-        "kernel_shape": kernel_shape,
-        "pads": pads,
-        "strides": strides,
-        "activation": activation,
-        "activation_alpha": activation_alpha,
-        "activation_beta": activation_beta,
-        "activation_min": activation_min,
-        "activation_max": activation_max,
-        "residual_order": residual_order,
-    }
     generic = functools.partial(conv_act, **attrs)
     run_native = _native_for(native, generic, w, b)
     if cpu_native.always():
         return run_native
     return _faster_of(run_native, spec or generic, x, w, b, z)
+
+
+# conv_act's keywords and their defaults, for its specialization
+_CONV_ACT_DEFAULTS = {
+    k: p.default
+    for k, p in inspect.signature(conv_act).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY
+}
 
 
 def _native_for(

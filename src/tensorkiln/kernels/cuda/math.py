@@ -96,9 +96,7 @@ def _specialize_gemm(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, **attrs: Any
 ) -> Callable[..., torch.Tensor] | None:
     """On the cpu backend, the native GEMM for these shapes and constants where it applies and
-    is the faster (cpu_native.specialize_gemm); None otherwise."""
-    if not a.dtype.is_floating_point:
-        return None
+    is the faster (cpu_native.specialize_gemm; float32 only); None otherwise."""
     return cpu_native.specialize_gemm(gemm, a, b, c, attrs)
 
 
