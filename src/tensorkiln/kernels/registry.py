@@ -10,6 +10,8 @@ are special and are filled in by the executor when the kernel's signature names 
 
 * ``_n_outputs``: how many outputs the node asks for (Split, MaxPool's indices, Dropout's mask, ...).
 * ``_ctx``: the executor, for kernels that run subgraphs (If, Loop, Scan, SequenceMap).
+* ``_opset``: the model's opset for the op's domain, for the one kernel of an op whose meaning
+  changed between opsets (Softmax's axis, Resize's defaults, ...): no per-opset copies.
 
 A kernel returns one value, or a tuple of values for several outputs. Values are numpy arrays
 (strings as object arrays), lists of arrays for sequences, and ``None`` for an empty optional.
@@ -17,6 +19,7 @@ A kernel returns one value, or a tuple of values for several outputs. Values are
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import inspect
 from collections.abc import Callable, Iterable
@@ -44,6 +47,8 @@ class KernelEntry:
     fn: Callable
     wants_n_outputs: bool
     wants_ctx: bool
+    wants_opset: bool = False
+    opset: int = 0  # the model's opset this entry was looked up for (set by lookup)
 
 
 _REGISTRY: dict[tuple[str, str, str], list[KernelEntry]] = {}
@@ -71,6 +76,7 @@ def register(
                 fn=fn,
                 wants_n_outputs="_n_outputs" in params,
                 wants_ctx="_ctx" in params,
+                wants_opset="_opset" in params,
             )
             entries = _REGISTRY.setdefault((backend, domain, op), [])
             entries[:] = [e for e in entries if e.since != since]
@@ -102,6 +108,8 @@ def invoke(
         kwargs["_n_outputs"] = n_outputs
     if entry.wants_ctx:
         kwargs["_ctx"] = ctx
+    if entry.wants_opset:
+        kwargs["_opset"] = entry.opset
     return as_outputs(entry.fn(*args, **kwargs), n_outputs)
 
 
@@ -188,4 +196,4 @@ def lookup(
             f"implements it from opset(s) {versions}. Convert the model to a newer opset "
             "(onnx.version_converter) and try again."
         )
-    return best
+    return dataclasses.replace(best, opset=opset)

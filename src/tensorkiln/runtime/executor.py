@@ -8,7 +8,9 @@ a subgraph sees the values of the scope that runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import time
 from collections import ChainMap
 from collections.abc import Mapping
@@ -140,6 +142,8 @@ class Executor:
             kwargs = dict(n.attrs)
             if entry.wants_n_outputs:
                 kwargs["_n_outputs"] = len(n.outputs)
+            if entry.wants_opset:
+                kwargs["_opset"] = entry.opset
             free = tuple(frees.get(i, ()))
             step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
             if self._specializes(entry):
@@ -378,17 +382,13 @@ def _host_args(node: Node, env: Mapping[Value, Any], host_values: Any) -> list |
 
 def with_fn(entry: KernelEntry, fn: Any) -> KernelEntry:
     """``entry`` with its function replaced by ``fn`` (a tactic with the kernel's signature)."""
-    import inspect
-
     params = inspect.signature(fn).parameters
-    return KernelEntry(
-        entry.op,
-        entry.domain,
-        entry.since,
-        entry.backend,
-        fn,
-        "_n_outputs" in params,
-        "_ctx" in params,
+    return dataclasses.replace(
+        entry,
+        fn=fn,
+        wants_n_outputs="_n_outputs" in params,
+        wants_ctx="_ctx" in params,
+        wants_opset="_opset" in params,
     )
 
 

@@ -30,12 +30,16 @@ def _device_of(args: tuple) -> torch.device:
 
 def _host_call(entry: KernelEntry) -> Callable:
     @functools.wraps(entry.fn)
-    def run(*args: Any, _n_outputs: int = 1, _ctx: Any = None, **attrs: Any) -> Any:
+    def run(
+        *args: Any, _n_outputs: int = 1, _ctx: Any = None, _opset: int = 0, **attrs: Any
+    ) -> Any:
         device = _device_of(args)
         if entry.wants_n_outputs:
             attrs["_n_outputs"] = _n_outputs
         if entry.wants_ctx:
             attrs["_ctx"] = _ctx
+        if entry.wants_opset:
+            attrs["_opset"] = _opset
         result = entry.fn(*[to_numpy(a) for a in args], **attrs)
         if isinstance(result, tuple):
             return tuple(to_torch(r, device) for r in result)
