@@ -253,7 +253,7 @@ def run_rules(graph: Graph, rules: Sequence[Rule]) -> int:
 def _drop_dead_constants(view: View, rw: Rewrite) -> None:
     """Also remove Constant nodes whose every reader the rewrite removes (and no new node reads)."""
     gone = set(rw.remove)
-    still_read = {v for node in rw.add for v in node.inputs}
+    still_read = {v for node in rw.add for v in node.inputs} | set(rw.replace.values())
     for node in list(rw.remove):
         for v in node.inputs:
             p = view.made_by(v, "Constant")
