@@ -78,7 +78,7 @@ def _rule_bias(view: View, m: ConvMatch) -> bool:
     return _take(m, [add], add.outputs[0])
 
 
-def _same_shape_residual(view: View, m: ConvMatch, add: Node) -> Value | None:
+def _same_shape_residual(m: ConvMatch, add: Node) -> Value | None:
     z = other_input(add, m.out)
     if z is None or z.shape is None or m.out.shape is None or z.dtype != m.out.dtype:
         return None
@@ -89,7 +89,7 @@ def _rule_residual(view: View, m: ConvMatch) -> bool:
     add = view.single(m.out, "Add")
     if add is None or m.residual is not None or m.activation:
         return False
-    z = _same_shape_residual(view, m, add)
+    z = _same_shape_residual(m, add)
     if z is None:
         return False
     m.residual = z
@@ -110,7 +110,7 @@ def _rule_residual_after(view: View, m: ConvMatch) -> bool:
     add = view.single(m.out, "Add")
     if add is None or m.residual is not None or not m.activation:
         return False
-    z = _same_shape_residual(view, m, add)
+    z = _same_shape_residual(m, add)
     if z is None:
         return False
     m.residual = z

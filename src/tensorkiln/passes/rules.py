@@ -230,13 +230,13 @@ def apply_rules(graph: Graph, rules: Sequence[Rule]) -> Counter[str]:
     view, rw, counts = View.of(graph), Rewrite(), Counter()
     for node in list(graph.nodes):
         for rule in index.get((node.domain, node.op), ()):
-            found = rule.apply(view, node) if node not in view.claimed else None
-            if found is None or view.claimed.intersection(found.remove):
+            edit = rule.apply(view, node) if node not in view.claimed else None
+            if edit is None or view.claimed.intersection(edit.remove):
                 continue
-            view.claimed.update(found.remove)
+            view.claimed.update(edit.remove)
             view.claimed.add(node)
-            rw.merge(found)
-            counts[rule.name] += found.count
+            rw.merge(edit)
+            counts[rule.name] += edit.count
             break
     _drop_dead_constants(view, rw)
     if rw.count and any(n.domain == DOMAIN for n in rw.add):
