@@ -25,7 +25,7 @@ import numpy as np
 from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.passes.facts import TRANSPOSABLE_BINARY, TRANSPOSABLE_UNARY
 from tensorkiln.passes.manager import register_pass
-from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.pattern import Const, Found, Op
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import Rule, View, run_rules
 
@@ -158,22 +158,25 @@ def _fold_affine(view: View, lin: _Linear, s, t, out: Value, name: str) -> list[
 
 
 def _is_inference_bn(view: View, node: Node) -> bool:
-    if node.op != "BatchNormalization" or node.domain != "" or len(node.inputs) != 5:
-        return False
     if any(v is not None for v in node.outputs[1:]) or node.outputs[0] is None:
         return False
     return node.attrs.get("training_mode", 0) == 0 and node.attrs.get("spatial", 1) == 1
 
 
+_LINEAR = Op(("Conv", "ConvTranspose", "Gemm", "MatMul"), name="lin")
+BATCHNORM = Op("BatchNormalization", [_LINEAR, *[Const()] * 4], where=_is_inference_bn)
+SCALED = (
+    Op(("Mul", "Add"), [_LINEAR, Const(name="c")], commutative=True),
+    Op("Sub", [_LINEAR, Const(name="c")]),
+)
+
+
 def _rule_batchnorm(view: View, found: Found) -> Rewrite | None:
     node = found.root
-    if not _is_inference_bn(view, node):
-        return None
-    params = [view.const(v) for v in node.inputs[1:]]
-    x = node.inputs[0]
-    lin = _as_linear(view, view.producers.get(x))
-    if lin is None or view.single(x) is not node or lin.axis != 1:
+    lin = _as_linear(view, found.node("lin"))
+    if lin is None or lin.axis != 1:
         return None  # BatchNormalization normalizes axis 1
+    params = [view.const(v) for v in node.inputs[1:]]
     if not all(_is_float(p) and p.shape == (lin.channels,) for p in params):
         return None
     scale, bias, mean, var = (p.astype(np.float64) for p in params)
@@ -188,35 +191,28 @@ def _rule_batchnorm(view: View, found: Found) -> Rewrite | None:
 @register_pass("fold_batchnorm", level=2, order=20)
 def fold_batchnorm(graph: Graph) -> int:
     """Fold inference BatchNormalization into the Conv/ConvTranspose/Gemm/MatMul before it."""
-    return _run(graph, Rule("batchnorm", Op("BatchNormalization"), _rule_batchnorm))
+    return _run(graph, Rule("batchnorm", BATCHNORM, _rule_batchnorm))
 
 
 def _rule_mul_add(view: View, found: Found) -> Rewrite | None:
     node = found.root
-    if node.domain != "" or node.op not in ("Mul", "Add", "Sub") or len(node.inputs) != 2:
+    lin = _as_linear(view, found.node("lin"))
+    c = view.const(found.value("c"))
+    if lin is None or c.dtype != lin.w.dtype:
         return None
-    for i, y in enumerate(node.inputs):
-        c = view.const(node.inputs[1 - i])
-        lin = _as_linear(view, view.producers.get(y))
-        if lin is None or c is None or view.single(y) is not node:
-            continue
-        if c.dtype != lin.w.dtype or (node.op == "Sub" and i != 0):
-            continue
-        vec = _channel_vector(c, lin)
-        if vec is None:
-            continue
-        s = vec if node.op == "Mul" else None
-        t = None if node.op == "Mul" else (vec if node.op == "Add" else -vec)
-        new = _fold_affine(view, lin, s, t, node.outputs[0], node.name)
-        if new is not None:
-            return Rewrite(remove=[lin.node, node], add=new, count=1)
-    return None
+    vec = _channel_vector(c, lin)
+    if vec is None:
+        return None
+    s = vec if node.op == "Mul" else None
+    t = None if node.op == "Mul" else (vec if node.op == "Add" else -vec)
+    new = _fold_affine(view, lin, s, t, node.outputs[0], node.name)
+    return None if new is None else Rewrite(remove=[lin.node, node], add=new, count=1)
 
 
 @register_pass("fold_mul_add_into_conv_gemm", level=2, order=22)
 def fold_mul_add_into_conv_gemm(graph: Graph) -> int:
     """Fold Mul/Add/Sub by a per-output-channel constant into Conv/ConvTranspose/Gemm/MatMul."""
-    return _run(graph, Rule("mul_add", Op(("Mul", "Add", "Sub")), _rule_mul_add))
+    return _run(graph, Rule("mul_add", SCALED, _rule_mul_add))
 
 
 # ---------------------------------------------------------------- transposes
