@@ -238,13 +238,12 @@ def _transpose(view: View, x: Value, perm: list[int], out: Value, name: str) -> 
     return Rewrite(add=[node], count=1)
 
 
+# the first Transpose is kept when others read it too (the rule decides)
+TRANSPOSE_PAIR = Op("Transpose", [Op("Transpose", name="first", keep=True)])
+
+
 def _rule_merge_transposes(view: View, found: Found) -> Rewrite | None:
-    node = found.root
-    if node.op != "Transpose" or node.domain != "" or node.inputs[0] is None:
-        return None
-    first = view.made_by(node.inputs[0], "Transpose")
-    if first is None or first in view.claimed:
-        return None
+    node, first = found.root, found.node("first")
     p1, p2 = _perm(first, _input_rank(first)), _perm(node, _input_rank(node))
     if p1 is None or p2 is None or len(p1) != len(p2):
         return None
@@ -259,7 +258,7 @@ def _rule_merge_transposes(view: View, found: Found) -> Rewrite | None:
 @register_pass("merge_transposes", level=2, order=31)
 def merge_transposes(graph: Graph) -> int:
     """Compose consecutive Transposes; drop the result when it is the identity permutation."""
-    return _run(graph, Rule("transposes", Op("Transpose"), _rule_merge_transposes))
+    return _run(graph, Rule("transposes", TRANSPOSE_PAIR, _rule_merge_transposes))
 
 
 def _pointwise_operand(view: View, node: Node, x: Value, rank: int) -> bool:
@@ -372,18 +371,18 @@ def _flatten_shape(node: Node) -> np.ndarray | None:
     return np.array([outer, int(np.prod(middle[axis:], dtype=np.int64))], np.int64)
 
 
+RESHAPE_PAIR = Op(("Reshape", "Flatten"), [Op(_RESHAPES, name="first", keep=True)], prefix=True)
+
+
 def _rule_merge_reshapes(view: View, found: Found) -> Rewrite | None:
-    node = found.root
-    if node.domain != "" or not node.inputs or node.inputs[0] is None:
-        return None
+    node, first = found.root, found.node("first")
     if node.op == "Reshape" and len(node.inputs) == 2:
         shape = _target_shape(view, node)
     elif node.op == "Flatten":
         shape = _flatten_shape(node)
     else:
         return None
-    first = view.made_by(node.inputs[0], *_RESHAPES)
-    if first is None or first in view.claimed or first.inputs[0] is None or shape is None:
+    if first.inputs[0] is None or shape is None:
         return None  # a Reshape only depends on the element count, unless a 0 copies a dim
     if node.op == "Reshape" and np.array_equal(shape, view.const(node.inputs[1])):
         shape_value = node.inputs[1]
@@ -407,4 +406,4 @@ def merge_reshapes(graph: Graph) -> int:
     shape when it is static, otherwise the pair is left alone. A Flatten depends on its input's
     shape, so it is only merged (as a Reshape) when that shape is fully static.
     """
-    return _run(graph, Rule("reshapes", Op(("Reshape", "Flatten")), _rule_merge_reshapes))
+    return _run(graph, Rule("reshapes", RESHAPE_PAIR, _rule_merge_reshapes))
