@@ -202,3 +202,37 @@ def test_replacement_returning_none_leaves_the_graph() -> None:
     g = before(nodes)
     assert run_rules(g, [Rule("none", RELU_RELU.patterns, lambda view, found: None)]) == 0
     assert ops(g) == ["Relu", "Relu"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The example of docs/contributing.md ("Adding a fusion pass"), kept working here
+
+RELU6 = Op("Clip", [Op("Add", [X, Scalar(3.0)], commutative=True), Scalar(0.0), Scalar(6.0)])
+HARD_SWISH = Op("Div", [Op("Mul", [X, RELU6], commutative=True), Scalar(6.0)])
+
+
+def _hard_swish(view: View, found: Found) -> Node | None:
+    """x * relu6(x + 3) / 6 -> HardSwish (an ONNX op from opset 14)."""
+    if view.graph.opset("") < 14:
+        return None
+    return Node("HardSwish", [found.value("x")], found.root.outputs, name=found.root.name)
+
+
+HARD_SWISH_RULES = (Rule("hard_swish", HARD_SWISH, _hard_swish),)
+
+
+def test_contributing_example_hard_swish() -> None:
+    inits = [const("three", 3.0), const("zero", 0.0), const("six", 6.0)]
+    nodes = [
+        helper.make_node("Add", ["three", "x"], ["a"]),
+        helper.make_node("Clip", ["a", "zero", "six"], ["r"]),
+        helper.make_node("Mul", ["r", "x"], ["m"]),
+        helper.make_node("Div", ["m", "six"], ["y"]),
+    ]
+    g = before(nodes, inits=inits)
+    counts = []
+    after = assert_pass_preserves_outputs(
+        g, lambda h: counts.append(apply_rules(h, HARD_SWISH_RULES)), feeds(g)
+    )
+    assert counts == [{"hard_swish": 1}]
+    assert_structure(after, before([helper.make_node("HardSwish", ["x"], ["y"])]))
