@@ -6,7 +6,7 @@ Scalar, Alt) as :class:`Rule` objects run by one driver (:func:`apply_rules` / :
 
 from tensorkiln.passes.manager import PASSES, PassManager, register_pass
 from tensorkiln.passes.pattern import Alt, Const, Found, Op, Scalar, Var
-from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value, only_use, replace_uses
+from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value, replace_uses
 from tensorkiln.passes.rules import Rule, View, apply_rules, run_rules
 
 __all__ = [
@@ -24,7 +24,6 @@ __all__ = [
     "add_constant",
     "apply_rules",
     "const_value",
-    "only_use",
     "register_pass",
     "replace_uses",
     "run_rules",

@@ -21,8 +21,8 @@ from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
 from tensorkiln.ir.infer import evaluate_node
 from tensorkiln.passes.facts import RANDOM_OPS
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite
 from tensorkiln.passes.rules import Rule, View, run_rules
 

@@ -24,8 +24,8 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.passes.facts import TRANSPOSABLE_BINARY, TRANSPOSABLE_UNARY
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Const, Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import Rule, View, run_rules
 

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tensorkiln.ir import Graph, Node, Value
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Alt, Found, Op, Pattern, Scalar, Var
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite
 from tensorkiln.passes.rules import (
     DOMAIN,

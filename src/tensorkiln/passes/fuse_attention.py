@@ -30,8 +30,8 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.ir.dims import dim_product
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite
 from tensorkiln.passes.rules import Rule, View, run_rules
 

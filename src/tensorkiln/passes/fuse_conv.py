@@ -24,8 +24,8 @@ import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node, Value
 from tensorkiln.passes.fuse_activation import match_activation
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import DOMAIN, Rule, View, other_input, run_rules
 

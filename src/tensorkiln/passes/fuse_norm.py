@@ -26,8 +26,8 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import (
     DOMAIN,

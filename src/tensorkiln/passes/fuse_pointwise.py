@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.facts import ELEMENTWISE
-from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 
 DOMAIN = "tensorkiln"

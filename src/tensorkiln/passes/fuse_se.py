@@ -15,8 +15,8 @@ language's rule); the gate has X's channel count (W2 is (C, S, 1, 1) for W1's (S
 from __future__ import annotations
 
 from tensorkiln.ir import Graph, Node
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Alt, Const, Found, Op, Var
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rules import DOMAIN, Rule, View, is_float, rank_of, reduce_axes, run_rules
 
 _KEYS = ("alpha", "beta", "min", "max")

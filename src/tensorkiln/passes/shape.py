@@ -26,8 +26,8 @@ from tensorkiln.ir.graph import Dim, Shape, TensorType
 from tensorkiln.ir.infer import evaluate_node
 from tensorkiln.ir.shape_rules import InferContext, symbolic_value
 from tensorkiln.passes.cleanup import NO_FOLD
-from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import add_constant
 from tensorkiln.passes.rules import Rule, View, run_rules
 
