@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.kernels.reference.fused_se import squeeze_excite as reference
 from tensorkiln.passes import PassManager
-from tests.passes.util import graph_of, model, ops, run
+from tests.passes.util import assert_structure, graph_of, model, ops, run
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -131,3 +131,21 @@ def test_fusion_is_for_the_reference_and_cpu_backends_only() -> None:
         graph = graph_of(_se_model())
         PassManager(3, backend=backend).run(graph)
         assert ("tensorkiln.SqueezeExcite" in ops(graph)) == fused, backend
+
+
+def test_se_block_before_and_expected() -> None:
+    """SiLU written out after the first FC: recognised first, then taken by ConvAct, then by SE."""
+    m = _se_model(pool="GlobalAveragePool", act="Swish", gate="Sigmoid")
+    graph = graph_of(m)
+    x = np.random.default_rng().standard_normal((2, 16, 6, 7)).astype(np.float32)
+    before = run(graph, {"x": x})["y"]
+    pm = PassManager(3, backend="reference")
+    pm.run(graph)
+    se = mk("SqueezeExcite", ["x", "w1", "b1", "w2", "b2"], ["y"], domain="tensorkiln")
+    attrs = {"activation": "Swish", "activation_alpha": 1.0, "gate": "Sigmoid"}
+    se.attribute.extend(helper.make_attribute(k, v) for k, v in attrs.items())
+    inputs, outputs = list(m.graph.input), list(m.graph.output)
+    expected = graph_of(model([se], inputs, outputs, list(m.graph.initializer), fused=True))
+    assert_structure(graph, expected)
+    assert pm.stats["fuse_silu"] == 1 and pm.stats["fuse_squeeze_excite"] == 1
+    np.testing.assert_allclose(run(graph, {"x": x})["y"], before, rtol=1e-5, atol=1e-6)

@@ -19,9 +19,12 @@ import numpy as np
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
-from tensorkiln.ir.infer import RANDOM_OPS, evaluate_node
-from tensorkiln.passes.manager import register_pass
-from tensorkiln.passes.rewrite import Rewrite, const_value
+from tensorkiln.ir.infer import evaluate_node
+from tensorkiln.passes.facts import RANDOM_OPS
+from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
+from tensorkiln.passes.rewrite import Rewrite
+from tensorkiln.passes.rules import Rule, View, run_rules
 
 # Constant folding limits: never materialize more than FOLD_MAX_ELEMENTS per output, and above
 # FOLD_SMALL elements only when the output is at most FOLD_GROWTH times the size of the inputs.
@@ -103,19 +106,39 @@ def _dead_code_one(graph: Graph) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# No-ops: each rule returns the value the node's first output equals, or None.
+# No-ops: each rule returns the value the node's first output equals, or None; the driver of
+# passes/rules.py makes every read of the output read that value instead.
 
-NoopRule = Callable[[Graph, Node, dict[Value, Node]], Value | None]
-NOOP_RULES: dict[str, NoopRule] = {}
+NoopRule = Callable[[View, Node], Value | None]
+NOOP_RULES: list[Rule] = []
 
 
 def noop_rule(*ops: str) -> Callable[[NoopRule], NoopRule]:
+    """Register ``fn`` (the value ``node``'s first output equals, or None) for the ONNX ``ops``."""
+
     def decorator(fn: NoopRule) -> NoopRule:
-        for op in ops:
-            NOOP_RULES[op] = fn
+        NOOP_RULES.append(Rule(fn.__name__.strip("_"), Op(ops), _bypass(fn)))
         return fn
 
     return decorator
+
+
+def _bypass(fn: NoopRule) -> Callable[[View, Found], Rewrite | None]:
+    """The replacement that reads the value ``fn`` finds instead of the node's output."""
+
+    def replace(view: View, found: Found) -> Rewrite | None:
+        node = found.root
+        if not node.outputs or node.outputs[0] is None:
+            return None
+        extra = [v for v in node.outputs[1:] if v is not None]
+        if any(v in view.uses or v in view.outputs for v in extra):
+            return None  # e.g. a Dropout mask that is read
+        x = fn(view, node)
+        if x is None or not _keeps_output_names(view.graph, node.outputs[0], x, view.producers):
+            return None
+        return Rewrite(remove=[node], replace={node.outputs[0]: x}, count=1)
+
+    return replace
 
 
 def same_type(a: Value | None, b: Value | None) -> bool:
@@ -138,24 +161,24 @@ def _all_equal(data: np.ndarray | None, x: float) -> bool:
 
 
 @noop_rule("Identity")
-def _identity(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _identity(view: View, node: Node) -> Value | None:
     return node.inputs[0]
 
 
 @noop_rule("Dropout")
-def _dropout(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
-    opset = graph.opset("")
+def _dropout(view: View, node: Node) -> Value | None:
+    opset = view.graph.opset("")
     if opset < 7 and not node.attrs.get("is_test", 0):
         return None
     if opset >= 12 and len(node.inputs) > 2 and node.inputs[2] is not None:
-        mode = const_value(node.inputs[2], producers)
+        mode = view.const(node.inputs[2])
         if mode is None or mode.size != 1 or bool(mode.reshape(-1)[0]):
             return None
     return node.inputs[0]
 
 
 @noop_rule("Cast")
-def _cast(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _cast(view: View, node: Node) -> Value | None:
     to = node.attrs.get("to")
     x = node.inputs[0]
     if isinstance(to, int) and x is not None and x.dtype is not None and int(x.dtype) == to:
@@ -164,7 +187,7 @@ def _cast(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | Non
 
 
 @noop_rule("CastLike")
-def _cast_like(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _cast_like(view: View, node: Node) -> Value | None:
     x, like = node.inputs[0], node.inputs[1]
     if x is not None and like is not None and x.dtype is not None and x.dtype == like.dtype:
         return x
@@ -172,7 +195,7 @@ def _cast_like(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value 
 
 
 @noop_rule("Reshape", "Expand")
-def _same_shape(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _same_shape(view: View, node: Node) -> Value | None:
     x = node.inputs[0]
     if same_type(x, node.outputs[0]) and all(isinstance(d, int) for d in x.shape):
         return x
@@ -180,7 +203,7 @@ def _same_shape(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value
 
 
 @noop_rule("Transpose")
-def _transpose(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _transpose(view: View, node: Node) -> Value | None:
     x = node.inputs[0]
     if x is None or x.shape is None:
         return None
@@ -190,33 +213,33 @@ def _transpose(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value 
 
 
 @noop_rule("Pad")
-def _pad(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _pad(view: View, node: Node) -> Value | None:
     if "pads" in node.attrs:
         pads = np.asarray(node.attrs["pads"])
     else:
-        pads = const_value(node.inputs[1] if len(node.inputs) > 1 else None, producers)
+        pads = view.const(node.inputs[1] if len(node.inputs) > 1 else None)
     if pads is None or np.any(pads != 0) or not same_type(node.inputs[0], node.outputs[0]):
         return None
     return node.inputs[0]
 
 
 @noop_rule("Mul", "Div", "Add", "Sub")
-def _neutral(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _neutral(view: View, node: Node) -> Value | None:
     neutral = 1 if node.op in ("Mul", "Div") else 0
     sides = [(0, 1)] if node.op in ("Div", "Sub") else [(0, 1), (1, 0)]
     for keep, other in sides:
         x = node.inputs[keep]
-        one = _all_equal(const_value(node.inputs[other], producers), neutral)
+        one = _all_equal(view.const(node.inputs[other]), neutral)
         if one and same_type(x, node.outputs[0]):
             return x
     return None
 
 
 @noop_rule("Squeeze", "Unsqueeze")
-def _squeeze_pair(graph: Graph, node: Node, producers: dict[Value, Node]) -> Value | None:
+def _squeeze_pair(view: View, node: Node) -> Value | None:
     # Squeeze and Unsqueeze only change the shape, never the order of elements: a pair that
     # brings back the original shape is the identity.
-    first = producers.get(node.inputs[0])
+    first = view.producers.get(node.inputs[0])
     if first is None or first.op not in ("Squeeze", "Unsqueeze") or first.domain != "":
         return None
     x = first.inputs[0]
@@ -230,22 +253,7 @@ def remove_noops(graph: Graph) -> int:
 
 
 def _remove_noops_one(graph: Graph) -> int:
-    rw = Rewrite()
-    producers, consumers = graph.producers(), graph.consumers()
-    for node in graph.nodes:
-        fn = NOOP_RULES.get(node.op) if node.domain == "" else None
-        if fn is None or not node.outputs or node.outputs[0] is None:
-            continue
-        extra = [v for v in node.outputs[1:] if v is not None]
-        if any(v in consumers or v in graph.outputs for v in extra):
-            continue  # e.g. a Dropout mask that is read
-        x = fn(graph, node, producers)
-        if x is None or not _keeps_output_names(graph, node.outputs[0], x, producers):
-            continue
-        rw.remove.append(node)
-        rw.replace[node.outputs[0]] = x
-        rw.count += 1
-    return rw.apply(graph)
+    return run_rules(graph, NOOP_RULES)
 
 
 def _keeps_output_names(graph: Graph, out: Value, x: Value, producers: dict[Value, Node]) -> bool:

@@ -8,55 +8,26 @@
 * ``merge_transposes``: Transpose(Transpose(x)) composed, dropped when the identity.
 * ``merge_reshapes``: Reshape(Reshape/Flatten/Squeeze/Unsqueeze(x)) reads x directly.
 
-Every rule checks all it relies on (constant weights, single consumer of the intermediate value,
-attribute values, broadcast shapes, dtypes) and returns None when anything is not as required.
+Each pass is one rule of :mod:`tensorkiln.passes.rules`, anchored on the node the fold starts
+from, swept over every (sub)graph until it finds nothing more. Every rule checks all it relies on
+(constant weights, single consumer of the intermediate value, attribute values, broadcast shapes,
+dtypes) and returns None when anything is not as required.
 Folded weights are new initializers; shared initializers are never modified.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
 from tensorkiln.ir import Graph, Node, TensorType, Value
-from tensorkiln.passes.manager import register_pass
-from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value, only_use
-
-Rule = Callable[["_Ctx", Node], Rewrite | None]
-
-
-@dataclass
-class _Ctx:
-    """What the rules of one sweep over one graph look at."""
-
-    graph: Graph
-    producers: dict[Value, Node]
-    consumers: dict[Value, list[Node]]
-    taken: set[Node]  # nodes already claimed by a match of this sweep
-    new_names: set[str] = field(default_factory=set)  # names given to values not yet added
-
-    def const(self, v: Value | None) -> np.ndarray | None:
-        return const_value(v, self.producers)
-
-    def fresh_name(self, base: str) -> str:
-        """A value name not yet used in the graph (names stay unique for the engine file)."""
-        taken = {v.name for v in self.graph.values()} | self.new_names
-        name, k = base, 1
-        while name in taken:
-            name, k = f"{base}_{k}", k + 1
-        self.new_names.add(name)
-        return name
-
-    def sole_reader(self, v: Value | None) -> Node | None:
-        return None if v is None else only_use(self.graph, v, self.consumers)
-
-    def producer(self, v: Value | None, *ops: str) -> Node | None:
-        p = self.producers.get(v) if v is not None else None
-        if p is None or p.domain != "" or p.op not in ops or p in self.taken:
-            return None
-        return p
+from tensorkiln.passes.facts import TRANSPOSABLE_BINARY, TRANSPOSABLE_UNARY
+from tensorkiln.passes.pattern import Const, Found, Op
+from tensorkiln.passes.registry import register_pass
+from tensorkiln.passes.rewrite import Rewrite, add_constant
+from tensorkiln.passes.rules import Rule, View, run_rules
 
 
 def _graphs(graph: Graph) -> Iterator[Graph]:
@@ -66,27 +37,12 @@ def _graphs(graph: Graph) -> Iterator[Graph]:
             yield from _graphs(sub)
 
 
-def _sweep(graph: Graph, rule: Rule) -> int:
-    """Apply ``rule`` to every node of one graph; the matches are applied together."""
-    ctx = _Ctx(graph, graph.producers(), graph.consumers(), set())
-    total = Rewrite()
-    for node in list(graph.nodes):
-        if node in ctx.taken:
-            continue
-        rw = rule(ctx, node)
-        if rw is not None:
-            ctx.taken.update(rw.remove)
-            ctx.taken.add(node)
-            total.merge(rw)
-    return total.apply(graph)
-
-
 def _run(graph: Graph, rule: Rule, max_sweeps: int = 64) -> int:
-    """Sweep every (sub)graph until the rule finds nothing more; each match removes nodes."""
+    """Apply ``rule`` to every (sub)graph until it finds nothing more; each match removes nodes."""
     count = 0
     for g in list(_graphs(graph)):
         for _ in range(max_sweeps):
-            n = _sweep(g, rule)
+            n = run_rules(g, [rule])
             count += n
             if not n:
                 break
@@ -112,17 +68,17 @@ class _Linear:
     channels: int
 
 
-def _as_linear(ctx: _Ctx, node: Node | None) -> _Linear | None:
-    if node is None or node.domain != "" or node in ctx.taken:
+def _as_linear(view: View, node: Node | None) -> _Linear | None:
+    if node is None or node.domain != "" or node in view.claimed:
         return None
     if any(v is None for v in node.outputs[:1]) or len(node.outputs) != 1:
         return None
-    w = ctx.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    w = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
     b_in = node.inputs[2] if len(node.inputs) > 2 else None
-    b = ctx.const(b_in)
+    b = view.const(b_in)
     if not _is_float(w) or (b_in is not None and (b is None or b.dtype != w.dtype)):
         return None
-    if node.inputs[0] is None or ctx.const(node.inputs[0]) is not None:
+    if node.inputs[0] is None or view.const(node.inputs[0]) is not None:
         return None
     if node.op == "Conv" and w.ndim >= 3:
         return _Linear(node, w, b, w.ndim, 1, w.shape[0])
@@ -180,7 +136,7 @@ def _new_bias(lin: _Linear, s: np.ndarray | None, t: np.ndarray | None) -> np.nd
     return b
 
 
-def _fold_affine(ctx: _Ctx, lin: _Linear, s, t, out: Value, name: str) -> list[Node] | None:
+def _fold_affine(view: View, lin: _Linear, s, t, out: Value, name: str) -> list[Node] | None:
     """New node(s) computing ``lin`` * s + t (per output channel) into ``out``."""
     node, dtype = lin.node, lin.w.dtype
     b = _new_bias(lin, s, t)
@@ -193,36 +149,40 @@ def _fold_affine(ctx: _Ctx, lin: _Linear, s, t, out: Value, name: str) -> list[N
     attrs = dict(node.attrs)
     if s is not None:
         w = _scale_weight(lin, s).astype(dtype)
-        inputs[1] = add_constant(ctx.graph, f"{node.inputs[1].name}_folded", w)
+        inputs[1] = add_constant(view.graph, f"{node.inputs[1].name}_folded", w)
     if b is not None:
-        inputs.append(add_constant(ctx.graph, f"{name}_bias_folded", b.astype(dtype)))
+        inputs.append(add_constant(view.graph, f"{name}_bias_folded", b.astype(dtype)))
         if op == "Gemm":
             attrs["beta"] = 1.0
     return [Node(op, inputs, [out], attrs, "", name=f"{node.name or name}_folded")]
 
 
-def _is_inference_bn(ctx: _Ctx, node: Node) -> bool:
-    if node.op != "BatchNormalization" or node.domain != "" or len(node.inputs) != 5:
-        return False
+def _is_inference_bn(view: View, node: Node) -> bool:
     if any(v is not None for v in node.outputs[1:]) or node.outputs[0] is None:
         return False
     return node.attrs.get("training_mode", 0) == 0 and node.attrs.get("spatial", 1) == 1
 
 
-def _rule_batchnorm(ctx: _Ctx, node: Node) -> Rewrite | None:
-    if not _is_inference_bn(ctx, node):
-        return None
-    params = [ctx.const(v) for v in node.inputs[1:]]
-    x = node.inputs[0]
-    lin = _as_linear(ctx, ctx.producers.get(x))
-    if lin is None or ctx.sole_reader(x) is not node or lin.axis != 1:
+_LINEAR = Op(("Conv", "ConvTranspose", "Gemm", "MatMul"), name="lin")
+BATCHNORM = Op("BatchNormalization", [_LINEAR, *[Const()] * 4], where=_is_inference_bn)
+SCALED = (
+    Op(("Mul", "Add"), [_LINEAR, Const(name="c")], commutative=True),
+    Op("Sub", [_LINEAR, Const(name="c")]),
+)
+
+
+def _rule_batchnorm(view: View, found: Found) -> Rewrite | None:
+    node = found.root
+    lin = _as_linear(view, found.node("lin"))
+    if lin is None or lin.axis != 1:
         return None  # BatchNormalization normalizes axis 1
+    params = [view.const(v) for v in node.inputs[1:]]
     if not all(_is_float(p) and p.shape == (lin.channels,) for p in params):
         return None
     scale, bias, mean, var = (p.astype(np.float64) for p in params)
     s = scale / np.sqrt(var + float(node.attrs.get("epsilon", 1e-5)))
     t = bias - mean * s
-    new = _fold_affine(ctx, lin, s, t, node.outputs[0], node.name)
+    new = _fold_affine(view, lin, s, t, node.outputs[0], node.name)
     if new is None:
         return None
     return Rewrite(remove=[lin.node, node], add=new, count=1)
@@ -231,34 +191,28 @@ def _rule_batchnorm(ctx: _Ctx, node: Node) -> Rewrite | None:
 @register_pass("fold_batchnorm", level=2, order=20)
 def fold_batchnorm(graph: Graph) -> int:
     """Fold inference BatchNormalization into the Conv/ConvTranspose/Gemm/MatMul before it."""
-    return _run(graph, _rule_batchnorm)
+    return _run(graph, Rule("batchnorm", BATCHNORM, _rule_batchnorm))
 
 
-def _rule_mul_add(ctx: _Ctx, node: Node) -> Rewrite | None:
-    if node.domain != "" or node.op not in ("Mul", "Add", "Sub") or len(node.inputs) != 2:
+def _rule_mul_add(view: View, found: Found) -> Rewrite | None:
+    node = found.root
+    lin = _as_linear(view, found.node("lin"))
+    c = view.const(found.value("c"))
+    if lin is None or c.dtype != lin.w.dtype:
         return None
-    for i, y in enumerate(node.inputs):
-        c = ctx.const(node.inputs[1 - i])
-        lin = _as_linear(ctx, ctx.producers.get(y))
-        if lin is None or c is None or ctx.sole_reader(y) is not node:
-            continue
-        if c.dtype != lin.w.dtype or (node.op == "Sub" and i != 0):
-            continue
-        vec = _channel_vector(c, lin)
-        if vec is None:
-            continue
-        s = vec if node.op == "Mul" else None
-        t = None if node.op == "Mul" else (vec if node.op == "Add" else -vec)
-        new = _fold_affine(ctx, lin, s, t, node.outputs[0], node.name)
-        if new is not None:
-            return Rewrite(remove=[lin.node, node], add=new, count=1)
-    return None
+    vec = _channel_vector(c, lin)
+    if vec is None:
+        return None
+    s = vec if node.op == "Mul" else None
+    t = None if node.op == "Mul" else (vec if node.op == "Add" else -vec)
+    new = _fold_affine(view, lin, s, t, node.outputs[0], node.name)
+    return None if new is None else Rewrite(remove=[lin.node, node], add=new, count=1)
 
 
 @register_pass("fold_mul_add_into_conv_gemm", level=2, order=22)
 def fold_mul_add_into_conv_gemm(graph: Graph) -> int:
     """Fold Mul/Add/Sub by a per-output-channel constant into Conv/ConvTranspose/Gemm/MatMul."""
-    return _run(graph, _rule_mul_add)
+    return _run(graph, Rule("mul_add", SCALED, _rule_mul_add))
 
 
 # ---------------------------------------------------------------- transposes
@@ -276,7 +230,7 @@ def _input_rank(node: Node) -> int | None:
     return None if shape is None else len(shape)
 
 
-def _transpose(ctx: _Ctx, x: Value, perm: list[int], out: Value, name: str) -> Rewrite:
+def _transpose(view: View, x: Value, perm: list[int], out: Value, name: str) -> Rewrite:
     """x transposed by ``perm`` into ``out``; the identity permutation reads x directly."""
     if perm == list(range(len(perm))):
         return Rewrite(replace={out: x}, count=1)
@@ -284,19 +238,19 @@ def _transpose(ctx: _Ctx, x: Value, perm: list[int], out: Value, name: str) -> R
     return Rewrite(add=[node], count=1)
 
 
-def _rule_merge_transposes(ctx: _Ctx, node: Node) -> Rewrite | None:
-    if node.op != "Transpose" or node.domain != "" or node.inputs[0] is None:
-        return None
-    first = ctx.producer(node.inputs[0], "Transpose")
-    if first is None:
-        return None
+# the first Transpose is kept when others read it too (the rule decides)
+TRANSPOSE_PAIR = Op("Transpose", [Op("Transpose", name="first", keep=True)])
+
+
+def _rule_merge_transposes(view: View, found: Found) -> Rewrite | None:
+    node, first = found.root, found.node("first")
     p1, p2 = _perm(first, _input_rank(first)), _perm(node, _input_rank(node))
     if p1 is None or p2 is None or len(p1) != len(p2):
         return None
     composed = [p1[i] for i in p2]  # y2[i] = y1[p2[i]] = x[p1[p2[i]]]
-    rw = _transpose(ctx, first.inputs[0], composed, node.outputs[0], node.name)
+    rw = _transpose(view, first.inputs[0], composed, node.outputs[0], node.name)
     rw.remove.append(node)
-    if ctx.sole_reader(first.outputs[0]) is node:
+    if view.single(first.outputs[0]) is node:
         rw.remove.append(first)  # else the first Transpose stays for its other readers
     return rw
 
@@ -304,87 +258,52 @@ def _rule_merge_transposes(ctx: _Ctx, node: Node) -> Rewrite | None:
 @register_pass("merge_transposes", level=2, order=31)
 def merge_transposes(graph: Graph) -> int:
     """Compose consecutive Transposes; drop the result when it is the identity permutation."""
-    return _run(graph, _rule_merge_transposes)
+    return _run(graph, Rule("transposes", TRANSPOSE_PAIR, _rule_merge_transposes))
 
 
-_UNARY = frozenset(
-    [
-        "Relu",
-        "Sigmoid",
-        "Tanh",
-        "Erf",
-        "Neg",
-        "Abs",
-        "Exp",
-        "Log",
-        "Sqrt",
-        "Reciprocal",
-        "Floor",
-        "Ceil",
-        "Round",
-        "Sign",
-        "Sin",
-        "Cos",
-        "Tan",
-        "Softplus",
-        "Softsign",
-        "Elu",
-        "Selu",
-        "Celu",
-        "LeakyRelu",
-        "HardSigmoid",
-        "HardSwish",
-        "Gelu",
-        "Mish",
-        "ThresholdedRelu",
-        "Identity",
-        "Not",
-        "Cast",
-        "IsNaN",
-        "IsInf",
-    ]
-)
-_BINARY = frozenset(["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"])
-
-
-def _pointwise_operand(ctx: _Ctx, node: Node, x: Value, rank: int) -> bool:
+def _pointwise_operand(view: View, node: Node, x: Value, rank: int) -> bool:
     """``node`` is pointwise in ``x`` alone: unary, or binary with a constant of one element."""
     if node.domain != "" or len(node.outputs) != 1 or node.outputs[0] is None:
         return False
-    if node.op in _UNARY:
+    if node.op in TRANSPOSABLE_UNARY:
         return len(node.inputs) == 1
-    if node.op not in _BINARY or len(node.inputs) != 2 or x not in node.inputs:
+    if node.op not in TRANSPOSABLE_BINARY or len(node.inputs) != 2 or x not in node.inputs:
         return False
     other = node.inputs[1] if node.inputs[0] is x else node.inputs[0]
-    c = ctx.const(other)
+    c = view.const(other)
     return c is not None and c.size == 1 and c.ndim <= rank and other is not x
 
 
-def _pointwise_chain(ctx: _Ctx, start: Value, rank: int) -> list[Node] | None:
+def _pointwise_chain(view: View, start: Value, rank: int) -> list[Node] | None:
     """The single-reader pointwise nodes from ``start`` up to one read only by Transposes."""
     chain: list[Node] = []
     v = start
     while True:
-        reader = ctx.sole_reader(v)
-        if reader is None or reader in ctx.taken or not _pointwise_operand(ctx, reader, v, rank):
+        reader = view.single(v)
+        if (
+            reader is None
+            or reader in view.claimed
+            or not _pointwise_operand(view, reader, v, rank)
+        ):
             return None
         chain.append(reader)
         v = reader.outputs[0]
-        readers = ctx.consumers.get(v, [])
-        if v in ctx.graph.outputs or not readers:
+        readers = view.uses.get(v, [])
+        if v in view.graph.outputs or not readers:
             return None
-        if all(r.op == "Transpose" and r.domain == "" and r not in ctx.taken for r in readers):
+        if all(r.op == "Transpose" and r.domain == "" and r not in view.claimed for r in readers):
             return chain
 
 
-def _rule_push_transpose(ctx: _Ctx, node: Node) -> Rewrite | None:
+def _rule_push_transpose(view: View, found: Found) -> Rewrite | None:
+    node = found.root
     if node.op != "Transpose" or node.domain != "" or node.inputs[0] is None:
         return None
     rank = _input_rank(node)
     perm = _perm(node, rank)
     if perm is None:
         return None
-    chain = _pointwise_chain(ctx, node.outputs[0], len(perm))
+    chain = _pointwise_chain(view, node.outputs[0], len(perm))
     if chain is None:
         return None
     inverse = [perm.index(i) for i in range(len(perm))]
@@ -394,13 +313,13 @@ def _rule_push_transpose(ctx: _Ctx, node: Node) -> Rewrite | None:
     for p in chain:
         out = p.outputs[0]
         shape = None if out.shape is None else tuple(out.shape[i] for i in inverse)
-        new_out = Value(ctx.fresh_name(f"{out.name}_untransposed"), TensorType(out.dtype, shape))
+        new_out = Value(view.fresh_name(f"{out.name}_untransposed"), TensorType(out.dtype, shape))
         inputs = [x if v is prev else v for v in p.inputs]
         rw.add.append(Node(p.op, inputs, [new_out], dict(p.attrs), "", name=p.name))
         x, prev = new_out, out
-    for t in ctx.consumers[prev]:
+    for t in view.uses[prev]:
         t_perm = _perm(t, len(perm))
-        rw.merge(_transpose(ctx, x, [perm[i] for i in t_perm], t.outputs[0], t.name))
+        rw.merge(_transpose(view, x, [perm[i] for i in t_perm], t.outputs[0], t.name))
         rw.remove.append(t)
         rw.count -= 1
     return rw
@@ -413,7 +332,7 @@ def push_transpose_through_pointwise(graph: Graph) -> int:
     Only applied when every reader at the end of the chain is a Transpose, so each match removes
     one Transpose (and more when a composed permutation is the identity): it cannot cycle.
     """
-    return _run(graph, _rule_push_transpose)
+    return _run(graph, Rule("push_transpose", Op("Transpose"), _rule_push_transpose))
 
 
 # ---------------------------------------------------------------- reshapes
@@ -421,9 +340,9 @@ def push_transpose_through_pointwise(graph: Graph) -> int:
 _RESHAPES = ("Reshape", "Flatten", "Squeeze", "Unsqueeze")
 
 
-def _target_shape(ctx: _Ctx, node: Node) -> np.ndarray | None:
+def _target_shape(view: View, node: Node) -> np.ndarray | None:
     """The Reshape's shape with 0 entries (copies of the input's dims) resolved, or None."""
-    shape = ctx.const(node.inputs[1]) if len(node.inputs) > 1 else None
+    shape = view.const(node.inputs[1]) if len(node.inputs) > 1 else None
     if shape is None or shape.dtype != np.int64 or shape.ndim != 1:
         return None
     if node.attrs.get("allowzero", 0) or not (shape == 0).any():
@@ -452,27 +371,28 @@ def _flatten_shape(node: Node) -> np.ndarray | None:
     return np.array([outer, int(np.prod(middle[axis:], dtype=np.int64))], np.int64)
 
 
-def _rule_merge_reshapes(ctx: _Ctx, node: Node) -> Rewrite | None:
-    if node.domain != "" or not node.inputs or node.inputs[0] is None:
-        return None
+RESHAPE_PAIR = Op(("Reshape", "Flatten"), [Op(_RESHAPES, name="first", keep=True)], prefix=True)
+
+
+def _rule_merge_reshapes(view: View, found: Found) -> Rewrite | None:
+    node, first = found.root, found.node("first")
     if node.op == "Reshape" and len(node.inputs) == 2:
-        shape = _target_shape(ctx, node)
+        shape = _target_shape(view, node)
     elif node.op == "Flatten":
         shape = _flatten_shape(node)
     else:
         return None
-    first = ctx.producer(node.inputs[0], *_RESHAPES)
-    if first is None or first.inputs[0] is None or shape is None:
+    if first.inputs[0] is None or shape is None:
         return None  # a Reshape only depends on the element count, unless a 0 copies a dim
-    if node.op == "Reshape" and np.array_equal(shape, ctx.const(node.inputs[1])):
+    if node.op == "Reshape" and np.array_equal(shape, view.const(node.inputs[1])):
         shape_value = node.inputs[1]
     else:
-        shape_value = add_constant(ctx.graph, f"{node.name or 'shape'}_target", shape)
+        shape_value = add_constant(view.graph, f"{node.name or 'shape'}_target", shape)
     attrs = {"allowzero": node.attrs["allowzero"]} if "allowzero" in node.attrs else {}
     new = Node("Reshape", [first.inputs[0], shape_value], list(node.outputs), attrs)
     new.name = node.name
     rw = Rewrite(remove=[node], add=[new], count=1)
-    if ctx.sole_reader(first.outputs[0]) is node:
+    if view.single(first.outputs[0]) is node:
         rw.remove.append(first)
     return rw
 
@@ -486,4 +406,4 @@ def merge_reshapes(graph: Graph) -> int:
     shape when it is static, otherwise the pair is left alone. A Flatten depends on its input's
     shape, so it is only merged (as a Reshape) when that shape is fully static.
     """
-    return _run(graph, _rule_merge_reshapes)
+    return _run(graph, Rule("reshapes", RESHAPE_PAIR, _rule_merge_reshapes))

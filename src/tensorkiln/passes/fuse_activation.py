@@ -1,181 +1,214 @@
-"""Fusions of activations written out as elementwise math: GELU, SiLU, Softmax.
+"""Activations written out as elementwise math become one node, before conv and GEMM fusion.
 
-Each pass is a table of rules run by :func:`tensorkiln.passes.rules.run_rules`: matches are
-collected first and applied once; the pass returns their count. The normalization fusions are in
-:mod:`tensorkiln.passes.fuse_norm`.
+This module is the one place activations are recognised. ``fuse_gelu`` and ``fuse_silu`` run
+before ``fuse_conv_act`` and ``fuse_gemm_act`` (orders 46-47 against 50 and 55), so those see a
+single activation node and map it to their ``activation`` attributes with
+:func:`match_activation`, the table of the activations ConvAct and GemmAct take.
 
 * ``fuse_gelu``: the erf form ``x * 0.5 * (1 + erf(x / sqrt 2))`` (Div by sqrt 2 or Mul by
-  1/sqrt 2, the 0.5 on either side) and the tanh form
+  1/sqrt 2, the 0.5 on either side or a Div by 2) and the tanh form
   ``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 x^3)))`` (GPT-2's, x^3 as Pow or two Muls).
   The result is ONNX ``Gelu`` (approximate "none" or "tanh") where the model imports opset 20 or
   later, so later passes and other tools still read a standard op; below opset 20 it is
   ``tensorkiln.Gelu`` with the same attribute.
 * ``fuse_silu``: ``x * Sigmoid(x)`` becomes ONNX ``Swish`` (opset 24+) or ``tensorkiln.SiLU``.
 * ``fuse_softmax``: ``Exp -> ReduceSum -> Div`` over the last axis, with or without the
-  ``ReduceMax -> Sub`` in front, becomes ONNX ``Softmax`` on the last axis.
+  ``ReduceMax -> Sub`` in front, becomes ONNX ``Softmax`` on the last axis (after the
+  normalizations, before attention).
 
-Every check is there so that a fusion is correct or not applied: reductions must be over the last
-axis (attribute or input form, keepdims 1), constants must have the expected values (within 1e-6
-relative for irrational ones), and every intermediate that disappears must have no reader outside
-the match.
+Constants must have their values within 1e-4 relative (exporters write them rounded to float32;
+the conv fusion, which recognised these forms itself before, took that tolerance), reductions must
+run over the last axis, and no intermediate may be read outside the match.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 from tensorkiln.ir import Graph, Node, Value
-from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.pattern import Alt, Found, Op, Pattern, Scalar, Var
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite
 from tensorkiln.passes.rules import (
     DOMAIN,
-    Match,
+    Rule,
+    View,
     fused_rewrite,
     is_float,
     is_op,
-    other_input,
     rank_of,
     reduce_axes,
     run_rules,
 )
 
-_SQRT2 = math.sqrt(2.0)
-_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+RTOL = 1e-4
+X = Var("x")
+
+
+def _mul(a: Pattern, b: Pattern, **kw: Any) -> Op:
+    return Op("Mul", [a, b], commutative=True, **kw)
+
+
+def _add(a: Pattern, b: Pattern, **kw: Any) -> Op:
+    return Op("Add", [a, b], commutative=True, **kw)
+
+
+def _gelu_tails(one_plus: Op) -> list[Op]:
+    """The ways exporters multiply ``1 + f(x)`` by ``x / 2``: the root patterns of a GELU."""
+    half, two = Scalar(0.5, RTOL), Scalar(2.0, RTOL)
+    return [
+        _mul(_mul(X, one_plus), half),  # (x * e) * 0.5
+        Op("Div", [_mul(X, one_plus), two]),  # (x * e) / 2
+        _mul(_mul(one_plus, half), X),  # (e * 0.5) * x
+        _mul(_mul(X, half), one_plus),  # (0.5 * x) * e
+    ]
+
+
+_ERF_ARG = Alt(
+    Op("Div", [X, Scalar(math.sqrt(2.0), RTOL)]),
+    _mul(X, Scalar(1.0 / math.sqrt(2.0), RTOL)),
+)
+GELU_ERF = _gelu_tails(_add(Op("Erf", [_ERF_ARG], name="anchor"), Scalar(1.0, RTOL)))
+
+_CUBE = Alt(
+    Op("Pow", [X, Scalar(3.0, rtol=0.0)]),  # the exponent exactly 3
+    _mul(Op("Mul", [X, X]), X),
+)
+_TANH_ARG = _mul(_add(X, _mul(_CUBE, Scalar(0.044715, RTOL))), Scalar(math.sqrt(2 / math.pi), RTOL))
+GELU_TANH = _gelu_tails(_add(Op("Tanh", [_TANH_ARG], name="anchor"), Scalar(1.0, RTOL)))
+
+SILU = _mul(X, Op("Sigmoid", [X], name="anchor"))
+
+
+def _float_x(view: View, found: Found) -> bool:
+    return is_float(found.value("x"))
+
+
+def _gelu(approximate: str):
+    def replace(view: View, found: Found) -> Node:
+        x, out = found.value("x"), found.root.outputs[0]
+        name = f"{found.node('anchor').name}/Gelu"
+        attrs = {"approximate": approximate}
+        if view.graph.opset("") >= 20:
+            return Node("Gelu", [x], [out], attrs, name=name)
+        return Node("Gelu", [x], [out], attrs, domain=DOMAIN, name=name)
+
+    return replace
+
+
+def _silu(view: View, found: Found) -> Node:
+    x, out = found.value("x"), found.root.outputs[0]
+    name = f"{found.node('anchor').name}/SiLU"
+    if view.graph.opset("") >= 24:
+        return Node("Swish", [x], [out], {"alpha": 1.0}, name=name)
+    return Node("SiLU", [x], [out], {}, domain=DOMAIN, name=name)
+
+
+GELU_RULES = (
+    Rule("gelu_erf", GELU_ERF, _gelu("none"), check=_float_x),
+    Rule("gelu_tanh", GELU_TANH, _gelu("tanh"), check=_float_x),
+)
+SILU_RULES = (Rule("silu", SILU, _silu, check=_float_x),)
 
 
 # ---------------------------------------------------------------------------------------------
-# GELU and SiLU
+# Single activation nodes, as ConvAct and GemmAct take them
 
 
-def _gelu_tail(m: Match, x: Value, one_plus: Node) -> tuple[list[Node], Value] | None:
-    """After ``e = 1 + f(x)``: ``(x * e) * 0.5``, ``(x * e) / 2``, ``(e * 0.5) * x`` or ``(0.5 * x) * e``."""
-    e = one_plus.outputs[0]
-    m1 = m.sole(e, "Mul")
-    o = other_input(m1, e) if m1 is not None else None
-    if o is None:
-        return None
-    if o is x or m.is_scalar(o, 0.5):
-        m2 = m.sole(m1.outputs[0])
-        if m2 is None or len(m2.inputs) != 2 or m2.inputs.count(m1.outputs[0]) != 1:
-            return None
-        last = other_input(m2, m1.outputs[0])
-        ok = (
-            (is_op(m2, "Mul") and m.is_scalar(last, 0.5))
-            or (is_op(m2, "Div") and m2.inputs[1] is last and m.is_scalar(last, 2.0))
-            if o is x
-            else (is_op(m2, "Mul") and last is x)
-        )
-        return ([m1, m2], m2.outputs[0]) if ok else None
-    half = m.made_by(o, "Mul")
-    if half is not None and m.sole(o) is m1 and m.is_scalar(other_input(half, x), 0.5):
-        return [half, m1], m1.outputs[0]
+@dataclass
+class Activation:
+    """A matched activation: the node it replaces, its output and the fused op's attributes."""
+
+    nodes: list[Node]
+    out: Value
+    attrs: dict[str, Any]
+
+
+def _onnx_activation(view: View, node: Node) -> dict[str, Any] | None:
+    """Attributes of an ONNX activation node, or None when it is not one ConvAct/GemmAct take."""
+    op, a = node.op, node.attrs
+    if op in ("Relu", "Tanh", "Sigmoid", "HardSwish"):
+        return {"activation": op}
+    if op == "LeakyRelu":
+        return {"activation": op, "activation_alpha": float(a.get("alpha", 0.01))}
+    if op == "HardSigmoid":
+        alpha, beta = float(a.get("alpha", 0.2)), float(a.get("beta", 0.5))
+        return {"activation": op, "activation_alpha": alpha, "activation_beta": beta}
+    if op == "Swish":
+        return {"activation": op, "activation_alpha": float(a.get("alpha", 1.0))}
+    if op == "Gelu":
+        return {"activation": "GeluTanh" if _tanh_gelu(node) else "Gelu"}
+    if op == "Clip":
+        return _clip(view, node)
     return None
 
 
-def _one_plus(m: Match, v: Value) -> Node | None:
-    add = m.sole(v, "Add")
-    return add if add is not None and m.is_scalar(other_input(add, v), 1.0) else None
+def _tanh_gelu(node: Node) -> bool:
+    return node.attrs.get("approximate", "none") in ("tanh", b"tanh")
 
 
-def _gelu_node(m: Match, x: Value, out: Value, approximate: str, name: str) -> Node:
-    attrs = {"approximate": approximate}
-    if m.graph.opset("") >= 20:
-        return Node("Gelu", [x], [out], attrs, name=name)
-    return Node("Gelu", [x], [out], attrs, domain=DOMAIN, name=name)
-
-
-def _gelu_erf(m: Match, erf: Node) -> Rewrite | None:
-    u = erf.inputs[0]
-    scale = m.producers.get(u)
-    if scale is None or m.sole(u) is not erf or len(scale.inputs) != 2:
-        return None
-    x, c = scale.inputs
-    if is_op(scale, "Mul") and m.const(x) is not None:
-        x, c = c, x
-    ok = (is_op(scale, "Div") and m.is_scalar(c, _SQRT2)) or (
-        is_op(scale, "Mul") and m.is_scalar(c, 1.0 / _SQRT2)
-    )
-    one_plus = _one_plus(m, erf.outputs[0]) if ok and is_float(x) else None
-    tail = _gelu_tail(m, x, one_plus) if one_plus is not None else None
-    if tail is None:
-        return None
-    nodes, out = tail
-    fused = _gelu_node(m, x, out, "none", f"{erf.name}/Gelu")
-    return fused_rewrite([scale, erf, one_plus, *nodes], fused)
-
-
-def _cube(m: Match, v: Value) -> tuple[list[Node], Value] | None:
-    """``v = Pow(x, 3)``, ``Mul(Mul(x, x), x)`` or ``Mul(x, Mul(x, x))``: the nodes and x."""
-    p = m.producers.get(v)
-    if p is None or m.sole(v) is None:
-        return None
-    if is_op(p, "Pow") and m.scalar(p.inputs[1]) == 3.0:
-        return [p], p.inputs[0]
-    if not is_op(p, "Mul") or len(p.inputs) != 2:
-        return None
-    for sq_v, x in (p.inputs, p.inputs[::-1]):
-        sq = m.made_by(sq_v, "Mul")
-        if sq is not None and sq.inputs == [x, x] and m.sole(sq_v) is p:
-            return [sq, p], x
+def _our_activation(node: Node) -> dict[str, Any] | None:
+    """tensorkiln.Gelu / tensorkiln.SiLU, which fuse_gelu / fuse_silu make below opset 20 / 24."""
+    if node.op == "SiLU":
+        return {"activation": "Swish", "activation_alpha": 1.0}
+    if node.op == "Gelu":
+        return {"activation": "GeluTanh" if _tanh_gelu(node) else "Gelu"}
     return None
 
 
-def _gelu_tanh(m: Match, tanh: Node) -> Rewrite | None:
-    t = tanh.inputs[0]
-    mt = m.made_by(t, "Mul")
-    if mt is None or m.sole(t) is not tanh:
-        return None
-    s = next((v for v in mt.inputs if not m.is_scalar(v, _SQRT_2_OVER_PI)), None)
-    inner = (
-        m.made_by(s, "Add")
-        if other_input(mt, s) is not None and m.is_scalar(other_input(mt, s), _SQRT_2_OVER_PI)
-        else None
-    )
-    if inner is None or m.sole(s) is not mt:
-        return None
-    for q, x in (inner.inputs, inner.inputs[::-1]):
-        mq = m.made_by(q, "Mul")
-        k = next((v for v in (mq.inputs if mq else []) if m.is_scalar(v, 0.044715)), None)
-        cube = _cube(m, other_input(mq, k)) if k is not None and m.sole(q) is inner else None
-        if cube is not None and cube[1] is x and is_float(x):
-            break
+def _clip(view: View, node: Node) -> dict[str, Any] | None:
+    if "min" in node.attrs or "max" in node.attrs:  # opset < 11
+        bounds = [node.attrs.get("min"), node.attrs.get("max")]
     else:
-        return None
-    one_plus = _one_plus(m, tanh.outputs[0])
-    tail = _gelu_tail(m, x, one_plus) if one_plus is not None else None
-    if tail is None:
-        return None
-    nodes, out = tail
-    fused = _gelu_node(m, x, out, "tanh", f"{tanh.name}/Gelu")
-    return fused_rewrite([*cube[0], mq, inner, mt, tanh, one_plus, *nodes], fused)
+        bounds = []
+        for v in node.inputs[1:3]:
+            if v is None:
+                bounds.append(None)
+                continue
+            c = view.const(v, through_identity=True)
+            bounds.append(float(c.reshape(())) if c is not None and c.size == 1 else None)
+            if bounds[-1] is None:  # a bound computed at run time: not fused
+                return None
+    attrs: dict[str, Any] = {"activation": "Clip"}
+    for key, b in zip(("activation_min", "activation_max"), [*bounds, None, None]):
+        if b is not None:
+            attrs[key] = float(b)
+    return attrs
 
 
-def _silu(m: Match, sig: Node) -> Rewrite | None:
-    x = sig.inputs[0]
-    mul = m.sole(sig.outputs[0], "Mul")
-    if mul is None or other_input(mul, sig.outputs[0]) is not x or not is_float(x):
+def match_activation(view: View, v: Value) -> Activation | None:
+    """The activation node applied to ``v`` and nothing else (unclaimed), or None."""
+    node = view.single(v)
+    if node is None or node in view.claimed or node.inputs[0] is not v:
         return None
-    name = f"{sig.name}/SiLU"
-    if m.graph.opset("") >= 24:
-        fused = Node("Swish", [x], mul.outputs, {"alpha": 1.0}, name=name)
+    if node.domain == "":
+        attrs = _onnx_activation(view, node)
     else:
-        fused = Node("SiLU", [x], mul.outputs, {}, domain=DOMAIN, name=name)
-    return fused_rewrite([sig, mul], fused)
+        attrs = _our_activation(node) if node.domain == DOMAIN else None
+    return None if attrs is None else Activation([node], node.outputs[0], attrs)
 
 
 # ---------------------------------------------------------------------------------------------
-# Softmax
+# Softmax: Exp's output is read twice (ReduceSum and Div), so the rule walks on from Exp
 
 
-def _last_axis_reduce(m: Match, node: Node | None, rank: int | None) -> bool:
-    return node is not None and rank is not None and reduce_axes(m, node, rank) == (rank - 1,)
+def _last_axis_reduce(view: View, node: Node | None, rank: int | None) -> bool:
+    return node is not None and rank is not None and reduce_axes(view, node, rank) == (rank - 1,)
 
 
-def _max_ok(m: Match, mx: Node) -> bool:
-    return _last_axis_reduce(m, mx, rank_of(mx.inputs[0]))
+def _max_subtracted(m: View, x: Value, exp: Node) -> tuple[Node, Node] | None:
+    """(ReduceMax, Sub) when ``x = y - ReduceMax(y)`` over the last axis, read only by ``exp``."""
+    sub = m.made_by(x, "Sub")
+    mx = m.made_by(sub.inputs[1], "ReduceMax") if sub is not None and m.sole(x) is exp else None
+    if mx is None or mx.inputs[0] is not sub.inputs[0] or m.sole(mx.outputs[0]) is not sub:
+        return None
+    return (mx, sub) if _last_axis_reduce(m, mx, rank_of(mx.inputs[0])) else None
 
 
-def _softmax(m: Match, exp: Node) -> Rewrite | None:
+def _softmax(view: View, found: Found) -> Rewrite | None:
+    m, exp = view, found.root
     x, e = exp.inputs[0], exp.outputs[0]
     readers = m.readers.get(e, [])
     rs = next((r for r in readers if is_op(r, "ReduceSum") and r.inputs[0] is e), None)
@@ -185,32 +218,35 @@ def _softmax(m: Match, exp: Node) -> Rewrite | None:
     if not is_float(x) or not _last_axis_reduce(m, rs, rank_of(x)):
         return None
     nodes = [exp, rs, div]
-    sub = m.made_by(x, "Sub")
-    mx = m.made_by(sub.inputs[1], "ReduceMax") if sub is not None and m.sole(x) is exp else None
-    if mx is not None and mx.inputs[0] is sub.inputs[0] and m.sole(mx.outputs[0]) is sub:
-        nodes, x = ([mx, sub, *nodes], sub.inputs[0]) if _max_ok(m, mx) else (nodes, x)
+    shifted = _max_subtracted(m, x, exp)
+    if shifted is not None:
+        nodes, x = [*shifted, *nodes], shifted[1].inputs[0]
     axis = -1 if m.graph.opset("") >= 11 else len(x.shape) - 1
     fused = Node("Softmax", [x], [div.outputs[0]], {"axis": axis}, name=f"{exp.name}/Softmax")
     return fused_rewrite(nodes, fused)
 
 
+SOFTMAX_RULES = (Rule("softmax", Op("Exp"), _softmax),)
+
+
 # ---------------------------------------------------------------------------------------------
-# The passes (order 63-65: after the normalizations, before attention)
+# The passes: GELU and SiLU before the conv (50) and GEMM (55) fusions, Softmax after the
+# normalizations (60-62) and before attention (70)
 
 
-@register_pass("fuse_gelu", level=3, order=63)
+@register_pass("fuse_gelu", level=3, order=46)
 def fuse_gelu(graph: Graph) -> int:
     """Decomposed erf and tanh GELU -> Gelu (ONNX from opset 20, tensorkiln below)."""
-    return run_rules(graph, {("", "Erf"): _gelu_erf, ("", "Tanh"): _gelu_tanh})
+    return run_rules(graph, GELU_RULES)
 
 
-@register_pass("fuse_silu", level=3, order=64)
+@register_pass("fuse_silu", level=3, order=47)
 def fuse_silu(graph: Graph) -> int:
     """x * Sigmoid(x) -> Swish (ONNX from opset 24) or tensorkiln.SiLU."""
-    return run_rules(graph, {("", "Sigmoid"): _silu})
+    return run_rules(graph, SILU_RULES)
 
 
 @register_pass("fuse_softmax", level=3, order=65)
 def fuse_softmax(graph: Graph) -> int:
     """Exp / ReduceSum(Exp) over the last axis (max-subtracted or not) -> Softmax."""
-    return run_rules(graph, {("", "Exp"): _softmax})
+    return run_rules(graph, SOFTMAX_RULES)

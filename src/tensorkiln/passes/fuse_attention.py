@@ -30,32 +30,19 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.ir.dims import dim_product
-from tensorkiln.passes.manager import register_pass
-from tensorkiln.passes.rewrite import Rewrite, const_value, only_use
+from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
+from tensorkiln.passes.rewrite import Rewrite
+from tensorkiln.passes.rules import Rule, View, run_rules
 
 _SWAP_LAST = (0, 1, 3, 2)
 _HEADS = (0, 2, 1, 3)  # [B, S, H, D] <-> [B, H, S, D]
 
 
-@dataclass
-class _Ctx:
-    """The graph and the maps a match reads."""
-
-    graph: Graph
-    producers: dict[Value, Node]
-    consumers: dict[Value, list[Node]]
-    taken: set[str] = field(default_factory=set)  # value and node names in use
-
-    def single(self, v: Value) -> Node | None:
-        """The only reader of ``v`` (None when several nodes read it or it is a graph output)."""
-        return only_use(self.graph, v, self.consumers)
-
-    def made_by(self, v: Value, op: str) -> Node | None:
-        """The producer of ``v`` if it is the ONNX op ``op`` and ``v`` has no other reader."""
-        p = self.producers.get(v)
-        if p is None or p.op != op or p.domain != "" or self.single(v) is None:
-            return None
-        return p
+def _made_by(view: View, v: Value, op: str) -> Node | None:
+    """The producer of ``v`` if it is the ONNX op ``op`` and ``v`` has no other reader."""
+    p = view.made_by(v, op)
+    return p if p is not None and view.single(v) is not None else None
 
 
 @dataclass
@@ -93,9 +80,9 @@ def _rank(v: Value) -> int | None:
     return None if s is None else len(s)
 
 
-def _scalar(ctx: _Ctx, v: Value | None) -> float | None:
+def _scalar(view: View, v: Value | None) -> float | None:
     """The value of a one-element floating-point constant, else None."""
-    data = const_value(v, ctx.producers)
+    data = view.const(v)
     if (
         data is None
         or data.size != 1
@@ -122,13 +109,13 @@ def _then(first: tuple[int, ...] | None, second: tuple[int, ...] | None) -> tupl
 # ---------------------------------------------------------------- the scores: Q K^T * scale
 
 
-def _scaled(ctx: _Ctx, v: Value) -> tuple[Value, float, Node] | None:
+def _scaled(view: View, v: Value) -> tuple[Value, float, Node] | None:
     """``v = x * c`` or ``x / c`` with a scalar constant c that does not broadcast x up."""
-    p = ctx.made_by(v, "Mul") or ctx.made_by(v, "Div")
+    p = _made_by(view, v, "Mul") or _made_by(view, v, "Div")
     if p is None:
         return None
     a, b = p.inputs
-    ca, cb = _scalar(ctx, a), _scalar(ctx, b)
+    ca, cb = _scalar(view, a), _scalar(view, b)
     if cb is not None and _rank(a):
         x, c = a, (cb if p.op == "Mul" else 1.0 / cb if cb else None)
     elif p.op == "Mul" and ca is not None and _rank(b):
@@ -140,7 +127,9 @@ def _scaled(ctx: _Ctx, v: Value) -> tuple[Value, float, Node] | None:
     return x, c, p
 
 
-def _peel(ctx: _Ctx, v: Value, perm: tuple[int, ...] | None, scaled: bool) -> tuple[_Source, float]:
+def _peel(
+    view: View, v: Value, perm: tuple[int, ...] | None, scaled: bool
+) -> tuple[_Source, float]:
     """Walk up from an operand through transposes (and scalar scale factors when ``scaled``).
 
     The operand in [B, H, S, D] is ``Transpose(v, perm)``; the result says the same of the value
@@ -149,9 +138,9 @@ def _peel(ctx: _Ctx, v: Value, perm: tuple[int, ...] | None, scaled: bool) -> tu
     nodes: list[Node] = []
     factor = 1.0
     while True:
-        rtr = _reshape_round_trip(ctx, v)
-        t = ctx.made_by(v, "Transpose")
-        step = _scaled(ctx, v) if scaled else None
+        rtr = _reshape_round_trip(view, v)
+        t = _made_by(view, v, "Transpose")
+        step = _scaled(view, v) if scaled else None
         if rtr is not None:
             v, perm, nodes = rtr[0], _then(_SWAP_LAST, perm), nodes + rtr[1]
         elif t is not None and _perm(t) is not None and len(_perm(t)) == 4:
@@ -162,37 +151,37 @@ def _peel(ctx: _Ctx, v: Value, perm: tuple[int, ...] | None, scaled: bool) -> tu
             return _Source(v, perm, nodes), factor
 
 
-def _scores(ctx: _Ctx, v: Value) -> tuple[_Source, _Source, float, list[Node]] | None:
+def _scores(view: View, v: Value) -> tuple[_Source, _Source, float, list[Node]] | None:
     """(Q, K, scale, nodes) when ``v`` is (Q*a) @ (K^T*b) * c with scalar constants a, b, c."""
     removed: list[Node] = []
     factor = 1.0
-    while (step := _scaled(ctx, v)) is not None:
+    while (step := _scaled(view, v)) is not None:
         v, factor = step[0], factor * step[1]
         removed.append(step[2])
-    mm = ctx.made_by(v, "MatMul")
+    mm = _made_by(view, v, "MatMul")
     if mm is None or _rank(mm.inputs[0]) != 4 or _rank(mm.inputs[1]) != 4:
         return None
     removed.append(mm)
-    q, qa = _peel(ctx, mm.inputs[0], None, scaled=True)
-    k, kb = _peel(ctx, mm.inputs[1], _SWAP_LAST, scaled=True)
+    q, qa = _peel(view, mm.inputs[0], None, scaled=True)
+    k, kb = _peel(view, mm.inputs[1], _SWAP_LAST, scaled=True)
     return q, k, factor * qa * kb, removed
 
 
-def _softmax_input_ok(ctx: _Ctx, sm: Node) -> bool:
+def _softmax_input_ok(view: View, sm: Node) -> bool:
     """Softmax over the last axis (opset < 13: the flattened trailing axes, so the last one)."""
     rank = _rank(sm.inputs[0])
     if rank is None:
         return False
-    default = -1 if ctx.graph.opset("") >= 13 else 1
+    default = -1 if view.graph.opset("") >= 13 else 1
     return int(sm.attrs.get("axis", default)) % rank == rank - 1
 
 
 # ---------------------------------------------------------------- mask
 
 
-def _split_mask(ctx: _Ctx, v: Value) -> list[tuple[Value, Value | None, Node | None]]:
+def _split_mask(view: View, v: Value) -> list[tuple[Value, Value | None, Node | None]]:
     """The ways to read ``v`` as scores + mask: [(scores, mask, add)], or [(v, None, None)]."""
-    add = ctx.made_by(v, "Add")
+    add = _made_by(view, v, "Add")
     if add is None:
         return [(v, None, None)]
     found = []
@@ -203,15 +192,15 @@ def _split_mask(ctx: _Ctx, v: Value) -> list[tuple[Value, Value | None, Node | N
     return found
 
 
-def _causal(ctx: _Ctx, v: Value) -> tuple[Value, Node] | None:
+def _causal(view: View, v: Value) -> tuple[Value, Node] | None:
     """``Where(tril, scores, fill)``: a constant lower-triangular [..., S, S] condition, fill -inf.
 
     fill may also be a huge negative number (<= -1e30, e.g. float32's lowest): a key it hides
     gets no weight either way, except in a row where every key is hidden.
     """
-    w = ctx.made_by(v, "Where")
-    cond = None if w is None else const_value(w.inputs[0], ctx.producers)
-    fill = None if w is None else _scalar(ctx, w.inputs[2])
+    w = _made_by(view, v, "Where")
+    cond = None if w is None else view.const(w.inputs[0])
+    fill = None if w is None else _scalar(view, w.inputs[2])
     if cond is None or fill is None or fill > -1e30 or cond.dtype != np.bool_ or cond.ndim < 2:
         return None
     sq, sk = cond.shape[-2:]
@@ -231,12 +220,12 @@ def _mask_ok(mask: Value, scores: Value) -> bool:
     return shape is not None and len(shape) <= 4 and mask.dtype == scores.dtype
 
 
-def _as_bool_mask(ctx: _Ctx, mask: Value) -> tuple[Value, Node] | None:
+def _as_bool_mask(view: View, mask: Value) -> tuple[Value, Node] | None:
     """``Where(cond, 0, -inf)`` read only here -> (cond, where) for a boolean mask."""
-    w = ctx.made_by(mask, "Where")
+    w = _made_by(view, mask, "Where")
     if w is None or w.inputs[0].dtype is None or w.inputs[0].dtype.name != "BOOL":
         return None
-    zero, neg = _scalar(ctx, w.inputs[1]), _scalar(ctx, w.inputs[2])
+    zero, neg = _scalar(view, w.inputs[1]), _scalar(view, w.inputs[2])
     if zero != 0.0 or neg != -np.inf or _shape(mask) != _shape(w.inputs[0]):
         return None
     return w.inputs[0], w
@@ -245,11 +234,11 @@ def _as_bool_mask(ctx: _Ctx, mask: Value) -> tuple[Value, Node] | None:
 # ---------------------------------------------------------------- after the softmax
 
 
-def _probs(ctx: _Ctx, sm: Node) -> tuple[Value, list[Node]] | None:
+def _probs(view: View, sm: Node) -> tuple[Value, list[Node]] | None:
     """The softmax output, through an ``Where(IsNaN(P), 0, P)`` guard if there is one."""
     p = sm.outputs[0]
-    readers = ctx.consumers.get(p, [])
-    if p in ctx.graph.outputs:
+    readers = view.uses.get(p, [])
+    if p in view.graph.outputs:
         return None
     if len(readers) == 1:
         return p, []
@@ -257,11 +246,11 @@ def _probs(ctx: _Ctx, sm: Node) -> tuple[Value, list[Node]] | None:
         return None
     isnan = next((n for n in readers if n.op == "IsNaN" and n.domain == ""), None)
     where = next((n for n in readers if n.op == "Where" and n.domain == ""), None)
-    if isnan is None or where is None or ctx.single(isnan.outputs[0]) is not where:
+    if isnan is None or where is None or view.single(isnan.outputs[0]) is not where:
         return None
     if where.inputs[0] is not isnan.outputs[0] or where.inputs[2] is not p:
         return None
-    if _scalar(ctx, where.inputs[1]) != 0.0 or _shape(where.outputs[0]) != _shape(p):
+    if _scalar(view, where.inputs[1]) != 0.0 or _shape(where.outputs[0]) != _shape(p):
         return None
     return where.outputs[0], [isnan, where]
 
@@ -269,11 +258,11 @@ def _probs(ctx: _Ctx, sm: Node) -> tuple[Value, list[Node]] | None:
 # ---------------------------------------------------------------- operands
 
 
-def _reshape_round_trip(ctx: _Ctx, kt: Value) -> tuple[Value, list[Node]] | None:
+def _reshape_round_trip(view: View, kt: Value) -> tuple[Value, list[Node]] | None:
     """``Reshape(Transpose(Reshape(K, [B*H, S, D]), [0, 2, 1]), [B, H, D, S])``: (K, nodes)."""
-    r2 = ctx.made_by(kt, "Reshape")
-    t = r2 and ctx.made_by(r2.inputs[0], "Transpose")
-    r1 = t and _perm(t) == (0, 2, 1) and ctx.made_by(t.inputs[0], "Reshape")
+    r2 = _made_by(view, kt, "Reshape")
+    t = r2 and _made_by(view, r2.inputs[0], "Transpose")
+    r1 = t and _perm(t) == (0, 2, 1) and _made_by(view, t.inputs[0], "Reshape")
     if not r1:
         return None
     k, flat = _shape(r1.inputs[0]), _shape(r1.outputs[0])
@@ -284,12 +273,12 @@ def _reshape_round_trip(ctx: _Ctx, kt: Value) -> tuple[Value, list[Node]] | None
     return r1.inputs[0], [r2, t, r1]
 
 
-def _packed(ctx: _Ctx, src: _Source) -> tuple[Value, int, list[Node]] | None:
+def _packed(view: View, src: _Source) -> tuple[Value, int, list[Node]] | None:
     """(X, H, nodes) when the operand is ``Transpose(Reshape(X [B,S,H*D], [B,S,H,D]), [0,2,1,3])``."""
     if src.perm != _HEADS:
         return None
     nodes, base = list(src.nodes), src.base
-    r = ctx.made_by(base, "Reshape")
+    r = _made_by(view, base, "Reshape")
     if r is None:
         return None
     x, y = _shape(r.inputs[0]), _shape(base)
@@ -303,47 +292,47 @@ def _packed(ctx: _Ctx, src: _Source) -> tuple[Value, int, list[Node]] | None:
 # ---------------------------------------------------------------- the match
 
 
-def _match(ctx: _Ctx, sm: Node) -> _Match | None:
+def _match(view: View, sm: Node) -> _Match | None:
     """Everything between Q, K, V (and the mask) and the P @ V MatMul, or None."""
-    if not _softmax_input_ok(ctx, sm) or ctx.single(sm.inputs[0]) is not sm:
+    if not _softmax_input_ok(view, sm) or view.single(sm.inputs[0]) is not sm:
         return None
-    probs = _probs(ctx, sm)
-    pv = None if probs is None else ctx.single(probs[0])
+    probs = _probs(view, sm)
+    pv = None if probs is None else view.single(probs[0])
     if pv is None or pv.op != "MatMul" or pv.domain != "" or pv.inputs[0] is not probs[0]:
         return None
     if _rank(pv.inputs[1]) != 4:
         return None
-    for s, mask, add in _split_mask(ctx, sm.inputs[0]):
-        causal = _causal(ctx, s)
+    for s, mask, add in _split_mask(view, sm.inputs[0]):
+        causal = _causal(view, s)
         if causal is not None:
             s = causal[0]
-        scores = _scores(ctx, s)
+        scores = _scores(view, s)
         if scores is None or not np.isfinite(scores[2]) or scores[2] == 0.0:
             continue
         q, k, scale, nodes = scores
         extra = [n for n in (add, causal and causal[1]) if n is not None]
         remove = [sm, *extra, *nodes, *probs[1], pv]
         kind = "" if mask is None else "additive"
-        as_bool = None if mask is None else _as_bool_mask(ctx, mask)
+        as_bool = None if mask is None else _as_bool_mask(view, mask)
         if as_bool is not None:
             mask, kind = as_bool[0], "bool"
             remove.append(as_bool[1])
-        v = _peel(ctx, pv.inputs[1], None, scaled=False)[0]
+        v = _peel(view, pv.inputs[1], None, scaled=False)[0]
         return _Match(q, k, v, scale, mask, kind, sm, pv, remove, causal is not None)
     return None
 
 
-def _output_layout(ctx: _Ctx, out: Value, heads: int | None) -> tuple[str, Value, list[Node]]:
+def _output_layout(view: View, out: Value, heads: int | None) -> tuple[str, Value, list[Node]]:
     """Absorb ``Reshape(Transpose(O, [0,2,1,3]), [B, S, H*Dv])`` after the op when proven."""
     v, nodes = out, []
-    r0 = _reader(ctx, v, "Reshape")
+    r0 = _reader(view, v, "Reshape")
     if r0 is not None and _shape(r0.outputs[0]) == _shape(v) and None not in (_shape(v) or (None,)):
         v, nodes = r0.outputs[0], [r0]
-    t = _reader(ctx, v, "Transpose")
+    t = _reader(view, v, "Transpose")
     if t is None or _perm(t) != _HEADS:
         return "bhsd", out, []
     v, nodes = t.outputs[0], [*nodes, t]
-    r = _reader(ctx, v, "Reshape")
+    r = _reader(view, v, "Reshape")
     y, z = _shape(v), r and _shape(r.outputs[0])
     if r is not None and _merges_heads(y, z) and (heads is None or y[2] == heads):
         return "bsd", r.outputs[0], [*nodes, r]
@@ -357,44 +346,35 @@ def _merges_heads(y: tuple | None, z: tuple | None) -> bool:
     return z[:2] == y[:2] and z[2] == dim_product(y[2:])
 
 
-def _reader(ctx: _Ctx, v: Value, op: str) -> Node | None:
-    n = ctx.single(v)
+def _reader(view: View, v: Value, op: str) -> Node | None:
+    n = view.single(v)
     return n if n is not None and n.op == op and n.domain == "" and n.inputs[0] is v else None
 
 
 # ---------------------------------------------------------------- the replacement
 
 
-def _transpose(ctx: _Ctx, x: Value, perm: tuple[int, ...], name: str, rw: Rewrite) -> Value:
+def _transpose(view: View, x: Value, perm: tuple[int, ...], name: str, rw: Rewrite) -> Value:
     shape = _shape(x)
     new_shape = None if shape is None else tuple(shape[p] for p in perm)
-    out = Value(_fresh(ctx, name), TensorType(x.dtype, new_shape))
-    ctx.taken.add(out.name)
+    out = Value(view.fresh_name(name), TensorType(x.dtype, new_shape))
     rw.add.append(Node("Transpose", [x], [out], {"perm": list(perm)}, name=out.name))
     return out
 
 
-def _fresh(ctx: _Ctx, name: str) -> str:
-    base, k = name, 1
-    while name in ctx.taken:
-        name = f"{base}_{k}"
-        k += 1
-    return name
-
-
-def _inputs(ctx: _Ctx, m: _Match, rw: Rewrite) -> tuple[list[Value], int]:
+def _inputs(view: View, m: _Match, rw: Rewrite) -> tuple[list[Value], int]:
     """Q, K, V for the new node, and num_heads (0: they are [B, H, S, D])."""
     srcs = [m.q, m.k, m.v]
-    packed = [_packed(ctx, s) for s in srcs]
+    packed = [_packed(view, s) for s in srcs]
     heads = {p[1] for p in packed if p is not None}
     if None not in packed and len(heads) == 1:
         for p in packed:
             rw.remove.extend(p[2])
         return [p[0] for p in packed], heads.pop()
-    return [_as_bhsd(ctx, s, rw) for s in srcs], 0
+    return [_as_bhsd(view, s, rw) for s in srcs], 0
 
 
-def _as_bhsd(ctx: _Ctx, src: _Source, rw: Rewrite) -> Value:
+def _as_bhsd(view: View, src: _Source, rw: Rewrite) -> Value:
     """The operand as one value: its base, the Transpose already there, or a new Transpose."""
     first = src.nodes[0] if len(src.nodes) == 1 else None
     if first is not None and first.op == "Transpose" and _perm(first) == src.perm:
@@ -402,13 +382,13 @@ def _as_bhsd(ctx: _Ctx, src: _Source, rw: Rewrite) -> Value:
     rw.remove.extend(src.nodes)
     if src.perm is None:
         return src.base
-    return _transpose(ctx, src.base, src.perm, f"{src.base.name}_bhsd", rw)
+    return _transpose(view, src.base, src.perm, f"{src.base.name}_bhsd", rw)
 
 
-def _rewrite(ctx: _Ctx, m: _Match) -> Rewrite:
+def _rewrite(view: View, m: _Match) -> Rewrite:
     rw = Rewrite(remove=list(m.remove), count=1)
-    inputs, heads = _inputs(ctx, m, rw)
-    layout, out, nodes = _output_layout(ctx, m.out.outputs[0], heads or None)
+    inputs, heads = _inputs(view, m, rw)
+    layout, out, nodes = _output_layout(view, m.out.outputs[0], heads or None)
     rw.remove.extend(nodes)
     attrs = {
         "scale": m.scale,
@@ -418,8 +398,7 @@ def _rewrite(ctx: _Ctx, m: _Match) -> Rewrite:
         "input_layout": "bsd" if heads else "bhsd",
         "output_layout": layout,
     }
-    name = _fresh(ctx, f"{m.softmax.name or m.out.name}_attention")
-    ctx.taken.add(name)
+    name = view.fresh_name(f"{m.softmax.name or m.out.name}_attention")
     node = Node(
         "Attention", [*inputs, m.mask] if m.mask else inputs, [out], attrs, "tensorkiln", name
     )
@@ -427,17 +406,15 @@ def _rewrite(ctx: _Ctx, m: _Match) -> Rewrite:
     return rw
 
 
+def _attention(view: View, found: Found) -> Rewrite | None:
+    m = _match(view, found.root)
+    return None if m is None else _rewrite(view, m)
+
+
+RULES = (Rule("attention", Op("Softmax"), _attention),)
+
+
 @register_pass("fuse_attention", level=3, order=70)
 def fuse_attention(graph: Graph) -> int:
     """Fuse each scaled dot-product attention into one tensorkiln.Attention node."""
-    taken = {v.name for v in graph.values()} | {n.name for n in graph.nodes}
-    ctx = _Ctx(graph, graph.producers(), graph.consumers(), taken)
-    rw = Rewrite()
-    for node in list(graph.nodes):
-        if node.op == "Softmax" and node.domain == "":
-            found = _match(ctx, node)
-            if found is not None:
-                rw.merge(_rewrite(ctx, found))
-    if rw.count:
-        graph.opsets.setdefault("tensorkiln", 1)
-    return rw.apply(graph)
+    return run_rules(graph, RULES)

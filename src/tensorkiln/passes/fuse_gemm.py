@@ -4,8 +4,12 @@ merging of projections that share their input.
 ``fuse_gemm_act`` rules, tried on every MatMul/Gemm whose B is a constant 2-D weight:
 
 * ``bias``: Add(y, C), C constant, 1 everywhere but the last axis -> GemmAct's C.
-* ``act``:  an activation of y (see :func:`tensorkiln.passes.fuse_conv.match_activation`), also
-            through one Reshape (act(Reshape(y)) = Reshape(act(y)); GPT-2 writes its MLP so).
+* ``act``:  an activation node of y (see
+            :func:`tensorkiln.passes.fuse_activation.match_activation`), also through one Reshape
+            (act(Reshape(y)) = Reshape(act(y)); GPT-2 writes its MLP so).
+
+One rule of :mod:`tensorkiln.passes.rules`, anchored on the MatMul/Gemm; the chain grows in its
+replacement.
 
 MatMuls with two computed operands (attention's Q K^T and P V) are never touched.
 
@@ -22,9 +26,12 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.ir import Graph, Node, TensorType, Value
-from tensorkiln.passes.fuse_conv import FLOATS, Ctx, match_activation, other_input
-from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.fuse_activation import match_activation
+from tensorkiln.passes.fuse_conv import FLOATS
+from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
+from tensorkiln.passes.rules import DOMAIN, Rule, View, other_input, run_rules
 
 _ACT_KEYS = (
     "activation",
@@ -48,11 +55,11 @@ class GemmMatch:
     grown: bool = False
 
 
-def _weight(ctx: Ctx, node: Node) -> np.ndarray | None:
+def _weight(view: View, node: Node) -> np.ndarray | None:
     """The constant 2-D B of a MatMul/Gemm/GemmAct with a float A of rank >= 2, else None."""
     if len(node.inputs) < 2 or len(node.outputs) != 1:
         return None
-    a, w = node.inputs[0], ctx.const(node.inputs[1])
+    a, w = node.inputs[0], view.const(node.inputs[1], through_identity=True)
     if a is None or a.dtype not in FLOATS or a.shape is None or len(a.shape) < 2:
         return None
     if w is None or w.ndim != 2 or w.dtype != a.dtype.numpy:
@@ -60,14 +67,11 @@ def _weight(ctx: Ctx, node: Node) -> np.ndarray | None:
     return w
 
 
-def _start(ctx: Ctx, node: Node) -> GemmMatch | None:
-    kind = (node.domain, node.op)
-    if kind not in (("", "MatMul"), ("", "Gemm"), ("tensorkiln", "GemmAct")):
-        return None
-    if node in ctx.claimed or _weight(ctx, node) is None:
+def _start(view: View, node: Node) -> GemmMatch | None:
+    if _weight(view, node) is None:
         return None
     c = node.inputs[2] if len(node.inputs) > 2 else None
-    bias = ctx.const(c)
+    bias = view.const(c, through_identity=True)
     if c is not None and bias is None:
         return None
     attrs = dict(node.attrs)
@@ -84,11 +88,11 @@ def _last_axis(c: np.ndarray, shape: tuple) -> bool:
     return all(d == 1 for d in padded[:-1]) and padded[-1] in (1, shape[-1])
 
 
-def _rule_bias(ctx: Ctx, m: GemmMatch) -> bool:
-    add = ctx.next_node(m.out, "Add")
+def _rule_bias(view: View, m: GemmMatch) -> bool:
+    add = view.single(m.out, "Add")
     if add is None or m.bias is not None or m.attrs.get("activation") or m.after:
         return False
-    c = ctx.const(other_input(add, m.out))
+    c = view.const(other_input(add, m.out), through_identity=True)
     if c is None or m.out.shape is None or m.out.dtype is None:
         return False
     if c.dtype != m.out.dtype.numpy:
@@ -100,21 +104,20 @@ def _rule_bias(ctx: Ctx, m: GemmMatch) -> bool:
     return _take(m, [add], add.outputs[0])
 
 
-def _rule_act(ctx: Ctx, m: GemmMatch) -> bool:
+def _rule_act(view: View, m: GemmMatch) -> bool:
     if m.attrs.get("activation"):
         return False
-    act = match_activation(ctx, m.out)
+    act = match_activation(view, m.out)
     reshape = None
     if act is None:
-        reshape = ctx.next_node(m.out, "Reshape")
-        act = reshape and match_activation(ctx, reshape.outputs[0])
+        reshape = view.single(m.out, "Reshape")
+        act = reshape and match_activation(view, reshape.outputs[0])
     if act is None:
         return False
     m.attrs.update(act.attrs)
     if reshape is not None:
         m.after.append(reshape)
         m.nodes.append(reshape)
-        ctx.claimed.add(reshape)
     return _take(m, act.nodes, act.out)
 
 
@@ -125,44 +128,42 @@ def _take(m: GemmMatch, nodes: list[Node], out: Value) -> bool:
     return True
 
 
-RULES = (_rule_bias, _rule_act)
+EPILOGUE = (_rule_bias, _rule_act)
 
 
-def _fused(graph: Graph, m: GemmMatch, rw: Rewrite) -> None:
-    """Queue the GemmAct (and the Reshape kept after it) that replace ``m.nodes``."""
+def _fused(view: View, m: GemmMatch) -> Rewrite:
+    """The GemmAct (and the Reshape kept after it) that replace ``m.nodes``."""
     s = m.start
     c = s.inputs[2] if len(s.inputs) > 2 else None
     if m.bias is not None and c is None:
-        c = add_constant(graph, f"{s.name or 'gemm'}_fused_bias", np.ascontiguousarray(m.bias))
+        c = add_constant(view.graph, f"{s.name or 'gemm'}_fused_bias", np.ascontiguousarray(m.bias))
     inputs = [s.inputs[0], s.inputs[1]] + ([c] if c is not None else [])
     y = s.outputs[0] if m.after else m.out
     attrs = {k: v for k, v in m.attrs.items() if k != "broadcast"}
-    rw.add.append(Node("GemmAct", inputs, [y], attrs, domain="tensorkiln", name=s.name or y.name))
+    rw = Rewrite(remove=m.nodes, count=1)
+    rw.add.append(Node("GemmAct", inputs, [y], attrs, domain=DOMAIN, name=s.name or y.name))
     for r in m.after:  # Reshape(y) now writes the chain's output
         rw.add.append(Node(r.op, [y, *r.inputs[1:]], [m.out], dict(r.attrs), r.domain, r.name))
-    rw.remove.extend(m.nodes)
-    rw.count += 1
+    return rw
+
+
+def _gemm_chain(view: View, found: Found) -> Rewrite | None:
+    """Grow the chain from the MatMul/Gemm (or unfinished GemmAct) through its epilogue."""
+    m = _start(view, found.root)
+    if m is None:
+        return None
+    for rule in EPILOGUE:
+        rule(view, m)
+    return _fused(view, m) if m.grown else None
+
+
+RULES = (Rule("gemm_act", (Op(("MatMul", "Gemm")), Op("GemmAct", domain=DOMAIN)), _gemm_chain),)
 
 
 @register_pass("fuse_gemm_act", level=3, order=55)
 def fuse_gemm_act(graph: Graph) -> int:
     """Fuse the bias Add and activation that follow a MatMul/Gemm with a constant weight."""
-    ctx = Ctx.of(graph)
-    rw = Rewrite()
-    for node in list(graph.nodes):
-        m = _start(ctx, node)
-        if m is None:
-            continue
-        ctx.claimed.add(node)
-        for rule in RULES:
-            if rule(ctx, m):
-                ctx.claimed.update(m.nodes)
-        if m.grown:
-            _fused(graph, m, rw)
-    n = rw.apply(graph)
-    if n:
-        graph.opsets.setdefault("tensorkiln", 1)
-    return n
+    return run_rules(graph, RULES)
 
 
 # ------------------------------------------------------------------------------ shared matmuls
@@ -177,11 +178,11 @@ class Projection:
     c: np.ndarray | None
 
 
-def _projection(ctx: Ctx, node: Node) -> Projection | None:
+def _projection(view: View, node: Node) -> Projection | None:
     kind = (node.domain, node.op)
     if kind not in (("", "MatMul"), ("tensorkiln", "GemmAct")) or node.outputs[0] is None:
         return None
-    w = _weight(ctx, node)
+    w = _weight(view, node)
     if w is None:
         return None
     a = node.attrs
@@ -189,7 +190,7 @@ def _projection(ctx: Ctx, node: Node) -> Projection | None:
         return None
     b = w.T if a.get("transB", 0) else w
     c_in = node.inputs[2] if len(node.inputs) > 2 else None
-    c = ctx.const(c_in)
+    c = view.const(c_in, through_identity=True)
     if c is not None:
         if node.inputs[0].shape is None or not _last_axis(c, (1, b.shape[1])):
             return None
@@ -244,10 +245,10 @@ def _split(graph: Graph, v: Value, sizes: list[int], outs: list[Value], name: st
 @register_pass("merge_shared_matmuls", level=3, order=56)
 def merge_shared_matmuls(graph: Graph) -> int:
     """Merge projections of one input (Q, K, V) into one GEMM over concatenated weights + Split."""
-    ctx = Ctx.of(graph)
+    view = View.of(graph)
     groups: dict[tuple, list[Projection]] = {}
     for node in graph.nodes:
-        p = _projection(ctx, node)
+        p = _projection(view, node)
         if p is not None:
             groups.setdefault(_key(p), []).append(p)
     rw = Rewrite()

@@ -1,8 +1,9 @@
 """Fusions of normalizations: LayerNorm, RMSNorm, and a residual Add folded into LayerNorm.
 
-Each pass is a table of rules run by :func:`tensorkiln.passes.rules.run_rules`: matches are
-collected first and applied once; the pass returns their count. The activation fusions (GELU, SiLU,
-Softmax) are in :mod:`tensorkiln.passes.fuse_activation`.
+Each pass is a list of rules run by :func:`tensorkiln.passes.rules.run_rules`: matches are
+collected first and applied once; the pass returns their count. The decompositions are matched
+from their first node (the ReduceMean) on, with the shared :class:`~tensorkiln.passes.rules.View`.
+The activation fusions (GELU, SiLU, Softmax) are in :mod:`tensorkiln.passes.fuse_activation`.
 
 * ``fuse_layer_norm``: ONNX LayerNormalization, and its decomposition
   ``ReduceMean -> Sub -> Pow(2) | Mul(d, d) -> ReduceMean -> Add(eps) -> Sqrt -> Div | Reciprocal+Mul
@@ -25,11 +26,13 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.passes.manager import register_pass
+from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
 from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import (
     DOMAIN,
-    Match,
+    Rule,
+    View,
     fused_rewrite,
     is_float,
     is_op,
@@ -50,7 +53,7 @@ def _trailing_axis(axes: tuple[int, ...] | None, rank: int | None) -> int | None
     return axes[0]
 
 
-def _affine_const(m: Match, v: Value | None, x: Value, axis: int) -> Value | None:
+def _affine_const(m: View, v: Value | None, x: Value, axis: int) -> Value | None:
     """``v`` when it is a constant of x's dtype that broadcasts onto the normalized axes only."""
     c = m.const(v)
     if c is None or x.shape is None or v.dtype != x.dtype:
@@ -65,7 +68,7 @@ def _affine_const(m: Match, v: Value | None, x: Value, axis: int) -> Value | Non
     return v if all(d == 1 or d == t for d, t in zip(dims, tail)) else None
 
 
-def _unused_extra_outputs(m: Match, node: Node) -> bool:
+def _unused_extra_outputs(m: View, node: Node) -> bool:
     return all(v is None or (v not in m.outputs and not m.readers.get(v)) for v in node.outputs[1:])
 
 
@@ -74,7 +77,7 @@ def _unused_extra_outputs(m: Match, node: Node) -> bool:
 
 
 def _inv_std(
-    m: Match, sq: Node, axes: tuple[int, ...], num: Value
+    m: View, sq: Node, axes: tuple[int, ...], num: Value
 ) -> tuple[list[Node], float, Node] | None:
     """Match ``sq -> ReduceMean(axes) -> Add(eps) -> Sqrt -> (Div | Reciprocal+Mul) by num``.
 
@@ -99,14 +102,14 @@ def _inv_std(
     return None
 
 
-def _square_of(m: Match, node: Node, base: Value) -> bool:
+def _square_of(m: View, node: Node, base: Value) -> bool:
     """``node`` is Pow(base, 2) (exponent exactly 2) or Mul(base, base)."""
     if is_op(node, "Pow"):
         return node.inputs[0] is base and m.scalar(node.inputs[1]) == 2.0
     return is_op(node, "Mul") and node.inputs[0] is base and node.inputs[1] is base
 
 
-def _affine_tail(m: Match, y: Value, x: Value, axis: int, names: tuple[str, ...]):
+def _affine_tail(m: View, y: Value, x: Value, axis: int, names: tuple[str, ...]):
     """Optional ``Mul(scale)`` then (when asked) ``Add(bias)`` after ``y``: nodes, out, params."""
     nodes, params = [], []
     for op in names:
@@ -120,13 +123,14 @@ def _affine_tail(m: Match, y: Value, x: Value, axis: int, names: tuple[str, ...]
     return nodes, y, params
 
 
-def _ones_scale(m: Match, x: Value, axis: int) -> Value:
+def _ones_scale(m: View, x: Value, axis: int) -> Value:
     norm = x.shape[axis:]
     shape = tuple(norm) if all(isinstance(d, int) for d in norm) else (1,)
     return add_constant(m.graph, f"{x.name}_ones", np.ones(shape, x.dtype.numpy))
 
 
-def _layer_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
+def _layer_norm_decomposed(m: View, found: Found) -> Rewrite | None:
+    mean = found.root
     x = mean.inputs[0]
     axes = reduce_axes(m, mean, rank_of(x))
     axis = _trailing_axis(axes, rank_of(x)) if is_float(x) else None
@@ -156,7 +160,8 @@ def _layer_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
     return fused_rewrite([mean, sub, sq, *body, *tail], fused)
 
 
-def _layer_norm_onnx(m: Match, node: Node) -> Rewrite | None:
+def _layer_norm_onnx(m: View, found: Found) -> Rewrite | None:
+    node = found.root
     x = node.inputs[0]
     if not is_float(x) or not _unused_extra_outputs(m, node):
         return None
@@ -168,7 +173,8 @@ def _layer_norm_onnx(m: Match, node: Node) -> Rewrite | None:
     return fused_rewrite([node], fused)
 
 
-def _fold_residual(m: Match, ln: Node) -> Rewrite | None:
+def _fold_residual(m: View, found: Found) -> Rewrite | None:
+    ln = found.root
     if len(ln.inputs) > 3 and ln.inputs[3] is not None:
         return None
     s = ln.inputs[0]
@@ -191,7 +197,8 @@ def _fold_residual(m: Match, ln: Node) -> Rewrite | None:
 # RMSNorm
 
 
-def _rms_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
+def _rms_norm_decomposed(m: View, found: Found) -> Rewrite | None:
+    mean = found.root
     sq = m.producers.get(mean.inputs[0])
     x = sq.inputs[0] if sq is not None and sq.inputs else None
     if (
@@ -214,7 +221,8 @@ def _rms_norm_decomposed(m: Match, mean: Node) -> Rewrite | None:
     return fused_rewrite([sq, *body, *tail], fused)
 
 
-def _rms_norm_onnx(m: Match, node: Node) -> Rewrite | None:
+def _rms_norm_onnx(m: View, found: Found) -> Rewrite | None:
+    node = found.root
     x = node.inputs[0]
     if not is_float(x) or (node.attrs.get("stash_type", 1) != 1 and x.dtype != DType.FLOAT):
         return None
@@ -224,28 +232,34 @@ def _rms_norm_onnx(m: Match, node: Node) -> Rewrite | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# The passes (order 60-62; the activations' 63-65 follow: after the Conv and Gemm fusions,
-# before attention)
+# The passes (order 60-62: after the Conv and Gemm fusions; Softmax (65) and attention (70)
+# follow)
+
+
+LAYER_NORM_RULES = (
+    Rule("layer_norm_decomposed", Op("ReduceMean"), _layer_norm_decomposed),
+    Rule("layer_norm_onnx", Op("LayerNormalization"), _layer_norm_onnx),
+)
+RESIDUAL_RULES = (Rule("residual_into_layer_norm", Op("LayerNorm", domain=DOMAIN), _fold_residual),)
+RMS_NORM_RULES = (
+    Rule("rms_norm_decomposed", Op("ReduceMean"), _rms_norm_decomposed),
+    Rule("rms_norm_onnx", Op("RMSNormalization"), _rms_norm_onnx),
+)
 
 
 @register_pass("fuse_layer_norm", level=3, order=60)
 def fuse_layer_norm(graph: Graph) -> int:
     """ONNX LayerNormalization and its decompositions -> tensorkiln.LayerNorm."""
-    rules = {
-        ("", "ReduceMean"): _layer_norm_decomposed,
-        ("", "LayerNormalization"): _layer_norm_onnx,
-    }
-    return run_rules(graph, rules)
+    return run_rules(graph, LAYER_NORM_RULES)
 
 
 @register_pass("fold_residual_into_layer_norm", level=3, order=61)
 def fold_residual_into_layer_norm(graph: Graph) -> int:
     """LayerNorm(a + b) -> LayerNorm(a, residual=b), the sum as a second output where it is read."""
-    return run_rules(graph, {(DOMAIN, "LayerNorm"): _fold_residual})
+    return run_rules(graph, RESIDUAL_RULES)
 
 
 @register_pass("fuse_rms_norm", level=3, order=62)
 def fuse_rms_norm(graph: Graph) -> int:
     """ONNX RMSNormalization and its decompositions -> tensorkiln.RMSNorm."""
-    rules = {("", "ReduceMean"): _rms_norm_decomposed, ("", "RMSNormalization"): _rms_norm_onnx}
-    return run_rules(graph, rules)
+    return run_rules(graph, RMS_NORM_RULES)

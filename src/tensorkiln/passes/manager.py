@@ -13,56 +13,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
+import tensorkiln.passes.builtin  # noqa: F401  (the built-in passes register themselves)
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.ir.verify import verify as verify_graph
+from tensorkiln.passes.registry import PASSES, PassInfo, register_pass
 
-PassFn = Callable[[Graph], int]
-
-
-@dataclass(frozen=True)
-class PassInfo:
-    name: str
-    level: int
-    fn: PassFn
-    order: int
-    late: bool = False
-    backends: tuple[str, ...] | None = None  # None: every backend
-
-
-PASSES: dict[str, PassInfo] = {}
-
-
-def register_pass(
-    name: str,
-    *,
-    level: int,
-    order: int,
-    late: bool = False,
-    backends: tuple[str, ...] | None = None,
-) -> Callable[[PassFn], PassFn]:
-    """Register a pass run at optimization ``level`` and above, in ascending ``order``.
-
-    A ``late`` pass (generic fusion of what is left) joins its stage only once the other passes
-    of the stage have reached their fixed point, so it never takes a pattern they would fuse.
-    ``backends`` limits the pass to graphs built for those backends (a fusion that pays on one
-    and not another); a PassManager given no backend runs every pass.
-    """
-
-    def decorator(fn: PassFn) -> PassFn:
-        PASSES[name] = PassInfo(name, level, fn, order, late, backends)
-        return fn
-
-    return decorator
-
-
-def _load_passes() -> None:
-    import tensorkiln.passes.registry  # noqa: F401  (registers the built-in passes)
+__all__ = ["PASSES", "PassInfo", "PassManager", "register_pass"]
 
 
 class PassManager:
@@ -78,7 +38,6 @@ class PassManager:
         only: list[str] | None = None,
         backend: str | None = None,
     ) -> None:
-        _load_passes()
         self.level = level
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.verify = verify

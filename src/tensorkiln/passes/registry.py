@@ -1,19 +1,51 @@
-"""Imports every pass module so that their passes register with the PassManager."""
+"""The registry of named passes: :func:`register_pass` and the table it fills.
 
-from importlib import import_module
+A pass is a function ``(graph) -> int`` that changes the graph in place and returns how many
+matches it rewrote. Pass modules import this module only (never the PassManager), so that the
+manager can import every pass at the top of its module without a cycle.
+"""
 
-_MODULES = (
-    "cleanup",
-    "fold",
-    "shape",
-    "fuse_conv",
-    "fuse_gemm",
-    "fuse_se",
-    "fuse_norm",
-    "fuse_activation",
-    "fuse_attention",
-    "fuse_pointwise",
-)
+from __future__ import annotations
 
-for _name in _MODULES:
-    import_module(f"tensorkiln.passes.{_name}")
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tensorkiln.ir import Graph
+
+PassFn = Callable[[Graph], int]
+
+
+@dataclass(frozen=True)
+class PassInfo:
+    name: str
+    level: int
+    fn: PassFn
+    order: int
+    late: bool = False
+    backends: tuple[str, ...] | None = None  # None: every backend
+
+
+PASSES: dict[str, PassInfo] = {}
+
+
+def register_pass(
+    name: str,
+    *,
+    level: int,
+    order: int,
+    late: bool = False,
+    backends: tuple[str, ...] | None = None,
+) -> Callable[[PassFn], PassFn]:
+    """Register a pass run at optimization ``level`` and above, in ascending ``order``.
+
+    A ``late`` pass (generic fusion of what is left) joins its stage only once the other passes
+    of the stage have reached their fixed point, so it never takes a pattern they would fuse.
+    ``backends`` limits the pass to graphs built for those backends (a fusion that pays on one
+    and not another); a PassManager given no backend runs every pass.
+    """
+
+    def decorator(fn: PassFn) -> PassFn:
+        PASSES[name] = PassInfo(name, level, fn, order, late, backends)
+        return fn
+
+    return decorator

@@ -1,4 +1,4 @@
-"""Helpers for writing passes: look at uses, collect edits, apply them once.
+"""Helpers for writing passes: collect edits, apply them once; constants.
 
 A pass gathers a :class:`Rewrite` (nodes to remove, nodes to add, values to replace) from rules that
 match, then :meth:`Rewrite.apply` changes the graph in one step and keeps it topologically sorted.
@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tensorkiln.ir import Graph, Node, Value
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.ir.toposort import toposort
 
 
@@ -74,19 +74,6 @@ def replace_uses(graph: Graph, mapping: dict[Value, Value]) -> None:
     graph.outputs = outputs
 
 
-def uses(graph: Graph) -> dict[Value, list[Node]]:
-    """Nodes reading each value (subgraph reads count for their parent node)."""
-    return graph.consumers()
-
-
-def only_use(graph: Graph, v: Value, consumers: dict[Value, list[Node]]) -> Node | None:
-    """The single node reading ``v``, or None if it has several readers or is a graph output."""
-    readers = consumers.get(v, [])
-    if len(readers) != 1 or v in graph.outputs:
-        return None
-    return readers[0]
-
-
 def const_value(v: Value | None, producers: dict[Value, Node] | None = None) -> np.ndarray | None:
     """The data of ``v`` when it is an initializer or the output of a Constant node."""
     if v is None:
@@ -102,8 +89,6 @@ def const_value(v: Value | None, producers: dict[Value, Node] | None = None) -> 
 
 def add_constant(graph: Graph, name: str, data: np.ndarray) -> Value:
     """A new initializer with a name unique in ``graph``."""
-    from tensorkiln.ir import DType, TensorType
-
     taken = {v.name for v in graph.values()}
     base, k = name, 1
     while name in taken:

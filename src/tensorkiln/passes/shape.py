@@ -17,6 +17,8 @@ symbols through :func:`tensorkiln.ir.shape_rules.symbolic_value`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
@@ -24,8 +26,10 @@ from tensorkiln.ir.graph import Dim, Shape, TensorType
 from tensorkiln.ir.infer import evaluate_node
 from tensorkiln.ir.shape_rules import InferContext, symbolic_value
 from tensorkiln.passes.cleanup import NO_FOLD
-from tensorkiln.passes.manager import register_pass
-from tensorkiln.passes.rewrite import Rewrite, add_constant
+from tensorkiln.passes.pattern import Found, Op
+from tensorkiln.passes.registry import register_pass
+from tensorkiln.passes.rewrite import add_constant
+from tensorkiln.passes.rules import Rule, View, run_rules
 
 # Values up to this many elements are tracked (as in ir.infer).
 VALUE_LIMIT = 4096
@@ -150,20 +154,23 @@ def _reshape_rule(node: Node, known: dict[Value, np.ndarray]) -> np.ndarray | No
     return None if new is None else np.array(new, dtype=np.int64)
 
 
+def _constant_target(known: dict[Value, np.ndarray]) -> Callable[[View, Found], Node | None]:
+    """The replacement: the Reshape with its target as a constant, from the values ``known``."""
+
+    def replace(view: View, found: Found) -> Node | None:
+        node = found.root
+        data = _reshape_rule(node, known)
+        if data is None:
+            return None
+        target = add_constant(view.graph, f"{node.name or 'reshape'}_shape", data)
+        inputs = [node.inputs[0], target]
+        return Node("Reshape", inputs, node.outputs, dict(node.attrs), "", node.name)
+
+    return replace
+
+
 @register_pass("reshape_targets", level=1, order=41)
 def reshape_targets(graph: Graph) -> int:
     """Give Reshapes with computed targets a constant target (with 0 and -1); returns how many."""
-    known = shape_values(graph)
-    rw = Rewrite()
-    for node in graph.nodes:
-        data = _reshape_rule(node, known)
-        if data is None:
-            continue
-        target = add_constant(graph, f"{node.name or 'reshape'}_shape", data)
-        new = Node(
-            "Reshape", [node.inputs[0], target], node.outputs, dict(node.attrs), "", node.name
-        )
-        rw.remove.append(node)
-        rw.add.append(new)
-        rw.count += 1
-    return rw.apply(graph)
+    rule = Rule("reshape_target", Op("Reshape"), _constant_target(shape_values(graph)))
+    return run_rules(graph, [rule])
