@@ -1,4 +1,4 @@
-"""Attention on the device: Attention (opset 23, 24, 25), RotaryEmbedding, LinearAttention and
+"""Attention on the device: Attention (one kernel for opsets 23-25), RotaryEmbedding, LinearAttention and
 FlexAttention, as torch code.
 
 Attention goes through torch's scaled_dot_product_attention (flash / memory-efficient kernels on
@@ -7,7 +7,8 @@ The structural masks (causal with a KV cache, sliding windows, key padding) are 
 additive bias built on the device, since SDPA's own ``is_causal`` aligns queries to the first key.
 Everything else runs as explicit matmul + softmax in float32 (float64 for float64 inputs), like
 the reference. Grouped-query attention never repeats K/V: Q is viewed as [B, kv_heads, group * q,
-head] against each K/V head.
+head] against each K/V head. The shape and attribute checks are kernels/common/attention.py's,
+shared with the reference.
 """
 
 from __future__ import annotations
@@ -18,9 +19,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common import attention as checks
 from tensorkiln.kernels.registry import register
-
-_PRECISIONS = {1: torch.float32, 10: torch.float16, 11: torch.float64, 16: torch.bfloat16}
 
 
 def sdpa_mask(mask: torch.Tensor | None, q: torch.Tensor, keys: int) -> torch.Tensor | None:
@@ -45,32 +45,14 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _softmax_dtype(precision: int | None, ct: torch.dtype) -> torch.dtype:
-    if precision is None:
-        return ct
-    if precision not in _PRECISIONS:
-        raise ValueError(
-            f"softmax_precision {precision} unsupported; use 1 (FLOAT), 10 (FLOAT16), "
-            "11 (DOUBLE) or 16 (BFLOAT16)"
-        )
-    return _PRECISIONS[precision]
+    name = checks.softmax_precision(precision)
+    return ct if name is None else getattr(torch, name)
 
 
 def _to_4d(x: torch.Tensor, num_heads: int | None, name: str) -> torch.Tensor:
     """[B, S, H*D] -> [B, H, S, D]; 4D inputs pass through."""
-    if x.dim() == 4:
-        if num_heads and num_heads != x.shape[1]:
-            raise ValueError(f"{name} has {x.shape[1]} heads but the head count attribute says "
-                             f"{num_heads}")  # fmt: skip
-        return x
-    if x.dim() != 3:
-        raise ValueError(f"{name} must be rank 3 or 4, got shape {tuple(x.shape)}")
-    if not num_heads or x.shape[2] % num_heads:
-        raise ValueError(
-            f"{name} is 3D {tuple(x.shape)}: q_num_heads/kv_num_heads must be set and divide its "
-            f"hidden size (got {num_heads})"
-        )
-    b, s, hidden = x.shape
-    return x.reshape(b, s, num_heads, hidden // num_heads).transpose(1, 2)
+    split = checks.split_heads(x.shape, num_heads, name)
+    return x if split is None else x.reshape(split).transpose(1, 2)
 
 
 def _from_4d(y: torch.Tensor) -> torch.Tensor:
@@ -78,17 +60,11 @@ def _from_4d(y: torch.Tensor) -> torch.Tensor:
     return y.transpose(1, 2).reshape(b, s, h * d)
 
 
-def _group(hq: int, hkv: int) -> int:
-    if hq % hkv:
-        raise ValueError(f"q_num_heads ({hq}) must be a multiple of kv_num_heads ({hkv})")
-    return hq // hkv
-
-
 def _grouped_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a: [B, Hq, M, K] @ b: [B, Hkv, K, N] with query head h using kv head h // (Hq // Hkv)."""
     bs, hq, m, k = a.shape
     hkv = b.shape[1]
-    g = _group(hq, hkv)
+    g = checks.group(hq, hkv)
     out = torch.matmul(a.reshape(bs, hkv, g, m, k), b.unsqueeze(2))
     return out.reshape(bs, hq, m, b.shape[-1])
 
@@ -104,11 +80,7 @@ def _softmax(x: torch.Tensor) -> torch.Tensor:
 
 def _mask_bias(mask: torch.Tensor, kv_len: int, ct: torch.dtype) -> torch.Tensor:
     """attn_mask as an additive bias; a mask shorter than kv_len is padded as disallowed."""
-    if mask.shape[-1] > kv_len:
-        raise ValueError(
-            f"attn_mask's last axis ({mask.shape[-1]}) is longer than the total key length "
-            f"({kv_len})"
-        )
+    checks.check_mask_length(mask.shape[-1], kv_len)
     if mask.dtype == torch.bool:
         bias = torch.zeros(mask.shape, dtype=ct, device=mask.device)
         bias = bias.masked_fill(~mask, -math.inf)
@@ -191,7 +163,7 @@ def _sdpa(
     """SDPA over [B, Hq, q, D] x [B, Hkv, kv, D]; query heads grouped onto their K/V head."""
     b, hq, q_len, _ = q4.shape
     hkv, kv_len = k4.shape[1], k4.shape[2]
-    g = _group(hq, hkv)
+    g = checks.group(hq, hkv)
     # fp16/bf16 run in float32, as the reference: the fused fp16 kernels round the probabilities
     # to fp16 before the second matmul, one or two fp16 steps off the oracle
     dt = _compute_dtype(q4.dtype)
@@ -256,16 +228,10 @@ def _attention(
     attrs: dict[str, Any],
     n_outputs: int,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Shared body of every Attention version."""
-    if not q.dim() == k.dim() == v.dim():
-        raise ValueError(
-            f"Q, K, V must have the same rank, got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if (past_key is None) != (past_value is None):
-        raise ValueError("past_key and past_value must be given together")
-    if nonpad is not None and past_key is not None:
-        raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
+    """The body of Attention."""
+    checks.check_inputs(
+        q.shape, k.shape, v.shape, past_key is not None, past_value is not None, nonpad is not None
+    )
     q4 = _to_4d(q, attrs["q_num_heads"], "Q")
     k4 = _to_4d(k, attrs["kv_num_heads"], "K")
     v4 = _to_4d(v, attrs["kv_num_heads"], "V")
@@ -276,11 +242,7 @@ def _attention(
         v4 = torch.cat([past_value, v4.to(past_value.dtype)], dim=2)
     q_len, head = q4.shape[2], q4.shape[3]
     kv_len = k4.shape[2]
-    if k4.shape[-1] != head or v4.shape[1:3] != k4.shape[1:3]:
-        raise ValueError(
-            f"incompatible Q/K/V heads: Q {tuple(q4.shape)}, K {tuple(k4.shape)}, "
-            f"V {tuple(v4.shape)}"
-        )
+    checks.check_heads(q4.shape, k4.shape, v4.shape)
     ct = _compute_dtype(q.dtype)
     bias = _attention_bias(
         attn_mask, q_len, kv_len, past_len, nonpad, q.device, ct, is_causal=attrs["is_causal"],
@@ -300,62 +262,12 @@ def _attention(
     if qk is None:
         return (y, k4, v4)[:n_outputs]
     mode = attrs["qk_matmul_output_mode"]
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {mode}")
+    checks.check_qk_mode(mode)
     return (y, k4, v4, qk[mode].to(q.dtype))[:n_outputs]
 
 
 @register("Attention", since=23, backend="cuda")
-def attention_23(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    past_key: torch.Tensor | None = None,
-    past_value: torch.Tensor | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Scaled dot-product attention with mask, causal, GQA, KV cache and softcap (opset 23)."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, None, attrs, _n_outputs)
-
-
-@register("Attention", since=24, backend="cuda")
-def attention_24(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    attn_mask: torch.Tensor | None = None,
-    past_key: torch.Tensor | None = None,
-    past_value: torch.Tensor | None = None,
-    nonpad_kv_seqlen: torch.Tensor | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Opset 24 adds nonpad_kv_seqlen (external KV cache) and masks shorter than the keys."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
-
-
-@register("Attention", since=25, backend="cuda")
-def attention_25(
+def attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -375,12 +287,8 @@ def attention_25(
     softmax_precision: int | None = None,
     _n_outputs: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """Opset 25 adds sliding windows (left_window_size, right_window_size)."""
-    if left_window_size < -1 or right_window_size < -1:
-        raise ValueError(
-            f"window sizes must be -1 or non-negative, got left={left_window_size}, "
-            f"right={right_window_size}"
-        )
+    """Scaled dot-product attention, every version (see the reference's ``attention``)."""
+    checks.check_windows(left_window_size, right_window_size)
     attrs = dict(locals())
     return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
 
@@ -397,26 +305,12 @@ def rotary_embedding(
     rotary_embedding_dim: int = 0,
 ) -> torch.Tensor:
     """Rotate the first rotary_embedding_dim features of each head (halves or even/odd pairs)."""
-    if x.dim() == 4:
-        xs = x.transpose(1, 2)  # [B, S, H, D]
-    elif x.dim() == 3:
-        if not num_heads or x.shape[2] % num_heads:
-            raise ValueError(f"3D input {tuple(x.shape)} needs num_heads dividing its hidden size")
-        xs = x.reshape(x.shape[0], x.shape[1], num_heads, -1)
-    else:
-        raise ValueError(f"input must be rank 3 or 4, got shape {tuple(x.shape)}")
-    head = xs.shape[-1]
-    rot = rotary_embedding_dim or head
-    if rot % 2 or rot > head:
-        raise ValueError(f"rotary_embedding_dim {rot} must be even and at most head size {head}")
+    dims = checks.rotary_dims(x.shape, num_heads)
+    xs = x.transpose(1, 2) if x.dim() == 4 else x.reshape(dims)  # [B, S, H, D]
     if position_ids is not None:
         pos = position_ids.to(torch.int64)
         cos_cache, sin_cache = cos_cache[pos], sin_cache[pos]
-    if cos_cache.shape[-1] != rot // 2 or sin_cache.shape[-1] != rot // 2:
-        raise ValueError(
-            f"cos/sin caches' last axis ({cos_cache.shape[-1]}, {sin_cache.shape[-1]}) must be "
-            f"rotary_embedding_dim / 2 = {rot // 2}"
-        )
+    rot = checks.rotary_width(dims[-1], rotary_embedding_dim, cos_cache.shape, sin_cache.shape)
     ct = _compute_dtype(x.dtype)
     cos = cos_cache.to(ct).unsqueeze(2)
     sin = sin_cache.to(ct).unsqueeze(2)
@@ -436,23 +330,19 @@ def rotary_embedding(
 
 def _heads_last(x: torch.Tensor, heads: int, name: str) -> torch.Tensor:
     """[B, T, H*D] -> [B, H, T, D] for LinearAttention's packed inputs."""
-    if x.dim() != 3 or x.shape[2] % heads:
-        raise ValueError(f"{name} must be [B, T, {heads} * D], got shape {tuple(x.shape)}")
+    checks.check_packed(x.shape, heads, name)
     return _to_4d(x, heads, name)
 
 
 def _linear_gates(decay, beta, b, t, hkv, dk, ct):
     """decay -> [B, Hkv, T, dk|1] (log-space), beta -> [B, Hkv|1, T, 1]; None stays None."""
+    checks.check_gates(
+        None if decay is None else decay.shape, None if beta is None else beta.shape, hkv, dk
+    )
     g = bt = None
     if decay is not None:
-        if decay.dim() != 3 or decay.shape[2] not in (hkv, hkv * dk):
-            raise ValueError(
-                f"decay must be [B, T, {hkv}] or [B, T, {hkv * dk}], got {tuple(decay.shape)}"
-            )
         g = decay.reshape(b, t, hkv, -1).transpose(1, 2).to(ct)
     if beta is not None:
-        if beta.dim() != 3 or beta.shape[2] not in (hkv, 1):
-            raise ValueError(f"beta must be [B, T, {hkv}] or [B, T, 1], got {tuple(beta.shape)}")
         bt = beta.reshape(b, t, beta.shape[2], 1).transpose(1, 2).to(ct)
     return g, bt
 
@@ -473,17 +363,9 @@ def linear_attention(
     update_rule: str = "gated_delta",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Recurrent linear attention (linear / gated / delta / gated_delta state updates)."""
-    if update_rule not in ("linear", "gated", "delta", "gated_delta"):
-        raise ValueError(f"update_rule must be linear, gated, delta or gated_delta: {update_rule}")
-    if not q_num_heads or not kv_num_heads or q_num_heads % kv_num_heads:
-        raise ValueError(f"q_num_heads ({q_num_heads}) must be a positive multiple of "
-                         f"kv_num_heads ({kv_num_heads})")  # fmt: skip
-    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
-    if gated != (decay is not None) or delta != (beta is not None):
-        raise ValueError(
-            f"update_rule '{update_rule}' needs {'decay' if gated else 'no decay'} and "
-            f"{'beta' if delta else 'no beta'} input"
-        )
+    gated, delta = checks.linear_rule(
+        update_rule, q_num_heads, kv_num_heads, decay is not None, beta is not None
+    )
     ct = _compute_dtype(query.dtype)
     q = _heads_last(query, q_num_heads, "query").to(ct)
     k = _heads_last(key, kv_num_heads, "key").to(ct)
@@ -492,8 +374,7 @@ def linear_attention(
     dv = v.shape[-1]
     g, bt = _linear_gates(decay, beta, b, t, kv_num_heads, dk, ct)
     shape = (b, kv_num_heads, dk, dv)
-    if past_state is not None and tuple(past_state.shape) != shape:
-        raise ValueError(f"past_state must be {shape}, got {tuple(past_state.shape)}")
+    checks.check_state(None if past_state is None else past_state.shape, shape)
     if past_state is None:
         state = torch.zeros(shape, dtype=ct, device=query.device)
     else:
@@ -517,9 +398,7 @@ def _run_mod(ctx: Any, graph: Any, x: torch.Tensor, name: str) -> torch.Tensor:
     if ctx is None:
         raise ValueError(f"FlexAttention's {name} subgraph needs an executor to run it")
     (out,) = ctx.run_graph(graph, [x])
-    if tuple(out.shape) != tuple(x.shape):
-        raise ValueError(f"{name} must keep the shape {tuple(x.shape)}, returned "
-                         f"{tuple(out.shape)}")  # fmt: skip
+    checks.check_mod(name, out.shape, x.shape)
     return out.to(x.dtype)
 
 
@@ -536,15 +415,7 @@ def flex_attention(
     _ctx: Any = None,
 ) -> torch.Tensor:
     """softmax(score_mod(Q K^T * scale)) -> prob_mod -> @ V, with GQA; the mods are subgraphs."""
-    if not q.dim() == k.dim() == v.dim() == 4:
-        raise ValueError(
-            f"FlexAttention needs rank-4 Q, K, V; got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if k.shape[-1] != q.shape[-1] or v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(
-            f"incompatible Q/K/V shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
+    checks.check_flex(q.shape, k.shape, v.shape)
     ct = _compute_dtype(q.dtype)
     sm = _softmax_dtype(softmax_precision, ct)
     root = math.sqrt(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)

@@ -1,4 +1,4 @@
-"""Attention: Attention (opset 23, 24, 25), RotaryEmbedding, LinearAttention, FlexAttention.
+"""Attention: Attention (one kernel for opsets 23-25), RotaryEmbedding, LinearAttention, FlexAttention.
 
 Internally Q is [batch, q_heads, q_len, head], K/V [batch, kv_heads, kv_len, head]. Grouped-query
 attention never materializes repeated K/V: Q is viewed as [batch, kv_heads, group, q_len, head]
@@ -15,14 +15,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from tensorkiln.kernels.common import attention as checks
 from tensorkiln.kernels.registry import register
-
-_PRECISIONS = {
-    1: np.dtype(np.float32),
-    10: np.dtype(np.float16),
-    11: np.dtype(np.float64),
-    16: np.dtype(ml_dtypes.bfloat16),
-}
 
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
@@ -30,32 +24,16 @@ def _compute_dtype(dtype: np.dtype) -> np.dtype:
 
 
 def _softmax_dtype(precision: int | None, ct: np.dtype) -> np.dtype:
-    if precision is None:
+    name = checks.softmax_precision(precision)
+    if name is None:
         return ct
-    if precision not in _PRECISIONS:
-        raise ValueError(
-            f"softmax_precision {precision} unsupported; use 1 (FLOAT), 10 (FLOAT16), "
-            "11 (DOUBLE) or 16 (BFLOAT16)"
-        )
-    return _PRECISIONS[precision]
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
 def _to_4d(x: np.ndarray, num_heads: int | None, name: str) -> np.ndarray:
     """[B, S, H*D] -> [B, H, S, D]; 4D inputs pass through."""
-    if x.ndim == 4:
-        if num_heads and num_heads != x.shape[1]:
-            raise ValueError(f"{name} has {x.shape[1]} heads but the head count attribute says "
-                             f"{num_heads}")  # fmt: skip
-        return x
-    if x.ndim != 3:
-        raise ValueError(f"{name} must be rank 3 or 4, got shape {x.shape}")
-    if not num_heads or x.shape[2] % num_heads:
-        raise ValueError(
-            f"{name} is 3D {x.shape}: q_num_heads/kv_num_heads must be set and divide its "
-            f"hidden size (got {num_heads})"
-        )
-    b, s, hidden = x.shape
-    return x.reshape(b, s, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+    split = checks.split_heads(x.shape, num_heads, name)
+    return x if split is None else x.reshape(split).transpose(0, 2, 1, 3)
 
 
 def _from_4d(y: np.ndarray) -> np.ndarray:
@@ -67,9 +45,7 @@ def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """a: [B, Hq, M, K] @ b: [B, Hkv, K, N] with query head h using kv head h // (Hq // Hkv)."""
     bs, hq, m, _ = a.shape
     hkv = b.shape[1]
-    if hq % hkv:
-        raise ValueError(f"q_num_heads ({hq}) must be a multiple of kv_num_heads ({hkv})")
-    out = np.matmul(a.reshape(bs, hkv, hq // hkv, m, a.shape[-1]), b[:, :, None])
+    out = np.matmul(a.reshape(bs, hkv, checks.group(hq, hkv), m, a.shape[-1]), b[:, :, None])
     return out.reshape(bs, hq, m, b.shape[-1])
 
 
@@ -84,11 +60,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 def _mask_bias(mask: np.ndarray, kv_len: int, ct: np.dtype) -> np.ndarray:
     """attn_mask as an additive bias; a mask shorter than kv_len is padded as disallowed."""
-    if mask.shape[-1] > kv_len:
-        raise ValueError(
-            f"attn_mask's last axis ({mask.shape[-1]}) is longer than the total key length "
-            f"({kv_len})"
-        )
+    checks.check_mask_length(mask.shape[-1], kv_len)
     is_bool = mask.dtype == np.bool_
     bias = np.where(mask, 0, -np.inf).astype(ct) if is_bool else mask.astype(ct)
     if mask.shape[-1] < kv_len:
@@ -169,13 +141,10 @@ def _attention(
     attrs: dict[str, Any],
     n_outputs: int,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Shared body of every Attention version."""
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"Q, K, V must have the same rank, got {q.shape}, {k.shape}, {v.shape}")
-    if (past_key is None) != (past_value is None):
-        raise ValueError("past_key and past_value must be given together")
-    if nonpad is not None and past_key is not None:
-        raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
+    """The body of Attention."""
+    checks.check_inputs(
+        q.shape, k.shape, v.shape, past_key is not None, past_value is not None, nonpad is not None
+    )
     q4 = _to_4d(q, attrs["q_num_heads"], "Q")
     k4 = _to_4d(k, attrs["kv_num_heads"], "K")
     v4 = _to_4d(v, attrs["kv_num_heads"], "V")
@@ -186,8 +155,7 @@ def _attention(
         v4 = np.concatenate([past_value, v4], axis=2)
     b, _, q_len, head = q4.shape
     kv_len = k4.shape[2]
-    if k4.shape[-1] != head or v4.shape[1:3] != k4.shape[1:3]:
-        raise ValueError(f"incompatible Q/K/V heads: Q {q4.shape}, K {k4.shape}, V {v4.shape}")
+    checks.check_heads(q4.shape, k4.shape, v4.shape)
 
     ct = _compute_dtype(q.dtype)
     scale = attrs["scale"]
@@ -210,63 +178,13 @@ def _attention(
     if n_outputs <= 1:
         return y
     mode = attrs["qk_matmul_output_mode"]
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {mode}")
+    checks.check_qk_mode(mode)
     qk = (raw, capped, np.broadcast_to(logits, raw.shape), probs)[mode].astype(q.dtype)
     return (y, k4, v4, qk)[:n_outputs]
 
 
 @register("Attention", since=23)
-def attention_23(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    past_key: np.ndarray | None = None,
-    past_value: np.ndarray | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Scaled dot-product attention with mask, causal, GQA, KV cache and softcap (opset 23)."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, None, attrs, _n_outputs)
-
-
-@register("Attention", since=24)
-def attention_24(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    past_key: np.ndarray | None = None,
-    past_value: np.ndarray | None = None,
-    nonpad_kv_seqlen: np.ndarray | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Opset 24 adds nonpad_kv_seqlen (external KV cache) and masks shorter than the keys."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
-
-
-@register("Attention", since=25)
-def attention_25(
+def attention(
     q: np.ndarray,
     k: np.ndarray,
     v: np.ndarray,
@@ -286,12 +204,10 @@ def attention_25(
     softmax_precision: int | None = None,
     _n_outputs: int = 1,
 ) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Opset 25 adds sliding windows (left_window_size, right_window_size)."""
-    if left_window_size < -1 or right_window_size < -1:
-        raise ValueError(
-            f"window sizes must be -1 or non-negative, got left={left_window_size}, "
-            f"right={right_window_size}"
-        )
+    """Scaled dot-product attention with mask, causal, GQA, KV cache and softcap (opset 23);
+    opset 24 adds nonpad_kv_seqlen (external KV cache), opset 25 sliding windows. The newer
+    inputs and attributes are absent from older nodes, so one kernel serves every version."""
+    checks.check_windows(left_window_size, right_window_size)
     attrs = dict(locals())
     return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
 
@@ -308,25 +224,11 @@ def rotary_embedding(
     rotary_embedding_dim: int = 0,
 ) -> np.ndarray:
     """Rotate the first rotary_embedding_dim features of each head (halves or even/odd pairs)."""
-    if x.ndim == 4:
-        xs = x.transpose(0, 2, 1, 3)  # [B, S, H, D]
-    elif x.ndim == 3:
-        if not num_heads or x.shape[2] % num_heads:
-            raise ValueError(f"3D input {x.shape} needs num_heads dividing its hidden size")
-        xs = x.reshape(x.shape[0], x.shape[1], num_heads, -1)
-    else:
-        raise ValueError(f"input must be rank 3 or 4, got shape {x.shape}")
-    head = xs.shape[-1]
-    rot = rotary_embedding_dim or head
-    if rot % 2 or rot > head:
-        raise ValueError(f"rotary_embedding_dim {rot} must be even and at most head size {head}")
+    dims = checks.rotary_dims(x.shape, num_heads)
+    xs = x.transpose(0, 2, 1, 3) if x.ndim == 4 else x.reshape(dims)  # [B, S, H, D]
     if position_ids is not None:
         cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
-    if cos_cache.shape[-1] != rot // 2 or sin_cache.shape[-1] != rot // 2:
-        raise ValueError(
-            f"cos/sin caches' last axis ({cos_cache.shape[-1]}, {sin_cache.shape[-1]}) must be "
-            f"rotary_embedding_dim / 2 = {rot // 2}"
-        )
+    rot = checks.rotary_width(dims[-1], rotary_embedding_dim, cos_cache.shape, sin_cache.shape)
     ct = _compute_dtype(x.dtype)
     cos = cos_cache.astype(ct)[:, :, None, :]
     sin = sin_cache.astype(ct)[:, :, None, :]
@@ -343,23 +245,19 @@ def rotary_embedding(
 
 def _heads_last(x: np.ndarray, heads: int, name: str) -> np.ndarray:
     """[B, T, H*D] -> [B, H, T, D] for LinearAttention's packed inputs."""
-    if x.ndim != 3 or x.shape[2] % heads:
-        raise ValueError(f"{name} must be [B, T, {heads} * D], got shape {x.shape}")
+    checks.check_packed(x.shape, heads, name)
     return _to_4d(x, heads, name)
 
 
 def _linear_gates(decay, beta, b, t, hkv, dk, ct):
     """decay -> [B, Hkv, T, dk|1] (log-space), beta -> [B, Hkv|1, T, 1]; None stays None."""
+    checks.check_gates(
+        None if decay is None else decay.shape, None if beta is None else beta.shape, hkv, dk
+    )
     g = bt = None
     if decay is not None:
-        if decay.ndim != 3 or decay.shape[2] not in (hkv, hkv * dk):
-            raise ValueError(
-                f"decay must be [B, T, {hkv}] or [B, T, {hkv * dk}], got {decay.shape}"
-            )
         g = decay.reshape(b, t, hkv, -1).transpose(0, 2, 1, 3).astype(ct)
     if beta is not None:
-        if beta.ndim != 3 or beta.shape[2] not in (hkv, 1):
-            raise ValueError(f"beta must be [B, T, {hkv}] or [B, T, 1], got {beta.shape}")
         bt = beta.reshape(b, t, beta.shape[2], 1).transpose(0, 2, 1, 3).astype(ct)
     return g, bt
 
@@ -380,17 +278,9 @@ def linear_attention(
     update_rule: str = "gated_delta",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Recurrent linear attention (linear / gated / delta / gated_delta state updates)."""
-    if update_rule not in ("linear", "gated", "delta", "gated_delta"):
-        raise ValueError(f"update_rule must be linear, gated, delta or gated_delta: {update_rule}")
-    if not q_num_heads or not kv_num_heads or q_num_heads % kv_num_heads:
-        raise ValueError(f"q_num_heads ({q_num_heads}) must be a positive multiple of "
-                         f"kv_num_heads ({kv_num_heads})")  # fmt: skip
-    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
-    if gated != (decay is not None) or delta != (beta is not None):
-        raise ValueError(
-            f"update_rule '{update_rule}' needs {'decay' if gated else 'no decay'} and "
-            f"{'beta' if delta else 'no beta'} input"
-        )
+    gated, delta = checks.linear_rule(
+        update_rule, q_num_heads, kv_num_heads, decay is not None, beta is not None
+    )
     ct = _compute_dtype(query.dtype)
     q = _heads_last(query, q_num_heads, "query").astype(ct)
     k = _heads_last(key, kv_num_heads, "key").astype(ct)
@@ -398,8 +288,7 @@ def linear_attention(
     b, _, t, dk = q.shape
     dv = v.shape[-1]
     g, bt = _linear_gates(decay, beta, b, t, kv_num_heads, dk, ct)
-    if past_state is not None and past_state.shape != (b, kv_num_heads, dk, dv):
-        raise ValueError(f"past_state must be {(b, kv_num_heads, dk, dv)}, got {past_state.shape}")
+    checks.check_state(None if past_state is None else past_state.shape, (b, kv_num_heads, dk, dv))
     state = np.zeros((b, kv_num_heads, dk, dv), ct) if past_state is None else past_state.astype(ct)
     out = np.empty((b, q_num_heads, t, dv), ct)
     scale = scale or 1.0 / np.sqrt(dk)
@@ -420,8 +309,7 @@ def _run_mod(ctx: Any, graph: Any, x: np.ndarray, name: str) -> np.ndarray:
         raise ValueError(f"FlexAttention's {name} subgraph needs an executor to run it")
     (out,) = ctx.run_graph(graph, [x])
     out = np.asarray(out)
-    if out.shape != x.shape:
-        raise ValueError(f"{name} must keep the shape {x.shape}, returned {out.shape}")
+    checks.check_mod(name, out.shape, x.shape)
     return out.astype(x.dtype)
 
 
@@ -438,10 +326,7 @@ def flex_attention(
     _ctx: Any = None,
 ) -> np.ndarray:
     """softmax(score_mod(Q K^T * scale)) -> prob_mod -> @ V, with GQA; the mods are subgraphs."""
-    if not q.ndim == k.ndim == v.ndim == 4:
-        raise ValueError(f"FlexAttention needs rank-4 Q, K, V; got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape[-1] != q.shape[-1] or v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"incompatible Q/K/V shapes {q.shape}, {k.shape}, {v.shape}")
+    checks.check_flex(q.shape, k.shape, v.shape)
     ct = _compute_dtype(q.dtype)
     sm = _softmax_dtype(softmax_precision, ct)
     root = np.sqrt(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
