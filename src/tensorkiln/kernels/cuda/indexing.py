@@ -14,12 +14,12 @@ import math
 
 import torch
 
+from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
     from_order_key,
     from_signed,
     host_scalar,
-    norm_axis,
     order_key,
 )
 from tensorkiln.kernels.registry import register
