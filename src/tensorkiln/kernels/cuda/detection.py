@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorkiln.kernels.common import detection as checks
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.registry import register
 
@@ -61,17 +62,7 @@ def _grid_size(extent: torch.Tensor, pooled: int, ratio: int) -> tuple[torch.Ten
 
 
 def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
-    if mode not in ("avg", "max"):
-        raise ValueError(f"RoiAlign: mode '{mode}' is not one of avg, max")
-    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4:
-        raise ValueError(
-            "RoiAlign: need X (N, C, H, W) and rois (R, 4); got "
-            f"{tuple(x.shape)}, {tuple(rois.shape)}"
-        )
-    if batch_indices.numel() != rois.shape[0]:
-        raise ValueError(
-            f"RoiAlign: batch_indices has {batch_indices.numel()} values for {rois.shape[0]} rois"
-        )
+    checks.check_roi_align(mode, x.shape, rois.shape, batch_indices.numel())
     c, height, width = x.shape[1:]
     if rois.shape[0] == 0:
         return x.new_zeros(0, c, out_h, out_w)
@@ -117,42 +108,22 @@ def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
 
 
 @register("RoiAlign", since=10, backend="cuda")
-def roi_align_10(
+def roi_align(
     x: torch.Tensor,
     rois: torch.Tensor,
     batch_indices: torch.Tensor,
     *,
+    coordinate_transformation_mode: str | None = None,
     mode: str = "avg",
     output_height: int = 1,
     output_width: int = 1,
     sampling_ratio: int = 0,
     spatial_scale: float = 1.0,
+    _opset: int = 16,
 ) -> torch.Tensor:
-    """RoiAlign-10: pixel coordinates without the half-pixel shift (output_half_pixel)."""
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, False)
-    return _roi_align(x, rois, batch_indices, *args)
-
-
-@register("RoiAlign", since=16, backend="cuda")
-def roi_align_16(
-    x: torch.Tensor,
-    rois: torch.Tensor,
-    batch_indices: torch.Tensor,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-) -> torch.Tensor:
-    """RoiAlign-16/22: adds coordinate_transformation_mode (half_pixel by default)."""
-    if coordinate_transformation_mode not in ("half_pixel", "output_half_pixel"):
-        raise ValueError(
-            f"RoiAlign: coordinate_transformation_mode '{coordinate_transformation_mode}' is not "
-            "one of half_pixel, output_half_pixel"
-        )
-    half = coordinate_transformation_mode == "half_pixel"
+    """RoiAlign; coordinates shift by half a pixel by default from opset 16 (RoiAlign-10 has no
+    coordinate_transformation_mode and never shifts)."""
+    half = checks.roi_half_pixel(coordinate_transformation_mode, _opset)
     args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
     return _roi_align(x, rois, batch_indices, *args)
 
@@ -191,13 +162,9 @@ def _iou(one: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
 
 
 def _scalar(v: torch.Tensor | None, name: str):
-    if v is None or v.numel() == 0:
+    if v is None:
         return None
-    if v.numel() != 1:
-        raise ValueError(
-            f"NonMaxSuppression: '{name}' must hold one value, got shape {tuple(v.shape)}"
-        )
-    return np.ravel(host_list(v))[0].item()
+    return checks.nms_scalar(np.ravel(host_list(v)).tolist(), v.shape, name)
 
 
 @register("NonMaxSuppression", since=10, backend="cuda")
@@ -211,15 +178,7 @@ def non_max_suppression(
     center_point_box: int = 0,
 ) -> torch.Tensor:
     """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
-    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3:
-        raise ValueError(
-            "NonMaxSuppression: need boxes (N, B, 4) and scores (N, classes, B); got "
-            f"{tuple(boxes.shape)} and {tuple(scores.shape)}"
-        )
-    if scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
-        raise ValueError(
-            f"NonMaxSuppression: boxes {tuple(boxes.shape)} and scores {tuple(scores.shape)} differ"
-        )
+    checks.check_nms(boxes.shape, scores.shape)
     limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
     iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
     score_thr = _scalar(score_threshold, "score_threshold")
