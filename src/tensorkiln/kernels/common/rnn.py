@@ -31,6 +31,7 @@ class RnnArrays(Protocol):
     """The array operations the recurrent layers need, on one backend's arrays."""
 
     float32: Any  # the backend's float32 dtype
+    m: Any  # the array module (numpy or torch): matmul, where, tanh, expm1, abs as it spells them
 
     def compute_dtype(self, x: Any) -> Any:
         """float64 for float64 inputs, else float32."""
@@ -42,16 +43,12 @@ class RnnArrays(Protocol):
     def addmm(self, c: Any, a: Any, b: Any) -> Any:
         """``c + a @ b`` for 2-D ``a`` and ``b``."""
 
-    def matmul(self, a: Any, b: Any) -> Any: ...
-
     def swap01(self, x: Any) -> Any:
         """``x`` with its first two axes swapped."""
 
     def stack(self, arrays: list[Any], axis: int) -> Any: ...
 
     def permute(self, x: Any, perm: tuple[int, ...]) -> Any: ...
-
-    def where(self, cond: Any, a: Any, b: Any) -> Any: ...
 
     def clip(self, x: Any, lo: float | None, hi: float | None) -> Any: ...
 
@@ -64,30 +61,26 @@ class RnnArrays(Protocol):
 
     def sigmoid(self, x: Any) -> Any: ...
 
-    def tanh(self, x: Any) -> Any: ...
-
-    def exp(self, x: Any) -> Any: ...
-
-    def expm1(self, x: Any) -> Any: ...
-
-    def abs(self, x: Any) -> Any: ...
-
     def logaddexp0(self, x: Any) -> Any:
         """log(exp(x) + 1), without overflow."""
 
 
 # name -> (function of (xp, x, alpha, beta), default alpha, default beta); None: no such parameter
 _ACTIVATIONS: dict[str, tuple[Callable, float | None, float | None]] = {
-    "relu": (lambda xp, x, a, b: xp.where(x < 0, 0, x), None, None),
-    "tanh": (lambda xp, x, a, b: xp.tanh(x), None, None),
+    "relu": (lambda xp, x, a, b: xp.m.where(x < 0, 0, x), None, None),
+    "tanh": (lambda xp, x, a, b: xp.m.tanh(x), None, None),
     "sigmoid": (lambda xp, x, a, b: xp.sigmoid(x), None, None),
     "affine": (lambda xp, x, a, b: a * x + b, 1.0, 0.0),
-    "leakyrelu": (lambda xp, x, a, b: xp.where(x >= 0, x, a * x), 0.01, None),
-    "thresholdedrelu": (lambda xp, x, a, b: xp.where(x > a, x, 0), 1.0, None),
-    "scaledtanh": (lambda xp, x, a, b: a * xp.tanh(b * x), 1.0, 1.0),
+    "leakyrelu": (lambda xp, x, a, b: xp.m.where(x >= 0, x, a * x), 0.01, None),
+    "thresholdedrelu": (lambda xp, x, a, b: xp.m.where(x > a, x, 0), 1.0, None),
+    "scaledtanh": (lambda xp, x, a, b: a * xp.m.tanh(b * x), 1.0, 1.0),
     "hardsigmoid": (lambda xp, x, a, b: xp.clip(a * x + b, 0, 1), 0.2, 0.5),
-    "elu": (lambda xp, x, a, b: xp.where(x >= 0, x, a * xp.expm1(xp.clip(x, None, 0))), 1.0, None),
-    "softsign": (lambda xp, x, a, b: x / (1 + xp.abs(x)), None, None),
+    "elu": (
+        lambda xp, x, a, b: xp.m.where(x >= 0, x, a * xp.m.expm1(xp.clip(x, None, 0))),
+        1.0,
+        None,
+    ),
+    "softsign": (lambda xp, x, a, b: x / (1 + xp.m.abs(x)), None, None),
     "softplus": (lambda xp, x, a, b: xp.logaddexp0(x), None, None),
 }
 
@@ -208,8 +201,8 @@ class Recurrent:
                 ys[t] = new[0]
             else:
                 active = (lengths > t)[:, None]
-                new = tuple(self.xp.where(active, n, s) for n, s in zip(new, state))
-                ys[t] = self.xp.where(active, new[0], 0)
+                new = tuple(self.xp.m.where(active, n, s) for n, s in zip(new, state))
+                ys[t] = self.xp.m.where(active, new[0], 0)
             state = new
         if not seq_len:
             return self.xp.zeros((0, *state[0].shape), state[0].dtype, state[0]), state
@@ -253,7 +246,7 @@ class Recurrent:
         ys, finals = [], []
         for d in range(num_dirs):
             wb, rb = bias[d, : n_gates * hidden], bias[d, n_gates * hidden :]
-            xw = xp.matmul(xc, xp.astype(w[d], ct).T) + wb  # all time steps at once
+            xw = xp.m.matmul(xc, xp.astype(w[d], ct).T) + wb  # all time steps at once
             state = tuple(
                 xp.zeros((batch, hidden), ct, x) if s is None else xp.astype(s[d], ct)
                 for s in initial

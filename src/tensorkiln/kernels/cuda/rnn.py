@@ -18,15 +18,10 @@ from tensorkiln.kernels.registry import register
 class TorchRnnArrays:
     """:class:`tensorkiln.kernels.common.rnn.RnnArrays` on torch tensors."""
 
+    m = torch
     float32 = torch.float32
-    matmul = staticmethod(torch.matmul)
     addmm = staticmethod(torch.addmm)
-    where = staticmethod(torch.where)
     sigmoid = staticmethod(torch.sigmoid)
-    tanh = staticmethod(torch.tanh)
-    exp = staticmethod(torch.exp)
-    expm1 = staticmethod(torch.expm1)
-    abs = staticmethod(torch.abs)
 
     def compute_dtype(self, x: torch.Tensor) -> torch.dtype:
         return torch.float64 if x.dtype == torch.float64 else torch.float32

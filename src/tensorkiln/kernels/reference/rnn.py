@@ -15,14 +15,9 @@ from tensorkiln.kernels.registry import register
 class NumpyRnnArrays:
     """:class:`tensorkiln.kernels.common.rnn.RnnArrays` on numpy arrays."""
 
+    m = np
     float32 = np.dtype(np.float32)
-    matmul = staticmethod(np.matmul)
-    where = staticmethod(np.where)
     clip = staticmethod(np.clip)
-    tanh = staticmethod(np.tanh)
-    exp = staticmethod(np.exp)
-    expm1 = staticmethod(np.expm1)
-    abs = staticmethod(np.abs)
 
     def astype(self, x: np.ndarray, dtype: Any) -> np.ndarray:
         return np.asarray(x).astype(dtype)
