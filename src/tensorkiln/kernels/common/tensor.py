@@ -66,6 +66,27 @@ def reshape_dims(shape: Shape, numel: int, dims: list[int], allowzero: int) -> l
     return dims
 
 
+def split_sizes(
+    dim: int, axis: int, sizes: list[int] | None, num_outputs: int | None, n_outputs: int
+) -> list[int]:
+    """Split's part sizes along ``axis`` (of size ``dim``): the ``split`` input or attribute, else
+    equal parts; with ``num_outputs`` (opset 18) an uneven split makes the last part smaller,
+    without it the dimension must divide evenly into the node's outputs."""
+    if not sizes:  # None, or an empty 'split' input
+        n = num_outputs if num_outputs is not None else n_outputs
+        if num_outputs is None and dim % n:
+            raise ValueError(
+                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
+            )
+        chunk = -(-dim // n)
+        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
+    elif len(sizes) != n_outputs:
+        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {n_outputs} outputs")
+    if sum(sizes) != dim or any(s < 0 for s in sizes):
+        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    return sizes
+
+
 def slice_plan(
     starts: list[int],
     ends: list[int],

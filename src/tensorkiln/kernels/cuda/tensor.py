@@ -205,20 +205,8 @@ def split(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Split along ``axis`` (views) by the sizes in ``split``, else into equal parts."""
     axis = norm_axis(axis, input.dim(), "Split")
-    dim = input.shape[axis]
-    sizes = host_ints(split)
-    if not sizes:  # None, or an empty 'split' input
-        n = num_outputs if num_outputs is not None else _n_outputs
-        if num_outputs is None and dim % n:
-            raise ValueError(
-                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
-            )
-        chunk = -(-dim // n)
-        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
-    elif len(sizes) != _n_outputs:
-        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {_n_outputs} outputs")
-    if sum(sizes) != dim or any(s < 0 for s in sizes):
-        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    dim = int(input.shape[axis])
+    sizes = common.split_sizes(dim, axis, host_ints(split), num_outputs, _n_outputs)
     parts = tuple(torch.split(input, sizes, dim=axis))
     return parts[0] if len(parts) == 1 else parts
 

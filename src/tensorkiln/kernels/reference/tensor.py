@@ -122,20 +122,8 @@ def split(
     dimension must divide evenly into the node's outputs.
     """
     axis = norm_axis(axis, input.ndim, "Split")
-    dim = input.shape[axis]
-    sizes = _ints(split)
-    if not sizes:  # None, or an empty 'split' input
-        n = num_outputs if num_outputs is not None else _n_outputs
-        if num_outputs is None and dim % n:
-            raise ValueError(
-                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
-            )
-        chunk = -(-dim // n)
-        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
-    elif len(sizes) != _n_outputs:
-        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {_n_outputs} outputs")
-    if sum(sizes) != dim or any(s < 0 for s in sizes):
-        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    dim = int(input.shape[axis])
+    sizes = common.split_sizes(dim, axis, _ints(split), num_outputs, _n_outputs)
     parts = tuple(np.split(input, np.cumsum(sizes)[:-1], axis=axis))
     return parts[0] if len(parts) == 1 else parts
 
