@@ -1,12 +1,13 @@
-"""The checks of RoiAlign and NonMaxSuppression, written once for both kernel trees.
+"""RoiAlign and NonMaxSuppression: their signatures, attributes and checks, written once for
+both kernel trees (the computation is each backend's).
 
-They read shapes and attributes (and scalars the caller has already read on the host), never a
-tensor's values.
+The checks read shapes and attributes (and scalars read on the host), never a tensor's values.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 Shape = Sequence[int]
@@ -63,3 +64,58 @@ def nms_scalar(values: list[Any] | None, shape: Shape, name: str) -> Any:
             f"NonMaxSuppression: '{name}' must hold one value, got shape {tuple(shape)}"
         )
     return values[0]
+
+
+class DetectionOps:
+    """RoiAlign and NonMaxSuppression's signatures, attributes and checks, written once; each
+    backend supplies the computation (register the bound methods):
+
+    * ``roi_align(x, rois, batch_indices, mode, out_h, out_w, sampling_ratio, scale, half)``
+    * ``nms(boxes, scores, limit, iou_threshold, score_threshold, center_point_box)``
+    * ``items(x)``: a small input's values as a flat host list (the scalar limits).
+    """
+
+    def __init__(self, roi_align: Callable, nms: Callable, items: Callable[[Any], list]) -> None:
+        self._roi_align, self._nms, self._items = roi_align, nms, items
+
+    def roi_align(
+        self,
+        x: Any,
+        rois: Any,
+        batch_indices: Any,
+        *,
+        coordinate_transformation_mode: str | None = None,
+        mode: str = "avg",
+        output_height: int = 1,
+        output_width: int = 1,
+        sampling_ratio: int = 0,
+        spatial_scale: float = 1.0,
+        _opset: int = 16,
+    ) -> Any:
+        """RoiAlign; coordinates shift by half a pixel by default from opset 16 (RoiAlign-10 has
+        no coordinate_transformation_mode and never shifts)."""
+        half = roi_half_pixel(coordinate_transformation_mode, _opset)
+        check_roi_align(mode, x.shape, rois.shape, math.prod(batch_indices.shape))
+        args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
+        return self._roi_align(x, rois, batch_indices, *args)
+
+    def _scalar(self, v: Any, name: str) -> Any:
+        return None if v is None else nms_scalar(self._items(v), v.shape, name)
+
+    def non_max_suppression(
+        self,
+        boxes: Any,
+        scores: Any,
+        max_output_boxes_per_class: Any = None,
+        iou_threshold: Any = None,
+        score_threshold: Any = None,
+        *,
+        center_point_box: int = 0,
+    ) -> Any:
+        """Selected boxes as int64 rows (batch, class, box), per batch and class in score
+        order."""
+        check_nms(boxes.shape, scores.shape)
+        limit = int(self._scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
+        iou_thr = float(self._scalar(iou_threshold, "iou_threshold") or 0.0)
+        score_thr = self._scalar(score_threshold, "score_threshold")
+        return self._nms(boxes, scores, limit, iou_thr, score_thr, center_point_box)

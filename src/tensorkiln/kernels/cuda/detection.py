@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from tensorkiln.kernels.common import detection as checks
+from tensorkiln.kernels.common.detection import DetectionOps
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.registry import register
 
@@ -62,7 +62,6 @@ def _grid_size(extent: torch.Tensor, pooled: int, ratio: int) -> tuple[torch.Ten
 
 
 def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
-    checks.check_roi_align(mode, x.shape, rois.shape, batch_indices.numel())
     c, height, width = x.shape[1:]
     if rois.shape[0] == 0:
         return x.new_zeros(0, c, out_h, out_w)
@@ -107,27 +106,6 @@ def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
     return out.permute(0, 3, 1, 2).to(x.dtype)
 
 
-@register("RoiAlign", since=10, backend="cuda")
-def roi_align(
-    x: torch.Tensor,
-    rois: torch.Tensor,
-    batch_indices: torch.Tensor,
-    *,
-    coordinate_transformation_mode: str | None = None,
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-    _opset: int = 16,
-) -> torch.Tensor:
-    """RoiAlign; coordinates shift by half a pixel by default from opset 16 (RoiAlign-10 has no
-    coordinate_transformation_mode and never shifts)."""
-    half = checks.roi_half_pixel(coordinate_transformation_mode, _opset)
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
-    return _roi_align(x, rois, batch_indices, *args)
-
-
 # ---------------------------------------------------------------------------------------------
 # NonMaxSuppression
 # ---------------------------------------------------------------------------------------------
@@ -161,27 +139,15 @@ def _iou(one: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, inter / torch.where(ok, union, 1.0), 0.0)
 
 
-def _scalar(v: torch.Tensor | None, name: str):
-    if v is None:
-        return None
-    return checks.nms_scalar(np.ravel(host_list(v)).tolist(), v.shape, name)
-
-
-@register("NonMaxSuppression", since=10, backend="cuda")
-def non_max_suppression(
+def _nms(
     boxes: torch.Tensor,
     scores: torch.Tensor,
-    max_output_boxes_per_class: torch.Tensor | None = None,
-    iou_threshold: torch.Tensor | None = None,
-    score_threshold: torch.Tensor | None = None,
-    *,
-    center_point_box: int = 0,
+    limit: int,
+    iou_thr: float,
+    score_thr: float | None,
+    center_point_box: int,
 ) -> torch.Tensor:
-    """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
-    checks.check_nms(boxes.shape, scores.shape)
-    limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
-    iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
-    score_thr = _scalar(score_threshold, "score_threshold")
+    """The greedy selection of NonMaxSuppression (see the module)."""
     n, classes, count = scores.shape
     device = scores.device
     if limit <= 0 or count == 0 or n * classes == 0:
@@ -230,3 +196,12 @@ def _greedy(eligible: torch.Tensor, beats: torch.Tensor) -> torch.Tensor:
             break
         kept = nxt
     return kept
+
+
+def _items(x: torch.Tensor) -> list:
+    return np.ravel(host_list(x)).tolist()  # the scalar limits: read on the host
+
+
+OPS = DetectionOps(_roi_align, _nms, _items)
+register("RoiAlign", since=10, backend="cuda")(OPS.roi_align)
+register("NonMaxSuppression", since=10, backend="cuda")(OPS.non_max_suppression)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common import detection as checks
+from tensorkiln.kernels.common.detection import DetectionOps
 from tensorkiln.kernels.registry import register
 
 # ---------------------------------------------------------------------------------------------
@@ -75,7 +75,6 @@ def _one_roi(
 
 def _roi_align(x, rois, batch_indices, mode, output_height, output_width, ratio, scale, half):
     batch = np.asarray(batch_indices).reshape(-1).astype(np.int64)
-    checks.check_roi_align(mode, x.shape, rois.shape, batch.size)
     if ((batch < 0) | (batch >= x.shape[0])).any():
         raise ValueError(
             f"RoiAlign: batch_indices {batch.tolist()} must hold one index in [0, {x.shape[0]}) "
@@ -89,27 +88,6 @@ def _roi_align(x, rois, batch_indices, mode, output_height, output_width, ratio,
             data[batch[r]], boxes[r], (output_height, output_width), ratio, half, mode
         )
     return out.astype(x.dtype)
-
-
-@register("RoiAlign", since=10)
-def roi_align(
-    x: np.ndarray,
-    rois: np.ndarray,
-    batch_indices: np.ndarray,
-    *,
-    coordinate_transformation_mode: str | None = None,
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-    _opset: int = 16,
-) -> np.ndarray:
-    """RoiAlign; coordinates shift by half a pixel by default from opset 16 (RoiAlign-10 has no
-    coordinate_transformation_mode and never shifts)."""
-    half = checks.roi_half_pixel(coordinate_transformation_mode, _opset)
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
-    return _roi_align(x, rois, batch_indices, *args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -153,28 +131,15 @@ def _select(boxes: np.ndarray, scores: np.ndarray, limit: int, iou_thr: float, s
     return keep
 
 
-def _scalar(v: np.ndarray | None, name: str):
-    if v is None:
-        return None
-    v = np.asarray(v)
-    return checks.nms_scalar(v.reshape(-1).tolist(), v.shape, name)
-
-
-@register("NonMaxSuppression", since=10)
-def non_max_suppression(
+def _nms(
     boxes: np.ndarray,
     scores: np.ndarray,
-    max_output_boxes_per_class: np.ndarray | None = None,
-    iou_threshold: np.ndarray | None = None,
-    score_threshold: np.ndarray | None = None,
-    *,
-    center_point_box: int = 0,
+    limit: int,
+    iou_thr: float,
+    score_thr: float | None,
+    center_point_box: int,
 ) -> np.ndarray:
-    """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
-    checks.check_nms(boxes.shape, scores.shape)
-    limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
-    iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
-    score_thr = _scalar(score_threshold, "score_threshold")
+    """The greedy selection of NonMaxSuppression (see the module)."""
     corners = _corners(boxes, center_point_box)
     rows = []
     for n in range(scores.shape[0]):
@@ -184,3 +149,12 @@ def non_max_suppression(
             ):
                 rows.append((n, c, b))
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _items(x: np.ndarray) -> list:
+    return np.asarray(x).reshape(-1).tolist()
+
+
+OPS = DetectionOps(_roi_align, _nms, _items)
+register("RoiAlign", since=10)(OPS.roi_align)
+register("NonMaxSuppression", since=10)(OPS.non_max_suppression)
