@@ -10,18 +10,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from tensorkiln.kernels.common.cast import STRING, onnx_dtype
+from tensorkiln.kernels.common.cast import FLOAT8, STRING, onnx_dtype
 from tensorkiln.kernels.registry import register
 
-_FLOAT8 = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-    )
-)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 # types narrower than their one-byte storage (ml_dtypes keeps the bits in the low end of the byte)
 _SUB_BYTE_BITS = {
@@ -98,7 +89,7 @@ def _to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
 def _cast_number(x: np.ndarray, dtype: np.dtype, saturate: bool, round_mode: str) -> np.ndarray:
     if dtype == _E8M0:
         return _to_e8m0(x, saturate, round_mode)
-    if dtype in _FLOAT8 and saturate:
+    if dtype in FLOAT8 and saturate:
         # clip to the finite range first: inf and out-of-range values saturate, NaN stays NaN
         if x.dtype.kind != "f" or x.dtype.itemsize < 2:
             x = x.astype(np.float32)

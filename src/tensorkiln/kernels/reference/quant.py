@@ -11,6 +11,7 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from tensorkiln.kernels.common.cast import FLOAT8
 from tensorkiln.kernels.reference.math import compute_dtype, integer_matmul
 from tensorkiln.kernels.registry import register
 
@@ -27,17 +28,8 @@ _INT_TARGETS = frozenset(
         ml_dtypes.int2,
     )
 )
-_FLOAT_TARGETS = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-        ml_dtypes.float4_e2m1fn,
-        ml_dtypes.float6_e2m3fn,
-        ml_dtypes.float6_e3m2fn,
-    )
+_FLOAT_TARGETS = FLOAT8 | frozenset(
+    np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn)
 )
 
 
