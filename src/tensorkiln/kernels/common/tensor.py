@@ -126,6 +126,48 @@ def tile_repeats(shape: Shape, repeats: list[int], axis: list[int] | None, opset
     return repeats
 
 
+PAD_MODES = ("constant", "reflect", "edge", "wrap")
+
+
+def pad_plan(
+    shape: Shape, pads: list[int] | None, axes: list[int] | None, mode: str
+) -> tuple[tuple[slice, ...], list[tuple[int, int]]]:
+    """Pad's crop of the input (negative pads crop first) and the (before, after) widths of each
+    axis that then pad it; pads come as an attribute (opsets 1, 2) or an input (11; axes from
+    18)."""
+    if mode not in PAD_MODES:
+        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
+    if pads is None:
+        raise ValueError("Pad: pads are required")
+    rank = len(shape)
+    axes_list = list(range(rank)) if axes is None else norm_axes(axes, rank, "Pad")
+    if len(pads) != 2 * len(axes_list):
+        raise ValueError(
+            f"Pad: {len(pads)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
+        )
+    begin, end = [0] * rank, [0] * rank
+    for i, a in enumerate(axes_list):
+        begin[a], end[a] = pads[i], pads[i + len(axes_list)]
+    crop = tuple(
+        slice(max(-b, 0), shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
+    )
+    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    return crop, widths
+
+
+def check_pad_widths(shape: Shape, widths: list[tuple[int, int]], mode: str) -> None:
+    """The non-constant modes read the (cropped) input's edge: it must exist, and reflect's pads
+    must be smaller than the axis."""
+    for d, (b, e) in enumerate(widths):
+        if (b or e) and shape[d] == 0:
+            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
+        if mode == "reflect" and max(b, e) >= shape[d]:
+            raise ValueError(
+                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
+                f"{shape[d]} (after negative pads crop)"
+            )
+
+
 def crop_pad_plan(
     shape: Shape, target: list[int], axes: Sequence[int] | None
 ) -> tuple[list[int], tuple[slice, ...], tuple[slice, ...]]:

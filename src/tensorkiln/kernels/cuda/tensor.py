@@ -309,40 +309,16 @@ def pad(
 ) -> torch.Tensor:
     """Pad (negative pads crop) in constant, reflect, edge or wrap mode, pads as attribute
     (opsets 1, 2) or input (11; axes from 18)."""
-    if mode not in ("constant", "reflect", "edge", "wrap"):
-        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
     flat = host_ints(pads if pads is not None else paddings)
-    if flat is None:
-        raise ValueError("Pad: pads are required")
-    rank = data.dim()
-    axes_list = list(range(rank)) if axes is None else norm_axes(host_ints(axes), rank, "Pad")
-    if len(flat) != 2 * len(axes_list):
-        raise ValueError(
-            f"Pad: {len(flat)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
-        )
-    begin, end = [0] * rank, [0] * rank
-    for i, a in enumerate(axes_list):
-        begin[a], end[a] = flat[i], flat[i + len(axes_list)]
-    # Negative pads crop the input first (a view); then the positive ones pad.
-    crop = tuple(
-        slice(max(-b, 0), data.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
-    )
-    data = data[crop]
-    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    crop, widths = common.pad_plan(data.shape, flat, host_ints(axes), mode)
+    data = data[crop]  # a view
     if mode == "constant":
         out_shape = [s + b + e for s, (b, e) in zip(data.shape, widths)]
         out = torch.empty(out_shape, dtype=data.dtype, device=data.device)
         out.fill_(_fill_value(data, constant_value, value))
         out[tuple(slice(b, b + s) for s, (b, _) in zip(data.shape, widths))] = data
         return out
-    for d, (b, e) in enumerate(widths):
-        if (b or e) and data.shape[d] == 0:
-            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
-        if mode == "reflect" and max(b, e) >= data.shape[d]:
-            raise ValueError(
-                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
-                f"{data.shape[d]} (after negative pads crop)"
-            )
+    common.check_pad_widths(data.shape, widths, mode)
     out = data
     for d, (b, e) in enumerate(widths):
         if b or e:

@@ -172,9 +172,6 @@ def tile(
 # Pad, CenterCropPad
 
 
-_NP_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
-
-
 @register("Pad", since=1)
 def pad(
     data: np.ndarray,
@@ -188,39 +185,15 @@ def pad(
 ) -> np.ndarray:
     """Pad (negative pads crop). Handles pads as attribute (opset 1 ``paddings``, 2 ``pads``/
     ``value``) and as inputs (11: ``pads``/``constant_value``, 18: ``axes``)."""
-    if mode not in _NP_PAD_MODES:
-        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
     flat = _ints(pads if pads is not None else paddings)
-    if flat is None:
-        raise ValueError("Pad: pads are required")
-    axes_list = list(range(data.ndim)) if axes is None else norm_axes(_ints(axes), data.ndim, "Pad")
-    if len(flat) != 2 * len(axes_list):
-        raise ValueError(
-            f"Pad: {len(flat)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
-        )
-    begin = [0] * data.ndim
-    end = [0] * data.ndim
-    for i, a in enumerate(axes_list):
-        begin[a], end[a] = flat[i], flat[i + len(axes_list)]
-    # Negative pads crop the input first; then the positive ones pad.
-    crop = tuple(
-        slice(max(-b, 0), data.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
-    )
+    crop, widths = common.pad_plan(data.shape, flat, _ints(axes), mode)
     data = data[crop]
-    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
     if mode == "constant":
         fill = value if constant_value is None else np.asarray(constant_value).reshape(-1)
         fill = fill if np.ndim(fill) == 0 else (fill[0] if fill.size else 0)
         return np.pad(data, widths, mode="constant", constant_values=fill)
-    for d, (b, e) in enumerate(widths):
-        if (b or e) and data.shape[d] == 0:
-            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
-        if mode == "reflect" and max(b, e) >= data.shape[d]:
-            raise ValueError(
-                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
-                f"{data.shape[d]} (after negative pads crop)"
-            )
-    return np.pad(data, widths, mode=_NP_PAD_MODES[mode])
+    common.check_pad_widths(data.shape, widths, mode)
+    return np.pad(data, widths, mode=mode)
 
 
 @register("CenterCropPad", since=18)
