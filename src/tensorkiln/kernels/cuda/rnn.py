@@ -11,7 +11,6 @@ import torch
 
 from tensorkiln.kernels.common.rnn import Recurrent
 from tensorkiln.kernels.cuda.convert import numpy_dtype
-from tensorkiln.kernels.cuda.quant import dynamic_quantize_linear
 from tensorkiln.kernels.registry import register
 
 
@@ -57,13 +56,7 @@ class TorchRnnArrays:
         return torch.logaddexp(x, torch.zeros_like(x))
 
 
-def on_grid(a: torch.Tensor) -> torch.Tensor:
-    """``a`` rounded to the uint8 grid onnxruntime quantizes a GEMM operand to, in float."""
-    q, scale, zero = dynamic_quantize_linear(a)
-    return (q.to(torch.float32) - zero.to(torch.float32)) * scale
-
-
-LAYERS = Recurrent(TorchRnnArrays(), on_grid)
+LAYERS = Recurrent(TorchRnnArrays())
 register("RNN", since=1, backend="cuda")(LAYERS.rnn)
 register("GRU", since=1, backend="cuda")(LAYERS.gru)
 register("LSTM", since=1, backend="cuda")(LAYERS.lstm)

@@ -1,19 +1,30 @@
 """Operators of the ``com.microsoft`` domain (onnxruntime's contrib ops) that shipped models use.
 
 DynamicQuantizeLSTM (an LSTM with int8/uint8 weights and activations quantized on the fly, as
-onnxruntime's dynamic quantization writes it) is kernels/common/rnn.py's, over the reference's
+onnxruntime's dynamic quantization writes it) is kernels/common/contrib.py's, over the reference's
 recurrent layers; its shape rule is here.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from tensorkiln.ir import TensorType
 from tensorkiln.ir.shape_rules import InferContext, rule
-from tensorkiln.kernels.common.rnn import MS
+from tensorkiln.kernels.common.contrib import MS, ContribOps
+from tensorkiln.kernels.reference.quant import dynamic_quantize_linear
 from tensorkiln.kernels.reference.rnn import LAYERS
 from tensorkiln.kernels.registry import register
 
-register("DynamicQuantizeLSTM", domain=MS, since=1)(LAYERS.dynamic_quantize_lstm)
+
+def on_grid(a: np.ndarray) -> np.ndarray:
+    """``a`` rounded to the uint8 grid onnxruntime quantizes a GEMM operand to, in float."""
+    q, scale, zero = dynamic_quantize_linear(a)
+    return (q.astype(np.float32) - zero.astype(np.float32)) * scale
+
+
+OPS = ContribOps(LAYERS, on_grid)
+register("DynamicQuantizeLSTM", domain=MS, since=1)(OPS.dynamic_quantize_lstm)
 
 
 @rule("DynamicQuantizeLSTM", domain=MS)

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.kernels.common.rnn import Recurrent
-from tensorkiln.kernels.reference.quant import dynamic_quantize_linear
 from tensorkiln.kernels.registry import register
 
 
@@ -56,13 +55,7 @@ class NumpyRnnArrays:
         return np.logaddexp(x, 0)
 
 
-def on_grid(a: np.ndarray) -> np.ndarray:
-    """``a`` rounded to the uint8 grid onnxruntime quantizes a GEMM operand to, in float."""
-    q, scale, zero = dynamic_quantize_linear(a)
-    return (q.astype(np.float32) - zero.astype(np.float32)) * scale
-
-
-LAYERS = Recurrent(NumpyRnnArrays(), on_grid)
+LAYERS = Recurrent(NumpyRnnArrays())
 register("RNN", since=1)(LAYERS.rnn)
 register("GRU", since=1)(LAYERS.gru)
 register("LSTM", since=1)(LAYERS.lstm)
