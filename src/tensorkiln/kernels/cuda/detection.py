@@ -1,4 +1,5 @@
-"""Detection ops on the cuda backend: RoiAlign and NonMaxSuppression.
+"""Detection ops on the cuda backend: RoiAlign and NonMaxSuppression's computation (their
+signatures, attributes and checks are kernels/common/detection.py's).
 
 RoiAlign samples every ROI at once: one gather of feature-map rows per (corner, sample row),
 each covering all ROIs, bins, sample columns and channels. With an adaptive sampling grid
@@ -7,8 +8,8 @@ loop) and the samples past an ROI's own grid are masked out.
 
 NonMaxSuppression's greedy selection is computed for every (batch, class) pair at once, as the
 fixed point of one whole-matrix step over a precomputed "suppresses" relation between ranked
-boxes (see _greedy), read from one IoU matrix per batch. The number of selected boxes decides the output's shape, so it is read on the
-host at the end, as are the scalar limit and threshold inputs and, with a score threshold, the
+boxes (see _greedy), read from one IoU matrix per batch. The number of selected boxes decides the
+output's shape, so it is read on the host at the end, as are the scalar limit and threshold inputs and, with a score threshold, the
 number of boxes above it.
 """
 

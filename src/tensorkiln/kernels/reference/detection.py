@@ -1,4 +1,5 @@
-"""Detection ops: RoiAlign and NonMaxSuppression."""
+"""Detection ops on numpy arrays: RoiAlign and NonMaxSuppression's computation; their signatures,
+attributes and checks are kernels/common/detection.py's."""
 
 from __future__ import annotations
 
@@ -139,7 +140,7 @@ def _nms(
     score_thr: float | None,
     center_point_box: int,
 ) -> np.ndarray:
-    """The greedy selection of NonMaxSuppression (see the module)."""
+    """The greedy selection of NonMaxSuppression, per batch and class in score order."""
     corners = _corners(boxes, center_point_box)
     rows = []
     for n in range(scores.shape[0]):
