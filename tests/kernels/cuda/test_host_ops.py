@@ -114,3 +114,21 @@ def test_window_from_a_size_input():
     size = np.array(np.random.default_rng().integers(3, 40), dtype=np.int64)
     node = helper.make_node("HannWindow", ["size"], ["w"], periodic=0)
     _check(_model([node], [_info("size", size)], [_out("w")], 17), {"size": size})
+
+
+def test_random_like_runs_on_the_host_and_returns_a_device_tensor():
+    """A host op's output comes back as a tensor of the input's dtype, on the input's device."""
+    import torch
+
+    from tensorkiln.kernels.registry import invoke, lookup
+
+    rng = np.random.default_rng()
+    low, high = sorted(rng.uniform(-3, 3, 2).tolist())
+    x = torch.from_numpy(rng.standard_normal((64, 32)).astype(np.float16))
+    entry = lookup("RandomUniformLike", "", 22, "cuda")
+    (y,) = invoke(entry, [x], {"low": low, "high": high}, 1)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float16 and y.shape == x.shape
+    assert y.device == x.device
+    values = y.float().numpy()  # (rounding to float16 is monotonic: bounds rounded alike)
+    assert values.min() >= np.float16(low) and values.max() <= np.float16(high)
+    assert values.std() > 0.1 * (high - low)
