@@ -68,6 +68,8 @@ def run_kernel(
     kwargs = dict(attrs or {})
     if entry.wants_n_outputs:
         kwargs["_n_outputs"] = n_outputs
+    if entry.wants_opset:
+        kwargs["_opset"] = entry.opset
     result = entry.fn(*inputs.values(), **kwargs)
     return list(result) if isinstance(result, tuple) else [result]
 

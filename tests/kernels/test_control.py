@@ -107,6 +107,8 @@ def test_onnx_node_case(case):
         kwargs = _attrs(node)
         if entry.wants_n_outputs:
             kwargs["_n_outputs"] = len(node.output)
+        if entry.wants_opset:
+            kwargs["_opset"] = entry.opset
         res = entry.fn(*args, **kwargs, _ctx=ctx)
         res = res if isinstance(res, tuple) else (res,)
         assert len(res) == len(outputs)
@@ -229,9 +231,11 @@ def test_scan8_batches_and_sequence_lens():
         s = s + xt
         return [s, s]
 
-    got_s, got_y = lookup("Scan", "", 8).fn(
-        lens, init, x, body=body, num_scan_inputs=1, directions=[1], _ctx=FnCtx(), _n_outputs=2
-    )
+    entry = lookup("Scan", "", 8)
+    got_s, got_y = entry.fn(
+        lens, init, x, body=body, num_scan_inputs=1, directions=[1], _ctx=FnCtx(), _n_outputs=2,
+        _opset=entry.opset,
+    )  # fmt: skip
     for b in range(3):
         part = x[b, : lens[b]][::-1]
         run = init[b] + np.cumsum(part, axis=0)

@@ -367,3 +367,18 @@ def test_space_to_depth_inverts_depth_to_space(mode):
         one_node_model("DepthToSpace", {"x": packed}, attrs, opset=13), {"x": packed}
     )
     np.testing.assert_array_equal(expected, x)
+
+
+def test_opset1_forms_of_tile_and_reshape():
+    """Tile-1 (tiles along one axis) and Reshape-1 (shape attribute): one kernel each, told the
+    opset; onnxruntime starts at opset 7, so the expectation is written out with numpy."""
+    rng = np.random.default_rng()
+    x = rand(2, 3, 4)
+    axis, tiles = int(rng.integers(-3, 3)), int(rng.integers(0, 4))
+    (y,) = run_kernel("Tile", {"x": x, "t": i64(tiles), "a": i64(axis)}, opset=1)
+    expected = np.concatenate([x] * tiles, axis=axis) if tiles else np.take(x, [], axis=axis)
+    np.testing.assert_array_equal(y, expected)
+    (z,) = run_kernel("Reshape", {"x": x}, {"shape": [4, 0, -1]}, opset=1)
+    np.testing.assert_array_equal(z, x.reshape(4, 3, 2))
+    with pytest.raises(ValueError, match="Tile: repeats"):
+        run_kernel("Tile", {"x": x, "r": i64(2, 2)}, opset=6)

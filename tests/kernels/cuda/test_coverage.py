@@ -11,6 +11,8 @@ from tensorkiln.cli.main import main
 from tensorkiln.kernels.registry import _REGISTRY, registered_ops
 
 # The ops the cuda backend runs through their numpy kernels on the host, and why (nothing else).
+_ML = "ai.onnx.ml"
+_TRAINING = "ai.onnx.preview.training"
 EXPECTED_HOST_OPS = {
     ("", "ImageDecoder"): "compressed image decoding (Pillow) is host code",
     ("", "RegexFullMatch"): "string tensors have no device representation",
@@ -18,7 +20,63 @@ EXPECTED_HOST_OPS = {
     ("", "StringNormalizer"): "string tensors have no device representation",
     ("", "StringSplit"): "string tensors have no device representation",
     ("", "TfIdfVectorizer"): "n-gram matching over a token pool, with string inputs",
-    ("ai.onnx.ml", "LabelEncoder"): "string keys and values (numeric maps run on the device)",
+    **{
+        (_ML, op): "classical ML over small tabular rows, with string keys and labels"
+        for op in (
+            "LabelEncoder",
+            "ArrayFeatureExtractor",
+            "Binarizer",
+            "Normalizer",
+            "Scaler",
+            "Imputer",
+            "TreeEnsemble",
+            "TreeEnsembleClassifier",
+            "TreeEnsembleRegressor",
+        )
+    },
+    **{
+        ("", op): "sequences and optionals are host containers"
+        for op in (
+            "SequenceConstruct",
+            "SequenceEmpty",
+            "SequenceAt",
+            "SequenceErase",
+            "SequenceInsert",
+            "SequenceLength",
+            "SplitToSequence",
+            "ConcatFromSequence",
+            "Optional",
+            "OptionalGetElement",
+            "OptionalHasElement",
+        )
+    },
+    **{
+        ("", op): "signal front ends and constant tables, not in the measured models"
+        for op in (
+            "DFT",
+            "STFT",
+            "HannWindow",
+            "HammingWindow",
+            "BlackmanWindow",
+            "MelWeightMatrix",
+        )
+    },
+    **{
+        ("", op): "training losses"
+        for op in ("NegativeLogLikelihoodLoss", "SoftmaxCrossEntropyLoss")
+    },
+    **{(_TRAINING, op): "optimizer steps" for op in ("Adagrad", "Adam", "Momentum")},
+    **{
+        ("", op): "random sampling"
+        for op in (
+            "RandomUniform",
+            "RandomUniformLike",
+            "RandomNormal",
+            "RandomNormalLike",
+            "Bernoulli",
+            "Multinomial",
+        )
+    },
 }
 
 

@@ -357,3 +357,12 @@ def test_optionals():
     check("OptionalGetElement", [x])
     check("Optional", [[rand(2), rand(1)]])
     assert invoke(lookup("Optional", "", 24, "cuda"), [], {"type": None}, 1) == [None]
+
+
+def test_opset1_forms_of_reshape_slice_tile():
+    """Reshape-1 and Slice-1 take attributes, Tile-1 tiles one axis: the one kernel of each op."""
+    x = rand(2, 3, 4)
+    axis, tiles = int(rng.integers(-3, 3)), int(rng.integers(0, 4))
+    check("Tile", [x, i64(tiles), i64(axis)], opset=1)
+    check("Reshape", [x], {"shape": [0, -1, 2]}, opset=1)
+    check("Slice", [x], {"starts": [1, -3], "ends": [100, -1], "axes": [0, 2]}, opset=1)

@@ -13,9 +13,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorkiln.kernels.common.cast import onnx_dtype
 from tensorkiln.kernels.cuda.convert import numpy_dtype, on_device, to_numpy, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.elementwise import FLOAT8
-from tensorkiln.kernels.reference import cast as ref
+from tensorkiln.kernels.reference import cast as ref  # the host path for types torch lacks
 from tensorkiln.kernels.registry import register
 
 Tensor = torch.Tensor
@@ -48,7 +49,7 @@ def _to_float8(x: Tensor, target: torch.dtype, saturate: bool) -> Tensor:
 def _host_cast(x: Tensor | np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> object:
     """A cast from or to a type with no torch dtype, by the reference on the host."""
     device = x.device if isinstance(x, Tensor) else None
-    return to_torch(ref._cast(to_numpy(x), dtype, saturate, round_mode), device)
+    return to_torch(ref.cast_to(to_numpy(x), dtype, saturate, round_mode), device)
 
 
 def _cast(x: Tensor | np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> object:
@@ -67,7 +68,7 @@ def cast(
     x: Tensor | np.ndarray, *, to: int | str, saturate: int = 1, round_mode: str = "up"
 ) -> object:
     """``x`` converted to the type ``to``; ``saturate`` and ``round_mode`` govern float8 results."""
-    return _cast(x, ref.onnx_dtype(to), saturate, round_mode)
+    return _cast(x, onnx_dtype(to), saturate, round_mode)
 
 
 @register("CastLike", since=15, backend="cuda")
@@ -89,7 +90,7 @@ def cast_like(
 @register("BitCast", since=26, backend="cuda")
 def bit_cast(x: Tensor | np.ndarray, *, to: int) -> object:
     """The bits of ``x`` reinterpreted as type ``to``, which must have the same width."""
-    dtype = ref.onnx_dtype(to)
+    dtype = onnx_dtype(to)
     if isinstance(x, np.ndarray) or not on_device(dtype):
         device = x.device if isinstance(x, Tensor) else None
         return to_torch(ref.bit_cast(to_numpy(x), to=to), device)

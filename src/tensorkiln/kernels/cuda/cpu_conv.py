@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda import cpu_native
-from tensorkiln.kernels.reference._window import Geometry
 
 _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations, group): packed}
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from tensorkiln.kernels.reference._window import Geometry
+from tensorkiln.kernels.common.window import Geometry
 
 ENV = "TENSORKILN_CPU_NATIVE"
 _SOURCE = Path(__file__).with_name("cpu_native.c")

@@ -1,4 +1,5 @@
-"""Detection ops on the cuda backend: RoiAlign and NonMaxSuppression.
+"""Detection ops on the cuda backend: RoiAlign and NonMaxSuppression's computation (their
+signatures, attributes and checks are kernels/common/detection.py's).
 
 RoiAlign samples every ROI at once: one gather of feature-map rows per (corner, sample row),
 each covering all ROIs, bins, sample columns and channels. With an adaptive sampling grid
@@ -7,8 +8,8 @@ loop) and the samples past an ROI's own grid are masked out.
 
 NonMaxSuppression's greedy selection is computed for every (batch, class) pair at once, as the
 fixed point of one whole-matrix step over a precomputed "suppresses" relation between ranked
-boxes (see _greedy), read from one IoU matrix per batch. The number of selected boxes decides the output's shape, so it is read on the
-host at the end, as are the scalar limit and threshold inputs and, with a score threshold, the
+boxes (see _greedy), read from one IoU matrix per batch. The number of selected boxes decides the
+output's shape, so it is read on the host at the end, as are the scalar limit and threshold inputs and, with a score threshold, the
 number of boxes above it.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from tensorkiln.kernels.common.detection import DetectionOps
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.registry import register
 
@@ -61,17 +63,6 @@ def _grid_size(extent: torch.Tensor, pooled: int, ratio: int) -> tuple[torch.Ten
 
 
 def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
-    if mode not in ("avg", "max"):
-        raise ValueError(f"RoiAlign: mode '{mode}' is not one of avg, max")
-    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4:
-        raise ValueError(
-            "RoiAlign: need X (N, C, H, W) and rois (R, 4); got "
-            f"{tuple(x.shape)}, {tuple(rois.shape)}"
-        )
-    if batch_indices.numel() != rois.shape[0]:
-        raise ValueError(
-            f"RoiAlign: batch_indices has {batch_indices.numel()} values for {rois.shape[0]} rois"
-        )
     c, height, width = x.shape[1:]
     if rois.shape[0] == 0:
         return x.new_zeros(0, c, out_h, out_w)
@@ -116,47 +107,6 @@ def _roi_align(x, rois, batch_indices, mode, out_h, out_w, ratio, scale, half):
     return out.permute(0, 3, 1, 2).to(x.dtype)
 
 
-@register("RoiAlign", since=10, backend="cuda")
-def roi_align_10(
-    x: torch.Tensor,
-    rois: torch.Tensor,
-    batch_indices: torch.Tensor,
-    *,
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-) -> torch.Tensor:
-    """RoiAlign-10: pixel coordinates without the half-pixel shift (output_half_pixel)."""
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, False)
-    return _roi_align(x, rois, batch_indices, *args)
-
-
-@register("RoiAlign", since=16, backend="cuda")
-def roi_align_16(
-    x: torch.Tensor,
-    rois: torch.Tensor,
-    batch_indices: torch.Tensor,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-) -> torch.Tensor:
-    """RoiAlign-16/22: adds coordinate_transformation_mode (half_pixel by default)."""
-    if coordinate_transformation_mode not in ("half_pixel", "output_half_pixel"):
-        raise ValueError(
-            f"RoiAlign: coordinate_transformation_mode '{coordinate_transformation_mode}' is not "
-            "one of half_pixel, output_half_pixel"
-        )
-    half = coordinate_transformation_mode == "half_pixel"
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
-    return _roi_align(x, rois, batch_indices, *args)
-
-
 # ---------------------------------------------------------------------------------------------
 # NonMaxSuppression
 # ---------------------------------------------------------------------------------------------
@@ -190,39 +140,15 @@ def _iou(one: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
     return torch.where(ok, inter / torch.where(ok, union, 1.0), 0.0)
 
 
-def _scalar(v: torch.Tensor | None, name: str):
-    if v is None or v.numel() == 0:
-        return None
-    if v.numel() != 1:
-        raise ValueError(
-            f"NonMaxSuppression: '{name}' must hold one value, got shape {tuple(v.shape)}"
-        )
-    return np.ravel(host_list(v))[0].item()
-
-
-@register("NonMaxSuppression", since=10, backend="cuda")
-def non_max_suppression(
+def _nms(
     boxes: torch.Tensor,
     scores: torch.Tensor,
-    max_output_boxes_per_class: torch.Tensor | None = None,
-    iou_threshold: torch.Tensor | None = None,
-    score_threshold: torch.Tensor | None = None,
-    *,
-    center_point_box: int = 0,
+    limit: int,
+    iou_thr: float,
+    score_thr: float | None,
+    center_point_box: int,
 ) -> torch.Tensor:
-    """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
-    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3:
-        raise ValueError(
-            "NonMaxSuppression: need boxes (N, B, 4) and scores (N, classes, B); got "
-            f"{tuple(boxes.shape)} and {tuple(scores.shape)}"
-        )
-    if scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
-        raise ValueError(
-            f"NonMaxSuppression: boxes {tuple(boxes.shape)} and scores {tuple(scores.shape)} differ"
-        )
-    limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
-    iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
-    score_thr = _scalar(score_threshold, "score_threshold")
+    """The greedy selection of NonMaxSuppression (see the module)."""
     n, classes, count = scores.shape
     device = scores.device
     if limit <= 0 or count == 0 or n * classes == 0:
@@ -271,3 +197,12 @@ def _greedy(eligible: torch.Tensor, beats: torch.Tensor) -> torch.Tensor:
             break
         kept = nxt
     return kept
+
+
+def _items(x: torch.Tensor) -> list:
+    return np.ravel(host_list(x)).tolist()  # the scalar limits: read on the host
+
+
+OPS = DetectionOps(_roi_align, _nms, _items)
+register("RoiAlign", since=10, backend="cuda")(OPS.roi_align)
+register("NonMaxSuppression", since=10, backend="cuda")(OPS.non_max_suppression)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.cpu_conv import (
     cpu_layout,
@@ -32,7 +33,6 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     residual_conv,
     specialized_conv,
 )
-from tensorkiln.kernels.reference._window import Geometry
 from tensorkiln.kernels.reference.fused_conv import check_activation
 from tensorkiln.kernels.reference.nn import _check_conv_shapes, conv_geometry
 from tensorkiln.kernels.registry import register

@@ -14,12 +14,13 @@ import math
 
 import torch
 
+from tensorkiln.kernels.common.indexing import tensor_scatter_axis
+from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
     from_order_key,
     from_signed,
     host_scalar,
-    norm_axis,
     order_key,
 )
 from tensorkiln.kernels.registry import register
@@ -191,22 +192,8 @@ def tensor_scatter(
 ) -> torch.Tensor:
     """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
     from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
-    rank = past_cache.dim()
-    axis = norm_axis(axis, rank, "TensorScatter")
-    if axis == 0:
-        raise ValueError("TensorScatter: the sequence axis cannot be the batch axis 0")
-    if mode not in ("linear", "circular"):
-        raise ValueError(f"TensorScatter: unknown mode '{mode}' (linear or circular)")
+    axis = tensor_scatter_axis(past_cache.shape, update.shape, axis, mode)
     shape, ushape = past_cache.shape, update.shape
-    if (
-        update.dim() != rank
-        or any(ushape[d] != shape[d] for d in range(rank) if d != axis)
-        or ushape[axis] > shape[axis]
-    ):
-        raise ValueError(
-            f"TensorScatter: update shape {list(ushape)} does not fit cache shape {list(shape)} "
-            f"on axis {axis}"
-        )
     batch, max_len, seq = shape[0], shape[axis], ushape[axis]
     device = past_cache.device
     if write_indices is None:

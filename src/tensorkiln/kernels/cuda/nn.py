@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.window import Geometry, ints
 from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.reference import nn as ref
-from tensorkiln.kernels.reference._window import Geometry, ints
 from tensorkiln.kernels.registry import register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}

@@ -17,11 +17,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.window import Geometry, tap_slices
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.nn import compute_dtype, torch_pads
 from tensorkiln.kernels.reference import pool as ref
-from tensorkiln.kernels.reference._window import Geometry, tap_slices
 from tensorkiln.kernels.registry import register
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}

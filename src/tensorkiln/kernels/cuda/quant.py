@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from tensorkiln.kernels.common.quant import quant_target, scale_layout
 from tensorkiln.kernels.cuda.convert import (
     numpy_dtype,
     on_device,
@@ -61,28 +62,11 @@ def _broadcastable(
     v: torch.Tensor, shape: tuple[int, ...], axis: int, block_size: int, what: str
 ) -> torch.Tensor:
     """``v`` (a scale or zero point) reshaped or repeated to broadcast against ``shape``."""
-    if v.numel() == 1:
+    kind, axis, dims = scale_layout(tuple(v.shape), shape, axis, block_size, what)
+    if kind == "tensor":
         return v.reshape(())
-    rank = len(shape)
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis {axis} is out of range for an input of rank {rank}")
-    axis %= rank
-    if not block_size:
-        if v.dim() != 1 or v.numel() != shape[axis]:
-            raise ValueError(
-                f"per-axis {what} must be 1-D of length {shape[axis]} (input dim {axis}), "
-                f"got shape {tuple(v.shape)}; for blocked quantization set block_size"
-            )
-        dims = [1] * rank
-        dims[axis] = v.numel()
+    if kind == "axis":
         return v.reshape(dims)
-    expected = list(shape)
-    expected[axis] = -(-shape[axis] // block_size)
-    if list(v.shape) != expected:
-        raise ValueError(
-            f"blocked {what} must have shape {tuple(expected)} for input {shape}, axis {axis} "
-            f"and block_size {block_size}; got {tuple(v.shape)}"
-        )
     return v.repeat_interleave(block_size, dim=axis).narrow(axis, 0, shape[axis])
 
 
@@ -111,17 +95,12 @@ def _saturate_cast(q: torch.Tensor, target: torch.dtype, saturate: bool) -> torc
 
 
 def _quant_target(zero_point: Value | None, output_dtype: int) -> np.dtype:
-    target = np.dtype(tensor_dtype_to_np_dtype(output_dtype)) if output_dtype else None
-    if zero_point is not None:
-        zp_dtype = (
-            numpy_dtype(zero_point.dtype)
-            if isinstance(zero_point, torch.Tensor)
-            else zero_point.dtype
-        )
-        if target is not None and target != zp_dtype:
-            raise ValueError(f"output_dtype {target} does not match y_zero_point's type {zp_dtype}")
-        target = zp_dtype
-    return target or np.dtype(np.uint8)
+    if zero_point is None:
+        return quant_target(None, output_dtype)
+    dtype = zero_point.dtype
+    return quant_target(
+        numpy_dtype(dtype) if isinstance(dtype, torch.dtype) else dtype, output_dtype
+    )
 
 
 @register("QuantizeLinear", since=10, backend="cuda")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from tensorkiln.kernels.common.reduce import Axes, reduce_axes
 from tensorkiln.kernels.cuda.elementwise import (
     NARROW,
     UNSIGNED,
@@ -23,22 +24,10 @@ from tensorkiln.kernels.cuda.elementwise import (
     unarith,
     unordered,
 )
+from tensorkiln.kernels.cuda.tensor import host_ints
 from tensorkiln.kernels.registry import register
 
 Tensor = torch.Tensor
-Axes = tuple[int, ...]
-
-
-def _resolve_axes(ndim: int, axes_in: Tensor | None, axes: list[int] | None, noop: int) -> Axes:
-    """Normalized axes to reduce; () when axes are empty and noop_with_empty_axes is set."""
-    if axes_in is not None:
-        axes = [int(a) for a in axes_in.reshape(-1).tolist()]
-    if not axes:
-        return () if noop else tuple(range(ndim))
-    bad = [a for a in axes if not -ndim <= a < ndim]
-    if bad:
-        raise ValueError(f"axes {bad} out of range for a tensor of rank {ndim}")
-    return tuple(sorted({a % ndim for a in axes}))
 
 
 def _reduction(op: str) -> Callable:
@@ -53,7 +42,9 @@ def _reduction(op: str) -> Callable:
             keepdims: int = 1,
             noop_with_empty_axes: int = 0,
         ) -> Tensor:
-            ax = _resolve_axes(data.ndim, axes_in, axes, noop_with_empty_axes)
+            if axes_in is not None:
+                axes = host_ints(axes_in)  # known on the host for constant axes: no device sync
+            ax = reduce_axes(data.ndim, axes, noop_with_empty_axes)
             return unarith(core(data, ax, bool(keepdims)), data.dtype)
 
         kernel.__name__ = kernel.__qualname__ = core.__name__

@@ -1,6 +1,7 @@
 """Torch kernels that move data without computing on it: reshapes, slices, pads, constants.
 
-They mirror :mod:`tensorkiln.kernels.reference.tensor`. Reshape, Flatten, Squeeze, Unsqueeze,
+They mirror :mod:`tensorkiln.kernels.reference.tensor`, sharing its shape arithmetic and checks
+(kernels/common/tensor.py, where DepthToSpace, SpaceToDepth and Constant are written once). Reshape, Flatten, Squeeze, Unsqueeze,
 Transpose, Split and Slice (with positive steps) return views of their input; nothing downstream
 writes into its inputs. Shape-like inputs (Reshape's shape, Slice's starts/ends, Pad's pads,
 Tile's repeats, Range's scalars, ...) are read to the host: they decide the output's shape, so the
@@ -22,8 +23,9 @@ import numpy as np
 import torch
 
 from tensorkiln.ir.dtypes import DType
+from tensorkiln.kernels.common import tensor as common
+from tensorkiln.kernels.common.tensor import norm_axes, norm_axis
 from tensorkiln.kernels.cuda.convert import current_device, host_list, to_torch, torch_dtype
-from tensorkiln.kernels.reference import tensor as ref
 from tensorkiln.kernels.registry import register
 
 # ---------------------------------------------------------------------------------------------
@@ -58,22 +60,6 @@ def host_ints(value: Any) -> list[int] | None:
 def host_scalar(value: Any) -> Any:
     """The first (only) element of a small tensor or array as a Python number."""
     return host_values(value)[0]
-
-
-def norm_axis(axis: int, rank: int, op: str, what: str = "axis") -> int:
-    """``axis`` normalized to [0, rank); ValueError when it is out of [-rank, rank)."""
-    axis = int(axis)
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: {what} {axis} is out of range for a tensor of rank {rank}")
-    return axis % rank
-
-
-def norm_axes(axes: Sequence[int], rank: int, op: str) -> list[int]:
-    """Every axis normalized; ValueError on out-of-range or repeated axes."""
-    out = [norm_axis(a, rank, op) for a in axes]
-    if len(set(out)) != len(out):
-        raise ValueError(f"{op}: axes {list(axes)} name the same axis twice")
-    return out
 
 
 def as_signed(x: torch.Tensor) -> torch.Tensor:
@@ -130,49 +116,14 @@ def device_of(*values: Any) -> torch.device:
 # Reshape, Flatten, Squeeze, Unsqueeze, Transpose
 
 
-def _reshape_dims(shape: tuple[int, ...], numel: int, dims: list[int], allowzero: int) -> list[int]:
-    if not allowzero:
-        for i, d in enumerate(dims):
-            if d == 0:
-                if i >= len(shape):
-                    raise ValueError(
-                        f"Reshape: shape {dims} has 0 at position {i}, but the input has only "
-                        f"{len(shape)} dimensions to copy from"
-                    )
-                dims[i] = shape[i]
-    if dims.count(-1) > 1 or any(d < -1 for d in dims):
-        raise ValueError(
-            f"Reshape: invalid target shape {dims} (at most one -1, no other negatives)"
-        )
-    if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        if known == 0 or numel % known:
-            raise ValueError(
-                f"Reshape: cannot infer -1 in {dims} for an input of shape {list(shape)} "
-                f"({numel} elements)"
-            )
-        dims[dims.index(-1)] = numel // known
-    if math.prod(dims) != numel:
-        raise ValueError(
-            f"Reshape: cannot reshape input of shape {list(shape)} ({numel} elements) to "
-            f"{dims} ({math.prod(dims)} elements)"
-        )
-    return dims
-
-
-@register("Reshape", since=5, backend="cuda")
-def reshape(data: torch.Tensor, shape: Any, *, allowzero: int = 0) -> torch.Tensor:
-    """Reshape (a view where the strides allow); 0 copies a dimension unless ``allowzero``."""
-    dims = _reshape_dims(tuple(data.shape), data.numel(), host_ints(shape), allowzero)
-    return data.reshape(dims)
-
-
 @register("Reshape", since=1, backend="cuda")
-def reshape_from_attribute(
-    data: torch.Tensor, *, shape: Sequence[int] = (), consumed_inputs=None
+def reshape(
+    data: torch.Tensor, shape: Any = (), *, allowzero: int = 0, consumed_inputs: Any = None
 ) -> torch.Tensor:
-    """Reshape-1: the target shape is an attribute."""
-    return reshape(data, list(shape))
+    """Reshape (a view where the strides allow); 0 copies a dimension unless ``allowzero``.
+    Reshape-1's attribute of the same name binds to ``shape`` (see the reference)."""
+    dims = common.reshape_dims(data.shape, data.numel(), host_ints(shape), allowzero)
+    return data.reshape(dims)
 
 
 @register("Flatten", since=1, backend="cuda")
@@ -254,20 +205,8 @@ def split(
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """Split along ``axis`` (views) by the sizes in ``split``, else into equal parts."""
     axis = norm_axis(axis, input.dim(), "Split")
-    dim = input.shape[axis]
-    sizes = host_ints(split)
-    if not sizes:  # None, or an empty 'split' input
-        n = num_outputs if num_outputs is not None else _n_outputs
-        if num_outputs is None and dim % n:
-            raise ValueError(
-                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
-            )
-        chunk = -(-dim // n)
-        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
-    elif len(sizes) != _n_outputs:
-        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {_n_outputs} outputs")
-    if sum(sizes) != dim or any(s < 0 for s in sizes):
-        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    dim = int(input.shape[axis])
+    sizes = common.split_sizes(dim, axis, host_ints(split), num_outputs, _n_outputs)
     parts = tuple(torch.split(input, sizes, dim=axis))
     return parts[0] if len(parts) == 1 else parts
 
@@ -290,37 +229,19 @@ def _slice_axis(x: torch.Tensor, axis: int, start: int, end: int, step: int) -> 
     return flipped[tuple(index)]
 
 
-@register("Slice", since=10, backend="cuda")
+@register("Slice", since=1, backend="cuda")
 def slice_(
-    data: torch.Tensor, starts: Any, ends: Any, axes: Any = None, steps: Any = None
+    data: torch.Tensor, starts: Any = (), ends: Any = (), axes: Any = None, steps: Any = None
 ) -> torch.Tensor:
-    """Strided slice; out-of-range starts/ends clamp like Python slicing does."""
-    starts, ends = host_ints(starts), host_ints(ends)
-    axes = list(range(len(starts))) if axes is None else host_ints(axes)
-    steps = [1] * len(starts) if steps is None else host_ints(steps)
-    if not len(starts) == len(ends) == len(axes) == len(steps):
-        raise ValueError(
-            f"Slice: starts, ends, axes and steps differ in length "
-            f"({len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})"
-        )
+    """Strided slice; out-of-range starts/ends clamp like Python slicing does (Slice-1's
+    attributes bind to the inputs of the same names)."""
+    plan = common.slice_plan(
+        host_ints(starts), host_ints(ends), host_ints(axes), host_ints(steps), data.dim()
+    )
     out = data
-    for start, end, axis, step in zip(starts, ends, norm_axes(axes, data.dim(), "Slice"), steps):
-        if step == 0:
-            raise ValueError(f"Slice: step of axis {axis} is 0")
+    for axis, start, end, step in plan:
         out = _slice_axis(out, axis, start, end, step)
     return out
-
-
-@register("Slice", since=1, backend="cuda")
-def slice_from_attributes(
-    data: torch.Tensor,
-    *,
-    starts: Sequence[int] = (),
-    ends: Sequence[int] = (),
-    axes: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Slice-1: starts, ends and axes are attributes; step 1."""
-    return slice_(data, list(starts), list(ends), None if axes is None else list(axes))
 
 
 @register("Expand", since=8, backend="cuda")
@@ -336,26 +257,14 @@ def expand(input: torch.Tensor, shape: Any) -> torch.Tensor:
     return input.expand(out_shape).contiguous()
 
 
-@register("Tile", since=6, backend="cuda")
-def tile(input: torch.Tensor, repeats: Any) -> torch.Tensor:
-    """Repeat the whole tensor ``repeats[i]`` times along each axis i."""
-    reps = host_ints(repeats)
-    if len(reps) != input.dim() or any(r < 0 for r in reps):
-        raise ValueError(
-            f"Tile: repeats {reps} must be {input.dim()} non-negative values for input "
-            f"{list(input.shape)}"
-        )
+@register("Tile", since=1, backend="cuda")
+def tile(input: torch.Tensor, repeats: Any, axis: Any = None, *, _opset: int = 6) -> torch.Tensor:
+    """Repeat the whole tensor ``repeats[i]`` times along each axis i (Tile-1: ``tiles`` times
+    along the single axis ``axis``)."""
+    reps = common.tile_repeats(input.shape, host_ints(repeats), host_ints(axis), _opset)
     if not reps:
         return input.clone()
     return input.repeat(*reps)
-
-
-@register("Tile", since=1, backend="cuda")
-def tile_one_axis(input: torch.Tensor, tiles: Any, axis: Any) -> torch.Tensor:
-    """Tile-1: repeat ``tiles`` times along the single axis ``axis``."""
-    reps = [1] * input.dim()
-    reps[norm_axis(host_ints(axis)[0], input.dim(), "Tile")] = host_ints(tiles)[0]
-    return tile(input, reps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,40 +309,16 @@ def pad(
 ) -> torch.Tensor:
     """Pad (negative pads crop) in constant, reflect, edge or wrap mode, pads as attribute
     (opsets 1, 2) or input (11; axes from 18)."""
-    if mode not in ("constant", "reflect", "edge", "wrap"):
-        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
     flat = host_ints(pads if pads is not None else paddings)
-    if flat is None:
-        raise ValueError("Pad: pads are required")
-    rank = data.dim()
-    axes_list = list(range(rank)) if axes is None else norm_axes(host_ints(axes), rank, "Pad")
-    if len(flat) != 2 * len(axes_list):
-        raise ValueError(
-            f"Pad: {len(flat)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
-        )
-    begin, end = [0] * rank, [0] * rank
-    for i, a in enumerate(axes_list):
-        begin[a], end[a] = flat[i], flat[i + len(axes_list)]
-    # Negative pads crop the input first (a view); then the positive ones pad.
-    crop = tuple(
-        slice(max(-b, 0), data.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
-    )
-    data = data[crop]
-    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
+    crop, widths = common.pad_plan(data.shape, flat, host_ints(axes), mode)
+    data = data[crop]  # a view
     if mode == "constant":
         out_shape = [s + b + e for s, (b, e) in zip(data.shape, widths)]
         out = torch.empty(out_shape, dtype=data.dtype, device=data.device)
         out.fill_(_fill_value(data, constant_value, value))
         out[tuple(slice(b, b + s) for s, (b, _) in zip(data.shape, widths))] = data
         return out
-    for d, (b, e) in enumerate(widths):
-        if (b or e) and data.shape[d] == 0:
-            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
-        if mode == "reflect" and max(b, e) >= data.shape[d]:
-            raise ValueError(
-                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
-                f"{data.shape[d]} (after negative pads crop)"
-            )
+    common.check_pad_widths(data.shape, widths, mode)
     out = data
     for d, (b, e) in enumerate(widths):
         if b or e:
@@ -446,25 +331,9 @@ def center_crop_pad(
     input_data: torch.Tensor, shape: Any, *, axes: Sequence[int] | None = None
 ) -> torch.Tensor:
     """Crop or zero-pad the given axes to ``shape``, keeping the content centred."""
-    target = host_ints(shape)
-    rank = input_data.dim()
-    axes_list = norm_axes(list(range(rank)) if axes is None else list(axes), rank, "CenterCropPad")
-    if len(target) != len(axes_list):
-        raise ValueError(f"CenterCropPad: shape {target} has not one value per axis {axes_list}")
-    out_shape = list(input_data.shape)
-    src = [slice(None)] * rank
-    dst = [slice(None)] * rank
-    for a, size in zip(axes_list, target):
-        dim = input_data.shape[a]
-        out_shape[a] = size
-        if size < dim:
-            start = (dim - size) // 2
-            src[a] = slice(start, start + size)
-        elif size > dim:
-            start = (size - dim) // 2
-            dst[a] = slice(start, start + dim)
+    out_shape, src, dst = common.crop_pad_plan(input_data.shape, host_ints(shape), axes)
     out = torch.zeros(out_shape, dtype=input_data.dtype, device=input_data.device)
-    out[tuple(dst)] = input_data[tuple(src)]
+    out[dst] = input_data[src]
     return out
 
 
@@ -502,7 +371,7 @@ def constant_of_shape(input: Any, *, value: np.ndarray | None = None) -> torch.T
 def constant(**attrs: Any) -> Any:
     """The one value attribute that is set, as a tensor on the current device (strings stay
     numpy arrays on the host)."""
-    return to_device(ref.constant(**attrs), current_device())
+    return to_device(common.constant(**attrs), current_device())
 
 
 @register("Identity", since=1, backend="cuda")
@@ -565,43 +434,5 @@ def trilu(input: torch.Tensor, k: Any = None, *, upper: int = 1) -> torch.Tensor
 # DepthToSpace, SpaceToDepth
 
 
-def _check_nchw(op: str, x: torch.Tensor, blocksize: int) -> None:
-    if x.dim() != 4:
-        raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {list(x.shape)}")
-    if blocksize < 1:
-        raise ValueError(f"{op}: blocksize must be positive, got {blocksize}")
-
-
-@register("DepthToSpace", since=1, backend="cuda")
-def depth_to_space(input: torch.Tensor, *, blocksize: int, mode: str = "DCR") -> torch.Tensor:
-    """Move blocks of channels into (H, W) blocks; DCR: depth-column-row, CRD: column-row-depth."""
-    _check_nchw("DepthToSpace", input, blocksize)
-    n, c, h, w = input.shape
-    b = blocksize
-    if c % (b * b):
-        raise ValueError(f"DepthToSpace: channels {c} not divisible by blocksize^2 = {b * b}")
-    if mode == "DCR":
-        x = input.reshape(n, b, b, c // (b * b), h, w).permute(0, 3, 4, 1, 5, 2)
-    elif mode == "CRD":
-        x = input.reshape(n, c // (b * b), b, b, h, w).permute(0, 1, 4, 2, 5, 3)
-    else:
-        raise ValueError(f"DepthToSpace: unknown mode '{mode}' (DCR or CRD)")
-    return x.reshape(n, c // (b * b), h * b, w * b)
-
-
-@register("SpaceToDepth", since=1, backend="cuda")
-def space_to_depth(input: torch.Tensor, *, blocksize: int, mode: str = "DCR") -> torch.Tensor:
-    """Move (H, W) blocks into channels; the inverse of DepthToSpace with the same mode."""
-    _check_nchw("SpaceToDepth", input, blocksize)
-    n, c, h, w = input.shape
-    b = blocksize
-    if h % b or w % b:
-        raise ValueError(f"SpaceToDepth: H={h} and W={w} must be divisible by blocksize {b}")
-    x = input.reshape(n, c, h // b, b, w // b, b)
-    if mode == "DCR":
-        x = x.permute(0, 3, 5, 1, 2, 4)
-    elif mode == "CRD":
-        x = x.permute(0, 1, 3, 5, 2, 4)
-    else:
-        raise ValueError(f"SpaceToDepth: unknown mode '{mode}' (DCR or CRD)")
-    return x.reshape(n, c * b * b, h // b, w // b)
+register("DepthToSpace", since=1, backend="cuda")(common.depth_to_space)
+register("SpaceToDepth", since=1, backend="cuda")(common.space_to_depth)

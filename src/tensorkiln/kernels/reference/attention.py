@@ -1,12 +1,8 @@
-"""Attention: Attention (opset 23, 24, 25), RotaryEmbedding, LinearAttention, FlexAttention.
-
-Internally Q is [batch, q_heads, q_len, head], K/V [batch, kv_heads, kv_len, head]. Grouped-query
-attention never materializes repeated K/V: Q is viewed as [batch, kv_heads, group, q_len, head]
-and multiplied against each K/V head once (query head h uses K/V head h // group).
-
-Arithmetic runs in float32 (float64 for float64 inputs), the result is cast to the output dtype.
-float16/bfloat16 inputs are not rounded at every intermediate step: the oracle stays accurate for
-long sequences (the ONNX reference, running numpy's bfloat16 matmul, accumulates in bfloat16)."""
+"""Attention on numpy arrays: Attention (one kernel for opsets 23-25), RotaryEmbedding,
+LinearAttention and FlexAttention, as kernels/common/attention.py writes them once, over the numpy
+operations below. Arithmetic runs in float32 (float64 for float64 inputs); float16/bfloat16 inputs
+are not rounded at every intermediate step, so the oracle stays accurate for long sequences (the
+ONNX reference, running numpy's bfloat16 matmul, accumulates in bfloat16)."""
 
 from __future__ import annotations
 
@@ -15,441 +11,71 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from tensorkiln.kernels.common.attention import AttentionOps
 from tensorkiln.kernels.registry import register
 
-_PRECISIONS = {
-    1: np.dtype(np.float32),
-    10: np.dtype(np.float16),
-    11: np.dtype(np.float64),
-    16: np.dtype(ml_dtypes.bfloat16),
-}
 
+class NumpyAttentionArrays:
+    """:class:`tensorkiln.kernels.common.attention.AttentionArrays` on numpy arrays."""
 
-def _compute_dtype(dtype: np.dtype) -> np.dtype:
-    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+    m = np
 
+    def compute_dtype(self, x: np.ndarray) -> np.dtype:
+        return np.dtype(np.float64) if x.dtype == np.float64 else np.dtype(np.float32)
 
-def _softmax_dtype(precision: int | None, ct: np.dtype) -> np.dtype:
-    if precision is None:
-        return ct
-    if precision not in _PRECISIONS:
-        raise ValueError(
-            f"softmax_precision {precision} unsupported; use 1 (FLOAT), 10 (FLOAT16), "
-            "11 (DOUBLE) or 16 (BFLOAT16)"
-        )
-    return _PRECISIONS[precision]
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
+    def astype(self, x: Any, dtype: Any) -> np.ndarray:
+        return np.asarray(x).astype(dtype)
 
-def _to_4d(x: np.ndarray, num_heads: int | None, name: str) -> np.ndarray:
-    """[B, S, H*D] -> [B, H, S, D]; 4D inputs pass through."""
-    if x.ndim == 4:
-        if num_heads and num_heads != x.shape[1]:
-            raise ValueError(f"{name} has {x.shape[1]} heads but the head count attribute says "
-                             f"{num_heads}")  # fmt: skip
-        return x
-    if x.ndim != 3:
-        raise ValueError(f"{name} must be rank 3 or 4, got shape {x.shape}")
-    if not num_heads or x.shape[2] % num_heads:
-        raise ValueError(
-            f"{name} is 3D {x.shape}: q_num_heads/kv_num_heads must be set and divide its "
-            f"hidden size (got {num_heads})"
-        )
-    b, s, hidden = x.shape
-    return x.reshape(b, s, num_heads, hidden // num_heads).transpose(0, 2, 1, 3)
+    def swap(self, x: np.ndarray, a: int, b: int) -> np.ndarray:
+        return np.swapaxes(x, a, b)
 
+    def amax(self, x: np.ndarray) -> np.ndarray:
+        return np.max(x, axis=-1, keepdims=True)
 
-def _from_4d(y: np.ndarray) -> np.ndarray:
-    b, h, s, d = y.shape
-    return y.transpose(0, 2, 1, 3).reshape(b, s, h * d)
+    def sum(self, x: np.ndarray) -> np.ndarray:
+        return np.sum(x, axis=-1, keepdims=True)
 
+    def cat(self, arrays: list[np.ndarray], axis: int) -> np.ndarray:
+        return np.concatenate(arrays, axis=axis)
 
-def _grouped_matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """a: [B, Hq, M, K] @ b: [B, Hkv, K, N] with query head h using kv head h // (Hq // Hkv)."""
-    bs, hq, m, _ = a.shape
-    hkv = b.shape[1]
-    if hq % hkv:
-        raise ValueError(f"q_num_heads ({hq}) must be a multiple of kv_num_heads ({hkv})")
-    out = np.matmul(a.reshape(bs, hkv, hq // hkv, m, a.shape[-1]), b[:, :, None])
-    return out.reshape(bs, hq, m, b.shape[-1])
+    def stack(self, arrays: list[np.ndarray], axis: int) -> np.ndarray:
+        return np.stack(arrays, axis=axis)
 
+    def broadcast_to(self, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return np.broadcast_to(x, shape)
 
-def _softmax(x: np.ndarray) -> np.ndarray:
-    """Softmax over the last axis; an all -inf row gives zeros, not NaN."""
-    m = np.max(x, axis=-1, keepdims=True)
-    m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(x - m)
-    s = np.sum(e, axis=-1, keepdims=True)
-    return e / np.where(s == 0, 1, s)
+    def zeros(self, shape: tuple[int, ...], dtype: Any, like: Any) -> np.ndarray:
+        return np.zeros(shape, dtype)
 
+    def arange(self, n: int, like: Any) -> np.ndarray:
+        return np.arange(n, dtype=np.int64)
 
-def _mask_bias(mask: np.ndarray, kv_len: int, ct: np.dtype) -> np.ndarray:
-    """attn_mask as an additive bias; a mask shorter than kv_len is padded as disallowed."""
-    if mask.shape[-1] > kv_len:
-        raise ValueError(
-            f"attn_mask's last axis ({mask.shape[-1]}) is longer than the total key length "
-            f"({kv_len})"
-        )
-    is_bool = mask.dtype == np.bool_
-    bias = np.where(mask, 0, -np.inf).astype(ct) if is_bool else mask.astype(ct)
-    if mask.shape[-1] < kv_len:
-        pad = [(0, 0)] * (bias.ndim - 1) + [(0, kv_len - mask.shape[-1])]
-        bias = np.pad(bias, pad, constant_values=-np.inf)
-    return bias
+    def pad_last(self, x: np.ndarray, count: int, value: float) -> np.ndarray:
+        return np.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, count)], constant_values=value)
 
+    def is_bool(self, x: np.ndarray) -> bool:
+        return x.dtype == np.bool_
 
-def _allowed(
-    q_len: int,
-    kv_len: int,
-    offset: np.ndarray,
-    *,
-    is_causal: int,
-    left: int,
-    right: int,
-    nonpad: np.ndarray | None,
-) -> np.ndarray | None:
-    """Structural mask [B|1, 1, q, kv]: causal, sliding window and key padding; None if none apply.
+    def rows(self, table: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return table[index]
 
-    ``offset`` ([B|1, 1, 1, 1]) is the absolute position of query 0: the number of valid keys
-    before the query block.
-    """
-    pos = np.arange(q_len)[:, None] + offset  # absolute query positions
-    j = np.arange(kv_len)
-    allowed = None
-
-    def both(a: np.ndarray | None, c: np.ndarray) -> np.ndarray:
-        return c if a is None else a & c
-
-    if is_causal:
-        allowed = both(allowed, j <= pos)
-    if left >= 0:
-        allowed = both(allowed, j >= pos - left)
-    if right >= 0:
-        allowed = both(allowed, j <= pos + right)
-    if nonpad is not None:
-        allowed = both(allowed, j < nonpad.reshape(-1, 1, 1, 1))
-    return allowed
-
-
-def _attention_bias(
-    attn_mask: np.ndarray | None,
-    batch: int,
-    q_len: int,
-    kv_len: int,
-    past_len: int,
-    nonpad: np.ndarray | None,
-    ct: np.dtype,
-    **structure: int,
-) -> np.ndarray | None:
-    """The additive bias (0 / -inf / float mask values) broadcastable to [B, Hq, q, kv]."""
-    bias = None if attn_mask is None else _mask_bias(attn_mask, kv_len, ct)
-    if nonpad is not None:
-        nonpad = np.asarray(nonpad).astype(np.int64).reshape(-1)
-        if nonpad.shape[0] != batch or np.any(nonpad < 0) or np.any(nonpad > kv_len):
+    def key_lengths(self, nonpad: Any, batch: int, kv_len: int) -> np.ndarray:
+        lengths = np.asarray(nonpad).astype(np.int64).reshape(-1)
+        if lengths.shape[0] != batch or np.any(lengths < 0) or np.any(lengths > kv_len):
             raise ValueError(
-                f"nonpad_kv_seqlen must have {batch} entries in [0, {kv_len}], got {nonpad}"
+                f"nonpad_kv_seqlen must have {batch} entries in [0, {kv_len}], got {lengths}"
             )
-        offset = (nonpad - q_len).reshape(-1, 1, 1, 1)
-    else:
-        offset = np.full((1, 1, 1, 1), past_len)
-    allowed = _allowed(q_len, kv_len, offset, nonpad=nonpad, **structure)
-    if allowed is not None:
-        struct = np.where(allowed, 0, -np.inf).astype(ct)
-        bias = struct if bias is None else bias + struct
-    return bias
+        return lengths
+
+    def fused(self, *args: Any) -> None:
+        return None  # the oracle computes every step explicitly
 
 
-def _attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None,
-    past_key: np.ndarray | None,
-    past_value: np.ndarray | None,
-    nonpad: np.ndarray | None,
-    attrs: dict[str, Any],
-    n_outputs: int,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Shared body of every Attention version."""
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"Q, K, V must have the same rank, got {q.shape}, {k.shape}, {v.shape}")
-    if (past_key is None) != (past_value is None):
-        raise ValueError("past_key and past_value must be given together")
-    if nonpad is not None and past_key is not None:
-        raise ValueError("nonpad_kv_seqlen cannot be combined with past_key/past_value")
-    q4 = _to_4d(q, attrs["q_num_heads"], "Q")
-    k4 = _to_4d(k, attrs["kv_num_heads"], "K")
-    v4 = _to_4d(v, attrs["kv_num_heads"], "V")
-    past_len = 0
-    if past_key is not None:
-        past_len = past_key.shape[2]
-        k4 = np.concatenate([past_key, k4], axis=2)
-        v4 = np.concatenate([past_value, v4], axis=2)
-    b, _, q_len, head = q4.shape
-    kv_len = k4.shape[2]
-    if k4.shape[-1] != head or v4.shape[1:3] != k4.shape[1:3]:
-        raise ValueError(f"incompatible Q/K/V heads: Q {q4.shape}, K {k4.shape}, V {v4.shape}")
-
-    ct = _compute_dtype(q.dtype)
-    scale = attrs["scale"]
-    root = np.sqrt(1.0 / np.sqrt(head) if scale is None else scale)
-    raw = _grouped_matmul(q4.astype(ct) * root, (k4.astype(ct) * root).swapaxes(-1, -2))
-    softcap = attrs["softcap"]
-    capped = softcap * np.tanh(raw / softcap) if softcap > 0 else raw
-    bias = _attention_bias(
-        attn_mask, b, q_len, kv_len, past_len, nonpad, ct, is_causal=attrs["is_causal"],
-        left=attrs["left_window_size"], right=attrs["right_window_size"],
-    )  # fmt: skip
-    logits = capped if bias is None else capped + bias
-    sm_dtype = _softmax_dtype(attrs["softmax_precision"], ct)
-    probs = _softmax(logits.astype(sm_dtype)).astype(ct)
-    if bias is not None:  # a row with no allowed key gives zeros, decided on the bias alone
-        probs = np.where(np.isneginf(np.max(bias, axis=-1, keepdims=True)), 0, probs)
-    y = _grouped_matmul(probs, v4.astype(ct)).astype(q.dtype)
-    if q.ndim == 3:
-        y = _from_4d(y)
-    if n_outputs <= 1:
-        return y
-    mode = attrs["qk_matmul_output_mode"]
-    if mode not in (0, 1, 2, 3):
-        raise ValueError(f"qk_matmul_output_mode must be 0, 1, 2 or 3, got {mode}")
-    qk = (raw, capped, np.broadcast_to(logits, raw.shape), probs)[mode].astype(q.dtype)
-    return (y, k4, v4, qk)[:n_outputs]
-
-
-@register("Attention", since=23)
-def attention_23(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    past_key: np.ndarray | None = None,
-    past_value: np.ndarray | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Scaled dot-product attention with mask, causal, GQA, KV cache and softcap (opset 23)."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, None, attrs, _n_outputs)
-
-
-@register("Attention", since=24)
-def attention_24(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    past_key: np.ndarray | None = None,
-    past_value: np.ndarray | None = None,
-    nonpad_kv_seqlen: np.ndarray | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Opset 24 adds nonpad_kv_seqlen (external KV cache) and masks shorter than the keys."""
-    attrs = dict(locals())
-    attrs.update(left_window_size=-1, right_window_size=-1)
-    return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
-
-
-@register("Attention", since=25)
-def attention_25(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    attn_mask: np.ndarray | None = None,
-    past_key: np.ndarray | None = None,
-    past_value: np.ndarray | None = None,
-    nonpad_kv_seqlen: np.ndarray | None = None,
-    *,
-    is_causal: int = 0,
-    kv_num_heads: int | None = None,
-    left_window_size: int = -1,
-    q_num_heads: int | None = None,
-    qk_matmul_output_mode: int = 0,
-    right_window_size: int = -1,
-    scale: float | None = None,
-    softcap: float = 0.0,
-    softmax_precision: int | None = None,
-    _n_outputs: int = 1,
-) -> np.ndarray | tuple[np.ndarray, ...]:
-    """Opset 25 adds sliding windows (left_window_size, right_window_size)."""
-    if left_window_size < -1 or right_window_size < -1:
-        raise ValueError(
-            f"window sizes must be -1 or non-negative, got left={left_window_size}, "
-            f"right={right_window_size}"
-        )
-    attrs = dict(locals())
-    return _attention(q, k, v, attn_mask, past_key, past_value, nonpad_kv_seqlen, attrs, _n_outputs)
-
-
-@register("RotaryEmbedding", since=23)
-def rotary_embedding(
-    x: np.ndarray,
-    cos_cache: np.ndarray,
-    sin_cache: np.ndarray,
-    position_ids: np.ndarray | None = None,
-    *,
-    interleaved: int = 0,
-    num_heads: int = 0,
-    rotary_embedding_dim: int = 0,
-) -> np.ndarray:
-    """Rotate the first rotary_embedding_dim features of each head (halves or even/odd pairs)."""
-    if x.ndim == 4:
-        xs = x.transpose(0, 2, 1, 3)  # [B, S, H, D]
-    elif x.ndim == 3:
-        if not num_heads or x.shape[2] % num_heads:
-            raise ValueError(f"3D input {x.shape} needs num_heads dividing its hidden size")
-        xs = x.reshape(x.shape[0], x.shape[1], num_heads, -1)
-    else:
-        raise ValueError(f"input must be rank 3 or 4, got shape {x.shape}")
-    head = xs.shape[-1]
-    rot = rotary_embedding_dim or head
-    if rot % 2 or rot > head:
-        raise ValueError(f"rotary_embedding_dim {rot} must be even and at most head size {head}")
-    if position_ids is not None:
-        cos_cache, sin_cache = cos_cache[position_ids], sin_cache[position_ids]
-    if cos_cache.shape[-1] != rot // 2 or sin_cache.shape[-1] != rot // 2:
-        raise ValueError(
-            f"cos/sin caches' last axis ({cos_cache.shape[-1]}, {sin_cache.shape[-1]}) must be "
-            f"rotary_embedding_dim / 2 = {rot // 2}"
-        )
-    ct = _compute_dtype(x.dtype)
-    cos = cos_cache.astype(ct)[:, :, None, :]
-    sin = sin_cache.astype(ct)[:, :, None, :]
-    xr = xs[..., :rot].astype(ct)
-    x1, x2 = (xr[..., 0::2], xr[..., 1::2]) if interleaved else np.split(xr, 2, axis=-1)
-    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
-    if interleaved:
-        rotated = np.stack([real, imag], axis=-1).reshape(xr.shape)
-    else:
-        rotated = np.concatenate([real, imag], axis=-1)
-    out = np.concatenate([rotated.astype(x.dtype), xs[..., rot:]], axis=-1)
-    return out.reshape(x.shape) if x.ndim == 3 else out.transpose(0, 2, 1, 3)
-
-
-def _heads_last(x: np.ndarray, heads: int, name: str) -> np.ndarray:
-    """[B, T, H*D] -> [B, H, T, D] for LinearAttention's packed inputs."""
-    if x.ndim != 3 or x.shape[2] % heads:
-        raise ValueError(f"{name} must be [B, T, {heads} * D], got shape {x.shape}")
-    return _to_4d(x, heads, name)
-
-
-def _linear_gates(decay, beta, b, t, hkv, dk, ct):
-    """decay -> [B, Hkv, T, dk|1] (log-space), beta -> [B, Hkv|1, T, 1]; None stays None."""
-    g = bt = None
-    if decay is not None:
-        if decay.ndim != 3 or decay.shape[2] not in (hkv, hkv * dk):
-            raise ValueError(
-                f"decay must be [B, T, {hkv}] or [B, T, {hkv * dk}], got {decay.shape}"
-            )
-        g = decay.reshape(b, t, hkv, -1).transpose(0, 2, 1, 3).astype(ct)
-    if beta is not None:
-        if beta.ndim != 3 or beta.shape[2] not in (hkv, 1):
-            raise ValueError(f"beta must be [B, T, {hkv}] or [B, T, 1], got {beta.shape}")
-        bt = beta.reshape(b, t, beta.shape[2], 1).transpose(0, 2, 1, 3).astype(ct)
-    return g, bt
-
-
-@register("LinearAttention", since=27)
-def linear_attention(
-    query: np.ndarray,
-    key: np.ndarray,
-    value: np.ndarray,
-    past_state: np.ndarray | None = None,
-    decay: np.ndarray | None = None,
-    beta: np.ndarray | None = None,
-    *,
-    chunk_size: int = 64,
-    kv_num_heads: int | None = None,
-    q_num_heads: int | None = None,
-    scale: float = 0.0,
-    update_rule: str = "gated_delta",
-) -> tuple[np.ndarray, np.ndarray]:
-    """Recurrent linear attention (linear / gated / delta / gated_delta state updates)."""
-    if update_rule not in ("linear", "gated", "delta", "gated_delta"):
-        raise ValueError(f"update_rule must be linear, gated, delta or gated_delta: {update_rule}")
-    if not q_num_heads or not kv_num_heads or q_num_heads % kv_num_heads:
-        raise ValueError(f"q_num_heads ({q_num_heads}) must be a positive multiple of "
-                         f"kv_num_heads ({kv_num_heads})")  # fmt: skip
-    gated, delta = update_rule in ("gated", "gated_delta"), update_rule in ("delta", "gated_delta")
-    if gated != (decay is not None) or delta != (beta is not None):
-        raise ValueError(
-            f"update_rule '{update_rule}' needs {'decay' if gated else 'no decay'} and "
-            f"{'beta' if delta else 'no beta'} input"
-        )
-    ct = _compute_dtype(query.dtype)
-    q = _heads_last(query, q_num_heads, "query").astype(ct)
-    k = _heads_last(key, kv_num_heads, "key").astype(ct)
-    v = _heads_last(value, kv_num_heads, "value").astype(ct)
-    b, _, t, dk = q.shape
-    dv = v.shape[-1]
-    g, bt = _linear_gates(decay, beta, b, t, kv_num_heads, dk, ct)
-    if past_state is not None and past_state.shape != (b, kv_num_heads, dk, dv):
-        raise ValueError(f"past_state must be {(b, kv_num_heads, dk, dv)}, got {past_state.shape}")
-    state = np.zeros((b, kv_num_heads, dk, dv), ct) if past_state is None else past_state.astype(ct)
-    out = np.empty((b, q_num_heads, t, dv), ct)
-    scale = scale or 1.0 / np.sqrt(dk)
-    for i in range(t):  # the recurrence is inherently sequential
-        kt, vt = k[:, :, i, :, None], v[:, :, i, None, :]  # [B, H, dk, 1], [B, H, 1, dv]
-        if gated:
-            state = state * np.exp(g[:, :, i, :, None])
-        if delta:
-            vt = bt[:, :, i, :, None] * (vt - np.matmul(kt.swapaxes(-1, -2), state))
-        state = state + kt * vt
-        out[:, :, i] = _grouped_matmul(q[:, :, i, None, :], state)[:, :, 0] * scale
-    state_dtype = query.dtype if past_state is None else past_state.dtype
-    return _from_4d(out).astype(query.dtype), state.astype(state_dtype)
-
-
-def _run_mod(ctx: Any, graph: Any, x: np.ndarray, name: str) -> np.ndarray:
-    if ctx is None:
-        raise ValueError(f"FlexAttention's {name} subgraph needs an executor to run it")
-    (out,) = ctx.run_graph(graph, [x])
-    out = np.asarray(out)
-    if out.shape != x.shape:
-        raise ValueError(f"{name} must keep the shape {x.shape}, returned {out.shape}")
-    return out.astype(x.dtype)
-
-
-@register("FlexAttention", domain="ai.onnx.preview", since=1)
-def flex_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    *,
-    prob_mod: Any = None,
-    scale: float | None = None,
-    score_mod: Any = None,
-    softmax_precision: int | None = None,
-    _ctx: Any = None,
-) -> np.ndarray:
-    """softmax(score_mod(Q K^T * scale)) -> prob_mod -> @ V, with GQA; the mods are subgraphs."""
-    if not q.ndim == k.ndim == v.ndim == 4:
-        raise ValueError(f"FlexAttention needs rank-4 Q, K, V; got {q.shape}, {k.shape}, {v.shape}")
-    if k.shape[-1] != q.shape[-1] or v.shape[1:3] != k.shape[1:3]:
-        raise ValueError(f"incompatible Q/K/V shapes {q.shape}, {k.shape}, {v.shape}")
-    ct = _compute_dtype(q.dtype)
-    sm = _softmax_dtype(softmax_precision, ct)
-    root = np.sqrt(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
-    scores = _grouped_matmul(q.astype(ct) * root, (k.astype(ct) * root).swapaxes(-1, -2))
-    scores = scores.astype(sm)
-    if score_mod is not None:
-        scores = _run_mod(_ctx, score_mod, scores, "score_mod")
-    probs = _softmax(scores)
-    if prob_mod is not None:
-        probs = _run_mod(_ctx, prob_mod, probs, "prob_mod")
-    return _grouped_matmul(probs.astype(ct), v.astype(ct)).astype(q.dtype)
+OPS = AttentionOps(NumpyAttentionArrays())
+register("Attention", since=23)(OPS.attention)
+register("RotaryEmbedding", since=23)(OPS.rotary_embedding)
+register("LinearAttention", since=27)(OPS.linear_attention)
+register("FlexAttention", domain="ai.onnx.preview", since=1)(OPS.flex_attention)

@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import ml_dtypes
 import numpy as np
-from onnx import TensorProto, helper
 
+from tensorkiln.kernels.common.cast import FLOAT8, STRING, onnx_dtype
 from tensorkiln.kernels.registry import register
 
-_FLOAT8 = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-    )
-)
 _E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
 # types narrower than their one-byte storage (ml_dtypes keeps the bits in the low end of the byte)
 _SUB_BYTE_BITS = {
@@ -31,22 +22,7 @@ _SUB_BYTE_BITS = {
     np.dtype(ml_dtypes.int2): 2,
     np.dtype(ml_dtypes.uint2): 2,
 }
-_OBJECT = np.dtype(object)
-
-
-def onnx_dtype(to: int | str) -> np.dtype:
-    """The numpy dtype of an ONNX ``TensorProto.DataType`` (number, or name as opset 1 had it)."""
-    if isinstance(to, str):
-        try:
-            to = TensorProto.DataType.Value(to.upper())
-        except ValueError:
-            raise ValueError(f"Cast: unknown data type name {to!r}") from None
-    if to == TensorProto.STRING:
-        return _OBJECT
-    try:
-        return np.dtype(helper.tensor_dtype_to_np_dtype(to))
-    except KeyError:
-        raise ValueError(f"Cast: unsupported data type {to}") from None
+_OBJECT = STRING
 
 
 def _to_string(x: np.ndarray) -> np.ndarray:
@@ -113,7 +89,7 @@ def _to_e8m0(x: np.ndarray, saturate: bool, round_mode: str) -> np.ndarray:
 def _cast_number(x: np.ndarray, dtype: np.dtype, saturate: bool, round_mode: str) -> np.ndarray:
     if dtype == _E8M0:
         return _to_e8m0(x, saturate, round_mode)
-    if dtype in _FLOAT8 and saturate:
+    if dtype in FLOAT8 and saturate:
         # clip to the finite range first: inf and out-of-range values saturate, NaN stays NaN
         if x.dtype.kind != "f" or x.dtype.itemsize < 2:
             x = x.astype(np.float32)
@@ -122,7 +98,11 @@ def _cast_number(x: np.ndarray, dtype: np.dtype, saturate: bool, round_mode: str
     return x.astype(dtype)
 
 
-def _cast(x: np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> np.ndarray:
+def cast_to(
+    x: np.ndarray, dtype: np.dtype, saturate: int = 1, round_mode: str = "up"
+) -> np.ndarray:
+    """``x`` converted to numpy ``dtype`` (the other backends' host path for the types they
+    cannot hold: strings, 4- and 2-bit types, float8e8m0)."""
     if x.dtype == dtype:
         return x.copy()
     if dtype == _OBJECT:
@@ -135,7 +115,7 @@ def _cast(x: np.ndarray, dtype: np.dtype, saturate: int, round_mode: str) -> np.
 @register("Cast", since=1)
 def cast(x: np.ndarray, *, to: int | str, saturate: int = 1, round_mode: str = "up") -> np.ndarray:
     """``x`` converted to the type ``to``; ``saturate`` and ``round_mode`` govern float8 results."""
-    return _cast(x, onnx_dtype(to), saturate, round_mode)
+    return cast_to(x, onnx_dtype(to), saturate, round_mode)
 
 
 @register("CastLike", since=15)
@@ -143,7 +123,7 @@ def cast_like(
     x: np.ndarray, target_type: np.ndarray, *, saturate: int = 1, round_mode: str = "up"
 ) -> np.ndarray:
     """``x`` converted to the element type of ``target_type``."""
-    return _cast(x, target_type.dtype, saturate, round_mode)
+    return cast_to(x, target_type.dtype, saturate, round_mode)
 
 
 @register("BitCast", since=26)

@@ -1,9 +1,5 @@
-"""Control flow: If, Loop, Scan and SequenceMap.
-
-These kernels run their subgraphs through the executor: ``_ctx.run_graph(graph, inputs)`` binds
-``inputs`` positionally to the graph's inputs and returns its outputs in order; values the subgraph
-reads from enclosing scopes are resolved by the executor.
-"""
+"""Control flow on numpy arrays: If, Loop, Scan and SequenceMap, as kernels/common/control.py
+writes them once, over the numpy operations below."""
 
 from __future__ import annotations
 
@@ -11,242 +7,37 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.kernels.common.control import ControlFlow
 from tensorkiln.kernels.registry import register
 
-Value = Any  # a numpy array, a list of arrays (sequence) or None (empty optional)
+
+class NumpyArrays:
+    """:class:`tensorkiln.kernels.common.control.Arrays` on numpy arrays."""
+
+    def items(self, x: Any) -> list:
+        return np.asarray(x).reshape(-1).tolist()
+
+    def index(self, value: int | bool, like: tuple) -> np.ndarray:
+        return np.asarray(value) if isinstance(value, bool) else np.asarray(value, dtype=np.int64)
+
+    def stack(self, frames: list[np.ndarray]) -> np.ndarray:
+        return np.stack(frames)
+
+    def moveaxis(self, x: np.ndarray, source: int, destination: int) -> np.ndarray:
+        return np.moveaxis(x, source, destination)
+
+    def flip0(self, x: np.ndarray) -> np.ndarray:
+        return x[::-1]
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype, like: tuple) -> np.ndarray:
+        return np.empty(shape, dtype=dtype)
+
+    def zeros(self, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+        return np.zeros(shape, dtype=np.asarray(like).dtype)
 
 
-def _pack(outputs: list[Value]) -> Value | tuple[Value, ...]:
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
-
-
-def _scalar_bool(x: np.ndarray, what: str) -> bool:
-    x = np.asarray(x)
-    if x.size != 1:
-        raise ValueError(f"{what} must hold exactly one element, got shape {x.shape}.")
-    return bool(x.reshape(()))
-
-
-def _empty_output(graph: Any, index: int) -> np.ndarray:
-    """A stacked output of zero iterations, typed from the subgraph's declared output."""
-    dtype, dims = np.dtype(np.float32), ()
-    try:
-        t = graph.outputs[index].type
-        dtype = t.dtype.numpy if t.dtype is not None else dtype
-        dims = tuple(d if isinstance(d, int) else 0 for d in (t.shape or ()))
-    except (AttributeError, IndexError):
-        pass  # the declared type is unknown: float32 of rank 1 is the best guess
-    return np.empty((0, *dims), dtype=dtype)
-
-
-def _stack(frames: list[np.ndarray], graph: Any, index: int, op: str) -> np.ndarray:
-    if not frames:
-        return _empty_output(graph, index)
-    shapes = {np.shape(f) for f in frames}
-    if len(shapes) > 1:
-        raise ValueError(
-            f"{op}: scan output {index} changes shape across iterations ({sorted(shapes)}); "
-            "all iterations must produce the same shape."
-        )
-    return np.stack(frames)
-
-
-@register("If", since=1)
-def if_(cond: np.ndarray, *, then_branch: Any, else_branch: Any, _ctx: Any) -> Value:
-    """The outputs of ``then_branch`` if ``cond`` is true, else those of ``else_branch``."""
-    branch = then_branch if _scalar_bool(cond, "If: cond") else else_branch
-    return _pack(_ctx.run_graph(branch, []))
-
-
-@register("Loop", since=1)
-def loop(
-    M: np.ndarray | None = None,
-    cond: np.ndarray | None = None,
-    *v_initial: Value,
-    body: Any,
-    _ctx: Any,
-    _n_outputs: int = 1,
-) -> Value:
-    """Run ``body`` while ``i < M`` and ``cond``; return the final carried values and the
-    per-iteration scan outputs stacked along a new axis 0.
-
-    Without ``cond`` the body's condition output is ignored (a for loop); without ``M`` the loop
-    runs until the condition is false.
-    """
-    trips = None if M is None else int(np.asarray(M).reshape(()))
-    keep = True if cond is None else _scalar_bool(cond, "Loop: cond")
-    carried = list(v_initial)
-    n_carried = len(carried)
-    scans: list[list[np.ndarray]] = [[] for _ in range(_n_outputs - n_carried)]
-    i = 0
-    while keep and (trips is None or i < trips):
-        args = [np.asarray(i, dtype=np.int64), np.asarray(keep), *carried]
-        outs = _ctx.run_graph(body, args)
-        if len(outs) != 1 + n_carried + len(scans):
-            raise ValueError(
-                f"Loop: the body returned {len(outs)} outputs; expected 1 + {n_carried} carried "
-                f"+ {len(scans)} scan outputs."
-            )
-        if cond is not None:
-            keep = _scalar_bool(outs[0], "Loop: the body's condition output")
-        carried = list(outs[1 : 1 + n_carried])
-        for frames, value in zip(scans, outs[1 + n_carried :]):
-            frames.append(value)
-        i += 1
-    stacked = [_stack(f, body, 1 + n_carried + k, "Loop") for k, f in enumerate(scans)]
-    return _pack(carried + stacked)
-
-
-def _run_scan(
-    body: Any,
-    ctx: Any,
-    states: list[Value],
-    slices: list[np.ndarray],
-    n_scan_out: int,
-    length: int,
-) -> tuple[list[Value], list[list[np.ndarray]]]:
-    """Iterate ``body`` over ``length`` steps; ``slices[j][t]`` is scan input j at step t."""
-    frames: list[list[np.ndarray]] = [[] for _ in range(n_scan_out)]
-    n = len(states)
-    for t in range(length):
-        outs = ctx.run_graph(body, states + [x[t] for x in slices])
-        if len(outs) != n + n_scan_out:
-            raise ValueError(
-                f"Scan: the body returned {len(outs)} outputs; expected {n} states + "
-                f"{n_scan_out} scan outputs."
-            )
-        states = list(outs[:n])
-        for f, value in zip(frames, outs[n:]):
-            f.append(value)
-    return states, frames
-
-
-def _scan_length(slices: list[np.ndarray]) -> int:
-    lengths = {x.shape[0] for x in slices}
-    if len(lengths) != 1:
-        raise ValueError(f"Scan: scan inputs have different sequence lengths {sorted(lengths)}.")
-    return lengths.pop()
-
-
-def _flags(values: list[int] | None, n: int, name: str) -> list[int]:
-    values = list(values) if values is not None else [0] * n
-    if len(values) != n:
-        raise ValueError(f"Scan: {name} has {len(values)} entries; expected {n}.")
-    return values
-
-
-@register("Scan", since=9)
-def scan(
-    *inputs: np.ndarray,
-    body: Any,
-    num_scan_inputs: int,
-    scan_input_axes: list[int] | None = None,
-    scan_input_directions: list[int] | None = None,
-    scan_output_axes: list[int] | None = None,
-    scan_output_directions: list[int] | None = None,
-    _ctx: Any,
-    _n_outputs: int = 1,
-) -> Value:
-    """Scan (opset 9+): iterate ``body`` over slices of the scan inputs along their scan axes,
-    threading the state variables; scan outputs are stacked along ``scan_output_axes``."""
-    n_state = len(inputs) - num_scan_inputs
-    if n_state < 0:
-        raise ValueError(f"Scan: num_scan_inputs={num_scan_inputs} exceeds {len(inputs)} inputs.")
-    states, scan_in = list(inputs[:n_state]), inputs[n_state:]
-    n_out = _n_outputs - n_state
-    in_axes = _flags(scan_input_axes, num_scan_inputs, "scan_input_axes")
-    in_dirs = _flags(scan_input_directions, num_scan_inputs, "scan_input_directions")
-    out_axes = _flags(scan_output_axes, n_out, "scan_output_axes")
-    out_dirs = _flags(scan_output_directions, n_out, "scan_output_directions")
-    slices = []
-    for x, axis, direction in zip(scan_in, in_axes, in_dirs):
-        x = np.moveaxis(x, axis, 0)
-        slices.append(x[::-1] if direction else x)
-    states, frames = _run_scan(body, _ctx, states, slices, n_out, _scan_length(slices))
-    outputs = []
-    for k, (f, axis, direction) in enumerate(zip(frames, out_axes, out_dirs)):
-        y = _stack(f, body, n_state + k, "Scan")
-        y = y[::-1] if direction else y
-        outputs.append(np.moveaxis(y, 0, axis % y.ndim))
-    return _pack(states + outputs)
-
-
-def _batch_scan_output(frames: list[list[np.ndarray]], max_len: int, body: Any, index: int):
-    """Stack per-batch scan frames into [batch, max_len, ...], zero-padding short sequences."""
-    template = next((f[0] for f in frames if f), None)
-    if template is None:
-        return np.stack([_empty_output(body, index)] * len(frames))
-    out = np.zeros((len(frames), max_len, *np.shape(template)), dtype=np.asarray(template).dtype)
-    for b, f in enumerate(frames):
-        if f:
-            out[b, : len(f)] = _stack(f, body, index, "Scan")
-    return out
-
-
-@register("Scan", since=1)
-def scan_8(
-    sequence_lens: np.ndarray | None,
-    *inputs: np.ndarray,
-    body: Any,
-    num_scan_inputs: int,
-    directions: list[int] | None = None,
-    _ctx: Any,
-    _n_outputs: int = 1,
-) -> Value:
-    """Scan (opset 8): axis 0 of every input is a batch, axis 1 of scan inputs the sequence.
-
-    Each batch entry is scanned separately for ``sequence_lens[b]`` steps; scan outputs of shorter
-    sequences are padded with zeros to the longest one.
-    """
-    n_state = len(inputs) - num_scan_inputs
-    if n_state < 0:
-        raise ValueError(f"Scan: num_scan_inputs={num_scan_inputs} exceeds {len(inputs)} inputs.")
-    scan_in = inputs[n_state:]
-    dirs = _flags(directions, num_scan_inputs, "directions")
-    batch = inputs[0].shape[0]
-    max_len = scan_in[0].shape[1] if scan_in else 0
-    lens = np.full(batch, max_len) if sequence_lens is None else np.asarray(sequence_lens)
-    if lens.shape != (batch,) or (lens < 0).any() or (lens > max_len).any():
-        raise ValueError(
-            f"Scan: sequence_lens must have {batch} entries between 0 and {max_len}, got {lens}."
-        )
-    n_out = _n_outputs - n_state
-    final_states: list[list[Value]] = []
-    frames: list[list[list[np.ndarray]]] = [[] for _ in range(n_out)]
-    for b in range(batch):
-        n = int(lens[b])
-        slices = [x[b, :n][::-1] if d else x[b, :n] for x, d in zip(scan_in, dirs)]
-        states = [s[b] for s in inputs[:n_state]]
-        states, batch_frames = _run_scan(body, _ctx, states, slices, n_out, n)
-        final_states.append(states)
-        for k, f in enumerate(batch_frames):
-            frames[k].append(f)
-    outputs = [np.stack(s) for s in zip(*final_states)]
-    outputs += [_batch_scan_output(f, max_len, body, n_state + k) for k, f in enumerate(frames)]
-    return _pack(outputs)
-
-
-@register("SequenceMap", since=1)
-def sequence_map(
-    input_sequence: list[np.ndarray],
-    *additional_inputs: Value,
-    body: Any,
-    _ctx: Any,
-    _n_outputs: int = 1,
-) -> Value:
-    """Apply ``body`` to each element of ``input_sequence`` (and of sequence additional inputs;
-    tensor additional inputs are passed whole to every call); each output is a sequence."""
-    n = len(input_sequence)
-    for extra in additional_inputs:
-        if isinstance(extra, list) and len(extra) != n:
-            raise ValueError(
-                f"SequenceMap: an additional sequence has {len(extra)} elements; the input "
-                f"sequence has {n}."
-            )
-    results: list[list[np.ndarray]] = [[] for _ in range(_n_outputs)]
-    for i in range(n):
-        args = [input_sequence[i]]
-        args += [a[i] if isinstance(a, list) else a for a in additional_inputs]
-        for seq, value in zip(results, _ctx.run_graph(body, args)):
-            seq.append(value)
-    return _pack(results)
+_FLOW = ControlFlow(NumpyArrays())
+register("If", since=1)(_FLOW.if_)
+register("Loop", since=1)(_FLOW.loop)
+register("Scan", since=1)(_FLOW.scan)
+register("SequenceMap", since=1)(_FLOW.sequence_map)

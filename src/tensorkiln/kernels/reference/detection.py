@@ -1,9 +1,11 @@
-"""Detection ops: RoiAlign and NonMaxSuppression."""
+"""Detection ops on numpy arrays: RoiAlign and NonMaxSuppression's computation; their signatures,
+attributes and checks are kernels/common/detection.py's."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common.detection import DetectionOps
 from tensorkiln.kernels.registry import register
 
 # ---------------------------------------------------------------------------------------------
@@ -73,14 +75,8 @@ def _one_roi(
 
 
 def _roi_align(x, rois, batch_indices, mode, output_height, output_width, ratio, scale, half):
-    if mode not in ("avg", "max"):
-        raise ValueError(f"RoiAlign: mode '{mode}' is not one of avg, max")
-    if x.ndim != 4 or rois.ndim != 2 or rois.shape[1] != 4:
-        raise ValueError(
-            f"RoiAlign: need X (N, C, H, W) and rois (R, 4); got {x.shape}, {rois.shape}"
-        )
     batch = np.asarray(batch_indices).reshape(-1).astype(np.int64)
-    if batch.size != rois.shape[0] or ((batch < 0) | (batch >= x.shape[0])).any():
+    if ((batch < 0) | (batch >= x.shape[0])).any():
         raise ValueError(
             f"RoiAlign: batch_indices {batch.tolist()} must hold one index in [0, {x.shape[0]}) "
             f"for each of the {rois.shape[0]} rois"
@@ -93,47 +89,6 @@ def _roi_align(x, rois, batch_indices, mode, output_height, output_width, ratio,
             data[batch[r]], boxes[r], (output_height, output_width), ratio, half, mode
         )
     return out.astype(x.dtype)
-
-
-@register("RoiAlign", since=10)
-def roi_align_10(
-    x: np.ndarray,
-    rois: np.ndarray,
-    batch_indices: np.ndarray,
-    *,
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-) -> np.ndarray:
-    """RoiAlign-10: pixel coordinates without the half-pixel shift (output_half_pixel)."""
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, False)
-    return _roi_align(x, rois, batch_indices, *args)
-
-
-@register("RoiAlign", since=16)
-def roi_align_16(
-    x: np.ndarray,
-    rois: np.ndarray,
-    batch_indices: np.ndarray,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    mode: str = "avg",
-    output_height: int = 1,
-    output_width: int = 1,
-    sampling_ratio: int = 0,
-    spatial_scale: float = 1.0,
-) -> np.ndarray:
-    """RoiAlign-16/22: adds coordinate_transformation_mode (half_pixel by default)."""
-    if coordinate_transformation_mode not in ("half_pixel", "output_half_pixel"):
-        raise ValueError(
-            f"RoiAlign: coordinate_transformation_mode '{coordinate_transformation_mode}' is not "
-            "one of half_pixel, output_half_pixel"
-        )
-    half = coordinate_transformation_mode == "half_pixel"
-    args = (mode, output_height, output_width, sampling_ratio, spatial_scale, half)
-    return _roi_align(x, rois, batch_indices, *args)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,35 +132,15 @@ def _select(boxes: np.ndarray, scores: np.ndarray, limit: int, iou_thr: float, s
     return keep
 
 
-def _scalar(v: np.ndarray | None, name: str):
-    if v is None or np.asarray(v).size == 0:
-        return None
-    if np.asarray(v).size != 1:
-        raise ValueError(f"NonMaxSuppression: '{name}' must hold one value, got shape {v.shape}")
-    return np.asarray(v).reshape(-1)[0].item()
-
-
-@register("NonMaxSuppression", since=10)
-def non_max_suppression(
+def _nms(
     boxes: np.ndarray,
     scores: np.ndarray,
-    max_output_boxes_per_class: np.ndarray | None = None,
-    iou_threshold: np.ndarray | None = None,
-    score_threshold: np.ndarray | None = None,
-    *,
-    center_point_box: int = 0,
+    limit: int,
+    iou_thr: float,
+    score_thr: float | None,
+    center_point_box: int,
 ) -> np.ndarray:
-    """Selected boxes as int64 rows (batch, class, box), per batch and class in score order."""
-    if boxes.ndim != 3 or boxes.shape[2] != 4 or scores.ndim != 3:
-        raise ValueError(
-            f"NonMaxSuppression: need boxes (N, B, 4) and scores (N, classes, B); "
-            f"got {boxes.shape} and {scores.shape}"
-        )
-    if scores.shape[0] != boxes.shape[0] or scores.shape[2] != boxes.shape[1]:
-        raise ValueError(f"NonMaxSuppression: boxes {boxes.shape} and scores {scores.shape} differ")
-    limit = int(_scalar(max_output_boxes_per_class, "max_output_boxes_per_class") or 0)
-    iou_thr = float(_scalar(iou_threshold, "iou_threshold") or 0.0)
-    score_thr = _scalar(score_threshold, "score_threshold")
+    """The greedy selection of NonMaxSuppression, per batch and class in score order."""
     corners = _corners(boxes, center_point_box)
     rows = []
     for n in range(scores.shape[0]):
@@ -215,3 +150,12 @@ def non_max_suppression(
             ):
                 rows.append((n, c, b))
     return np.array(rows, dtype=np.int64).reshape(-1, 3)
+
+
+def _items(x: np.ndarray) -> list:
+    return np.asarray(x).reshape(-1).tolist()
+
+
+OPS = DetectionOps(_roi_align, _nms, _items)
+register("RoiAlign", since=10)(OPS.roi_align)
+register("NonMaxSuppression", since=10)(OPS.non_max_suppression)

@@ -8,14 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common.indexing import tensor_scatter_axis
+from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.registry import register
-
-
-def _axis(axis: int, rank: int, op: str) -> int:
-    axis = int(axis)
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for a tensor of rank {rank}")
-    return axis % rank
 
 
 def _indices(indices: np.ndarray, size: int, op: str, axis: int | str) -> np.ndarray:
@@ -56,7 +51,7 @@ def _element_index(data_shape: tuple, indices: np.ndarray, axis: int, op: str) -
 @register("Gather", since=1)
 def gather(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     """Take the slices of ``data`` at ``indices`` along ``axis``."""
-    axis = _axis(axis, data.ndim, "Gather")
+    axis = norm_axis(axis, data.ndim, "Gather")
     idx = _indices(indices, data.shape[axis], "Gather", axis)
     return np.asarray(np.take(data, idx, axis=axis))
 
@@ -64,7 +59,7 @@ def gather(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarra
 @register("GatherElements", since=11)
 def gather_elements(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> np.ndarray:
     """``out[i][j] = data[indices[i][j]][j]`` (for axis 0); the output is shaped like indices."""
-    axis = _axis(axis, data.ndim, "GatherElements")
+    axis = norm_axis(axis, data.ndim, "GatherElements")
     return data[_element_index(data.shape, indices, axis, "GatherElements")]
 
 
@@ -124,7 +119,7 @@ def scatter_elements(
     reduction: str = "none",
 ) -> np.ndarray:
     """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = _axis(axis, data.ndim, "ScatterElements")
+    axis = norm_axis(axis, data.ndim, "ScatterElements")
     if updates.shape != indices.shape:
         raise ValueError(
             f"ScatterElements: updates shape {updates.shape} != indices shape {indices.shape}"
@@ -174,21 +169,8 @@ def tensor_scatter(
 ) -> np.ndarray:
     """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
     from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
-    rank = past_cache.ndim
-    axis = _axis(axis, rank, "TensorScatter")
-    if axis == 0:
-        raise ValueError("TensorScatter: the sequence axis cannot be the batch axis 0")
-    if mode not in ("linear", "circular"):
-        raise ValueError(f"TensorScatter: unknown mode '{mode}' (linear or circular)")
+    axis = tensor_scatter_axis(past_cache.shape, update.shape, axis, mode)
     shape, ushape = past_cache.shape, update.shape
-    if (
-        update.ndim != rank
-        or any(ushape[d] != shape[d] for d in range(rank) if d != axis)
-        or ushape[axis] > shape[axis]
-    ):
-        raise ValueError(
-            f"TensorScatter: update shape {ushape} does not fit cache shape {shape} on axis {axis}"
-        )
     batch, max_len, seq = shape[0], shape[axis], ushape[axis]
     starts = np.zeros(batch, np.int64) if write_indices is None else write_indices.astype(np.int64)
     pos = starts.reshape(-1, 1) + np.arange(seq)
@@ -221,7 +203,7 @@ def one_hot(
     values = np.asarray(values).reshape(-1)
     if values.size != 2:
         raise ValueError(f"OneHot: values must hold [off_value, on_value], got {values.size}")
-    axis = _axis(axis, indices.ndim + 1, "OneHot")
+    axis = norm_axis(axis, indices.ndim + 1, "OneHot")
     idx = np.asarray(indices).astype(np.int64)
     idx = np.where(idx < 0, idx + n, idx)
     hot = idx[..., None] == np.arange(n)
@@ -242,7 +224,7 @@ def unique(
     """Unique values (or slices along ``axis``), with first-occurrence indices, inverse indices
     and counts; ``sorted=0`` keeps first-occurrence order."""
     if axis is not None:
-        axis = _axis(axis, X.ndim, "Unique")
+        axis = norm_axis(axis, X.ndim, "Unique")
     y, first, inverse, counts = np.unique(
         X, return_index=True, return_inverse=True, return_counts=True, axis=axis
     )
@@ -262,7 +244,7 @@ def compress(input: np.ndarray, condition: np.ndarray, *, axis: int | None = Non
     """The slices (or, without ``axis``, the flattened elements) where ``condition`` is true."""
     cond = np.asarray(condition).reshape(-1).astype(bool)
     if axis is not None:
-        axis = _axis(axis, input.ndim, "Compress")
+        axis = norm_axis(axis, input.ndim, "Compress")
     length = input.size if axis is None else input.shape[axis]
     if cond.size > length:
         where = "the flattened input" if axis is None else f"axis {axis}"

@@ -44,13 +44,8 @@ def _lookup(X: np.ndarray, keys: np.ndarray, values: np.ndarray, default: object
     return out
 
 
-@register("LabelEncoder", domain=ML, since=1)
-def label_encoder_1(
-    X: np.ndarray,
-    *,
-    classes_strings: list[str] | None = None,
-    default_int64: int = -1,
-    default_string: str = "_Unused",
+def _label_encoder_1(
+    X: np.ndarray, classes_strings: list[str] | None, default_int64: int, default_string: str
 ) -> np.ndarray:
     """LabelEncoder-1: strings to their index in ``classes_strings``, or int64 indexes back."""
     classes = np.array(classes_strings or [], dtype=object)
@@ -74,10 +69,11 @@ def _label_encoder_keys(X: np.ndarray, keys_floats, keys_int64s, keys_strings, k
     return np.asarray(keys_floats, np.float32) if keys_int64s is None else np.asarray(keys_int64s)
 
 
-@register("LabelEncoder", domain=ML, since=2)
+@register("LabelEncoder", domain=ML, since=1)
 def label_encoder(
     X: np.ndarray,
     *,
+    classes_strings: list[str] | None = None,
     keys_floats: list[float] | None = None,
     keys_int64s: list[int] | None = None,
     keys_strings: list[str] | None = None,
@@ -90,8 +86,12 @@ def label_encoder(
     default_int64: int = -1,
     default_string: str = "_Unused",
     default_tensor: np.ndarray | None = None,
+    _opset: int = 4,
 ) -> np.ndarray:
-    """LabelEncoder-2/4: map each element of X through keys -> values, else the default."""
+    """Map each element of X through keys -> values, else the default (LabelEncoder-2/4);
+    LabelEncoder-1 maps strings to their index in ``classes_strings`` and indexes back."""
+    if _opset < 2:
+        return _label_encoder_1(X, classes_strings, default_int64, default_string)
     keys = _label_encoder_keys(X, keys_floats, keys_int64s, keys_strings, keys_tensor)
     if values_tensor is not None:
         values = np.asarray(values_tensor).reshape(-1)

@@ -11,6 +11,8 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from tensorkiln.kernels.common.cast import FLOAT8
+from tensorkiln.kernels.common.quant import quant_target, scale_layout
 from tensorkiln.kernels.reference.math import compute_dtype, integer_matmul
 from tensorkiln.kernels.registry import register
 
@@ -27,17 +29,8 @@ _INT_TARGETS = frozenset(
         ml_dtypes.int2,
     )
 )
-_FLOAT_TARGETS = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-        ml_dtypes.float4_e2m1fn,
-        ml_dtypes.float6_e2m3fn,
-        ml_dtypes.float6_e3m2fn,
-    )
+_FLOAT_TARGETS = FLOAT8 | frozenset(
+    np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn)
 )
 
 
@@ -45,28 +38,11 @@ def _broadcastable(
     v: np.ndarray, shape: tuple[int, ...], axis: int, block_size: int, what: str
 ) -> np.ndarray:
     """``v`` (a scale or zero point) reshaped or repeated to broadcast against ``shape``."""
-    if v.size == 1:
+    kind, axis, dims = scale_layout(v.shape, shape, axis, block_size, what)
+    if kind == "tensor":
         return v.reshape(())
-    rank = len(shape)
-    if not -rank <= axis < rank:
-        raise ValueError(f"axis {axis} is out of range for an input of rank {rank}")
-    axis %= rank
-    if not block_size:
-        if v.ndim != 1 or v.size != shape[axis]:
-            raise ValueError(
-                f"per-axis {what} must be 1-D of length {shape[axis]} (input dim {axis}), "
-                f"got shape {v.shape}; for blocked quantization set block_size"
-            )
-        dims = [1] * rank
-        dims[axis] = v.size
+    if kind == "axis":
         return v.reshape(dims)
-    expected = list(shape)
-    expected[axis] = -(-shape[axis] // block_size)
-    if list(v.shape) != expected:
-        raise ValueError(
-            f"blocked {what} must have shape {tuple(expected)} for input {shape}, axis {axis} "
-            f"and block_size {block_size}; got {v.shape}"
-        )
     return np.repeat(v, block_size, axis=axis)[(slice(None),) * axis + (slice(0, shape[axis]),)]
 
 
@@ -89,14 +65,7 @@ def _saturate_cast(q: np.ndarray, target: np.dtype, saturate: bool) -> np.ndarra
 
 
 def _quant_target(zero_point: np.ndarray | None, output_dtype: int) -> np.dtype:
-    target = np.dtype(tensor_dtype_to_np_dtype(output_dtype)) if output_dtype else None
-    if zero_point is not None:
-        if target is not None and target != zero_point.dtype:
-            raise ValueError(
-                f"output_dtype {target} does not match y_zero_point's type {zero_point.dtype}"
-            )
-        target = zero_point.dtype
-    target = target or np.dtype(np.uint8)
+    target = quant_target(None if zero_point is None else zero_point.dtype, output_dtype)
     if target not in _INT_TARGETS | _FLOAT_TARGETS:
         raise ValueError(f"QuantizeLinear cannot quantize to {target}")
     return target

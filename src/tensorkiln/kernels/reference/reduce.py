@@ -11,26 +11,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tensorkiln.kernels.common.reduce import Axes, reduce_axes
 from tensorkiln.kernels.reference.math import compute_dtype, widen
 from tensorkiln.kernels.registry import register
-
-Axes = tuple[int, ...]
-
-
-def _resolve_axes(ndim: int, axes_in: np.ndarray | None, axes: list[int] | None, noop: int) -> Axes:
-    """Normalized axes to reduce; () when axes are empty and noop_with_empty_axes is set.
-
-    Reducing over () still applies the op's element-wise steps: ReduceLogSum gives log(x),
-    ReduceSumSquare x * x, as the spec says.
-    """
-    if axes_in is not None:
-        axes = [int(a) for a in np.asarray(axes_in).reshape(-1)]
-    if not axes:
-        return () if noop else tuple(range(ndim))
-    bad = [a for a in axes if not -ndim <= a < ndim]
-    if bad:
-        raise ValueError(f"axes {bad} out of range for a tensor of rank {ndim}")
-    return tuple(sorted({a % ndim for a in axes}))
 
 
 def _reduction(op: str) -> Callable:
@@ -45,7 +28,9 @@ def _reduction(op: str) -> Callable:
             keepdims: int = 1,
             noop_with_empty_axes: int = 0,
         ) -> np.ndarray:
-            ax = _resolve_axes(data.ndim, axes_in, axes, noop_with_empty_axes)
+            if axes_in is not None:
+                axes = [int(a) for a in np.asarray(axes_in).reshape(-1)]
+            ax = reduce_axes(data.ndim, axes, noop_with_empty_axes)
             with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
                 y = core(data, ax, bool(keepdims))
             return np.asarray(y).astype(data.dtype, copy=False)

@@ -65,32 +65,22 @@ def _dft(
 
 
 @register("DFT", since=17)
-def dft_17(
+def dft(
     x: np.ndarray,
     dft_length: np.ndarray | None = None,
+    axis_input: np.ndarray | None = None,
     *,
     axis: int = 1,
     inverse: int = 0,
     onesided: int = 0,
+    _opset: int = 20,
 ) -> np.ndarray:
-    """DFT with the axis as an attribute (opset 17-19)."""
+    """DFT; the axis is an attribute (default 1) up to opset 19, an optional scalar input
+    (default -2) from opset 20."""
     n = None if dft_length is None else _scalar_int(dft_length, "dft_length")
+    if _opset >= 20:
+        axis = -2 if axis_input is None else _scalar_int(axis_input, "axis")
     return _dft(x, n, axis, inverse, onesided)
-
-
-@register("DFT", since=20)
-def dft_20(
-    x: np.ndarray,
-    dft_length: np.ndarray | None = None,
-    axis: np.ndarray | None = None,
-    *,
-    inverse: int = 0,
-    onesided: int = 0,
-) -> np.ndarray:
-    """DFT with the axis as an optional scalar input, default -2 (opset 20)."""
-    n = None if dft_length is None else _scalar_int(dft_length, "dft_length")
-    ax = -2 if axis is None else _scalar_int(axis, "axis")
-    return _dft(x, n, ax, inverse, onesided)
 
 
 @register("STFT", since=17)

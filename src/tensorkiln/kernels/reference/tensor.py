@@ -13,23 +13,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from tensorkiln.ir.dtypes import DType
+from tensorkiln.kernels.common import tensor as common
+from tensorkiln.kernels.common.tensor import norm_axes, norm_axis
 from tensorkiln.kernels.registry import register
-
-
-def _axis(axis: int, rank: int, op: str, what: str = "axis") -> int:
-    """``axis`` normalized to [0, rank); ValueError when it is out of [-rank, rank)."""
-    axis = int(axis)
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: {what} {axis} is out of range for a tensor of rank {rank}")
-    return axis % rank
-
-
-def _axes(axes: Sequence[int], rank: int, op: str) -> list[int]:
-    """Every axis normalized; ValueError on out-of-range or repeated axes."""
-    out = [_axis(a, rank, op) for a in axes]
-    if len(set(out)) != len(out):
-        raise ValueError(f"{op}: axes {list(axes)} name the same axis twice")
-    return out
 
 
 def _ints(value: np.ndarray | Sequence[int] | None) -> list[int] | None:
@@ -40,45 +26,18 @@ def _ints(value: np.ndarray | Sequence[int] | None) -> list[int] | None:
 # Reshape, Flatten, Squeeze, Unsqueeze, Transpose
 
 
-@register("Reshape", since=5)
-def reshape(data: np.ndarray, shape: np.ndarray, *, allowzero: int = 0) -> np.ndarray:
-    """Reshape; 0 copies the input's dimension unless ``allowzero``, -1 is inferred."""
-    dims = _ints(shape)
-    if not allowzero:
-        for i, d in enumerate(dims):
-            if d == 0:
-                if i >= data.ndim:
-                    raise ValueError(
-                        f"Reshape: shape {dims} has 0 at position {i}, but the input has only "
-                        f"{data.ndim} dimensions to copy from"
-                    )
-                dims[i] = data.shape[i]
-    if dims.count(-1) > 1 or any(d < -1 for d in dims):
-        raise ValueError(
-            f"Reshape: invalid target shape {dims} (at most one -1, no other negatives)"
-        )
-    if -1 in dims:
-        known = math.prod(d for d in dims if d != -1)
-        if known == 0 or data.size % known:
-            raise ValueError(
-                f"Reshape: cannot infer -1 in {dims} for an input of shape {data.shape} "
-                f"({data.size} elements)"
-            )
-        dims[dims.index(-1)] = data.size // known
-    if math.prod(dims) != data.size:
-        raise ValueError(
-            f"Reshape: cannot reshape input of shape {data.shape} ({data.size} elements) to "
-            f"{dims} ({math.prod(dims)} elements)"
-        )
-    return data.reshape(dims)
-
-
 @register("Reshape", since=1)
-def reshape_from_attribute(
-    data: np.ndarray, *, shape: Sequence[int] = (), consumed_inputs=None
+def reshape(
+    data: np.ndarray,
+    shape: np.ndarray | Sequence[int] = (),
+    *,
+    allowzero: int = 0,
+    consumed_inputs: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """Reshape-1: the target shape is an attribute."""
-    return reshape(data, np.asarray(shape, dtype=np.int64))
+    """Reshape; 0 copies the input's dimension unless ``allowzero``, -1 is inferred. The target
+    is an input from opset 5 and an attribute of the same name in Reshape-1, so it binds to
+    ``shape`` either way."""
+    return data.reshape(common.reshape_dims(data.shape, data.size, _ints(shape), allowzero))
 
 
 @register("Flatten", since=1)
@@ -99,7 +58,7 @@ def squeeze(data: np.ndarray, axes: np.ndarray | Sequence[int] | None = None) ->
     """
     if axes is None or np.size(axes) == 0:
         return np.squeeze(data)
-    norm = _axes(_ints(axes), data.ndim, "Squeeze")
+    norm = norm_axes(_ints(axes), data.ndim, "Squeeze")
     bad = [a for a in norm if data.shape[a] != 1]
     if bad:
         raise ValueError(
@@ -114,7 +73,7 @@ def unsqueeze(data: np.ndarray, axes: np.ndarray | Sequence[int] | None = None) 
     if axes is None:
         raise ValueError("Unsqueeze: axes are required")
     out_rank = data.ndim + len(_ints(axes))
-    norm = _axes(_ints(axes), out_rank, "Unsqueeze")
+    norm = norm_axes(_ints(axes), out_rank, "Unsqueeze")
     return np.expand_dims(data, tuple(norm))
 
 
@@ -138,7 +97,7 @@ def concat(*inputs: np.ndarray, axis: int = 1) -> np.ndarray:
     if not inputs:
         raise ValueError("Concat: needs at least one input")
     rank = inputs[0].ndim
-    axis = _axis(axis, rank, "Concat")
+    axis = norm_axis(axis, rank, "Concat")
     for x in inputs:
         if x.ndim != rank or any(
             x.shape[d] != inputs[0].shape[d] for d in range(rank) if d != axis
@@ -162,60 +121,28 @@ def split(
     With ``num_outputs`` (opset 18) an uneven split makes the last part smaller; without it the
     dimension must divide evenly into the node's outputs.
     """
-    axis = _axis(axis, input.ndim, "Split")
-    dim = input.shape[axis]
-    sizes = _ints(split)
-    if not sizes:  # None, or an empty 'split' input
-        n = num_outputs if num_outputs is not None else _n_outputs
-        if num_outputs is None and dim % n:
-            raise ValueError(
-                f"Split: dimension {axis} of size {dim} is not divisible into {n} parts"
-            )
-        chunk = -(-dim // n)
-        sizes = [min(chunk, max(dim - i * chunk, 0)) for i in range(n)]
-    elif len(sizes) != _n_outputs:
-        raise ValueError(f"Split: {len(sizes)} sizes {sizes} given for {_n_outputs} outputs")
-    if sum(sizes) != dim or any(s < 0 for s in sizes):
-        raise ValueError(f"Split: sizes {sizes} do not add up to dimension {axis} of size {dim}")
+    axis = norm_axis(axis, input.ndim, "Split")
+    dim = int(input.shape[axis])
+    sizes = common.split_sizes(dim, axis, _ints(split), num_outputs, _n_outputs)
     parts = tuple(np.split(input, np.cumsum(sizes)[:-1], axis=axis))
     return parts[0] if len(parts) == 1 else parts
 
 
-@register("Slice", since=10)
+@register("Slice", since=1)
 def slice_(
     data: np.ndarray,
-    starts: np.ndarray,
-    ends: np.ndarray,
-    axes: np.ndarray | None = None,
+    starts: np.ndarray | Sequence[int] = (),
+    ends: np.ndarray | Sequence[int] = (),
+    axes: np.ndarray | Sequence[int] | None = None,
     steps: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Strided slice; out-of-range starts/ends clamp like Python slicing does."""
-    starts, ends = _ints(starts), _ints(ends)
-    axes = list(range(len(starts))) if axes is None else _ints(axes)
-    steps = [1] * len(starts) if steps is None else _ints(steps)
-    if not len(starts) == len(ends) == len(axes) == len(steps):
-        raise ValueError(
-            f"Slice: starts, ends, axes and steps differ in length "
-            f"({len(starts)}, {len(ends)}, {len(axes)}, {len(steps)})"
-        )
+    """Strided slice; out-of-range starts/ends clamp like Python slicing does. Slice-1's starts,
+    ends and axes are attributes of the same names as Slice-10's inputs (and it has no steps)."""
+    plan = common.slice_plan(_ints(starts), _ints(ends), _ints(axes), _ints(steps), data.ndim)
     index = [slice(None)] * data.ndim
-    for start, end, axis, step in zip(starts, ends, _axes(axes, data.ndim, "Slice"), steps):
-        if step == 0:
-            raise ValueError(f"Slice: step of axis {axis} is 0")
+    for axis, start, end, step in plan:
         index[axis] = slice(start, end, step)
     return data[tuple(index)]
-
-
-@register("Slice", since=1)
-def slice_from_attributes(
-    data: np.ndarray,
-    *,
-    starts: Sequence[int] = (),
-    ends: Sequence[int] = (),
-    axes: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Slice-1: starts, ends and axes are attributes; step 1."""
-    return slice_(data, np.asarray(starts), np.asarray(ends), None if axes is None else axes)
 
 
 @register("Expand", since=8)
@@ -231,32 +158,18 @@ def expand(input: np.ndarray, shape: np.ndarray) -> np.ndarray:
     return np.broadcast_to(input, out_shape).copy()
 
 
-@register("Tile", since=6)
-def tile(input: np.ndarray, repeats: np.ndarray) -> np.ndarray:
-    """Repeat the whole tensor ``repeats[i]`` times along each axis i."""
-    reps = _ints(repeats)
-    if len(reps) != input.ndim or any(r < 0 for r in reps):
-        raise ValueError(
-            f"Tile: repeats {reps} must be {input.ndim} non-negative values for input {input.shape}"
-        )
-    return np.tile(input, reps)
-
-
 @register("Tile", since=1)
-def tile_one_axis(input: np.ndarray, tiles: np.ndarray, axis: np.ndarray) -> np.ndarray:
-    """Tile-1: repeat ``tiles`` times along the single axis ``axis``."""
-    reps = [1] * input.ndim
-    reps[_axis(int(np.asarray(axis).reshape(-1)[0]), input.ndim, "Tile")] = int(
-        np.asarray(tiles).reshape(-1)[0]
-    )
-    return tile(input, np.asarray(reps))
+def tile(
+    input: np.ndarray, repeats: np.ndarray, axis: np.ndarray | None = None, *, _opset: int = 6
+) -> np.ndarray:
+    """Repeat the whole tensor ``repeats[i]`` times along each axis i; Tile-1 repeats it
+    ``tiles`` (its second input) times along the single axis ``axis``."""
+    reps = common.tile_repeats(input.shape, _ints(repeats), _ints(axis), _opset)
+    return np.tile(input, reps)
 
 
 # ---------------------------------------------------------------------------------------------
 # Pad, CenterCropPad
-
-
-_NP_PAD_MODES = {"constant": "constant", "reflect": "reflect", "edge": "edge", "wrap": "wrap"}
 
 
 @register("Pad", since=1)
@@ -272,39 +185,15 @@ def pad(
 ) -> np.ndarray:
     """Pad (negative pads crop). Handles pads as attribute (opset 1 ``paddings``, 2 ``pads``/
     ``value``) and as inputs (11: ``pads``/``constant_value``, 18: ``axes``)."""
-    if mode not in _NP_PAD_MODES:
-        raise ValueError(f"Pad: unknown mode '{mode}' (constant, reflect, edge or wrap)")
     flat = _ints(pads if pads is not None else paddings)
-    if flat is None:
-        raise ValueError("Pad: pads are required")
-    axes_list = list(range(data.ndim)) if axes is None else _axes(_ints(axes), data.ndim, "Pad")
-    if len(flat) != 2 * len(axes_list):
-        raise ValueError(
-            f"Pad: {len(flat)} pads given for {len(axes_list)} axes; expected {2 * len(axes_list)}"
-        )
-    begin = [0] * data.ndim
-    end = [0] * data.ndim
-    for i, a in enumerate(axes_list):
-        begin[a], end[a] = flat[i], flat[i + len(axes_list)]
-    # Negative pads crop the input first; then the positive ones pad.
-    crop = tuple(
-        slice(max(-b, 0), data.shape[d] - max(-e, 0)) for d, (b, e) in enumerate(zip(begin, end))
-    )
+    crop, widths = common.pad_plan(data.shape, flat, _ints(axes), mode)
     data = data[crop]
-    widths = [(max(b, 0), max(e, 0)) for b, e in zip(begin, end)]
     if mode == "constant":
         fill = value if constant_value is None else np.asarray(constant_value).reshape(-1)
         fill = fill if np.ndim(fill) == 0 else (fill[0] if fill.size else 0)
         return np.pad(data, widths, mode="constant", constant_values=fill)
-    for d, (b, e) in enumerate(widths):
-        if (b or e) and data.shape[d] == 0:
-            raise ValueError(f"Pad: cannot pad empty axis {d} in '{mode}' mode")
-        if mode == "reflect" and max(b, e) >= data.shape[d]:
-            raise ValueError(
-                f"Pad: reflect pads ({b}, {e}) of axis {d} must be smaller than its size "
-                f"{data.shape[d]} (after negative pads crop)"
-            )
-    return np.pad(data, widths, mode=_NP_PAD_MODES[mode])
+    common.check_pad_widths(data.shape, widths, mode)
+    return np.pad(data, widths, mode=mode)
 
 
 @register("CenterCropPad", since=18)
@@ -312,25 +201,9 @@ def center_crop_pad(
     input_data: np.ndarray, shape: np.ndarray, *, axes: Sequence[int] | None = None
 ) -> np.ndarray:
     """Crop or zero-pad the given axes to ``shape``, keeping the content centred."""
-    target = _ints(shape)
-    axes_list = list(range(input_data.ndim)) if axes is None else list(axes)
-    axes_list = _axes(axes_list, input_data.ndim, "CenterCropPad")
-    if len(target) != len(axes_list):
-        raise ValueError(f"CenterCropPad: shape {target} has not one value per axis {axes_list}")
-    out_shape = list(input_data.shape)
-    src = [slice(None)] * input_data.ndim
-    dst = [slice(None)] * input_data.ndim
-    for a, size in zip(axes_list, target):
-        dim = input_data.shape[a]
-        out_shape[a] = size
-        if size < dim:
-            start = (dim - size) // 2
-            src[a] = slice(start, start + size)
-        elif size > dim:
-            start = (size - dim) // 2
-            dst[a] = slice(start, start + dim)
+    out_shape, src, dst = common.crop_pad_plan(input_data.shape, _ints(shape), axes)
     out = np.zeros(out_shape, dtype=input_data.dtype)
-    out[tuple(dst)] = input_data[tuple(src)]
+    out[dst] = input_data[src]
     return out
 
 
@@ -364,35 +237,7 @@ def constant_of_shape(input: np.ndarray, *, value: np.ndarray | None = None) -> 
     return np.full(dims, value.reshape(-1)[0], dtype=value.dtype)
 
 
-@register("Constant", since=1)
-def constant(
-    *,
-    value: np.ndarray | None = None,
-    sparse_value: np.ndarray | None = None,
-    value_float: float | None = None,
-    value_floats: Sequence[float] | None = None,
-    value_int: int | None = None,
-    value_ints: Sequence[int] | None = None,
-    value_string: str | None = None,
-    value_strings: Sequence[str] | None = None,
-) -> np.ndarray:
-    """The one attribute that is set, as a tensor."""
-    given = {
-        "value": None if value is None else np.asarray(value),
-        "sparse_value": None if sparse_value is None else np.asarray(sparse_value),
-        "value_float": None if value_float is None else np.array(value_float, np.float32),
-        "value_floats": None if value_floats is None else np.array(value_floats, np.float32),
-        "value_int": None if value_int is None else np.array(value_int, np.int64),
-        "value_ints": None if value_ints is None else np.array(value_ints, np.int64),
-        "value_string": None if value_string is None else np.array(value_string, dtype=object),
-        "value_strings": None
-        if value_strings is None
-        else np.array(list(value_strings), dtype=object).reshape(-1),
-    }
-    set_ = [k for k, v in given.items() if v is not None]
-    if len(set_) != 1:
-        raise ValueError(f"Constant: exactly one value attribute must be set, got {set_ or 'none'}")
-    return given[set_[0]]
+register("Constant", since=1)(common.constant)
 
 
 @register("Identity", since=1)
@@ -447,43 +292,5 @@ def trilu(input: np.ndarray, k: np.ndarray | None = None, *, upper: int = 1) -> 
 # DepthToSpace, SpaceToDepth
 
 
-def _check_nchw(op: str, x: np.ndarray, blocksize: int) -> None:
-    if x.ndim != 4:
-        raise ValueError(f"{op}: input must be 4-D (N, C, H, W), got shape {x.shape}")
-    if blocksize < 1:
-        raise ValueError(f"{op}: blocksize must be positive, got {blocksize}")
-
-
-@register("DepthToSpace", since=1)
-def depth_to_space(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
-    """Move blocks of channels into (H, W) blocks; DCR: depth-column-row, CRD: column-row-depth."""
-    _check_nchw("DepthToSpace", input, blocksize)
-    n, c, h, w = input.shape
-    b = blocksize
-    if c % (b * b):
-        raise ValueError(f"DepthToSpace: channels {c} not divisible by blocksize^2 = {b * b}")
-    if mode == "DCR":
-        x = input.reshape(n, b, b, c // (b * b), h, w).transpose(0, 3, 4, 1, 5, 2)
-    elif mode == "CRD":
-        x = input.reshape(n, c // (b * b), b, b, h, w).transpose(0, 1, 4, 2, 5, 3)
-    else:
-        raise ValueError(f"DepthToSpace: unknown mode '{mode}' (DCR or CRD)")
-    return x.reshape(n, c // (b * b), h * b, w * b)
-
-
-@register("SpaceToDepth", since=1)
-def space_to_depth(input: np.ndarray, *, blocksize: int, mode: str = "DCR") -> np.ndarray:
-    """Move (H, W) blocks into channels; the inverse of DepthToSpace with the same mode."""
-    _check_nchw("SpaceToDepth", input, blocksize)
-    n, c, h, w = input.shape
-    b = blocksize
-    if h % b or w % b:
-        raise ValueError(f"SpaceToDepth: H={h} and W={w} must be divisible by blocksize {b}")
-    x = input.reshape(n, c, h // b, b, w // b, b)
-    if mode == "DCR":
-        x = x.transpose(0, 3, 5, 1, 2, 4)
-    elif mode == "CRD":
-        x = x.transpose(0, 1, 3, 5, 2, 4)
-    else:
-        raise ValueError(f"SpaceToDepth: unknown mode '{mode}' (DCR or CRD)")
-    return x.reshape(n, c * b * b, h // b, w // b)
+register("DepthToSpace", since=1)(common.depth_to_space)
+register("SpaceToDepth", since=1)(common.space_to_depth)

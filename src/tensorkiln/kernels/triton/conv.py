@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.reference._window import Geometry
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.triton import interpreting
 from tensorkiln.kernels.triton.gemm import (
     NO_ACTIVATION,
