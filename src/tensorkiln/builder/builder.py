@@ -206,7 +206,7 @@ def optimize(
     (None: all); returns matches per pass."""
     if level <= 0:
         return {}
-    from tensorkiln.ir.infer import infer_shapes
+    from tensorkiln.kernels.evaluate import infer_shapes
     from tensorkiln.ir.verify import verify
     from tensorkiln.passes import PassManager
 

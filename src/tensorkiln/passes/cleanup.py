@@ -19,7 +19,8 @@ import numpy as np
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
-from tensorkiln.ir.infer import RANDOM_OPS, evaluate_node
+from tensorkiln.kernels.evaluate import evaluate_node
+from tensorkiln.ops import RANDOM_OPS
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 

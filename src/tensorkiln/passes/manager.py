@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tensorkiln.ir import Graph
-from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.ir.verify import verify as verify_graph
+from tensorkiln.kernels.evaluate import infer_shapes
 
 PassFn = Callable[[Graph], int]
 

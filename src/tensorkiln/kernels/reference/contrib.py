@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import numpy as np
 
 from tensorkiln.ir import TensorType
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.reference.quant import dynamic_quantize_linear
 from tensorkiln.kernels.reference.rnn import lstm_layer
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.shape_rules import InferContext, rule
 
 MS = "com.microsoft"
 _QUANT_TYPES = (np.dtype(np.int8), np.dtype(np.uint8))

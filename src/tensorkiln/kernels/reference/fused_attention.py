@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product
-from tensorkiln.ir.graph import Shape, TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.registry import register
 
 LAYOUTS_IN = ("bhsd", "bsd")
@@ -108,26 +105,3 @@ def fused_attention(
         scores = np.where(np.tri(sq, sk, dtype=bool), scores, ct(-np.inf))
     y = np.matmul(_stable_softmax(scores), v.astype(ct)).astype(q.dtype)
     return _arrange_output(y, output_layout)
-
-
-def _heads_view(shape: Shape | None, heads: int) -> Shape | None:
-    """[B, S, H*D] -> [B, H, S, D] as a shape."""
-    if shape is None or len(shape) != 3:
-        return None
-    d = dim_divide(shape[2], heads)
-    return None if d is None else (shape[0], heads, shape[1], d)
-
-
-@rule("Attention", domain="tensorkiln")
-def _attention_shape(ctx: InferContext) -> list[Type | None]:
-    q, k, v = ctx.shape(0), ctx.shape(1), ctx.shape(2)
-    if ctx.attr("input_layout", "bhsd") == "bsd":
-        heads = int(ctx.attr("num_heads", 0))
-        q, k, v = (_heads_view(x, heads) for x in (q, k, v))
-    if any(x is None or len(x) != 4 for x in (q, k, v)):
-        return [TensorType(ctx.dtype(0), None)]
-    b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # batch and heads broadcast as in the matmuls
-    s, dv = q[2], v[3]
-    layout = ctx.attr("output_layout", "bhsd")
-    shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
-    return [TensorType(ctx.dtype(0), shape[layout])]

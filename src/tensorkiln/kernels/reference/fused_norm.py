@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.dims import broadcast_shapes
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
 from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
 from tensorkiln.kernels.registry import register
@@ -102,26 +99,3 @@ def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``."""
     return x * _sigmoid(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Shape rules
-
-
-def _input_type(ctx: InferContext) -> TensorType:
-    return TensorType(ctx.dtype(0), ctx.shape(0))
-
-
-@rule("LayerNorm", domain=DOMAIN)
-def _layer_norm_rule(ctx: InferContext) -> list[Type | None]:
-    shape = ctx.shape(0)
-    if len(ctx.node.inputs) > 3 and ctx.node.inputs[3] is not None:
-        res = ctx.shape(3)
-        shape = None if shape is None or res is None else broadcast_shapes(shape, res)
-    t = TensorType(ctx.dtype(0), shape)
-    return [t] * len(ctx.node.outputs)
-
-
-@rule("RMSNorm", "Gelu", "SiLU", domain=DOMAIN)
-def _same_as_input_rule(ctx: InferContext) -> list[Type | None]:
-    return [_input_type(ctx)]

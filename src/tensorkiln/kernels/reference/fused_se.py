@@ -15,8 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.reference.fused_conv import conv_act
 from tensorkiln.kernels.reference.reduce import reduce_mean
 from tensorkiln.kernels.registry import register
@@ -59,8 +57,3 @@ def squeeze_excite(
     hidden = conv_act(pooled, w1, b1, **squeeze_attrs(attrs, "activation"))
     gate = conv_act(hidden, w2, b2, **squeeze_attrs(attrs, "gate"))
     return np.multiply(x, gate).astype(x.dtype, copy=False)
-
-
-@rule("SqueezeExcite", domain=DOMAIN)
-def _squeeze_excite_rule(ctx: InferContext) -> list[Type | None]:
-    return [TensorType(ctx.dtype(0), ctx.shape(0))]
