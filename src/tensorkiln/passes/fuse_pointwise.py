@@ -20,84 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
+from tensorkiln.ops import ELEMENTWISE_OPS as ELEMENTWISE
 from tensorkiln.passes.manager import register_pass
 from tensorkiln.passes.rewrite import Rewrite, const_value
 
 DOMAIN = "tensorkiln"
-
-UNARY = frozenset(
-    [
-        "Abs",
-        "Acos",
-        "Acosh",
-        "Asin",
-        "Asinh",
-        "Atan",
-        "Atanh",
-        "Ceil",
-        "Cos",
-        "Cosh",
-        "Elu",
-        "Celu",
-        "Selu",
-        "Erf",
-        "Exp",
-        "Floor",
-        "Gelu",
-        "HardSigmoid",
-        "HardSwish",
-        "IsInf",
-        "IsNaN",
-        "LeakyRelu",
-        "Log",
-        "Mish",
-        "Neg",
-        "Not",
-        "Reciprocal",
-        "Relu",
-        "Round",
-        "Sigmoid",
-        "Sign",
-        "Sin",
-        "Sinh",
-        "Softplus",
-        "Softsign",
-        "Sqrt",
-        "Swish",
-        "Tan",
-        "Tanh",
-        "ThresholdedRelu",
-        "Shrink",
-        "Cast",
-        "Clip",
-    ]
-)
-BINARY = frozenset(
-    [
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Pow",
-        "Mod",
-        "Max",
-        "Min",
-        "Sum",
-        "Mean",
-        "PRelu",
-        "Where",
-        "And",
-        "Or",
-        "Xor",
-        "Equal",
-        "Less",
-        "Greater",
-        "LessOrEqual",
-        "GreaterOrEqual",
-    ]
-)
-# Identity is left out: it renames (graph outputs), and cleanup removes the others.
-ELEMENTWISE = UNARY | BINARY
 
 
 @dataclass
