@@ -310,7 +310,7 @@ def equal(
 ) -> Tensor:
     """Elementwise a == b with numpy broadcasting (strings compare on the host)."""
     if _on_host(a, b):
-        return _host(ref._binary(np.equal, "Equal"), a, b, broadcast=broadcast, axis=axis)
+        return _host(ref.BINARY_KERNELS["Equal"], a, b, broadcast=broadcast, axis=axis)
     return _equal(a, b, broadcast=broadcast, axis=axis)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.cpu_conv import (
     cpu_layout,
@@ -33,7 +34,6 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     specialized_conv,
 )
 from tensorkiln.kernels.reference._window import Geometry
-from tensorkiln.kernels.reference.nn import _check_conv_shapes, conv_geometry
 from tensorkiln.kernels.registry import register
 from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
 
@@ -187,7 +187,7 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    _check_conv_shapes(x, w, group, "ConvAct")
+    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
     check_activation(activation, "ConvAct")
     _check_residual_order(residual_order)
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)

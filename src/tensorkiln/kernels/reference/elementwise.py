@@ -474,8 +474,8 @@ _BINARY = {
     "BitwiseOr": np.bitwise_or,
     "BitwiseXor": np.bitwise_xor,
 }
-for _op, _fn in _BINARY.items():
-    register(_op, since=1)(_binary(_fn, _op))
+# the kernels by op name: the cuda tree runs some of them on the host (strings)
+BINARY_KERNELS = {_op: register(_op, since=1)(_binary(_fn, _op)) for _op, _fn in _BINARY.items()}
 
 
 @register("Pow", since=1)

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.reference.elementwise import (
     _gelu,
@@ -24,7 +25,7 @@ from tensorkiln.kernels.reference.elementwise import (
     _leaky,
     _swish,
 )
-from tensorkiln.kernels.reference.nn import _check_conv_shapes, _conv_geometry, conv_nd
+from tensorkiln.kernels.reference.nn import conv_nd
 from tensorkiln.kernels.registry import register
 from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
 
@@ -119,13 +120,13 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> np.ndarray:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    _check_conv_shapes(x, w, group, "ConvAct")
+    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
     check_activation(activation, "ConvAct")
     if residual_order not in ("add_act", "act_add"):
         raise ValueError(
             f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
         )
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     ct = compute_dtype(x.dtype)
     y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
     m = w.shape[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common.norm import norm_axis
 from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
 from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
 from tensorkiln.kernels.registry import register
@@ -26,12 +27,6 @@ DOMAIN = "tensorkiln"
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-
-
-def _norm_axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
 
 
 def _rows(x: np.ndarray, axis: int, ct: np.dtype) -> np.ndarray:
@@ -65,7 +60,7 @@ def layer_norm(
 ):
     """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
     s = x if residual is None else np.add(x, residual)
-    axis = _norm_axis(axis, s.ndim, "LayerNorm")
+    axis = norm_axis(axis, s.ndim, "LayerNorm")
     ct = _compute_dtype(s.dtype)
     y = _rows(s, axis, ct)
     y -= y.mean(axis=1, keepdims=True)
@@ -80,7 +75,7 @@ def layer_norm(
 @register("RMSNorm", domain=DOMAIN, since=1)
 def rms_norm(x: np.ndarray, scale: np.ndarray, *, axis: int = -1, epsilon: float = 1e-5):
     """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
-    axis = _norm_axis(axis, x.ndim, "RMSNorm")
+    axis = norm_axis(axis, x.ndim, "RMSNorm")
     ct = _compute_dtype(x.dtype)
     y = _rows(x, axis, ct)
     ms = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
