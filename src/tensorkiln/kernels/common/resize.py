@@ -87,6 +87,32 @@ def resize_options(opset: int, attrs: dict[str, Any]) -> tuple[Any, str, dict[st
     return axes, policy, opts
 
 
+# The attributes of Resize (of its newest opset), as the kernels name their keywords.
+RESIZE_ATTRIBUTES = (
+    "antialias",
+    "axes",
+    "coordinate_transformation_mode",
+    "cubic_coeff_a",
+    "exclude_outside",
+    "extrapolation_value",
+    "keep_aspect_ratio_policy",
+    "mode",
+    "nearest_mode",
+)
+
+
+def resize_arguments(opset: int, roi: Any, scales: Any, sizes: Any, keywords: dict[str, Any]):
+    """(roi, scales, sizes, axes, policy, options) of a Resize node at ``opset`` whose inputs are
+    ``roi``, ``scales``, ``sizes`` and whose resolved attributes are in ``keywords`` (a kernel's
+    locals): Resize-10's (X, scales) moved into place, the options checked."""
+    attrs = {k: keywords[k] for k in RESIZE_ATTRIBUTES}
+    if opset < ROI_INPUT:  # Resize-10's second input is its scales
+        check_option(attrs["mode"], ("nearest", "linear"), "mode", opset)
+        return None, roi, None, None, "stretch", legacy_options(attrs["mode"])
+    axes, policy, opts = resize_options(opset, attrs)
+    return roi, scales, sizes, axes, policy, opts
+
+
 def resolve_axes(axes: Sequence[int] | None, rank: int) -> list[int]:
     """Resize's ``axes`` as non-negative axes of a ``rank``-D input (all axes when absent)."""
     out = list(range(rank)) if not axes else [int(a) + rank if a < 0 else int(a) for a in axes]

@@ -19,12 +19,10 @@ import torch.nn.functional as F
 
 from tensorkiln.kernels.common.image import GRID_SAMPLE_ND, grid_sample_mode
 from tensorkiln.kernels.common.resize import (
-    ROI_INPUT,
     UPSAMPLE_SCALES_INPUT,
-    check_option,
     legacy_options,
     plan,
-    resize_options,
+    resize_arguments,
     resolve_axes,
     upsample_mode,
 )
@@ -302,23 +300,10 @@ def resize(
     _opset: int = 19,
 ) -> torch.Tensor:
     """Resize ``x`` along ``axes`` (all by default) by ``scales`` or to ``sizes``, with the
-    options of the model's opset (see :mod:`tensorkiln.kernels.common.resize`). Resize-10 takes
-    (X, scales), so its scales arrive as ``roi``, and maps coordinates as Upsample does."""
-    if _opset < ROI_INPUT:
-        check_option(mode, ("nearest", "linear"), "mode", _opset)
-        return _resize(x, None, roi, None, None, "stretch", **legacy_options(mode))
-    attrs = dict(
-        antialias=antialias,
-        axes=axes,
-        coordinate_transformation_mode=coordinate_transformation_mode,
-        cubic_coeff_a=cubic_coeff_a,
-        exclude_outside=exclude_outside,
-        extrapolation_value=extrapolation_value,
-        keep_aspect_ratio_policy=keep_aspect_ratio_policy,
-        mode=mode,
-        nearest_mode=nearest_mode,
-    )
-    axes, policy, opts = resize_options(_opset, attrs)
+    options of the model's opset (:func:`tensorkiln.kernels.common.resize.resize_arguments`;
+    Resize-10 takes (X, scales), so its scales arrive as ``roi``)."""
+    resolved = resize_arguments(_opset, roi, scales, sizes, locals())
+    roi, scales, sizes, axes, policy, opts = resolved
     return _resize(x, roi, scales, sizes, axes, policy, **opts)
 
 
