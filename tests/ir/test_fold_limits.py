@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import tensorkiln
-import tensorkiln.ir.infer as infer
+import tensorkiln.kernels.evaluate as infer
 from tensorkiln.builder import Builder
 from tensorkiln.errors import EngineCompatibilityError, KernelError
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value

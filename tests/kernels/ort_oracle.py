@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from tensorkiln.kernels.registry import lookup
+from tensorkiln.kernels.registry import lookup, node_kwargs
 
 
 def one_node_model(
@@ -65,11 +65,7 @@ def run_kernel(
     domain: str = "",
 ) -> list:
     entry = lookup(op, domain, opset)
-    kwargs = dict(attrs or {})
-    if entry.wants_n_outputs:
-        kwargs["_n_outputs"] = n_outputs
-    if entry.wants_opset:
-        kwargs["_opset"] = entry.opset
+    kwargs = node_kwargs(entry, dict(attrs or {}), n_outputs)  # as the executor calls it
     result = entry.fn(*inputs.values(), **kwargs)
     return list(result) if isinstance(result, tuple) else [result]
 

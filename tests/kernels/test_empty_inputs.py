@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from onnx import numpy_helper
 
-from tensorkiln.kernels.reference.fused_conv import ACTIVATIONS
+from tensorkiln.ops import ACTIVATIONS
 from tests.kernels.ort_oracle import check_against_ort, one_node_model, run_kernel, run_ort
 from tests.kernels.test_ml import _legacy_attrs, _some_targets, _v5_attrs, check_ml
 

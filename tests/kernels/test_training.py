@@ -57,7 +57,8 @@ def test_adam_first_step():
     alpha, beta = float(rng.uniform(0.8, 0.95)), float(rng.uniform(0.95, 0.999))
     zeros = [np.zeros_like(x) for x in xs]
     # ONNX's T=0 step has no bias correction, torch's first step has: check it by hand
-    first = _steps("Adam", 0.01, xs, gs, [zeros, zeros], {"alpha": alpha, "beta": beta}, 1)
+    attrs = {"alpha": alpha, "beta": beta, "epsilon": 0.0}  # (the schema's default is 1e-6)
+    first = _steps("Adam", 0.01, xs, gs, [zeros, zeros], attrs, 1)
     # after the uncorrected T=0 step every x moved by exactly lr * g / |g| * (1 - alpha) / sqrt(1 - beta)
     for f, x, g in zip(first, xs, gs):
         step = 0.01 * (1 - alpha) * np.sign(g) / np.sqrt(1 - beta)

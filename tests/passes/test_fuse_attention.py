@@ -195,7 +195,7 @@ def test_head_split_and_merge_absorbed():
 
 
 def test_shape_rule_gives_the_replaced_types():
-    from tensorkiln.ir.infer import infer_shapes
+    from tensorkiln.kernels.evaluate import infer_shapes
 
     after = _fused(_packed_graph())
     out = after.outputs[0]

@@ -11,8 +11,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.engine import Engine
 from tensorkiln.ir import Graph
-from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.verify import verify
+from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.reference.fused_pointwise import BLOCK_ELEMENTS
 from tensorkiln.passes import PassManager
 from tensorkiln.passes.fuse_pointwise import fuse_pointwise

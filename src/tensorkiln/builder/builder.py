@@ -206,8 +206,8 @@ def optimize(
     (None: all); returns matches per pass."""
     if level <= 0:
         return {}
-    from tensorkiln.ir.infer import infer_shapes
     from tensorkiln.ir.verify import verify
+    from tensorkiln.kernels.evaluate import infer_shapes
     from tensorkiln.passes import PassManager
 
     pm = PassManager(level, dump_dir=dump_dir, backend=backend)

@@ -5,8 +5,11 @@ holds entries sorted by the opset version they apply from. :func:`lookup` picks 
 ``since`` is not above the model's opset for that domain.
 
 A kernel takes the node's inputs positionally (``None`` for an omitted optional input) and its
-attributes as keywords, with the ONNX spec's defaults as Python defaults. Two keyword-only parameters
-are special and are filled in by the executor when the kernel's signature names them:
+attributes as keywords, resolved: :func:`node_kwargs` fills in the defaults the op's record gives at
+the model's opset (ONNX's schema for that opset) for every keyword the kernel names, once per node
+at plan time, so one kernel serves every opset whose attributes differ only in their defaults.
+Keyword-only parameters whose name starts with ``_`` are special and are filled in when the
+kernel's signature names them:
 
 * ``_n_outputs``: how many outputs the node asks for (Split, MaxPool's indices, Dropout's mask, ...).
 * ``_ctx``: the executor, for kernels that run subgraphs (If, Loop, Scan, SequenceMap).
@@ -21,21 +24,27 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from tensorkiln.errors import TensorkilnError, UnsupportedOpError
+from tensorkiln.ops import DEFAULT_DOMAIN, attribute_defaults, normalize_domain
 
-DEFAULT_DOMAIN = ""
-_DOMAIN_ALIASES = {"ai.onnx": ""}
-
-
-def normalize_domain(domain: str | None) -> str:
-    """Map the spellings of the default ONNX domain ('' and 'ai.onnx') to ''."""
-    domain = domain or ""
-    return _DOMAIN_ALIASES.get(domain, domain)
+__all__ = [
+    "DEFAULT_DOMAIN",
+    "KernelEntry",
+    "as_outputs",
+    "has_kernel",
+    "invoke",
+    "lookup",
+    "node_kwargs",
+    "normalize_domain",
+    "register",
+    "registered_ops",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,20 +106,55 @@ def invoke(
     """Call a kernel by the convention above; returns its outputs as a list, which may be longer
     than ``n_outputs`` (a kernel can compute outputs the node does not declare).
 
-    Trailing omitted inputs (None) are dropped so the kernel's defaults apply; ``_n_outputs`` and
-    ``_ctx`` are passed when the kernel asks for them. Exceptions propagate.
+    Trailing omitted inputs (None) are dropped so the kernel's defaults apply; the attributes are
+    resolved by :func:`node_kwargs`, and ``_ctx`` is passed when the kernel asks for it.
+    Exceptions propagate.
     """
     args = list(args)
     while args and args[-1] is None:
         args.pop()
-    kwargs = dict(attrs)
-    if entry.wants_n_outputs:
-        kwargs["_n_outputs"] = n_outputs
+    kwargs = node_kwargs(entry, attrs, n_outputs)
     if entry.wants_ctx:
         kwargs["_ctx"] = ctx
+    return as_outputs(entry.fn(*args, **kwargs), n_outputs)
+
+
+def node_kwargs(entry: KernelEntry, attrs: dict[str, Any], n_outputs: int) -> dict[str, Any]:
+    """The keywords ``entry``'s kernel is called with for a node with ``attrs`` and
+    ``n_outputs`` outputs: the op's attribute defaults at the entry's opset for the keywords the
+    kernel names, the node's attributes over them, then ``_n_outputs`` and ``_opset`` where the
+    kernel asks for them (``_ctx`` is the caller's, per run)."""
+    try:
+        defaults = _defaults_for(entry.fn, entry.op, entry.domain, entry.opset)
+    except TypeError:  # an unhashable callable (a tactic object): resolve without the cache
+        defaults = _defaults_for.__wrapped__(entry.fn, entry.op, entry.domain, entry.opset)
+    kwargs = {**defaults, **attrs}
+    if entry.wants_n_outputs:
+        kwargs["_n_outputs"] = n_outputs
     if entry.wants_opset:
         kwargs["_opset"] = entry.opset
-    return as_outputs(entry.fn(*args, **kwargs), n_outputs)
+    return kwargs
+
+
+@functools.lru_cache(maxsize=8192)
+def _defaults_for(fn: Callable, op: str, domain: str, opset: int) -> dict[str, Any]:
+    # Only the keywords the kernel names: a kernel leaves out the attributes it does not read
+    # (an old opset's `consumed_inputs`, ...), and a **kwargs kernel reads its own. (A cached dict
+    # is shared: node_kwargs copies it.)
+    names = _keyword_names(fn)
+    if not names:
+        return {}
+    defaults = attribute_defaults(op, domain, opset)
+    return {k: v for k, v in defaults.items() if k in names}
+
+
+def _keyword_names(fn: Callable) -> frozenset[str]:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin without a signature: its own defaults apply
+        return frozenset()
+    kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return frozenset(p.name for p in params if p.kind in kinds and not p.name.startswith("_"))
 
 
 def as_outputs(result: Any, n_outputs: int) -> list[Any]:

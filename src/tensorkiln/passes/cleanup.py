@@ -19,7 +19,7 @@ import numpy as np
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import TensorType, node_reads
-from tensorkiln.ir.infer import evaluate_node
+from tensorkiln.kernels.evaluate import evaluate_node
 from tensorkiln.passes.facts import RANDOM_OPS
 from tensorkiln.passes.pattern import Found, Op
 from tensorkiln.passes.registry import register_pass

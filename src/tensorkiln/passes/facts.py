@@ -1,14 +1,15 @@
 """The op facts the passes read, in one place.
 
-Which ops are elementwise, which a Transpose can move through, which are random: facts about ops,
-not about passes. They move to the op records of ``tensorkiln.ops`` (traits such as elementwise
-and random); until then every pass imports them from here, and this module is the one place to
-point at the new home.
+Which ops are elementwise and which are random are traits of the op records
+(:mod:`tensorkiln.ops`); the passes read them through this module. Which ops a Transpose is
+pushed through is a choice of the transpose pass (a subset of the unary elementwise ops, chosen
+for the layouts models use), kept here beside them.
 """
 
 from __future__ import annotations
 
-from tensorkiln.ir.infer import RANDOM_OPS
+from tensorkiln.ops import ELEMENTWISE_OPS, RANDOM_OPS
+from tensorkiln.ops.onnx_ops import BINARY_ELEMENTWISE, UNARY_ELEMENTWISE
 
 __all__ = [
     "ELEMENTWISE",
@@ -19,80 +20,10 @@ __all__ = [
     "TRANSPOSABLE_UNARY",
 ]
 
-# Elementwise ops fuse_pointwise puts in one Pointwise body (inputs broadcast, one output).
-ELEMENTWISE_UNARY = frozenset(
-    [
-        "Abs",
-        "Acos",
-        "Acosh",
-        "Asin",
-        "Asinh",
-        "Atan",
-        "Atanh",
-        "Ceil",
-        "Cos",
-        "Cosh",
-        "Elu",
-        "Celu",
-        "Selu",
-        "Erf",
-        "Exp",
-        "Floor",
-        "Gelu",
-        "HardSigmoid",
-        "HardSwish",
-        "IsInf",
-        "IsNaN",
-        "LeakyRelu",
-        "Log",
-        "Mish",
-        "Neg",
-        "Not",
-        "Reciprocal",
-        "Relu",
-        "Round",
-        "Sigmoid",
-        "Sign",
-        "Sin",
-        "Sinh",
-        "Softplus",
-        "Softsign",
-        "Sqrt",
-        "Swish",
-        "Tan",
-        "Tanh",
-        "ThresholdedRelu",
-        "Shrink",
-        "Cast",
-        "Clip",
-    ]
-)
-ELEMENTWISE_BINARY = frozenset(
-    [
-        "Add",
-        "Sub",
-        "Mul",
-        "Div",
-        "Pow",
-        "Mod",
-        "Max",
-        "Min",
-        "Sum",
-        "Mean",
-        "PRelu",
-        "Where",
-        "And",
-        "Or",
-        "Xor",
-        "Equal",
-        "Less",
-        "Greater",
-        "LessOrEqual",
-        "GreaterOrEqual",
-    ]
-)
+ELEMENTWISE_UNARY = frozenset(UNARY_ELEMENTWISE)
+ELEMENTWISE_BINARY = frozenset(BINARY_ELEMENTWISE)
 # Identity is left out: it renames (graph outputs), and cleanup removes the others.
-ELEMENTWISE = ELEMENTWISE_UNARY | ELEMENTWISE_BINARY
+ELEMENTWISE = ELEMENTWISE_OPS
 
 # Ops that commute with a Transpose of their one tensor input (the binary ones when the other
 # operand is a one-element constant): push_transpose_through_pointwise moves Transposes past them.

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import tensorkiln.passes.builtin  # noqa: F401  (the built-in passes register themselves)
 from tensorkiln.ir import Graph
-from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.ir.verify import verify as verify_graph
+from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.passes.registry import PASSES, PassInfo, register_pass
 
 __all__ = ["PASSES", "PassInfo", "PassManager", "register_pass"]

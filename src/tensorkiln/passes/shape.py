@@ -23,8 +23,8 @@ import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
 from tensorkiln.ir.graph import Dim, Shape, TensorType
-from tensorkiln.ir.infer import evaluate_node
-from tensorkiln.ir.shape_rules import InferContext, symbolic_value
+from tensorkiln.kernels.evaluate import evaluate_node
+from tensorkiln.ops.shape_rules import InferContext, symbolic_value
 from tensorkiln.passes.cleanup import NO_FOLD
 from tensorkiln.passes.pattern import Found, Op
 from tensorkiln.passes.registry import register_pass

@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
-from tensorkiln.ir.infer import infer_shapes
+from tensorkiln.kernels.evaluate import infer_shapes
 
 F32 = DType.FLOAT
 # (domain, op) -> input positions that must stay float32 (coordinates and scales, not activations)

@@ -19,7 +19,7 @@ import numpy as np
 
 from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
-from tensorkiln.ir.infer import infer_at_shapes
+from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.runtime import cpu_memory, pools
 from tensorkiln.runtime.cpu_threads import ThreadChoice
 from tensorkiln.runtime.executor import Executor

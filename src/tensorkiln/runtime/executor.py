@@ -21,8 +21,8 @@ import numpy as np
 
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
-from tensorkiln.ir.infer import RANDOM_OPS
-from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup
+from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup, node_kwargs
+from tensorkiln.ops import RANDOM_OPS
 
 
 @dataclass(slots=True)
@@ -139,11 +139,7 @@ class Executor:
             fn = self.tactics.get(n.name) if graph is self.graph else None
             if fn is not None:
                 entry = with_fn(entry, fn)
-            kwargs = dict(n.attrs)
-            if entry.wants_n_outputs:
-                kwargs["_n_outputs"] = len(n.outputs)
-            if entry.wants_opset:
-                kwargs["_opset"] = entry.opset
+            kwargs = node_kwargs(entry, n.attrs, len(n.outputs))
             free = tuple(frees.get(i, ()))
             step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
             if self._specializes(entry):

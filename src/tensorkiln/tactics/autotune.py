@@ -36,8 +36,8 @@ import numpy as np
 
 from tensorkiln.errors import EngineCompatibilityError, GraphError
 from tensorkiln.ir import Graph, Node, TensorType
-from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.ir.printer import format_graph
+from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache

@@ -13,7 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from tensorkiln.kernels.reference.nn import conv_geometry  # noqa: E402
+from tensorkiln.kernels.common.conv import conv_geometry  # noqa: E402
 from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for  # noqa: E402
 from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 

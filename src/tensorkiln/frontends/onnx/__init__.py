@@ -11,8 +11,8 @@ from tensorkiln.frontends.onnx.functions import expand_functions
 from tensorkiln.frontends.onnx.importer import convert_model, tensor_to_array
 from tensorkiln.frontends.onnx.loader import ModelSource, load_model_proto, open_model
 from tensorkiln.ir import Graph
-from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.verify import verify
+from tensorkiln.kernels.evaluate import infer_shapes
 
 __all__ = ["import_onnx", "load_model_proto", "open_model", "tensor_to_array"]
 

@@ -15,7 +15,8 @@ import onnx.inliner
 from onnx import shape_inference
 
 from tensorkiln.errors import ModelLoadError
-from tensorkiln.kernels.registry import has_kernel, normalize_domain
+from tensorkiln.kernels.registry import has_kernel
+from tensorkiln.ops import normalize_domain
 
 _FN_DOMAIN = "tensorkiln.expanded"
 _MAX_ROUNDS = 4

@@ -18,7 +18,7 @@ from tensorkiln.frontends.onnx.external import ExternalData, uses_external_data
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.ir.onnx_types import from_type_proto
 from tensorkiln.ir.toposort import toposort
-from tensorkiln.kernels.registry import normalize_domain
+from tensorkiln.ops import normalize_domain
 
 
 def tensor_to_array(t: onnx.TensorProto, external: ExternalData | None = None) -> np.ndarray:

@@ -15,6 +15,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.elementwise import (
+    PRELU_BROADCASTS,
+    check_prelu_slope,
+    prelu_slope_shape,
+)
 from tensorkiln.kernels.cuda.elementwise import FLOAT8, UNSIGNED, compute
 from tensorkiln.kernels.registry import register
 
@@ -87,24 +92,19 @@ def leaky_relu(
 
 
 @_cuda("PRelu")
-def prelu_legacy(x: Tensor, slope: Tensor, *, consumed_inputs: list[int] | None = None) -> Tensor:
-    """PRelu of opsets 1-6: a 1-D slope of length C is laid along axis 1 (NCHW channels)."""
-    if slope.ndim == 1 and x.ndim > 2 and slope.shape[0] == x.shape[1] != x.shape[-1]:
-        slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))
-    return prelu(x, slope)
-
-
-@_cuda("PRelu", since=7)
-def prelu(x: Tensor, slope: Tensor) -> Tensor:
-    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x``."""
-    try:
-        fits = torch.broadcast_shapes(slope.shape, x.shape) == x.shape
-    except RuntimeError:
-        fits = False
-    if not fits:
-        raise ValueError(
-            f"PRelu slope of shape {tuple(slope.shape)} does not broadcast to X {tuple(x.shape)}"
-        )
+def prelu(
+    x: Tensor,
+    slope: Tensor,
+    *,
+    consumed_inputs: list[int] | None = None,
+    _opset: int = PRELU_BROADCASTS,
+) -> Tensor:
+    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x`` (before opset 7 a 1-D
+    slope of length C is laid along axis 1)."""
+    view = prelu_slope_shape(slope.shape, x.shape, _opset)
+    if view is not None:
+        slope = slope.reshape(view)
+    check_prelu_slope(slope.shape, x.shape)
     if x.dtype in UNSIGNED:
         return x.clone()
     if x.dtype in FLOAT8:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from tensorkiln.kernels.common.elementwise import CLIP_BOUNDS_AS_INPUTS, check_clip_bound
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
 from tensorkiln.kernels.reference import elementwise as ref
 from tensorkiln.kernels.registry import register
@@ -309,7 +310,7 @@ def equal(
 ) -> Tensor:
     """Elementwise a == b with numpy broadcasting (strings compare on the host)."""
     if _on_host(a, b):
-        return _host(ref._binary(np.equal, "Equal"), a, b, broadcast=broadcast, axis=axis)
+        return _host(ref.BINARY_KERNELS["Equal"], a, b, broadcast=broadcast, axis=axis)
     return _equal(a, b, broadcast=broadcast, axis=axis)
 
 
@@ -466,23 +467,21 @@ def _bound(value: float | None, x: Tensor) -> Tensor | None:
 
 
 @_cuda("Clip")
-def clip_legacy(
+def clip(
     x: Tensor,
+    min: Tensor | float | None = None,  # ONNX's names, of the inputs and the old attributes
+    max: Tensor | float | None = None,
     *,
-    min: float | None = None,  # ONNX's attribute names
-    max: float | None = None,
     consumed_inputs: list[int] | None = None,
+    _opset: int = CLIP_BOUNDS_AS_INPUTS,
 ) -> Tensor:
-    """Clip of opsets 1-10, bounds as attributes."""
-    return _clip(x, _bound(min, x), _bound(max, x))
-
-
-@_cuda("Clip", since=11)
-def clip(x: Tensor, min: Tensor | None = None, max: Tensor | None = None) -> Tensor:
-    """Clip of opset 11 on, bounds as optional scalar inputs."""
+    """min(max(x, min), max): the bounds are optional scalar inputs from opset 11 on, float
+    attributes before."""
+    if _opset < CLIP_BOUNDS_AS_INPUTS:
+        return _clip(x, _bound(min, x), _bound(max, x))
     for name, bound in (("min", min), ("max", max)):
-        if bound is not None and bound.numel() != 1:
-            raise ValueError(f"Clip {name} must be a scalar, got shape {tuple(bound.shape)}")
+        if bound is not None:
+            check_clip_bound(name, bound.numel(), bound.shape)
     lo = None if min is None else min.reshape(()).to(x.dtype)
     hi = None if max is None else max.reshape(()).to(x.dtype)
     return _clip(x, lo, hi)

@@ -22,17 +22,18 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.fused import (
+    check_attention,
+    check_attention_rank,
+    check_split_heads,
+)
 from tensorkiln.kernels.cuda.attention import sdpa_mask
-from tensorkiln.kernels.reference.fused_attention import _check_attrs
 from tensorkiln.kernels.registry import register
 
 
 def _split_heads(x: torch.Tensor, heads: int, name: str) -> torch.Tensor:
     """[B, S, H*D] -> [B, H, S, D] as a view."""
-    if x.ndim != 3 or heads <= 0 or x.shape[2] % heads:
-        raise ValueError(
-            f"{name} must be [B, S, {heads} * D] for input_layout 'bsd', got {tuple(x.shape)}"
-        )
+    check_split_heads(x.shape, heads, name)
     b, s, e = x.shape
     return x.reshape(b, s, heads, e // heads).transpose(1, 2)
 
@@ -92,18 +93,10 @@ def fused_attention(
     output_layout: str = "bhsd",
 ) -> torch.Tensor:
     """Scaled dot-product attention with an optional additive or boolean mask and causal masking."""
-    _check_attrs(mask_kind, input_layout, output_layout)
-    if (mask is None) != (mask_kind == ""):
-        raise ValueError(
-            f"mask_kind {mask_kind!r} does not fit the mask input ({mask is not None})"
-        )
+    check_attention(mask_kind, input_layout, output_layout, mask is not None)
     if input_layout == "bsd":
         q, k, v = (_split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V")))
-    if not q.ndim == k.ndim == v.ndim == 4:
-        raise ValueError(
-            f"Q, K, V must be rank 4 [B, H, S, D], got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
+    check_attention_rank(q.shape, k.shape, v.shape)
     q, k, v = _broadcast_heads(q, k, v)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is not None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.cpu_conv import (
@@ -33,18 +34,11 @@ from tensorkiln.kernels.cuda.cpu_conv import (
     residual_conv,
     specialized_conv,
 )
-from tensorkiln.kernels.reference.fused_conv import check_activation
-from tensorkiln.kernels.reference.nn import _check_conv_shapes, conv_geometry
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
-# the ONNX defaults of the activation parameters (alpha, beta), as the attributes store them
-_DEFAULTS = {
-    "LeakyRelu": (0.009999999776482582, None),
-    "Swish": (1.0, None),
-    "HardSigmoid": (0.20000000298023224, 0.5),
-}
 # nn.Hardsigmoid's relu6(x + 3) / 6 as ONNX writes it (alpha 1/6 in float32, beta 0.5)
 _TORCH_HARDSIGMOID = (0.1666666716337204, 0.5)
 
@@ -60,7 +54,7 @@ def activate_(
     """Apply ``activation`` to the fresh tensor ``y`` in place and return it."""
     if activation == "":
         return y
-    a, b = _DEFAULTS.get(activation, (None, None))
+    a, b = ACTIVATION_DEFAULTS.get(activation, (None, None))
     alpha = a if alpha is None else alpha
     beta = b if beta is None else beta
     if activation == "Relu":
@@ -193,7 +187,7 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    _check_conv_shapes(x, w, group, "ConvAct")
+    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
     check_activation(activation, "ConvAct")
     _check_residual_order(residual_order)
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)

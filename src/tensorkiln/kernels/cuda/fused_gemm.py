@@ -22,8 +22,8 @@ import torch
 
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
-from tensorkiln.kernels.reference.fused_conv import check_activation
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.fused import check_activation
 
 
 def _operands(

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.reference.fused_norm import _norm_axis
+from tensorkiln.kernels.common.norm import norm_axis
 from tensorkiln.kernels.registry import register
 
 DOMAIN = "tensorkiln"
@@ -76,7 +76,7 @@ def layer_norm(
 ):
     """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
     s = x if residual is None else x + residual
-    axis = _norm_axis(axis, s.ndim, "LayerNorm")
+    axis = norm_axis(axis, s.ndim, "LayerNorm")
     if s.numel() == 0:
         y = torch.empty_like(s)
     else:
@@ -89,7 +89,7 @@ def layer_norm(
 @register("RMSNorm", domain=DOMAIN, since=1, backend="cuda")
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, *, axis: int = -1, epsilon: float = 1e-5):
     """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
-    axis = _norm_axis(axis, x.ndim, "RMSNorm")
+    axis = norm_axis(axis, x.ndim, "RMSNorm")
     if x.numel() == 0:
         return torch.empty_like(x)
     ct = _compute_dtype(x.dtype)

@@ -17,10 +17,18 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.image import GRID_SAMPLE_ND, grid_sample_mode
+from tensorkiln.kernels.common.resize import (
+    UPSAMPLE_SCALES_INPUT,
+    legacy_options,
+    plan,
+    resize_arguments,
+    resolve_axes,
+    upsample_mode,
+)
 from tensorkiln.kernels.cuda.convert import host_list, numpy_dtype
 from tensorkiln.kernels.cuda.host import register_host
 from tensorkiln.kernels.cuda.nn import torch_pads
-from tensorkiln.kernels.reference import image as ref
 from tensorkiln.kernels.registry import register
 
 f32, f64 = torch.float32, torch.float64
@@ -246,10 +254,8 @@ def _torch_upsample(x: torch.Tensor, axes, out_len, scale, opts) -> torch.Tensor
 
 def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> torch.Tensor:
     r = x.ndim
-    axes = list(range(r)) if not axes else [int(a) + r if a < 0 else int(a) for a in axes]
-    if any(not 0 <= a < r for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"Resize: invalid axes {axes} for a {r}-D input")
-    out_len, scale = ref._plan(tuple(x.shape), _host(scales), _host(sizes), axes, policy)
+    axes = resolve_axes(axes, r)
+    out_len, scale = plan(tuple(x.shape), _host(scales), _host(sizes), axes, policy)
     boxes = [(0.0, 1.0)] * r
     if opts["coordinate_transformation_mode"] == "tf_crop_and_resize":
         box = _host(roi)
@@ -275,69 +281,8 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     return _cast_back(y, x.dtype)
 
 
-@register("Resize", since=10, backend="cuda")
-def resize_10(x: torch.Tensor, scales: torch.Tensor, *, mode: str = "nearest") -> torch.Tensor:
-    """Resize-10: scales only, asymmetric coordinates (like Upsample)."""
-    ref._check(mode, ("nearest", "linear"), "mode", 10)
-    return _resize(x, None, scales, None, None, "stretch", **ref._legacy_opts(mode))
-
-
-def _resize_11_to_19(opset: int, x, roi, scales, sizes, attrs: dict) -> torch.Tensor:
-    modes = {11: ref._COORD_MODES_11, 13: ref._COORD_MODES_13, 18: ref._COORD_MODES_13}.get(
-        opset, ref._COORD_MODES_19
-    )
-    ctm = attrs["coordinate_transformation_mode"]
-    ref._check(ctm, modes, "coordinate_transformation_mode", opset)
-    ref._check(attrs["nearest_mode"], ref._NEAREST_MODES, "nearest_mode", opset)
-    axes = attrs.pop("axes", None)
-    policy = attrs.pop("keep_aspect_ratio_policy", "stretch")
-    attrs["antialias"] = bool(attrs.get("antialias", 0))
-    attrs["exclude_outside"] = bool(attrs["exclude_outside"])
-    return _resize(x, roi, scales, sizes, axes, policy, **attrs)
-
-
-def _attrs(local_vars: dict) -> dict:
-    return {k: v for k, v in local_vars.items() if k not in ("x", "roi", "scales", "sizes")}
-
-
-@register("Resize", since=11, backend="cuda")
-def resize_11(
-    x: torch.Tensor,
-    roi: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    sizes: torch.Tensor | None = None,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
-) -> torch.Tensor:
-    """Resize-11: roi/scales/sizes inputs, coordinate modes incl. tf_half_pixel_for_nn."""
-    return _resize_11_to_19(11, x, roi, scales, sizes, _attrs(locals()))
-
-
-@register("Resize", since=13, backend="cuda")
-def resize_13(
-    x: torch.Tensor,
-    roi: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    sizes: torch.Tensor | None = None,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
-) -> torch.Tensor:
-    """Resize-13: roi and scales optional; tf_half_pixel_for_nn removed."""
-    return _resize_11_to_19(13, x, roi, scales, sizes, _attrs(locals()))
-
-
-@register("Resize", since=18, backend="cuda")
-def resize_18(
+@register("Resize", backend="cuda")
+def resize(
     x: torch.Tensor,
     roi: torch.Tensor | None = None,
     scales: torch.Tensor | None = None,
@@ -352,51 +297,31 @@ def resize_18(
     keep_aspect_ratio_policy: str = "stretch",
     mode: str = "nearest",
     nearest_mode: str = "round_prefer_floor",
+    _opset: int = 19,
 ) -> torch.Tensor:
-    """Resize-18: adds antialias, axes and keep_aspect_ratio_policy."""
-    return _resize_11_to_19(18, x, roi, scales, sizes, _attrs(locals()))
+    """Resize ``x`` along ``axes`` (all by default) by ``scales`` or to ``sizes``, with the
+    options of the model's opset (:func:`tensorkiln.kernels.common.resize.resize_arguments`;
+    Resize-10 takes (X, scales), so its scales arrive as ``roi``)."""
+    resolved = resize_arguments(_opset, roi, scales, sizes, locals())
+    roi, scales, sizes, axes, policy, opts = resolved
+    return _resize(x, roi, scales, sizes, axes, policy, **opts)
 
 
-@register("Resize", since=19, backend="cuda")
-def resize_19(
+@register("Upsample", backend="cuda")
+def upsample(
     x: torch.Tensor,
-    roi: torch.Tensor | None = None,
-    scales: torch.Tensor | None = None,
-    sizes: torch.Tensor | None = None,
+    scales: torch.Tensor | list[float] | None = None,
     *,
-    antialias: int = 0,
-    axes: list[int] | None = None,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    keep_aspect_ratio_policy: str = "stretch",
     mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
+    _opset: int = UPSAMPLE_SCALES_INPUT,
 ) -> torch.Tensor:
-    """Resize-19: adds the half_pixel_symmetric coordinate mode."""
-    return _resize_11_to_19(19, x, roi, scales, sizes, _attrs(locals()))
-
-
-@register("Upsample", since=7, backend="cuda")
-def upsample_7(x: torch.Tensor, *, mode: str = "nearest", scales: list[float] | None = None):
-    """Upsample-7: scales as an attribute."""
+    """Upsample ``x`` by ``scales`` (an input from opset 9, a float-list attribute before), as
+    Resize-10 does."""
     if scales is None:
         raise ValueError("Upsample: the 'scales' attribute is required")
-    return _upsample(x, np.asarray(scales, dtype=np.float32), mode)
-
-
-@register("Upsample", since=9, backend="cuda")
-def upsample_9(x: torch.Tensor, scales: torch.Tensor, *, mode: str = "nearest") -> torch.Tensor:
-    """Upsample-9/10: scales as an input; behaves as Resize-10."""
-    return _upsample(x, scales, mode)
-
-
-def _upsample(x: torch.Tensor, scales, mode: str) -> torch.Tensor:
-    mode = "linear" if mode == "bilinear" else mode
-    if mode not in ("nearest", "linear"):
-        raise ValueError(f"Upsample: mode '{mode}' is not one of nearest, linear")
-    return _resize(x, None, scales, None, None, "stretch", **ref._legacy_opts(mode))
+    if _opset < UPSAMPLE_SCALES_INPUT:
+        scales = np.asarray(scales, dtype=np.float32)
+    return _resize(x, None, scales, None, None, "stretch", **legacy_options(upsample_mode(mode)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -495,39 +420,20 @@ def _grid_sample(x: torch.Tensor, grid: torch.Tensor, mode: str, padding: str, a
     return out.movedim(-1, 1).to(x.dtype)
 
 
-@register("GridSample", since=16, backend="cuda")
-def grid_sample_16(
-    x: torch.Tensor,
-    grid: torch.Tensor,
-    *,
-    align_corners: int = 0,
-    mode: str = "bilinear",
-    padding_mode: str = "zeros",
-) -> torch.Tensor:
-    """GridSample-16: 4-D input, modes bilinear / nearest / bicubic."""
-    names = {"bilinear": "linear", "nearest": "nearest", "bicubic": "cubic"}
-    if mode not in names:
-        raise ValueError(f"GridSample-16: mode '{mode}' is not one of {', '.join(names)}")
-    if x.ndim != 4:
-        raise ValueError(f"GridSample-16: input must be 4-D, got shape {tuple(x.shape)}")
-    return _grid_sample(x, grid, names[mode], padding_mode, bool(align_corners))
-
-
-@register("GridSample", since=20, backend="cuda")
-def grid_sample_20(
+@register("GridSample", backend="cuda")
+def grid_sample(
     x: torch.Tensor,
     grid: torch.Tensor,
     *,
     align_corners: int = 0,
     mode: str = "linear",
     padding_mode: str = "zeros",
+    _opset: int = GRID_SAMPLE_ND,
 ) -> torch.Tensor:
-    """GridSample-20/22: N-d input, modes linear / nearest / cubic."""
-    if mode not in ("linear", "nearest", "cubic"):
-        raise ValueError(f"GridSample: mode '{mode}' is not one of linear, nearest, cubic")
-    if x.ndim < 3:
-        raise ValueError(f"GridSample: input must have a spatial axis, got shape {tuple(x.shape)}")
-    return _grid_sample(x, grid, mode, padding_mode, bool(align_corners))
+    """Sample ``x`` at ``grid``'s normalized coordinates: N-d with modes linear / nearest /
+    cubic, or before opset 20 4-D with modes bilinear / nearest / bicubic."""
+    canonical = grid_sample_mode(mode, x.shape, _opset)
+    return _grid_sample(x, grid, canonical, padding_mode, bool(align_corners))
 
 
 def _base_coords(length: int, align: bool, device) -> torch.Tensor:

@@ -200,39 +200,32 @@ def _hardmax_along(x: torch.Tensor, axis: int) -> torch.Tensor:
     return torch.zeros_like(x).scatter_(axis, idx, 1)
 
 
-@register("Softmax", since=1, backend="cuda")
-def softmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
-    """Softmax over the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
+# Before opset 13 these ops work on the input coerced to 2-D at ``axis`` (and the default axis is 1,
+# which the op's record gives); from 13 on, along ``axis`` itself.
+_AXIS_ONLY = 13
 
 
-@register("Softmax", since=13, backend="cuda")
-def softmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
-    """Numerically stable softmax along ``axis``."""
+@register("Softmax", backend="cuda")
+def softmax(x: torch.Tensor, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> torch.Tensor:
+    """Numerically stable softmax along ``axis`` (over the 2-D view before opset 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
     return _softmax_along(x, _axis_of(axis, x.dim()), log=False)
 
 
-@register("LogSoftmax", since=1, backend="cuda")
-def log_softmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
-    """LogSoftmax over the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
-
-
-@register("LogSoftmax", since=13, backend="cuda")
-def log_softmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
-    """Numerically stable log-softmax along ``axis``."""
+@register("LogSoftmax", backend="cuda")
+def log_softmax(x: torch.Tensor, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> torch.Tensor:
+    """Numerically stable log-softmax along ``axis`` (over the 2-D view before opset 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
     return _softmax_along(x, _axis_of(axis, x.dim()), log=True)
 
 
-@register("Hardmax", since=1, backend="cuda")
-def hardmax_flat2d(x: torch.Tensor, *, axis: int = 1) -> torch.Tensor:
-    """One-hot of the first maximum of each row of the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(_hardmax_along, x, axis)
-
-
-@register("Hardmax", since=13, backend="cuda")
-def hardmax(x: torch.Tensor, *, axis: int = -1) -> torch.Tensor:
-    """One-hot of the first maximum along ``axis``."""
+@register("Hardmax", backend="cuda")
+def hardmax(x: torch.Tensor, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> torch.Tensor:
+    """One-hot of the first maximum along ``axis`` (of each row of the 2-D view before 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(_hardmax_along, x, axis)
     return _hardmax_along(x, _axis_of(axis, x.dim()))
 
 

@@ -17,10 +17,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
 from tensorkiln.kernels.common.window import Geometry, ints
 from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
-from tensorkiln.kernels.reference import nn as ref
 from tensorkiln.kernels.registry import register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -101,7 +101,7 @@ def conv(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """N-d convolution with groups, dilations, strides and padding (cuDNN for 1-3 axes)."""
-    ref._check_conv_shapes(x, w, group)
+    check_conv_shapes(x.shape, w.shape, group)
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
 
@@ -156,7 +156,7 @@ def conv_transpose(
     strides = ints(strides, nsp, 1, "strides")
     dilations = ints(dilations, nsp, 1, "dilations")
     output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = ref._transpose_pads(
+    begin, out = transpose_pads(
         x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
     )
     if any(o <= 0 for o in out):
@@ -211,8 +211,8 @@ def conv_integer(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Integer convolution with zero points; exact int32 result."""
-    ref._check_conv_shapes(x, w, group, "ConvInteger")
-    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "ConvInteger")
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
     return y.to(torch.int32)
 
@@ -237,8 +237,8 @@ def qlinear_conv(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Quantized convolution: exact accumulation, float32 requantization, round half to even."""
-    ref._check_conv_shapes(x, w, group, "QLinearConv")
-    g = ref._conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "QLinearConv")
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     m = w.shape[0]
     acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
     bias = _bias(b, m, torch.float64, "QLinearConv")
@@ -310,8 +310,8 @@ def deform_conv(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
-    ref._check_conv_shapes(x, w, group, "DeformConv")
-    g = ref._conv_geometry(x, w, "NOTSET", dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "DeformConv")
+    g = conv_geometry(x.shape, w.shape, "NOTSET", dilations, kernel_shape, pads, strides)
     nsp, taps = x.ndim - 2, math.prod(g.kernel)
     want = (x.shape[0], offset_group * taps * nsp, *g.out)
     if offset_group < 1 or x.shape[1] % offset_group or tuple(offset.shape) != want:

@@ -69,8 +69,7 @@ def _running(old, batch, momentum: float, like: torch.Tensor) -> torch.Tensor:
     )
 
 
-@register("BatchNormalization", since=1, backend="cuda")
-def batch_normalization_legacy(
+def _batch_normalization_legacy(
     x: torch.Tensor,
     scale: torch.Tensor,
     bias: torch.Tensor,
@@ -96,7 +95,12 @@ def batch_normalization_legacy(
     return tuple(outs[:_n_outputs])
 
 
-@register("BatchNormalization", since=14, backend="cuda")
+# BatchNormalization says training through its training_mode attribute from opset 14; before, a
+# node asks for training statistics by declaring more than one output (unless is_test).
+_BN_TRAINING_MODE = 14
+
+
+@register("BatchNormalization", backend="cuda")
 def batch_normalization(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -107,10 +111,27 @@ def batch_normalization(
     epsilon: float = 1e-5,
     momentum: float = 0.9,
     training_mode: int = 0,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
+    spatial: int = 1,
     _n_outputs: int = 1,
+    _opset: int = _BN_TRAINING_MODE,
 ):
     """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance."""
+    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
+    if _opset < _BN_TRAINING_MODE:
+        return _batch_normalization_legacy(
+            x,
+            scale,
+            bias,
+            mean,
+            var,
+            epsilon=epsilon,
+            is_test=is_test,
+            momentum=momentum,
+            spatial=spatial,
+            _n_outputs=_n_outputs,
+        )
     ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
     if not training_mode:
         return _bn_apply(x, s, b, m, v, epsilon, ct)
@@ -210,21 +231,12 @@ def _group_norm(x, scale, bias, num_groups: int, epsilon: float, ct, per_channel
     return y.reshape(x.shape).to(x.dtype)
 
 
-@register("GroupNormalization", since=18, backend="cuda")
-def group_normalization_18(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    *,
-    epsilon: float = 1e-5,
-    num_groups: int,
-) -> torch.Tensor:
-    """Opset 18: normalize each group of channels; scale and bias have one value per group."""
-    ct = compute_dtype(x.dtype)
-    return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
+# GroupNormalization-18 has one scale and bias value per group and no stash_type (statistics in
+# float32, float64 for float64); from 21 on, one per channel.
+_GN_PER_CHANNEL = 21
 
 
-@register("GroupNormalization", since=21, backend="cuda")
+@register("GroupNormalization", backend="cuda")
 def group_normalization(
     x: torch.Tensor,
     scale: torch.Tensor,
@@ -233,8 +245,13 @@ def group_normalization(
     epsilon: float = 1e-5,
     num_groups: int,
     stash_type: int = 1,
+    _opset: int = _GN_PER_CHANNEL,
 ) -> torch.Tensor:
-    """Opset 21: normalize each group of channels; scale and bias have one value per channel."""
+    """Normalize each group of channels; scale and bias have one value per channel (per group
+    before opset 21)."""
+    if _opset < _GN_PER_CHANNEL:
+        ct = compute_dtype(x.dtype)
+        return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
     st = _stash_dtype(stash_type)
     return _group_norm(x, scale, bias, num_groups, epsilon, st, per_channel=True)
 
@@ -326,37 +343,37 @@ def _dropout(x: torch.Tensor, ratio: float, training: bool, seed: int | None, n_
     return (y, mask) if n_outputs > 1 else y
 
 
-@register("Dropout", since=1, backend="cuda")
-def dropout_legacy(
-    x: torch.Tensor,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    ratio: float = 0.5,
-    _n_outputs: int = 1,
-):
+def _dropout_legacy(x: torch.Tensor, n_outputs: int):
     """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if _n_outputs == 1:
+    if n_outputs == 1:
         return x
     return x, torch.ones_like(x)
 
 
-@register("Dropout", since=10, backend="cuda")
-def dropout_10(x: torch.Tensor, *, ratio: float = 0.5, _n_outputs: int = 1):
-    """Opsets 10-11: identity in inference; the mask is bool (all true)."""
-    return _dropout(x, float(ratio), False, None, _n_outputs)
+# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
+# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
+_DROPOUT_INPUTS = 12
+_DROPOUT_BOOL_MASK = 10
 
 
-@register("Dropout", since=12, backend="cuda")
+@register("Dropout", backend="cuda")
 def dropout(
     x: torch.Tensor,
-    ratio: torch.Tensor | None = None,
+    ratio: torch.Tensor | float | None = None,  # an input from opset 12, an attribute before
     training_mode: torch.Tensor | None = None,
     *,
     seed: int | None = None,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
     _n_outputs: int = 1,
+    _opset: int = _DROPOUT_INPUTS,
 ):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest."""
+    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
+    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
+    if _opset < _DROPOUT_BOOL_MASK:
+        return _dropout_legacy(x, _n_outputs)
+    if _opset < _DROPOUT_INPUTS:
+        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
     training = training_mode is not None and bool(np.ravel(host_list(training_mode))[0])
     r = 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
     return _dropout(x, r, training, seed, _n_outputs)

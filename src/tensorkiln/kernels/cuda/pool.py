@@ -17,11 +17,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common.pool import pool_geometry
 from tensorkiln.kernels.common.window import Geometry, tap_slices
 from tensorkiln.kernels.cuda import cpu_native
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.nn import compute_dtype, torch_pads
-from tensorkiln.kernels.reference import pool as ref
 from tensorkiln.kernels.registry import register
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
@@ -152,8 +152,8 @@ def max_pool(
     _n_outputs: int = 1,
 ):
     """Max over each window; with two outputs also the flat int64 index of each maximum."""
-    g = ref._pool_geometry(
-        x, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    g = pool_geometry(
+        x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
     )
     with_index = _n_outputs > 1
     if x.dtype.is_floating_point and x.ndim - 2 <= 3:
@@ -193,8 +193,8 @@ def average_pool(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Mean over each window, counting the pads or not (``count_include_pad``)."""
-    g = ref._pool_geometry(
-        x, "AveragePool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    g = pool_geometry(
+        x.shape, "AveragePool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
     )
     nsp = x.ndim - 2
     padding = _torch_padding(x, g, ceil_mode)
@@ -228,7 +228,9 @@ def lp_pool(
     strides: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """(sum over each window of |x|^p)^(1/p); pads count as zeros."""
-    g = ref._pool_geometry(x, "LpPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    g = pool_geometry(
+        x.shape, "LpPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
     xp = _pad(_pow_p(x.to(compute_dtype(x.dtype)), p), g)
     return _root_p(_window_sum(xp, g), p).to(x.dtype)
 

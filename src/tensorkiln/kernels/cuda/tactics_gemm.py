@@ -15,7 +15,7 @@ import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
-from tensorkiln.kernels.reference.nn import _conv_geometry, conv_geometry
+from tensorkiln.kernels.common.conv import conv_geometry
 from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.tactics.registry import LayerSpec, tactic
 
@@ -261,7 +261,7 @@ def _conv_act_fn(cfg: gemm.TileConfig) -> Callable:
         activation_max: float | None = None,
         residual_order: str = "add_act",
     ):
-        geom = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+        geom = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
         act = gemm.Epilogue.of(
             activation, activation_alpha, activation_beta, activation_min, activation_max
         )
@@ -286,7 +286,7 @@ def _conv_fn(cfg: gemm.TileConfig) -> Callable:
         pads: Sequence[int] | None = None,
         strides: Sequence[int] | None = None,
     ):
-        geom = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+        geom = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
         return conv.conv_act(x, w, b, geom=geom, group=group, config=cfg)
 
     return conv_

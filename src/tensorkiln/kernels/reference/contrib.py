@@ -10,11 +10,11 @@ from __future__ import annotations
 import numpy as np
 
 from tensorkiln.ir import TensorType
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.common.contrib import MS, ContribOps
 from tensorkiln.kernels.reference.quant import dynamic_quantize_linear
 from tensorkiln.kernels.reference.rnn import LAYERS
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.shape_rules import InferContext, rule
 
 
 def on_grid(a: np.ndarray) -> np.ndarray:

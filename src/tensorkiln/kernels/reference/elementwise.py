@@ -12,6 +12,13 @@ from collections.abc import Callable
 
 import numpy as np
 
+from tensorkiln.kernels.common.elementwise import (
+    CLIP_BOUNDS_AS_INPUTS,
+    PRELU_BROADCASTS,
+    check_clip_bound,
+    check_prelu_slope,
+    prelu_slope_shape,
+)
 from tensorkiln.kernels.registry import register
 
 
@@ -229,25 +236,20 @@ def leaky_relu(
     return _apply(_leaky, x, alpha)
 
 
-@register("PRelu", since=1)
-def prelu_legacy(
-    x: np.ndarray, slope: np.ndarray, *, consumed_inputs: list[int] | None = None
+@register("PRelu")
+def prelu(
+    x: np.ndarray,
+    slope: np.ndarray,
+    *,
+    consumed_inputs: list[int] | None = None,
+    _opset: int = PRELU_BROADCASTS,
 ) -> np.ndarray:
-    """PRelu of opsets 1-6: a 1-D slope of length C is laid along axis 1 (NCHW channels)."""
-    if slope.ndim == 1 and x.ndim > 2 and slope.shape[0] == x.shape[1] != x.shape[-1]:
-        slope = slope.reshape((-1,) + (1,) * (x.ndim - 2))
-    return prelu(x, slope)
-
-
-@register("PRelu", since=7)
-def prelu(x: np.ndarray, slope: np.ndarray) -> np.ndarray:
-    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x``."""
-    try:
-        fits = np.broadcast_shapes(slope.shape, x.shape) == x.shape
-    except ValueError:
-        fits = False
-    if not fits:
-        raise ValueError(f"PRelu slope of shape {slope.shape} does not broadcast to X {x.shape}")
+    """x where x >= 0, slope x elsewhere; ``slope`` broadcasts to ``x`` (before opset 7 a 1-D
+    slope of length C is laid along axis 1)."""
+    view = prelu_slope_shape(slope.shape, x.shape, _opset)
+    if view is not None:
+        slope = slope.reshape(view)
+    check_prelu_slope(slope.shape, x.shape)
     zero = x.dtype.type(0)
     y = _arr(np.minimum(x, zero))  # branch-free: max(x, 0) + slope * min(x, 0)
     y *= slope
@@ -472,8 +474,8 @@ _BINARY = {
     "BitwiseOr": np.bitwise_or,
     "BitwiseXor": np.bitwise_xor,
 }
-for _op, _fn in _BINARY.items():
-    register(_op, since=1)(_binary(_fn, _op))
+# the kernels by op name: the cuda tree runs some of them on the host (strings)
+BINARY_KERNELS = {_op: register(_op, since=1)(_binary(_fn, _op)) for _op, _fn in _BINARY.items()}
 
 
 @register("Pow", since=1)
@@ -591,25 +593,23 @@ def _clip(x: np.ndarray, lo, hi) -> np.ndarray:
     return _arr(np.minimum(x, hi)) if hi is not None else x.copy()
 
 
-@register("Clip", since=1)
-def clip_legacy(
+@register("Clip")
+def clip(
     x: np.ndarray,
+    min: np.ndarray | float | None = None,  # ONNX's names, of the inputs and the old attributes
+    max: np.ndarray | float | None = None,
     *,
-    min: float | None = None,  # ONNX's attribute names
-    max: float | None = None,
     consumed_inputs: list[int] | None = None,
+    _opset: int = CLIP_BOUNDS_AS_INPUTS,
 ) -> np.ndarray:
-    """Clip of opsets 1-10, bounds as attributes."""
-    t = x.dtype.type
-    return _clip(x, None if min is None else t(min), None if max is None else t(max))
-
-
-@register("Clip", since=11)
-def clip(x: np.ndarray, min: np.ndarray | None = None, max: np.ndarray | None = None) -> np.ndarray:
-    """Clip of opset 11 on, bounds as optional scalar inputs."""
+    """min(max(x, min), max): the bounds are optional scalar inputs from opset 11 on, float
+    attributes before."""
+    if _opset < CLIP_BOUNDS_AS_INPUTS:
+        t = x.dtype.type
+        return _clip(x, None if min is None else t(min), None if max is None else t(max))
     for name, bound in (("min", min), ("max", max)):
-        if bound is not None and bound.size != 1:
-            raise ValueError(f"Clip {name} must be a scalar, got shape {bound.shape}")
+        if bound is not None:
+            check_clip_bound(name, bound.size, bound.shape)
     lo = None if min is None else min.reshape(()).astype(x.dtype, copy=False)
     hi = None if max is None else max.reshape(()).astype(x.dtype, copy=False)
     return _clip(x, lo, hi)

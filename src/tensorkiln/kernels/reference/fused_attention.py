@@ -21,22 +21,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product
-from tensorkiln.ir.graph import Shape, TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.common.fused import (
+    check_attention,
+    check_attention_rank,
+    check_split_heads,
+)
 from tensorkiln.kernels.registry import register
-
-LAYOUTS_IN = ("bhsd", "bsd")
-LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
-MASK_KINDS = ("", "additive", "bool")
 
 
 def _split_heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
     """[B, S, H*D] -> [B, H, S, D]."""
-    if x.ndim != 3 or heads <= 0 or x.shape[2] % heads:
-        raise ValueError(
-            f"{name} must be [B, S, {heads} * D] for input_layout 'bsd', got {x.shape}"
-        )
+    check_split_heads(x.shape, heads, name)
     b, s, e = x.shape
     return x.reshape(b, s, heads, e // heads).transpose(0, 2, 1, 3)
 
@@ -60,15 +55,6 @@ def _stable_softmax(x: np.ndarray) -> np.ndarray:
     return np.divide(x, total, out=x)
 
 
-def _check_attrs(mask_kind: str, input_layout: str, output_layout: str) -> None:
-    if mask_kind not in MASK_KINDS:
-        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
-    if input_layout not in LAYOUTS_IN:
-        raise ValueError(f"input_layout must be one of {LAYOUTS_IN}, got {input_layout!r}")
-    if output_layout not in LAYOUTS_OUT:
-        raise ValueError(f"output_layout must be one of {LAYOUTS_OUT}, got {output_layout!r}")
-
-
 @register("Attention", domain="tensorkiln", since=1)
 def fused_attention(
     q: np.ndarray,
@@ -84,17 +70,10 @@ def fused_attention(
     output_layout: str = "bhsd",
 ) -> np.ndarray:
     """Scaled dot-product attention with an optional additive or boolean mask and causal masking."""
-    _check_attrs(mask_kind, input_layout, output_layout)
-    if (mask is None) != (mask_kind == ""):
-        raise ValueError(
-            f"mask_kind {mask_kind!r} does not fit the mask input ({mask is not None})"
-        )
+    check_attention(mask_kind, input_layout, output_layout, mask is not None)
     if input_layout == "bsd":
         q, k, v = (_split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V")))
-    if not q.ndim == k.ndim == v.ndim == 4:
-        raise ValueError(
-            f"Q, K, V must be rank 4 [B, H, S, D], got {q.shape}, {k.shape}, {v.shape}"
-        )
+    check_attention_rank(q.shape, k.shape, v.shape)
     ct = np.float64 if q.dtype == np.float64 else np.float32
     s = np.float64(scale) if scale else 1.0 / np.sqrt(q.shape[-1])
     scores = np.matmul(q.astype(ct), k.astype(ct).swapaxes(-1, -2))
@@ -108,26 +87,3 @@ def fused_attention(
         scores = np.where(np.tri(sq, sk, dtype=bool), scores, ct(-np.inf))
     y = np.matmul(_stable_softmax(scores), v.astype(ct)).astype(q.dtype)
     return _arrange_output(y, output_layout)
-
-
-def _heads_view(shape: Shape | None, heads: int) -> Shape | None:
-    """[B, S, H*D] -> [B, H, S, D] as a shape."""
-    if shape is None or len(shape) != 3:
-        return None
-    d = dim_divide(shape[2], heads)
-    return None if d is None else (shape[0], heads, shape[1], d)
-
-
-@rule("Attention", domain="tensorkiln")
-def _attention_shape(ctx: InferContext) -> list[Type | None]:
-    q, k, v = ctx.shape(0), ctx.shape(1), ctx.shape(2)
-    if ctx.attr("input_layout", "bhsd") == "bsd":
-        heads = int(ctx.attr("num_heads", 0))
-        q, k, v = (_heads_view(x, heads) for x in (q, k, v))
-    if any(x is None or len(x) != 4 for x in (q, k, v)):
-        return [TensorType(ctx.dtype(0), None)]
-    b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # batch and heads broadcast as in the matmuls
-    s, dv = q[2], v[3]
-    layout = ctx.attr("output_layout", "bhsd")
-    shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
-    return [TensorType(ctx.dtype(0), shape[layout])]

@@ -16,10 +16,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tensorkiln.ir.dims import fresh_dim
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
-from tensorkiln.kernels.reference._window import compute_dtype, geometry
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
+from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.reference.elementwise import (
     _gelu,
     _hard_sigmoid,
@@ -27,25 +25,12 @@ from tensorkiln.kernels.reference.elementwise import (
     _leaky,
     _swish,
 )
-from tensorkiln.kernels.reference.nn import _check_conv_shapes, _conv_geometry, conv_nd
+from tensorkiln.kernels.reference.nn import conv_nd
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
 
 # Elements per epilogue block: 64K float32 = 256 KiB, about one core's L2.
 _BLOCK = 1 << 16
-
-ACTIVATIONS = (
-    "",
-    "Relu",
-    "LeakyRelu",
-    "Clip",
-    "Sigmoid",
-    "Swish",
-    "HardSigmoid",
-    "HardSwish",
-    "Gelu",
-    "GeluTanh",
-    "Tanh",
-)
 
 
 def _sigmoid_inplace(v: np.ndarray, alpha: float = 1.0) -> None:
@@ -55,14 +40,6 @@ def _sigmoid_inplace(v: np.ndarray, alpha: float = 1.0) -> None:
         np.exp(v, out=v)
     v += 1
     np.reciprocal(v, out=v)
-
-
-# the ONNX defaults of the activation parameters (alpha, beta), as the attributes store them
-_DEFAULTS = {
-    "LeakyRelu": (0.009999999776482582, None),
-    "Swish": (1.0, None),
-    "HardSigmoid": (0.20000000298023224, 0.5),
-}
 
 
 def activate(v: np.ndarray, activation: str, alpha, beta, lo, hi) -> None:
@@ -78,7 +55,7 @@ def activate(v: np.ndarray, activation: str, alpha, beta, lo, hi) -> None:
     elif activation == "Clip":
         _clip_inplace(v, lo, hi)
     else:
-        a, b = _DEFAULTS.get(activation, (None, None))
+        a, b = ACTIVATION_DEFAULTS.get(activation, (None, None))
         alpha = a if alpha is None else alpha
         beta = b if beta is None else beta
         flat = v.reshape(-1)
@@ -102,11 +79,6 @@ _CORES = {
     "Gelu": lambda v, a, b: _gelu(v, "none"),
     "GeluTanh": lambda v, a, b: _gelu(v, "tanh"),
 }
-
-
-def check_activation(activation: str, what: str) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{what}: unknown activation {activation!r}; known: {ACTIVATIONS[1:]}")
 
 
 def _epilogue(
@@ -148,13 +120,13 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> np.ndarray:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    _check_conv_shapes(x, w, group, "ConvAct")
+    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
     check_activation(activation, "ConvAct")
     if residual_order not in ("add_act", "act_add"):
         raise ValueError(
             f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
         )
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     ct = compute_dtype(x.dtype)
     y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
     m = w.shape[0]
@@ -168,25 +140,3 @@ def conv_act(
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     _epilogue(y, bb, zz, act, residual_order == "act_add")
     return y.reshape(x.shape[0], m, *g.out).astype(x.dtype, copy=False)
-
-
-@rule("ConvAct", domain="tensorkiln")
-def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
-    """(N, M, *out) with the conv geometry; symbolic spatial sizes give fresh symbols."""
-    xs, ws = ctx.shape(0), ctx.shape(1)
-    if xs is None or ws is None:
-        return [TensorType(ctx.dtype(0), None)]
-    spatial, kernel = xs[2:], ws[2:]
-    if all(isinstance(d, int) for d in (*spatial, *kernel)):
-        g = geometry(
-            spatial,
-            kernel,
-            ctx.attr("strides"),
-            ctx.attr("dilations"),
-            ctx.attr("pads"),
-            ctx.attr("auto_pad", "NOTSET"),
-        )
-        out = list(g.out)
-    else:
-        out = [fresh_dim() for _ in spatial]
-    return [TensorType(ctx.dtype(0), (xs[0], ws[0], *out))]

@@ -12,11 +12,10 @@ import math
 
 import numpy as np
 
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
 from tensorkiln.kernels.reference._window import compute_dtype
-from tensorkiln.kernels.reference.fused_conv import activate, check_activation
+from tensorkiln.kernels.reference.fused_conv import activate
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.fused import check_activation
 
 _BLOCK = 1 << 16  # elements per epilogue block (256 KiB of float32)
 
@@ -84,15 +83,3 @@ def gemm_act(
         activate(blk, *act)
     shape = (*a.shape[:-1], b2.shape[1]) if a.ndim > 2 else y.shape
     return y.reshape(shape).astype(a.dtype, copy=False)
-
-
-@rule("GemmAct", domain="tensorkiln")
-def _gemm_act_shape(ctx: InferContext) -> list[Type | None]:
-    """(M, N) for a 2-D A (transA applied), (*A[:-1], N) for a higher rank."""
-    a, b = ctx.shape(0), ctx.shape(1)
-    if a is None or b is None:
-        return [TensorType(ctx.dtype(0), None)]
-    n = b[0] if ctx.attr("transB", 0) else b[1]
-    if len(a) == 2 and ctx.attr("transA", 0):
-        return [TensorType(ctx.dtype(0), (a[1], n))]
-    return [TensorType(ctx.dtype(0), (*a[:-1], n))]

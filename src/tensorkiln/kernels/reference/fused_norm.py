@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.dims import broadcast_shapes
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.common.norm import norm_axis
 from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
 from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
 from tensorkiln.kernels.registry import register
@@ -29,12 +27,6 @@ DOMAIN = "tensorkiln"
 
 def _compute_dtype(dtype: np.dtype) -> np.dtype:
     return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
-
-
-def _norm_axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
 
 
 def _rows(x: np.ndarray, axis: int, ct: np.dtype) -> np.ndarray:
@@ -68,7 +60,7 @@ def layer_norm(
 ):
     """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
     s = x if residual is None else np.add(x, residual)
-    axis = _norm_axis(axis, s.ndim, "LayerNorm")
+    axis = norm_axis(axis, s.ndim, "LayerNorm")
     ct = _compute_dtype(s.dtype)
     y = _rows(s, axis, ct)
     y -= y.mean(axis=1, keepdims=True)
@@ -83,7 +75,7 @@ def layer_norm(
 @register("RMSNorm", domain=DOMAIN, since=1)
 def rms_norm(x: np.ndarray, scale: np.ndarray, *, axis: int = -1, epsilon: float = 1e-5):
     """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
-    axis = _norm_axis(axis, x.ndim, "RMSNorm")
+    axis = norm_axis(axis, x.ndim, "RMSNorm")
     ct = _compute_dtype(x.dtype)
     y = _rows(x, axis, ct)
     ms = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
@@ -102,26 +94,3 @@ def gelu(x: np.ndarray, *, approximate: str = "none") -> np.ndarray:
 def silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``."""
     return x * _sigmoid(x)
-
-
-# ---------------------------------------------------------------------------------------------
-# Shape rules
-
-
-def _input_type(ctx: InferContext) -> TensorType:
-    return TensorType(ctx.dtype(0), ctx.shape(0))
-
-
-@rule("LayerNorm", domain=DOMAIN)
-def _layer_norm_rule(ctx: InferContext) -> list[Type | None]:
-    shape = ctx.shape(0)
-    if len(ctx.node.inputs) > 3 and ctx.node.inputs[3] is not None:
-        res = ctx.shape(3)
-        shape = None if shape is None or res is None else broadcast_shapes(shape, res)
-    t = TensorType(ctx.dtype(0), shape)
-    return [t] * len(ctx.node.outputs)
-
-
-@rule("RMSNorm", "Gelu", "SiLU", domain=DOMAIN)
-def _same_as_input_rule(ctx: InferContext) -> list[Type | None]:
-    return [_input_type(ctx)]

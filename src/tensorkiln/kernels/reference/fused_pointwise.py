@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir.graph import Graph, TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.ir.graph import Graph
 from tensorkiln.kernels.registry import register
 
 # Elements per block: the temporaries of one block (a few per op) stay in L2; measured on a
@@ -93,17 +92,3 @@ def _slice(x: np.ndarray, rank: int, axis: int, start: int, rows: int) -> np.nda
 
 def _spans(out: np.ndarray, rank: int, axis: int, rows: int) -> bool:
     return isinstance(out, np.ndarray) and out.ndim == rank and rows > 1 and out.shape[axis] == rows
-
-
-@rule("Pointwise", domain="tensorkiln")
-def _pointwise_types(ctx: InferContext) -> list[Type | None]:
-    """The body's output types, inferred with the node's input types bound to the body's inputs."""
-    from tensorkiln.ir.infer import infer_shapes  # late: the inference module imports the rules
-
-    body: Graph = ctx.attr("body")
-    for i, v in enumerate(body.inputs):
-        t = ctx.type(i)
-        if isinstance(t, TensorType):
-            v.type = t
-    infer_shapes(body)
-    return [v.type for v in body.outputs]

@@ -15,8 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.ir.graph import TensorType, Type
-from tensorkiln.ir.shape_rules import InferContext, rule
+from tensorkiln.kernels.common.fused import check_se_shapes
 from tensorkiln.kernels.reference.fused_conv import conv_act
 from tensorkiln.kernels.reference.reduce import reduce_mean
 from tensorkiln.kernels.registry import register
@@ -30,16 +29,6 @@ def squeeze_attrs(attrs: dict[str, Any], prefix: str) -> dict[str, Any]:
     for key in ("alpha", "beta", "min", "max"):
         out[f"activation_{key}"] = attrs.get(f"{prefix}_{key}")
     return out
-
-
-def check_se_shapes(x_shape: tuple, w1_shape: tuple, w2_shape: tuple) -> None:
-    if len(x_shape) != 4:
-        raise ValueError(f"SqueezeExcite: X must be 4-D (N, C, H, W), got shape {x_shape}")
-    c = x_shape[1]
-    if len(w1_shape) != 4 or w1_shape[1:] != (c, 1, 1):
-        raise ValueError(f"SqueezeExcite: W1 must be (S, {c}, 1, 1), got {w1_shape}")
-    if len(w2_shape) != 4 or w2_shape != (c, w1_shape[0], 1, 1):
-        raise ValueError(f"SqueezeExcite: W2 must be ({c}, {w1_shape[0]}, 1, 1), got {w2_shape}")
 
 
 @register("SqueezeExcite", domain=DOMAIN, since=1)
@@ -59,8 +48,3 @@ def squeeze_excite(
     hidden = conv_act(pooled, w1, b1, **squeeze_attrs(attrs, "activation"))
     gate = conv_act(hidden, w2, b2, **squeeze_attrs(attrs, "gate"))
     return np.multiply(x, gate).astype(x.dtype, copy=False)
-
-
-@rule("SqueezeExcite", domain=DOMAIN)
-def _squeeze_excite_rule(ctx: InferContext) -> list[Type | None]:
-    return [TensorType(ctx.dtype(0), ctx.shape(0))]

@@ -13,23 +13,21 @@ import itertools
 
 import numpy as np
 
+from tensorkiln.kernels.common.image import GRID_SAMPLE_ND, grid_sample_mode
+from tensorkiln.kernels.common.resize import (
+    UPSAMPLE_SCALES_INPUT,
+    legacy_options,
+    plan,
+    present,
+    resize_arguments,
+    resolve_axes,
+    upsample_mode,
+)
 from tensorkiln.kernels.registry import register
 
 # ---------------------------------------------------------------------------------------------
 # Resize: coordinates, taps, one axis at a time
 # ---------------------------------------------------------------------------------------------
-
-_COORD_MODES_11 = (
-    "half_pixel",
-    "pytorch_half_pixel",
-    "align_corners",
-    "asymmetric",
-    "tf_half_pixel_for_nn",
-    "tf_crop_and_resize",
-)
-_COORD_MODES_13 = tuple(m for m in _COORD_MODES_11 if m != "tf_half_pixel_for_nn")
-_COORD_MODES_19 = (*_COORD_MODES_13, "half_pixel_symmetric")
-_NEAREST_MODES = ("round_prefer_floor", "round_prefer_ceil", "floor", "ceil")
 
 
 def _source_coords(
@@ -159,48 +157,13 @@ def _cast_back(y: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return y.astype(dtype)
 
 
-def _present(v: np.ndarray | None) -> bool:
-    return v is not None and np.asarray(v).size > 0
-
-
-def _plan(shape: tuple[int, ...], scales, sizes, axes: list[int], policy: str):
-    """Output length and scale of every resized axis."""
-    in_len = np.array([shape[a] for a in axes], dtype=np.int64)
-    if _present(scales) and _present(sizes):
-        raise ValueError("Resize: give only one of 'scales' and 'sizes', not both")
-    if _present(sizes):
-        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
-        if sizes.size != len(axes):
-            raise ValueError(f"Resize: 'sizes' has {sizes.size} values for {len(axes)} axes")
-        ratio = sizes / in_len
-        if policy == "stretch":
-            return sizes.tolist(), ratio.tolist()
-        if policy not in ("not_larger", "not_smaller"):
-            raise ValueError(f"Resize: unknown keep_aspect_ratio_policy '{policy}'")
-        s = float(ratio.min() if policy == "not_larger" else ratio.max())
-        return [int(s * n + 0.5) for n in in_len], [s] * len(axes)
-    if not _present(scales):
-        raise ValueError("Resize: one of 'scales' and 'sizes' must be given")
-    scales = np.asarray(scales).reshape(-1)
-    if scales.size != len(axes):
-        raise ValueError(f"Resize: 'scales' has {scales.size} values for {len(axes)} axes")
-    if (scales <= 0).any():
-        raise ValueError(f"Resize: scales must be positive, got {scales.tolist()}")
-    # The product is taken in the scales' own precision (float32 in practice), as onnxruntime
-    # does, so that e.g. 10 * float32(0.7) gives 7 rather than 6.
-    out = np.floor(scales * in_len.astype(scales.dtype)).astype(np.int64)
-    return out.tolist(), scales.astype(np.float64).tolist()
-
-
 def _resize(x: np.ndarray, roi, scales, sizes, axes, policy: str, **opts) -> np.ndarray:
     r = x.ndim
-    axes = list(range(r)) if not axes else [int(a) + r if a < 0 else int(a) for a in axes]
-    if any(not 0 <= a < r for a in axes) or len(set(axes)) != len(axes):
-        raise ValueError(f"Resize: invalid axes {axes} for a {r}-D input")
-    out_len, scale = _plan(x.shape, scales, sizes, axes, policy)
+    axes = resolve_axes(axes, r)
+    out_len, scale = plan(x.shape, scales, sizes, axes, policy)
     boxes = [(0.0, 1.0)] * r
     if opts["coordinate_transformation_mode"] == "tf_crop_and_resize":
-        if not _present(roi) or np.asarray(roi).size != 2 * len(axes):
+        if not present(roi) or np.asarray(roi).size != 2 * len(axes):
             raise ValueError(f"Resize: tf_crop_and_resize needs an roi of {2 * len(axes)} values")
         roi = np.asarray(roi, dtype=np.float64).reshape(-1)
         for i, a in enumerate(axes):
@@ -217,81 +180,8 @@ def _resize(x: np.ndarray, roi, scales, sizes, axes, policy: str, **opts) -> np.
     return _cast_back(y, x.dtype)
 
 
-def _check(value: str, allowed: tuple[str, ...], what: str, opset: int) -> None:
-    if value not in allowed:
-        raise ValueError(f"Resize-{opset}: {what} '{value}' is not one of {', '.join(allowed)}")
-
-
-@register("Resize", since=10)
-def resize_10(x: np.ndarray, scales: np.ndarray, *, mode: str = "nearest") -> np.ndarray:
-    """Resize-10: scales only, asymmetric coordinates (like Upsample)."""
-    _check(mode, ("nearest", "linear"), "mode", 10)
-    return _resize(x, None, scales, None, None, "stretch", **_legacy_opts(mode))
-
-
-def _legacy_opts(mode: str) -> dict:
-    return dict(
-        mode=mode,
-        coordinate_transformation_mode="asymmetric",
-        nearest_mode="simple",
-        cubic_coeff_a=-0.75,
-        antialias=False,
-        exclude_outside=False,
-        extrapolation_value=0.0,
-    )
-
-
-def _resize_11_to_19(opset: int, x, roi, scales, sizes, attrs: dict) -> np.ndarray:
-    modes = {11: _COORD_MODES_11, 13: _COORD_MODES_13, 18: _COORD_MODES_13}.get(
-        opset, _COORD_MODES_19
-    )
-    _check(attrs["coordinate_transformation_mode"], modes, "coordinate_transformation_mode", opset)
-    _check(attrs["nearest_mode"], _NEAREST_MODES, "nearest_mode", opset)
-    axes = attrs.pop("axes", None)
-    policy = attrs.pop("keep_aspect_ratio_policy", "stretch")
-    attrs["antialias"] = bool(attrs.get("antialias", 0))
-    attrs["exclude_outside"] = bool(attrs["exclude_outside"])
-    return _resize(x, roi, scales, sizes, axes, policy, **attrs)
-
-
-@register("Resize", since=11)
-def resize_11(
-    x: np.ndarray,
-    roi: np.ndarray | None = None,
-    scales: np.ndarray | None = None,
-    sizes: np.ndarray | None = None,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
-) -> np.ndarray:
-    """Resize-11: roi/scales/sizes inputs, coordinate modes incl. tf_half_pixel_for_nn."""
-    return _resize_11_to_19(11, x, roi, scales, sizes, _attrs(locals()))
-
-
-@register("Resize", since=13)
-def resize_13(
-    x: np.ndarray,
-    roi: np.ndarray | None = None,
-    scales: np.ndarray | None = None,
-    sizes: np.ndarray | None = None,
-    *,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
-) -> np.ndarray:
-    """Resize-13: roi and scales optional; tf_half_pixel_for_nn removed."""
-    return _resize_11_to_19(13, x, roi, scales, sizes, _attrs(locals()))
-
-
-@register("Resize", since=18)
-def resize_18(
+@register("Resize")
+def resize(
     x: np.ndarray,
     roi: np.ndarray | None = None,
     scales: np.ndarray | None = None,
@@ -306,51 +196,31 @@ def resize_18(
     keep_aspect_ratio_policy: str = "stretch",
     mode: str = "nearest",
     nearest_mode: str = "round_prefer_floor",
+    _opset: int = 19,
 ) -> np.ndarray:
-    """Resize-18: adds antialias, axes and keep_aspect_ratio_policy."""
-    return _resize_11_to_19(18, x, roi, scales, sizes, _attrs(locals()))
+    """Resize ``x`` along ``axes`` (all by default) by ``scales`` or to ``sizes``, with the
+    options of the model's opset (:func:`tensorkiln.kernels.common.resize.resize_arguments`;
+    Resize-10 takes (X, scales), so its scales arrive as ``roi``)."""
+    resolved = resize_arguments(_opset, roi, scales, sizes, locals())
+    roi, scales, sizes, axes, policy, opts = resolved
+    return _resize(x, roi, scales, sizes, axes, policy, **opts)
 
 
-@register("Resize", since=19)
-def resize_19(
+@register("Upsample")
+def upsample(
     x: np.ndarray,
-    roi: np.ndarray | None = None,
-    scales: np.ndarray | None = None,
-    sizes: np.ndarray | None = None,
+    scales: np.ndarray | list[float] | None = None,
     *,
-    antialias: int = 0,
-    axes: list[int] | None = None,
-    coordinate_transformation_mode: str = "half_pixel",
-    cubic_coeff_a: float = -0.75,
-    exclude_outside: int = 0,
-    extrapolation_value: float = 0.0,
-    keep_aspect_ratio_policy: str = "stretch",
     mode: str = "nearest",
-    nearest_mode: str = "round_prefer_floor",
+    _opset: int = UPSAMPLE_SCALES_INPUT,
 ) -> np.ndarray:
-    """Resize-19: adds the half_pixel_symmetric coordinate mode."""
-    return _resize_11_to_19(19, x, roi, scales, sizes, _attrs(locals()))
-
-
-def _attrs(local_vars: dict) -> dict:
-    return {k: v for k, v in local_vars.items() if k not in ("x", "roi", "scales", "sizes")}
-
-
-@register("Upsample", since=7)
-def upsample_7(x: np.ndarray, *, mode: str = "nearest", scales: list[float] | None = None):
-    """Upsample-7: scales as an attribute."""
+    """Upsample ``x`` by ``scales`` (an input from opset 9, a float-list attribute before), as
+    Resize-10 does."""
     if scales is None:
         raise ValueError("Upsample: the 'scales' attribute is required")
-    return upsample_9(x, np.asarray(scales, dtype=np.float32), mode=mode)
-
-
-@register("Upsample", since=9)
-def upsample_9(x: np.ndarray, scales: np.ndarray, *, mode: str = "nearest") -> np.ndarray:
-    """Upsample-9/10: scales as an input; behaves as Resize-10."""
-    mode = "linear" if mode == "bilinear" else mode
-    if mode not in ("nearest", "linear"):
-        raise ValueError(f"Upsample: mode '{mode}' is not one of nearest, linear")
-    return _resize(x, None, scales, None, None, "stretch", **_legacy_opts(mode))
+    if _opset < UPSAMPLE_SCALES_INPUT:
+        scales = np.asarray(scales, dtype=np.float32)
+    return _resize(x, None, scales, None, None, "stretch", **legacy_options(upsample_mode(mode)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -434,39 +304,20 @@ def _grid_sample(x: np.ndarray, grid: np.ndarray, mode: str, padding: str, align
     return np.moveaxis(out, -1, 1).astype(x.dtype)
 
 
-@register("GridSample", since=16)
-def grid_sample_16(
-    x: np.ndarray,
-    grid: np.ndarray,
-    *,
-    align_corners: int = 0,
-    mode: str = "bilinear",
-    padding_mode: str = "zeros",
-) -> np.ndarray:
-    """GridSample-16: 4-D input, modes bilinear / nearest / bicubic."""
-    names = {"bilinear": "linear", "nearest": "nearest", "bicubic": "cubic"}
-    if mode not in names:
-        raise ValueError(f"GridSample-16: mode '{mode}' is not one of {', '.join(names)}")
-    if x.ndim != 4:
-        raise ValueError(f"GridSample-16: input must be 4-D, got shape {x.shape}")
-    return _grid_sample(x, grid, names[mode], padding_mode, bool(align_corners))
-
-
-@register("GridSample", since=20)
-def grid_sample_20(
+@register("GridSample")
+def grid_sample(
     x: np.ndarray,
     grid: np.ndarray,
     *,
     align_corners: int = 0,
     mode: str = "linear",
     padding_mode: str = "zeros",
+    _opset: int = GRID_SAMPLE_ND,
 ) -> np.ndarray:
-    """GridSample-20/22: N-d input, modes linear / nearest / cubic."""
-    if mode not in ("linear", "nearest", "cubic"):
-        raise ValueError(f"GridSample: mode '{mode}' is not one of linear, nearest, cubic")
-    if x.ndim < 3:
-        raise ValueError(f"GridSample: input must have a spatial axis, got shape {x.shape}")
-    return _grid_sample(x, grid, mode, padding_mode, bool(align_corners))
+    """Sample ``x`` at ``grid``'s normalized coordinates: N-d with modes linear / nearest /
+    cubic, or before opset 20 4-D with modes bilinear / nearest / bicubic."""
+    canonical = grid_sample_mode(mode, x.shape, _opset)
+    return _grid_sample(x, grid, canonical, padding_mode, bool(align_corners))
 
 
 def _base_coords(length: int, align: bool) -> np.ndarray:

@@ -190,39 +190,32 @@ def _hardmax_along(x: np.ndarray, axis: int) -> np.ndarray:
     return y
 
 
-@register("Softmax", since=1)
-def softmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
-    """Softmax over the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
+# Before opset 13 these ops work on the input coerced to 2-D at ``axis`` (and the default axis is 1,
+# which the op's record gives); from 13 on, along ``axis`` itself.
+_AXIS_ONLY = 13
 
 
-@register("Softmax", since=13)
-def softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
-    """Numerically stable softmax along ``axis``."""
+@register("Softmax")
+def softmax(x: np.ndarray, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> np.ndarray:
+    """Numerically stable softmax along ``axis`` (over the 2-D view before opset 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(lambda t, a: _softmax_along(t, a, log=False), x, axis)
     return _softmax_along(x, _axis_of(axis, x.ndim), log=False)
 
 
-@register("LogSoftmax", since=1)
-def log_softmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
-    """LogSoftmax over the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
-
-
-@register("LogSoftmax", since=13)
-def log_softmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
-    """Numerically stable log-softmax along ``axis``."""
+@register("LogSoftmax")
+def log_softmax(x: np.ndarray, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> np.ndarray:
+    """Numerically stable log-softmax along ``axis`` (over the 2-D view before opset 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(lambda t, a: _softmax_along(t, a, log=True), x, axis)
     return _softmax_along(x, _axis_of(axis, x.ndim), log=True)
 
 
-@register("Hardmax", since=1)
-def hardmax_flat2d(x: np.ndarray, *, axis: int = 1) -> np.ndarray:
-    """One-hot of the first maximum of each row of the input coerced to 2-D at ``axis``."""
-    return _coerced_2d(_hardmax_along, x, axis)
-
-
-@register("Hardmax", since=13)
-def hardmax(x: np.ndarray, *, axis: int = -1) -> np.ndarray:
-    """One-hot of the first maximum along ``axis``."""
+@register("Hardmax")
+def hardmax(x: np.ndarray, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> np.ndarray:
+    """One-hot of the first maximum along ``axis`` (of each row of the 2-D view before 13)."""
+    if _opset < _AXIS_ONLY:
+        return _coerced_2d(_hardmax_along, x, axis)
     return _hardmax_along(x, _axis_of(axis, x.ndim))
 
 

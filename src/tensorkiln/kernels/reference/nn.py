@@ -10,54 +10,19 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
+from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
 from tensorkiln.kernels.reference._window import (
     Geometry,
     compute_dtype,
-    geometry,
     ints,
     pad,
     tap_slices,
     windows,
 )
 from tensorkiln.kernels.registry import register
-
-
-def _check_conv_shapes(x: np.ndarray, w: np.ndarray, group: int, what: str = "Conv") -> None:
-    if x.ndim < 3 or w.ndim != x.ndim:
-        raise ValueError(
-            f"{what}: X of shape {x.shape} and W of shape {w.shape} must both have rank >= 3 "
-            "and the same rank (N, C, D1, ...) / (M, C/group, k1, ...)"
-        )
-    if group < 1 or x.shape[1] != w.shape[1] * group:
-        raise ValueError(
-            f"{what}: X has {x.shape[1]} channels but W of shape {w.shape} with group={group} "
-            f"expects {w.shape[1] * group}"
-        )
-    if w.shape[0] % group:
-        raise ValueError(
-            f"{what}: W's {w.shape[0]} output channels are not divisible by group={group}"
-        )
-
-
-def conv_geometry(
-    x_shape: Sequence[int], w_shape: Sequence[int], auto_pad, dilations, kernel_shape, pads, strides
-) -> Geometry:
-    """The window geometry of a convolution of X (N, C, *spatial) by W (M, C/g, *kernel); every
-    backend's convolution takes it from here (ValueError when the attributes contradict W)."""
-    kernel = tuple(w_shape[2:])
-    if kernel_shape is not None and len(kernel_shape) and tuple(kernel_shape) != kernel:
-        raise ValueError(
-            f"kernel_shape {tuple(kernel_shape)} does not match W's shape {tuple(w_shape)}"
-        )
-    return geometry(tuple(x_shape[2:]), kernel, strides, dilations, pads, auto_pad)
-
-
-def _conv_geometry(x: Any, w: Any, auto_pad, dilations, kernel_shape, pads, strides) -> Geometry:
-    return conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
 
 
 def _gemm(w: np.ndarray, cols: np.ndarray, group: int) -> np.ndarray:
@@ -128,37 +93,11 @@ def conv(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """N-d convolution (cross-correlation) with groups, dilations, strides and padding."""
-    _check_conv_shapes(x, w, group)
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group)
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     ct = compute_dtype(x.dtype)
     y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
     return _add_bias(y, b, w.shape[0], "Conv").astype(x.dtype, copy=False)
-
-
-def _transpose_pads(
-    in_sizes, kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
-) -> tuple[list[int], list[int]]:
-    """ConvTranspose's begin pads and output sizes."""
-    n = len(in_sizes)
-    full = [
-        (i - 1) * s + (k - 1) * d + 1 for i, s, k, d in zip(in_sizes, strides, kernel, dilations)
-    ]
-    full = [f + a for f, a in zip(full, output_padding)]
-    if output_shape is not None and len(output_shape):
-        out = [int(o) for o in output_shape[-n:]]
-    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        out = [i * s for i, s in zip(in_sizes, strides)]
-    else:
-        if auto_pad == "VALID":
-            pads = None
-        pads = ints(pads, 2 * n, 0, "pads")
-        return list(pads[:n]), [f - b - e for f, b, e in zip(full, pads[:n], pads[n:])]
-    total = [f - o for f, o in zip(full, out)]
-    if auto_pad == "SAME_UPPER":
-        begin = [t // 2 for t in total]
-    else:
-        begin = [t - t // 2 for t in total]
-    return begin, out
 
 
 def _col2im(cols: np.ndarray, g: Geometry, begin: Sequence[int], out: Sequence[int]) -> np.ndarray:
@@ -210,7 +149,7 @@ def conv_transpose(
     strides = ints(strides, nsp, 1, "strides")
     dilations = ints(dilations, nsp, 1, "dilations")
     output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = _transpose_pads(
+    begin, out = transpose_pads(
         x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
     )
     if any(o <= 0 for o in out):
@@ -258,8 +197,8 @@ def conv_integer(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Integer convolution with zero points; int32 result (exact: float64 holds the sums)."""
-    _check_conv_shapes(x, w, group, "ConvInteger")
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "ConvInteger")
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
     return y.astype(np.int32)
 
@@ -284,8 +223,8 @@ def qlinear_conv(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Quantized convolution: int32 accumulation, float32 requantization, round half to even."""
-    _check_conv_shapes(x, w, group, "QLinearConv")
-    g = _conv_geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "QLinearConv")
+    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     m = w.shape[0]
     acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
     acc = _add_bias(acc, b, m, "QLinearConv")
@@ -356,8 +295,8 @@ def deform_conv(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
-    _check_conv_shapes(x, w, group, "DeformConv")
-    g = _conv_geometry(x, w, "NOTSET", dilations, kernel_shape, pads, strides)
+    check_conv_shapes(x.shape, w.shape, group, "DeformConv")
+    g = conv_geometry(x.shape, w.shape, "NOTSET", dilations, kernel_shape, pads, strides)
     nsp, taps = x.ndim - 2, math.prod(g.kernel)
     want = (x.shape[0], offset_group * taps * nsp, *g.out)
     if offset_group < 1 or x.shape[1] % offset_group or offset.shape != want:

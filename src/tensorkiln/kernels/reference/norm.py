@@ -54,8 +54,7 @@ def _batch_stats(x: np.ndarray, ct, spatial: int = 1) -> tuple[np.ndarray, np.nd
     return mean, var
 
 
-@register("BatchNormalization", since=1)
-def batch_normalization_legacy(
+def _batch_normalization_legacy(
     x: np.ndarray,
     scale: np.ndarray,
     bias: np.ndarray,
@@ -84,7 +83,12 @@ def batch_normalization_legacy(
     return tuple(outs[:_n_outputs])
 
 
-@register("BatchNormalization", since=14)
+# BatchNormalization says training through its training_mode attribute from opset 14; before, a
+# node asks for training statistics by declaring more than one output (unless is_test).
+_BN_TRAINING_MODE = 14
+
+
+@register("BatchNormalization")
 def batch_normalization(
     x: np.ndarray,
     scale: np.ndarray,
@@ -95,10 +99,27 @@ def batch_normalization(
     epsilon: float = 1e-5,
     momentum: float = 0.9,
     training_mode: int = 0,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
+    spatial: int = 1,
     _n_outputs: int = 1,
+    _opset: int = _BN_TRAINING_MODE,
 ):
     """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance."""
+    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
+    if _opset < _BN_TRAINING_MODE:
+        return _batch_normalization_legacy(
+            x,
+            scale,
+            bias,
+            mean,
+            var,
+            epsilon=epsilon,
+            is_test=is_test,
+            momentum=momentum,
+            spatial=spatial,
+            _n_outputs=_n_outputs,
+        )
     ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
     if not training_mode:
         return _bn_apply(x, s, b, m, v, epsilon, ct)
@@ -194,16 +215,12 @@ def _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel: bool) -> n
     return y.reshape(x.shape).astype(x.dtype, copy=False)
 
 
-@register("GroupNormalization", since=18)
-def group_normalization_18(
-    x: np.ndarray, scale: np.ndarray, bias: np.ndarray, *, epsilon: float = 1e-5, num_groups: int
-) -> np.ndarray:
-    """Opset 18: normalize each group of channels; scale and bias have one value per group."""
-    ct = compute_dtype(x.dtype)
-    return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
+# GroupNormalization-18 has one scale and bias value per group and no stash_type (statistics in
+# float32, float64 for float64); from 21 on, one per channel.
+_GN_PER_CHANNEL = 21
 
 
-@register("GroupNormalization", since=21)
+@register("GroupNormalization")
 def group_normalization(
     x: np.ndarray,
     scale: np.ndarray,
@@ -212,8 +229,13 @@ def group_normalization(
     epsilon: float = 1e-5,
     num_groups: int,
     stash_type: int = 1,
+    _opset: int = _GN_PER_CHANNEL,
 ) -> np.ndarray:
-    """Opset 21: normalize each group of channels; scale and bias have one value per channel."""
+    """Normalize each group of channels; scale and bias have one value per channel (per group
+    before opset 21)."""
+    if _opset < _GN_PER_CHANNEL:
+        ct = compute_dtype(x.dtype)
+        return _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel=False)
     st = _stash_dtype(x, stash_type)
     return _group_norm(x, scale, bias, num_groups, epsilon, st, per_channel=True)
 
@@ -308,37 +330,37 @@ def _dropout(x, ratio: float, training: bool, seed: int | None, n_outputs: int):
     return (y, mask) if n_outputs > 1 else y
 
 
-@register("Dropout", since=1)
-def dropout_legacy(
-    x: np.ndarray,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    ratio: float = 0.5,
-    _n_outputs: int = 1,
-):
+def _dropout_legacy(x: np.ndarray, n_outputs: int):
     """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if _n_outputs == 1:
+    if n_outputs == 1:
         return x
     return x, np.ones(x.shape, dtype=x.dtype)
 
 
-@register("Dropout", since=10)
-def dropout_10(x: np.ndarray, *, ratio: float = 0.5, _n_outputs: int = 1):
-    """Opsets 10-11: identity in inference; the mask is bool (all true)."""
-    return _dropout(x, float(ratio), False, None, _n_outputs)
+# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
+# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
+_DROPOUT_INPUTS = 12
+_DROPOUT_BOOL_MASK = 10
 
 
-@register("Dropout", since=12)
+@register("Dropout")
 def dropout(
     x: np.ndarray,
-    ratio: np.ndarray | None = None,
+    ratio: np.ndarray | float | None = None,  # an input from opset 12, an attribute before
     training_mode: np.ndarray | None = None,
     *,
     seed: int | None = None,
+    consumed_inputs: Sequence[int] | None = None,
+    is_test: int = 0,
     _n_outputs: int = 1,
+    _opset: int = _DROPOUT_INPUTS,
 ):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest."""
+    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
+    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
+    if _opset < _DROPOUT_BOOL_MASK:
+        return _dropout_legacy(x, _n_outputs)
+    if _opset < _DROPOUT_INPUTS:
+        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
     r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
     training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
     return _dropout(x, r, training, seed, _n_outputs)

@@ -12,23 +12,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.reference._window import Geometry, compute_dtype, geometry, pad, tap_slices
+from tensorkiln.kernels.common.pool import pool_geometry
+from tensorkiln.kernels.reference._window import Geometry, compute_dtype, pad, tap_slices
 from tensorkiln.kernels.registry import register
-
-
-def _pool_geometry(
-    x: np.ndarray, op: str, kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
-):
-    if x.ndim < 3:
-        raise ValueError(f"{op}: input must be (N, C, D1, ...), got shape {x.shape}")
-    if not kernel_shape:
-        raise ValueError(f"{op}: the kernel_shape attribute is required")
-    if len(kernel_shape) != x.ndim - 2:
-        raise ValueError(
-            f"{op}: kernel_shape {tuple(kernel_shape)} has {len(kernel_shape)} axes but the input "
-            f"of shape {x.shape} has {x.ndim - 2} spatial axes"
-        )
-    return geometry(x.shape[2:], kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
 
 
 def _taps(xp: np.ndarray, g: Geometry) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
@@ -70,7 +56,9 @@ def max_pool(
     _n_outputs: int = 1,
 ):
     """Max over each window; with two outputs also the flat int64 index of each maximum."""
-    g = _pool_geometry(x, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    g = pool_geometry(
+        x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
     xp = pad(x, g.begin, g.end, _lowest(x.dtype))
     n, c = x.shape[:2]
     if _n_outputs < 2:
@@ -120,8 +108,8 @@ def average_pool(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """Mean over each window, counting the pads or not (``count_include_pad``)."""
-    g = _pool_geometry(
-        x, "AveragePool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    g = pool_geometry(
+        x.shape, "AveragePool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
     )
     ct = compute_dtype(x.dtype)
     total = _window_sum(pad(x.astype(ct, copy=False), g.begin, g.end), g)
@@ -150,7 +138,9 @@ def lp_pool(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """(sum over each window of |x|^p)^(1/p); pads count as zeros."""
-    g = _pool_geometry(x, "LpPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode)
+    g = pool_geometry(
+        x.shape, "LpPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+    )
     ct = compute_dtype(x.dtype)
     xp = pad(_pow_p(x.astype(ct, copy=False), p), g.begin, g.end)
     return _root_p(_window_sum(xp, g), p).astype(x.dtype, copy=False)

@@ -9,14 +9,17 @@ the templates here and the numbers they format reach the generated source.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import onnx
 
 from tensorkiln.ir import DType, Node
+from tensorkiln.ops import attribute_defaults
 
 FLOATS = frozenset([DType.FLOAT, DType.FLOAT16, DType.BFLOAT16])
 _TL = {
@@ -139,8 +142,18 @@ def _floats(*terms: Term | None) -> None:
             raise Unsupported(f"float op on {t.dtype.name}")
 
 
-def _attr(node: Node, name: str, default: Any) -> Any:
-    return node.attrs.get(name, default)
+def _attr(node: Node, name: str) -> Any:
+    """The node's attribute ``name``, or its op record's default. A Pointwise body does not say
+    its opset: the newest schema's defaults apply, as they have to these ops since the opsets
+    the generator emits them for."""
+    if name in node.attrs:
+        return node.attrs[name]
+    return _defaults(_domain(node), node.op)[name]
+
+
+@functools.cache
+def _defaults(domain: str, op: str) -> dict[str, Any]:
+    return attribute_defaults(op, domain, onnx.defs.onnx_opset_version())
 
 
 def _domain(node: Node) -> str:
@@ -155,63 +168,63 @@ def _max(a: str, b: str, is_float: bool, op: str = "maximum") -> str:
 # ---------------------------------------------------------------------------------------------
 # Ops. Each returns the expression of the node's output from its input terms.
 
-# Templates: {0}, {1}... are the inputs, {name} the attribute ``name`` (default given) as a float
-# literal. Kind: "any" dtype, "float" only, "bool" only.
-_TEMPLATES: dict[tuple[str, str], tuple[str, str, dict[str, float]]] = {
-    ("", "Identity"): ("{0}", "any", {}),
-    ("", "Add"): ("{0} + {1}", "any", {}),
-    ("", "Sub"): ("{0} - {1}", "any", {}),
-    ("", "Mul"): ("{0} * {1}", "any", {}),
-    ("", "Neg"): ("-{0}", "any", {}),
-    ("", "Abs"): ("tl.abs({0})", "any", {}),
-    ("", "PRelu"): ("tl.where({0} >= 0, {0}, {0} * {1})", "any", {}),
-    ("", "Where"): ("tl.where({0}, {1}, {2})", "any", {}),
-    ("", "Equal"): ("{0} == {1}", "any", {}),
-    ("", "Less"): ("{0} < {1}", "any", {}),
-    ("", "Greater"): ("{0} > {1}", "any", {}),
-    ("", "LessOrEqual"): ("{0} <= {1}", "any", {}),
-    ("", "GreaterOrEqual"): ("{0} >= {1}", "any", {}),
-    ("", "And"): ("{0} & {1}", "bool", {}),
-    ("", "Or"): ("{0} | {1}", "bool", {}),
-    ("", "Xor"): ("{0} ^ {1}", "bool", {}),
-    ("", "Not"): ("{0} == 0", "bool", {}),
-    ("", "Exp"): ("tl.exp({0})", "float", {}),
-    ("", "Log"): ("tl.log({0})", "float", {}),
-    ("", "Sqrt"): ("tl.sqrt({0})", "float", {}),
-    ("", "Reciprocal"): ("1.0 / {0}", "float", {}),
-    ("", "Sigmoid"): ("tl.sigmoid({0})", "float", {}),
-    ("", "Tanh"): ("_tanh({0})", "float", {}),
-    ("", "Erf"): ("_erf({0})", "float", {}),
-    ("", "Floor"): ("tl.floor({0})", "float", {}),
-    ("", "Ceil"): ("tl.ceil({0})", "float", {}),
-    ("", "Round"): ("_round_even({0})", "float", {}),
-    ("", "Softplus"): ("_softplus({0})", "float", {}),
-    ("", "Softsign"): ("{0} / (1.0 + tl.abs({0}))", "float", {}),
-    ("", "Mish"): ("{0} * _tanh(_softplus({0}))", "float", {}),
-    ("", "IsNaN"): ("{0} != {0}", "float", {}),
+# Templates: {0}, {1}... are the inputs, {name} the attribute ``name`` (the op record's default when
+# the node has none) as a float literal. Kind: "any" dtype, "float" only, "bool" only.
+_TEMPLATES: dict[tuple[str, str], tuple[str, str, tuple[str, ...]]] = {
+    ("", "Identity"): ("{0}", "any", ()),
+    ("", "Add"): ("{0} + {1}", "any", ()),
+    ("", "Sub"): ("{0} - {1}", "any", ()),
+    ("", "Mul"): ("{0} * {1}", "any", ()),
+    ("", "Neg"): ("-{0}", "any", ()),
+    ("", "Abs"): ("tl.abs({0})", "any", ()),
+    ("", "PRelu"): ("tl.where({0} >= 0, {0}, {0} * {1})", "any", ()),
+    ("", "Where"): ("tl.where({0}, {1}, {2})", "any", ()),
+    ("", "Equal"): ("{0} == {1}", "any", ()),
+    ("", "Less"): ("{0} < {1}", "any", ()),
+    ("", "Greater"): ("{0} > {1}", "any", ()),
+    ("", "LessOrEqual"): ("{0} <= {1}", "any", ()),
+    ("", "GreaterOrEqual"): ("{0} >= {1}", "any", ()),
+    ("", "And"): ("{0} & {1}", "bool", ()),
+    ("", "Or"): ("{0} | {1}", "bool", ()),
+    ("", "Xor"): ("{0} ^ {1}", "bool", ()),
+    ("", "Not"): ("{0} == 0", "bool", ()),
+    ("", "Exp"): ("tl.exp({0})", "float", ()),
+    ("", "Log"): ("tl.log({0})", "float", ()),
+    ("", "Sqrt"): ("tl.sqrt({0})", "float", ()),
+    ("", "Reciprocal"): ("1.0 / {0}", "float", ()),
+    ("", "Sigmoid"): ("tl.sigmoid({0})", "float", ()),
+    ("", "Tanh"): ("_tanh({0})", "float", ()),
+    ("", "Erf"): ("_erf({0})", "float", ()),
+    ("", "Floor"): ("tl.floor({0})", "float", ()),
+    ("", "Ceil"): ("tl.ceil({0})", "float", ()),
+    ("", "Round"): ("_round_even({0})", "float", ()),
+    ("", "Softplus"): ("_softplus({0})", "float", ()),
+    ("", "Softsign"): ("{0} / (1.0 + tl.abs({0}))", "float", ()),
+    ("", "Mish"): ("{0} * _tanh(_softplus({0}))", "float", ()),
+    ("", "IsNaN"): ("{0} != {0}", "float", ()),
     ("", "LeakyRelu"): (
         "tl.where({0} >= 0, {0}, {0} * {alpha})",
         "float",
-        {"alpha": 0.009999999776482582},
+        ("alpha",),
     ),
-    ("", "ThresholdedRelu"): ("tl.where({0} > {alpha}, {0}, 0.0)", "float", {"alpha": 1.0}),
+    ("", "ThresholdedRelu"): ("tl.where({0} > {alpha}, {0}, 0.0)", "float", ("alpha",)),
     ("", "Shrink"): (
         "tl.where({0} < -{lambd}, {0} + {bias}, tl.where({0} > {lambd}, {0} - {bias}, 0.0))",
         "float",
-        {"bias": 0.0, "lambd": 0.5},
+        ("bias", "lambd"),
     ),
-    ("", "Swish"): ("{0} * tl.sigmoid({0} * {alpha})", "float", {"alpha": 1.0}),
-    ("tensorkiln", "SiLU"): ("{0} * tl.sigmoid({0})", "float", {}),
+    ("", "Swish"): ("{0} * tl.sigmoid({0} * {alpha})", "float", ("alpha",)),
+    ("tensorkiln", "SiLU"): ("{0} * tl.sigmoid({0})", "float", ()),
 }
 
 
 def _template(g, n, a):
-    template, kind, defaults = _TEMPLATES[(_domain(n), n.op)]
+    template, kind, names = _TEMPLATES[(_domain(n), n.op)]
     if kind == "float":
         _floats(*a)
     elif kind == "bool" and any(t.dtype != DType.BOOL for t in a):
         raise Unsupported(f"{n.op} on {a[0].dtype.name}")
-    attrs = {k: flt(_attr(n, k, d)) for k, d in defaults.items()}
+    attrs = {k: flt(_attr(n, k)) for k in names}
     return template.format(*(t.code for t in a), **attrs)
 
 
@@ -240,7 +253,7 @@ def _div(g, n, a):
 def _mod(g, n, a):
     x, y = a
     r = g.assign(f"{x.code} % {y.code}", x.dtype).code  # C fmod: the dividend's sign
-    if _attr(n, "fmod", 0) or not (x.is_float or x.dtype in _SIGNED):
+    if _attr(n, "fmod") or not (x.is_float or x.dtype in _SIGNED):
         return r
     return f"tl.where(({r} != 0) & (({r} < 0) != ({y.code} < 0)), {r} + {y.code}, {r})"
 
@@ -270,26 +283,22 @@ def _isinf(g, n, a):
     _floats(a[0])
     x = a[0].code
     parts = []
-    if _attr(n, "detect_negative", 1):
+    if _attr(n, "detect_negative"):
         parts.append(f"({x} == float('-inf'))")
-    if _attr(n, "detect_positive", 1):
+    if _attr(n, "detect_positive"):
         parts.append(f"({x} == float('inf'))")
     return " | ".join(parts) if parts else f"({x} != {x}) & ({x} == {x})"
 
 
 # Elu, Selu, Celu: gamma (max(x, 0) + alpha expm1(min(x, 0) / scale)), as the reference computes
-_ELU = {
-    "Elu": {"alpha": 1.0},
-    "Selu": {"alpha": 1.67326319217681884765625, "gamma": 1.05070102214813232421875},
-    "Celu": {"alpha": 1.0},
-}
+_ELU = {"Elu": ("alpha",), "Selu": ("alpha", "gamma"), "Celu": ("alpha",)}
 
 
 @_op(*_ELU)
 def _elu(g, n, a):
     _floats(a[0])
     x = a[0].code
-    p = {k: float(_attr(n, k, d)) for k, d in _ELU[n.op].items()}
+    p = {k: float(_attr(n, k)) for k in _ELU[n.op]}
     scale = p["alpha"] if n.op == "Celu" else 1.0
     neg = f"tl.minimum({x}, 0.0)" + (f" / {flt(scale)}" if scale != 1.0 else "")
     expr = f"(tl.maximum({x}, 0.0) + {flt(p['alpha'])} * _expm1({neg}))"
@@ -304,7 +313,7 @@ def _hard_sigmoid_expr(x: str, alpha: float, beta: float) -> str:
 @_op("HardSigmoid")
 def _hard_sigmoid(g, n, a):
     _floats(a[0])
-    alpha, beta = _attr(n, "alpha", 0.20000000298023224), _attr(n, "beta", 0.5)
+    alpha, beta = _attr(n, "alpha"), _attr(n, "beta")
     return _hard_sigmoid_expr(a[0].code, alpha, beta)
 
 
@@ -319,7 +328,7 @@ def _hard_swish(g, n, a):
 def _gelu(g, n, a):
     _floats(a[0])
     x = a[0].code
-    approximate = _attr(n, "approximate", "none")
+    approximate = _attr(n, "approximate")
     if approximate == "tanh":
         inner = f"_tanh(({x} * {x} * 0.044715 + 1.0) * {x} * 0.7978845608028654)"
     elif approximate == "none":

@@ -1,9 +1,9 @@
-"""Native shape rules, and symbolic value propagation for shape computations.
+"""Native shape rules of ONNX ops, and symbolic value propagation for shape computations.
 
-A rule takes an :class:`InferContext` and returns the output types of the node. Rules are registered
-in the plain dict :data:`RULES` keyed by (domain, op). Ops without a rule fall back to ONNX's schema
-inference (see :mod:`tensorkiln.ir.infer`); the rules here are the ones where symbolic dimensions
-matter (elementwise broadcasting, MatMul, Reshape and the ops that compute shapes).
+A rule takes an :class:`InferContext` and returns the output types of the node; :func:`rule` puts
+it on the op's record. Ops without a rule fall back to ONNX's schema inference (see
+:mod:`tensorkiln.ops.infer`); the rules here are the ones where symbolic dimensions matter
+(elementwise broadcasting, MatMul, Reshape and the ops that compute shapes).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import numpy as np
 
 from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product, fresh_dim
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.ir.graph import Dim, Node, Shape, TensorType, Type
+from tensorkiln.ir.graph import Dim, Graph, Node, Shape, TensorType, Type
+from tensorkiln.ops.onnx_ops import UNARY_ELEMENTWISE
+from tensorkiln.ops.records import Rule, rule
 
-Rule = Callable[["InferContext"], list[Type | None]]
-RULES: dict[tuple[str, str], Rule] = {}
+__all__ = ["InferContext", "Rule", "rule", "symbolic_value"]
 
 
 @dataclass(slots=True)
@@ -27,6 +28,8 @@ class InferContext:
     node: Node
     opset: int
     values: list[np.ndarray | None]  # known input values (object arrays hold symbolic dims)
+    # the inference that asked, for rules that infer a body graph the same way (Pointwise)
+    infer: Callable[[Graph], None] | None = None
 
     def type(self, i: int) -> Type | None:
         if i >= len(self.node.inputs) or self.node.inputs[i] is None:
@@ -59,15 +62,6 @@ def _py(x: Any) -> Dim:
     return x if isinstance(x, str) else int(x)
 
 
-def rule(*ops: str, domain: str = "") -> Callable[[Rule], Rule]:
-    def decorator(fn: Rule) -> Rule:
-        for op in ops:
-            RULES[(domain, op)] = fn
-        return fn
-
-    return decorator
-
-
 def _t(dtype: DType | None, shape: Shape | None) -> TensorType:
     return TensorType(dtype, None if shape is None else tuple(shape))
 
@@ -78,58 +72,24 @@ def _axis(axis: int, rank: int) -> int:
     return axis + rank if axis < 0 else axis
 
 
-_UNARY = [
-    "Abs",
-    "Acos",
-    "Acosh",
-    "Asin",
-    "Asinh",
-    "Atan",
-    "Atanh",
-    "BitwiseNot",
-    "Ceil",
-    "Celu",
-    "Clip",
-    "Cos",
-    "Cosh",
-    "Elu",
-    "Erf",
-    "Exp",
-    "Floor",
-    "Gelu",
-    "HardSigmoid",
-    "HardSwish",
-    "Hardmax",
-    "Identity",
-    "LeakyRelu",
-    "Log",
-    "LogSoftmax",
-    "LpNormalization",
-    "LRN",
-    "MeanVarianceNormalization",
-    "Mish",
-    "Neg",
-    "Reciprocal",
-    "Relu",
-    "Round",
-    "Selu",
-    "Shrink",
-    "Sigmoid",
-    "Sign",
-    "Sin",
-    "Sinh",
-    "Softmax",
-    "Softplus",
-    "Softsign",
-    "Sqrt",
-    "Swish",
-    "Tan",
-    "Tanh",
-    "ThresholdedRelu",
-]
+# Ops whose output has the type of their first input: the elementwise ops of one input (but those
+# with a bool output and Cast), and the normalizations along an axis.
+_SAME_TYPE = sorted(
+    {*UNARY_ELEMENTWISE} - {"Cast", "IsInf", "IsNaN", "Not"}
+    | {
+        "BitwiseNot",
+        "Hardmax",
+        "Identity",
+        "LogSoftmax",
+        "LpNormalization",
+        "LRN",
+        "MeanVarianceNormalization",
+        "Softmax",
+    }
+)
 
 
-@rule(*_UNARY)
+@rule(*_SAME_TYPE)
 def _same(ctx: InferContext) -> list[Type | None]:
     return [ctx.type(0)]
 

@@ -3,12 +3,14 @@
 For each node, in order:
 
 1. If every input's value is known (initializers, Constant nodes, shapes of static tensors) and small,
-   the node is evaluated with its reference kernel: its outputs become known values with exact types.
-   This is how shape computations (Shape -> Gather -> Concat -> Reshape) resolve.
+   the node is evaluated by the caller's ``evaluate`` (the reference kernels, through
+   :func:`tensorkiln.kernels.evaluate.infer_shapes`): its outputs become known values with exact
+   types. This is how shape computations (Shape -> Gather -> Concat -> Reshape) resolve. This module
+   knows no kernel: without ``evaluate`` only Constant nodes are evaluated.
 2. Ops that compute shapes (Shape, Gather, Concat, Slice, Unsqueeze, ...) also propagate *symbolic*
    values, so a dynamic batch "N" read by Shape and fed to Reshape stays "N".
-3. Otherwise a native rule from :mod:`tensorkiln.ir.shape_rules` gives the output types, or, for ops
-   without one, ONNX's own per-node schema inference does.
+3. Otherwise the op record's native shape rule (:mod:`tensorkiln.ops.shape_rules`) gives the output
+   types, or, for ops without one, ONNX's own per-node schema inference does.
 
 Native rules raise :class:`ShapeInferenceError` (naming the node) on incompatible inputs.
 """
@@ -16,6 +18,7 @@ Native rules raise :class:`ShapeInferenceError` (naming the node) on incompatibl
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -26,53 +29,46 @@ from tensorkiln.ir.dims import is_anonymous
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import Graph, Node, TensorType, Type, Value
 from tensorkiln.ir.onnx_types import from_type_proto, type_to_proto
-from tensorkiln.ir.shape_rules import RULES, InferContext, symbolic_value
+from tensorkiln.ops.records import BOUNDED, CONTROL, RANDOM, has_trait, shape_rule
+from tensorkiln.ops.shape_rules import InferContext, symbolic_value
+
+# How a caller evaluates a node ahead of time: its outputs computed on known input values, or
+# None when that is not possible or not wise (see tensorkiln.kernels.evaluate.evaluate_node).
+Evaluate = Callable[[Graph, Node, list], "list | None"]
 
 # Values up to this many elements are kept and used to evaluate downstream shape computations.
 _FOLD_LIMIT = 4096
-# The most bytes evaluating one node ahead of time (at import, in constant folding and shape
-# passes) may materialize, computed from the output shapes before anything is allocated. Folding
-# is for shape arithmetic and small weight transforms: the passes keep at most 1M elements per
-# output (passes.cleanup.FOLD_MAX_ELEMENTS, 8 MiB at 8 bytes each), so 16 MiB never refuses what
-# they want, while a 180-byte model whose ConstantOfShape asks for 4 GiB is left to run at run
-# time (the same idea as the size_threshold of onnx-graphsurgeon's fold_constants, Polygraphy's
-# --fold-size-threshold). Nodes whose output size cannot be known before running are not
-# evaluated, except those whose outputs are bounded by their inputs (_BOUNDED_BY_INPUTS).
-FOLD_MAX_BYTES = 16 << 20
-# Ops whose output sizes depend on input values but never exceed a small multiple of the inputs'
-# (NonZero: rank x count indices; Unique and Compress: at most their input).
-_BOUNDED_BY_INPUTS = frozenset({"NonZero", "Unique", "Compress"})
-# Ops whose outputs are random draws: never evaluated ahead of time, never merged.
-RANDOM_OPS = frozenset(
-    {
-        "RandomNormal",
-        "RandomUniform",
-        "RandomNormalLike",
-        "RandomUniformLike",
-        "Bernoulli",
-        "Multinomial",
-        "Dropout",
-    }
-)
-_NO_FOLD = RANDOM_OPS | {"If", "Loop", "Scan", "SequenceMap"}
 
 
-def infer_shapes(graph: Graph, known: dict[Value, np.ndarray] | None = None) -> None:
-    """Fill in the types of every value of ``graph`` (and its subgraphs) in place."""
+def no_fold(node: Node) -> bool:
+    """Whether ``node`` must never be evaluated ahead of time: random draws, control flow."""
+    return has_trait(node.op, node.domain, RANDOM) or has_trait(node.op, node.domain, CONTROL)
+
+
+def infer_shapes(
+    graph: Graph,
+    known: dict[Value, np.ndarray] | None = None,
+    *,
+    evaluate: Evaluate | None = None,
+) -> None:
+    """Fill in the types of every value of ``graph`` (and its subgraphs) in place; nodes whose
+    inputs are all known and small are evaluated by ``evaluate`` (only Constant nodes without)."""
     known = dict(known or {})
     for v in graph.initializers:
         if v.const is not None and v.const.size <= _FOLD_LIMIT:
             known[v] = v.const
     for node in graph.nodes:
         try:
-            _infer_node(graph, node, known)
+            _infer_node(graph, node, known, evaluate)
         except ShapeInferenceError:
             raise
         except TensorkilnError as exc:
             raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
 
 
-def infer_at_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> Graph:
+def infer_at_shapes(
+    graph: Graph, shapes: dict[str, tuple[int, ...]], *, evaluate: Evaluate | None = None
+) -> Graph:
     """A copy of ``graph`` with the named inputs at concrete ``shapes`` and every type inferred
     from them; the weights (of subgraphs too) are shared with ``graph``, not copied."""
     graphs = {id(graph): graph} | {id(g): g for g, _ in graph.walk()}
@@ -81,15 +77,17 @@ def infer_at_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> Graph:
     for v in g.inputs:
         if v.name in shapes and isinstance(v.type, TensorType):
             v.type = TensorType(v.type.dtype, tuple(shapes[v.name]))
-    infer_shapes(g)
+    infer_shapes(g, evaluate=evaluate)
     return g
 
 
-def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> None:
+def _infer_node(
+    graph: Graph, node: Node, known: dict[Value, np.ndarray], evaluate: Evaluate | None
+) -> None:
     for sub in node.subgraphs():
-        infer_shapes(sub, known)
+        infer_shapes(sub, known, evaluate=evaluate)
     values = [known.get(v) if v is not None else None for v in node.inputs]
-    folded = _try_fold(graph, node, values)
+    folded = _try_fold(graph, node, values, evaluate)
     if folded is not None:
         for v, arr in zip(node.outputs, folded):
             if v is not None and isinstance(arr, np.ndarray):
@@ -97,7 +95,7 @@ def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> Non
                 if arr.size <= _FOLD_LIMIT:
                     known[v] = arr
         return
-    for v, t in zip(node.outputs, node_types(graph, node, values)):
+    for v, t in zip(node.outputs, node_types(graph, node, values, evaluate)):
         if v is not None and t is not None:
             v.type = merge_types(v.type, t)
     sym = symbolic_value(InferContext(node, graph.opset(node.domain), values))
@@ -105,24 +103,29 @@ def _infer_node(graph: Graph, node: Node, known: dict[Value, np.ndarray]) -> Non
         known[node.outputs[0]] = sym
 
 
-def node_types(graph: Graph, node: Node, values: list) -> list[Type | None]:
+def node_types(
+    graph: Graph, node: Node, values: list, evaluate: Evaluate | None = None
+) -> list[Type | None]:
     """The node's output types from its native shape rule or, without one, ONNX's inference;
-    ``values`` are the input values known ahead of time (None where not)."""
-    if node.domain == "tensorkiln":
-        import tensorkiln.kernels.reference  # noqa: F401  (fused ops register their shape rules)
-    rule = RULES.get((node.domain, node.op))
+    ``values`` are the input values known ahead of time (None where not); ``evaluate`` is passed
+    on to rules that infer a body graph."""
+    rule = shape_rule(node.op, node.domain)
     if rule is None:
         return _onnx_infer(graph, node)
+
+    def infer_body(body: Graph) -> None:
+        infer_shapes(body, evaluate=evaluate)
+
     try:
-        return rule(InferContext(node, graph.opset(node.domain), values))
+        return rule(InferContext(node, graph.opset(node.domain), values, infer_body))
     except ShapeInferenceError:
         raise
     except (ValueError, IndexError, TypeError, KeyError) as exc:
         raise ShapeInferenceError(f"node '{node.name}' ({node.op}): {exc}") from None
 
 
-def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
-    if node.op in _NO_FOLD or any(True for _ in node.subgraphs()):
+def _try_fold(graph: Graph, node: Node, values: list, evaluate: Evaluate | None) -> list | None:
+    if no_fold(node) or any(True for _ in node.subgraphs()):
         return None
     present = [v for v, inp in zip(values, node.inputs) if inp is not None]
     if not present and node.op != "Constant":
@@ -131,39 +134,34 @@ def _try_fold(graph: Graph, node: Node, values: list) -> list | None:
         return None
     if sum(v.size for v in present) > _FOLD_LIMIT:
         return None
-    return evaluate_node(graph, node, values)
+    if evaluate is None:
+        return _constant(node)
+    return evaluate(graph, node, values)
 
 
-def evaluate_node(
-    graph: Graph, node: Node, args: list, *, max_bytes: int | None = None
-) -> list | None:
-    """The node's outputs computed by its reference kernel on ``args``, or None when that is not
-    possible (no kernel, a kernel that runs subgraphs, or one that rejects these inputs) or not
-    wise: outputs of more than ``max_bytes`` together (default :data:`FOLD_MAX_BYTES`), or of a
-    size unknown before running."""
-    from tensorkiln.kernels.registry import invoke, lookup  # late: kernels import the IR
-
-    try:
-        entry = lookup(node.op, node.domain, graph.opset(node.domain), node=node.name)
-    except TensorkilnError:
+def _constant(node: Node) -> list | None:
+    """A Constant node's value (what any evaluator gives), so that inference without kernels
+    still knows the shapes that constants spell."""
+    if node.op != "Constant" or node.domain != "" or len(node.attrs) != 1:
         return None
-    limit = FOLD_MAX_BYTES if max_bytes is None else max_bytes
-    if entry.wants_ctx or not _fits(graph, node, args, limit):
-        return None
-    try:
-        return invoke(entry, args, node.attrs, len(node.outputs))[: len(node.outputs)]
-    except Exception:  # a kernel that rejects these inputs: leave the node to the shape rules
-        return None
+    ((name, value),) = node.attrs.items()
+    if name == "value" and isinstance(value, np.ndarray):
+        return [value]
+    if name in ("value_int", "value_ints"):
+        return [np.asarray(value, dtype=np.int64)]
+    if name in ("value_float", "value_floats"):
+        return [np.asarray(value, dtype=np.float32)]
+    return None
 
 
-def _fits(graph: Graph, node: Node, args: list, max_bytes: int) -> bool:
+def fits(graph: Graph, node: Node, args: list, max_bytes: int) -> bool:
     """Whether evaluating ``node`` on ``args`` stays within ``max_bytes`` of outputs."""
     if node.op == "Constant" and node.domain == "":
         return True  # its output is its attribute, already in memory
     size = output_bytes(graph, node, args)
     if size is not None:
         return size <= max_bytes
-    if node.op not in _BOUNDED_BY_INPUTS or node.domain != "":
+    if not has_trait(node.op, node.domain, BOUNDED):
         return False
     inputs = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
     return 8 * inputs <= max_bytes  # (NonZero's int64 indices: up to rank x 8 bytes each)

@@ -1,0 +1,53 @@
+"""Backend-neutral attribute and shape checks of the fused ops (Attention, SqueezeExcite), shared
+by the reference and cuda trees."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+LAYOUTS_IN = ("bhsd", "bsd")
+LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
+MASK_KINDS = ("", "additive", "bool")
+
+
+def check_attention(mask_kind: str, input_layout: str, output_layout: str, has_mask: bool) -> None:
+    """Raise ValueError for an Attention node whose attributes are unknown or do not fit its
+    mask input."""
+    if mask_kind not in MASK_KINDS:
+        raise ValueError(f"mask_kind must be one of {MASK_KINDS}, got {mask_kind!r}")
+    if input_layout not in LAYOUTS_IN:
+        raise ValueError(f"input_layout must be one of {LAYOUTS_IN}, got {input_layout!r}")
+    if output_layout not in LAYOUTS_OUT:
+        raise ValueError(f"output_layout must be one of {LAYOUTS_OUT}, got {output_layout!r}")
+    if has_mask != (mask_kind != ""):
+        raise ValueError(f"mask_kind {mask_kind!r} does not fit the mask input ({has_mask})")
+
+
+def check_split_heads(shape: Sequence[int], heads: int, name: str) -> None:
+    """Raise ValueError unless ``shape`` is [B, S, heads * D] (input_layout 'bsd')."""
+    shape = tuple(shape)
+    if len(shape) != 3 or heads <= 0 or shape[2] % heads:
+        raise ValueError(f"{name} must be [B, S, {heads} * D] for input_layout 'bsd', got {shape}")
+
+
+def check_attention_rank(
+    q_shape: Sequence[int], k_shape: Sequence[int], v_shape: Sequence[int]
+) -> None:
+    """Raise ValueError unless Q, K and V are [B, H, S, D]."""
+    q, k, v = tuple(q_shape), tuple(k_shape), tuple(v_shape)
+    if not len(q) == len(k) == len(v) == 4:
+        raise ValueError(f"Q, K, V must be rank 4 [B, H, S, D], got {q}, {k}, {v}")
+
+
+def check_se_shapes(
+    x_shape: Sequence[int], w1_shape: Sequence[int], w2_shape: Sequence[int]
+) -> None:
+    """Raise ValueError unless X (N, C, H, W), W1 (S, C, 1, 1) and W2 (C, S, 1, 1) fit."""
+    x_shape, w1_shape, w2_shape = tuple(x_shape), tuple(w1_shape), tuple(w2_shape)
+    if len(x_shape) != 4:
+        raise ValueError(f"SqueezeExcite: X must be 4-D (N, C, H, W), got shape {x_shape}")
+    c = x_shape[1]
+    if len(w1_shape) != 4 or w1_shape[1:] != (c, 1, 1):
+        raise ValueError(f"SqueezeExcite: W1 must be (S, {c}, 1, 1), got {w1_shape}")
+    if len(w2_shape) != 4 or w2_shape != (c, w1_shape[0], 1, 1):
+        raise ValueError(f"SqueezeExcite: W2 must be ({c}, {w1_shape[0]}, 1, 1), got {w2_shape}")

@@ -1,0 +1,259 @@
+"""Records of the ``tensorkiln`` domain's fused ops: attributes with their defaults, traits, shape
+rules, and the activation table that ConvAct, GemmAct and SqueezeExcite share.
+
+The optimizer's passes make these nodes; every backend's kernels implement them (the reference
+kernels define their meaning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product, fresh_dim
+from tensorkiln.ir.graph import Graph, Shape, TensorType, Type
+from tensorkiln.ops.records import ELEMENTWISE, FUSED, define, rule
+from tensorkiln.ops.shape_rules import InferContext
+
+DOMAIN = "tensorkiln"
+
+# Activations a ConvAct/GemmAct epilogue applies ("" for none); parameters as on the ONNX op.
+ACTIVATIONS = (
+    "",
+    "Relu",
+    "LeakyRelu",
+    "Clip",
+    "Sigmoid",
+    "Swish",
+    "HardSigmoid",
+    "HardSwish",
+    "Gelu",
+    "GeluTanh",
+    "Tanh",
+)
+# ONNX's defaults of the activation parameters (alpha, beta), as float attributes store them
+ACTIVATION_DEFAULTS: dict[str, tuple[float | None, float | None]] = {
+    "LeakyRelu": (0.009999999776482582, None),
+    "Swish": (1.0, None),
+    "HardSigmoid": (0.20000000298023224, 0.5),
+}
+
+
+def check_activation(activation: str, what: str) -> None:
+    """Raise ValueError when ``activation`` is not one :data:`ACTIVATIONS` names."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{what}: unknown activation {activation!r}; known: {ACTIVATIONS[1:]}")
+
+
+_EPILOGUE = {
+    "activation": "",
+    "activation_alpha": None,
+    "activation_beta": None,
+    "activation_min": None,
+    "activation_max": None,
+}
+_CONV = {
+    "auto_pad": "NOTSET",
+    "dilations": None,
+    "group": 1,
+    "kernel_shape": None,
+    "pads": None,
+    "strides": None,
+}
+
+define(
+    "ConvAct",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act"},
+    doc="act(conv(X, W) + B + Z) ('add_act') or act(conv(X, W) + B) + Z ('act_add')",
+)
+define(
+    "GemmAct",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE},
+    doc="act(alpha * A' @ B' + beta * C) for a 2-D A, or A @ B' + C for a higher rank",
+)
+define(
+    "LayerNorm",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"axis": -1, "epsilon": 1e-5},
+    doc="layer normalization of X (+ residual), with the pre-norm sum as optional 2nd output",
+)
+define(
+    "RMSNorm",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"axis": -1, "epsilon": 1e-5},
+    doc="X / sqrt(mean(X^2) + epsilon) * scale",
+)
+define(
+    "Gelu",
+    domain=DOMAIN,
+    traits=[FUSED, ELEMENTWISE],
+    attributes={"approximate": "none"},
+    doc="ONNX Gelu, for models below opset 20",
+)
+define("SiLU", domain=DOMAIN, traits=[FUSED, ELEMENTWISE], attributes={}, doc="X * sigmoid(X)")
+define(
+    "Attention",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={
+        "scale": 0.0,
+        "causal": 0,
+        "mask_kind": "",
+        "num_heads": 0,
+        "input_layout": "bhsd",
+        "output_layout": "bhsd",
+    },
+    doc="softmax(Q K^T * scale + mask) V",
+)
+define(
+    "Pointwise",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={},
+    doc="a tree of elementwise ops held as a body graph",
+)
+define(
+    "SqueezeExcite",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={},  # activation*/gate* attributes, read by prefix; absent means none
+    doc="X * gate(conv1x1(act(conv1x1(mean(X)))))",
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape rules
+
+
+def _ints(values: Sequence[int] | None, n: int, default: int, what: str) -> tuple[int, ...]:
+    if values is None or len(values) == 0:
+        return (default,) * n
+    if len(values) != n:
+        raise ValueError(f"{what} has {len(values)} values but the input has {n} spatial axes")
+    return tuple(int(v) for v in values)
+
+
+def window_output_sizes(
+    in_sizes: Sequence[int],
+    kernel: Sequence[int],
+    strides: Sequence[int] | None = None,
+    dilations: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    auto_pad: str = "NOTSET",
+) -> list[int]:
+    """The output spatial sizes of a convolution (ONNX's formula; ``auto_pad`` resolved)."""
+    n = len(in_sizes)
+    kernel = _ints(kernel, n, 1, "kernel_shape")
+    strides = _ints(strides, n, 1, "strides")
+    dilations = _ints(dilations, n, 1, "dilations")
+    eff = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        out = [-(-i // s) for i, s in zip(in_sizes, strides)]
+    elif auto_pad == "VALID":
+        out = [(i - e) // s + 1 for i, e, s in zip(in_sizes, eff, strides)]
+    elif auto_pad in ("NOTSET", ""):
+        p = _ints(pads, 2 * n, 0, "pads")
+        out = [
+            (i + p[j] + p[j + n] - e) // s + 1
+            for j, (i, e, s) in enumerate(zip(in_sizes, eff, strides))
+        ]
+    else:
+        raise ValueError(
+            f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, not {auto_pad!r}"
+        )
+    if any(o <= 0 for o in out):
+        raise ValueError(
+            f"input spatial size {tuple(in_sizes)} is too small for kernel {kernel} with "
+            f"dilations {dilations} and pads {pads}"
+        )
+    return out
+
+
+@rule("ConvAct", domain=DOMAIN)
+def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
+    """(N, M, *out) with the conv geometry; symbolic spatial sizes give fresh symbols."""
+    xs, ws = ctx.shape(0), ctx.shape(1)
+    if xs is None or ws is None:
+        return [TensorType(ctx.dtype(0), None)]
+    spatial, kernel = xs[2:], ws[2:]
+    if all(isinstance(d, int) for d in (*spatial, *kernel)):
+        out: list = window_output_sizes(
+            spatial,  # type: ignore[arg-type]
+            kernel,  # type: ignore[arg-type]
+            ctx.attr("strides"),
+            ctx.attr("dilations"),
+            ctx.attr("pads"),
+            ctx.attr("auto_pad", "NOTSET"),
+        )
+    else:
+        out = [fresh_dim() for _ in spatial]
+    return [TensorType(ctx.dtype(0), (xs[0], ws[0], *out))]
+
+
+@rule("GemmAct", domain=DOMAIN)
+def _gemm_act_shape(ctx: InferContext) -> list[Type | None]:
+    """(M, N) for a 2-D A (transA applied), (*A[:-1], N) for a higher rank."""
+    a, b = ctx.shape(0), ctx.shape(1)
+    if a is None or b is None:
+        return [TensorType(ctx.dtype(0), None)]
+    n = b[0] if ctx.attr("transB", 0) else b[1]
+    if len(a) == 2 and ctx.attr("transA", 0):
+        return [TensorType(ctx.dtype(0), (a[1], n))]
+    return [TensorType(ctx.dtype(0), (*a[:-1], n))]
+
+
+@rule("LayerNorm", domain=DOMAIN)
+def _layer_norm_shape(ctx: InferContext) -> list[Type | None]:
+    shape = ctx.shape(0)
+    if len(ctx.node.inputs) > 3 and ctx.node.inputs[3] is not None:
+        res = ctx.shape(3)
+        shape = None if shape is None or res is None else broadcast_shapes(shape, res)
+    t = TensorType(ctx.dtype(0), shape)
+    return [t] * len(ctx.node.outputs)
+
+
+@rule("RMSNorm", "Gelu", "SiLU", "SqueezeExcite", domain=DOMAIN)
+def _same_as_input_shape(ctx: InferContext) -> list[Type | None]:
+    return [TensorType(ctx.dtype(0), ctx.shape(0))]
+
+
+def _heads_view(shape: Shape | None, heads: int) -> Shape | None:
+    """[B, S, H*D] -> [B, H, S, D] as a shape."""
+    if shape is None or len(shape) != 3:
+        return None
+    d = dim_divide(shape[2], heads)
+    return None if d is None else (shape[0], heads, shape[1], d)
+
+
+@rule("Attention", domain=DOMAIN)
+def _attention_shape(ctx: InferContext) -> list[Type | None]:
+    q, k, v = ctx.shape(0), ctx.shape(1), ctx.shape(2)
+    if ctx.attr("input_layout", "bhsd") == "bsd":
+        heads = int(ctx.attr("num_heads", 0))
+        q, k, v = (_heads_view(x, heads) for x in (q, k, v))
+    if any(x is None or len(x) != 4 for x in (q, k, v)):
+        return [TensorType(ctx.dtype(0), None)]
+    b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # type: ignore[index]
+    s, dv = q[2], v[3]  # type: ignore[index]
+    layout = ctx.attr("output_layout", "bhsd")
+    shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
+    return [TensorType(ctx.dtype(0), shape[layout])]
+
+
+@rule("Pointwise", domain=DOMAIN)
+def _pointwise_shape(ctx: InferContext) -> list[Type | None]:
+    """The body's output types, inferred (by the inference that asked) with the node's input
+    types bound to the body's inputs."""
+    body: Graph = ctx.attr("body")
+    for i, v in enumerate(body.inputs):
+        t = ctx.type(i)
+        if isinstance(t, TensorType):
+            v.type = t
+    if ctx.infer is not None:
+        ctx.infer(body)
+    return [v.type for v in body.outputs]
