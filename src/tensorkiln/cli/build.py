@@ -271,7 +271,7 @@ def print_report(
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
-    if engine.backend == "cuda":
+    if engine.runtime_backend.autotunes:
         _print_tuning(engine, report)
     kept = [x for x in report.layers if x.get("fallback")]
     if kept:  # tuning could not measure these; they run their default kernel

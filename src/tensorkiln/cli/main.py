@@ -73,13 +73,15 @@ def _add_ops(sub: Any) -> None:
 
 
 def _run_ops(args: argparse.Namespace) -> int:
-    from tensorkiln.kernels.registry import normalize_domain, registered_ops
+    from tensorkiln.kernels.registry import (  # lazy: CLI start time
+        host_ops,
+        normalize_domain,
+        registered_ops,
+    )
 
     domain = None if args.domain is None else normalize_domain(args.domain)
     rows = registered_ops(args.backend, domain)
-    host: dict = {}
-    if args.backend in ("cpu", "cuda"):  # the cpu backend runs the cuda backend's torch kernels
-        from tensorkiln.kernels.cuda.host import HOST_OPS as host
+    host = host_ops(args.backend)
     for d, op in rows:
         why = host.get((d, op))
         print(f"{d or 'ai.onnx'}\t{op}" + (f"\thost: {why}" if why else ""))

@@ -23,8 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda import cpu_native
-from tensorkiln.kernels.cuda.cpu_conv import (
+from tensorkiln.kernels.cpu import native as cpu_native
+from tensorkiln.kernels.cpu.conv import (
     cpu_layout,
     fused_activation,
     packed_conv,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
+from tensorkiln.kernels.cpu.conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.reference import nn as ref
 from tensorkiln.kernels.reference._window import Geometry, ints

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.nn import compute_dtype, torch_pads
 from tensorkiln.kernels.reference import pool as ref

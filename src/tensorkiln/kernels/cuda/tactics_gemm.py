@@ -17,7 +17,7 @@ from functools import partial
 
 from tensorkiln.kernels.reference.nn import _conv_geometry, conv_geometry
 from tensorkiln.kernels.triton import available, interpreting
-from tensorkiln.tactics.registry import LayerSpec, tactic
+from tensorkiln.kernels.tactics import LayerSpec, tactic
 
 if available():
     from tensorkiln.kernels.triton import conv, gemm

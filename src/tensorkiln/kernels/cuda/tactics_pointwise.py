@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from tensorkiln.kernels.triton import available, interpreting
-from tensorkiln.tactics.registry import LayerSpec, tactic
+from tensorkiln.kernels.tactics import LayerSpec, tactic
 
 NORM_DTYPES = frozenset(["float16", "bfloat16", "float32"])
 

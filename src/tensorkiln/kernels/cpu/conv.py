@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.reference._window import Geometry
 
 _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations, group): packed}
