@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tensorkiln.backends.base import Backend
+from tensorkiln.backends.reference import ReferenceBackend
 from tensorkiln.errors import EngineCompatibilityError, InputError, TensorkilnError
 
 NAMES = ("reference", "cpu", "cuda")
@@ -77,8 +78,6 @@ def get_backend(name: str | Backend = "reference", device: Any = None) -> Backen
     if name == "reference":
         if device not in (None, "cpu"):
             raise TensorkilnError(f"the reference backend runs on the CPU, not on '{device}'")
-        from tensorkiln.backends.reference import ReferenceBackend
-
         return ReferenceBackend()
     if name not in NAMES:
         raise TensorkilnError(f"unknown backend '{name}'; choose reference, cpu or cuda")

@@ -18,6 +18,8 @@ from tensorkiln.cli import build, compare, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import TensorkilnError
+from tensorkiln.kernels.registry import host_ops, normalize_domain, registered_ops
+from tensorkiln.version import __version__
 
 __all__ = ["main", "parse_shapes"]
 
@@ -34,15 +36,13 @@ Run `tensorkiln COMMAND --help` for each command's options.
 
 
 def _parser() -> argparse.ArgumentParser:
-    import tensorkiln
-
     p = ArgumentParser(
         prog="tensorkiln",
         description="An open deep-learning inference optimizer and runtime: ONNX model in, engine out.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"tensorkiln {tensorkiln.__version__}")
+    p.add_argument("--version", action="version", version=f"tensorkiln {__version__}")
     add_common(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     build.add_parser(sub)
@@ -73,12 +73,6 @@ def _add_ops(sub: Any) -> None:
 
 
 def _run_ops(args: argparse.Namespace) -> int:
-    from tensorkiln.kernels.registry import (  # lazy: CLI start time
-        host_ops,
-        normalize_domain,
-        registered_ops,
-    )
-
     domain = None if args.domain is None else normalize_domain(args.domain)
     rows = registered_ops(args.backend, domain)
     host = host_ops(args.backend)

@@ -109,7 +109,8 @@ def get_tactic(op: str, domain: str, name: str) -> Tactic | None:
 
 
 def _load() -> None:
-    import tensorkiln.kernels.cuda  # noqa: F401  (lazy: torch; its modules register tactics)
+    # (the cuda tree's modules register their tactics on import)
+    import tensorkiln.kernels.cuda  # noqa: F401  # lazy: torch
 
 
 def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tensorkiln.kernels.reference.nn import _conv_geometry, conv_geometry
-from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.kernels.tactics import LayerSpec, tactic
+from tensorkiln.kernels.triton import available, interpreting
 
 if available():
     from tensorkiln.kernels.triton import conv, gemm
