@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln import backends as backends_module
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.errors import EngineCompatibilityError, InputError, TensorkilnError
 from tests.cli.helpers import CLI, assert_one_line_error, mlp_model

@@ -97,6 +97,11 @@ def device_of(name: str, target: dict[str, Any]) -> str:
     return "cpu" if on_cpu else "cuda"
 
 
+def for_target(name: str, target: dict[str, Any]) -> Backend:
+    """The backend that runs an engine of backend ``name`` recorded for ``target``."""
+    return get_backend(name, None if name == "reference" else device_of(name, target))
+
+
 def target_of(name: str, device: str | None = None) -> dict[str, Any]:
     """What an engine for backend ``name`` on ``device`` is bound to on this machine."""
     return get_backend(name, device).target()

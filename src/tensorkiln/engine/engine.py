@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.backends import NAMES as BACKENDS
-from tensorkiln.backends import Backend, check_target, device_of, get_backend, target_of
+from tensorkiln.backends import Backend, check_target, device_of, for_target, target_of
 from tensorkiln.engine import format as fmt
 from tensorkiln.engine.memory import max_profile_symbols, plan_memory
 from tensorkiln.engine.profile import OptimizationProfile
@@ -89,7 +89,7 @@ class Engine:
     @cached_property
     def runtime_backend(self) -> Backend:
         """The Backend object that runs this engine (``backend`` is its name)."""
-        return get_backend(self.backend, None if self.backend == "reference" else self.device)
+        return for_target(self.backend, self.target)
 
     @property
     def inputs(self) -> list[TensorSpec]:
