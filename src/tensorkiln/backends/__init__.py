@@ -92,14 +92,16 @@ def get_backend(name: str | Backend = "reference", device: Any = None) -> Backen
 
 
 def device_of(name: str, target: dict[str, Any]) -> str:
-    """The torch device type an engine of backend ``name`` bound to ``target`` runs on."""
-    on_cpu = name == "cpu" or target.get("torch_device") == "cpu"
-    return "cpu" if on_cpu else "cuda"
+    """The device an engine of backend ``name`` bound to ``target`` runs on: 'cuda' for the
+    cuda backend on a GPU, else 'cpu' (the reference and cpu backends, and the cuda backend's
+    kernels on torch CPU tensors)."""
+    on_gpu = name == "cuda" and target.get("torch_device") != "cpu"
+    return "cuda" if on_gpu else "cpu"
 
 
 def for_target(name: str, target: dict[str, Any]) -> Backend:
     """The backend that runs an engine of backend ``name`` recorded for ``target``."""
-    return get_backend(name, None if name == "reference" else device_of(name, target))
+    return get_backend(name, device_of(name, target))
 
 
 def target_of(name: str, device: str | None = None) -> dict[str, Any]:
