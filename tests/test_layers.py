@@ -26,11 +26,17 @@ fails, with the file, the line and both layers.
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from onnx import TensorProto, helper
+
 import tensorkiln
+from tensorkiln.builder import Builder
 
 SRC = Path(tensorkiln.__file__).resolve().parent
 PACKAGE = "tensorkiln"
@@ -236,3 +242,34 @@ def test_the_check_finds_and_names_violations(tmp_path: Path) -> None:
     unexplained = _unexplained(found)
     assert [m.split(": ", 1)[0] for m in unexplained] == [f"{where}:3", f"{where}:6"]
     assert "(runtime) imports tensorkiln.ir (ir) inside a function, marked" in unexplained[1]
+
+
+def test_loading_and_running_an_engine_imports_nothing_above_the_engine(tmp_path: Path) -> None:
+    """The runtime side (engine, runtime, backends) stands alone: no builder, autotuner, optimizer
+    or precision code, and no torch for a reference engine."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])],
+        "relu",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    path = tmp_path / "relu.engine"
+    Builder("reference").build(model.SerializeToString(), progress=False).save(path)
+    script = (
+        "import sys, numpy as np\n"
+        "from tensorkiln.engine import Engine\n"
+        f"engine = Engine.load({str(path)!r})\n"
+        "x = np.random.default_rng().standard_normal((2, 3)).astype(np.float32)\n"
+        "with engine.create_execution_context() as ctx:\n"
+        "    assert np.array_equal(ctx.infer({'x': x})['y'], np.maximum(x, 0))\n"
+        "above = ('builder', 'tactics', 'passes', 'precision', 'cli')\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[:2][-1] in above\n"
+        "             and m.startswith('tensorkiln.')), 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(SRC.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]", "False"]

@@ -95,6 +95,15 @@ class Backend(ABC):
         """Process-wide setup before a context of this backend first runs (allocator, ...)."""
         return None
 
+    def acquire_pool(self, kind: str = "activations") -> tuple[Any, Any]:
+        """A (memory pool, stream) pair for one context's ``kind`` of memory, on a backend with
+        streams; its memory is recycled, never destroyed (:meth:`release_pool` gives it back)."""
+        raise NotImplementedError(f"the {self.name} backend has no streams or memory pools")
+
+    def release_pool(self, pool: Any, stream: Any, kind: str = "activations") -> None:
+        """Give back a pair from :meth:`acquire_pool` once its context is gone."""
+        raise NotImplementedError(f"the {self.name} backend has no streams or memory pools")
+
     def synchronize(self) -> None:
         """Wait for the work queued on the device (a no-op on the host)."""
         return None

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from tensorkiln.backends import pools
 from tensorkiln.backends.base import host_memory
 from tensorkiln.backends.torch_common import TorchBackend
 from tensorkiln.errors import TensorkilnError
@@ -26,6 +27,14 @@ class CudaBackend(TorchBackend):
         gpu = device.type == "cuda"
         self.streams = gpu
         self.cuda_graphs = gpu
+
+    def acquire_pool(self, kind: str = "activations") -> tuple[Any, Any]:
+        """A (memory pool, stream) pair of ``kind`` for one context, recycled (backends/pools.py)."""
+        return pools.acquire(self.device, kind)
+
+    def release_pool(self, pool: Any, stream: Any, kind: str = "activations") -> None:
+        """Give back a pair from :meth:`acquire_pool` once its context is gone."""
+        pools.release(pool, stream, self.device, kind)
 
     def synchronize(self) -> None:
         if self.streams:

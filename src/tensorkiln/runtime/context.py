@@ -21,7 +21,7 @@ from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
 from tensorkiln.ir.infer import infer_at_shapes
 from tensorkiln.kernels.tactics import tactic_functions
-from tensorkiln.runtime import cpu_compile, pools
+from tensorkiln.runtime import cpu_compile
 from tensorkiln.runtime.cpu_threads import ThreadChoice
 from tensorkiln.runtime.device import ENQUEUE_LOCK, GraphRunner, bind_device_inputs, write_outputs
 from tensorkiln.runtime.executor import Executor, Observer
@@ -69,16 +69,15 @@ class ExecutionContext:
         self._compiled = _compiled_runs(engine, backend, compile)
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
-        dev = backend.device
         if backend.on_device and not backend.streams:  # torch CPU tensors: nothing is reserved
             _check_fits(engine.memory, backend, held=0)
         if backend.streams:
             # The context's activations come from its own memory pool, on the pool's own stream
             # (CUDA graphs capture into a pool of their own). The memory plan is reserved in the
             # pool before the first run (see _reserve); device_memory_bytes() shows what a run
-            # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
-            self._pool, self._stream = pools.acquire(dev)
-            weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
+            # needed beyond it. Pools are recycled, never destroyed (see backends/pools.py).
+            self._pool, self._stream = backend.acquire_pool("activations")
+            weakref.finalize(self, backend.release_pool, self._pool, self._stream, "activations")
             # before anything is allocated; a recycled pool's memory counts as available
             _check_fits(engine.memory, backend, held=self.device_memory_bytes())
             # the weights go to the device once per engine, outside any context's pool: every
@@ -91,7 +90,7 @@ class ExecutionContext:
                 # graphs and memory to the garbage collector, on whichever thread it runs)
                 executor, graph_inputs = self._executor, engine.graph.inputs
                 self._graphs = GraphRunner(
-                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), dev
+                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), backend
                 )
         # output shapes per set of input shapes: the same for every thread (a race only
         # computes an entry twice)

@@ -19,7 +19,6 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
-from tensorkiln.runtime import pools
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
@@ -116,16 +115,16 @@ class GraphRunner:
     (a layer reads device values on the host, say) runs eagerly, with one warning.
     """
 
-    def __init__(self, run: Any, device: Any) -> None:
+    def __init__(self, run: Any, backend: Backend) -> None:
         import torch
 
         self._run = run  # inputs (list of tensors) -> outputs (list)
-        self._device = device
+        self._device = backend.device
         self._graphs: dict[tuple, Any] = {}
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
-        # (recycled, never destroyed: see runtime/pools.py)
-        self.pool, self._stream = pools.acquire(device, "graphs")  # (captures run on the stream)
-        weakref.finalize(self, pools.release, self.pool, self._stream, device, "graphs")
+        # (recycled, never destroyed: see backends/pools.py)
+        self.pool, self._stream = backend.acquire_pool("graphs")  # (captures run on the stream)
+        weakref.finalize(self, backend.release_pool, self.pool, self._stream, "graphs")
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 
