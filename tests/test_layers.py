@@ -1,4 +1,4 @@
-"""Imports point down the pipeline, never up (DESIGN.md), and no function-level import hides a cycle.
+"""Imports point down the pipeline, never up (DESIGN.md); no function-level import hides a cycle.
 
 The layers, from the top (a module may import its own layer and any layer below it):
 

@@ -29,7 +29,7 @@ class CudaBackend(TorchBackend):
         self.cuda_graphs = gpu
 
     def acquire_pool(self, kind: str = "activations") -> tuple[Any, Any]:
-        """A (memory pool, stream) pair of ``kind`` for one context, recycled (backends/pools.py)."""
+        """A (memory pool, stream) pair of ``kind`` for one context (backends/pools.py)."""
         return pools.acquire(self.device, kind)
 
     def release_pool(self, pool: Any, stream: Any, kind: str = "activations") -> None:

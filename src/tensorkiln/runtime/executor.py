@@ -70,11 +70,12 @@ class Executor:
         specialized: dict[str, dict[tuple, Any]] | None = None,
     ) -> None:
         """``backend``: a Backend, or a backend's name made on ``device`` by
-        :func:`~tensorkiln.backends.get_backend`. ``tactics`` maps top-level node names to the function that runs them instead of the
-        op's registered kernel (the autotuner's choices). ``weights`` holds the initializers
-        already on a device, per device; executors given the same dict share them (an engine's
-        contexts do). ``specialized`` holds the cpu backend's shape-specialized functions of the top graph's
-        layers by name; executors given the same dict share them (an engine's contexts do)."""
+        :func:`~tensorkiln.backends.get_backend`. ``tactics`` maps top-level node names to the
+        function that runs them instead of the op's registered kernel (the autotuner's choices).
+        ``weights`` holds the initializers already on a device, per device; executors given the
+        same dict share them (an engine's contexts do). ``specialized`` holds the
+        shape-specialized functions of the top graph's layers by name, on a backend that keeps
+        them; executors given the same dict share them (an engine's contexts do)."""
         backend = get_backend(backend, device)
         self.graph = graph
         self.backend = backend
