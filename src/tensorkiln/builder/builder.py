@@ -18,6 +18,7 @@ from typing import Any
 
 import onnx
 
+from tensorkiln import precision as precision_rules  # (looked up per build, as tests patch it)
 from tensorkiln.backends import Backend, get_backend, resolve
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
 from tensorkiln.engine.engine import Engine
@@ -29,7 +30,6 @@ from tensorkiln.ir.infer import infer_shapes
 from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
-from tensorkiln.precision import cancellation_prone, kept_fp32_notes, reduce_precision
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
 from tensorkiln.tactics.cache import TimingCache
@@ -233,9 +233,10 @@ def _apply_precision(graph: Graph, precision: str) -> list[str]:
     """Lower the graph to ``precision``; returns notes naming the layers kept in fp32, and why."""
     if precision not in ("fp16", "bf16"):
         return []
-    keep = cancellation_prone(graph)
-    reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16, keep)
-    return kept_fp32_notes(keep, precision)
+    keep = precision_rules.cancellation_prone(graph)
+    dtype = DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16
+    precision_rules.reduce_precision(graph, dtype, keep)
+    return precision_rules.kept_fp32_notes(keep, precision)
 
 
 def _tune(
