@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from tensorkiln.backends import NAMES as BACKEND_NAMES
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.engine.schema import printable
@@ -44,9 +45,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def add_backend_option(p: argparse.ArgumentParser, help: str) -> None:
     """--backend, as the Builder takes it (checked here too, for argparse's one-line error)."""
-    p.add_argument(
-        "--backend", choices=("auto", "reference", "cpu", "cuda"), default="auto", help=help
-    )
+    p.add_argument("--backend", choices=("auto", *BACKEND_NAMES), default="auto", help=help)
 
 
 def add_subcommand(sub: Any, name: str, help: str, epilog: str) -> argparse.ArgumentParser:

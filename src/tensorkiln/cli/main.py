@@ -14,6 +14,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from tensorkiln.backends import NAMES as BACKEND_NAMES
 from tensorkiln.cli import build, compare, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
 from tensorkiln.engine.schema import printable
@@ -65,7 +66,7 @@ def _add_ops(sub: Any) -> None:
     p.add_argument("--domain", default=None, help="only this domain ('ai.onnx' is the default one)")
     p.add_argument(
         "--backend",
-        choices=("reference", "cpu", "cuda"),
+        choices=BACKEND_NAMES,
         default="reference",
         help="default: reference",
     )
