@@ -15,8 +15,7 @@ from tensorkiln.errors import (
 )
 from tensorkiln.frontends.onnx import import_onnx
 from tensorkiln.runtime import Runner, run_onnx
-
-__version__ = "0.1.0"
+from tensorkiln.version import __version__
 
 __all__ = [
     "GraphError",

@@ -15,7 +15,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile, plan_memory
-from tensorkiln.builder.memory import ALIGNMENT
+from tensorkiln.engine.memory import ALIGNMENT
 from tensorkiln.frontends.onnx import import_onnx
 from tensorkiln.ir import Graph, TensorType, Value
 from tests.engine import models as M

@@ -7,8 +7,8 @@ import warnings
 import numpy as np
 import pytest
 
-import tensorkiln.builder
 from tensorkiln.builder import Builder
+from tensorkiln.cli import build as build_command
 from tensorkiln.engine import Engine
 from tensorkiln.engine import format as fmt
 from tests.cli.helpers import assert_one_line_error, ort_outputs
@@ -236,9 +236,7 @@ def test_from_engine_never_uses_the_timing_cache_path_the_engine_names(
     fmt.write(original, plan, tensors)
 
     # the cuda builder (torch kernels on the CPU) is the one that reads and writes timing caches
-    monkeypatch.setattr(
-        tensorkiln.builder, "Builder", lambda backend: Builder("cuda", device="cpu")
-    )
+    monkeypatch.setattr(build_command, "Builder", lambda backend: Builder("cuda", device="cpu"))
     rebuilt = tmp_path / "rebuilt.engine"
     rc, _, err = cli("build", "--from-engine", original, "-o", rebuilt, "--opt-level", "0")
     assert rc == 0, err

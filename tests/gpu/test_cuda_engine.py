@@ -15,9 +15,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 
+from tensorkiln.backends import pools  # noqa: E402
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # noqa: E402
 from tensorkiln.engine import Engine  # noqa: E402
-from tensorkiln.runtime import Runner, pools  # noqa: E402
+from tensorkiln.runtime import Runner  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
 pytestmark = pytest.mark.gpu

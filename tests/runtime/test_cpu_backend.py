@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tensorkiln import backends as backends_module
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
-from tensorkiln.builder import builder as builder_module
 from tensorkiln.engine import Engine
 from tensorkiln.errors import EngineCompatibilityError, InputError, TensorkilnError
 from tests.cli.helpers import CLI, assert_one_line_error, mlp_model
@@ -205,12 +205,12 @@ def test_engine_file_round_trip(tmp_path: Path) -> None:
 
 
 def test_auto_is_cpu_without_a_gpu_and_reference_without_torch(monkeypatch) -> None:
-    monkeypatch.setattr(builder_module, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends_module, "cuda_available", lambda: False)
     assert Builder().backend == "cpu" and Builder().device == "cpu"
-    monkeypatch.setattr(builder_module, "_cuda_available", lambda: True)
-    assert builder_module.auto_backend() == "cuda"
+    monkeypatch.setattr(backends_module, "cuda_available", lambda: True)
+    assert backends_module.auto_backend() == "cuda"
     _without_torch(monkeypatch)
-    monkeypatch.setattr(builder_module, "_cuda_available", lambda: False)
+    monkeypatch.setattr(backends_module, "cuda_available", lambda: False)
     assert Builder().backend == "reference" and Builder().device is None
 
 
@@ -372,7 +372,7 @@ def test_residual_convolutions_on_held_weights_match_the_reference(
     """ConvAct with a residual on a weight the cpu backend holds: oneDNN's conv + add + ReLU in
     one call where the activation follows the add (or there is none), the separate passes
     otherwise; the same numbers as the numpy reference either way, first call and specialized."""
-    from tensorkiln.kernels.cuda.cpu_conv import hold_weight
+    from tensorkiln.kernels.cpu.conv import hold_weight
     from tensorkiln.kernels.cuda.fused_conv import conv_act
     from tensorkiln.kernels.reference.fused_conv import conv_act as reference
 

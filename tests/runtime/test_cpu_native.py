@@ -1,4 +1,4 @@
-"""The cpu backend's native convolution kernels (kernels/cuda/cpu_native.c): every geometry,
+"""The cpu backend's native convolution kernels (kernels/cpu/native.c): every geometry,
 activation and residual order against the numpy reference ConvAct, NaN and inf kept, the network
 path against onnxruntime, and the ways the library can be missing (no compiler, switched off, a
 cache folder others can write), where the cpu backend must run as before."""
@@ -15,8 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 ort = pytest.importorskip("onnxruntime")
 
-from tensorkiln.kernels.cuda import cpu_native  # noqa: E402
-from tensorkiln.kernels.cuda.cpu_conv import hold_weight  # noqa: E402
+from tensorkiln.kernels.cpu import native as cpu_native  # noqa: E402
+from tensorkiln.kernels.cpu.conv import hold_weight  # noqa: E402
 from tensorkiln.kernels.cuda.fused_conv import conv_act, geometry_of  # noqa: E402
 from tensorkiln.kernels.reference.fused_conv import conv_act as reference  # noqa: E402
 from tests.runtime.test_cpu_backend import RTOL, _build, _conv_net, _export  # noqa: E402
@@ -343,7 +343,7 @@ def test_source_builds_with_openmp_where_the_compiler_has_it(tmp_path: Path) -> 
 
 
 def test_malloc_tuning_is_skipped_where_asked_or_set_by_the_user(monkeypatch) -> None:
-    from tensorkiln.runtime import cpu_memory
+    from tensorkiln.backends import cpu_memory
 
     monkeypatch.setenv("TENSORKILN_CPU_MALLOC", "0")
     assert not cpu_memory.wanted()
@@ -363,7 +363,7 @@ def test_runs_at_batch_16_touch_no_new_pages_after_the_first(tmp_path: Path) -> 
     no page faults in steady state (before: tens of thousands a run at batch 16)."""
     import resource
 
-    from tensorkiln.runtime import cpu_memory
+    from tensorkiln.backends import cpu_memory
 
     if not cpu_memory.wanted():
         pytest.skip("malloc tuning is for glibc")

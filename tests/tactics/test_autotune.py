@@ -18,9 +18,9 @@ torch = pytest.importorskip("torch")
 from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
 from tensorkiln.engine import Engine  # noqa: E402
 from tensorkiln.errors import BuildError, EngineCompatibilityError  # noqa: E402
+from tensorkiln.kernels import tactics as registry  # noqa: E402
 from tensorkiln.kernels.registry import lookup  # noqa: E402
 from tensorkiln.runtime import Runner  # noqa: E402
-from tensorkiln.tactics import registry  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
 F = TensorProto.FLOAT
@@ -150,7 +150,7 @@ def test_engine_keeps_its_tactics_through_a_file(test_tactics, tmp_path, monkeyp
 
 
 def test_graph_and_eager_choices_are_kept_apart(test_tactics, tmp_path) -> None:
-    from tensorkiln.tactics.autotune import tactic_functions
+    from tensorkiln.kernels.tactics import tactic_functions
 
     engine, _ = _build(tmp_path)
     tuned = [x for x in engine.layers if x.get("timings_ms")]
@@ -230,8 +230,8 @@ def test_inspect_shows_tactics_and_runners_up(test_tactics, tmp_path, capsys) ->
 
 
 def test_pruning_keeps_the_best_estimated_candidates() -> None:
+    from tensorkiln.kernels.tactics import LayerSpec, Tactic
     from tensorkiln.tactics.autotune import _prune
-    from tensorkiln.tactics.registry import LayerSpec, Tactic
 
     spec = LayerSpec("MatMul", "", {}, ((8, 32), (32, 16)), ("float32", "float32"))
     scores = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7, "e": 0.2}
@@ -245,8 +245,8 @@ def test_pruning_keeps_the_best_estimated_candidates() -> None:
 
 def test_triton_gemm_estimates_favour_tiles_that_fill_the_gpu() -> None:
     pytest.importorskip("triton")
+    from tensorkiln.kernels.tactics import LayerSpec, tactics_for
     from tensorkiln.tactics.autotune import _prune
-    from tensorkiln.tactics.registry import LayerSpec, tactics_for
 
     def kept(m, k, n):
         spec = LayerSpec(

@@ -204,7 +204,7 @@ def test_a_candidate_may_be_as_far_off_as_the_default_within_reason() -> None:
 def test_a_failing_constraint_check_means_the_tactic_does_not_apply(monkeypatch) -> None:
     """A tactic's supports() or estimate() that raises on an odd layer rules the tactic out (or
     scores it 0); the build goes on with the tactics that do apply."""
-    from tensorkiln.tactics import registry
+    from tensorkiln.kernels import tactics as registry
 
     def broken(spec):
         raise IndexError("an attribute this check did not expect")

@@ -2,7 +2,7 @@
 
 from tensorkiln.builder.builder import Builder, BuildReport
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile, PrecisionWarning
-from tensorkiln.builder.memory import MemoryPlan, plan_memory
+from tensorkiln.engine.memory import MemoryPlan, plan_memory
 
 __all__ = [
     "BuildReport",

@@ -18,13 +18,21 @@ from typing import Any
 
 import onnx
 
+from tensorkiln import precision as precision_rules  # (looked up per build, as tests patch it)
+from tensorkiln.backends import Backend, get_backend, resolve
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
-from tensorkiln.builder.memory import max_profile_symbols, plan_memory
-from tensorkiln.engine.engine import Engine, target_of
+from tensorkiln.engine.engine import Engine
+from tensorkiln.engine.memory import max_profile_symbols, plan_memory
 from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
-from tensorkiln.ir import Graph
+from tensorkiln.ir import DType, Graph
+from tensorkiln.kernels.evaluate import infer_shapes
+from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.registry import lookup
+from tensorkiln.passes import PassManager
+from tensorkiln.runtime.mathmode import math_mode
+from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
+from tensorkiln.tactics.cache import TimingCache
 
 
 @dataclass
@@ -59,30 +67,6 @@ class BuildReport:
         return "\n".join(lines)
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def _torch_available() -> bool:
-    try:
-        import torch  # noqa: F401  (the cpu and cuda backends' optional dependency)
-    except ImportError:
-        return False
-    return True
-
-
-def auto_backend() -> str:
-    """What 'auto' builds for here: cuda on a GPU, else cpu where PyTorch is installed, else the
-    reference (numpy)."""
-    if _cuda_available():
-        return "cuda"
-    return "cpu" if _torch_available() else "reference"
-
-
 class Builder:
     """Builds engines for one backend: 'reference' (numpy, any CPU, the oracle), 'cpu' (the torch
     kernels on CPU tensors: oneDNN convolutions and GEMMs; needs PyTorch), 'cuda', or 'auto'
@@ -93,25 +77,8 @@ class Builder:
     """
 
     def __init__(self, backend: str = "auto", device: str | None = None) -> None:
-        if backend not in ("auto", "reference", "cpu", "cuda"):
-            raise InputError(f"unknown backend '{backend}'; choose auto, reference, cpu or cuda")
-        if backend == "auto":
-            backend = auto_backend()
-        if backend == "cpu" and not _torch_available():
-            raise InputError(
-                "the cpu backend needs PyTorch, and this Python has none; install the CPU build "
-                "with `pip install torch --index-url https://download.pytorch.org/whl/cpu`, or "
-                "use backend='reference'"
-            )
-        if backend == "cuda" and device in (None, "cuda") and not _cuda_available():
-            raise InputError(
-                "the cuda backend needs PyTorch with a CUDA device, and this machine has none; "
-                "use backend='cpu' (PyTorch on the CPU), backend='reference' or 'auto'"
-            )
-        if device not in (None, "cpu", "cuda") or (backend == "cpu" and device == "cuda"):
-            raise InputError(f"unknown device '{device}' for the {backend} backend")
-        self.backend = backend
-        self.device = {"reference": None, "cpu": "cpu"}.get(backend, device or "cuda")
+        # (names, as users and configs give them; the Backend object is made at build time)
+        self.backend, self.device = resolve(backend, device)
         self.last_report: BuildReport | None = None
 
     def create_builder_config(self) -> BuilderConfig:
@@ -135,6 +102,7 @@ class Builder:
         """
         # precisions this backend cannot honour are refused or dropped with a warning
         config = (config or BuilderConfig()).for_backend(self.backend)
+        backend = get_backend(self.backend, self.device)
         report = BuildReport()
         with _Progress(progress) as bar:
             with _phase(report, "parse", bar):
@@ -150,13 +118,11 @@ class Builder:
             with _phase(report, "precision", bar):
                 report.notes += _apply_precision(graph, precision)
             with _phase(report, "tactics", bar):
-                if self.backend == "cuda":
-                    report.layers, report.timing_cache = _tune(
-                        graph, config, self.device, precision
-                    )
+                if backend.autotunes:
+                    report.layers, report.timing_cache = _tune(graph, config, backend, precision)
                     report.notes += _guessed_shapes_notes(graph, config)
                 else:
-                    report.layers = _choose_tactics(graph, self.backend)
+                    report.layers = _choose_tactics(graph, backend)
             with _phase(report, "memory", bar):
                 report.memory = plan_memory(
                     graph, max_profile_symbols(graph, config.profiles)
@@ -183,7 +149,7 @@ class Builder:
                 "timing_cache": report.timing_cache,
                 "notes": report.notes,
             },
-            target=target_of(self.backend, self.device),
+            target=backend.target(),
         )
 
 
@@ -206,10 +172,6 @@ def optimize(
     (None: all); returns matches per pass."""
     if level <= 0:
         return {}
-    from tensorkiln.ir.verify import verify
-    from tensorkiln.kernels.evaluate import infer_shapes
-    from tensorkiln.passes import PassManager
-
     pm = PassManager(level, dump_dir=dump_dir, backend=backend)
     pm.run(graph)
     infer_shapes(graph)
@@ -271,21 +233,15 @@ def _apply_precision(graph: Graph, precision: str) -> list[str]:
     """Lower the graph to ``precision``; returns notes naming the layers kept in fp32, and why."""
     if precision not in ("fp16", "bf16"):
         return []
-    from tensorkiln.ir import DType
-    from tensorkiln.precision import cancellation_prone, kept_fp32_notes, reduce_precision
-
-    keep = cancellation_prone(graph)
-    reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16, keep)
-    return kept_fp32_notes(keep, precision)
+    keep = precision_rules.cancellation_prone(graph)
+    dtype = DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16
+    precision_rules.reduce_precision(graph, dtype, keep)
+    return precision_rules.kept_fp32_notes(keep, precision)
 
 
 def _tune(
-    graph: Graph, config: BuilderConfig, device: str | None, precision: str
+    graph: Graph, config: BuilderConfig, backend: Backend, precision: str
 ) -> tuple[list[dict], dict]:
-    from tensorkiln.runtime.mathmode import math_mode
-    from tensorkiln.tactics.autotune import TuneOptions, choose_tactics
-    from tensorkiln.tactics.cache import TimingCache
-
     cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
     shapes = _opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
@@ -300,7 +256,7 @@ def _tune(
         with math_mode(precision):
             layers = choose_tactics(
                 graph,
-                device,
+                backend,
                 shapes,
                 options,
                 cache,
@@ -392,11 +348,9 @@ def _input_shapes(
     return shapes
 
 
-def _choose_tactics(graph: Graph, backend: str) -> list[dict]:
-    from tensorkiln.tactics.autotune import describe_layer
-
+def _choose_tactics(graph: Graph, backend: Backend) -> list[dict]:
     return [
-        describe_layer(n, lookup(n.op, n.domain, graph.opset(n.domain), backend, node=n.name))
+        describe_layer(n, lookup(n.op, n.domain, graph.opset(n.domain), backend.name, node=n.name))
         for n in graph.nodes
     ]
 

@@ -6,6 +6,7 @@ import warnings
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.errors import BuildError, InputError
 
 PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
@@ -15,47 +16,6 @@ NOT_IMPLEMENTED = ("int8", "fp8")
 BACKEND_PRECISIONS = {"cuda": ("fp32", "tf32", "fp16", "bf16")}
 LOG_LEVELS = ("error", "warning", "info", "verbose")
 TACTIC_SOURCES = ("triton",)  # each tactic's name starts with its source: "triton_gemm_..."
-
-
-@dataclass
-class OptimizationProfile:
-    """min/opt/max shapes per dynamic input (TensorRT's IOptimizationProfile).
-
-    The engine accepts any input shape between ``min`` and ``max`` (per axis); ``opt`` is the shape
-    kernels are tuned for.
-    """
-
-    shapes: dict[str, tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = field(
-        default_factory=dict
-    )
-
-    def set_shape(self, name: str, min: Any, opt: Any, max: Any) -> OptimizationProfile:
-        lo, mid, hi = (tuple(int(d) for d in s) for s in (min, opt, max))
-        if not len(lo) == len(mid) == len(hi):
-            raise InputError(
-                f"profile for '{name}': min {lo}, opt {mid} and max {hi} differ in rank"
-            )
-        for axis, (a, b, c) in enumerate(zip(lo, mid, hi)):
-            if not 0 <= a <= b <= c:
-                raise InputError(
-                    f"profile for '{name}' axis {axis}: need 0 <= min <= opt <= max, got "
-                    f"{a}, {b}, {c}"
-                )
-        self.shapes[name] = (lo, mid, hi)
-        return self
-
-    def to_json(self) -> dict:
-        return {
-            k: {"min": list(a), "opt": list(b), "max": list(c)}
-            for k, (a, b, c) in self.shapes.items()
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> OptimizationProfile:
-        p = cls()
-        for name, s in data.items():
-            p.set_shape(name, s["min"], s["opt"], s["max"])
-        return p
 
 
 class PrecisionWarning(UserWarning):

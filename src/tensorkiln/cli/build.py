@@ -8,6 +8,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.builder.config import NOT_IMPLEMENTED, PrecisionWarning, implemented_precisions
 from tensorkiln.cli.common import (
     CLIError,
@@ -22,6 +23,7 @@ from tensorkiln.cli.common import (
     sniff_file,
     timing_cache_file,
 )
+from tensorkiln.engine.engine import read_plan, read_source_model
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import InputError
 
@@ -108,8 +110,6 @@ def add_parser(sub: Any) -> None:
 
 def profiles_from_args(args: argparse.Namespace) -> list[Any]:
     """Zero or one OptimizationProfile from --shapes and --min/--opt/--max-shapes."""
-    from tensorkiln.builder import OptimizationProfile
-
     fixed = parse_shapes(args.shapes, "--shapes")
     lo = parse_shapes(args.min_shapes, "--min-shapes")
     mid = parse_shapes(args.opt_shapes, "--opt-shapes")
@@ -141,8 +141,6 @@ def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
     compatibility checks, so an engine built for another device or tensorkiln version still yields
     its model.
     """
-    from tensorkiln.engine.engine import read_plan, read_source_model
-
     p = existing_file(path)
     plan = read_plan(p)
     source = read_source_model(p)  # checked against the sha256 the plan records
@@ -171,8 +169,6 @@ def wanted_precisions(args: argparse.Namespace, backend: str) -> set[str]:
 
 
 def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
-    from tensorkiln.builder import BuilderConfig, OptimizationProfile
-
     old = (plan or {}).get("build", {}).get("config", {}) if plan else {}
     config = BuilderConfig()
     # an old engine may record int8/fp8, which never did anything: a rebuild drops them
@@ -213,8 +209,6 @@ def run_build(args: argparse.Namespace) -> int:
 
 def build_engine(args: argparse.Namespace) -> tuple[Any, Any, float, Any]:
     """(engine, build report, seconds, config) for the build flags in ``args``; saves nothing."""
-    from tensorkiln.builder import Builder
-
     if (args.model is None) == (args.from_engine is None):
         raise CLIError("give either an ONNX model or --from-engine ENGINE (one of them)")
     plan = None
@@ -271,7 +265,7 @@ def print_report(
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():
             print(f"profile {i}: {name} min {list(lo)} opt {list(mid)} max {list(hi)}")
-    if engine.backend == "cuda":
+    if engine.runtime_backend.autotunes:
         _print_tuning(engine, report)
     kept = [x for x in report.layers if x.get("fallback")]
     if kept:  # tuning could not measure these; they run their default kernel

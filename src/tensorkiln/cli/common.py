@@ -12,8 +12,12 @@ from typing import Any, NoReturn
 
 import numpy as np
 
+from tensorkiln.backends import NAMES as BACKEND_NAMES
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
+from tensorkiln.engine import Engine
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
+from tensorkiln.frontends.onnx import open_model
 
 ENGINE_MAGIC = b"TKENGINE"
 
@@ -41,9 +45,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def add_backend_option(p: argparse.ArgumentParser, help: str) -> None:
     """--backend, as the Builder takes it (checked here too, for argparse's one-line error)."""
-    p.add_argument(
-        "--backend", choices=("auto", "reference", "cpu", "cuda"), default="auto", help=help
-    )
+    p.add_argument("--backend", choices=("auto", *BACKEND_NAMES), default="auto", help=help)
 
 
 def add_subcommand(sub: Any, name: str, help: str, epilog: str) -> argparse.ArgumentParser:
@@ -230,8 +232,6 @@ def not_a_model(path: Path, what: str) -> CLIError:
 
 def profile_from_shapes(shapes: dict[str, tuple[int, ...]]) -> Any:
     """One profile with min = opt = max for every named input (trtexec's --shapes at build time)."""
-    from tensorkiln.builder import OptimizationProfile
-
     profile = OptimizationProfile()
     for name, shape in shapes.items():
         profile.set_shape(name, shape, shape, shape)
@@ -254,16 +254,12 @@ def load_or_build(
     """Load an engine file, or build an ONNX model in memory (``shapes`` fixes dynamic inputs)."""
     import time
 
-    from tensorkiln.builder import Builder, BuilderConfig
-    from tensorkiln.engine import Engine
-
     p = existing_file(path)
     kind = sniff_file(p)  # by content, never by the file's name
     if kind == "engine":
         return Loaded(Engine.load(p), p)
     if kind is not None:
         raise not_a_model(p, kind)
-    from tensorkiln.frontends.onnx import open_model
 
     try:
         proto, external = open_model(p)  # parsed once, here; external data checked, not read

@@ -32,6 +32,7 @@ from tensorkiln.cli.inputs import (
     load_inputs,
     random_inputs,
 )
+from tensorkiln.frontends.onnx import load_model_proto
 
 DEFAULT_REL_L2 = 1e-4  # a correct fp32 engine: ~1e-7..1e-5; a wrong one: ~1
 DEFAULT_ATOL = 1e-5  # Polygraphy's defaults, for --check-error-stat
@@ -364,8 +365,6 @@ def _engine_of(path: str, model: Path) -> Loaded:
 
 def _check_built_from(loaded: Loaded, model: Path) -> None:
     """Refuse an engine whose recorded source sha256 is not this model's."""
-    from tensorkiln.frontends.onnx import load_model_proto
-
     source = loaded.engine.source
     recorded = source.get("sha256") if isinstance(source, dict) else None
     if not isinstance(recorded, str):

@@ -14,6 +14,7 @@ import numpy as np
 
 from tensorkiln.cli.common import CLIError, byte_count, existing_file, mib, sniff_file
 from tensorkiln.errors import InputError
+from tensorkiln.ir import DType
 
 
 def _input_specs(engine: Any, named: dict[str, Any], flag: str) -> dict[str, Any]:
@@ -87,8 +88,6 @@ def random_inputs(
 
     Raises InputError, before allocating, for an input of more than ``limit`` bytes.
     """
-    from tensorkiln.ir import DType
-
     rng = np.random.default_rng(seed)
     feeds = {}
     for spec in engine.inputs:
@@ -153,8 +152,6 @@ def load_raw_inputs(
 ) -> dict[str, np.ndarray]:
     """Inputs from raw binary files, one per input (trtexec's --loadInputs): each file holds the
     input's elements in its dtype, C order, for its shape; its size must match exactly."""
-    from tensorkiln.ir import DType
-
     specs = _input_specs(engine, files, "--loadInputs")
     feeds = {}
     for name, path in files.items():

@@ -19,8 +19,12 @@ from tensorkiln.cli.common import (
     print_table,
     shape_str,
 )
+from tensorkiln.engine import Engine
+from tensorkiln.engine import format as fmt
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import EngineCompatibilityError
+from tensorkiln.frontends.onnx import import_onnx
+from tensorkiln.ir.printer import format_graph
 
 EPILOG = """examples:
   tensorkiln inspect model.engine
@@ -50,9 +54,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 def describe_engine(path: Any) -> dict:
     """The engine's plan as a plain dict for people: IO with profile ranges, layers, memory, target."""
-    from tensorkiln.engine import Engine
-    from tensorkiln.engine import format as fmt
-
     plan, tensors = fmt.read(path)  # the container's checks and the plan's types
     try:
         Engine.load(path)
@@ -226,9 +227,6 @@ def _print_io(info: dict) -> None:
 
 
 def _inspect_onnx(path: Any, as_json: bool) -> int:
-    from tensorkiln.frontends.onnx import import_onnx
-    from tensorkiln.ir.printer import format_graph
-
     graph = import_onnx(path)
     if not as_json:
         for line in format_graph(graph).splitlines():  # names from the model, escaped too

@@ -14,10 +14,13 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from tensorkiln.backends import NAMES as BACKEND_NAMES
 from tensorkiln.cli import build, compare, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import TensorkilnError
+from tensorkiln.kernels.registry import host_ops, normalize_domain, registered_ops
+from tensorkiln.version import __version__
 
 __all__ = ["main", "parse_shapes"]
 
@@ -34,15 +37,13 @@ Run `tensorkiln COMMAND --help` for each command's options.
 
 
 def _parser() -> argparse.ArgumentParser:
-    import tensorkiln
-
     p = ArgumentParser(
         prog="tensorkiln",
         description="An open deep-learning inference optimizer and runtime: ONNX model in, engine out.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--version", action="version", version=f"tensorkiln {tensorkiln.__version__}")
+    p.add_argument("--version", action="version", version=f"tensorkiln {__version__}")
     add_common(p)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     build.add_parser(sub)
@@ -65,7 +66,7 @@ def _add_ops(sub: Any) -> None:
     p.add_argument("--domain", default=None, help="only this domain ('ai.onnx' is the default one)")
     p.add_argument(
         "--backend",
-        choices=("reference", "cpu", "cuda"),
+        choices=BACKEND_NAMES,
         default="reference",
         help="default: reference",
     )
@@ -73,13 +74,9 @@ def _add_ops(sub: Any) -> None:
 
 
 def _run_ops(args: argparse.Namespace) -> int:
-    from tensorkiln.kernels.registry import normalize_domain, registered_ops
-
     domain = None if args.domain is None else normalize_domain(args.domain)
     rows = registered_ops(args.backend, domain)
-    host: dict = {}
-    if args.backend in ("cpu", "cuda"):  # the cpu backend runs the cuda backend's torch kernels
-        from tensorkiln.kernels.cuda.host import HOST_OPS as host
+    host = host_ops(args.backend)
     for d, op in rows:
         why = host.get((d, op))
         print(f"{d or 'ai.onnx'}\t{op}" + (f"\thost: {why}" if why else ""))

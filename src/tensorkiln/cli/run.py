@@ -240,12 +240,13 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
     note = sys.stderr if args.json else sys.stdout
     feeds, origin = _feeds(args, engine, shapes)
     iterations, duration = _iterations_and_duration(args)
-    on_gpu = engine.backend == "cuda" and engine.device == "cuda"
+    backend = engine.runtime_backend
+    on_gpu = backend.cuda_graphs
     if (args.use_cuda_graph or args.device_io) and not on_gpu:
         raise CLIError(
             "--use-cuda-graph and --device-io need an engine of the cuda backend on a GPU"
         )
-    if args.cpu_compile and engine.backend != "cpu":
+    if args.cpu_compile and not backend.compiles:
         raise CLIError(f"--cpu-compile needs an engine of the cpu backend, not '{engine.backend}'")
     compiled = True if args.cpu_compile else None  # (None: the environment decides)
     with engine.create_execution_context(
@@ -253,9 +254,9 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
     ) as ctx:
         for name, arr in feeds.items():
             ctx.set_input_shape(name, np.shape(arr))  # a clear error for shapes outside the profile
-        run_feeds = _to_device(feeds) if args.device_io else feeds
+        run_feeds = {k: backend.to_device(v) for k, v in feeds.items()} if args.device_io else feeds
         timings, outputs = measure(ctx, run_feeds, args.warmup, iterations, duration)
-        outputs = _to_host(outputs)
+        outputs = {k: backend.to_host(v) for k, v in outputs.items()}
         held = ctx.device_memory_bytes() if on_gpu else None
         if args.use_cuda_graph and ctx.cuda_graph_fallback:
             print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
@@ -306,20 +307,6 @@ def _feeds(
     return feeds, "raw files" + (f", random for {', '.join(rest)}" if rest else "")
 
 
-def _to_device(feeds: dict) -> dict:
-    from tensorkiln.kernels.cuda.convert import to_torch
-
-    return {k: to_torch(v, "cuda") for k, v in feeds.items()}
-
-
-def _to_host(outputs: dict) -> dict:
-    if not any(type(v).__module__.startswith("torch") for v in outputs.values()):
-        return outputs
-    from tensorkiln.kernels.cuda.convert import to_numpy
-
-    return {k: to_numpy(v) for k, v in outputs.items()}
-
-
 def _result(
     args: argparse.Namespace,
     loaded: Any,
@@ -352,7 +339,9 @@ def _result(
         "throughput_qps": n / timings.wall_s if timings.wall_s > 0 else float("inf"),
         "latency_ms": stats_ms(timings.latency_s, args.percentile),
         "compute_ms": stats_ms(timings.compute_s, args.percentile),
-        "compute_measured_by": "cuda events" if loaded.engine.backend == "cuda" else "host clock",
+        "compute_measured_by": "cuda events"
+        if loaded.engine.runtime_backend.streams
+        else "host clock",
         "enqueue_ms": stats_ms(timings.enqueue_s, args.percentile),
         "host_ms": stats_ms(timings.host_s(), args.percentile),
     }

@@ -29,6 +29,7 @@ from tensorkiln.cli.common import (
 from tensorkiln.cli.inputs import (
     RANDOM_INPUT_LIMIT,
 )
+from tensorkiln.engine import Engine
 
 
 @dataclass(frozen=True)
@@ -327,8 +328,6 @@ def _build(opts: dict[str, Any]) -> Loaded:
 
 
 def _load(path: str) -> Loaded:
-    from tensorkiln.engine import Engine
-
     p = existing_file(path)
     kind = sniff_file(p)
     if kind is None:

@@ -8,25 +8,29 @@ from __future__ import annotations
 
 import hashlib
 import os
-import platform
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-import tensorkiln
+from tensorkiln.backends import NAMES as BACKENDS
+from tensorkiln.backends import Backend, check_target, device_of, for_target, target_of
 from tensorkiln.engine import format as fmt
+from tensorkiln.engine.memory import max_profile_symbols, plan_memory
+from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.engine.schema import printable
 from tensorkiln.engine.serialize import graph_from_json, graph_to_json
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
 from tensorkiln.ir import Graph, TensorType
 from tensorkiln.ir.verify import verify
+from tensorkiln.runtime.context import ExecutionContext
+from tensorkiln.runtime.executor import check_supported
+from tensorkiln.version import __version__
 
-if TYPE_CHECKING:
-    from tensorkiln.builder.config import OptimizationProfile
+__all__ = ["Engine", "TensorSpec", "read_plan", "read_source_model", "target_of"]
 
-BACKENDS = ("reference", "cpu", "cuda")
 SOURCE_KEY = "source/model.onnx"  # the tensor holding an embedded source model
 
 
@@ -43,34 +47,6 @@ class TensorSpec:
     def __str__(self) -> str:
         shape = "?" if self.shape is None else "x".join(str(d) for d in self.shape)
         return f"{'input ' if self.is_input else 'output'} {self.name}: {self.dtype} [{shape}]"
-
-
-def target_of(backend: str, device: str | None = None) -> dict[str, Any]:
-    """What an engine for ``backend`` is bound to on this machine (``device``: the cuda
-    backend's torch device, 'cuda' or 'cpu')."""
-    if backend == "reference":
-        return {"device": "cpu", "machine": platform.machine(), "numpy": np.__version__}
-    import torch  # the cpu and cuda backends need torch
-
-    if backend == "cpu":  # recorded, not enforced: torch picks its kernels per ISA at run time
-        isa = torch.backends.cpu.get_cpu_capability()
-        return {
-            "device": "cpu",
-            "machine": platform.machine(),
-            "torch": torch.__version__,
-            "isa": isa,
-        }
-
-    if device == "cpu":  # the cuda backend's kernels on torch CPU tensors
-        return {"device": "cpu", "torch_device": "cpu", "torch": torch.__version__}
-
-    props = torch.cuda.get_device_properties(0)
-    return {
-        "device": props.name,
-        "compute_capability": f"{props.major}.{props.minor}",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
 
 
 class Engine:
@@ -99,9 +75,8 @@ class Engine:
         self.build = dict(build or {})
         self.target = dict(target or target_of(backend))
         # the torch device a cuda engine runs on ('cpu' runs its kernels on torch CPU tensors)
-        on_cpu = backend == "cpu" or self.target.get("torch_device") == "cpu"
-        self.device = "cpu" if on_cpu else "cuda"
-        self.tensorkiln_version = tensorkiln.__version__
+        self.device = device_of(backend, self.target)
+        self.tensorkiln_version = __version__
         # the initializers on the device, uploaded by the first context and shared by all of them
         # (per device: {str(torch device): {value: tensor}})
         self.device_weights: dict[str, dict[Any, Any]] = {}
@@ -111,6 +86,11 @@ class Engine:
         self.cpu_specialized: dict[str, dict[Any, Any]] = {}
 
     # ------------------------------------------------------------------ description
+    @cached_property
+    def runtime_backend(self) -> Backend:
+        """The Backend object that runs this engine (``backend`` is its name)."""
+        return for_target(self.backend, self.target)
+
     @property
     def inputs(self) -> list[TensorSpec]:
         return [self._spec(v, True) for v in self.graph.inputs]
@@ -156,8 +136,6 @@ class Engine:
         the environment): run the engine through torch.compile, compiled at the first run per
         input shape (runtime/cpu_compile.py).
         """
-        from tensorkiln.runtime.context import ExecutionContext
-
         return ExecutionContext(self, profile_index, use_cuda_graph=use_cuda_graph, compile=compile)
 
     # ------------------------------------------------------------------ files
@@ -275,41 +253,13 @@ def _check_compatible(plan: dict, where: str) -> str:
     if backend not in BACKENDS:
         raise EngineFormatError(f"{where}: unknown backend {printable(repr(backend))} in the plan")
     hint = _rebuild_hint(plan, where)
-    if version != tensorkiln.__version__:
+    if version != __version__:
         raise EngineCompatibilityError(
             f"{where} was built by tensorkiln {printable(version)!r}; this is tensorkiln "
-            f"{tensorkiln.__version__}. {hint}"
+            f"{__version__}. {hint}"
         )
-    if backend == "cpu" or (backend == "cuda" and target.get("torch_device") == "cpu"):
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise EngineCompatibilityError(
-                f"{where} needs PyTorch, which is not installed; install the CPU build with "
-                "`pip install torch --index-url https://download.pytorch.org/whl/cpu`, or rebuild "
-                f"the engine with --backend reference. {hint}"
-            ) from None
-    elif backend == "cuda":
-        _check_gpu(target, where, hint)
+    check_target(backend, target, where, hint, show=lambda v: printable(repr(v)))
     return backend
-
-
-def _check_gpu(target: dict, where: str, hint: str) -> None:
-    def show(key: str) -> str:
-        return printable(repr(target.get(key)))
-
-    try:
-        here = target_of("cuda")
-    except Exception:  # no torch or no GPU here
-        raise EngineCompatibilityError(
-            f"{where} was built for the GPU ({show('device')}, compute capability "
-            f"{show('compute_capability')}); this machine has no usable CUDA device. {hint}"
-        ) from None
-    for key in ("device", "compute_capability"):
-        if target.get(key) != here[key]:
-            raise EngineCompatibilityError(
-                f"{where} was built for {key} {show(key)}; this machine has {here[key]!r}. {hint}"
-            )
 
 
 def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
@@ -331,8 +281,6 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
         )
         _check_io(engine, plan, where)
         _check_memory(engine, where)
-        from tensorkiln.runtime.executor import check_supported
-
         check_supported(graph, backend)
     except (EngineFormatError, EngineCompatibilityError):
         raise
@@ -346,8 +294,6 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
 
 
 def _profiles(plan: dict, where: str) -> list:
-    from tensorkiln.builder.config import OptimizationProfile
-
     try:
         return [OptimizationProfile.from_json(p) for p in plan["profiles"]]
     except TensorkilnError as exc:  # ranks that differ, min > opt or opt > max
@@ -367,8 +313,6 @@ def _check_memory(engine: Engine, where: str) -> None:
     if not engine.memory:
         return
     # (the builder's planner and its choice of symbol sizes, reused rather than copied)
-    from tensorkiln.builder.memory import max_profile_symbols, plan_memory
-
     expected = plan_memory(
         engine.graph, max_profile_symbols(engine.graph, engine.profiles)
     ).to_json()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import importlib
 import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -172,20 +173,41 @@ def as_outputs(result: Any, n_outputs: int) -> list[Any]:
 # kernels on CPU tensors (oneDNN convolutions and GEMMs), so it has no registry entries of its own
 KERNELS_OF = {"cpu": "cuda"}
 
+# the kernel trees (packages under tensorkiln/kernels) by registry key; importing one registers
+# its kernels. True: the tree needs PyTorch (an optional dependency), so it is imported when a
+# backend that runs it is first asked for, not before.
+_TREES = {"reference": False, "cuda": True}
+_LOADED: set[str] = set()
+
 
 def _ensure_loaded(backend: str) -> None:
-    if backend == "reference":
-        import tensorkiln.kernels.reference
-    elif backend in ("cuda", "cpu"):
+    tree = KERNELS_OF.get(backend, backend)
+    if tree in _LOADED or tree not in _TREES:
+        return
+    if _TREES[tree]:
         try:
-            import torch  # noqa: F401
+            import torch  # noqa: F401  (lazy: torch is optional)
         except ImportError:
             raise TensorkilnError(
                 f"the {backend} backend needs PyTorch, and this Python has none; install the "
                 "CPU build with `pip install torch --index-url "
                 "https://download.pytorch.org/whl/cpu`, or use the reference backend"
             ) from None
-        import tensorkiln.kernels.cuda  # noqa: F401  (registers the torch and Triton kernels)
+    # lazy: a tree imports its kernels' optional dependencies (torch, triton)
+    importlib.import_module(f"tensorkiln.kernels.{tree}")
+    _LOADED.add(tree)
+
+
+def host_ops(backend: str = "reference") -> dict[tuple[str, str], str]:
+    """(domain, op) -> why, for the ops whose kernels on ``backend`` run on the host (a tree's
+    ``host.HOST_OPS``; empty where it has none)."""
+    _ensure_loaded(backend)
+    tree = KERNELS_OF.get(backend, backend)
+    try:  # lazy: the tree's own modules, loaded above
+        module = importlib.import_module(f"tensorkiln.kernels.{tree}.host")
+    except ModuleNotFoundError:
+        return {}
+    return dict(getattr(module, "HOST_OPS", {}))
 
 
 def has_kernel(op: str, domain: str = "", backend: str = "reference") -> bool:

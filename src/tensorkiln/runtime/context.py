@@ -8,7 +8,6 @@ thread, so one thread never reads another's.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import weakref
@@ -17,13 +16,17 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.backends import Backend
 from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
 from tensorkiln.kernels.evaluate import infer_at_shapes
-from tensorkiln.runtime import cpu_memory, pools
+from tensorkiln.kernels.tactics import tactic_functions
+from tensorkiln.runtime import cpu_compile
 from tensorkiln.runtime.cpu_threads import ThreadChoice
-from tensorkiln.runtime.executor import Executor
+from tensorkiln.runtime.device import ENQUEUE_LOCK, GraphRunner, bind_device_inputs, write_outputs
+from tensorkiln.runtime.executor import Executor, Observer
 from tensorkiln.runtime.io import bind_inputs
+from tensorkiln.runtime.mathmode import math_mode
 
 
 class ExecutionContext:
@@ -53,43 +56,41 @@ class ExecutionContext:
         self.engine = engine
         self.profile_index = profile_index
         self.profile = engine.profiles[profile_index] if engine.profiles else None
+        self.backend: Backend = engine.runtime_backend
+        backend = self.backend
         self._executor = _executor(engine, "graph" if use_cuda_graph else "eager")
         self.precision = engine.build.get("precision", "fp32")
         self._stream = None
         self._graphs = None
         self._pool = None
-        # the cpu backend's thread count, measured per set of input shapes (cpu_threads.py)
-        self._threads = ThreadChoice() if engine.backend == "cpu" else None
-        if engine.backend == "cpu":
-            cpu_memory.tune()
-        self._compiled = _compiled_runs(engine, compile)
+        # a backend whose thread count is measured per set of input shapes (cpu_threads.py)
+        self._threads = ThreadChoice() if backend.thread_tuning else None
+        backend.prepare()
+        self._compiled = _compiled_runs(engine, backend, compile)
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
-        dev = self._executor.device
-        if dev is not None and dev.type != "cuda":  # torch CPU tensors: nothing is reserved
-            _check_fits(engine.memory, dev, held=0)
-        if dev is not None and dev.type == "cuda":
-            from tensorkiln.runtime.device import GraphRunner
-
+        if backend.on_device and not backend.streams:  # torch CPU tensors: nothing is reserved
+            _check_fits(engine.memory, backend, held=0)
+        if backend.streams:
             # The context's activations come from its own memory pool, on the pool's own stream
             # (CUDA graphs capture into a pool of their own). The memory plan is reserved in the
             # pool before the first run (see _reserve); device_memory_bytes() shows what a run
-            # needed beyond it. Pools are recycled, never destroyed (see runtime/pools.py).
-            self._pool, self._stream = pools.acquire(dev)
-            weakref.finalize(self, pools.release, self._pool, self._stream, dev, "activations")
+            # needed beyond it. Pools are recycled, never destroyed (see backends/pools.py).
+            self._pool, self._stream = backend.acquire_pool("activations")
+            weakref.finalize(self, backend.release_pool, self._pool, self._stream, "activations")
             # before anything is allocated; a recycled pool's memory counts as available
-            _check_fits(engine.memory, dev, held=self.device_memory_bytes())
+            _check_fits(engine.memory, backend, held=self.device_memory_bytes())
             # the weights go to the device once per engine, outside any context's pool: every
             # context of the engine reads the same tensors
             self._executor.upload_weights()
-            if not use_cuda_graph:
+            if not (use_cuda_graph and backend.cuda_graphs):
                 self._reserve(engine.memory)
             else:  # (a graph's activations are in its own pool, taken at capture)
                 # (the runner must not hold the context: a cycle would leave a dropped context's
                 # graphs and memory to the garbage collector, on whichever thread it runs)
                 executor, graph_inputs = self._executor, engine.graph.inputs
                 self._graphs = GraphRunner(
-                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), dev
+                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), backend
                 )
         # output shapes per set of input shapes: the same for every thread (a race only
         # computes an entry twice)
@@ -117,7 +118,7 @@ class ExecutionContext:
         """This thread's pair of CUDA timing events (made on its first call)."""
         events = getattr(self._local, "events", None)
         if events is None:
-            import torch
+            import torch  # lazy: torch is optional (only a GPU backend times with events)
 
             events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(2))
             self._local.events = events
@@ -203,6 +204,7 @@ class ExecutionContext:
         *,
         layer_times: dict[str, float] | None = None,
         outputs: Mapping[str, Any] | None = None,
+        observer: Observer | None = None,
     ) -> dict[str, Any]:
         """Run on ``feeds`` (name -> array); returns output name -> array.
 
@@ -212,29 +214,29 @@ class ExecutionContext:
         ``layer_times``, when given, receives each layer's seconds (added up over calls).
         :attr:`last_compute_s` holds the time this thread's last call spent running layers, the
         rest of the call being host-side work (input checks, output gathering).
+        ``observer(node, outputs)``, when given, sees every layer's outputs as they are produced
+        (as the backend holds them: ``ctx.backend.to_host`` copies them to numpy); such a call
+        runs layer by layer (no CUDA graph, no compiled program).
         """
-        if self._executor.device is not None:
-            return self._infer_device(feeds, layer_times, outputs)
+        if self.backend.on_device:
+            return self._infer_device(feeds, layer_times, outputs, observer)
         bound = bind_inputs(self.engine.graph, feeds)
         for v, arr in bound.items():
             if isinstance(arr, np.ndarray):
                 self._check_shape(v.name, v.shape, arr.shape)
         t0 = time.perf_counter()
-        results = self._executor.run(bound, layer_times)
+        results = self._executor.run(bound, layer_times, observer)
         self.last_compute_s = time.perf_counter() - t0
         return {v.name: r for v, r in zip(self.engine.graph.outputs, results)}
 
-    def _infer_device(self, feeds, layer_times, outputs) -> dict[str, Any]:
+    def _infer_device(self, feeds, layer_times, outputs, observer) -> dict[str, Any]:
         import contextlib
 
-        import torch
+        import torch  # lazy: torch is optional (a backend on a device has it)
 
-        from tensorkiln.kernels.cuda.convert import to_numpy
-        from tensorkiln.runtime.device import ENQUEUE_LOCK, bind_device_inputs, write_outputs
-        from tensorkiln.runtime.mathmode import math_mode
-
+        backend = self.backend
         graph = self.engine.graph
-        bound, as_tensors = bind_device_inputs(graph, feeds, self._executor.device)
+        bound, as_tensors = bind_device_inputs(graph, feeds, backend)
         for v, arr in bound.items():
             if hasattr(arr, "shape"):
                 self._check_shape(v.name, v.shape, tuple(arr.shape))
@@ -243,17 +245,16 @@ class ExecutionContext:
         events = self._thread_events() if stream is not None else ()
         caller = torch.cuda.current_stream(stream.device) if stream is not None else None
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        use_graph = self._graphs is not None and layer_times is None
+        plain = layer_times is None and observer is None  # (else: layer by layer)
+        use_graph = self._graphs is not None and plain
         pool = (
             torch.cuda.use_mem_pool(self._pool)
             if self._pool is not None and not use_graph
             else contextlib.nullcontext()
         )
-        # a cpu engine runs no CUDA math (TF32, Triton dots) and needs no autograd at all
-        on_cpu = self.engine.backend == "cpu"
-        mode = contextlib.nullcontext() if on_cpu else math_mode(self.precision)
-        grad = torch.inference_mode() if on_cpu else torch.no_grad()
-        with ENQUEUE_LOCK, mode, grad, ctx, pool:
+        # (a backend without CUDA math has no TF32 or Triton dots to set)
+        mode = math_mode(self.precision) if backend.math_modes else contextlib.nullcontext()
+        with ENQUEUE_LOCK, mode, backend.inference(), ctx, pool:
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [self._executor.upload_input(v, bound[v]) for v in graph.inputs]
@@ -264,7 +265,7 @@ class ExecutionContext:
                 events[0].record(stream)  # after the uploads: layers only
             if use_graph:
                 results = self._graphs(inputs)
-            elif self._compiled is not None and layer_times is None:
+            elif self._compiled is not None and plain:
                 key = _shapes_key(inputs)
                 results = self._threads.run(
                     key,
@@ -272,13 +273,13 @@ class ExecutionContext:
                         key, inputs, lambda: self._executor.run(dict(zip(graph.inputs, inputs)))
                     ),
                 )
-            elif self._threads is not None and layer_times is None:
+            elif self._threads is not None and plain:
                 results = self._threads.run(
                     _shapes_key(inputs),
                     lambda: self._executor.run(dict(zip(graph.inputs, inputs))),
                 )
             else:
-                results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times)
+                results = self._executor.run(dict(zip(graph.inputs, inputs)), layer_times, observer)
             if stream is not None:
                 events[1].record(stream)
                 self._local.timed = events
@@ -291,7 +292,7 @@ class ExecutionContext:
                 if isinstance(r, torch.Tensor) and r.is_cuda:
                     r.record_stream(caller)
         if not as_tensors:
-            named = {k: to_numpy(r) for k, r in named.items()}
+            named = {k: backend.to_host(r) for k, r in named.items()}
         self.last_compute_s = time.perf_counter() - t0
         return named
 
@@ -301,7 +302,7 @@ class ExecutionContext:
         largest) allocates and frees them, so the pool holds the blocks such a run takes before
         it starts. Kernels' own scratch memory (library workspaces) is not in the plan and is
         added by the first run that needs it."""
-        import torch
+        import torch  # lazy: torch is optional (only a GPU backend reserves)
 
         buffers = memory.get("buffers") or []
         if self._pool is None or not buffers:
@@ -364,7 +365,7 @@ class ExecutionContext:
         return None
 
 
-def _check_fits(memory: Mapping[str, Any], device: Any, held: int) -> None:
+def _check_fits(memory: Mapping[str, Any], backend: Backend, held: int) -> None:
     """Refuse a context whose memory plan cannot fit where it would run.
 
     The plan was checked against the engine's graph on loading (it is what the graph needs at the
@@ -374,22 +375,9 @@ def _check_fits(memory: Mapping[str, Any], device: Any, held: int) -> None:
     bound is the machine's memory.
     """
     need = memory.get("peak_bytes") or 0
-    limit, what = _memory_limit(device)
+    limit, what = backend.memory_limit()
     if limit is not None and need > limit + held:
         raise _too_big(need, limit + held, what)
-
-
-def _memory_limit(device: Any) -> tuple[int | None, str]:
-    """(bytes a context may plan for on ``device``, what that bound is); None: unknown."""
-    if device.type == "cuda":
-        import torch
-
-        free, _ = torch.cuda.mem_get_info(device)
-        return free, f"free on {torch.cuda.get_device_name(device)} (its context's pool included)"
-    try:  # (POSIX; elsewhere no bound is known)
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "of this machine's memory"
-    except (AttributeError, ValueError, OSError):
-        return None, ""
 
 
 def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityError:
@@ -401,13 +389,11 @@ def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityErro
     )
 
 
-def _compiled_runs(engine: Any, compile: bool | None) -> Any:
-    """The cpu backend's compiled path (runtime/cpu_compile.py) where asked for, else None."""
-    from tensorkiln.runtime import cpu_compile
-
+def _compiled_runs(engine: Any, backend: Backend, compile: bool | None) -> Any:
+    """The compiled path (runtime/cpu_compile.py) where asked for and the backend has it."""
     if not cpu_compile.wanted(compile):
         return None
-    if engine.backend != "cpu":
+    if not backend.compiles:
         if compile is None:  # (the environment asks for every context: only cpu ones take it)
             return None
         raise InputError(
@@ -418,21 +404,14 @@ def _compiled_runs(engine: Any, compile: bool | None) -> Any:
 
 
 def _executor(engine: Any, mode: str) -> Executor:
-    if engine.backend == "reference":
-        return Executor(engine.graph, "reference")
-    if engine.backend == "cpu":  # the torch kernels on CPU tensors, with the engine's weights
-        return Executor(
-            engine.graph,
-            "cpu",
-            "cpu",
-            weights=engine.device_weights,
-            specialized=getattr(engine, "cpu_specialized", None),
-        )
-    from tensorkiln.tactics.autotune import tactic_functions
-
-    tactics = tactic_functions(engine.graph, engine.layers, mode)
+    """The engine's executor: its backend, shared weights and shape-specialized functions,
+    and the tactics the builder chose (for ``mode``: "graph" or "eager")."""
     return Executor(
-        engine.graph, "cuda", engine.device, tactics=tactics, weights=engine.device_weights
+        engine.graph,
+        engine.runtime_backend,
+        tactics=tactic_functions(engine.graph, engine.layers, mode),
+        weights=engine.device_weights,
+        specialized=engine.cpu_specialized,
     )
 
 

@@ -3,8 +3,8 @@
 The plain loop calls one torch kernel per layer from Python; Inductor (torch.compile with
 freezing) traces the same kernels into one program, fuses the elementwise layers into their
 neighbours, folds the weights and prepacks them for oneDNN itself. The trace runs the kernels
-on their plain torch route (``Executor(..., plain=True)``: weights not held, no shape-specialized
-functions), as the prepacked oneDNN calls of the plain loop (cpu_conv.py) take opaque packed
+on their plain torch route (``Backend.plain()``: weights not held, no shape-specialized
+functions), as the prepacked oneDNN calls of the plain loop (kernels/cpu/conv.py) take opaque packed
 weights that dynamo cannot trace.
 
 Compiling takes seconds per input shape (dynamic=False: one program per set of input shapes,
@@ -24,6 +24,7 @@ import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
+from tensorkiln.backends import Backend
 from tensorkiln.ir import Graph
 from tensorkiln.runtime.executor import Executor, Scope, _run_step
 
@@ -51,7 +52,7 @@ def for_engine(engine: Any) -> CompiledRuns:
     with _SHARED_LOCK:
         runs = _SHARED.get(engine)
         if runs is None:
-            runs = _SHARED[engine] = CompiledRuns(engine.graph)
+            runs = _SHARED[engine] = CompiledRuns(engine.graph, engine.runtime_backend)
         return runs
 
 
@@ -59,10 +60,10 @@ class CompiledRuns:
     """Runs a cpu engine's graph through torch.compile, one compiled program per input-shape
     key, falling back to the plain loop for any key where compiling or running fails."""
 
-    def __init__(self, graph: Graph) -> None:
+    def __init__(self, graph: Graph, backend: Backend) -> None:
         self.graph = graph
         # its own weights: the plain loop's are held channels-last with prepacked copies
-        self._executor = Executor(graph, "cpu", "cpu", plain=True)
+        self._executor = Executor(graph, backend.plain())
         self._executor.upload_weights()  # (numpy conversions are not for the trace)
         self._program = _Program(self._executor, graph)
         self._compiled: Any = None  # torch.compile's wrapper, made at the first run

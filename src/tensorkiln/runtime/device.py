@@ -16,14 +16,14 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.backends import Backend
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
-from tensorkiln.runtime import pools
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
 def bind_device_inputs(
-    graph: Graph, feeds: Mapping[str, Any], device: Any
+    graph: Graph, feeds: Mapping[str, Any], backend: Backend
 ) -> tuple[dict[Value, Any], bool]:
     """Check ``feeds`` against the graph's inputs; returns (value -> tensor-or-array, whether the
     caller gave tensors, in which case outputs are returned as tensors)."""
@@ -34,15 +34,15 @@ def bind_device_inputs(
         return bind_inputs(graph, feeds), False
     expected = {v.name: v for v in graph.inputs}
     host = {k: x for k, x in feeds.items() if k not in tensors}
-    host.update({k: _placeholder(expected.get(k), t) for k, t in tensors.items()})
+    host.update({k: _placeholder(expected.get(k), t, backend) for k, t in tensors.items()})
     bound = bind_inputs(graph, host)  # names, dtypes and shapes checked once, the same way
     symbols: dict = {}
     for v in graph.inputs:
         t = tensors.get(v.name)
         if t is None:
             continue
-        if t.device != device:
-            t = t.to(device)
+        if t.device != backend.device:
+            t = t.to(backend.device)
         if isinstance(v.type, TensorType) and v.type.shape is not None:
             _check_shape(v.name, v.type.shape, tuple(t.shape), symbols)
         bound[v] = t
@@ -50,7 +50,7 @@ def bind_device_inputs(
 
 
 def _is_tensor_like(x: Any) -> bool:
-    import torch
+    import torch  # lazy: torch is optional (a backend on a device has it)
 
     return isinstance(x, torch.Tensor) or (
         not isinstance(x, np.ndarray) and hasattr(x, "__dlpack__")
@@ -58,7 +58,7 @@ def _is_tensor_like(x: Any) -> bool:
 
 
 def _as_tensor(name: str, x: Any) -> Any:
-    import torch
+    import torch  # lazy: torch is optional (a backend on a device has it)
 
     if isinstance(x, torch.Tensor):
         return x
@@ -68,12 +68,10 @@ def _as_tensor(name: str, x: Any) -> Any:
         raise InputError(f"input '{name}': cannot take it through DLPack ({exc})") from None
 
 
-def _placeholder(v: Value | None, t: Any) -> np.ndarray:
+def _placeholder(v: Value | None, t: Any, backend: Backend) -> np.ndarray:
     """A zero-stride numpy stand-in with ``t``'s dtype and shape, for the shared checks."""
-    from tensorkiln.kernels.cuda.convert import numpy_dtype
-
     try:
-        dt = numpy_dtype(t.dtype)
+        dt = backend.host_dtype(t.dtype)
     except KeyError:
         want = v.dtype.name if v is not None and v.dtype is not None else "?"
         raise InputError(
@@ -117,16 +115,16 @@ class GraphRunner:
     (a layer reads device values on the host, say) runs eagerly, with one warning.
     """
 
-    def __init__(self, run: Any, device: Any) -> None:
+    def __init__(self, run: Any, backend: Backend) -> None:
         import torch
 
         self._run = run  # inputs (list of tensors) -> outputs (list)
-        self._device = device
+        self._device = backend.device
         self._graphs: dict[tuple, Any] = {}
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
-        # (recycled, never destroyed: see runtime/pools.py)
-        self.pool, self._stream = pools.acquire(device, "graphs")  # (captures run on the stream)
-        weakref.finalize(self, pools.release, self.pool, self._stream, device, "graphs")
+        # (recycled, never destroyed: see backends/pools.py)
+        self.pool, self._stream = backend.acquire_pool("graphs")  # (captures run on the stream)
+        weakref.finalize(self, backend.release_pool, self.pool, self._stream, "graphs")
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 

@@ -4,6 +4,14 @@ The executor resolves every node's kernel once (a *plan*), then runs the plan: v
 keyed by Value identity and are dropped after their last use, so peak memory follows the live set.
 Subgraphs (If/Loop/Scan bodies) run through :meth:`Scope.run_graph`, which kernels receive as ``_ctx``;
 a subgraph sees the values of the scope that runs it.
+
+The executor talks to its :class:`~tensorkiln.backends.Backend` (upload, host copies, scope,
+synchronize) and reads its capabilities; it never asks which backend it is.
+
+An *observer* (``run(..., observer=fn)``) sees every value of the top graph as it is produced:
+``fn(node, outputs)`` after each node, with the node's outputs as the backend holds them (device
+tensors on a torch backend; ``backend.to_host`` copies them). Values computed inside subgraphs
+are not shown one by one: the If/Loop/Scan node that runs them is observed with its outputs.
 """
 
 from __future__ import annotations
@@ -13,12 +21,13 @@ import functools
 import inspect
 import time
 from collections import ChainMap
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from tensorkiln.backends import Backend, get_backend
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
 from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup, node_kwargs
@@ -43,28 +52,31 @@ class _Step:
     key_input: int | None = None
 
 
+# called with (node, outputs) after each top-graph node runs (see the module's docstring)
+Observer = Callable[[Node, list[Any]], None]
+
+
 class Executor:
     """Runs graphs on one backend; plans are made once per graph and reused."""
 
     def __init__(
         self,
         graph: Graph,
-        backend: str = "reference",
+        backend: Backend | str = "reference",
         device: Any = None,
         tactics: Mapping[str, Any] | None = None,
         weights: dict[str, dict[Value, Any]] | None = None,
         *,
-        plain: bool = False,
         specialized: dict[str, dict[tuple, Any]] | None = None,
     ) -> None:
-        """``tactics`` maps top-level node names to the function that runs them instead of the
-        op's registered kernel (the autotuner's choices). ``weights`` holds the initializers
-        already on a device, per device; executors given the same dict share them (an engine's
-        contexts do). ``plain`` (the cpu backend) runs its kernels on their plain torch route:
-        weights as they are (not held for prepacking), no shape-specialized functions, inputs
-        uploaded as they are; what torch.compile traces (runtime/cpu_compile.py).
-        ``specialized`` holds the cpu backend's shape-specialized functions of the top graph's
-        layers by name; executors given the same dict share them (an engine's contexts do)."""
+        """``backend``: a Backend, or a backend's name made on ``device`` by
+        :func:`~tensorkiln.backends.get_backend`. ``tactics`` maps top-level node names to the
+        function that runs them instead of the op's registered kernel (the autotuner's choices).
+        ``weights`` holds the initializers already on a device, per device; executors given the
+        same dict share them (an engine's contexts do). ``specialized`` holds the
+        shape-specialized functions of the top graph's layers by name, on a backend that keeps
+        them; executors given the same dict share them (an engine's contexts do)."""
+        backend = get_backend(backend, device)
         self.graph = graph
         self.backend = backend
         self.tactics = dict(tactics or {})
@@ -72,17 +84,17 @@ class Executor:
         self._constants: dict[int, dict[Value, Any]] = {}  # see constants()
         self._specialized = {} if specialized is None else specialized
         self._references: dict[int, KernelEntry | None] = {}  # for shadow_host_values
-        check_supported(graph, backend)
-        self.device = _device(backend, device)
-        # the cpu backend holds convolution weights channels-last, marked for prepacking, as its
-        # convolutions run them (kernels/cuda/cpu_conv.py says why)
-        self._plain = plain
-        held = backend == "cpu" and not plain
+        check_supported(graph, backend.name)
+        self.device = backend.device
+        self._on_device = backend.on_device
+        # a backend that holds convolution weights channels-last, marked for prepacking, as its
+        # convolutions run them (kernels/cpu/conv.py says why)
+        held = backend.holds_weights
         self._conv_weights = _conv_weights(graph) if held else frozenset()
         # and takes the inputs only those convolutions read channels-last in one copy
         self._conv_inputs = _conv_inputs(graph, self._conv_weights)
         # shape arithmetic mirrored on the host pays only where a device sync is the alternative
-        self._shadow = self.device is not None and backend != "cpu"
+        self._shadow = backend.host_mirror
         self._consts: dict[Value, Any] = (
             {} if weights is None else weights.setdefault(str(self.device), {})
         )
@@ -90,18 +102,11 @@ class Executor:
 
     def const(self, v: Value) -> Any:
         """The value of initializer ``v`` as this backend's kernels take it (on the device)."""
-        if self.device is None:
+        if not self._on_device:
             return v.const
         c = self._consts.get(v)
         if c is None:
-            from tensorkiln.kernels.cuda.convert import remember_host_values, to_torch
-
-            c = to_torch(v.const, self.device)
-            if v in self._conv_weights:
-                from tensorkiln.kernels.cuda.cpu_conv import hold_weight
-
-                c = hold_weight(c)
-            remember_host_values(c, v.const)
+            c = self.backend.constant(v.const, conv_weight=v in self._conv_weights)
             c = self._consts.setdefault(v, c)  # (another thread may have uploaded it first)
         return c
 
@@ -135,7 +140,7 @@ class Executor:
                 frees.setdefault(i, []).append(v)
         plan = []
         for i, n in enumerate(graph.nodes):
-            entry = lookup(n.op, n.domain, graph.opset(n.domain), self.backend, node=n.name)
+            entry = lookup(n.op, n.domain, graph.opset(n.domain), self.backend.name, node=n.name)
             fn = self.tactics.get(n.name) if graph is self.graph else None
             if fn is not None:
                 entry = with_fn(entry, fn)
@@ -155,65 +160,52 @@ class Executor:
         return plan
 
     def _specializes(self, entry: KernelEntry) -> bool:
-        """Whether steps of ``entry`` keep shape-specialized functions: on the cpu backend,
-        where the kernel offers them (a ``specialize`` attribute with the kernel's signature
+        """Whether steps of ``entry`` keep shape-specialized functions: on a backend that keeps
+        them, where the kernel offers them (a ``specialize`` attribute with the kernel's signature
         that returns a function of the same positional arguments for inputs of those shapes,
         or None)."""
         return (
-            self.backend == "cpu"
-            and not self._plain
+            self.backend.specializes
             and hasattr(entry.fn, "specialize")
             and not entry.wants_ctx
             and not entry.wants_n_outputs
         )
 
-    def run(self, feeds: Mapping[Value, Any], timings: dict[str, float] | None = None) -> list[Any]:
+    def run(
+        self,
+        feeds: Mapping[Value, Any],
+        timings: dict[str, float] | None = None,
+        observer: Observer | None = None,
+    ) -> list[Any]:
         """Run the top graph with ``feeds`` keyed by its input Values; returns its outputs in order.
 
         With ``timings``, each top-level node's seconds are added under its name (a node's
-        subgraphs count towards it).
+        subgraphs count towards it). ``observer(node, outputs)`` is called after each top-level
+        node (see the module's docstring).
         """
         scope = Scope(self, {})
         inputs = [feeds[v] for v in self.graph.inputs]
-        if self.device is None:
-            return scope.run_graph(self.graph, inputs, timings)
-        from tensorkiln.kernels.cuda.convert import use_device
-
-        with use_device(self.device):
+        if not self._on_device:
+            return scope.run_graph(self.graph, inputs, timings, observer)
+        with self.backend.scope():
             inputs = [self.upload_input(v, x) for v, x in zip(self.graph.inputs, inputs)]
-            return scope.run_graph(self.graph, inputs, timings)
+            return scope.run_graph(self.graph, inputs, timings, observer)
 
     def upload_input(self, v: Value, x: Any) -> Any:
         """Input ``x`` of graph input ``v`` as the kernels take it (a fresh tensor on the
         device for a numpy array; tensors as they are)."""
-        from tensorkiln.kernels.cuda.convert import to_torch
-
-        if v in self._conv_inputs:
-            from tensorkiln.kernels.cuda.cpu_conv import channels_last_input
-
-            t = channels_last_input(x)
-            if t is not None:
-                return t
-        return to_torch(x, self.device)
+        return self.backend.to_device(x, channels_last=v in self._conv_inputs)
 
     def shadow_host_values(self, node: Node, env: Mapping[Value, Any]) -> None:
         """Shape arithmetic on the device, mirrored on the host: when a node's small outputs come
         from inputs whose values (or, for Shape and Size, shapes) the host knows, compute them
         with the reference kernel too and attach them, so a later Reshape or Slice reads its
         shape without waiting for the device (and the engine stays capturable as a CUDA graph)."""
-        from tensorkiln.kernels.cuda.convert import (
-            HOST_VALUES_LIMIT,
-            host_values,
-            remember_host_values,
-        )
-
+        backend = self.backend
         outs = [env.get(v) for v in node.outputs if v is not None]
-        if not outs or not all(
-            hasattr(o, "numel") and o.numel() <= HOST_VALUES_LIMIT and host_values(o) is None
-            for o in outs
-        ):
+        if not outs or not all(backend.mirrorable(o) for o in outs):
             return
-        args = _host_args(node, env, host_values)
+        args = _host_args(node, env, backend.known_on_host)
         entry = self._reference_kernel(node) if args is not None else None
         if entry is None:
             return
@@ -224,7 +216,7 @@ class Executor:
         for v, r in zip(node.outputs, results):
             t = env.get(v) if v is not None else None
             if isinstance(r, np.ndarray) and t is not None and tuple(t.shape) == r.shape:
-                remember_host_values(t, r)
+                backend.remember_on_host(t, r)
 
     def _reference_kernel(self, node: Node) -> KernelEntry | None:
         key = id(node)
@@ -239,11 +231,8 @@ class Executor:
         return self._references[key]
 
     def synchronize(self) -> None:
-        """Wait for the device's queued work (a no-op on the reference backend)."""
-        if self.device is not None and self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.device)
+        """Wait for the device's queued work (a no-op on the host)."""
+        self.backend.synchronize()
 
 
 class Scope:
@@ -256,9 +245,15 @@ class Scope:
         self.env = env
 
     def run_graph(
-        self, graph: Graph, inputs: list[Any], timings: dict[str, float] | None = None
+        self,
+        graph: Graph,
+        inputs: list[Any],
+        timings: dict[str, float] | None = None,
+        observer: Observer | None = None,
     ) -> list[Any]:
-        """Run ``graph`` binding ``inputs`` positionally to its inputs; returns its outputs."""
+        """Run ``graph`` binding ``inputs`` positionally to its inputs; returns its outputs.
+        ``observer`` sees each node's outputs as they are produced (kernels that run
+        subgraphs call this without one)."""
         if len(inputs) > len(graph.inputs):
             raise KernelError(
                 f"subgraph '{graph.name}' takes {len(graph.inputs)} inputs, got {len(inputs)}"
@@ -280,6 +275,8 @@ class Scope:
                 timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
             if shadow:
                 self.executor.shadow_host_values(step.node, env)
+            if observer is not None:  # (before the step's last uses are dropped)
+                observer(step.node, [None if v is None else env[v] for v in step.outputs])
             for v in step.free:
                 local.pop(v, None)
         try:
@@ -388,29 +385,6 @@ def with_fn(entry: KernelEntry, fn: Any) -> KernelEntry:
     )
 
 
-def _device(backend: str, device: Any) -> Any:
-    """The torch device the cuda backend runs on (CUDA when present; "cpu" runs its kernels in
-    tests); None for the reference backend."""
-    if backend == "reference":
-        if device not in (None, "cpu"):
-            raise TensorkilnError(f"the reference backend runs on the CPU, not on '{device}'")
-        return None
-    import torch
-
-    if backend == "cpu":
-        if device not in (None, "cpu") and torch.device(device).type != "cpu":
-            raise TensorkilnError(f"the cpu backend runs on the CPU, not on '{device}'")
-        return torch.device("cpu")
-    if device is None:
-        if not torch.cuda.is_available():
-            raise TensorkilnError(
-                "the cuda backend needs a CUDA device and this machine has none (torch "
-                f"{torch.__version__}); use the reference backend"
-            )
-        device = "cuda"
-    return torch.device(device)
-
-
 def _conv_weights(graph: Graph) -> frozenset[Value]:
     """The initializers that are convolutions' weights (input 1 of Conv and ConvAct)."""
     return frozenset(
@@ -438,7 +412,8 @@ def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:
-    """Raise one UnsupportedOpError listing every node of ``graph`` the backend cannot run."""
+    """Raise one UnsupportedOpError listing every node of ``graph`` the backend (by name, as
+    engine files and configs give it) cannot run."""
     problems: list[str] = []
     seen: set[tuple[str, str]] = set()
     for g, n in graph.walk():

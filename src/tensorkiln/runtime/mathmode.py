@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+from tensorkiln.kernels import triton as tk_triton  # (imports without Triton itself)
+
 
 @contextlib.contextmanager
 def math_mode(precision: str) -> Iterator[None]:
@@ -44,10 +46,6 @@ def math_mode(precision: str) -> Iterator[None]:
 
 def _set_triton_dot(mode: str) -> str | None:
     """Set the Triton kernels' float32 dot precision; returns the previous one (None: no Triton)."""
-    try:
-        from tensorkiln.kernels import triton as tk_triton
-    except ImportError:
-        return None
     getter = getattr(tk_triton, "fp32_dot_precision", None)
     setter = getattr(tk_triton, "set_fp32_dot_precision", None)
     if getter is None or setter is None:

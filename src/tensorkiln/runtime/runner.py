@@ -8,9 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.backends import Backend, get_backend
+from tensorkiln.frontends.onnx import import_onnx
 from tensorkiln.ir import Graph
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.io import bind_inputs
+from tensorkiln.runtime.mathmode import math_mode
 
 
 class Runner:
@@ -24,16 +27,14 @@ class Runner:
         self,
         model: Graph | str | os.PathLike | bytes | Any,
         *,
-        backend: str = "reference",
+        backend: Backend | str = "reference",
         device: Any = None,
     ) -> None:
+        self.backend = get_backend(backend, device)
         if not isinstance(model, Graph):
-            from tensorkiln.frontends.onnx import import_onnx
-
-            model = import_onnx(model, backend=backend)
+            model = import_onnx(model, backend=self.backend.name)
         self.graph = model
-        self.backend = backend
-        self._executor = Executor(model, backend, device)
+        self._executor = Executor(model, self.backend)
 
     @property
     def input_names(self) -> list[str]:
@@ -46,14 +47,12 @@ class Runner:
     def infer(self, feeds: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """Run the model on ``feeds`` (input name -> array); returns output name -> array."""
         bound = bind_inputs(self.graph, feeds)
-        if self._executor.device is None:
-            results = self._executor.run(bound)
+        backend = self.backend
+        if not backend.math_modes:
+            results = [backend.to_host(r) for r in self._executor.run(bound)]
         else:
-            from tensorkiln.kernels.cuda.convert import to_numpy
-            from tensorkiln.runtime.mathmode import math_mode
-
             with math_mode("fp32"):  # TF32 off: cuDNN would use it for float32 convolutions
-                results = [to_numpy(r) for r in self._executor.run(bound)]
+                results = [backend.to_host(r) for r in self._executor.run(bound)]
         return dict(zip(self.output_names, results))
 
     def __enter__(self) -> Runner:

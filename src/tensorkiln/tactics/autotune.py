@@ -34,15 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from tensorkiln.errors import EngineCompatibilityError, GraphError
+from tensorkiln.backends import Backend
+from tensorkiln.errors import GraphError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.printer import format_graph
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache
 from tensorkiln.tactics.inputs import LayerInputs
-from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for
 
 # relative L2 error a candidate may show against the float32 oracle, by compute precision
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 1e-2, "bf16": 3e-2}
@@ -63,7 +64,7 @@ class TuneOptions:
 
 def choose_tactics(
     graph: Graph,
-    device: Any,
+    backend: Backend,
     shapes: dict[str, tuple[int, ...]],
     options: TuneOptions,
     cache: TimingCache | None = None,
@@ -74,13 +75,10 @@ def choose_tactics(
 
     Tactics are timed at ``shapes`` (the profile's opt shapes); ``also_shapes`` are the other
     input shapes the engine must run at (each profile's min and max): a tactic that does not
-    apply at one of them is not a candidate.
+    apply at one of them is not a candidate. ``backend``: one that autotunes (its tactics are
+    the cuda tree's; on a CPU device they run for tests, their timings meaning nothing).
     """
-    import torch
-
-    from tensorkiln.kernels.cuda.convert import use_device
-
-    executor = Executor(graph, "cuda", device)
+    executor = Executor(graph, backend)
     try:
         types = _concrete_types(graph, shapes)
         others = [_concrete_types(graph, s) for s in also_shapes if s != shapes]
@@ -89,7 +87,7 @@ def choose_tactics(
             raise
         types, others = {}, []  # nothing is timed: every layer keeps its default, unlisted
     layers = []
-    with use_device(executor.device), torch.no_grad():
+    with backend.scope(), backend.inference():
         # the real activations are only worth computing when something is measured on them
         values = LayerInputs(graph, executor, shapes) if _measures(options) else None
         for i, node in enumerate(graph.nodes):
@@ -113,7 +111,8 @@ def _measures(options: TuneOptions) -> bool:
 def _tune_layer(graph, node, executor, types, options, cache, log, values) -> dict:
     """``types``: the values' types at the opt shapes, then at the profiles' other shapes;
     ``values``: the graph's activations at the opt shapes (None when nothing is measured)."""
-    entry = lookup(node.op, node.domain, graph.opset(node.domain), "cuda", node=node.name)
+    opset = graph.opset(node.domain)
+    entry = lookup(node.op, node.domain, opset, executor.backend.name, node=node.name)
     layer = describe_layer(node, entry) | {"tactic": "default"}
     spec, *other_specs = (_spec(node, t, executor.device.type) for t in types)
     candidates = [
@@ -132,7 +131,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         layer["pruned"] = pruned
     if not options.enabled:
         return layer
-    key = TimingCache.key(_signature(node, spec, options, executor.device))
+    key = TimingCache.key(_signature(node, spec, options, executor.backend))
     hit = cache.get(key) if cache is not None else None
     if hit is not None and all(
         n == "default" or get_tactic(node.op, node.domain, n)
@@ -190,7 +189,7 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
         oracle = _oracle(entry, node, args, n_out, scope)
         default = invoke(entry, args, node.attrs, n_out, scope)
         default_err = _rel_error(default, oracle)
-        default_ms = _time(entry, args, node.attrs, n_out, scope, executor.device, options)
+        default_ms = _time(entry, args, node.attrs, n_out, scope, executor.backend, options)
     except Exception as exc:  # e.g. drawn inputs outside what the op accepts
         return _fallback(f"the default kernel failed on the tuning inputs: {_reason(exc)}")
     if not _checkable(oracle):
@@ -206,7 +205,7 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
                 rejected[t.name] = f"relative error {err:.2e} vs the float32 oracle"
                 continue
             graph_ms[t.name], eager_ms[t.name] = _time(
-                e, args, node.attrs, n_out, scope, executor.device, options
+                e, args, node.attrs, n_out, scope, executor.backend, options
             )
         except Exception as exc:  # a candidate that cannot run here is rejected, not fatal
             rejected[t.name] = _reason(exc)
@@ -314,9 +313,10 @@ def _attr_text(a: Any) -> Any:
     return a
 
 
-def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -> dict:
-    import torch
+def _signature(node: Node, spec: LayerSpec, options: TuneOptions, backend: Backend) -> dict:
+    import torch  # lazy: torch is optional (an autotuning backend has it)
 
+    device = backend.device
     sig = {
         "op": f"{node.domain}.{node.op}",
         "attrs": {k: _attr_text(v) for k, v in sorted(node.attrs.items())},
@@ -330,7 +330,7 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -
         "torch": torch.__version__,
         "device": device.type,
     }
-    if device.type == "cuda":
+    if backend.streams:  # a GPU: timings hold for this model of it, with these libraries
         props = torch.cuda.get_device_properties(device)
         sig["device"] = f"{props.name} sm_{props.major}{props.minor}"
         sig["cuda"] = torch.version.cuda
@@ -401,7 +401,7 @@ def _checkable(oracle: list) -> bool:
     return not floats or any(w.numel() == 0 or bool(torch.isfinite(w).any()) for w in floats)
 
 
-def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> tuple[float, float]:
+def _time(entry, args, attrs, n_out, scope, backend, options: TuneOptions) -> tuple[float, float]:
     """Median milliseconds of one call, (as a CUDA graph, layer by layer).
 
     As a graph: replays of a CUDA graph of ``GRAPH_CALLS`` calls, the kernels' time alone (where
@@ -409,12 +409,14 @@ def _time(entry, args, attrs, n_out, scope, device, options: TuneOptions) -> tup
     Python's launch overhead included where it exceeds the kernels' time. On the CPU (tests), one
     call, for both.
     """
-    import torch
+    import torch  # lazy: torch is optional (an autotuning backend has it)
+
+    device = backend.device
 
     def call() -> None:
         invoke(entry, args, attrs, n_out, scope)
 
-    if device.type != "cuda":  # torch on the CPU: the number says nothing about a GPU
+    if not backend.streams:  # torch on the CPU: the number says nothing about a GPU
         t0 = time.perf_counter()
         call()
         ms = (time.perf_counter() - t0) * 1e3
@@ -464,26 +466,3 @@ def _time_graph(call: Callable[[], None], device: Any, runs: int) -> float | Non
         samples.append(start.elapsed_time(end) / GRAPH_CALLS)
     del graph
     return statistics.median(samples)
-
-
-def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:
-    """Node name -> tactic function for the layers whose chosen tactic is not the default;
-    ``mode`` picks the choice for engines run as CUDA graphs ("graph") or layer by layer
-    ("eager")."""
-    by_name = {n.name: n for n in graph.nodes}
-    out = {}
-    for layer in layers:
-        name = layer.get("tactic", "default")
-        if mode == "eager":
-            name = layer.get("tactic_eager", name)
-        node = by_name.get(layer.get("name"))
-        if name == "default" or node is None:
-            continue
-        t = get_tactic(node.op, node.domain, name)
-        if t is None:
-            raise EngineCompatibilityError(
-                f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
-                "(is triton installed?); rebuild the engine here"
-            )
-        out[node.name] = t.fn
-    return out

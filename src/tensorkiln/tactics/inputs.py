@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.backends import Backend
 from tensorkiln.ir import Graph, Node, Value, node_reads
 from tensorkiln.kernels.registry import invoke, lookup
+from tensorkiln.kernels.tactics import LayerSpec
 from tensorkiln.runtime.executor import Executor, Scope
-from tensorkiln.tactics.registry import LayerSpec
 
 FLOATS = ("float32", "float16", "bfloat16", "float64")
 
@@ -44,11 +45,10 @@ class LayerInputs:
         self._feed(shapes)
 
     def _feed(self, shapes: dict[str, tuple[int, ...]]) -> None:
-        import torch
+        import torch  # lazy: torch is optional (an autotuning backend has it)
 
-        from tensorkiln.kernels.cuda.convert import torch_dtype
-
-        gen = torch.Generator(device=self.executor.device).manual_seed(0)
+        backend = self.executor.backend
+        gen = torch.Generator(device=backend.device).manual_seed(0)
         for v in self.graph.inputs:
             shape = shapes.get(v.name)
             dtype = getattr(getattr(v.type, "dtype", None), "numpy", None)
@@ -58,10 +58,10 @@ class LayerInputs:
             dtype = np.dtype(dtype)
             try:
                 if dtype.kind == "f":
-                    self.env[v] = _draw(shape, dtype.name, gen, self.executor.device)
+                    self.env[v] = _draw(shape, dtype.name, gen, backend)
                 else:  # token ids, masks, indices: all ones, a valid index anywhere
                     self.env[v] = torch.ones(
-                        shape, dtype=torch_dtype(dtype), device=self.executor.device
+                        shape, dtype=backend.device_dtype(dtype), device=backend.device
                     )
             except TypeError:  # strings: nothing torch holds
                 self.broken = f"input '{v.name}' of {dtype} cannot be drawn"
@@ -70,19 +70,20 @@ class LayerInputs:
     def for_layer(self, node: Node, spec: LayerSpec) -> list | None:
         """The node's inputs at ``spec``'s shapes: real values where known, else drawn; None
         when an input that is not floating point has no real value (its values matter)."""
-        import torch
+        import torch  # lazy: torch is optional (an autotuning backend has it)
 
-        gen = torch.Generator(device=self.executor.device).manual_seed(len(node.name))
+        backend = self.executor.backend
+        gen = torch.Generator(device=backend.device).manual_seed(len(node.name))
         args: list = []
         for v, shape, dtype in zip(node.inputs, spec.shapes, spec.dtypes):
             if v is None:
                 args.append(None)
             elif v.const is not None:
                 args.append(self.executor.const(v))
-            elif _matches(self.env.get(v), shape, dtype):
+            elif _matches(self.env.get(v), shape, dtype, backend):
                 args.append(self.env[v])
             elif dtype in FLOATS:
-                args.append(_draw(shape, dtype, gen, self.executor.device))
+                args.append(_draw(shape, dtype, gen, backend))
             else:
                 return None
         return args
@@ -97,7 +98,8 @@ class LayerInputs:
                 self.env.pop(v, None)
 
     def _run(self, node: Node) -> None:
-        entry = lookup(node.op, node.domain, self.graph.opset(node.domain), "cuda", node=node.name)
+        opset = self.graph.opset(node.domain)
+        entry = lookup(node.op, node.domain, opset, self.executor.backend.name, node=node.name)
         args = [None if v is None else self._value(v) for v in node.inputs]
         try:
             if any(a is None for v, a in zip(node.inputs, args) if v is not None):
@@ -126,25 +128,21 @@ def _last_uses(graph: Graph) -> dict[Value, int]:
     return last
 
 
-def _matches(value: Any, shape: tuple[int, ...], dtype: str | None) -> bool:
-    import torch
-
-    from tensorkiln.kernels.cuda.convert import torch_dtype
+def _matches(value: Any, shape: tuple[int, ...], dtype: str | None, backend: Backend) -> bool:
+    import torch  # lazy: torch is optional (an autotuning backend has it)
 
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
         return False
     try:
-        return value.dtype == torch_dtype(dtype)
+        return value.dtype == backend.device_dtype(dtype)
     except TypeError:
         return False
 
 
-def _draw(shape: tuple[int, ...], dtype: str, gen: Any, device: Any) -> Any:
+def _draw(shape: tuple[int, ...], dtype: str, gen: Any, backend: Backend) -> Any:
     """A standard normal draw of ``shape`` in ``dtype`` (TypeError for a dtype torch lacks)."""
-    import torch
+    import torch  # lazy: torch is optional (an autotuning backend has it)
 
-    from tensorkiln.kernels.cuda.convert import torch_dtype
-
-    target = torch_dtype(dtype)
-    t = torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+    target = backend.device_dtype(dtype)
+    t = torch.randn(shape, generator=gen, device=backend.device, dtype=torch.float32)
     return t.to(target)

@@ -41,7 +41,7 @@ def check(
     (to pass a strided view). Returns the tactic's output."""
     from tensorkiln.kernels.cuda.convert import to_numpy, to_torch
     from tensorkiln.kernels.registry import invoke, lookup
-    from tensorkiln.tactics.registry import LayerSpec, get_tactic
+    from tensorkiln.kernels.tactics import LayerSpec, get_tactic
 
     attrs = attrs or {}
     tactic = get_tactic(op, domain, tactic_name)

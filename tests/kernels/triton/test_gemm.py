@@ -14,8 +14,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from tensorkiln.kernels import triton as tk_triton  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for  # noqa: E402
 from tensorkiln.kernels.triton import gemm  # noqa: E402
-from tensorkiln.tactics.registry import LayerSpec, get_tactic, tactics_for  # noqa: E402
 from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)

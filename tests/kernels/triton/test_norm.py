@@ -16,8 +16,8 @@ pytest.importorskip("triton")
 
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic  # noqa: E402
 from tensorkiln.kernels.triton import norm, softmax  # noqa: E402
-from tensorkiln.tactics.registry import LayerSpec, get_tactic  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16 = np.dtype(ml_dtypes.bfloat16)

@@ -20,10 +20,10 @@ pytest.importorskip("triton")
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value  # noqa: E402
 from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic  # noqa: E402
 from tensorkiln.kernels.triton import pointwise as pw  # noqa: E402
 from tensorkiln.passes.fuse_pointwise import fuse_pointwise  # noqa: E402
 from tensorkiln.runtime.executor import Executor, Scope  # noqa: E402
-from tensorkiln.tactics.registry import LayerSpec, get_tactic  # noqa: E402
 from tests.passes.util import graph_of, model  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 # The window geometry itself (Geometry, geometry, ints) is shared with the pools.
-from tensorkiln.kernels.reference._window import Geometry, geometry, ints
+from tensorkiln.kernels.common.window import Geometry, geometry, ints
 
 
 def check_conv_shapes(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tensorkiln.kernels.reference._window import Geometry, geometry
+from tensorkiln.kernels.common.window import Geometry, geometry
 
 
 def pool_geometry(

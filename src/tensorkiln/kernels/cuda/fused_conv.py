@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
 from tensorkiln.kernels.common.window import Geometry
-from tensorkiln.kernels.cuda import cpu_native
-from tensorkiln.kernels.cuda.cpu_conv import (
+from tensorkiln.kernels.cpu import native as cpu_native
+from tensorkiln.kernels.cpu.conv import (
     cpu_layout,
     fused_activation,
     packed_conv,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
 from tensorkiln.kernels.registry import register
 from tensorkiln.ops.fused import check_activation

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from tensorkiln.kernels.common.fused import check_se_shapes
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.fused_conv import conv_act
 from tensorkiln.kernels.cuda.reduce import reduce_mean
 from tensorkiln.kernels.registry import register

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+import tensorkiln.kernels.reference  # noqa: F401  (registers the kernels wrapped here)
 from tensorkiln.kernels.cuda.convert import current_device, to_numpy, to_torch
 from tensorkiln.kernels.registry import _REGISTRY, KernelEntry, normalize_domain, register
 
@@ -50,8 +51,6 @@ def _host_call(entry: KernelEntry) -> Callable:
 
 def register_host(ops: str | list[str], reason: str, *, domain: str = "") -> None:
     """Run ``ops`` on the cuda backend through their reference kernels, for ``reason``."""
-    import tensorkiln.kernels.reference  # noqa: F401  (the kernels wrapped here)
-
     domain = normalize_domain(domain)
     for op in [ops] if isinstance(ops, str) else ops:
         entries = _REGISTRY.get(("reference", domain, op))

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.tensor import from_order_key, host_scalar, order_key
 from tensorkiln.kernels.registry import register
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
 from tensorkiln.kernels.common.window import Geometry, ints
-from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
+from tensorkiln.kernels.cpu.conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.registry import register
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from tensorkiln.kernels.common.pool import pool_geometry
 from tensorkiln.kernels.common.window import Geometry, tap_slices
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.nn import compute_dtype, torch_pads
 from tensorkiln.kernels.registry import register

@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from functools import partial
 
 from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
-from tensorkiln.tactics.registry import LayerSpec, tactic
 
 if available():
     from tensorkiln.kernels.triton import conv, gemm

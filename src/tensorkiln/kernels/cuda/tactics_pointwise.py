@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
-from tensorkiln.tactics.registry import LayerSpec, tactic
+from tensorkiln.kernels.triton.pointwise import can_generate
 
 NORM_DTYPES = frozenset(["float16", "bfloat16", "float32"])
 
@@ -72,8 +73,6 @@ def _softmax_fits(spec: LayerSpec) -> bool:
 
 
 def _pointwise_fits(spec: LayerSpec) -> bool:
-    from tensorkiln.kernels.triton.pointwise import can_generate
-
     body = spec.attrs.get("body")
     return _runs_here(spec) and body is not None and can_generate(body)
 

@@ -355,7 +355,7 @@ def _interpreting() -> bool:
 
 
 def _current_device() -> Any:
-    from tensorkiln.kernels.cuda.convert import current_device
+    from tensorkiln.kernels.cuda.convert import current_device  # lazy: torch
 
     return current_device()
 
@@ -368,7 +368,7 @@ def _device_const(op: Operand, device: Any) -> Any:
     key = (id(op.data), device)
     hit = _CONSTS.get(key)
     if hit is None or hit[0] is not op.data:
-        from tensorkiln.kernels.cuda.convert import to_torch
+        from tensorkiln.kernels.cuda.convert import to_torch  # lazy: torch
 
         if len(_CONSTS) >= CACHE_LIMIT:
             _CONSTS.clear()
@@ -379,7 +379,7 @@ def _device_const(op: Operand, device: Any) -> Any:
 def _make_plan(prog: Program, tensors: list[Any]) -> _Plan:
     import torch
 
-    from tensorkiln.kernels.cuda.convert import torch_dtype
+    from tensorkiln.kernels.cuda.convert import torch_dtype  # lazy: torch
 
     for o, t in zip(prog.operands, tensors):
         if t.dtype != torch_dtype(o.dtype.numpy):

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from tensorkiln.kernels.common.window import Geometry
-from tensorkiln.kernels.cuda import cpu_native
+from tensorkiln.kernels.cpu import native as cpu_native
 
 _PACKED = "_tensorkiln_packed"  # on a weight tensor: {(pads, strides, dilations, group): packed}
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(

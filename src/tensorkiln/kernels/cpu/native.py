@@ -1,8 +1,8 @@
-"""The cpu backend's native kernels: cpu_native.c compiled at first use, called through ctypes.
+"""The cpu backend's native kernels: native.c compiled at first use, called through ctypes.
 
 At batch 1 a mobile network's convolutions are tens of microseconds each, and oneDNN's call costs
 about 40 us whatever the size (RESULTS.md): a depthwise 3x3 of 16x112x112 takes 50 us through
-oneDNN and 24 us here. This module builds cpu_native.c with the system C compiler (``$CC``, else
+oneDNN and 24 us here. This module builds native.c with the system C compiler (``$CC``, else
 ``cc``, ``gcc`` or ``clang``; -O3 -march=native, OpenMP where the compiler has it) into a shared
 library cached per user, and wraps its kernels as functions of one layer and input shape
 (:func:`depthwise`, :func:`pointwise`, :func:`im2col_conv`) that the cpu backend's ConvAct times
@@ -41,7 +41,7 @@ import torch
 from tensorkiln.kernels.common.window import Geometry
 
 ENV = "TENSORKILN_CPU_NATIVE"
-_SOURCE = Path(__file__).with_name("cpu_native.c")
+_SOURCE = Path(__file__).with_name("native.c")
 _FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-std=gnu11"]
 _LOG = logging.getLogger("tensorkiln")
 _LOCK = threading.Lock()

@@ -1,4 +1,8 @@
-"""Tactics: the candidate implementations of one op on the cuda backend.
+"""Tactics: the candidate implementations of one op on the cuda backend, and the table of them.
+
+The table lives with the kernels that register into it (kernels/cuda/tactics_*.py); the builder's
+autotuner (tensorkiln.tactics) times the candidates, and the runtime reads an engine's choices
+back here (:func:`tactic_functions`) without importing the autotuner.
 
 Every op's registered cuda kernel is its ``default`` tactic. Further candidates (Triton kernels with
 several tile configs, cuDNN vs an implicit GEMM, ...) register here with a constraint check; the
@@ -21,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tensorkiln.errors import EngineCompatibilityError
+from tensorkiln.ir import Graph
 from tensorkiln.kernels.registry import normalize_domain
 
 
@@ -103,4 +109,28 @@ def get_tactic(op: str, domain: str, name: str) -> Tactic | None:
 
 
 def _load() -> None:
-    import tensorkiln.kernels.cuda  # noqa: F401  (kernel modules register their tactics)
+    # (the cuda tree's modules register their tactics on import)
+    import tensorkiln.kernels.cuda  # noqa: F401  # lazy: torch
+
+
+def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:
+    """Node name -> tactic function for the layers whose chosen tactic is not the default;
+    ``mode`` picks the choice for engines run as CUDA graphs ("graph") or layer by layer
+    ("eager")."""
+    by_name = {n.name: n for n in graph.nodes}
+    out = {}
+    for layer in layers:
+        name = layer.get("tactic", "default")
+        if mode == "eager":
+            name = layer.get("tactic_eager", name)
+        node = by_name.get(layer.get("name"))
+        if name == "default" or node is None:
+            continue
+        t = get_tactic(node.op, node.domain, name)
+        if t is None:
+            raise EngineCompatibilityError(
+                f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
+                "(is triton installed?); rebuild the engine here"
+            )
+        out[node.name] = t.fn
+    return out

@@ -1,6 +1,6 @@
 /* tensorkiln's native CPU kernels: small convolutions on channels-last float32 data.
 
-   Compiled on the user's machine at first use (cpu_native.py: the system C compiler, -O3
+   Compiled on the user's machine at first use (native.py: the system C compiler, -O3
    -march=native, OpenMP) and called through ctypes. They exist for the layers where oneDNN's
    per-call cost dominates at small batch (depthwise convolutions, small 1x1 and stem
    convolutions of mobile networks); the cpu backend times them against oneDNN and torch's GEMM

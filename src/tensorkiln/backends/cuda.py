@@ -1,0 +1,75 @@
+"""The cuda backend: PyTorch as the CUDA layer (memory, streams, events, cuBLAS, cuDNN, CUDA
+graphs) with Triton for generated kernels. On a CPU device (``Builder("cuda", device="cpu")``)
+the same kernels run on CPU tensors, Triton's through its interpreter: how tests run them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tensorkiln.backends import pools
+from tensorkiln.backends.base import host_memory
+from tensorkiln.backends.torch_common import TorchBackend
+from tensorkiln.errors import TensorkilnError
+
+
+class CudaBackend(TorchBackend):
+    """The torch and Triton kernels on ``device`` (a CUDA device, or the CPU for tests)."""
+
+    name = "cuda"
+    host_mirror = True
+    math_modes = True
+    autotunes = True
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        gpu = device.type == "cuda"
+        self.streams = gpu
+        self.cuda_graphs = gpu
+
+    def acquire_pool(self, kind: str = "activations") -> tuple[Any, Any]:
+        """A (memory pool, stream) pair of ``kind`` for one context (backends/pools.py)."""
+        return pools.acquire(self.device, kind)
+
+    def release_pool(self, pool: Any, stream: Any, kind: str = "activations") -> None:
+        """Give back a pair from :meth:`acquire_pool` once its context is gone."""
+        pools.release(pool, stream, self.device, kind)
+
+    def synchronize(self) -> None:
+        if self.streams:
+            torch.cuda.synchronize(self.device)
+
+    def memory_limit(self) -> tuple[int | None, str]:
+        if not self.streams:
+            return host_memory()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        name = torch.cuda.get_device_name(self.device)
+        return free, f"free on {name} (its context's pool included)"
+
+    def allocated(self) -> int:
+        return int(torch.cuda.memory_allocated(self.device)) if self.streams else 0
+
+    def target(self) -> dict[str, Any]:
+        if not self.streams:  # the kernels on torch CPU tensors
+            return {"device": "cpu", "torch_device": "cpu", "torch": torch.__version__}
+        props = torch.cuda.get_device_properties(self.device)
+        return {
+            "device": props.name,
+            "compute_capability": f"{props.major}.{props.minor}",
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+        }
+
+
+def make(device: Any = None) -> CudaBackend:
+    """The cuda backend on ``device`` (None: the current CUDA device; 'cpu' runs its kernels on
+    CPU tensors, for tests)."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise TensorkilnError(
+                "the cuda backend needs a CUDA device and this machine has none (torch "
+                f"{torch.__version__}); use the reference backend"
+            )
+        device = "cuda"
+    return CudaBackend(torch.device(device))
