@@ -25,6 +25,7 @@ from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnErro
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
 from tensorkiln.ir import Graph
 from tensorkiln.kernels.registry import lookup
+from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
 
 
 @dataclass
@@ -146,13 +147,14 @@ class Builder:
                 report.passes = optimize(
                     graph, config.optimization_level, config.dump_ir, backend=self.backend
                 )
-            precision = _precision(config, self.backend)
+            policy = config.precision_policy or DefaultPolicy()
             with _phase(report, "precision", bar):
-                report.notes += _apply_precision(graph, precision)
+                precision, notes = _apply_precision(graph, config, policy)
+                report.notes += notes
             with _phase(report, "tactics", bar):
                 if self.backend == "cuda":
                     report.layers, report.timing_cache = _tune(
-                        graph, config, self.device, precision
+                        graph, config, self.device, precision, policy
                     )
                     report.notes += _guessed_shapes_notes(graph, config)
                 else:
@@ -257,30 +259,21 @@ def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
                     )
 
 
-def _precision(config: BuilderConfig, backend: str) -> str:
-    """What the layers compute in: the cheapest float precision the config allows."""
-    if backend != "cuda":
-        return "fp32"
-    for p in ("fp16", "bf16", "tf32"):
-        if p in config.precisions:
-            return p
-    return "fp32"
-
-
-def _apply_precision(graph: Graph, precision: str) -> list[str]:
-    """Lower the graph to ``precision``; returns notes naming the layers kept in fp32, and why."""
-    if precision not in ("fp16", "bf16"):
-        return []
-    from tensorkiln.ir import DType
-    from tensorkiln.precision import cancellation_prone, kept_fp32_notes, reduce_precision
-
-    keep = cancellation_prone(graph)
-    reduce_precision(graph, DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16, keep)
-    return kept_fp32_notes(keep, precision)
+def _apply_precision(
+    graph: Graph, config: BuilderConfig, policy: PrecisionPolicy
+) -> tuple[str, list[str]]:
+    """The policy decides each layer's precision and format and rewrites the graph to them;
+    returns the engine-wide precision and notes naming the layers kept in fp32, and why."""
+    plan = policy.assign(graph, config)
+    return plan.engine, policy.rewrite(graph, plan)
 
 
 def _tune(
-    graph: Graph, config: BuilderConfig, device: str | None, precision: str
+    graph: Graph,
+    config: BuilderConfig,
+    device: str | None,
+    precision: str,
+    policy: PrecisionPolicy,
 ) -> tuple[list[dict], dict]:
     from tensorkiln.runtime.mathmode import math_mode
     from tensorkiln.tactics.autotune import TuneOptions, choose_tactics
@@ -291,6 +284,7 @@ def _tune(
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
     options = TuneOptions(
         precision=precision,
+        tolerance=policy.tolerance,
         enabled=config.optimization_level > 0,
         sources=sources,
         # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few
