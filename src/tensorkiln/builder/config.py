@@ -142,7 +142,11 @@ class BuilderConfig:
                     f"layer_precisions: layer {name!r} is pinned to {p!r}; give layer names and "
                     f"one of {', '.join(PRECISIONS)}"
                 )
-        _not_implemented(set(self.layer_precisions.values()))
+            if p in NOT_IMPLEMENTED:
+                raise BuildError(
+                    f"layer_precisions: layer '{name}' is pinned to {p}, which is not implemented "
+                    "yet (no tensorkiln backend has its kernels); pin it to fp32, fp16 or bf16"
+                )
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.

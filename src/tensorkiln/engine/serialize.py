@@ -293,7 +293,7 @@ def _layer_field(d: dict, key: str, known: tuple[str, ...], where: str) -> str |
     _expect(
         isinstance(x, str) and x in known,
         f"{where}.{key}",
-        f"{show(x)} is not a known {key} (one of {', '.join(known)})",
+        f"{show(x)} is not a known {key} (one of {', '.join(known)}); rebuild the engine",
     )
     return x
 
