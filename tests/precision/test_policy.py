@@ -328,3 +328,38 @@ def test_malformed_layer_field_is_a_clear_error(tmp_path: Path, kind: str, capsy
     path.write_bytes(data)
     rc, _, err = CLI(capsys)("inspect", path)
     assert_one_line_error(rc, err)
+
+
+# ------------------------------------------------------------------- tolerance, per layer
+
+
+@pytest.fixture
+def off_by_3e_3(monkeypatch):
+    """One test tactic per GEMM-like op, 3e-3 off its default kernel: inside fp16's tolerance
+    against the float32 oracle, far outside fp32's."""
+    from tensorkiln.kernels.registry import lookup
+    from tensorkiln.tactics import registry
+
+    registry._load()  # the real kernel modules register theirs first, into the real table
+    monkeypatch.setattr(registry, "_TACTICS", {})
+    for op, domain in (("GemmAct", "tensorkiln"), ("MatMul", "")):
+        default = lookup(op, domain, 1, "cuda").fn
+
+        def off(*a, _f=default, **k):
+            return _f(*a, **k) * (1 + 3e-3)
+
+        registry.tactic(op, domain=domain, name="t_off")(off)
+
+
+def test_each_layer_is_tuned_at_its_own_tolerance(off_by_3e_3, tmp_path: Path) -> None:
+    """fp16 engine, its last MatMul pinned to fp32: the fp16 GEMM accepts the tactic 3e-3 off,
+    the fp32 one rejects it."""
+    config = _config("fp16", pins={"fc2": "fp32"})
+    config.tactic_sources = None
+    engine = _build(_mlp(tmp_path), config)
+    layers = {x["name"]: x for x in engine.layers}
+    gemm = next(x for x in engine.layers if x["op"] == "tensorkiln.GemmAct")
+    assert gemm["compute_precision"] == "fp16"
+    assert "t_off" in gemm["timings_ms"] and "t_off" not in gemm.get("rejected", {})
+    assert layers["fc2"]["compute_precision"] == "fp32"
+    assert "relative error" in layers["fc2"]["rejected"]["t_off"]

@@ -339,6 +339,8 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, device: Any) -
         "torch": torch.__version__,
         "device": device.type,
     }
+    if node.precision not in (None, options.precision):  # (held to that precision's tolerance)
+        sig["layer_precision"] = node.precision
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         sig["device"] = f"{props.name} sm_{props.major}{props.minor}"
