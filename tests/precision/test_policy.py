@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
+import tensorkiln
 from tensorkiln.builder import Builder, BuilderConfig
 from tensorkiln.builder.builder import optimize
 from tensorkiln.engine import Engine
@@ -289,6 +290,25 @@ def test_engine_without_layer_fields_loads_with_the_engine_precision(tmp_path: P
     assert {(n.precision, n.format) for n in old.graph.nodes} == {("fp16", "linear")}
     x = np.random.default_rng().standard_normal((6, 4)).astype(np.float32)
     np.testing.assert_array_equal(_run(old, {"x": x})["y"], _run(engine, {"x": x})["y"])
+
+
+# an fp16 MLP engine (cuda kernels on CPU tensors, its model embedded) written by tensorkiln before
+# layers recorded their precision and format
+OLD_ENGINE = Path(__file__).parent / "data" / "mlp_fp16_cuda_cpu_before_layer_fields.engine"
+
+
+def test_an_engine_written_before_layer_fields_loads() -> None:
+    c = C.unpack(OLD_ENGINE.read_bytes())
+    assert not any("precision" in n or "format" in n for n in c.plan["graph"]["nodes"])
+    assert not any("compute_precision" in x for x in c.plan["layers"])
+    # (an engine loads only in the tensorkiln version that wrote it: this one's, here)
+    c.plan["tensorkiln_version"] = tensorkiln.__version__
+    engine = Engine.deserialize(C.pack(c))
+    assert engine.build["precision"] == "fp16"
+    assert {(n.precision, n.format) for n in engine.graph.nodes} == {("fp16", "linear")}
+    model = onnx.load_from_string(engine.source_model)
+    x = np.random.default_rng().standard_normal((7, 4)).astype(np.float32)
+    assert _rel(_run(engine, {"x": x})["y"], _ort(model, {"x": x})["y"]) < ACCURACY["fp16"]
 
 
 def _damage(data: bytes, edit) -> bytes:
