@@ -219,8 +219,7 @@ def test_a_custom_policy_decides_alone(tmp_path: Path) -> None:
     class AllFp32(DefaultPolicy):
         def assign(self, graph, config) -> PrecisionPlan:
             plan = super().assign(graph, config)
-            plan.layers = dict.fromkeys(graph.nodes, "fp32")
-            plan.reasons = dict.fromkeys(graph.nodes, "kept by a test policy")
+            plan.layers = dict.fromkeys(graph.nodes, "fp32")  # (giving no reasons)
             return plan
 
     model = _mlp(tmp_path)
@@ -231,6 +230,16 @@ def test_a_custom_policy_decides_alone(tmp_path: Path) -> None:
     assert {n.precision for n in layers} == {"fp32"}
     x = np.random.default_rng().standard_normal((4, 4)).astype(np.float32)
     assert _rel(_run(engine, {"x": x})["y"], _ort(model, {"x": x})["y"]) < 1e-5
+
+    class Bf16OnFp16(DefaultPolicy):  # a plan the default rewrite cannot materialize
+        def assign(self, graph, config) -> PrecisionPlan:
+            plan = super().assign(graph, config)
+            plan.layers[graph.nodes[0]] = "bf16"
+            return plan
+
+    config.precision_policy = Bf16OnFp16()
+    with pytest.raises(BuildError, match=r"in bf16 while the engine computes in fp16"):
+        _build(model, config)
 
 
 # ------------------------------------------------------------------- IR and engine file

@@ -38,6 +38,7 @@ _CHEAPEST_FIRST = ("fp16", "bf16", "tf32")
 # precisions computed by narrowing the graph's float32 tensors to this element type
 _REDUCED = {"fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
 PINNED = "pinned by BuilderConfig.layer_precisions"
+CHOSEN = "chosen by the precision policy"  # (a plan that gives no reason)
 _SHOWN_NAMES = 8  # layer names listed in an error about an unknown one
 
 
@@ -100,9 +101,12 @@ class DefaultPolicy:
 
     def rewrite(self, graph: Graph, plan: PrecisionPlan) -> list[str]:
         notes: list[str] = []
+        for n, p in plan.layers.items():
+            _check_rewritable(n, p, plan.engine)
         if plan.engine in _REDUCED:
             # (in the order the reasons were found: the notes list layers as they always have)
-            keep = {n: why for n, why in plan.reasons.items() if plan.layers[n] == "fp32"}
+            keep = {n: why for n, why in plan.reasons.items() if plan.layers.get(n) == "fp32"}
+            keep |= {n: CHOSEN for n, p in plan.layers.items() if p == "fp32" and n not in keep}
             reduce_precision(graph, _REDUCED[plan.engine], keep)
             notes = kept_fp32_notes(keep, plan.engine)
         record(graph, plan)
@@ -178,4 +182,16 @@ def _check_realizable(node: Node, wanted: str, engine: str) -> None:
         + (" or fp32" if engine in _REDUCED else "")
         + f"; pin it to {engine if engine not in _REDUCED else engine + ' or fp32'}, or allow "
         f"only the precisions it should use (the engine computes in the cheapest one allowed)"
+    )
+
+
+def _check_rewritable(node: Node, precision: str, engine: str) -> None:
+    """What :meth:`DefaultPolicy.rewrite` can materialize: the engine's precision, or fp32 on an
+    fp16/bf16 engine (a policy that plans more brings its own rewrite)."""
+    if precision == engine or (precision == "fp32" and engine in _REDUCED):
+        return
+    raise BuildError(
+        f"the precision plan puts layer '{node.name}' ({node.op}) in {precision} while the engine "
+        f"computes in {engine}, which DefaultPolicy.rewrite cannot materialize (it keeps layers in "
+        "the engine's precision or fp32); the policy must rewrite the graph itself"
     )
