@@ -53,7 +53,10 @@ def test_inspect_engine_text(cli, engine):
 def test_inspect_engine_json(cli, engine):
     info = cli.json("inspect", engine, "--json")
     assert [x["name"] for x in info["layers"]] == ["fc1", "bias1", "act1", "fc2"]
-    assert all(set(x) == {"name", "op", "impl", "precision"} for x in info["layers"])
+    keys = {"name", "op", "impl", "precision", "compute_precision", "format"}
+    assert all(set(x) == keys for x in info["layers"])
+    # the reference backend computes every layer in float32, laid out as the model's tensors
+    assert {(x["compute_precision"], x["format"]) for x in info["layers"]} == {("fp32", "linear")}
     (x,) = info["inputs"]
     assert x["shape"] == ["N", 4] and x["dynamic_axes"] == [0]
     assert x["profiles"] == [{"min": [1, 4], "opt": [2, 4], "max": [8, 4]}]

@@ -107,9 +107,9 @@ def test_bf16_variance_matches_onnxruntime_fp32() -> None:
 def test_fp16_without_the_rule_loses_the_variance(monkeypatch: pytest.MonkeyPatch) -> None:
     """The failure the rule fixes: with nothing kept in fp32 the variance comes out negative or
     zero, and the output is NaN or garbage."""
-    import tensorkiln.precision
+    import tensorkiln.precision.policy
 
-    monkeypatch.setattr(tensorkiln.precision, "cancellation_prone", lambda graph: {})
+    monkeypatch.setattr(tensorkiln.precision.policy, "cancellation_prone", lambda graph: {})
     err = _fp16_error(_layer_norm(), _inputs())
     assert np.isnan(err) or err > 0.1
 
@@ -151,8 +151,8 @@ def test_fp16_integer_accumulator_stays_float32(monkeypatch: pytest.MonkeyPatch)
     builder = Builder("cuda", device="cpu")
     assert _fp16_error(m, x, builder) < 1e-2
     assert any("32/64-bit integer" in n for n in builder.last_report.notes)
-    import tensorkiln.precision  # without the rule the int32 sums overflow float16 to inf
+    import tensorkiln.precision.policy  # without the rule the int32 sums overflow float16 to inf
 
-    monkeypatch.setattr(tensorkiln.precision, "cancellation_prone", lambda graph: {})
+    monkeypatch.setattr(tensorkiln.precision.policy, "cancellation_prone", lambda graph: {})
     err = _fp16_error(m, x)
     assert np.isnan(err) or err > 0.1

@@ -18,18 +18,18 @@ from typing import Any
 
 import onnx
 
-from tensorkiln import precision as precision_rules  # (looked up per build, as tests patch it)
 from tensorkiln.backends import Backend, get_backend, resolve
 from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
 from tensorkiln.engine.engine import Engine
 from tensorkiln.engine.memory import max_profile_symbols, plan_memory
 from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
-from tensorkiln.ir import DType, Graph
-from tensorkiln.kernels.evaluate import infer_shapes
+from tensorkiln.ir import Graph
 from tensorkiln.ir.verify import verify
+from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
+from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
 from tensorkiln.tactics.cache import TimingCache
@@ -114,12 +114,15 @@ class Builder:
                 report.passes = optimize(
                     graph, config.optimization_level, config.dump_ir, backend=self.backend
                 )
-            precision = _precision(config, self.backend)
+            policy = config.precision_policy or DefaultPolicy()
             with _phase(report, "precision", bar):
-                report.notes += _apply_precision(graph, precision)
+                precision, notes = _apply_precision(graph, config, policy)
+                report.notes += notes
             with _phase(report, "tactics", bar):
                 if backend.autotunes:
-                    report.layers, report.timing_cache = _tune(graph, config, backend, precision)
+                    report.layers, report.timing_cache = _tune(
+                        graph, config, backend, precision, policy
+                    )
                     report.notes += _guessed_shapes_notes(graph, config)
                 else:
                     report.layers = _choose_tactics(graph, backend)
@@ -219,34 +222,28 @@ def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
                     )
 
 
-def _precision(config: BuilderConfig, backend: str) -> str:
-    """What the layers compute in: the cheapest float precision the config allows."""
-    if backend != "cuda":
-        return "fp32"
-    for p in ("fp16", "bf16", "tf32"):
-        if p in config.precisions:
-            return p
-    return "fp32"
-
-
-def _apply_precision(graph: Graph, precision: str) -> list[str]:
-    """Lower the graph to ``precision``; returns notes naming the layers kept in fp32, and why."""
-    if precision not in ("fp16", "bf16"):
-        return []
-    keep = precision_rules.cancellation_prone(graph)
-    dtype = DType.FLOAT16 if precision == "fp16" else DType.BFLOAT16
-    precision_rules.reduce_precision(graph, dtype, keep)
-    return precision_rules.kept_fp32_notes(keep, precision)
+def _apply_precision(
+    graph: Graph, config: BuilderConfig, policy: PrecisionPolicy
+) -> tuple[str, list[str]]:
+    """The policy decides each layer's precision and format and rewrites the graph to them;
+    returns the engine-wide precision and notes naming the layers kept in fp32, and why."""
+    plan = policy.assign(graph, config)
+    return plan.engine, policy.rewrite(graph, plan)
 
 
 def _tune(
-    graph: Graph, config: BuilderConfig, backend: Backend, precision: str
+    graph: Graph,
+    config: BuilderConfig,
+    backend: Backend,
+    precision: str,
+    policy: PrecisionPolicy,
 ) -> tuple[list[dict], dict]:
     cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
     shapes = _opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
     options = TuneOptions(
         precision=precision,
+        tolerance=policy.tolerance,
         enabled=config.optimization_level > 0,
         sources=sources,
         # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few

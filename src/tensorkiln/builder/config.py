@@ -8,8 +8,9 @@ from typing import Any
 
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.errors import BuildError, InputError
+from tensorkiln.ir.graph import PRECISIONS
+from tensorkiln.precision.policy import PrecisionPolicy
 
-PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
 # Precisions no backend has kernels for yet: asking for one is an error, not a silent no-op.
 NOT_IMPLEMENTED = ("int8", "fp8")
 # The precisions each backend's layers can compute in; a backend not listed computes in fp32.
@@ -55,6 +56,11 @@ class BuilderConfig:
     # the kinds of tactic the autotuner may try besides each op's default kernel (cuBLAS/cuDNN
     # through torch): "triton" for the generated kernels; None allows every kind
     tactic_sources: set[str] | None = None
+    # per-layer precision constraints (TensorRT's ILayer.precision): layer name -> precision, a
+    # layer of the optimized graph; the default policy honours fp32 on fp16/bf16 engines
+    layer_precisions: dict[str, str] = field(default_factory=dict)
+    # what decides each layer's precision and format; None: precision.DefaultPolicy
+    precision_policy: PrecisionPolicy | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16' or 'bf16' ('int8' and 'fp8' raise
@@ -75,6 +81,7 @@ class BuilderConfig:
             if p not in PRECISIONS:
                 raise InputError(f"unknown precision '{p}'; choose from {', '.join(PRECISIONS)}")
         _not_implemented(self.precisions)
+        self._validate_layer_precisions()
         if not 0 <= self.optimization_level <= 5:
             raise InputError(f"optimization level must be 0..5, got {self.optimization_level}")
         if self.memory_limit is not None and self.memory_limit <= 0:
@@ -87,6 +94,19 @@ class BuilderConfig:
             )
         if self.log_level not in LOG_LEVELS:
             raise InputError(f"log level must be one of {', '.join(LOG_LEVELS)}")
+
+    def _validate_layer_precisions(self) -> None:
+        for name, p in self.layer_precisions.items():
+            if not isinstance(name, str) or p not in PRECISIONS:
+                raise InputError(
+                    f"layer_precisions: layer {name!r} is pinned to {p!r}; give layer names and "
+                    f"one of {', '.join(PRECISIONS)}"
+                )
+            if p in NOT_IMPLEMENTED:
+                raise BuildError(
+                    f"layer_precisions: layer '{name}' is pinned to {p}, which is not implemented "
+                    "yet (no tensorkiln backend has its kernels); pin it to fp32, fp16 or bf16"
+                )
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.
@@ -113,4 +133,4 @@ class BuilderConfig:
             "memory_limit": self.memory_limit,
             "timing_cache": self.timing_cache,
             "tactic_sources": None if self.tactic_sources is None else sorted(self.tactic_sources),
-        }
+        } | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})

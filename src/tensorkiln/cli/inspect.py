@@ -93,6 +93,8 @@ def describe_engine(path: Any) -> dict:
                     "op",
                     "impl",
                     "precision",
+                    "compute_precision",
+                    "format",
                     "tactic",
                     "timings_ms",
                     "tactic_eager",
@@ -182,10 +184,16 @@ def _print_engine(info: dict) -> None:
     layers = info["layers"]
     tuned = any("tactic" in x for x in layers)
     _table(
-        ["layer", "op", "implementation", "precision"]
+        ["layer", "op", "implementation", "precision", "computes in", "format"]
         + (["tactic (ms, as a CUDA graph)", "runners-up (ms)"] if tuned else []),
         [
-            [x["name"], x["op"], x["impl"], x["precision"]] + (_tactic_cells(x) if tuned else [])
+            [x["name"], x["op"], x["impl"], x["precision"]]
+            # (engines written before layers recorded these: the engine-wide precision, linear)
+            + [
+                x.get("compute_precision", build.get("precision", "fp32")),
+                x.get("format", "linear"),
+            ]
+            + (_tactic_cells(x) if tuned else [])
             for x in layers
         ],
         title=f"layers ({len(layers)})",

@@ -266,7 +266,7 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
     backend = _check_compatible(plan, where)
     source_model = _source_model(plan, tensors, where)
     try:
-        graph, _ = graph_from_json(plan["graph"], tensors)
+        graph, _ = graph_from_json(plan["graph"], tensors, plan["build"].get("precision", "fp32"))
         verify(graph)
         engine = Engine(
             graph,
@@ -365,6 +365,8 @@ def _check_layer(i: int, layer: dict, node: Any, where: str) -> None:
         "op": f"{node.domain}.{node.op}" if node.domain else node.op,
         "inputs": [v.name if v is not None else "" for v in node.inputs],
         "outputs": [v.name if v is not None else "" for v in node.outputs],
+        "compute_precision": node.precision,
+        "format": node.format,
     }
     for key, fact in facts.items():
         if key in layer and layer[key] != fact:

@@ -19,6 +19,7 @@ from typing import Any
 
 from tensorkiln.errors import EngineFormatError
 from tensorkiln.ir.dtypes import DType
+from tensorkiln.ir.graph import FORMATS, PRECISIONS
 
 # Sizes, dims and counts must fit an int64, as they do in ONNX, numpy and torch.
 MAX_INT = 2**63 - 1
@@ -209,6 +210,7 @@ NAME = Str()
 NAMES = List(NAME)
 SECONDS = Float(lo=0.0)
 DTYPE = Str(tuple(DType.__members__))
+PRECISION = Str(PRECISIONS)
 SHAPE = List(COUNT)  # concrete dims
 DECLARED_SHAPE = nullable(List(OneOf((COUNT, NAME), "a dim (int or name)")), "a shape")
 
@@ -219,7 +221,10 @@ LAYER = Obj(
         "name": NAME,
         "op": NAME,
         "impl": NAME,
-        "precision": NAME,
+        "precision": NAME,  # the output's element type ("f16"), as before layers recorded more
+        # the precision policy's choices (the node records them too); absent in older engines
+        "compute_precision": PRECISION,
+        "format": Str(FORMATS),
         "inputs": NAMES,
         "outputs": NAMES,
         "tactic": NAME,
@@ -252,6 +257,7 @@ BUILD_CONFIG = Obj(
         "memory_limit": nullable(COUNT, "a byte count"),
         "timing_cache": nullable(NAME, "a file name"),
         "tactic_sources": nullable(NAMES, "a list of names"),
+        "layer_precisions": Map(PRECISION),
     }
 )
 BUILD = Obj(
@@ -260,7 +266,7 @@ BUILD = Obj(
         "phases_s": Map(SECONDS),
         "passes": Map(COUNT),
         "nodes_before": COUNT,
-        "precision": NAME,
+        "precision": PRECISION,  # engine-wide: the math mode, and what older engines' layers take
         "timing_cache": Map(COUNT),
         "notes": NAMES,
     }

@@ -21,6 +21,7 @@ import onnx
 from tensorkiln.engine.schema import is_dim, printable, show
 from tensorkiln.errors import EngineFormatError
 from tensorkiln.ir import DType, Graph, Node, OptionalType, SequenceType, TensorType, Type, Value
+from tensorkiln.ir.graph import FORMATS, PRECISIONS
 
 # ----------------------------------------------------------------------------------- writing
 
@@ -67,7 +68,7 @@ class _Writer:
         }
 
     def node(self, n: Node, path: str) -> dict:
-        return {
+        d = {
             "op": n.op,
             "domain": n.domain,
             "name": n.name,
@@ -75,6 +76,9 @@ class _Writer:
             "outputs": [None if v is None else self.value_id(v) for v in n.outputs],
             "attrs": {k: self.attr(v, f"{path}{k}") for k, v in n.attrs.items()},
         }
+        # the precision policy's per-layer choices, where it made them
+        d.update({k: x for k, x in (("precision", n.precision), ("format", n.format)) if x})
+        return d
 
     def attr(self, v: Any, path: str) -> dict:
         if isinstance(v, bool | int | np.integer):
@@ -248,7 +252,9 @@ class _Reader:
         attrs = {k: self.attr(v, f"{where}.attrs.{k}") for k, v in attrs_d.items()}
         if op in _VALUE_OPS and domain in ("", "ai.onnx") and outs and outs[0] is not None:
             _check_value_attr(attrs.get("value"), outs[0], where)
-        return Node(op, ins, outs, attrs, domain, name)
+        precision = _layer_field(d, "precision", PRECISIONS, where)
+        layout = _layer_field(d, "format", FORMATS, where)
+        return Node(op, ins, outs, attrs, domain, name, precision, layout)
 
     def attr(self, d: Any, where: str) -> Any:
         _expect(isinstance(d, dict) and len(d) == 1, where, "bad attribute")
@@ -278,6 +284,20 @@ class _Reader:
         raise _fail(where, f"unknown attribute kind '{kind}'")
 
 
+def _layer_field(d: dict, key: str, known: tuple[str, ...], where: str) -> str | None:
+    """A node's recorded precision or format: absent (engines written before they were recorded,
+    and nodes no policy decided), or one of the ``known`` names."""
+    if key not in d:
+        return None
+    x = d[key]
+    _expect(
+        isinstance(x, str) and x in known,
+        f"{where}.{key}",
+        f"{show(x)} is not a known {key} (one of {', '.join(known)}); rebuild the engine",
+    )
+    return x
+
+
 # Ops whose output takes its element type from the tensor attribute 'value'.
 _VALUE_OPS = ("Constant", "ConstantOfShape")
 
@@ -298,8 +318,13 @@ def _check_value_attr(value: Any, out: Value, where: str) -> None:
     )
 
 
-def graph_from_json(data: Any, tensors: dict[str, np.ndarray]) -> tuple[Graph, dict[int, Value]]:
-    """Rebuild a graph from :func:`graph_to_json`'s output, validating every reference."""
+def graph_from_json(
+    data: Any, tensors: dict[str, np.ndarray], precision: str | None = None
+) -> tuple[Graph, dict[int, Value]]:
+    """Rebuild a graph from :func:`graph_to_json`'s output, validating every reference.
+
+    ``precision`` is the engine-wide one: layers that record none (in engines written before
+    layers recorded their own) take it, and the linear format every layer used then."""
     opsets = _get(data, "opsets", dict, "plan")
     for k, v in opsets.items():
         _expect(
@@ -309,6 +334,20 @@ def graph_from_json(data: Any, tensors: dict[str, np.ndarray]) -> tuple[Graph, d
         )
     reader = _Reader(tensors, dict(opsets))
     graph = reader.graph(data, "")
+    if precision is not None:
+        _expect(
+            precision in PRECISIONS, "plan.build.precision", f"unknown precision {show(precision)}"
+        )
+        _default_layer_fields(graph, precision)
     unused = set(tensors) - reader.used_tensors
     _expect(not unused, "weights", f"tensors not referenced by the plan: {sorted(unused)[:3]}")
     return graph, reader.values
+
+
+def _default_layer_fields(graph: Graph, precision: str) -> None:
+    """Layers (top-level nodes) without a recorded precision or format take the engine's."""
+    for n in graph.nodes:
+        if n.precision is None:
+            n.precision = precision
+        if n.format is None:
+            n.format = "linear"

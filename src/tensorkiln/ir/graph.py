@@ -7,6 +7,10 @@
   values (``Graph`` for subgraphs, numpy arrays for tensors).
 * :class:`Graph` holds inputs, outputs, nodes in topological order, initializers and the opset imports.
 
+A node may also record how it is computed, once the builder's precision policy has decided it: its
+``precision`` (one of :data:`PRECISIONS`) and the ``format`` of the tensors it reads and writes
+(one of :data:`FORMATS`); ``None`` means not decided (float32, linear, before the builder runs).
+
 Producer and consumer maps are computed on demand (:meth:`Graph.producers`, :meth:`Graph.consumers`);
 nothing is kept in sync by hand. A subgraph (If/Loop/Scan body) refers to values of enclosing graphs by
 using the very same Value objects.
@@ -24,6 +28,14 @@ from tensorkiln.ir.dtypes import DType
 
 Dim = Union[int, str]  # noqa: UP007  (an int, or the name of a symbolic dimension)
 Shape = tuple[Dim, ...]
+
+# What a layer may compute in (TensorRT's DataType as a builder flag names it).
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16", "int8", "fp8")
+# How a layer's tensors are laid out, as TensorRT's TensorFormat names them: "linear" is row-major
+# (NCHW for images), "hwc" channels-last (NHWC), "chw<k>"/"hwc<k>" channel-vectorized by k.
+FORMATS = (
+    "linear", "chw2", "chw4", "chw16", "chw32", "hwc", "hwc8", "hwc16", "dhwc", "dhwc8", "cdhw32",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +109,8 @@ class Node:
     attrs: dict[str, Any] = field(default_factory=dict)
     domain: str = ""
     name: str = ""
+    precision: str | None = None  # what it computes in (PRECISIONS); None: not decided yet
+    format: str | None = None  # its tensors' layout (FORMATS); None: not decided yet
 
     def subgraphs(self) -> Iterator[Graph]:
         """The graphs held by this node's attributes (If branches, Loop/Scan bodies)."""

@@ -2,7 +2,7 @@
 
 graph torch_jit (ai.onnx 17)
   in  %input: f32[N,3,224,224]
-  %conv1: f32[N,64,112,112] = Conv(%input, %w1, %b1) {kernel_shape=[7,7], strides=[2,2]}
+  %conv1: f32[N,64,112,112] = Conv(%input, %w1, %b1) {kernel_shape=[7,7], strides=[2,2]} @fp32 linear
   out %output
 """
 
@@ -40,6 +40,9 @@ def format_node(node: Node) -> str:
     text = f"{outs} = {op}({ins})"
     if attrs:
         text += " {" + ", ".join(f"{k}={_attr(v)}" for k, v in attrs.items()) + "}"
+    how = " ".join(x for x in (node.precision, node.format) if x is not None)
+    if how:  # the precision policy's choice for this layer
+        text += f" @{how}"
     return f"{text}  # {node.name}" if node.name else text
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tensorkiln.errors import GraphError
 from tensorkiln.ir.dtypes import DType
-from tensorkiln.ir.graph import Graph, TensorType, Value
+from tensorkiln.ir.graph import FORMATS, PRECISIONS, Graph, Node, TensorType, Value
 
 
 def verify(graph: Graph, outer: frozenset[Value] = frozenset()) -> None:
@@ -12,7 +12,7 @@ def verify(graph: Graph, outer: frozenset[Value] = frozenset()) -> None:
 
     Checks: every value read is defined earlier (topological order) in this graph or an enclosing
     one; no value is defined twice; outputs are defined; constants match their declared types;
-    subgraphs recursively.
+    a node's precision and format, where recorded, are known names; subgraphs recursively.
     """
     defined: set[Value] = set()
     where = f"graph '{graph.name}'"
@@ -28,6 +28,7 @@ def verify(graph: Graph, outer: frozenset[Value] = frozenset()) -> None:
         define(v, "initializer")
         _check_const(v, where)
     for node in graph.nodes:
+        _check_layer_fields(node, where)
         for i, v in enumerate(node.inputs):
             if v is not None and v not in defined and v not in outer:
                 raise GraphError(
@@ -43,6 +44,19 @@ def verify(graph: Graph, outer: frozenset[Value] = frozenset()) -> None:
     for v in graph.outputs:
         if v not in defined and v not in outer:
             raise GraphError(f"{where}: output '{v.name}' is not defined by the graph")
+
+
+def _check_layer_fields(node: Node, where: str) -> None:
+    """The precision and format a policy recorded on ``node`` must be ones the project knows."""
+    for what, x, known in (
+        ("precision", node.precision, PRECISIONS),
+        ("format", node.format, FORMATS),
+    ):
+        if x is not None and x not in known:
+            raise GraphError(
+                f"{where}: node '{node.name}' ({node.op}) has {what} {x!r}; known are "
+                f"{', '.join(known)}"
+            )
 
 
 def _check_const(v: Value, where: str) -> None:

@@ -41,17 +41,18 @@ from tensorkiln.ir.printer import format_graph
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for
+from tensorkiln.precision.policy import TOLERANCE
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache
 from tensorkiln.tactics.inputs import LayerInputs
 
-# relative L2 error a candidate may show against the float32 oracle, by compute precision
-TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 1e-2, "bf16": 3e-2}
-
 
 @dataclass
 class TuneOptions:
-    precision: str = "fp32"  # what the layers compute in: fp32, tf32, fp16 or bf16
+    precision: str = "fp32"  # the engine's math mode: fp32, tf32, fp16 or bf16
+    # a layer's tolerance against the float32 oracle (the precision policy's); None: the
+    # engine-wide precision's TOLERANCE for every layer
+    tolerance: Callable[[Node], float] | None = None
     warmup: int = 3
     runs: int = 15
     enabled: bool = True  # False: every layer keeps its default tactic (optimization level 0)
@@ -194,7 +195,7 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
         return _fallback(f"the default kernel failed on the tuning inputs: {_reason(exc)}")
     if not _checkable(oracle):
         return _fallback("the oracle has no finite output on the tuning inputs to check against")
-    bound = _bound(TOLERANCE[options.precision], default_err)
+    bound = _bound(_tolerance(node, options), default_err)
     graph_ms, eager_ms = {"default": default_ms[0]}, {"default": default_ms[1]}
     rejected: dict[str, str] = {}
     for t in candidates:
@@ -218,6 +219,12 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     if rejected:
         out["rejected"] = rejected
     return out
+
+
+def _tolerance(node: Node, options: TuneOptions) -> float:
+    if options.tolerance is not None:
+        return options.tolerance(node)
+    return TOLERANCE[options.precision]
 
 
 def _bound(tolerance: float, default_err: float) -> float:
@@ -259,6 +266,8 @@ def describe_layer(node: Node, entry: KernelEntry) -> dict:
         "op": f"{node.domain}.{node.op}" if node.domain else node.op,
         "impl": f"{entry.backend}:{module}.{entry.fn.__name__}",
         "precision": t.dtype.short if isinstance(t, TensorType) and t.dtype is not None else "-",
+        # what the precision policy chose for it, where it ran
+        **{k: x for k, x in (("compute_precision", node.precision), ("format", node.format)) if x},
         "inputs": [v.name if v is not None else "" for v in node.inputs],
         "outputs": [v.name if v is not None else "" for v in node.outputs],
     }
@@ -330,6 +339,8 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, backend: Backe
         "torch": torch.__version__,
         "device": device.type,
     }
+    if node.precision not in (None, options.precision):  # (held to that precision's tolerance)
+        sig["layer_precision"] = node.precision
     if backend.streams:  # a GPU: timings hold for this model of it, with these libraries
         props = torch.cuda.get_device_properties(device)
         sig["device"] = f"{props.name} sm_{props.major}{props.minor}"
