@@ -197,9 +197,12 @@ def test_a_dropped_context_pool_is_reused() -> None:
     want = Runner(_cnn()).infer({"x": x})["y"]
     assert _rel(again.infer({"x": x})["y"], want) < 1e-5
     assert _rel(out, want) < 1e-5  # the earlier result was not overwritten
-    # the pool came with its stream, so the dropped context's memory served this one
+    # the pool came with its stream, so the dropped context's memory served this one: at most
+    # one more 2 MiB segment of small blocks, which the caching allocator may open for a run's
+    # small tensors depending on what ran before (a context without the recycled pool would
+    # reserve its plan and workspace afresh: over 30 MiB here)
     torch.cuda.synchronize()
-    assert again.device_memory_bytes() == held
+    assert held <= again.device_memory_bytes() <= held + 2 * 2**20
 
 
 def test_engine_file_round_trip(tmp_path) -> None:
