@@ -11,26 +11,23 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from tensorkiln.kernels.common.cast import FLOAT8
+from tensorkiln.kernels.common.cast import FLOAT8, dtypes
 from tensorkiln.kernels.common.quant import quant_target, scale_layout
 from tensorkiln.kernels.reference.math import compute_dtype, integer_matmul
 from tensorkiln.kernels.registry import register
 
-_INT_TARGETS = frozenset(
-    np.dtype(t)
-    for t in (
-        np.uint8,
-        np.int8,
-        np.uint16,
-        np.int16,
-        ml_dtypes.uint4,
-        ml_dtypes.int4,
-        ml_dtypes.uint2,
-        ml_dtypes.int2,
-    )
+_INT_TARGETS = dtypes(
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    ml_dtypes.uint4,
+    ml_dtypes.int4,
+    ml_dtypes.uint2,
+    ml_dtypes.int2,
 )
-_FLOAT_TARGETS = FLOAT8 | frozenset(
-    np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn)
+_FLOAT_TARGETS = FLOAT8 | dtypes(
+    ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn
 )
 
 
