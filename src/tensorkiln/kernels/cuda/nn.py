@@ -15,9 +15,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
+from tensorkiln.kernels.common.conv import (
+    check_causal_conv,
+    check_conv_shapes,
+    conv_geometry,
+    transpose_geometry,
+)
 from tensorkiln.kernels.common.deform import DeformConv
-from tensorkiln.kernels.common.window import Geometry, ints
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.cpu_conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.registry import register
@@ -145,21 +150,10 @@ def conv_transpose(
 ) -> torch.Tensor:
     """N-d transposed convolution; the output is the window [begin, begin + out) of the unpadded
     result, zero-extended where it reaches past it (output_padding, a larger output_shape)."""
-    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
-        raise ValueError(
-            f"ConvTranspose: X of shape {tuple(x.shape)} needs W of shape (C={x.shape[1]}, "
-            f"M/group, k...) with C divisible by group={group}; got W of shape {tuple(w.shape)}"
-        )
-    nsp = x.ndim - 2
-    kernel = tuple(w.shape[2:])
-    strides = ints(strides, nsp, 1, "strides")
-    dilations = ints(dilations, nsp, 1, "dilations")
-    output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = transpose_pads(
-        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+    kernel, strides, dilations, begin, out = transpose_geometry(
+        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
     )
-    if any(o <= 0 for o in out):
-        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
+    nsp = x.ndim - 2
     w = w.to(x.dtype)
     bias = _bias(b, group * w.shape[1], x.dtype, "ConvTranspose")
     full = [
@@ -281,9 +275,6 @@ class TorchDeformArrays:
 register("DeformConv", since=19, backend="cuda")(DeformConv(TorchDeformArrays()).deform_conv)
 
 
-_ACTIVATIONS = ("none", "silu", "swish")
-
-
 @register("CausalConvWithState", since=27, backend="cuda")
 def causal_conv_with_state(
     x: torch.Tensor,
@@ -294,22 +285,13 @@ def causal_conv_with_state(
     activation: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
-    if x.ndim != 3 or w.ndim != 3 or tuple(w.shape[:2]) != (x.shape[1], 1):
-        raise ValueError(
-            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got "
-            f"{tuple(x.shape)} and {tuple(w.shape)}"
-        )
+    check_causal_conv(
+        x.shape, w.shape, None if past_state is None else past_state.shape, activation
+    )
     bsz, c, length = x.shape
     k = w.shape[2]
     if past_state is None:
         past_state = x.new_zeros(bsz, c, k - 1)
-    elif tuple(past_state.shape) != (bsz, c, k - 1):
-        raise ValueError(
-            f"CausalConvWithState: past_state has shape {tuple(past_state.shape)}, expected "
-            f"{(bsz, c, k - 1)}"
-        )
     full = torch.cat([past_state.to(x.dtype), x], dim=2)
     ct = compute_dtype(x.dtype)
     bias = _bias(b, c, ct, "CausalConvWithState")

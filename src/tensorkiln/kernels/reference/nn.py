@@ -13,12 +13,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
+from tensorkiln.kernels.common.conv import (
+    check_causal_conv,
+    check_conv_shapes,
+    conv_geometry,
+    transpose_geometry,
+)
 from tensorkiln.kernels.common.deform import DeformConv
 from tensorkiln.kernels.reference._window import (
     Geometry,
     compute_dtype,
-    ints,
     pad,
     tap_slices,
     windows,
@@ -139,22 +143,11 @@ def conv_transpose(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """N-d transposed convolution: one GEMM per group, then a col2im scatter-add."""
-    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
-        raise ValueError(
-            f"ConvTranspose: X of shape {x.shape} needs W of shape (C={x.shape[1]}, M/group, k...) "
-            f"with C divisible by group={group}; got W of shape {w.shape}"
-        )
+    kernel, strides, dilations, begin, out = transpose_geometry(
+        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
+    )
     n, c = x.shape[:2]
     nsp = x.ndim - 2
-    kernel = tuple(w.shape[2:])
-    strides = ints(strides, nsp, 1, "strides")
-    dilations = ints(dilations, nsp, 1, "dilations")
-    output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = transpose_pads(
-        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
-    )
-    if any(o <= 0 for o in out):
-        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
     ct = compute_dtype(x.dtype)
     mg = w.shape[1]
     taps, positions = math.prod(kernel), math.prod(x.shape[2:])
@@ -270,9 +263,6 @@ class NumpyDeformArrays:
 register("DeformConv", since=19)(DeformConv(NumpyDeformArrays()).deform_conv)
 
 
-_ACTIVATIONS = ("none", "silu", "swish")
-
-
 @register("CausalConvWithState", since=27)
 def causal_conv_with_state(
     x: np.ndarray,
@@ -283,22 +273,13 @@ def causal_conv_with_state(
     activation: str = "none",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
-    if x.ndim != 3 or w.ndim != 3 or w.shape[:2] != (x.shape[1], 1):
-        raise ValueError(
-            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got {x.shape} "
-            f"and {w.shape}"
-        )
+    check_causal_conv(
+        x.shape, w.shape, None if past_state is None else past_state.shape, activation
+    )
     bsz, c, length = x.shape
     k = w.shape[2]
     if past_state is None:
         past_state = np.zeros((bsz, c, k - 1), dtype=x.dtype)
-    elif past_state.shape != (bsz, c, k - 1):
-        raise ValueError(
-            f"CausalConvWithState: past_state has shape {past_state.shape}, expected "
-            f"{(bsz, c, k - 1)}"
-        )
     full = np.concatenate([past_state, x], axis=2)
     ct = compute_dtype(x.dtype)
     fc, wc = full.astype(ct, copy=False), w.astype(ct, copy=False)
