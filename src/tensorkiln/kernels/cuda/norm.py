@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from onnx import helper
 
+from tensorkiln.kernels.common.norm import BatchNorm
 from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.nn import compute_dtype
 from tensorkiln.kernels.registry import register
@@ -61,84 +62,20 @@ def _batch_stats(x: torch.Tensor, ct, spatial: int = 1) -> tuple[torch.Tensor, t
     return mean, var
 
 
-def _running(old, batch, momentum: float, like: torch.Tensor) -> torch.Tensor:
-    return (
-        (old.reshape(batch.shape) * momentum + batch * (1 - momentum))
-        .reshape(like.shape)
-        .to(like.dtype)
-    )
+class TorchBatchNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.BatchNormArrays` on torch tensors."""
+
+    params = staticmethod(_bn_params)
+    apply = staticmethod(_bn_apply)
+    batch_stats = staticmethod(_batch_stats)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
 
 
-def _batch_normalization_legacy(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    epsilon: float = 1e-5,
-    is_test: int = 0,
-    momentum: float = 0.9,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-):
-    """Opsets 1-13: inference with one output; with several, training-mode statistics (Y, the
-    updated running mean and variance, the batch mean and variance)."""
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
-    if _n_outputs == 1 or is_test:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct, spatial)
-    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
-    outs = [y, _running(m, bm, momentum, mean), _running(v, bv, momentum, mean)]
-    outs += [bm.reshape(mean.shape).to(mean.dtype), bv.reshape(mean.shape).to(mean.dtype)]
-    return tuple(outs[:_n_outputs])
-
-
-# BatchNormalization says training through its training_mode attribute from opset 14; before, a
-# node asks for training statistics by declaring more than one output (unless is_test).
-_BN_TRAINING_MODE = 14
-
-
-@register("BatchNormalization", backend="cuda")
-def batch_normalization(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    *,
-    epsilon: float = 1e-5,
-    momentum: float = 0.9,
-    training_mode: int = 0,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-    _opset: int = _BN_TRAINING_MODE,
-):
-    """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
-    if _opset < _BN_TRAINING_MODE:
-        return _batch_normalization_legacy(
-            x,
-            scale,
-            bias,
-            mean,
-            var,
-            epsilon=epsilon,
-            is_test=is_test,
-            momentum=momentum,
-            spatial=spatial,
-            _n_outputs=_n_outputs,
-        )
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
-    if not training_mode:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct)
-    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
-    outs = (y, _running(m, bm, momentum, mean), _running(v, bv, momentum, var))
-    return outs[:_n_outputs] if _n_outputs > 1 else y
+register("BatchNormalization", backend="cuda")(
+    BatchNorm(TorchBatchNormArrays()).batch_normalization
+)
 
 
 def _standardize(xc: torch.Tensor, axes: tuple[int, ...], epsilon: float):

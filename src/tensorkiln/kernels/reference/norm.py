@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import helper
 
+from tensorkiln.kernels.common.norm import BatchNorm
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.registry import register
 
@@ -54,81 +55,18 @@ def _batch_stats(x: np.ndarray, ct, spatial: int = 1) -> tuple[np.ndarray, np.nd
     return mean, var
 
 
-def _batch_normalization_legacy(
-    x: np.ndarray,
-    scale: np.ndarray,
-    bias: np.ndarray,
-    mean: np.ndarray,
-    var: np.ndarray,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    epsilon: float = 1e-5,
-    is_test: int = 0,
-    momentum: float = 0.9,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-):
-    """Opsets 1-13: inference with one output; with several, training-mode statistics.
+class NumpyBatchNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.BatchNormArrays` on numpy arrays."""
 
-    The outputs then are Y, the updated running mean and variance, and the batch mean and variance.
-    """
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
-    if _n_outputs == 1 or is_test:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct, spatial)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
-    run_m = m * ct.type(momentum) + bm * ct.type(1 - momentum)
-    run_v = v * ct.type(momentum) + bv * ct.type(1 - momentum)
-    outs = [y] + [o.reshape(mean.shape).astype(mean.dtype) for o in (run_m, run_v, bm, bv)]
-    return tuple(outs[:_n_outputs])
+    params = staticmethod(_bn_params)
+    apply = staticmethod(_bn_apply)
+    batch_stats = staticmethod(_batch_stats)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype)
 
 
-# BatchNormalization says training through its training_mode attribute from opset 14; before, a
-# node asks for training statistics by declaring more than one output (unless is_test).
-_BN_TRAINING_MODE = 14
-
-
-@register("BatchNormalization")
-def batch_normalization(
-    x: np.ndarray,
-    scale: np.ndarray,
-    bias: np.ndarray,
-    mean: np.ndarray,
-    var: np.ndarray,
-    *,
-    epsilon: float = 1e-5,
-    momentum: float = 0.9,
-    training_mode: int = 0,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-    _opset: int = _BN_TRAINING_MODE,
-):
-    """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
-    if _opset < _BN_TRAINING_MODE:
-        return _batch_normalization_legacy(
-            x,
-            scale,
-            bias,
-            mean,
-            var,
-            epsilon=epsilon,
-            is_test=is_test,
-            momentum=momentum,
-            spatial=spatial,
-            _n_outputs=_n_outputs,
-        )
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
-    if not training_mode:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
-    run_m = (m * ct.type(momentum) + bm * ct.type(1 - momentum)).reshape(mean.shape)
-    run_v = (v * ct.type(momentum) + bv * ct.type(1 - momentum)).reshape(var.shape)
-    outs = (y, run_m.astype(mean.dtype), run_v.astype(var.dtype))
-    return outs[:_n_outputs] if _n_outputs > 1 else y
+register("BatchNormalization")(BatchNorm(NumpyBatchNormArrays()).batch_normalization)
 
 
 def _standardize(xc: np.ndarray, axes: tuple[int, ...], epsilon: float):
