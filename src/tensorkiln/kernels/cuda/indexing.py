@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tensorkiln.kernels.common.indexing import tensor_scatter_axis
+from tensorkiln.kernels.common.indexing import TensorScatter
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
@@ -181,32 +181,31 @@ def scatter_nd(
     return _scatter_along(out, 0, index, upd, reduction).reshape(data.shape)
 
 
-@register("TensorScatter", since=24, backend="cuda")
-def tensor_scatter(
-    past_cache: torch.Tensor,
-    update: torch.Tensor,
-    write_indices: torch.Tensor | None = None,
-    *,
-    mode: str = "linear",
-    axis: int = -2,
-) -> torch.Tensor:
-    """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
-    from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
-    axis = tensor_scatter_axis(past_cache.shape, update.shape, axis, mode)
-    shape, ushape = past_cache.shape, update.shape
-    batch, max_len, seq = shape[0], shape[axis], ushape[axis]
-    device = past_cache.device
-    if write_indices is None:
-        starts = torch.zeros(batch, dtype=torch.int64, device=device)
-    else:
-        starts = write_indices.to(torch.int64).reshape(-1)
-    pos = starts.unsqueeze(1) + torch.arange(seq, device=device)
-    pos = pos.remainder(max_len) if mode == "circular" else pos.clamp(0, max(max_len - 1, 0))
-    out = past_cache.clone()
-    view = as_signed(out).movedim(axis, 1)  # (batch, max_len, ...) view into out
-    rows = torch.arange(batch, device=device).unsqueeze(1)
-    view[rows, pos] = as_signed(update).movedim(axis, 1)
-    return out
+class TorchScatterArrays:
+    """:class:`tensorkiln.kernels.common.indexing.ScatterArrays` on torch tensors."""
+
+    def starts(self, write_indices: torch.Tensor | None, batch: int, like: torch.Tensor):
+        if write_indices is None:
+            return torch.zeros(batch, dtype=torch.int64, device=like.device)
+        return write_indices.to(torch.int64).reshape(-1)
+
+    def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    def bound(self, pos: torch.Tensor, max_len: int) -> torch.Tensor:
+        return pos.clamp(0, max(max_len - 1, 0))
+
+    def write_rows(self, cache: torch.Tensor, axis: int, pos: torch.Tensor, update: torch.Tensor):
+        out = cache.clone()
+        view = as_signed(out).movedim(axis, 1)  # (batch, max_len, ...) view into out
+        rows = torch.arange(cache.shape[0], device=cache.device).unsqueeze(1)
+        view[rows, pos] = as_signed(update).movedim(axis, 1)
+        return out
+
+
+register("TensorScatter", since=24, backend="cuda")(
+    TensorScatter(TorchScatterArrays()).tensor_scatter
+)
 
 
 # ---------------------------------------------------------------------------------------------
