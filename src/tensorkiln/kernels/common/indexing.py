@@ -72,3 +72,22 @@ class TensorScatter:
         pos = starts.reshape(-1, 1) + xp.arange(seq, past_cache)
         pos = pos % max_len if mode == "circular" else xp.bound(pos, max_len)
         return xp.write_rows(past_cache, axis, pos, update)
+
+
+def check_nd_indices(
+    data_shape: Sequence[int], indices_shape: Sequence[int], batch_dims: int, op: str
+) -> int:
+    """GatherND/ScatterND: the length of an index tuple, after checking that ``indices`` can
+    index ``data`` past its ``batch_dims`` leading (shared) axes."""
+    data, indices, b = tuple(data_shape), tuple(indices_shape), batch_dims
+    k = indices[-1] if indices else 0
+    if len(indices) < 1 or k > len(data) - b:
+        raise ValueError(
+            f"{op}: indices of shape {list(indices)} cannot index data of shape {list(data)} "
+            f"with batch_dims={b}"
+        )
+    if data[:b] != indices[:b]:
+        raise ValueError(
+            f"{op}: batch dimensions differ: data {list(data[:b])} vs indices {list(indices[:b])}"
+        )
+    return k

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from tensorkiln.kernels.common.indexing import TensorScatter
+from tensorkiln.kernels.common.indexing import TensorScatter, check_nd_indices
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
@@ -72,17 +72,7 @@ def _nd_rows(data: torch.Tensor, indices: torch.Tensor, batch_dims: int, op: str
     """GatherND/ScatterND addressing: data as (batch, prod(indexed dims), *tail) and, for each
     batch entry, the linear position of every index tuple, shaped (batch, rows)."""
     b = batch_dims
-    k = indices.shape[-1] if indices.dim() else 0
-    if indices.dim() < 1 or k > data.dim() - b:
-        raise ValueError(
-            f"{op}: indices of shape {list(indices.shape)} cannot index data of shape "
-            f"{list(data.shape)} with batch_dims={b}"
-        )
-    if data.shape[:b] != indices.shape[:b]:
-        raise ValueError(
-            f"{op}: batch dimensions differ: data {list(data.shape[:b])} vs indices "
-            f"{list(indices.shape[:b])}"
-        )
+    k = check_nd_indices(data.shape, indices.shape, b, op)
     batch = math.prod(data.shape[:b])
     indexed = data.shape[b : b + k]
     idx = indices.reshape(batch, math.prod(indices.shape[b:-1]), k)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common.indexing import TensorScatter
+from tensorkiln.kernels.common.indexing import TensorScatter, check_nd_indices
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.registry import register
 
@@ -66,16 +66,7 @@ def gather_elements(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> 
 def _nd_index(data: np.ndarray, indices: np.ndarray, batch_dims: int, op: str):
     """Flattened GatherND/ScatterND addressing: (data as (B, ...), index tuple, result prefix)."""
     b = batch_dims
-    k = indices.shape[-1] if indices.ndim else 0
-    if indices.ndim < 1 or k > data.ndim - b:
-        raise ValueError(
-            f"{op}: indices of shape {indices.shape} cannot index data of shape {data.shape} "
-            f"with batch_dims={b}"
-        )
-    if data.shape[:b] != indices.shape[:b]:
-        raise ValueError(
-            f"{op}: batch dimensions differ: data {data.shape[:b]} vs indices {indices.shape[:b]}"
-        )
+    k = check_nd_indices(data.shape, indices.shape, b, op)
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
     rows = int(np.prod(indices.shape[b:-1], dtype=np.int64))
     flat = data.reshape(batch, *data.shape[b:])
