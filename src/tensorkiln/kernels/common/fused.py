@@ -1,9 +1,11 @@
 """Backend-neutral attribute and shape checks of the fused ops (Attention, SqueezeExcite), shared
-by the reference and cuda trees."""
+by the reference and cuda trees, and tensorkiln.Attention's entry (checks and head layouts)
+written once."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 LAYOUTS_IN = ("bhsd", "bsd")
 LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
@@ -51,3 +53,61 @@ def check_se_shapes(
         raise ValueError(f"SqueezeExcite: W1 must be (S, {c}, 1, 1), got {w1_shape}")
     if len(w2_shape) != 4 or w2_shape != (c, w1_shape[0], 1, 1):
         raise ValueError(f"SqueezeExcite: W2 must be ({c}, {w1_shape[0]}, 1, 1), got {w2_shape}")
+
+
+class AttentionArrays(Protocol):
+    """What tensorkiln.Attention needs from one backend: its attention math, and a swap of
+    axes 1 and 2 (a view in both numpy and torch)."""
+
+    def swap12(self, x: Any) -> Any: ...
+
+    def attend(self, q: Any, k: Any, v: Any, mask: Any, scale: float, causal: int, kind: str):
+        """softmax(Q K^T * scale + mask) V on [B, H, S, D] operands (scale 0: 1/sqrt(D)), a query
+        row with no visible key giving zeros."""
+
+
+class FusedAttention:
+    """tensorkiln.Attention over one backend's :class:`AttentionArrays`: the checks and the
+    head layouts, written once."""
+
+    def __init__(self, xp: AttentionArrays) -> None:
+        self.xp = xp
+
+    def _split_heads(self, x: Any, heads: int, name: str) -> Any:
+        """[B, S, H*D] -> [B, H, S, D] (a view)."""
+        check_split_heads(x.shape, heads, name)
+        b, s, e = x.shape
+        return self.xp.swap12(x.reshape(b, s, heads, e // heads))
+
+    def _arrange_output(self, y: Any, layout: str) -> Any:
+        """[B, H, S, Dv] -> the requested output layout; a view where the strides allow (the GPU
+        kernels write their output as [B, S, H, Dv], so "bshd" and "bsd" are then free)."""
+        if layout == "bhsd":
+            return y
+        y = self.xp.swap12(y)
+        return y if layout == "bshd" else y.reshape(y.shape[0], y.shape[1], -1)
+
+    def fused_attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any = None,
+        *,
+        scale: float = 0.0,
+        causal: int = 0,
+        mask_kind: str = "",
+        num_heads: int = 0,
+        input_layout: str = "bhsd",
+        output_layout: str = "bhsd",
+    ) -> Any:
+        """Scaled dot-product attention with an optional additive or boolean mask and causal
+        masking."""
+        check_attention(mask_kind, input_layout, output_layout, mask is not None)
+        if input_layout == "bsd":
+            q, k, v = (
+                self._split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V"))
+            )
+        check_attention_rank(q.shape, k.shape, v.shape)
+        y = self.xp.attend(q, k, v, mask, scale, causal, mask_kind)
+        return self._arrange_output(y, output_layout)
