@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 # The window geometry itself (Geometry, geometry, ints) is shared with the pools.
 from tensorkiln.kernels.reference._window import Geometry, geometry, ints
+from tensorkiln.ops.fused import check_activation
 
 
 def check_conv_shapes(
@@ -133,3 +134,24 @@ def check_causal_conv(
         raise ValueError(
             f"CausalConvWithState: past_state has shape {tuple(past_shape)}, expected {want}"
         )
+
+
+def check_conv_act(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    b_size: int | None,
+    group: int,
+    activation: str,
+    residual_order: str,
+) -> None:
+    """Raise ValueError unless a tensorkiln.ConvAct node's X, W, bias size (None: no bias),
+    group, activation and residual order fit together."""
+    check_conv_shapes(x_shape, w_shape, group, "ConvAct")
+    check_activation(activation, "ConvAct")
+    if residual_order not in ("add_act", "act_add"):
+        raise ValueError(
+            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
+        )
+    m = w_shape[0]
+    if b_size is not None and b_size != m:
+        raise ValueError(f"ConvAct: bias B has {b_size} values but there are {m} output channels")
