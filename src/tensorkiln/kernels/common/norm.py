@@ -100,3 +100,66 @@ class BatchNorm:
         y, bm, bv = self._train(x, params, epsilon, 1)
         outs = (y, self._running(m, bm, momentum, mean), self._running(v, bv, momentum, var))
         return outs[:_n_outputs] if _n_outputs > 1 else y
+
+
+# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
+# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
+DROPOUT_INPUTS = 12
+DROPOUT_BOOL_MASK = 10
+
+
+class DropoutArrays(Protocol):
+    """The array operations Dropout needs, on one backend's arrays."""
+
+    def ratio(self, ratio: Any, training: bool) -> float:
+        """The ratio input as a float (0.5 when absent); the device reads it only in training."""
+
+    def flag(self, v: Any) -> bool:
+        """A boolean scalar input (training_mode), read on the host."""
+
+    def ones(self, x: Any, boolean: bool) -> Any:
+        """An all-ones mask of X's shape: bool, or X's dtype."""
+
+    def keep(self, x: Any, ratio: float, seed: int | None) -> Any:
+        """A bool mask of X's shape, each element True with probability 1 - ratio (drawn with
+        numpy's RandomState when ``seed`` is given, so that both trees draw the same mask)."""
+
+    def astype(self, x: Any, dtype: Any) -> Any: ...
+
+
+class Dropout:
+    """Dropout of every opset over one backend's :class:`DropoutArrays`."""
+
+    def __init__(self, xp: DropoutArrays) -> None:
+        self.xp = xp
+
+    def _dropout(self, x, ratio: float, training: bool, seed: int | None, n_outputs: int):
+        if not 0 <= ratio < 1:
+            raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
+        if not training or ratio == 0:
+            mask = self.xp.ones(x, boolean=True) if n_outputs > 1 else None
+            return (x, mask) if n_outputs > 1 else x
+        mask = self.xp.keep(x, ratio, seed)
+        y = self.xp.astype(x * mask * (1.0 / (1.0 - ratio)), x.dtype)
+        return (y, mask) if n_outputs > 1 else y
+
+    def dropout(
+        self,
+        x: Any,
+        ratio: Any = None,  # an input from opset 12, an attribute (a float) before
+        training_mode: Any = None,
+        *,
+        seed: int | None = None,
+        consumed_inputs: Sequence[int] | None = None,
+        is_test: int = 0,
+        _n_outputs: int = 1,
+        _opset: int = DROPOUT_INPUTS,
+    ):
+        """Identity unless training_mode; then zero elements with probability ratio, scale the
+        rest. Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
+        if _opset < DROPOUT_BOOL_MASK:  # the mask has X's type (all ones)
+            return x if _n_outputs == 1 else (x, self.xp.ones(x, boolean=False))
+        if _opset < DROPOUT_INPUTS:
+            return self._dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
+        training = training_mode is not None and self.xp.flag(training_mode)
+        return self._dropout(x, self.xp.ratio(ratio, training), training, seed, _n_outputs)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from onnx import helper
 
-from tensorkiln.kernels.common.norm import BatchNorm
+from tensorkiln.kernels.common.norm import BatchNorm, Dropout
 from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.nn import compute_dtype
 from tensorkiln.kernels.registry import register
@@ -263,54 +263,28 @@ def lrn(
     return (xc / (bias + (alpha / size) * window) ** beta).to(x.dtype)
 
 
-def _dropout(x: torch.Tensor, ratio: float, training: bool, seed: int | None, n_outputs: int):
-    if not 0 <= ratio < 1:
-        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
-    if not training or ratio == 0:
-        y = x
-        mask = torch.ones(x.shape, dtype=torch.bool, device=x.device) if n_outputs > 1 else None
-    else:
-        if seed is not None:
-            # a seeded mask is drawn as the reference draws it, so that both backends agree
-            rng = np.random.RandomState(seed)
-            mask = to_torch(rng.uniform(0.0, 1.0, tuple(x.shape)) >= ratio, x.device)
-        else:
-            mask = torch.rand(x.shape, device=x.device) >= ratio
-        y = (x * mask * (1.0 / (1.0 - ratio))).to(x.dtype)
-    return (y, mask) if n_outputs > 1 else y
+class TorchDropoutArrays:
+    """:class:`tensorkiln.kernels.common.norm.DropoutArrays` on torch tensors."""
+
+    def ratio(self, ratio: torch.Tensor | None, training: bool) -> float:
+        # read back only when it matters: in inference the ratio changes nothing
+        return 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
+
+    def flag(self, v: torch.Tensor) -> bool:
+        return bool(np.ravel(host_list(v))[0])
+
+    def ones(self, x: torch.Tensor, boolean: bool) -> torch.Tensor:
+        return torch.ones_like(x, dtype=torch.bool if boolean else x.dtype)
+
+    def keep(self, x: torch.Tensor, ratio: float, seed: int | None) -> torch.Tensor:
+        if seed is None:
+            return torch.rand(x.shape, device=x.device) >= ratio
+        # a seeded mask is drawn as the reference draws it, so that both backends agree
+        rng = np.random.RandomState(seed)
+        return to_torch(rng.uniform(0.0, 1.0, tuple(x.shape)) >= ratio, x.device)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
 
 
-def _dropout_legacy(x: torch.Tensor, n_outputs: int):
-    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if n_outputs == 1:
-        return x
-    return x, torch.ones_like(x)
-
-
-# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
-# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
-_DROPOUT_INPUTS = 12
-_DROPOUT_BOOL_MASK = 10
-
-
-@register("Dropout", backend="cuda")
-def dropout(
-    x: torch.Tensor,
-    ratio: torch.Tensor | float | None = None,  # an input from opset 12, an attribute before
-    training_mode: torch.Tensor | None = None,
-    *,
-    seed: int | None = None,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    _n_outputs: int = 1,
-    _opset: int = _DROPOUT_INPUTS,
-):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
-    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
-    if _opset < _DROPOUT_BOOL_MASK:
-        return _dropout_legacy(x, _n_outputs)
-    if _opset < _DROPOUT_INPUTS:
-        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
-    training = training_mode is not None and bool(np.ravel(host_list(training_mode))[0])
-    r = 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
-    return _dropout(x, r, training, seed, _n_outputs)
+register("Dropout", backend="cuda")(Dropout(TorchDropoutArrays()).dropout)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import helper
 
-from tensorkiln.kernels.common.norm import BatchNorm
+from tensorkiln.kernels.common.norm import BatchNorm, Dropout
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.registry import register
 
@@ -256,49 +256,24 @@ def lrn(
     return (xc / base ** ct.type(beta)).astype(x.dtype, copy=False)
 
 
-def _dropout(x, ratio: float, training: bool, seed: int | None, n_outputs: int):
-    if not 0 <= ratio < 1:
-        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
-    if not training or ratio == 0:
-        y, mask = x, np.ones(x.shape, dtype=bool)
-    else:
+class NumpyDropoutArrays:
+    """:class:`tensorkiln.kernels.common.norm.DropoutArrays` on numpy arrays."""
+
+    def ratio(self, ratio: np.ndarray | None, training: bool) -> float:
+        return 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
+
+    def flag(self, v: np.ndarray) -> bool:
+        return bool(np.asarray(v).reshape(-1)[0])
+
+    def ones(self, x: np.ndarray, boolean: bool) -> np.ndarray:
+        return np.ones(x.shape, dtype=bool if boolean else x.dtype)
+
+    def keep(self, x: np.ndarray, ratio: float, seed: int | None) -> np.ndarray:
         rng = np.random.RandomState(seed) if seed is not None else np.random.RandomState()
-        mask = rng.uniform(0.0, 1.0, x.shape) >= ratio
-        y = (mask * x * (1.0 / (1.0 - ratio))).astype(x.dtype, copy=False)
-    return (y, mask) if n_outputs > 1 else y
+        return rng.uniform(0.0, 1.0, x.shape) >= ratio
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype, copy=False)
 
 
-def _dropout_legacy(x: np.ndarray, n_outputs: int):
-    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if n_outputs == 1:
-        return x
-    return x, np.ones(x.shape, dtype=x.dtype)
-
-
-# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
-# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
-_DROPOUT_INPUTS = 12
-_DROPOUT_BOOL_MASK = 10
-
-
-@register("Dropout")
-def dropout(
-    x: np.ndarray,
-    ratio: np.ndarray | float | None = None,  # an input from opset 12, an attribute before
-    training_mode: np.ndarray | None = None,
-    *,
-    seed: int | None = None,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    _n_outputs: int = 1,
-    _opset: int = _DROPOUT_INPUTS,
-):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
-    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
-    if _opset < _DROPOUT_BOOL_MASK:
-        return _dropout_legacy(x, _n_outputs)
-    if _opset < _DROPOUT_INPUTS:
-        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
-    r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
-    training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
-    return _dropout(x, r, training, seed, _n_outputs)
+register("Dropout")(Dropout(NumpyDropoutArrays()).dropout)
