@@ -14,6 +14,32 @@ def norm_axis(axis: int, rank: int, op: str) -> int:
     return axis % rank
 
 
+def check_group_norm(
+    x_shape: Sequence[int], num_groups: int, scale_size: int, bias_size: int, per_channel: bool
+) -> None:
+    """Raise ValueError unless ``num_groups`` divides X's channels and scale and bias hold one
+    value per channel (``per_channel``, opset 21 on) or per group."""
+    c = x_shape[1]
+    if num_groups < 1 or c % num_groups:
+        raise ValueError(
+            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
+        )
+    want = c if per_channel else num_groups
+    if scale_size != want or bias_size != want:
+        raise ValueError(
+            f"GroupNormalization: scale and bias need {want} values, got {scale_size} and "
+            f"{bias_size}"
+        )
+
+
+def check_lrn(x_shape: Sequence[int], size: int) -> None:
+    """Raise ValueError unless X is (N, C, D1, ...) and the window ``size`` is positive."""
+    if len(x_shape) < 3:
+        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {tuple(x_shape)}")
+    if size < 1:
+        raise ValueError(f"LRN: size must be positive, got {size}")
+
+
 # BatchNormalization says training through its training_mode attribute from opset 14; before, a
 # node asks for training statistics by declaring more than one output (unless is_test).
 BN_TRAINING_MODE = 14

@@ -16,7 +16,13 @@ import torch
 import torch.nn.functional as F
 from onnx import helper
 
-from tensorkiln.kernels.common.norm import BatchNorm, Dropout
+from tensorkiln.kernels.common.norm import (
+    BatchNorm,
+    Dropout,
+    check_group_norm,
+    check_lrn,
+    norm_axis,
+)
 from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.nn import compute_dtype
 from tensorkiln.kernels.registry import register
@@ -105,12 +111,6 @@ def _stash_dtype(stash_type: int) -> torch.dtype:
     return torch_dtype(helper.tensor_dtype_to_np_dtype(stash_type))
 
 
-def _axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
-
-
 _FUSED_LN = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -126,7 +126,7 @@ def layer_normalization(
     _n_outputs: int = 1,
 ):
     """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
-    axis = _axis(axis, x.ndim, "LayerNormalization")
+    axis = norm_axis(axis, x.ndim, "LayerNormalization")
     st = _stash_dtype(stash_type)
     shape = tuple(x.shape[axis:])
     fused = _n_outputs == 1 and st == torch.float32 and x.dtype in _FUSED_LN
@@ -146,16 +146,7 @@ def layer_normalization(
 
 def _group_norm(x, scale, bias, num_groups: int, epsilon: float, ct, per_channel: bool):
     n, c = x.shape[:2]
-    if num_groups < 1 or c % num_groups:
-        raise ValueError(
-            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
-        )
-    want = c if per_channel else num_groups
-    if scale.numel() != want or bias.numel() != want:
-        raise ValueError(
-            f"GroupNormalization: scale and bias need {want} values, got {scale.numel()} and "
-            f"{bias.numel()}"
-        )
+    check_group_norm(x.shape, num_groups, scale.numel(), bias.numel(), per_channel)
     y, _, _ = _standardize(x.to(ct).reshape(n, num_groups, -1), (2,), epsilon)
     rest = (1,) * (x.ndim - 2)
     if per_channel:
@@ -203,7 +194,7 @@ def rms_normalization(
     stash_type: int = 1,
 ) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
-    axis = _axis(axis, x.ndim, "RMSNormalization")
+    axis = norm_axis(axis, x.ndim, "RMSNormalization")
     st = _stash_dtype(stash_type)
     shape = tuple(x.shape[axis:])
     if st == torch.float32 and x.dtype in _FUSED_LN and tuple(scale.shape) == shape:
@@ -219,7 +210,7 @@ def lp_normalization(x: torch.Tensor, *, axis: int = -1, p: int = 2) -> torch.Te
     """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
     if p not in (1, 2):
         raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
-    axis = _axis(axis, x.ndim, "LpNormalization")
+    axis = norm_axis(axis, x.ndim, "LpNormalization")
     xc = x.to(compute_dtype(x.dtype))
     if p == 1:
         norm = xc.abs().sum(dim=axis, keepdim=True)
@@ -235,7 +226,7 @@ def mean_variance_normalization(
 ) -> torch.Tensor:
     """(x - mean) / (sqrt(variance) + 1e-9) over ``axes``; the variance as E[(x - mean)^2], as
     the reference computes it (not the spec body's cancelling E[x^2] - mean^2)."""
-    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    axes = tuple(norm_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
     xc = x.to(compute_dtype(x.dtype))
     centred = xc - xc.mean(dim=axes, keepdim=True)
     std = torch.sqrt((centred * centred).mean(dim=axes, keepdim=True)) + 1e-9
@@ -252,10 +243,7 @@ def lrn(
     size: int,
 ) -> torch.Tensor:
     """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
-    if x.ndim < 3:
-        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {tuple(x.shape)}")
-    if size < 1:
-        raise ValueError(f"LRN: size must be positive, got {size}")
+    check_lrn(x.shape, size)
     xc = x.to(compute_dtype(x.dtype))
     lo = (size - 1) // 2  # channel c sums the squares of channels c - lo .. c - lo + size - 1
     sq = F.pad((xc * xc).movedim(1, -1), (lo, size - 1 - lo))

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import helper
 
-from tensorkiln.kernels.common.norm import BatchNorm, Dropout
+from tensorkiln.kernels.common.norm import (
+    BatchNorm,
+    Dropout,
+    check_group_norm,
+    check_lrn,
+    norm_axis,
+)
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.registry import register
 
@@ -97,12 +103,6 @@ def _stash_dtype(x: np.ndarray, stash_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(stash_type))
 
 
-def _axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
-
-
 @register("LayerNormalization", since=17)
 def layer_normalization(
     x: np.ndarray,
@@ -115,7 +115,7 @@ def layer_normalization(
     _n_outputs: int = 1,
 ):
     """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
-    axis = _axis(axis, x.ndim, "LayerNormalization")
+    axis = norm_axis(axis, x.ndim, "LayerNormalization")
     st = _stash_dtype(x, stash_type)
     y, mean, inv_std = _standardize(x.astype(st), tuple(range(axis, x.ndim)), epsilon)
     y *= scale.astype(st, copy=False)
@@ -129,16 +129,7 @@ def layer_normalization(
 
 def _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel: bool) -> np.ndarray:
     n, c = x.shape[:2]
-    if num_groups < 1 or c % num_groups:
-        raise ValueError(
-            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
-        )
-    want = c if per_channel else num_groups
-    if scale.size != want or bias.size != want:
-        raise ValueError(
-            f"GroupNormalization: scale and bias need {want} values, got {scale.size} and "
-            f"{bias.size}"
-        )
+    check_group_norm(x.shape, num_groups, scale.size, bias.size, per_channel)
     xg = x.astype(ct).reshape(n, num_groups, -1)
     y, _, _ = _standardize(xg, (2,), epsilon)
     rest = (1,) * (x.ndim - 2)
@@ -188,7 +179,7 @@ def rms_normalization(
     stash_type: int = 1,
 ) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
-    axis = _axis(axis, x.ndim, "RMSNormalization")
+    axis = norm_axis(axis, x.ndim, "RMSNormalization")
     st = _stash_dtype(x, stash_type)
     xs = x.astype(st)
     ms = np.mean(xs * xs, axis=tuple(range(axis, x.ndim)), keepdims=True)
@@ -202,7 +193,7 @@ def lp_normalization(x: np.ndarray, *, axis: int = -1, p: int = 2) -> np.ndarray
     """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
     if p not in (1, 2):
         raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
-    axis = _axis(axis, x.ndim, "LpNormalization")
+    axis = norm_axis(axis, x.ndim, "LpNormalization")
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     if p == 1:
@@ -222,7 +213,7 @@ def mean_variance_normalization(x: np.ndarray, *, axes: Sequence[int] = (0, 2, 3
     float32 when the mean is large against the spread (errors of 4e-4 for a spread of 0.06 around
     2), so it is computed as E[(x - mean)^2], equal in exact arithmetic.
     """
-    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    axes = tuple(norm_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     centred = xc - xc.mean(axis=axes, keepdims=True)
@@ -240,10 +231,7 @@ def lrn(
     size: int,
 ) -> np.ndarray:
     """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
-    if x.ndim < 3:
-        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {x.shape}")
-    if size < 1:
-        raise ValueError(f"LRN: size must be positive, got {size}")
+    check_lrn(x.shape, size)
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     c, lo = x.shape[1], (size - 1) // 2
