@@ -14,12 +14,13 @@ def norm_axis(axis: int, rank: int, op: str) -> int:
     return axis % rank
 
 
-def check_group_norm(
+def group_norm_layout(
     x_shape: Sequence[int], num_groups: int, scale_size: int, bias_size: int, per_channel: bool
-) -> None:
-    """Raise ValueError unless ``num_groups`` divides X's channels and scale and bias hold one
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """GroupNormalization's (shape to view the normalized X in, shape of scale and bias against
+    it), after checking that ``num_groups`` divides X's channels and that scale and bias hold one
     value per channel (``per_channel``, opset 21 on) or per group."""
-    c = x_shape[1]
+    n, c, *spatial = x_shape
     if num_groups < 1 or c % num_groups:
         raise ValueError(
             f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
@@ -30,6 +31,10 @@ def check_group_norm(
             f"GroupNormalization: scale and bias need {want} values, got {scale_size} and "
             f"{bias_size}"
         )
+    rest = (1,) * len(spatial)
+    if per_channel:
+        return (n, c, *spatial), (c, *rest)
+    return (n, num_groups, c // num_groups, *spatial), (num_groups, 1, *rest)
 
 
 def check_lrn(x_shape: Sequence[int], size: int) -> None:

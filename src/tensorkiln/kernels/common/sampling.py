@@ -154,6 +154,16 @@ def resize_boxes(roi: Any, axes: Sequence[int], rank: int, opts: dict) -> list[t
     return boxes
 
 
+def resampled_axes(shape, axes, out_len, scale, boxes, opts: dict) -> list[tuple[int, int, float]]:
+    """The (axis, output length, scale) of every resized axis that is not the identity."""
+    shifted = opts["coordinate_transformation_mode"] == "tf_half_pixel_for_nn"
+    return [
+        (a, n, s)
+        for a, n, s in zip(axes, out_len, scale)
+        if not (n == shape[a] and s == 1.0 and boxes[a] == (0.0, 1.0) and not shifted)
+    ]
+
+
 # ---------------------------------------------------------------------------------------------
 # GridSample
 # ---------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ from tensorkiln.kernels.common.sampling import (
     col2im_taps,
     grid_taps,
     nearest_index,
+    resampled_axes,
     resize_boxes,
     resize_taps,
     source_coords,
@@ -217,10 +218,7 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     if fused is not None:
         return fused
     y = x if opts["mode"] == "nearest" else x.to(_interp_dtype(x.dtype))
-    shifted = opts["coordinate_transformation_mode"] == "tf_half_pixel_for_nn"
-    for a, n, s in zip(axes, out_len, scale):
-        if n == x.shape[a] and s == 1.0 and boxes[a] == (0.0, 1.0) and not shifted:
-            continue  # the identity along this axis
+    for a, n, s in resampled_axes(x.shape, axes, out_len, scale, boxes, opts):
         y = _resize_axis(y, a, n, s, opts)
     return _cast_back(y, x.dtype)
 

@@ -19,8 +19,8 @@ from onnx import helper
 from tensorkiln.kernels.common.norm import (
     BatchNorm,
     Dropout,
-    check_group_norm,
     check_lrn,
+    group_norm_layout,
     norm_axis,
 )
 from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
@@ -145,17 +145,10 @@ def layer_normalization(
 
 
 def _group_norm(x, scale, bias, num_groups: int, epsilon: float, ct, per_channel: bool):
-    n, c = x.shape[:2]
-    check_group_norm(x.shape, num_groups, scale.numel(), bias.numel(), per_channel)
-    y, _, _ = _standardize(x.to(ct).reshape(n, num_groups, -1), (2,), epsilon)
-    rest = (1,) * (x.ndim - 2)
-    if per_channel:
-        y = y.reshape(x.shape)
-        shape = (c, *rest)
-    else:
-        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
-        shape = (num_groups, 1, *rest)
-    y = y * scale.to(ct).reshape(shape) + bias.to(ct).reshape(shape)
+    args = (num_groups, scale.numel(), bias.numel(), per_channel)
+    y_shape, shape = group_norm_layout(x.shape, *args)
+    y, _, _ = _standardize(x.to(ct).reshape(x.shape[0], num_groups, -1), (2,), epsilon)
+    y = y.reshape(y_shape) * scale.to(ct).reshape(shape) + bias.to(ct).reshape(shape)
     return y.reshape(x.shape).to(x.dtype)
 
 

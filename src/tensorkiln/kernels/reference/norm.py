@@ -15,8 +15,8 @@ from onnx import helper
 from tensorkiln.kernels.common.norm import (
     BatchNorm,
     Dropout,
-    check_group_norm,
     check_lrn,
+    group_norm_layout,
     norm_axis,
 )
 from tensorkiln.kernels.reference._window import compute_dtype
@@ -128,17 +128,11 @@ def layer_normalization(
 
 
 def _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel: bool) -> np.ndarray:
-    n, c = x.shape[:2]
-    check_group_norm(x.shape, num_groups, scale.size, bias.size, per_channel)
-    xg = x.astype(ct).reshape(n, num_groups, -1)
+    args = (num_groups, scale.size, bias.size, per_channel)
+    y_shape, shape = group_norm_layout(x.shape, *args)
+    xg = x.astype(ct).reshape(x.shape[0], num_groups, -1)
     y, _, _ = _standardize(xg, (2,), epsilon)
-    rest = (1,) * (x.ndim - 2)
-    if per_channel:
-        y = y.reshape(x.shape)
-        shape = (c, *rest)
-    else:
-        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
-        shape = (num_groups, 1, *rest)
+    y = y.reshape(y_shape)
     y *= scale.astype(ct, copy=False).reshape(shape)
     y += bias.astype(ct, copy=False).reshape(shape)
     return y.reshape(x.shape).astype(x.dtype, copy=False)
