@@ -91,3 +91,16 @@ def check_nd_indices(
             f"{op}: batch dimensions differ: data {list(data[:b])} vs indices {list(indices[:b])}"
         )
     return k
+
+
+def scatter_elements_axis(
+    data_shape: Sequence[int], indices_shape: Sequence[int], updates_shape: Sequence[int], axis: int
+) -> int:
+    """ScatterElements' ``axis``, normalized, after checking that updates and indices agree."""
+    axis = norm_axis(axis, len(data_shape), "ScatterElements")
+    if tuple(updates_shape) != tuple(indices_shape):
+        raise ValueError(
+            f"ScatterElements: updates shape {list(updates_shape)} != indices shape "
+            f"{list(indices_shape)}"
+        )
+    return axis

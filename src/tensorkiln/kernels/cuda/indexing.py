@@ -14,7 +14,11 @@ import math
 
 import torch
 
-from tensorkiln.kernels.common.indexing import TensorScatter, check_nd_indices
+from tensorkiln.kernels.common.indexing import (
+    TensorScatter,
+    check_nd_indices,
+    scatter_elements_axis,
+)
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
@@ -129,13 +133,8 @@ def scatter_elements(
     reduction: str = "none",
 ) -> torch.Tensor:
     """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = norm_axis(axis, data.dim(), "ScatterElements")
+    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
     _check_reduction(reduction, "ScatterElements")
-    if updates.shape != indices.shape:
-        raise ValueError(
-            f"ScatterElements: updates shape {list(updates.shape)} != indices shape "
-            f"{list(indices.shape)}"
-        )
     _check_elements(data, indices, axis, "ScatterElements")
     idx = _indices(indices, data.shape[axis])
     return _scatter_along(data.clone(), axis, idx, updates, reduction)

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common.indexing import TensorScatter, check_nd_indices
+from tensorkiln.kernels.common.indexing import (
+    TensorScatter,
+    check_nd_indices,
+    scatter_elements_axis,
+)
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.registry import register
 
@@ -110,11 +114,7 @@ def scatter_elements(
     reduction: str = "none",
 ) -> np.ndarray:
     """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = norm_axis(axis, data.ndim, "ScatterElements")
-    if updates.shape != indices.shape:
-        raise ValueError(
-            f"ScatterElements: updates shape {updates.shape} != indices shape {indices.shape}"
-        )
+    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
     out = data.copy()
     index = _element_index(data.shape, indices, axis, "ScatterElements")
     _scatter_into(out, index, updates, reduction, "ScatterElements")
