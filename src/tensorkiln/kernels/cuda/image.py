@@ -28,17 +28,6 @@ from tensorkiln.kernels.common.resize import (
     resolve_axes,
     upsample_mode,
 )
-from tensorkiln.kernels.common.sampling import (
-    check_grid,
-    col2im_geometry,
-    col2im_taps,
-    grid_taps,
-    nearest_index,
-    resampled_axes,
-    resize_boxes,
-    resize_taps,
-    source_coords,
-)
 from tensorkiln.kernels.cuda.convert import host_list, numpy_dtype
 from tensorkiln.kernels.cuda.host import register_host
 from tensorkiln.kernels.cuda.nn import torch_pads
@@ -80,14 +69,14 @@ def _along(v: torch.Tensor, axis: int, ndim: int) -> torch.Tensor:
 def _resize_axis(data: torch.Tensor, axis: int, n_out: int, scale: float, opts: dict):
     n_in = data.shape[axis]
     ctm = opts["coordinate_transformation_mode"]
-    coords = source_coords(XP, ctm, n_out, n_in, scale, opts["roi"][axis], data)
+    coords = sampling.source_coords(XP, ctm, n_out, n_in, scale, opts["roi"][axis], data)
     x = coords.to(f64)
     if opts["mode"] == "nearest":
-        idx = nearest_index(XP, x, opts["nearest_mode"], scale).clamp(0, n_in - 1)
+        idx = sampling.nearest_index(XP, x, opts["nearest_mode"], scale).clamp(0, n_in - 1)
         out = data.index_select(axis, idx)
     else:
         args = (opts["cubic_coeff_a"], opts["antialias"], opts["exclude_outside"])
-        idx, w = resize_taps(XP, x, opts["mode"], n_in, scale, *args)
+        idx, w = sampling.resize_taps(XP, x, opts["mode"], n_in, scale, *args)
         picked = data.index_select(axis, idx.clamp(0, n_in - 1).reshape(-1))
         picked = picked.unflatten(axis, tuple(idx.shape))
         w = w.to(data.dtype)
@@ -209,7 +198,7 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     r = x.ndim
     axes = resolve_axes(axes, r)
     out_len, scale = plan(tuple(x.shape), _host(scales), _host(sizes), axes, policy)
-    boxes = resize_boxes(_host(roi), axes, r, opts)
+    boxes = sampling.resize_boxes(_host(roi), axes, r, opts)
     opts["roi"] = boxes
     factors = _whole_factors(x.shape, axes, out_len, scale, opts)
     if factors is not None:
@@ -218,7 +207,7 @@ def _resize(x: torch.Tensor, roi, scales, sizes, axes, policy: str, **opts) -> t
     if fused is not None:
         return fused
     y = x if opts["mode"] == "nearest" else x.to(_interp_dtype(x.dtype))
-    for a, n, s in resampled_axes(x.shape, axes, out_len, scale, boxes, opts):
+    for a, n, s in sampling.resampled_axes(x.shape, axes, out_len, scale, boxes, opts):
         y = _resize_axis(y, a, n, s, opts)
     return _cast_back(y, x.dtype)
 
@@ -276,14 +265,14 @@ _TORCH_GRID_MODES = {"linear": "bilinear", "nearest": "nearest", "cubic": "bicub
 
 def _grid_sample(x: torch.Tensor, grid: torch.Tensor, mode: str, padding: str, align: bool):
     nd = x.ndim - 2
-    check_grid(x.shape, grid.shape, padding)
+    sampling.check_grid(x.shape, grid.shape, padding)
     if nd in (2, 3) and x.dtype.is_floating_point and (mode, padding) != ("cubic", "border"):
         # torch's kernel samples as the reference does, except bicubic at a clamped border;
         # narrow floats are widened so that the coordinates keep float32 precision
         ct = torch.promote_types(torch.promote_types(x.dtype, grid.dtype), f32)
         y = F.grid_sample(x.to(ct), grid.to(ct), _TORCH_GRID_MODES[mode], padding, align)
         return y.to(x.dtype)
-    taps = grid_taps(XP, x.shape[2:], grid, mode, padding, align)
+    taps = sampling.grid_taps(XP, x.shape[2:], grid, mode, padding, align)
     ct = _interp_dtype(x.dtype)
     n_, ch = x.shape[0], x.shape[1]
     flat_x = x.movedim(1, -1).reshape(-1, ch).to(ct)  # (N * prod(spatial), C)
@@ -340,7 +329,7 @@ def col2im(
     """Sum the columns (N, C * prod(block), L) back into images (N, C, *image_shape)."""
     image = [int(v) for v in np.ravel(host_list(image_shape))]
     block = [int(v) for v in np.ravel(host_list(block_shape))]
-    padded, blocks, dil, pads, stride = col2im_geometry(
+    padded, blocks, dil, pads, stride = sampling.col2im_geometry(
         x.shape, image, block, dilations, pads, strides
     )
     nd = len(image)
@@ -350,7 +339,7 @@ def col2im(
     else:
         kernel = math.prod(block)
         cols = x.reshape(n, ck // kernel, *block, *blocks)
-        out = col2im_taps(
+        out = sampling.col2im_taps(
             cols.new_zeros(n, ck // kernel, *padded), cols, block, blocks, dil, stride
         )
     return F.pad(out, torch_pads([-p for p in pads[:nd]], [-p for p in pads[nd:]]))

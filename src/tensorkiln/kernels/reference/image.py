@@ -25,17 +25,6 @@ from tensorkiln.kernels.common.resize import (
     resolve_axes,
     upsample_mode,
 )
-from tensorkiln.kernels.common.sampling import (
-    check_grid,
-    col2im_geometry,
-    col2im_taps,
-    grid_taps,
-    nearest_index,
-    resampled_axes,
-    resize_boxes,
-    resize_taps,
-    source_coords,
-)
 from tensorkiln.kernels.registry import register
 
 # ---------------------------------------------------------------------------------------------
@@ -72,13 +61,13 @@ def _along(v: np.ndarray, axis: int, ndim: int) -> np.ndarray:
 def _resize_axis(data: np.ndarray, axis: int, n_out: int, scale: float, opts: dict) -> np.ndarray:
     n_in = data.shape[axis]
     ctm = opts["coordinate_transformation_mode"]
-    coords = source_coords(XP, ctm, n_out, n_in, scale, opts["roi"][axis], data)
+    coords = sampling.source_coords(XP, ctm, n_out, n_in, scale, opts["roi"][axis], data)
     x = coords.astype(np.float64)
     if opts["mode"] == "nearest":
-        idx = np.clip(nearest_index(XP, x, opts["nearest_mode"], scale), 0, n_in - 1)
+        idx = np.clip(sampling.nearest_index(XP, x, opts["nearest_mode"], scale), 0, n_in - 1)
         out = np.take(data, idx, axis=axis)
     else:
-        idx, w = resize_taps(
+        idx, w = sampling.resize_taps(
             XP,
             x,
             opts["mode"],
@@ -111,10 +100,10 @@ def _resize(x: np.ndarray, roi, scales, sizes, axes, policy: str, **opts) -> np.
     r = x.ndim
     axes = resolve_axes(axes, r)
     out_len, scale = plan(x.shape, scales, sizes, axes, policy)
-    boxes = resize_boxes(roi if present(roi) else None, axes, r, opts)
+    boxes = sampling.resize_boxes(roi if present(roi) else None, axes, r, opts)
     opts["roi"] = boxes
     y = x if opts["mode"] == "nearest" else x.astype(np.float64)
-    for a, n, s in resampled_axes(x.shape, axes, out_len, scale, boxes, opts):
+    for a, n, s in sampling.resampled_axes(x.shape, axes, out_len, scale, boxes, opts):
         y = _resize_axis(y, a, n, s, opts)
     return _cast_back(y, x.dtype)
 
@@ -168,8 +157,8 @@ def upsample(
 
 
 def _grid_sample(x: np.ndarray, grid: np.ndarray, mode: str, padding: str, align: bool):
-    check_grid(x.shape, grid.shape, padding)
-    taps = grid_taps(XP, x.shape[2:], grid, mode, padding, align)
+    sampling.check_grid(x.shape, grid.shape, padding)
+    taps = sampling.grid_taps(XP, x.shape[2:], grid, mode, padding, align)
     xt = np.moveaxis(x, 1, -1)  # (N, *spatial, C): gathers then give (N, *out, C)
     n = np.arange(x.shape[0]).reshape((-1,) + (1,) * (grid.ndim - 2))
     out = np.zeros((*grid.shape[:-1], x.shape[1]), np.float64)
@@ -220,7 +209,7 @@ def col2im(
     """Sum the columns (N, C * prod(block), L) back into images (N, C, *image_shape)."""
     image = [int(v) for v in np.asarray(image_shape).reshape(-1)]
     block = [int(v) for v in np.asarray(block_shape).reshape(-1)]
-    padded, blocks, dil, pads, stride = col2im_geometry(
+    padded, blocks, dil, pads, stride = sampling.col2im_geometry(
         x.shape, image, block, dilations, pads, strides
     )
     nd = len(image)
@@ -228,7 +217,7 @@ def col2im(
     kernel = math.prod(block)
     cols = x.reshape(n, ck // kernel, *block, *blocks)
     out = np.zeros((n, ck // kernel, *padded), x.dtype)
-    col2im_taps(out, cols, block, blocks, dil, stride)
+    sampling.col2im_taps(out, cols, block, blocks, dil, stride)
     crop = tuple(slice(pads[d], pads[d] + image[d]) for d in range(nd))
     return out[(..., *crop)]
 
