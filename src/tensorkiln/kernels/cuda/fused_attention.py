@@ -15,6 +15,9 @@ Differences from SDPA that the op's definition fixes:
   a large finite negative instead of becoming -inf.
 * A query row whose keys are all hidden gives zeros (SDPA gives NaN, zeros or, in float16 on the
   GPU, arbitrary values there), so with a mask the rows with no visible key are zeroed after SDPA.
+
+The checks and head layouts are kernels/common/fused.py's (FusedAttention), shared with the
+reference; this module supplies the attention math.
 """
 
 from __future__ import annotations

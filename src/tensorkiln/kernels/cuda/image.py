@@ -6,7 +6,9 @@ output position is computed on the device (in float32, so ties in nearest roundi
 reference's do), turned into tap indices and float64 weights (out_len x taps), and applied as one
 gather along that axis and a weighted sum over the taps. Integer inputs interpolate in float64 and
 round half to even. Resize's roi/scales/sizes, AffineGrid's size and Col2Im's shapes are read on
-the host (they decide output shapes).
+the host (they decide output shapes). The coordinates, taps and checks are kernels/common/
+sampling.py's, shared with the reference; torch's native paths (whole-factor repeats,
+F.interpolate, F.grid_sample, F.fold) are tried first where they compute the same.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ their axis. The reference raises on an index out of range; checking that here wo
 device-to-host sync on every Gather, so indices beyond the axis are clamped to it instead (on the
 GPU an unchecked one would fault the device). OneHot's depth is read to the host (it is the
 output's shape); NonZero, Unique and Compress produce data-dependent shapes, so they synchronize
-by nature.
+by nature. TensorScatter's write positions are kernels/common/indexing.py's.
 """
 
 from __future__ import annotations

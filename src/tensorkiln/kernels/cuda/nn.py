@@ -4,8 +4,8 @@ CausalConvWithState.
 Convolutions over 1-3 spatial axes are torch's (cuDNN's); asymmetric padding is applied with one
 F.pad first, and inputs of more spatial axes are split over the taps of their first axis. The
 integer convolutions compute in float64, which holds their sums exactly (cuDNN has no integer
-convolution). Shapes and attributes are checked and resolved by the reference kernels' helpers, so
-both backends agree on every geometry.
+convolution). Shapes and attributes are checked and resolved in kernels/common/conv.py, so both
+backends agree on every geometry; DeformConv is kernels/common/deform.py's, over torch operations.
 """
 
 from __future__ import annotations

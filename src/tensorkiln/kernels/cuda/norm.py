@@ -4,7 +4,8 @@ MeanVarianceNormalization, LRN; and Dropout.
 
 As in the reference, statistics are computed in float32 (float64 for float64 inputs, or the
 ``stash_type`` where the op has one) and the result is narrowed once. Dropout's ratio and
-training_mode inputs are read on the host (scalars that decide what runs).
+training_mode inputs are read on the host (scalars that decide what runs). BatchNormalization's and
+Dropout's opset forms and outputs are kernels/common/norm.py's, shared with the reference.
 """
 
 from __future__ import annotations

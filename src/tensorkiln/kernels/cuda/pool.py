@@ -4,7 +4,8 @@ MaxRoiPool.
 Windows torch's pooling kernels express exactly (floats, 1-3 spatial axes, symmetric pads of at
 most half a kernel, and for AveragePool no dilation) run there. Everything else (asymmetric or large
 pads, integer inputs, more axes, LpPool) pads once and combines one strided view per kernel tap,
-as the reference does. MaxUnpool reads its output_shape input on the host (a shape).
+as the reference does. MaxUnpool (kernels/common/pool.py's, shared with the reference) reads its
+output_shape input on the host (a shape).
 """
 
 from __future__ import annotations

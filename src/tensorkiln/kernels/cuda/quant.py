@@ -4,7 +4,8 @@ QLinearMatMul, bit-exact with the reference.
 Scales and zero points are per-tensor, per-axis or blocked. Rounding is half to even
 (``torch.round``). The 2/4/6-bit types have no torch dtype, so their values live on the host as
 numpy arrays: dequantizing them uploads the codes widened to int8/float32 (they are weights, on the
-host already), and quantizing to them runs the reference kernel on host copies.
+host already), and quantizing to them runs the reference kernel on host copies. QLinearMatMul is
+kernels/common/quant.py's, over torch operations.
 """
 
 from __future__ import annotations

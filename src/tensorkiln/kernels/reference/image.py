@@ -3,7 +3,8 @@
 Resize is separable: for each resized axis the source coordinate of every output position is
 computed once, turned into tap indices and weights (out_len x taps), and applied as ``taps`` gathers
 along that axis plus a weighted sum. Interpolation runs in float64 and is cast back to the input
-type (integers rounded half to even and saturated).
+type (integers rounded half to even and saturated). The coordinates, taps and checks are
+kernels/common/sampling.py's, shared with the cuda tree.
 """
 
 from __future__ import annotations

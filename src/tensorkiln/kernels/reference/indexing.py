@@ -2,6 +2,7 @@
 
 Index inputs may be negative (counted from the end of their axis); an index out of range raises
 IndexError naming the axis and its size. Everything is vectorized with numpy fancy indexing.
+TensorScatter's write positions are kernels/common/indexing.py's.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every convolution is an im2col (a strided view of the padded input, copied once into a
 ``(C*k, positions)`` matrix) followed by one GEMM per group; 1x1 convolutions skip the im2col and
-depthwise ones accumulate over the kernel taps instead of building the column matrix.
+depthwise ones accumulate over the kernel taps instead of building the column matrix. Checks and
+geometry are kernels/common/conv.py's; DeformConv is kernels/common/deform.py's, over numpy.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization
 
 Statistics are computed in float32 (float64 for float64 inputs, or the ``stash_type`` where the op
 has one); float16/bfloat16 inputs are widened once and the result narrowed once.
+BatchNormalization's and Dropout's opset forms and outputs are kernels/common/norm.py's.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 The windowed pools pad once and then combine one strided view per kernel tap (a 3x3 pool is nine
 vectorized ``np.maximum`` / ``np.add`` calls over the whole output), so no window tensor is built.
+Geometry, LpPool's powers and MaxUnpool are kernels/common/pool.py's, shared with the cuda tree.
 """
 
 from __future__ import annotations

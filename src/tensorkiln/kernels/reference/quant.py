@@ -3,6 +3,7 @@ DynamicQuantizeLinear, QLinearMatMul.
 
 Scales and zero points are per-tensor (one element), per-axis (1-D, length of ``axis``) or blocked
 (same rank as the input, ``ceil(D/block_size)`` along ``axis``). Rounding is half to even.
+QLinearMatMul is kernels/common/quant.py's, over numpy.
 """
 
 from __future__ import annotations
