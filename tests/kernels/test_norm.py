@@ -46,6 +46,34 @@ def test_batch_normalization_training(shape):
     )
 
 
+@pytest.mark.parametrize("spatial", [1, 0])
+def test_batch_normalization_legacy_training(spatial):
+    # opsets < 14 train when a node declares five outputs (onnxruntime no longer runs that form):
+    # checked against the formulas written out here in float64
+    x = _randn(2, 3, 4, 5) * 3 + 1
+    pshape = (3,) if spatial else (3, 4, 5)
+    scale, b, mean = _randn(*pshape), _randn(*pshape), _randn(*pshape)
+    var = rng.uniform(0.5, 2, pshape).astype(np.float32)
+    attrs = {"momentum": 0.8, "epsilon": 1e-3, "spatial": spatial}
+    inputs = {"X": x, "scale": scale, "B": b, "mean": mean, "var": var}
+    y, run_m, run_v, bm, bv = run_kernel("BatchNormalization", inputs, attrs, n_outputs=5, opset=7)
+    axes = (0, 2, 3) if spatial else (0,)
+    x64 = x.astype(np.float64)
+    want_m, want_v = x64.mean(axis=axes), x64.var(axis=axes)
+    per_channel = (lambda v: v.reshape(1, 3, 1, 1)) if spatial else (lambda v: v[None])
+    want_y = (x64 - per_channel(want_m)) / np.sqrt(per_channel(want_v) + 1e-3)
+    want_y = want_y * per_channel(scale) + per_channel(b)
+    np.testing.assert_allclose(y, want_y, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(bm.reshape(want_m.shape), want_m, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(bv.reshape(want_v.shape), want_v, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        run_m, mean * 0.8 + want_m.reshape(pshape) * 0.2, rtol=1e-5, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        run_v, var * 0.8 + want_v.reshape(pshape) * 0.2, rtol=1e-4, atol=1e-5
+    )
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 7), (2, 4, 5, 6), (1, 3, 2, 3, 4)])
 def test_instance_normalization(shape):
     c = shape[1]

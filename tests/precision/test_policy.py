@@ -366,8 +366,8 @@ def test_malformed_layer_field_is_a_clear_error(tmp_path: Path, kind: str, capsy
 def off_by_3e_3(monkeypatch):
     """One test tactic per GEMM-like op, 3e-3 off its default kernel: inside fp16's tolerance
     against the float32 oracle, far outside fp32's."""
-    from tensorkiln.kernels.registry import lookup
     from tensorkiln.kernels import tactics as registry
+    from tensorkiln.kernels.registry import lookup
 
     registry._load()  # the real kernel modules register theirs first, into the real table
     monkeypatch.setattr(registry, "_TACTICS", {})

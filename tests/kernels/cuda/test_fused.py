@@ -287,15 +287,19 @@ def test_gemm_act_half_precision(dtype, act):
     )
 
 
-def test_gemm_act_rejects_bad_shapes():
-    cuda = lookup("GemmAct", "tensorkiln", 1, "cuda").fn
-    a3, b = to_torch(_rand(2, 3, 4), DEVICE), to_torch(_rand(4, 5), DEVICE)
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_gemm_act_rejects_bad_shapes(backend):
+    kernel = lookup("GemmAct", "tensorkiln", 1, backend).fn
+    put = functools.partial(to_torch, device=DEVICE) if backend == "cuda" else np.asarray
+    a3, b = put(_rand(2, 3, 4)), put(_rand(4, 5))
     with pytest.raises(ValueError, match="transA"):
-        cuda(a3, b, transA=1)
+        kernel(a3, b, transA=1)
     with pytest.raises(ValueError, match="last axis"):
-        cuda(a3, b, to_torch(_rand(3, 5), DEVICE))
+        kernel(a3, b, put(_rand(3, 5)))
     with pytest.raises(ValueError, match="inner"):
-        cuda(a3, to_torch(_rand(3, 5), DEVICE))
+        kernel(a3, put(_rand(3, 5)))
+    with pytest.raises(ValueError, match="inner"):  # A' is (4, 3) but B' is (5, 4)
+        kernel(put(_rand(3, 4)), b, transA=1, transB=1)
 
 
 # ------------------------------------------------------------------------ LayerNorm, RMSNorm

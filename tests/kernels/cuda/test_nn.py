@@ -186,6 +186,22 @@ def test_max_unpool_round_trips_max_pool():
     _compare("MaxUnpool", [y, idx, np.array([1, 2, 7, 9], np.int64)], attrs)
 
 
+@pytest.mark.parametrize("bad", [-1, 96])  # the output holds 1 * 2 * 6 * 8 = 96 values
+def test_max_unpool_rejects_an_index_outside_the_output(bad):
+    # the device would write past its buffer: the index is checked first, as on the host
+    x = _randn(1, 2, 3, 4)
+    idx = rng.integers(0, 96, x.shape).astype(np.int64)
+    idx[0, 1, 2, 3] = bad
+    args = [to_torch(x, DEVICE), to_torch(idx, DEVICE)]
+    with pytest.raises(ValueError, match="outside the output"):
+        invoke(
+            lookup("MaxUnpool", "", 22, "cuda"),
+            args,
+            {"kernel_shape": [2, 2], "strides": [2, 2]},
+            1,
+        )
+
+
 def test_max_roi_pool():
     x = _randn(2, 3, 10, 12)
     rois = np.array([[0, 1, 1, 8, 6], [1, -2, 3.4, 5.5, 30], [1, 4, 4, 4, 4]], np.float32)

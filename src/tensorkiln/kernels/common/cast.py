@@ -7,15 +7,19 @@ import numpy as np
 from onnx import TensorProto, helper
 
 STRING = np.dtype(object)  # strings are object arrays of Python str
+
+
+def dtypes(*types: type | np.dtype) -> frozenset[np.dtype]:
+    """The numpy dtypes of ``types``, as a set to test membership against."""
+    return frozenset(np.dtype(t) for t in types)
+
+
 # the four float8 types of the ONNX standard (float8e8m0 is a scale type: no saturation rules)
-FLOAT8 = frozenset(
-    np.dtype(t)
-    for t in (
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-    )
+FLOAT8 = dtypes(
+    ml_dtypes.float8_e4m3fn,
+    ml_dtypes.float8_e4m3fnuz,
+    ml_dtypes.float8_e5m2,
+    ml_dtypes.float8_e5m2fnuz,
 )
 
 

@@ -4,9 +4,11 @@ QLinearConv, DeformConv, ConvAct): every kernel tree takes them from here."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 # The window geometry itself (Geometry, geometry, ints) is shared with the pools.
 from tensorkiln.kernels.common.window import Geometry, geometry, ints
+from tensorkiln.ops.fused import check_activation
 
 
 def check_conv_shapes(
@@ -65,3 +67,91 @@ def transpose_pads(
     else:
         begin = [t - t // 2 for t in total]
     return begin, out
+
+
+class TransposeGeometry(NamedTuple):
+    """A ConvTranspose's resolved window: the output is [begin, begin + out) of the full result."""
+
+    kernel: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    begin: list[int]
+    out: list[int]
+
+
+def transpose_geometry(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    group: int,
+    auto_pad: str,
+    dilations: Sequence[int] | None,
+    output_padding: Sequence[int] | None,
+    output_shape: Sequence[int] | None,
+    pads: Sequence[int] | None,
+    strides: Sequence[int] | None,
+) -> TransposeGeometry:
+    """ConvTranspose's shapes checked (X (N, C, D...), W (C, M/group, k...)) and its window
+    resolved; every backend's ConvTranspose takes it from here."""
+    x, w = tuple(x_shape), tuple(w_shape)
+    if len(x) < 3 or len(w) != len(x) or x[1] != w[0] or x[1] % group:
+        raise ValueError(
+            f"ConvTranspose: X of shape {x} needs W of shape (C={x[1] if len(x) > 1 else '?'}, "
+            f"M/group, k...) with C divisible by group={group}; got W of shape {w}"
+        )
+    nsp = len(x) - 2
+    kernel = w[2:]
+    strides = ints(strides, nsp, 1, "strides")
+    dilations = ints(dilations, nsp, 1, "dilations")
+    output_padding = ints(output_padding, nsp, 0, "output_padding")
+    begin, out = transpose_pads(
+        x[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+    )
+    if any(o <= 0 for o in out):
+        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
+    return TransposeGeometry(kernel, strides, dilations, begin, out)
+
+
+CAUSAL_ACTIVATIONS = ("none", "silu", "swish")
+
+
+def check_causal_conv(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    past_shape: Sequence[int] | None,
+    activation: str,
+) -> None:
+    """Raise ValueError unless CausalConvWithState's X (B, C, L), W (C, 1, k) and past_state
+    (B, C, k-1) fit and its activation is known."""
+    if activation not in CAUSAL_ACTIVATIONS:
+        raise ValueError(f"CausalConvWithState: activation must be one of {CAUSAL_ACTIVATIONS}")
+    x, w = tuple(x_shape), tuple(w_shape)
+    if len(x) != 3 or len(w) != 3 or w[:2] != (x[1], 1):
+        raise ValueError(
+            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got {x} and {w}"
+        )
+    want = (x[0], x[1], w[2] - 1)
+    if past_shape is not None and tuple(past_shape) != want:
+        raise ValueError(
+            f"CausalConvWithState: past_state has shape {tuple(past_shape)}, expected {want}"
+        )
+
+
+def check_conv_act(
+    x_shape: Sequence[int],
+    w_shape: Sequence[int],
+    b_size: int | None,
+    group: int,
+    activation: str,
+    residual_order: str,
+) -> None:
+    """Raise ValueError unless a tensorkiln.ConvAct node's X, W, bias size (None: no bias),
+    group, activation and residual order fit together."""
+    check_conv_shapes(x_shape, w_shape, group, "ConvAct")
+    check_activation(activation, "ConvAct")
+    if residual_order not in ("add_act", "act_add"):
+        raise ValueError(
+            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
+        )
+    m = w_shape[0]
+    if b_size is not None and b_size != m:
+        raise ValueError(f"ConvAct: bias B has {b_size} values but there are {m} output channels")

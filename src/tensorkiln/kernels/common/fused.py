@@ -1,9 +1,12 @@
 """Backend-neutral attribute and shape checks of the fused ops (Attention, SqueezeExcite), shared
-by the reference and cuda trees."""
+by the reference and cuda trees, and tensorkiln.Attention's entry (checks and head layouts)
+written once."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 LAYOUTS_IN = ("bhsd", "bsd")
 LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
@@ -51,3 +54,86 @@ def check_se_shapes(
         raise ValueError(f"SqueezeExcite: W1 must be (S, {c}, 1, 1), got {w1_shape}")
     if len(w2_shape) != 4 or w2_shape != (c, w1_shape[0], 1, 1):
         raise ValueError(f"SqueezeExcite: W2 must be ({c}, {w1_shape[0]}, 1, 1), got {w2_shape}")
+
+
+class AttentionArrays(Protocol):
+    """What tensorkiln.Attention needs from one backend: its attention math, and a swap of
+    axes 1 and 2 (a view in both numpy and torch)."""
+
+    def swap12(self, x: Any) -> Any: ...
+
+    def attend(self, q: Any, k: Any, v: Any, mask: Any, scale: float, causal: int, kind: str):
+        """softmax(Q K^T * scale + mask) V on [B, H, S, D] operands (scale 0: 1/sqrt(D)), a query
+        row with no visible key giving zeros."""
+
+
+class FusedAttention:
+    """tensorkiln.Attention over one backend's :class:`AttentionArrays`: the checks and the
+    head layouts, written once."""
+
+    def __init__(self, xp: AttentionArrays) -> None:
+        self.xp = xp
+
+    def _split_heads(self, x: Any, heads: int, name: str) -> Any:
+        """[B, S, H*D] -> [B, H, S, D] (a view)."""
+        check_split_heads(x.shape, heads, name)
+        b, s, e = x.shape
+        return self.xp.swap12(x.reshape(b, s, heads, e // heads))
+
+    def _arrange_output(self, y: Any, layout: str) -> Any:
+        """[B, H, S, Dv] -> the requested output layout; a view where the strides allow (the GPU
+        kernels write their output as [B, S, H, Dv], so "bshd" and "bsd" are then free)."""
+        if layout == "bhsd":
+            return y
+        y = self.xp.swap12(y)
+        return y if layout == "bshd" else y.reshape(y.shape[0], y.shape[1], -1)
+
+    def fused_attention(
+        self,
+        q: Any,
+        k: Any,
+        v: Any,
+        mask: Any = None,
+        *,
+        scale: float = 0.0,
+        causal: int = 0,
+        mask_kind: str = "",
+        num_heads: int = 0,
+        input_layout: str = "bhsd",
+        output_layout: str = "bhsd",
+    ) -> Any:
+        """Scaled dot-product attention with an optional additive or boolean mask and causal
+        masking."""
+        check_attention(mask_kind, input_layout, output_layout, mask is not None)
+        if input_layout == "bsd":
+            q, k, v = (
+                self._split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V"))
+            )
+        check_attention_rank(q.shape, k.shape, v.shape)
+        y = self.xp.attend(q, k, v, mask, scale, causal, mask_kind)
+        return self._arrange_output(y, output_layout)
+
+
+def check_gemm_operands(
+    a_shape: Sequence[int], b_shape: Sequence[int], trans_a: int, trans_b: int
+) -> None:
+    """Raise ValueError unless a tensorkiln.GemmAct node's A (Gemm's 2-D A, or MatMul's A of
+    higher rank, then not transposed) and 2-D B fit."""
+    a, b = tuple(a_shape), tuple(b_shape)
+    if len(b) != 2:
+        raise ValueError(f"GemmAct: B must be 2-D, got shape {b}")
+    if len(a) > 2 and trans_a:
+        raise ValueError(f"GemmAct: transA is only allowed for 2-D A, got shape {a}")
+    if len(a) < 2:
+        raise ValueError(f"GemmAct: A must have rank >= 2, got shape {a}")
+    if (a[0] if trans_a else a[-1]) != (b[1] if trans_b else b[0]):
+        raise ValueError(f"GemmAct: inner dimensions differ: A {a}, B {b}")
+
+
+def check_gemm_bias(c_shape: Sequence[int], n: int, rank: int) -> None:
+    """Raise ValueError unless GemmAct's C broadcasts along the last axis (N values or one) where
+    A has rank > 2 (MatMul's form; Gemm's 2-D form broadcasts C as Gemm does)."""
+    c = tuple(c_shape)
+    size = math.prod(c)
+    if rank > 2 and (size not in (1, n) or (c and c[-1] != size)):
+        raise ValueError(f"GemmAct: C of shape {c} must broadcast along the last axis")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
@@ -52,3 +53,65 @@ def quant_target(zero_point_dtype: np.dtype | None, output_dtype: int) -> np.dty
             )
         target = zero_point_dtype
     return target or np.dtype(np.uint8)
+
+
+class QuantArrays(Protocol):
+    """The array operations QLinearMatMul needs, on one backend's arrays."""
+
+    m: Any  # the array module (numpy or torch): matmul, round (half to even in both)
+    float64: Any
+
+    def astype(self, x: Any, dtype: Any) -> Any: ...
+
+    def is_integer_target(self, dtype: Any) -> bool:
+        """Whether ``dtype`` is one of the integer types a quantized value may have."""
+
+    def add_zero_point(self, y: Any, zero_point: Any) -> Any:
+        """``y + zero_point`` (float64), leaving ``y`` as it is where the zero point is 0."""
+
+    def saturate(self, y: Any, target: Any) -> Any:
+        """``y`` (rounded for integer targets) cast to ``target``, saturating at its range."""
+
+
+def _per_row(v: Any) -> Any:
+    # A 1-D scale or zero point of A holds one value per row of A.
+    return v.reshape(-1, 1) if len(v.shape) == 1 and math.prod(v.shape) > 1 else v
+
+
+class QLinearMatMul:
+    """QLinearMatMul over one backend's :class:`QuantArrays`."""
+
+    def __init__(self, xp: QuantArrays) -> None:
+        self.xp = xp
+
+    def qlinear_matmul(
+        self,
+        a: Any,
+        a_scale: Any,
+        a_zero_point: Any,
+        b: Any,
+        b_scale: Any,
+        b_zero_point: Any,
+        y_scale: Any,
+        y_zero_point: Any = None,
+    ) -> Any:
+        """Quantized MatMul: round((A - a_zp) @ (B - b_zp) * a_scale * b_scale / y_scale) + y_zp.
+
+        The integer product runs as a float64 matmul, exact for any realistic K (|sum| < 2**53).
+        """
+        xp, f64 = self.xp, self.xp.float64
+        a64, b64 = xp.astype(a, f64), xp.astype(b, f64)
+        if a_zero_point is not None:
+            a64 = a64 - _per_row(xp.astype(a_zero_point, f64))
+        if b_zero_point is not None:
+            b64 = b64 - xp.astype(b_zero_point, f64)
+        acc = xp.m.matmul(a64, b64)
+        # the rescale factor is formed in the scales' own type, as the spec's formula reads
+        factor = _per_row(a_scale) * b_scale / y_scale
+        y = acc * xp.astype(factor, f64)
+        target = y_zero_point.dtype if y_zero_point is not None else a.dtype
+        if xp.is_integer_target(target):
+            y = xp.m.round(y)
+        if y_zero_point is not None:
+            y = xp.add_zero_point(y, y_zero_point)
+        return xp.saturate(y, target)

@@ -15,6 +15,9 @@ Differences from SDPA that the op's definition fixes:
   a large finite negative instead of becoming -inf.
 * A query row whose keys are all hidden gives zeros (SDPA gives NaN, zeros or, in float16 on the
   GPU, arbitrary values there), so with a mask the rows with no visible key are zeroed after SDPA.
+
+The checks and head layouts are kernels/common/fused.py's (FusedAttention), shared with the
+reference; this module supplies the attention math.
 """
 
 from __future__ import annotations
@@ -22,29 +25,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.fused import (
-    check_attention,
-    check_attention_rank,
-    check_split_heads,
-)
+from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.cuda.attention import sdpa_mask
 from tensorkiln.kernels.registry import register
-
-
-def _split_heads(x: torch.Tensor, heads: int, name: str) -> torch.Tensor:
-    """[B, S, H*D] -> [B, H, S, D] as a view."""
-    check_split_heads(x.shape, heads, name)
-    b, s, e = x.shape
-    return x.reshape(b, s, heads, e // heads).transpose(1, 2)
-
-
-def _arrange_output(y: torch.Tensor, layout: str) -> torch.Tensor:
-    """[B, H, S, Dv] -> the requested output layout; a view where the strides allow (the GPU
-    kernels write their output as [B, S, H, Dv], so "bshd" and "bsd" are then free)."""
-    if layout == "bhsd":
-        return y
-    y = y.transpose(1, 2)
-    return y if layout == "bshd" else y.reshape(y.shape[0], y.shape[1], -1)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -78,25 +61,8 @@ def _broadcast_heads(q, k, v):
     return tuple(x.expand(*lead, *x.shape[2:]) if x.shape[:2] != lead else x for x in (q, k, v))
 
 
-@register("Attention", domain="tensorkiln", since=1, backend="cuda")
-def fused_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: torch.Tensor | None = None,
-    *,
-    scale: float = 0.0,
-    causal: int = 0,
-    mask_kind: str = "",
-    num_heads: int = 0,
-    input_layout: str = "bhsd",
-    output_layout: str = "bhsd",
-) -> torch.Tensor:
-    """Scaled dot-product attention with an optional additive or boolean mask and causal masking."""
-    check_attention(mask_kind, input_layout, output_layout, mask is not None)
-    if input_layout == "bsd":
-        q, k, v = (_split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V")))
-    check_attention_rank(q.shape, k.shape, v.shape)
+def _attend(q, k, v, mask, scale: float, causal: int, mask_kind: str) -> torch.Tensor:
+    """SDPA on [B, H, S, D] tensors, with the op's mask and empty-row rules (see above)."""
     q, k, v = _broadcast_heads(q, k, v)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is not None:
@@ -115,4 +81,17 @@ def fused_attention(
     )
     if mask is not None:
         y = torch.where(_visible_rows(mask, mask_kind), y, 0)
-    return _arrange_output(y, output_layout)
+    return y
+
+
+class TorchAttentionArrays:
+    """:class:`tensorkiln.kernels.common.fused.AttentionArrays` on torch tensors."""
+
+    attend = staticmethod(_attend)
+
+    def swap12(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+fused_attention = FusedAttention(TorchAttentionArrays()).fused_attention
+register("Attention", domain="tensorkiln", since=1, backend="cuda")(fused_attention)

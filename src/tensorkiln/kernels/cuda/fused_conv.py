@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
+from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cpu.conv import (
@@ -35,7 +35,7 @@ from tensorkiln.kernels.cpu.conv import (
     specialized_conv,
 )
 from tensorkiln.kernels.registry import register
-from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
+from tensorkiln.ops.fused import ACTIVATION_DEFAULTS
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -159,13 +159,6 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-def _check_residual_order(residual_order: str) -> None:
-    if residual_order not in ("add_act", "act_add"):
-        raise ValueError(
-            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
-        )
-
-
 @register("ConvAct", domain="tensorkiln", since=1, backend="cuda")
 def conv_act(
     x: torch.Tensor,
@@ -187,15 +180,11 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
-    check_activation(activation, "ConvAct")
-    _check_residual_order(residual_order)
+    check_conv_act(
+        x.shape, w.shape, None if b is None else b.numel(), group, activation, residual_order
+    )
     g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     m = w.shape[0]
-    if b is not None and b.numel() != m:
-        raise ValueError(
-            f"ConvAct: bias B has {b.numel()} values but there are {m} output channels"
-        )
     bias = None if b is None else _as(b.reshape(m), x.dtype)
     act = (activation_alpha, activation_beta, activation_min, activation_max)
     # on the CPU, oneDNN with the weight prepacked and the activation fused where it can, and

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from tensorkiln.kernels.common.fused import check_gemm_bias, check_gemm_operands
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
 from tensorkiln.kernels.registry import register
@@ -30,19 +31,10 @@ def _operands(
     a: torch.Tensor, b: torch.Tensor, trans_a: int, trans_b: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A as a 2-D (M, K) view (leading dims folded) and B as (K, N), transposes applied."""
-    if b.ndim != 2:
-        raise ValueError(f"GemmAct: B must be 2-D, got shape {tuple(b.shape)}")
-    if a.ndim > 2 and trans_a:
-        raise ValueError(f"GemmAct: transA is only allowed for 2-D A, got shape {tuple(a.shape)}")
-    if a.ndim < 2:
-        raise ValueError(f"GemmAct: A must have rank >= 2, got shape {tuple(a.shape)}")
+    check_gemm_operands(a.shape, b.shape, trans_a, trans_b)
     a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
     a2 = a2.t() if trans_a else a2
     b2 = b.t() if trans_b else b
-    if a2.shape[1] != b2.shape[0]:
-        raise ValueError(
-            f"GemmAct: inner dimensions differ: A {tuple(a.shape)}, B {tuple(b.shape)}"
-        )
     return a2, b2.to(a2.dtype)
 
 
@@ -50,11 +42,8 @@ def _bias(c: torch.Tensor | None, beta: float, n: int, rank: int, dtype) -> torc
     """C as addmm's input (broadcast by addmm), or None when it adds nothing."""
     if c is None or beta == 0.0:
         return None  # beta 0 ignores C, NaNs included, as the reference does
+    check_gemm_bias(c.shape, n, rank)
     if rank > 2:  # MatMul form: along the last axis only
-        if c.numel() not in (1, n) or (c.ndim and c.shape[-1] != c.numel()):
-            raise ValueError(
-                f"GemmAct: C of shape {tuple(c.shape)} must broadcast along the last axis"
-            )
         c = c.reshape(-1)
     return c.to(dtype)
 

@@ -5,7 +5,7 @@ their axis. The reference raises on an index out of range; checking that here wo
 device-to-host sync on every Gather, so indices beyond the axis are clamped to it instead (on the
 GPU an unchecked one would fault the device). OneHot's depth is read to the host (it is the
 output's shape); NonZero, Unique and Compress produce data-dependent shapes, so they synchronize
-by nature.
+by nature. TensorScatter's write positions are kernels/common/indexing.py's.
 """
 
 from __future__ import annotations
@@ -14,7 +14,11 @@ import math
 
 import torch
 
-from tensorkiln.kernels.common.indexing import tensor_scatter_axis
+from tensorkiln.kernels.common.indexing import (
+    TensorScatter,
+    check_nd_indices,
+    scatter_elements_axis,
+)
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
@@ -72,17 +76,7 @@ def _nd_rows(data: torch.Tensor, indices: torch.Tensor, batch_dims: int, op: str
     """GatherND/ScatterND addressing: data as (batch, prod(indexed dims), *tail) and, for each
     batch entry, the linear position of every index tuple, shaped (batch, rows)."""
     b = batch_dims
-    k = indices.shape[-1] if indices.dim() else 0
-    if indices.dim() < 1 or k > data.dim() - b:
-        raise ValueError(
-            f"{op}: indices of shape {list(indices.shape)} cannot index data of shape "
-            f"{list(data.shape)} with batch_dims={b}"
-        )
-    if data.shape[:b] != indices.shape[:b]:
-        raise ValueError(
-            f"{op}: batch dimensions differ: data {list(data.shape[:b])} vs indices "
-            f"{list(indices.shape[:b])}"
-        )
+    k = check_nd_indices(data.shape, indices.shape, b, op)
     batch = math.prod(data.shape[:b])
     indexed = data.shape[b : b + k]
     idx = indices.reshape(batch, math.prod(indices.shape[b:-1]), k)
@@ -139,13 +133,8 @@ def scatter_elements(
     reduction: str = "none",
 ) -> torch.Tensor:
     """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = norm_axis(axis, data.dim(), "ScatterElements")
+    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
     _check_reduction(reduction, "ScatterElements")
-    if updates.shape != indices.shape:
-        raise ValueError(
-            f"ScatterElements: updates shape {list(updates.shape)} != indices shape "
-            f"{list(indices.shape)}"
-        )
     _check_elements(data, indices, axis, "ScatterElements")
     idx = _indices(indices, data.shape[axis])
     return _scatter_along(data.clone(), axis, idx, updates, reduction)
@@ -181,32 +170,31 @@ def scatter_nd(
     return _scatter_along(out, 0, index, upd, reduction).reshape(data.shape)
 
 
-@register("TensorScatter", since=24, backend="cuda")
-def tensor_scatter(
-    past_cache: torch.Tensor,
-    update: torch.Tensor,
-    write_indices: torch.Tensor | None = None,
-    *,
-    mode: str = "linear",
-    axis: int = -2,
-) -> torch.Tensor:
-    """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
-    from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
-    axis = tensor_scatter_axis(past_cache.shape, update.shape, axis, mode)
-    shape, ushape = past_cache.shape, update.shape
-    batch, max_len, seq = shape[0], shape[axis], ushape[axis]
-    device = past_cache.device
-    if write_indices is None:
-        starts = torch.zeros(batch, dtype=torch.int64, device=device)
-    else:
-        starts = write_indices.to(torch.int64).reshape(-1)
-    pos = starts.unsqueeze(1) + torch.arange(seq, device=device)
-    pos = pos.remainder(max_len) if mode == "circular" else pos.clamp(0, max(max_len - 1, 0))
-    out = past_cache.clone()
-    view = as_signed(out).movedim(axis, 1)  # (batch, max_len, ...) view into out
-    rows = torch.arange(batch, device=device).unsqueeze(1)
-    view[rows, pos] = as_signed(update).movedim(axis, 1)
-    return out
+class TorchScatterArrays:
+    """:class:`tensorkiln.kernels.common.indexing.ScatterArrays` on torch tensors."""
+
+    def starts(self, write_indices: torch.Tensor | None, batch: int, like: torch.Tensor):
+        if write_indices is None:
+            return torch.zeros(batch, dtype=torch.int64, device=like.device)
+        return write_indices.to(torch.int64).reshape(-1)
+
+    def arange(self, n: int, like: torch.Tensor) -> torch.Tensor:
+        return torch.arange(n, device=like.device)
+
+    def bound(self, pos: torch.Tensor, max_len: int) -> torch.Tensor:
+        return pos.clamp(0, max(max_len - 1, 0))
+
+    def write_rows(self, cache: torch.Tensor, axis: int, pos: torch.Tensor, update: torch.Tensor):
+        out = cache.clone()
+        view = as_signed(out).movedim(axis, 1)  # (batch, max_len, ...) view into out
+        rows = torch.arange(cache.shape[0], device=cache.device).unsqueeze(1)
+        view[rows, pos] = as_signed(update).movedim(axis, 1)
+        return out
+
+
+register("TensorScatter", since=24, backend="cuda")(
+    TensorScatter(TorchScatterArrays()).tensor_scatter
+)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,21 +4,25 @@ CausalConvWithState.
 Convolutions over 1-3 spatial axes are torch's (cuDNN's); asymmetric padding is applied with one
 F.pad first, and inputs of more spatial axes are split over the taps of their first axis. The
 integer convolutions compute in float64, which holds their sums exactly (cuDNN has no integer
-convolution). Shapes and attributes are checked and resolved by the reference kernels' helpers, so
-both backends agree on every geometry.
+convolution). Shapes and attributes are checked and resolved in kernels/common/conv.py, so both
+backends agree on every geometry; DeformConv is kernels/common/deform.py's, over torch operations.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
-from tensorkiln.kernels.common.window import Geometry, ints
+from tensorkiln.kernels.common.conv import (
+    check_causal_conv,
+    check_conv_shapes,
+    conv_geometry,
+    transpose_geometry,
+)
+from tensorkiln.kernels.common.deform import DeformConv
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cpu.conv import cpu_layout
 from tensorkiln.kernels.cuda.fused_conv import geometry_of
 from tensorkiln.kernels.registry import register
@@ -146,21 +150,10 @@ def conv_transpose(
 ) -> torch.Tensor:
     """N-d transposed convolution; the output is the window [begin, begin + out) of the unpadded
     result, zero-extended where it reaches past it (output_padding, a larger output_shape)."""
-    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
-        raise ValueError(
-            f"ConvTranspose: X of shape {tuple(x.shape)} needs W of shape (C={x.shape[1]}, "
-            f"M/group, k...) with C divisible by group={group}; got W of shape {tuple(w.shape)}"
-        )
-    nsp = x.ndim - 2
-    kernel = tuple(w.shape[2:])
-    strides = ints(strides, nsp, 1, "strides")
-    dilations = ints(dilations, nsp, 1, "dilations")
-    output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = transpose_pads(
-        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
+    kernel, strides, dilations, begin, out = transpose_geometry(
+        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
     )
-    if any(o <= 0 for o in out):
-        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
+    nsp = x.ndim - 2
     w = w.to(x.dtype)
     bias = _bias(b, group * w.shape[1], x.dtype, "ConvTranspose")
     full = [
@@ -254,89 +247,32 @@ def qlinear_conv(
     return y.clamp(info.min, info.max).to(y_zero_point.dtype)
 
 
-def _grid_indices(sizes: Sequence[int], device: torch.device) -> torch.Tensor:
-    """(len(sizes), prod(sizes)) coordinates of every position of a grid, row-major."""
-    axes = [torch.arange(s, device=device) for s in sizes]
-    return torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(len(sizes), -1)
+class TorchDeformArrays:
+    """:class:`tensorkiln.kernels.common.deform.DeformArrays` on torch tensors."""
+
+    m = torch
+    int64 = torch.int64
+
+    def compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return compute_dtype(dtype)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def zeros(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(shape)
+
+    def grid(self, sizes: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        axes = [torch.arange(s, device=like.device) for s in sizes]
+        return torch.stack(torch.meshgrid(*axes, indexing="ij")).reshape(len(sizes), -1)
+
+    def take_last(self, x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        # torch.gather does not broadcast: the index is expanded over x's leading axes
+        shape = torch.broadcast_shapes(x.shape[:-1], index.shape[:-1])
+        return torch.gather(x.expand(*shape, x.shape[-1]), -1, index.expand(*shape, -1))
 
 
-def _deform_columns(x, offset, mask, g: Geometry, offset_group: int) -> torch.Tensor:
-    """The (N, C*prod(kernel), P) columns of ``x`` sampled multi-linearly at the shifted taps."""
-    n, c = x.shape[:2]
-    in_sizes = x.shape[2:]
-    nsp, taps, p = len(in_sizes), math.prod(g.kernel), math.prod(g.out)
-    off = offset.reshape(n, offset_group, taps, nsp, p).to(x.dtype)
-    out_at = _grid_indices(g.out, x.device).reshape(nsp, 1, p)
-    tap_at = _grid_indices(g.kernel, x.device).reshape(nsp, taps, 1)
-    pos = [
-        out_at[d] * g.strides[d] - g.begin[d] + tap_at[d] * g.dilations[d] + off[:, :, :, d]
-        for d in range(nsp)
-    ]
-    low = [torch.floor(q) for q in pos]
-    frac = [q - lo for q, lo in zip(pos, low)]
-    low = [lo.to(torch.int64) for lo in low]
-    xs = x.reshape(n, offset_group, c // offset_group, -1)
-    cols = x.new_zeros(n, offset_group, c // offset_group, taps * p)
-    flat_stride = [math.prod(in_sizes[d + 1 :]) for d in range(nsp)]
-    shape = (n, offset_group, 1, taps * p)
-    for corner in itertools.product((0, 1), repeat=nsp):
-        weight = torch.ones_like(frac[0])
-        flat = torch.zeros_like(low[0])
-        for d, bit in enumerate(corner):
-            idx = low[d] + bit
-            inside = (idx >= 0) & (idx < in_sizes[d])
-            weight = weight * (frac[d] if bit else 1 - frac[d]) * inside
-            flat = flat + idx.clamp(0, in_sizes[d] - 1) * flat_stride[d]
-        if mask is not None:
-            weight = weight * mask.reshape(weight.shape)
-        index = flat.reshape(shape).expand(n, offset_group, c // offset_group, taps * p)
-        cols = cols + torch.gather(xs, 3, index) * weight.reshape(shape)
-    return cols.reshape(n, c * taps, p)
-
-
-@register("DeformConv", since=19, backend="cuda")
-def deform_conv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    offset: torch.Tensor,
-    b: torch.Tensor | None = None,
-    mask: torch.Tensor | None = None,
-    *,
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    offset_group: int = 1,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
-    check_conv_shapes(x.shape, w.shape, group, "DeformConv")
-    g = conv_geometry(x.shape, w.shape, "NOTSET", dilations, kernel_shape, pads, strides)
-    nsp, taps = x.ndim - 2, math.prod(g.kernel)
-    want = (x.shape[0], offset_group * taps * nsp, *g.out)
-    if offset_group < 1 or x.shape[1] % offset_group or tuple(offset.shape) != want:
-        raise ValueError(
-            f"DeformConv: offset has shape {tuple(offset.shape)}, expected {want} for X "
-            f"{tuple(x.shape)}, kernel {g.kernel} and offset_group={offset_group} (which must "
-            "divide C)"
-        )
-    if mask is not None and mask.numel() != x.shape[0] * offset_group * taps * math.prod(g.out):
-        raise ValueError(
-            f"DeformConv: mask of shape {tuple(mask.shape)} does not match offset {want}"
-        )
-    ct = compute_dtype(x.dtype)
-    mc = None if mask is None else mask.to(ct)
-    cols = _deform_columns(x.to(ct), offset, mc, g, offset_group)
-    n, m, p = x.shape[0], w.shape[0], cols.shape[-1]
-    wg = w.to(ct).reshape(group, m // group, -1)
-    y = torch.matmul(wg, cols.reshape(n, group, -1, p)).reshape(n, m, *g.out)
-    bias = _bias(b, m, ct, "DeformConv")
-    if bias is not None:
-        y = y + channel_view(bias, y.ndim)
-    return y.to(x.dtype)
-
-
-_ACTIVATIONS = ("none", "silu", "swish")
+register("DeformConv", since=19, backend="cuda")(DeformConv(TorchDeformArrays()).deform_conv)
 
 
 @register("CausalConvWithState", since=27, backend="cuda")
@@ -349,22 +285,13 @@ def causal_conv_with_state(
     activation: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
-    if x.ndim != 3 or w.ndim != 3 or tuple(w.shape[:2]) != (x.shape[1], 1):
-        raise ValueError(
-            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got "
-            f"{tuple(x.shape)} and {tuple(w.shape)}"
-        )
+    check_causal_conv(
+        x.shape, w.shape, None if past_state is None else past_state.shape, activation
+    )
     bsz, c, length = x.shape
     k = w.shape[2]
     if past_state is None:
         past_state = x.new_zeros(bsz, c, k - 1)
-    elif tuple(past_state.shape) != (bsz, c, k - 1):
-        raise ValueError(
-            f"CausalConvWithState: past_state has shape {tuple(past_state.shape)}, expected "
-            f"{(bsz, c, k - 1)}"
-        )
     full = torch.cat([past_state.to(x.dtype), x], dim=2)
     ct = compute_dtype(x.dtype)
     bias = _bias(b, c, ct, "CausalConvWithState")

@@ -4,7 +4,8 @@ MeanVarianceNormalization, LRN; and Dropout.
 
 As in the reference, statistics are computed in float32 (float64 for float64 inputs, or the
 ``stash_type`` where the op has one) and the result is narrowed once. Dropout's ratio and
-training_mode inputs are read on the host (scalars that decide what runs).
+training_mode inputs are read on the host (scalars that decide what runs). BatchNormalization's and
+Dropout's opset forms and outputs are kernels/common/norm.py's, shared with the reference.
 """
 
 from __future__ import annotations
@@ -16,6 +17,13 @@ import torch
 import torch.nn.functional as F
 from onnx import helper
 
+from tensorkiln.kernels.common.norm import (
+    BatchNorm,
+    Dropout,
+    check_lrn,
+    group_norm_layout,
+    norm_axis,
+)
 from tensorkiln.kernels.cuda.convert import host_list, to_torch, torch_dtype
 from tensorkiln.kernels.cuda.nn import compute_dtype
 from tensorkiln.kernels.registry import register
@@ -61,84 +69,20 @@ def _batch_stats(x: torch.Tensor, ct, spatial: int = 1) -> tuple[torch.Tensor, t
     return mean, var
 
 
-def _running(old, batch, momentum: float, like: torch.Tensor) -> torch.Tensor:
-    return (
-        (old.reshape(batch.shape) * momentum + batch * (1 - momentum))
-        .reshape(like.shape)
-        .to(like.dtype)
-    )
+class TorchBatchNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.BatchNormArrays` on torch tensors."""
+
+    params = staticmethod(_bn_params)
+    apply = staticmethod(_bn_apply)
+    batch_stats = staticmethod(_batch_stats)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
 
 
-def _batch_normalization_legacy(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    epsilon: float = 1e-5,
-    is_test: int = 0,
-    momentum: float = 0.9,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-):
-    """Opsets 1-13: inference with one output; with several, training-mode statistics (Y, the
-    updated running mean and variance, the batch mean and variance)."""
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
-    if _n_outputs == 1 or is_test:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct, spatial)
-    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
-    outs = [y, _running(m, bm, momentum, mean), _running(v, bv, momentum, mean)]
-    outs += [bm.reshape(mean.shape).to(mean.dtype), bv.reshape(mean.shape).to(mean.dtype)]
-    return tuple(outs[:_n_outputs])
-
-
-# BatchNormalization says training through its training_mode attribute from opset 14; before, a
-# node asks for training statistics by declaring more than one output (unless is_test).
-_BN_TRAINING_MODE = 14
-
-
-@register("BatchNormalization", backend="cuda")
-def batch_normalization(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    *,
-    epsilon: float = 1e-5,
-    momentum: float = 0.9,
-    training_mode: int = 0,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-    _opset: int = _BN_TRAINING_MODE,
-):
-    """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
-    if _opset < _BN_TRAINING_MODE:
-        return _batch_normalization_legacy(
-            x,
-            scale,
-            bias,
-            mean,
-            var,
-            epsilon=epsilon,
-            is_test=is_test,
-            momentum=momentum,
-            spatial=spatial,
-            _n_outputs=_n_outputs,
-        )
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
-    if not training_mode:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct)
-    y = _bn_apply(x, s, b, bm.reshape(m.shape), bv.reshape(v.shape), epsilon, ct)
-    outs = (y, _running(m, bm, momentum, mean), _running(v, bv, momentum, var))
-    return outs[:_n_outputs] if _n_outputs > 1 else y
+register("BatchNormalization", backend="cuda")(
+    BatchNorm(TorchBatchNormArrays()).batch_normalization
+)
 
 
 def _standardize(xc: torch.Tensor, axes: tuple[int, ...], epsilon: float):
@@ -168,12 +112,6 @@ def _stash_dtype(stash_type: int) -> torch.dtype:
     return torch_dtype(helper.tensor_dtype_to_np_dtype(stash_type))
 
 
-def _axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
-
-
 _FUSED_LN = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -189,7 +127,7 @@ def layer_normalization(
     _n_outputs: int = 1,
 ):
     """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
-    axis = _axis(axis, x.ndim, "LayerNormalization")
+    axis = norm_axis(axis, x.ndim, "LayerNormalization")
     st = _stash_dtype(stash_type)
     shape = tuple(x.shape[axis:])
     fused = _n_outputs == 1 and st == torch.float32 and x.dtype in _FUSED_LN
@@ -208,26 +146,10 @@ def layer_normalization(
 
 
 def _group_norm(x, scale, bias, num_groups: int, epsilon: float, ct, per_channel: bool):
-    n, c = x.shape[:2]
-    if num_groups < 1 or c % num_groups:
-        raise ValueError(
-            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
-        )
-    want = c if per_channel else num_groups
-    if scale.numel() != want or bias.numel() != want:
-        raise ValueError(
-            f"GroupNormalization: scale and bias need {want} values, got {scale.numel()} and "
-            f"{bias.numel()}"
-        )
-    y, _, _ = _standardize(x.to(ct).reshape(n, num_groups, -1), (2,), epsilon)
-    rest = (1,) * (x.ndim - 2)
-    if per_channel:
-        y = y.reshape(x.shape)
-        shape = (c, *rest)
-    else:
-        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
-        shape = (num_groups, 1, *rest)
-    y = y * scale.to(ct).reshape(shape) + bias.to(ct).reshape(shape)
+    args = (num_groups, scale.numel(), bias.numel(), per_channel)
+    y_shape, shape = group_norm_layout(x.shape, *args)
+    y, _, _ = _standardize(x.to(ct).reshape(x.shape[0], num_groups, -1), (2,), epsilon)
+    y = y.reshape(y_shape) * scale.to(ct).reshape(shape) + bias.to(ct).reshape(shape)
     return y.reshape(x.shape).to(x.dtype)
 
 
@@ -266,7 +188,7 @@ def rms_normalization(
     stash_type: int = 1,
 ) -> torch.Tensor:
     """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
-    axis = _axis(axis, x.ndim, "RMSNormalization")
+    axis = norm_axis(axis, x.ndim, "RMSNormalization")
     st = _stash_dtype(stash_type)
     shape = tuple(x.shape[axis:])
     if st == torch.float32 and x.dtype in _FUSED_LN and tuple(scale.shape) == shape:
@@ -282,7 +204,7 @@ def lp_normalization(x: torch.Tensor, *, axis: int = -1, p: int = 2) -> torch.Te
     """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
     if p not in (1, 2):
         raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
-    axis = _axis(axis, x.ndim, "LpNormalization")
+    axis = norm_axis(axis, x.ndim, "LpNormalization")
     xc = x.to(compute_dtype(x.dtype))
     if p == 1:
         norm = xc.abs().sum(dim=axis, keepdim=True)
@@ -298,7 +220,7 @@ def mean_variance_normalization(
 ) -> torch.Tensor:
     """(x - mean) / (sqrt(variance) + 1e-9) over ``axes``; the variance as E[(x - mean)^2], as
     the reference computes it (not the spec body's cancelling E[x^2] - mean^2)."""
-    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    axes = tuple(norm_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
     xc = x.to(compute_dtype(x.dtype))
     centred = xc - xc.mean(dim=axes, keepdim=True)
     std = torch.sqrt((centred * centred).mean(dim=axes, keepdim=True)) + 1e-9
@@ -315,10 +237,7 @@ def lrn(
     size: int,
 ) -> torch.Tensor:
     """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
-    if x.ndim < 3:
-        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {tuple(x.shape)}")
-    if size < 1:
-        raise ValueError(f"LRN: size must be positive, got {size}")
+    check_lrn(x.shape, size)
     xc = x.to(compute_dtype(x.dtype))
     lo = (size - 1) // 2  # channel c sums the squares of channels c - lo .. c - lo + size - 1
     sq = F.pad((xc * xc).movedim(1, -1), (lo, size - 1 - lo))
@@ -326,54 +245,28 @@ def lrn(
     return (xc / (bias + (alpha / size) * window) ** beta).to(x.dtype)
 
 
-def _dropout(x: torch.Tensor, ratio: float, training: bool, seed: int | None, n_outputs: int):
-    if not 0 <= ratio < 1:
-        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
-    if not training or ratio == 0:
-        y = x
-        mask = torch.ones(x.shape, dtype=torch.bool, device=x.device) if n_outputs > 1 else None
-    else:
-        if seed is not None:
-            # a seeded mask is drawn as the reference draws it, so that both backends agree
-            rng = np.random.RandomState(seed)
-            mask = to_torch(rng.uniform(0.0, 1.0, tuple(x.shape)) >= ratio, x.device)
-        else:
-            mask = torch.rand(x.shape, device=x.device) >= ratio
-        y = (x * mask * (1.0 / (1.0 - ratio))).to(x.dtype)
-    return (y, mask) if n_outputs > 1 else y
+class TorchDropoutArrays:
+    """:class:`tensorkiln.kernels.common.norm.DropoutArrays` on torch tensors."""
+
+    def ratio(self, ratio: torch.Tensor | None, training: bool) -> float:
+        # read back only when it matters: in inference the ratio changes nothing
+        return 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
+
+    def flag(self, v: torch.Tensor) -> bool:
+        return bool(np.ravel(host_list(v))[0])
+
+    def ones(self, x: torch.Tensor, boolean: bool) -> torch.Tensor:
+        return torch.ones_like(x, dtype=torch.bool if boolean else x.dtype)
+
+    def keep(self, x: torch.Tensor, ratio: float, seed: int | None) -> torch.Tensor:
+        if seed is None:
+            return torch.rand(x.shape, device=x.device) >= ratio
+        # a seeded mask is drawn as the reference draws it, so that both backends agree
+        rng = np.random.RandomState(seed)
+        return to_torch(rng.uniform(0.0, 1.0, tuple(x.shape)) >= ratio, x.device)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
 
 
-def _dropout_legacy(x: torch.Tensor, n_outputs: int):
-    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if n_outputs == 1:
-        return x
-    return x, torch.ones_like(x)
-
-
-# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
-# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
-_DROPOUT_INPUTS = 12
-_DROPOUT_BOOL_MASK = 10
-
-
-@register("Dropout", backend="cuda")
-def dropout(
-    x: torch.Tensor,
-    ratio: torch.Tensor | float | None = None,  # an input from opset 12, an attribute before
-    training_mode: torch.Tensor | None = None,
-    *,
-    seed: int | None = None,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    _n_outputs: int = 1,
-    _opset: int = _DROPOUT_INPUTS,
-):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
-    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
-    if _opset < _DROPOUT_BOOL_MASK:
-        return _dropout_legacy(x, _n_outputs)
-    if _opset < _DROPOUT_INPUTS:
-        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
-    training = training_mode is not None and bool(np.ravel(host_list(training_mode))[0])
-    r = 0.5 if ratio is None or not training else float(np.ravel(host_list(ratio))[0])
-    return _dropout(x, r, training, seed, _n_outputs)
+register("Dropout", backend="cuda")(Dropout(TorchDropoutArrays()).dropout)

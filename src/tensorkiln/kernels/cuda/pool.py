@@ -4,7 +4,8 @@ MaxRoiPool.
 Windows torch's pooling kernels express exactly (floats, 1-3 spatial axes, symmetric pads of at
 most half a kernel, and for AveragePool no dilation) run there. Everything else (asymmetric or large
 pads, integer inputs, more axes, LpPool) pads once and combines one strided view per kernel tap,
-as the reference does. MaxUnpool reads its output_shape input on the host (a shape).
+as the reference does. MaxUnpool (kernels/common/pool.py's, shared with the reference) reads its
+output_shape input on the host (a shape).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.pool import pool_geometry
+from tensorkiln.kernels.common.pool import MaxUnpool, pool_geometry, pow_p, root_p
 from tensorkiln.kernels.common.window import Geometry, tap_slices
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.convert import host_list
@@ -208,11 +209,11 @@ def average_pool(
 
 
 def _pow_p(x: torch.Tensor, p: float) -> torch.Tensor:
-    return x * x if p == 2 else x.abs() ** p
+    return pow_p(torch, x, p)
 
 
 def _root_p(x: torch.Tensor, p: float) -> torch.Tensor:
-    return torch.sqrt(x) if p == 2 else x ** (1.0 / p)
+    return root_p(torch, x, p)
 
 
 @register("LpPool", since=1, backend="cuda")
@@ -280,44 +281,22 @@ def global_lp_pool(x: torch.Tensor, *, p: float = 2) -> torch.Tensor:
     return _root_p(total, p).to(x.dtype)
 
 
-@register("MaxUnpool", since=9, backend="cuda")
-def max_unpool(
-    x: torch.Tensor,
-    indices: torch.Tensor,
-    output_shape: torch.Tensor | None = None,
-    *,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Scatter ``x`` to the flat positions ``indices`` (MaxPool's) of a zero tensor."""
-    if x.shape != indices.shape:
-        raise ValueError(
-            f"MaxUnpool: X of shape {tuple(x.shape)} and I of shape {tuple(indices.shape)} differ"
-        )
-    if not kernel_shape:
-        raise ValueError("MaxUnpool: the kernel_shape attribute is required")
-    nsp = x.ndim - 2
-    st = list(strides or [1] * nsp)
-    pd = list(pads or [0] * (2 * nsp))
-    sp = [
-        (i - 1) * s + k - b - e
-        for i, s, k, b, e in zip(x.shape[2:], st, kernel_shape, pd[:nsp], pd[nsp:])
-    ]
-    shape = (*x.shape[:2], *sp)
-    y = x.new_zeros(math.prod(shape))
-    y[indices.reshape(-1).to(torch.int64)] = x.reshape(-1)
-    y = y.reshape(shape)
-    if output_shape is None:
-        return y
-    # the indices address the inferred shape; output_shape only adds zeros at the ends
-    wanted = tuple(int(s) for s in np.ravel(host_list(output_shape)))
-    if len(wanted) != x.ndim:
-        raise ValueError(f"MaxUnpool: output_shape {wanted} must have rank {x.ndim}")
-    out = x.new_zeros(wanted)
-    common = tuple(slice(0, min(a, b)) for a, b in zip(wanted, shape))
-    out[common] = y[common]
-    return out
+class TorchUnpoolArrays:
+    """:class:`tensorkiln.kernels.common.pool.UnpoolArrays` on torch tensors."""
+
+    int64 = torch.int64
+
+    def zeros(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        return like.new_zeros(shape)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def host_ints(self, v: torch.Tensor) -> list[int]:
+        return [int(s) for s in np.ravel(host_list(v))]
+
+
+register("MaxUnpool", since=9, backend="cuda")(MaxUnpool(TorchUnpoolArrays()).max_unpool)
 
 
 def _roi_bins(start, size, pooled: int, limit: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,7 +4,8 @@ QLinearMatMul, bit-exact with the reference.
 Scales and zero points are per-tensor, per-axis or blocked. Rounding is half to even
 (``torch.round``). The 2/4/6-bit types have no torch dtype, so their values live on the host as
 numpy arrays: dequantizing them uploads the codes widened to int8/float32 (they are weights, on the
-host already), and quantizing to them runs the reference kernel on host copies.
+host already), and quantizing to them runs the reference kernel on host copies. QLinearMatMul is
+kernels/common/quant.py's, over torch operations.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from tensorkiln.kernels.common.quant import quant_target, scale_layout
+from tensorkiln.kernels.common.quant import QLinearMatMul, quant_target, scale_layout
 from tensorkiln.kernels.cuda.convert import (
     numpy_dtype,
     on_device,
@@ -185,39 +186,26 @@ def dynamic_quantize_linear(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return y, scale, zp.to(torch.uint8)
 
 
-def _row(v: torch.Tensor) -> torch.Tensor:
-    # A 1-D scale or zero point of A holds one value per row of A.
-    return v.reshape(-1, 1) if v.dim() == 1 and v.numel() > 1 else v
+class TorchQuantArrays:
+    """:class:`tensorkiln.kernels.common.quant.QuantArrays` on torch tensors."""
+
+    m = torch
+    float64 = torch.float64
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def is_integer_target(self, dtype: torch.dtype) -> bool:
+        return dtype in _INT_RANGES
+
+    def add_zero_point(self, y: torch.Tensor, zero_point: torch.Tensor) -> torch.Tensor:
+        zp = zero_point.to(torch.float64)  # (no host read of the zero point)
+        return torch.where(zp == 0, y, y + zp)
+
+    def saturate(self, y: torch.Tensor, target: torch.dtype) -> torch.Tensor:
+        return _saturate_cast(y, target, True)
 
 
-@register("QLinearMatMul", since=10, backend="cuda")
-def qlinear_matmul(
-    a: torch.Tensor,
-    a_scale: torch.Tensor,
-    a_zero_point: torch.Tensor | None,
-    b: torch.Tensor,
-    b_scale: torch.Tensor,
-    b_zero_point: torch.Tensor | None,
-    y_scale: torch.Tensor,
-    y_zero_point: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Quantized MatMul: round((A - a_zp) @ (B - b_zp) * a_scale * b_scale / y_scale) + y_zp.
-
-    The integer product runs as a float64 matmul, exact for any realistic K (|sum| < 2**53).
-    """
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    if a_zero_point is not None:
-        a64 = a64 - _row(a_zero_point.to(torch.float64))
-    if b_zero_point is not None:
-        b64 = b64 - b_zero_point.to(torch.float64)
-    acc = torch.matmul(a64, b64)
-    # the rescale factor is formed in the scales' own type, as the spec's formula reads
-    factor = _row(a_scale) * b_scale / y_scale
-    y = acc * factor.to(torch.float64)
-    target = y_zero_point.dtype if y_zero_point is not None else a.dtype
-    if target in _INT_RANGES:
-        y = torch.round(y)
-    if y_zero_point is not None:
-        zp = y_zero_point.to(torch.float64)
-        y = torch.where(zp == 0, y, y + zp)
-    return _saturate_cast(y, target, True)
+register("QLinearMatMul", since=10, backend="cuda")(
+    QLinearMatMul(TorchQuantArrays()).qlinear_matmul
+)

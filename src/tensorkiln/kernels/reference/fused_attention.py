@@ -21,27 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common.fused import (
-    check_attention,
-    check_attention_rank,
-    check_split_heads,
-)
+from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.registry import register
-
-
-def _split_heads(x: np.ndarray, heads: int, name: str) -> np.ndarray:
-    """[B, S, H*D] -> [B, H, S, D]."""
-    check_split_heads(x.shape, heads, name)
-    b, s, e = x.shape
-    return x.reshape(b, s, heads, e // heads).transpose(0, 2, 1, 3)
-
-
-def _arrange_output(y: np.ndarray, layout: str) -> np.ndarray:
-    """[B, H, S, Dv] -> the requested output layout."""
-    if layout == "bhsd":
-        return y
-    y = y.transpose(0, 2, 1, 3)
-    return y if layout == "bshd" else y.reshape(y.shape[0], y.shape[1], -1)
 
 
 def _stable_softmax(x: np.ndarray) -> np.ndarray:
@@ -55,25 +36,9 @@ def _stable_softmax(x: np.ndarray) -> np.ndarray:
     return np.divide(x, total, out=x)
 
 
-@register("Attention", domain="tensorkiln", since=1)
-def fused_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    mask: np.ndarray | None = None,
-    *,
-    scale: float = 0.0,
-    causal: int = 0,
-    mask_kind: str = "",
-    num_heads: int = 0,
-    input_layout: str = "bhsd",
-    output_layout: str = "bhsd",
-) -> np.ndarray:
-    """Scaled dot-product attention with an optional additive or boolean mask and causal masking."""
-    check_attention(mask_kind, input_layout, output_layout, mask is not None)
-    if input_layout == "bsd":
-        q, k, v = (_split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V")))
-    check_attention_rank(q.shape, k.shape, v.shape)
+def _attend(q, k, v, mask, scale: float, causal: int, mask_kind: str) -> np.ndarray:
+    """softmax(Q K^T * scale + mask) V on [B, H, S, D] arrays, in float32 (float64 for
+    float64)."""
     ct = np.float64 if q.dtype == np.float64 else np.float32
     s = np.float64(scale) if scale else 1.0 / np.sqrt(q.shape[-1])
     scores = np.matmul(q.astype(ct), k.astype(ct).swapaxes(-1, -2))
@@ -85,5 +50,17 @@ def fused_attention(
     if causal:
         sq, sk = scores.shape[-2:]
         scores = np.where(np.tri(sq, sk, dtype=bool), scores, ct(-np.inf))
-    y = np.matmul(_stable_softmax(scores), v.astype(ct)).astype(q.dtype)
-    return _arrange_output(y, output_layout)
+    return np.matmul(_stable_softmax(scores), v.astype(ct)).astype(q.dtype)
+
+
+class NumpyAttentionArrays:
+    """:class:`tensorkiln.kernels.common.fused.AttentionArrays` on numpy arrays."""
+
+    attend = staticmethod(_attend)
+
+    def swap12(self, x: np.ndarray) -> np.ndarray:
+        return x.swapaxes(1, 2)
+
+
+fused_attention = FusedAttention(NumpyAttentionArrays()).fused_attention
+register("Attention", domain="tensorkiln", since=1)(fused_attention)

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry
+from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.reference.elementwise import (
     _gelu,
@@ -27,7 +27,7 @@ from tensorkiln.kernels.reference.elementwise import (
 )
 from tensorkiln.kernels.reference.nn import conv_nd
 from tensorkiln.kernels.registry import register
-from tensorkiln.ops.fused import ACTIVATION_DEFAULTS, check_activation
+from tensorkiln.ops.fused import ACTIVATION_DEFAULTS
 
 # Elements per epilogue block: 64K float32 = 256 KiB, about one core's L2.
 _BLOCK = 1 << 16
@@ -120,18 +120,13 @@ def conv_act(
     residual_order: str = "add_act",
 ) -> np.ndarray:
     """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    check_conv_shapes(x.shape, w.shape, group, "ConvAct")
-    check_activation(activation, "ConvAct")
-    if residual_order not in ("add_act", "act_add"):
-        raise ValueError(
-            f"ConvAct: residual_order must be add_act or act_add, not {residual_order!r}"
-        )
+    check_conv_act(
+        x.shape, w.shape, None if b is None else b.size, group, activation, residual_order
+    )
     g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
     ct = compute_dtype(x.dtype)
     y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
     m = w.shape[0]
-    if b is not None and b.size != m:
-        raise ValueError(f"ConvAct: bias B has {b.size} values but there are {m} output channels")
     if z is not None and z.shape != y.shape:
         raise ValueError(f"ConvAct: residual Z of shape {z.shape} must have the output's {y.shape}")
     y = np.ascontiguousarray(y).reshape(y.shape[0], m, math.prod(g.out))

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from tensorkiln.kernels.common.fused import check_gemm_bias, check_gemm_operands
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.reference.fused_conv import activate
 from tensorkiln.kernels.registry import register
@@ -21,20 +22,13 @@ _BLOCK = 1 << 16  # elements per epilogue block (256 KiB of float32)
 
 
 def _operands(a: np.ndarray, b: np.ndarray, trans_a: int, trans_b: int) -> tuple:
-    if b.ndim != 2:
-        raise ValueError(f"GemmAct: B must be 2-D, got shape {b.shape}")
-    if a.ndim > 2 and trans_a:
-        raise ValueError(f"GemmAct: transA is only allowed for 2-D A, got shape {a.shape}")
-    if a.ndim < 2:
-        raise ValueError(f"GemmAct: A must have rank >= 2, got shape {a.shape}")
+    check_gemm_operands(a.shape, b.shape, trans_a, trans_b)
     ct = compute_dtype(a.dtype)
     # rows given explicitly: reshape(-1, 0) cannot infer them when K=0
     a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]).astype(ct, copy=False)
     a2 = a2.T if trans_a else a2
     b2 = b.astype(ct, copy=False)
     b2 = b2.T if trans_b else b2
-    if a2.shape[1] != b2.shape[0]:
-        raise ValueError(f"GemmAct: inner dimensions differ: A {a.shape}, B {b.shape}")
     return a2, b2
 
 
@@ -44,9 +38,8 @@ def _bias(c: np.ndarray | None, beta: float, y: np.ndarray, rank: int) -> np.nda
     c = c.astype(y.dtype, copy=False)
     if beta != 1.0:
         c = c * y.dtype.type(beta)
+    check_gemm_bias(c.shape, y.shape[1], rank)
     if rank > 2:  # MatMul form: along the last axis only
-        if c.size not in (1, y.shape[1]) or (c.ndim and c.shape[-1] != c.size):
-            raise ValueError(f"GemmAct: C of shape {c.shape} must broadcast along the last axis")
         c = c.reshape(-1)
     return np.broadcast_to(c, y.shape)
 

@@ -2,13 +2,18 @@
 
 Index inputs may be negative (counted from the end of their axis); an index out of range raises
 IndexError naming the axis and its size. Everything is vectorized with numpy fancy indexing.
+TensorScatter's write positions are kernels/common/indexing.py's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common.indexing import tensor_scatter_axis
+from tensorkiln.kernels.common.indexing import (
+    TensorScatter,
+    check_nd_indices,
+    scatter_elements_axis,
+)
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.registry import register
 
@@ -66,16 +71,7 @@ def gather_elements(data: np.ndarray, indices: np.ndarray, *, axis: int = 0) -> 
 def _nd_index(data: np.ndarray, indices: np.ndarray, batch_dims: int, op: str):
     """Flattened GatherND/ScatterND addressing: (data as (B, ...), index tuple, result prefix)."""
     b = batch_dims
-    k = indices.shape[-1] if indices.ndim else 0
-    if indices.ndim < 1 or k > data.ndim - b:
-        raise ValueError(
-            f"{op}: indices of shape {indices.shape} cannot index data of shape {data.shape} "
-            f"with batch_dims={b}"
-        )
-    if data.shape[:b] != indices.shape[:b]:
-        raise ValueError(
-            f"{op}: batch dimensions differ: data {data.shape[:b]} vs indices {indices.shape[:b]}"
-        )
+    k = check_nd_indices(data.shape, indices.shape, b, op)
     batch = int(np.prod(data.shape[:b], dtype=np.int64))
     rows = int(np.prod(indices.shape[b:-1], dtype=np.int64))
     flat = data.reshape(batch, *data.shape[b:])
@@ -119,11 +115,7 @@ def scatter_elements(
     reduction: str = "none",
 ) -> np.ndarray:
     """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = norm_axis(axis, data.ndim, "ScatterElements")
-    if updates.shape != indices.shape:
-        raise ValueError(
-            f"ScatterElements: updates shape {updates.shape} != indices shape {indices.shape}"
-        )
+    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
     out = data.copy()
     index = _element_index(data.shape, indices, axis, "ScatterElements")
     _scatter_into(out, index, updates, reduction, "ScatterElements")
@@ -158,33 +150,33 @@ def scatter_nd(
     return out.reshape(data.shape)
 
 
-@register("TensorScatter", since=24)
-def tensor_scatter(
-    past_cache: np.ndarray,
-    update: np.ndarray,
-    write_indices: np.ndarray | None = None,
-    *,
-    mode: str = "linear",
-    axis: int = -2,
-) -> np.ndarray:
-    """KV-cache update: write ``update`` into a copy of ``past_cache`` along the sequence ``axis``
-    from ``write_indices[b]`` (0 by default) per batch entry; ``circular`` wraps around."""
-    axis = tensor_scatter_axis(past_cache.shape, update.shape, axis, mode)
-    shape, ushape = past_cache.shape, update.shape
-    batch, max_len, seq = shape[0], shape[axis], ushape[axis]
-    starts = np.zeros(batch, np.int64) if write_indices is None else write_indices.astype(np.int64)
-    pos = starts.reshape(-1, 1) + np.arange(seq)
-    if mode == "circular":
-        pos %= max_len
-    elif pos.size and (pos.min() < 0 or pos.max() >= max_len):
-        raise IndexError(
-            f"TensorScatter: write positions {int(pos.min())}..{int(pos.max())} fall outside "
-            f"the cache's sequence length {max_len}"
-        )
-    out = past_cache.copy()
-    view = np.moveaxis(out, axis, 1)  # (batch, max_len, ...) view into out
-    view[np.arange(batch)[:, None], pos] = np.moveaxis(update, axis, 1)
-    return out
+class NumpyScatterArrays:
+    """:class:`tensorkiln.kernels.common.indexing.ScatterArrays` on numpy arrays."""
+
+    def starts(self, write_indices: np.ndarray | None, batch: int, like: np.ndarray) -> np.ndarray:
+        if write_indices is None:
+            return np.zeros(batch, np.int64)
+        return write_indices.astype(np.int64).reshape(-1)
+
+    def arange(self, n: int, like: np.ndarray) -> np.ndarray:
+        return np.arange(n)
+
+    def bound(self, pos: np.ndarray, max_len: int) -> np.ndarray:
+        if pos.size and (pos.min() < 0 or pos.max() >= max_len):
+            raise IndexError(
+                f"TensorScatter: write positions {int(pos.min())}..{int(pos.max())} fall outside "
+                f"the cache's sequence length {max_len}"
+            )
+        return pos
+
+    def write_rows(self, cache: np.ndarray, axis: int, pos: np.ndarray, update: np.ndarray):
+        out = cache.copy()
+        view = np.moveaxis(out, axis, 1)  # (batch, max_len, ...) view into out
+        view[np.arange(cache.shape[0])[:, None], pos] = np.moveaxis(update, axis, 1)
+        return out
+
+
+register("TensorScatter", since=24)(TensorScatter(NumpyScatterArrays()).tensor_scatter)
 
 
 # ---------------------------------------------------------------------------------------------

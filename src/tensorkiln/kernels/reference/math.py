@@ -5,22 +5,12 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from tensorkiln.kernels.common.cast import FLOAT8, dtypes
 from tensorkiln.kernels.registry import register
 
 # Narrow float types are computed in float32 and cast back: numpy has no BLAS for them and
 # accumulating in them loses precision the oracle cannot afford.
-_NARROW_FLOATS = frozenset(
-    np.dtype(t)
-    for t in (
-        np.float16,
-        ml_dtypes.bfloat16,
-        ml_dtypes.float8_e4m3fn,
-        ml_dtypes.float8_e4m3fnuz,
-        ml_dtypes.float8_e5m2,
-        ml_dtypes.float8_e5m2fnuz,
-        ml_dtypes.float4_e2m1fn,
-    )
-)
+_NARROW_FLOATS = FLOAT8 | dtypes(np.float16, ml_dtypes.bfloat16, ml_dtypes.float4_e2m1fn)
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:

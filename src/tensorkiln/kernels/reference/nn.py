@@ -2,7 +2,8 @@
 
 Every convolution is an im2col (a strided view of the padded input, copied once into a
 ``(C*k, positions)`` matrix) followed by one GEMM per group; 1x1 convolutions skip the im2col and
-depthwise ones accumulate over the kernel taps instead of building the column matrix.
+depthwise ones accumulate over the kernel taps instead of building the column matrix. Checks and
+geometry are kernels/common/conv.py's; DeformConv is kernels/common/deform.py's, over numpy.
 """
 
 from __future__ import annotations
@@ -13,11 +14,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.common.conv import check_conv_shapes, conv_geometry, transpose_pads
+from tensorkiln.kernels.common.conv import (
+    check_causal_conv,
+    check_conv_shapes,
+    conv_geometry,
+    transpose_geometry,
+)
+from tensorkiln.kernels.common.deform import DeformConv
 from tensorkiln.kernels.reference._window import (
     Geometry,
     compute_dtype,
-    ints,
     pad,
     tap_slices,
     windows,
@@ -138,22 +144,11 @@ def conv_transpose(
     strides: Sequence[int] | None = None,
 ) -> np.ndarray:
     """N-d transposed convolution: one GEMM per group, then a col2im scatter-add."""
-    if x.ndim < 3 or w.ndim != x.ndim or x.shape[1] != w.shape[0] or x.shape[1] % group:
-        raise ValueError(
-            f"ConvTranspose: X of shape {x.shape} needs W of shape (C={x.shape[1]}, M/group, k...) "
-            f"with C divisible by group={group}; got W of shape {w.shape}"
-        )
+    kernel, strides, dilations, begin, out = transpose_geometry(
+        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
+    )
     n, c = x.shape[:2]
     nsp = x.ndim - 2
-    kernel = tuple(w.shape[2:])
-    strides = ints(strides, nsp, 1, "strides")
-    dilations = ints(dilations, nsp, 1, "dilations")
-    output_padding = ints(output_padding, nsp, 0, "output_padding")
-    begin, out = transpose_pads(
-        x.shape[2:], kernel, strides, dilations, pads, auto_pad, output_padding, output_shape
-    )
-    if any(o <= 0 for o in out):
-        raise ValueError(f"ConvTranspose: computed output size {tuple(out)} is not positive")
     ct = compute_dtype(x.dtype)
     mg = w.shape[1]
     taps, positions = math.prod(kernel), math.prod(x.shape[2:])
@@ -244,77 +239,29 @@ def qlinear_conv(
     return np.clip(y, info.min, info.max).astype(y_zero_point.dtype)
 
 
-def _deform_columns(
-    x: np.ndarray, offset: np.ndarray, mask: np.ndarray | None, g: Geometry, offset_group: int
-) -> np.ndarray:
-    """The (N, C*prod(kernel), P) columns of ``x`` sampled multi-linearly at the shifted taps."""
-    n, c = x.shape[:2]
-    in_sizes = x.shape[2:]
-    nsp, taps, p = len(in_sizes), math.prod(g.kernel), math.prod(g.out)
-    off = offset.reshape(n, offset_group, taps, nsp, p).astype(x.dtype, copy=False)
-    out_at = np.indices(g.out).reshape(nsp, 1, p)
-    tap_at = np.indices(g.kernel).reshape(nsp, taps, 1)
-    pos = [
-        out_at[d] * g.strides[d] - g.begin[d] + tap_at[d] * g.dilations[d] + off[:, :, :, d]
-        for d in range(nsp)
-    ]
-    low = [np.floor(q) for q in pos]
-    frac = [q - lo for q, lo in zip(pos, low)]
-    low = [lo.astype(np.int64) for lo in low]
-    xs = x.reshape(n, offset_group, c // offset_group, math.prod(in_sizes))
-    cols = np.zeros((n, offset_group, c // offset_group, taps * p), dtype=x.dtype)
-    flat_stride = [math.prod(in_sizes[d + 1 :]) for d in range(nsp)]
-    for corner in itertools.product((0, 1), repeat=nsp):
-        weight = np.ones_like(frac[0])
-        flat = np.zeros_like(low[0])
-        for d, bit in enumerate(corner):
-            idx = low[d] + bit
-            weight *= (frac[d] if bit else 1 - frac[d]) * ((idx >= 0) & (idx < in_sizes[d]))
-            flat += np.clip(idx, 0, in_sizes[d] - 1) * flat_stride[d]
-        if mask is not None:
-            weight *= mask.reshape(weight.shape)
-        shape = (n, offset_group, 1, taps * p)
-        picked = np.take_along_axis(xs, flat.reshape(shape), axis=-1)
-        cols += picked * weight.reshape(shape)
-    return cols.reshape(n, c * taps, p)
+class NumpyDeformArrays:
+    """:class:`tensorkiln.kernels.common.deform.DeformArrays` on numpy arrays."""
+
+    m = np
+    int64 = np.dtype(np.int64)
+
+    def compute_dtype(self, dtype: np.dtype) -> np.dtype:
+        return compute_dtype(dtype)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype, copy=False)
+
+    def zeros(self, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+        return np.zeros(shape, dtype=like.dtype)
+
+    def grid(self, sizes: Sequence[int], like: np.ndarray) -> np.ndarray:
+        return np.indices(sizes).reshape(len(sizes), -1)
+
+    def take_last(self, x: np.ndarray, index: np.ndarray) -> np.ndarray:
+        return np.take_along_axis(x, index, axis=-1)
 
 
-@register("DeformConv", since=19)
-def deform_conv(
-    x: np.ndarray,
-    w: np.ndarray,
-    offset: np.ndarray,
-    b: np.ndarray | None = None,
-    mask: np.ndarray | None = None,
-    *,
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    offset_group: int = 1,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Deformable convolution: sample X at offset taps (zero outside), scale by mask, GEMM."""
-    check_conv_shapes(x.shape, w.shape, group, "DeformConv")
-    g = conv_geometry(x.shape, w.shape, "NOTSET", dilations, kernel_shape, pads, strides)
-    nsp, taps = x.ndim - 2, math.prod(g.kernel)
-    want = (x.shape[0], offset_group * taps * nsp, *g.out)
-    if offset_group < 1 or x.shape[1] % offset_group or offset.shape != want:
-        raise ValueError(
-            f"DeformConv: offset has shape {offset.shape}, expected {want} for X {x.shape}, "
-            f"kernel {g.kernel} and offset_group={offset_group} (which must divide C)"
-        )
-    if mask is not None and mask.size != x.shape[0] * offset_group * taps * math.prod(g.out):
-        raise ValueError(f"DeformConv: mask of shape {mask.shape} does not match offset {want}")
-    ct = compute_dtype(x.dtype)
-    xc = x.astype(ct, copy=False)
-    mc = None if mask is None else mask.astype(ct, copy=False)
-    cols = _deform_columns(xc, offset, mc, g, offset_group)
-    y = _gemm(w.astype(ct, copy=False), cols, group).reshape(x.shape[0], w.shape[0], *g.out)
-    return _add_bias(y, b, w.shape[0], "DeformConv").astype(x.dtype, copy=False)
-
-
-_ACTIVATIONS = ("none", "silu", "swish")
+register("DeformConv", since=19)(DeformConv(NumpyDeformArrays()).deform_conv)
 
 
 @register("CausalConvWithState", since=27)
@@ -327,22 +274,13 @@ def causal_conv_with_state(
     activation: str = "none",
 ) -> tuple[np.ndarray, np.ndarray]:
     """Causal depthwise 1-D conv over [past_state, x]; returns (output, last k-1 positions)."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"CausalConvWithState: activation must be one of {_ACTIVATIONS}")
-    if x.ndim != 3 or w.ndim != 3 or w.shape[:2] != (x.shape[1], 1):
-        raise ValueError(
-            f"CausalConvWithState: input must be (B, C, L) and weight (C, 1, k); got {x.shape} "
-            f"and {w.shape}"
-        )
+    check_causal_conv(
+        x.shape, w.shape, None if past_state is None else past_state.shape, activation
+    )
     bsz, c, length = x.shape
     k = w.shape[2]
     if past_state is None:
         past_state = np.zeros((bsz, c, k - 1), dtype=x.dtype)
-    elif past_state.shape != (bsz, c, k - 1):
-        raise ValueError(
-            f"CausalConvWithState: past_state has shape {past_state.shape}, expected "
-            f"{(bsz, c, k - 1)}"
-        )
     full = np.concatenate([past_state, x], axis=2)
     ct = compute_dtype(x.dtype)
     fc, wc = full.astype(ct, copy=False), w.astype(ct, copy=False)

@@ -3,6 +3,7 @@ GroupNormalization, RMSNormalization, LpNormalization, MeanVarianceNormalization
 
 Statistics are computed in float32 (float64 for float64 inputs, or the ``stash_type`` where the op
 has one); float16/bfloat16 inputs are widened once and the result narrowed once.
+BatchNormalization's and Dropout's opset forms and outputs are kernels/common/norm.py's.
 """
 
 from __future__ import annotations
@@ -12,6 +13,13 @@ from collections.abc import Sequence
 import numpy as np
 from onnx import helper
 
+from tensorkiln.kernels.common.norm import (
+    BatchNorm,
+    Dropout,
+    check_lrn,
+    group_norm_layout,
+    norm_axis,
+)
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.registry import register
 
@@ -54,81 +62,18 @@ def _batch_stats(x: np.ndarray, ct, spatial: int = 1) -> tuple[np.ndarray, np.nd
     return mean, var
 
 
-def _batch_normalization_legacy(
-    x: np.ndarray,
-    scale: np.ndarray,
-    bias: np.ndarray,
-    mean: np.ndarray,
-    var: np.ndarray,
-    *,
-    consumed_inputs: Sequence[int] | None = None,
-    epsilon: float = 1e-5,
-    is_test: int = 0,
-    momentum: float = 0.9,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-):
-    """Opsets 1-13: inference with one output; with several, training-mode statistics.
+class NumpyBatchNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.BatchNormArrays` on numpy arrays."""
 
-    The outputs then are Y, the updated running mean and variance, and the batch mean and variance.
-    """
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var, spatial)
-    if _n_outputs == 1 or is_test:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct, spatial)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
-    run_m = m * ct.type(momentum) + bm * ct.type(1 - momentum)
-    run_v = v * ct.type(momentum) + bv * ct.type(1 - momentum)
-    outs = [y] + [o.reshape(mean.shape).astype(mean.dtype) for o in (run_m, run_v, bm, bv)]
-    return tuple(outs[:_n_outputs])
+    params = staticmethod(_bn_params)
+    apply = staticmethod(_bn_apply)
+    batch_stats = staticmethod(_batch_stats)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype)
 
 
-# BatchNormalization says training through its training_mode attribute from opset 14; before, a
-# node asks for training statistics by declaring more than one output (unless is_test).
-_BN_TRAINING_MODE = 14
-
-
-@register("BatchNormalization")
-def batch_normalization(
-    x: np.ndarray,
-    scale: np.ndarray,
-    bias: np.ndarray,
-    mean: np.ndarray,
-    var: np.ndarray,
-    *,
-    epsilon: float = 1e-5,
-    momentum: float = 0.9,
-    training_mode: int = 0,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    spatial: int = 1,
-    _n_outputs: int = 1,
-    _opset: int = _BN_TRAINING_MODE,
-):
-    """Normalize per channel; training_mode uses the batch statistics and also returns the
-    updated running mean and variance (before opset 14 see :func:`_batch_normalization_legacy`)."""
-    if _opset < _BN_TRAINING_MODE:
-        return _batch_normalization_legacy(
-            x,
-            scale,
-            bias,
-            mean,
-            var,
-            epsilon=epsilon,
-            is_test=is_test,
-            momentum=momentum,
-            spatial=spatial,
-            _n_outputs=_n_outputs,
-        )
-    ct, (s, b, m, v) = _bn_params(x, scale, bias, mean, var)
-    if not training_mode:
-        return _bn_apply(x, s, b, m, v, epsilon, ct)
-    bm, bv = _batch_stats(x, ct)
-    y = _bn_apply(x, s, b, bm, bv, epsilon, ct)
-    run_m = (m * ct.type(momentum) + bm * ct.type(1 - momentum)).reshape(mean.shape)
-    run_v = (v * ct.type(momentum) + bv * ct.type(1 - momentum)).reshape(var.shape)
-    outs = (y, run_m.astype(mean.dtype), run_v.astype(var.dtype))
-    return outs[:_n_outputs] if _n_outputs > 1 else y
+register("BatchNormalization")(BatchNorm(NumpyBatchNormArrays()).batch_normalization)
 
 
 def _standardize(xc: np.ndarray, axes: tuple[int, ...], epsilon: float):
@@ -159,12 +104,6 @@ def _stash_dtype(x: np.ndarray, stash_type: int) -> np.dtype:
     return np.dtype(helper.tensor_dtype_to_np_dtype(stash_type))
 
 
-def _axis(axis: int, rank: int, op: str) -> int:
-    if not -rank <= axis < rank:
-        raise ValueError(f"{op}: axis {axis} is out of range for an input of rank {rank}")
-    return axis % rank
-
-
 @register("LayerNormalization", since=17)
 def layer_normalization(
     x: np.ndarray,
@@ -177,7 +116,7 @@ def layer_normalization(
     _n_outputs: int = 1,
 ):
     """Normalize over the axes from ``axis`` on; optional outputs Mean and InvStdDev."""
-    axis = _axis(axis, x.ndim, "LayerNormalization")
+    axis = norm_axis(axis, x.ndim, "LayerNormalization")
     st = _stash_dtype(x, stash_type)
     y, mean, inv_std = _standardize(x.astype(st), tuple(range(axis, x.ndim)), epsilon)
     y *= scale.astype(st, copy=False)
@@ -190,26 +129,11 @@ def layer_normalization(
 
 
 def _group_norm(x, scale, bias, num_groups, epsilon, ct, per_channel: bool) -> np.ndarray:
-    n, c = x.shape[:2]
-    if num_groups < 1 or c % num_groups:
-        raise ValueError(
-            f"GroupNormalization: num_groups={num_groups} does not divide the {c} channels"
-        )
-    want = c if per_channel else num_groups
-    if scale.size != want or bias.size != want:
-        raise ValueError(
-            f"GroupNormalization: scale and bias need {want} values, got {scale.size} and "
-            f"{bias.size}"
-        )
-    xg = x.astype(ct).reshape(n, num_groups, -1)
+    args = (num_groups, scale.size, bias.size, per_channel)
+    y_shape, shape = group_norm_layout(x.shape, *args)
+    xg = x.astype(ct).reshape(x.shape[0], num_groups, -1)
     y, _, _ = _standardize(xg, (2,), epsilon)
-    rest = (1,) * (x.ndim - 2)
-    if per_channel:
-        y = y.reshape(x.shape)
-        shape = (c, *rest)
-    else:
-        y = y.reshape(n, num_groups, c // num_groups, *x.shape[2:])
-        shape = (num_groups, 1, *rest)
+    y = y.reshape(y_shape)
     y *= scale.astype(ct, copy=False).reshape(shape)
     y += bias.astype(ct, copy=False).reshape(shape)
     return y.reshape(x.shape).astype(x.dtype, copy=False)
@@ -250,7 +174,7 @@ def rms_normalization(
     stash_type: int = 1,
 ) -> np.ndarray:
     """x / sqrt(mean(x^2) + eps) over the axes from ``axis`` on, times scale."""
-    axis = _axis(axis, x.ndim, "RMSNormalization")
+    axis = norm_axis(axis, x.ndim, "RMSNormalization")
     st = _stash_dtype(x, stash_type)
     xs = x.astype(st)
     ms = np.mean(xs * xs, axis=tuple(range(axis, x.ndim)), keepdims=True)
@@ -264,7 +188,7 @@ def lp_normalization(x: np.ndarray, *, axis: int = -1, p: int = 2) -> np.ndarray
     """x divided by its L1 or L2 norm along ``axis`` (zero where the norm is zero)."""
     if p not in (1, 2):
         raise ValueError(f"LpNormalization: p must be 1 or 2, got {p}")
-    axis = _axis(axis, x.ndim, "LpNormalization")
+    axis = norm_axis(axis, x.ndim, "LpNormalization")
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     if p == 1:
@@ -284,7 +208,7 @@ def mean_variance_normalization(x: np.ndarray, *, axes: Sequence[int] = (0, 2, 3
     float32 when the mean is large against the spread (errors of 4e-4 for a spread of 0.06 around
     2), so it is computed as E[(x - mean)^2], equal in exact arithmetic.
     """
-    axes = tuple(_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
+    axes = tuple(norm_axis(a, x.ndim, "MeanVarianceNormalization") for a in axes)
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     centred = xc - xc.mean(axis=axes, keepdims=True)
@@ -302,10 +226,7 @@ def lrn(
     size: int,
 ) -> np.ndarray:
     """x / (bias + alpha / size * sum of x^2 over a window of ``size`` channels) ** beta."""
-    if x.ndim < 3:
-        raise ValueError(f"LRN: X must be (N, C, D1, ...), got shape {x.shape}")
-    if size < 1:
-        raise ValueError(f"LRN: size must be positive, got {size}")
+    check_lrn(x.shape, size)
     ct = compute_dtype(x.dtype)
     xc = x.astype(ct, copy=False)
     c, lo = x.shape[1], (size - 1) // 2
@@ -318,49 +239,24 @@ def lrn(
     return (xc / base ** ct.type(beta)).astype(x.dtype, copy=False)
 
 
-def _dropout(x, ratio: float, training: bool, seed: int | None, n_outputs: int):
-    if not 0 <= ratio < 1:
-        raise ValueError(f"Dropout: ratio must be in [0, 1), got {ratio}")
-    if not training or ratio == 0:
-        y, mask = x, np.ones(x.shape, dtype=bool)
-    else:
+class NumpyDropoutArrays:
+    """:class:`tensorkiln.kernels.common.norm.DropoutArrays` on numpy arrays."""
+
+    def ratio(self, ratio: np.ndarray | None, training: bool) -> float:
+        return 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
+
+    def flag(self, v: np.ndarray) -> bool:
+        return bool(np.asarray(v).reshape(-1)[0])
+
+    def ones(self, x: np.ndarray, boolean: bool) -> np.ndarray:
+        return np.ones(x.shape, dtype=bool if boolean else x.dtype)
+
+    def keep(self, x: np.ndarray, ratio: float, seed: int | None) -> np.ndarray:
         rng = np.random.RandomState(seed) if seed is not None else np.random.RandomState()
-        mask = rng.uniform(0.0, 1.0, x.shape) >= ratio
-        y = (mask * x * (1.0 / (1.0 - ratio))).astype(x.dtype, copy=False)
-    return (y, mask) if n_outputs > 1 else y
+        return rng.uniform(0.0, 1.0, x.shape) >= ratio
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype, copy=False)
 
 
-def _dropout_legacy(x: np.ndarray, n_outputs: int):
-    """Opsets 1-9: identity in inference; the mask has X's type (all ones)."""
-    if n_outputs == 1:
-        return x
-    return x, np.ones(x.shape, dtype=x.dtype)
-
-
-# Dropout takes ratio as an attribute and is identity in inference before opset 12 (with a mask of
-# X's type before 10, bool from 10); from 12, ratio and training_mode are inputs.
-_DROPOUT_INPUTS = 12
-_DROPOUT_BOOL_MASK = 10
-
-
-@register("Dropout")
-def dropout(
-    x: np.ndarray,
-    ratio: np.ndarray | float | None = None,  # an input from opset 12, an attribute before
-    training_mode: np.ndarray | None = None,
-    *,
-    seed: int | None = None,
-    consumed_inputs: Sequence[int] | None = None,
-    is_test: int = 0,
-    _n_outputs: int = 1,
-    _opset: int = _DROPOUT_INPUTS,
-):
-    """Identity unless training_mode; then zero elements with probability ratio, scale the rest.
-    Before opset 12 ``ratio`` is an attribute (a float) and Dropout is identity."""
-    if _opset < _DROPOUT_BOOL_MASK:
-        return _dropout_legacy(x, _n_outputs)
-    if _opset < _DROPOUT_INPUTS:
-        return _dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
-    r = 0.5 if ratio is None else float(np.asarray(ratio).reshape(-1)[0])
-    training = training_mode is not None and bool(np.asarray(training_mode).reshape(-1)[0])
-    return _dropout(x, r, training, seed, _n_outputs)
+register("Dropout")(Dropout(NumpyDropoutArrays()).dropout)

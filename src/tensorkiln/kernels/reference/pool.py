@@ -2,6 +2,7 @@
 
 The windowed pools pad once and then combine one strided view per kernel tap (a 3x3 pool is nine
 vectorized ``np.maximum`` / ``np.add`` calls over the whole output), so no window tensor is built.
+Geometry, LpPool's powers and MaxUnpool are kernels/common/pool.py's, shared with the cuda tree.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.common.pool import pool_geometry
+from tensorkiln.kernels.common.pool import MaxUnpool, pool_geometry, pow_p, root_p
 from tensorkiln.kernels.reference._window import Geometry, compute_dtype, pad, tap_slices
 from tensorkiln.kernels.registry import register
 
@@ -118,11 +119,11 @@ def average_pool(
 
 
 def _pow_p(x: np.ndarray, p: float) -> np.ndarray:
-    return x * x if p == 2 else np.abs(x) ** p
+    return pow_p(np, x, p)
 
 
 def _root_p(x: np.ndarray, p: float) -> np.ndarray:
-    return np.sqrt(x) if p == 2 else x ** (1.0 / p)
+    return root_p(np, x, p)
 
 
 @register("LpPool", since=1)
@@ -173,45 +174,22 @@ def global_lp_pool(x: np.ndarray, *, p: float = 2) -> np.ndarray:
     return _root_p(np.sum(_pow_p(xc, p), axis=axes, keepdims=True), p).astype(x.dtype)
 
 
-@register("MaxUnpool", since=9)
-def max_unpool(
-    x: np.ndarray,
-    indices: np.ndarray,
-    output_shape: np.ndarray | None = None,
-    *,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Scatter ``x`` to the flat positions ``indices`` (MaxPool's) of a zero tensor."""
-    if x.shape != indices.shape:
-        raise ValueError(f"MaxUnpool: X of shape {x.shape} and I of shape {indices.shape} differ")
-    if not kernel_shape:
-        raise ValueError("MaxUnpool: the kernel_shape attribute is required")
-    nsp = x.ndim - 2
-    st = list(strides or [1] * nsp)
-    pd = list(pads or [0] * (2 * nsp))
-    sp = [
-        (i - 1) * s + k - b - e
-        for i, s, k, b, e in zip(x.shape[2:], st, kernel_shape, pd[:nsp], pd[nsp:])
-    ]
-    shape = (*x.shape[:2], *sp)
-    y = np.zeros(math.prod(shape), dtype=x.dtype)
-    flat = indices.reshape(-1).astype(np.int64)
-    if flat.size and (flat.min() < 0 or flat.max() >= y.size):
-        raise ValueError(f"MaxUnpool: an index in I lies outside the output of shape {shape}")
-    y[flat] = x.reshape(-1)
-    y = y.reshape(shape)
-    if output_shape is None:
-        return y
-    # the indices address the inferred shape; output_shape only adds zeros at the ends
-    wanted = tuple(int(s) for s in np.asarray(output_shape).reshape(-1))
-    if len(wanted) != x.ndim:
-        raise ValueError(f"MaxUnpool: output_shape {wanted} must have rank {x.ndim}")
-    out = np.zeros(wanted, dtype=x.dtype)
-    common = tuple(slice(0, min(a, b)) for a, b in zip(wanted, shape))
-    out[common] = y[common]
-    return out
+class NumpyUnpoolArrays:
+    """:class:`tensorkiln.kernels.common.pool.UnpoolArrays` on numpy arrays."""
+
+    int64 = np.dtype(np.int64)
+
+    def zeros(self, shape: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+        return np.zeros(shape, dtype=like.dtype)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype, copy=False)
+
+    def host_ints(self, v: np.ndarray) -> list[int]:
+        return [int(s) for s in np.asarray(v).reshape(-1)]
+
+
+register("MaxUnpool", since=9)(MaxUnpool(NumpyUnpoolArrays()).max_unpool)
 
 
 def _round_half_away(v: float) -> int:

@@ -3,6 +3,7 @@ DynamicQuantizeLinear, QLinearMatMul.
 
 Scales and zero points are per-tensor (one element), per-axis (1-D, length of ``axis``) or blocked
 (same rank as the input, ``ceil(D/block_size)`` along ``axis``). Rounding is half to even.
+QLinearMatMul is kernels/common/quant.py's, over numpy.
 """
 
 from __future__ import annotations
@@ -11,26 +12,23 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from tensorkiln.kernels.common.cast import FLOAT8
-from tensorkiln.kernels.common.quant import quant_target, scale_layout
-from tensorkiln.kernels.reference.math import compute_dtype, integer_matmul
+from tensorkiln.kernels.common.cast import FLOAT8, dtypes
+from tensorkiln.kernels.common.quant import QLinearMatMul, quant_target, scale_layout
+from tensorkiln.kernels.reference.math import compute_dtype
 from tensorkiln.kernels.registry import register
 
-_INT_TARGETS = frozenset(
-    np.dtype(t)
-    for t in (
-        np.uint8,
-        np.int8,
-        np.uint16,
-        np.int16,
-        ml_dtypes.uint4,
-        ml_dtypes.int4,
-        ml_dtypes.uint2,
-        ml_dtypes.int2,
-    )
+_INT_TARGETS = dtypes(
+    np.uint8,
+    np.int8,
+    np.uint16,
+    np.int16,
+    ml_dtypes.uint4,
+    ml_dtypes.int4,
+    ml_dtypes.uint2,
+    ml_dtypes.int2,
 )
-_FLOAT_TARGETS = FLOAT8 | frozenset(
-    np.dtype(t) for t in (ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn)
+_FLOAT_TARGETS = FLOAT8 | dtypes(
+    ml_dtypes.float4_e2m1fn, ml_dtypes.float6_e2m3fn, ml_dtypes.float6_e3m2fn
 )
 
 
@@ -136,30 +134,23 @@ def dynamic_quantize_linear(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.n
     return y, np.asarray(scale, dtype=np.float32), np.asarray(zp, dtype=np.uint8)
 
 
-def _row_scale(scale: np.ndarray) -> np.ndarray:
-    # A 1-D scale of A holds one value per row of A.
-    return scale.reshape(-1, 1) if scale.ndim == 1 and scale.size > 1 else scale
+class NumpyQuantArrays:
+    """:class:`tensorkiln.kernels.common.quant.QuantArrays` on numpy arrays."""
+
+    m = np
+    float64 = np.dtype(np.float64)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype)
+
+    def is_integer_target(self, dtype: np.dtype) -> bool:
+        return dtype in _INT_TARGETS
+
+    def add_zero_point(self, y: np.ndarray, zero_point: np.ndarray) -> np.ndarray:
+        return y + zero_point.astype(np.float64) if _nonzero(zero_point) else y
+
+    def saturate(self, y: np.ndarray, target: np.dtype) -> np.ndarray:
+        return _saturate_cast(y, np.dtype(target), True)
 
 
-@register("QLinearMatMul", since=10)
-def qlinear_matmul(
-    a: np.ndarray,
-    a_scale: np.ndarray,
-    a_zero_point: np.ndarray | None,
-    b: np.ndarray,
-    b_scale: np.ndarray,
-    b_zero_point: np.ndarray | None,
-    y_scale: np.ndarray,
-    y_zero_point: np.ndarray | None = None,
-) -> np.ndarray:
-    """Quantized MatMul: round((A - a_zp) @ (B - b_zp) * a_scale * b_scale / y_scale) + y_zp."""
-    acc = integer_matmul(a, b, a_zero_point, b_zero_point)
-    # The rescale factor is formed in the scales' own type, as the spec's formula reads.
-    factor = _row_scale(a_scale) * b_scale / y_scale
-    y = acc * factor.astype(np.float64)
-    target = y_zero_point.dtype if y_zero_point is not None else a.dtype
-    if target in _INT_TARGETS:
-        y = np.rint(y)
-    if _nonzero(y_zero_point):
-        y += y_zero_point.astype(np.float64)
-    return _saturate_cast(y, np.dtype(target), True)
+register("QLinearMatMul", since=10)(QLinearMatMul(NumpyQuantArrays()).qlinear_matmul)
