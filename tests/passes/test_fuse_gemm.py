@@ -10,8 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.kernels.reference import elementwise as ew
-from tensorkiln.kernels.reference.fused_gemm import gemm_act
-from tensorkiln.kernels.reference.math import gemm
+from tensorkiln.kernels.reference.fused_gemm import gemm, gemm_act
 from tensorkiln.passes.fuse_activation import fuse_gelu, fuse_silu
 from tensorkiln.passes.fuse_gemm import fuse_gemm_act, merge_shared_matmuls
 from tests.passes.util import assert_pass_preserves_outputs, graph_of, model, ops

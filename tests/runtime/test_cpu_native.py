@@ -271,8 +271,7 @@ def test_library_is_built_once_and_reused(tmp_path: Path, monkeypatch) -> None:
 def test_gemm_matches_the_reference(m: int, trans_b: int, monkeypatch) -> None:
     """The native GEMM of Gemm and GemmAct (a classifier head at small batch), through the
     kernels' specialization: rows fewer than a block, columns off the panels."""
-    from tensorkiln.kernels.cuda.fused_gemm import gemm_act
-    from tensorkiln.kernels.cuda.math import gemm
+    from tensorkiln.kernels.cuda.fused_gemm import gemm, gemm_act
     from tensorkiln.kernels.reference.fused_gemm import gemm_act as reference_gemm_act
 
     monkeypatch.setenv("TENSORKILN_CPU_NATIVE", "always")

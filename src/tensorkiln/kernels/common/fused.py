@@ -115,25 +115,27 @@ class FusedAttention:
 
 
 def check_gemm_operands(
-    a_shape: Sequence[int], b_shape: Sequence[int], trans_a: int, trans_b: int
+    a_shape: Sequence[int], b_shape: Sequence[int], trans_a: int, trans_b: int, op: str = "GemmAct"
 ) -> None:
-    """Raise ValueError unless a tensorkiln.GemmAct node's A (Gemm's 2-D A, or MatMul's A of
-    higher rank, then not transposed) and 2-D B fit."""
-    a, b = tuple(a_shape), tuple(b_shape)
+    """Raise ValueError unless a tensorkiln.GemmAct (or Gemm, ``op``) node's A (Gemm's 2-D A, or
+    MatMul's A of higher rank, then not transposed) and 2-D B fit."""
+    # (no tuple() of the shapes before an error: this runs on every Gemm call)
+    a, b = a_shape, b_shape
     if len(b) != 2:
-        raise ValueError(f"GemmAct: B must be 2-D, got shape {b}")
+        raise ValueError(f"{op}: B must be 2-D, got shape {tuple(b)}")
     if len(a) > 2 and trans_a:
-        raise ValueError(f"GemmAct: transA is only allowed for 2-D A, got shape {a}")
-    if len(a) < 2:
-        raise ValueError(f"GemmAct: A must have rank >= 2, got shape {a}")
+        raise ValueError(f"{op}: transA is only allowed for 2-D A, got shape {tuple(a)}")
+    if len(a) < 2 or (len(a) > 2 and op == "Gemm"):  # (MatMul's form is GemmAct's only)
+        want = "be 2-D" if op == "Gemm" else "have rank >= 2"
+        raise ValueError(f"{op}: A must {want}, got shape {tuple(a)}")
     if (a[0] if trans_a else a[-1]) != (b[1] if trans_b else b[0]):
-        raise ValueError(f"GemmAct: inner dimensions differ: A {a}, B {b}")
+        raise ValueError(f"{op}: inner dimensions differ: A {tuple(a)}, B {tuple(b)}")
 
 
-def check_gemm_bias(c_shape: Sequence[int], n: int, rank: int) -> None:
+def check_gemm_bias(c_shape: Sequence[int], n: int, rank: int, op: str = "GemmAct") -> None:
     """Raise ValueError unless GemmAct's C broadcasts along the last axis (N values or one) where
     A has rank > 2 (MatMul's form; Gemm's 2-D form broadcasts C as Gemm does)."""
     c = tuple(c_shape)
     size = math.prod(c)
     if rank > 2 and (size not in (1, n) or (c and c[-1] != size)):
-        raise ValueError(f"GemmAct: C of shape {c} must broadcast along the last axis")
+        raise ValueError(f"{op}: C of shape {c} must broadcast along the last axis")

@@ -1,9 +1,9 @@
-"""tensorkiln.GemmAct on the cuda backend: one cuBLAS(Lt) GEMM with its bias and activation.
+"""Gemm and tensorkiln.GemmAct on the cuda backend: one cuBLAS(Lt) GEMM with its bias and activation.
 
-``Y = act(alpha * A' @ B' + beta * C)`` as :mod:`tensorkiln.kernels.reference.fused_gemm` defines
-it: a 2-D A is Gemm's (``transA``, C broadcast to (M, N)); a higher-rank A is MatMul's, its leading
-dims folded into the rows (C along the last axis only). Transposes are strided views that cuBLAS
-reads as they are.
+The entries (signatures, checks, transposes, bias layout, integer path) are
+:mod:`tensorkiln.kernels.common.gemm`'s, shared with the reference and the Triton tactics; this
+module supplies the torch product. Transposes are strided views that cuBLAS reads as they are;
+integer products, which cuBLAS lacks, multiply and sum in int64 (cuda/math.py).
 
 The GEMM and the bias are one ``addmm``. Relu, and on CUDA the tanh GELU, go into the GEMM's
 epilogue too through ``torch._addmm_activation`` (cuBLASLt's RELU_BIAS / GELU_BIAS when the bias is
@@ -14,97 +14,87 @@ other than Relu, runs in place on the GEMM's fresh output instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tensorkiln.kernels.common.fused import check_gemm_bias, check_gemm_operands
+from tensorkiln.kernels.common import gemm as common
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
+from tensorkiln.kernels.cuda.math import int_matmul
 from tensorkiln.kernels.registry import register
-from tensorkiln.ops.fused import check_activation
 
 
-def _operands(
-    a: torch.Tensor, b: torch.Tensor, trans_a: int, trans_b: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A as a 2-D (M, K) view (leading dims folded) and B as (K, N), transposes applied."""
-    check_gemm_operands(a.shape, b.shape, trans_a, trans_b)
-    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1])
-    a2 = a2.t() if trans_a else a2
-    b2 = b.t() if trans_b else b
-    return a2, b2.to(a2.dtype)
-
-
-def _bias(c: torch.Tensor | None, beta: float, n: int, rank: int, dtype) -> torch.Tensor | None:
-    """C as addmm's input (broadcast by addmm), or None when it adds nothing."""
-    if c is None or beta == 0.0:
-        return None  # beta 0 ignores C, NaNs included, as the reference does
-    check_gemm_bias(c.shape, n, rank)
-    if rank > 2:  # MatMul form: along the last axis only
-        c = c.reshape(-1)
-    return c.to(dtype)
-
-
-def _fused_epilogue(activation: str, y_device: torch.device) -> bool | None:
-    """``use_gelu`` for torch._addmm_activation when it computes ``activation``, else None."""
+def _fused_epilogue(activation: str, a: torch.Tensor) -> bool | None:
+    """``use_gelu`` for torch._addmm_activation when it computes ``activation`` on A, else None."""
     if activation == "Relu":
-        return False
-    if activation == "GeluTanh" and y_device.type == "cuda":
-        return True
+        return False if a.shape[1] > 0 else None
+    if activation == "GeluTanh" and a.device.type == "cuda":
+        # (an empty inner dimension skips the epilogue in torch's CUDA path: not fused then)
+        return True if a.shape[1] > 0 else None
     return None
 
 
-@register("GemmAct", domain="tensorkiln", since=1, backend="cuda")
-def gemm_act(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    transA: int = 0,
-    transB: int = 0,
-    activation: str = "",
-    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-) -> torch.Tensor:
-    """act(alpha * A' @ B' + beta * C), leading dims of A kept."""
-    check_activation(activation, "GemmAct")
-    a2, b2 = _operands(a, b, transA, transB)
-    n = b2.shape[1]
-    bias = _bias(c, beta, n, a.ndim, a2.dtype)
-    # (an empty inner dimension skips the epilogue in torch's CUDA path: not fused then)
-    fusable = bias is not None and a2.shape[1] > 0
-    use_gelu = _fused_epilogue(activation, a2.device) if fusable else None
-    if use_gelu is not None:
-        y = torch._addmm_activation(bias, a2, b2, beta=beta, alpha=alpha, use_gelu=use_gelu)
-    else:
+class TorchGemmArrays:
+    """:class:`tensorkiln.kernels.common.gemm.GemmArrays` on torch tensors."""
+
+    integer_dtypes = frozenset(
+        {torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16}
+        | {torch.uint32, torch.uint64}
+    )
+
+    int_matmul = staticmethod(int_matmul)
+
+    def float64(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(torch.float64)
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def affine(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        bias: torch.Tensor | None,
+        alpha: float,
+        beta: float,
+        act: tuple,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        # (dtypes are singletons: `is` keeps this check cheap on the per-call path)
+        b = b if b.dtype is dtype else b.to(dtype)
         if bias is None:
-            y = torch.mm(a2, b2)
+            y = torch.mm(a, b)
             if alpha != 1.0:
                 y.mul_(alpha)
-        else:
-            y = torch.addmm(bias, a2, b2, beta=beta, alpha=alpha)
-        act = (activation_alpha, activation_beta, activation_min, activation_max)
-        activate_(y, activation, *act)
-    return y.reshape(*a.shape[:-1], n) if a.ndim > 2 else y
+            return activate_(y, *act) if act[0] else y
+        bias = bias if bias.dtype is dtype else bias.to(dtype)
+        use_gelu = _fused_epilogue(act[0], a) if act[0] else None
+        if use_gelu is not None:
+            return torch._addmm_activation(bias, a, b, beta=beta, alpha=alpha, use_gelu=use_gelu)
+        y = torch.addmm(bias, a, b, beta=beta, alpha=alpha)  # the bias broadcasts to (M, N)
+        return activate_(y, *act) if act[0] else y
 
 
-def _specialize_gemm_act(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor | None = None,
-    **attrs: Any,
-) -> Callable[..., torch.Tensor] | None:
-    """On the cpu backend, the native GEMM for these shapes and constants where it applies and
-    is the faster (cpu_native.gemm: a classifier head's GEMV at batch 1); None otherwise."""
-    return cpu_native.specialize_gemm(gemm_act, a, b, c, attrs)
+gemm = common.bind(common.gemm, TorchGemmArrays(), __name__)
+gemm_act = common.bind(common.gemm_act, TorchGemmArrays(), __name__)
+register("Gemm", since=1, backend="cuda")(gemm)
+register("GemmAct", domain="tensorkiln", since=1, backend="cuda")(gemm_act)
 
 
-# the executor asks for it on the cpu backend
-gemm_act.specialize = _specialize_gemm_act  # type: ignore[attr-defined]
+def _specializer(kernel: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+    def specialize(
+        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, **attrs: Any
+    ) -> Callable[..., torch.Tensor] | None:
+        """On the cpu backend, the native GEMM for these shapes and constants where it applies
+        and is the faster (cpu_native.specialize_gemm: float32 only, a classifier head's GEMV at
+        batch 1); None otherwise."""
+        return cpu_native.specialize_gemm(kernel, a, b, c, attrs)
+
+    return specialize
+
+
+# the executor asks for them on the cpu backend
+gemm.specialize = _specializer(gemm)  # type: ignore[attr-defined]
+gemm_act.specialize = _specializer(gemm_act)  # type: ignore[attr-defined]

@@ -10,12 +10,10 @@ floats in float32. Axis and k inputs are read to the host: they pick the output'
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.tensor import from_order_key, host_scalar, order_key
 from tensorkiln.kernels.registry import register
 
@@ -36,7 +34,7 @@ def _axis_of(axis: Any, ndim: int) -> int:
 # ---------------------------------------------------------------- matrix products
 
 
-def _integer_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def int_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """numpy.matmul of integer tensors, in int64 (cuBLAS has no integer GEMM); int64 wraps
     modulo 2**64, so casting back gives numpy's wrapped result in the narrower type."""
     dtype = a.dtype
@@ -59,49 +57,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """numpy.matmul semantics (1-D operands promoted and squeezed, batch dims broadcast)."""
     if a.dtype.is_floating_point:
         return torch.matmul(a, b)
-    return _integer_matmul(a, b)
+    return int_matmul(a, b)
 
 
-@register("Gemm", since=1, backend="cuda")
-def gemm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    transA: int = 0,
-    transB: int = 0,
-    broadcast: int = 0,  # opset < 7; C always broadcasts unidirectionally here
-) -> torch.Tensor:
-    """Y = alpha * A' @ B' + beta * C, with A', B' optionally transposed (views, no copies)."""
-    a = a.t() if transA else a
-    b = b.t() if transB else b
-    use_c = c is not None and beta != 0.0
-    if not a.dtype.is_floating_point:
-        y = _integer_matmul(a, b)
-        if alpha != 1.0 or (use_c and beta != 1.0):
-            wide = alpha * y.to(torch.float64)
-            if use_c:
-                wide = wide + beta * c.to(torch.float64)
-            return wide.to(a.dtype)
-        return y + c if use_c else y
-    if use_c:
-        return torch.addmm(c, a, b, beta=beta, alpha=alpha)  # c broadcasts to (M, N)
-    y = torch.mm(a, b)
-    return y * alpha if alpha != 1.0 else y
-
-
-def _specialize_gemm(
-    a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, **attrs: Any
-) -> Callable[..., torch.Tensor] | None:
-    """On the cpu backend, the native GEMM for these shapes and constants where it applies and
-    is the faster (cpu_native.specialize_gemm; float32 only); None otherwise."""
-    return cpu_native.specialize_gemm(gemm, a, b, c, attrs)
-
-
-# the executor asks for it on the cpu backend
-gemm.specialize = _specialize_gemm  # type: ignore[attr-defined]
+# Gemm: cuda/fused_gemm.py, beside GemmAct (kernels/common/gemm.py writes both once).
 
 
 def _row_zero_point(zp: torch.Tensor) -> torch.Tensor:

@@ -14,8 +14,11 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
+from tensorkiln.kernels.common import gemm as common_gemm
 from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.cuda.fused_gemm import TorchGemmArrays
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
@@ -154,40 +157,25 @@ def _matmul_supported(cfg: gemm.TileConfig, spec: LayerSpec) -> bool:
     return _small(*operands) and _tile_ok(cfg, m, n, dt)
 
 
-def _gemm_act_fn(cfg: gemm.TileConfig) -> Callable:
-    def gemm_act(
-        a,
-        b,
-        c=None,
-        *,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        transA: int = 0,
-        transB: int = 0,
-        activation: str = "",
-        activation_alpha: float | None = None,
-        activation_beta: float | None = None,
-        activation_min: float | None = None,
-        activation_max: float | None = None,
-    ):
-        act = gemm.Epilogue.of(
-            activation, activation_alpha, activation_beta, activation_min, activation_max
-        )
-        return gemm.gemm_act(
-            a, b, c, alpha=alpha, beta=beta, trans_a=transA, trans_b=transB, epilogue=act,
-            config=cfg,
-        )  # fmt: skip
+class _TritonGemmArrays(TorchGemmArrays):
+    """The torch arrays of Gemm and GemmAct with the float product on the Triton GEMM of one
+    tile configuration (integers, which no tactic takes, stay torch's)."""
 
-    return gemm_act
+    def __init__(self, cfg: gemm.TileConfig) -> None:
+        self.cfg = cfg
+
+    def affine(
+        self, a: Any, b: Any, bias: Any, alpha: float, beta: float, act: tuple, dtype: Any
+    ) -> Any:
+        return gemm.gemm_2d(a, b, bias, alpha, beta, gemm.Epilogue.of(*act), self.cfg)
+
+
+def _gemm_act_fn(cfg: gemm.TileConfig) -> Callable:
+    return common_gemm.bind(common_gemm.gemm_act, _TritonGemmArrays(cfg), __name__)
 
 
 def _gemm_fn(cfg: gemm.TileConfig) -> Callable:
-    def gemm_(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, broadcast=0):
-        return gemm.gemm_act(
-            a, b, c, alpha=alpha, beta=beta, trans_a=transA, trans_b=transB, config=cfg
-        )
-
-    return gemm_
+    return common_gemm.bind(common_gemm.gemm, _TritonGemmArrays(cfg), __name__)
 
 
 def _matmul_fn(cfg: gemm.TileConfig) -> Callable:

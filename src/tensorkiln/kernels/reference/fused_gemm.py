@@ -1,78 +1,67 @@
-"""tensorkiln.GemmAct: Gemm or MatMul with a 2-D weight, + bias + activation, in one kernel.
+"""Gemm and tensorkiln.GemmAct: a GEMM with its scale, bias and activation, in one kernel.
 
-``Y = act(alpha * A' @ B' + beta * C)``. A of rank 2 is Gemm's A (``transA`` allowed, C broadcast
-to (M, N) as Gemm does); A of higher rank is MatMul's, its leading dims folded into the rows
-(``transA`` must be 0, C broadcast along the last axis only). The GEMM writes a fresh array and the
-epilogue (scale, bias, activation) runs in place on blocks of rows while they are in cache.
+``Y = act(alpha * A' @ B' + beta * C)``. The entries (signatures, checks, transposes, bias layout,
+integer path) are :mod:`tensorkiln.kernels.common.gemm`'s, shared with the cuda tree; this module
+supplies the numpy product: narrow floats multiply in float32 (numpy has no BLAS for them), the
+GEMM writes a fresh array and the epilogue (bias, activation) runs in place on blocks of rows
+while they are in cache.
 """
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
-from tensorkiln.kernels.common.fused import check_gemm_bias, check_gemm_operands
-from tensorkiln.kernels.reference._window import compute_dtype
+from tensorkiln.kernels.common import gemm as common
 from tensorkiln.kernels.reference.fused_conv import activate
+from tensorkiln.kernels.reference.math import compute_dtype
 from tensorkiln.kernels.registry import register
-from tensorkiln.ops.fused import check_activation
 
 _BLOCK = 1 << 16  # elements per epilogue block (256 KiB of float32)
 
 
-def _operands(a: np.ndarray, b: np.ndarray, trans_a: int, trans_b: int) -> tuple:
-    check_gemm_operands(a.shape, b.shape, trans_a, trans_b)
-    ct = compute_dtype(a.dtype)
-    # rows given explicitly: reshape(-1, 0) cannot infer them when K=0
-    a2 = a.reshape(math.prod(a.shape[:-1]), a.shape[-1]).astype(ct, copy=False)
-    a2 = a2.T if trans_a else a2
-    b2 = b.astype(ct, copy=False)
-    b2 = b2.T if trans_b else b2
-    return a2, b2
+class NumpyGemmArrays:
+    """:class:`tensorkiln.kernels.common.gemm.GemmArrays` on numpy arrays."""
+
+    integer_dtypes = frozenset(
+        np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64)
+    ) | frozenset(np.dtype(t) for t in (np.uint8, np.uint16, np.uint32, np.uint64))
+
+    def int_matmul(self, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        return np.matmul(a, b)  # wraps in the operands' type
+
+    def float64(self, x: np.ndarray) -> np.ndarray:
+        return x.astype(np.float64)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype)
+
+    def affine(
+        self,
+        a: np.ndarray,
+        b: np.ndarray,
+        bias: np.ndarray | None,
+        alpha: float,
+        beta: float,
+        act: tuple,
+        dtype: np.dtype,
+    ) -> np.ndarray:
+        ct = compute_dtype(dtype)
+        y = np.matmul(a.astype(ct, copy=False), b.astype(ct, copy=False))
+        if alpha != 1.0:
+            y *= ct.type(alpha)
+        if bias is not None:
+            bias = bias.astype(ct, copy=False)
+            bias = np.broadcast_to(bias if beta == 1.0 else bias * ct.type(beta), y.shape)
+        step = max(1, _BLOCK // max(y.shape[1], 1))
+        for r0 in range(0, y.shape[0], step):
+            blk = y[r0 : r0 + step]
+            if bias is not None:
+                blk += bias[r0 : r0 + step]
+            activate(blk, *act)
+        return y.astype(dtype, copy=False)
 
 
-def _bias(c: np.ndarray | None, beta: float, y: np.ndarray, rank: int) -> np.ndarray | None:
-    if c is None or beta == 0.0:
-        return None
-    c = c.astype(y.dtype, copy=False)
-    if beta != 1.0:
-        c = c * y.dtype.type(beta)
-    check_gemm_bias(c.shape, y.shape[1], rank)
-    if rank > 2:  # MatMul form: along the last axis only
-        c = c.reshape(-1)
-    return np.broadcast_to(c, y.shape)
-
-
-@register("GemmAct", domain="tensorkiln", since=1)
-def gemm_act(
-    a: np.ndarray,
-    b: np.ndarray,
-    c: np.ndarray | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    transA: int = 0,
-    transB: int = 0,
-    activation: str = "",
-    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-) -> np.ndarray:
-    """act(alpha * A' @ B' + beta * C), leading dims of A kept."""
-    check_activation(activation, "GemmAct")
-    a2, b2 = _operands(a, b, transA, transB)
-    y = np.matmul(a2, b2)
-    if alpha != 1.0:
-        y *= y.dtype.type(alpha)
-    cb = _bias(c, beta, y, a.ndim)
-    act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
-    step = max(1, _BLOCK // max(y.shape[1], 1))
-    for r0 in range(0, y.shape[0], step):
-        blk = y[r0 : r0 + step]
-        if cb is not None:
-            blk += cb[r0 : r0 + step]
-        activate(blk, *act)
-    shape = (*a.shape[:-1], b2.shape[1]) if a.ndim > 2 else y.shape
-    return y.reshape(shape).astype(a.dtype, copy=False)
+gemm = common.bind(common.gemm, NumpyGemmArrays(), __name__)
+gemm_act = common.bind(common.gemm_act, NumpyGemmArrays(), __name__)
+register("Gemm", since=1)(gemm)
+register("GemmAct", domain="tensorkiln", since=1)(gemm_act)

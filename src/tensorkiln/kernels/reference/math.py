@@ -42,34 +42,7 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.matmul(a, b)
 
 
-@register("Gemm", since=1)
-def gemm(
-    a: np.ndarray,
-    b: np.ndarray,
-    c: np.ndarray | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    transA: int = 0,
-    transB: int = 0,
-    broadcast: int = 0,  # opset < 7; C always broadcasts unidirectionally here
-) -> np.ndarray:
-    """Y = alpha * A' @ B' + beta * C, with A', B' optionally transposed (views, no copies)."""
-    dtype = a.dtype
-    a = widen(a).T if transA else widen(a)
-    b = widen(b).T if transB else widen(b)
-    y = np.matmul(a, b)
-    if y.dtype.kind in "iu" and (alpha != 1.0 or (c is not None and beta != 1.0)):
-        y = alpha * y.astype(np.float64)
-        if c is not None and beta != 0.0:
-            y += beta * c.astype(np.float64)
-        return y.astype(dtype)
-    if alpha != 1.0:
-        y *= y.dtype.type(alpha)
-    if c is not None and beta != 0.0:
-        c = widen(c)
-        y += c if beta == 1.0 else c * c.dtype.type(beta)
-    return y.astype(dtype, copy=False)
+# Gemm: reference/fused_gemm.py, beside GemmAct (kernels/common/gemm.py writes both once).
 
 
 def _row_zero_point(zp: np.ndarray) -> np.ndarray:

@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorkiln.kernels.common.gemm import gemm_layout
 from tensorkiln.kernels.triton import fp32_dot_precision, interpreting
 
 # --------------------------------------------------------------------------------- activations
@@ -295,6 +296,27 @@ def launch(
 # ----------------------------------------------------------------------------- op entry points
 
 
+def gemm_2d(
+    a2: torch.Tensor,
+    b2: torch.Tensor,
+    bias: torch.Tensor | None,
+    alpha: float,
+    beta: float,
+    epilogue: Epilogue = NO_ACTIVATION,
+    config: TileConfig = CONFIGS[1],
+) -> torch.Tensor:
+    """act(alpha * A @ B + beta * bias) of 2-D A (M, K) and B (K, N), any strides; ``bias`` None
+    or broadcasting to (M, N)."""
+    m, n = a2.shape[0], b2.shape[1]
+    y = torch.empty((m, n), dtype=a2.dtype, device=a2.device)
+    cb = None if bias is None else bias.expand(m, n)
+    launch(
+        a2.unsqueeze(0), b2.unsqueeze(0), y.unsqueeze(0), cb, None,
+        alpha=alpha, beta=beta, epilogue=epilogue, residual_after=False, config=config,
+    )  # fmt: skip
+    return y
+
+
 def gemm_act(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -307,26 +329,12 @@ def gemm_act(
     epilogue: Epilogue = NO_ACTIVATION,
     config: TileConfig = CONFIGS[1],
 ) -> torch.Tensor:
-    """tensorkiln.GemmAct (and Gemm): act(alpha * A' @ B' + beta * C), leading dims of A kept."""
-    if b.dim() != 2 or a.dim() < 2 or (a.dim() > 2 and trans_a):
-        raise ValueError(f"GemmAct: A {tuple(a.shape)} / B {tuple(b.shape)} (transA={trans_a})")
-    a2 = a.reshape(-1, a.shape[-1])  # a view whenever the leading dims allow one
-    a2 = a2.t() if trans_a else a2
-    b2 = b.t() if trans_b else b
-    m, n = a2.shape[0], b2.shape[1]
-    if a2.shape[1] != b2.shape[0]:
-        raise ValueError(
-            f"GemmAct: inner dimensions differ: A {tuple(a.shape)}, B {tuple(b.shape)}"
-        )
-    y = torch.empty((m, n), dtype=a.dtype, device=a.device)
-    cb = None
-    if c is not None and beta != 0.0:
-        cb = (c.reshape(-1) if a.dim() > 2 else c).expand(m, n)
-    launch(
-        a2.unsqueeze(0), b2.unsqueeze(0), y.unsqueeze(0), cb, None,
-        alpha=alpha, beta=beta, epilogue=epilogue, residual_after=False, config=config,
-    )  # fmt: skip
-    return y.reshape(*a.shape[:-1], n) if a.dim() > 2 else y
+    """act(alpha * A' @ B' + beta * C), leading dims of A kept: the layout and checks of
+    :func:`tensorkiln.kernels.common.gemm.gemm_layout` (the op entries the tactics register are
+    kernels/common/gemm.py's over this kernel)."""
+    a2, b2, bias = gemm_layout(a, b, c, beta, trans_a, trans_b)
+    y = gemm_2d(a2, b2, bias, alpha, beta, epilogue, config)
+    return y.reshape(*a.shape[:-1], y.shape[1]) if a.dim() > 2 else y
 
 
 def batch_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
