@@ -124,7 +124,7 @@ def test_tf32_precision_setting():
         assert gemm.dot_precision(torch.float32) == "tf32"
         assert gemm.dot_precision(torch.float16) == "tf32"
         a, b = torch.randn(20, 40, device=DEVICE), torch.randn(40, 24, device=DEVICE)
-        got = gemm.gemm_act(a, b, config=gemm.CONFIGS[5])
+        got = gemm.matmul(a, b, config=gemm.CONFIGS[5])
         torch.testing.assert_close(got, a @ b, rtol=1e-2, atol=1e-2)
     finally:
         tk_triton.set_fp32_dot_precision("ieee")

@@ -32,7 +32,7 @@ class GemmArrays(Protocol):
     def int_matmul(self, a: Any, b: Any) -> Any:
         """A @ B of 2-D integer operands in their own type, wrapping like numpy."""
 
-    def float64(self, x: Any) -> Any: ...
+    float64: Any  # the float64 dtype, for the integer path's scaling
 
     def astype(self, x: Any, dtype: Any) -> Any: ...
 
@@ -71,9 +71,9 @@ def _integer(xp: GemmArrays, a2: Any, b2: Any, bias: Any, alpha: float, beta: fl
     y = xp.int_matmul(a2, b2)
     if alpha == 1.0 and (bias is None or beta == 1.0):
         return y if bias is None else y + bias
-    wide = xp.float64(y) * alpha
+    wide = xp.astype(y, xp.float64) * alpha
     if bias is not None:
-        wide = wide + xp.float64(bias) * beta
+        wide = wide + xp.astype(bias, xp.float64) * beta
     return xp.astype(wide, y.dtype)
 
 

@@ -46,8 +46,7 @@ class TorchGemmArrays:
 
     int_matmul = staticmethod(int_matmul)
 
-    def float64(self, x: torch.Tensor) -> torch.Tensor:
-        return x.to(torch.float64)
+    float64 = torch.float64
 
     def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)

@@ -317,26 +317,6 @@ def gemm_2d(
     return y
 
 
-def gemm_act(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    c: torch.Tensor | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    trans_a: int = 0,
-    trans_b: int = 0,
-    epilogue: Epilogue = NO_ACTIVATION,
-    config: TileConfig = CONFIGS[1],
-) -> torch.Tensor:
-    """act(alpha * A' @ B' + beta * C), leading dims of A kept: the layout and checks of
-    :func:`tensorkiln.kernels.common.gemm.gemm_layout` (the op entries the tactics register are
-    kernels/common/gemm.py's over this kernel)."""
-    a2, b2, bias = gemm_layout(a, b, c, beta, trans_a, trans_b)
-    y = gemm_2d(a2, b2, bias, alpha, beta, epilogue, config)
-    return y.reshape(*a.shape[:-1], y.shape[1]) if a.dim() > 2 else y
-
-
 def batch_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...] | None:
     """The broadcast batch dims of MatMul operands of rank >= 2, None when they do not broadcast."""
     try:
@@ -352,7 +332,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, config: TileConfig = CONFIGS[1])
             f"MatMul: operands of rank >= 2 only, got {tuple(a.shape)}, {tuple(b.shape)}"
         )
     if all(d == 1 for d in b.shape[:-2]) and b.dim() <= a.dim():
-        return gemm_act(a, b.reshape(b.shape[-2:]), config=config)  # A's batch folds into rows
+        # A's batch folds into rows (kernels/common/gemm.py's layout of GemmAct's MatMul form)
+        a2, b2, _ = gemm_layout(a, b.reshape(b.shape[-2:]), None, 0.0, 0, 0, "MatMul")
+        y = gemm_2d(a2, b2, None, 1.0, 0.0, config=config)
+        return y.reshape(*a.shape[:-1], y.shape[1])
     batch = batch_shape(a.shape, b.shape)
     if batch is None:
         raise ValueError(f"MatMul: batch dims of {tuple(a.shape)} and {tuple(b.shape)} differ")
