@@ -194,3 +194,44 @@ class Dropout:
             return self._dropout(x, 0.5 if ratio is None else float(ratio), False, None, _n_outputs)
         training = training_mode is not None and self.xp.flag(training_mode)
         return self._dropout(x, self.xp.ratio(ratio, training), training, seed, _n_outputs)
+
+
+class FusedNormArrays(Protocol):
+    """The normalization math of tensorkiln.LayerNorm and RMSNorm on one backend (torch's
+    F.layer_norm with its affine step fused where it fits, numpy arithmetic in the reference)."""
+
+    def layer_norm(self, s: Any, axis: int, scale: Any, bias: Any, epsilon: float) -> Any:
+        """``s`` normalized over the axes from ``axis`` on, then scaled and shifted (scale and
+        bias broadcast against ``s``), in ``s``'s dtype (statistics in float32 or float64)."""
+
+    def rms_norm(self, x: Any, axis: int, scale: Any, epsilon: float) -> Any:
+        """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
+
+
+class FusedNorm:
+    """tensorkiln.LayerNorm and RMSNorm over one backend's :class:`FusedNormArrays`: the
+    residual sum, the axis check and the outputs, written once."""
+
+    def __init__(self, xp: FusedNormArrays) -> None:
+        self.xp = xp
+
+    def layer_norm(
+        self,
+        x: Any,
+        scale: Any,
+        bias: Any = None,
+        residual: Any = None,
+        *,
+        axis: int = -1,
+        epsilon: float = 1e-5,
+        _n_outputs: int = 1,
+    ) -> Any:
+        """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output
+        the sum."""
+        s = x if residual is None else x + residual
+        y = self.xp.layer_norm(s, norm_axis(axis, s.ndim, "LayerNorm"), scale, bias, epsilon)
+        return y if _n_outputs == 1 else (y, s)
+
+    def rms_norm(self, x: Any, scale: Any, *, axis: int = -1, epsilon: float = 1e-5) -> Any:
+        """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
+        return self.xp.rms_norm(x, norm_axis(axis, x.ndim, "RMSNorm"), scale, epsilon)

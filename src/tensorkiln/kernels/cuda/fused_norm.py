@@ -9,7 +9,9 @@ As in :mod:`tensorkiln.kernels.reference.fused_norm`, float16/bfloat16 inputs co
 statistics and the affine step in float32 and return the input's dtype (float64 stays float64).
 F.layer_norm does so inside one kernel when scale and bias span exactly the normalized axes; a
 scale or bias that broadcasts differently (a 1 inside the normalized axes, or values that vary
-along the leading ones) is applied after the normalization, in the compute dtype.
+along the leading ones) is applied after the normalization, in the compute dtype. The LayerNorm
+and RMSNorm entries (residual sum, axis check, outputs) are kernels/common/norm.py's FusedNorm,
+shared with the reference.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.norm import norm_axis
+from tensorkiln.kernels.common.norm import FusedNorm
 from tensorkiln.kernels.registry import register
 
 DOMAIN = "tensorkiln"
@@ -63,44 +65,41 @@ def _layer_norm_broadcast(s, axis, scale, bias, epsilon) -> torch.Tensor:
     return y.to(s.dtype)
 
 
-@register("LayerNorm", domain=DOMAIN, since=1, backend="cuda")
-def layer_norm(
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    residual: torch.Tensor | None = None,
-    *,
-    axis: int = -1,
-    epsilon: float = 1e-5,
-    _n_outputs: int = 1,
-):
-    """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
-    s = x if residual is None else x + residual
-    axis = norm_axis(axis, s.ndim, "LayerNorm")
-    if s.numel() == 0:
-        y = torch.empty_like(s)
-    else:
+class TorchFusedNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.FusedNormArrays` on torch tensors."""
+
+    def layer_norm(
+        self,
+        s: torch.Tensor,
+        axis: int,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None,
+        epsilon: float,
+    ) -> torch.Tensor:
+        if s.numel() == 0:
+            return torch.empty_like(s)
         y = _layer_norm_fused(s, axis, scale, bias, epsilon)
-        if y is None:
-            y = _layer_norm_broadcast(s, axis, scale, bias, epsilon)
-    return y if _n_outputs == 1 else (y, s)
+        return _layer_norm_broadcast(s, axis, scale, bias, epsilon) if y is None else y
+
+    def rms_norm(
+        self, x: torch.Tensor, axis: int, scale: torch.Tensor, epsilon: float
+    ) -> torch.Tensor:
+        if x.numel() == 0:
+            return torch.empty_like(x)
+        ct = _compute_dtype(x.dtype)
+        dims = tuple(range(axis, x.ndim))
+        count = max(math.prod(x.shape[axis:]), 1)
+        # the sum of squares reduced in the compute dtype straight from x (no widened copy of x)
+        ss = torch.linalg.vector_norm(x, 2, dim=dims, keepdim=True, dtype=ct)
+        inv = ss.square_().div_(count).add_(epsilon).rsqrt_()
+        y = x.to(ct) * inv
+        y.mul_(scale.to(ct))
+        return y.to(x.dtype)
 
 
-@register("RMSNorm", domain=DOMAIN, since=1, backend="cuda")
-def rms_norm(x: torch.Tensor, scale: torch.Tensor, *, axis: int = -1, epsilon: float = 1e-5):
-    """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
-    axis = norm_axis(axis, x.ndim, "RMSNorm")
-    if x.numel() == 0:
-        return torch.empty_like(x)
-    ct = _compute_dtype(x.dtype)
-    dims = tuple(range(axis, x.ndim))
-    count = max(math.prod(x.shape[axis:]), 1)
-    # the sum of squares reduced in the compute dtype straight from x (no widened copy of x)
-    ss = torch.linalg.vector_norm(x, 2, dim=dims, keepdim=True, dtype=ct)
-    inv = ss.square_().div_(count).add_(epsilon).rsqrt_()
-    y = x.to(ct) * inv
-    y.mul_(scale.to(ct))
-    return y.to(x.dtype)
+_NORMS = FusedNorm(TorchFusedNormArrays())
+layer_norm = register("LayerNorm", domain=DOMAIN, since=1, backend="cuda")(_NORMS.layer_norm)
+rms_norm = register("RMSNorm", domain=DOMAIN, since=1, backend="cuda")(_NORMS.rms_norm)
 
 
 @register("Gelu", domain=DOMAIN, since=1, backend="cuda")

@@ -11,13 +11,14 @@ The ops of the ``tensorkiln`` domain that :mod:`tensorkiln.passes.fuse_norm` mak
 
 Normalizations compute in float32 (float64 stays float64) on a 2-D ``[rows, normalized]`` view, and
 write the result back in the input's dtype. Scale and bias broadcast against the normalized axes.
+The LayerNorm and RMSNorm entries are kernels/common/norm.py's FusedNorm over the numpy math here.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.kernels.common.norm import norm_axis
+from tensorkiln.kernels.common.norm import FusedNorm
 from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
 from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
 from tensorkiln.kernels.registry import register
@@ -47,41 +48,33 @@ def _affine(y: np.ndarray, shape: tuple[int, ...], axis: int, w: np.ndarray | No
     return y
 
 
-@register("LayerNorm", domain=DOMAIN, since=1)
-def layer_norm(
-    x: np.ndarray,
-    scale: np.ndarray,
-    bias: np.ndarray | None = None,
-    residual: np.ndarray | None = None,
-    *,
-    axis: int = -1,
-    epsilon: float = 1e-5,
-    _n_outputs: int = 1,
-):
-    """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output the sum."""
-    s = x if residual is None else np.add(x, residual)
-    axis = norm_axis(axis, s.ndim, "LayerNorm")
-    ct = _compute_dtype(s.dtype)
-    y = _rows(s, axis, ct)
-    y -= y.mean(axis=1, keepdims=True)
-    var = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
-    y *= (1.0 / np.sqrt(var + ct.type(epsilon))).astype(ct, copy=False)[:, None]
-    _affine(y, s.shape, axis, scale, add=False)
-    _affine(y, s.shape, axis, bias, add=True)
-    out = y.reshape(s.shape).astype(s.dtype, copy=False)
-    return out if _n_outputs == 1 else (out, s)
+class NumpyFusedNormArrays:
+    """:class:`tensorkiln.kernels.common.norm.FusedNormArrays` on numpy arrays."""
+
+    def layer_norm(
+        self, s: np.ndarray, axis: int, scale: np.ndarray, bias: np.ndarray | None, epsilon: float
+    ) -> np.ndarray:
+        ct = _compute_dtype(s.dtype)
+        y = _rows(s, axis, ct)
+        y -= y.mean(axis=1, keepdims=True)
+        var = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
+        y *= (1.0 / np.sqrt(var + ct.type(epsilon))).astype(ct, copy=False)[:, None]
+        _affine(y, s.shape, axis, scale, add=False)
+        _affine(y, s.shape, axis, bias, add=True)
+        return y.reshape(s.shape).astype(s.dtype, copy=False)
+
+    def rms_norm(self, x: np.ndarray, axis: int, scale: np.ndarray, epsilon: float) -> np.ndarray:
+        ct = _compute_dtype(x.dtype)
+        y = _rows(x, axis, ct)
+        ms = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
+        y *= (1.0 / np.sqrt(ms + ct.type(epsilon))).astype(ct, copy=False)[:, None]
+        _affine(y, x.shape, axis, scale, add=False)
+        return y.reshape(x.shape).astype(x.dtype, copy=False)
 
 
-@register("RMSNorm", domain=DOMAIN, since=1)
-def rms_norm(x: np.ndarray, scale: np.ndarray, *, axis: int = -1, epsilon: float = 1e-5):
-    """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
-    axis = norm_axis(axis, x.ndim, "RMSNorm")
-    ct = _compute_dtype(x.dtype)
-    y = _rows(x, axis, ct)
-    ms = np.einsum("ij,ij->i", y, y) / max(y.shape[1], 1)
-    y *= (1.0 / np.sqrt(ms + ct.type(epsilon))).astype(ct, copy=False)[:, None]
-    _affine(y, x.shape, axis, scale, add=False)
-    return y.reshape(x.shape).astype(x.dtype, copy=False)
+_NORMS = FusedNorm(NumpyFusedNormArrays())
+layer_norm = register("LayerNorm", domain=DOMAIN, since=1)(_NORMS.layer_norm)
+rms_norm = register("RMSNorm", domain=DOMAIN, since=1)(_NORMS.rms_norm)
 
 
 @register("Gelu", domain=DOMAIN, since=1)
