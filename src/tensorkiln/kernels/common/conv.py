@@ -1,10 +1,12 @@
 """Backend-neutral checks and geometry of the convolutions (Conv, ConvTranspose, ConvInteger,
-QLinearConv, DeformConv, ConvAct): every kernel tree takes them from here."""
+QLinearConv, DeformConv, ConvAct): every kernel tree takes them from here. Conv and ConvAct are
+written here once (signature, checks, geometry) over each tree's :class:`ConvArrays`."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 # The window geometry itself (Geometry, geometry, ints) is shared with the pools.
 from tensorkiln.kernels.common.window import Geometry, geometry, ints
@@ -155,3 +157,70 @@ def check_conv_act(
     m = w_shape[0]
     if b_size is not None and b_size != m:
         raise ValueError(f"ConvAct: bias B has {b_size} values but there are {m} output channels")
+
+
+class ConvArrays(Protocol):
+    """What Conv and tensorkiln.ConvAct need from one backend: the geometry (memoized on the
+    torch path) and the convolution with its epilogue (cuDNN / oneDNN / native, numpy)."""
+
+    def geometry(
+        self, x: Any, w: Any, auto_pad, dilations, kernel_shape, pads, strides
+    ) -> Geometry:
+        """:func:`conv_geometry` of ``x`` and ``w`` under the node's attributes."""
+
+    def conv(self, x: Any, w: Any, b: Any, g: Geometry, group: int) -> Any:
+        """The convolution of checked X, W under ``g``, + the bias B (None, or M values)."""
+
+    def conv_act(
+        self, x: Any, w: Any, b: Any, z: Any, g: Geometry, group: int, act: tuple, after: bool
+    ) -> Any:
+        """act(conv(x, w) + b + z), or act(conv(x, w) + b) + z when ``after``; ``act`` is
+        (activation, activation_alpha, activation_beta, activation_min, activation_max)."""
+
+
+def conv(
+    xp: ConvArrays,
+    x: Any,
+    w: Any,
+    b: Any = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Any:
+    """Conv: N-d convolution (cross-correlation) with groups, dilations, strides and padding."""
+    check_conv_shapes(x.shape, w.shape, group)
+    g = xp.geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    return xp.conv(x, w, b, g, group)
+
+
+def conv_act(
+    xp: ConvArrays,
+    x: Any,
+    w: Any,
+    b: Any = None,
+    z: Any = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+    activation: str = "",
+    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
+    activation_beta: float | None = None,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+) -> Any:
+    """tensorkiln.ConvAct: act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with
+    ``residual_order="act_add"``)."""
+    b_size = None if b is None else math.prod(b.shape)
+    check_conv_act(x.shape, w.shape, b_size, group, activation, residual_order)
+    g = xp.geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
+    act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
+    return xp.conv_act(x, w, b, z, g, group, act, residual_order == "act_add")

@@ -6,16 +6,14 @@ the rows (``transA`` must be 0, C broadcast along the last axis only). The check
 transposes (views), the bias layout and the integer path live here; a backend supplies only the
 product itself (numpy matmul in a widened type, torch addmm / _addmm_activation, a Triton launch).
 
-A tree registers the entries bound to its arrays (:func:`bind`): a partial keeps the entry's
+A tree registers the entries bound to its arrays (:func:`tensorkiln.kernels.common.bind`): a partial keeps the entry's
 signature (the registry reads the keywords from it) and takes the cpu backend's ``specialize``
 hook as an attribute.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from tensorkiln.kernels.common.fused import check_gemm_bias, check_gemm_operands
@@ -126,13 +124,3 @@ def gemm_act(
     check_activation(activation, "GemmAct")
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     return _gemm(xp, a, b, c, alpha, beta, transA, transB, act, "GemmAct")
-
-
-def bind(entry: Callable[..., Any], xp: GemmArrays, module: str) -> functools.partial:
-    """``entry`` (:func:`gemm` or :func:`gemm_act`) over ``xp``, named as a kernel of ``module``
-    (engines record a layer's kernel by module and name)."""
-    kernel = functools.partial(entry, xp)
-    kernel.__name__ = kernel.__qualname__ = entry.__name__  # type: ignore[attr-defined]
-    kernel.__module__ = module
-    kernel.__doc__ = entry.__doc__
-    return kernel

@@ -8,7 +8,9 @@ the convolution's own; asymmetric padding (auto_pad SAME_* with an odd total, or
 the input first. One to three spatial axes map onto F.conv1d/2d/3d; more are reduced tap by tap along
 the first spatial axis to convolutions of one axis fewer.
 
-The in-place activations here are shared with :mod:`tensorkiln.kernels.cuda.fused_gemm`. The
+The entries of ConvAct and Conv (signature, checks, geometry) are kernels/common/conv.py's, shared
+with the reference and the Triton tactics; TorchConvArrays here is ConvAct's torch path. The
+in-place activations here are shared with :mod:`tensorkiln.kernels.cuda.fused_gemm`. The
 convolution follows the device's precision settings: on CUDA, float32 convolutions use TF32 when
 ``torch.backends.cudnn.allow_tf32`` is set (torch's default).
 """
@@ -23,7 +25,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
+from tensorkiln.kernels.common import bind
+from tensorkiln.kernels.common import conv as common
+from tensorkiln.kernels.common.conv import conv_geometry
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cpu.conv import (
@@ -159,59 +163,55 @@ def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
-@register("ConvAct", domain="tensorkiln", since=1, backend="cuda")
-def conv_act(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-    activation: str = "",
-    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    residual_order: str = "add_act",
-) -> torch.Tensor:
-    """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    check_conv_act(
-        x.shape, w.shape, None if b is None else b.numel(), group, activation, residual_order
-    )
-    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
-    m = w.shape[0]
-    bias = None if b is None else _as(b.reshape(m), x.dtype)
-    act = (activation_alpha, activation_beta, activation_min, activation_max)
-    # on the CPU, oneDNN with the weight prepacked and the activation fused where it can, and
-    # the residual too where the activation comes after it (or there is none)
-    if z is not None and (residual_order == "add_act" or activation == ""):
-        with_z = residual_conv(x, w, g, group, z, activation)
-        if with_z is not None:
-            return with_z(x, bias, z)
-    post = None if z is not None else fused_activation(activation, act[0], act[2], act[3])
-    y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
-    if y is not None and post is not None:
+class TorchConvArrays:
+    """:class:`tensorkiln.kernels.common.conv.ConvArrays` of ConvAct on torch tensors (Conv's
+    convolution is cuda/nn.py's)."""
+
+    geometry = staticmethod(geometry_of)
+
+    def conv_act(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        z: torch.Tensor | None,
+        g: Geometry,
+        group: int,
+        act: tuple,
+        after: bool,
+    ) -> torch.Tensor:
+        activation, act = act[0], act[1:]
+        m = w.shape[0]
+        bias = None if b is None else _as(b.reshape(m), x.dtype)
+        # on the CPU, oneDNN with the weight prepacked and the activation fused where it can, and
+        # the residual too where the activation comes after it (or there is none)
+        if z is not None and (not after or activation == ""):
+            with_z = residual_conv(x, w, g, group, z, activation)
+            if with_z is not None:
+                return with_z(x, bias, z)
+        post = None if z is not None else fused_activation(activation, act[0], act[2], act[3])
+        y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
+        if y is not None and post is not None:
+            return y
+        if y is None:
+            y = pointwise_gemm(x, w, bias, g, group)
+        if y is None:
+            y = conv(x, _as(w, x.dtype), bias, g, group)
+        if z is not None and tuple(z.shape) != tuple(y.shape):
+            raise ValueError(
+                f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's "
+                f"{tuple(y.shape)}"
+            )
+        if z is not None and not after:
+            y.add_(z)
+        activate_(y, activation, *act)
+        if z is not None and after:
+            y.add_(z)
         return y
-    if y is None:
-        y = pointwise_gemm(x, w, bias, g, group)
-    if y is None:
-        y = conv(x, _as(w, x.dtype), bias, g, group)
-    if z is not None and tuple(z.shape) != tuple(y.shape):
-        raise ValueError(
-            f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's {tuple(y.shape)}"
-        )
-    after = residual_order == "act_add"
-    if z is not None and not after:
-        y.add_(z)
-    activate_(y, activation, *act)
-    if z is not None and after:
-        y.add_(z)
-    return y
+
+
+conv_act = bind(common.conv_act, TorchConvArrays(), __name__)
+register("ConvAct", domain="tensorkiln", since=1, backend="cuda")(conv_act)
 
 
 def _specialize_conv_act(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import gemm as common
 from tensorkiln.kernels.cpu import native as cpu_native
 from tensorkiln.kernels.cuda.fused_conv import activate_
@@ -76,8 +77,8 @@ class TorchGemmArrays:
         return activate_(y, *act) if act[0] else y
 
 
-gemm = common.bind(common.gemm, TorchGemmArrays(), __name__)
-gemm_act = common.bind(common.gemm_act, TorchGemmArrays(), __name__)
+gemm = bind(common.gemm, TorchGemmArrays(), __name__)
+gemm_act = bind(common.gemm_act, TorchGemmArrays(), __name__)
 register("Gemm", since=1, backend="cuda")(gemm)
 register("GemmAct", domain="tensorkiln", since=1, backend="cuda")(gemm_act)
 

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common import bind
+from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
     check_causal_conv,
     check_conv_shapes,
@@ -24,7 +26,7 @@ from tensorkiln.kernels.common.conv import (
 from tensorkiln.kernels.common.deform import DeformConv
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cpu.conv import cpu_layout
-from tensorkiln.kernels.cuda.fused_conv import geometry_of
+from tensorkiln.kernels.cuda.fused_conv import TorchConvArrays
 from tensorkiln.kernels.registry import register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -91,23 +93,17 @@ def _bias(b: torch.Tensor | None, m: int, dtype: torch.dtype, what: str) -> torc
     return b.reshape(-1).to(dtype)
 
 
-@register("Conv", since=1, backend="cuda")
-def conv(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """N-d convolution with groups, dilations, strides and padding (cuDNN for 1-3 axes)."""
-    check_conv_shapes(x.shape, w.shape, group)
-    g = geometry_of(x, w, auto_pad, dilations, kernel_shape, pads, strides)
-    return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
+class _TorchConvArrays(TorchConvArrays):
+    """ConvAct's torch arrays with Conv's convolution (any number of spatial axes)."""
+
+    def conv(
+        self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: Geometry, group: int
+    ) -> torch.Tensor:
+        return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
+
+
+conv = bind(common_conv.conv, _TorchConvArrays(), __name__)
+register("Conv", since=1, backend="cuda")(conv)
 
 
 def _transpose_raw(

@@ -12,12 +12,15 @@ Nothing registers when Triton is not installed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from tensorkiln.kernels.common import bind
+from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common import gemm as common_gemm
 from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.cuda.fused_conv import TorchConvArrays
 from tensorkiln.kernels.cuda.fused_gemm import TorchGemmArrays
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
@@ -171,11 +174,11 @@ class _TritonGemmArrays(TorchGemmArrays):
 
 
 def _gemm_act_fn(cfg: gemm.TileConfig) -> Callable:
-    return common_gemm.bind(common_gemm.gemm_act, _TritonGemmArrays(cfg), __name__)
+    return bind(common_gemm.gemm_act, _TritonGemmArrays(cfg), __name__)
 
 
 def _gemm_fn(cfg: gemm.TileConfig) -> Callable:
-    return common_gemm.bind(common_gemm.gemm, _TritonGemmArrays(cfg), __name__)
+    return bind(common_gemm.gemm, _TritonGemmArrays(cfg), __name__)
 
 
 def _matmul_fn(cfg: gemm.TileConfig) -> Callable:
@@ -229,55 +232,32 @@ def _conv_supported(cfg: gemm.TileConfig, fused: bool, spec: LayerSpec) -> bool:
     return _small(*spec.shapes[:2], out) and _tile_ok(cfg, m, out[1] // group, dt)
 
 
-def _conv_act_fn(cfg: gemm.TileConfig) -> Callable:
+class _TritonConvArrays(TorchConvArrays):
+    """The torch arrays of Conv and ConvAct with the convolution on the Triton implicit GEMM of
+    one tile configuration."""
+
+    def __init__(self, cfg: gemm.TileConfig) -> None:
+        self.cfg = cfg
+
+    def conv(self, x: Any, w: Any, b: Any, g: Any, group: int) -> Any:
+        return conv.conv_act(x, w, b, geom=g, group=group, config=self.cfg)
+
     def conv_act(
-        x,
-        w,
-        b=None,
-        z=None,
-        *,
-        auto_pad: str = "NOTSET",
-        dilations: Sequence[int] | None = None,
-        group: int = 1,
-        kernel_shape: Sequence[int] | None = None,
-        pads: Sequence[int] | None = None,
-        strides: Sequence[int] | None = None,
-        activation: str = "",
-        activation_alpha: float | None = None,
-        activation_beta: float | None = None,
-        activation_min: float | None = None,
-        activation_max: float | None = None,
-        residual_order: str = "add_act",
-    ):
-        geom = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-        act = gemm.Epilogue.of(
-            activation, activation_alpha, activation_beta, activation_min, activation_max
-        )
+        self, x: Any, w: Any, b: Any, z: Any, g: Any, group: int, act: tuple, after: bool
+    ) -> Any:
+        epilogue = gemm.Epilogue.of(*act)
         return conv.conv_act(
-            x, w, b, z, geom=geom, group=group, epilogue=act,
-            residual_after=residual_order == "act_add", config=cfg,
+            x, w, b, z, geom=g, group=group, epilogue=epilogue, residual_after=after,
+            config=self.cfg,
         )  # fmt: skip
 
-    return conv_act
+
+def _conv_act_fn(cfg: gemm.TileConfig) -> Callable:
+    return bind(common_conv.conv_act, _TritonConvArrays(cfg), __name__)
 
 
 def _conv_fn(cfg: gemm.TileConfig) -> Callable:
-    def conv_(
-        x,
-        w,
-        b=None,
-        *,
-        auto_pad: str = "NOTSET",
-        dilations: Sequence[int] | None = None,
-        group: int = 1,
-        kernel_shape: Sequence[int] | None = None,
-        pads: Sequence[int] | None = None,
-        strides: Sequence[int] | None = None,
-    ):
-        geom = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-        return conv.conv_act(x, w, b, geom=geom, group=group, config=cfg)
-
-    return conv_
+    return bind(common_conv.conv, _TritonConvArrays(cfg), __name__)
 
 
 # ------------------------------------------------------------------------------------ estimates

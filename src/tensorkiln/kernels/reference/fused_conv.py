@@ -3,7 +3,8 @@
 ``Y = act(conv(X, W) + B + Z)`` (``residual_order="add_act"``, the ResNet form, the default) or
 ``Y = act(conv(X, W) + B) + Z`` (``residual_order="act_add"``). The convolution is the reference
 im2col + GEMM; the epilogue (bias, residual, activation) then runs in place on the fresh GEMM output,
-one block of output channels at a time, so each block is still in cache while it is finished.
+one block of output channels at a time, so each block is still in cache while it is finished. The
+entry (signature, checks, geometry) is kernels/common/conv.py's, as Conv's is.
 
 The activation helpers here are shared with :mod:`fused_gemm`. They reuse the cores of the
 elementwise kernels, so a fused activation rounds exactly as the unfused op does.
@@ -12,11 +13,12 @@ elementwise kernels, so a fused activation rounds exactly as the unfused op does
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 
 import numpy as np
 
-from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
+from tensorkiln.kernels.common import bind
+from tensorkiln.kernels.common import conv as common_conv
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.reference._window import compute_dtype
 from tensorkiln.kernels.reference.elementwise import (
     _gelu,
@@ -25,7 +27,7 @@ from tensorkiln.kernels.reference.elementwise import (
     _leaky,
     _swish,
 )
-from tensorkiln.kernels.reference.nn import conv_nd
+from tensorkiln.kernels.reference.nn import NumpyConvArrays, conv_nd
 from tensorkiln.kernels.registry import register
 from tensorkiln.ops.fused import ACTIVATION_DEFAULTS
 
@@ -99,39 +101,33 @@ def _epilogue(
                 blk += z[i, c0 : c0 + step]
 
 
-@register("ConvAct", domain="tensorkiln", since=1)
-def conv_act(
-    x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None = None,
-    z: np.ndarray | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-    activation: str = "",
-    activation_alpha: float | None = None,  # None: the op's default (LeakyRelu 0.01, ...)
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    residual_order: str = "add_act",
-) -> np.ndarray:
-    """act(conv(x, w) + b + z) (or act(conv(x, w) + b) + z with ``residual_order="act_add"``)."""
-    check_conv_act(
-        x.shape, w.shape, None if b is None else b.size, group, activation, residual_order
-    )
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    ct = compute_dtype(x.dtype)
-    y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
-    m = w.shape[0]
-    if z is not None and z.shape != y.shape:
-        raise ValueError(f"ConvAct: residual Z of shape {z.shape} must have the output's {y.shape}")
-    y = np.ascontiguousarray(y).reshape(y.shape[0], m, math.prod(g.out))
-    bb = None if b is None else b.astype(ct, copy=False).reshape(m)
-    zz = None if z is None else z.astype(ct, copy=False).reshape(y.shape)
-    act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
-    _epilogue(y, bb, zz, act, residual_order == "act_add")
-    return y.reshape(x.shape[0], m, *g.out).astype(x.dtype, copy=False)
+class NumpyConvActArrays(NumpyConvArrays):
+    """Conv's numpy arrays with ConvAct's convolution and blocked epilogue."""
+
+    def conv_act(
+        self,
+        x: np.ndarray,
+        w: np.ndarray,
+        b: np.ndarray | None,
+        z: np.ndarray | None,
+        g: Geometry,
+        group: int,
+        act: tuple,
+        after: bool,
+    ) -> np.ndarray:
+        ct = compute_dtype(x.dtype)
+        y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
+        m = w.shape[0]
+        if z is not None and z.shape != y.shape:
+            raise ValueError(
+                f"ConvAct: residual Z of shape {z.shape} must have the output's {y.shape}"
+            )
+        y = np.ascontiguousarray(y).reshape(y.shape[0], m, math.prod(g.out))
+        bb = None if b is None else b.astype(ct, copy=False).reshape(m)
+        zz = None if z is None else z.astype(ct, copy=False).reshape(y.shape)
+        _epilogue(y, bb, zz, act, after)
+        return y.reshape(x.shape[0], m, *g.out).astype(x.dtype, copy=False)
+
+
+conv_act = bind(common_conv.conv_act, NumpyConvActArrays(), __name__)
+register("ConvAct", domain="tensorkiln", since=1)(conv_act)

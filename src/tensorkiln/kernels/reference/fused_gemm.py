@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import gemm as common
 from tensorkiln.kernels.reference.fused_conv import activate
 from tensorkiln.kernels.reference.math import compute_dtype
@@ -60,7 +61,7 @@ class NumpyGemmArrays:
         return y.astype(dtype, copy=False)
 
 
-gemm = common.bind(common.gemm, NumpyGemmArrays(), __name__)
-gemm_act = common.bind(common.gemm_act, NumpyGemmArrays(), __name__)
+gemm = bind(common.gemm, NumpyGemmArrays(), __name__)
+gemm_act = bind(common.gemm_act, NumpyGemmArrays(), __name__)
 register("Gemm", since=1)(gemm)
 register("GemmAct", domain="tensorkiln", since=1)(gemm_act)

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from tensorkiln.kernels.common import bind
+from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
     check_causal_conv,
     check_conv_shapes,
@@ -85,25 +87,23 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None, m: int, what: str) -> np.ndar
     return y
 
 
-@register("Conv", since=1)
-def conv(
-    x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """N-d convolution (cross-correlation) with groups, dilations, strides and padding."""
-    check_conv_shapes(x.shape, w.shape, group)
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    ct = compute_dtype(x.dtype)
-    y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
-    return _add_bias(y, b, w.shape[0], "Conv").astype(x.dtype, copy=False)
+class NumpyConvArrays:
+    """:class:`tensorkiln.kernels.common.conv.ConvArrays` of Conv on numpy arrays (ConvAct's
+    convolution and epilogue are reference/fused_conv.py's)."""
+
+    def geometry(self, x: np.ndarray, w: np.ndarray, *attrs) -> Geometry:
+        return conv_geometry(x.shape, w.shape, *attrs)
+
+    def conv(
+        self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, g: Geometry, group: int
+    ) -> np.ndarray:
+        ct = compute_dtype(x.dtype)
+        y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
+        return _add_bias(y, b, w.shape[0], "Conv").astype(x.dtype, copy=False)
+
+
+conv = bind(common_conv.conv, NumpyConvArrays(), __name__)
+register("Conv", since=1)(conv)
 
 
 def _col2im(cols: np.ndarray, g: Geometry, begin: Sequence[int], out: Sequence[int]) -> np.ndarray:
