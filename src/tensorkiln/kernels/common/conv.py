@@ -224,3 +224,125 @@ def conv_act(
     g = xp.geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     return xp.conv_act(x, w, b, z, g, group, act, residual_order == "act_add")
+
+
+class IntConvArrays(Protocol):
+    """What ConvInteger and QLinearConv need from one backend."""
+
+    float64: Any
+    float32: Any
+    int32: Any
+
+    def astype(self, x: Any, dtype: Any) -> Any: ...
+
+    def conv(self, x: Any, w: Any, g: Geometry, group: int) -> Any:
+        """The float64 convolution of X and W under ``g`` (no bias)."""
+
+    def round(self, x: Any) -> Any:
+        """Round half to even."""
+
+    def saturate(self, y: Any, dtype: Any) -> Any:
+        """``y`` clipped to the integer ``dtype``'s range and cast to it."""
+
+
+def _per_channel(v: Any, trailing: int) -> Any:
+    # per-output-channel values broadcast against W (M, ...) or a result (N, M, D1, ...)
+    return v.reshape(-1, *([1] * trailing))
+
+
+def _size(v: Any) -> int:
+    return math.prod(v.shape)
+
+
+class IntegerConv:
+    """ConvInteger and QLinearConv over one backend's :class:`IntConvArrays`: the checks, the
+    zero points, the bias and the requantization, written once. The products are exact: float64
+    holds the integer sums."""
+
+    def __init__(self, xp: IntConvArrays) -> None:
+        self.xp = xp
+
+    def _int_conv(self, x: Any, w: Any, x_zp: Any, w_zp: Any, group: int, g: Geometry, what: str):
+        """Exact integer convolution of (x - x_zp) and (w - w_zp), computed in float64."""
+        xp, m = self.xp, w.shape[0]
+        xf = xp.astype(x, xp.float64)
+        if x_zp is not None:
+            if _size(x_zp) != 1:
+                raise ValueError(
+                    f"{what}: x_zero_point must be a scalar, got shape {tuple(x_zp.shape)}"
+                )
+            xf = xf - xp.astype(x_zp.reshape(()), xp.float64)
+        wf = xp.astype(w, xp.float64)
+        if w_zp is not None:
+            if _size(w_zp) not in (1, m):
+                raise ValueError(
+                    f"{what}: w_zero_point has {_size(w_zp)} values, expected 1 or {m}"
+                )
+            wf = wf - xp.astype(_per_channel(w_zp, w.ndim - 1), xp.float64)
+        return xp.conv(xf, wf, g, group)
+
+    def conv_integer(
+        self,
+        x: Any,
+        w: Any,
+        x_zero_point: Any = None,
+        w_zero_point: Any = None,
+        *,
+        auto_pad: str = "NOTSET",
+        dilations: Sequence[int] | None = None,
+        group: int = 1,
+        kernel_shape: Sequence[int] | None = None,
+        pads: Sequence[int] | None = None,
+        strides: Sequence[int] | None = None,
+    ) -> Any:
+        """Integer convolution with zero points; exact int32 result."""
+        check_conv_shapes(x.shape, w.shape, group, "ConvInteger")
+        g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
+        y = self._int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
+        return self.xp.astype(y, self.xp.int32)
+
+    def qlinear_conv(
+        self,
+        x: Any,
+        x_scale: Any,
+        x_zero_point: Any,
+        w: Any,
+        w_scale: Any,
+        w_zero_point: Any,
+        y_scale: Any,
+        y_zero_point: Any,
+        b: Any = None,
+        *,
+        auto_pad: str = "NOTSET",
+        dilations: Sequence[int] | None = None,
+        group: int = 1,
+        kernel_shape: Sequence[int] | None = None,
+        pads: Sequence[int] | None = None,
+        strides: Sequence[int] | None = None,
+    ) -> Any:
+        """Quantized convolution: exact accumulation, float32 requantization, round half to
+        even."""
+        check_conv_shapes(x.shape, w.shape, group, "QLinearConv")
+        g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
+        m = w.shape[0]
+        acc = self._int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
+        if b is not None:
+            if _size(b) != m:
+                raise ValueError(
+                    f"QLinearConv: bias B has {_size(b)} values but there are {m} output channels"
+                )
+            acc = acc + self.xp.astype(_per_channel(b, acc.ndim - 2), self.xp.float64)
+        if _size(w_scale) not in (1, m):
+            raise ValueError(f"QLinearConv: w_scale has {_size(w_scale)} values, expected 1 or {m}")
+        return self._requantize(acc, x_scale, w_scale, y_scale, y_zero_point)
+
+    def _requantize(self, acc: Any, x_scale: Any, w_scale: Any, y_scale: Any, y_zp: Any) -> Any:
+        """round(acc * x_scale * w_scale / y_scale) + y_zero_point in float32, saturated."""
+        xp = self.xp
+
+        def first(v: Any) -> Any:  # a scalar input's value, as float32
+            return xp.astype(v.reshape(-1)[0], xp.float32)
+
+        scale = first(x_scale) * xp.astype(w_scale.reshape(-1), xp.float32) / first(y_scale)
+        y = xp.round(xp.astype(acc, xp.float32) * _per_channel(scale, acc.ndim - 2)) + first(y_zp)
+        return xp.saturate(y, y_zp.dtype)

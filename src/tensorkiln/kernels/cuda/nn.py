@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
+    IntegerConv,
     check_causal_conv,
-    check_conv_shapes,
-    conv_geometry,
     transpose_geometry,
 )
 from tensorkiln.kernels.common.deform import DeformConv
@@ -167,80 +166,28 @@ def conv_transpose(
     return y if bias is None else y + channel_view(bias, y.ndim)
 
 
-def _int_conv(x, w, x_zp, w_zp, group: int, g: Geometry, what: str) -> torch.Tensor:
-    """Exact integer convolution of (x - x_zp) and (w - w_zp), computed in float64."""
-    m = w.shape[0]
-    xf = x.to(torch.float64)
-    if x_zp is not None:
-        if x_zp.numel() != 1:
-            raise ValueError(
-                f"{what}: x_zero_point must be a scalar, got shape {tuple(x_zp.shape)}"
-            )
-        xf = xf - x_zp.reshape(()).to(torch.float64)
-    wf = w.to(torch.float64)
-    if w_zp is not None:
-        if w_zp.numel() not in (1, m):
-            raise ValueError(f"{what}: w_zero_point has {w_zp.numel()} values, expected 1 or {m}")
-        wf = wf - w_zp.reshape(-1, *([1] * (w.ndim - 1))).to(torch.float64)
-    return conv_nd(xf, wf, None, g, group)
+class TorchIntConvArrays:
+    """:class:`tensorkiln.kernels.common.conv.IntConvArrays` on torch tensors."""
+
+    float64, float32, int32 = torch.float64, torch.float32, torch.int32
+
+    def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return x.to(dtype)
+
+    def conv(self, x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> torch.Tensor:
+        return conv_nd(x, w, None, g, group)
+
+    def round(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.round(x)
+
+    def saturate(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        info = torch.iinfo(dtype)
+        return y.clamp(info.min, info.max).to(dtype)
 
 
-@register("ConvInteger", since=10, backend="cuda")
-def conv_integer(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    x_zero_point: torch.Tensor | None = None,
-    w_zero_point: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Integer convolution with zero points; exact int32 result."""
-    check_conv_shapes(x.shape, w.shape, group, "ConvInteger")
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
-    return y.to(torch.int32)
-
-
-@register("QLinearConv", since=10, backend="cuda")
-def qlinear_conv(
-    x: torch.Tensor,
-    x_scale: torch.Tensor,
-    x_zero_point: torch.Tensor,
-    w: torch.Tensor,
-    w_scale: torch.Tensor,
-    w_zero_point: torch.Tensor,
-    y_scale: torch.Tensor,
-    y_zero_point: torch.Tensor,
-    b: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """Quantized convolution: exact accumulation, float32 requantization, round half to even."""
-    check_conv_shapes(x.shape, w.shape, group, "QLinearConv")
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    m = w.shape[0]
-    acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
-    bias = _bias(b, m, torch.float64, "QLinearConv")
-    if bias is not None:
-        acc = acc + channel_view(bias, acc.ndim)
-    if w_scale.numel() not in (1, m):
-        raise ValueError(f"QLinearConv: w_scale has {w_scale.numel()} values, expected 1 or {m}")
-    f32 = torch.float32
-    scale = x_scale.reshape(-1)[0].to(f32) * w_scale.reshape(-1).to(f32)
-    scale = channel_view(scale / y_scale.reshape(-1)[0].to(f32), acc.ndim)
-    y = torch.round(acc.to(f32) * scale) + y_zero_point.reshape(-1)[0].to(f32)
-    info = torch.iinfo(y_zero_point.dtype)
-    return y.clamp(info.min, info.max).to(y_zero_point.dtype)
+_INT_CONV = IntegerConv(TorchIntConvArrays())
+register("ConvInteger", since=10, backend="cuda")(_INT_CONV.conv_integer)
+register("QLinearConv", since=10, backend="cuda")(_INT_CONV.qlinear_conv)
 
 
 class TorchDeformArrays:

@@ -17,8 +17,8 @@ import numpy as np
 from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
+    IntegerConv,
     check_causal_conv,
-    check_conv_shapes,
     conv_geometry,
     transpose_geometry,
 )
@@ -160,83 +160,28 @@ def conv_transpose(
     return _add_bias(y, b, group * mg, "ConvTranspose").astype(x.dtype, copy=False)
 
 
-def _int_conv(x, w, x_zp, w_zp, group, g, what) -> np.ndarray:
-    """Exact integer convolution of (x - x_zp) and (w - w_zp), computed in float64."""
-    m = w.shape[0]
-    xf = x.astype(np.float64)
-    if x_zp is not None:
-        if np.size(x_zp) != 1:
-            raise ValueError(f"{what}: x_zero_point must be a scalar, got shape {np.shape(x_zp)}")
-        xf -= float(np.asarray(x_zp).reshape(-1)[0])
-    wf = w.astype(np.float64)
-    if w_zp is not None:
-        wz = np.asarray(w_zp, dtype=np.float64).reshape(-1)
-        if wz.size not in (1, m):
-            raise ValueError(f"{what}: w_zero_point has {wz.size} values, expected 1 or {m}")
-        wf -= wz.reshape(-1, *([1] * (w.ndim - 1)))
-    return conv_nd(xf, wf, g, group)
+class NumpyIntConvArrays:
+    """:class:`tensorkiln.kernels.common.conv.IntConvArrays` on numpy arrays."""
+
+    float64, float32, int32 = np.dtype(np.float64), np.dtype(np.float32), np.dtype(np.int32)
+
+    def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        return x.astype(dtype)
+
+    def conv(self, x: np.ndarray, w: np.ndarray, g: Geometry, group: int) -> np.ndarray:
+        return conv_nd(x, w, g, group)
+
+    def round(self, x: np.ndarray) -> np.ndarray:
+        return np.rint(x)
+
+    def saturate(self, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
+        info = np.iinfo(dtype)
+        return np.clip(y, info.min, info.max).astype(dtype)
 
 
-@register("ConvInteger", since=10)
-def conv_integer(
-    x: np.ndarray,
-    w: np.ndarray,
-    x_zero_point: np.ndarray | None = None,
-    w_zero_point: np.ndarray | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Integer convolution with zero points; int32 result (exact: float64 holds the sums)."""
-    check_conv_shapes(x.shape, w.shape, group, "ConvInteger")
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    y = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "ConvInteger")
-    return y.astype(np.int32)
-
-
-@register("QLinearConv", since=10)
-def qlinear_conv(
-    x: np.ndarray,
-    x_scale: np.ndarray,
-    x_zero_point: np.ndarray,
-    w: np.ndarray,
-    w_scale: np.ndarray,
-    w_zero_point: np.ndarray,
-    y_scale: np.ndarray,
-    y_zero_point: np.ndarray,
-    b: np.ndarray | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """Quantized convolution: int32 accumulation, float32 requantization, round half to even."""
-    check_conv_shapes(x.shape, w.shape, group, "QLinearConv")
-    g = conv_geometry(x.shape, w.shape, auto_pad, dilations, kernel_shape, pads, strides)
-    m = w.shape[0]
-    acc = _int_conv(x, w, x_zero_point, w_zero_point, group, g, "QLinearConv")
-    acc = _add_bias(acc, b, m, "QLinearConv")
-    ws = np.asarray(w_scale, dtype=np.float32).reshape(-1)
-    if ws.size not in (1, m):
-        raise ValueError(f"QLinearConv: w_scale has {ws.size} values, expected 1 or {m}")
-    scale = (
-        np.float32(np.asarray(x_scale).reshape(-1)[0])
-        * ws
-        / np.float32(np.asarray(y_scale).reshape(-1)[0])
-    )
-    scale = scale.reshape(-1, *([1] * (acc.ndim - 2)))
-    y = np.rint(acc.astype(np.float32) * scale) + np.float32(
-        np.asarray(y_zero_point).reshape(-1)[0]
-    )
-    info = np.iinfo(y_zero_point.dtype)
-    return np.clip(y, info.min, info.max).astype(y_zero_point.dtype)
+_INT_CONV = IntegerConv(NumpyIntConvArrays())
+register("ConvInteger", since=10)(_INT_CONV.conv_integer)
+register("QLinearConv", since=10)(_INT_CONV.qlinear_conv)
 
 
 class NumpyDeformArrays:
