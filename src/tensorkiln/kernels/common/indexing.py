@@ -46,6 +46,10 @@ class ScatterArrays(Protocol):
         """A copy of ``cache`` with ``update``'s rows along ``axis`` written at ``pos`` (batch,
         seq) for every batch entry."""
 
+    def scatter_along(self, data: Any, indices: Any, updates: Any, axis: int, reduction: str):
+        """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along the
+        checked, non-negative ``axis`` (ScatterElements)."""
+
 
 class TensorScatter:
     """TensorScatter (a KV-cache update) over one backend's :class:`ScatterArrays`."""
@@ -104,3 +108,22 @@ def scatter_elements_axis(
             f"{list(indices_shape)}"
         )
     return axis
+
+
+class ElementScatter:
+    """ScatterElements and its opset-9 form Scatter over one backend's :class:`ScatterArrays`."""
+
+    def __init__(self, xp: ScatterArrays) -> None:
+        self.xp = xp
+
+    def scatter_elements(
+        self, data: Any, indices: Any, updates: Any, *, axis: int = 0, reduction: str = "none"
+    ) -> Any:
+        """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along
+        ``axis``."""
+        axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
+        return self.xp.scatter_along(data, indices, updates, axis, reduction)
+
+    def scatter(self, data: Any, indices: Any, updates: Any, *, axis: int = 0) -> Any:
+        """Scatter (deprecated in opset 11): ScatterElements without reduction."""
+        return self.scatter_elements(data, indices, updates, axis=axis)

@@ -15,9 +15,9 @@ import math
 import torch
 
 from tensorkiln.kernels.common.indexing import (
+    ElementScatter,
     TensorScatter,
     check_nd_indices,
-    scatter_elements_axis,
 )
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.cuda.tensor import (
@@ -123,31 +123,6 @@ def _scatter_along(
     return from_signed(reduced, dtype)
 
 
-@register("ScatterElements", since=11, backend="cuda")
-def scatter_elements(
-    data: torch.Tensor,
-    indices: torch.Tensor,
-    updates: torch.Tensor,
-    *,
-    axis: int = 0,
-    reduction: str = "none",
-) -> torch.Tensor:
-    """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
-    _check_reduction(reduction, "ScatterElements")
-    _check_elements(data, indices, axis, "ScatterElements")
-    idx = _indices(indices, data.shape[axis])
-    return _scatter_along(data.clone(), axis, idx, updates, reduction)
-
-
-@register("Scatter", since=9, backend="cuda")
-def scatter(
-    data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, *, axis: int = 0
-) -> torch.Tensor:
-    """Scatter (deprecated in opset 11): ScatterElements without reduction."""
-    return scatter_elements(data, indices, updates, axis=axis)
-
-
 @register("ScatterND", since=11, backend="cuda")
 def scatter_nd(
     data: torch.Tensor, indices: torch.Tensor, updates: torch.Tensor, *, reduction: str = "none"
@@ -173,6 +148,19 @@ def scatter_nd(
 class TorchScatterArrays:
     """:class:`tensorkiln.kernels.common.indexing.ScatterArrays` on torch tensors."""
 
+    def scatter_along(
+        self,
+        data: torch.Tensor,
+        indices: torch.Tensor,
+        updates: torch.Tensor,
+        axis: int,
+        reduction: str,
+    ) -> torch.Tensor:
+        _check_reduction(reduction, "ScatterElements")
+        _check_elements(data, indices, axis, "ScatterElements")
+        idx = _indices(indices, data.shape[axis])
+        return _scatter_along(data.clone(), axis, idx, updates, reduction)
+
     def starts(self, write_indices: torch.Tensor | None, batch: int, like: torch.Tensor):
         if write_indices is None:
             return torch.zeros(batch, dtype=torch.int64, device=like.device)
@@ -192,6 +180,9 @@ class TorchScatterArrays:
         return out
 
 
+_ELEMENTS = ElementScatter(TorchScatterArrays())
+scatter_elements = register("ScatterElements", since=11, backend="cuda")(_ELEMENTS.scatter_elements)
+register("Scatter", since=9, backend="cuda")(_ELEMENTS.scatter)
 register("TensorScatter", since=24, backend="cuda")(
     TensorScatter(TorchScatterArrays()).tensor_scatter
 )

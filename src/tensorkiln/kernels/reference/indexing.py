@@ -10,9 +10,9 @@ from __future__ import annotations
 import numpy as np
 
 from tensorkiln.kernels.common.indexing import (
+    ElementScatter,
     TensorScatter,
     check_nd_indices,
-    scatter_elements_axis,
 )
 from tensorkiln.kernels.common.tensor import norm_axis
 from tensorkiln.kernels.registry import register
@@ -105,31 +105,6 @@ def _scatter_into(out: np.ndarray, index: tuple, updates: np.ndarray, reduction:
         raise ValueError(f"{op}: unknown reduction '{reduction}' (none, add, mul, max or min)")
 
 
-@register("ScatterElements", since=11)
-def scatter_elements(
-    data: np.ndarray,
-    indices: np.ndarray,
-    updates: np.ndarray,
-    *,
-    axis: int = 0,
-    reduction: str = "none",
-) -> np.ndarray:
-    """A copy of ``data`` with ``updates`` written (or reduced) at ``indices`` along ``axis``."""
-    axis = scatter_elements_axis(data.shape, indices.shape, updates.shape, axis)
-    out = data.copy()
-    index = _element_index(data.shape, indices, axis, "ScatterElements")
-    _scatter_into(out, index, updates, reduction, "ScatterElements")
-    return out
-
-
-@register("Scatter", since=9)
-def scatter(
-    data: np.ndarray, indices: np.ndarray, updates: np.ndarray, *, axis: int = 0
-) -> np.ndarray:
-    """Scatter (deprecated in opset 11): ScatterElements without reduction."""
-    return scatter_elements(data, indices, updates, axis=axis)
-
-
 @register("ScatterND", since=11)
 def scatter_nd(
     data: np.ndarray, indices: np.ndarray, updates: np.ndarray, *, reduction: str = "none"
@@ -152,6 +127,14 @@ def scatter_nd(
 
 class NumpyScatterArrays:
     """:class:`tensorkiln.kernels.common.indexing.ScatterArrays` on numpy arrays."""
+
+    def scatter_along(
+        self, data: np.ndarray, indices: np.ndarray, updates: np.ndarray, axis: int, reduction: str
+    ) -> np.ndarray:
+        out = data.copy()
+        index = _element_index(data.shape, indices, axis, "ScatterElements")
+        _scatter_into(out, index, updates, reduction, "ScatterElements")
+        return out
 
     def starts(self, write_indices: np.ndarray | None, batch: int, like: np.ndarray) -> np.ndarray:
         if write_indices is None:
@@ -176,6 +159,9 @@ class NumpyScatterArrays:
         return out
 
 
+_ELEMENTS = ElementScatter(NumpyScatterArrays())
+scatter_elements = register("ScatterElements", since=11)(_ELEMENTS.scatter_elements)
+register("Scatter", since=9)(_ELEMENTS.scatter)
 register("TensorScatter", since=24)(TensorScatter(NumpyScatterArrays()).tensor_scatter)
 
 
