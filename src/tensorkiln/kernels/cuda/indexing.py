@@ -181,7 +181,7 @@ class TorchScatterArrays:
 
 
 _ELEMENTS = ElementScatter(TorchScatterArrays())
-scatter_elements = register("ScatterElements", since=11, backend="cuda")(_ELEMENTS.scatter_elements)
+register("ScatterElements", since=11, backend="cuda")(_ELEMENTS.scatter_elements)
 register("Scatter", since=9, backend="cuda")(_ELEMENTS.scatter)
 register("TensorScatter", since=24, backend="cuda")(
     TensorScatter(TorchScatterArrays()).tensor_scatter

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from tensorkiln.kernels.common.reduce import Selection
 from tensorkiln.kernels.cuda.tensor import from_order_key, host_scalar, order_key
 from tensorkiln.kernels.registry import register
 
@@ -191,52 +192,32 @@ def hardmax(x: torch.Tensor, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> tor
 # ---------------------------------------------------------------- selection
 
 
-def _arg_reduce(
-    fn, x: torch.Tensor, axis: int, keepdims: int, select_last_index: int
-) -> torch.Tensor:
-    ax = _axis_of(axis, x.dim())
-    key = order_key(x)
-    if select_last_index:
-        return (x.shape[ax] - 1) - fn(key.flip(ax), dim=ax, keepdim=bool(keepdims))
-    return fn(key, dim=ax, keepdim=bool(keepdims))
+class TorchSelectionArrays:
+    """:class:`tensorkiln.kernels.common.reduce.SelectionArrays` on torch tensors."""
+
+    def host_int(self, v: torch.Tensor) -> int:
+        return int(host_scalar(v))
+
+    def arg_reduce(
+        self, x: torch.Tensor, axis: int, keepdims: int, last: int, largest: bool
+    ) -> torch.Tensor:
+        fn = torch.argmax if largest else torch.argmin
+        key = order_key(x)
+        if last:
+            return (x.shape[axis] - 1) - fn(key.flip(axis), dim=axis, keepdim=bool(keepdims))
+        return fn(key, dim=axis, keepdim=bool(keepdims))
+
+    def topk(
+        self, x: torch.Tensor, axis: int, k: int, largest: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # a stable sort: torch.topk leaves the order of ties open
+        key = order_key(x)
+        values, idx = torch.sort(key, dim=axis, descending=bool(largest), stable=True)
+        values, idx = values.narrow(axis, 0, k), idx.narrow(axis, 0, k)
+        return from_order_key(values.contiguous(), x.dtype), idx.contiguous()
 
 
-@register("ArgMax", since=1, backend="cuda")
-def argmax(
-    data: torch.Tensor, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
-) -> torch.Tensor:
-    """Index (int64) of the first (or last) maximum along ``axis``."""
-    return _arg_reduce(torch.argmax, data, axis, keepdims, select_last_index)
-
-
-@register("ArgMin", since=1, backend="cuda")
-def argmin(
-    data: torch.Tensor, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
-) -> torch.Tensor:
-    """Index (int64) of the first (or last) minimum along ``axis``."""
-    return _arg_reduce(torch.argmin, data, axis, keepdims, select_last_index)
-
-
-@register("TopK", since=1, backend="cuda")
-def topk(
-    x: torch.Tensor,
-    k_in: torch.Tensor | None = None,
-    *,
-    axis: int = -1,
-    largest: int = 1,
-    sorted: int = 1,
-    k: int | None = None,  # opset 1: k is an attribute
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest (or smallest) values along ``axis`` and their int64 indices.
-
-    Always sorted; among equal values the lower index comes first (a stable sort: torch.topk
-    leaves the order of ties open).
-    """
-    ax = _axis_of(axis, x.dim())
-    kk = int(host_scalar(k_in)) if k_in is not None else k
-    if kk is None or not 0 <= kk <= x.shape[ax]:
-        raise ValueError(f"TopK: k={kk} must be in [0, {x.shape[ax]}] for axis {ax}")
-    key = order_key(x)
-    values, idx = torch.sort(key, dim=ax, descending=bool(largest), stable=True)
-    values, idx = values.narrow(ax, 0, kk), idx.narrow(ax, 0, kk)
-    return from_order_key(values.contiguous(), x.dtype), idx.contiguous()
+_SELECTION = Selection(TorchSelectionArrays())
+register("ArgMax", since=1, backend="cuda")(_SELECTION.argmax)
+register("ArgMin", since=1, backend="cuda")(_SELECTION.argmin)
+register("TopK", since=1, backend="cuda")(_SELECTION.topk)

@@ -160,7 +160,7 @@ class NumpyScatterArrays:
 
 
 _ELEMENTS = ElementScatter(NumpyScatterArrays())
-scatter_elements = register("ScatterElements", since=11)(_ELEMENTS.scatter_elements)
+register("ScatterElements", since=11)(_ELEMENTS.scatter_elements)
 register("Scatter", since=9)(_ELEMENTS.scatter)
 register("TensorScatter", since=24)(TensorScatter(NumpyScatterArrays()).tensor_scatter)
 

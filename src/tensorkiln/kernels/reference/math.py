@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 
 from tensorkiln.kernels.common.cast import FLOAT8, dtypes
+from tensorkiln.kernels.common.reduce import Selection
 from tensorkiln.kernels.registry import register
 
 # Narrow float types are computed in float32 and cast back: numpy has no BLAS for them and
@@ -185,59 +186,36 @@ def hardmax(x: np.ndarray, *, axis: int = -1, _opset: int = _AXIS_ONLY) -> np.nd
 # ---------------------------------------------------------------- selection
 
 
-def _arg_reduce(fn, x: np.ndarray, axis: int, keepdims: int, select_last_index: int) -> np.ndarray:
-    ax = _axis_of(axis, x.ndim)
-    if select_last_index:
-        idx = x.shape[ax] - 1 - fn(np.flip(x, ax), axis=ax)
-    else:
-        idx = fn(x, axis=ax)
-    if keepdims:
-        idx = np.expand_dims(idx, ax)
-    return np.asarray(idx, dtype=np.int64)
+class NumpySelectionArrays:
+    """:class:`tensorkiln.kernels.common.reduce.SelectionArrays` on numpy arrays."""
+
+    def host_int(self, v: np.ndarray) -> int:
+        return int(np.asarray(v).reshape(-1)[0])
+
+    def arg_reduce(self, x: np.ndarray, axis: int, keepdims: int, last: int, largest: bool):
+        fn = np.argmax if largest else np.argmin
+        if last:
+            idx = x.shape[axis] - 1 - fn(np.flip(x, axis), axis=axis)
+        else:
+            idx = fn(x, axis=axis)
+        if keepdims:
+            idx = np.expand_dims(idx, axis)
+        return np.asarray(idx, dtype=np.int64)
+
+    def topk(self, x: np.ndarray, axis: int, k: int, largest: int) -> tuple[np.ndarray, np.ndarray]:
+        n = x.shape[axis]
+        if largest:
+            # Stable ascending sort of the flipped data, read backwards: descending values, and
+            # equal values in increasing original index. Works for unsigned and bool (no negation).
+            order = np.flip(np.argsort(np.flip(x, axis), axis=axis, kind="stable"), axis)
+            idx = (n - 1) - np.take(order, np.arange(k), axis=axis)
+        else:
+            idx = np.take(np.argsort(x, axis=axis, kind="stable"), np.arange(k), axis=axis)
+        idx = idx.astype(np.int64, copy=False)
+        return np.take_along_axis(x, idx, axis=axis), idx
 
 
-@register("ArgMax", since=1)
-def argmax(
-    data: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
-) -> np.ndarray:
-    """Index (int64) of the first (or last) maximum along ``axis``."""
-    return _arg_reduce(np.argmax, data, axis, keepdims, select_last_index)
-
-
-@register("ArgMin", since=1)
-def argmin(
-    data: np.ndarray, *, axis: int = 0, keepdims: int = 1, select_last_index: int = 0
-) -> np.ndarray:
-    """Index (int64) of the first (or last) minimum along ``axis``."""
-    return _arg_reduce(np.argmin, data, axis, keepdims, select_last_index)
-
-
-@register("TopK", since=1)
-def topk(
-    x: np.ndarray,
-    k_in: np.ndarray | None = None,
-    *,
-    axis: int = -1,
-    largest: int = 1,
-    sorted: int = 1,
-    k: int | None = None,  # opset 1: k is an attribute
-) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest (or smallest) values along ``axis`` and their int64 indices.
-
-    Always sorted; among equal values the lower index comes first.
-    """
-    ax = _axis_of(axis, x.ndim)
-    kk = int(np.asarray(k_in).reshape(-1)[0]) if k_in is not None else k
-    if kk is None or not 0 <= kk <= x.shape[ax]:
-        raise ValueError(f"TopK: k={kk} must be in [0, {x.shape[ax]}] for axis {ax}")
-    n = x.shape[ax]
-    if largest:
-        # Stable ascending sort of the flipped data, read backwards: descending values, and
-        # equal values in increasing original index. Works for unsigned and bool (no negation).
-        order = np.argsort(np.flip(x, ax), axis=ax, kind="stable")
-        order = np.flip(order, ax)
-        idx = (n - 1) - np.take(order, np.arange(kk), axis=ax)
-    else:
-        idx = np.take(np.argsort(x, axis=ax, kind="stable"), np.arange(kk), axis=ax)
-    idx = idx.astype(np.int64, copy=False)
-    return np.take_along_axis(x, idx, axis=ax), idx
+_SELECTION = Selection(NumpySelectionArrays())
+register("ArgMax", since=1)(_SELECTION.argmax)
+register("ArgMin", since=1)(_SELECTION.argmin)
+register("TopK", since=1)(_SELECTION.topk)
