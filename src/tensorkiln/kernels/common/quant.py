@@ -56,10 +56,11 @@ def quant_target(zero_point_dtype: np.dtype | None, output_dtype: int) -> np.dty
 
 
 class QuantArrays(Protocol):
-    """The array operations QLinearMatMul needs, on one backend's arrays."""
+    """The array operations QLinearMatMul and MatMulInteger need, on one backend's arrays."""
 
     m: Any  # the array module (numpy or torch): matmul, round (half to even in both)
     float64: Any
+    int32: Any
 
     def astype(self, x: Any, dtype: Any) -> Any: ...
 
@@ -79,10 +80,28 @@ def _per_row(v: Any) -> Any:
 
 
 class QLinearMatMul:
-    """QLinearMatMul over one backend's :class:`QuantArrays`."""
+    """QLinearMatMul and MatMulInteger over one backend's :class:`QuantArrays`."""
 
     def __init__(self, xp: QuantArrays) -> None:
         self.xp = xp
+
+    def _exact_product(self, a: Any, b: Any, a_zero_point: Any, b_zero_point: Any) -> Any:
+        """(A - a_zp) @ (B - b_zp) as a float64 matmul, exact for any realistic K (|sum| <
+        2**53); A's zero point per row, B's per column."""
+        xp, f64 = self.xp, self.xp.float64
+        a64, b64 = xp.astype(a, f64), xp.astype(b, f64)
+        if a_zero_point is not None:
+            a64 = a64 - _per_row(xp.astype(a_zero_point, f64))
+        if b_zero_point is not None:
+            b64 = b64 - xp.astype(b_zero_point, f64)
+        return xp.m.matmul(a64, b64)
+
+    def matmul_integer(
+        self, a: Any, b: Any, a_zero_point: Any = None, b_zero_point: Any = None
+    ) -> Any:
+        """(A - a_zero_point) @ (B - b_zero_point) in int32; A's zero point per row, B's per
+        column."""
+        return self.xp.astype(self._exact_product(a, b, a_zero_point, b_zero_point), self.xp.int32)
 
     def qlinear_matmul(
         self,
@@ -100,12 +119,7 @@ class QLinearMatMul:
         The integer product runs as a float64 matmul, exact for any realistic K (|sum| < 2**53).
         """
         xp, f64 = self.xp, self.xp.float64
-        a64, b64 = xp.astype(a, f64), xp.astype(b, f64)
-        if a_zero_point is not None:
-            a64 = a64 - _per_row(xp.astype(a_zero_point, f64))
-        if b_zero_point is not None:
-            b64 = b64 - xp.astype(b_zero_point, f64)
-        acc = xp.m.matmul(a64, b64)
+        acc = self._exact_product(a, b, a_zero_point, b_zero_point)
         # the rescale factor is formed in the scales' own type, as the spec's formula reads
         factor = _per_row(a_scale) * b_scale / y_scale
         y = acc * xp.astype(factor, f64)

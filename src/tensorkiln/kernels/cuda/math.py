@@ -64,26 +64,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # Gemm: cuda/fused_gemm.py, beside GemmAct (kernels/common/gemm.py writes both once).
 
 
-def _row_zero_point(zp: torch.Tensor) -> torch.Tensor:
-    # A 1-D zero point of A holds one value per row: make it broadcast along the rows.
-    return zp.reshape(-1, 1) if zp.dim() == 1 and zp.numel() > 1 else zp
-
-
-@register("MatMulInteger", since=10, backend="cuda")
-def matmul_integer(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    a_zero_point: torch.Tensor | None = None,
-    b_zero_point: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """(A - a_zero_point) @ (B - b_zero_point) in int32; A's zero point per row, B's per column."""
-    a64 = a.to(torch.float64)
-    b64 = b.to(torch.float64)
-    if a_zero_point is not None:
-        a64 = a64 - _row_zero_point(a_zero_point.to(torch.float64))
-    if b_zero_point is not None:
-        b64 = b64 - b_zero_point.to(torch.float64)
-    return torch.matmul(a64, b64).to(torch.int32)
+# MatMulInteger: cuda/quant.py, beside QLinearMatMul (kernels/common/quant.py writes both).
 
 
 @register("Einsum", since=12, backend="cuda")

@@ -190,7 +190,7 @@ class TorchQuantArrays:
     """:class:`tensorkiln.kernels.common.quant.QuantArrays` on torch tensors."""
 
     m = torch
-    float64 = torch.float64
+    float64, int32 = torch.float64, torch.int32
 
     def astype(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return x.to(dtype)
@@ -206,6 +206,6 @@ class TorchQuantArrays:
         return _saturate_cast(y, target, True)
 
 
-register("QLinearMatMul", since=10, backend="cuda")(
-    QLinearMatMul(TorchQuantArrays()).qlinear_matmul
-)
+_MATMUL = QLinearMatMul(TorchQuantArrays())
+register("QLinearMatMul", since=10, backend="cuda")(_MATMUL.qlinear_matmul)
+register("MatMulInteger", since=10, backend="cuda")(_MATMUL.matmul_integer)

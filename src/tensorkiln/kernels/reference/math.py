@@ -46,31 +46,8 @@ def matmul(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 # Gemm: reference/fused_gemm.py, beside GemmAct (kernels/common/gemm.py writes both once).
 
 
-def _row_zero_point(zp: np.ndarray) -> np.ndarray:
-    # A 1-D zero point of A holds one value per row: make it broadcast along the rows.
-    return zp.reshape(-1, 1) if zp.ndim == 1 and zp.size > 1 else zp
-
-
-def integer_matmul(a: np.ndarray, b: np.ndarray, a_zp=None, b_zp=None) -> np.ndarray:
-    """(A - a_zp) @ (B - b_zp) exactly, as float64 (BLAS; exact for any realistic K)."""
-    a64 = a.astype(np.float64)
-    b64 = b.astype(np.float64)
-    if a_zp is not None:
-        a64 -= _row_zero_point(a_zp.astype(np.float64))
-    if b_zp is not None:
-        b64 -= b_zp.astype(np.float64)
-    return np.matmul(a64, b64)
-
-
-@register("MatMulInteger", since=10)
-def matmul_integer(
-    a: np.ndarray,
-    b: np.ndarray,
-    a_zero_point: np.ndarray | None = None,
-    b_zero_point: np.ndarray | None = None,
-) -> np.ndarray:
-    """(A - a_zero_point) @ (B - b_zero_point) in int32; A's zero point per row, B's per column."""
-    return integer_matmul(a, b, a_zero_point, b_zero_point).astype(np.int32)
+# MatMulInteger: reference/quant.py, beside QLinearMatMul (kernels/common/quant.py writes
+# both).
 
 
 @register("Einsum", since=12)

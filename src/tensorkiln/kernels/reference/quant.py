@@ -138,7 +138,7 @@ class NumpyQuantArrays:
     """:class:`tensorkiln.kernels.common.quant.QuantArrays` on numpy arrays."""
 
     m = np
-    float64 = np.dtype(np.float64)
+    float64, int32 = np.dtype(np.float64), np.dtype(np.int32)
 
     def astype(self, x: np.ndarray, dtype: np.dtype) -> np.ndarray:
         return x.astype(dtype)
@@ -153,4 +153,6 @@ class NumpyQuantArrays:
         return _saturate_cast(y, np.dtype(target), True)
 
 
-register("QLinearMatMul", since=10)(QLinearMatMul(NumpyQuantArrays()).qlinear_matmul)
+_MATMUL = QLinearMatMul(NumpyQuantArrays())
+register("QLinearMatMul", since=10)(_MATMUL.qlinear_matmul)
+register("MatMulInteger", since=10)(_MATMUL.matmul_integer)
