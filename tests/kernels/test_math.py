@@ -56,6 +56,20 @@ def test_gemm_alpha_beta(dtype, alpha, beta):
     check_against_ort("Gemm", inputs, {"alpha": alpha, "beta": beta}, opset=13, **TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.5, 0.5), (1.0, 0.0)])
+def test_gemm_integers(dtype, alpha, beta):
+    """Integer Gemm (onnxruntime has none): exact where alpha and beta are 1, else scaled in
+    float64 and cast back, as the ONNX reference implementation computes it."""
+    a, b, c = _rand((3, 4), dtype, -50, 50), _rand((5, 4), dtype, -50, 50), _rand((5,), dtype)
+    (got,) = run_kernel(
+        "Gemm", {"A": a, "B": b, "C": c}, {"alpha": alpha, "beta": beta, "transB": 1}
+    )
+    wide = alpha * (a.astype(np.float64) @ b.T.astype(np.float64)) + beta * c.astype(np.float64)
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(got, wide.astype(dtype))
+
+
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 @pytest.mark.parametrize("zp", ["none", "scalar", "vector"])
 def test_matmul_integer(dtype, zp):

@@ -302,6 +302,20 @@ def test_gemm_act_rejects_bad_shapes(backend):
         kernel(put(_rand(3, 4)), b, transA=1, transB=1)
 
 
+@pytest.mark.parametrize("backend", ["cuda", "reference"])
+def test_gemm_rejects_bad_shapes(backend):
+    """Gemm shares GemmAct's checks (kernels/common/gemm.py), named for Gemm, and keeps the
+    spec's 2-D A."""
+    kernel = lookup("Gemm", "", 13, backend).fn
+    put = functools.partial(to_torch, device=DEVICE) if backend == "cuda" else np.asarray
+    with pytest.raises(ValueError, match="Gemm: inner dimensions differ"):
+        kernel(put(_rand(3, 4)), put(_rand(5, 6)))
+    with pytest.raises(ValueError, match="Gemm: A must be 2-D"):
+        kernel(put(_rand(2, 3, 4)), put(_rand(4, 5)))
+    with pytest.raises(ValueError, match="Gemm: B must be 2-D"):
+        kernel(put(_rand(3, 4)), put(_rand(1, 4, 5)))
+
+
 # ------------------------------------------------------------------------ LayerNorm, RMSNorm
 
 
