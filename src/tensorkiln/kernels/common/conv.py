@@ -177,6 +177,10 @@ class ConvArrays(Protocol):
         """act(conv(x, w) + b + z), or act(conv(x, w) + b) + z when ``after``; ``act`` is
         (activation, activation_alpha, activation_beta, activation_min, activation_max)."""
 
+    def conv_transpose(self, x: Any, w: Any, b: Any, tg: TransposeGeometry, group: int) -> Any:
+        """The transposed convolution of checked X, W: the window [begin, begin + out) of the
+        unpadded result, + the bias B (None, or group * W.shape[1] values)."""
+
 
 def conv(
     xp: ConvArrays,
@@ -195,6 +199,30 @@ def conv(
     check_conv_shapes(x.shape, w.shape, group)
     g = xp.geometry(x, w, auto_pad, dilations, kernel_shape, pads, strides)
     return xp.conv(x, w, b, g, group)
+
+
+def conv_transpose(
+    xp: ConvArrays,
+    x: Any,
+    w: Any,
+    b: Any = None,
+    *,
+    auto_pad: str = "NOTSET",
+    dilations: Sequence[int] | None = None,
+    group: int = 1,
+    kernel_shape: Sequence[int] | None = None,  # W's shape says it
+    output_padding: Sequence[int] | None = None,
+    output_shape: Sequence[int] | None = None,
+    pads: Sequence[int] | None = None,
+    strides: Sequence[int] | None = None,
+) -> Any:
+    """ConvTranspose: N-d transposed convolution; the output is the window [begin, begin + out)
+    of the unpadded result, zero-extended where it reaches past it (output_padding, a larger
+    output_shape)."""
+    tg = transpose_geometry(
+        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
+    )
+    return xp.conv_transpose(x, w, b, tg, group)
 
 
 def conv_act(

@@ -19,8 +19,8 @@ from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
     IntegerConv,
+    TransposeGeometry,
     check_causal_conv,
-    transpose_geometry,
 )
 from tensorkiln.kernels.common.deform import DeformConv
 from tensorkiln.kernels.common.window import Geometry
@@ -93,16 +93,46 @@ def _bias(b: torch.Tensor | None, m: int, dtype: torch.dtype, what: str) -> torc
 
 
 class _TorchConvArrays(TorchConvArrays):
-    """ConvAct's torch arrays with Conv's convolution (any number of spatial axes)."""
+    """ConvAct's torch arrays with Conv's and ConvTranspose's convolutions (any number of
+    spatial axes)."""
 
     def conv(
         self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: Geometry, group: int
     ) -> torch.Tensor:
         return conv_nd(x, w.to(x.dtype), _bias(b, w.shape[0], x.dtype, "Conv"), g, group)
 
+    def conv_transpose(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        b: torch.Tensor | None,
+        tg: TransposeGeometry,
+        group: int,
+    ) -> torch.Tensor:
+        kernel, strides, dilations, begin, out = tg
+        nsp = x.ndim - 2
+        w = w.to(x.dtype)
+        bias = _bias(b, group * w.shape[1], x.dtype, "ConvTranspose")
+        full = [
+            (i - 1) * s + (k - 1) * d + 1
+            for i, s, k, d in zip(x.shape[2:], strides, kernel, dilations)
+        ]
+        # torch crops `begin` from both ends and then appends output_padding zeros (< stride)
+        extra = [bg + o - f + bg for bg, o, f in zip(begin, out, full)]
+        if nsp <= 3 and all(bg >= 0 and 0 <= e < max(s, d) for bg, e, s, d in
+                            zip(begin, extra, strides, dilations)):  # fmt: skip
+            return _CONV_T[nsp](x, w, bias, strides, begin, extra, group, dilations)
+        y = _transpose_raw(x, w, strides, dilations, group)
+        y = F.pad(
+            y, torch_pads([-bg for bg in begin], [bg + o - f for bg, o, f in zip(begin, out, full)])
+        )
+        return y if bias is None else y + channel_view(bias, y.ndim)
+
 
 conv = bind(common_conv.conv, _TorchConvArrays(), __name__)
 register("Conv", since=1, backend="cuda")(conv)
+conv_transpose = bind(common_conv.conv_transpose, _TorchConvArrays(), __name__)
+register("ConvTranspose", since=1, backend="cuda")(conv_transpose)
 
 
 def _transpose_raw(
@@ -126,44 +156,6 @@ def _transpose_raw(
         start = t * dilations[0]
         y[:, :, start : start + span : strides[0]] += part
     return y
-
-
-@register("ConvTranspose", since=1, backend="cuda")
-def conv_transpose(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    b: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    output_padding: Sequence[int] | None = None,
-    output_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> torch.Tensor:
-    """N-d transposed convolution; the output is the window [begin, begin + out) of the unpadded
-    result, zero-extended where it reaches past it (output_padding, a larger output_shape)."""
-    kernel, strides, dilations, begin, out = transpose_geometry(
-        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
-    )
-    nsp = x.ndim - 2
-    w = w.to(x.dtype)
-    bias = _bias(b, group * w.shape[1], x.dtype, "ConvTranspose")
-    full = [
-        (i - 1) * s + (k - 1) * d + 1 for i, s, k, d in zip(x.shape[2:], strides, kernel, dilations)
-    ]
-    # torch crops `begin` from both ends and then appends output_padding zeros (< stride)
-    extra = [bg + o - f + bg for bg, o, f in zip(begin, out, full)]
-    if nsp <= 3 and all(bg >= 0 and 0 <= e < max(s, d) for bg, e, s, d in
-                        zip(begin, extra, strides, dilations)):  # fmt: skip
-        return _CONV_T[nsp](x, w, bias, strides, begin, extra, group, dilations)
-    y = _transpose_raw(x, w, strides, dilations, group)
-    y = F.pad(
-        y, torch_pads([-bg for bg in begin], [bg + o - f for bg, o, f in zip(begin, out, full)])
-    )
-    return y if bias is None else y + channel_view(bias, y.ndim)
 
 
 class TorchIntConvArrays:

@@ -18,9 +18,9 @@ from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import conv as common_conv
 from tensorkiln.kernels.common.conv import (
     IntegerConv,
+    TransposeGeometry,
     check_causal_conv,
     conv_geometry,
-    transpose_geometry,
 )
 from tensorkiln.kernels.common.deform import DeformConv
 from tensorkiln.kernels.reference._window import (
@@ -88,8 +88,8 @@ def _add_bias(y: np.ndarray, b: np.ndarray | None, m: int, what: str) -> np.ndar
 
 
 class NumpyConvArrays:
-    """:class:`tensorkiln.kernels.common.conv.ConvArrays` of Conv on numpy arrays (ConvAct's
-    convolution and epilogue are reference/fused_conv.py's)."""
+    """:class:`tensorkiln.kernels.common.conv.ConvArrays` of Conv and ConvTranspose on numpy
+    arrays (ConvAct's convolution and epilogue are reference/fused_conv.py's)."""
 
     def geometry(self, x: np.ndarray, w: np.ndarray, *attrs) -> Geometry:
         return conv_geometry(x.shape, w.shape, *attrs)
@@ -101,9 +101,28 @@ class NumpyConvArrays:
         y = conv_nd(x.astype(ct, copy=False), w.astype(ct, copy=False), g, group)
         return _add_bias(y, b, w.shape[0], "Conv").astype(x.dtype, copy=False)
 
+    def conv_transpose(
+        self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None, tg: TransposeGeometry, group: int
+    ) -> np.ndarray:
+        # one GEMM per group, then a col2im scatter-add
+        kernel, strides, dilations, begin, out = tg
+        n, c = x.shape[:2]
+        nsp = x.ndim - 2
+        ct = compute_dtype(x.dtype)
+        mg = w.shape[1]
+        taps, positions = math.prod(kernel), math.prod(x.shape[2:])
+        wt = w.astype(ct, copy=False).reshape(group, c // group, mg * taps).transpose(0, 2, 1)
+        xs = x.astype(ct, copy=False).reshape(n, group, c // group, positions)
+        cols = np.matmul(wt, xs).reshape(n, group * mg, *kernel, *x.shape[2:])
+        g = Geometry(kernel, strides, dilations, (0,) * nsp, (0,) * nsp, tuple(x.shape[2:]))
+        y = _col2im(cols, g, begin, out)
+        return _add_bias(y, b, group * mg, "ConvTranspose").astype(x.dtype, copy=False)
+
 
 conv = bind(common_conv.conv, NumpyConvArrays(), __name__)
 register("Conv", since=1)(conv)
+conv_transpose = bind(common_conv.conv_transpose, NumpyConvArrays(), __name__)
+register("ConvTranspose", since=1)(conv_transpose)
 
 
 def _col2im(cols: np.ndarray, g: Geometry, begin: Sequence[int], out: Sequence[int]) -> np.ndarray:
@@ -126,38 +145,6 @@ def _col2im(cols: np.ndarray, g: Geometry, begin: Sequence[int], out: Sequence[i
         buf[(Ellipsis, *dst)] += cols[(slice(None), slice(None), *tap)]
     crop = tuple(slice(o + b, o + b + t) for o, b, t in zip(off, begin, out))
     return buf[(Ellipsis, *crop)]
-
-
-@register("ConvTranspose", since=1)
-def conv_transpose(
-    x: np.ndarray,
-    w: np.ndarray,
-    b: np.ndarray | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations: Sequence[int] | None = None,
-    group: int = 1,
-    kernel_shape: Sequence[int] | None = None,
-    output_padding: Sequence[int] | None = None,
-    output_shape: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    strides: Sequence[int] | None = None,
-) -> np.ndarray:
-    """N-d transposed convolution: one GEMM per group, then a col2im scatter-add."""
-    kernel, strides, dilations, begin, out = transpose_geometry(
-        x.shape, w.shape, group, auto_pad, dilations, output_padding, output_shape, pads, strides
-    )
-    n, c = x.shape[:2]
-    nsp = x.ndim - 2
-    ct = compute_dtype(x.dtype)
-    mg = w.shape[1]
-    taps, positions = math.prod(kernel), math.prod(x.shape[2:])
-    wt = w.astype(ct, copy=False).reshape(group, c // group, mg * taps).transpose(0, 2, 1)
-    xs = x.astype(ct, copy=False).reshape(n, group, c // group, positions)
-    cols = np.matmul(wt, xs).reshape(n, group * mg, *kernel, *x.shape[2:])
-    g = Geometry(kernel, strides, dilations, (0,) * nsp, (0,) * nsp, tuple(x.shape[2:]))
-    y = _col2im(cols, g, begin, out)
-    return _add_bias(y, b, group * mg, "ConvTranspose").astype(x.dtype, copy=False)
 
 
 class NumpyIntConvArrays:
