@@ -7,12 +7,11 @@ kernels define their meaning).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product, fresh_dim
 from tensorkiln.ir.graph import Graph, Shape, TensorType, Type
 from tensorkiln.ops.records import ELEMENTWISE, FUSED, define, rule
 from tensorkiln.ops.shape_rules import InferContext
+from tensorkiln.ops.window import geometry
 
 DOMAIN = "tensorkiln"
 
@@ -130,50 +129,6 @@ define(
 # Shape rules
 
 
-def _ints(values: Sequence[int] | None, n: int, default: int, what: str) -> tuple[int, ...]:
-    if values is None or len(values) == 0:
-        return (default,) * n
-    if len(values) != n:
-        raise ValueError(f"{what} has {len(values)} values but the input has {n} spatial axes")
-    return tuple(int(v) for v in values)
-
-
-def window_output_sizes(
-    in_sizes: Sequence[int],
-    kernel: Sequence[int],
-    strides: Sequence[int] | None = None,
-    dilations: Sequence[int] | None = None,
-    pads: Sequence[int] | None = None,
-    auto_pad: str = "NOTSET",
-) -> list[int]:
-    """The output spatial sizes of a convolution (ONNX's formula; ``auto_pad`` resolved)."""
-    n = len(in_sizes)
-    kernel = _ints(kernel, n, 1, "kernel_shape")
-    strides = _ints(strides, n, 1, "strides")
-    dilations = _ints(dilations, n, 1, "dilations")
-    eff = [(k - 1) * d + 1 for k, d in zip(kernel, dilations)]
-    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
-        out = [-(-i // s) for i, s in zip(in_sizes, strides)]
-    elif auto_pad == "VALID":
-        out = [(i - e) // s + 1 for i, e, s in zip(in_sizes, eff, strides)]
-    elif auto_pad in ("NOTSET", ""):
-        p = _ints(pads, 2 * n, 0, "pads")
-        out = [
-            (i + p[j] + p[j + n] - e) // s + 1
-            for j, (i, e, s) in enumerate(zip(in_sizes, eff, strides))
-        ]
-    else:
-        raise ValueError(
-            f"auto_pad must be NOTSET, SAME_UPPER, SAME_LOWER or VALID, not {auto_pad!r}"
-        )
-    if any(o <= 0 for o in out):
-        raise ValueError(
-            f"input spatial size {tuple(in_sizes)} is too small for kernel {kernel} with "
-            f"dilations {dilations} and pads {pads}"
-        )
-    return out
-
-
 @rule("ConvAct", domain=DOMAIN)
 def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
     """(N, M, *out) with the conv geometry; symbolic spatial sizes give fresh symbols."""
@@ -182,13 +137,15 @@ def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
         return [TensorType(ctx.dtype(0), None)]
     spatial, kernel = xs[2:], ws[2:]
     if all(isinstance(d, int) for d in (*spatial, *kernel)):
-        out: list = window_output_sizes(
-            spatial,  # type: ignore[arg-type]
-            kernel,  # type: ignore[arg-type]
-            ctx.attr("strides"),
-            ctx.attr("dilations"),
-            ctx.attr("pads"),
-            ctx.attr("auto_pad", "NOTSET"),
+        out: list = list(
+            geometry(
+                spatial,  # type: ignore[arg-type]
+                kernel,  # type: ignore[arg-type]
+                ctx.attr("strides"),
+                ctx.attr("dilations"),
+                ctx.attr("pads"),
+                ctx.attr("auto_pad", "NOTSET"),
+            ).out
         )
     else:
         out = [fresh_dim() for _ in spatial]
