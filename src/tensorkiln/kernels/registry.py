@@ -234,6 +234,12 @@ def lookup(
     backend = KERNELS_OF.get(backend, backend)
     domain = normalize_domain(domain)
     entries = _REGISTRY.get((backend, domain, op))
+    best = None
+    for e in entries or ():
+        if e.since <= opset:
+            best = e
+    if best is not None:
+        return _bound(best, opset)
     where = f"node '{node}' uses " if node else ""
     shown = domain or "ai.onnx"
     if not entries:
@@ -251,15 +257,25 @@ def lookup(
         else:
             msg += f" {len(known)} operators of '{shown}' are supported; see `tensorkiln ops`."
         raise UnsupportedOpError(msg)
-    best = None
-    for e in entries:
-        if e.since <= opset:
-            best = e
-    if best is None:
-        versions = ", ".join(str(e.since) for e in entries)
-        raise UnsupportedOpError(
-            f"{where}'{op}' of domain '{shown}' at opset {opset}; the '{shown_backend}' backend "
-            f"implements it from opset(s) {versions}. Convert the model to a newer opset "
-            "(onnx.version_converter) and try again."
-        )
-    return dataclasses.replace(best, opset=opset)
+    versions = ", ".join(str(e.since) for e in entries)
+    raise UnsupportedOpError(
+        f"{where}'{op}' of domain '{shown}' at opset {opset}; the '{shown_backend}' backend "
+        f"implements it from opset(s) {versions}. Convert the model to a newer opset "
+        "(onnx.version_converter) and try again."
+    )
+
+
+# (registered entry's id, opset) -> (that entry, it bound to the opset); the entry is held, so
+# its id is not reused while the pair is here
+_BOUND: dict[tuple[int, int], tuple[KernelEntry, KernelEntry]] = {}
+
+
+def _bound(entry: KernelEntry, opset: int) -> KernelEntry:
+    """``entry`` with ``opset`` set, made once per pair (lookup runs for every node of every
+    graph planned, folded or tuned)."""
+    hit = _BOUND.get((id(entry), opset))
+    if hit is not None and hit[0] is entry:
+        return hit[1]
+    bound = dataclasses.replace(entry, opset=opset)
+    _BOUND[(id(entry), opset)] = (entry, bound)
+    return bound

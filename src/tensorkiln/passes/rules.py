@@ -15,7 +15,7 @@ with the :class:`View`'s helpers; they see the nodes earlier matches claimed (``
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -223,10 +223,9 @@ def apply_rules(graph: Graph, rules: Sequence[Rule]) -> Counter[str]:
     consume a node an earlier match consumed is dropped; the PassManager's next round sees it
     again. Constant nodes only the removed nodes read go too.
     """
-    index: dict[tuple[str, str], list[Rule]] = {}
-    for rule in rules:
-        for key in rule.anchors():
-            index.setdefault(key, []).append(rule)
+    index = _index(rules)
+    if not any((n.domain, n.op) in index for n in graph.nodes):
+        return Counter()  # (no node a rule is rooted on: the common case, made cheap)
     view, rw, counts = View.of(graph), Rewrite(), Counter()
     for node in list(graph.nodes):
         for rule in index.get((node.domain, node.op), ()):
@@ -243,6 +242,29 @@ def apply_rules(graph: Graph, rules: Sequence[Rule]) -> Counter[str]:
         graph.opsets.setdefault(DOMAIN, 1)
     rw.apply(graph)
     return +counts
+
+
+# rule tables' indexes, by the ids of their rules (held here, so the ids are not reused), the
+# most recently used kept: the passes' tables are module-level, a few rules are made per run
+_INDEXES: OrderedDict[tuple[int, ...], tuple[tuple[Rule, ...], dict[tuple[str, str], list[Rule]]]]
+_INDEXES = OrderedDict()
+
+
+def _index(rules: Sequence[Rule]) -> dict[tuple[str, str], list[Rule]]:
+    """The rules by the (domain, op) they are rooted on, made once per table."""
+    key = tuple(map(id, rules))
+    hit = _INDEXES.get(key)
+    if hit is not None:
+        _INDEXES.move_to_end(key)
+        return hit[1]
+    index: dict[tuple[str, str], list[Rule]] = {}
+    for rule in rules:
+        for anchor in rule.anchors():
+            index.setdefault(anchor, []).append(rule)
+    _INDEXES[key] = (tuple(rules), index)
+    if len(_INDEXES) > 64:
+        _INDEXES.popitem(last=False)
+    return index
 
 
 def run_rules(graph: Graph, rules: Sequence[Rule]) -> int:
