@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tensorkiln.kernels.reference._window import geometry
+from tensorkiln.ops.window import geometry
 from tests.kernels.ort_oracle import check_against_ort, one_node_model, run_kernel, run_ort
 
 rng = np.random.default_rng()

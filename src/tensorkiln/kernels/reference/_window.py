@@ -1,6 +1,7 @@
 """The numpy side of the sliding-window kernels: padding a channels-first tensor, zero-copy
 strided views of its windows, and the arithmetic dtype. The geometry itself (``auto_pad`` /
-``pads`` / ``ceil_mode`` into pads and output sizes) is kernels/common/window.py's.
+``pads`` / ``ceil_mode`` into pads and output sizes) is ops/window.py's, with the tap slices in
+kernels/common/window.py.
 """
 
 from __future__ import annotations
@@ -11,10 +12,7 @@ import ml_dtypes
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-# the backend-neutral geometry, imported here for the numpy kernels that take it from this module
-from tensorkiln.kernels.common.window import Geometry, geometry, ints, tap_slices
-
-__all__ = ["Geometry", "compute_dtype", "geometry", "ints", "pad", "tap_slices", "windows"]
+from tensorkiln.kernels.common.window import Geometry
 
 
 def pad(x: np.ndarray, begin: Sequence[int], end: Sequence[int], value: float = 0) -> np.ndarray:

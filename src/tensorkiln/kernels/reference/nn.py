@@ -23,13 +23,8 @@ from tensorkiln.kernels.common.conv import (
     conv_geometry,
 )
 from tensorkiln.kernels.common.deform import DeformConv
-from tensorkiln.kernels.reference._window import (
-    Geometry,
-    compute_dtype,
-    pad,
-    tap_slices,
-    windows,
-)
+from tensorkiln.kernels.common.window import Geometry, tap_slices
+from tensorkiln.kernels.reference._window import compute_dtype, pad, windows
 from tensorkiln.kernels.registry import register
 
 

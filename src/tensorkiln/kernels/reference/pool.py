@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from tensorkiln.kernels.common.pool import MaxUnpool, pool_geometry, pow_p, root_p
-from tensorkiln.kernels.reference._window import Geometry, compute_dtype, pad, tap_slices
+from tensorkiln.kernels.common.window import Geometry, tap_slices
+from tensorkiln.kernels.reference._window import compute_dtype, pad
 from tensorkiln.kernels.registry import register
 
 
