@@ -9,19 +9,14 @@ for the layouts models use), kept here beside them.
 from __future__ import annotations
 
 from tensorkiln.ops import ELEMENTWISE_OPS, RANDOM_OPS
-from tensorkiln.ops.onnx_ops import BINARY_ELEMENTWISE, UNARY_ELEMENTWISE
 
 __all__ = [
     "ELEMENTWISE",
-    "ELEMENTWISE_BINARY",
-    "ELEMENTWISE_UNARY",
     "RANDOM_OPS",
     "TRANSPOSABLE_BINARY",
     "TRANSPOSABLE_UNARY",
 ]
 
-ELEMENTWISE_UNARY = frozenset(UNARY_ELEMENTWISE)
-ELEMENTWISE_BINARY = frozenset(BINARY_ELEMENTWISE)
 # Identity is left out: it renames (graph outputs), and cleanup removes the others.
 ELEMENTWISE = ELEMENTWISE_OPS
 
