@@ -33,6 +33,15 @@ EXCLUSIONS: dict[str, str] = {
         "ai.onnx.preview.training Gradient needs automatic differentiation of the graph, "
         "which an inference runtime does not do"
     ),
+    r"^test_squeezenet_cpu$": (
+        "the light model's weights are constants, so its 1000 logits are equal (about 9.5e9) "
+        "only if every output channel of the last 1x1 convolution is summed in the same order; "
+        "BLAS libraries compute the last columns of a matrix product in an edge kernel with "
+        "another order on some CPUs (32 of 1000 channels one float32 step higher), and the "
+        "expected uniform softmax then becomes 0.03 on 32 classes and 0 elsewhere. Which "
+        "CPUs do it depends on the BLAS build, not on the model's semantics; tests/models checks "
+        "real CNNs with random weights against onnxruntime instead"
+    ),
 }
 
 EXCLUDED = list(EXCLUSIONS)

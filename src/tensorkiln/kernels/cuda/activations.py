@@ -161,8 +161,9 @@ def hard_swish(x: Tensor) -> Tensor:
 
 @_cuda("ThresholdedRelu", since=10)
 def thresholded_relu(x: Tensor, *, alpha: float = 1.0) -> Tensor:
-    """x where x > alpha, 0 elsewhere."""
-    v = x.float() if x.dtype in FLOAT8 else x
+    """x where x > alpha, 0 elsewhere (compared in float32 at least: a scalar compared with a
+    half tensor is rounded to half first, and bfloat16(0.4) > 0.4 would let through 0.4004)."""
+    v = x.float() if x.dtype in FLOAT8 or x.dtype in (torch.float16, torch.bfloat16) else x
     return torch.where(v > alpha, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 

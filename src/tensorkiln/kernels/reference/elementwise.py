@@ -328,8 +328,9 @@ def hard_swish(x: np.ndarray) -> np.ndarray:
 
 @register("ThresholdedRelu", since=10)
 def thresholded_relu(x: np.ndarray, *, alpha: float = 1.0) -> np.ndarray:
-    """x where x > alpha, 0 elsewhere."""
-    return _narrow(np.where(x > alpha, x, x.dtype.type(0)), x.dtype)
+    """x where x > alpha, 0 elsewhere (compared exactly: alpha is not rounded to x's type)."""
+    v = x.astype(np.float64) if x.dtype.kind == "f" or x.dtype.itemsize < 4 else x
+    return _narrow(np.where(v > alpha, x, x.dtype.type(0)), x.dtype)
 
 
 def _shrink(v: np.ndarray, bias: float, lambd: float) -> np.ndarray:
