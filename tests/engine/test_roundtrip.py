@@ -62,9 +62,14 @@ def assert_close_to_ort(
 
 
 def check_round_trip(
-    model: onnx.ModelProto, tmp_path: Path, dims: dict[str, int] | None = None
+    model: onnx.ModelProto,
+    tmp_path: Path,
+    dims: dict[str, int] | None = None,
+    *,
+    against_ort: bool = True,
 ) -> dict[str, np.ndarray]:
-    """Build, save, load and run ``model``; returns the outputs after checking every path agrees."""
+    """Build, save, load and run ``model``; returns the outputs after checking every path agrees
+    (and with onnxruntime, unless ``against_ort`` is False)."""
     rng = np.random.default_rng()
     feeds = M.random_feeds(model, rng, dims)
     built = Builder("reference").build(model, BuilderConfig(embed_source=True))
@@ -78,7 +83,8 @@ def check_round_trip(
     direct = tensorkiln.run_onnx(model, feeds)
     assert_identical(after, before, "loaded engine vs built engine")
     assert_identical(after, direct, "loaded engine vs run_onnx")
-    assert_close_to_ort(model, feeds, after)
+    if against_ort:
+        assert_close_to_ort(model, feeds, after)
     return after
 
 
@@ -129,7 +135,11 @@ def test_digits_cnn_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize("path", M.light_models(), ids=lambda p: p.stem)
 def test_light_model_round_trip(path: Path, tmp_path: Path) -> None:
     t0 = time.perf_counter()
-    check_round_trip(onnx.load(path), tmp_path)
+    # squeezenet's constant weights make its 1000 logits equal (about 1e10) up to the order in
+    # which BLAS sums each channel, which differs between the last columns and the rest on
+    # some CPUs: the softmax against onnxruntime's is then a comparison of summation orders
+    # (tests/conformance/exclusions.py says more); the round trip itself is checked bit for bit
+    check_round_trip(onnx.load(path), tmp_path, against_ort=path.stem != "light_squeezenet")
     seconds = time.perf_counter() - t0
     if seconds > 10:
         print(f"{path.name}: the round trip took {seconds:.1f} s")

@@ -105,7 +105,9 @@ def test_qlinear_conv(per_channel):
         "x": rng.integers(0, 256, (1, 4, 8, 8), dtype=np.uint8),
         "x_scale": _scalar(rng.uniform(0.01, 0.1), np.float32),
         "x_zero_point": _scalar(rng.integers(100, 150), np.uint8),
-        "w": rng.integers(-128, 128, (m, 4, 3, 3), dtype=np.int8),
+        # 7-bit weights: onnxruntime's uint8 x int8 convolution on AVX2 (no VNNI) saturates
+        # pairs of products at int16 for larger ones (vpmaddubsw), and is then the one that is off
+        "w": rng.integers(-64, 64, (m, 4, 3, 3), dtype=np.int8),
         "w_scale": w_scale if per_channel else w_scale.reshape(()),
         "w_zero_point": np.zeros(m if per_channel else (), np.int8),
         "y_scale": _scalar(rng.uniform(1, 3), np.float32),

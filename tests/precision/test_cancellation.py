@@ -128,7 +128,9 @@ def test_rms_norm_keeps_nothing() -> None:
 def _integer_matmul():
     """x -> DynamicQuantizeLinear -> MatMulInteger (int32 sums in the millions) -> Cast to float
     -> times the scales: the pattern of onnxruntime's dynamic quantization."""
-    w = RNG.integers(40, 128, (D, 16)).astype(np.int8)
+    # (7-bit weights: onnxruntime's uint8 x int8 MatMulInteger on AVX2 without VNNI adds pairs
+    # of products in saturating int16, and larger weights make the oracle itself wrong)
+    w = RNG.integers(20, 64, (D, 16)).astype(np.int8)
     w_scale = np.array(0.01, np.float32)
     nodes = [
         helper.make_node("DynamicQuantizeLinear", ["x"], ["xq", "xs", "xz"]),
