@@ -113,3 +113,26 @@ def test_resnet_block_on_gpu(dtype):
         spec = _spec([a.shape for a in args], [a.dtype.name for a in args], attrs, "cuda")
         if t.applies(spec):
             check("ConvAct", "tensorkiln", t.name, args, attrs, device="cuda")
+
+
+def _nhwc(t):
+    return t.contiguous(memory_format=torch.channels_last) if t.ndim == 4 else t
+
+
+def test_channels_last_in_channels_last_out():
+    """NHWC activations and weights (the cuda backend's layout on a GPU): the same values as the
+    reference, and the output stays channels-last for the next layer."""
+    xs, ws = (2, 6, 9, 7), (8, 6, 3, 3)
+    x, w, b, z = rand(*xs), rand(*ws), rand(8), rand(*_residual(xs, ws, GEOMETRY))
+    check(
+        "ConvAct", "tensorkiln", SMALL, [x, w, b, z], {"activation": "Relu", **GEOMETRY},
+        transform=_nhwc,
+    )  # fmt: skip
+    fn = get_tactic("ConvAct", "tensorkiln", SMALL).fn
+    tensors = [_nhwc(torch.from_numpy(a).to(DEVICE)) for a in (x, w, b, z)]
+    y = fn(*tensors, activation="Relu", **GEOMETRY)
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    nchw = fn(
+        *(torch.from_numpy(a).to(DEVICE) for a in (x, w, b, z)), activation="Relu", **GEOMETRY
+    )
+    assert nchw.is_contiguous()

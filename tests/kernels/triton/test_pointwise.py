@@ -505,3 +505,22 @@ def test_large_bodies_on_the_gpu(dtype):
     )
     body, names = fused_body(m)
     check(body, feed(names, x=randn(64, 512, 768), b=randn(768)))
+
+
+def test_channels_last_inputs_give_channels_last_outputs():
+    """An NHWC activation (the cuda backend's conv layout on a GPU) plus a per-channel bias and an
+    NCHW tensor: right values, and the output keeps the channels-last layout of its input."""
+    body = _add_mul_body()
+    x, y = randn(2, 5, 4, 3), randn(5, 1, 1)
+    xt = device_tensor(x).contiguous(memory_format=torch.channels_last)
+    fn = get_tactic("Pointwise", "tensorkiln", "triton").fn
+    got = fn(xt, device_tensor(y), body=body)
+    got = got if isinstance(got, tuple) else (got,)
+    for g, r in zip(got, reference(body, [x, y])):
+        assert g.is_contiguous(memory_format=torch.channels_last) and not g.is_contiguous()
+        assert_close(to_numpy(g), r)
+    z = randn(2, 5, 4, 3)
+    mixed = fn(xt, device_tensor(z), body=body)  # one NHWC operand, one NCHW
+    mixed = mixed if isinstance(mixed, tuple) else (mixed,)
+    for g, r in zip(mixed, reference(body, [x, z])):
+        assert_close(to_numpy(g), r)

@@ -144,6 +144,7 @@ def _packed_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry) -> bool:
     return (
         getattr(w, _PACKED, None) is not None
         and _MKLDNN
+        and x.device.type == "cpu"
         and x.ndim == 4
         and x.dtype == torch.float32
         and w.dtype == torch.float32

@@ -186,7 +186,10 @@ def conv_act(
     nb, c, h, wd = x.shape
     oc = w.shape[0]
     oh, ow = geom.out
-    y = torch.empty((nb, oc, oh, ow), dtype=x.dtype, device=x.device)
+    # (the output keeps the input's layout: channels-last in, channels-last out)
+    nhwc = x.stride(1) == 1 and not x.is_contiguous()
+    layout = torch.channels_last if nhwc else torch.contiguous_format
+    y = torch.empty((nb, oc, oh, ow), dtype=x.dtype, device=x.device, memory_format=layout)
     if y.numel() == 0:
         return y
     if z is not None and tuple(z.shape) != tuple(y.shape):

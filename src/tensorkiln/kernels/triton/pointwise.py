@@ -318,6 +318,7 @@ class _Plan:
     kernel: Any
     out_shapes: tuple[tuple[int, ...], ...]
     out_dtypes: tuple[Any, ...]
+    out_strides: tuple[tuple[int, ...], ...]
     scalars: tuple[int, ...]  # n_rows, n_cols, dims, strides, as the kernel takes them
     grid: tuple[int]
     launch: dict[str, int]  # BLOCK_R, BLOCK_C, num_warps
@@ -340,7 +341,8 @@ def run(body: Graph, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     if plan is None:
         plan = prog.plans[key] = _make_plan(prog, tensors)
     outs = tuple(
-        torch.empty(s, dtype=dt, device=device) for s, dt in zip(plan.out_shapes, plan.out_dtypes)
+        torch.empty_strided(s, st, dtype=dt, device=device)
+        for s, st, dt in zip(plan.out_shapes, plan.out_strides, plan.out_dtypes)
     )
     if plan.numel:
         # the interpreter computes masked-off lanes too: numpy warns of their NaNs
@@ -391,10 +393,11 @@ def _make_plan(prog: Program, tensors: list[Any]) -> _Plan:
     full = tuple(torch.broadcast_shapes(*out_shapes, *(t.shape for t in tensors)))
     rank = len(full)
     strides = [_strides_in(t.shape, t.stride(), full) for t in tensors]
-    strides += [_strides_in(s, _contiguous(s), full) for s in out_shapes]
+    out_strides = tuple(_out_strides(s, tensors) for s in out_shapes)
+    strides += [_strides_in(s, st, full) for s, st in zip(out_shapes, out_strides)]
     out_dtypes = tuple(torch_dtype(t.dtype.numpy) for t in prog.outputs)
     if not math.prod(full):
-        return _Plan(None, tuple(out_shapes), out_dtypes, (), (0,), {}, 0)
+        return _Plan(None, tuple(out_shapes), out_dtypes, out_strides, (), (0,), {}, 0)
     lay = layout([full], strides) if rank else Layout((1,), tuple((0,) for _ in strides), False)
     kernel = compile_source(render(prog, lay, len(out_shapes)))
     sizes = lay.sizes
@@ -412,6 +415,7 @@ def _make_plan(prog: Program, tensors: list[Any]) -> _Plan:
         kernel,
         tuple(out_shapes),
         out_dtypes,
+        out_strides,
         tuple(int(s) for s in scalars),
         grid,
         {"BLOCK_R": block_r, "BLOCK_C": block_c, "num_warps": 4},
@@ -426,6 +430,23 @@ def _strides_in(shape, stride, full: tuple[int, ...]) -> tuple[int, ...]:
     for d, (n, s) in enumerate(zip(shape, stride)):
         out.append(0 if n == 1 and full[pad + d] != 1 else int(s))
     return tuple(out)
+
+
+def _out_strides(shape: tuple[int, ...], tensors: list[Any]) -> tuple[int, ...]:
+    """An output's strides: channels-last where an input of its 4-D shape is (the layout the
+    convolutions around it run in, kept), row-major otherwise."""
+    import torch
+
+    if len(shape) == 4 and shape[1] > 1:
+        for t in tensors:
+            if (
+                tuple(t.shape) == shape
+                and not t.is_contiguous()
+                and t.is_contiguous(memory_format=torch.channels_last)
+            ):
+                _, c, h, w = shape
+                return (h * w * c, 1, w * c, c)
+    return _contiguous(shape)
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
