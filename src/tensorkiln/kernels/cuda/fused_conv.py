@@ -39,7 +39,14 @@ from tensorkiln.kernels.cpu.conv import (
     specialized_conv,
 )
 from tensorkiln.kernels.registry import register
+from tensorkiln.kernels.triton import available as triton_available
 from tensorkiln.ops.fused import ACTIVATION_DEFAULTS
+
+if triton_available():
+    from tensorkiln.kernels.triton.gemm import ACT_CODES, Epilogue
+else:  # (no Triton: ConvAct runs its torch epilogue)
+    ACT_CODES, Epilogue = {}, None
+_EPILOGUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -193,6 +200,10 @@ class TorchConvArrays:
         y = packed_conv(x, w, bias, g, group, post or ("none", [], ""))
         if y is not None and post is not None:
             return y
+        if y is None and x.is_cuda:
+            y = _gpu_conv_act(x, w, bias, z, g, group, activation, act, after)
+            if y is not None:
+                return y
         if y is None:
             y = pointwise_gemm(x, w, bias, g, group)
         if y is None:
@@ -208,6 +219,43 @@ class TorchConvArrays:
         if z is not None and after:
             y.add_(z)
         return y
+
+
+def _gpu_conv_act(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None,
+    g: Geometry,
+    group: int,
+    activation: str,
+    act: tuple,
+    after: bool,
+) -> torch.Tensor | None:
+    """ConvAct on a GPU: cuBLAS (a 1x1 convolution as a GEMM on the channels-last view, the bias
+    in its epilogue) or cuDNN, then the bias, residual and activation in one Triton pass over the
+    output (kernels/triton/epilogue.py); None where Triton or the activation is missing."""
+    if not triton_available() or activation not in ACT_CODES or x.dtype not in _EPILOGUE_DTYPES:
+        return None
+    from tensorkiln.kernels.triton import epilogue  # lazy: triton
+
+    y = pointwise_gemm(x, w, bias, g, group)
+    b = None
+    if y is None:
+        y, b = conv(x, _as(w, x.dtype), None, g, group), bias
+    if b is None and z is None and activation == "":
+        return y
+    if epilogue.channel_stride(y) is None:  # (a strided output: dense first)
+        y = y.contiguous()
+    if z is not None:
+        if tuple(z.shape) != tuple(y.shape):
+            raise ValueError(
+                f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's "
+                f"{tuple(y.shape)}"
+            )
+        if not epilogue.applies(y, z):  # (another layout or dtype: once into the output's)
+            z = torch.empty_like(y).copy_(z)
+    return epilogue.epilogue_(y, b, z, Epilogue.of(activation, *act), after)
 
 
 conv_act = bind(common.conv_act, TorchConvArrays(), __name__)

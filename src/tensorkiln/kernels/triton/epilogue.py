@@ -1,0 +1,91 @@
+"""A fused op's epilogue in one pass over its fresh output, in place: ``y = act(y + b + z)``.
+
+cuDNN and cuBLAS compute ConvAct's convolution; what follows it (the per-channel bias, the
+residual, the activation) ran as up to three more kernels, each reading and writing the whole
+output: in ResNet-50 at batch 256 in fp16 on an H200, torch's broadcast bias add after cuDNN alone
+took 2.1 ms of a 12.5 ms batch, the residual adds 2.0 ms and the ReLUs 2.4 ms. This kernel reads
+the output (and the residual) once, adds in float32 and rounds once, as the Triton convolution's
+own epilogue does (:func:`tensorkiln.kernels.triton.gemm.finish`).
+
+The output is dense in row-major (NCHW) or channels-last (NHWC) order; a channel's index is
+``(i // inner) % C`` of the flat index ``i`` (``inner`` is 1 for NHWC, H*W for NCHW). The residual
+must have the output's shape, dtype and strides (it comes from the layer before, in the same
+layout); :func:`applies` says when the kernel takes a pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tensorkiln.kernels.triton.gemm import Epilogue, finish
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK = 2048
+
+
+@triton.jit
+def _epilogue_kernel(
+    y_ptr, b_ptr, z_ptr, n, C, inner, p0, p1, lo, hi,
+    HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
+    NHWC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    v = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    bias = 0.0
+    if HAS_B:
+        channel = offs % C if NHWC else (offs // inner) % C
+        bias = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
+    z = 0.0
+    if HAS_Z:
+        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = finish(v, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
+    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def channel_stride(y: torch.Tensor) -> int | None:
+    """``inner`` of a dense (N, C, ...) tensor ``y``: 1 channels-last, the spatial size row-major;
+    None for any other layout."""
+    if y.ndim < 2:
+        return None
+    if y.is_contiguous():
+        return math.prod(y.shape[2:])
+    if y.ndim == 4 and y.is_contiguous(memory_format=torch.channels_last):
+        return 1
+    return None
+
+
+def applies(y: torch.Tensor, z: torch.Tensor | None) -> bool:
+    """Whether :func:`epilogue_` takes output ``y`` and residual ``z``."""
+    if y.dtype not in FLOATS or y.numel() == 0 or channel_stride(y) is None:
+        return False
+    return z is None or (z.shape == y.shape and z.dtype == y.dtype and z.stride() == y.stride())
+
+
+def epilogue_(
+    y: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+    epilogue: Epilogue,
+    residual_after: bool = False,
+) -> torch.Tensor:
+    """``y = act(y + b + z)`` in place (``residual_after``: ``act(y + b) + z``); ``b`` holds one
+    value per channel (axis 1). The caller checks :func:`applies` first."""
+    inner = channel_stride(y)
+    channels = y.shape[1]
+    if b is not None and b.numel() != channels:
+        raise ValueError(f"epilogue: bias of {b.numel()} values for {channels} channels")
+    bias = None if b is None else b.reshape(channels).contiguous()
+    n = y.numel()
+    _epilogue_kernel[(triton.cdiv(n, BLOCK),)](
+        y, bias if bias is not None else y, z if z is not None else y, n, channels, inner,
+        epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
+        HAS_B=bias is not None, HAS_Z=z is not None, Z_AFTER=bool(residual_after),
+        ACT=epilogue.code, NHWC=inner == 1,
+        BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    return y
