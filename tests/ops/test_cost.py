@@ -148,13 +148,21 @@ def test_onnx_attention_counts_as_torch_sdpa() -> None:
     assert _total_flops(rows, {"Attention"}) == want
 
 
-def test_einsum_counts_as_torch() -> None:
+@pytest.mark.parametrize(
+    ("equation", "a_shape", "b_shape"),
+    [
+        ("bij,bjk->bik", (3, 4, 6), (3, 6, 5)),
+        ("...ij,...jk->...ik", (2, 3, 4, 6), (2, 3, 6, 5)),
+        ("ij,jk", (4, 6), (6, 5)),  # (implicit output: the indices seen once)
+        ("bhqd,bhkd->bhqk", (2, 3, 5, 8), (2, 3, 7, 8)),
+    ],
+)
+def test_einsum_counts_as_torch(equation: str, a_shape: tuple, b_shape: tuple) -> None:
     rng = np.random.default_rng()
-    a = _f32(rng, 3, 4, int(rng.integers(2, 9)))
-    b = _f32(rng, 3, a.shape[2], 5)
-    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation="bij,bjk->bik", name="es")
+    a, b = _f32(rng, *a_shape), _f32(rng, *b_shape)
+    node = helper.make_node("Einsum", ["a", "b"], ["y"], equation=equation, name="es")
     rows = _profile(_model([node], {"a": a, "b": b}, {}, opset=17), {"a": a, "b": b}, level=0)
-    want = _torch_flops(torch.einsum, "bij,bjk->bik", torch.from_numpy(a), torch.from_numpy(b))
+    want = _torch_flops(torch.einsum, equation, torch.from_numpy(a), torch.from_numpy(b))
     assert _total_flops(rows, {"Einsum"}) == want
 
 
@@ -230,3 +238,18 @@ def test_odd_shapes_and_attributes_never_raise() -> None:
     t = TensorType(f, (2, 3))
     cost = node_cost(gemm, [t, TensorType(f, (3, 4)), None], [TensorType(f, (2, 4))])
     assert cost.flops == 2 * 2 * 3 * 4 and cost.bytes == 4 * (6 + 12 + 8)
+
+
+@pytest.mark.parametrize(("op", "module", "gates"), [("GRU", "GRU", 3), ("RNN", "RNN", 1)])
+def test_recurrent_layers_count_as_torch(op: str, module: str, gates: int) -> None:
+    """Every step's input and recurrent products (PyTorch counts GRU and RNN through their
+    matrix products; its LSTM is one fused op it does not count)."""
+    rng = np.random.default_rng()
+    seq, batch, size, hidden = int(rng.integers(2, 7)), 2, 5, int(rng.integers(3, 9))
+    x = _f32(rng, seq, batch, size)
+    w, r = _f32(rng, 2, gates * hidden, size), _f32(rng, 2, gates * hidden, hidden)
+    node = helper.make_node(op, ["x", "w", "r"], ["y"], hidden_size=hidden,
+                            direction="bidirectional", name="rnn")  # fmt: skip
+    rows = _profile(_model([node], {"x": x}, {"w": w, "r": r}), {"x": x}, level=0)
+    torch_module = getattr(torch.nn, module)(size, hidden, bidirectional=True)
+    assert _total_flops(rows, {op}) == _torch_flops(torch_module, torch.from_numpy(x))

@@ -69,7 +69,9 @@ class CudaBackend(TorchBackend):
 
 class CudaEventLayerTimer(LayerTimer):
     """A pair of CUDA events recorded on the current stream around each layer; nothing waits
-    until :meth:`collect`, so the GPU runs the layers back to back as it does unprofiled."""
+    until :meth:`collect`, so the GPU runs the layers back to back as it does unprofiled. Where
+    the GPU runs ahead of the host, a layer's time includes its wait for the host to launch its
+    kernels (as any event timing does): small layers of a launch-bound model read slower."""
 
     __slots__ = ("_marks",)
 
