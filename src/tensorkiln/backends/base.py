@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from typing import Any
@@ -108,6 +109,11 @@ class Backend(ABC):
         """Wait for the work queued on the device (a no-op on the host)."""
         return None
 
+    def layer_timer(self) -> LayerTimer:
+        """A timer of one run's layers as this backend runs them: the host clock around each
+        layer (after waiting for queued work) by default; CUDA events on a GPU."""
+        return HostLayerTimer(self)
+
     # ------------------------------------------------------------------ memory and target
     def memory_limit(self) -> tuple[int | None, str]:
         """(bytes a context may plan for, what that bound is); None: unknown."""
@@ -123,6 +129,44 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(device={self.device!r})"
+
+
+class LayerTimer:
+    """Times the layers of one run: ``start()`` before a layer, ``stop(name)`` after it, then
+    ``collect(times)`` adds each layer's seconds to ``times`` under its name."""
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def stop(self, name: str) -> None:
+        raise NotImplementedError
+
+    def collect(self, times: dict[str, float]) -> None:
+        raise NotImplementedError
+
+
+class HostLayerTimer(LayerTimer):
+    """The host clock around each layer, the backend's queued work waited for on both sides."""
+
+    __slots__ = ("_backend", "_t0", "_times")
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._t0 = 0.0
+        self._times: dict[str, float] = {}
+
+    def start(self) -> None:
+        self._backend.synchronize()
+        self._t0 = time.perf_counter()
+
+    def stop(self, name: str) -> None:
+        self._backend.synchronize()
+        self._times[name] = self._times.get(name, 0.0) + time.perf_counter() - self._t0
+
+    def collect(self, times: dict[str, float]) -> None:
+        for name, secs in self._times.items():
+            times[name] = times.get(name, 0.0) + secs
+        self._times.clear()
 
 
 def host_memory() -> tuple[int | None, str]:

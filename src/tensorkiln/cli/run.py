@@ -34,6 +34,7 @@ from tensorkiln.cli.inputs import (
     load_raw_inputs,
     random_inputs,
 )
+from tensorkiln.cli.layer_profile import add_profile_options, print_profile, profile_report
 
 EPILOG = """examples:
   tensorkiln run model.engine
@@ -42,6 +43,7 @@ EPILOG = """examples:
   tensorkiln run model.engine --duration 10 --percentile 50,99,99.9 --json
   tensorkiln run model.engine --dump-profile --export-times times.json
   tensorkiln run model.engine --export-profile layers.json --avg-runs 10
+  tensorkiln run model.engine --dump-profile --peak-tflops 10 --peak-gbps 100 --profile-by op
 
 Timing follows trtexec: --warmup seconds of untimed runs, then at least --iterations runs and at
 least --duration seconds (default: 10 runs and 3 s; giving only --iterations runs exactly that
@@ -51,6 +53,15 @@ spent running layers (cuda engines: GPU time between CUDA events); host is laten
 (input checks, binding, copies, output gathering). Random inputs are standard normal
 floats, integers in 0..9 and random booleans; dynamic dims come from --shapes, else the engine's
 profile (opt shape), else 1.
+
+The per-layer profile (--dump-profile, --export-profile) times each layer (CUDA events on a GPU,
+the host clock elsewhere) and counts its FLOPs (2 per multiply-accumulate of convolutions,
+matrix products and attention; 1 per element of elementwise ops) and bytes (its input, weight
+and output tensors: a lower bound of its memory traffic), giving achieved TFLOP/s and GB/s. Its
+roofline compares each layer with the device's peaks (datasheet figures of H200, H100 and A100
+GPUs at the layer's precision, or --peak-tflops/--peak-gbps): compute bound when its FLOPs per
+byte exceed peak FLOP/s over peak bytes/s, memory bound otherwise; "% roofline" is the time the
+peaks allow over the time measured.
 """
 
 DEFAULT_ITERATIONS = 10
@@ -104,6 +115,7 @@ def add_parser(sub: Any) -> None:
         action="store_true",
         help="per-layer times (from a separate profiling run of as many iterations)",
     )
+    add_profile_options(p)
     p.add_argument(
         "--avg-runs",
         type=_positive_int,
@@ -196,26 +208,6 @@ def stats_ms(seconds: list[float], pcts: list[float]) -> dict[str, float]:
     return out
 
 
-def profile_layers(ctx: Any, engine: Any, feeds: dict, runs: int) -> list[dict]:
-    """Per-layer totals over ``runs`` iterations, slowest first."""
-    times: dict[str, float] = {}
-    for _ in range(runs):
-        ctx.infer(feeds, layer_times=times)
-    ops = {n.name: (f"{n.domain}.{n.op}" if n.domain else n.op) for n in engine.graph.nodes}
-    total = sum(times.values()) or 1.0
-    rows = [
-        {
-            "name": name,
-            "op": ops.get(name, "?"),
-            "total_ms": secs * 1e3,
-            "average_ms": secs * 1e3 / runs,
-            "percent": 100.0 * secs / total,
-        }
-        for name, secs in times.items()
-    ]
-    return sorted(rows, key=lambda r: -r["total_ms"])
-
-
 def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
     if args.iterations is None and args.duration is None:
         return DEFAULT_ITERATIONS, DEFAULT_DURATION_S
@@ -261,7 +253,7 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
         if args.use_cuda_graph and ctx.cuda_graph_fallback:
             print(f"note: ran without a CUDA graph: {ctx.cuda_graph_fallback}", file=note)
         profile = (
-            profile_layers(ctx, engine, feeds, len(timings.latency_s))
+            profile_report(args, ctx, engine, feeds, len(timings.latency_s))
             if args.dump_profile or args.export_profile
             else None
         )
@@ -314,7 +306,7 @@ def _result(
     origin: str,
     outputs: dict,
     timings: Timings,
-    profile: list[dict] | None,
+    profile: dict | None,
 ) -> dict:
     n = len(timings.latency_s)
     result = {
@@ -437,20 +429,7 @@ def _print_text(args: argparse.Namespace, r: dict) -> None:
         )
     if "profile" in r and args.dump_profile:
         print()
-        print_table(
-            ["layer", "op", "total ms", "average ms", "percent"],
-            [
-                [
-                    p["name"],
-                    p["op"],
-                    f"{p['total_ms']:.4f}",
-                    f"{p['average_ms']:.4f}",
-                    f"{p['percent']:.1f}%",
-                ]
-                for p in r["profile"]
-            ],
-            title=f"per-layer profile ({r['iterations']} iterations)",
-        )
+        print_profile(r["profile"])
     if args.save_outputs:
         print(f"outputs saved to {args.save_outputs}")
     if args.export_times:

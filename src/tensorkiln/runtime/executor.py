@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import time
 from collections import ChainMap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -263,22 +262,23 @@ class Scope:
         env = ChainMap(local, self.env) if self.env else local
         inner = Scope(self.executor, env)
         shadow = self.executor._shadow
+        # (CUDA events on a GPU: each layer's GPU time, read once the run is queued)
+        timer = None if timings is None else self.executor.backend.layer_timer()
         for step in self.executor._plan(graph):
-            if timings is None:
+            if timer is None:
                 _run_step(step, env, inner)
             else:
-                self.executor.synchronize()
-                t0 = time.perf_counter()
+                timer.start()
                 _run_step(step, env, inner)
-                self.executor.synchronize()
-                name = step.node.name
-                timings[name] = timings.get(name, 0.0) + time.perf_counter() - t0
+                timer.stop(step.node.name)
             if shadow:
                 self.executor.shadow_host_values(step.node, env)
             if observer is not None:  # (before the step's last uses are dropped)
                 observer(step.node, [None if v is None else env[v] for v in step.outputs])
             for v in step.free:
                 local.pop(v, None)
+        if timer is not None:
+            timer.collect(timings)  # type: ignore[arg-type]
         try:
             return [env[v] for v in graph.outputs]
         except KeyError as exc:
