@@ -142,9 +142,9 @@ def padded_token_feeds(batch: int, seq: int, vocab: int, pad: int, seed: int) ->
 # ---------------------------------------------------------------- export and build
 
 
-def export_dynamic(model: torch.nn.Module, feeds: dict, path: Path) -> Path:
+def export_dynamic(model: torch.nn.Module, feeds: dict, path: Path, dynamic: bool = True) -> Path:
     """TorchScript export (dynamo=False) at opset 17 with a dynamic batch axis on every input and
-    output."""
+    output (``dynamic=False``: at the feeds' shapes)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     args = tuple(torch.from_numpy(x) for x in feeds.values())
     with torch.no_grad():
@@ -159,7 +159,7 @@ def export_dynamic(model: torch.nn.Module, feeds: dict, path: Path) -> Path:
             str(path),
             input_names=list(feeds),
             output_names=outputs,
-            dynamic_axes={n: {0: "batch"} for n in [*feeds, *outputs]},
+            dynamic_axes={n: {0: "batch"} for n in [*feeds, *outputs]} if dynamic else None,
             opset_version=17,
             dynamo=False,
         )

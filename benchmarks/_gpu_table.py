@@ -132,8 +132,29 @@ def markdown(results: dict) -> list[str]:
             lines.append(f"| {m['model']} | - | {_cell(m, True)} |" + " |" * (len(cols) - 3))
         for row in m.get("rows", []):
             lines.append(_row(row))
-    flags = [f"{r['model']} batch {r['batch']}: {r['flag']}" for r in _rows(results) if r["flag"]]
-    return lines + ([""] + [f"FLAG {f}" for f in flags] if flags else [])
+    return [*lines, "", *_notes(_rows(results))]
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """Flags, runs without a CUDA graph, static exports, and the peers' compile seconds."""
+    notes = []
+    for r in rows:
+        where = f"{r['model']} batch {r['batch']}"
+        tk = r["peers"].get("tensorkiln", {})
+        if r["flag"]:
+            notes.append(f"- FLAG {where}: {r['flag']}")
+        if tk.get("graph_fallback"):
+            notes.append(f"- {where}: tensorkiln ran without a CUDA graph: {tk['graph_fallback']}")
+        if r.get("export") == "static":
+            notes.append(f"- {where}: exported at this batch (no dynamic axis, no profile)")
+        compiled = [
+            f"{PEER_COLUMNS[p]} {c['compile_s']:.0f}"
+            for p, c in r["peers"].items()
+            if c.get("compile_s") is not None
+        ]
+        if compiled:
+            notes.append(f"- {where}: compile s (first call): {', '.join(compiled)}")
+    return notes
 
 
 def _rows(results: dict) -> list[dict]:

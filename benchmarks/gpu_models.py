@@ -9,8 +9,9 @@
 The models, fp16, random weights: ResNet-50 224x224 (batch 256 and 1), BERT-base at sequence 128
 with the last 1/8 of every sequence padded (64 and 1), ViT-B/16 224x224 (128 and 1), GPT-2 small
 at sequence 512, no padding (32 and 1), BERT-large at sequence 384, padded as BERT-base (128).
-Each is exported once with the TorchScript exporter (opset 17, dynamic batch axis); tensorkiln
-builds an fp16 engine per batch (profile min 1 / opt B / max B; batch 1: 1 / 1 / 1) and runs it
+Each is exported once with the TorchScript exporter (opset 17, dynamic batch axis; with
+--static-export, once per batch without one); tensorkiln builds an fp16 engine per batch (profile
+min 1 / opt B / max B; batch 1: 1 / 1 / 1; none for a static export) and runs it
 as one CUDA graph on device tensors (``create_execution_context(use_cuda_graph=True)``, as
 ``tensorkiln run --use-cuda-graph --device-io``). Its peers, on the same inputs, under
 torch.inference_mode: PyTorch eager fp16 (conv nets channels_last), torch.compile (default mode),
@@ -69,10 +70,11 @@ class Spec:
     batch1: bool = True  # also measured at batch 1
     vocab: int = 30522
     pad: bool = False  # mask the last 1/8 of every sequence
+    channels_last: bool = False  # a conv net: PyTorch eager runs it channels_last
 
 
 SPECS = {
-    "resnet50": Spec(True, 224, 256),
+    "resnet50": Spec(True, 224, 256, channels_last=True),
     "bert": Spec(False, 128, 64, pad=True),
     "vit": Spec(True, 224, 128),
     "gpt2": Spec(False, 512, 32, vocab=50257),
@@ -195,11 +197,15 @@ def reference(model, dev: dict) -> tuple[list, int]:
 
 
 def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path) -> dict:
-    """Build the fp16 engine for this batch, run it as a CUDA graph, check it, time it."""
-    shapes = {
-        k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (tuple(v.shape),) * 3
-        for k, v in dev.items()
-    }
+    """Build the fp16 engine for this batch, run it as a CUDA graph, check it, time it.
+    A model with a dynamic batch axis gets a profile: min 1, opt = max = this batch (batch 1:
+    1, 1, 1)."""
+    shapes = None
+    if path.stem == "dynamic":
+        shapes = {
+            k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (v.shape,) * 3
+            for k, v in dev.items()
+        }
     engine, secs, tc = common.build(path, "fp16", cache, S.device, shapes)
     ctx = engine.create_execution_context(use_cuda_graph=True)
     KEEP.append(ctx)
@@ -246,12 +252,13 @@ def failed(exc: BaseException) -> dict:
 # ---------------------------------------------------------------- one model
 
 
-def measure(name: str, case: tuple, model16, path: Path, peers: list, env: dict, cache) -> dict:
-    batch, dev, want, flops = case
+def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path) -> dict:
+    batch, path, dev, want, flops = case
     large = batch > 1  # throughput; batch 1: latency
     row: dict = {"model": name, "batch": batch, "large": large, "flops": flops, "peers": {}}
     row["image"] = SPECS[name].image
-    cl = torch.channels_last if SPECS[name].image else torch.contiguous_format
+    row["export"] = "dynamic batch" if path.stem == "dynamic" else "static"
+    cl = torch.channels_last if SPECS[name].channels_last else torch.contiguous_format
     args = [
         x.half().contiguous(memory_format=cl) if x.is_floating_point() else x for x in dev.values()
     ]
@@ -292,22 +299,30 @@ def run_model(name: str, args, env: dict, tmp: Path) -> dict:
     result: dict = {"environment": env, "model": name, "rows": []}
     model = common.make_model(name, S.tiny)
     batches = run_batches(name, args.batch)
-    example = feeds_for(name, min(2, batches[0]), seed=0)
-    path = common.export_dynamic(model, example, tmp / name / "model.onnx")
+    if args.static_export:  # one model per batch, without a dynamic axis
+        paths = [
+            common.export_dynamic(
+                model, feeds_for(name, b, b), tmp / name / f"batch{b}.onnx", dynamic=False
+            )
+            for b in batches
+        ]
+    else:  # one model, a dynamic batch axis
+        example = feeds_for(name, min(2, batches[0]), seed=0)
+        paths = [common.export_dynamic(model, example, tmp / name / "dynamic.onnx")] * len(batches)
     common.log(f"{name}: exported")
     model = model.to(S.device)
     cases = []
-    for batch in batches:
+    for batch, path in zip(batches, paths):
         dev = {
             k: torch.from_numpy(v).to(S.device) for k, v in feeds_for(name, batch, batch).items()
         }
-        cases.append((batch, dev, *reference(model, dev)))
+        cases.append((batch, path, dev, *reference(model, dev)))
     model16 = model.half()
-    if SPECS[name].image:
+    if SPECS[name].channels_last:
         model16 = model16.to(memory_format=torch.channels_last)
     file = Path(args.out) / f"{name}.json"
     for case in cases:
-        result["rows"].append(measure(name, case, model16, path, args.peers, env, tmp / "tc"))
+        result["rows"].append(measure(name, case, model16, args.peers, env, tmp / "tc"))
         write_json(file, with_earlier(file, result))
     del model, model16, cases
     return result
@@ -358,6 +373,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="small models (a smoke test)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-results")
     ap.add_argument("--inductor-cache", default="/tmp/tensorkiln-bench-inductor")
+    ap.add_argument(
+        "--static-export",
+        action="store_true",
+        help="export one model per batch, without the dynamic batch axis",
+    )
     ap.add_argument("--merge", metavar="DIR", help="only combine DIR/<model>.json into a table")
     args = ap.parse_args(argv)
     for what, known in (("models", SPECS), ("peers", PEERS)):

@@ -97,16 +97,22 @@ def test_merge_round_trip_and_a_second_call(smoke: Path, tmp_path: Path) -> None
     merged = json.loads((tmp_path / "results.json").read_text())
     assert [m["model"] for m in merged["models"]] == list(ROWS)
     assert r.stdout.strip() == (smoke / "results.md").read_text().strip()
-    # a second call, eager alone at batch 1: the first call's tensorkiln cell stays in the row
+    # a second call, tensorkiln alone at batch 1 from a static export: the first call's eager
+    # cell and its batch-4 row stay
     before = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
     r = _run("--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "gpt2",
-             "--batch", "1", "--peers", "eager")  # fmt: skip
+             "--batch", "1", "--peers", "tensorkiln", "--static-export")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     after = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
-    assert [x["batch"] for x in after] == [4, 1]
-    assert after[1]["peers"]["tensorkiln"] == before[1]["peers"]["tensorkiln"]
-    assert after[1]["peers"]["eager"]["value"] > 0 and after[1]["ratio"] is not None
+    assert [x["batch"] for x in after] == [4, 1] and after[0] == before[0]
+    assert after[1]["peers"]["eager"] == before[1]["peers"]["eager"]
+    assert after[1]["export"] == "static" and before[1]["export"] == "dynamic batch"
+    assert 1e-6 < after[1]["peers"]["tensorkiln"]["err"] < 1e-2
     assert np.isclose(after[1]["eager_fp16_err"], before[1]["eager_fp16_err"])
+    assert after[1]["ratio"] == pytest.approx(
+        after[1]["peers"]["eager"]["value"] / after[1]["peers"]["tensorkiln"]["value"]
+    )
+    assert "gpt2 batch 1: exported at this batch" in (tmp_path / "results.md").read_text()
 
 
 @pytest.mark.parametrize(
