@@ -57,9 +57,9 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))  # the model helpers of tests/models
 
 import torch  # noqa: E402
-from benchmarks._gpu_table import derive, markdown, merge  # noqa: E402
 
 from benchmarks import _common as common  # noqa: E402
+from benchmarks import _gpu_table as table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -280,7 +280,7 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
         row["peers"][peer] = cell
         common.log(f"{name} batch {batch}: {peer} {_brief(cell, large)}")
     torch._dynamo.reset()
-    return derive(row, env["gemm_peak"]["flops"])
+    return table.derive(row, env["gemm_peak"]["flops"])
 
 
 def _brief(cell: dict, large: bool) -> str:
@@ -349,7 +349,7 @@ def with_earlier(file: Path, result: dict) -> dict:
         if old is not None:
             for peer, cell in old.get("peers", {}).items():
                 row["peers"].setdefault(peer, cell)
-            derive(row, result["environment"]["gemm_peak"]["flops"])
+            table.derive(row, result["environment"]["gemm_peak"]["flops"])
     merged = dict(result)
     merged["rows"] = sorted([*result["rows"], *rows.values()], key=lambda r: -r["batch"])
     return merged
@@ -427,8 +427,10 @@ def main(argv: list[str] | None = None) -> int:
             common.log(f"{name}: start")
             try:
                 run_model(name, args, env, Path(tmp))
-            except Exception as exc:  # report and go on with the next model
-                write_json(out / f"{name}.json", {"environment": env, "model": name, **failed(exc)})
+            except Exception as exc:  # report (keeping the rows measured) and go on
+                file = out / f"{name}.json"
+                empty = {"environment": env, "model": name, "rows": []}
+                write_json(file, {**with_earlier(file, empty), **failed(exc)})
             free()
     return print_merged(out)
 
@@ -438,11 +440,11 @@ def print_merged(folder: Path) -> int:
         print(f"error: --merge: '{folder}' is not a folder", file=sys.stderr)
         return 2
     try:
-        results = merge(folder, list(SPECS))
+        results = table.merge(folder, list(SPECS))
     except ValueError as exc:
         print(f"error: --merge: {exc}", file=sys.stderr)
         return 2
-    lines = markdown(results)
+    lines = table.markdown(results)
     (folder / "results.md").write_text("\n".join(lines) + "\n")
     write_json(folder / "results.json", results)
     print("\n".join(lines))

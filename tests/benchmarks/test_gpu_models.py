@@ -4,6 +4,7 @@ per-model files merge into the same table, and a second call adds peers to the f
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -44,7 +45,6 @@ def smoke(tmp_path_factory) -> Path:
 
 def _reference_fp16_error(name: str, batch: int) -> float:
     """PyTorch fp16 eager against fp32 eager on the script's inputs, computed here."""
-    sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
     from benchmarks import _common
 
     model = _common.make_model(name, tiny=True)
@@ -82,7 +82,9 @@ def test_every_row_measured_and_checked(smoke: Path) -> None:
     assert "tensorkiln ms / best peer ms" in md and "GEMM peak measured" in md
 
 
-def test_eager_error_matches_an_independent_computation(smoke: Path) -> None:
+def test_eager_error_matches_an_independent_computation(smoke: Path, monkeypatch) -> None:
+    for p in (ROOT / "src", ROOT):
+        monkeypatch.syspath_prepend(str(p))
     rows = json.loads((smoke / "bert.json").read_text())["rows"]
     row = next(r for r in rows if r["batch"] == 1)
     assert row["eager_fp16_err"] == pytest.approx(_reference_fp16_error("bert", 1), rel=1e-3)
@@ -131,3 +133,24 @@ def test_user_errors(args: list[str], message: str) -> None:
 def test_merge_of_an_empty_folder(tmp_path: Path) -> None:
     r = _run("--merge", str(tmp_path))
     assert r.returncode == 2 and "no <model>.json files" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_failed_model_keeps_its_measured_rows(smoke: Path, tmp_path: Path, monkeypatch) -> None:
+    """A model that fails after a row was written keeps the row, and the table shows both."""
+    for p in (ROOT / "src", ROOT):
+        monkeypatch.syspath_prepend(str(p))
+    from benchmarks import _gpu_table
+
+    spec = importlib.util.spec_from_file_location("gpu_models_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # (its dataclasses look it up there)
+    spec.loader.exec_module(bench)
+    shutil.copy(smoke / "bert.json", tmp_path / "bert.json")
+    measured = json.loads((tmp_path / "bert.json").read_text())
+    empty = {"environment": measured["environment"], "model": "bert", "rows": []}
+    kept = bench.with_earlier(tmp_path / "bert.json", empty)
+    assert kept["rows"] == measured["rows"]
+    data = {**kept, "failed": "OutOfMemoryError: CUDA out of memory"}
+    md = "\n".join(_gpu_table.markdown({"environments": [data["environment"]], "models": [data]}))
+    assert "| bert | - | failed: OutOfMemoryError: CUDA out of memory |" in md
+    assert "| bert | 4 (seq/s) |" in md and "| bert | 1 (ms) |" in md
