@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_models.py [--models resnet50,bert,vit,gpt2,bert_large]
         [--peers tensorkiln,eager,compile,max-autotune,reduce-overhead] [--batch large|1|both]
-        [--out DIR] [--inductor-cache DIR]
+        [--out DIR] [--inductor-cache DIR] [--static-export]
     python benchmarks/gpu_models.py --merge DIR          # no GPU needed
     python benchmarks/gpu_models.py --device cpu --tiny  # the smoke test (CI)
 
@@ -422,6 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     common.log(json.dumps(env))
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models:
             common.log(f"{name}: start")
@@ -437,12 +438,12 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_merged(folder: Path) -> int:
     if not folder.is_dir():
-        print(f"error: --merge: '{folder}' is not a folder", file=sys.stderr)
+        print(f"error: '{folder}' is not a folder", file=sys.stderr)
         return 2
     try:
         results = table.merge(folder, list(SPECS))
     except ValueError as exc:
-        print(f"error: --merge: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     lines = table.markdown(results)
     (folder / "results.md").write_text("\n".join(lines) + "\n")
