@@ -567,10 +567,9 @@ def _arbitrated(r: dict) -> str:
 
 
 def environment(device: str) -> dict:
-    import cuda_models
+    from benchmarks import _common  # (imports torch: only when checking)
 
-    cuda_models.DEVICE = device  # cuda_models.environment describes the device it is set to
-    return cuda_models.environment()
+    return _common.environment(device)
 
 
 def summary(results: dict) -> list[str]:

@@ -26,7 +26,6 @@ smoke test of this script (tests/benchmarks runs it), whose timings mean nothing
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -50,7 +49,7 @@ from tests.models.test_architectures import (  # noqa: E402
 )
 
 import tensorkiln  # noqa: E402
-from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
+from benchmarks import _common as common  # noqa: E402
 
 SEQ = 128
 LARGE = {"resnet50": 128, "bert": 64, "gpt2": 32, "vit": 64}
@@ -79,83 +78,17 @@ def peak_activation_bytes(fn) -> int | None:
 
 
 def make_model(name: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    if name == "resnet50":
-        import torchvision
-
-        return torchvision.models.resnet50(weights=None).eval()
-    if name == "vit":
-        import torchvision
-
-        vit = torchvision.models.vit_b_16(weights=None).eval()
-        # torchvision initializes the classifier head to zeros: the logits would be all zeros,
-        # and any engine would "match" them
-        torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
-        torch.nn.init.normal_(vit.heads.head.bias, std=0.02)
-        return vit
-    if name == "bert":
-        from transformers import BertConfig, BertModel
-
-        small = dict(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128
-        )
-
-        class Bert(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.m = BertModel(BertConfig(**(small if TINY else {})))
-
-            def forward(self, input_ids, attention_mask):
-                return self.m(
-                    input_ids=input_ids, attention_mask=attention_mask, return_dict=False
-                )[0]
-
-        return Bert().eval()
-    if name == "gpt2":
-        from transformers import GPT2Config, GPT2Model
-
-        small = dict(n_embd=64, n_layer=2, n_head=4)
-
-        class GPT2(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.m = GPT2Model(GPT2Config(**(small if TINY else {})))
-
-            def forward(self, input_ids, attention_mask):
-                return self.m(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    use_cache=False,
-                    return_dict=False,
-                )[0]
-
-        return GPT2().eval()
-    raise SystemExit(f"unknown model {name}")
+    return common.make_model(name, TINY)
 
 
 def make_feeds(name: str, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     if name in ("resnet50", "vit"):
-        rng = np.random.default_rng(seed)
-        return {"input": rng.standard_normal((batch, 3, 224, 224)).astype(np.float32)}
+        return common.image_feeds(batch, common.TINY_IMAGE if TINY else 224, seed)
     return token_feeds(batch, SEQ, 30522 if name == "bert" else 50257)
 
 
 def build(path: Path, precision: str, cache: Path) -> tuple[tensorkiln.Engine, float, dict]:
-    config = BuilderConfig()
-    if precision != "fp32":
-        config.set_flag(precision)
-    config.timing_cache = str(cache)
-    b = Builder("cuda", device=DEVICE)
-    t0 = time.perf_counter()
-    engine = b.build(path, config, progress=False)
-    return engine, time.perf_counter() - t0, b.last_report.timing_cache
-
-
-def norm_rel(got, want) -> float:
-    return max(
-        float(np.linalg.norm(g.astype(np.float64) - w) / max(np.linalg.norm(w), 1e-30))
-        for g, w in zip(got, want)
-    )
+    return common.build(path, precision, cache, DEVICE)
 
 
 def latency_ms(fn, runs: int = 50, warmup: int = 5) -> float:
@@ -249,11 +182,11 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
         got = ctx.infer(feeds)
         got = [got[o.name] for o in engine.outputs]
         res[f"{precision}_max_rel_vs_ort"] = max_rel_diff(got, ref)
-        res[f"{precision}_norm_rel_vs_ort"] = norm_rel(got, ref)
+        res[f"{precision}_norm_rel_vs_ort"] = common.norm_rel(got, ref)
         gctx = engine.create_execution_context(use_cuda_graph=True)
         gout = gctx.infer(dev)
         gout = [gout[o.name].float().cpu().numpy() for o in engine.outputs]
-        res[f"{precision}_graph_norm_rel_vs_ort"] = norm_rel(gout, ref)
+        res[f"{precision}_graph_norm_rel_vs_ort"] = common.norm_rel(gout, ref)
         res[f"{precision}_graph_fallback"] = gctx.cuda_graph_fallback
         res[f"{precision}_tuned_layers"] = sum(1 for x in engine.layers if x.get("timings_ms"))
         res[f"{precision}_non_default"] = sum(
@@ -353,32 +286,6 @@ def large_batch(name: str, folder: Path, cache: Path, large: int, log, timed: bo
     return res
 
 
-def environment() -> dict:
-    import onnxruntime
-
-    env = {
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "onnxruntime": onnxruntime.__version__,
-        "python": sys.version.split()[0],
-        "tensorkiln": tensorkiln.__version__,
-    }
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if DEVICE == "cuda":
-        p = torch.cuda.get_device_properties(0)
-        env["device"] = f"{p.name} (sm_{p.major}{p.minor}, {p.multi_processor_count} SMs)"
-        env["cuda"] = torch.version.cuda
-        env["cudnn"] = torch.backends.cudnn.version()
-    else:
-        env["device"] = "cpu (torch CPU tensors; timings say nothing about a GPU)"
-    return env
-
-
 def log(line: str) -> None:
     print(line, flush=True)
 
@@ -403,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         k, v = item.split("=")
         large[k] = int(v)
     out = Path(args.out)
-    results = {"environment": environment(), "models": []}
+    results = {"environment": common.environment(DEVICE), "models": []}
     print(json.dumps(results["environment"]), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         cache = Path(tmp) / "timing.cache"

@@ -1,0 +1,181 @@
+"""gpu_models.py's results: the figures derived from a measured row, the merge of the per-model
+files and the markdown table. Needs no GPU and no torch (``--merge``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PEER_COLUMNS = {
+    "tensorkiln": "tensorkiln",
+    "eager": "eager",
+    "compile": "compile",
+    "max-autotune": "max-autotune-no-cudagraphs",
+    "reduce-overhead": "reduce-overhead",
+}
+MiB = 2**20
+
+
+def derive(row: dict, peak_flops: float | None) -> dict:
+    """Best peer, ratios, % of the GEMM peak and the agreement flag of a measured row."""
+    large = row["large"]
+    tk = row["peers"].get("tensorkiln", {})
+    done = {p: c["value"] for p, c in row["peers"].items() if p != "tensorkiln" and "value" in c}
+    row["best_peer"] = None
+    if done:
+        pick = max if large else min  # items/s, or ms
+        row["best_peer"] = pick(done, key=done.get)
+    best = done.get(row["best_peer"])
+    value = tk.get("value")
+    row["ratio"] = row["tk_over_best"] = row["pct_peak"] = row["flag"] = None
+    if value and best:
+        row["ratio"] = value / best if large else best / value
+        if not large:
+            row["tk_over_best"] = value / best
+    if value and row.get("flops") and peak_flops:
+        seconds = row["batch"] / value if large else value / 1e3
+        row["pct_peak"] = 100.0 * row["flops"] / seconds / peak_flops
+    if "err" in tk:
+        bound = 2 * row["eager_fp16_err"] + 1e-3
+        if tk["err"] > bound:
+            row["flag"] = (
+                f"tensorkiln's error {tk['err']:.2e} > 2 x eager fp16's + 1e-3 = {bound:.2e}"
+            )
+    return row
+
+
+def merge(folder: Path, order: list[str]) -> dict:
+    """Every DIR/<model>.json (not results.json), in ``order``: {"environments", "models"}."""
+    models = []
+    for path in sorted(folder.glob("*.json")):
+        if path.name == "results.json":
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not a results file ({exc})") from None
+        if not isinstance(data, dict) or "model" not in data:
+            raise ValueError(f"{path}: not a results file (no 'model')")
+        models.append(data)
+    if not models:
+        raise ValueError(f"no <model>.json files in '{folder}'")
+    models.sort(key=lambda m: order.index(m["model"]) if m["model"] in order else len(order))
+    envs = []
+    for m in models:
+        env = m.get("environment", {})
+        if env not in envs:
+            envs.append(env)
+    return {"environments": envs, "models": models}
+
+
+def _num(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "-"
+    return format(n / MiB, ",.0f" if n >= 10 * MiB else ".2g")
+
+
+def _cell(cell: dict | None, large: bool) -> str:
+    if cell is None:
+        return "-"  # not asked for
+    if "value" in cell:
+        return format(cell["value"], ",.0f" if large else ".3f")
+    text = f"failed: {cell['failed']}" if "failed" in cell else f"skipped: {cell.get('skipped')}"
+    return text.replace("|", "/").replace("\n", " ")
+
+
+def _env_lines(envs: list[dict]) -> list[str]:
+    lines = []
+    for env in envs:
+        peak = env.get("gemm_peak") or {}
+        n = peak.get("n")
+        lines += [
+            f"- {env.get('device')}; {env.get('date')}; torch {env.get('torch')}, triton "
+            f"{env.get('triton')}, transformers {env.get('transformers')}, tensorkiln "
+            f"{env.get('tensorkiln')}, python {env.get('python')}",
+            f"- {peak.get('dtype')} GEMM peak measured in-process: "
+            f"{_num((peak.get('flops') or 0) / 1e12 if peak else None, '.1f')} TFLOP/s "
+            f"({n}x{n}x{n} matmul, best of 5 rounds of 10)",
+        ]
+    return lines
+
+
+def _header(timing: dict) -> list[str]:
+    t = {"loops": 3, "iters": 20, "latency_runs": 200, "clock": "CUDA events", **timing}
+    return [
+        f"Throughput rows (batch > 1): images or sequences per second, the best of {t['loops']} "
+        f"loops of {t['iters']} calls timed with {t['clock']}; **ratio = tensorkiln / best "
+        "peer** (above 1: tensorkiln is faster).",
+        f"Batch-1 rows: milliseconds, the median of {t['latency_runs']} synchronized calls; "
+        "**ratio = best peer ms / tensorkiln ms** (above 1: tensorkiln is faster), and in "
+        "brackets **tensorkiln ms / best peer ms** (the target is <= 0.8).",
+        "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
+        "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3.",
+        "activation MiB: the engine's planned activation peak / what its CUDA-graph context "
+        "holds after the runs. % peak: model FLOPs (FlopCounterMode, fp32 eager) / tensorkiln's "
+        "time per inference / the measured GEMM peak.",
+    ]
+
+
+def markdown(results: dict) -> list[str]:
+    lines = ["# tensorkiln against PyTorch, fp16", "", *_env_lines(results["environments"]), ""]
+    timing = results["environments"][0].get("timing") or {}
+    lines += [f"- {h}" for h in _header(timing)] + [""]
+    cols = ["model", "batch", *PEER_COLUMNS.values(), "best peer", "ratio", "build s"]
+    cols += ["activation MiB planned / actual", "% fp16 GEMM peak", "error tensorkiln / eager"]
+    lines += ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
+    for m in results["models"]:
+        if "failed" in m:
+            lines.append(f"| {m['model']} | - | {_cell(m, True)} |" + " |" * (len(cols) - 3))
+        for row in m.get("rows", []):
+            lines.append(_row(row))
+    return [*lines, "", *_notes(_rows(results))]
+
+
+def _notes(rows: list[dict]) -> list[str]:
+    """Flags, runs without a CUDA graph, static exports, and the peers' compile seconds."""
+    notes = []
+    for r in rows:
+        where = f"{r['model']} batch {r['batch']}"
+        tk = r["peers"].get("tensorkiln", {})
+        if r["flag"]:
+            notes.append(f"- FLAG {where}: {r['flag']}")
+        if tk.get("graph_fallback"):
+            notes.append(f"- {where}: tensorkiln ran without a CUDA graph: {tk['graph_fallback']}")
+        if r.get("export") == "static":
+            notes.append(f"- {where}: exported at this batch (no dynamic axis, no profile)")
+        compiled = [
+            f"{PEER_COLUMNS[p]} {c['compile_s']:.0f}"
+            for p, c in r["peers"].items()
+            if c.get("compile_s") is not None
+        ]
+        if compiled:
+            notes.append(f"- {where}: compile s (first call): {', '.join(compiled)}")
+    return notes
+
+
+def _rows(results: dict) -> list[dict]:
+    return [row for m in results["models"] for row in m.get("rows", [])]
+
+
+def _row(row: dict) -> str:
+    large = row["large"]
+    unit = ("img/s" if row.get("image") else "seq/s") if large else "ms"
+    tk = row["peers"].get("tensorkiln", {})
+    ratio = _num(row["ratio"], ".2f")
+    if row["tk_over_best"] is not None:
+        ratio += f" [{row['tk_over_best']:.2f}]"
+    mem = "-"
+    if tk.get("planned_bytes") is not None:
+        actual = tk.get("actual_bytes")
+        mem = f"{_mib(tk['planned_bytes'])} / {_mib(actual)}"
+    err = f"{_num(tk.get('err'), '.1e')} / {row['eager_fp16_err']:.1e}"
+    err += " FLAG" if row["flag"] else ""
+    cells = [row["model"], f"{row['batch']} ({unit})"]
+    cells += [_cell(row["peers"].get(p), large) for p in PEER_COLUMNS]
+    cells += [row["best_peer"] or "-", ratio, _num(tk.get("build_s"), ".1f"), mem]
+    cells += [_num(row["pct_peak"], ".1f"), err]
+    return "| " + " | ".join(cells) + " |"

@@ -1,0 +1,456 @@
+"""tensorkiln against every way a PyTorch user runs the model on the GPU, in one process.
+
+    python benchmarks/gpu_models.py [--models resnet50,bert,vit,gpt2,bert_large]
+        [--peers tensorkiln,eager,compile,max-autotune,reduce-overhead] [--batch large|1|both]
+        [--out DIR] [--inductor-cache DIR] [--static-export]
+    python benchmarks/gpu_models.py --merge DIR          # no GPU needed
+    python benchmarks/gpu_models.py --device cpu --tiny  # the smoke test (CI)
+
+The models, fp16, random weights: ResNet-50 224x224 (batch 256 and 1), BERT-base at sequence 128
+with the last 1/8 of every sequence padded (64 and 1), ViT-B/16 224x224 (128 and 1), GPT-2 small
+at sequence 512, no padding (32 and 1), BERT-large at sequence 384, padded as BERT-base (128).
+Each is exported once with the TorchScript exporter (opset 17, dynamic batch axis; with
+--static-export, once per batch without one); tensorkiln builds an fp16 engine per batch (profile
+min 1 / opt B / max B; batch 1: 1 / 1 / 1; none for a static export) and runs it
+as one CUDA graph on device tensors (``create_execution_context(use_cuda_graph=True)``, as
+``tensorkiln run --use-cuda-graph --device-io``). Its peers, on the same inputs, under
+torch.inference_mode: PyTorch eager fp16 (conv nets channels_last), torch.compile (default mode),
+mode="max-autotune-no-cudagraphs" and mode="reduce-overhead", each compiled after
+torch._dynamo.reset() for its batch alone.
+
+Before timing, every peer's output is compared with PyTorch fp32 eager's (TF32 off) on the same
+inputs: the largest relative L2 error over the outputs. A row is flagged, not stopped, when
+tensorkiln's error is above 2x PyTorch eager fp16's + 1e-3; a peer that fails shows
+"failed: <reason>" in its cell and the run goes on. Throughput at the large batch: the best of 3
+loops of 20 calls timed with CUDA events (after warm-up); batch-1 latency: the median of 200
+calls, each synchronized. Per row, also: tensorkiln's build seconds, its planned activation
+memory and what its context holds after the runs, and its share of the fp16 GEMM peak (the model's
+FLOPs, counted once with FlopCounterMode on the fp32 eager model at that batch, per tensorkiln's
+time per inference, over the peak of an 8192^3 fp16 matmul measured at the start).
+
+Each model's rows go to DIR/<model>.json as soon as they are measured; the end of a run (and
+``--merge DIR``) writes DIR/results.md and DIR/results.json from every model file in DIR, so
+several calls (one model or peer set at a time) make one table. Inductor's cache is kept in
+--inductor-cache (default /tmp/tensorkiln-bench-inductor), so a second call on the same machine
+reuses compiled kernels. Progress goes to stderr. ``--device cpu --tiny`` runs 2-layer
+transformers, a small conv net for ResNet-50 and a 32x32 ViT on torch CPU tensors (torch.compile
+peers skipped: Inductor's C++ compile takes minutes there): a smoke test whose timings mean
+nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))  # the model helpers of tests/models
+
+import torch  # noqa: E402
+
+from benchmarks import _common as common  # noqa: E402
+from benchmarks import _gpu_table as table  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Spec:
+    image: bool  # an image model (else token ids and an attention mask)
+    size: int  # image side or sequence length
+    large: int  # the large batch
+    batch1: bool = True  # also measured at batch 1
+    vocab: int = 30522
+    pad: bool = False  # mask the last 1/8 of every sequence
+    channels_last: bool = False  # a conv net: PyTorch eager runs it channels_last
+
+
+SPECS = {
+    "resnet50": Spec(True, 224, 256, channels_last=True),
+    "bert": Spec(False, 128, 64, pad=True),
+    "vit": Spec(True, 224, 128),
+    "gpt2": Spec(False, 512, 32, vocab=50257),
+    "bert_large": Spec(False, 384, 128, batch1=False, pad=True),
+}
+PEERS = ("tensorkiln", "eager", "compile", "max-autotune", "reduce-overhead")
+MODES = {
+    "compile": None,
+    "max-autotune": "max-autotune-no-cudagraphs",
+    "reduce-overhead": "reduce-overhead",
+}
+
+
+@dataclass
+class Settings:
+    device: str = "cuda"
+    tiny: bool = False
+    loops: int = 3  # throughput: the best of this many loops
+    iters: int = 20  # calls per throughput loop
+    warmup: int = 5
+    latency_runs: int = 200  # batch 1: median of this many synchronized calls
+
+    def sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+
+S = Settings()
+KEEP: list = []  # tensorkiln contexts kept alive: each measured context has a memory pool of its own
+
+
+def feeds_for(name: str, batch: int, seed: int) -> dict:
+    spec = SPECS[name]
+    if spec.image:
+        return common.image_feeds(batch, common.TINY_IMAGE if S.tiny else spec.size, seed)
+    seq = 16 if S.tiny else spec.size
+    return common.padded_token_feeds(batch, seq, spec.vocab, seq // 8 if spec.pad else 0, seed)
+
+
+def outputs(out) -> list:
+    return list(out) if isinstance(out, tuple | list) else [out]
+
+
+# ---------------------------------------------------------------- timing
+
+
+def throughput(fn, batch: int) -> float:
+    """Items per second: the best of S.loops loops of S.iters calls (CUDA events on the GPU)."""
+    for _ in range(S.warmup):
+        fn()
+    S.sync()
+    best = float("inf")
+    for _ in range(S.loops):
+        if S.device == "cuda":
+            start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            start.record()
+            for _ in range(S.iters):
+                fn()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            for _ in range(S.iters):
+                fn()
+            ms = (time.perf_counter() - t0) * 1e3
+        best = min(best, ms / S.iters)
+    return batch * 1e3 / best
+
+
+def latency_ms(fn) -> float:
+    """The median of S.latency_runs calls, each synchronized (perf_counter around both)."""
+    for _ in range(S.warmup * 2):
+        fn()
+        S.sync()
+    samples = []
+    for _ in range(S.latency_runs):
+        t0 = time.perf_counter()
+        fn()
+        S.sync()
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(samples)
+
+
+def gemm_peak() -> dict:
+    """The fp16 matmul peak, measured: best of 5 rounds of 10 8192^3 products (on the CPU,
+    --tiny: float32 at 256^3, a stand-in)."""
+    cuda = S.device == "cuda"
+    n, dtype = (8192, torch.float16) if cuda else (256, torch.float32)
+    a, b = (torch.randn(n, n, device=S.device, dtype=dtype) for _ in range(2))
+    saved = S.loops, S.iters, S.warmup
+    S.loops, S.iters, S.warmup = 5, 10, 3
+    try:
+        per_s = throughput(lambda: a @ b, 1)
+    finally:
+        S.loops, S.iters, S.warmup = saved
+    return {"flops": 2 * n**3 * per_s, "n": n, "dtype": str(dtype).removeprefix("torch.")}
+
+
+# ---------------------------------------------------------------- peers
+
+
+def reference(model, dev: dict) -> tuple[list, int]:
+    """PyTorch fp32 eager's outputs (TF32 off) and the FLOPs of that call (MHA's fused fast path
+    off and attention by SDPA's math backend, so that the counter sees every matmul the same way
+    on every device)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        with (
+            torch.inference_mode(),
+            common._no_mha_fastpath(),
+            sdpa_kernel(SDPBackend.MATH),
+            FlopCounterMode(display=False) as counter,
+        ):
+            want = outputs(model(*dev.values()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    return [w.float() for w in want], int(counter.get_total_flops())
+
+
+def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path) -> dict:
+    """Build the fp16 engine for this batch, run it as a CUDA graph, check it, time it.
+    A model with a dynamic batch axis gets a profile: min 1, opt = max = this batch (batch 1:
+    1, 1, 1)."""
+    shapes = None
+    if path.stem == "dynamic":
+        shapes = {
+            k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (v.shape,) * 3
+            for k, v in dev.items()
+        }
+    engine, secs, tc = common.build(path, "fp16", cache, S.device, shapes)
+    ctx = engine.create_execution_context(use_cuda_graph=True)
+    KEEP.append(ctx)
+    names = [o.name for o in engine.outputs]
+    got = ctx.infer(dev)
+    cell = {"err": common.norm_rel_torch([got[n] for n in names], want), "build_s": secs}
+    cell["timing_cache"] = tc
+    batch = next(iter(dev.values())).shape[0]
+    cell["value"] = (
+        throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
+    )
+    cell["planned_bytes"] = engine.memory.get("peak_bytes")
+    cell["actual_bytes"] = ctx.device_memory_bytes() if S.device == "cuda" else None
+    cell["graph_fallback"] = ctx.cuda_graph_fallback
+    return cell
+
+
+def torch_peer(peer: str, model16, args: list, want: list, large: bool) -> dict:
+    """Eager fp16 or one torch.compile mode: compile (first call), check, time."""
+    if peer != "eager" and S.device != "cuda":
+        return {"skipped": "GPU only (C++ compiles take minutes on the CPU)"}
+    fn = model16
+    if peer != "eager":
+        torch._dynamo.reset()  # a fresh compile for this mode and batch alone
+        fn = torch.compile(model16, mode=MODES[peer])
+    t0 = time.perf_counter()
+    got = outputs(fn(*args))
+    S.sync()
+    cell = {"err": common.norm_rel_torch(got, want)}
+    if peer != "eager":
+        cell["compile_s"] = time.perf_counter() - t0
+    del got
+    batch = args[0].shape[0]
+    cell["value"] = throughput(lambda: fn(*args), batch) if large else latency_ms(lambda: fn(*args))
+    return cell
+
+
+def failed(exc: BaseException) -> dict:
+    traceback.print_exc(file=sys.stderr)
+    lines = str(exc).strip().splitlines() or [""]
+    return {"failed": f"{type(exc).__name__}: {lines[0][:160]}"}
+
+
+# ---------------------------------------------------------------- one model
+
+
+def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path) -> dict:
+    batch, path, dev, want, flops = case
+    large = batch > 1  # throughput; batch 1: latency
+    row: dict = {"model": name, "batch": batch, "large": large, "flops": flops, "peers": {}}
+    row["image"] = SPECS[name].image
+    row["export"] = "dynamic batch" if path.stem == "dynamic" else "static"
+    cl = torch.channels_last if SPECS[name].channels_last else torch.contiguous_format
+    args = [
+        x.half().contiguous(memory_format=cl) if x.is_floating_point() else x for x in dev.values()
+    ]
+    with torch.inference_mode():
+        row["eager_fp16_err"] = common.norm_rel_torch(outputs(model16(*args)), want)
+    for peer in peers:
+        common.log(f"{name} batch {batch}: {peer}")
+        try:
+            if peer == "tensorkiln":  # (as `tensorkiln run` runs it: its backend sets the mode)
+                cell = tensorkiln_peer(path, dev, want, large, cache)
+            else:
+                with torch.inference_mode():
+                    cell = torch_peer(peer, model16, args, want, large)
+        except Exception as exc:  # reported in its cell; the run goes on
+            cell = failed(exc)
+        row["peers"][peer] = cell
+        common.log(f"{name} batch {batch}: {peer} {_brief(cell, large)}")
+    torch._dynamo.reset()
+    return table.derive(row, env["gemm_peak"]["flops"])
+
+
+def _brief(cell: dict, large: bool) -> str:
+    if "value" not in cell:
+        return cell.get("failed") or cell.get("skipped", "")
+    unit = "/s" if large else " ms"
+    return f"{cell['value']:.4g}{unit}, rel L2 error {cell['err']:.2e}"
+
+
+def run_batches(name: str, choice: str) -> list[int]:
+    spec = SPECS[name]
+    large = 4 if S.tiny else spec.large
+    batches = {"large": [large], "1": [1], "both": [large, 1]}[choice]
+    return batches if spec.batch1 else [b for b in batches if b > 1]  # (BERT-large: large only)
+
+
+def run_model(name: str, args, env: dict, tmp: Path) -> dict:
+    """Export once, take the fp32 references at every batch, then measure each batch; the
+    model's file in --out is rewritten after each batch."""
+    result: dict = {"environment": env, "model": name, "rows": []}
+    model = common.make_model(name, S.tiny)
+    batches = run_batches(name, args.batch)
+    if not batches:
+        common.log(f"{name}: not measured at batch 1; skipped")
+        return result
+    if args.static_export:  # one model per batch, without a dynamic axis
+        paths = [
+            common.export_dynamic(
+                model, feeds_for(name, b, b), tmp / name / f"batch{b}.onnx", dynamic=False
+            )
+            for b in batches
+        ]
+    else:  # one model, a dynamic batch axis
+        example = feeds_for(name, min(2, batches[0]), seed=0)
+        paths = [common.export_dynamic(model, example, tmp / name / "dynamic.onnx")] * len(batches)
+    common.log(f"{name}: exported")
+    model = model.to(S.device)
+    cases = []
+    for batch, path in zip(batches, paths):
+        dev = {
+            k: torch.from_numpy(v).to(S.device) for k, v in feeds_for(name, batch, batch).items()
+        }
+        cases.append((batch, path, dev, *reference(model, dev)))
+    model16 = model.half()
+    if SPECS[name].channels_last:
+        model16 = model16.to(memory_format=torch.channels_last)
+    file = Path(args.out) / f"{name}.json"
+    for case in cases:
+        result["rows"].append(measure(name, case, model16, args.peers, env, tmp / "tc"))
+        write_json(file, with_earlier(file, result))
+    del model, model16, cases
+    return result
+
+
+def with_earlier(file: Path, result: dict) -> dict:
+    """``result`` with what an earlier call wrote to ``file`` for this model and was not measured
+    now: rows at other batches, and the cells of peers not run this time (same seeds, so the same
+    inputs and references)."""
+    try:
+        earlier = json.loads(file.read_text()).get("rows") or []
+    except (OSError, ValueError, AttributeError):
+        return result
+    rows = {r["batch"]: r for r in earlier if isinstance(r, dict) and "batch" in r}
+    for row in result["rows"]:
+        old = rows.pop(row["batch"], None)
+        if old is not None:
+            for peer, cell in old.get("peers", {}).items():
+                row["peers"].setdefault(peer, cell)
+            table.derive(row, result["environment"]["gemm_peak"]["flops"])
+    merged = dict(result)
+    merged["rows"] = sorted([*result["rows"], *rows.values()], key=lambda r: -r["batch"])
+    return merged
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    tmp.replace(path)
+
+
+def free() -> None:
+    gc.collect()
+    if S.device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default=",".join(SPECS))
+    ap.add_argument("--peers", default=",".join(PEERS))
+    ap.add_argument("--batch", choices=("large", "1", "both"), default="both")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="small models (a smoke test)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-results")
+    ap.add_argument("--inductor-cache", default="/tmp/tensorkiln-bench-inductor")
+    ap.add_argument(
+        "--static-export",
+        action="store_true",
+        help="export one model per batch, without the dynamic batch axis",
+    )
+    ap.add_argument("--merge", metavar="DIR", help="only combine DIR/<model>.json into a table")
+    args = ap.parse_args(argv)
+    for what, known in (("models", SPECS), ("peers", PEERS)):
+        items = [x.strip() for x in getattr(args, what).split(",") if x.strip()]
+        unknown = [x for x in items if x not in known]
+        if unknown or not items:
+            ap.error(
+                f"--{what}: unknown {', '.join(unknown) or '(none given)'}; "
+                f"choose from {', '.join(known)}"
+            )
+        setattr(args, what, items)
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.merge:
+        return print_merged(Path(args.merge))
+    S.device, S.tiny = args.device, args.tiny
+    if S.tiny:
+        S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5
+    if S.device == "cuda" and not torch.cuda.is_available():
+        print(
+            "error: --device cuda, but torch sees no GPU (use --device cpu --tiny)", file=sys.stderr
+        )
+        return 2
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", args.inductor_cache)
+    env = common.environment(S.device)
+    env["gemm_peak"] = gemm_peak()
+    env["timing"] = {
+        "loops": S.loops,
+        "iters": S.iters,
+        "latency_runs": S.latency_runs,
+        "clock": "CUDA events" if S.device == "cuda" else "perf_counter",
+    }
+    common.log(json.dumps(env))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.models:
+            common.log(f"{name}: start")
+            try:
+                run_model(name, args, env, Path(tmp))
+            except Exception as exc:  # report (keeping the rows measured) and go on
+                file = out / f"{name}.json"
+                empty = {"environment": env, "model": name, "rows": []}
+                write_json(file, {**with_earlier(file, empty), **failed(exc)})
+            free()
+    return print_merged(out)
+
+
+def print_merged(folder: Path) -> int:
+    if not folder.is_dir():
+        print(f"error: '{folder}' is not a folder", file=sys.stderr)
+        return 2
+    try:
+        results = table.merge(folder, list(SPECS))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    lines = table.markdown(results)
+    (folder / "results.md").write_text("\n".join(lines) + "\n")
+    write_json(folder / "results.json", results)
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

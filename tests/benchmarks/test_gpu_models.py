@@ -1,0 +1,156 @@
+"""benchmarks/gpu_models.py end to end on torch CPU tensors with tiny models (--device cpu --tiny),
+in a subprocess as the GPU machine runs it: every row is measured and checked for agreement, the
+per-model files merge into the same table, and a second call adds peers to the first's rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "gpu_models.py"
+ROWS = {"resnet50": [4, 1], "bert": [4, 1], "vit": [4, 1], "gpt2": [4, 1], "bert_large": [4]}
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("gpu_models")
+    r = _run("--device", "cpu", "--tiny", "--out", str(out), "--inductor-cache", str(out / "ic"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+def _reference_fp16_error(name: str, batch: int) -> float:
+    """PyTorch fp16 eager against fp32 eager on the script's inputs, computed here."""
+    from benchmarks import _common
+
+    model = _common.make_model(name, tiny=True)
+    seq = 16
+    feeds = _common.padded_token_feeds(batch, seq, 30522, seq // 8, seed=batch)
+    args = [torch.from_numpy(v) for v in feeds.values()]
+    with torch.inference_mode():
+        want = model(*args).double()
+        got = model.half()(*args).double()
+    return float(torch.linalg.vector_norm(got - want) / torch.linalg.vector_norm(want))
+
+
+def test_every_row_measured_and_checked(smoke: Path) -> None:
+    for name, batches in ROWS.items():
+        data = json.loads((smoke / f"{name}.json").read_text())
+        assert "failed" not in data, data.get("failed")
+        assert [r["batch"] for r in data["rows"]] == batches
+        for row in data["rows"]:
+            tk, eager = row["peers"]["tensorkiln"], row["peers"]["eager"]
+            # agreement with PyTorch fp32 was measured: fp16 rounding, not zero and not large
+            assert 1e-6 < tk["err"] < 1e-2 and 1e-6 < row["eager_fp16_err"] < 1e-2, row
+            assert row["flag"] is None
+            assert tk["value"] > 0 and eager["value"] > 0 and row["best_peer"] == "eager"
+            assert tk["build_s"] > 0 and tk["planned_bytes"] > 0
+            assert row["flops"] > 0 and row["pct_peak"] > 0
+            for peer in ("compile", "max-autotune", "reduce-overhead"):
+                assert row["peers"][peer]["skipped"]
+            expected = tk["value"] / eager["value"]
+            assert row["ratio"] == pytest.approx(expected if row["batch"] > 1 else 1 / expected)
+    md = (smoke / "results.md").read_text()
+    for name, batches in ROWS.items():
+        for b in batches:
+            unit = "ms" if b == 1 else ("img/s" if name in ("resnet50", "vit") else "seq/s")
+            assert f"| {name} | {b} ({unit}) |" in md
+    assert "tensorkiln ms / best peer ms" in md and "GEMM peak measured" in md
+
+
+def test_eager_error_matches_an_independent_computation(smoke: Path, monkeypatch) -> None:
+    for p in (ROOT / "src", ROOT):
+        monkeypatch.syspath_prepend(str(p))
+    rows = json.loads((smoke / "bert.json").read_text())["rows"]
+    row = next(r for r in rows if r["batch"] == 1)
+    assert row["eager_fp16_err"] == pytest.approx(_reference_fp16_error("bert", 1), rel=1e-3)
+
+
+def test_merge_round_trip_and_a_second_call(smoke: Path, tmp_path: Path) -> None:
+    for name in ROWS:
+        shutil.copy(smoke / f"{name}.json", tmp_path / f"{name}.json")
+    r = _run("--merge", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "results.md").read_text() == (smoke / "results.md").read_text()
+    merged = json.loads((tmp_path / "results.json").read_text())
+    assert [m["model"] for m in merged["models"]] == list(ROWS)
+    assert r.stdout.strip() == (smoke / "results.md").read_text().strip()
+    # a second call, tensorkiln alone at batch 1 from a static export: the first call's eager
+    # cell and its batch-4 row stay
+    before = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
+    r = _run("--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "gpt2",
+             "--batch", "1", "--peers", "tensorkiln", "--static-export")  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    after = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
+    assert [x["batch"] for x in after] == [4, 1] and after[0] == before[0]
+    assert after[1]["peers"]["eager"] == before[1]["peers"]["eager"]
+    assert after[1]["export"] == "static" and before[1]["export"] == "dynamic batch"
+    assert 1e-6 < after[1]["peers"]["tensorkiln"]["err"] < 1e-2
+    assert np.isclose(after[1]["eager_fp16_err"], before[1]["eager_fp16_err"])
+    assert after[1]["ratio"] == pytest.approx(
+        after[1]["peers"]["eager"]["value"] / after[1]["peers"]["tensorkiln"]["value"]
+    )
+    assert "gpt2 batch 1: exported at this batch" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--models", "resnet51"], "--models: unknown resnet51"),
+        (["--peers", "eager,jit"], "--peers: unknown jit"),
+        (["--merge", "/nonexistent/folder"], "is not a folder"),
+    ],
+)
+def test_user_errors(args: list[str], message: str) -> None:
+    r = _run(*args)
+    assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_merge_of_an_empty_folder(tmp_path: Path) -> None:
+    r = _run("--merge", str(tmp_path))
+    assert r.returncode == 2 and "no <model>.json files" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_failed_model_keeps_its_measured_rows(smoke: Path, tmp_path: Path, monkeypatch) -> None:
+    """A model that fails after a row was written keeps the row, and the table shows both."""
+    for p in (ROOT / "src", ROOT):
+        monkeypatch.syspath_prepend(str(p))
+    from benchmarks import _gpu_table
+
+    spec = importlib.util.spec_from_file_location("gpu_models_under_test", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # (its dataclasses look it up there)
+    spec.loader.exec_module(bench)
+    shutil.copy(smoke / "bert.json", tmp_path / "bert.json")
+    measured = json.loads((tmp_path / "bert.json").read_text())
+    empty = {"environment": measured["environment"], "model": "bert", "rows": []}
+    kept = bench.with_earlier(tmp_path / "bert.json", empty)
+    assert kept["rows"] == measured["rows"]
+    data = {**kept, "failed": "OutOfMemoryError: CUDA out of memory"}
+    md = "\n".join(_gpu_table.markdown({"environments": [data["environment"]], "models": [data]}))
+    assert "| bert | - | failed: OutOfMemoryError: CUDA out of memory |" in md
+    assert "| bert | 4 (seq/s) |" in md and "| bert | 1 (ms) |" in md
