@@ -167,3 +167,69 @@ def test_torch_export_with_dynamic_axes(tmp_path: Path) -> None:
         assert_close_to_ort(model, {"image": x}, got)
     with pytest.raises(InputError, match=r"'image'.*\[17, 3, 12, 12\].*max \[16, 3, 12, 12\]"):
         ctx.infer({"image": np.zeros((17, *IMAGE), np.float32)})
+
+
+def _shape_arithmetic_model() -> onnx.ModelProto:
+    """y = x + Range(0, Shape(x)[0])[:, None, None]: arithmetic on the dynamic batch axis that no
+    rewrite removes while the axis is dynamic (position ids and masks of exported transformers
+    are made this way)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Range", ["zero", "n", "step"], ["ids"]),
+        helper.make_node("Cast", ["ids"], ["idsf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["idsf", "axes"], ["col"]),
+        helper.make_node("Add", ["x", "col"], ["y"]),
+    ]
+    inits = [
+        numpy_helper.from_array(np.array(0, np.int64), "zero"),
+        numpy_helper.from_array(np.array(1, np.int64), "step"),
+        numpy_helper.from_array(np.array([1, 2], np.int64), "axes"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "shape_arithmetic",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 6])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_profile_that_pins_the_batch_folds_the_shape_arithmetic(backend: str) -> None:
+    """min == max in every profile: the axis is the model's own at build time, so Shape, Gather,
+    Concat... fold away; the engine matches onnxruntime at that batch and refuses others."""
+    pytest.importorskip("torch") if backend == "cpu" else None
+    model = _shape_arithmetic_model()
+    config = BuilderConfig()
+    config.add_optimization_profile(OptimizationProfile().set_shape("x", *[(3, 4, 6)] * 3))
+    builder = Builder(backend)
+    engine = builder.build(model, config, progress=False)
+    ops = {n.op for n in engine.graph.nodes}
+    assert ops == {"Add"}, ops  # (the ids are a constant now)
+    assert any("'x' fixed at [3, 4, 6]" in n for n in builder.last_report.notes)
+    x = np.random.default_rng().standard_normal((3, 4, 6)).astype(np.float32)
+    with engine.create_execution_context() as ctx:
+        got = ctx.infer({"x": x})
+        assert_close_to_ort(model, {"x": x}, {k: np.asarray(v) for k, v in got.items()})
+        with pytest.raises(InputError, match="'x'"):
+            ctx.infer({"x": x[:2]})
+
+
+def test_a_profile_with_a_range_keeps_the_axis_dynamic() -> None:
+    model = _shape_arithmetic_model()
+    config = BuilderConfig()
+    config.add_optimization_profile(
+        OptimizationProfile().set_shape("x", (1, 4, 6), (3, 4, 6), (5, 4, 6))
+    )
+    builder = Builder("reference")
+    engine = builder.build(model, config, progress=False)
+    assert {"Shape", "Range"} <= {n.op for n in engine.graph.nodes}
+    assert not any("fixed at" in n for n in builder.last_report.notes)
+    for batch in (1, 5):
+        x = np.random.default_rng().standard_normal((batch, 4, 6)).astype(np.float32)
+        with engine.create_execution_context() as ctx:
+            assert_close_to_ort(model, {"x": x}, ctx.infer({"x": x}))

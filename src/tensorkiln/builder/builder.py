@@ -24,7 +24,7 @@ from tensorkiln.engine.engine import Engine
 from tensorkiln.engine.memory import max_profile_symbols, plan_memory
 from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
-from tensorkiln.ir import Graph
+from tensorkiln.ir import Graph, TensorType
 from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
@@ -109,6 +109,7 @@ class Builder:
                 source_bytes, default_name = _source_bytes(model, config.embed_source)
                 graph = import_onnx(model, backend=self.backend)
                 _check_profiles(graph, config.profiles)
+                report.notes += _pin_fixed_dims(graph, config.profiles)
             with _phase(report, "optimize", bar):
                 report.nodes_before = len(graph.nodes)
                 report.passes = optimize(
@@ -220,6 +221,33 @@ def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
                         f"profile {i}: '{name}' axis {axis} is fixed at {d} in the model, but "
                         f"the profile gives {a}..{b}"
                     )
+
+
+def _pin_fixed_dims(graph: Graph, profiles: list[OptimizationProfile]) -> list[str]:
+    """Make the dynamic input dims that every profile fixes (min == max, the same value in each)
+    the model's own, and infer the types again: the shape arithmetic that reads them (Shape,
+    Gather, Concat, Range, Where... feeding Reshapes and masks) then folds to constants at
+    build time instead of running as dozens of tiny kernels in every inference. An engine whose
+    profiles pin an axis accepts nothing else on it anyway. Returns a note per pinned input."""
+    if not profiles:
+        return []
+    notes = []
+    for v in graph.inputs:
+        given = [p.shapes.get(v.name) for p in profiles]
+        if not isinstance(v.type, TensorType) or v.shape is None or None in given:
+            continue
+        dims = list(v.shape)
+        for axis, d in enumerate(dims):
+            ranges = {(g[0][axis], g[2][axis]) for g in given}
+            if not isinstance(d, int) and len(ranges) == 1:
+                lo, hi = next(iter(ranges))
+                dims[axis] = lo if lo == hi else d
+        if tuple(dims) != tuple(v.shape):
+            notes.append(f"input '{v.name}' fixed at {dims} by the profiles (was {list(v.shape)})")
+            v.type = TensorType(v.type.dtype, tuple(dims))
+    if notes:
+        infer_shapes(graph)
+    return notes
 
 
 def _apply_precision(
