@@ -392,3 +392,33 @@ def test_each_layer_is_tuned_at_its_own_tolerance(off_by_3e_3, tmp_path: Path) -
     assert "t_off" in gemm["timings_ms"] and "t_off" not in gemm.get("rejected", {})
     assert layers["fc2"]["compute_precision"] == "fp32"
     assert "relative error" in layers["fc2"]["rejected"]["t_off"]
+
+
+def test_convolutions_record_the_channels_last_format_of_the_backends_that_hold_it() -> None:
+    """The cpu backend runs 2-D convolutions channels-last: its engine says so layer by layer
+    (and keeps it through a save and load); the reference backend's layers stay linear."""
+    pytest.importorskip("torch")
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng()
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+         helper.make_node("Sigmoid", ["c"], ["y"], name="sig")],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8, 8])],
+        [w],
+    )  # fmt: skip
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=10)
+    cpu = Engine.deserialize(Builder("cpu").build(model, progress=False).serialize())
+    formats = {n.op: n.format for n in cpu.graph.nodes}
+    conv = next(op for op in formats if "Conv" in op)
+    assert formats[conv] == "hwc" and {f for op, f in formats.items() if op != conv} <= {"linear"}
+    ref = Builder("reference").build(model, progress=False)
+    assert {n.format for n in ref.graph.nodes} == {"linear"}
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    want = ref.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(
+        np.asarray(cpu.create_execution_context().infer({"x": x})["y"]), want, rtol=1e-4, atol=1e-5
+    )

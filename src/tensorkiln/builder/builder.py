@@ -119,6 +119,7 @@ class Builder:
             with _phase(report, "precision", bar):
                 precision, notes = _apply_precision(graph, config, policy)
                 report.notes += notes
+                _record_formats(graph, backend)
             with _phase(report, "tactics", bar):
                 if backend.autotunes:
                     report.layers, report.timing_cache = _tune(
@@ -248,6 +249,19 @@ def _pin_fixed_dims(graph: Graph, profiles: list[OptimizationProfile]) -> list[s
     if notes:
         infer_shapes(graph)
     return notes
+
+
+def _record_formats(graph: Graph, backend: Backend) -> None:
+    """Mark the 2-D convolutions that run channels-last: those whose weights the backend holds
+    NHWC (the cpu backend, and the cuda backend on a GPU) take and give "hwc" tensors (TensorRT's
+    kHWC); the rest of the graph keeps the layout it is given ("linear" where none was set)."""
+    if not backend.holds_weights:
+        return
+    for n in graph.nodes:
+        w = n.inputs[1] if len(n.inputs) > 1 else None
+        conv = (n.domain, n.op) in (("", "Conv"), ("tensorkiln", "ConvAct"))
+        if conv and w is not None and w.const is not None and w.const.ndim == 4:
+            n.format = "hwc"
 
 
 def _apply_precision(
