@@ -210,6 +210,29 @@ def test_gather_negative_and_scalar_indices(dtype):
     check("Gather", [to_numpy(xt), idx], {"axis": 1}, torch_args=[xt, tt(idx)])
 
 
+@pytest.mark.parametrize(
+    "indices, axis, view",
+    [
+        (np.array(1, np.int64), 1, True),  # a Q/K/V split: one slice, a view
+        (np.array(-1, np.int32), 0, True),
+        (i64(1, 2, 3), 2, True),  # a run of consecutive indices: narrow
+        (i64(-3, -2), 1, True),
+        (i64(2, 0), 1, False),  # any other order: index_select
+        (np.array([[0, 1]], np.int64), 1, False),
+    ],
+)
+def test_gather_at_indices_known_on_the_host_is_a_view(indices, axis, view):
+    """Indices whose values the host knows (constants, mirrored shape arithmetic) that pick one
+    slice or a consecutive run give a view of the data, with the reference's values."""
+    from tensorkiln.kernels.cuda.convert import remember_host_values
+
+    x = rand(3, 4, 5, dtype=np.float32)
+    data, idx = tt(x), tt(indices)
+    remember_host_values(idx, indices)
+    (got,) = check("Gather", [x, indices], {"axis": axis}, torch_args=[data, idx])
+    assert same_storage(got, data) == view
+
+
 def test_gather_index_out_of_range_is_clamped_not_a_fault():
     (y,) = invoke(lookup("Gather", "", 24, "cuda"), [tt(i64(1, 2, 3)), tt(i64(7, -9))], {}, 1)
     assert y.tolist() == [3, 1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from tensorkiln.kernels.common.indexing import (
@@ -20,6 +21,7 @@ from tensorkiln.kernels.common.indexing import (
     check_nd_indices,
 )
 from tensorkiln.kernels.common.tensor import norm_axis
+from tensorkiln.kernels.cuda.convert import host_values
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
     from_order_key,
@@ -45,9 +47,28 @@ def _indices(indices: torch.Tensor, size: int) -> torch.Tensor:
 def gather(data: torch.Tensor, indices: torch.Tensor, *, axis: int = 0) -> torch.Tensor:
     """Take the slices of ``data`` at ``indices`` along ``axis``."""
     axis = norm_axis(axis, data.dim(), "Gather")
+    view = _gather_view(data, host_values(indices), axis)
+    if view is not None:
+        return view
     idx = _indices(indices, data.shape[axis])
     out = data.index_select(axis, idx.reshape(-1))
     return out.reshape((*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :]))
+
+
+def _gather_view(data: torch.Tensor, known: np.ndarray | None, axis: int) -> torch.Tensor | None:
+    """Gather at indices known on the host (a constant, or shape arithmetic mirrored there) as a
+    view where they pick one slice or a run of consecutive ones: a scalar index is ``select``, a
+    1-D ascending run is ``narrow``. No kernel runs: an attention block's Q/K/V split from a
+    packed projection was three index_select copies (and their index arithmetic) per layer."""
+    size = data.shape[axis]
+    if known is None or known.ndim > 1 or known.dtype.kind not in "iu" or size == 0:
+        return None
+    idx = np.clip(np.where(known < 0, known + size, known), 0, size - 1)
+    if idx.ndim == 0:
+        return data.select(axis, int(idx))
+    if idx.size and np.array_equal(idx, np.arange(idx[0], idx[0] + idx.size)):
+        return data.narrow(axis, int(idx[0]), int(idx.size))
+    return None
 
 
 def _check_elements(data: torch.Tensor, indices: torch.Tensor, axis: int, op: str) -> None:
