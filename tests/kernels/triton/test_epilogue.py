@@ -159,3 +159,21 @@ def test_registered_conv_act_on_the_gpu(dtype, kernel):
     tol = 1e-3 if dtype == np.float32 else 2e-2  # (fp32 convolutions may run in TF32)
     g = to_numpy(got).astype(np.float64)
     assert np.linalg.norm(g - want) <= tol * np.linalg.norm(want)
+
+
+@pytest.mark.parametrize("kernel", [1, 3], ids=["1x1-gemm", "3x3-conv"])
+@pytest.mark.parametrize("activation", ["Relu", "Sigmoid", ""])
+def test_gpu_route_without_a_residual(kernel, activation):
+    """No residual: a 1x1 convolution with ReLU is one GEMM with bias and ReLU in its epilogue
+    (torch._addmm_activation), other activations and the 3x3 take the one-pass epilogue."""
+    x, w, b = rand(2, 8, 6, 5), rand(6, 8, kernel, kernel), rand(6)
+    pads = [kernel // 2] * 4
+    want = reference(x, w, b, pads=pads, activation=activation)
+    xt = to_torch(x, DEVICE).contiguous(memory_format=torch.channels_last)
+    wt = hold_weight(to_torch(w, DEVICE))
+    g = fused_conv.geometry_of(xt, wt, "NOTSET", None, None, pads, None)
+    got = fused_conv._gpu_conv_act(
+        xt, wt, to_torch(b, DEVICE), None, g, 1, activation, (None, None, None, None), False
+    )
+    assert got is not None and got.is_contiguous(memory_format=torch.channels_last)
+    np.testing.assert_allclose(to_numpy(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())

@@ -106,19 +106,30 @@ def fused_activation(
 
 
 def pointwise_gemm(
-    x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, g: Geometry, group: int
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    g: Geometry,
+    group: int,
+    relu: bool = False,
 ) -> torch.Tensor | None:
     """A small 1x1 convolution (stride 1, no padding, one group) with a held weight as one GEMM
     on the channels-last view: (N*H*W, C) @ (C, M), no copies in or out. F.conv2d would take
     oneDNN with a weight reorder per call whenever torch runs more than one thread (its 1x1
-    heuristic): MobileNetV3-Small at batch 1 takes 8.4 ms on 2 threads that way, 4.8 on 1."""
+    heuristic): MobileNetV3-Small at batch 1 takes 8.4 ms on 2 threads that way, 4.8 on 1.
+    ``relu`` (with a bias): ReLU too, in cuBLASLt's epilogue on a GPU (no pass of its own)."""
     if getattr(w, _PACKED, None) is None or x.ndim != 4 or not _gemm_applies(x, w, g, group):
         return None
     n, c, h, wd = x.shape
     m = w.shape[0]
     rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
     w2 = w.reshape(m, c).t()
-    y = torch.mm(rows, w2) if b is None else torch.addmm(b, rows, w2)
+    if b is None:
+        y = torch.mm(rows, w2)
+    elif relu:
+        y = torch._addmm_activation(b, rows, w2)
+    else:
+        y = torch.addmm(b, rows, w2)
     return y.reshape(n, h, wd, m).permute(0, 3, 1, 2)
 
 

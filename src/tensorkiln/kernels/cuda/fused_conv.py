@@ -239,7 +239,10 @@ def _gpu_conv_act(
         return None
     from tensorkiln.kernels.triton import epilogue  # lazy: triton
 
-    y = pointwise_gemm(x, w, bias, g, group)
+    relu = z is None and activation == "Relu" and bias is not None
+    y = pointwise_gemm(x, w, bias, g, group, relu=relu)
+    if y is not None and relu:  # (bias and ReLU in cuBLASLt's epilogue)
+        return y
     b = None
     if y is None:
         y, b = conv(x, _as(w, x.dtype), None, g, group), bias
