@@ -265,6 +265,35 @@ def test_cse_skips_random_ops():
 # ---------------------------------------------------------------- constants and folding
 
 
+def test_constant_folding_keeps_a_scalar_result_scalar():
+    """A folded 0-d result stays 0-d: a scalar Gather index folded to shape [1] would add an
+    axis to the Gather that reads it (a static BERT's token-type embedding came out 5-D)."""
+    m = model(
+        [
+            node("Gather", ["dims", "zero"], ["n"], axis=0),
+            node("Gather", ["table", "n"], ["row"], axis=0),
+            node("Add", ["x", "row"], ["y"]),
+        ],
+        [inp("x", [3])],
+        [inp("y", [3])],
+        [
+            const("dims", np.array([1, 5], np.int64)),
+            const("zero", np.array(0, np.int64)),
+            const("table", rand(4, 3)),
+        ],
+    )
+    g = graph_of(m)
+
+    def apply(gr):
+        assert constant_folding(gr) == 2
+        dead_code(gr)
+
+    after = assert_pass_preserves_outputs(g, apply, {"x": rand(3)})
+    assert ops(after) == ["Add"]
+    folded = {v.name: v.const for v in after.initializers}
+    assert folded["row"].shape == (3,)
+
+
 def test_constant_folding_folds_chains():
     m = model(
         [

@@ -414,7 +414,9 @@ def constant_folding(graph: Graph) -> int:
             continue
         for v, arr in zip(node.outputs, result):
             if v is not None:
-                _set_const(v, np.ascontiguousarray(arr))
+                # (not np.ascontiguousarray: it makes a 0-d result 1-d, and a folded scalar
+                # Gather index of shape [1] then adds an axis to everything it indexes)
+                _set_const(v, np.require(arr, requirements="C"))
                 graph.initializers.append(v)
         count += 1
     graph.nodes = kept
