@@ -43,10 +43,10 @@ from tensorkiln.kernels.triton import available as triton_available
 from tensorkiln.ops.fused import ACTIVATION_DEFAULTS
 
 if triton_available():
+    from tensorkiln.kernels.triton import epilogue
     from tensorkiln.kernels.triton.gemm import ACT_CODES, Epilogue
 else:  # (no Triton: ConvAct runs its torch epilogue)
-    ACT_CODES, Epilogue = {}, None
-_EPILOGUE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+    epilogue, ACT_CODES, Epilogue = None, {}, None
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -235,10 +235,8 @@ def _gpu_conv_act(
     """ConvAct on a GPU: cuBLAS (a 1x1 convolution as a GEMM on the channels-last view, the bias
     in its epilogue) or cuDNN, then the bias, residual and activation in one Triton pass over the
     output (kernels/triton/epilogue.py); None where Triton or the activation is missing."""
-    if not triton_available() or activation not in ACT_CODES or x.dtype not in _EPILOGUE_DTYPES:
+    if epilogue is None or activation not in ACT_CODES or x.dtype not in epilogue.FLOATS:
         return None
-    from tensorkiln.kernels.triton import epilogue  # lazy: triton
-
     relu = z is None and activation == "Relu" and bias is not None
     y = pointwise_gemm(x, w, bias, g, group, relu=relu)
     if y is not None and relu:  # (bias and ReLU in cuBLASLt's epilogue)
