@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common.pool import pool_geometry
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.kernels.triton.pointwise import can_generate
@@ -77,8 +78,26 @@ def _pointwise_fits(spec: LayerSpec) -> bool:
     return _runs_here(spec) and body is not None and can_generate(body)
 
 
+def _max_pool_fits(spec: LayerSpec) -> bool:
+    """A 2-D max pool of a float tensor whose windows the geometry accepts."""
+    x = spec.shapes[0]
+    if not _runs_here(spec) or spec.dtypes[0] not in NORM_DTYPES or x is None or len(x) != 4:
+        return False
+    a = spec.attrs
+    try:
+        pool_geometry(
+            x, "MaxPool", a.get("kernel_shape"), a.get("strides"), a.get("dilations"),
+            a.get("pads"), a.get("auto_pad", "NOTSET"), a.get("ceil_mode", 0),
+        )  # fmt: skip
+    except ValueError:
+        return False
+    return True
+
+
 if available():
+    from tensorkiln.kernels.cuda.pool import max_pool
     from tensorkiln.kernels.triton import norm, pointwise, softmax
+    from tensorkiln.kernels.triton import pool as triton_pool
 
     @tactic("Pointwise", domain="tensorkiln", name="triton", supports=_pointwise_fits)
     def pointwise_triton(*inputs, body):
@@ -125,3 +144,21 @@ if available():
     def log_softmax_triton(x, *, axis: int = -1):
         """LogSoftmax over the last axis."""
         return softmax.softmax_last(x, log=True)
+
+    @tactic("MaxPool", name="triton", supports=_max_pool_fits)
+    def max_pool_triton(
+        x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, dilations=None, kernel_shape=None,
+        pads=None, storage_order: int = 0, strides=None, _n_outputs: int = 1,
+    ):  # fmt: skip
+        """2-D max pooling in one pass over channels-last input (the indices output, or a layout
+        the kernel does not take, go to the default kernel)."""
+        g = pool_geometry(
+            x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+        )
+        if _n_outputs == 1 and triton_pool.applies(x, g):
+            return triton_pool.max_pool2d(x, g)
+        return max_pool(
+            x, auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations,
+            kernel_shape=kernel_shape, pads=pads, storage_order=storage_order, strides=strides,
+            _n_outputs=_n_outputs,
+        )  # fmt: skip
