@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 from tensorkiln.backends import pools  # noqa: E402
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # noqa: E402
 from tensorkiln.engine import Engine  # noqa: E402
+from tensorkiln.errors import InputError  # noqa: E402
 from tensorkiln.runtime import Runner  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
@@ -117,6 +118,37 @@ def test_cuda_graph_replays_correctly_when_shapes_change(tmp_path) -> None:
         host = ctx.infer({"x": _x(n, seed)})["y"]  # numpy in: uploaded, then the graph replays
         assert isinstance(host, np.ndarray) and ctx.cuda_graph_fallback is None
         assert _rel(host, ref) < 1e-5
+
+
+def test_known_feeds_replay_the_graph_directly() -> None:
+    """A second call with device tensors of the same names, shapes and dtypes replays the graph
+    without the full checks; the results stay right for new values, layouts, a caller's stream
+    and wrong feeds still get the full path's errors."""
+    engine, _ = _engine()
+    ctx = engine.create_execution_context(use_cuda_graph=True)
+    runner = Runner(_cnn())
+    for seed in range(3):
+        x = torch.from_numpy(_x(4, seed)).cuda()
+        got = ctx.infer({"x": x})["y"]
+        assert _rel(got, runner.infer({"x": _x(4, seed)})["y"]) < 1e-5
+    assert len(ctx._known_feeds) == 1
+    # a channels-last input of the same shape: copied into the graph's input as it is
+    x = torch.from_numpy(_x(4, 7)).cuda().contiguous(memory_format=torch.channels_last)
+    assert _rel(ctx.infer({"x": x})["y"], runner.infer({"x": _x(4, 7)})["y"]) < 1e-5
+    # on a caller's stream: the result is ready on that stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x = torch.from_numpy(_x(4, 8)).cuda()
+        got = ctx.infer({"x": x})["y"]
+        got = got * 1  # queued on the caller's stream after the replay
+    side.synchronize()
+    assert _rel(got, runner.infer({"x": _x(4, 8)})["y"]) < 1e-5
+    # feeds the graph was not captured for take the full path (and its errors)
+    with pytest.raises(InputError, match="dtype"):
+        ctx.infer({"x": torch.zeros(4, 3, 16, 16, dtype=torch.float64, device="cuda")})
+    with pytest.raises(InputError):
+        ctx.infer({"x": x, "extra": x})
+    assert ctx.cuda_graph_fallback is None
 
 
 def test_zero_copy_io_and_caller_buffers() -> None:

@@ -95,6 +95,9 @@ class ExecutionContext:
         # output shapes per set of input shapes: the same for every thread (a race only
         # computes an entry twice)
         self._out_cache: dict[tuple, dict[str, tuple[int, ...] | None]] = {}
+        # CUDA graphs: feeds already checked once (names, shapes, dtypes, device) -> the graph
+        # input order and the captured graph, for calls that only replay (see _replay_known)
+        self._known_feeds: dict[tuple, tuple[tuple[str, ...], tuple]] = {}
 
     # -------------------------------------------------------------- per-thread state
     @property
@@ -219,6 +222,10 @@ class ExecutionContext:
         runs layer by layer (no CUDA graph, no compiled program).
         """
         if self.backend.on_device:
+            if self._known_feeds and layer_times is None and observer is None and not outputs:
+                named = self._replay_known(feeds)
+                if named is not None:
+                    return named
             return self._infer_device(feeds, layer_times, outputs, observer)
         bound = bind_inputs(self.engine.graph, feeds)
         for v, arr in bound.items():
@@ -293,8 +300,58 @@ class ExecutionContext:
                     r.record_stream(caller)
         if not as_tensors:
             named = {k: backend.to_host(r) for k, r in named.items()}
+        elif use_graph and not outputs:
+            self._remember_feeds(feeds, inputs)
         self.last_compute_s = time.perf_counter() - t0
         return named
+
+    # A batch-1 call replays a graph of a few hundred microseconds: the checks, binding and mode
+    # switches of _infer_device cost as much again on the host. Feeds whose names, shapes, dtypes
+    # and device a call has already checked (device tensors, nothing else) skip straight to the
+    # replay; the first call with any new feed signature takes the full path.
+    _KNOWN_FEEDS_MAX = 64
+
+    def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
+        sig = _feed_signature(feeds)
+        entry = self._graphs.entry_for(inputs) if sig is not None else None
+        if entry is None or len(self._known_feeds) >= self._KNOWN_FEEDS_MAX:
+            return
+        order = tuple(v.name for v in self.engine.graph.inputs)
+        if set(order) != set(feeds) or len(order) != len(inputs):
+            return
+        # (a feed the full path moved to another device is not one to replay from)
+        if all(feeds[name].device == x.device for name, x in zip(order, inputs)):
+            self._known_feeds[sig] = (order, entry)
+
+    def _replay_known(self, feeds: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The outputs of replaying the graph captured for feeds like these (tensors on the
+        device, checked by an earlier call), or None when the feeds are not known."""
+        import torch  # lazy: torch is optional (only a GPU backend replays graphs)
+
+        sig = _feed_signature(feeds)
+        known = self._known_feeds.get(sig) if sig is not None else None
+        if known is None:
+            return None
+        order, entry = known
+        inputs = [feeds[name] for name in order]
+        stream = self._stream
+        events = self._thread_events()
+        caller = torch.cuda.current_stream(stream.device)
+        t0 = time.perf_counter()
+        with ENQUEUE_LOCK, self.backend.inference(), torch.cuda.stream(stream):
+            stream.wait_stream(caller)
+            for x in inputs:  # the caller may free its tensors before this stream is done
+                x.record_stream(stream)
+            events[0].record(stream)
+            results = self._graphs.replay(entry, inputs)
+            events[1].record(stream)
+            self._local.timed = events
+        caller.wait_stream(stream)
+        for r in results:
+            if isinstance(r, torch.Tensor) and r.is_cuda:
+                r.record_stream(caller)
+        self.last_compute_s = time.perf_counter() - t0
+        return {v.name: r for v, r in zip(self.engine.graph.outputs, results)}
 
     def _reserve(self, memory: Mapping[str, Any]) -> None:
         """Reserve the memory plan in the context's pool: its buffers are allocated and freed
@@ -430,3 +487,18 @@ def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> di
         s = v.shape
         out[v.name] = None if s is None else tuple(d if isinstance(d, int) else -1 for d in s)
     return out
+
+
+def _feed_signature(feeds: Any) -> tuple | None:
+    """(name, shape, dtype, device) of every feed, when ``feeds`` is a dict of torch tensors;
+    None otherwise."""
+    import torch  # lazy: torch is optional (only a GPU backend replays graphs)
+
+    if type(feeds) is not dict:
+        return None
+    sig = []
+    for name, t in feeds.items():
+        if type(t) is not torch.Tensor:
+            return None
+        sig.append((name, t.shape, t.dtype, t.device))
+    return tuple(sig)

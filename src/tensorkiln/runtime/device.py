@@ -140,6 +140,20 @@ class GraphRunner:
             if entry is None:
                 return self._run(inputs)
             self._graphs[key] = entry
+        return self.replay(entry, inputs)
+
+    def entry_for(self, inputs: list[Any]) -> tuple | None:
+        """The captured graph for inputs of these shapes and dtypes (None: not captured)."""
+        if self.eager_reason is not None:
+            return None
+        return self._graphs.get(tuple((tuple(x.shape), x.dtype) for x in inputs))
+
+    @staticmethod
+    def replay(entry: tuple, inputs: list[Any]) -> list[Any]:
+        """Copy ``inputs`` into the captured graph ``entry``'s inputs, replay it on the current
+        stream, and return copies of its outputs."""
+        import torch
+
         graph, static_in, static_out = entry
         for s, x in zip(static_in, inputs):
             s.copy_(x)
