@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from tensorkiln.kernels.common.conv import conv_geometry  # noqa: E402
+from tensorkiln.kernels.cuda.convert import to_torch  # noqa: E402
 from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for  # noqa: E402
 from tests.kernels.triton import DEVICE, check, rand  # noqa: E402
 
@@ -136,3 +137,29 @@ def test_channels_last_in_channels_last_out():
         *(torch.from_numpy(a).to(DEVICE) for a in (x, w, b, z)), activation="Relu", **GEOMETRY
     )
     assert nchw.is_contiguous()
+
+
+@pytest.mark.parametrize(
+    "dtype, act, order",
+    [
+        (np.float32, "Relu", "add_act"),
+        (np.float16, "Relu", "add_act"),
+        (BF16, "Sigmoid", "act_add"),
+    ],
+    ids=["float32", "float16", "bfloat16-act_add"],
+)
+@pytest.mark.parametrize("with_bias", [True, False], ids=["bias", "no-bias"])
+def test_pointwise_channels_last_runs_as_a_gemm(dtype, act, order, with_bias):
+    """A 1x1 convolution of a channels-last input (ResNet's expansions, with their residual): the
+    GEMM over its (pixels, channels) view gives the reference's values, channels-last out."""
+    xs, ws = (2, 24, 5, 7), (40, 24, 1, 1)
+    attrs = {"activation": act, "residual_order": order}
+    x, w = rand(*xs, dtype=dtype), rand(*ws, dtype=dtype)
+    b = rand(40, dtype=dtype) if with_bias else None
+    z = rand(2, 40, 5, 7, dtype=dtype)
+    args = [x, w, b, z]
+    check("ConvAct", "tensorkiln", SMALL, args, attrs, transform=_nhwc)
+    fn = get_tactic("ConvAct", "tensorkiln", SMALL).fn
+    tensors = [None if a is None else _nhwc(to_torch(a, DEVICE)) for a in args]
+    y = fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()

@@ -7,7 +7,9 @@ unfolded in memory) and multiplies it with the matching OIHW weight block. Group
 axis 1. The epilogue adds the bias and the residual and applies the activation on the float32
 accumulator (``residual_order="act_add"`` adds the residual after), as the reference does.
 
-1-D convolutions run as 2-D ones of height 1. Each :class:`~tensorkiln.kernels.triton.gemm.TileConfig`
+1-D convolutions run as 2-D ones of height 1. A 1x1 convolution (unit strides, no padding, one
+group) of a channels-last input runs as the plain GEMM of its (pixels, channels) view, with the
+same epilogue (:func:`_pointwise_gemm`). Each :class:`~tensorkiln.kernels.triton.gemm.TileConfig`
 of :data:`CONFIGS` is a separate tactic.
 """
 
@@ -25,6 +27,7 @@ from tensorkiln.kernels.triton.gemm import (
     TileConfig,
     dot_precision,
     finish,
+    launch,
     swizzle,
 )
 
@@ -154,6 +157,36 @@ CONFIGS = (
 FLAT_BELOW = 16  # input channels per group under which the reduction runs in im2col order
 
 
+def _pointwise(geom: Geometry) -> bool:
+    """A 1x1 convolution with unit strides and no padding: a GEMM over the pixels."""
+    return (
+        all(k == 1 for k in geom.kernel)
+        and all(s == 1 for s in geom.strides)
+        and not any(geom.begin)
+        and not any(geom.end)
+    )
+
+
+def _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config) -> torch.Tensor:
+    """A 1x1 convolution of channels-last ``x`` as the GEMM it is: the (pixels, C) view of ``x``
+    times the (C, OC) view of ``w``, bias, residual and activation in the GEMM's epilogue, written
+    into channels-last ``y`` through its (pixels, OC) view. The implicit-GEMM kernel's generic
+    addressing reads such an input a channel at a time; the GEMM reads whole rows."""
+    nb, c, h, wd = x.shape
+    oc = w.shape[0]
+    rows = nb * h * wd
+    a = x.permute(0, 2, 3, 1).reshape(1, rows, c)  # (views: x and y are channels-last)
+    bt = w.reshape(oc, c).t().unsqueeze(0)
+    y2 = y.permute(0, 2, 3, 1).reshape(1, rows, oc)
+    c2 = None if bias is None else bias.reshape(1, oc).expand(rows, oc)
+    r2 = None if z is None else z.permute(0, 2, 3, 1).reshape(rows, oc)
+    launch(
+        a, bt, y2, c2, r2, alpha=1.0, beta=1.0, epilogue=epilogue,
+        residual_after=residual_after, config=config,
+    )  # fmt: skip
+    return y
+
+
 def _as_2d(t: torch.Tensor | None) -> torch.Tensor | None:
     return t if t is None or t.dim() == 4 else t.unsqueeze(2)
 
@@ -195,6 +228,8 @@ def conv_act(
     if z is not None and tuple(z.shape) != tuple(y.shape):
         raise ValueError(f"ConvAct: residual Z {tuple(z.shape)} must have the output's shape")
     bias = None if b is None else b.reshape(oc).contiguous()
+    if nhwc and group == 1 and _pointwise(geom):
+        return _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config)
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
     _conv_kernel[grid](
