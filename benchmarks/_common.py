@@ -101,7 +101,33 @@ def tiny_convnet() -> torch.nn.Module:
 
 
 def make_model(name: str, tiny: bool = False) -> torch.nn.Module:
-    """The model ``name`` in eval mode, random weights drawn from seed 0."""
+    """The model ``name`` in eval mode, random weights drawn from seed 0, made to look trained
+    (:func:`trained_looking`)."""
+    return trained_looking(_initialized(name, tiny))
+
+
+def trained_looking(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with the parameters that libraries initialize to constants made random, as in a
+    trained model: zero biases (every Linear of a fresh transformers model, the BatchNorm shifts
+    of torchvision's), LayerNorm scales of one and BatchNorm statistics of the identity. Left at
+    their initial values, an optimizer could drop the zero bias adds and the unit scales that
+    PyTorch still computes, and the comparison would not be one a user of a trained model sees."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.running_mean is not None:
+                m.running_mean.normal_(0.0, 0.1, generator=gen)
+                m.running_var.uniform_(0.5, 1.5, generator=gen)
+            norm = isinstance(m, torch.nn.LayerNorm | torch.nn.modules.batchnorm._BatchNorm)
+            if norm and m.weight is not None:
+                m.weight.uniform_(0.8, 1.2, generator=gen)
+            for p in m.parameters(recurse=False):
+                if p.numel() > 0 and not p.any():
+                    p.normal_(0.0, 0.02, generator=gen)
+    return model.eval()
+
+
+def _initialized(name: str, tiny: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if name in ("resnet50", "vit") and tiny:
         return (tiny_convnet() if name == "resnet50" else _TinyViT()).eval()
@@ -112,12 +138,9 @@ def make_model(name: str, tiny: bool = False) -> torch.nn.Module:
     if name == "vit":
         import torchvision  # lazy: only the GPU machine has it
 
-        vit = torchvision.models.vit_b_16(weights=None).eval()
-        # torchvision initializes the classifier head to zeros: the logits would be all zeros,
-        # and any engine would "match" them
-        torch.nn.init.normal_(vit.heads.head.weight, std=0.02)
-        torch.nn.init.normal_(vit.heads.head.bias, std=0.02)
-        return vit
+        # (its classifier head starts at zeros: trained_looking draws it, or every engine would
+        # "match" all-zero logits)
+        return torchvision.models.vit_b_16(weights=None).eval()
     if name in ("bert", "bert_large"):
         return _Bert(**(TINY_BERT if tiny else BERT_LARGE if name == "bert_large" else {})).eval()
     if name == "gpt2":
