@@ -195,12 +195,16 @@ def build(
     cache: Path,
     device: str,
     shapes: dict[str, tuple[tuple, tuple, tuple]] | None = None,
+    io_format: str | None = None,
 ) -> tuple[tensorkiln.Engine, float, dict]:
     """An engine of the cuda backend on ``device``; ``shapes``: name -> (min, opt, max), one
-    optimization profile. Returns the engine, the build's seconds and its timing-cache report."""
+    optimization profile; ``io_format`` ("fp16"...): the type of every float input and output
+    (float32 when None). Returns the engine, the build's seconds and its timing-cache report."""
     config = BuilderConfig()
     if precision != "fp32":
         config.set_flag(precision)
+    if io_format:
+        config.input_io_formats = config.output_io_formats = [io_format]
     config.timing_cache = str(cache)
     if shapes:
         profile = OptimizationProfile()

@@ -11,7 +11,8 @@ with the last 1/8 of every sequence padded (64 and 1), ViT-B/16 224x224 (128 and
 at sequence 512, no padding (32 and 1), BERT-large at sequence 384, padded as BERT-base (128).
 Each is exported once with the TorchScript exporter (opset 17, dynamic batch axis; with
 --static-export, once per batch without one); tensorkiln builds an fp16 engine per batch (profile
-min 1 / opt B / max B; batch 1: 1 / 1 / 1; none for a static export) and runs it
+min 1 / opt B / max B; batch 1: 1 / 1 / 1; none for a static export), float16 in and out as the
+PyTorch peers are (I/O formats fp16:chw: no casts at the engine's edges), and runs it
 as one CUDA graph on device tensors (``create_execution_context(use_cuda_graph=True)``, as
 ``tensorkiln run --use-cuda-graph --device-io``). Its peers, on the same inputs, under
 torch.inference_mode: PyTorch eager fp16 (conv nets channels_last), torch.compile (default mode),
@@ -209,10 +210,12 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
             k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (v.shape,) * 3
             for k, v in dev.items()
         }
-    engine, secs, tc = common.build(path, "fp16", cache, S.device, shapes)
+    engine, secs, tc = common.build(path, "fp16", cache, S.device, shapes, io_format="fp16")
     ctx = engine.create_execution_context(use_cuda_graph=True)
     KEEP.append(ctx)
     names = [o.name for o in engine.outputs]
+    # fp16 in and out, as the PyTorch peers take and give (trtexec's --inputIOFormats=fp16:chw)
+    dev = {k: v.half() if v.is_floating_point() else v for k, v in dev.items()}
     got = ctx.infer(dev)
     cell = {"err": common.norm_rel_torch([got[n] for n in names], want), "build_s": secs}
     cell["timing_cache"] = tc

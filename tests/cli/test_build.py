@@ -12,6 +12,7 @@ from tensorkiln.cli import build as build_command
 from tensorkiln.engine import Engine
 from tensorkiln.engine import format as fmt
 from tests.cli.helpers import assert_one_line_error, ort_outputs
+from tests.precision.test_io_formats import io_model
 
 
 def test_build_writes_an_engine_and_reports_phases_and_memory(cli, mlp, tmp_path):
@@ -257,3 +258,32 @@ def test_timing_cache_that_is_not_a_file_is_a_one_line_error(cli, mlp, tmp_path,
     rc, _, err = cli("build", mlp, "-o", tmp_path / "e", "--timing-cache", path)
     assert_one_line_error(rc, err)
     assert "timing cache" in err
+
+
+def test_io_formats_from_build_and_trtexec_flags(cli, tmp_path):
+    path = io_model(tmp_path / "m.onnx")
+    out = tmp_path / "m.engine"
+    rc, text, err = cli(
+        "build", path, "-o", out, "--backend", "reference", "--embed-source",
+        "--input-io-formats", "fp16:chw,int64,fp16:chw", "--output-io-formats", "fp16",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "input 'x' is fp16 (I/O format)" in text and "output 'y' is fp16" in text
+    engine = Engine.load(out)
+    assert [v.dtype.name for v in engine.graph.inputs] == ["FLOAT16", "INT64", "FLOAT16"]
+    assert [v.dtype.name for v in engine.graph.outputs] == ["FLOAT16", "INT64"]
+    # a rebuild keeps the engine's formats
+    rc, text, err = cli("build", "--from-engine", out, "-o", tmp_path / "again.engine")
+    assert rc == 0, err
+    again = Engine.load(tmp_path / "again.engine")
+    assert [v.dtype.name for v in again.graph.inputs] == ["FLOAT16", "INT64", "FLOAT16"]
+    for bad, what in (("fp16:nhwc", "layout 'nhwc'"), ("fp16,fp16", "2 formats for 3 inputs")):
+        rc, _, err = cli("build", path, "-o", tmp_path / "bad.engine", "--input-io-formats", bad)
+        assert_one_line_error(rc, err)
+        assert what in err
+    rc, text, err = cli(
+        "trtexec", f"--onnx={path}", "--inputIOFormats=fp16:chw,int64:chw,fp32:chw",
+        "--skipInference", "--backend=reference",
+    )  # fmt: skip
+    assert rc == 0, err
+    assert "input 'x' is fp16 (I/O format)" in text

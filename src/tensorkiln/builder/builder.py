@@ -30,6 +30,7 @@ from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
 from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
+from tensorkiln.precision.io import set_io_types
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
 from tensorkiln.tactics.cache import TimingCache
@@ -119,6 +120,9 @@ class Builder:
             with _phase(report, "precision", bar):
                 precision, notes = _apply_precision(graph, config, policy)
                 report.notes += notes
+                report.notes += set_io_types(
+                    graph, config.input_io_formats, config.output_io_formats
+                )
                 _record_formats(graph, backend)
             with _phase(report, "tactics", bar):
                 if backend.autotunes:

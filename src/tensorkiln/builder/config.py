@@ -9,6 +9,7 @@ from typing import Any
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.errors import BuildError, InputError
 from tensorkiln.ir.graph import PRECISIONS
+from tensorkiln.precision.io import parse_formats
 from tensorkiln.precision.policy import PrecisionPolicy
 
 # Precisions no backend has kernels for yet: asking for one is an error, not a silent no-op.
@@ -61,6 +62,11 @@ class BuilderConfig:
     layer_precisions: dict[str, str] = field(default_factory=dict)
     # what decides each layer's precision and format; None: precision.DefaultPolicy
     precision_policy: PrecisionPolicy | None = None
+    # the engine's input and output types, trtexec's --inputIOFormats/--outputIOFormats: one
+    # format per input (output) in order, or one for all float ones ("fp16", "fp16:chw";
+    # precision/io.py); none: float32 in and out
+    input_io_formats: list[str] = field(default_factory=list)
+    output_io_formats: list[str] = field(default_factory=list)
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16' or 'bf16' ('int8' and 'fp8' raise
@@ -82,6 +88,8 @@ class BuilderConfig:
                 raise InputError(f"unknown precision '{p}'; choose from {', '.join(PRECISIONS)}")
         _not_implemented(self.precisions)
         self._validate_layer_precisions()
+        self.input_io_formats = _io_formats(self.input_io_formats, "input")
+        self.output_io_formats = _io_formats(self.output_io_formats, "output")
         if not 0 <= self.optimization_level <= 5:
             raise InputError(f"optimization level must be 0..5, got {self.optimization_level}")
         if self.memory_limit is not None and self.memory_limit <= 0:
@@ -127,10 +135,32 @@ class BuilderConfig:
         return replace(self, precisions={p for p in self.precisions if p in usable} | {"fp32"})
 
     def to_json(self) -> dict:
-        return {
-            "precisions": sorted(self.precisions),
-            "optimization_level": self.optimization_level,
-            "memory_limit": self.memory_limit,
-            "timing_cache": self.timing_cache,
-            "tactic_sources": None if self.tactic_sources is None else sorted(self.tactic_sources),
-        } | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})
+        return (
+            {
+                "precisions": sorted(self.precisions),
+                "optimization_level": self.optimization_level,
+                "memory_limit": self.memory_limit,
+                "timing_cache": self.timing_cache,
+                "tactic_sources": None
+                if self.tactic_sources is None
+                else sorted(self.tactic_sources),
+            }
+            | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})
+            | {
+                k: list(v)
+                for k, v in (
+                    ("input_io_formats", self.input_io_formats),
+                    ("output_io_formats", self.output_io_formats),
+                )
+                if v
+            }
+        )
+
+
+def _io_formats(formats: Any, what: str) -> list[str]:
+    """The types of ``formats`` (a list of trtexec formats, or one comma-separated string)."""
+    if isinstance(formats, str):
+        formats = [formats]
+    if not isinstance(formats, list | tuple) or not all(isinstance(f, str) for f in formats):
+        raise InputError(f"{what}_io_formats must be a list of formats such as 'fp16:chw'")
+    return parse_formats(",".join(formats), f"--{what}-io-formats") if formats else []

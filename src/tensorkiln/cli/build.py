@@ -34,6 +34,8 @@ EPILOG = """examples:
       --min-shapes input:1x3x224x224 --opt-shapes input:8x3x224x224 --max-shapes input:32x3x224x224
   tensorkiln build model.onnx -o model.engine --embed-source     # rebuildable later
   tensorkiln build --from-engine old.engine -o new.engine        # rebuild for this machine
+  tensorkiln build model.onnx -o model.engine --fp16 --input-io-formats fp16:chw \
+      --output-io-formats fp16:chw                                  # fp16 in and out, no casts
 
 --shapes fixes dynamic inputs (min = opt = max); --min/--opt/--max-shapes give a range
 (--opt-shapes alone also fixes a shape). --fp16, --bf16 and --tf32 let the cuda backend's layers
@@ -98,6 +100,17 @@ def add_parser(sub: Any) -> None:
         "--embed-source",
         action="store_true",
         help="store the ONNX model in the engine so it can be rebuilt (--from-engine)",
+    )
+    p.add_argument(
+        "--input-io-formats",
+        metavar="FORMATS",
+        help="the engine's input types, one per input in order or one for all float inputs: "
+        "fp32, fp16 or bf16 (':chw' allowed), e.g. fp16:chw (trtexec's --inputIOFormats)",
+    )
+    p.add_argument(
+        "--output-io-formats",
+        metavar="FORMATS",
+        help="the engine's output types, as --input-io-formats (trtexec's --outputIOFormats)",
     )
     p.add_argument(
         "--from-engine",
@@ -187,6 +200,10 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     config.memory_limit = _first(args.memory_limit, old.get("memory_limit"))
     config.embed_source = args.embed_source or plan is not None
     config.dump_ir = args.dump_ir
+    for what in ("input", "output"):
+        given = getattr(args, f"{what}_io_formats", None)
+        formats = [given] if given else old.get(f"{what}_io_formats", [])
+        setattr(config, f"{what}_io_formats", list(formats))
     if args.tactic_sources is not None:
         names = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
         config.tactic_sources = set() if names == {"none"} else names

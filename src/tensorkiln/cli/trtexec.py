@@ -107,6 +107,10 @@ SUPPORTED: dict[str, Flag] = {
     "--noTF32": Flag("no_tf32", "no TF32 (tensorkiln allows TF32 only when asked)"),
     "--builderOptimizationLevel": Flag("opt_level", "graph optimization level 0..5", _level),
     "--timingCacheFile": Flag("timing_cache", "timing cache to read and update", _text),
+    "--inputIOFormats": Flag(
+        "input_io_formats", "input types, e.g. fp16:chw (one per input)", _text
+    ),
+    "--outputIOFormats": Flag("output_io_formats", "output types, as --inputIOFormats", _text),
     "--skipInference": Flag("skip_inference", "build (and save) only; do not run"),
     "--buildOnly": Flag("skip_inference", "the older name of --skipInference"),
     "--iterations": Flag("iterations", "run at least N iterations", _number(int, 1, "an integer")),
@@ -130,7 +134,7 @@ SUPPORTED: dict[str, Flag] = {
 # The rest of trtexec's flags (TensorRT 10), each refused by name; some with what to use instead.
 UNSUPPORTED: dict[str, str] = {
     **dict.fromkeys(
-        """--minShapesCalib --optShapesCalib --maxShapesCalib --inputIOFormats --outputIOFormats
+        """--minShapesCalib --optShapesCalib --maxShapesCalib
         --memPoolSize --workspace --profilingVerbosity --avgTiming --minTiming --refit
         --stripWeights --stripAllWeights --weightless --versionCompatible --vc
         --pluginInstanceNorm --pi --uint8AsymmetricQuantizationDLA --useRuntime --leanDLLPath
@@ -182,6 +186,8 @@ BUILD_ONLY = (
     "max_shapes",
     "timing_cache",
     "opt_level",
+    "input_io_formats",
+    "output_io_formats",
     "best",
     "no_tf32",
     "backend",
@@ -311,6 +317,8 @@ def _build(opts: dict[str, Any]) -> Loaded:
         tactic_sources=None,
         backend=opts.get("backend", "auto"),
         opt_level=opts.get("opt_level"),
+        input_io_formats=opts.get("input_io_formats"),
+        output_io_formats=opts.get("output_io_formats"),
         memory_limit=None,
         dump_ir=None,
         embed_source=False,
