@@ -6,6 +6,9 @@ fusions see constant shapes:
 
 * ``static_shapes``: Shape and Size of a tensor whose shape is fully static become constants
   (``constant_folding`` then folds the rest of the chain).
+* ``known_shape_values``: a shape computation whose value is known to be numbers although the
+  tensor it reads has symbolic dims (the last dim of an ``[N, 4, 7, 8]`` tensor: ``Slice(Shape(x),
+  -1)`` is ``[8]``, the head width an attention's scale is computed from) becomes a constant.
 * ``reshape_targets``: a Reshape target computed at run time whose value is known symbolically
   (``[N, 16, 4, 32]`` of an input ``[N, 16, 128]``) becomes a constant, with 0 (copy the input's
   dim) and -1 (infer one dim) standing in for the symbolic entries: ``[0, 0, 4, 32]``.
@@ -22,6 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from tensorkiln.ir import Graph, Node, Value
+from tensorkiln.ir.dims import dim_divide, dim_product
 from tensorkiln.ir.graph import Dim, Shape, TensorType
 from tensorkiln.kernels.evaluate import evaluate_node
 from tensorkiln.ops.shape_rules import InferContext, symbolic_value
@@ -138,6 +142,18 @@ def reshape_target(target: list[Dim], src: Shape | None, allowzero: bool) -> lis
     return out
 
 
+def _resolve_inferred(target: list[Dim], x: Value | None) -> list[Dim]:
+    """``target`` with its -1 worked out symbolically from the input's shape (``[N, 4, -1, 7]``
+    of a ``[4*N, 1, 7]`` input is ``[N, 4, 1, 7]``), so that a symbolic entry can take the one
+    -1 a constant target may have; ``target`` as it is where that cannot be done."""
+    src = x.shape if x is not None and isinstance(x.type, TensorType) else None
+    if src is None or target.count(-1) != 1 or 0 in target:
+        return target
+    rest = dim_product(d for d in target if d != -1)
+    missing = dim_divide(dim_product(src), rest)
+    return target if missing is None else [missing if d == -1 else d for d in target]
+
+
 def _reshape_rule(node: Node, known: dict[Value, np.ndarray]) -> np.ndarray | None:
     if node.op != "Reshape" or node.domain != "" or len(node.inputs) < 2:
         return None
@@ -147,7 +163,7 @@ def _reshape_rule(node: Node, known: dict[Value, np.ndarray]) -> np.ndarray | No
     value = known[shape]
     if value.ndim != 1:
         return None
-    target = [d if isinstance(d, str) else int(d) for d in value.tolist()]
+    target = _resolve_inferred([d if isinstance(d, str) else int(d) for d in value.tolist()], x)
     new = reshape_target(
         target, x.shape if x is not None else None, bool(node.attrs.get("allowzero", 0))
     )
@@ -174,3 +190,39 @@ def reshape_targets(graph: Graph) -> int:
     """Give Reshapes with computed targets a constant target (with 0 and -1); returns how many."""
     rule = Rule("reshape_target", Op("Reshape"), _constant_target(shape_values(graph)))
     return run_rules(graph, [rule])
+
+
+# ---------------------------------------------------------------------------------------------
+# Shape computations with numeric values
+
+
+def _numeric(arr: np.ndarray, dtype: np.dtype) -> np.ndarray | None:
+    """``arr`` as a numeric array of ``dtype`` when every entry is an integer, else None."""
+    if arr.dtype != object:
+        return arr.astype(dtype) if arr.dtype.kind in "iub" else None
+    if not all(isinstance(x, int | np.integer) for x in arr.flat):
+        return None
+    return np.array(arr.tolist(), dtype=dtype).reshape(arr.shape)
+
+
+@register_pass("known_shape_values", level=1, order=42)
+def known_shape_values(graph: Graph) -> int:
+    """Replace shape computations whose values are known numbers by constants; returns how many."""
+    known = shape_values(graph)
+    count, kept = 0, []
+    for node in graph.nodes:
+        out = node.outputs[0] if len(node.outputs) == 1 else None
+        arr = known.get(out) if out is not None else None
+        data = None
+        wanted = arr is not None and out not in graph.outputs and node.op not in NO_FOLD
+        if wanted and out.dtype is not None and out.dtype.is_integer:
+            data = _numeric(arr, out.dtype.numpy)
+        if data is None:
+            kept.append(node)
+            continue
+        out.const = data
+        out.type = TensorType(out.dtype, data.shape)
+        graph.initializers.append(out)
+        count += 1
+    graph.nodes = kept
+    return count
