@@ -12,6 +12,7 @@ _MODULES = (
     "fuse_norm",
     "fuse_activation",
     "fuse_attention",
+    "fuse_mha",
     "fuse_pointwise",
 )
 

@@ -229,12 +229,14 @@ def _merge(graph: Graph, group: list[Projection], rw: Rewrite) -> None:
     else:
         node = Node("MatMul", [a, w], [merged_out], {}, "", f"{first.name}_merged")
     rw.add.append(node)
-    rw.add.append(_split(graph, merged_out, sizes, [p.node.outputs[0] for p in group], first.name))
+    rw.add.append(
+        split_last(graph, merged_out, sizes, [p.node.outputs[0] for p in group], first.name)
+    )
     rw.remove.extend(p.node for p in group)
     rw.count += 1
 
 
-def _split(graph: Graph, v: Value, sizes: list[int], outs: list[Value], name: str) -> Node:
+def split_last(graph: Graph, v: Value, sizes: list[int], outs: list[Value], name: str) -> Node:
     """Split ``v`` along its last axis into ``outs``, in the form the graph's opset takes."""
     if graph.opset("") >= 13:
         s = add_constant(graph, f"{name}_split_sizes", np.asarray(sizes, dtype=np.int64))
