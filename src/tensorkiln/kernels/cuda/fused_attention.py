@@ -14,7 +14,8 @@ Differences from SDPA that the op's definition fixes:
   values are clamped to the dtype's range first, so float32's "very negative" (-3.4e38, -1e9) stays
   a large finite negative instead of becoming -inf.
 * A query row whose keys are all hidden gives zeros (SDPA gives NaN, zeros or, in float16 on the
-  GPU, arbitrary values there), so with a mask the rows with no visible key are zeroed after SDPA.
+  GPU, arbitrary values there), so with a mask the rows with no visible key are zeroed after SDPA
+  (on the GPU by one Triton kernel over the mask rows, kernels/triton/attention_rows.py).
 
 The checks and head layouts are kernels/common/fused.py's (FusedAttention), shared with the
 reference; this module supplies the attention math.
@@ -28,6 +29,11 @@ import torch.nn.functional as F
 from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.cuda.attention import sdpa_mask
 from tensorkiln.kernels.registry import register
+from tensorkiln.kernels.triton import available as triton_available
+
+rows = None
+if triton_available():
+    from tensorkiln.kernels.triton import attention_rows as rows
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -80,6 +86,8 @@ def _attend(q, k, v, mask, scale: float, causal: int, mask_kind: str) -> torch.T
         scale=float(scale) if scale else None,
     )
     if mask is not None:
+        if rows is not None and y.is_cuda and rows.applies(y, mask):
+            return rows.zero_empty_rows_(y, mask, mask_kind)  # (one kernel over the mask)
         y = torch.where(_visible_rows(mask, mask_kind), y, 0)
     return y
 
