@@ -132,7 +132,29 @@ def markdown(results: dict) -> list[str]:
             lines.append(f"| {m['model']} | - | {_cell(m, True)} |" + " |" * (len(cols) - 3))
         for row in m.get("rows", []):
             lines.append(_row(row))
-    return [*lines, "", *_notes(_rows(results))]
+    return [*lines, "", *_notes(_rows(results)), *_kernel_lines(_rows(results))]
+
+
+def _kernel_lines(rows: list[dict]) -> list[str]:
+    """Per row with kernel profiles (--kernels): each peer's kernels and their time per call, and
+    tensorkiln's top kernels."""
+    out = []
+    for r in rows:
+        cells = {
+            p: c["kernels"] for p, c in r["peers"].items() if isinstance(c.get("kernels"), dict)
+        }
+        if not cells:
+            continue
+        if not out:
+            out = ["", "## Kernels per call (PyTorch profiler, after timing)", ""]
+        per_peer = ", ".join(
+            f"{PEER_COLUMNS.get(p, p)} {k['kernels_per_call']:.0f} in {k['ms_per_call']:.3f} ms"
+            for p, k in cells.items()
+        )
+        out.append(f"- {r['model']} batch {r['batch']}: {per_peer}")
+        for name, ms, n in (cells.get("tensorkiln") or {}).get("top", []):
+            out.append(f"  - tensorkiln {ms:.4f} ms x{n:g}: `{name}`")
+    return out
 
 
 def _notes(rows: list[dict]) -> list[str]:

@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_models.py [--models resnet50,bert,vit,gpt2,bert_large]
         [--peers tensorkiln,eager,compile,max-autotune,reduce-overhead] [--batch large|1|both]
-        [--out DIR] [--inductor-cache DIR] [--static-export]
+        [--out DIR] [--inductor-cache DIR] [--static-export] [--kernels N]
     python benchmarks/gpu_models.py --merge DIR          # no GPU needed
     python benchmarks/gpu_models.py --device cpu --tiny  # the smoke test (CI)
 
@@ -28,6 +28,10 @@ calls, each synchronized. Per row, also: tensorkiln's build seconds, its planned
 memory and what its context holds after the runs, and its share of the fp16 GEMM peak (the model's
 FLOPs, counted once with FlopCounterMode on the fp32 eager model at that batch, per tensorkiln's
 time per inference, over the peak of an 8192^3 fp16 matmul measured at the start).
+
+With ``--kernels N`` each peer is also run 20 times under the PyTorch profiler after its timing:
+its kernels per call, their summed GPU time and the top N go into the JSON and a section of
+results.md (where a batch-1 call's time goes: kernels, or the host between them).
 
 Each model's rows go to DIR/<model>.json as soon as they are measured; the end of a run (and
 ``--merge DIR``) writes DIR/results.md and DIR/results.json from every model file in DIR, so
@@ -97,6 +101,7 @@ class Settings:
     iters: int = 20  # calls per throughput loop
     warmup: int = 5
     latency_runs: int = 200  # batch 1: median of this many synchronized calls
+    kernels: int = 0  # > 0: also profile each peer's kernels, keeping this many of the top ones
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -158,6 +163,37 @@ def latency_ms(fn) -> float:
         S.sync()
         samples.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(samples)
+
+
+def kernel_profile(fn, calls: int = 20, top: int = 15) -> dict:
+    """What the device ran for ``calls`` calls of ``fn`` (the PyTorch profiler: CUDA kernels on
+    the GPU, torch ops on the CPU), per call: the number of kernels, their summed time and the
+    ``top`` kernels by time (name, ms per call, launches per call)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = S.device == "cuda"
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    fn()
+    S.sync()
+    with profile(activities=[activity]) as prof:
+        for _ in range(calls):
+            fn()
+        S.sync()
+    totals: dict[str, list] = {}
+    for e in prof.events():
+        us = e.device_time_total if cuda else e.self_cpu_time_total
+        if (cuda and e.device_type != torch.autograd.DeviceType.CUDA) or us <= 0:
+            continue
+        entry = totals.setdefault(e.name[:120], [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1][0])
+    return {
+        "kernels_per_call": sum(n for _, n in totals.values()) / calls,
+        "ms_per_call": sum(t for t, _ in totals.values()) / calls / 1e3,
+        "top": [[name, t / calls / 1e3, n / calls] for name, (t, n) in ranked[:top]],
+        "clock": "CUDA kernels (PyTorch profiler)" if cuda else "CPU ops (PyTorch profiler)",
+    }
 
 
 def gemm_peak() -> dict:
@@ -223,6 +259,8 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
     cell["value"] = (
         throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
     )
+    if S.kernels:
+        cell["kernels"] = kernel_profile(lambda: ctx.infer(dev), top=S.kernels)
     cell["planned_bytes"] = engine.memory.get("peak_bytes")
     cell["actual_bytes"] = ctx.device_memory_bytes() if S.device == "cuda" else None
     cell["graph_fallback"] = ctx.cuda_graph_fallback
@@ -246,6 +284,8 @@ def torch_peer(peer: str, model16, args: list, want: list, large: bool) -> dict:
     del got
     batch = args[0].shape[0]
     cell["value"] = throughput(lambda: fn(*args), batch) if large else latency_ms(lambda: fn(*args))
+    if S.kernels:
+        cell["kernels"] = kernel_profile(lambda: fn(*args), top=S.kernels)
     return cell
 
 
@@ -389,6 +429,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="export one model per batch, without the dynamic batch axis",
     )
     ap.add_argument("--merge", metavar="DIR", help="only combine DIR/<model>.json into a table")
+    ap.add_argument(
+        "--kernels",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, profile each peer's kernels (count and GPU time per call, the top N "
+        "by time) into the JSON and a section of results.md",
+    )
     args = ap.parse_args(argv)
     for what, known in (("models", SPECS), ("peers", PEERS)):
         items = [x.strip() for x in getattr(args, what).split(",") if x.strip()]
@@ -406,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.merge:
         return print_merged(Path(args.merge))
-    S.device, S.tiny = args.device, args.tiny
+    S.device, S.tiny, S.kernels = args.device, args.tiny, max(args.kernels, 0)
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5
     if S.device == "cuda" and not torch.cuda.is_available():

@@ -154,3 +154,21 @@ def test_a_failed_model_keeps_its_measured_rows(smoke: Path, tmp_path: Path, mon
     md = "\n".join(_gpu_table.markdown({"environments": [data["environment"]], "models": [data]}))
     assert "| bert | - | failed: OutOfMemoryError: CUDA out of memory |" in md
     assert "| bert | 4 (seq/s) |" in md and "| bert | 1 (ms) |" in md
+
+
+def test_kernel_profiles_with_kernels_flag(tmp_path: Path) -> None:
+    """--kernels N: every measured peer's cell has its kernels per call, their time and the top
+    N, and results.md lists them."""
+    r = _run(
+        "--device", "cpu", "--tiny", "--models", "bert", "--batch", "1", "--kernels", "3",
+        "--out", str(tmp_path), "--inductor-cache", str(tmp_path / "ic"),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads((tmp_path / "bert.json").read_text())["rows"][0]
+    for peer in ("tensorkiln", "eager"):
+        k = row["peers"][peer]["kernels"]
+        assert k["kernels_per_call"] > 0 and k["ms_per_call"] > 0
+        assert 0 < len(k["top"]) <= 3
+        assert all(ms > 0 and n > 0 for _, ms, n in k["top"])
+    text = (tmp_path / "results.md").read_text()
+    assert "## Kernels per call" in text and "bert batch 1: tensorkiln" in text
