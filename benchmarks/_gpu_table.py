@@ -124,7 +124,7 @@ def markdown(results: dict) -> list[str]:
     lines = ["# tensorkiln against PyTorch, fp16", "", *_env_lines(results["environments"]), ""]
     timing = results["environments"][0].get("timing") or {}
     lines += [f"- {h}" for h in _header(timing)] + [""]
-    cols = ["model", "batch", *PEER_COLUMNS.values(), "best peer", "ratio", "build s"]
+    cols = ["model", "batch", *PEER_COLUMNS.values(), "best peer", "ratio", "build s cold / warm"]
     cols += ["activation MiB planned / actual", "% fp16 GEMM peak", "error tensorkiln / eager"]
     lines += ["| " + " | ".join(cols) + " |", "|---|" + "---:|" * (len(cols) - 1)]
     for m in results["models"]:
@@ -198,6 +198,9 @@ def _row(row: dict) -> str:
     err += " FLAG" if row["flag"] else ""
     cells = [row["model"], f"{row['batch']} ({unit})"]
     cells += [_cell(row["peers"].get(p), large) for p in PEER_COLUMNS]
-    cells += [row["best_peer"] or "-", ratio, _num(tk.get("build_s"), ".1f"), mem]
+    build = _num(tk.get("build_s"), ".1f")
+    if tk.get("warm_build_s") is not None:
+        build += f" / {tk['warm_build_s']:.1f}"
+    cells += [row["best_peer"] or "-", ratio, build, mem]
     cells += [_num(row["pct_peak"], ".1f"), err]
     return "| " + " | ".join(cells) + " |"
