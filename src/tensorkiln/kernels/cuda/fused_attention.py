@@ -67,14 +67,19 @@ def _broadcast_heads(q, k, v):
     return tuple(x.expand(*lead, *x.shape[2:]) if x.shape[:2] != lead else x for x in (q, k, v))
 
 
+def prepare_mask(mask: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """The op's mask as the kernels take it: bool, or additive in ``dtype`` (clamped); at least
+    2-D (a scalar or per-key mask gets the [Sq, Sk] axes)."""
+    mask = mask.to(torch.bool) if kind == "bool" else _additive(mask, dtype)
+    return mask.reshape(1, -1) if mask.ndim < 2 else mask
+
+
 def _attend(q, k, v, mask, scale: float, causal: int, mask_kind: str) -> torch.Tensor:
     """SDPA on [B, H, S, D] tensors, with the op's mask and empty-row rules (see above)."""
     q, k, v = _broadcast_heads(q, k, v)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is not None:
-        mask = mask.to(torch.bool) if mask_kind == "bool" else _additive(mask, q.dtype)
-        if mask.ndim < 2:  # a scalar or per-key mask: SDPA wants the [Sq, Sk] axes
-            mask = mask.reshape(1, -1)
+        mask = prepare_mask(mask, mask_kind, q.dtype)
         if causal:
             mask = _with_causal(mask, mask_kind, q.shape[2], k.shape[2])
     y = F.scaled_dot_product_attention(

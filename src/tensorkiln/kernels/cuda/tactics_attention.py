@@ -1,0 +1,63 @@
+"""tensorkiln.Attention's Triton tactic, ``triton_flash`` (kernels/triton/flash_attention.py).
+
+The default kernel is SDPA, which picks cuDNN's or its own flash kernels, but with a mask it
+wants the mask broadcast to aligned strides (some are materialized at [B, H, Sq, Sk]), a causal
+op with a mask gets the triangle folded into a materialized mask, and the empty-row rule runs
+after it. The Triton kernel reads any broadcast mask through its strides, skips the key blocks
+a causal row cannot see and writes zeros for empty rows itself; the autotuner keeps whichever is
+faster on the layer's real inputs. float16 and bfloat16, head widths up to 256; the checks and
+head layouts are the shared FusedAttention's.
+"""
+
+from __future__ import annotations
+
+import math
+
+from tensorkiln.kernels.common.fused import FusedAttention
+from tensorkiln.kernels.cuda.fused_attention import TorchAttentionArrays, prepare_mask
+from tensorkiln.kernels.tactics import LayerSpec, tactic
+from tensorkiln.kernels.triton import available, interpreting
+
+_HALF = frozenset(["float16", "bfloat16"])
+
+
+def _head_width(spec: LayerSpec) -> int | None:
+    q = spec.shapes[0]
+    if q is None:
+        return None
+    if spec.attrs.get("input_layout", "bhsd") == "bsd":
+        heads = int(spec.attrs.get("num_heads", 0) or 0)
+        return q[-1] // heads if heads > 0 and len(q) == 3 and q[-1] % heads == 0 else None
+    return q[-1] if len(q) == 4 else None
+
+
+def _fits(spec: LayerSpec) -> bool:
+    if not (spec.device == "cuda" or interpreting()) or len(spec.shapes) < 3:
+        return False
+    dtypes = spec.dtypes[:3]
+    if len(set(dtypes)) != 1 or dtypes[0] not in _HALF:
+        return False
+    width = _head_width(spec)
+    return width is not None and 0 < width <= 256
+
+
+if available():
+    from tensorkiln.kernels.triton import flash_attention as flash
+
+    class TritonAttentionArrays(TorchAttentionArrays):
+        """The attention math on the Triton flash kernel where it applies, SDPA elsewhere."""
+
+        @staticmethod
+        def attend(q, k, v, mask, scale: float, causal: int, mask_kind: str):
+            m = None if mask is None else prepare_mask(mask, mask_kind, q.dtype)
+            if not flash.applies(q, k, v, m):
+                return TorchAttentionArrays.attend(q, k, v, mask, scale, causal, mask_kind)
+            s = float(scale) if scale else 1.0 / math.sqrt(q.shape[-1])
+            return flash.attention(q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind)
+
+    _flash_attention = FusedAttention(TritonAttentionArrays()).fused_attention
+
+    @tactic("Attention", domain="tensorkiln", name="triton_flash", supports=_fits)
+    def attention_triton_flash(q, k, v, mask=None, **attrs):
+        """The attention in one Triton pass over blocks of keys (see the module's docstring)."""
+        return _flash_attention(q, k, v, mask, **attrs)

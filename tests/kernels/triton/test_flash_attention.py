@@ -1,0 +1,127 @@
+"""The triton_flash Attention tactic (kernels/triton/flash_attention.py) against the numpy
+reference attention, on fresh random inputs (through Triton's interpreter without a GPU).
+
+Shapes are small but odd (sequence lengths past one block and not multiples of it, head widths
+that are not powers of two); masks of every broadcast shape, bool and additive, with rows that see
+no key; causal alone and with a mask; the "bsd" layouts; float16 and bfloat16.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
+from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic  # noqa: E402
+from tests.kernels.triton import DEVICE  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+B, H, SQ, SK, D = 2, 2, 67, 75, 24
+TACTIC = get_tactic("Attention", "tensorkiln", "triton_flash")
+
+
+def _mask(shape, kind, rng):
+    hidden = rng.random(shape) < 0.4
+    flat = hidden.reshape(-1, shape[-1])
+    flat[:: max(1, len(flat) // 2)] = True  # some rows hide every key
+    if kind == "bool":
+        return ~hidden
+    return np.where(hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
+
+
+def _run(args, attrs, dtype):
+    """The tactic on ``args`` (numpy, float operands cast to ``dtype``) and the reference on the
+    same values in float32; the relative L2 error."""
+    narrow = [a.astype(dtype) if a.dtype == np.float32 else a for a in args]
+    wide = [a.astype(np.float32) if a.dtype in (np.float16, BF16) else a for a in narrow]
+    want = invoke(lookup("Attention", "tensorkiln", 1, "reference"), wide, attrs, 1)[0]
+    spec = LayerSpec(
+        "Attention", "tensorkiln", attrs, tuple(a.shape for a in narrow),
+        tuple(a.dtype.name for a in narrow), device=DEVICE,
+    )  # fmt: skip
+    assert TACTIC.applies(spec)
+    got = to_numpy(TACTIC.fn(*(to_torch(a, DEVICE) for a in narrow), **attrs))
+    assert got.shape == want.shape and got.dtype == dtype
+    got = got.astype(np.float64)
+    empty = (want == 0).all(axis=-1)
+    assert not got[empty].any(), "a row that sees no key must be zeros"
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)
+
+
+def _qkv(rng, sq=SQ, sk=SK, d=D, dv=D):
+    return [
+        rng.standard_normal((B, H, n, w)).astype(np.float32)
+        for n, w in ((sq, d), (sk, d), (sk, dv))
+    ]
+
+
+MASKS = [None, (B, 1, 1, SK), (B, H, SQ, SK), (SQ, SK), (B, 1, SQ, SK), (SK,)]
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+@pytest.mark.parametrize(
+    "shape", MASKS, ids=["none" if s is None else "x".join(map(str, s)) for s in MASKS]
+)
+def test_masks_of_every_broadcast_shape(shape, kind):
+    rng = np.random.default_rng()
+    args = _qkv(rng)
+    attrs = {"scale": 0.3}
+    if shape is not None:
+        args.append(_mask(shape, kind, rng))
+        attrs["mask_kind"] = kind
+    elif kind == "bool":
+        pytest.skip("no mask: one case is enough")
+    assert _run(args, attrs, np.float16) < 1e-2
+
+
+@pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "causal-and-mask"])
+def test_causal_alone_and_with_a_mask(with_mask):
+    rng = np.random.default_rng()
+    args = _qkv(rng, sq=SK)  # causal top-left: square is the usual case
+    attrs = {"causal": 1}
+    if with_mask:
+        args.append(_mask((B, 1, 1, SK), "additive", rng))
+        attrs["mask_kind"] = "additive"
+    assert _run(args, attrs, np.float16) < 1e-2
+    args = _qkv(rng, sq=20, sk=SK)  # fewer queries than keys
+    assert _run(args, {"causal": 1}, np.float16) < 1e-2
+
+
+def test_bsd_layout_bfloat16_and_a_wider_value():
+    rng = np.random.default_rng()
+    heads, d = 3, 16
+    q = rng.standard_normal((B, SQ, heads * d)).astype(np.float32)
+    k = rng.standard_normal((B, SK, heads * d)).astype(np.float32)
+    v = rng.standard_normal((B, SK, heads * 32)).astype(np.float32)
+    pad = _mask((B, 1, 1, SK), "bool", rng)
+    attrs = {"num_heads": heads, "input_layout": "bsd", "output_layout": "bsd", "mask_kind": "bool"}
+    assert _run([q, k, v, pad], attrs, BF16) < 2e-2
+
+
+def test_what_it_does_not_take():
+    f32 = LayerSpec("Attention", "tensorkiln", {}, ((1, 2, 8, 16),) * 3, ("float32",) * 3,
+                    device=DEVICE)  # fmt: skip
+    assert not TACTIC.applies(f32)
+    wide = LayerSpec("Attention", "tensorkiln", {}, ((1, 2, 8, 512),) * 3, ("float16",) * 3,
+                     device=DEVICE)  # fmt: skip
+    assert not TACTIC.applies(wide)
+    cpu = LayerSpec("Attention", "tensorkiln", {}, ((1, 2, 8, 16),) * 3, ("float16",) * 3,
+                    device="cpu")  # fmt: skip
+    assert TACTIC.applies(cpu) == (DEVICE == "cpu")  # (CPU tensors only through the interpreter)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bert_and_gpt2_shapes_on_the_gpu():
+    """BERT's [B, 1, 1, S] padding mask at S=128 and GPT-2's causal-and-padding [B, 1, S, S] at
+    S=512, head width 64, float16."""
+    rng = np.random.default_rng()
+    for s, shape, causal in ((128, (4, 1, 1, 128), 0), (512, (2, 1, 512, 512), 1)):
+        q, k, v = (rng.standard_normal((shape[0], 12, s, 64)).astype(np.float32) for _ in range(3))
+        mask = np.where(rng.random(shape) < 0.1, -np.inf, 0.0).astype(np.float32)
+        assert _run([q, k, v, mask], {"mask_kind": "additive", "causal": causal}, np.float16) < 1e-2
