@@ -79,3 +79,48 @@ def test_layer_times_are_cuda_event_times_under_the_roof() -> None:
         assert mm["tflops"] < 1.05 * mm["peak_tflops"] and mm["bound"] == "compute"
         assert 0 < mm["roofline_percent"] < 105
         assert relu["bound"] == "memory" and relu["gbps"] < 1.05 * peaks.gbps
+
+
+def _chain(n: int, width: int) -> bytes:
+    """A launch-bound model: ``n`` small elementwise layers on a [1, width] input."""
+    nodes, prev = [], "x"
+    for i in range(n):
+        op = ("Relu", "Neg", "Abs", "Sigmoid")[i % 4]
+        nodes.append(helper.make_node(op, [prev], [f"t{i}"], name=f"layer{i}"))
+        prev = f"t{i}"
+    nodes.append(helper.make_node("Identity", [prev], ["y"], name="out"))
+    graph = helper.make_graph(
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, width])],
+    )
+    opsets = [helper.make_opsetid("", 17)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+def test_batch_1_layer_times_are_kernel_times_not_launch_gaps() -> None:
+    """At batch 1 the host launches layers slower than the GPU runs them; the profile holds the
+    GPU until the host has queued the run, so the summed layer times stay near what the same
+    kernels take replayed as a CUDA graph (without the hold they read the host's pace)."""
+    n = 60
+    engine = Builder("cuda").build(
+        _chain(n, 64), BuilderConfig(optimization_level=0), progress=False
+    )
+    x = np.random.default_rng().standard_normal((1, 64)).astype(np.float32)
+    xt = torch.from_numpy(x).cuda()
+    with engine.create_execution_context(use_cuda_graph=True) as graphed:
+        for _ in range(3):
+            graphed.infer({"x": xt})
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphed.infer({"x": xt})
+        end.record()
+        end.synchronize()
+        replay_ms = start.elapsed_time(end) / 20
+    with engine.create_execution_context() as ctx:
+        rows = profile_layers(ctx, {"x": xt}, 30)
+    summed = sum(r["average_ms"] for r in rows)
+    assert len(rows) >= n
+    assert summed <= 4 * replay_ms + 0.05, (summed, replay_ms)

@@ -4,6 +4,7 @@ the same kernels run on CPU tensors, Triton's through its interpreter: how tests
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -65,7 +66,10 @@ class CudaBackend(TorchBackend):
     def layer_timer(self) -> LayerTimer:
         """CUDA events around each layer on the current stream (GPU time, host launch overhead
         and synchronization excluded); the host clock on a CPU device."""
-        return CudaEventLayerTimer() if self.streams else super().layer_timer()
+        if not self.streams:
+            return super().layer_timer()
+        lead = self.__dict__.setdefault("_profile_lead", [0.0])  # (shared by this backend's runs)
+        return CudaEventLayerTimer(lead)
 
     def memory_limit(self) -> tuple[int | None, str]:
         if not self.streams:
@@ -93,18 +97,36 @@ def _image(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.ndim == 4 and t.is_floating_point()
 
 
+# torch.cuda._sleep spins for a number of GPU clock cycles: about 2e9 a second on an H100/H200
+# (a slower clock holds longer, which only slows the profiling runs); at most 50 ms a run
+_SPIN_CYCLES_PER_S = 2.0e9
+_MAX_HOLD_S = 0.05
+
+
 class CudaEventLayerTimer(LayerTimer):
     """A pair of CUDA events recorded on the current stream around each layer; nothing waits
-    until :meth:`collect`, so the GPU runs the layers back to back as it does unprofiled. Where
-    the GPU runs ahead of the host, a layer's time includes its wait for the host to launch its
-    kernels (as any event timing does): small layers of a launch-bound model read slower."""
+    until :meth:`collect`.
 
-    __slots__ = ("_marks",)
+    Event times include any wait of the GPU for the host to launch a layer's kernels, and at
+    batch 1 that wait is most of them (each layer done before the host queued the next). So each
+    run starts by holding the GPU in a spin kernel for 1.5x the host time the previous run took
+    to queue its layers (``lead``, shared by the runs of one backend; none before the first):
+    the host queues the whole run meanwhile and the GPU then runs the layers back to back, as a
+    CUDA graph replays them, and each layer's events measure its kernels."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_lead", "_marks", "_t0")
+
+    def __init__(self, lead: list[float] | None = None) -> None:
         self._marks: list[tuple[str, torch.cuda.Event, torch.cuda.Event | None]] = []
+        self._lead = lead if lead is not None else [0.0]
+        self._t0 = 0.0
 
     def start(self) -> None:
+        if not self._marks:  # the run's first layer
+            self._t0 = time.perf_counter()
+            hold = min(1.5 * self._lead[0], _MAX_HOLD_S)
+            if hold > 0 and hasattr(torch.cuda, "_sleep"):
+                torch.cuda._sleep(int(hold * _SPIN_CYCLES_PER_S))
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         self._marks.append(("", event, None))
@@ -118,6 +140,7 @@ class CudaEventLayerTimer(LayerTimer):
     def collect(self, times: dict[str, float]) -> None:
         if not self._marks:
             return
+        self._lead[0] = time.perf_counter() - self._t0  # (the host's time to queue the run)
         last = self._marks[-1][2]
         if last is not None:
             last.synchronize()
