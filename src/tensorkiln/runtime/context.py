@@ -336,22 +336,42 @@ class ExecutionContext:
         inputs = [feeds[name] for name in order]
         stream = self._stream
         events = self._thread_events()
-        caller = torch.cuda.current_stream(stream.device)
+        handoff = self._handoff_events()
+        caller = torch.cuda.current_stream(stream.device_index)
         t0 = time.perf_counter()
-        with ENQUEUE_LOCK, self.backend.inference(), torch.cuda.stream(stream):
-            stream.wait_stream(caller)
-            for x in inputs:  # the caller may free its tensors before this stream is done
-                x.record_stream(stream)
-            events[0].record(stream)
-            results = self._graphs.replay(entry, inputs)
-            events[1].record(stream)
+        # (the stream switch and hand-off as plain calls on events made once per thread: the
+        # context-manager and wait_stream forms query devices and make events on every call)
+        with ENQUEUE_LOCK, self.backend.inference():
+            handoff[0].record(caller)
+            stream.wait_event(handoff[0])
+            torch.cuda.set_stream(stream)
+            try:
+                for x in inputs:  # the caller may free its tensors before this stream is done
+                    x.record_stream(stream)
+                events[0].record(stream)
+                results = self._graphs.replay(entry, inputs)
+                events[1].record(stream)
+            finally:
+                torch.cuda.set_stream(caller)
             self._local.timed = events
-        caller.wait_stream(stream)
+            handoff[1].record(stream)
+            caller.wait_event(handoff[1])
         for r in results:
             if isinstance(r, torch.Tensor) and r.is_cuda:
                 r.record_stream(caller)
         self.last_compute_s = time.perf_counter() - t0
         return {v.name: r for v, r in zip(self.engine.graph.outputs, results)}
+
+    def _handoff_events(self) -> tuple[Any, Any]:
+        """This thread's pair of events (no timing) for handing work between the caller's
+        stream and the context's."""
+        events = getattr(self._local, "handoff", None)
+        if events is None:
+            import torch  # lazy: torch is optional (only a GPU backend hands work over)
+
+            events = (torch.cuda.Event(), torch.cuda.Event())
+            self._local.handoff = events
+        return events
 
     def _reserve(self, memory: Mapping[str, Any]) -> None:
         """Reserve the memory plan in the context's pool: its buffers are allocated and freed
