@@ -17,7 +17,8 @@ NOT_IMPLEMENTED = ("int8", "fp8")
 # The precisions each backend's layers can compute in; a backend not listed computes in fp32.
 BACKEND_PRECISIONS = {"cuda": ("fp32", "tf32", "fp16", "bf16")}
 LOG_LEVELS = ("error", "warning", "info", "verbose")
-TACTIC_SOURCES = ("triton",)  # each tactic's name starts with its source: "triton_gemm_..."
+# the kinds of tactic; each tactic's name starts with its kind: "triton_gemm_...", "cudnn_fused"
+TACTIC_SOURCES = ("triton", "cudnn")
 
 
 class PrecisionWarning(UserWarning):

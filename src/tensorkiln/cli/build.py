@@ -71,8 +71,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--tactic-sources",
         metavar="LIST",
-        help="kinds of generated kernel the autotuner may try besides cuBLAS/cuDNN, e.g. triton; "
-        "'none' times nothing but the defaults (default: all)",
+        help="kinds of tactic the autotuner may try besides each op's default kernel: triton "
+        "(generated kernels), cudnn (fused cuDNN calls); 'none' times nothing but the defaults "
+        "(default: all)",
     )
     add_backend_option(
         p, "cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present"
