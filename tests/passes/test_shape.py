@@ -192,3 +192,45 @@ def test_static_model_has_no_shape_chains_left(tmp_path: Path):
     g = tensorkiln.import_onnx(arch.export(m, feeds, tmp_path, dynamo=False))
     after = assert_pass_preserves_outputs(g, level1, feeds)
     assert not {"Shape", "Constant", "Identity", "ConstantOfShape"} & set(ops(after))
+
+
+def test_a_static_slice_of_a_symbolic_shape_becomes_a_constant():
+    """Slice(Shape(x), -1) of x[N, 4, 8] is [8] whatever N is (an attention's head width, from
+    which its scale is computed): known_shape_values makes it a constant, and the chain folds."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"]),
+        helper.make_node("Slice", ["s", "minus1", "big"], ["d"]),
+        helper.make_node("Cast", ["d"], ["df"], to=F),
+        helper.make_node("Sqrt", ["df"], ["root"]),
+        helper.make_node("Div", ["x", "root"], ["y"]),
+    ]
+    inits = [i64("minus1", [-1]), i64("big", [2**62])]
+    x = helper.make_tensor_value_info("x", F, ["N", 4, 8])
+    g = graph_of(model(nodes, [x], [helper.make_empty_tensor_value_info("y")], inits))
+    after = assert_pass_preserves_outputs(g, PassManager(1, verify=True).run, {"x": rand(2, 4, 8)})
+    assert ops(after) == ["Div"]
+    assert after.nodes[0].inputs[1].const is not None
+    x2 = rand(5, 4, 8)
+    np.testing.assert_allclose(run(after, {"x": x2})["y"], run(g, {"x": x2})["y"], rtol=1e-6)
+
+
+def test_a_minus_one_is_worked_out_to_free_it_for_the_symbolic_entry():
+    """A target [N, 4, -1, 7] (N from another tensor's shape) of an x[4*N, 1, 7]: the -1 is 1
+    symbolically, so N can take the -1 of the constant target [-1, 4, 1, 7]."""
+    nodes = [
+        helper.make_node("Shape", ["z"], ["s"]),
+        helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"]),
+        helper.make_node("Concat", ["n1", "tail"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["r"]),
+        helper.make_node("Add", ["r", "r"], ["y"]),
+    ]
+    inits = [i64("zero", 0), i64("ax0", [0]), i64("tail", [4, -1, 7])]
+    x = helper.make_tensor_value_info("x", F, ["4*N", 1, 7])
+    z = helper.make_tensor_value_info("z", F, ["N", 3])
+    g = graph_of(model(nodes, [x, z], [helper.make_empty_tensor_value_info("y")], inits))
+    feeds = {"x": rand(8, 1, 7), "z": rand(2, 3)}
+    after = assert_pass_preserves_outputs(g, level1, feeds)
+    reshape = next(n for n in after.nodes if n.op == "Reshape")
+    assert reshape.inputs[1].const is not None
+    assert reshape.inputs[1].const.tolist() == [-1, 4, 1, 7]

@@ -215,6 +215,7 @@ def known_shape_values(graph: Graph) -> int:
         arr = known.get(out) if out is not None else None
         data = None
         wanted = arr is not None and out not in graph.outputs and node.op not in NO_FOLD
+        wanted = wanted and not any(True for _ in node.subgraphs())
         if wanted and out.dtype is not None and out.dtype.is_integer:
             data = _numeric(arr, out.dtype.numpy)
         if data is None:
