@@ -18,7 +18,7 @@ NOT_IMPLEMENTED = ("int8", "fp8")
 BACKEND_PRECISIONS = {"cuda": ("fp32", "tf32", "fp16", "bf16")}
 LOG_LEVELS = ("error", "warning", "info", "verbose")
 # the kinds of tactic; each tactic's name starts with its kind: "triton_gemm_...", "cudnn_fused"
-TACTIC_SOURCES = ("triton", "cudnn")
+TACTIC_SOURCES = ("triton", "cudnn", "cublas")
 
 
 class PrecisionWarning(UserWarning):

@@ -54,3 +54,77 @@ def test_it_computes_conv_act_on_the_gpu(dtype, residual):
     got = to_numpy(TACTIC.fn(*tensors, **attrs)).astype(np.float64)
     tol = 1e-2 if dtype == np.float16 else 1e-4
     assert np.linalg.norm(got - want) <= tol * np.linalg.norm(want)
+
+
+IM2COL = get_tactic("ConvAct", "tensorkiln", "cublas_im2col")
+
+
+def test_im2col_takes_convolutions_of_few_channels_on_cuda_devices():
+    stem = LayerSpec(
+        "ConvAct", "tensorkiln", {"kernel_shape": [7, 7]}, ((8, 3, 64, 64), (16, 3, 7, 7)),
+        ("float16", "float16"), device="cuda",
+    )  # fmt: skip
+    assert IM2COL.applies(stem)
+    cpu = LayerSpec("ConvAct", "tensorkiln", {}, stem.shapes, stem.dtypes, device="cpu")
+    assert not IM2COL.applies(cpu)
+    wide = LayerSpec("ConvAct", "tensorkiln", {}, ((8, 16, 64, 64), (16, 16, 3, 3)),
+                     ("float16", "float16"), device="cuda")  # fmt: skip
+    assert not IM2COL.applies(wide)  # 16 channels: cuDNN's own kernels are good
+    big = LayerSpec("ConvAct", "tensorkiln", {}, ((8, 3, 64, 64), (16, 3, 15, 15)),
+                    ("float16", "float16"), device="cuda")  # fmt: skip
+    assert not IM2COL.applies(big)  # 675 taps per output: past the unfold's budget
+
+
+@pytest.mark.parametrize(
+    "attrs,residual",
+    [
+        ({"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3], "activation": "Relu"},
+         False),
+        ({"kernel_shape": [3, 3], "pads": [0, 1, 2, 1], "dilations": [2, 1],
+          "activation": "LeakyRelu", "activation_alpha": 0.1}, True),
+        ({"kernel_shape": [3, 2], "strides": [1, 2], "activation": "Sigmoid",
+          "residual_order": "act_add"}, True),
+    ],
+    ids=["stem", "asymmetric-dilated-residual", "act-then-residual"],
+)  # fmt: skip
+def test_im2col_gives_the_convolution(attrs, residual):
+    """On CPU tensors (the tactic is taken on GPUs; the unfold and GEMM are plain torch), against
+    the numpy reference ConvAct."""
+    from tensorkiln.kernels.common.conv import conv_geometry
+
+    rng = np.random.default_rng()
+    x = rng.standard_normal((2, 3, 17, 15)).astype(np.float32)
+    w = (rng.standard_normal((8, 3, *attrs["kernel_shape"])) / 5).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    args = [x, w, b]
+    if residual:
+        g = conv_geometry(x.shape, w.shape, "NOTSET", attrs.get("dilations"), None,
+                          attrs.get("pads"), attrs.get("strides"))  # fmt: skip
+        args.append(rng.standard_normal((2, 8, *g.out)).astype(np.float32))
+    want = invoke(lookup("ConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [to_torch(a, "cpu") for a in args]
+    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)  # (as weights are held)
+    got = to_numpy(IM2COL.fn(*tensors, **attrs))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_im2col_on_the_gpu_in_half():
+    rng = np.random.default_rng()
+    args = [
+        rng.standard_normal((4, 3, 64, 64)).astype(np.float16),
+        (rng.standard_normal((64, 3, 7, 7)) / 10).astype(np.float16),
+        rng.standard_normal(64).astype(np.float16),
+    ]
+    attrs = {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3], "activation": "Relu"}
+    want = invoke(
+        lookup("ConvAct", "tensorkiln", 1, "reference"), [a.astype(np.float32) for a in args],
+        attrs, 1,
+    )[0]  # fmt: skip
+    tensors = [to_torch(a, "cuda") for a in args]
+    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)
+    y = IM2COL.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y).astype(np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
