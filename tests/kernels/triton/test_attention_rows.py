@@ -98,3 +98,12 @@ def test_the_cuda_attention_kernel_takes_it_on_the_gpu(kind):
     assert not got[empty].any()
     err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
     assert err < 1e-2
+
+
+def test_a_kernel_failure_falls_back_to_torch_with_a_warning(monkeypatch):
+    from tensorkiln.kernels.cuda import fused_attention as fa
+
+    monkeypatch.setattr(fa, "_ROWS_KERNEL", True)
+    with pytest.warns(RuntimeWarning, match="empty-row kernel failed"):
+        fa._rows_kernel_failed(RuntimeError("no compiler here"))
+    assert fa._ROWS_KERNEL is False

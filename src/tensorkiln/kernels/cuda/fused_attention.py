@@ -23,6 +23,8 @@ reference; this module supplies the attention math.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -34,6 +36,7 @@ from tensorkiln.kernels.triton import available as triton_available
 rows = None
 if triton_available():
     from tensorkiln.kernels.triton import attention_rows as rows
+_ROWS_KERNEL = rows is not None  # (off for the process after a failure to compile or launch)
 
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -91,10 +94,24 @@ def _attend(q, k, v, mask, scale: float, causal: int, mask_kind: str) -> torch.T
         scale=float(scale) if scale else None,
     )
     if mask is not None:
-        if rows is not None and y.is_cuda and rows.applies(y, mask):
-            return rows.zero_empty_rows_(y, mask, mask_kind)  # (one kernel over the mask)
+        if _ROWS_KERNEL and y.is_cuda and rows.applies(y, mask):
+            try:
+                return rows.zero_empty_rows_(y, mask, mask_kind)  # (one kernel over the mask)
+            except Exception as exc:  # (a Triton that cannot compile it: the torch rule below)
+                _rows_kernel_failed(exc)
         y = torch.where(_visible_rows(mask, mask_kind), y, 0)
     return y
+
+
+def _rows_kernel_failed(exc: Exception) -> None:
+    global _ROWS_KERNEL
+    _ROWS_KERNEL = False
+    warnings.warn(
+        f"attention: the Triton empty-row kernel failed ({type(exc).__name__}: "
+        f"{str(exc)[:200]}); using torch's kernels for the rule from now on",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 class TorchAttentionArrays:
