@@ -1,4 +1,4 @@
-"""The triton_flash Attention tactic (kernels/triton/flash_attention.py) against the numpy
+"""The triton_flash Attention tactics (kernels/triton/flash_attention.py) against the numpy
 reference attention, on fresh random inputs (through Triton's interpreter without a GPU).
 
 Shapes are small but odd (sequence lengths past one block and not multiples of it, head widths
@@ -22,7 +22,8 @@ from tests.kernels.triton import DEVICE  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 B, H, SQ, SK, D = 2, 2, 67, 75, 24
-TACTIC = get_tactic("Attention", "tensorkiln", "triton_flash")
+TACTIC = get_tactic("Attention", "tensorkiln", "triton_flash_m64")
+TACTIC_128 = get_tactic("Attention", "tensorkiln", "triton_flash_m128")
 
 
 def _mask(shape, kind, rng):
@@ -34,7 +35,7 @@ def _mask(shape, kind, rng):
     return np.where(hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
 
 
-def _run(args, attrs, dtype):
+def _run(args, attrs, dtype, tactic=None):
     """The tactic on ``args`` (numpy, float operands cast to ``dtype``) and the reference on the
     same values in float32; the relative L2 error."""
     narrow = [a.astype(dtype) if a.dtype == np.float32 else a for a in args]
@@ -44,8 +45,9 @@ def _run(args, attrs, dtype):
         "Attention", "tensorkiln", attrs, tuple(a.shape for a in narrow),
         tuple(a.dtype.name for a in narrow), device=DEVICE,
     )  # fmt: skip
-    assert TACTIC.applies(spec)
-    got = to_numpy(TACTIC.fn(*(to_torch(a, DEVICE) for a in narrow), **attrs))
+    tactic = tactic or TACTIC
+    assert tactic.applies(spec)
+    got = to_numpy(tactic.fn(*(to_torch(a, DEVICE) for a in narrow), **attrs))
     assert got.shape == want.shape and got.dtype == dtype
     got = got.astype(np.float64)
     empty = (want == 0).all(axis=-1)
@@ -79,17 +81,19 @@ def test_masks_of_every_broadcast_shape(shape, kind):
     assert _run(args, attrs, np.float16) < 1e-2
 
 
+@pytest.mark.parametrize("rows", [64, 128], ids=["m64", "m128"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "causal-and-mask"])
-def test_causal_alone_and_with_a_mask(with_mask):
+def test_causal_alone_and_with_a_mask(with_mask, rows):
+    tactic = TACTIC if rows == 64 else TACTIC_128
     rng = np.random.default_rng()
     args = _qkv(rng, sq=SK)  # causal top-left: square is the usual case
     attrs = {"causal": 1}
     if with_mask:
         args.append(_mask((B, 1, 1, SK), "additive", rng))
         attrs["mask_kind"] = "additive"
-    assert _run(args, attrs, np.float16) < 1e-2
+    assert _run(args, attrs, np.float16, tactic) < 1e-2
     args = _qkv(rng, sq=20, sk=SK)  # fewer queries than keys
-    assert _run(args, {"causal": 1}, np.float16) < 1e-2
+    assert _run(args, {"causal": 1}, np.float16, tactic) < 1e-2
 
 
 def test_bsd_layout_bfloat16_and_a_wider_value():
@@ -124,4 +128,6 @@ def test_bert_and_gpt2_shapes_on_the_gpu():
     for s, shape, causal in ((128, (4, 1, 1, 128), 0), (512, (2, 1, 512, 512), 1)):
         q, k, v = (rng.standard_normal((shape[0], 12, s, 64)).astype(np.float32) for _ in range(3))
         mask = np.where(rng.random(shape) < 0.1, -np.inf, 0.0).astype(np.float32)
-        assert _run([q, k, v, mask], {"mask_kind": "additive", "causal": causal}, np.float16) < 1e-2
+        attrs = {"mask_kind": "additive", "causal": causal}
+        for tactic in (TACTIC, TACTIC_128):
+            assert _run([q, k, v, mask], attrs, np.float16, tactic) < 1e-2

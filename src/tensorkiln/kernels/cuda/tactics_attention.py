@@ -1,4 +1,5 @@
-"""tensorkiln.Attention's Triton tactic, ``triton_flash`` (kernels/triton/flash_attention.py).
+"""tensorkiln.Attention's Triton tactics, ``triton_flash_m64`` and ``triton_flash_m128``
+(kernels/triton/flash_attention.py; 64 or 128 query rows per program).
 
 The default kernel is SDPA, which picks cuDNN's or its own flash kernels, but with a mask it
 wants the mask broadcast to aligned strides (some are materialized at [B, H, Sq, Sk]), a causal
@@ -47,17 +48,30 @@ if available():
     class TritonAttentionArrays(TorchAttentionArrays):
         """The attention math on the Triton flash kernel where it applies, SDPA elsewhere."""
 
-        @staticmethod
-        def attend(q, k, v, mask, scale: float, causal: int, mask_kind: str):
+        def __init__(self, block_m: int) -> None:
+            self.block_m = block_m
+
+        def attend(self, q, k, v, mask, scale: float, causal: int, mask_kind: str):
             m = None if mask is None else prepare_mask(mask, mask_kind, q.dtype)
             if not flash.applies(q, k, v, m):
                 return TorchAttentionArrays.attend(q, k, v, mask, scale, causal, mask_kind)
             s = float(scale) if scale else 1.0 / math.sqrt(q.shape[-1])
-            return flash.attention(q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind)
+            return flash.attention(
+                q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
+                block_m=self.block_m,
+            )  # fmt: skip
 
-    _flash_attention = FusedAttention(TritonAttentionArrays()).fused_attention
+    def _flash_fn(block_m: int):
+        run = FusedAttention(TritonAttentionArrays(block_m)).fused_attention
 
-    @tactic("Attention", domain="tensorkiln", name="triton_flash", supports=_fits)
-    def attention_triton_flash(q, k, v, mask=None, **attrs):
-        """The attention in one Triton pass over blocks of keys (see the module's docstring)."""
-        return _flash_attention(q, k, v, mask, **attrs)
+        def attention_triton_flash(q, k, v, mask=None, **attrs):
+            """The attention in one Triton pass over blocks of keys (see the module's
+            docstring)."""
+            return run(q, k, v, mask, **attrs)
+
+        return attention_triton_flash
+
+    for _block_m in flash.BLOCKS_M:
+        tactic("Attention", domain="tensorkiln", name=f"triton_flash_m{_block_m}", supports=_fits)(
+            _flash_fn(_block_m)
+        )

@@ -25,6 +25,7 @@ import triton.language as tl
 from tensorkiln.kernels.triton import interpreting
 
 DTYPES = (torch.float16, torch.bfloat16)
+BLOCKS_M = (64, 128)  # query rows per program: one tactic each
 MAX_HEAD = 256
 LOG2E = 1.4426950408889634
 
@@ -138,10 +139,12 @@ def attention(
     scale: float,
     causal: bool = False,
     mask_kind: str = "",
+    block_m: int = 128,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v of [B, H, Sq, D] / [B, H, Sk, D] / [B, H, Sk, Dv]
-    operands; ``mask_kind`` "bool" (True: visible) or anything else (additive). Returns
-    [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The caller checks :func:`applies`."""
+    operands; ``mask_kind`` "bool" (True: visible) or anything else (additive); ``block_m``
+    query rows per program (64: twice the programs, for small batches). Returns [B, H, Sq, Dv],
+    a view of a [B, Sq, H, Dv] tensor. The caller checks :func:`applies`."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
@@ -150,7 +153,7 @@ def attention(
     m = _mask_4d(mask, (b, h, sq, sk)) if has_mask else q
     if has_mask and m.dtype == torch.bool:
         m = m.view(torch.uint8)
-    block_m = 64 if sq <= 64 else 128
+    block_m = 64 if sq <= 64 else block_m
     block_n = 64
     grid = (triton.cdiv(sq, block_m), b * h)
     mstrides = m.stride() if has_mask else (0, 0, 0, 0)
