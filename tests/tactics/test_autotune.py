@@ -234,11 +234,12 @@ def test_pruning_keeps_the_best_estimated_candidates() -> None:
     from tensorkiln.tactics.autotune import _prune
 
     spec = LayerSpec("MatMul", "", {}, ((8, 32), (32, 16)), ("float32", "float32"))
-    scores = {"a": 0.1, "b": 0.9, "c": 0.5, "d": 0.7, "e": 0.2}
+    scores = {"t_a": 0.1, "lib_x": 0.0, "t_b": 0.9, "t_c": 0.5, "t_d": 0.7, "t_e": 0.2}
     tactics = [Tactic(n, "MatMul", "", len, None, lambda s, v=v: v) for n, v in scores.items()]
     kept, pruned = _prune(tactics, spec, 3)
-    assert [t.name for t in kept] == ["b", "c", "d"]  # registration order among the kept
-    assert pruned == ["a", "e"]
+    # the three best of source "t" in registration order; "lib" has its own budget
+    assert [t.name for t in kept] == ["lib_x", "t_b", "t_c", "t_d"]
+    assert pruned == ["t_a", "t_e"]
     assert _prune(tactics, spec, None) == (tactics, [])
     assert _prune(tactics[:2], spec, 3) == (tactics[:2], [])
 

@@ -243,13 +243,20 @@ def _reason(exc: Exception) -> str:
 
 
 def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, list[str]]:
-    """The ``keep`` best-estimated candidates (in registration order among equals), and the
-    names of the others."""
-    if keep is None or len(candidates) <= keep:
+    """The ``keep`` best-estimated candidates of each tactic source (the name's first part:
+    Triton's tile configs compete among themselves, a cuDNN or cuBLAS call is not crowded out by
+    them), in registration order, and the names of the others."""
+    if keep is None:
         return candidates, []
-    ranked = sorted(range(len(candidates)), key=lambda i: -candidates[i].score(spec))
-    chosen = sorted(ranked[:keep])
-    return [candidates[i] for i in chosen], [candidates[i].name for i in sorted(ranked[keep:])]
+    sources: dict[str, list[int]] = {}
+    for i, t in enumerate(candidates):
+        sources.setdefault(t.name.split("_", 1)[0], []).append(i)
+    dropped: set[int] = set()
+    for members in sources.values():
+        ranked = sorted(members, key=lambda i: -candidates[i].score(spec))
+        dropped.update(ranked[keep:])
+    kept = [t for i, t in enumerate(candidates) if i not in dropped]
+    return kept, [candidates[i].name for i in sorted(dropped)]
 
 
 def _allowed(name: str, sources: frozenset[str] | None) -> bool:
