@@ -40,6 +40,19 @@ _ATTRS = frozenset(
 )  # fmt: skip
 
 
+# ConvAct's attributes the tactics read, at their defaults
+_DEFAULTS = {
+    "auto_pad": "NOTSET", "dilations": None, "kernel_shape": None, "pads": None, "strides": None,
+    "group": 1, "activation": "", "residual_order": "add_act",
+}  # fmt: skip
+
+
+def _one_float(spec: LayerSpec) -> bool:
+    """The layer's inputs are all of one float dtype the tactics take."""
+    present = [d for d in spec.dtypes if d is not None]
+    return bool(present) and all(d == present[0] for d in present) and present[0] in _FLOATS
+
+
 def _fits(spec: LayerSpec) -> bool:
     if spec.device != "cuda" or len(spec.shapes) < 2 or spec.shapes[0] is None:
         return False
@@ -50,8 +63,7 @@ def _fits(spec: LayerSpec) -> bool:
         return False
     if spec.attrs.get("residual_order", "add_act") != "add_act":
         return False
-    present = [d for d in spec.dtypes if d is not None]
-    if not present or any(d != present[0] for d in present) or present[0] not in _FLOATS:
+    if not _one_float(spec):
         return False
     pads = list(spec.attrs.get("pads") or [0, 0, 0, 0])
     return spec.attrs.get("auto_pad", "NOTSET") == "NOTSET" and pads[:2] == pads[2:]
@@ -66,8 +78,7 @@ def conv_act_cudnn_fused(
     **attrs,
 ) -> torch.Tensor:
     """relu(conv(x, w) + z + b) in one cuDNN call (the default route where it does not apply)."""
-    a = {"auto_pad": "NOTSET", "dilations": None, "kernel_shape": None, "pads": None,
-         "strides": None, "group": 1, **attrs}  # fmt: skip
+    a = {**_DEFAULTS, **attrs}
     g = geometry_of(x, w, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"], a["strides"])
     if not x.is_cuda or x.ndim != 4 or tuple(g.begin) != tuple(g.end):
         return conv_act(x, w, b, z, **attrs)
@@ -88,8 +99,7 @@ def _im2col_fits(spec: LayerSpec) -> bool:
     x, w = spec.shapes[0], spec.shapes[1]
     if w is None or len(x) != 4 or len(w) != 4 or int(spec.attrs.get("group", 1)) != 1:
         return False
-    present = [d for d in spec.dtypes if d is not None]
-    if not present or any(d != present[0] for d in present) or present[0] not in _FLOATS:
+    if not _one_float(spec):
         return False
     return x[1] % 8 != 0 and math.prod(w[1:]) <= _IM2COL_MAX_K
 
@@ -104,8 +114,7 @@ def conv_act_im2col(
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) as unfold + one GEMM into a channels-last output, then the
     epilogue (the default route where it does not apply)."""
-    a = {"auto_pad": "NOTSET", "dilations": None, "kernel_shape": None, "pads": None,
-         "strides": None, "group": 1, "activation": "", "residual_order": "add_act", **attrs}  # fmt: skip
+    a = {**_DEFAULTS, **attrs}
     if x.ndim != 4 or int(a["group"]) != 1:
         return conv_act(x, w, b, z, **attrs)
     g = geometry_of(x, w, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"], a["strides"])
