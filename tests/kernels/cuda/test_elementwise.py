@@ -113,8 +113,11 @@ def test_activations(op, dtype):
     # (torch's vectorized CPU Gelu gives NaN for +inf; its CUDA kernel and the reference give inf)
     special = [np.nan] if op == "Gelu" and DEVICE == "cpu" else [np.inf, -np.inf, np.nan]
     x.reshape(-1)[: len(special)] = np.array(special).astype(dtype)
+    # float32 Gelu: 1 + erf(x/sqrt(2)) cancels for negative x, and torch's float32 erf (a few
+    # ulps) then differs from the reference's by up to ~1e-6 absolute at |x| near 4
+    atol = 4e-6 if op == "Gelu" and dtype == np.float32 else None
     for attrs in _ACTIVATIONS[op]:
-        _compare(op, [x], attrs)
+        _compare(op, [x], attrs, atol=atol)
 
 
 def test_float8_predicates():
