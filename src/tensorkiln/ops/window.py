@@ -28,6 +28,16 @@ class Geometry:
     def padded(self) -> bool:
         return any(self.begin) or any(self.end)
 
+    @property
+    def pointwise(self) -> bool:
+        """A 1x1 window with unit strides and no padding: a convolution of it is a GEMM over
+        the pixels (dilation does not matter to a 1x1 window)."""
+        return (
+            all(k == 1 for k in self.kernel)
+            and all(s == 1 for s in self.strides)
+            and (not self.padded)
+        )
+
 
 def ints(values: Sequence[int] | None, n: int, default: int, what: str) -> tuple[int, ...]:
     """``values`` as a tuple of ``n`` ints (``default`` repeated when absent)."""

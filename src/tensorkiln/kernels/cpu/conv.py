@@ -211,9 +211,8 @@ def specialized_conv(
 def _gemm_applies(x: torch.Tensor, w: torch.Tensor, g: Geometry, group: int) -> bool:
     return (
         group == 1
-        and g.kernel == (1, 1)
-        and not g.padded
-        and g.strides == (1, 1)
+        and len(g.kernel) == 2
+        and g.pointwise
         and g.dilations == (1, 1)
         and x.dtype == w.dtype
     )

@@ -208,17 +208,73 @@ class TorchConvArrays:
             y = pointwise_gemm(x, w, bias, g, group)
         if y is None:
             y = conv(x, _as(w, x.dtype), bias, g, group)
-        if z is not None and tuple(z.shape) != tuple(y.shape):
-            raise ValueError(
-                f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's "
-                f"{tuple(y.shape)}"
-            )
-        if z is not None and not after:
-            y.add_(z)
-        activate_(y, activation, *act)
-        if z is not None and after:
-            y.add_(z)
-        return y
+        return _torch_epilogue_(y, z, activation, act, after)
+
+
+def _check_residual(y: torch.Tensor, z: torch.Tensor | None) -> None:
+    if z is not None and tuple(z.shape) != tuple(y.shape):
+        raise ValueError(
+            f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's {tuple(y.shape)}"
+        )
+
+
+def _torch_epilogue_(
+    y: torch.Tensor, z: torch.Tensor | None, activation: str, act: tuple, after: bool
+) -> torch.Tensor:
+    """act(y + z) (``after``: act(y) + z) in place with torch's ops."""
+    _check_residual(y, z)
+    if z is not None and not after:
+        y.add_(z)
+    activate_(y, activation, *act)
+    if z is not None and after:
+        y.add_(z)
+    return y
+
+
+def _gpu_epilogue_(
+    y: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+    activation: str,
+    act: tuple,
+    after: bool,
+) -> torch.Tensor:
+    """act(y + b + z) (``after``: act(y + b) + z) in one Triton pass (kernels/triton/epilogue.py);
+    the caller checks that Triton, the activation and ``y``'s dtype allow it."""
+    if epilogue.channel_stride(y) is None:  # (a strided output: dense first)
+        y = y.contiguous()
+    if z is not None:
+        _check_residual(y, z)
+        if not epilogue.applies(y, z):  # (another layout or dtype: once into the output's)
+            z = torch.empty_like(y).copy_(z)
+    return epilogue.epilogue_(y, b, z, Epilogue.of(activation, *act), after)
+
+
+def _gpu_epilogue_applies(y: torch.Tensor, activation: str) -> bool:
+    return (
+        y.is_cuda
+        and epilogue is not None
+        and activation in ACT_CODES
+        and y.dtype in epilogue.FLOATS
+    )
+
+
+def conv_epilogue_(
+    y: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+    activation: str,
+    act: tuple,
+    after: bool,
+) -> torch.Tensor:
+    """ConvAct's epilogue on a fresh convolution output ``y`` (per-channel bias ``b``, residual
+    ``z``, activation ``act`` = (alpha, beta, min, max)): one Triton pass on a GPU, torch's ops
+    elsewhere. Returns the result (``y``, or a dense copy of a strided ``y``)."""
+    if _gpu_epilogue_applies(y, activation):
+        return _gpu_epilogue_(y, b, z, activation, act, after)
+    if b is not None:
+        y.add_(b.reshape(1, -1, *(1,) * (y.ndim - 2)))
+    return _torch_epilogue_(y, z, activation, act, after)
 
 
 def _gpu_conv_act(
@@ -246,17 +302,7 @@ def _gpu_conv_act(
         y, b = conv(x, _as(w, x.dtype), None, g, group), bias
     if b is None and z is None and activation == "":
         return y
-    if epilogue.channel_stride(y) is None:  # (a strided output: dense first)
-        y = y.contiguous()
-    if z is not None:
-        if tuple(z.shape) != tuple(y.shape):
-            raise ValueError(
-                f"ConvAct: residual Z of shape {tuple(z.shape)} must have the output's "
-                f"{tuple(y.shape)}"
-            )
-        if not epilogue.applies(y, z):  # (another layout or dtype: once into the output's)
-            z = torch.empty_like(y).copy_(z)
-    return epilogue.epilogue_(y, b, z, Epilogue.of(activation, *act), after)
+    return _gpu_epilogue_(y, b, z, activation, act, after)
 
 
 conv_act = bind(common.conv_act, TorchConvArrays(), __name__)

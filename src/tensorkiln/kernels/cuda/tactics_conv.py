@@ -29,7 +29,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from tensorkiln.kernels.cuda.fused_conv import Epilogue, activate_, conv_act, epilogue, geometry_of
+from tensorkiln.kernels.cuda.fused_conv import conv_act, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import torch_pads
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 
@@ -128,15 +128,5 @@ def conv_act_im2col(
     y = torch.matmul(cols.transpose(1, 2), w2.t())  # [N, OH*OW, M]: channels-last pixels
     y = y.view(n, oh, ow, m).permute(0, 3, 1, 2)
     act = tuple(a.get(k) for k in _ACT_KEYS)
-    after = a["residual_order"] == "act_add"
-    if epilogue is not None and y.is_cuda and epilogue.applies(y, z):
-        bias = None if b is None else b.to(x.dtype)
-        return epilogue.epilogue_(y, bias, z, Epilogue.of(a["activation"], *act), after)
-    if b is not None:
-        y.add_(b.to(x.dtype).reshape(1, m, 1, 1))
-    if z is not None and not after:
-        y.add_(z)
-    activate_(y, a["activation"], *act)
-    if z is not None and after:
-        y.add_(z)
-    return y
+    bias = None if b is None else b.to(x.dtype)
+    return conv_epilogue_(y, bias, z, a["activation"], act, a["residual_order"] == "act_add")

@@ -157,16 +157,6 @@ CONFIGS = (
 FLAT_BELOW = 16  # input channels per group under which the reduction runs in im2col order
 
 
-def _pointwise(geom: Geometry) -> bool:
-    """A 1x1 convolution with unit strides and no padding: a GEMM over the pixels."""
-    return (
-        all(k == 1 for k in geom.kernel)
-        and all(s == 1 for s in geom.strides)
-        and not any(geom.begin)
-        and not any(geom.end)
-    )
-
-
 def _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config) -> torch.Tensor:
     """A 1x1 convolution of channels-last ``x`` as the GEMM it is: the (pixels, C) view of ``x``
     times the (C, OC) view of ``w``, bias, residual and activation in the GEMM's epilogue, written
@@ -228,7 +218,7 @@ def conv_act(
     if z is not None and tuple(z.shape) != tuple(y.shape):
         raise ValueError(f"ConvAct: residual Z {tuple(z.shape)} must have the output's shape")
     bias = None if b is None else b.reshape(oc).contiguous()
-    if nhwc and group == 1 and _pointwise(geom):
+    if nhwc and group == 1 and geom.pointwise:
         return _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config)
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
