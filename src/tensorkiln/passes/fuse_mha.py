@@ -75,23 +75,17 @@ class _Chain:
         p = view.producers.get(v) if v is not None else None
         if p is None or p.op not in ops or p.domain != domain or p in view.claimed:
             return None
-        if v in view.outputs or len(view.uses.get(v, [])) != 1:
+        if view.single(v) is None:
             return None
         self.nodes.append(p)
         return p
 
-    def forward(self, v: Value | None, op: str, domain: str = "") -> Node | None:
-        """The one reader of ``v`` when it is ``op`` (and ``v`` is no graph output)."""
-        view = self.view
-        if v is None or v in view.outputs:
-            return None
-        uses = view.uses.get(v, [])
-        if len(uses) != 1 or uses[0].op != op or uses[0].domain != domain:
-            return None
-        if uses[0] in view.claimed:
-            return None
-        self.nodes.append(uses[0])
-        return uses[0]
+    def forward(self, v: Value | None, op: str) -> Node | None:
+        """The one reader of ``v`` when it is the ONNX op ``op`` (and ``v`` is no graph output)."""
+        n = self.view.single(v, op)
+        if n is not None:
+            self.nodes.append(n)
+        return n
 
 
 def _projection(node: Node | None) -> bool:
@@ -169,11 +163,8 @@ def _out_projection(chain: _Chain, o: Value, sizes: tuple) -> tuple[Node, Value]
     r = chain.forward(t.outputs[0], "Reshape")
     if r is None or _shape(r.outputs[0]) != (dim_product([s, n]), e):
         return None
-    uses = chain.view.uses.get(r.outputs[0], [])
-    proj = uses[0] if len(uses) == 1 else None
+    proj = chain.view.single(r.outputs[0])  # (its only reader: a projection, of any domain)
     if not _projection(proj) or proj.inputs[0] is not r.outputs[0] or proj in chain.view.claimed:
-        return None
-    if r.outputs[0] in chain.view.outputs:
         return None
     chain.nodes.append(proj)
     if _shape(proj.outputs[0]) is None or _shape(proj.outputs[0])[0] != dim_product([s, n]):

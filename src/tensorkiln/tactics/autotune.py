@@ -250,7 +250,7 @@ def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, l
         return candidates, []
     sources: dict[str, list[int]] = {}
     for i, t in enumerate(candidates):
-        sources.setdefault(t.name.split("_", 1)[0], []).append(i)
+        sources.setdefault(_source(t.name), []).append(i)
     dropped: set[int] = set()
     for members in sources.values():
         ranked = sorted(members, key=lambda i: -candidates[i].score(spec))
@@ -259,8 +259,13 @@ def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, l
     return kept, [candidates[i].name for i in sorted(dropped)]
 
 
+def _source(name: str) -> str:
+    """A tactic's source: the first part of its name ("triton_gemm_..." -> "triton")."""
+    return name.split("_", 1)[0]
+
+
 def _allowed(name: str, sources: frozenset[str] | None) -> bool:
-    return sources is None or name.split("_", 1)[0] in sources
+    return sources is None or _source(name) in sources
 
 
 def describe_layer(node: Node, entry: KernelEntry) -> dict:
