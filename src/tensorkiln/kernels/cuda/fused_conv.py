@@ -250,13 +250,10 @@ def _gpu_epilogue_(
     return epilogue.epilogue_(y, b, z, Epilogue.of(activation, *act), after)
 
 
-def _gpu_epilogue_applies(y: torch.Tensor, activation: str) -> bool:
-    return (
-        y.is_cuda
-        and epilogue is not None
-        and activation in ACT_CODES
-        and y.dtype in epilogue.FLOATS
-    )
+def _epilogue_takes(t: torch.Tensor, activation: str) -> bool:
+    """Whether the Triton epilogue takes a convolution of ``t``'s dtype (the output's) and this
+    activation."""
+    return epilogue is not None and activation in ACT_CODES and t.dtype in epilogue.FLOATS
 
 
 def conv_epilogue_(
@@ -270,7 +267,7 @@ def conv_epilogue_(
     """ConvAct's epilogue on a fresh convolution output ``y`` (per-channel bias ``b``, residual
     ``z``, activation ``act`` = (alpha, beta, min, max)): one Triton pass on a GPU, torch's ops
     elsewhere. Returns the result (``y``, or a dense copy of a strided ``y``)."""
-    if _gpu_epilogue_applies(y, activation):
+    if y.is_cuda and _epilogue_takes(y, activation):
         return _gpu_epilogue_(y, b, z, activation, act, after)
     if b is not None:
         y.add_(b.reshape(1, -1, *(1,) * (y.ndim - 2)))
@@ -291,7 +288,7 @@ def _gpu_conv_act(
     """ConvAct on a GPU: cuBLAS (a 1x1 convolution as a GEMM on the channels-last view, the bias
     in its epilogue) or cuDNN, then the bias, residual and activation in one Triton pass over the
     output (kernels/triton/epilogue.py); None where Triton or the activation is missing."""
-    if epilogue is None or activation not in ACT_CODES or x.dtype not in epilogue.FLOATS:
+    if not _epilogue_takes(x, activation):
         return None
     relu = z is None and activation == "Relu" and bias is not None
     y = pointwise_gemm(x, w, bias, g, group, relu=relu)
