@@ -50,12 +50,20 @@ def test_shape_ranges_and_settings_are_recorded(cli, mlp, tmp_path):
 
 
 @pytest.mark.parametrize("flag", ["--int8", "--fp8"])
-def test_int8_and_fp8_are_refused_as_not_implemented(cli, mlp, tmp_path, flag):
+def test_int8_and_fp8_without_calibration_are_a_clear_error(cli, mlp, tmp_path, flag):
     out = tmp_path / "e"
-    rc, _, err = cli("build", mlp, "-o", out, "--fp16", flag)
+    rc, _, err = cli("build", mlp, "-o", out, "--backend", "reference", flag)
     assert_one_line_error(rc, err)
-    assert f"{flag[2:].upper()} is not implemented yet" in err
+    assert f"{flag[2:].upper()} needs calibration" in err and "--calib-data" in err
     assert not out.exists()
+
+
+def test_int8_on_a_backend_without_int8_kernels_warns_and_stays_float(cli, mlp, tmp_path):
+    out = tmp_path / "e"
+    rc, _, err = cli("build", mlp, "-o", out, "--backend", "cpu", "--int8")
+    assert rc == 0, err
+    assert "the cpu backend does not implement int8" in err
+    assert Engine.load(out).build["config"]["precisions"] == ["fp32"]
 
 
 def test_reduced_precision_on_the_reference_backend_warns_and_stays_fp32(cli, mlp, tmp_path):
@@ -78,7 +86,7 @@ def test_best_warns_and_allows_what_the_backend_implements(cli, mlp, tmp_path):
     engine = tmp_path / "e"
     rc, out, err = cli("build", mlp, "-o", engine, "--backend", "reference", "--best")
     assert rc == 0, err
-    assert "--best: INT8/FP8 are not implemented yet" in err
+    assert "--best: INT8/FP8 need calibration data (--calib-data)" in err
     assert len(err.strip().splitlines()) == 1  # no second warning about fp16: --best asked for fp32
     assert "precisions allowed: fp32;" in out
     assert Engine.load(engine).build["config"]["precisions"] == ["fp32"]
@@ -89,11 +97,10 @@ def test_builder_config_refuses_or_warns_in_the_api(mlp):
     from tensorkiln.errors import BuildError
 
     for precision in ("int8", "fp8"):
-        with pytest.raises(BuildError, match="not implemented yet"):
-            BuilderConfig().set_flag(precision)
-    sneaked = BuilderConfig(precisions={"fp32", "int8"})  # set directly, past set_flag
-    with pytest.raises(BuildError, match="INT8 is not implemented yet"):
-        Builder("reference").build(mlp, sneaked)
+        uncalibrated = BuilderConfig()
+        uncalibrated.set_flag(precision)
+        with pytest.raises(BuildError, match=f"{precision.upper()} needs calibration"):
+            Builder("reference").build(mlp, uncalibrated)
     config = BuilderConfig()
     config.set_flag("fp16")
     with pytest.warns(PrecisionWarning, match="engine stays float32"):

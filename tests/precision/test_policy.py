@@ -200,7 +200,7 @@ def test_pinning_a_cancellation_prone_layer_to_the_engine_precision_is_honoured(
         ((), {"fc1": "fp16"}, BuildError, ["'fc1'", "fp16", "set_flag('fp16')"]),
         (("fp16", "bf16"), {"fc1": "bf16"}, BuildError, ["'fc1'", "bf16", "fp16 engine"]),
         (("tf32",), {"fc1": "fp32"}, BuildError, ["'fc1'", "fp32", "tf32 engine"]),
-        (("fp16",), {"fc1": "int8"}, BuildError, ["'fc1'", "int8", "not implemented"]),
+        (("fp16",), {"fc1": "int8"}, BuildError, ["'fc1'", "int8", "higher precision"]),
         (("fp16",), {"fc1": "fp64"}, InputError, ["'fc1'", "'fp64'"]),
     ],
 )

@@ -19,7 +19,7 @@ from typing import Any
 import onnx
 
 from tensorkiln.backends import Backend, get_backend, resolve
-from tensorkiln.builder.config import BuilderConfig, OptimizationProfile
+from tensorkiln.builder.config import QUANTIZED_PRECISIONS, BuilderConfig, OptimizationProfile
 from tensorkiln.engine.engine import Engine
 from tensorkiln.engine.memory import max_profile_symbols, plan_memory
 from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
@@ -30,7 +30,11 @@ from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
 from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
+from tensorkiln.precision.calib_data import CalibrationData
+from tensorkiln.precision.calibration import CalibrationRequest
 from tensorkiln.precision.io import set_io_types
+from tensorkiln.precision.quantize import quantize_graph
+from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
 from tensorkiln.tactics.cache import TimingCache
@@ -116,6 +120,10 @@ class Builder:
                 report.passes = optimize(
                     graph, config.optimization_level, config.dump_ir, backend=self.backend
                 )
+            quantized = _quantized_precision(config)
+            if quantized is not None:
+                with _phase(report, "calibrate", bar):
+                    report.notes += _quantize(graph, config, backend, quantized, bar)
             policy = config.precision_policy or DefaultPolicy()
             with _phase(report, "precision", bar):
                 precision, notes = _apply_precision(graph, config, policy)
@@ -160,6 +168,36 @@ class Builder:
             },
             target=backend.target(),
         )
+
+
+def _quantized_precision(config: BuilderConfig) -> str | None:
+    """The quantized precision the build allows: int8 before fp8 (None: neither)."""
+    return next((p for p in QUANTIZED_PRECISIONS if p in config.precisions), None)
+
+
+def _quantize(
+    graph: Graph, config: BuilderConfig, backend: Backend, precision: str, bar: _Progress
+) -> list[str]:
+    """Calibrate the optimized float graph and quantize its convolutions and GEMMs."""
+    data = None
+    if config.calibration_data is not None:
+        data = CalibrationData(
+            config.calibration_data, config.calibration_batch_size, config.calibration_samples
+        )
+    request = CalibrationRequest(
+        data, config.calibration_cache, config.calibrator, config.calibration_percentile
+    )
+    notes = quantize_graph(
+        graph,
+        precision,
+        request,
+        lambda g: Executor(g, backend),
+        exclude={k for k, p in config.layer_precisions.items() if p not in QUANTIZED_PRECISIONS},
+        progress=lambda samples, _: bar.status(f"calibrating: {samples} samples"),
+    )
+    infer_shapes(graph)
+    verify(graph)
+    return notes
 
 
 def _check_memory_limit(memory: dict, limit: int | None) -> None:
@@ -427,6 +465,10 @@ class _Progress:
             self._progress.__enter__()
             self._task = self._progress.add_task("building", total=self.PHASES)
         return self
+
+    def status(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, description=text)
 
     def advance(self, name: str) -> None:
         if self._progress is not None:

@@ -9,13 +9,18 @@ from typing import Any
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.errors import BuildError, InputError
 from tensorkiln.ir.graph import PRECISIONS
+from tensorkiln.precision.calib_data import DEFAULT_BATCH
+from tensorkiln.precision.calibrators import CALIBRATORS, DEFAULT_PERCENTILE
 from tensorkiln.precision.io import parse_formats
 from tensorkiln.precision.policy import PrecisionPolicy
 
-# Precisions no backend has kernels for yet: asking for one is an error, not a silent no-op.
-NOT_IMPLEMENTED = ("int8", "fp8")
 # The precisions each backend's layers can compute in; a backend not listed computes in fp32.
-BACKEND_PRECISIONS = {"cuda": ("fp32", "tf32", "fp16", "bf16")}
+# (INT8/FP8: quantized convolutions and GEMMs, calibrated; the reference kernels so far)
+BACKEND_PRECISIONS = {
+    "cuda": ("fp32", "tf32", "fp16", "bf16"),
+    "reference": ("fp32", "int8", "fp8"),
+}
+QUANTIZED_PRECISIONS = ("int8", "fp8")
 LOG_LEVELS = ("error", "warning", "info", "verbose")
 # the kinds of tactic; each tactic's name starts with its kind: "triton_gemm_...", "cudnn_fused"
 TACTIC_SOURCES = ("triton", "cudnn", "cublas")
@@ -30,22 +35,10 @@ def implemented_precisions(backend: str) -> tuple[str, ...]:
     return BACKEND_PRECISIONS.get(backend, ("fp32",))
 
 
-def _not_implemented(precisions: Any) -> None:
-    later = [p for p in NOT_IMPLEMENTED if p in precisions]
-    if later:
-        names = "/".join(p.upper() for p in later)
-        raise BuildError(
-            f"{names} {'is' if len(later) == 1 else 'are'} not implemented yet: no tensorkiln "
-            f"backend has {names} kernels; build without "
-            + " and ".join(f"--{p} (set_flag('{p}'))" for p in later)
-            + "; fp16 and bf16 are the reduced precisions the cuda backend implements"
-        )
-
-
 @dataclass
 class BuilderConfig:
-    """Build options. Precisions a backend does not implement are refused (int8, fp8) or
-    dropped with a :class:`PrecisionWarning` (fp16, bf16, tf32 on the reference backend)."""
+    """Build options. Precisions a backend does not implement are dropped with a
+    :class:`PrecisionWarning` (fp16, bf16, tf32 on the reference backend; int8, fp8 on cuda)."""
 
     precisions: set[str] = field(default_factory=lambda: {"fp32"})
     profiles: list[OptimizationProfile] = field(default_factory=list)
@@ -68,15 +61,24 @@ class BuilderConfig:
     # precision/io.py); none: float32 in and out
     input_io_formats: list[str] = field(default_factory=list)
     output_io_formats: list[str] = field(default_factory=list)
+    # INT8/FP8 calibration (precision/calibration.py): the data (a folder or file of .npy/.npz,
+    # or an iterable of feeds), a cache file read when it exists and written when it does not,
+    # the calibrator (None: entropy for int8, minmax for fp8) and its percentile, the batch
+    # size for data from files, and how many samples to use (None: all)
+    calibration_data: Any = None
+    calibration_cache: str | None = None
+    calibrator: str | None = None
+    calibration_percentile: float = DEFAULT_PERCENTILE
+    calibration_batch_size: int = DEFAULT_BATCH
+    calibration_samples: int | None = None
 
     def set_flag(self, precision: str) -> None:
-        """Allow a precision: 'fp32', 'tf32', 'fp16' or 'bf16' ('int8' and 'fp8' raise
-        BuildError: no backend implements them yet)."""
+        """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
+        calibration data, a calibration cache, or a model with Q/DQ nodes)."""
         if precision not in PRECISIONS:
             raise InputError(
                 f"unknown precision '{precision}'; choose from {', '.join(PRECISIONS)}"
             )
-        _not_implemented({precision})
         self.precisions.add(precision)
 
     def add_optimization_profile(self, profile: OptimizationProfile) -> int:
@@ -87,8 +89,8 @@ class BuilderConfig:
         for p in self.precisions:
             if p not in PRECISIONS:
                 raise InputError(f"unknown precision '{p}'; choose from {', '.join(PRECISIONS)}")
-        _not_implemented(self.precisions)
         self._validate_layer_precisions()
+        self._validate_calibration()
         self.input_io_formats = _io_formats(self.input_io_formats, "input")
         self.output_io_formats = _io_formats(self.output_io_formats, "output")
         if not 0 <= self.optimization_level <= 5:
@@ -111,11 +113,27 @@ class BuilderConfig:
                     f"layer_precisions: layer {name!r} is pinned to {p!r}; give layer names and "
                     f"one of {', '.join(PRECISIONS)}"
                 )
-            if p in NOT_IMPLEMENTED:
+            if p in QUANTIZED_PRECISIONS:
                 raise BuildError(
-                    f"layer_precisions: layer '{name}' is pinned to {p}, which is not implemented "
-                    "yet (no tensorkiln backend has its kernels); pin it to fp32, fp16 or bf16"
+                    f"layer_precisions: layer '{name}' is pinned to {p}; a layer is quantized "
+                    "by allowing int8/fp8 for the build (set_flag), and layer_precisions keeps "
+                    "a layer at a higher precision: pin it to fp32, fp16 or bf16"
                 )
+
+    def _validate_calibration(self) -> None:
+        if self.calibrator is not None and self.calibrator not in CALIBRATORS:
+            raise InputError(
+                f"unknown calibrator '{self.calibrator}'; choose from {', '.join(CALIBRATORS)}"
+            )
+        p = self.calibration_percentile
+        if not isinstance(p, int | float) or isinstance(p, bool) or not 50 <= p <= 100:
+            raise InputError(f"the calibration percentile must be in [50, 100], got {p!r}")
+        n = self.calibration_batch_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise InputError(f"the calibration batch size must be a positive integer, got {n!r}")
+        n = self.calibration_samples
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise InputError(f"the calibration sample count must be positive, got {n!r}")
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.
@@ -147,6 +165,14 @@ class BuilderConfig:
                 else sorted(self.tactic_sources),
             }
             | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})
+            | (
+                {
+                    "calibrator": self.calibrator,
+                    "calibration_percentile": self.calibration_percentile,
+                }
+                if self.precisions & set(QUANTIZED_PRECISIONS)
+                else {}
+            )
             | {
                 k: list(v)
                 for k, v in (

@@ -9,7 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
-from tensorkiln.builder.config import NOT_IMPLEMENTED, PrecisionWarning, implemented_precisions
+from tensorkiln.builder.config import (
+    QUANTIZED_PRECISIONS,
+    PrecisionWarning,
+    implemented_precisions,
+)
 from tensorkiln.cli.common import (
     CLIError,
     add_backend_option,
@@ -26,6 +30,9 @@ from tensorkiln.cli.common import (
 from tensorkiln.engine.engine import read_plan, read_source_model
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import InputError
+from tensorkiln.ir.graph import PRECISIONS
+from tensorkiln.precision.calib_data import DEFAULT_BATCH
+from tensorkiln.precision.calibrators import CALIBRATORS, DEFAULT_PERCENTILE
 
 EPILOG = """examples:
   tensorkiln build model.onnx -o model.engine
@@ -37,11 +44,20 @@ EPILOG = """examples:
   tensorkiln build model.onnx -o model.engine --fp16 --input-io-formats fp16:chw \
       --output-io-formats fp16:chw                                  # fp16 in and out, no casts
 
+  tensorkiln build model.onnx -o model.engine --backend reference --int8 \
+      --calib-data calib/ --calib-cache model.calib.json     # INT8, calibrated (entropy)
+  tensorkiln build model.onnx -o model.engine --backend reference --int8 \
+      --calib-cache model.calib.json                         # again, from the cache
+
 --shapes fixes dynamic inputs (min = opt = max); --min/--opt/--max-shapes give a range
 (--opt-shapes alone also fixes a shape). --fp16, --bf16 and --tf32 let the cuda backend's layers
 compute in that precision; the reference backend computes in float32 and says so with a warning.
---int8 and --fp8 are errors: no backend implements them yet. --best allows every precision the
-backend implements (with a warning that INT8/FP8 are not among them).
+--int8 and --fp8 quantize the convolutions and GEMMs (weights per output channel, activations per
+tensor, symmetric), calibrated on --calib-data (a folder of .npy/.npz files, one per sample or
+batch, or one .npz of stacked samples) or taken from --calib-cache; a model with its own
+QuantizeLinear/DequantizeLinear nodes needs neither. INT8/FP8 kernels exist on the reference
+backend so far; the cuda backend warns and builds without them. --best allows every precision the
+backend implements (INT8/FP8 only with calibration data or a cache).
 """
 
 PRECISION_FLAGS = ("tf32", "fp16", "bf16", "int8", "fp8")
@@ -52,15 +68,11 @@ def add_parser(sub: Any) -> None:
     p.add_argument("model", nargs="?", help="the .onnx model (omit with --from-engine)")
     p.add_argument("-o", "--output", required=True, metavar="ENGINE", help="engine file to write")
     for name in PRECISION_FLAGS:
-        later = name in NOT_IMPLEMENTED
-        p.add_argument(
-            f"--{name}",
-            action="store_true",
-            help=f"allow {name} kernels" + (" (not implemented yet: an error)" if later else ""),
-        )
+        p.add_argument(f"--{name}", action="store_true", help=f"allow {name} kernels")
     p.add_argument(
         "--best", action="store_true", help="allow every precision the backend implements"
     )
+    add_calibration_options(p)
     p.add_argument(
         "--shapes", metavar="SHAPES", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128"
     )
@@ -122,6 +134,44 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(handler=run_build)
 
 
+def add_calibration_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("INT8/FP8 calibration")
+    g.add_argument(
+        "--calib-data",
+        metavar="PATH",
+        help="calibration data: a folder of .npy/.npz files (an .npz names each input; a "
+        "sample or a batch per file) or one .npz/.npy of samples stacked on the first axis",
+    )
+    g.add_argument(
+        "--calib-cache",
+        metavar="FILE",
+        help="calibration cache (JSON): read when it exists (calibration is skipped), else "
+        "written after calibrating",
+    )
+    g.add_argument(
+        "--calibrator",
+        choices=CALIBRATORS,
+        help="how ranges are chosen (default: entropy for INT8, minmax for FP8)",
+    )
+    g.add_argument(
+        "--calib-percentile",
+        type=float,
+        default=DEFAULT_PERCENTILE,
+        metavar="P",
+        help=f"the percentile calibrator's percentile (default {DEFAULT_PERCENTILE})",
+    )
+    g.add_argument(
+        "--calib-batch",
+        type=int,
+        default=DEFAULT_BATCH,
+        metavar="N",
+        help=f"samples per calibration batch (default {DEFAULT_BATCH}; a fixed batch wins)",
+    )
+    g.add_argument(
+        "--calib-samples", type=int, metavar="N", help="use at most N samples (default: all)"
+    )
+
+
 def profiles_from_args(args: argparse.Namespace) -> list[Any]:
     """Zero or one OptimizationProfile from --shapes and --min/--opt/--max-shapes."""
     fixed = parse_shapes(args.shapes, "--shapes")
@@ -168,27 +218,41 @@ def read_embedded_source(path: str) -> tuple[bytes, dict[str, Any]]:
 
 
 def wanted_precisions(args: argparse.Namespace, backend: str) -> set[str]:
-    """The precisions the flags ask for; --best means all that ``backend`` implements."""
+    """The precisions the flags ask for; --best means all that ``backend`` implements (INT8 and
+    FP8 only when calibration data or a cache is given)."""
     wanted = {n for n in PRECISION_FLAGS if getattr(args, n, False)}
     if args.best:
-        best = implemented_precisions(backend)
-        warnings.warn(
-            f"--best: {'/'.join(p.upper() for p in NOT_IMPLEMENTED)} are not implemented yet; "
-            f"allowing what the {backend} backend implements: {', '.join(best)}",
-            PrecisionWarning,
-            stacklevel=2,
-        )
-        wanted |= set(best)
+        best = [p for p in implemented_precisions(backend) if p != "fp32"]
+        calibrated = getattr(args, "calib_data", None) or getattr(args, "calib_cache", None)
+        left = [p for p in QUANTIZED_PRECISIONS if p not in best or not calibrated]
+        if left:
+            why = (
+                "need calibration data (--calib-data) or a cache (--calib-cache)"
+                if all(p in best for p in left)
+                else f"are not implemented by the {backend} backend or need calibration data"
+            )
+            warnings.warn(
+                f"--best: {'/'.join(p.upper() for p in left)} {why}; allowing "
+                f"{', '.join(['fp32', *(p for p in best if p not in left)])}",
+                PrecisionWarning,
+                stacklevel=2,
+            )
+        wanted |= {p for p in best if p not in left}
     return wanted
 
 
 def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     old = (plan or {}).get("build", {}).get("config", {}) if plan else {}
     config = BuilderConfig()
-    # an old engine may record int8/fp8, which never did anything: a rebuild drops them
-    kept = {p for p in old.get("precisions", ()) if p not in NOT_IMPLEMENTED}
+    kept = {p for p in old.get("precisions", ()) if p in PRECISIONS}
     for precision in wanted_precisions(args, backend) or kept:
         config.set_flag(precision)
+    config.calibration_data = getattr(args, "calib_data", None)
+    config.calibration_cache = getattr(args, "calib_cache", None)
+    config.calibrator = getattr(args, "calibrator", None)
+    config.calibration_percentile = getattr(args, "calib_percentile", DEFAULT_PERCENTILE)
+    config.calibration_batch_size = getattr(args, "calib_batch", DEFAULT_BATCH)
+    config.calibration_samples = getattr(args, "calib_samples", None)
     profiles = profiles_from_args(args)
     if not profiles and plan:
         profiles = [OptimizationProfile.from_json(p) for p in plan.get("profiles", [])]

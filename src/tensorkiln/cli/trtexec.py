@@ -101,9 +101,10 @@ SUPPORTED: dict[str, Flag] = {
     "--maxShapes": Flag("max_shapes", "largest shapes of the build's profile", _text),
     "--fp16": Flag("fp16", "allow fp16 layers (backends without fp16 warn and keep fp32)"),
     "--bf16": Flag("bf16", "allow bf16 layers (as --fp16)"),
-    "--int8": Flag("int8", "an error: INT8 is not implemented yet"),
-    "--fp8": Flag("fp8", "an error: FP8 is not implemented yet"),
+    "--int8": Flag("int8", "quantize convolutions/GEMMs to INT8 (needs --calib or Q/DQ nodes)"),
+    "--fp8": Flag("fp8", "quantize convolutions/GEMMs to FP8 (as --int8)"),
     "--best": Flag("best", "allow every precision the backend implements (warns)"),
+    "--calib": Flag("calib_cache", "INT8/FP8 calibration cache to read (JSON)", _text),
     "--noTF32": Flag("no_tf32", "no TF32 (tensorkiln allows TF32 only when asked)"),
     "--builderOptimizationLevel": Flag("opt_level", "graph optimization level 0..5", _level),
     "--timingCacheFile": Flag("timing_cache", "timing cache to read and update", _text),
@@ -140,7 +141,7 @@ UNSUPPORTED: dict[str, str] = {
         --pluginInstanceNorm --pi --uint8AsymmetricQuantizationDLA --useRuntime --leanDLLPath
         --excludeLeanRuntime --monitorMemory --sparsity --stronglyTyped --directIO
         --precisionConstraints --layerPrecisions --layerOutputTypes --layerDeviceTypes
-        --decomposableAttentions --calib --safe --dumpKernelText --buildDLAStandalone
+        --decomposableAttentions --safe --dumpKernelText --buildDLAStandalone
         --allowGPUFallback --consistency --restricted --asyncFileReader --getPlanVersionOnly
         --noBuilderCache --noCompilationCache --errorOnTimingCacheMiss --preview --maxTactics
         --hardwareCompatibilityLevel --runtimePlatform --tempdir --tempfileControls
@@ -189,6 +190,7 @@ BUILD_ONLY = (
     "input_io_formats",
     "output_io_formats",
     "best",
+    "calib_cache",
     "no_tf32",
     "backend",
     *build.PRECISION_FLAGS,
@@ -323,6 +325,7 @@ def _build(opts: dict[str, Any]) -> Loaded:
         dump_ir=None,
         embed_source=False,
         best=opts.get("best", False),
+        calib_cache=opts.get("calib_cache"),
         **{p: opts.get(p, False) for p in build.PRECISION_FLAGS},
     )
     engine, report, seconds, config = build.build_engine(args)

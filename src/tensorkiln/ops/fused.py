@@ -8,6 +8,7 @@ kernels define their meaning).
 from __future__ import annotations
 
 from tensorkiln.ir.dims import broadcast_shapes, dim_divide, dim_product, fresh_dim
+from tensorkiln.ir.dtypes import DType
 from tensorkiln.ir.graph import Graph, Shape, TensorType, Type
 from tensorkiln.ops.records import ELEMENTWISE, FUSED, define, rule
 from tensorkiln.ops.shape_rules import InferContext
@@ -74,6 +75,22 @@ define(
     doc="act(alpha * A' @ B' + beta * C) for a 2-D A, or A @ B' + C for a higher rank",
 )
 define(
+    "QConvAct",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act"},
+    doc="ConvAct of a quantized X (int8 or float8, per-tensor scale) and W (per output channel): "
+    "inputs X_q, X_scale, W_q, W_scale, B, Z; float32 out",
+)
+define(
+    "QGemmAct",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE},
+    doc="GemmAct of a quantized A (per-tensor scale) and B (per output column): inputs A_q, "
+    "A_scale, B_q, B_scale, C; float32 out",
+)
+define(
     "LayerNorm",
     domain=DOMAIN,
     traits=[FUSED],
@@ -131,10 +148,18 @@ define(
 
 @rule("ConvAct", domain=DOMAIN)
 def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
+    return [TensorType(ctx.dtype(0), _conv_out(ctx, ctx.shape(0), ctx.shape(1)))]
+
+
+@rule("QConvAct", domain=DOMAIN)
+def _qconv_act_shape(ctx: InferContext) -> list[Type | None]:
+    return [TensorType(DType.FLOAT, _conv_out(ctx, ctx.shape(0), ctx.shape(2)))]
+
+
+def _conv_out(ctx: InferContext, xs: Shape | None, ws: Shape | None) -> Shape | None:
     """(N, M, *out) with the conv geometry; symbolic spatial sizes give fresh symbols."""
-    xs, ws = ctx.shape(0), ctx.shape(1)
     if xs is None or ws is None:
-        return [TensorType(ctx.dtype(0), None)]
+        return None
     spatial, kernel = xs[2:], ws[2:]
     if all(isinstance(d, int) for d in (*spatial, *kernel)):
         out: list = list(
@@ -149,19 +174,27 @@ def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
         )
     else:
         out = [fresh_dim() for _ in spatial]
-    return [TensorType(ctx.dtype(0), (xs[0], ws[0], *out))]
+    return (xs[0], ws[0], *out)
 
 
 @rule("GemmAct", domain=DOMAIN)
 def _gemm_act_shape(ctx: InferContext) -> list[Type | None]:
+    return [TensorType(ctx.dtype(0), _gemm_out(ctx, ctx.shape(0), ctx.shape(1)))]
+
+
+@rule("QGemmAct", domain=DOMAIN)
+def _qgemm_act_shape(ctx: InferContext) -> list[Type | None]:
+    return [TensorType(DType.FLOAT, _gemm_out(ctx, ctx.shape(0), ctx.shape(2)))]
+
+
+def _gemm_out(ctx: InferContext, a: Shape | None, b: Shape | None) -> Shape | None:
     """(M, N) for a 2-D A (transA applied), (*A[:-1], N) for a higher rank."""
-    a, b = ctx.shape(0), ctx.shape(1)
     if a is None or b is None:
-        return [TensorType(ctx.dtype(0), None)]
+        return None
     n = b[0] if ctx.attr("transB", 0) else b[1]
     if len(a) == 2 and ctx.attr("transA", 0):
-        return [TensorType(ctx.dtype(0), (a[1], n))]
-    return [TensorType(ctx.dtype(0), (*a[:-1], n))]
+        return (a[1], n)
+    return (*a[:-1], n)
 
 
 @rule("LayerNorm", domain=DOMAIN)

@@ -9,6 +9,7 @@ _MODULES = (
     "fuse_conv",
     "fuse_gemm",
     "fuse_se",
+    "fuse_qdq",
     "fuse_norm",
     "fuse_activation",
     "fuse_attention",

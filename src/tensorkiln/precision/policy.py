@@ -29,15 +29,20 @@ from tensorkiln.errors import BuildError, InputError
 from tensorkiln.ir import DType, Graph, Node
 from tensorkiln.ir.graph import PRECISIONS
 from tensorkiln.precision.cancellation import cancellation_prone, kept_fp32_notes
+from tensorkiln.precision.quantize import quantized_precision
 from tensorkiln.precision.reduce import reduce_precision
 
 # relative L2 error a tactic may show against the float32 oracle, by the precision it computes in
 TOLERANCE = {"fp32": 1e-4, "tf32": 5e-3, "fp16": 1e-2, "bf16": 3e-2}
+# a quantized layer's tactics are held to its own reference kernel (same quantized operands),
+# which differs from them only in the float epilogue's rounding
+TOLERANCE |= {"int8": 1e-3, "fp8": 1e-3}
 # the engine-wide precisions the default policy picks from, cheapest first
 _CHEAPEST_FIRST = ("fp16", "bf16", "tf32")
 # precisions computed by narrowing the graph's float32 tensors to this element type
 _REDUCED = {"fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
 PINNED = "pinned by BuilderConfig.layer_precisions"
+QUANTIZED = "quantized (its operands are {})"
 CHOSEN = "chosen by the precision policy"  # (a plan that gives no reason)
 _SHOWN_NAMES = 8  # layer names listed in an error about an unknown one
 
@@ -90,6 +95,10 @@ class DefaultPolicy:
         if engine in _REDUCED:
             for n, why in cancellation_prone(graph).items():
                 plan.layers[n], plan.reasons[n] = "fp32", why
+        for n in graph.nodes:
+            q = quantized_precision(n)
+            if q is not None:
+                plan.layers[n], plan.reasons[n] = q, QUANTIZED.format(q)
         for n, wanted in pinned_layers(graph, config).items():
             _check_realizable(n, wanted, engine)
             plan.layers[n] = wanted
@@ -187,8 +196,11 @@ def _check_realizable(node: Node, wanted: str, engine: str) -> None:
 
 def _check_rewritable(node: Node, precision: str, engine: str) -> None:
     """What :meth:`DefaultPolicy.rewrite` can materialize: the engine's precision, or fp32 on an
-    fp16/bf16 engine (a policy that plans more brings its own rewrite)."""
+    fp16/bf16 engine, or the precision of a quantized layer's operands (a policy that plans more
+    brings its own rewrite)."""
     if precision == engine or (precision == "fp32" and engine in _REDUCED):
+        return
+    if precision == quantized_precision(node):
         return
     raise BuildError(
         f"the precision plan puts layer '{node.name}' ({node.op}) in {precision} while the engine "

@@ -36,6 +36,7 @@ _MODULES = (
     "fused_attention",
     "fused_pointwise",
     "fused_se",
+    "fused_quant",
 )
 
 for _name in _MODULES:

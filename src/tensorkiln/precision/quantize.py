@@ -1,0 +1,180 @@
+"""Implicit quantization: calibrate the float graph, then write the ranges as Q/DQ pairs.
+
+TensorRT's implicit INT8 gives each tensor a dynamic range and lets the builder run layers in
+INT8 where ranges are known. tensorkiln turns that into the explicit form NVIDIA's quantization
+tools export (and TensorRT recommends): after the optimizer, the data input of every convolution
+and GEMM with a constant weight gets ``QuantizeLinear -> DequantizeLinear`` with the calibrated
+per-tensor scale, and its weight becomes a quantized constant (one scale per output channel)
+read through ``DequantizeLinear``. The pass that honours explicit Q/DQ models
+(:mod:`tensorkiln.passes.fuse_qdq`) then makes those layers quantized ones. So implicit and
+explicit quantization share one path from there on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
+from tensorkiln.passes.cleanup import dead_code
+from tensorkiln.passes.fuse_qdq import fuse_quantized
+from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value
+from tensorkiln.precision.calibration import CalibrationRequest, CalibrationTable, calibrate
+from tensorkiln.precision.calibrators import QMAX
+
+QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")})
+ELEMENT = {"int8": DType.INT8, "fp8": DType.FLOAT8E4M3FN}
+_NUMPY = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
+_PRECISION_OF = {DType.INT8: "int8", DType.FLOAT8E4M3FN: "fp8"}
+
+
+def quantized_precision(node: Node) -> str | None:
+    """'int8' or 'fp8' for a quantized layer (by its operands' type), else None."""
+    if (node.domain, node.op) not in QUANTIZED_OPS or not node.inputs or node.inputs[0] is None:
+        return None
+    return _PRECISION_OF.get(node.inputs[0].dtype)
+
+
+def has_qdq(graph: Graph) -> bool:
+    """Whether the model carries its own quantization (explicit Q/DQ nodes)."""
+    return any(
+        n.domain == "" and n.op in ("QuantizeLinear", "DequantizeLinear") for n in graph.nodes
+    )
+
+
+def quantizable(graph: Graph, exclude: Collection[str] = ()) -> dict[Node, tuple[Value, int]]:
+    """The layers implicit quantization makes quantized: each convolution or GEMM with a float32
+    data input and a constant float32 weight, with the weight's output-channel axis; layers named
+    in ``exclude`` (kept at higher precision) are left out."""
+    out: dict[Node, tuple[Value, int]] = {}
+    producers = graph.producers()
+    for n in graph.nodes:
+        if n.name in exclude or len(n.inputs) < 2:
+            continue
+        x, w = n.inputs[0], n.inputs[1]
+        if x is None or x.dtype != DType.FLOAT or w is None:
+            continue
+        data = const_value(w, producers)
+        if data is None or data.dtype != np.float32 or data.ndim < 2:
+            continue
+        axis = _output_axis(n, data)
+        if axis is not None:
+            out[n] = (w, axis)
+    return out
+
+
+def _output_axis(n: Node, w: np.ndarray) -> int | None:
+    if (n.domain, n.op) in (("", "Conv"), ("tensorkiln", "ConvAct")):
+        return 0
+    if (n.domain, n.op) in (("", "Gemm"), ("tensorkiln", "GemmAct")) and w.ndim == 2:
+        return 0 if n.attrs.get("transB", 0) else 1
+    if (n.domain, n.op) == ("", "MatMul") and w.ndim == 2:
+        return 1
+    return None
+
+
+def quantize_graph(
+    graph: Graph,
+    precision: str,
+    request: CalibrationRequest,
+    executor_factory: Callable[[Graph], Any],
+    exclude: Collection[str] = (),
+    progress: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Calibrate and quantize ``graph`` (optimized, float32) in place; notes for the report."""
+    if has_qdq(graph):
+        return [
+            "quantization: the model carries its own QuantizeLinear/DequantizeLinear nodes; "
+            "they are used as written and no calibration runs"
+        ]
+    layers = quantizable(graph, exclude)
+    if not layers:
+        return [f"{precision}: no convolution or GEMM with a constant weight to quantize"]
+    tensors = {}
+    for n in layers:
+        tensors.setdefault(n.inputs[0], n.name or n.op)
+    table = calibrate(graph, executor_factory, tensors, precision, request, progress)
+    insert_qdq(graph, table, layers, precision)
+    fused = fuse_quantized(graph)
+    dead_code(graph)
+    notes = list(request.notes)
+    left = len(layers) - fused
+    notes.append(
+        f"{precision}: {fused} of {len(layers)} convolution/GEMM layers quantized"
+        + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
+    )
+    return notes
+
+
+def insert_qdq(
+    graph: Graph,
+    table: CalibrationTable,
+    layers: dict[Node, tuple[Value, int]],
+    precision: str,
+) -> None:
+    """Each layer's data input through QuantizeLinear/DequantizeLinear (one pair per tensor, at
+    its calibrated scale) and its weight as a quantized constant through DequantizeLinear."""
+    rw = Rewrite()
+    names = _Names(graph)
+    zp = add_constant(graph, f"zero_point_{precision}", np.zeros((), _NUMPY[precision]))
+    dequantized: dict[Value, Value] = {}
+    for n, (w, axis) in layers.items():
+        x = n.inputs[0]
+        if x not in dequantized:
+            scale = add_constant(graph, f"{x.name}_scale", np.float32(table.scale(x.name)))
+            dequantized[x] = _qdq(rw, names, x, scale, zp, precision)
+        wq, ws = quantize_weight(const_value(w, graph.producers()), axis, precision)
+        wq_v = add_constant(graph, f"{w.name}_quantized", wq)
+        ws_v = add_constant(graph, f"{w.name}_scale", ws)
+        w_dq = _dequantize(rw, names, wq_v, ws_v, None, w, axis)
+        n.inputs = [dequantized[x], w_dq, *n.inputs[2:]]
+    rw.apply(graph)
+
+
+def quantize_weight(w: np.ndarray, axis: int, precision: str) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` quantized symmetrically with one scale per index of ``axis`` (its largest
+    magnitude over QMAX; 1 where all are zero): (quantized weight, float32 scales)."""
+    others = tuple(i for i in range(w.ndim) if i != axis)
+    amax = np.abs(w.astype(np.float64)).max(axis=others)
+    scale = np.where(amax > 0, amax / QMAX[precision], 1.0).astype(np.float32)
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    y = np.clip(w / scale.reshape(shape), -QMAX[precision], QMAX[precision])
+    if precision == "int8":
+        return np.rint(y).astype(np.int8), scale
+    return y.astype(np.float32).astype(_NUMPY[precision]), scale
+
+
+class _Names:
+    def __init__(self, graph: Graph) -> None:
+        self.taken = {v.name for v in graph.values()} | {n.name for n in graph.nodes}
+
+    def __call__(self, base: str) -> str:
+        name, k = base, 1
+        while name in self.taken:
+            name, k = f"{base}_{k}", k + 1
+        self.taken.add(name)
+        return name
+
+
+def _qdq(rw: Rewrite, names: _Names, x: Value, scale: Value, zp: Value, precision: str) -> Value:
+    q = Value(names(f"{x.name}_quantized"), TensorType(ELEMENT[precision], x.shape))
+    rw.add.append(Node("QuantizeLinear", [x, scale, zp], [q], name=names(f"{x.name}_quantize")))
+    return _dequantize(rw, names, q, scale, zp, x, None)
+
+
+def _dequantize(
+    rw: Rewrite, names: _Names, q: Value, scale: Value, zp: Value, like: Value, axis: int | None
+) -> Value:
+    out = Value(names(f"{like.name}_dequantized"), TensorType(DType.FLOAT, like.shape))
+    attrs = {"axis": axis} if axis is not None else {}
+    rw.add.append(
+        Node(
+            "DequantizeLinear", [q, scale, zp], [out], attrs, name=names(f"{like.name}_dequantize")
+        )
+    )
+    rw.count += 1
+    return out

@@ -1,0 +1,223 @@
+"""INT8/FP8 engines on the reference backend, end to end: calibrate, quantize, run.
+
+The oracle is onnxruntime running, with its optimizations off (so it computes exactly what the
+nodes say), the float model with QuantizeLinear/DequantizeLinear written in by this test: the
+activations at the scales the calibration cache holds, the weights quantized here per output
+channel with numpy. tensorkiln's quantized layers sum the quantized products exactly and must
+agree with that float emulation to float32 rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tensorkiln.builder import Builder, BuilderConfig
+from tensorkiln.errors import BuildError
+
+ort = pytest.importorskip("onnxruntime")
+
+QMAX = {"int8": 127.0, "fp8": 448.0}
+ELEM = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
+ZERO = {"int8": np.int8(0), "fp8": np.zeros((), ml_dtypes.float8_e4m3fn)}
+LAYERS = ("conv1", "conv2", "fc")  # (name, data input) pairs below
+DATA_INPUT = {"conv1": "x", "conv2": "r1", "fc": "flat"}
+
+
+def _model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv+Relu, depthwise Conv+Relu, Flatten, Gemm (transB): three quantizable layers."""
+    w1 = (rng.standard_normal((8, 3, 3, 3)) * 0.3).astype(np.float32)
+    b1 = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    w2 = (rng.standard_normal((8, 1, 3, 3)) * 0.5).astype(np.float32)
+    b2 = (rng.standard_normal(8) * 0.1).astype(np.float32)
+    w3 = (rng.standard_normal((10, 8 * 8 * 8)) * 0.05).astype(np.float32)
+    b3 = (rng.standard_normal(10) * 0.1).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], "conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"], "relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], "conv2", pads=[1] * 4, group=8),
+        helper.make_node("Relu", ["c2"], ["r2"], "relu2"),
+        helper.make_node("Flatten", ["r2"], ["flat"], "flatten"),
+        helper.make_node("Gemm", ["flat", "w3", "b3"], ["y"], "fc", transB=1),
+    ]
+    inits = [numpy_helper.from_array(a, n) for a, n in
+             ((w1, "w1"), (b1, "b1"), (w2, "w2"), (b2, "b2"), (w3, "w3"), (b3, "b3"))]  # fmt: skip
+    graph = helper.make_graph(
+        nodes,
+        "net",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+def _quantize_weight(w: np.ndarray, precision: str) -> tuple[np.ndarray, np.ndarray]:
+    amax = np.abs(w.reshape(w.shape[0], -1)).max(axis=1).astype(np.float64)
+    scale = (amax / QMAX[precision]).astype(np.float32)
+    y = np.clip(w / scale.reshape(-1, *[1] * (w.ndim - 1)), -QMAX[precision], QMAX[precision])
+    q = np.rint(y).astype(np.int8) if precision == "int8" else y.astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def _qdq_model(model: onnx.ModelProto, scales: dict[str, float], precision: str) -> onnx.ModelProto:
+    """``model`` with Q/DQ before each layer's data input and its weight (oracle, written here)."""
+    g = onnx.ModelProto()
+    g.CopyFrom(model)
+    graph = g.graph
+    weights = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    zero = numpy_helper.from_array(ZERO[precision], "zp")
+    new_inits = [zero]
+    new_nodes = []
+    for node in graph.node:
+        if node.name in DATA_INPUT:
+            x, w = node.input[0], node.input[1]
+            s = numpy_helper.from_array(np.float32(scales[x]), f"{x}_s")
+            wq, ws = _quantize_weight(weights[w], precision)
+            new_inits += [s, numpy_helper.from_array(ws, f"{w}_s")]
+            q = numpy_helper.from_array(wq, f"{w}_q") if precision == "int8" else _f8(wq, f"{w}_q")
+            new_inits.append(q)
+            new_nodes += [
+                helper.make_node("QuantizeLinear", [x, f"{x}_s", "zp"], [f"{x}_q"]),
+                helper.make_node("DequantizeLinear", [f"{x}_q", f"{x}_s", "zp"], [f"{x}_dq"]),
+                helper.make_node(
+                    "DequantizeLinear", [f"{w}_q", f"{w}_s"], [f"{w}_dq"], axis=0
+                ),
+            ]
+            node.input[0], node.input[1] = f"{x}_dq", f"{w}_dq"
+        new_nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(new_nodes)
+    graph.initializer.extend(new_inits)
+    onnx.checker.check_model(g)
+    return g
+
+
+def _f8(q: np.ndarray, name: str) -> onnx.TensorProto:
+    return helper.make_tensor(
+        name, TensorProto.FLOAT8E4M3FN, q.shape, q.view(np.uint8).tobytes(), raw=True
+    )
+
+
+def _run_ort(model: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+def _build(path: Path, precision: str, **calibration) -> object:
+    config = BuilderConfig()
+    config.set_flag(precision)
+    for k, v in calibration.items():
+        setattr(config, k, v)
+    return Builder("reference").build(path, config)
+
+
+@pytest.mark.parametrize(
+    ("precision", "calibrator"),
+    [
+        ("int8", "entropy"),
+        ("int8", "percentile"),
+        ("int8", "mse"),
+        ("fp8", "minmax"),
+        ("fp8", "mse"),
+    ],
+)
+def test_quantized_engine_matches_onnxruntime_on_the_same_qdq_model(
+    tmp_path: Path, precision: str, calibrator: str
+) -> None:
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    cache = tmp_path / "calib.json"
+    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
+                    calibrator=calibrator)  # fmt: skip
+    layers = {n.name: (n.op, n.precision) for n in engine.graph.nodes if n.name in DATA_INPUT}
+    assert layers == {
+        "conv1": ("QConvAct", precision),
+        "conv2": ("QConvAct", precision),
+        "fc": ("QGemmAct", precision),
+    }
+    import json
+
+    doc = json.loads(cache.read_text())
+    assert doc["calibrator"] == calibrator and doc["samples"] == 32
+    scales = {k: v["scale"] for k, v in doc["tensors"].items()}
+    assert set(scales) == set(DATA_INPUT.values())
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _run_ort(_qdq_model(model, scales, precision), {"x": x})
+    float_out = _run_ort(model, {"x": x})
+    step = np.abs(want).max() / QMAX[precision]
+    err = np.abs(got - want)
+    # float32 sums (onnxruntime) against exact ones: a value on a rounding edge of a later
+    # quantizer may land one step away, rarely; everything else agrees to float32 rounding
+    assert np.mean(err > 1e-4 * np.abs(want).max()) < 0.02, err.max()
+    assert err.max() < 4 * step
+    # and quantization did happen: the engine is not the float model
+    assert np.abs(got - float_out).max() > 1e-4 * np.abs(float_out).max()
+    rel = np.linalg.norm(got - float_out) / np.linalg.norm(float_out)
+    assert rel < (0.1 if precision == "int8" else 0.15)  # (a small random net, 32 samples)
+
+
+def test_the_cache_makes_a_rebuild_skip_calibration(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    cache = tmp_path / "calib.json"
+    calib = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    first = _build(path, "int8", calibration_data=calib, calibration_cache=str(cache))
+    assert any("wrote the ranges of 3 tensors" in n for n in first.build["notes"])
+
+    def never():  # calibration data that must not be read
+        raise AssertionError("calibration ran although the cache holds every range")
+        yield
+
+    second = _build(path, "int8", calibration_data=never(), calibration_cache=str(cache))
+    assert any("from the calibration cache" in n for n in second.build["notes"])
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    a = first.create_execution_context().infer({"x": x})["y"]
+    b = second.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(BuildError, match="holds INT8 ranges; this build quantizes to FP8"):
+        _build(path, "fp8", calibration_cache=str(cache))
+    with pytest.raises(BuildError, match="made by the entropy calibrator, not mse"):
+        _build(path, "int8", calibration_cache=str(cache), calibrator="mse")
+
+
+def test_a_cache_for_another_model_is_refused(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    cache = tmp_path / "calib.json"
+    cache.write_text(
+        '{"format": "tensorkiln-calibration", "version": 1, "precision": "int8", '
+        '"calibrator": "entropy", "tensors": {"x": {"amax": 2.5}, "other": {"amax": 1.0}}}'
+    )
+    with pytest.raises(BuildError) as exc:
+        _build(path, "int8", calibration_cache=str(cache))
+    msg = str(exc.value)
+    assert "no range for 2 of the 3 tensors" in msg and "'r1' (read by conv2)" in msg
+
+
+def test_layers_pinned_to_fp32_stay_float(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}]
+    engine = _build(path, "int8", calibration_data=calib, layer_precisions={"fc": "fp32"})
+    ops = {n.name: (n.op, n.precision) for n in engine.graph.nodes}
+    assert ops["fc"] == ("Gemm", "fp32") and ops["conv1"] == ("QConvAct", "int8")
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _run_ort(model, {"x": x})
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
