@@ -344,7 +344,9 @@ def test_constant_folding_does_not_blow_up():
     assert ops(g) == ["ConstantOfShape", "Tile", "Add", "Add"]
 
 
-def test_constant_folding_skips_random_and_qdq():
+def test_constant_folding_skips_random_and_folds_dequantized_constants():
+    """Randomness never folds; a DequantizeLinear of constants (an int32 bias, a weight no
+    quantized layer took) folds to the float constant its kernel computes."""
     m = model(
         [
             node("RandomUniform", [], ["r"], shape=[3]),
@@ -354,10 +356,13 @@ def test_constant_folding_skips_random_and_qdq():
         ],
         [inp("x", [3])],
         [inp("y", [3])],
-        [const("q", np.array([1, 2, 3], np.int8)), const("scale", np.float32(0.5))],
+        [const("q", np.array([1, 2, -3], np.int8)), const("scale", np.float32(0.5))],
     )
     g = graph_of(m)
-    assert constant_folding(g) == 0
+    assert constant_folding(g) == 1
+    assert [n.op for n in g.nodes] == ["RandomUniform", "Add", "Mul"]
+    (folded,) = [v for v in g.nodes[1].inputs if v.is_const]
+    np.testing.assert_array_equal(folded.const, np.array([0.5, 1.0, -1.5], np.float32))
 
 
 def test_cleanup_verified_end_to_end():

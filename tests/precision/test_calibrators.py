@@ -138,7 +138,8 @@ def test_mse_range_is_near_the_best_on_the_raw_data(precision: str) -> None:
     errors = np.array([np.mean((x - fake_quantize(x, a, precision)) ** 2) for a in grid])
     mine = np.mean((x - fake_quantize(x, got, precision)) ** 2)
     assert mine <= errors.min() * 1.05
-    assert got < x.max()  # the outliers are not worth the resolution they would cost
+    if precision == "int8":  # (FP8's levels are dense near zero: its best range may be the max)
+        assert got < x.max()  # the outliers are not worth the resolution they would cost
 
 
 def test_fake_quantize_rounds_to_the_grid() -> None:

@@ -85,9 +85,7 @@ def _qdq_model(model: onnx.ModelProto, scales: dict[str, float], precision: str)
             new_nodes += [
                 helper.make_node("QuantizeLinear", [x, f"{x}_s", "zp"], [f"{x}_q"]),
                 helper.make_node("DequantizeLinear", [f"{x}_q", f"{x}_s", "zp"], [f"{x}_dq"]),
-                helper.make_node(
-                    "DequantizeLinear", [f"{w}_q", f"{w}_s"], [f"{w}_dq"], axis=0
-                ),
+                helper.make_node("DequantizeLinear", [f"{w}_q", f"{w}_s"], [f"{w}_dq"], axis=0),
             ]
             node.input[0], node.input[1] = f"{x}_dq", f"{w}_dq"
         new_nodes.append(node)

@@ -1,6 +1,6 @@
 """Convolution fusion: Conv [+ per-channel Add] [+ residual Add] [+ activation] -> tensorkiln.ConvAct.
 
-Rules, tried on every Conv (and on every ConvAct that can still take more):
+Rules, tried on every Conv (and on every ConvAct or quantized QConvAct that can still take more):
 
 * ``bias``:     Add(y, C), C constant and per-channel (1 everywhere but the channel axis) -> folded
                 into B.
@@ -31,6 +31,9 @@ from tensorkiln.passes.rules import DOMAIN, Rule, View, other_input, run_rules
 
 FLOATS = (DType.FLOAT, DType.FLOAT16)
 _CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+# where each op that starts a chain keeps its data, weight, bias and residual inputs (a
+# quantized convolution's scales sit after its data and its weight)
+_SLOTS = {"Conv": (0, 1, 2, 3), "ConvAct": (0, 1, 2, 3), "QConvAct": (0, 2, 4, 5)}
 
 
 # ----------------------------------------------------------------------------------- conv chain
@@ -128,14 +131,20 @@ def _take(m: ConvMatch, nodes: list[Node], out: Value) -> bool:
 EPILOGUE = (_rule_bias, _rule_residual, _rule_act, _rule_residual_after)
 
 
+def _input(node: Node, slot: int) -> Value | None:
+    k = _SLOTS[node.op][slot]
+    return node.inputs[k] if k < len(node.inputs) else None
+
+
 def _start(view: View, node: Node) -> ConvMatch | None:
-    """A chain beginning at a Conv with a constant weight, or at a ConvAct that can grow."""
-    if len(node.outputs) != 1 or len(node.inputs) < 2:
+    """A chain beginning at a Conv with a constant weight, or at a ConvAct or QConvAct that
+    can grow."""
+    if len(node.outputs) != 1 or node.outputs[0] is None or len(node.inputs) < 2:
         return None
-    x, w = node.inputs[0], node.inputs[1]
-    if x is None or x.dtype not in FLOATS or view.const(w, through_identity=True) is None:
+    w = _input(node, 1)
+    if node.outputs[0].dtype not in FLOATS or view.const(w, through_identity=True) is None:
         return None
-    b = node.inputs[2] if len(node.inputs) > 2 else None
+    b = _input(node, 2)
     bias = view.const(b, through_identity=True) if b is not None else None
     if b is not None and bias is None:
         return None
@@ -143,24 +152,25 @@ def _start(view: View, node: Node) -> ConvMatch | None:
     attrs = {k: v for k, v in node.attrs.items() if k in _CONV_ATTRS or not is_conv}
     if is_conv:
         return ConvMatch(node, [node], node.outputs[0], bias, None, attrs, grown=True)
-    z = node.inputs[3] if len(node.inputs) > 3 else None
+    z = _input(node, 3)
     if node.attrs.get("residual_order") == "act_add" and z is not None:
         return None  # nothing can follow an added-after residual
     return ConvMatch(node, [node], node.outputs[0], bias, z, attrs)
 
 
 def _fused(view: View, m: ConvMatch) -> Node:
-    """The ConvAct that replaces ``m.nodes`` and writes ``m.out``."""
-    w = m.start.inputs[1]
-    b = m.start.inputs[2] if len(m.start.inputs) > 2 else None
+    """The ConvAct (QConvAct) that replaces ``m.nodes`` and writes ``m.out``."""
+    b = _input(m.start, 2)
     if m.bias is not None and (b is None or m.bias is not view.const(b, through_identity=True)):
         name = f"{m.start.name or 'conv'}_fused_bias"
         b = add_constant(view.graph, name, np.ascontiguousarray(m.bias))
-    inputs = [m.start.inputs[0], w, b, m.residual]
+    op = "QConvAct" if m.start.op == "QConvAct" else "ConvAct"
+    head = m.start.inputs[:4] if op == "QConvAct" else m.start.inputs[:2]
+    inputs = [*head, b, m.residual]
     while inputs and inputs[-1] is None:
         inputs.pop()
     name = m.start.name or m.out.name
-    return Node("ConvAct", inputs, [m.out], dict(m.attrs), domain=DOMAIN, name=name)
+    return Node(op, inputs, [m.out], dict(m.attrs), domain=DOMAIN, name=name)
 
 
 def _conv_chain(view: View, found: Found) -> Rewrite | None:
@@ -173,7 +183,13 @@ def _conv_chain(view: View, found: Found) -> Rewrite | None:
     return Rewrite(remove=m.nodes, add=[_fused(view, m)], count=1) if m.grown else None
 
 
-RULES = (Rule("conv_act", (Op("Conv"), Op("ConvAct", domain=DOMAIN)), _conv_chain),)
+RULES = (
+    Rule(
+        "conv_act",
+        (Op("Conv"), Op("ConvAct", domain=DOMAIN), Op("QConvAct", domain=DOMAIN)),
+        _conv_chain,
+    ),
+)
 
 
 @register_pass("fuse_conv_act", level=3, order=50)

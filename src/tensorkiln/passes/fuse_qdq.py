@@ -8,16 +8,20 @@ TensorRT requires), and whose weight is ``DequantizeLinear(W_q, W_scale)`` of a 
 scale or one per output channel (axis 0 of a convolution's weight, the output axis of a GEMM's).
 Anything else (an asymmetric zero point, scales along another axis) stays as it is and runs in
 float through its DequantizeLinear nodes: slower, never wrong. The DequantizeLinear nodes stay
-for other readers and go with dead code.
+for other readers and go with dead code. A bias read through DequantizeLinear (an int32 one, as
+onnxruntime's quantizer writes) folds to a float constant afterwards, like any constant.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir import DType, Graph, Node
+from tensorkiln.ir import DType, Graph, Node, Value
+from tensorkiln.kernels.reference.quant import quantize_linear
+from tensorkiln.kernels.registry import lookup, node_kwargs
 from tensorkiln.passes.pattern import Found, Op
 from tensorkiln.passes.registry import register_pass
+from tensorkiln.passes.rewrite import add_constant
 from tensorkiln.passes.rules import DOMAIN, Rule, View, run_rules
 
 # element types of a quantized operand (uint8 needs a zero point of 128: not symmetric)
@@ -25,10 +29,12 @@ QUANTIZED = (DType.INT8, DType.FLOAT8E4M3FN)
 
 
 def _symmetric(view: View, dq: Node, const_input: bool) -> bool:
-    """A DequantizeLinear of an int8/float8 tensor (constant when ``const_input``) with a
-    constant scale and no zero point or a zero one, to float32."""
+    """A DequantizeLinear of an int8/float8 tensor (constant when ``const_input``, or quantized
+    from a constant) with a constant scale and no zero point or a zero one, to float32."""
     x, scale = dq.inputs[0], dq.inputs[1] if len(dq.inputs) > 1 else None
-    if x is None or x.dtype not in QUANTIZED or (const_input and view.const(x) is None):
+    if x is None or x.dtype not in QUANTIZED:
+        return False
+    if const_input and view.const(x) is None and _quantized_constant(view, x) is None:
         return False
     if dq.attrs.get("block_size", 0) or view.const(scale) is None:
         return False
@@ -39,6 +45,27 @@ def _symmetric(view: View, dq: Node, const_input: bool) -> bool:
             return False
     out = dq.outputs[0]
     return out is not None and out.dtype == DType.FLOAT
+
+
+def _quantized_constant(view: View, v: Value) -> Node | None:
+    """The QuantizeLinear of a constant that makes ``v`` (weights as NVIDIA's quantization tools
+    export them: float32 -> QuantizeLinear -> DequantizeLinear), if it is one."""
+    q = view.made_by(v, "QuantizeLinear")
+    if q is None or any(x is not None and view.const(x) is None for x in q.inputs):
+        return None
+    return q
+
+
+def _weight_data(view: View, v: Value) -> Value:
+    """``v``, or a new constant of its value when a QuantizeLinear of constants makes it (run
+    with the reference kernel, so the weight is what the model's own nodes compute)."""
+    if view.const(v) is not None:
+        return v
+    q = _quantized_constant(view, v)
+    args = [None if x is None else view.const(x) for x in q.inputs]
+    kwargs = node_kwargs(lookup("QuantizeLinear", "", view.graph.opset()), q.attrs, 1)
+    data = np.ascontiguousarray(quantize_linear(*args, **kwargs))
+    return add_constant(view.graph, view.fresh_name(f"{v.name}_constant"), data)
 
 
 def _activation_dq(view: View, dq: Node) -> bool:
@@ -96,7 +123,8 @@ def _gemm_fits(view: View, found: Found) -> bool:
 def _quantized(view: View, found: Found, op: str) -> Node:
     root, xdq, wdq = found.root, found.node("xdq"), found.node("wdq")
     rest = list(root.inputs[2:])
-    inputs = [xdq.inputs[0], xdq.inputs[1], wdq.inputs[0], wdq.inputs[1], *rest]
+    w = _weight_data(view, wdq.inputs[0])
+    inputs = [xdq.inputs[0], xdq.inputs[1], w, wdq.inputs[1], *rest]
     while inputs and inputs[-1] is None:
         inputs.pop()
     return Node(op, inputs, [root.outputs[0]], dict(root.attrs), domain=DOMAIN, name=root.name)
@@ -108,8 +136,10 @@ RULES = (
 )
 
 
-# (the reference backend has the quantized kernels so far)
-@register_pass("fuse_quantized", level=2, order=57, backends=("reference",))
+# Level 1 and first: a model's Q/DQ are honoured before constant folding would fold its weights'
+# DequantizeLinear into float constants; fuse_conv_act then grows QConvAct's epilogue. (The
+# reference backend has the quantized kernels so far; elsewhere the folds run as before.)
+@register_pass("fuse_quantized", level=1, order=9, backends=("reference",))
 def fuse_quantized(graph: Graph) -> int:
     """``Conv/Gemm/MatMul(DQ(X_q), DQ(W_q))`` -> tensorkiln.QConvAct / QGemmAct."""
     return run_rules(graph, RULES)

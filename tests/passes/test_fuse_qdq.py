@@ -1,0 +1,178 @@
+"""Explicit quantization: models that carry their own QuantizeLinear/DequantizeLinear nodes, as
+onnxruntime's quantizer and NVIDIA's toolkits write them, are honoured as written. Symmetric
+int8/float8 convolutions and GEMMs become quantized layers; anything else runs through its Q/DQ
+nodes in float. The oracle is onnxruntime's own run of the same Q/DQ model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tensorkiln.builder import Builder
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
+from tensorkiln.passes.fuse_conv import fuse_conv_act
+from tensorkiln.passes.fuse_qdq import fuse_quantized
+
+ort = pytest.importorskip("onnxruntime")
+quantization = pytest.importorskip("onnxruntime.quantization")
+
+
+def _float_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv+Relu, depthwise Conv+Relu, global pool, Gemm."""
+    inits = {
+        "w1": rng.standard_normal((8, 3, 3, 3)) * 0.3, "b1": rng.standard_normal(8) * 0.1,
+        "w2": rng.standard_normal((8, 1, 3, 3)) * 0.5, "b2": rng.standard_normal(8) * 0.1,
+        "w3": rng.standard_normal((10, 8)) * 0.4, "b3": rng.standard_normal(10) * 0.1,
+    }  # fmt: skip
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], "conv1", pads=[1] * 4),
+        helper.make_node("Relu", ["c1"], ["r1"], "relu1"),
+        helper.make_node("Conv", ["r1", "w2", "b2"], ["c2"], "conv2", pads=[1] * 4, group=8),
+        helper.make_node("Relu", ["c2"], ["r2"], "relu2"),
+        helper.make_node("GlobalAveragePool", ["r2"], ["p"], "pool"),
+        helper.make_node("Flatten", ["p"], ["f"], "flatten"),
+        helper.make_node("Gemm", ["f", "w3", "b3"], ["y"], "fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "net", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])],
+        [numpy_helper.from_array(a.astype(np.float32), k) for k, a in inits.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+class _Reader(quantization.CalibrationDataReader):
+    def __init__(self, rng: np.random.Generator) -> None:
+        self.it = iter([{"x": rng.standard_normal((1, 3, 12, 12)).astype(np.float32)}
+                        for _ in range(16)])  # fmt: skip
+
+    def get_next(self):
+        return next(self.it, None)
+
+
+def _ort_quantized(tmp_path: Path, rng: np.random.Generator, symmetric: bool) -> Path:
+    src, dst = tmp_path / "float.onnx", tmp_path / "qdq.onnx"
+    onnx.save(_float_model(rng), src)
+    q = quantization
+    q.quantize_static(
+        str(src), str(dst), _Reader(rng), quant_format=q.QuantFormat.QDQ, per_channel=True,
+        activation_type=q.QuantType.QInt8 if symmetric else q.QuantType.QUInt8,
+        weight_type=q.QuantType.QInt8, extra_options={"ActivationSymmetric": symmetric},
+    )  # fmt: skip
+    return dst
+
+
+def _ort_run(path: Path, feeds: dict) -> np.ndarray:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_onnxruntime_qdq_models_run_as_onnxruntime_runs_them(tmp_path, symmetric) -> None:
+    rng = np.random.default_rng()
+    path = _ort_quantized(tmp_path, rng, symmetric)
+    engine = Builder("reference").build(path)
+    ops = [n.op for n in engine.graph.nodes]
+    if symmetric:  # TensorRT's rule: symmetric int8 runs quantized
+        assert ops.count("QConvAct") == 2 and ops.count("QGemmAct") == 1
+        assert {n.precision for n in engine.graph.nodes if n.op.startswith("Q")} >= {"int8"}
+    else:  # uint8 with zero points: run as written, in float
+        assert "QConvAct" not in ops and "ConvAct" in ops
+    # no weight or bias is dequantized at run time: they are folded or read quantized
+    assert not [
+        n for n in engine.graph.nodes if n.op == "DequantizeLinear" and n.inputs[0].is_const
+    ]
+    x = rng.standard_normal((4, 3, 12, 12)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _ort_run(path, {"x": x})
+    out_scale = np.abs(want).max() / 127  # (the output is quantized too: one step of it)
+    assert np.abs(got - want).max() <= out_scale * 1.01
+
+
+def _fp8(a: np.ndarray, name: str) -> onnx.TensorProto:
+    q = a.astype(ml_dtypes.float8_e4m3fn)
+    return helper.make_tensor(name, TensorProto.FLOAT8E4M3FN, q.shape, q.view(np.uint8).tobytes(),
+                              raw=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_weights_quantized_in_the_graph_are_fused(tmp_path, precision) -> None:
+    """float32 weight -> QuantizeLinear -> DequantizeLinear -> Conv, as NVIDIA's toolkits export
+    (per output channel), with FP8 E4M3 as well as INT8."""
+    rng = np.random.default_rng()
+    w = (rng.standard_normal((6, 4, 3, 3)) * 0.2).astype(np.float32)
+    wmax = {"int8": 127.0, "fp8": 448.0}[precision]
+    w_scale = (np.abs(w).reshape(6, -1).max(1) / wmax).astype(np.float32)
+    x_scale = np.float32(3.0 / wmax)
+    if precision == "int8":
+        zero = numpy_helper.from_array(np.int8(0), "zp")
+        wzero = numpy_helper.from_array(np.zeros(6, np.int8), "wzp")
+    else:
+        zero, wzero = _fp8(np.zeros(()), "zp"), _fp8(np.zeros(6), "wzp")
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "zp"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "zp"], ["xd"]),
+        helper.make_node("QuantizeLinear", ["w", "ws", "wzp"], ["wq"], axis=0),
+        helper.make_node("DequantizeLinear", ["wq", "ws", "wzp"], ["wd"], axis=0),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], "conv", pads=[1] * 4),
+        helper.make_node("Relu", ["c"], ["y"], "relu"),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(x_scale, "xs"), zero, wzero]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    engine = Builder("reference").build(path)
+    layers = [(n.op, n.attrs.get("activation", "")) for n in engine.graph.nodes]
+    assert layers == [("QuantizeLinear", ""), ("QConvAct", "Relu")]  # Relu fused too
+    x = rng.standard_normal((2, 4, 7, 7)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _ort_run(path, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _v(name: str, dtype: DType, shape: tuple, const: np.ndarray | None = None) -> Value:
+    return Value(name, TensorType(dtype, shape), const=const)
+
+
+def test_before_and_expected() -> None:
+    """Before: DQ(x_q) and DQ(W_q) into Conv, then Relu. Expected: one QConvAct reading x_q,
+    its scale, W_q and W's scales, with the Relu in its epilogue; the DQs are left for dead
+    code. A DQ with a non-zero zero point is not fused."""
+    rng = np.random.default_rng()
+    xq = _v("xq", DType.INT8, (1, 2, 5, 5))
+    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
+    wq = _v("wq", DType.INT8, (3, 2, 1, 1), rng.integers(-127, 128, (3, 2, 1, 1)).astype(np.int8))
+    ws = _v("ws", DType.FLOAT, (3,), np.full(3, 0.02, np.float32))
+    xd, wd = _v("xd", DType.FLOAT, (1, 2, 5, 5)), _v("wd", DType.FLOAT, (3, 2, 1, 1))
+    c, y = _v("c", DType.FLOAT, (1, 3, 5, 5)), _v("y", DType.FLOAT, (1, 3, 5, 5))
+    graph = Graph(
+        inputs=[xq], outputs=[y], initializers=[xs, wq, ws], opsets={"": 21},
+        nodes=[
+            Node("DequantizeLinear", [xq, xs], [xd]),
+            Node("DequantizeLinear", [wq, ws], [wd], {"axis": 0}),
+            Node("Conv", [xd, wd], [c], name="conv"),
+            Node("Relu", [c], [y], name="relu"),
+        ],
+    )  # fmt: skip
+    assert fuse_quantized(graph) == 1 and fuse_conv_act(graph) == 1
+    (fused,) = [n for n in graph.nodes if n.op == "QConvAct"]
+    assert fused.inputs == [xq, xs, wq, ws] and fused.outputs == [y]
+    assert fused.attrs["activation"] == "Relu" and fused.name == "conv"
+
+    zp = _v("zp", DType.INT8, (), np.int8(3))
+    graph.initializers.append(zp)
+    other = Graph(
+        inputs=[xq], outputs=[c], initializers=[xs, wq, ws, zp], opsets={"": 21},
+        nodes=[Node("DequantizeLinear", [xq, xs, zp], [xd]),
+               Node("DequantizeLinear", [wq, ws], [wd], {"axis": 0}),
+               Node("Conv", [xd, wd], [c], name="conv")],
+    )  # fmt: skip
+    assert fuse_quantized(other) == 0
