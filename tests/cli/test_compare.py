@@ -230,3 +230,11 @@ def test_engine_with_other_inputs_is_a_clear_error(cli, mlp, tmp_path):
     assert cli("build", model, "-o", engine)[0] == 0
     rc, _, err = cli("compare", mlp, "--engine", _claiming(engine, mlp, tmp_path / "c.engine"))
     assert_one_line_error(rc, err)
+
+
+def test_layerwise_on_a_float_engine_passes_every_tensor(cli, mlp):
+    rc, out, err = cli("compare", mlp, "--layerwise", "--shapes", "x:6x4", "--seed", "1")
+    assert rc == 0, out + err
+    assert "layer by layer" in out and "PASSED: all" in out
+    for name in ("fc1", "fc2"):  # the optimizer's layers, named after the nodes they began with
+        assert name in out

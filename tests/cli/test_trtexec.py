@@ -120,9 +120,7 @@ def test_quoted_names_with_colons_and_scalars(cli, tmp_path):
 
 def test_precision_flags_refuse_or_warn(cli, mlp, tmp_path):
     for flag, word in (("--int8", "INT8"), ("--fp8", "FP8")):
-        rc, _, err = cli(
-            "trtexec", f"--onnx={mlp}", flag, "--skipInference", "--backend=reference"
-        )
+        rc, _, err = cli("trtexec", f"--onnx={mlp}", flag, "--skipInference", "--backend=reference")
         assert_one_line_error(rc, err)
         assert f"{word} needs calibration" in err
     rc, out, err = cli(

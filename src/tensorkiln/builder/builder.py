@@ -30,6 +30,7 @@ from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
 from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
+from tensorkiln.precision.budget import AccuracyBudget
 from tensorkiln.precision.calib_data import CalibrationData
 from tensorkiln.precision.calibration import CalibrationRequest
 from tensorkiln.precision.io import set_io_types
@@ -193,7 +194,10 @@ def _quantize(
         request,
         lambda g: Executor(g, backend),
         exclude={k for k, p in config.layer_precisions.items() if p not in QUANTIZED_PRECISIONS},
-        progress=lambda samples, _: bar.status(f"calibrating: {samples} samples"),
+        progress=bar.status,
+        budget=None
+        if config.accuracy_budget is None
+        else AccuracyBudget.parse(config.accuracy_budget),
     )
     infer_shapes(graph)
     verify(graph)

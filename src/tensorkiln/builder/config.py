@@ -9,6 +9,7 @@ from typing import Any
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.errors import BuildError, InputError
 from tensorkiln.ir.graph import PRECISIONS
+from tensorkiln.precision.budget import AccuracyBudget
 from tensorkiln.precision.calib_data import DEFAULT_BATCH
 from tensorkiln.precision.calibrators import CALIBRATORS, DEFAULT_PERCENTILE
 from tensorkiln.precision.io import parse_formats
@@ -71,6 +72,9 @@ class BuilderConfig:
     calibration_percentile: float = DEFAULT_PERCENTILE
     calibration_batch_size: int = DEFAULT_BATCH
     calibration_samples: int | None = None
+    # the most a quantized engine's outputs may differ from float32 on the calibration data:
+    # "rel_l2:0.02" (or "0.02") or "cosine:0.999"; the fewest layers that meet it stay float32
+    accuracy_budget: str | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
@@ -134,6 +138,8 @@ class BuilderConfig:
         n = self.calibration_samples
         if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
             raise InputError(f"the calibration sample count must be positive, got {n!r}")
+        if self.accuracy_budget is not None:
+            AccuracyBudget.parse(self.accuracy_budget)
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.

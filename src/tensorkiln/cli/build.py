@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from tensorkiln.cli.common import (
     existing_file,
     mib,
     not_a_model,
+    parse_layer_precisions,
     parse_shapes,
     print_table,
     sniff_file,
@@ -33,6 +35,7 @@ from tensorkiln.errors import InputError
 from tensorkiln.ir.graph import PRECISIONS
 from tensorkiln.precision.calib_data import DEFAULT_BATCH
 from tensorkiln.precision.calibrators import CALIBRATORS, DEFAULT_PERCENTILE
+from tensorkiln.precision.quantize import quantized_precision
 
 EPILOG = """examples:
   tensorkiln build model.onnx -o model.engine
@@ -71,6 +74,13 @@ def add_parser(sub: Any) -> None:
         p.add_argument(f"--{name}", action="store_true", help=f"allow {name} kernels")
     p.add_argument(
         "--best", action="store_true", help="allow every precision the backend implements"
+    )
+    p.add_argument(
+        "--layer-precisions",
+        metavar="SPEC",
+        help="keep layers of the optimized graph at a precision, e.g. '/fc/Gemm:fp32,conv1:fp32' "
+        "(trtexec's --layerPrecisions; `tensorkiln inspect` lists the layers); a layer kept "
+        "at fp32/fp16 is not quantized",
     )
     add_calibration_options(p)
     p.add_argument(
@@ -170,6 +180,12 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--calib-samples", type=int, metavar="N", help="use at most N samples (default: all)"
     )
+    g.add_argument(
+        "--accuracy-budget",
+        metavar="SPEC",
+        help="keep the fewest layers in float32 so that the outputs stay within SPEC of the "
+        "float32 engine on the calibration data: rel_l2:0.02 (or 0.02) or cosine:0.999",
+    )
 
 
 def profiles_from_args(args: argparse.Namespace) -> list[Any]:
@@ -253,6 +269,7 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     config.calibration_percentile = getattr(args, "calib_percentile", DEFAULT_PERCENTILE)
     config.calibration_batch_size = getattr(args, "calib_batch", DEFAULT_BATCH)
     config.calibration_samples = getattr(args, "calib_samples", None)
+    config.accuracy_budget = getattr(args, "accuracy_budget", None)
     profiles = profiles_from_args(args)
     if not profiles and plan:
         profiles = [OptimizationProfile.from_json(p) for p in plan.get("profiles", [])]
@@ -272,6 +289,9 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     if args.tactic_sources is not None:
         names = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
         config.tactic_sources = set() if names == {"none"} else names
+    given = getattr(args, "layer_precisions", None)
+    pins = parse_layer_precisions(given) if given else old.get("layer_precisions", {})
+    config.layer_precisions = dict(pins)
     return config
 
 
@@ -340,9 +360,12 @@ def print_report(
     print(f"built {src} -> {dst} in {total * 1e3:.1f} ms (backend {engine.backend})")
     # what the engine records: the precisions its backend implements, not every flag given
     allowed = engine.build.get("config", {}).get("precisions", ["fp32"])
+    main = engine.build.get("precision", "fp32")
+    quantized = Counter(q for n in engine.graph.nodes if (q := quantized_precision(n)))
     print(
         f"layers: {len(report.layers)} (from {report.nodes_before} nodes)   precisions allowed: "
-        f"{', '.join(allowed)}; layers compute in {engine.build.get('precision', 'fp32')}"
+        f"{', '.join(allowed)}; layers compute in {main}"
+        + "".join(f", {n} in {q}" for q, n in sorted(quantized.items()))
     )
     for i, p in enumerate(config.profiles):
         for name, (lo, mid, hi) in p.shapes.items():

@@ -89,6 +89,24 @@ def parse_shapes(text: str | None, flag: str = "--shapes") -> dict[str, tuple[in
     return shapes
 
 
+def parse_layer_precisions(text: str | None, flag: str = "--layer-precisions") -> dict[str, str]:
+    """'conv1:fp32,/fc/Gemm:fp16' -> {'conv1': 'fp32', '/fc/Gemm': 'fp16'} (trtexec's
+    --layerPrecisions): the name ends at the last ':' and may be quoted."""
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in (text or "").split(","))):
+        name, sep, precision = item.rpartition(":")
+        if len(name) >= 2 and name[0] == name[-1] == "'":
+            name = name[1:-1]
+        if not sep or not name or not precision:
+            raise InputError(
+                f"bad {flag} entry '{item}': expected LAYER:PRECISION, e.g. conv1:fp32"
+            )
+        if name in out:
+            raise InputError(f"{flag} gives layer '{name}' twice")
+        out[name] = precision.strip().lower()
+    return out
+
+
 def percentiles(text: str) -> list[float]:
     """argparse type for '90,95,99'."""
     try:

@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.builder import Builder
+from tensorkiln.cli import layerwise
 from tensorkiln.cli.common import (
     CLIError,
     Loaded,
@@ -45,6 +47,8 @@ EPILOG = f"""examples:
   tensorkiln compare model.onnx --engine fp16.engine --rel-l2 1e-2 --cosine 0.9999
   tensorkiln compare model.onnx --check-error-stat median --atol 1e-4 --rtol 1e-3
   tensorkiln compare model.onnx --load-inputs in.npz --json
+  tensorkiln compare model.onnx --engine int8.engine --layerwise --rel-l2 5e-2
+  tensorkiln compare model.onnx --engine int8.engine --layerwise --reference fp32
 
 Per output, a from tensorkiln and b from onnxruntime (CPU): the magnitude of both sides (mean and
 max |x|), the absolute error |a - b| (max, mean, median), the relative error |a - b| / |b| (max,
@@ -63,6 +67,12 @@ An output passes when every chosen criterion holds:
 Integer and boolean outputs must be equal; NaNs in the same places agree. Exit status: 0 when all
 outputs pass, 1 when any fails. With --engine, the engine must have been built from this model
 (its recorded sha256). Needs onnxruntime.
+
+--layerwise compares every intermediate tensor the engine and the reference both have (by name;
+a fused layer's output is the last fused node's) in the engine's layer order, and names the first
+layer beyond the criteria: where an fp16 or INT8 engine starts to go wrong. --reference fp32
+compares against a float32 engine built from the model on the same backend instead of
+onnxruntime. The exit status is 1 when any layer fails.
 """
 
 
@@ -107,6 +117,18 @@ def add_parser(sub: Any) -> None:
         "--save-outputs",
         metavar="NPZ",
         help="write both sides' outputs (tensorkiln:NAME, onnxruntime:NAME)",
+    )
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="compare every intermediate tensor, in layer order, and name the first that fails",
+    )
+    p.add_argument(
+        "--reference",
+        choices=("onnxruntime", "fp32"),
+        default="onnxruntime",
+        help="what --layerwise compares against: onnxruntime (default) or a float32 engine "
+        "built from the model",
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(handler=run_compare)
@@ -321,6 +343,10 @@ def run_compare(args: argparse.Namespace) -> int:
         check_feed_names(engine, feeds, f"'{args.load_inputs}'")
     else:
         feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed, args.max_input_bytes)
+    if args.layerwise:
+        return _run_layerwise(args, loaded, model, criteria, feeds)
+    if args.reference != "onnxruntime":
+        raise CLIError("--reference fp32 is for --layerwise; add --layerwise")
     with engine.create_execution_context() as ctx:
         for name, arr in feeds.items():
             ctx.set_input_shape(name, np.shape(arr))
@@ -336,6 +362,53 @@ def run_compare(args: argparse.Namespace) -> int:
             },
         )
     return _report(args, loaded, model, criteria, rows)
+
+
+def _run_layerwise(
+    args: argparse.Namespace, loaded: Loaded, model: Path, criteria: Criteria, feeds: dict
+) -> int:
+    engine = loaded.engine
+    ours = layerwise.engine_tensors(engine, feeds)
+    if args.reference == "fp32":
+        reference_engine = Builder(engine.backend).build(model, progress=False)
+        reference = {t.tensor: t.value for t in layerwise.engine_tensors(reference_engine, feeds)}
+        against = f"a float32 engine ({engine.backend})"
+    else:
+        reference = layerwise.onnxruntime_tensors(load_model_proto(model), feeds)
+        against = "onnxruntime (CPU)"
+    rows = layerwise.compare_layers(ours, reference, lambda a, b: error_stats(a, b, criteria))
+    if not rows:
+        raise CLIError(f"no tensor of the engine has a namesake in {against}; nothing to compare")
+    first = layerwise.first_failure(rows)
+    if args.json:
+        print(json.dumps({"model": str(model), "engine": args.engine, "reference": against,
+                          "criteria": criteria.to_json(), "layers": rows,
+                          "first_failure": None if first is None else first["layer"],
+                          "passed": first is None}, indent=2))  # fmt: skip
+    else:
+        what = str(loaded.path) if loaded.built is None else f"{loaded.path.name} built in memory"
+        print(f"tensorkiln ({what}, backend {engine.backend}) vs {against}, layer by layer")
+        headers = ["layer", "op", "precision", "tensor", "rel L2", "cosine", "max abs", "result"]
+        print_table(headers, [_layer_row(r) for r in rows])
+    failed = sum(not r["passed"] for r in rows)
+    if first is not None:
+        print(
+            f"tensorkiln: FAILED: {failed} of {len(rows)} tensors do not meet "
+            f"{criteria.describe()}; the first is '{first['tensor']}' of layer "
+            f"'{first['layer']}' ({first['op']}, {first['precision']})",
+            file=sys.stderr if args.json else sys.stdout,
+        )
+        return 1
+    if not args.json:
+        print(f"PASSED: all {len(rows)} tensors meet {criteria.describe()}")
+    return 0
+
+
+def _layer_row(r: dict) -> list[str]:
+    row = _row(r["tensor"], r)
+    # (the output row's columns: name, ref mean, ours mean, max abs, median abs, max rel,
+    # median rel, rel L2, cosine, result)
+    return [r["layer"], r["op"], r["precision"], r["tensor"], row[7], row[8], row[3], row[9]]
 
 
 def _check_is_onnx(model: Path) -> None:

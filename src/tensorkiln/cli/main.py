@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorkiln.backends import NAMES as BACKEND_NAMES
-from tensorkiln.cli import build, compare, inspect, run, trtexec
+from tensorkiln.cli import build, compare, debug, inspect, run, trtexec
 from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import TensorkilnError
@@ -30,6 +30,7 @@ EPILOG = """examples:
   tensorkiln inspect model.engine
   tensorkiln compare model.onnx --engine model.engine
   tensorkiln trtexec --onnx=model.onnx --saveEngine=model.engine --shapes=input:8x3x224x224
+  tensorkiln debug precision model.onnx --int8 --calib-data calib/ --rel-l2 0.02
   tensorkiln ops --domain ai.onnx.ml
 
 Run `tensorkiln COMMAND --help` for each command's options.
@@ -51,6 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_parser(sub)
     compare.add_parser(sub)
     trtexec.add_parser(sub)
+    debug.add_parser(sub)
     _add_ops(sub)
     return p
 

@@ -68,6 +68,14 @@ def _percentiles(text: str) -> list[float]:
         raise ValueError(str(exc)) from None
 
 
+def _constraints(text: str) -> str:
+    if text not in ("obey", "prefer"):
+        raise ValueError(
+            f"must be obey or prefer, got '{text}' (tensorkiln obeys --layerPrecisions)"
+        )
+    return text
+
+
 def _text(text: str) -> str:
     if not text:
         raise ValueError("needs a value")
@@ -105,6 +113,10 @@ SUPPORTED: dict[str, Flag] = {
     "--fp8": Flag("fp8", "quantize convolutions/GEMMs to FP8 (as --int8)"),
     "--best": Flag("best", "allow every precision the backend implements (warns)"),
     "--calib": Flag("calib_cache", "INT8/FP8 calibration cache to read (JSON)", _text),
+    "--layerPrecisions": Flag("layer_precisions", "LAYER:PRECISION,...: keep layers there", _text),
+    "--precisionConstraints": Flag(
+        "precision_constraints", "obey or prefer: both obey --layerPrecisions", _constraints
+    ),
     "--noTF32": Flag("no_tf32", "no TF32 (tensorkiln allows TF32 only when asked)"),
     "--builderOptimizationLevel": Flag("opt_level", "graph optimization level 0..5", _level),
     "--timingCacheFile": Flag("timing_cache", "timing cache to read and update", _text),
@@ -140,7 +152,7 @@ UNSUPPORTED: dict[str, str] = {
         --stripWeights --stripAllWeights --weightless --versionCompatible --vc
         --pluginInstanceNorm --pi --uint8AsymmetricQuantizationDLA --useRuntime --leanDLLPath
         --excludeLeanRuntime --monitorMemory --sparsity --stronglyTyped --directIO
-        --precisionConstraints --layerPrecisions --layerOutputTypes --layerDeviceTypes
+        --layerOutputTypes --layerDeviceTypes
         --decomposableAttentions --safe --dumpKernelText --buildDLAStandalone
         --allowGPUFallback --consistency --restricted --asyncFileReader --getPlanVersionOnly
         --noBuilderCache --noCompilationCache --errorOnTimingCacheMiss --preview --maxTactics
@@ -191,6 +203,8 @@ BUILD_ONLY = (
     "output_io_formats",
     "best",
     "calib_cache",
+    "layer_precisions",
+    "precision_constraints",
     "no_tf32",
     "backend",
     *build.PRECISION_FLAGS,
@@ -326,6 +340,7 @@ def _build(opts: dict[str, Any]) -> Loaded:
         embed_source=False,
         best=opts.get("best", False),
         calib_cache=opts.get("calib_cache"),
+        layer_precisions=opts.get("layer_precisions"),
         **{p: opts.get(p, False) for p in build.PRECISION_FLAGS},
     )
     engine, report, seconds, config = build.build_engine(args)

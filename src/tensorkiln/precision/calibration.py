@@ -167,6 +167,8 @@ class CalibrationRequest:
     calibrator: str | None = None  # None: DEFAULT_CALIBRATOR[precision]
     percentile: float = DEFAULT_PERCENTILE
     notes: list[str] = field(default_factory=list)
+    keep_batches: int = 0  # the first batches to keep in ``kept`` (for the accuracy budget)
+    kept: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
 Progress = Callable[[int, int], None]  # (samples done, batches done)
@@ -204,18 +206,20 @@ def calibrate(
             "trtexec's --calib), or build a model that carries its own "
             "QuantizeLinear/DequantizeLinear nodes"
         )
-    hists, samples, digest = collect(graph, executor_factory, list(tensors), request.data, progress)
+    hists, samples, digest = collect(
+        graph, executor_factory, list(tensors), request.data, progress, request
+    )
     percentile = request.percentile if method == "percentile" else None
     amax = {
         v.name: choose_amax(hists[v.name], method, precision, request.percentile) for v in tensors
     }
     table = CalibrationTable(precision, method, amax, percentile, samples, digest)
-    if cache is not None:
-        table.save(cache)
-        request.notes.append(f"calibration: wrote the ranges of {len(amax)} tensors to '{cache}'")
     request.notes.append(
         f"calibration: {samples} samples, {method} calibrator, {len(amax)} tensors"
     )
+    if cache is not None:
+        table.save(cache)
+        request.notes.append(f"calibration: wrote the ranges of {len(amax)} tensors to '{cache}'")
     return table
 
 
@@ -240,9 +244,10 @@ def collect(
     tensors: list[Value],
     data: CalibrationData,
     progress: Progress | None = None,
+    keep: CalibrationRequest | None = None,
 ) -> tuple[dict[str, Histogram], int, str]:
     """Histograms of ``tensors``' magnitudes over the calibration data, the sample count and the
-    data's fingerprint."""
+    data's fingerprint; the first ``keep.keep_batches`` batches go to ``keep.kept``."""
     hists = {v.name: Histogram.empty() for v in tensors}
     wanted = set(tensors)
     executor = executor_factory(graph)
@@ -256,6 +261,8 @@ def collect(
 
     for n_batches, feed in enumerate(batches(data, graph.inputs), 1):
         feed = _typed(feed, graph.inputs)
+        if keep is not None and len(keep.kept) < keep.keep_batches:
+            keep.kept.append(feed)
         _digest(digest, feed)
         for v in graph.inputs:
             if v in wanted:
@@ -265,6 +272,16 @@ def collect(
         if progress is not None:
             progress(samples, n_batches)
     return hists, samples, "sha256:" + digest.hexdigest()
+
+
+def first_batches(graph: Graph, data: CalibrationData, count: int) -> list[dict[str, np.ndarray]]:
+    """The first ``count`` batches of the calibration data, in the graph's input dtypes."""
+    out = []
+    for feed in batches(data, graph.inputs):
+        out.append(_typed(feed, graph.inputs))
+        if len(out) >= count:
+            break
+    return out
 
 
 def _typed(feed: dict[str, np.ndarray], inputs: list[Value]) -> dict[str, np.ndarray]:

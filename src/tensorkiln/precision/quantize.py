@@ -18,11 +18,18 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from tensorkiln.errors import BuildError
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.cleanup import dead_code
 from tensorkiln.passes.fuse_qdq import fuse_quantized
 from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value
-from tensorkiln.precision.calibration import CalibrationRequest, CalibrationTable, calibrate
+from tensorkiln.precision.budget import AccuracyBudget, Switch, run_with, search
+from tensorkiln.precision.calibration import (
+    CalibrationRequest,
+    CalibrationTable,
+    calibrate,
+    first_batches,
+)
 from tensorkiln.precision.calibrators import QMAX
 
 QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")})
@@ -76,15 +83,20 @@ def _output_axis(n: Node, w: np.ndarray) -> int | None:
     return None
 
 
+BUDGET_BATCHES = 4  # calibration batches the accuracy budget is measured on
+
+
 def quantize_graph(
     graph: Graph,
     precision: str,
     request: CalibrationRequest,
     executor_factory: Callable[[Graph], Any],
     exclude: Collection[str] = (),
-    progress: Callable[[int, int], None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    budget: AccuracyBudget | None = None,
 ) -> list[str]:
-    """Calibrate and quantize ``graph`` (optimized, float32) in place; notes for the report."""
+    """Calibrate and quantize ``graph`` (optimized, float32) in place; with a ``budget``, keep
+    the fewest layers in float32 that meet it. Returns notes for the report."""
     if has_qdq(graph):
         return [
             "quantization: the model carries its own QuantizeLinear/DequantizeLinear nodes; "
@@ -92,21 +104,63 @@ def quantize_graph(
         ]
     layers = quantizable(graph, exclude)
     if not layers:
+        kept = len(quantizable(graph)) if exclude else 0
+        if kept:
+            return [f"{precision}: all {kept} convolution/GEMM layers are kept at higher precision"]
         return [f"{precision}: no convolution or GEMM with a constant weight to quantize"]
     tensors = {}
     for n in layers:
         tensors.setdefault(n.inputs[0], n.name or n.op)
-    table = calibrate(graph, executor_factory, tensors, precision, request, progress)
-    insert_qdq(graph, table, layers, precision)
+    if budget is not None:
+        request.keep_batches = BUDGET_BATCHES
+    counted = None if progress is None else (lambda n, _: progress(f"calibrating: {n} samples"))
+    table = calibrate(graph, executor_factory, tensors, precision, request, counted)
+    switches = insert_qdq(graph, table, layers, precision)
+    notes = list(request.notes)
+    kept = 0
+    if budget is not None:
+        note, kept = _meet(graph, switches, budget, request, executor_factory, progress)
+        notes.append(note)
     fused = fuse_quantized(graph)
     dead_code(graph)
-    notes = list(request.notes)
-    left = len(layers) - fused
+    left = len(layers) - kept - fused
     notes.append(
         f"{precision}: {fused} of {len(layers)} convolution/GEMM layers quantized"
+        + (f", {kept} kept in float32 for the accuracy budget" if kept else "")
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
     )
     return notes
+
+
+def _meet(
+    graph: Graph,
+    switches: list[Switch],
+    budget: AccuracyBudget,
+    request: CalibrationRequest,
+    executor_factory: Callable[[Graph], Any],
+    progress: Callable[[str], None] | None,
+) -> tuple[str, int]:
+    """Search for the fewest layers to keep in float32; a note for the report and their count."""
+    feeds = request.kept
+    if not feeds:
+        if request.data is None:
+            raise BuildError(
+                "the accuracy budget is measured on calibration data: give it (--calib-data, "
+                "BuilderConfig.calibration_data) as well as the calibration cache"
+            )
+        feeds = first_batches(graph, request.data, BUDGET_BATCHES)
+    found = search(graph, switches, budget, feeds, run_with(executor_factory), progress)
+    if not found.kept:
+        return (
+            f"accuracy budget: met with every layer quantized ({budget.shown(found.all_quantized)} "
+            "against float32)"
+        ), 0
+    shown = ", ".join(found.kept[:8]) + (", ..." if len(found.kept) > 8 else "")
+    return (
+        f"accuracy budget: {len(found.kept)} of {len(switches)} layers kept in float32 "
+        f"({shown}): {budget.shown(found.final)} against float32 (every layer quantized: "
+        f"{budget.shown(found.all_quantized)}; {found.runs} runs)"
+    ), len(found.kept)
 
 
 def insert_qdq(
@@ -114,9 +168,11 @@ def insert_qdq(
     table: CalibrationTable,
     layers: dict[Node, tuple[Value, int]],
     precision: str,
-) -> None:
+) -> list[Switch]:
     """Each layer's data input through QuantizeLinear/DequantizeLinear (one pair per tensor, at
-    its calibrated scale) and its weight as a quantized constant through DequantizeLinear."""
+    its calibrated scale) and its weight as a quantized constant through DequantizeLinear;
+    returns each layer's switch between its float and quantized operands."""
+    switches = []
     rw = Rewrite()
     names = _Names(graph)
     zp = add_constant(graph, f"zero_point_{precision}", np.zeros((), _NUMPY[precision]))
@@ -130,8 +186,10 @@ def insert_qdq(
         wq_v = add_constant(graph, f"{w.name}_quantized", wq)
         ws_v = add_constant(graph, f"{w.name}_scale", ws)
         w_dq = _dequantize(rw, names, wq_v, ws_v, None, w, axis)
+        switches.append(Switch(n, (x, n.inputs[1]), (dequantized[x], w_dq)))
         n.inputs = [dequantized[x], w_dq, *n.inputs[2:]]
     rw.apply(graph)
+    return switches
 
 
 def quantize_weight(w: np.ndarray, axis: int, precision: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,177 @@
+"""The accuracy budget: the fewest layers to keep at float32 so that a quantized engine stays
+within a stated error of the float32 one on the calibration data (automatic mixed precision).
+
+After calibration every quantizable layer reads its operands through Q/DQ nodes
+(:func:`~tensorkiln.precision.quantize.insert_qdq`); keeping a layer in float32 is reading its
+float operands again. The search:
+
+1. all layers quantized: within budget, done;
+2. each layer's sensitivity: the error with that layer alone kept in float32 (one run each);
+3. layers in order of the error they remove, the fewest of them (bisection) that meet the budget.
+
+The same search answers ``tensorkiln debug precision`` (Polygraphy's bisection of which layers
+must stay in higher precision), which prints the ranking instead of building.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.errors import InputError
+from tensorkiln.ir import Graph, Node, Value
+
+METRICS = ("rel_l2", "cosine")
+
+
+@dataclass(frozen=True)
+class AccuracyBudget:
+    """``rel_l2``: the outputs' relative L2 error against float32 at most ``value``; ``cosine``:
+    their cosine similarity at least ``value`` (the worst output counts)."""
+
+    metric: str
+    value: float
+
+    @classmethod
+    def parse(cls, text: str | float) -> AccuracyBudget:
+        """'0.02' or 'rel_l2:0.02' or 'cosine:0.999'."""
+        metric, _, number = str(text).rpartition(":")
+        metric = metric.strip().lower() or "rel_l2"
+        try:
+            value = float(number)
+        except ValueError:
+            value = math.nan
+        if metric not in METRICS or not math.isfinite(value) or value < 0:
+            raise InputError(
+                f"bad accuracy budget '{text}': expected rel_l2:T (the outputs' relative L2 "
+                "error against float32 at most T, e.g. 0.02) or cosine:C (e.g. cosine:0.999)"
+            )
+        if metric == "cosine" and value > 1:
+            raise InputError(f"bad accuracy budget '{text}': a cosine similarity is at most 1")
+        return cls(metric, value)
+
+    def error(self, got: list[np.ndarray], want: list[np.ndarray]) -> float:
+        """How far ``got`` is from ``want``, larger is worse (for cosine: 1 - similarity)."""
+        worst = 0.0
+        for g, w in zip(got, want):
+            g64, w64 = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
+            if self.metric == "rel_l2":
+                ref = float(np.linalg.norm(w64))
+                e = (
+                    float(np.linalg.norm(g64 - w64)) / ref
+                    if ref > 0
+                    else float(np.abs(g64).max(initial=0))
+                )
+            else:
+                ng, nw = float(np.linalg.norm(g64)), float(np.linalg.norm(w64))
+                e = 0.0 if ng == nw == 0 else 1.0 - float(np.dot(g64, w64)) / max(ng * nw, 1e-300)
+            worst = max(worst, e if math.isfinite(e) else math.inf)
+        return worst
+
+    def allows(self, error: float) -> bool:
+        limit = self.value if self.metric == "rel_l2" else 1.0 - self.value
+        return error <= limit
+
+    def shown(self, error: float) -> str:
+        if self.metric == "rel_l2":
+            return f"rel L2 {error:.3g}"
+        return f"cosine {1.0 - error:.6f}"
+
+
+@dataclass
+class Switch:
+    """A quantizable layer's two ways to read its data input and weight."""
+
+    node: Node
+    float_inputs: tuple[Value, Value]
+    quantized_inputs: tuple[Value, Value]
+
+    def set(self, quantized: bool) -> None:
+        pair = self.quantized_inputs if quantized else self.float_inputs
+        self.node.inputs[0], self.node.inputs[1] = pair
+
+
+@dataclass
+class Search:
+    """What the search found: each layer's error when kept alone in float32, and the set kept."""
+
+    all_quantized: float
+    sensitivity: dict[str, float] = field(default_factory=dict)  # layer -> error without it
+    kept: list[str] = field(default_factory=list)  # the layers kept in float32, most useful first
+    final: float = 0.0
+    runs: int = 0
+
+
+def search(
+    graph: Graph,
+    switches: list[Switch],
+    budget: AccuracyBudget,
+    feeds: list[dict[str, np.ndarray]],
+    run: Callable[[Graph, dict[str, np.ndarray]], list[np.ndarray]],
+    progress: Callable[[str], None] | None = None,
+    rank_all: bool = False,
+) -> Search:
+    """Find the fewest ``switches`` to set to float32 for ``budget``; leaves the graph so.
+    ``rank_all``: measure every layer's sensitivity even when no layer needs to be kept."""
+    if not feeds:
+        raise InputError("the accuracy budget is measured on calibration data; none was given")
+    _set_all(switches, quantized=False)
+    reference = [run(graph, f) for f in feeds]
+    counter = {"runs": 1}
+
+    def error(float_layers: Iterable[Switch]) -> float:
+        keep = set(map(id, float_layers))
+        for s in switches:
+            s.set(id(s) not in keep)
+        counter["runs"] += 1
+        return max(budget.error(run(graph, f), r) for f, r in zip(feeds, reference))
+
+    found = Search(error(()))
+    if budget.allows(found.all_quantized) and not rank_all:
+        found.final, found.runs = found.all_quantized, counter["runs"]
+        return found
+    for k, s in enumerate(switches):
+        if progress is not None:
+            progress(f"accuracy budget: layer {k + 1} of {len(switches)}")
+        found.sensitivity[s.node.name] = error([s])
+    ranked = sorted(switches, key=lambda s: found.sensitivity[s.node.name])
+    if budget.allows(found.all_quantized):
+        found.final = found.all_quantized
+        error(())
+        found.runs = counter["runs"]
+        return found
+    lo, hi = 1, len(ranked)  # the fewest k whose top-k layers meet the budget
+    errors = {hi: error(ranked)}
+    while lo < hi:
+        mid = (lo + hi) // 2
+        errors[mid] = error(ranked[:mid])
+        if budget.allows(errors[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    found.kept = [s.node.name for s in ranked[:hi]]
+    found.final = errors.get(hi, math.nan)
+    error(ranked[:hi])  # (leave the graph as chosen)
+    found.runs = counter["runs"]
+    return found
+
+
+def _set_all(switches: list[Switch], quantized: bool) -> None:
+    for s in switches:
+        s.set(quantized)
+
+
+def run_with(executor_factory: Callable[[Graph], Any]) -> Callable[[Graph, dict], list[np.ndarray]]:
+    """A ``run`` for :func:`search`: the graph's outputs on one feed, as numpy."""
+
+    def run(graph: Graph, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        executor = executor_factory(graph)  # (a new plan: the switches rewired the graph)
+        outs = executor.run({v: feed[v.name] for v in graph.inputs})
+        to_host = getattr(executor.backend, "to_host", None)
+        return [np.asarray(to_host(x) if to_host else x) for x in outs]
+
+    return run
