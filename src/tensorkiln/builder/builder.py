@@ -198,6 +198,7 @@ def _quantize(
         budget=None
         if config.accuracy_budget is None
         else AccuracyBudget.parse(config.accuracy_budget),
+        smooth=config.smooth_quant,
     )
     infer_shapes(graph)
     verify(graph)

@@ -75,6 +75,8 @@ class BuilderConfig:
     # the most a quantized engine's outputs may differ from float32 on the calibration data:
     # "rel_l2:0.02" (or "0.02") or "cosine:0.999"; the fewest layers that meet it stay float32
     accuracy_budget: str | None = None
+    # SmoothQuant's alpha for the GEMMs of an INT8/FP8 build (precision/smooth.py); None: off
+    smooth_quant: float | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
@@ -140,6 +142,11 @@ class BuilderConfig:
             raise InputError(f"the calibration sample count must be positive, got {n!r}")
         if self.accuracy_budget is not None:
             AccuracyBudget.parse(self.accuracy_budget)
+        a = self.smooth_quant
+        if a is not None and (
+            not isinstance(a, int | float) or isinstance(a, bool) or not 0 <= a <= 1
+        ):
+            raise InputError(f"smooth_quant (SmoothQuant's alpha) must be in [0, 1], got {a!r}")
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.

@@ -181,6 +181,13 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
         "--calib-samples", type=int, metavar="N", help="use at most N samples (default: all)"
     )
     g.add_argument(
+        "--smooth-quant",
+        type=float,
+        metavar="ALPHA",
+        help="SmoothQuant for the GEMMs: divide each input channel by max|X|^ALPHA / "
+        "max|W|^(1-ALPHA) and multiply the weight by it (0.5 is the usual value; default: off)",
+    )
+    g.add_argument(
         "--accuracy-budget",
         metavar="SPEC",
         help="keep the fewest layers in float32 so that the outputs stay within SPEC of the "
@@ -270,6 +277,7 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     config.calibration_batch_size = getattr(args, "calib_batch", DEFAULT_BATCH)
     config.calibration_samples = getattr(args, "calib_samples", None)
     config.accuracy_budget = getattr(args, "accuracy_budget", None)
+    config.smooth_quant = getattr(args, "smooth_quant", None)
     profiles = profiles_from_args(args)
     if not profiles and plan:
         profiles = [OptimizationProfile.from_json(p) for p in plan.get("profiles", [])]

@@ -31,7 +31,8 @@ METRICS = ("rel_l2", "cosine")
 @dataclass(frozen=True)
 class AccuracyBudget:
     """``rel_l2``: the outputs' relative L2 error against float32 at most ``value``; ``cosine``:
-    their cosine similarity at least ``value`` (the worst output counts)."""
+    each sample's cosine similarity to float32 at least ``value`` (an embedding's or a logit
+    vector's; the worst output and sample count)."""
 
     metric: str
     value: float
@@ -55,20 +56,17 @@ class AccuracyBudget:
         return cls(metric, value)
 
     def error(self, got: list[np.ndarray], want: list[np.ndarray]) -> float:
-        """How far ``got`` is from ``want``, larger is worse (for cosine: 1 - similarity)."""
+        """How far ``got`` is from ``want``, larger is worse: the relative L2 error of the worst
+        output, or 1 - the cosine similarity of its worst sample (row of the first axis)."""
         worst = 0.0
         for g, w in zip(got, want):
-            g64, w64 = np.asarray(g, np.float64).ravel(), np.asarray(w, np.float64).ravel()
+            g64, w64 = np.asarray(g, np.float64), np.asarray(w, np.float64)
             if self.metric == "rel_l2":
                 ref = float(np.linalg.norm(w64))
-                e = (
-                    float(np.linalg.norm(g64 - w64)) / ref
-                    if ref > 0
-                    else float(np.abs(g64).max(initial=0))
-                )
+                diff = float(np.linalg.norm(g64 - w64))
+                e = diff / ref if ref > 0 else diff
             else:
-                ng, nw = float(np.linalg.norm(g64)), float(np.linalg.norm(w64))
-                e = 0.0 if ng == nw == 0 else 1.0 - float(np.dot(g64, w64)) / max(ng * nw, 1e-300)
+                e = 1.0 - _worst_cosine(g64, w64)
             worst = max(worst, e if math.isfinite(e) else math.inf)
         return worst
 
@@ -80,6 +78,18 @@ class AccuracyBudget:
         if self.metric == "rel_l2":
             return f"rel L2 {error:.3g}"
         return f"cosine {1.0 - error:.6f}"
+
+
+def _worst_cosine(g: np.ndarray, w: np.ndarray) -> float:
+    """The least cosine similarity of a sample of ``g`` to its sample of ``w`` (1 for two
+    zero samples, 0 for one)."""
+    rows = g.shape[0] if g.ndim > 1 else 1
+    g2, w2 = g.reshape(rows, -1), w.reshape(rows, -1)
+    ng, nw = np.linalg.norm(g2, axis=1), np.linalg.norm(w2, axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cos = np.sum(g2 * w2, axis=1) / (ng * nw)
+    cos = np.where((ng == 0) & (nw == 0), 1.0, np.where((ng == 0) | (nw == 0), 0.0, cos))
+    return float(np.min(cos, initial=1.0))
 
 
 @dataclass

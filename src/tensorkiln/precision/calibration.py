@@ -17,7 +17,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +40,7 @@ from tensorkiln.precision.calibrators import (
 CACHE_FORMAT = "tensorkiln-calibration"
 CACHE_VERSION = 1
 CACHE_LIMIT = 64 << 20  # bytes: the largest calibration cache read
+CHANNEL_LIMIT = 1 << 20  # channels of one tensor in a cache
 _SHOWN = 5  # tensor names listed in an error
 
 
@@ -53,6 +54,8 @@ class CalibrationTable:
     percentile: float | None = None
     samples: int = 0
     data: str = ""  # the calibration data's fingerprint
+    # the largest magnitude per channel (last axis) of the tensors smoothing reads
+    channels: dict[str, list[float]] = field(default_factory=dict)
 
     def scale(self, name: str) -> float:
         """The quantization scale of tensor ``name``: ``amax / QMAX``, and 1 for a tensor that was
@@ -70,7 +73,9 @@ class CalibrationTable:
             "samples": self.samples,
             "data": self.data,
             "tensors": {
-                k: {"amax": a, "scale": self.scale(k)} for k, a in sorted(self.amax.items())
+                k: {"amax": a, "scale": self.scale(k)}
+                | ({"channel_amax": self.channels[k]} if k in self.channels else {})
+                for k, a in sorted(self.amax.items())
             },
         }
 
@@ -122,19 +127,22 @@ class CalibrationTable:
         tensors = doc.get("tensors")
         if not isinstance(tensors, dict):
             raise InputError(f"{where} has no 'tensors' object")
-        amax = {}
+        amax, channels = {}, {}
         for name, entry in tensors.items():
             a = entry.get("amax") if isinstance(entry, dict) else None
-            if (
-                not isinstance(a, int | float)
-                or isinstance(a, bool)
-                or not math.isfinite(a)
-                or a < 0
-            ):
+            if not _range(a):
                 raise InputError(
                     f"{where}: tensor '{name}' has range {a!r}; a range is a finite number >= 0"
                 )
             amax[name] = float(a)
+            c = entry.get("channel_amax")
+            if c is not None:
+                if not isinstance(c, list) or len(c) > CHANNEL_LIMIT or not all(map(_range, c)):
+                    raise InputError(
+                        f"{where}: tensor '{name}' has a malformed channel_amax; it is a list of "
+                        f"at most {CHANNEL_LIMIT:,} finite numbers >= 0"
+                    )
+                channels[name] = [float(v) for v in c]
         samples = doc.get("samples", 0)
         return cls(
             precision,
@@ -143,11 +151,16 @@ class CalibrationTable:
             percentile,
             samples if isinstance(samples, int) else 0,
             str(doc.get("data", "")),
+            channels,
         )
 
-    def check_fits(self, tensors: Mapping[str, str], where: str) -> None:
-        """Every tensor the build quantizes (name -> the layer that reads it) has a range."""
+    def check_fits(
+        self, tensors: Mapping[str, str], where: str, channels: Collection[str] = ()
+    ) -> None:
+        """Every tensor the build quantizes (name -> the layer that reads it) has a range, and
+        those in ``channels`` their per-channel ranges."""
         missing = [k for k in tensors if k not in self.amax]
+        missing += [k for k in channels if k in self.amax and k not in self.channels]
         if missing:
             shown = ", ".join(f"'{k}' (read by {tensors[k]})" for k in missing[:_SHOWN])
             more = f" and {len(missing) - _SHOWN} more" if len(missing) > _SHOWN else ""
@@ -181,6 +194,7 @@ def calibrate(
     precision: str,
     request: CalibrationRequest,
     progress: Progress | None = None,
+    channels: Collection[Value] = (),
 ) -> CalibrationTable:
     """Each of ``tensors``' range (a Value of ``graph`` -> the layer that quantizes it), from the
     cache when it has them, else by running ``graph`` (float32) over the calibration data with an
@@ -193,7 +207,7 @@ def calibrate(
         table = CalibrationTable.load(cache)
         where = f"the calibration cache '{cache}'"
         _check_same_method(table, precision, request, where)
-        table.check_fits(names, where)
+        table.check_fits(names, where, [v.name for v in channels])
         request.notes.append(
             f"calibration: ranges of {len(names)} tensors from {where} ({table.calibrator}, "
             f"{table.samples} samples); delete it to calibrate again"
@@ -207,13 +221,18 @@ def calibrate(
             "QuantizeLinear/DequantizeLinear nodes"
         )
     hists, samples, digest = collect(
-        graph, executor_factory, list(tensors), request.data, progress, request
+        graph, executor_factory, list(tensors), request.data, progress, request, set(channels)
     )
     percentile = request.percentile if method == "percentile" else None
     amax = {
         v.name: choose_amax(hists[v.name], method, precision, request.percentile) for v in tensors
     }
-    table = CalibrationTable(precision, method, amax, percentile, samples, digest)
+    per_channel = {
+        v.name: hists[v.name].channels.tolist()
+        for v in channels
+        if hists[v.name].channels is not None
+    }
+    table = CalibrationTable(precision, method, amax, percentile, samples, digest, per_channel)
     request.notes.append(
         f"calibration: {samples} samples, {method} calibrator, {len(amax)} tensors"
     )
@@ -221,6 +240,10 @@ def calibrate(
         table.save(cache)
         request.notes.append(f"calibration: wrote the ranges of {len(amax)} tensors to '{cache}'")
     return table
+
+
+def _range(a: Any) -> bool:
+    return isinstance(a, int | float) and not isinstance(a, bool) and math.isfinite(a) and a >= 0
 
 
 def _check_same_method(
@@ -245,6 +268,7 @@ def collect(
     data: CalibrationData,
     progress: Progress | None = None,
     keep: CalibrationRequest | None = None,
+    channels: Collection[Value] = (),
 ) -> tuple[dict[str, Histogram], int, str]:
     """Histograms of ``tensors``' magnitudes over the calibration data, the sample count and the
     data's fingerprint; the first ``keep.keep_batches`` batches go to ``keep.kept``."""
@@ -254,10 +278,12 @@ def collect(
     digest = hashlib.sha256()
     samples = 0
 
+    by_channel = set(channels)
+
     def observe(node: Any, outputs: list[Any]) -> None:
         for v, x in zip(node.outputs, outputs):
             if v in wanted and x is not None:
-                _add(hists[v.name], x)
+                _add(hists[v.name], x, v in by_channel)
 
     for n_batches, feed in enumerate(batches(data, graph.inputs), 1):
         feed = _typed(feed, graph.inputs)
@@ -266,7 +292,7 @@ def collect(
         _digest(digest, feed)
         for v in graph.inputs:
             if v in wanted:
-                _add(hists[v.name], feed[v.name])
+                _add(hists[v.name], feed[v.name], v in by_channel)
         executor.run({v: feed[v.name] for v in graph.inputs}, observer=observe)
         samples += int(next(iter(feed.values())).shape[0]) if feed else 0
         if progress is not None:
@@ -307,11 +333,17 @@ def _digest(h: Any, feed: dict[str, np.ndarray]) -> None:
         h.update(a.tobytes())
 
 
-def _add(hist: Histogram, x: Any) -> None:
-    """Count ``x``'s magnitudes, on the device that holds it (numpy array or torch tensor)."""
+def _add(hist: Histogram, x: Any, channels: bool = False) -> None:
+    """Count ``x``'s magnitudes, on the device that holds it (numpy array or torch tensor);
+    ``channels``: also the largest magnitude per index of its last axis."""
     if isinstance(x, np.ndarray) or np.isscalar(x):
-        add_numpy(hist, np.asarray(x))
+        x = np.asarray(x)
+        if channels and x.ndim and x.size:
+            hist.add_channels(np.abs(x.reshape(-1, x.shape[-1])).max(axis=0))
+        add_numpy(hist, x)
         return
+    if channels and x.ndim and x.numel():
+        hist.add_channels(x.detach().reshape(-1, x.shape[-1]).abs().amax(0).double().cpu().numpy())
     a = x.detach().reshape(-1).abs().float()
     if a.numel() == 0:
         return

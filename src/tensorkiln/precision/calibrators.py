@@ -49,10 +49,24 @@ class Histogram:
     counts: np.ndarray  # float64
     width: float
     amax: float = 0.0
+    # the largest magnitude per index of the last axis (a GEMM input's channels), when asked
+    channels: np.ndarray | None = None
 
     @classmethod
     def empty(cls) -> Histogram:
         return cls(np.zeros(0), 0.0)
+
+    def add_channels(self, amax: np.ndarray) -> None:
+        amax = np.asarray(amax, np.float64)
+        if self.channels is None or self.channels.shape != amax.shape:
+            if self.channels is not None:
+                raise ValueError(
+                    f"a tensor's last axis changed between batches ({len(self.channels)} -> "
+                    f"{len(amax)}); its channels cannot be calibrated"
+                )
+            self.channels = amax.copy()
+        else:
+            np.maximum(self.channels, amax, out=self.channels)
 
     def bins_for(self, amax: float) -> int:
         """Make room for magnitudes up to ``amax`` and return the bin count to histogram into

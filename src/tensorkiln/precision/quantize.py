@@ -31,6 +31,7 @@ from tensorkiln.precision.calibration import (
     first_batches,
 )
 from tensorkiln.precision.calibrators import QMAX
+from tensorkiln.precision.smooth import factors, smoothable, smoothed_amax
 
 QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")})
 ELEMENT = {"int8": DType.INT8, "fp8": DType.FLOAT8E4M3FN}
@@ -94,9 +95,11 @@ def quantize_graph(
     exclude: Collection[str] = (),
     progress: Callable[[str], None] | None = None,
     budget: AccuracyBudget | None = None,
+    smooth: float | None = None,
 ) -> list[str]:
     """Calibrate and quantize ``graph`` (optimized, float32) in place; with a ``budget``, keep
-    the fewest layers in float32 that meet it. Returns notes for the report."""
+    the fewest layers in float32 that meet it; with ``smooth``, SmoothQuant's alpha for GEMMs.
+    Returns notes for the report."""
     if has_qdq(graph):
         return [
             "quantization: the model carries its own QuantizeLinear/DequantizeLinear nodes; "
@@ -114,9 +117,16 @@ def quantize_graph(
     if budget is not None:
         request.keep_batches = BUDGET_BATCHES
     counted = None if progress is None else (lambda n, _: progress(f"calibrating: {n} samples"))
-    table = calibrate(graph, executor_factory, tensors, precision, request, counted)
-    switches = insert_qdq(graph, table, layers, precision)
+    producers = graph.producers()
+    smoothed = [] if smooth is None else [
+        n for n, (w, _) in layers.items() if smoothable(n, const_value(w, producers))
+    ]  # fmt: skip
+    channels = list(dict.fromkeys(n.inputs[0] for n in smoothed))
+    table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels)
+    switches = insert_qdq(graph, table, layers, precision, smooth)
     notes = list(request.notes)
+    if smoothed:
+        notes.append(f"smoothquant: the inputs of {len(smoothed)} GEMMs smoothed (alpha {smooth})")
     kept = 0
     if budget is not None:
         note, kept = _meet(graph, switches, budget, request, executor_factory, progress)
@@ -168,28 +178,59 @@ def insert_qdq(
     table: CalibrationTable,
     layers: dict[Node, tuple[Value, int]],
     precision: str,
+    smooth: float | None = None,
 ) -> list[Switch]:
     """Each layer's data input through QuantizeLinear/DequantizeLinear (one pair per tensor, at
     its calibrated scale) and its weight as a quantized constant through DequantizeLinear;
-    returns each layer's switch between its float and quantized operands."""
+    returns each layer's switch between its float and quantized operands. With ``smooth``
+    (SmoothQuant's alpha), GEMMs whose input has per-channel ranges in ``table`` read it
+    smoothed (precision/smooth.py)."""
     switches = []
     rw = Rewrite()
     names = _Names(graph)
     zp = add_constant(graph, f"zero_point_{precision}", np.zeros((), _NUMPY[precision]))
     dequantized: dict[Value, Value] = {}
+    producers = graph.producers()
     for n, (w, axis) in layers.items():
-        x = n.inputs[0]
-        if x not in dequantized:
-            scale = add_constant(graph, f"{x.name}_scale", np.float32(table.scale(x.name)))
-            dequantized[x] = _qdq(rw, names, x, scale, zp, precision)
-        wq, ws = quantize_weight(const_value(w, graph.producers()), axis, precision)
+        x, data = n.inputs[0], const_value(w, producers)
+        if smooth is not None and x.name in table.channels and smoothable(n, data):
+            s = factors(table.channels[x.name], data, 1 - axis, smooth)
+            x_dq = _smoothed(graph, rw, names, n, x, s, table, zp, precision)
+            data = data * s.reshape((-1, 1) if axis == 1 else (1, -1)).astype(np.float32)
+        else:
+            if x not in dequantized:
+                scale = add_constant(graph, f"{x.name}_scale", np.float32(table.scale(x.name)))
+                dequantized[x] = _qdq(rw, names, x, scale, zp, precision)
+            x_dq = dequantized[x]
+        wq, ws = quantize_weight(data, axis, precision)
         wq_v = add_constant(graph, f"{w.name}_quantized", wq)
         ws_v = add_constant(graph, f"{w.name}_scale", ws)
         w_dq = _dequantize(rw, names, wq_v, ws_v, None, w, axis)
-        switches.append(Switch(n, (x, n.inputs[1]), (dequantized[x], w_dq)))
-        n.inputs = [dequantized[x], w_dq, *n.inputs[2:]]
+        switches.append(Switch(n, (x, n.inputs[1]), (x_dq, w_dq)))
+        n.inputs = [x_dq, w_dq, *n.inputs[2:]]
     rw.apply(graph)
     return switches
+
+
+def _smoothed(
+    graph: Graph,
+    rw: Rewrite,
+    names: _Names,
+    n: Node,
+    x: Value,
+    s: np.ndarray,
+    table: CalibrationTable,
+    zp: Value,
+    precision: str,
+) -> Value:
+    """X / s (a Mul by a constant per channel) through its own Q/DQ pair, for layer ``n``."""
+    inv = add_constant(graph, f"{n.name}_smoothing", (1.0 / s).astype(np.float32))
+    xs = Value(names(f"{n.name}_smoothed_input"), TensorType(DType.FLOAT, x.shape))
+    rw.add.append(Node("Mul", [x, inv], [xs], name=names(f"{n.name}_smooth")))
+    amax = smoothed_amax(table.channels[x.name], s)
+    scale = amax / QMAX[precision] if amax > 0 else 1.0
+    return _qdq(rw, names, xs, add_constant(graph, f"{xs.name}_scale", np.float32(scale)), zp,
+                precision)  # fmt: skip
 
 
 def quantize_weight(w: np.ndarray, axis: int, precision: str) -> tuple[np.ndarray, np.ndarray]:
