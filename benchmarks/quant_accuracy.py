@@ -35,8 +35,10 @@ CASES = (
     ("int8", "minmax", 0.5),
     ("int8", "minmax", 0.7),
     ("int8", "minmax", 0.8),
+    ("int8", "minmax", "auto"),
+    ("int8", "mse", "auto"),
     ("fp8", "minmax", None),
-    ("fp8", "minmax", 0.7),
+    ("fp8", "minmax", "auto"),
 )
 
 

@@ -148,7 +148,7 @@ def test_layerwise_compare_names_the_first_layer_that_breaks(cli, digits, tmp_pa
     assert "PASSED: all 5 tensors" in out
     rc, _, err = cli("compare", digits, "--engine", engine, "--reference", "fp32")
     assert_one_line_error(rc, err)
-    assert "--reference fp32 is for --layerwise" in err
+    assert "--reference fp32 and --plot are for --layerwise" in err
 
 
 def test_debug_precision_finds_layers_whose_pinning_meets_the_tolerance(cli, digits, tmp_path):
@@ -182,3 +182,34 @@ def test_debug_precision_finds_layers_whose_pinning_meets_the_tolerance(cli, dig
     rc, _, err = cli("debug", "precision", digits, "--int8")
     assert_one_line_error(rc, err)
     assert "--calib-data" in err
+
+
+def test_plots_are_pngs_inside_the_folder_asked_for(cli, digits, tmp_path):
+    pytest.importorskip("matplotlib")
+    from tensorkiln.cli.plots import _file_name
+
+    x_train, x_test, _ = _split()
+    np.savez(tmp_path / "calib.npz", input=x_train[:64])
+    np.savez(tmp_path / "inputs.npz", input=x_test[:16])
+    rc, out, err = cli("debug", "precision", digits, "--int8", "--calib-data",
+                       tmp_path / "calib.npz", "--backend", "reference", "--plot",
+                       tmp_path / "plots")  # fmt: skip
+    assert rc == 0, err
+    pngs = sorted(p.relative_to(tmp_path / "plots").as_posix()
+                  for p in (tmp_path / "plots").rglob("*.png"))  # fmt: skip
+    assert pngs == ["histograms/2_MaxPool_output_0.png", "histograms/5_Flatten_output_0.png",
+                    "histograms/input.png", "layers.png"]  # fmt: skip
+    engine = tmp_path / "e"
+    rc, _, err = cli("build", digits, "-o", engine, "--backend", "reference", "--int8",
+                     "--calib-data", tmp_path / "calib.npz")  # fmt: skip
+    assert rc == 0, err
+    rc, out, err = cli("compare", digits, "--engine", engine, "--load-inputs",
+                       tmp_path / "inputs.npz", "--layerwise", "--rel-l2", "0.1",
+                       "--plot", tmp_path / "layers.png")  # fmt: skip
+    assert rc == 0, err
+    for png in [tmp_path / "layers.png", *(tmp_path / "plots").rglob("*.png")]:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    used: set[str] = set()
+    assert _file_name("../../etc/passwd", used) == "etc_passwd.png"
+    assert _file_name("../../etc/passwd", used) == "etc_passwd_1.png"
+    assert _file_name("/", used) == "tensor.png"

@@ -219,3 +219,33 @@ def test_layers_pinned_to_fp32_stay_float(tmp_path: Path) -> None:
     got = engine.create_execution_context().infer({"x": x})["y"]
     want = _run_ort(model, {"x": x})
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_cuda_backend_builds_the_same_quantized_engine(tmp_path: Path, precision: str) -> None:
+    """The cuda backend's kernels (on CPU tensors here) with the reference build's calibration
+    cache: the same quantized layers and, to float32 rounding, the same outputs; with fp16 allowed
+    too, the quantized layers give fp16 and the rest runs in fp16 (TensorRT's --best)."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    cache = tmp_path / "calib.json"
+    calib = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    ref = _build(path, precision, calibration_data=calib, calibration_cache=str(cache))
+    config = BuilderConfig()
+    config.set_flag(precision)
+    config.calibration_cache = str(cache)
+    cuda = Builder("cuda", device="cpu").build(path, config)
+    ops = {n.name: (n.op, n.precision) for n in cuda.graph.nodes if n.name in DATA_INPUT}
+    assert ops == {n.name: (n.op, n.precision) for n in ref.graph.nodes if n.name in DATA_INPUT}
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    want = ref.create_execution_context().infer({"x": x})["y"]
+    got = np.asarray(cuda.create_execution_context().infer({"x": x})["y"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    config.set_flag("fp16")
+    mixed = Builder("cuda", device="cpu").build(path, config)
+    quantized = [n for n in mixed.graph.nodes if n.op in ("QConvAct", "QGemmAct")]
+    assert len(quantized) == 3 and all(n.outputs[0].dtype.name == "FLOAT16" for n in quantized)
+    half = np.asarray(mixed.create_execution_context().infer({"x": x})["y"], np.float32)
+    assert np.linalg.norm(half - want) / np.linalg.norm(want) < 1e-2

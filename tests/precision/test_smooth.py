@@ -104,6 +104,9 @@ def test_smoothing_matches_its_qdq_graph_and_recovers_accuracy(tmp_path: Path) -
         return np.linalg.norm(y - want) / np.linalg.norm(want)
 
     assert rel(y_smooth) < rel(y_plain) / 2, (rel(y_smooth), rel(y_plain))
+    auto, y_auto = build("auto")  # per GEMM, measured on the first calibration batch
+    assert any("smoothquant (auto" in note for note in auto.build["notes"])
+    assert rel(y_auto) <= rel(y_plain) * 1.05, (rel(y_auto), rel(y_plain))
     assert "channel_amax" not in json.loads((tmp_path / "cNone.json").read_text())["tensors"]["x"]
 
 

@@ -29,11 +29,12 @@ from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
-from tensorkiln.precision import DefaultPolicy, PrecisionPolicy
+from tensorkiln.precision import DefaultPolicy, PrecisionPolicy, engine_precision
 from tensorkiln.precision.budget import AccuracyBudget
 from tensorkiln.precision.calib_data import CalibrationData
 from tensorkiln.precision.calibration import CalibrationRequest
 from tensorkiln.precision.io import set_io_types
+from tensorkiln.precision.overflow import value_ranges
 from tensorkiln.precision.quantize import quantize_graph
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.mathmode import math_mode
@@ -125,7 +126,7 @@ class Builder:
             if quantized is not None:
                 with _phase(report, "calibrate", bar):
                     report.notes += _quantize(graph, config, backend, quantized, bar)
-            policy = config.precision_policy or DefaultPolicy()
+            policy = config.precision_policy or DefaultPolicy(_fp16_ranges(graph, config, backend))
             with _phase(report, "precision", bar):
                 precision, notes = _apply_precision(graph, config, policy)
                 report.notes += notes
@@ -169,6 +170,21 @@ class Builder:
             },
             target=backend.target(),
         )
+
+
+def _fp16_ranges(graph: Graph, config: BuilderConfig, backend: Backend) -> dict | None:
+    """Every tensor's range on the calibration data, for the fp16 overflow guard: on an fp16
+    engine given calibration data, else None (no guard)."""
+    data = config.calibration_data
+    if engine_precision(config.precisions) != "fp16" or data is None:
+        return None
+    one_shot = not isinstance(data, str | os.PathLike) and iter(data) is data
+    if one_shot and _quantized_precision(config) is not None:
+        return None  # (calibration read the iterator already)
+    data = CalibrationData(
+        config.calibration_data, config.calibration_batch_size, config.calibration_samples
+    )
+    return value_ranges(graph, lambda g: Executor(g, backend), data)
 
 
 def _quantized_precision(config: BuilderConfig) -> str | None:

@@ -16,9 +16,9 @@ from tensorkiln.precision.io import parse_formats
 from tensorkiln.precision.policy import PrecisionPolicy
 
 # The precisions each backend's layers can compute in; a backend not listed computes in fp32.
-# (INT8/FP8: quantized convolutions and GEMMs, calibrated; the reference kernels so far)
+# (INT8/FP8: quantized convolutions and GEMMs, calibrated)
 BACKEND_PRECISIONS = {
-    "cuda": ("fp32", "tf32", "fp16", "bf16"),
+    "cuda": ("fp32", "tf32", "fp16", "bf16", "int8", "fp8"),
     "reference": ("fp32", "int8", "fp8"),
 }
 QUANTIZED_PRECISIONS = ("int8", "fp8")
@@ -75,8 +75,9 @@ class BuilderConfig:
     # the most a quantized engine's outputs may differ from float32 on the calibration data:
     # "rel_l2:0.02" (or "0.02") or "cosine:0.999"; the fewest layers that meet it stay float32
     accuracy_budget: str | None = None
-    # SmoothQuant's alpha for the GEMMs of an INT8/FP8 build (precision/smooth.py); None: off
-    smooth_quant: float | None = None
+    # SmoothQuant's alpha for the GEMMs of an INT8/FP8 build (precision/smooth.py), or "auto"
+    # (each GEMM measured on the first calibration batch); None: off
+    smooth_quant: float | str | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
@@ -143,10 +144,11 @@ class BuilderConfig:
         if self.accuracy_budget is not None:
             AccuracyBudget.parse(self.accuracy_budget)
         a = self.smooth_quant
-        if a is not None and (
-            not isinstance(a, int | float) or isinstance(a, bool) or not 0 <= a <= 1
-        ):
-            raise InputError(f"smooth_quant (SmoothQuant's alpha) must be in [0, 1], got {a!r}")
+        number = isinstance(a, int | float) and not isinstance(a, bool)
+        if a is not None and a != "auto" and not (number and 0 <= a <= 1):
+            raise InputError(
+                f"smooth_quant (SmoothQuant's alpha) must be in [0, 1] or 'auto', got {a!r}"
+            )
 
     def for_backend(self, backend: str) -> BuilderConfig:
         """A validated copy allowing only the precisions ``backend`` implements.

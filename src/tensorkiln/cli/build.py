@@ -150,7 +150,8 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
         "--calib-data",
         metavar="PATH",
         help="calibration data: a folder of .npy/.npz files (an .npz names each input; a "
-        "sample or a batch per file) or one .npz/.npy of samples stacked on the first axis",
+        "sample or a batch per file) or one .npz/.npy of samples stacked on the first axis; "
+        "with --fp16 alone, layers whose values pass fp16's range on it stay fp32",
     )
     g.add_argument(
         "--calib-cache",
@@ -182,10 +183,11 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--smooth-quant",
-        type=float,
+        type=_alpha,
         metavar="ALPHA",
         help="SmoothQuant for the GEMMs: divide each input channel by max|X|^ALPHA / "
-        "max|W|^(1-ALPHA) and multiply the weight by it (0.5 is the usual value; default: off)",
+        "max|W|^(1-ALPHA) and multiply the weight by it; 'auto' picks ALPHA (or none) per GEMM "
+        "on the first calibration batch (default: off)",
     )
     g.add_argument(
         "--accuracy-budget",
@@ -193,6 +195,17 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
         help="keep the fewest layers in float32 so that the outputs stay within SPEC of the "
         "float32 engine on the calibration data: rel_l2:0.02 (or 0.02) or cosine:0.999",
     )
+
+
+def _alpha(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number in [0, 1] or 'auto', got '{text}'"
+        ) from None
 
 
 def profiles_from_args(args: argparse.Namespace) -> list[Any]:

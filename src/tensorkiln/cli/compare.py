@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.builder import Builder
-from tensorkiln.cli import layerwise
+from tensorkiln.cli import layerwise, plots
 from tensorkiln.cli.common import (
     CLIError,
     Loaded,
@@ -129,6 +129,11 @@ def add_parser(sub: Any) -> None:
         default="onnxruntime",
         help="what --layerwise compares against: onnxruntime (default) or a float32 engine "
         "built from the model",
+    )
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="with --layerwise: also draw each layer's error as a PNG (needs matplotlib)",
     )
     p.add_argument("--json", action="store_true", help="print the results as one JSON object")
     p.set_defaults(handler=run_compare)
@@ -345,8 +350,8 @@ def run_compare(args: argparse.Namespace) -> int:
         feeds = random_inputs(engine, input_shapes(engine, shapes), args.seed, args.max_input_bytes)
     if args.layerwise:
         return _run_layerwise(args, loaded, model, criteria, feeds)
-    if args.reference != "onnxruntime":
-        raise CLIError("--reference fp32 is for --layerwise; add --layerwise")
+    if args.reference != "onnxruntime" or args.plot:
+        raise CLIError("--reference fp32 and --plot are for --layerwise; add --layerwise")
     with engine.create_execution_context() as ctx:
         for name, arr in feeds.items():
             ctx.set_input_shape(name, np.shape(arr))
@@ -380,6 +385,9 @@ def _run_layerwise(
     if not rows:
         raise CLIError(f"no tensor of the engine has a namesake in {against}; nothing to compare")
     first = layerwise.first_failure(rows)
+    if args.plot:
+        written = plots.layer_errors(rows, criteria.rel_l2, args.plot)
+        print(f"wrote {written}", file=sys.stderr if args.json else sys.stdout)
     if args.json:
         print(json.dumps({"model": str(model), "engine": args.engine, "reference": against,
                           "criteria": criteria.to_json(), "layers": rows,

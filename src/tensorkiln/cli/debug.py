@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from tensorkiln.backends import get_backend, resolve
 from tensorkiln.builder.builder import optimize
+from tensorkiln.cli import plots
 from tensorkiln.cli.build import add_calibration_options
 from tensorkiln.cli.common import (
     CLIError,
@@ -54,8 +56,31 @@ def add_parser(sub: Any) -> None:
     tol.add_argument("--cosine", type=float, metavar="C", help="outputs' cosine similarity >= C")
     add_calibration_options(q)
     add_backend_option(q, "the backend to run on (default: auto)")
+    q.add_argument(
+        "--plot",
+        metavar="DIR",
+        help="write DIR/layers.png (each layer's error when kept in float32) and "
+        "DIR/histograms/<tensor>.png (its calibration histogram and ranges); needs matplotlib",
+    )
     q.add_argument("--json", action="store_true", help="print the result as one JSON object")
     q.set_defaults(handler=run_debug_precision)
+
+
+def _plot(
+    folder: str, found: Any, budget: AccuracyBudget, request: Any, table: Any, p: str
+) -> None:
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"layer": k, "rel_l2": e, "passed": k not in found.kept}
+            for k, e in sorted(found.sensitivity.items(), key=lambda kv: kv[1])]  # fmt: skip
+    limit = budget.value if budget.metric == "rel_l2" else 1.0 - budget.value
+    what = "relative L2" if budget.metric == "rel_l2" else "1 - worst cosine"
+    plots.layer_errors(rows, limit, out / "layers.png", f"{what} with the layer in float32",
+                       "error when each layer alone stays float32 (red: kept)")  # fmt: skip
+    if request.histograms:
+        plots.histograms(request.histograms, table.amax, p, out / "histograms")
+    elif request.histograms is not None:
+        print("(the ranges came from the calibration cache: no histograms to draw)")
 
 
 def run_debug_precision(args: argparse.Namespace) -> int:
@@ -76,6 +101,8 @@ def run_debug_precision(args: argparse.Namespace) -> int:
     data = CalibrationData(args.calib_data, args.calib_batch, args.calib_samples)
     request = CalibrationRequest(data, args.calib_cache, args.calibrator, args.calib_percentile,
                                  keep_batches=BUDGET_BATCHES)  # fmt: skip
+    if args.plot:
+        request.histograms = {}
     tensors = {}
     for n in layers:
         tensors.setdefault(n.inputs[0], n.name)
@@ -90,6 +117,8 @@ def run_debug_precision(args: argparse.Namespace) -> int:
     ops = {s.node.name: s.node.op for s in switches}
     ranked = sorted(found.sensitivity.items(), key=lambda kv: kv[1])
     spec = ",".join(f"{k}:fp32" for k in found.kept)
+    if args.plot:
+        _plot(args.plot, found, budget, request, table, precision)
     if args.json:
         print(json.dumps({
             "model": str(model), "precision": precision, "budget": budget.__dict__,

@@ -78,17 +78,18 @@ define(
     "QConvAct",
     domain=DOMAIN,
     traits=[FUSED],
-    attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act"},
+    attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act", "out_dtype": 1},
     doc="ConvAct of a quantized X (int8 or float8, per-tensor scale) and W (per output channel): "
-    "inputs X_q, X_scale, W_q, W_scale, B, Z; float32 out",
+    "inputs X_q, X_scale, W_q, W_scale, B, Z; out in out_dtype (ONNX's code: float32, float16 "
+    "or bfloat16)",
 )
 define(
     "QGemmAct",
     domain=DOMAIN,
     traits=[FUSED],
-    attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE},
+    attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE, "out_dtype": 1},
     doc="GemmAct of a quantized A (per-tensor scale) and B (per output column): inputs A_q, "
-    "A_scale, B_q, B_scale, C; float32 out",
+    "A_scale, B_q, B_scale, C; out in out_dtype",
 )
 define(
     "LayerNorm",
@@ -153,7 +154,11 @@ def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
 
 @rule("QConvAct", domain=DOMAIN)
 def _qconv_act_shape(ctx: InferContext) -> list[Type | None]:
-    return [TensorType(DType.FLOAT, _conv_out(ctx, ctx.shape(0), ctx.shape(2)))]
+    return [TensorType(_out_dtype(ctx), _conv_out(ctx, ctx.shape(0), ctx.shape(2)))]
+
+
+def _out_dtype(ctx: InferContext) -> DType:
+    return DType(int(ctx.attr("out_dtype", DType.FLOAT.value)))
 
 
 def _conv_out(ctx: InferContext, xs: Shape | None, ws: Shape | None) -> Shape | None:
@@ -184,7 +189,7 @@ def _gemm_act_shape(ctx: InferContext) -> list[Type | None]:
 
 @rule("QGemmAct", domain=DOMAIN)
 def _qgemm_act_shape(ctx: InferContext) -> list[Type | None]:
-    return [TensorType(DType.FLOAT, _gemm_out(ctx, ctx.shape(0), ctx.shape(2)))]
+    return [TensorType(_out_dtype(ctx), _gemm_out(ctx, ctx.shape(0), ctx.shape(2)))]
 
 
 def _gemm_out(ctx: InferContext, a: Shape | None, b: Shape | None) -> Shape | None:

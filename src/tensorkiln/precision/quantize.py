@@ -12,7 +12,8 @@ explicit quantization share one path from there on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -28,10 +29,11 @@ from tensorkiln.precision.calibration import (
     CalibrationRequest,
     CalibrationTable,
     calibrate,
+    capture,
     first_batches,
 )
 from tensorkiln.precision.calibrators import QMAX
-from tensorkiln.precision.smooth import factors, smoothable, smoothed_amax
+from tensorkiln.precision.smooth import choose_alpha, factors, smoothable, smoothed_amax
 
 QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")})
 ELEMENT = {"int8": DType.INT8, "fp8": DType.FLOAT8E4M3FN}
@@ -95,7 +97,7 @@ def quantize_graph(
     exclude: Collection[str] = (),
     progress: Callable[[str], None] | None = None,
     budget: AccuracyBudget | None = None,
-    smooth: float | None = None,
+    smooth: float | str | None = None,
 ) -> list[str]:
     """Calibrate and quantize ``graph`` (optimized, float32) in place; with a ``budget``, keep
     the fewest layers in float32 that meet it; with ``smooth``, SmoothQuant's alpha for GEMMs.
@@ -122,11 +124,19 @@ def quantize_graph(
         n for n, (w, _) in layers.items() if smoothable(n, const_value(w, producers))
     ]  # fmt: skip
     channels = list(dict.fromkeys(n.inputs[0] for n in smoothed))
+    if smooth == "auto":
+        request.capture = frozenset(v.name for v in channels)
     table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels)
-    switches = insert_qdq(graph, table, layers, precision, smooth)
+    samples = _samples(graph, request, executor_factory) if smooth == "auto" and channels else {}
+    chosen: dict[str, float | None] = {}
+    switches = insert_qdq(graph, table, layers, precision, smooth, samples, chosen)
     notes = list(request.notes)
-    if smoothed:
+    if smoothed and smooth != "auto":
         notes.append(f"smoothquant: the inputs of {len(smoothed)} GEMMs smoothed (alpha {smooth})")
+    elif chosen:
+        counts = Counter("off" if a is None else f"{a:g}" for a in chosen.values())
+        shown = ", ".join(f"{k} x{v}" for k, v in sorted(counts.items()))
+        notes.append(f"smoothquant (auto, per GEMM, on the first calibration batch): alpha {shown}")
     kept = 0
     if budget is not None:
         note, kept = _meet(graph, switches, budget, request, executor_factory, progress)
@@ -140,6 +150,23 @@ def quantize_graph(
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
     )
     return notes
+
+
+def _samples(
+    graph: Graph, request: CalibrationRequest, executor_factory: Callable[[Graph], Any]
+) -> dict[str, np.ndarray]:
+    """The first calibration batch's values of the tensors automatic smoothing measures on:
+    kept while calibrating, or computed from the data when the ranges came from the cache."""
+    missing = set(request.capture) - set(request.captured)
+    if missing:
+        if request.data is None:
+            raise BuildError(
+                "automatic SmoothQuant (smooth_quant='auto') measures on calibration data: give "
+                "it (--calib-data) as well as the calibration cache, or a fixed alpha"
+            )
+        feed = first_batches(graph, request.data, 1)[0]
+        request.captured.update(capture(graph, executor_factory, feed, missing))
+    return request.captured
 
 
 def _meet(
@@ -178,13 +205,18 @@ def insert_qdq(
     table: CalibrationTable,
     layers: dict[Node, tuple[Value, int]],
     precision: str,
-    smooth: float | None = None,
+    smooth: float | str | None = None,
+    samples: Mapping[str, np.ndarray] | None = None,
+    chosen: dict[str, float | None] | None = None,
 ) -> list[Switch]:
     """Each layer's data input through QuantizeLinear/DequantizeLinear (one pair per tensor, at
     its calibrated scale) and its weight as a quantized constant through DequantizeLinear;
     returns each layer's switch between its float and quantized operands. With ``smooth``
     (SmoothQuant's alpha), GEMMs whose input has per-channel ranges in ``table`` read it
-    smoothed (precision/smooth.py)."""
+    smoothed (precision/smooth.py); ``"auto"``: each GEMM takes the alpha (or no smoothing) that
+    brings its output on ``samples`` (tensor -> values) closest to float, recorded in
+    ``chosen``."""
+    chosen = {} if chosen is None else chosen
     switches = []
     rw = Rewrite()
     names = _Names(graph)
@@ -193,8 +225,15 @@ def insert_qdq(
     producers = graph.producers()
     for n, (w, axis) in layers.items():
         x, data = n.inputs[0], const_value(w, producers)
-        if smooth is not None and x.name in table.channels and smoothable(n, data):
-            s = factors(table.channels[x.name], data, 1 - axis, smooth)
+        alpha = smooth
+        if smooth == "auto" and x.name in table.channels and smoothable(n, data):
+            alpha = choose_alpha(
+                samples[x.name], data, 1 - axis, np.asarray(table.channels[x.name]),
+                table.amax[x.name], QMAX[precision], precision,
+            )  # fmt: skip
+            chosen[n.name] = alpha
+        if alpha is not None and x.name in table.channels and smoothable(n, data):
+            s = factors(table.channels[x.name], data, 1 - axis, alpha)
             x_dq = _smoothed(graph, rw, names, n, x, s, table, zp, precision)
             data = data * s.reshape((-1, 1) if axis == 1 else (1, -1)).astype(np.float32)
         else:

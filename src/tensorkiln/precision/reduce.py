@@ -30,6 +30,10 @@ KEEP_FP32_INPUTS: dict[tuple[str, str], tuple[int, ...]] = {
     ("", "Upsample"): (1,),
     ("", "RoiAlign"): (1,),
     ("", "MaxRoiPool"): (1,),
+    # quantization scales: float16 would round them, and the quantized values with them
+    ("", "QuantizeLinear"): (1,),
+    ("tensorkiln", "QConvAct"): (1, 3),
+    ("tensorkiln", "QGemmAct"): (1, 3),
 }
 # ops whose attribute names a float32 output dtype: (domain, op) -> attribute
 _DTYPE_ATTRS = {
@@ -41,6 +45,8 @@ _DTYPE_ATTRS = {
     ("", "RandomUniformLike"): "dtype",
     ("", "Multinomial"): "dtype",
     ("", "Bernoulli"): "dtype",
+    ("tensorkiln", "QConvAct"): "out_dtype",
+    ("tensorkiln", "QGemmAct"): "out_dtype",
 }
 
 

@@ -11,9 +11,11 @@ alpha = 0.5 by default) balances the two ranges; the activation's per-tensor ran
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from tensorkiln.ir import Node
+from tensorkiln.precision.calibrators import fake_quantize
 
 DEFAULT_ALPHA = 0.5
 _LIMIT = 1e4  # factors are clamped to [1/_LIMIT, _LIMIT]
@@ -42,3 +44,51 @@ def factors(x_amax: np.ndarray, w: np.ndarray, k_axis: int, alpha: float) -> np.
 def smoothed_amax(x_amax: np.ndarray, s: np.ndarray) -> float:
     """The per-tensor range of X / s."""
     return float(np.max(np.asarray(x_amax, np.float64) / s, initial=0.0))
+
+
+ALPHAS = (0.5, 0.6, 0.7, 0.8, 0.9)  # what ``auto`` tries per GEMM, besides no smoothing
+SAMPLE_ROWS = 1024  # rows of the input a GEMM's choice is measured on
+
+
+def choose_alpha(
+    x: np.ndarray,
+    w: np.ndarray,
+    k_axis: int,
+    channel_amax: np.ndarray,
+    plain_amax: float,
+    qmax: float,
+    rounding: str,
+) -> float | None:
+    """The alpha whose smoothing gives the GEMM output ``x @ w`` closest to float on the sample
+    ``x`` (rows, K), or None where plain per-tensor quantization at ``plain_amax`` is closest.
+    ``rounding``: 'int8' (round half to even) or 'fp8' (E4M3)."""
+    x = np.asarray(x, np.float64).reshape(-1, x.shape[-1])[:SAMPLE_ROWS]
+    wk = np.asarray(w, np.float64)
+    wk = wk if k_axis == 0 else wk.T  # (K, N)
+    want = x @ wk
+    ref = max(float(np.linalg.norm(want)), 1e-30)
+
+    def error(s: np.ndarray | None) -> float:
+        if s is None:
+            xq, wq = fake_quantize(x, plain_amax, rounding), _columns(wk, qmax, rounding)
+        else:
+            xq = fake_quantize(x / s, smoothed_amax(channel_amax, s), rounding)
+            wq = _columns(wk * s[:, None], qmax, rounding)
+        return float(np.linalg.norm(xq @ wq - want)) / ref
+
+    best, best_err = None, error(None) if plain_amax > 0 else np.inf
+    for alpha in ALPHAS:
+        e = error(factors(channel_amax, w, k_axis, alpha))
+        if e < best_err:
+            best, best_err = alpha, e
+    return best
+
+
+def _columns(w: np.ndarray, qmax: float, rounding: str) -> np.ndarray:
+    """``w`` (K, N) fake-quantized with one scale per column (output channel)."""
+    amax = np.abs(w).max(axis=0)
+    scale = np.where(amax > 0, amax / qmax, 1.0)
+    y = np.clip(w / scale, -qmax, qmax)
+    if rounding == "int8":
+        return np.rint(y) * scale
+    return y.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale

@@ -370,7 +370,13 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, backend: Backe
 def _oracle(entry, node, args, n_out, scope) -> list:
     import torch
 
-    up = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    # (fp16/bf16 operands are widened; float8 ones are quantized values the layer reads as such)
+    up = [
+        a.float()
+        if isinstance(a, torch.Tensor) and a.is_floating_point() and a.element_size() > 1
+        else a
+        for a in args
+    ]
     with _fp32_math():
         return invoke(entry, up, node.attrs, n_out, scope)
 

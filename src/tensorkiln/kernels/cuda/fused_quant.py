@@ -65,8 +65,10 @@ def qconv_act(
     activation_min: float | None = None,
     activation_max: float | None = None,
     residual_order: str = "add_act",
+    out_dtype: int = 1,
 ) -> torch.Tensor:
-    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), in float32."""
+    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
+    returned in ``out_dtype``."""
     b_size = None if b is None else b.numel()
     check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, group, activation, residual_order)
     g = geometry_of(x_q, w_q, auto_pad, dilations, kernel_shape, pads, strides)
@@ -77,7 +79,21 @@ def qconv_act(
     bias = None if b is None else b.reshape(m).to(torch.float32)
     act = (activation_alpha, activation_beta, activation_min, activation_max)
     zz = None if z is None else z.to(torch.float32)
-    return conv_epilogue_(y, bias, zz, activation, act, residual_order == "act_add")
+    return as_out(conv_epilogue_(y, bias, zz, activation, act, residual_order == "act_add"),
+                  out_dtype)  # fmt: skip
+
+
+_OUT = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+
+
+def as_out(y: torch.Tensor, out_dtype: int) -> torch.Tensor:
+    """``y`` (float32) in the layer's output type (ONNX's code)."""
+    want = _OUT.get(int(out_dtype))
+    if want is None:
+        raise ValueError(
+            f"quantized layers output float32, float16 or bfloat16, not type {out_dtype}"
+        )
+    return y if y.dtype == want else y.to(want)
 
 
 @register("QGemmAct", domain="tensorkiln", since=1, backend="cuda")
@@ -97,8 +113,10 @@ def qgemm_act(
     activation_beta: float | None = None,
     activation_min: float | None = None,
     activation_max: float | None = None,
+    out_dtype: int = 1,
 ) -> torch.Tensor:
-    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), in float32."""
+    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
+    in ``out_dtype``."""
     a2, b2, bias = gemm_layout(a_q, b_q, c, beta, transA, transB, "QGemmAct")
     acc = torch.mm(_exact(a2, "QGemmAct's A"), _exact(b2, "QGemmAct's B"))
     n = acc.shape[1]
@@ -107,4 +125,5 @@ def qgemm_act(
         y.add_(bias.to(torch.float32), alpha=beta)
     if activation and math.prod(y.shape):
         activate_(y, activation, activation_alpha, activation_beta, activation_min, activation_max)
+    y = as_out(y, out_dtype)
     return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)

@@ -14,6 +14,7 @@ import math
 
 import ml_dtypes
 import numpy as np
+from onnx.helper import tensor_dtype_to_np_dtype
 
 from tensorkiln.kernels.reference.fused_conv import _epilogue, activate, conv_act
 from tensorkiln.kernels.reference.fused_gemm import gemm_act
@@ -65,8 +66,10 @@ def qconv_act(
     activation_min: float | None = None,
     activation_max: float | None = None,
     residual_order: str = "add_act",
+    out_dtype: int = 1,
 ) -> np.ndarray:
-    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), in float32."""
+    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
+    returned in ``out_dtype``."""
     acc = conv_act(
         _exact(x_q, "QConvAct's X"),
         _exact(w_q, "QConvAct's W"),
@@ -89,7 +92,11 @@ def qconv_act(
     zz = None if z is None else z.astype(np.float32).reshape(y.shape)
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     _epilogue(y, bb, zz, act, residual_order == "act_add")
-    return y.reshape(acc.shape)
+    return _as_out(y.reshape(acc.shape), out_dtype)
+
+
+def _as_out(y: np.ndarray, out_dtype: int) -> np.ndarray:
+    return y if out_dtype == 1 else y.astype(tensor_dtype_to_np_dtype(out_dtype))
 
 
 @register("QGemmAct", domain="tensorkiln", since=1)
@@ -109,8 +116,10 @@ def qgemm_act(
     activation_beta: float | None = None,
     activation_min: float | None = None,
     activation_max: float | None = None,
+    out_dtype: int = 1,
 ) -> np.ndarray:
-    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), in float32."""
+    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
+    in ``out_dtype``."""
     acc = gemm_act(
         _exact(a_q, "QGemmAct's A"), _exact(b_q, "QGemmAct's B"), transA=transA, transB=transB
     )
@@ -122,4 +131,4 @@ def qgemm_act(
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     if math.prod(y.shape):
         activate(y.reshape(-1, n), *act)
-    return y
+    return _as_out(y, out_dtype)

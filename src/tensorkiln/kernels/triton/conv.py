@@ -86,14 +86,14 @@ _GENERIC = [
 
 @triton.jit(do_not_specialize=_GENERIC)
 def _conv_kernel(
-    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr,
+    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, s_ptr,
     NB, C, H, W, OC, OH, OW, KH, KW,
     sx_n, sx_c, sx_h, sx_w, sw_o, sw_c, sw_h, sw_w,
     sz_n, sz_c, sz_h, sz_w, sy_n, sy_c, sy_h, sy_w,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
     p0, p1, lo, hi,
     HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
-    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr, QUANT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # C and OC are the input and output channels of one group
@@ -112,7 +112,10 @@ def _conv_kernel(
     x_rows = x_ptr + n * sx_n + g * C * sx_c
     co = g * OC + rn % OC  # columns past the edge read a valid channel again (wrapped)
     w_cols = w_ptr + co * sw_o
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == 1:  # int8 operands: exact int32 sums
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     c_steps = tl.cdiv(C, BLOCK_K)
     steps = tl.cdiv(C * KH * KW, BLOCK_K) if FLAT_K else KH * KW * c_steps
     for step in range(0, steps):
@@ -126,11 +129,16 @@ def _conv_kernel(
                 step, c_steps, x_rows, w_cols, ih0, iw0, m_ok, rk, C, H, W, KW,
                 sx_c, sx_h, sx_w, sw_c, sw_h, sw_w, dil_h, dil_w, BLOCK_K,
             )  # fmt: skip
-        if UPCAST:  # the interpreter multiplies bfloat16 as raw integers
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if QUANT == 1:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        else:
+            if UPCAST:  # the interpreter multiplies bfloat16 as raw integers, and has no fp8 dot
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
     mask = m_ok[:, None] & (rn < OC)[None, :]
+    if QUANT != 0:  # quantized operands: the sums times X_scale * W_scale per output channel
+        acc = acc.to(tl.float32) * tl.load(s_ptr + co).to(tl.float32)[None, :]
     bias = 0.0
     if HAS_B:
         bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
@@ -192,8 +200,12 @@ def conv_act(
     epilogue: Epilogue = NO_ACTIVATION,
     residual_after: bool = False,
     config: TileConfig = CONFIGS[1],
+    scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights."""
+    """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
+    ``scale`` (float32, one per output channel), x and w are int8 or float8 E4M3 and the sums are
+    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``."""
     if x.dim() not in (3, 4) or w.dim() != x.dim():
         raise ValueError(f"ConvAct: 1-D or 2-D convolutions only: X {tuple(x.shape)}")
     if x.dim() == 3:  # height 1
@@ -203,7 +215,7 @@ def conv_act(
         )  # fmt: skip
         y = conv_act(
             _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
-            residual_after=residual_after, config=config,
+            residual_after=residual_after, config=config, scale=scale, out_dtype=out_dtype,
         )  # fmt: skip
         return y.squeeze(2)
     nb, c, h, wd = x.shape
@@ -212,25 +224,29 @@ def conv_act(
     # (the output keeps the input's layout: channels-last in, channels-last out)
     nhwc = x.stride(1) == 1 and not x.is_contiguous()
     layout = torch.channels_last if nhwc else torch.contiguous_format
-    y = torch.empty((nb, oc, oh, ow), dtype=x.dtype, device=x.device, memory_format=layout)
+    y_dtype = x.dtype if scale is None else out_dtype
+    y = torch.empty((nb, oc, oh, ow), dtype=y_dtype, device=x.device, memory_format=layout)
     if y.numel() == 0:
         return y
     if z is not None and tuple(z.shape) != tuple(y.shape):
         raise ValueError(f"ConvAct: residual Z {tuple(z.shape)} must have the output's shape")
     bias = None if b is None else b.reshape(oc).contiguous()
-    if nhwc and group == 1 and geom.pointwise:
+    if nhwc and group == 1 and geom.pointwise and scale is None:
         return _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config)
+    quant = 0 if scale is None else (1 if x.dtype == torch.int8 else 2)
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
     _conv_kernel[grid](
         x, w, bias if bias is not None else y, z if z is not None else y, y,
+        scale if scale is not None else y,
         nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3],
         *x.stride(), *w.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         *geom.strides, *geom.begin, *geom.dilations,
         epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
         HAS_B=bias is not None, HAS_Z=z is not None, Z_AFTER=bool(residual_after),
         ACT=epilogue.code, PRECISION=dot_precision(x.dtype),
-        UPCAST=interpreting() and x.dtype == torch.bfloat16, FLAT_K=c // group < FLAT_BELOW,
+        UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
+        FLAT_K=c // group < FLAT_BELOW, QUANT=quant,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip

@@ -1,0 +1,278 @@
+"""Tensor-core tactics of the quantized layers (tensorkiln.QGemmAct and QConvAct).
+
+* ``cublas_int8_mm`` (QGemmAct, QConvAct 1x1): ``torch._int_mm``, int8 x int8 -> exact int32 sums on the
+  tensor cores, the weight read column-major (fuse_quantized stores GEMM weights as (N, K), the
+  layout that runs at full speed); then one float32 pass scales, adds the bias and the residual
+  and applies the activation.
+* ``cublas_fp8_scaled_mm`` (QGemmAct): ``torch._scaled_mm`` of E4M3 operands with float32 sums, the
+  scales applied in the same float32 pass.
+* ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
+  kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
+  per-channel scale and the ConvAct epilogue fused.
+
+Each applies only where the kernel computes the op as the reference does (int8 or E4M3 operands
+as the layer has them, the shapes the library call takes); the autotuner times them against the
+default kernel (exact float64 sums) and checks them against it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
+from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
+from tensorkiln.kernels.cuda.fused_quant import _OUT, _scales, as_out
+from tensorkiln.kernels.tactics import LayerSpec, tactic
+from tensorkiln.kernels.triton import available, interpreting
+
+if available():
+    from tensorkiln.kernels.triton import conv, gemm
+
+_ACT = {"activation", "activation_alpha", "activation_beta", "activation_min", "activation_max"}
+_GEMM = {"alpha", "beta", "transA", "transB", "out_dtype"} | _ACT
+_CONV = {"auto_pad", "dilations", "group", "kernel_shape", "pads", "strides", "residual_order"}
+_CONV = _CONV | {"out_dtype"}
+_INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
+_LIMIT = 2**31 - 1
+
+
+def _dtypes(spec: LayerSpec) -> tuple[str | None, str | None]:
+    return spec.dtypes[0], spec.dtypes[2] if len(spec.dtypes) > 2 else None
+
+
+def _gemm_dims(spec: LayerSpec) -> tuple[int, int, int] | None:
+    """(M, N, K) of a QGemmAct with a packed (N, K) weight and an untransposed A."""
+    a, b = spec.shapes[0], spec.shapes[2]
+    if a is None or b is None or len(b) != 2 or len(a) < 2:
+        return None
+    if spec.attrs.get("transA", 0) or not spec.attrs.get("transB", 0) or a[-1] != b[1]:
+        return None
+    return math.prod(a[:-1]), b[0], b[1]
+
+
+def _qgemm_ok(kind: str, spec: LayerSpec) -> bool:
+    if spec.device != "cuda" or not set(spec.attrs) <= _GEMM or _dtypes(spec) != (kind, kind):
+        return False
+    dims = _gemm_dims(spec)
+    if dims is None:
+        return False
+    m, n, k = dims
+    multiple = 8 if kind == "int8" else 16
+    return n % multiple == 0 and k % multiple == 0 and m * max(n, k) <= _LIMIT
+
+
+def _matmul(kind: str, a2: torch.Tensor, b_nk: torch.Tensor) -> torch.Tensor:
+    """(M, K) @ (N, K)^T: int32 sums for int8, float32 for E4M3."""
+    a2 = a2.contiguous()
+    if kind == "int8":
+        m = a2.shape[0]
+        if m < _INT_MM_MIN_ROWS and a2.is_cuda:
+            padded = a2.new_zeros((_INT_MM_MIN_ROWS, a2.shape[1]))
+            padded[:m] = a2
+            return torch._int_mm(padded, b_nk.t())[:m]
+        return torch._int_mm(a2, b_nk.t())
+    one = torch.ones((), dtype=torch.float32, device=a2.device)
+    return torch._scaled_mm(a2, b_nk.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+
+
+def _qgemm(kind: str) -> Callable:
+    def run(
+        a_q: torch.Tensor,
+        a_scale: torch.Tensor,
+        b_q: torch.Tensor,
+        b_scale: torch.Tensor,
+        c: torch.Tensor | None = None,
+        *,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        transA: int = 0,
+        transB: int = 1,
+        activation: str = "",
+        activation_alpha: float | None = None,
+        activation_beta: float | None = None,
+        activation_min: float | None = None,
+        activation_max: float | None = None,
+        out_dtype: int = 1,
+    ) -> torch.Tensor:
+        if transA or not transB:
+            raise ValueError("QGemmAct's tensor-core tactics take an untransposed A, packed B")
+        k = a_q.shape[-1]
+        acc = _matmul(kind, a_q.reshape(-1, k), b_q)
+        n = acc.shape[1]
+        scale = (alpha * _scales(a_scale, b_scale, n, "QGemmAct")).to(torch.float32)
+        y = acc.to(torch.float32).mul_(scale)
+        if c is not None and beta != 0.0:
+            bias = c.to(torch.float32)
+            y.add_(bias if a_q.ndim == 2 else bias.reshape(-1), alpha=beta)
+        if activation:
+            act = (activation_alpha, activation_beta, activation_min, activation_max)
+            activate_(y, activation, *act)
+        y = as_out(y, out_dtype)
+        return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+
+    run.__name__ = f"qgemm_{kind}"
+    return run
+
+
+def _conv_geometry(spec: LayerSpec) -> Any:
+    x, w = spec.shapes[0], spec.shapes[2]
+    if x is None or w is None or len(x) not in (3, 4) or len(w) != len(x):
+        return None
+    at = spec.attrs
+    group = at.get("group", 1)
+    if group < 1 or x[1] != w[1] * group or w[0] % group:
+        return None
+    try:
+        return conv_geometry(
+            x, w, at.get("auto_pad", "NOTSET"), at.get("dilations"), at.get("kernel_shape"),
+            at.get("pads"), at.get("strides"),
+        )  # fmt: skip
+    except ValueError:
+        return None
+
+
+def _qconv_common_ok(spec: LayerSpec, kinds: tuple[str, ...]) -> bool:
+    if not set(spec.attrs) <= _CONV | _ACT:
+        return False
+    dx, dw = _dtypes(spec)
+    if dx not in kinds or dw != dx:
+        return False
+    if spec.attrs.get("residual_order", "add_act") not in ("add_act", "act_add"):
+        return False
+    return _conv_geometry(spec) is not None
+
+
+def _pointwise_ok(spec: LayerSpec) -> bool:
+    """A 1x1 convolution of one group, unit strides, no padding: a GEMM of the pixels."""
+    if spec.device != "cuda" or not _qconv_common_ok(spec, ("int8",)):
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    g = _conv_geometry(spec)
+    if spec.attrs.get("group", 1) != 1 or len(x) != 4 or not g.pointwise:
+        return False
+    return w[0] % 8 == 0 and x[1] % 8 == 0 and x[0] * x[2] * x[3] * max(x[1], w[0]) <= _LIMIT
+
+
+def qconv_pointwise_int8(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    b: torch.Tensor | None = None,
+    z: torch.Tensor | None = None,
+    *,
+    activation: str = "",
+    activation_alpha: float | None = None,
+    activation_beta: float | None = None,
+    activation_min: float | None = None,
+    activation_max: float | None = None,
+    residual_order: str = "add_act",
+    out_dtype: int = 1,
+    **geometry: Any,
+) -> torch.Tensor:
+    """A 1x1 QConvAct as torch._int_mm of the (pixels, C) view (channels-last) and the (M, C)
+    weight, the output channels-last float32."""
+    nb, c, h, wd = x_q.shape
+    m = w_q.shape[0]
+    rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)  # (a view when x is channels-last)
+    acc = _matmul("int8", rows, w_q.reshape(m, c))
+    y2 = acc.to(torch.float32).mul_(_scales(x_scale, w_scale, m, "QConvAct").to(torch.float32))
+    y = y2.reshape(nb, h, wd, m).permute(0, 3, 1, 2)  # (channels-last NCHW view)
+    bias = None if b is None else b.reshape(m).to(torch.float32)
+    act = (activation_alpha, activation_beta, activation_min, activation_max)
+    zz = None if z is None else z.to(torch.float32)
+    return as_out(conv_epilogue_(y, bias, zz, activation, act, residual_order == "act_add"),
+                  out_dtype)  # fmt: skip
+
+
+def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
+    if not (spec.device == "cuda" or interpreting()):
+        return False
+    if not _qconv_common_ok(spec, ("int8", "float8_e4m3fn")):
+        return False
+    if spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    g = _conv_geometry(spec)
+    group = spec.attrs.get("group", 1)
+    if group > 1 and (w[1] < 16 or w[0] // group < 16):
+        return False  # thin groups (depthwise) leave the tensor cores idle
+    m = x[0] * math.prod(g.out)
+    if cfg.smem_bytes(1) > gemm.SMEM_LIMIT or m * w[0] > _LIMIT:
+        return False
+    return cfg.block_n <= max(64, 1 << max(w[0] // group - 1, 0).bit_length())
+
+
+def _triton_qconv(cfg: Any) -> Callable:
+    def run(
+        x_q: torch.Tensor,
+        x_scale: torch.Tensor,
+        w_q: torch.Tensor,
+        w_scale: torch.Tensor,
+        b: torch.Tensor | None = None,
+        z: torch.Tensor | None = None,
+        *,
+        auto_pad: str = "NOTSET",
+        dilations=None,
+        group: int = 1,
+        kernel_shape=None,
+        pads=None,
+        strides=None,
+        activation: str = "",
+        activation_alpha: float | None = None,
+        activation_beta: float | None = None,
+        activation_min: float | None = None,
+        activation_max: float | None = None,
+        residual_order: str = "add_act",
+        out_dtype: int = 1,
+    ) -> torch.Tensor:
+        b_size = None if b is None else b.numel()
+        check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, group, activation,
+                       residual_order)  # fmt: skip
+        g = geometry_of(x_q, w_q, auto_pad, dilations, kernel_shape, pads, strides)
+        m = w_q.shape[0]
+        scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
+        epilogue = gemm.Epilogue.of(
+            activation, activation_alpha, activation_beta, activation_min, activation_max
+        )
+        zz = None if z is None else z.to(torch.float32)
+        y = conv.conv_act(
+            x_q, w_q, b, zz, geom=g, group=group, epilogue=epilogue,
+            residual_after=residual_order == "act_add", config=cfg, scale=scale,
+            out_dtype=_OUT[int(out_dtype)],
+        )  # fmt: skip
+        return y
+
+    run.__name__ = f"triton_qconv_{cfg.name}"
+    return run
+
+
+def _register() -> None:
+    tactic(
+        "QGemmAct", domain="tensorkiln", name="cublas_int8_mm", supports=partial(_qgemm_ok, "int8")
+    )(_qgemm("int8"))
+    tactic(
+        "QGemmAct",
+        domain="tensorkiln",
+        name="cublas_fp8_scaled_mm",
+        supports=partial(_qgemm_ok, "float8_e4m3fn"),
+    )(_qgemm("fp8"))
+    tactic("QConvAct", domain="tensorkiln", name="cublas_int8_mm", supports=_pointwise_ok)(
+        qconv_pointwise_int8
+    )
+    if available():
+        for cfg in conv.CONFIGS:
+            tactic(
+                "QConvAct",
+                domain="tensorkiln",
+                name=f"triton_qconv_{cfg.name}",
+                supports=partial(_triton_qconv_ok, cfg),
+            )(_triton_qconv(cfg))
+
+
+_register()

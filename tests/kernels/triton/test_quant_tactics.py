@@ -1,0 +1,107 @@
+"""The quantized layers' tensor-core tactics against the numpy reference (exact sums of the
+quantized products): torch._int_mm and torch._scaled_mm GEMMs, the 1x1 convolution as an int8
+GEMM, and the Triton implicit-GEMM convolution with int8 (int32 sums) and E4M3 operands (on CPU
+tensors: torch's CPU kernels and Triton's interpreter)."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
+from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic  # noqa: E402
+
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def _q(rng: np.random.Generator, shape: tuple, kind: str) -> np.ndarray:
+    if kind == "int8":
+        return rng.integers(-127, 128, shape).astype(np.int8)
+    return np.clip(rng.standard_normal(shape) * 30, -448, 448).astype(FP8)
+
+
+def _check(op: str, name: str, args: list, attrs: dict, *, channels_last: bool = False,
+           rtol: float = 1e-5) -> None:  # fmt: skip
+    tactic = get_tactic(op, "tensorkiln", name)
+    assert tactic is not None, name
+    spec = LayerSpec(op, "tensorkiln", attrs,
+                     tuple(None if a is None else a.shape for a in args),
+                     tuple(None if a is None else a.dtype.name for a in args), device="cuda")  # fmt: skip
+    assert tactic.applies(spec), f"{name} does not take {spec}"
+    ref = invoke(lookup(op, "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [None if a is None else to_torch(a, "cpu") for a in args]
+    if channels_last:
+        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+    got = to_numpy(tactic.fn(*tensors, **attrs))
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize(("kind", "name", "rtol"), [("int8", "cublas_int8_mm", 1e-6),
+                                                     ("float8_e4m3fn", "cublas_fp8_scaled_mm", 1e-5)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("a_shape", "attrs"),
+    [((24, 64), {"activation": "Relu"}), ((3, 7, 32), {"alpha": 0.5}), ((5, 48), {})],
+)
+def test_qgemm_tensor_core_tactics(kind, name, rtol, a_shape, attrs) -> None:
+    rng = np.random.default_rng()
+    k, n = a_shape[-1], 32
+    args = [_q(rng, a_shape, "int8" if kind == "int8" else "fp8"),
+            np.float32(rng.uniform(0.01, 0.1)),
+            _q(rng, (n, k), "int8" if kind == "int8" else "fp8"),  # packed (N, K)
+            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
+            rng.standard_normal(n).astype(np.float32)]  # fmt: skip
+    _check("QGemmAct", name, args, {"transB": 1, **attrs}, rtol=rtol)
+
+
+def test_qgemm_tactics_refuse_what_they_cannot_run() -> None:
+    tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_int8_mm")
+    int8 = ("int8", "float32", "int8", "float32")
+
+    def spec(a, b, attrs, dtypes=int8):
+        return LayerSpec(
+            "QGemmAct", "tensorkiln", attrs, (a, (), b, (b[0],)), dtypes, device="cuda"
+        )
+
+    assert tactic.applies(spec((4, 64), (32, 64), {"transB": 1}))
+    assert not tactic.applies(spec((4, 64), (64, 32), {"transB": 0}))  # an unpacked weight
+    assert not tactic.applies(spec((4, 60), (32, 60), {"transB": 1}))  # K not a multiple of 8
+    fp8 = ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32")
+    assert not tactic.applies(spec((4, 64), (32, 64), {"transB": 1}, fp8))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_pointwise_qconv_as_int8_gemm(residual) -> None:
+    rng = np.random.default_rng()
+    x = _q(rng, (2, 16, 5, 6), "int8")
+    w = _q(rng, (24, 16, 1, 1), "int8")
+    args = [x, np.float32(0.05), w, rng.uniform(1e-3, 1e-2, 24).astype(np.float32),
+            rng.standard_normal(24).astype(np.float32)]  # fmt: skip
+    if residual:
+        args.append(rng.standard_normal((2, 24, 5, 6)).astype(np.float32))
+    _check("QConvAct", "cublas_int8_mm", args, {"activation": "Relu"}, channels_last=True,
+           rtol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "attrs"),
+    [
+        ((1, 32, 7, 6), (32, 32, 3, 3), {"pads": [1, 1, 1, 1], "strides": [2, 1],
+                                         "activation": "Relu"}),
+        ((2, 8, 5, 5), (16, 8, 3, 3), {"pads": [1, 0, 2, 1]}),  # few channels: im2col order
+    ],
+)  # fmt: skip
+def test_triton_qconv(kind, x_shape, w_shape, attrs) -> None:
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    m = w_shape[0]
+    args = [_q(rng, x_shape, kind), np.float32(0.04), _q(rng, w_shape, kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    rtol = 1e-6 if kind == "int8" else 1e-5  # (E4M3 sums in float32)
+    _check("QConvAct", "triton_qconv_64x64x32_w4_s4", args, attrs, rtol=rtol)
