@@ -191,7 +191,7 @@ def test_plots_are_pngs_inside_the_folder_asked_for(cli, digits, tmp_path):
     x_train, x_test, _ = _split()
     np.savez(tmp_path / "calib.npz", input=x_train[:64])
     np.savez(tmp_path / "inputs.npz", input=x_test[:16])
-    rc, out, err = cli("debug", "precision", digits, "--int8", "--calib-data",
+    rc, _, err = cli("debug", "precision", digits, "--int8", "--calib-data",
                        tmp_path / "calib.npz", "--backend", "reference", "--plot",
                        tmp_path / "plots")  # fmt: skip
     assert rc == 0, err
@@ -203,7 +203,7 @@ def test_plots_are_pngs_inside_the_folder_asked_for(cli, digits, tmp_path):
     rc, _, err = cli("build", digits, "-o", engine, "--backend", "reference", "--int8",
                      "--calib-data", tmp_path / "calib.npz")  # fmt: skip
     assert rc == 0, err
-    rc, out, err = cli("compare", digits, "--engine", engine, "--load-inputs",
+    rc, _, err = cli("compare", digits, "--engine", engine, "--load-inputs",
                        tmp_path / "inputs.npz", "--layerwise", "--rel-l2", "0.1",
                        "--plot", tmp_path / "layers.png")  # fmt: skip
     assert rc == 0, err

@@ -40,7 +40,9 @@ def test_layers_beyond_fp16_stay_fp32_with_calibration_data(tmp_path: Path) -> N
     path = tmp_path / "m.onnx"
     onnx.save(_model(rng), path)
     x = rng.standard_normal((8, 16)).astype(np.float32)
-    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[
+        0
+    ]
 
     def build(calibrated: bool):
         config = BuilderConfig()

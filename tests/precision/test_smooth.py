@@ -89,7 +89,7 @@ def test_smoothing_matches_its_qdq_graph_and_recovers_accuracy(tmp_path: Path) -
         engine = Builder("reference").build(path, config)
         return engine, engine.create_execution_context().infer({"x": x})["y"]
 
-    plain, y_plain = build(None)
+    _, y_plain = build(None)
     smoothed, y_smooth = build(0.5)
     ops = [n.op for n in smoothed.graph.nodes]
     assert ops == ["Mul", "QuantizeLinear", "QGemmAct"], ops
