@@ -196,13 +196,18 @@ def build(
     device: str,
     shapes: dict[str, tuple[tuple, tuple, tuple]] | None = None,
     io_format: str | None = None,
+    calibration: list[dict] | None = None,
 ) -> tuple[tensorkiln.Engine, float, dict]:
-    """An engine of the cuda backend on ``device``; ``shapes``: name -> (min, opt, max), one
-    optimization profile; ``io_format`` ("fp16"...): the type of every float input and output
-    (float32 when None). Returns the engine, the build's seconds and its timing-cache report."""
+    """An engine of the cuda backend on ``device``; ``precision``: one or several joined by '+'
+    ("int8+fp16"); ``shapes``: name -> (min, opt, max), one optimization profile; ``io_format``
+    ("fp16"...): the type of every float input and output (float32 when None); ``calibration``:
+    INT8/FP8 calibration feeds. Returns the engine, the build's seconds and its timing-cache
+    report."""
     config = BuilderConfig()
-    if precision != "fp32":
-        config.set_flag(precision)
+    for p in precision.split("+"):
+        if p != "fp32":
+            config.set_flag(p)
+    config.calibration_data = calibration
     if io_format:
         config.input_io_formats = config.output_io_formats = [io_format]
     config.timing_cache = str(cache)

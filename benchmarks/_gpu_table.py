@@ -37,11 +37,21 @@ def derive(row: dict, peak_flops: float | None) -> dict:
         row["pct_peak"] = 100.0 * row["flops"] / seconds / peak_flops
     if "err" in tk:
         bound = 2 * row["eager_fp16_err"] + 1e-3
+        quantized = tk.get("precision") in ("int8", "fp8")
+        if quantized:  # (quantization error, calibrated on random inputs: a sanity bound only)
+            bound = QUANTIZED_BOUND
         if tk["err"] > bound:
-            row["flag"] = (
-                f"tensorkiln's error {tk['err']:.2e} > 2 x eager fp16's + 1e-3 = {bound:.2e}"
+            row["flag"] = f"tensorkiln's error {tk['err']:.2e} > " + (
+                f"{bound:.0e} ({tk['precision']})"
+                if quantized
+                else f"2 x eager fp16's + 1e-3 = {bound:.2e}"
             )
     return row
+
+
+QUANTIZED_BOUND = (
+    0.1  # relative L2 error of an INT8/FP8 engine against fp32, beyond which it is flagged
+)
 
 
 def merge(folder: Path, order: list[str]) -> dict:
@@ -113,7 +123,8 @@ def _header(timing: dict) -> list[str]:
         "**ratio = best peer ms / tensorkiln ms** (above 1: tensorkiln is faster), and in "
         "brackets **tensorkiln ms / best peer ms** (the target is <= 0.8).",
         "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
-        "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3.",
+        "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3 (INT8/FP8 "
+        f"engines: above {QUANTIZED_BOUND:g}).",
         "activation MiB: the engine's planned activation peak / what its CUDA-graph context "
         "holds after the runs. % peak: model FLOPs (FlopCounterMode, fp32 eager) / tensorkiln's "
         "time per inference / the measured GEMM peak.",
@@ -121,7 +132,16 @@ def _header(timing: dict) -> list[str]:
 
 
 def markdown(results: dict) -> list[str]:
-    lines = ["# tensorkiln against PyTorch, fp16", "", *_env_lines(results["environments"]), ""]
+    precisions = {
+        (r.get("peers", {}).get("tensorkiln") or {}).get("precision", "fp16")
+        for m in results["models"]
+        for r in m.get("rows", [])
+    } - {None}
+    ours = "/".join(sorted(p.upper() for p in precisions if p != "fp16"))
+    title = "tensorkiln against PyTorch, fp16" + (
+        f" (tensorkiln's convolutions and GEMMs in {ours}, the rest fp16)" if ours else ""
+    )
+    lines = [f"# {title}", "", *_env_lines(results["environments"]), ""]
     timing = results["environments"][0].get("timing") or {}
     lines += [f"- {h}" for h in _header(timing)] + [""]
     cols = ["model", "batch", *PEER_COLUMNS.values(), "best peer", "ratio", "build s cold / warm"]

@@ -103,6 +103,7 @@ class Settings:
     warmup: int = 5
     latency_runs: int = 200  # batch 1: median of this many synchronized calls
     kernels: int = 0  # > 0: also profile each peer's kernels, keeping this many of the top ones
+    precision: str = "fp16"  # tensorkiln's: fp16, or int8/fp8 (with fp16 for the other layers)
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -247,7 +248,17 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
             k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (v.shape,) * 3
             for k, v in dev.items()
         }
-    engine, secs, tc = common.build(path, "fp16", cache, S.device, shapes, io_format="fp16")
+    flags = "fp16" if S.precision == "fp16" else f"{S.precision}+fp16"
+    # INT8/FP8: calibrated on this run's own inputs (speed is what is measured here; accuracy
+    # with real data is benchmarks/quant_accuracy.py's)
+    calib = None
+    if S.precision != "fp16":
+        calib = [
+            {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in dev.items()}
+        ]
+    engine, secs, tc = common.build(
+        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
+    )
     ctx = engine.create_execution_context(use_cuda_graph=True)
     KEEP.append(ctx)
     names = [o.name for o in engine.outputs]
@@ -257,7 +268,10 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
     cell = {"err": common.norm_rel_torch([got[n] for n in names], want), "build_s": secs}
     cell["timing_cache"] = tc
     # the same build again, every layer's timing from the cache the first one filled
-    cell["warm_build_s"] = common.build(path, "fp16", cache, S.device, shapes, io_format="fp16")[1]
+    cell["warm_build_s"] = common.build(
+        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
+    )[1]
+    cell["precision"] = S.precision
     batch = next(iter(dev.values())).shape[0]
     cell["value"] = (
         throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
@@ -433,6 +447,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--merge", metavar="DIR", help="only combine DIR/<model>.json into a table")
     ap.add_argument(
+        "--tk-precision",
+        choices=("fp16", "int8", "fp8"),
+        default="fp16",
+        help="tensorkiln's engines: fp16, or INT8/FP8 convolutions and GEMMs (the rest fp16), "
+        "calibrated on the run's inputs",
+    )
+    ap.add_argument(
         "--kernels",
         type=int,
         default=0,
@@ -458,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         return print_merged(Path(args.merge))
     S.device, S.tiny, S.kernels = args.device, args.tiny, max(args.kernels, 0)
+    S.precision = args.tk_precision
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5
     if S.device == "cuda" and not torch.cuda.is_available():

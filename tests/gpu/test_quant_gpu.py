@@ -74,4 +74,4 @@ def test_quantized_engine_on_the_gpu(tmp_path: Path, precision: str) -> None:
     config.set_flag("fp16")
     mixed = Builder("cuda").build(path, config)
     half = np.asarray(mixed.create_execution_context().infer({"x": x})["y"], np.float32)
-    assert np.linalg.norm(half - want) / np.linalg.norm(want) < 2e-2
+    assert np.linalg.norm(half - want) / np.linalg.norm(want) < 5e-2

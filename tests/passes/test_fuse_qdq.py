@@ -79,6 +79,10 @@ def test_onnxruntime_qdq_models_run_as_onnxruntime_runs_them(tmp_path, symmetric
     ops = [n.op for n in engine.graph.nodes]
     if symmetric:  # TensorRT's rule: symmetric int8 runs quantized
         assert ops.count("QConvAct") == 2 and ops.count("QGemmAct") == 1
+        # the ReLUs moved ahead of their Q/DQ pairs and into the convolutions' epilogues
+        assert "Relu" not in ops
+        assert all(n.attrs.get("activation") == "Relu" for n in engine.graph.nodes
+                   if n.op == "QConvAct")  # fmt: skip
         assert {n.precision for n in engine.graph.nodes if n.op.startswith("Q")} >= {"int8"}
     else:  # uint8 with zero points: run as written, in float
         assert "QConvAct" not in ops and "ConvAct" in ops
@@ -176,3 +180,51 @@ def test_before_and_expected() -> None:
                Node("Conv", [xd, wd], [c], name="conv")],
     )  # fmt: skip
     assert fuse_quantized(other) == 0
+
+
+def _run_graph(graph: Graph, feeds: dict) -> list:
+    from tensorkiln.backends import get_backend
+    from tensorkiln.runtime.executor import Executor
+
+    ex = Executor(graph, get_backend("reference"))
+    return ex.run({v: feeds[v.name] for v in graph.inputs})
+
+
+def test_propagation_moves_relu_ahead_and_drops_same_scale_requantization() -> None:
+    """Before: y -> Q(s) -> DQ(s) -> Relu -> Q(s) -> out (int8). Expected: y -> Relu -> Q(s) ->
+    out, the DQ -> Q pair gone; the same integers on fresh data (and with the second scale
+    different, the requantization stays)."""
+    import copy
+
+    from tensorkiln.passes.cleanup import dead_code
+    from tensorkiln.passes.fuse_qdq import propagate_qdq
+
+    rng = np.random.default_rng()
+    for s2 in (0.05, 0.07):
+        y = _v("y", DType.FLOAT, (4, 64))
+        s, t = _v("s", DType.FLOAT, (), np.float32(0.05)), _v("t", DType.FLOAT, (), np.float32(s2))
+        zp = _v("zp", DType.INT8, (), np.int8(0))
+        q1, d1 = _v("q1", DType.INT8, (4, 64)), _v("d1", DType.FLOAT, (4, 64))
+        r, out = _v("r", DType.FLOAT, (4, 64)), _v("out", DType.INT8, (4, 64))
+        graph = Graph(
+            inputs=[y], outputs=[out], initializers=[s, t, zp], opsets={"": 21},
+            nodes=[Node("QuantizeLinear", [y, s, zp], [q1], name="q1"),
+                   Node("DequantizeLinear", [q1, s, zp], [d1], name="d1"),
+                   Node("Relu", [d1], [r], name="relu"),
+                   Node("QuantizeLinear", [r, t, zp], [out], name="q2")],
+        )  # fmt: skip
+        before = copy.deepcopy(graph)
+        changed, step = 0, 1
+        while step:  # (to the fixed point, as the PassManager runs it)
+            step = propagate_qdq(graph)
+            changed += step
+        dead_code(graph)
+        ops = [n.op for n in graph.nodes]
+        if s2 == 0.05:
+            assert changed == 2 and ops == ["Relu", "QuantizeLinear"], ops
+        else:
+            assert changed == 1 and ops == ["Relu", "QuantizeLinear", "DequantizeLinear",
+                                            "QuantizeLinear"], ops  # fmt: skip
+        x = (rng.standard_normal((4, 64)) * 3).astype(np.float32)
+        np.testing.assert_array_equal(_run_graph(graph, {"y": x})[0],
+                                      _run_graph(before, {"y": x})[0])  # fmt: skip

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir import DType, Graph, Node, Value
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import lookup, node_kwargs
 from tensorkiln.passes.pattern import Found, Op
 from tensorkiln.passes.registry import register_pass
-from tensorkiln.passes.rewrite import add_constant
+from tensorkiln.passes.rewrite import Rewrite, add_constant
 from tensorkiln.passes.rules import DOMAIN, Rule, View, run_rules
 
 # element types of a quantized operand (uint8 needs a zero point of 128: not symmetric)
@@ -155,3 +155,82 @@ RULES = (
 def fuse_quantized(graph: Graph) -> int:
     """``Conv/Gemm/MatMul(DQ(X_q), DQ(W_q))`` -> tensorkiln.QConvAct / QGemmAct."""
     return run_rules(graph, RULES)
+
+
+# ------------------------------------------------------------------------------ Q/DQ propagation
+#
+# Two exact rewrites TensorRT's Q/DQ propagation makes, so that quantized layers meet their
+# activations and their neighbours' quantized tensors directly:
+#
+# * Relu(DQ(Q(y))) -> DQ(Q(Relu(y))): with zero points of zero, quantizing and dequantizing are
+#   monotone and keep 0, so ReLU commutes with them; the ReLU then sits right after the layer
+#   that makes y and fuses into its epilogue (fuse_conv_act, fuse_gemm_act).
+# * Q(DQ(q, s), s) -> q: requantizing at the same scale and type gives the same integers back.
+
+
+def _fake_quant(view: View, v: Value) -> tuple[Node, Node] | None:
+    """The (Q, DQ) pair that makes ``v`` = DQ(Q(y)), symmetric (zero points absent or zero),
+    the Q read by that DQ alone, if it is one."""
+    dq = view.made_by(v, "DequantizeLinear")
+    if dq is None or not _zero_point(view, dq):
+        return None
+    q = view.made_by(dq.inputs[0], "QuantizeLinear")
+    if q is None or not _zero_point(view, q) or view.sole(q.outputs[0]) is not dq:
+        return None
+    if view.const(q.inputs[1]) is None or view.const(dq.inputs[1]) is None:
+        return None
+    return q, dq
+
+
+def _zero_point(view: View, node: Node) -> bool:
+    zp = node.inputs[2] if len(node.inputs) > 2 else None
+    if zp is None:
+        return True
+    z = view.const(zp)
+    return z is not None and not np.any(z.astype(np.float32))
+
+
+def _relu_through(view: View, found: Found) -> Rewrite | None:
+    relu = found.root
+    pair = _fake_quant(view, relu.inputs[0])
+    if pair is None or view.sole(relu.inputs[0]) is not relu:
+        return None
+    q, dq = pair
+    y = q.inputs[0]
+    if y is None or y.dtype != DType.FLOAT:
+        return None
+    y_relu = Value(view.fresh_name(f"{y.name}_relu"), TensorType(y.dtype, y.shape))
+    q_out = Value(view.fresh_name(f"{q.outputs[0].name}_relu"), q.outputs[0].type)
+    new_relu = Node("Relu", [y], [y_relu], name=relu.name)
+    new_q = Node("QuantizeLinear", [y_relu, *q.inputs[1:]], [q_out], dict(q.attrs), name=q.name)
+    new_dq = Node("DequantizeLinear", [q_out, *dq.inputs[1:]], [relu.outputs[0]], dict(dq.attrs),
+                  name=dq.name)  # fmt: skip
+    return Rewrite(remove=[relu, q, dq], add=[new_relu, new_q, new_dq], count=1)
+
+
+def _same_scale_requantize(view: View, found: Found) -> Rewrite | None:
+    q = found.root
+    dq = view.made_by(q.inputs[0], "DequantizeLinear")
+    if dq is None or not (_zero_point(view, q) and _zero_point(view, dq)):
+        return None
+    s_in, s_out = view.const(dq.inputs[1]), view.const(q.inputs[1])
+    if s_in is None or s_out is None or s_in.size != 1 or s_out.size != 1:
+        return None
+    if float(s_in.reshape(-1)[0]) != float(s_out.reshape(-1)[0]):
+        return None
+    source, out = dq.inputs[0], q.outputs[0]
+    if source is None or out is None or source.dtype != out.dtype:
+        return None
+    return Rewrite(remove=[q], replace={out: source}, count=1)
+
+
+PROPAGATION = (
+    Rule("relu_through_qdq", Op("Relu"), _relu_through),
+    Rule("requantize_same_scale", Op("QuantizeLinear"), _same_scale_requantize),
+)
+
+
+@register_pass("propagate_qdq", level=2, order=45, backends=("reference", "cuda"))
+def propagate_qdq(graph: Graph) -> int:
+    """ReLU moved ahead of Q/DQ pairs, same-scale requantization removed (exact rewrites)."""
+    return run_rules(graph, PROPAGATION)
