@@ -6,19 +6,28 @@ scaled per output channel and finished in float32 with ConvAct's and GemmAct's e
 are the kernels every graph with quantized layers can run with; the tensor-core tactics (int8
 GEMMs through torch._int_mm, FP8 through torch._scaled_mm, Triton implicit-GEMM convolutions)
 are timed against them by the autotuner.
+
+Every quantized kernel and tactic of this tree goes through :func:`qconv` / :func:`qgemm`, which
+read the attributes with the op record's defaults (ops/fused.py), check the operands, and hand
+the sums to one function the caller picks; only that function differs between them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tensorkiln.kernels.common.conv import check_conv_act
 from tensorkiln.kernels.common.gemm import gemm_layout
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops import attribute_defaults
 
 _QUANTIZED = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -44,45 +53,6 @@ def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, n: int, what: str) -> 
     return (x_scale.reshape(()).to(torch.float64) * ws).expand(n)
 
 
-@register("QConvAct", domain="tensorkiln", since=1, backend="cuda")
-def qconv_act(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    b: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    *,
-    auto_pad: str = "NOTSET",
-    dilations=None,
-    group: int = 1,
-    kernel_shape=None,
-    pads=None,
-    strides=None,
-    activation: str = "",
-    activation_alpha: float | None = None,
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    residual_order: str = "add_act",
-    out_dtype: int = 1,
-) -> torch.Tensor:
-    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
-    returned in ``out_dtype``."""
-    b_size = None if b is None else b.numel()
-    check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, group, activation, residual_order)
-    g = geometry_of(x_q, w_q, auto_pad, dilations, kernel_shape, pads, strides)
-    acc = conv_nd(_exact(x_q, "QConvAct's X"), _exact(w_q, "QConvAct's W"), None, g, group)
-    m = acc.shape[1]
-    scale = _scales(x_scale, w_scale, m, "QConvAct").reshape(1, m, *(1,) * (acc.ndim - 2))
-    y = (acc * scale).to(torch.float32)
-    bias = None if b is None else b.reshape(m).to(torch.float32)
-    act = (activation_alpha, activation_beta, activation_min, activation_max)
-    zz = None if z is None else z.to(torch.float32)
-    return as_out(conv_epilogue_(y, bias, zz, activation, act, residual_order == "act_add"),
-                  out_dtype)  # fmt: skip
-
-
 _OUT = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
 
 
@@ -96,34 +66,113 @@ def as_out(y: torch.Tensor, out_dtype: int) -> torch.Tensor:
     return y if y.dtype == want else y.to(want)
 
 
-@register("QGemmAct", domain="tensorkiln", since=1, backend="cuda")
-def qgemm_act(
+def _attrs(op: str, given: dict[str, Any]) -> dict[str, Any]:
+    return {**attribute_defaults(op, "tensorkiln", 1), **given}
+
+
+def _activation(a: dict[str, Any]) -> tuple:
+    return (a["activation_alpha"], a["activation_beta"], a["activation_min"], a["activation_max"])
+
+
+@dataclass(frozen=True)
+class QConv:
+    """A checked QConvAct call: its geometry, group, per-channel scale (float32) and epilogue."""
+
+    geometry: Geometry
+    group: int
+    scale: torch.Tensor
+    activation: str
+    act: tuple  # (alpha, beta, min, max)
+    after: bool  # residual_order == "act_add"
+
+
+# the sums of one QConvAct: (x_q, w_q, call) -> the convolution times the scale, float32, with the
+# epilogue applied or not (then ``True`` second)
+ConvSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, QConv],
+                    tuple[torch.Tensor, bool]]  # fmt: skip
+
+
+def qconv(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+    attrs: dict[str, Any],
+    sums: ConvSums,
+) -> torch.Tensor:
+    """QConvAct: ``sums`` computes the scaled convolution; the epilogue (bias, residual,
+    activation) runs here unless ``sums`` did it; the result in ``out_dtype``."""
+    a = _attrs("QConvAct", attrs)
+    b_size = None if b is None else b.numel()
+    check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, a["group"], a["activation"],
+                   a["residual_order"])  # fmt: skip
+    g = geometry_of(x_q, w_q, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"],
+                    a["strides"])  # fmt: skip
+    m = w_q.shape[0]
+    scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
+    call = QConv(g, a["group"], scale, a["activation"], _activation(a),
+                 a["residual_order"] == "act_add")  # fmt: skip
+    bias = None if b is None else b.reshape(m).to(torch.float32)
+    zz = None if z is None else z.to(torch.float32)
+    y, finished = sums(x_q, w_q, bias, zz, call)
+    if not finished:
+        y = conv_epilogue_(y, bias, zz, call.activation, call.act, call.after)
+    return as_out(y, a["out_dtype"])
+
+
+def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+    acc = conv_nd(_exact(x_q, "QConvAct's X"), _exact(w_q, "QConvAct's W"), None, call.geometry,
+                  call.group)  # fmt: skip
+    m = acc.shape[1]
+    scale = call.scale.to(torch.float64).reshape(1, m, *(1,) * (acc.ndim - 2))
+    return (acc * scale).to(torch.float32), False
+
+
+@register("QConvAct", domain="tensorkiln", since=1, backend="cuda")
+def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+    """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
+    returned in ``out_dtype``; attributes as ops/fused.py records them."""
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _exact_conv)
+
+
+def qgemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
     b_q: torch.Tensor,
     b_scale: torch.Tensor,
-    c: torch.Tensor | None = None,
-    *,
-    alpha: float = 1.0,
-    beta: float = 1.0,
-    transA: int = 0,
-    transB: int = 0,
-    activation: str = "",
-    activation_alpha: float | None = None,
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    out_dtype: int = 1,
+    c: torch.Tensor | None,
+    attrs: dict[str, Any],
+    product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
 ) -> torch.Tensor:
-    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
-    in ``out_dtype``."""
-    a2, b2, bias = gemm_layout(a_q, b_q, c, beta, transA, transB, "QGemmAct")
-    acc = torch.mm(_exact(a2, "QGemmAct's A"), _exact(b2, "QGemmAct's B"))
+    """QGemmAct: ``product(A (M, K), B, packed)`` gives the sums, float32 or int32 or float64
+    (``packed``: B is the (N, K) weight fuse_quantized stores, else (K, N)); scale, bias and
+    activation run here; the result in ``out_dtype``."""
+    a = _attrs("QGemmAct", attrs)
+    a2, b2, bias = gemm_layout(a_q, b_q, c, a["beta"], a["transA"], a["transB"], "QGemmAct")
+    packed = bool(a["transB"])
+    acc = product(a2, b_q if packed else b2, packed)
     n = acc.shape[1]
-    y = (acc * (alpha * _scales(a_scale, b_scale, n, "QGemmAct"))).to(torch.float32)
+    scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
+    if acc.dtype != torch.float64:  # (int32 or float32 sums: the scale in float32 too)
+        scale = scale.to(torch.float32)
+    y = (acc * scale).to(torch.float32)
     if bias is not None:
-        y.add_(bias.to(torch.float32), alpha=beta)
-    if activation and math.prod(y.shape):
-        activate_(y, activation, activation_alpha, activation_beta, activation_min, activation_max)
-    y = as_out(y, out_dtype)
+        y.add_(bias.to(torch.float32), alpha=a["beta"])
+    if a["activation"] and math.prod(y.shape):
+        activate_(y, a["activation"], *_activation(a))
+    y = as_out(y, a["out_dtype"])
     return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+
+
+def _exact_product(a2: torch.Tensor, b: torch.Tensor, packed: bool) -> torch.Tensor:
+    b64 = _exact(b, "QGemmAct's B")
+    return torch.mm(_exact(a2, "QGemmAct's A"), b64.t() if packed else b64)
+
+
+@register("QGemmAct", domain="tensorkiln", since=1, backend="cuda")
+def qgemm_act(a_q, a_scale, b_q, b_scale, c=None, **attrs) -> torch.Tensor:
+    """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
+    in ``out_dtype``; attributes as ops/fused.py records them."""
+    return qgemm(a_q, a_scale, b_q, b_scale, c, attrs, _exact_product)

@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from tensorkiln.kernels.common.conv import check_conv_act, conv_geometry
-from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
-from tensorkiln.kernels.cuda.fused_quant import _OUT, _scales, as_out
+from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.cuda.fused_quant import QConv, qconv, qgemm
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
@@ -81,39 +80,15 @@ def _matmul(kind: str, a2: torch.Tensor, b_nk: torch.Tensor) -> torch.Tensor:
 
 
 def _qgemm(kind: str) -> Callable:
-    def run(
-        a_q: torch.Tensor,
-        a_scale: torch.Tensor,
-        b_q: torch.Tensor,
-        b_scale: torch.Tensor,
-        c: torch.Tensor | None = None,
-        *,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        transA: int = 0,
-        transB: int = 1,
-        activation: str = "",
-        activation_alpha: float | None = None,
-        activation_beta: float | None = None,
-        activation_min: float | None = None,
-        activation_max: float | None = None,
-        out_dtype: int = 1,
-    ) -> torch.Tensor:
-        if transA or not transB:
-            raise ValueError("QGemmAct's tensor-core tactics take an untransposed A, packed B")
-        k = a_q.shape[-1]
-        acc = _matmul(kind, a_q.reshape(-1, k), b_q)
-        n = acc.shape[1]
-        scale = (alpha * _scales(a_scale, b_scale, n, "QGemmAct")).to(torch.float32)
-        y = acc.to(torch.float32).mul_(scale)
-        if c is not None and beta != 0.0:
-            bias = c.to(torch.float32)
-            y.add_(bias if a_q.ndim == 2 else bias.reshape(-1), alpha=beta)
-        if activation:
-            act = (activation_alpha, activation_beta, activation_min, activation_max)
-            activate_(y, activation, *act)
-        y = as_out(y, out_dtype)
-        return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+    def product(a2: torch.Tensor, b: torch.Tensor, packed: bool) -> torch.Tensor:
+        if not packed or (a2.stride(-1) != 1 and a2.stride(0) != 1):
+            raise ValueError("QGemmAct's tensor-core tactics take a packed (N, K) weight")
+        return _matmul(kind, a2, b)
+
+    def run(a_q, a_scale, b_q, b_scale, c=None, **attrs) -> torch.Tensor:
+        if attrs.get("transA", 0):
+            raise ValueError("QGemmAct's tensor-core tactics take an untransposed A")
+        return qgemm(a_q, a_scale, b_q, b_scale, c, attrs, product)
 
     run.__name__ = f"qgemm_{kind}"
     return run
@@ -158,36 +133,19 @@ def _pointwise_ok(spec: LayerSpec) -> bool:
     return w[0] % 8 == 0 and x[1] % 8 == 0 and x[0] * x[2] * x[3] * max(x[1], w[0]) <= _LIMIT
 
 
-def qconv_pointwise_int8(
-    x_q: torch.Tensor,
-    x_scale: torch.Tensor,
-    w_q: torch.Tensor,
-    w_scale: torch.Tensor,
-    b: torch.Tensor | None = None,
-    z: torch.Tensor | None = None,
-    *,
-    activation: str = "",
-    activation_alpha: float | None = None,
-    activation_beta: float | None = None,
-    activation_min: float | None = None,
-    activation_max: float | None = None,
-    residual_order: str = "add_act",
-    out_dtype: int = 1,
-    **geometry: Any,
-) -> torch.Tensor:
-    """A 1x1 QConvAct as torch._int_mm of the (pixels, C) view (channels-last) and the (M, C)
-    weight, the output channels-last float32."""
+def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+    """A 1x1 convolution as torch._int_mm of the (pixels, C) view (a view when x is
+    channels-last) and the (M, C) weight; the output a channels-last NCHW view."""
     nb, c, h, wd = x_q.shape
     m = w_q.shape[0]
-    rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)  # (a view when x is channels-last)
-    acc = _matmul("int8", rows, w_q.reshape(m, c))
-    y2 = acc.to(torch.float32).mul_(_scales(x_scale, w_scale, m, "QConvAct").to(torch.float32))
-    y = y2.reshape(nb, h, wd, m).permute(0, 3, 1, 2)  # (channels-last NCHW view)
-    bias = None if b is None else b.reshape(m).to(torch.float32)
-    act = (activation_alpha, activation_beta, activation_min, activation_max)
-    zz = None if z is None else z.to(torch.float32)
-    return as_out(conv_epilogue_(y, bias, zz, activation, act, residual_order == "act_add"),
-                  out_dtype)  # fmt: skip
+    rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)
+    y2 = _matmul("int8", rows, w_q.reshape(m, c)).to(torch.float32).mul_(call.scale)
+    return y2.reshape(nb, h, wd, m).permute(0, 3, 1, 2), False
+
+
+def qconv_pointwise_int8(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+    """A 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM."""
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _pointwise_sums)
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -209,44 +167,16 @@ def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
 
 
 def _triton_qconv(cfg: Any) -> Callable:
-    def run(
-        x_q: torch.Tensor,
-        x_scale: torch.Tensor,
-        w_q: torch.Tensor,
-        w_scale: torch.Tensor,
-        b: torch.Tensor | None = None,
-        z: torch.Tensor | None = None,
-        *,
-        auto_pad: str = "NOTSET",
-        dilations=None,
-        group: int = 1,
-        kernel_shape=None,
-        pads=None,
-        strides=None,
-        activation: str = "",
-        activation_alpha: float | None = None,
-        activation_beta: float | None = None,
-        activation_min: float | None = None,
-        activation_max: float | None = None,
-        residual_order: str = "add_act",
-        out_dtype: int = 1,
-    ) -> torch.Tensor:
-        b_size = None if b is None else b.numel()
-        check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, group, activation,
-                       residual_order)  # fmt: skip
-        g = geometry_of(x_q, w_q, auto_pad, dilations, kernel_shape, pads, strides)
-        m = w_q.shape[0]
-        scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
-        epilogue = gemm.Epilogue.of(
-            activation, activation_alpha, activation_beta, activation_min, activation_max
-        )
-        zz = None if z is None else z.to(torch.float32)
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        epilogue = gemm.Epilogue.of(call.activation, *call.act)
         y = conv.conv_act(
-            x_q, w_q, b, zz, geom=g, group=group, epilogue=epilogue,
-            residual_after=residual_order == "act_add", config=cfg, scale=scale,
-            out_dtype=_OUT[int(out_dtype)],
+            x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
+            residual_after=call.after, config=cfg, scale=call.scale,
         )  # fmt: skip
-        return y
+        return y, True
+
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, sums)
 
     run.__name__ = f"triton_qconv_{cfg.name}"
     return run

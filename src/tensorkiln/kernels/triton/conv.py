@@ -201,11 +201,10 @@ def conv_act(
     residual_after: bool = False,
     config: TileConfig = CONFIGS[1],
     scale: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
     ``scale`` (float32, one per output channel), x and w are int8 or float8 E4M3 and the sums are
-    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``."""
+    multiplied by it before the epilogue (tensorkiln.QConvAct), the output float32."""
     if x.dim() not in (3, 4) or w.dim() != x.dim():
         raise ValueError(f"ConvAct: 1-D or 2-D convolutions only: X {tuple(x.shape)}")
     if x.dim() == 3:  # height 1
@@ -215,7 +214,7 @@ def conv_act(
         )  # fmt: skip
         y = conv_act(
             _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
-            residual_after=residual_after, config=config, scale=scale, out_dtype=out_dtype,
+            residual_after=residual_after, config=config, scale=scale,
         )  # fmt: skip
         return y.squeeze(2)
     nb, c, h, wd = x.shape
@@ -224,7 +223,7 @@ def conv_act(
     # (the output keeps the input's layout: channels-last in, channels-last out)
     nhwc = x.stride(1) == 1 and not x.is_contiguous()
     layout = torch.channels_last if nhwc else torch.contiguous_format
-    y_dtype = x.dtype if scale is None else out_dtype
+    y_dtype = x.dtype if scale is None else torch.float32
     y = torch.empty((nb, oc, oh, ow), dtype=y_dtype, device=x.device, memory_format=layout)
     if y.numel() == 0:
         return y
