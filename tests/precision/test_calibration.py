@@ -191,3 +191,18 @@ def test_cache_round_trip_and_scales(tmp_path: Path) -> None:
     assert doc["tensors"]["a"] == {"amax": 2.54, "scale": pytest.approx(0.02)}
     with pytest.raises(BuildError, match="'b' \\(read by fc\\)"):
         back.check_fits({"a": "conv", "b": "fc"}, "the cache")
+
+
+def test_random_calibration_draws_the_inputs_shapes_and_types() -> None:
+    from tensorkiln.precision.calib_data import RandomCalibration
+
+    inputs = [_input("x", ("n", 3, 4, 4)), Value("ids", TensorType(DType.INT64, (2, "s")))]
+    feeds = _feeds(CalibrationData(RandomCalibration(batches=3)), inputs)
+    assert len(feeds) == 3
+    for f in feeds:
+        assert f["x"].shape == (1, 3, 4, 4) and f["x"].dtype == np.float32
+        assert f["ids"].shape == (2, 1) and f["ids"].dtype == np.int64
+        assert 0 <= f["ids"].min() and f["ids"].max() <= 9
+    assert np.std(np.concatenate([f["x"].ravel() for f in feeds])) > 0.5  # not all zeros
+    with pytest.raises(InputError, match="needs the inputs' shapes"):
+        _feeds(CalibrationData(RandomCalibration()), [Value("y", TensorType(DType.FLOAT, None))])

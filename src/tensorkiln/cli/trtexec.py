@@ -30,6 +30,7 @@ from tensorkiln.cli.inputs import (
     RANDOM_INPUT_LIMIT,
 )
 from tensorkiln.engine import Engine
+from tensorkiln.precision.calib_data import RandomCalibration
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,21 @@ def _check_combination(opts: dict[str, Any]) -> None:
         raise UsageError("--skipInference with --loadEngine leaves nothing to do")
 
 
+def _placeholder_calibration(opts: dict[str, Any]) -> RandomCalibration | None:
+    """trtexec builds --int8/--fp8/--best without a calibration cache on placeholder ranges (for
+    speed, not accuracy): here, ranges calibrated on random inputs, with a warning."""
+    quantized = opts.get("int8") or opts.get("fp8") or opts.get("best")
+    if not quantized or opts.get("calib_cache"):
+        return None
+    print(
+        "tensorkiln: warning: no calibration cache (--calib): INT8/FP8 ranges come from random "
+        "inputs, as trtexec's placeholder ranges do; the engine's speed is meaningful, its "
+        "accuracy is not (calibrate with `tensorkiln build --calib-data`)",
+        file=sys.stderr,
+    )
+    return RandomCalibration()
+
+
 def _build(opts: dict[str, Any]) -> Loaded:
     """Build with `tensorkiln build`'s code; save the engine if --saveEngine names a file."""
     ranged = any(k in opts for k in ("min_shapes", "opt_shapes", "max_shapes"))
@@ -340,6 +356,7 @@ def _build(opts: dict[str, Any]) -> Loaded:
         embed_source=False,
         best=opts.get("best", False),
         calib_cache=opts.get("calib_cache"),
+        calib_data=_placeholder_calibration(opts),
         layer_precisions=opts.get("layer_precisions"),
         **{p: opts.get(p, False) for p in build.PRECISION_FLAGS},
     )

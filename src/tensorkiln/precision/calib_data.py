@@ -33,6 +33,16 @@ DEFAULT_BATCH = 8
 _SUFFIXES = (".npy", ".npz")
 
 
+@dataclass(frozen=True)
+class RandomCalibration:
+    """Calibration on random inputs (standard normal floats, integers 0..9), as trtexec's --int8
+    without a calibration cache: the engine's speed is real, its accuracy is not. Dimensions the
+    build leaves dynamic are drawn as 1."""
+
+    batches: int = 4
+    seed: int = 0
+
+
 @dataclass
 class CalibrationData:
     """Where calibration feeds come from, and how many samples to use (None: all)."""
@@ -42,6 +52,8 @@ class CalibrationData:
     max_samples: int | None = None
 
     def describe(self) -> str:
+        if isinstance(self.source, RandomCalibration):
+            return "of random inputs"
         if isinstance(self.source, str | os.PathLike):
             return f"'{os.fspath(self.source)}'"
         return f"a {type(self.source).__name__} of feeds"
@@ -58,7 +70,9 @@ def batches(data: CalibrationData, inputs: list[Value]) -> Iterator[dict[str, np
     ):
         raise InputError(f"the calibration sample count must be positive, got {data.max_samples!r}")
     fixed = fixed_batch(inputs)
-    if isinstance(data.source, str | os.PathLike):
+    if isinstance(data.source, RandomCalibration):
+        feeds = _random(data.source, inputs)
+    elif isinstance(data.source, str | os.PathLike):
         size = fixed or data.batch_size
         feeds = _batched(_file_samples(Path(data.source), inputs), size, exact=fixed is not None)
     elif isinstance(data.source, Mapping) or not isinstance(data.source, Iterable):
@@ -89,6 +103,29 @@ def _limited(feeds: Iterator[dict], limit: int | None, where: str) -> Iterator[d
 
 def _batch_of(feed: Mapping[str, np.ndarray]) -> int:
     return int(next(iter(feed.values())).shape[0]) if feed else 0
+
+
+def _random(source: RandomCalibration, inputs: list[Value]) -> Iterator[dict[str, np.ndarray]]:
+    """Random feeds; a dimension the build left dynamic is 1 (as `tensorkiln run` draws them)."""
+    rng = np.random.default_rng(source.seed)
+    for v in inputs:
+        if v.shape is None or v.dtype is None:
+            raise InputError(
+                f"random calibration needs the inputs' shapes; input '{v.name}' has none: give "
+                "it with --shapes"
+            )
+    for _ in range(source.batches):
+        feed = {}
+        for v in inputs:
+            dt = np.dtype(v.dtype.numpy)
+            shape = tuple(d if isinstance(d, int) else 1 for d in v.shape)
+            if dt.kind == "f":
+                feed[v.name] = rng.standard_normal(shape).astype(dt)
+            elif dt.kind == "b":
+                feed[v.name] = rng.integers(0, 2, shape).astype(bool)
+            else:
+                feed[v.name] = rng.integers(0, 10, shape).astype(dt)
+        yield feed
 
 
 def _python_feeds(source: Iterable, inputs: list[Value]) -> Iterator[dict[str, np.ndarray]]:
