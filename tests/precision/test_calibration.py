@@ -202,7 +202,7 @@ def test_random_calibration_draws_the_inputs_shapes_and_types() -> None:
     for f in feeds:
         assert f["x"].shape == (1, 3, 4, 4) and f["x"].dtype == np.float32
         assert f["ids"].shape == (2, 1) and f["ids"].dtype == np.int64
-        assert 0 <= f["ids"].min() and f["ids"].max() <= 9
+        assert f["ids"].min() >= 0 and f["ids"].max() <= 9
     assert np.std(np.concatenate([f["x"].ravel() for f in feeds])) > 0.5  # not all zeros
     with pytest.raises(InputError, match="needs the inputs' shapes"):
         _feeds(CalibrationData(RandomCalibration()), [Value("y", TensorType(DType.FLOAT, None))])
