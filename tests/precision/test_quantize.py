@@ -251,3 +251,25 @@ def test_cuda_backend_builds_the_same_quantized_engine(tmp_path: Path, precision
     # (fp16 activations move a few values across rounding edges: an E4M3 step is 6% of a value)
     bound = 3e-2 if precision == "int8" else 5e-2  # (measured over 15 seeds: <= 0.012, 0.022)
     assert np.linalg.norm(half - want) / np.linalg.norm(want) < bound
+
+
+def test_int8_with_fp16_takes_every_kind_of_calibration_source(tmp_path: Path) -> None:
+    """With fp16 allowed too, the overflow guard reads the calibration data after quantization:
+    a list twice, a generator not at all (it is spent), trtexec's random source anew."""
+    pytest.importorskip("torch")
+    from tensorkiln.precision.calib_data import RandomCalibration
+
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    batch = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(2)]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    for source in (batch, iter(batch), RandomCalibration()):
+        config = BuilderConfig()
+        config.set_flag("int8")
+        config.set_flag("fp16")
+        config.calibration_data = source
+        engine = Builder("cuda", device="cpu").build(path, config)
+        assert sum(n.op in ("QConvAct", "QGemmAct") for n in engine.graph.nodes) == 3
+        y = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
+        assert np.all(np.isfinite(y))

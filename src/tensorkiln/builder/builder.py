@@ -175,16 +175,20 @@ class Builder:
 def _fp16_ranges(graph: Graph, config: BuilderConfig, backend: Backend) -> dict | None:
     """Every tensor's range on the calibration data, for the fp16 overflow guard: on an fp16
     engine given calibration data, else None (no guard)."""
-    data = config.calibration_data
+    data = _calibration_data(config)
     if engine_precision(config.precisions) != "fp16" or data is None:
         return None
-    one_shot = not isinstance(data, str | os.PathLike) and iter(data) is data
-    if one_shot and _quantized_precision(config) is not None:
+    if data.one_shot and _quantized_precision(config) is not None:
         return None  # (calibration read the iterator already)
-    data = CalibrationData(
+    return value_ranges(graph, lambda g: Executor(g, backend), data)
+
+
+def _calibration_data(config: BuilderConfig) -> CalibrationData | None:
+    if config.calibration_data is None:
+        return None
+    return CalibrationData(
         config.calibration_data, config.calibration_batch_size, config.calibration_samples
     )
-    return value_ranges(graph, lambda g: Executor(g, backend), data)
 
 
 def _quantized_precision(config: BuilderConfig) -> str | None:
@@ -196,13 +200,11 @@ def _quantize(
     graph: Graph, config: BuilderConfig, backend: Backend, precision: str, bar: _Progress
 ) -> list[str]:
     """Calibrate the optimized float graph and quantize its convolutions and GEMMs."""
-    data = None
-    if config.calibration_data is not None:
-        data = CalibrationData(
-            config.calibration_data, config.calibration_batch_size, config.calibration_samples
-        )
     request = CalibrationRequest(
-        data, config.calibration_cache, config.calibrator, config.calibration_percentile
+        _calibration_data(config),
+        config.calibration_cache,
+        config.calibrator,
+        config.calibration_percentile,
     )
     notes = quantize_graph(
         graph,

@@ -51,6 +51,11 @@ class CalibrationData:
     batch_size: int = DEFAULT_BATCH
     max_samples: int | None = None
 
+    @property
+    def one_shot(self) -> bool:
+        """Whether the source can be read once only (an iterator, a generator)."""
+        return isinstance(self.source, Iterator)
+
     def describe(self) -> str:
         if isinstance(self.source, RandomCalibration):
             return "of random inputs"
