@@ -394,22 +394,17 @@ def _run_layerwise(
                           "first_failure": None if first is None else first["layer"],
                           "passed": first is None}, indent=2))  # fmt: skip
     else:
-        what = str(loaded.path) if loaded.built is None else f"{loaded.path.name} built in memory"
-        print(f"tensorkiln ({what}, backend {engine.backend}) vs {against}, layer by layer")
+        print(
+            f"tensorkiln ({_label(loaded)}, backend {engine.backend}) vs {against}, layer by layer"
+        )
         headers = ["layer", "op", "precision", "tensor", "rel L2", "cosine", "max abs", "result"]
         print_table(headers, [_layer_row(r) for r in rows])
     failed = sum(not r["passed"] for r in rows)
-    if first is not None:
-        print(
-            f"tensorkiln: FAILED: {failed} of {len(rows)} tensors do not meet "
-            f"{criteria.describe()}; the first is '{first['tensor']}' of layer "
-            f"'{first['layer']}' ({first['op']}, {first['precision']})",
-            file=sys.stderr if args.json else sys.stdout,
-        )
-        return 1
-    if not args.json:
-        print(f"PASSED: all {len(rows)} tensors meet {criteria.describe()}")
-    return 0
+    failure = None if first is None else (
+        f"{failed} of {len(rows)} tensors do not meet {criteria.describe()}; the first is "
+        f"'{first['tensor']}' of layer '{first['layer']}' ({first['op']}, {first['precision']})"
+    )  # fmt: skip
+    return _verdict(args, failure, f"all {len(rows)} tensors meet {criteria.describe()}")
 
 
 def _layer_row(r: dict) -> list[str]:
@@ -491,21 +486,30 @@ def _report(
         print(json.dumps(result, indent=2))
     else:
         _print_text(loaded, rows)
-    if failed:
-        print(
-            f"tensorkiln: FAILED: {len(failed)} of {len(rows)} output(s) do not meet "
-            f"{criteria.describe()}: {', '.join(failed)}",
-            file=sys.stderr if args.json else sys.stdout,
-        )
+    failure = None if not failed else (
+        f"{len(failed)} of {len(rows)} output(s) do not meet {criteria.describe()}: "
+        f"{', '.join(failed)}"
+    )  # fmt: skip
+    return _verdict(args, failure, f"all {len(rows)} output(s) meet {criteria.describe()}")
+
+
+def _verdict(args: argparse.Namespace, failure: str | None, success: str) -> int:
+    """The last line and the exit status: FAILED (on stderr after --json's object) or PASSED."""
+    if failure is not None:
+        print(f"tensorkiln: FAILED: {failure}", file=sys.stderr if args.json else sys.stdout)
         return 1
     if not args.json:
-        print(f"PASSED: all {len(rows)} output(s) meet {criteria.describe()}")
+        print(f"PASSED: {success}")
     return 0
 
 
+def _label(loaded: Loaded) -> str:
+    """The engine compared: its file, or the model built in memory."""
+    return str(loaded.path) if loaded.built is None else f"{loaded.path.name} built in memory"
+
+
 def _print_text(loaded: Loaded, rows: dict) -> None:
-    what = str(loaded.path) if loaded.built is None else f"{loaded.path.name} built in memory"
-    print(f"tensorkiln ({what}, backend {loaded.engine.backend}) vs onnxruntime (CPU)")
+    print(f"tensorkiln ({_label(loaded)}, backend {loaded.engine.backend}) vs onnxruntime (CPU)")
     table = [_row(name, r) for name, r in rows.items()]
     headers = ["output", "ref mean|x|", "ours mean|x|", "max abs", "median abs", "max rel"]
     print_table([*headers, "median rel", "rel L2", "cosine", "result"], table)

@@ -23,8 +23,14 @@ from tensorkiln.cli.common import (
 from tensorkiln.frontends.onnx import import_onnx
 from tensorkiln.precision.budget import AccuracyBudget, run_with, search
 from tensorkiln.precision.calib_data import CalibrationData
-from tensorkiln.precision.calibration import CalibrationRequest, calibrate, first_batches
-from tensorkiln.precision.quantize import BUDGET_BATCHES, insert_qdq, quantizable
+from tensorkiln.precision.calibration import CalibrationRequest, calibrate
+from tensorkiln.precision.quantize import (
+    BUDGET_BATCHES,
+    budget_feeds,
+    calibrated_tensors,
+    insert_qdq,
+    quantizable,
+)
 from tensorkiln.runtime.executor import Executor
 
 EPILOG = """examples:
@@ -103,16 +109,14 @@ def run_debug_precision(args: argparse.Namespace) -> int:
                                  keep_batches=BUDGET_BATCHES)  # fmt: skip
     if args.plot:
         request.histograms = {}
-    tensors = {}
-    for n in layers:
-        tensors.setdefault(n.inputs[0], n.name)
+    tensors = calibrated_tensors(layers)
 
     def factory(g: Any) -> Executor:
         return Executor(g, backend)
 
     table = calibrate(graph, factory, tensors, precision, request)
     switches = insert_qdq(graph, table, layers, precision)
-    feeds = request.kept or first_batches(graph, data, BUDGET_BATCHES)
+    feeds = budget_feeds(graph, request)
     found = search(graph, switches, budget, feeds, run_with(factory), rank_all=True)
     ops = {s.node.name: s.node.op for s in switches}
     ranked = sorted(found.sensitivity.items(), key=lambda kv: kv[1])

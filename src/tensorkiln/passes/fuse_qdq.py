@@ -28,6 +28,15 @@ from tensorkiln.passes.rules import DOMAIN, Rule, View, run_rules
 QUANTIZED = (DType.INT8, DType.FLOAT8E4M3FN)
 
 
+def _zero_point(view: View, node: Node) -> bool:
+    """``node`` (a QuantizeLinear or DequantizeLinear) has no zero point, or a constant zero."""
+    zp = node.inputs[2] if len(node.inputs) > 2 else None
+    if zp is None:
+        return True
+    z = view.const(zp)
+    return z is not None and not np.any(z.astype(np.float32))
+
+
 def _symmetric(view: View, dq: Node, const_input: bool) -> bool:
     """A DequantizeLinear of an int8/float8 tensor (constant when ``const_input``, or quantized
     from a constant) with a constant scale and no zero point or a zero one, to float32."""
@@ -36,13 +45,8 @@ def _symmetric(view: View, dq: Node, const_input: bool) -> bool:
         return False
     if const_input and view.const(x) is None and _quantized_constant(view, x) is None:
         return False
-    if dq.attrs.get("block_size", 0) or view.const(scale) is None:
+    if dq.attrs.get("block_size", 0) or view.const(scale) is None or not _zero_point(view, dq):
         return False
-    zp = dq.inputs[2] if len(dq.inputs) > 2 else None
-    if zp is not None:
-        z = view.const(zp)
-        if z is None or np.any(z.astype(np.float32) != 0):
-            return False
     out = dq.outputs[0]
     return out is not None and out.dtype == DType.FLOAT
 
@@ -180,14 +184,6 @@ def _fake_quant(view: View, v: Value) -> tuple[Node, Node] | None:
     if view.const(q.inputs[1]) is None or view.const(dq.inputs[1]) is None:
         return None
     return q, dq
-
-
-def _zero_point(view: View, node: Node) -> bool:
-    zp = node.inputs[2] if len(node.inputs) > 2 else None
-    if zp is None:
-        return True
-    z = view.const(zp)
-    return z is not None and not np.any(z.astype(np.float32))
 
 
 def _relu_through(view: View, found: Found) -> Rewrite | None:

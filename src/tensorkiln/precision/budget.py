@@ -129,14 +129,12 @@ def search(
     ``rank_all``: measure every layer's sensitivity even when no layer needs to be kept."""
     if not feeds:
         raise InputError("the accuracy budget is measured on calibration data; none was given")
-    _set_all(switches, quantized=False)
+    _choose(switches, switches)
     reference = [run(graph, f) for f in feeds]
     counter = {"runs": 1}
 
     def error(float_layers: Iterable[Switch]) -> float:
-        keep = set(map(id, float_layers))
-        for s in switches:
-            s.set(id(s) not in keep)
+        _choose(switches, float_layers)
         counter["runs"] += 1
         return max(budget.error(run(graph, f), r) for f, r in zip(feeds, reference))
 
@@ -150,12 +148,13 @@ def search(
         found.sensitivity[s.node.name] = error([s])
     ranked = sorted(switches, key=lambda s: found.sensitivity[s.node.name])
     if budget.allows(found.all_quantized):
-        found.final = found.all_quantized
-        error(())
-        found.runs = counter["runs"]
+        found.final, found.runs = found.all_quantized, counter["runs"]
+        _choose(switches, ())
         return found
-    lo, hi = 1, len(ranked)  # the fewest k whose top-k layers meet the budget
-    errors = {hi: error(ranked)}
+    # the fewest k whose top-k layers meet the budget; all of them float is the float graph,
+    # which meets any budget, so k = len(ranked) needs no run
+    lo, hi = 1, len(ranked)
+    errors: dict[int, float] = {}
     while lo < hi:
         mid = (lo + hi) // 2
         errors[mid] = error(ranked[:mid])
@@ -164,15 +163,17 @@ def search(
         else:
             lo = mid + 1
     found.kept = [s.node.name for s in ranked[:hi]]
-    found.final = errors.get(hi, math.nan)
-    error(ranked[:hi])  # (leave the graph as chosen)
+    found.final = errors[hi] if hi in errors else error(ranked[:hi])
+    _choose(switches, ranked[:hi])  # (leave the graph as chosen)
     found.runs = counter["runs"]
     return found
 
 
-def _set_all(switches: list[Switch], quantized: bool) -> None:
+def _choose(switches: list[Switch], float_layers: Iterable[Switch]) -> None:
+    """Set ``float_layers`` to read float operands, every other switch quantized ones."""
+    keep = set(map(id, float_layers))
     for s in switches:
-        s.set(quantized)
+        s.set(id(s) not in keep)
 
 
 def run_with(executor_factory: Callable[[Graph], Any]) -> Callable[[Graph, dict], list[np.ndarray]]:

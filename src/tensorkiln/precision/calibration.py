@@ -295,7 +295,7 @@ def collect(
                     keep.captured[v.name] = _host(x)
 
     for n_batches, feed in enumerate(batches(data, graph.inputs), 1):
-        feed = _typed(feed, graph.inputs)
+        feed = typed_feed(feed, graph.inputs)
         if keep is not None and len(keep.kept) < keep.keep_batches:
             keep.kept.append(feed)
         _digest(digest, feed)
@@ -336,13 +336,13 @@ def first_batches(graph: Graph, data: CalibrationData, count: int) -> list[dict[
     """The first ``count`` batches of the calibration data, in the graph's input dtypes."""
     out = []
     for feed in batches(data, graph.inputs):
-        out.append(_typed(feed, graph.inputs))
+        out.append(typed_feed(feed, graph.inputs))
         if len(out) >= count:
             break
     return out
 
 
-def _typed(feed: dict[str, np.ndarray], inputs: list[Value]) -> dict[str, np.ndarray]:
+def typed_feed(feed: dict[str, np.ndarray], inputs: list[Value]) -> dict[str, np.ndarray]:
     """Feeds in the dtypes of the graph's inputs (float64 data for a float32 input, say)."""
     out = {}
     for v in inputs:

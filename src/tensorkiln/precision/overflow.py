@@ -18,6 +18,7 @@ import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node
 from tensorkiln.precision.calib_data import CalibrationData, batches
+from tensorkiln.precision.calibration import typed_feed
 
 FP16_MAX = 65504.0
 MARGIN = 0.5
@@ -52,12 +53,10 @@ def value_ranges(
                 see(v.name, x)
 
     for feed in batches(data, graph.inputs):
-        typed = {}
-        for v in graph.inputs:
-            a = feed[v.name]
-            typed[v] = a.astype(v.dtype.numpy) if v.dtype is not None else a
-            see(v.name, typed[v])
-        executor.run(typed, observer=observe)
+        feed = typed_feed(feed, graph.inputs)
+        for name, a in feed.items():
+            see(name, a)
+        executor.run({v: feed[v.name] for v in graph.inputs}, observer=observe)
     return ranges
 
 

@@ -24,6 +24,7 @@ from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.cleanup import dead_code
 from tensorkiln.passes.fuse_qdq import fuse_quantized
 from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value
+from tensorkiln.passes.rules import View
 from tensorkiln.precision.budget import AccuracyBudget, Switch, run_with, search
 from tensorkiln.precision.calibration import (
     CalibrationRequest,
@@ -113,9 +114,7 @@ def quantize_graph(
         if kept:
             return [f"{precision}: all {kept} convolution/GEMM layers are kept at higher precision"]
         return [f"{precision}: no convolution or GEMM with a constant weight to quantize"]
-    tensors = {}
-    for n in layers:
-        tensors.setdefault(n.inputs[0], n.name or n.op)
+    tensors = calibrated_tensors(layers)
     if budget is not None:
         request.keep_batches = BUDGET_BATCHES
     counted = None if progress is None else (lambda n, _: progress(f"calibrating: {n} samples"))
@@ -169,6 +168,27 @@ def _samples(
     return request.captured
 
 
+def calibrated_tensors(layers: Collection[Node]) -> dict[Value, str]:
+    """The data input of each quantizable layer, with the first layer that reads it."""
+    tensors: dict[Value, str] = {}
+    for n in layers:
+        tensors.setdefault(n.inputs[0], n.name or n.op)
+    return tensors
+
+
+def budget_feeds(graph: Graph, request: CalibrationRequest) -> list[dict[str, np.ndarray]]:
+    """The calibration batches an accuracy budget is measured on: those calibration kept, else
+    the first of the data (when the ranges came from the cache)."""
+    if request.kept:
+        return request.kept
+    if request.data is None:
+        raise BuildError(
+            "the accuracy budget is measured on calibration data: give it (--calib-data, "
+            "BuilderConfig.calibration_data) as well as the calibration cache"
+        )
+    return first_batches(graph, request.data, BUDGET_BATCHES)
+
+
 def _meet(
     graph: Graph,
     switches: list[Switch],
@@ -178,14 +198,7 @@ def _meet(
     progress: Callable[[str], None] | None,
 ) -> tuple[str, int]:
     """Search for the fewest layers to keep in float32; a note for the report and their count."""
-    feeds = request.kept
-    if not feeds:
-        if request.data is None:
-            raise BuildError(
-                "the accuracy budget is measured on calibration data: give it (--calib-data, "
-                "BuilderConfig.calibration_data) as well as the calibration cache"
-            )
-        feeds = first_batches(graph, request.data, BUDGET_BATCHES)
+    feeds = budget_feeds(graph, request)
     found = search(graph, switches, budget, feeds, run_with(executor_factory), progress)
     if not found.kept:
         return (
@@ -219,7 +232,7 @@ def insert_qdq(
     chosen = {} if chosen is None else chosen
     switches = []
     rw = Rewrite()
-    names = _Names(graph)
+    names = View.of(graph).fresh_name
     zp = add_constant(graph, f"zero_point_{precision}", np.zeros((), _NUMPY[precision]))
     dequantized: dict[Value, Value] = {}
     producers = graph.producers()
@@ -254,7 +267,7 @@ def insert_qdq(
 def _smoothed(
     graph: Graph,
     rw: Rewrite,
-    names: _Names,
+    names: Callable[[str], str],
     n: Node,
     x: Value,
     s: np.ndarray,
@@ -286,26 +299,22 @@ def quantize_weight(w: np.ndarray, axis: int, precision: str) -> tuple[np.ndarra
     return y.astype(np.float32).astype(_NUMPY[precision]), scale
 
 
-class _Names:
-    def __init__(self, graph: Graph) -> None:
-        self.taken = {v.name for v in graph.values()} | {n.name for n in graph.nodes}
-
-    def __call__(self, base: str) -> str:
-        name, k = base, 1
-        while name in self.taken:
-            name, k = f"{base}_{k}", k + 1
-        self.taken.add(name)
-        return name
-
-
-def _qdq(rw: Rewrite, names: _Names, x: Value, scale: Value, zp: Value, precision: str) -> Value:
+def _qdq(
+    rw: Rewrite, names: Callable[[str], str], x: Value, scale: Value, zp: Value, precision: str
+) -> Value:
     q = Value(names(f"{x.name}_quantized"), TensorType(ELEMENT[precision], x.shape))
     rw.add.append(Node("QuantizeLinear", [x, scale, zp], [q], name=names(f"{x.name}_quantize")))
     return _dequantize(rw, names, q, scale, zp, x, None)
 
 
 def _dequantize(
-    rw: Rewrite, names: _Names, q: Value, scale: Value, zp: Value, like: Value, axis: int | None
+    rw: Rewrite,
+    names: Callable[[str], str],
+    q: Value,
+    scale: Value,
+    zp: Value,
+    like: Value,
+    axis: int | None,
 ) -> Value:
     out = Value(names(f"{like.name}_dequantized"), TensorType(DType.FLOAT, like.shape))
     attrs = {"axis": axis} if axis is not None else {}

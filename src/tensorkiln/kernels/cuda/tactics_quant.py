@@ -111,23 +111,25 @@ def _conv_geometry(spec: LayerSpec) -> Any:
         return None
 
 
-def _qconv_common_ok(spec: LayerSpec, kinds: tuple[str, ...]) -> bool:
+def _qconv_geometry(spec: LayerSpec, kinds: tuple[str, ...]) -> Any:
+    """The geometry of a QConvAct whose operands are of one of ``kinds`` and whose attributes
+    the tactics take, else None."""
     if not set(spec.attrs) <= _CONV | _ACT:
-        return False
+        return None
     dx, dw = _dtypes(spec)
     if dx not in kinds or dw != dx:
-        return False
+        return None
     if spec.attrs.get("residual_order", "add_act") not in ("add_act", "act_add"):
-        return False
-    return _conv_geometry(spec) is not None
+        return None
+    return _conv_geometry(spec)
 
 
 def _pointwise_ok(spec: LayerSpec) -> bool:
     """A 1x1 convolution of one group, unit strides, no padding: a GEMM of the pixels."""
-    if spec.device != "cuda" or not _qconv_common_ok(spec, ("int8",)):
+    g = _qconv_geometry(spec, ("int8",)) if spec.device == "cuda" else None
+    if g is None:
         return False
     x, w = spec.shapes[0], spec.shapes[2]
-    g = _conv_geometry(spec)
     if spec.attrs.get("group", 1) != 1 or len(x) != 4 or not g.pointwise:
         return False
     return w[0] % 8 == 0 and x[1] % 8 == 0 and x[0] * x[2] * x[3] * max(x[1], w[0]) <= _LIMIT
@@ -151,12 +153,10 @@ def qconv_pointwise_int8(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) ->
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
     if not (spec.device == "cuda" or interpreting()):
         return False
-    if not _qconv_common_ok(spec, ("int8", "float8_e4m3fn")):
-        return False
-    if spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
+    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
         return False
     x, w = spec.shapes[0], spec.shapes[2]
-    g = _conv_geometry(spec)
     group = spec.attrs.get("group", 1)
     if group > 1 and (w[1] < 16 or w[0] // group < 16):
         return False  # thin groups (depthwise) leave the tensor cores idle
