@@ -8,6 +8,8 @@ from pathlib import Path
 
 PEER_COLUMNS = {
     "tensorkiln": "tensorkiln",
+    "tensorkiln-int8": "tensorkiln INT8",
+    "tensorkiln-fp8": "tensorkiln FP8",
     "eager": "eager",
     "compile": "compile",
     "max-autotune": "max-autotune-no-cudagraphs",
@@ -20,7 +22,11 @@ def derive(row: dict, peak_flops: float | None) -> dict:
     """Best peer, ratios, % of the GEMM peak and the agreement flag of a measured row."""
     large = row["large"]
     tk = row["peers"].get("tensorkiln", {})
-    done = {p: c["value"] for p, c in row["peers"].items() if p != "tensorkiln" and "value" in c}
+    done = {
+        p: c["value"]
+        for p, c in row["peers"].items()
+        if not p.startswith("tensorkiln") and "value" in c
+    }
     row["best_peer"] = None
     if done:
         pick = max if large else min  # items/s, or ms
@@ -32,6 +38,12 @@ def derive(row: dict, peak_flops: float | None) -> dict:
         row["ratio"] = value / best if large else best / value
         if not large:
             row["tk_over_best"] = value / best
+    # INT8/FP8 engines measured beside the fp16 one: their ratio to the same best PyTorch fp16
+    row["quantized_ratios"] = {
+        p: (c["value"] / best if large else best / c["value"])
+        for p, c in row["peers"].items()
+        if p.startswith("tensorkiln-") and c.get("value") and best
+    }
     if value and row.get("flops") and peak_flops:
         seconds = row["batch"] / value if large else value / 1e3
         row["pct_peak"] = 100.0 * row["flops"] / seconds / peak_flops
@@ -210,6 +222,8 @@ def _row(row: dict) -> str:
     ratio = _num(row["ratio"], ".2f")
     if row["tk_over_best"] is not None:
         ratio += f" [{row['tk_over_best']:.2f}]"
+    for p, q in (row.get("quantized_ratios") or {}).items():
+        ratio += f"; {p.partition('-')[2].upper()} {q:.2f}"
     mem = "-"
     if tk.get("planned_bytes") is not None:
         actual = tk.get("actual_bytes")

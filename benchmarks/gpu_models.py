@@ -86,7 +86,15 @@ SPECS = {
     "gpt2": Spec(False, 512, 32, vocab=50257),
     "bert_large": Spec(False, 384, 128, batch1=False, pad=True),
 }
-PEERS = ("tensorkiln", "eager", "compile", "max-autotune", "reduce-overhead")
+PEERS = (
+    "tensorkiln",
+    "tensorkiln-int8",
+    "tensorkiln-fp8",
+    "eager",
+    "compile",
+    "max-autotune",
+    "reduce-overhead",
+)
 MODES = {
     "compile": None,
     "max-autotune": "max-autotune-no-cudagraphs",
@@ -238,7 +246,9 @@ def reference(model, dev: dict) -> tuple[list, int]:
     return [w.float() for w in want], int(counter.get_total_flops())
 
 
-def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path) -> dict:
+def tensorkiln_peer(
+    path: Path, dev: dict, want: list, large: bool, cache: Path, precision: str
+) -> dict:
     """Build the fp16 engine for this batch, run it as a CUDA graph, check it, time it.
     A model with a dynamic batch axis gets a profile: min 1, opt = max = this batch (batch 1:
     1, 1, 1)."""
@@ -248,11 +258,11 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
             k: ((1, *v.shape[1:]), tuple(v.shape), tuple(v.shape)) if large else (v.shape,) * 3
             for k, v in dev.items()
         }
-    flags = "fp16" if S.precision == "fp16" else f"{S.precision}+fp16"
+    flags = "fp16" if precision == "fp16" else f"{precision}+fp16"
     # INT8/FP8: calibrated on this run's own inputs (speed is what is measured here; accuracy
     # with real data is benchmarks/quant_accuracy.py's)
     calib = None
-    if S.precision != "fp16":
+    if precision != "fp16":
         calib = [
             {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in dev.items()}
         ]
@@ -271,7 +281,7 @@ def tensorkiln_peer(path: Path, dev: dict, want: list, large: bool, cache: Path)
     cell["warm_build_s"] = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
     )[1]
-    cell["precision"] = S.precision
+    cell["precision"] = precision
     batch = next(iter(dev.values())).shape[0]
     cell["value"] = (
         throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
@@ -330,8 +340,10 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
     for peer in peers:
         common.log(f"{name} batch {batch}: {peer}")
         try:
-            if peer == "tensorkiln":  # (as `tensorkiln run` runs it: its backend sets the mode)
-                cell = tensorkiln_peer(path, dev, want, large, cache)
+            if peer.startswith("tensorkiln"):  # (as `tensorkiln run` runs it)
+                # tensorkiln-int8 / -fp8: that precision beside the fp16 engine, same inputs
+                precision = peer.partition("-")[2] or S.precision
+                cell = tensorkiln_peer(path, dev, want, large, cache, precision)
             else:
                 with torch.inference_mode():
                     cell = torch_peer(peer, model16, args, want, large)

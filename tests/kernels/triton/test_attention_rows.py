@@ -27,7 +27,7 @@ def _mask(shape, kind: str, rng) -> np.ndarray:
     """A random mask with about half the keys hidden and some rows hiding every key."""
     hidden = rng.random(shape) < 0.5
     flat = hidden.reshape(-1, shape[-1])
-    flat[:: max(1, len(flat) // 2)] = True  # whole rows hidden
+    flat[:: max(2, len(flat) // 2)] = True  # whole rows hidden (not all of them, when several)
     if kind == "bool":
         return ~hidden
     return np.where(hidden, -np.inf, rng.standard_normal(shape)).astype(np.float32)
