@@ -5,7 +5,9 @@ Scales and zero points are per-tensor, per-axis or blocked. Rounding is half to 
 (``torch.round``). The 2/4/6-bit types have no torch dtype, so their values live on the host as
 numpy arrays: dequantizing them uploads the codes widened to int8/float32 (they are weights, on the
 host already), and quantizing to them runs the reference kernel on host copies. QLinearMatMul is
-kernels/common/quant.py's, over torch operations.
+kernels/common/quant.py's, over torch operations. QuantizeLinear with one float32 scale (every
+activation an INT8/FP8 engine quantizes) runs as one Triton kernel (kernels/triton/quantize.py),
+the same values in one pass instead of six.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import math
 import ml_dtypes
 import numpy as np
 import torch
+from onnx import TensorProto
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from tensorkiln.kernels import triton as tk_triton
 from tensorkiln.kernels.common.quant import QLinearMatMul, quant_target, scale_layout
 from tensorkiln.kernels.cuda.convert import (
     numpy_dtype,
@@ -104,6 +108,15 @@ def _quant_target(zero_point: Value | None, output_dtype: int) -> np.dtype:
     )
 
 
+def _one_pass():
+    """kernels/triton/quantize.py where Triton is available, else None."""
+    if not tk_triton.available():
+        return None
+    from tensorkiln.kernels.triton import quantize
+
+    return quantize
+
+
 @register("QuantizeLinear", since=10, backend="cuda")
 def quantize_linear(
     x: torch.Tensor,
@@ -128,6 +141,16 @@ def quantize_linear(
     target = torch_dtype(target_np)
     if target not in _INT_RANGES and target not in _FLOAT8:
         raise ValueError(f"QuantizeLinear cannot quantize to {target_np}")
+    one_pass = _one_pass()
+    zp = y_zero_point if isinstance(y_zero_point, torch.Tensor) else None
+    if (
+        one_pass is not None
+        and precision in (0, TensorProto.FLOAT)
+        and (y_zero_point is None or zp is not None)
+        and (x.is_cuda or tk_triton.interpreting())
+        and one_pass.applies(x, y_scale, zp, target, bool(saturate))
+    ):
+        return one_pass.quantize(x, y_scale, zp, target)
     div = torch_dtype(tensor_dtype_to_np_dtype(precision)) if precision else y_scale.dtype
     shape = tuple(x.shape)
     scale = _broadcastable(y_scale, shape, axis, block_size, "y_scale")

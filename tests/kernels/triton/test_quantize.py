@@ -1,0 +1,101 @@
+"""QuantizeLinear in one pass (kernels/triton/quantize.py) against the numpy reference, bit for
+bit, on fresh random inputs with the hard cases mixed in: ties at .5, values past the range, -0,
+E4M3 subnormals and NaN.
+
+CPU tensors run through Triton's interpreter; on the GPU the same checks run on CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
+from tensorkiln.kernels.reference import quant as reference  # noqa: E402
+from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
+from tensorkiln.kernels.triton import quantize  # noqa: E402
+from tests.kernels.triton import DEVICE  # noqa: E402
+
+TARGETS = {  # numpy type, torch type, ONNX type
+    "int8": (np.int8, torch.int8, 3),
+    "uint8": (np.uint8, torch.uint8, 2),
+    "e4m3": (ml_dtypes.float8_e4m3fn, torch.float8_e4m3fn, 17),
+}
+
+
+def _input(shape, rng, scale: float, dtype) -> np.ndarray:
+    """Normal values spread over the range and past it, with exact ties, zeros of both signs,
+    tiny values (E4M3 subnormals after the division) and, for float8, NaN."""
+    x = rng.standard_normal(shape) * 60 * scale
+    flat = x.reshape(-1)
+    n = flat.size
+    picks = rng.choice(n, size=min(n, 64), replace=False)
+    ties = (rng.integers(-140, 140, size=picks.size) + 0.5) * scale
+    flat[picks[:16]] = ties[:16]
+    flat[picks[16:20]] = [0.0, -0.0, 1e-3 * scale, -3e-3 * scale]
+    flat[picks[20:24]] = [1e4 * scale, -1e4 * scale, 449 * scale, -470 * scale]
+    return x.astype(dtype)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).view(np.uint8)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc", "flat"])
+@pytest.mark.parametrize("x_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("zero_point", [None, "zero", "shifted"])
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_one_pass_equals_the_reference(target, zero_point, x_dtype, layout):
+    rng = np.random.default_rng()
+    np_t, torch_t, onnx_t = TARGETS[target]
+    scale = np.array(rng.uniform(0.01, 0.2), dtype=np.float32)
+    shape = (2, 8, 5, 3) if layout != "flat" else (77,)
+    x = _input(shape, rng, float(scale), x_dtype)
+    if target == "e4m3":
+        x.reshape(-1)[3] = np.nan
+    zp = None
+    if zero_point is not None:
+        shifted = zero_point == "shifted" and target != "e4m3"  # (float8 zero points are 0)
+        value = {"int8": 7, "uint8": 128}.get(target, 0) if shifted else 0
+        zp = np.array(value).astype(np_t)
+    attrs = {"output_dtype": onnx_t} if zp is None else {}
+    want = reference.quantize_linear(x, scale, zp, **attrs)
+    assert want.dtype == np.dtype(np_t)
+    tx = to_torch(x, DEVICE)
+    if layout == "nhwc":
+        tx = tx.contiguous(memory_format=torch.channels_last)
+    tz = None if zp is None else to_torch(zp, DEVICE)
+    ts = to_torch(scale, DEVICE)
+    assert quantize.applies(tx, ts, tz, torch_t, True)
+    y = quantize.quantize(tx, ts, tz, torch_t)
+    assert y.dtype == torch_t and y.stride() == tx.stride()
+    got = to_numpy(y)
+    if target == "e4m3":
+        nan = np.isnan(want.astype(np.float32))
+        assert np.array_equal(nan, np.isnan(got.astype(np.float32)))
+        got, want = got[~nan], want[~nan]
+    assert np.array_equal(_bits(got), _bits(want))
+
+    # the registered cuda kernel gives the same values
+    kernel = lookup("QuantizeLinear", "", 21, "cuda")
+    again = to_numpy(invoke(kernel, [tx, ts, tz], attrs, 1)[0])
+    if target == "e4m3":
+        again = again[~np.isnan(again.astype(np.float32))]
+    assert np.array_equal(_bits(again), _bits(got))
+
+
+def test_cases_it_leaves_to_the_torch_composition():
+    x = torch.randn(4, 6)
+    s = torch.tensor(0.1)
+    assert not quantize.applies(x, torch.tensor([0.1, 0.2]), None, torch.int8, True)  # per axis
+    assert not quantize.applies(x, s.half(), None, torch.int8, True)  # divides in float16
+    assert not quantize.applies(x.t(), s, None, torch.int8, True)  # not dense
+    assert not quantize.applies(x.double(), s, None, torch.int8, True)
+    assert not quantize.applies(x, s, None, torch.float8_e4m3fn, False)  # NaN on overflow
+    assert not quantize.applies(x, s, torch.tensor(0, dtype=torch.uint8), torch.int8, True)
+    assert not quantize.applies(x, s, None, torch.float8_e5m2, True)
+    assert quantize.applies(x, s, None, torch.int8, True)
