@@ -385,16 +385,19 @@ def with_fn(entry: KernelEntry, fn: Any) -> KernelEntry:
     )
 
 
+# where each convolution reads its weight: Conv and ConvAct input 1, QConvAct (X_q, X_scale, W_q)
+_WEIGHT_INPUT = {("", "Conv"): 1, ("tensorkiln", "ConvAct"): 1, ("tensorkiln", "QConvAct"): 2}
+
+
 def _conv_weights(graph: Graph) -> frozenset[Value]:
-    """The initializers that are convolutions' weights (input 1 of Conv and ConvAct)."""
-    return frozenset(
-        n.inputs[1]
-        for _, n in graph.walk()
-        if (n.domain, n.op) in (("", "Conv"), ("tensorkiln", "ConvAct"))
-        and len(n.inputs) > 1
-        and n.inputs[1] is not None
-        and n.inputs[1].const is not None
-    )
+    """The initializers that are convolutions' weights."""
+    found = set()
+    for _, n in graph.walk():
+        i = _WEIGHT_INPUT.get((n.domain, n.op))
+        if i is not None and len(n.inputs) > i and n.inputs[i] is not None:
+            if n.inputs[i].const is not None:
+                found.add(n.inputs[i])
+    return frozenset(found)
 
 
 def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
@@ -404,7 +407,8 @@ def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
         return frozenset()
     ok = {v: v not in graph.outputs for v in graph.inputs}
     for _, n in graph.walk():
-        conv = n.op in ("Conv", "ConvAct") and len(n.inputs) > 1 and n.inputs[1] in weights
+        w = _WEIGHT_INPUT.get((n.domain, n.op))
+        conv = w is not None and len(n.inputs) > w and n.inputs[w] in weights
         for i, v in enumerate(node_reads(n)):
             if v in ok and not (conv and i == 0 and v not in n.inputs[1:]):
                 ok[v] = False

@@ -105,3 +105,32 @@ def test_triton_qconv(kind, x_shape, w_shape, attrs) -> None:
             rng.standard_normal(m).astype(np.float32)]  # fmt: skip
     rtol = 1e-6 if kind == "int8" else 1e-5  # (E4M3 sums in float32)
     _check("QConvAct", "triton_qconv_64x64x32_w4_s4", args, attrs, rtol=rtol)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_triton_qconv_as_an_engine_runs_it(kind) -> None:
+    """Channels-last activations and weights (as the cuda backend uploads a convolution's
+    weight), a float16 residual and a float16 output written by the kernel itself, with a tiling
+    for 8-bit operands."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    x_shape, w_shape = (2, 40, 6, 5), (128, 40, 3, 3)
+    m = w_shape[0]
+    args = [_q(rng, x_shape, kind), np.float32(0.04), _q(rng, w_shape, kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32), rng.standard_normal(m).astype(np.float32),
+            rng.standard_normal((2, m, 6, 5)).astype(np.float16)]  # fmt: skip
+    attrs = {"pads": [1, 1, 1, 1], "activation": "Relu", "out_dtype": 10}
+    name = "triton_qconv_64x128x128_w4_s4"
+    tactic = get_tactic("QConvAct", "tensorkiln", name)
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(a.shape for a in args),
+                     tuple(a.dtype.name for a in args), device="cuda")  # fmt: skip
+    assert tactic is not None and tactic.applies(spec)
+    ref = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [to_torch(a, "cpu") for a in args]
+    for i in (0, 2, 5):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    y = tactic.fn(*tensors, **attrs)
+    assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y).astype(np.float32)
+    assert ref.dtype == np.float16
+    np.testing.assert_allclose(got, ref.astype(np.float32), rtol=1e-3, atol=1e-3 * np.abs(ref).max())

@@ -56,13 +56,19 @@ def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, n: int, what: str) -> 
 _OUT = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
 
 
-def as_out(y: torch.Tensor, out_dtype: int) -> torch.Tensor:
-    """``y`` (float32) in the layer's output type (ONNX's code)."""
+def out_type(out_dtype: int) -> torch.dtype:
+    """The torch type of a quantized layer's output (``out_dtype``: ONNX's code)."""
     want = _OUT.get(int(out_dtype))
     if want is None:
         raise ValueError(
             f"quantized layers output float32, float16 or bfloat16, not type {out_dtype}"
         )
+    return want
+
+
+def as_out(y: torch.Tensor, out_dtype: int) -> torch.Tensor:
+    """``y`` (float32) in the layer's output type (ONNX's code)."""
+    want = out_type(out_dtype)
     return y if y.dtype == want else y.to(want)
 
 
@@ -84,10 +90,11 @@ class QConv:
     activation: str
     act: tuple  # (alpha, beta, min, max)
     after: bool  # residual_order == "act_add"
+    out: torch.dtype  # the layer's output type (sums that finish the epilogue write it)
 
 
-# the sums of one QConvAct: (x_q, w_q, call) -> the convolution times the scale, float32, with the
-# epilogue applied or not (then ``True`` second)
+# the sums of one QConvAct: (x_q, w_q, bias, z, call) -> the convolution times the scale, float32,
+# or with the epilogue applied (then ``True`` second, in ``call.out``); z as the layer has it
 ConvSums = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, QConv],
                     tuple[torch.Tensor, bool]]  # fmt: skip
 
@@ -113,11 +120,11 @@ def qconv(
     m = w_q.shape[0]
     scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
     call = QConv(g, a["group"], scale, a["activation"], _activation(a),
-                 a["residual_order"] == "act_add")  # fmt: skip
+                 a["residual_order"] == "act_add", out_type(a["out_dtype"]))  # fmt: skip
     bias = None if b is None else b.reshape(m).to(torch.float32)
-    zz = None if z is None else z.to(torch.float32)
-    y, finished = sums(x_q, w_q, bias, zz, call)
+    y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
+        zz = None if z is None else z.to(torch.float32)
         y = conv_epilogue_(y, bias, zz, call.activation, call.act, call.after)
     return as_out(y, a["out_dtype"])
 

@@ -171,7 +171,7 @@ def _triton_qconv(cfg: Any) -> Callable:
         epilogue = gemm.Epilogue.of(call.activation, *call.act)
         y = conv.conv_act(
             x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
-            residual_after=call.after, config=cfg, scale=call.scale,
+            residual_after=call.after, config=cfg, scale=call.scale, out_dtype=call.out,
         )  # fmt: skip
         return y, True
 
@@ -180,6 +180,18 @@ def _triton_qconv(cfg: Any) -> Callable:
 
     run.__name__ = f"triton_qconv_{cfg.name}"
     return run
+
+
+def _quant_configs() -> tuple:
+    """Tilings for 8-bit operands besides the fp16 ones: the tensor cores take int8 and E4M3 in
+    K steps of 32, and an 8-bit tile of 128 channels costs the shared memory of 64 in fp16."""
+    if not available():
+        return ()
+    tile = gemm.TileConfig
+    return (tile(128, 128, 128, 8, 3), tile(128, 256, 128, 8, 3), tile(64, 128, 128, 4, 4))
+
+
+QUANT_CONFIGS = _quant_configs()
 
 
 def _register() -> None:
@@ -196,7 +208,7 @@ def _register() -> None:
         qconv_pointwise_int8
     )
     if available():
-        for cfg in conv.CONFIGS:
+        for cfg in conv.CONFIGS + QUANT_CONFIGS:
             tactic(
                 "QConvAct",
                 domain="tensorkiln",

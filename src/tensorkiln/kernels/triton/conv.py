@@ -131,6 +131,10 @@ def _conv_kernel(
             )  # fmt: skip
         if QUANT == 1:
             acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        elif QUANT == 2 and not UPCAST:
+            # E4M3: Hopper's tensor cores keep fewer bits than float32 in their accumulator, and
+            # Triton lets them sum a whole K loop so; fold into float32 after every K step
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             if UPCAST:  # the interpreter multiplies bfloat16 as raw integers, and has no fp8 dot
                 a = a.to(tl.float32)
@@ -201,10 +205,13 @@ def conv_act(
     residual_after: bool = False,
     config: TileConfig = CONFIGS[1],
     scale: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
     ``scale`` (float32, one per output channel), x and w are int8 or float8 E4M3 and the sums are
-    multiplied by it before the epilogue (tensorkiln.QConvAct), the output float32."""
+    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``.
+    Any strides: the weights of the cuda backend's convolutions are channels-last (OHWI), the
+    layout whose channel reads are contiguous."""
     if x.dim() not in (3, 4) or w.dim() != x.dim():
         raise ValueError(f"ConvAct: 1-D or 2-D convolutions only: X {tuple(x.shape)}")
     if x.dim() == 3:  # height 1
@@ -214,7 +221,7 @@ def conv_act(
         )  # fmt: skip
         y = conv_act(
             _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
-            residual_after=residual_after, config=config, scale=scale,
+            residual_after=residual_after, config=config, scale=scale, out_dtype=out_dtype,
         )  # fmt: skip
         return y.squeeze(2)
     nb, c, h, wd = x.shape
@@ -223,7 +230,7 @@ def conv_act(
     # (the output keeps the input's layout: channels-last in, channels-last out)
     nhwc = x.stride(1) == 1 and not x.is_contiguous()
     layout = torch.channels_last if nhwc else torch.contiguous_format
-    y_dtype = x.dtype if scale is None else torch.float32
+    y_dtype = x.dtype if scale is None else out_dtype
     y = torch.empty((nb, oc, oh, ow), dtype=y_dtype, device=x.device, memory_format=layout)
     if y.numel() == 0:
         return y
