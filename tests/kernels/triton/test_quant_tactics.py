@@ -134,3 +134,20 @@ def test_triton_qconv_as_an_engine_runs_it(kind) -> None:
     got = to_numpy(y).astype(np.float32)
     assert ref.dtype == np.float16
     np.testing.assert_allclose(got, ref.astype(np.float32), rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_qconv_through_the_float16_convolution(kind, residual) -> None:
+    """cudnn_fp16: the 8-bit values convolved in a float type with the weight's scale folded in
+    (float32 on the CPU, so the check is tight here; float16 on the GPU), X_scale, bias, residual
+    and activation in the one-pass epilogue."""
+    rng = np.random.default_rng()
+    m = 24
+    args = [_q(rng, (2, 16, 7, 6), kind), np.float32(0.03), _q(rng, (m, 8, 3, 3), kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    if residual:
+        args.append(rng.standard_normal((2, m, 4, 6)).astype(np.float32))
+    attrs = {"pads": [1, 1, 1, 1], "strides": [2, 1], "group": 2, "activation": "LeakyRelu"}
+    _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=1e-5)

@@ -27,7 +27,15 @@ from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.registry import register
+from tensorkiln.kernels.triton import available as triton_available
+from tensorkiln.kernels.triton import interpreting
 from tensorkiln.ops import attribute_defaults
+
+if triton_available():
+    from tensorkiln.kernels.triton import epilogue
+    from tensorkiln.kernels.triton.gemm import ACT_CODES, Epilogue
+else:  # (no Triton: the epilogues run as torch's ops)
+    epilogue, ACT_CODES, Epilogue = None, {}, None
 
 _QUANTIZED = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -91,6 +99,8 @@ class QConv:
     act: tuple  # (alpha, beta, min, max)
     after: bool  # residual_order == "act_add"
     out: torch.dtype  # the layer's output type (sums that finish the epilogue write it)
+    x_scale: torch.Tensor  # X_scale (float32, one value) and W_scale (float32, one per output
+    w_scale: torch.Tensor  # channel): ``scale`` is their product
 
 
 # the sums of one QConvAct: (x_q, w_q, bias, z, call) -> the convolution times the scale, float32,
@@ -120,7 +130,9 @@ def qconv(
     m = w_q.shape[0]
     scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
     call = QConv(g, a["group"], scale, a["activation"], _activation(a),
-                 a["residual_order"] == "act_add", out_type(a["out_dtype"]))  # fmt: skip
+                 a["residual_order"] == "act_add", out_type(a["out_dtype"]),
+                 x_scale.reshape(()).to(torch.float32),
+                 w_scale.reshape(-1).to(torch.float32).expand(m))  # fmt: skip
     bias = None if b is None else b.reshape(m).to(torch.float32)
     y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
@@ -164,6 +176,9 @@ def qgemm(
     scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
     if acc.dtype != torch.float64:  # (int32 or float32 sums: the scale in float32 too)
         scale = scale.to(torch.float32)
+    y = _one_pass(acc, scale, bias, a)
+    if y is not None:
+        return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
     y = (acc * scale).to(torch.float32)
     if bias is not None:
         y.add_(bias.to(torch.float32), alpha=a["beta"])
@@ -171,6 +186,30 @@ def qgemm(
         activate_(y, a["activation"], *_activation(a))
     y = as_out(y, a["out_dtype"])
     return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+
+
+def _one_pass(
+    acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, a: dict[str, Any]
+) -> torch.Tensor | None:
+    """QGemmAct's scale, bias and activation on tensor-core sums (int32 or float32, (M, N)) in one
+    Triton pass writing the output type; None where it does not apply (then torch's ops run)."""
+    if not one_pass_epilogue(acc, None, a["activation"]):
+        return None
+    n = acc.shape[1]
+    if bias is not None:
+        if bias.numel() != n or (bias.ndim == 2 and bias.shape[0] != 1):
+            return None  # (a bias of more than one row: Gemm's (M, N) C)
+        bias = bias.reshape(n).to(torch.float32) * a["beta"]
+    return epilogue.dequantize(acc, scale, bias, None, Epilogue.of(a["activation"],
+                               *_activation(a)), False, out_type(a["out_dtype"]))  # fmt: skip
+
+
+def one_pass_epilogue(acc: torch.Tensor, z: torch.Tensor | None, activation: str) -> bool:
+    """Whether kernels/triton/epilogue.py's dequantize takes these sums, residual and
+    activation here (on the GPU, or through Triton's interpreter)."""
+    if epilogue is None or activation not in ACT_CODES:
+        return False
+    return (acc.is_cuda or interpreting()) and epilogue.dequantize_applies(acc, z)
 
 
 def _exact_product(a2: torch.Tensor, b: torch.Tensor, packed: bool) -> torch.Tensor:

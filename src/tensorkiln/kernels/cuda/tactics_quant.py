@@ -6,6 +6,9 @@
   and applies the activation.
 * ``cublas_fp8_scaled_mm`` (QGemmAct): ``torch._scaled_mm`` of E4M3 operands with float32 sums, the
   scales applied in the same float32 pass.
+* ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
+  with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
+  floor an 8-bit engine keeps where no 8-bit kernel is faster.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused.
@@ -25,12 +28,14 @@ from typing import Any
 import torch
 
 from tensorkiln.kernels.common.conv import conv_geometry
-from tensorkiln.kernels.cuda.fused_quant import QConv, qconv, qgemm
+from tensorkiln.kernels.cuda.fused_quant import QConv, one_pass_epilogue, qconv, qgemm
+from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
 if available():
-    from tensorkiln.kernels.triton import conv, gemm
+    from tensorkiln.kernels.triton import conv, epilogue, gemm
+    from tensorkiln.kernels.triton.gemm import Epilogue
 
 _ACT = {"activation", "activation_alpha", "activation_beta", "activation_min", "activation_max"}
 _GEMM = {"alpha", "beta", "transA", "transB", "out_dtype"} | _ACT
@@ -141,13 +146,48 @@ def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]
     nb, c, h, wd = x_q.shape
     m = w_q.shape[0]
     rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)
-    y2 = _matmul("int8", rows, w_q.reshape(m, c)).to(torch.float32).mul_(call.scale)
-    return y2.reshape(nb, h, wd, m).permute(0, 3, 1, 2), False
+    acc = _matmul("int8", rows, w_q.reshape(m, c)).reshape(nb, h, wd, m).permute(0, 3, 1, 2)
+    if z is not None and z.stride() != acc.stride():
+        z = z.contiguous(memory_format=torch.channels_last)  # (the output's layout)
+    if one_pass_epilogue(acc, z, call.activation):  # scale, bias, residual, activation: one pass
+        ep = Epilogue.of(call.activation, *call.act)
+        return epilogue.dequantize(acc, call.scale, bias, z, ep, call.after, call.out), True
+    return acc.to(torch.float32).mul_(call.scale.reshape(1, m, 1, 1)), False
 
 
 def qconv_pointwise_int8(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
     """A 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM."""
     return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _pointwise_sums)
+
+
+def _half_ok(spec: LayerSpec) -> bool:
+    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn")) if spec.device == "cuda" else None
+    return g is not None and len(spec.shapes[0]) in (3, 4)
+
+
+def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+    """The convolution in float16 on cuDNN: int8 and E4M3 values are exact in float16; the
+    weight carries its per-channel scale (rounded to float16) so the sums stay in float16's
+    range, and X_scale follows in the epilogue's pass."""
+    half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
+    m = w_q.shape[0]
+    w = (w_q.to(torch.float32) * call.w_scale.reshape(m, *(1,) * (w_q.ndim - 1))).to(half)
+    w = w.contiguous(memory_format=torch.channels_last) if w.ndim == 4 and x_q.ndim == 4 else w
+    x = x_q.to(half)
+    acc = conv_nd(x, w, None, call.geometry, call.group)
+    x_scale = call.x_scale.expand(m)
+    if z is not None and z.stride() != acc.stride():
+        z = torch.empty_like(acc, dtype=z.dtype).copy_(z)  # (the output's layout)
+    if one_pass_epilogue(acc, z, call.activation):
+        ep = Epilogue.of(call.activation, *call.act)
+        return epilogue.dequantize(acc, x_scale, bias, z, ep, call.after, call.out), True
+    return acc.to(torch.float32).mul_(call.x_scale), False
+
+
+def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+    """QConvAct through cuDNN's float16 convolution (the fallback tensor-core route where no
+    8-bit kernel wins)."""
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _half_sums)
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -207,6 +247,7 @@ def _register() -> None:
     tactic("QConvAct", domain="tensorkiln", name="cublas_int8_mm", supports=_pointwise_ok)(
         qconv_pointwise_int8
     )
+    tactic("QConvAct", domain="tensorkiln", name="cudnn_fp16", supports=_half_ok)(qconv_half)
     if available():
         for cfg in conv.CONFIGS + QUANT_CONFIGS:
             tactic(

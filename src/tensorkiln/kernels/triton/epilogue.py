@@ -1,4 +1,5 @@
-"""A fused op's epilogue in one pass over its fresh output, in place: ``y = act(y + b + z)``.
+"""A fused op's epilogue in one pass over its fresh output, in place: ``y = act(y + b + z)``;
+and a quantized layer's, from its integer or float32 sums to its output: ``act(acc * s + b + z)``.
 
 cuDNN and cuBLAS compute ConvAct's convolution; what follows it (the per-channel bias, the
 residual, the activation) ran as up to three more kernels, each reading and writing the whole
@@ -29,16 +30,19 @@ BLOCK = 2048
 
 @triton.jit
 def _epilogue_kernel(
-    y_ptr, b_ptr, z_ptr, n, C, inner, p0, p1, lo, hi,
-    HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
-    NHWC: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, s_ptr, b_ptr, z_ptr, y_ptr, n, C, inner, p0, p1, lo, hi,
+    HAS_S: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr,
+    ACT: tl.constexpr, NHWC: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    v = tl.load(y_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(x_ptr + offs, mask=mask, other=0).to(tl.float32)
+    if HAS_S or HAS_B:
+        channel = offs % C if NHWC else (offs // inner) % C
+    if HAS_S:  # (integer or float32 sums of quantized products, times X_scale * W_scale)
+        v = v * tl.load(s_ptr + channel, mask=mask, other=0.0)
     bias = 0.0
     if HAS_B:
-        channel = offs % C if NHWC else (offs // inner) % C
         bias = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
     z = 0.0
     if HAS_Z:
@@ -75,17 +79,53 @@ def epilogue_(
 ) -> torch.Tensor:
     """``y = act(y + b + z)`` in place (``residual_after``: ``act(y + b) + z``); ``b`` holds one
     value per channel (axis 1). The caller checks :func:`applies` first."""
-    inner = channel_stride(y)
-    channels = y.shape[1]
-    if b is not None and b.numel() != channels:
-        raise ValueError(f"epilogue: bias of {b.numel()} values for {channels} channels")
+    _launch(y, None, b, z, y, epilogue, residual_after)
+    return y
+
+
+def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool) -> None:
+    inner = channel_stride(x)
+    channels = x.shape[1]
+    for what, v in (("bias", b), ("scale", scale)):
+        if v is not None and v.numel() != channels:
+            raise ValueError(f"epilogue: {what} of {v.numel()} values for {channels} channels")
     bias = None if b is None else b.reshape(channels).contiguous()
-    n = y.numel()
+    n = x.numel()
     _epilogue_kernel[(triton.cdiv(n, BLOCK),)](
-        y, bias if bias is not None else y, z if z is not None else y, n, channels, inner,
+        x, scale if scale is not None else x, bias if bias is not None else x,
+        z if z is not None else x, y, n, channels, inner,
         epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
-        HAS_B=bias is not None, HAS_Z=z is not None, Z_AFTER=bool(residual_after),
-        ACT=epilogue.code, NHWC=inner == 1,
+        HAS_S=scale is not None, HAS_B=bias is not None, HAS_Z=z is not None,
+        Z_AFTER=bool(residual_after), ACT=epilogue.code, NHWC=inner == 1,
         BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
+
+
+def dequantize_applies(acc: torch.Tensor, z: torch.Tensor | None) -> bool:
+    """Whether :func:`dequantize` takes sums ``acc`` (int32 or a float type, dense (N, C, ...)
+    or (rows, C)) and residual ``z`` (the output's shape and strides, any float type)."""
+    if acc.dtype not in (torch.int32, *FLOATS) or acc.numel() == 0:
+        return False
+    if channel_stride(acc) is None or acc.numel() >= 2**31:
+        return False
+    if z is None:
+        return True
+    return z.shape == acc.shape and z.dtype in FLOATS and z.stride() == acc.stride()
+
+
+def dequantize(
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    b: torch.Tensor | None,
+    z: torch.Tensor | None,
+    epilogue: Epilogue,
+    residual_after: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """A quantized layer's epilogue in one pass: ``act(acc * scale + b + z)`` (or
+    ``act(acc * scale + b) + z``) in float32, written once in ``out_dtype`` and ``acc``'s layout;
+    ``scale`` (float32) and ``b`` hold one value per channel (axis 1). The caller checks
+    :func:`dequantize_applies` first."""
+    y = torch.empty_like(acc, dtype=out_dtype)
+    _launch(acc, scale.to(torch.float32).contiguous(), b, z, y, epilogue, residual_after)
     return y
