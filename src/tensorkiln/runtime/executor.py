@@ -394,9 +394,9 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
     found = set()
     for _, n in graph.walk():
         i = _WEIGHT_INPUT.get((n.domain, n.op))
-        if i is not None and len(n.inputs) > i and n.inputs[i] is not None:
-            if n.inputs[i].const is not None:
-                found.add(n.inputs[i])
+        w = n.inputs[i] if i is not None and len(n.inputs) > i else None
+        if w is not None and w.const is not None:
+            found.add(w)
     return frozenset(found)
 
 

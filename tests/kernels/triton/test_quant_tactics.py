@@ -133,7 +133,9 @@ def test_triton_qconv_as_an_engine_runs_it(kind) -> None:
     assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
     got = to_numpy(y).astype(np.float32)
     assert ref.dtype == np.float16
-    np.testing.assert_allclose(got, ref.astype(np.float32), rtol=1e-3, atol=1e-3 * np.abs(ref).max())
+    np.testing.assert_allclose(
+        got, ref.astype(np.float32), rtol=1e-3, atol=1e-3 * np.abs(ref).max()
+    )
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

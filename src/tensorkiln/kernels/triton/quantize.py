@@ -69,7 +69,9 @@ def _quantize_kernel(
 
 
 def _dense(x: torch.Tensor) -> bool:
-    return x.is_contiguous() or (x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last))
+    return x.is_contiguous() or (
+        x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last)
+    )
 
 
 def applies(
