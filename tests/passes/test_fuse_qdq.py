@@ -228,3 +228,56 @@ def test_propagation_moves_relu_ahead_and_drops_same_scale_requantization() -> N
         x = (rng.standard_normal((4, 64)) * 3).astype(np.float32)
         np.testing.assert_array_equal(_run_graph(graph, {"y": x})[0],
                                       _run_graph(before, {"y": x})[0])  # fmt: skip
+
+
+def _requant_graph(rng, kind: DType, *, zp_value=0, extra_reader=False, per_axis=False):
+    """x_q -> QConvAct (ReLU) -> QuantizeLinear(t) -> out (8-bit), optionally with a second
+    reader of the float result, a non-zero zero point or a per-channel output scale."""
+    np_t = np.int8 if kind == DType.INT8 else ml_dtypes.float8_e4m3fn
+    xq = _v("xq", DType.INT8, (2, 4, 5, 5))
+    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
+    wq = _v("wq", DType.INT8, (6, 4, 3, 3), rng.integers(-127, 128, (6, 4, 3, 3)).astype(np.int8))
+    ws = _v("ws", DType.FLOAT, (6,), rng.uniform(0.01, 0.03, 6).astype(np.float32))
+    b = _v("b", DType.FLOAT, (6,), rng.standard_normal(6).astype(np.float32))
+    t_data = rng.uniform(0.08, 0.15, 6 if per_axis else ()).astype(np.float32)
+    t = _v("t", DType.FLOAT, t_data.shape, t_data)
+    zp = _v("zp", kind, (), np.array(zp_value).astype(np_t))
+    y, out = _v("y", DType.FLOAT, (2, 6, 5, 5)), _v("out", kind, (2, 6, 5, 5))
+    layer = Node("QConvAct", [xq, xs, wq, ws, b], [y], {"pads": [1, 1, 1, 1],
+                 "activation": "Relu"}, domain="tensorkiln", name="conv")  # fmt: skip
+    q = Node("QuantizeLinear", [y, t, zp], [out], {"axis": 1}, name="q")
+    outputs = [out, y] if extra_reader else [out]
+    return Graph(inputs=[xq], outputs=outputs, initializers=[xs, wq, ws, b, t, zp],
+                 opsets={"": 21, "tensorkiln": 1}, nodes=[layer, q])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [DType.INT8, DType.FLOAT8E4M3FN])
+def test_requantization_moves_into_the_layer(kind) -> None:
+    """Before: QConvAct -> QuantizeLinear. Expected: one QConvAct with Y_scale (input 6) and an
+    8-bit out_dtype writing the Q's output; the same codes on fresh data (the reference computes
+    both from the same float32 result). Not fused: a second reader of the float result, a
+    non-zero zero point, a per-channel output scale."""
+    import copy
+
+    from tensorkiln.passes.fuse_qdq import fuse_requantize
+
+    rng = np.random.default_rng()
+    graph = _requant_graph(rng, kind)
+    before = copy.deepcopy(graph)
+    assert fuse_requantize(graph) == 1
+    (fused,) = graph.nodes
+    assert fused.op == "QConvAct" and fused.name == "conv" and len(fused.inputs) == 7
+    assert fused.inputs[5] is None and fused.inputs[6].name == "t"
+    assert fused.attrs["out_dtype"] == (3 if kind == DType.INT8 else 17)
+    assert fused.outputs[0].name == "out"
+    x = rng.integers(-15, 16, (2, 4, 5, 5)).astype(np.int8)  # (outputs mostly inside the range)
+    got, want = _run_graph(graph, {"xq": x})[0], _run_graph(before, {"xq": x})[0]
+    assert got.dtype == want.dtype and len(np.unique(want)) > 8
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+    for other in (
+        _requant_graph(rng, kind, extra_reader=True),
+        _requant_graph(rng, kind, zp_value=3 if kind == DType.INT8 else 1.0),
+        _requant_graph(rng, kind, per_axis=True),
+    ):
+        assert fuse_requantize(other) == 0

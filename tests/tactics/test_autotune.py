@@ -305,3 +305,32 @@ def test_a_tactic_must_apply_over_the_whole_profile(monkeypatch, max_batch, offe
     want = Runner(_mlp()).infer({"x": x[:8]})["y"]
     got = engine.create_execution_context().infer({"x": x[:8]})["y"]
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_eight_bit_outputs_are_checked_to_one_step_of_their_grid() -> None:
+    """A layer that writes the next one's int8 or E4M3 input (fuse_requantize) is checked, not
+    skipped as integer outputs are: a value one step off on a rounding edge passes, two steps
+    off or many values off fail."""
+    torch = pytest.importorskip("torch")
+    from tensorkiln.tactics.autotune import _rel_error
+
+    rng = np.random.default_rng()
+    want = torch.from_numpy(rng.integers(-120, 121, 4000).astype(np.int8))
+    edge = want.clone()
+    edge[:20] += 1  # (0.5% one step off)
+    assert _rel_error([edge], [want]) == 0.0
+    far = want.clone()
+    far[7] += 2
+    assert _rel_error([far], [want]) == float("inf")
+    noisy = want.clone()
+    noisy[::2] += 1  # (half of them: more than the rounding itself adds)
+    assert _rel_error([noisy], [want]) == float("inf")
+    e4m3 = torch.from_numpy(rng.standard_normal(4000).astype(np.float32) * 50)
+    w8 = e4m3.to(torch.float8_e4m3fn)
+    codes = w8.view(torch.uint8).clone()
+    below_max = (codes & 0x7F) < 0x7E
+    codes[:30] += below_max[:30].to(torch.uint8)  # (the next E4M3 value away from zero)
+    mixed = codes.view(torch.float8_e4m3fn)
+    assert not torch.equal(mixed.float(), w8.float())
+    assert _rel_error([mixed], [w8]) == 0.0
+    assert _rel_error([(w8.float() * 1.3).to(torch.float8_e4m3fn)], [w8]) == float("inf")

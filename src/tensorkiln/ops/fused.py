@@ -80,8 +80,8 @@ define(
     traits=[FUSED],
     attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act", "out_dtype": 1},
     doc="ConvAct of a quantized X (int8 or float8, per-tensor scale) and W (per output channel): "
-    "inputs X_q, X_scale, W_q, W_scale, B, Z; out in out_dtype (ONNX's code: float32, float16 "
-    "or bfloat16)",
+    "inputs X_q, X_scale, W_q, W_scale, B, Z, Y_scale; out in out_dtype (ONNX's code: float32, "
+    "float16 or bfloat16; with Y_scale, int8 or float8 E4M3: the result quantized to Y_scale)",
 )
 define(
     "QGemmAct",
@@ -89,7 +89,7 @@ define(
     traits=[FUSED],
     attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE, "out_dtype": 1},
     doc="GemmAct of a quantized A (per-tensor scale) and B (per output column): inputs A_q, "
-    "A_scale, B_q, B_scale, C; out in out_dtype",
+    "A_scale, B_q, B_scale, C, Y_scale; out in out_dtype (with Y_scale: quantized to it)",
 )
 define(
     "LayerNorm",

@@ -230,3 +230,52 @@ PROPAGATION = (
 def propagate_qdq(graph: Graph) -> int:
     """ReLU moved ahead of Q/DQ pairs, same-scale requantization removed (exact rewrites)."""
     return run_rules(graph, PROPAGATION)
+
+
+# ------------------------------------------------------------------------------ requantization
+#
+# QConvAct/QGemmAct -> QuantizeLinear, the layer's output read by that Q alone: the layer writes
+# the quantized tensor itself (its Y_scale input and an 8-bit out_dtype), from its float32 result,
+# as TensorRT's quantized layers write int8 for the next one. The wide intermediate (float16 in
+# an engine) is neither written nor read again.
+
+_OUT_CODES = {DType.INT8: 3, DType.FLOAT8E4M3FN: 17}
+_Y_SCALE = {"QConvAct": 6, "QGemmAct": 5}  # the input slot of Y_scale
+
+
+def _requantize(view: View, found: Found) -> Rewrite | None:
+    q = found.root
+    layer = view.producers.get(q.inputs[0]) if q.inputs else None
+    if layer is None or layer.domain != DOMAIN or layer.op not in _Y_SCALE:
+        return None
+    slot = _Y_SCALE[layer.op]
+    if view.sole(q.inputs[0]) is not q or layer.attrs.get("out_dtype", 1) != DType.FLOAT.value:
+        return None
+    if len(layer.inputs) > slot and layer.inputs[slot] is not None:
+        return None
+    out = q.outputs[0]
+    code = _OUT_CODES.get(out.dtype) if out is not None else None
+    scale = view.const(q.inputs[1]) if len(q.inputs) > 1 else None
+    if code is None or scale is None or scale.size != 1 or scale.dtype != np.float32:
+        return None
+    if not _zero_point(view, q) or q.attrs.get("block_size", 0):
+        return None
+    if q.attrs.get("precision", 0) not in (0, DType.FLOAT.value):
+        return None
+    if out.dtype == DType.FLOAT8E4M3FN and not q.attrs.get("saturate", 1):
+        return None  # (NaN on overflow: left to QuantizeLinear)
+    inputs = list(layer.inputs) + [None] * (slot + 1 - len(layer.inputs))
+    inputs[slot] = q.inputs[1]
+    attrs = dict(layer.attrs) | {"out_dtype": code}
+    fused = Node(layer.op, inputs, [out], attrs, domain=DOMAIN, name=layer.name)
+    return Rewrite(remove=[layer, q], add=[fused], count=1)
+
+
+REQUANTIZE = (Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),)
+
+
+# after the epilogues have grown (fuse_conv_act, fuse_gemm_act) and Q/DQ propagation
+@register_pass("fuse_requantize", level=2, order=46, backends=("reference", "cuda"))
+def fuse_requantize(graph: Graph) -> int:
+    """``Q(QConvAct(...))`` -> QConvAct writing the quantized tensor (same for QGemmAct)."""
+    return run_rules(graph, REQUANTIZE)

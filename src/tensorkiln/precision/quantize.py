@@ -22,7 +22,7 @@ import numpy as np
 from tensorkiln.errors import BuildError
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.cleanup import dead_code
-from tensorkiln.passes.fuse_qdq import fuse_quantized
+from tensorkiln.passes.fuse_qdq import fuse_quantized, fuse_requantize
 from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value
 from tensorkiln.passes.rules import View
 from tensorkiln.precision.budget import AccuracyBudget, Switch, run_with, search
@@ -141,12 +141,14 @@ def quantize_graph(
         note, kept = _meet(graph, switches, budget, request, executor_factory, progress)
         notes.append(note)
     fused = fuse_quantized(graph)
+    requantized = fuse_requantize(graph)
     dead_code(graph)
     left = len(layers) - kept - fused
     notes.append(
         f"{precision}: {fused} of {len(layers)} convolution/GEMM layers quantized"
         + (f", {kept} kept in float32 for the accuracy budget" if kept else "")
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
+        + (f"; {requantized} write the next layer's quantized input" if requantized else "")
     )
     return notes
 

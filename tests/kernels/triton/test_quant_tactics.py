@@ -153,3 +153,73 @@ def test_qconv_through_the_float16_convolution(kind, residual) -> None:
         args.append(rng.standard_normal((2, m, 4, 6)).astype(np.float32))
     attrs = {"pads": [1, 1, 1, 1], "strides": [2, 1], "group": 2, "activation": "LeakyRelu"}
     _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=1e-5)
+
+
+def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
+    """Two quantized outputs (int8 codes or E4M3 values) computed from float32 results summed in
+    different orders: equal but for values on a rounding edge, one step apart."""
+    assert got.dtype == want.dtype
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    if want.dtype == np.int8:
+        step = np.ones_like(w)
+    else:
+        step = np.exp2(np.floor(np.log2(np.maximum(np.abs(w), 2.0**-6))) - 3)
+    steps = np.abs(g - w) / step
+    assert steps.max() <= 1 and (steps > 0).mean() < 0.02
+    assert len(np.unique(want)) > 16  # (not saturated: the check means something)
+
+
+CONV_TACTICS = ["cublas_int8_mm", "cudnn_fp16", "triton_qconv_64x64x32_w4_s4"]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("name", CONV_TACTICS)
+def test_qconv_tactics_write_the_quantized_output(kind, name) -> None:
+    """With Y_scale (fuse_requantize), each tactic writes the next layer's 8-bit input from its
+    epilogue; the reference quantizes its float32 result."""
+    if name == "cublas_int8_mm" and kind == "fp8":
+        pytest.skip("the int8 GEMM takes int8 operands only")
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    pointwise = name == "cublas_int8_mm"
+    w_shape = (64, 32, 1, 1) if pointwise else (64, 32, 3, 3)
+    attrs = {"activation": "Relu", "out_dtype": 3 if kind == "int8" else 17}
+    if not pointwise:
+        attrs["pads"] = [1, 1, 1, 1]
+    xs = np.float32(0.05)
+    args = [_q(rng, (2, 32, 6, 5), kind), xs, _q(rng, w_shape, kind),
+            rng.uniform(1e-3, 3e-3, 64).astype(np.float32),
+            rng.standard_normal(64).astype(np.float32),
+            rng.standard_normal((2, 64, 6, 5)).astype(np.float16)]  # fmt: skip
+    ref_float = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args,
+                       {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+    y_scale = np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448))
+    args.append(y_scale)
+    tactic = get_tactic("QConvAct", "tensorkiln", name)
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(np.shape(a) for a in args),
+                     tuple(np.asarray(a).dtype.name for a in args), device="cuda")  # fmt: skip
+    assert tactic is not None and tactic.applies(spec), name
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [to_torch(np.asarray(a), "cpu") for a in args]
+    for i in (0, 2, 5):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    got = to_numpy(tactic.fn(*tensors, **attrs))
+    _codes_agree(got, want)
+
+
+@pytest.mark.parametrize(("kind", "name"), [("int8", "cublas_int8_mm"),
+                                            ("float8_e4m3fn", "cublas_fp8_scaled_mm")])  # fmt: skip
+def test_qgemm_tactics_write_the_quantized_output(kind, name) -> None:
+    rng = np.random.default_rng()
+    q = "int8" if kind == "int8" else "fp8"
+    attrs = {"transB": 1, "activation": "Relu", "out_dtype": 3 if kind == "int8" else 17}
+    args = [_q(rng, (40, 64), q), np.float32(0.05), _q(rng, (48, 64), q),
+            rng.uniform(1e-3, 3e-3, 48).astype(np.float32),
+            rng.standard_normal(48).astype(np.float32)]  # fmt: skip
+    ref_float = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), args,
+                       {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+    args.append(np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448)))
+    tactic = get_tactic("QGemmAct", "tensorkiln", name)
+    want = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    got = to_numpy(tactic.fn(*[to_torch(np.asarray(a), "cpu") for a in args], **attrs))
+    _codes_agree(got, want)

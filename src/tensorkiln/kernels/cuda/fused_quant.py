@@ -26,6 +26,7 @@ from tensorkiln.kernels.common.gemm import gemm_layout
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
+from tensorkiln.kernels.cuda.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 from tensorkiln.kernels.triton import available as triton_available
 from tensorkiln.kernels.triton import interpreting
@@ -62,21 +63,37 @@ def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, n: int, what: str) -> 
 
 
 _OUT = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
+_REQUANTIZED = {3: torch.int8, 17: torch.float8_e4m3fn}  # (with Y_scale)
 
 
-def out_type(out_dtype: int) -> torch.dtype:
-    """The torch type of a quantized layer's output (``out_dtype``: ONNX's code)."""
+def out_type(out_dtype: int, y_scale: torch.Tensor | None = None) -> torch.dtype:
+    """The torch type of a quantized layer's output (``out_dtype``: ONNX's code): a float type,
+    or with ``y_scale`` int8 or E4M3."""
+    if y_scale is not None:
+        want = _REQUANTIZED.get(int(out_dtype))
+        if want is None:
+            raise ValueError(
+                f"a quantized output (Y_scale given) is int8 or float8 E4M3 (out_dtype 3 or "
+                f"17), not type {out_dtype}"
+            )
+        if y_scale.numel() != 1:
+            raise ValueError(f"Y_scale must be one value, got shape {tuple(y_scale.shape)}")
+        return want
     want = _OUT.get(int(out_dtype))
     if want is None:
         raise ValueError(
-            f"quantized layers output float32, float16 or bfloat16, not type {out_dtype}"
+            f"quantized layers output float32, float16 or bfloat16 (int8 or E4M3 with Y_scale), "
+            f"not type {out_dtype}"
         )
     return want
 
 
-def as_out(y: torch.Tensor, out_dtype: int) -> torch.Tensor:
-    """``y`` (float32) in the layer's output type (ONNX's code)."""
-    want = out_type(out_dtype)
+def as_out(y: torch.Tensor, out_dtype: int, y_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``y`` (float32) in the layer's output type (ONNX's code); with ``y_scale``, quantized to
+    it as QuantizeLinear does (saturating, zero point 0)."""
+    want = out_type(out_dtype, y_scale)
+    if y_scale is not None:
+        return quantize_linear(y, y_scale.reshape(()).to(torch.float32), output_dtype=out_dtype)
     return y if y.dtype == want else y.to(want)
 
 
@@ -101,6 +118,7 @@ class QConv:
     out: torch.dtype  # the layer's output type (sums that finish the epilogue write it)
     x_scale: torch.Tensor  # X_scale (float32, one value) and W_scale (float32, one per output
     w_scale: torch.Tensor  # channel): ``scale`` is their product
+    y_scale: torch.Tensor | None  # float32, one value: ``out`` is int8 or E4M3, quantized to it
 
 
 # the sums of one QConvAct: (x_q, w_q, bias, z, call) -> the convolution times the scale, float32,
@@ -116,11 +134,13 @@ def qconv(
     w_scale: torch.Tensor,
     b: torch.Tensor | None,
     z: torch.Tensor | None,
+    y_scale: torch.Tensor | None,
     attrs: dict[str, Any],
     sums: ConvSums,
 ) -> torch.Tensor:
     """QConvAct: ``sums`` computes the scaled convolution; the epilogue (bias, residual,
-    activation) runs here unless ``sums`` did it; the result in ``out_dtype``."""
+    activation, and with ``y_scale`` the quantization) runs here unless ``sums`` did it; the
+    result in ``out_dtype``."""
     a = _attrs("QConvAct", attrs)
     b_size = None if b is None else b.numel()
     check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, a["group"], a["activation"],
@@ -129,16 +149,18 @@ def qconv(
                     a["strides"])  # fmt: skip
     m = w_q.shape[0]
     scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
+    ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
     call = QConv(g, a["group"], scale, a["activation"], _activation(a),
-                 a["residual_order"] == "act_add", out_type(a["out_dtype"]),
+                 a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),
                  x_scale.reshape(()).to(torch.float32),
-                 w_scale.reshape(-1).to(torch.float32).expand(m))  # fmt: skip
+                 w_scale.reshape(-1).to(torch.float32).expand(m), ys)  # fmt: skip
     bias = None if b is None else b.reshape(m).to(torch.float32)
     y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
         zz = None if z is None else z.to(torch.float32)
         y = conv_epilogue_(y, bias, zz, call.activation, call.act, call.after)
-    return as_out(y, a["out_dtype"])
+        return as_out(y, a["out_dtype"], ys)
+    return y
 
 
 def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
@@ -150,10 +172,11 @@ def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
 
 
 @register("QConvAct", domain="tensorkiln", since=1, backend="cuda")
-def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
     """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
-    returned in ``out_dtype``; attributes as ops/fused.py records them."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _exact_conv)
+    returned in ``out_dtype`` (quantized to ``y_scale`` when given); attributes as ops/fused.py
+    records them."""
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _exact_conv)
 
 
 def qgemm(
@@ -162,13 +185,16 @@ def qgemm(
     b_q: torch.Tensor,
     b_scale: torch.Tensor,
     c: torch.Tensor | None,
+    y_scale: torch.Tensor | None,
     attrs: dict[str, Any],
     product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
 ) -> torch.Tensor:
     """QGemmAct: ``product(A (M, K), B, packed)`` gives the sums, float32 or int32 or float64
     (``packed``: B is the (N, K) weight fuse_quantized stores, else (K, N)); scale, bias and
-    activation run here; the result in ``out_dtype``."""
+    activation (and with ``y_scale`` the quantization) run here; the result in ``out_dtype``."""
     a = _attrs("QGemmAct", attrs)
+    ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
+    out_type(a["out_dtype"], ys)  # (checked before the product)
     a2, b2, bias = gemm_layout(a_q, b_q, c, a["beta"], a["transA"], a["transB"], "QGemmAct")
     packed = bool(a["transB"])
     acc = product(a2, b_q if packed else b2, packed)
@@ -176,7 +202,7 @@ def qgemm(
     scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
     if acc.dtype != torch.float64:  # (int32 or float32 sums: the scale in float32 too)
         scale = scale.to(torch.float32)
-    y = _one_pass(acc, scale, bias, a)
+    y = _one_pass(acc, scale, bias, a, ys)
     if y is not None:
         return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
     y = (acc * scale).to(torch.float32)
@@ -184,12 +210,16 @@ def qgemm(
         y.add_(bias.to(torch.float32), alpha=a["beta"])
     if a["activation"] and math.prod(y.shape):
         activate_(y, a["activation"], *_activation(a))
-    y = as_out(y, a["out_dtype"])
+    y = as_out(y, a["out_dtype"], ys)
     return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
 
 
 def _one_pass(
-    acc: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, a: dict[str, Any]
+    acc: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    a: dict[str, Any],
+    y_scale: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """QGemmAct's scale, bias and activation on tensor-core sums (int32 or float32, (M, N)) in one
     Triton pass writing the output type; None where it does not apply (then torch's ops run)."""
@@ -200,8 +230,9 @@ def _one_pass(
         if bias.numel() != n or (bias.ndim == 2 and bias.shape[0] != 1):
             return None  # (a bias of more than one row: Gemm's (M, N) C)
         bias = bias.reshape(n).to(torch.float32) * a["beta"]
-    return epilogue.dequantize(acc, scale, bias, None, Epilogue.of(a["activation"],
-                               *_activation(a)), False, out_type(a["out_dtype"]))  # fmt: skip
+    ep = Epilogue.of(a["activation"], *_activation(a))
+    out = out_type(a["out_dtype"], y_scale)
+    return epilogue.dequantize(acc, scale, bias, None, ep, False, out, y_scale)
 
 
 def one_pass_epilogue(acc: torch.Tensor, z: torch.Tensor | None, activation: str) -> bool:
@@ -218,7 +249,8 @@ def _exact_product(a2: torch.Tensor, b: torch.Tensor, packed: bool) -> torch.Ten
 
 
 @register("QGemmAct", domain="tensorkiln", since=1, backend="cuda")
-def qgemm_act(a_q, a_scale, b_q, b_scale, c=None, **attrs) -> torch.Tensor:
+def qgemm_act(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
     """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
-    in ``out_dtype``; attributes as ops/fused.py records them."""
-    return qgemm(a_q, a_scale, b_q, b_scale, c, attrs, _exact_product)
+    in ``out_dtype`` (quantized to ``y_scale`` when given); attributes as ops/fused.py records
+    them."""
+    return qgemm(a_q, a_scale, b_q, b_scale, c, y_scale, attrs, _exact_product)

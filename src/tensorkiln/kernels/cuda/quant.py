@@ -112,7 +112,7 @@ def _one_pass():
     """kernels/triton/quantize.py where Triton is available, else None."""
     if not tk_triton.available():
         return None
-    from tensorkiln.kernels.triton import quantize
+    from tensorkiln.kernels.triton import quantize  # lazy: triton
 
     return quantize
 

@@ -90,10 +90,10 @@ def _qgemm(kind: str) -> Callable:
             raise ValueError("QGemmAct's tensor-core tactics take a packed (N, K) weight")
         return _matmul(kind, a2, b)
 
-    def run(a_q, a_scale, b_q, b_scale, c=None, **attrs) -> torch.Tensor:
+    def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
         if attrs.get("transA", 0):
             raise ValueError("QGemmAct's tensor-core tactics take an untransposed A")
-        return qgemm(a_q, a_scale, b_q, b_scale, c, attrs, product)
+        return qgemm(a_q, a_scale, b_q, b_scale, c, y_scale, attrs, product)
 
     run.__name__ = f"qgemm_{kind}"
     return run
@@ -151,13 +151,16 @@ def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]
         z = z.contiguous(memory_format=torch.channels_last)  # (the output's layout)
     if one_pass_epilogue(acc, z, call.activation):  # scale, bias, residual, activation: one pass
         ep = Epilogue.of(call.activation, *call.act)
-        return epilogue.dequantize(acc, call.scale, bias, z, ep, call.after, call.out), True
+        y = epilogue.dequantize(acc, call.scale, bias, z, ep, call.after, call.out, call.y_scale)
+        return y, True
     return acc.to(torch.float32).mul_(call.scale.reshape(1, m, 1, 1)), False
 
 
-def qconv_pointwise_int8(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+def qconv_pointwise_int8(
+    x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs
+) -> torch.Tensor:
     """A 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _pointwise_sums)
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _pointwise_sums)
 
 
 def _half_ok(spec: LayerSpec) -> bool:
@@ -180,14 +183,15 @@ def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
         z = torch.empty_like(acc, dtype=z.dtype).copy_(z)  # (the output's layout)
     if one_pass_epilogue(acc, z, call.activation):
         ep = Epilogue.of(call.activation, *call.act)
-        return epilogue.dequantize(acc, x_scale, bias, z, ep, call.after, call.out), True
+        y = epilogue.dequantize(acc, x_scale, bias, z, ep, call.after, call.out, call.y_scale)
+        return y, True
     return acc.to(torch.float32).mul_(call.x_scale), False
 
 
-def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
+def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
     """QConvAct through cuDNN's float16 convolution (the fallback tensor-core route where no
     8-bit kernel wins)."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, _half_sums)
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _half_sums)
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -212,11 +216,12 @@ def _triton_qconv(cfg: Any) -> Callable:
         y = conv.conv_act(
             x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
             residual_after=call.after, config=cfg, scale=call.scale, out_dtype=call.out,
+            y_scale=call.y_scale,
         )  # fmt: skip
         return y, True
 
-    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, **attrs) -> torch.Tensor:
-        return qconv(x_q, x_scale, w_q, w_scale, b, z, attrs, sums)
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
 
     run.__name__ = f"triton_qconv_{cfg.name}"
     return run

@@ -5,7 +5,9 @@ int8 or float8 (E4M3). The products are summed exactly: every int8 or E4M3 value
 product of two is exact in float64, and so are sums of up to 2**35 int8 products, which is what
 an integer accumulator (int32 on the GPU) holds. The sum is then scaled by ``X_scale * W_scale``
 per channel and finished in float32 as ConvAct and GemmAct finish theirs (bias, residual,
-activation).
+activation). With an output scale (Y_scale, the last input) the float32 result is quantized to it
+(int8 or E4M3, out_dtype 3 or 17): the QuantizeLinear of the next quantized layer's input, fused
+(passes/fuse_qdq.py's fuse_requantize).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from onnx.helper import tensor_dtype_to_np_dtype
 
 from tensorkiln.kernels.reference.fused_conv import _epilogue, activate, conv_act
 from tensorkiln.kernels.reference.fused_gemm import gemm_act
+from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 
 _QUANTIZED = frozenset(
@@ -53,6 +56,7 @@ def qconv_act(
     w_scale: np.ndarray,
     b: np.ndarray | None = None,
     z: np.ndarray | None = None,
+    y_scale: np.ndarray | None = None,
     *,
     auto_pad: str = "NOTSET",
     dilations=None,
@@ -69,7 +73,7 @@ def qconv_act(
     out_dtype: int = 1,
 ) -> np.ndarray:
     """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
-    returned in ``out_dtype``."""
+    returned in ``out_dtype``; with ``y_scale``, quantized to it (:func:`_as_out`)."""
     acc = conv_act(
         _exact(x_q, "QConvAct's X"),
         _exact(w_q, "QConvAct's W"),
@@ -92,11 +96,28 @@ def qconv_act(
     zz = None if z is None else z.astype(np.float32).reshape(y.shape)
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     _epilogue(y, bb, zz, act, residual_order == "act_add")
-    return _as_out(y.reshape(acc.shape), out_dtype)
+    return _as_out(y.reshape(acc.shape), out_dtype, y_scale)
 
 
-def _as_out(y: np.ndarray, out_dtype: int) -> np.ndarray:
-    return y if out_dtype == 1 else y.astype(tensor_dtype_to_np_dtype(out_dtype))
+REQUANTIZED = (3, 17)  # the out_dtype of a layer that quantizes its output: int8, float8 E4M3
+
+
+def _as_out(y: np.ndarray, out_dtype: int, y_scale: np.ndarray | None = None) -> np.ndarray:
+    """The float32 result in ``out_dtype``: a float type, or with ``y_scale`` int8 or E4M3,
+    ``QuantizeLinear(y, y_scale)`` (saturating, zero point 0): the quantization of the next
+    layer's input, fused into this one's epilogue."""
+    if y_scale is None:
+        if out_dtype in REQUANTIZED:
+            raise ValueError(f"out_dtype {out_dtype} (8-bit) needs the output's scale Y_scale")
+        return y if out_dtype == 1 else y.astype(tensor_dtype_to_np_dtype(out_dtype))
+    if out_dtype not in REQUANTIZED:
+        raise ValueError(
+            f"a quantized output (Y_scale given) is int8 or float8 E4M3 (out_dtype 3 or 17), "
+            f"not type {out_dtype}"
+        )
+    if np.size(y_scale) != 1:
+        raise ValueError(f"Y_scale must be one value, got shape {np.shape(y_scale)}")
+    return quantize_linear(y, np.asarray(y_scale, np.float32).reshape(()), output_dtype=out_dtype)
 
 
 @register("QGemmAct", domain="tensorkiln", since=1)
@@ -106,6 +127,7 @@ def qgemm_act(
     b_q: np.ndarray,
     b_scale: np.ndarray,
     c: np.ndarray | None = None,
+    y_scale: np.ndarray | None = None,
     *,
     alpha: float = 1.0,
     beta: float = 1.0,
@@ -131,4 +153,4 @@ def qgemm_act(
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     if math.prod(y.shape):
         activate(y.reshape(-1, n), *act)
-    return _as_out(y, out_dtype)
+    return _as_out(y, out_dtype, y_scale)

@@ -30,6 +30,7 @@ from tensorkiln.kernels.triton.gemm import (
     launch,
     swizzle,
 )
+from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 
 @triton.jit
@@ -86,7 +87,7 @@ _GENERIC = [
 
 @triton.jit(do_not_specialize=_GENERIC)
 def _conv_kernel(
-    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, s_ptr,
+    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, s_ptr, q_ptr,
     NB, C, H, W, OC, OH, OW, KH, KW,
     sx_n, sx_c, sx_h, sx_w, sw_o, sw_c, sw_h, sw_w,
     sz_n, sz_c, sz_h, sz_w, sy_n, sy_c, sy_h, sy_w,
@@ -94,7 +95,7 @@ def _conv_kernel(
     p0, p1, lo, hi,
     HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr, QUANT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    QOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # C and OC are the input and output channels of one group
     M = NB * OH * OW
@@ -151,6 +152,8 @@ def _conv_kernel(
         z_ptrs = z_ptr + (n * sz_n + oh * sz_h + ow * sz_w)[:, None] + co[None, :] * sz_c
         z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
     acc = finish(acc, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
+    if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
+        acc = requantize(acc, tl.load(q_ptr), QOUT)
     y_ptrs = y_ptr + (n * sy_n + oh * sy_h + ow * sy_w)[:, None] + co[None, :] * sy_c
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -206,10 +209,12 @@ def conv_act(
     config: TileConfig = CONFIGS[1],
     scale: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.float32,
+    y_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
     ``scale`` (float32, one per output channel), x and w are int8 or float8 E4M3 and the sums are
-    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``.
+    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``
+    (with ``y_scale``: int8 or E4M3, the result quantized to it).
     Any strides: the weights of the cuda backend's convolutions are channels-last (OHWI), the
     layout whose channel reads are contiguous."""
     if x.dim() not in (3, 4) or w.dim() != x.dim():
@@ -222,6 +227,7 @@ def conv_act(
         y = conv_act(
             _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
             residual_after=residual_after, config=config, scale=scale, out_dtype=out_dtype,
+            y_scale=y_scale,
         )  # fmt: skip
         return y.squeeze(2)
     nb, c, h, wd = x.shape
@@ -243,8 +249,8 @@ def conv_act(
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
     _conv_kernel[grid](
-        x, w, bias if bias is not None else y, z if z is not None else y, y,
-        scale if scale is not None else y,
+        x, w, bias if bias is not None else y, z if z is not None else y, storable(y),
+        scale if scale is not None else y, y_scale if y_scale is not None else y,
         nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3],
         *x.stride(), *w.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         *geom.strides, *geom.begin, *geom.dilations,
@@ -253,6 +259,7 @@ def conv_act(
         ACT=epilogue.code, PRECISION=dot_precision(x.dtype),
         UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         FLAT_K=c // group < FLAT_BELOW, QUANT=quant,
+        QOUT=qout(y.dtype) if y_scale is not None else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip

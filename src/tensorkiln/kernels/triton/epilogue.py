@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tensorkiln.kernels.triton.gemm import Epilogue, finish
+from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 2048
@@ -30,9 +31,9 @@ BLOCK = 2048
 
 @triton.jit
 def _epilogue_kernel(
-    x_ptr, s_ptr, b_ptr, z_ptr, y_ptr, n, C, inner, p0, p1, lo, hi,
+    x_ptr, s_ptr, b_ptr, z_ptr, q_ptr, y_ptr, n, C, inner, p0, p1, lo, hi,
     HAS_S: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr,
-    ACT: tl.constexpr, NHWC: tl.constexpr, BLOCK: tl.constexpr,
+    ACT: tl.constexpr, NHWC: tl.constexpr, QOUT: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -48,6 +49,8 @@ def _epilogue_kernel(
     if HAS_Z:
         z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = finish(v, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
+    if QOUT != 0:  # (the next layer's input quantization, fused)
+        v = requantize(v, tl.load(q_ptr), QOUT)
     tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -83,7 +86,7 @@ def epilogue_(
     return y
 
 
-def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool) -> None:
+def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool, y_scale=None) -> None:
     inner = channel_stride(x)
     channels = x.shape[1]
     for what, v in (("bias", b), ("scale", scale)):
@@ -91,12 +94,13 @@ def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool) -> None
             raise ValueError(f"epilogue: {what} of {v.numel()} values for {channels} channels")
     bias = None if b is None else b.reshape(channels).contiguous()
     n = x.numel()
+    code = qout(y.dtype) if y_scale is not None else 0
     _epilogue_kernel[(triton.cdiv(n, BLOCK),)](
         x, scale if scale is not None else x, bias if bias is not None else x,
-        z if z is not None else x, y, n, channels, inner,
-        epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
+        z if z is not None else x, y_scale if y_scale is not None else x, storable(y),
+        n, channels, inner, epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
         HAS_S=scale is not None, HAS_B=bias is not None, HAS_Z=z is not None,
-        Z_AFTER=bool(residual_after), ACT=epilogue.code, NHWC=inner == 1,
+        Z_AFTER=bool(residual_after), ACT=epilogue.code, NHWC=inner == 1, QOUT=code,
         BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
 
@@ -121,11 +125,16 @@ def dequantize(
     epilogue: Epilogue,
     residual_after: bool,
     out_dtype: torch.dtype,
+    y_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A quantized layer's epilogue in one pass: ``act(acc * scale + b + z)`` (or
     ``act(acc * scale + b) + z``) in float32, written once in ``out_dtype`` and ``acc``'s layout;
-    ``scale`` (float32) and ``b`` hold one value per channel (axis 1). The caller checks
-    :func:`dequantize_applies` first."""
+    ``scale`` (float32) and ``b`` hold one value per channel (axis 1); with ``y_scale`` (float32,
+    one value) the result is quantized to it (``out_dtype`` int8 or float8 E4M3). The caller
+    checks :func:`dequantize_applies` first."""
+    if y_scale is not None and not qout(out_dtype):
+        raise ValueError(f"a quantized output is int8 or float8_e4m3fn, not {out_dtype}")
     y = torch.empty_like(acc, dtype=out_dtype)
-    _launch(acc, scale.to(torch.float32).contiguous(), b, z, y, epilogue, residual_after)
+    scale = scale.to(torch.float32).contiguous()
+    _launch(acc, scale, b, z, y, epilogue, residual_after, y_scale)
     return y

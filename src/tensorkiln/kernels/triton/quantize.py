@@ -19,8 +19,9 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024
-_ROUND = 12582912.0  # 1.5 * 2**23: x + _ROUND - _ROUND rounds |x| < 2**22 half to even
-E4M3_MAX = 448.0
+# (globals a kernel reads must be constexpr)
+_ROUND = tl.constexpr(12582912.0)  # 1.5 * 2**23: x + _ROUND - _ROUND rounds |x| < 2**22 to even
+E4M3_MAX = tl.constexpr(448.0)
 _INT = {torch.int8: (-128.0, 127.0), torch.uint8: (0.0, 255.0)}
 
 
@@ -40,6 +41,30 @@ def _e4m3_bits(q):
     code = tl.where(e >= 1, (e << 3) | ((rb >> 20) & 7), (r * 512.0).to(tl.int32))
     code = tl.where(q != q, 0x7F, code)
     return code | ((bits >> 24) & 0x80)
+
+
+@triton.jit
+def requantize(v, s, QOUT: tl.constexpr):
+    """A fused layer's float32 result ``v`` quantized to scale ``s`` with no zero point:
+    QOUT 1: int8 values (int32 here), 2: E4M3 codes (store them as bytes)."""
+    q = tl.math.div_rn(v, s)
+    if QOUT == 2:
+        q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+        return _e4m3_bits(q)
+    q = tl.minimum(tl.maximum(q, -1024.0), 1024.0)
+    q = (q + _ROUND) - _ROUND
+    return tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+
+
+def qout(dtype: torch.dtype | None) -> int:
+    """The QOUT code of :func:`requantize` for an output type (0: a float output)."""
+    return {torch.int8: 1, torch.float8_e4m3fn: 2}.get(dtype, 0)
+
+
+def storable(y: torch.Tensor) -> torch.Tensor:
+    """``y`` as the kernels write it: E4M3 outputs as their bytes."""
+    return y.view(torch.uint8) if y.dtype == torch.float8_e4m3fn else y
 
 
 @triton.jit
