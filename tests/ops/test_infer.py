@@ -78,3 +78,22 @@ def test_the_reference_evaluator_folds_what_it_can():
     infer.infer_shapes(plain)
     types = {v.name: v.type for v in graph.values()}
     assert all(types[v.name] == v.type for v in plain.values() if v.name in types)
+
+
+def test_quantize_linear_infers_float8_at_an_older_opset():
+    """The builder writes float8 Q/DQ into models of any opset; ONNX's QuantizeLinear schema
+    before 19 refuses an E4M3 zero point, so the native rule must type it (and keep the shape
+    concrete at the shapes the autotuner works with)."""
+    from tensorkiln.ir import DType, Graph, Node, Value
+
+    x = Value("x", TensorType(DType.FLOAT16, ("batch", 8)))
+    s = Value("s", TensorType(DType.FLOAT, ()), const=np.float32(0.1))
+    zp = Value("zp", TensorType(DType.FLOAT8E4M3FN, ()), const=np.zeros((), np.float32))
+    q, d = Value("q", None), Value("d", None)
+    graph = Graph(inputs=[x], outputs=[d], initializers=[s, zp], opsets={"": 17},
+                  nodes=[Node("QuantizeLinear", [x, s, zp], [q]),
+                         Node("DequantizeLinear", [q, s, zp], [d])])  # fmt: skip
+    concrete = infer.infer_at_shapes(graph, {"x": (4, 8)})
+    types = {v.name: v.type for v in concrete.values()}
+    assert types["q"] == TensorType(DType.FLOAT8E4M3FN, (4, 8))
+    assert types["d"] == TensorType(DType.FLOAT, (4, 8))

@@ -141,6 +141,24 @@ def _cast(ctx: InferContext) -> list[Type | None]:
     return [_t(DType(ctx.attr("to")), ctx.shape(0))]
 
 
+# Natively, so that a model of an older opset quantized to float8 by the builder (E4M3 zero
+# points, which ONNX's schemas before opset 19 refuse) still infers at the tuning shapes.
+@rule("QuantizeLinear")
+def _quantize(ctx: InferContext) -> list[Type | None]:
+    """The zero point's type, else ``output_dtype``, else uint8; the input's shape."""
+    dtype = ctx.dtype(2)
+    if dtype is None:
+        dtype = DType(ctx.attr("output_dtype", 0) or DType.UINT8.value)
+    return [_t(dtype, ctx.shape(0))]
+
+
+@rule("DequantizeLinear")
+def _dequantize(ctx: InferContext) -> list[Type | None]:
+    """``output_dtype`` when set (opset 23), else the scale's type; the input's shape."""
+    code = ctx.attr("output_dtype", 0)
+    return [_t(DType(code) if code else ctx.dtype(1), ctx.shape(0))]
+
+
 @rule("CastLike")
 def _castlike(ctx: InferContext) -> list[Type | None]:
     return [_t(ctx.dtype(1), ctx.shape(0))]
