@@ -77,10 +77,13 @@ def _flat_tiles(
 
 # Triton compiles a variant for every pattern of integer arguments equal to 1 or divisible by 16;
 # over a network's layers the geometry takes many such patterns, and compiling them dominated the
-# autotuner's time. Only the innermost strides (1 for contiguous tensors) stay specialized.
+# autotuner's time. Only the strides that are the innermost ones in some layout stay specialized:
+# the width's (1 in NCHW) and the channels' of the input and the weight (1 channels-last, the
+# layout of the cuda backend's convolutions), so that the compiler sees contiguous channel reads
+# and vectorizes them (8-bit operands read byte by byte otherwise).
 _GENERIC = [
     "NB", "C", "H", "W", "OC", "OH", "OW", "KH", "KW",
-    "sx_n", "sx_c", "sx_h", "sw_o", "sw_c", "sw_h", "sz_n", "sz_c", "sz_h", "sy_n", "sy_c", "sy_h",
+    "sx_n", "sx_h", "sw_o", "sw_h", "sz_n", "sz_c", "sz_h", "sy_n", "sy_c", "sy_h",
     "stride_h", "stride_w", "pad_h", "pad_w", "dil_h", "dil_w",
 ]  # fmt: skip
 
