@@ -282,6 +282,7 @@ def tensorkiln_peer(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
     )[1]
     cell["precision"] = precision
+    cell["tactics"] = tactic_summary(engine.layers)
     batch = next(iter(dev.values())).shape[0]
     cell["value"] = (
         throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
@@ -292,6 +293,23 @@ def tensorkiln_peer(
     cell["actual_bytes"] = ctx.device_memory_bytes() if S.device == "cuda" else None
     cell["graph_fallback"] = ctx.cuda_graph_fallback
     return cell
+
+
+def tactic_summary(layers: list) -> dict:
+    """Per op type: how many layers took each tactic, and a few reasons candidates were
+    rejected or the default was kept (what to look at when a precision is slower than hoped)."""
+    out: dict = {}
+    for layer in layers:
+        op = layer.get("op", "?")
+        entry = out.setdefault(op, {"chosen": {}, "why": []})
+        tactic = layer.get("tactic", "default")
+        entry["chosen"][tactic] = entry["chosen"].get(tactic, 0) + 1
+        reasons = [layer["fallback"]] if layer.get("fallback") else []
+        reasons += [f"{k}: {v}" for k, v in (layer.get("rejected") or {}).items()]
+        for r in reasons:
+            if len(entry["why"]) < 6 and r[:200] not in entry["why"]:
+                entry["why"].append(r[:200])
+    return out
 
 
 def torch_peer(peer: str, model16, args: list, want: list, large: bool) -> dict:
