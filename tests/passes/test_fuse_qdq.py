@@ -281,3 +281,57 @@ def test_requantization_moves_into_the_layer(kind) -> None:
         _requant_graph(rng, kind, per_axis=True),
     ):
         assert fuse_requantize(other) == 0
+
+
+def test_pytorch_fake_quantized_export_runs_quantized(tmp_path) -> None:
+    """PyTorch's quantization export (fake-quantized activations per tensor and weights per
+    channel, TorchScript exporter): Q/DQ pairs around Conv, ReLU, a Flatten and a Gemm. Every
+    layer runs quantized, the DequantizeLinear moved past the Flatten (dq_through_data_movement),
+    and the outputs are onnxruntime's but where an activation sits on a rounding edge (exact
+    integer sums here, float32 sums there: one step of one activation apart at most)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    torch.manual_seed(int(rng.integers(1 << 30)))
+
+    def fq(t, scale):  # (per tensor, int8)
+        return torch.fake_quantize_per_tensor_affine(t, scale, 0, -128, 127)
+
+    def scales(w):  # (per output channel, held as a buffer as FakeQuantize modules hold it)
+        return (w.detach().abs().reshape(w.shape[0], -1).amax(1) / 127).float()
+
+    def fq_channels(w, scale):
+        zero = torch.zeros(w.shape[0], dtype=torch.int32)
+        return torch.fake_quantize_per_channel_affine(w, scale, zero, 0, -128, 127)
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = torch.nn.Linear(8 * 6 * 6, 10)
+            self.register_buffer("conv_scale", scales(self.conv.weight))
+            self.register_buffer("fc_scale", scales(self.fc.weight))
+
+        def forward(self, x):
+            x = fq(x, 0.05)
+            w = fq_channels(self.conv.weight, self.conv_scale)
+            y = torch.relu(torch.nn.functional.conv2d(x, w, self.conv.bias, padding=1))
+            y = fq(y, 0.05).flatten(1)
+            w2 = fq_channels(self.fc.weight, self.fc_scale)
+            return torch.nn.functional.linear(y, w2, self.fc.bias)
+
+    net = Net().eval()
+    path = tmp_path / "fq.onnx"
+    with torch.no_grad():
+        torch.onnx.export(net, (torch.randn(16, 3, 6, 6),), str(path), opset_version=17,
+                          dynamo=False, input_names=["x"], output_names=["y"])  # fmt: skip
+    engine = Builder("reference").build(path)
+    ops = [n.op for n in engine.graph.nodes]
+    assert ops == ["QuantizeLinear", "QConvAct", "Flatten", "QGemmAct"], ops
+    x = rng.standard_normal((16, 3, 6, 6)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _ort_run(path, {"x": x})
+    w_step = float(net.fc.weight.detach().abs().max()) * 0.05  # one activation step's worth
+    diff = np.abs(got - want)
+    assert diff.max() <= 2 * w_step + 1e-5
+    # most samples have no activation on an edge: their outputs agree to float32 rounding
+    assert (diff.max(axis=1) <= 1e-5).mean() >= 0.5

@@ -152,6 +152,43 @@ RULES = (
 )
 
 
+# ------------------------------------------------------------------- DQ through data movement
+#
+# Flatten/Reshape/Squeeze/Unsqueeze/Transpose(DQ(q, s)) -> DQ(op(q), s) for one scale and a zero
+# zero point: dequantizing is elementwise, so it commutes with moving the values (exact), and the
+# layer after the shape op then reads a DQ it can fuse (PyTorch's export puts a Flatten between
+# a ReLU's Q/DQ and the classifier's Gemm). TensorRT propagates DQ forward the same way.
+
+_MOVES = ("Flatten", "Reshape", "Squeeze", "Unsqueeze", "Transpose")
+
+
+def _dq_through(view: View, found: Found) -> Rewrite | None:
+    move = found.root
+    dq = view.made_by(move.inputs[0], "DequantizeLinear") if move.inputs else None
+    if dq is None or view.sole(move.inputs[0]) is not move or not _zero_point(view, dq):
+        return None
+    scale = view.const(dq.inputs[1]) if len(dq.inputs) > 1 else None
+    q, out = dq.inputs[0], move.outputs[0]
+    if scale is None or scale.size != 1 or q is None or q.dtype not in QUANTIZED or out is None:
+        return None
+    if dq.attrs.get("output_dtype", 0) or dq.attrs.get("block_size", 0):
+        return None
+    moved = Value(view.fresh_name(f"{out.name}_quantized"), TensorType(q.dtype, out.shape))
+    new_move = Node(move.op, [q, *move.inputs[1:]], [moved], dict(move.attrs), name=move.name)
+    new_dq = Node("DequantizeLinear", [moved, *dq.inputs[1:]], [out], dict(dq.attrs),
+                  name=dq.name)  # fmt: skip
+    return Rewrite(remove=[move, dq], add=[new_move, new_dq], count=1)
+
+
+MOVE_RULES = tuple(Rule(f"dq_through_{op.lower()}", Op(op), _dq_through) for op in _MOVES)
+
+
+@register_pass("dq_through_data_movement", level=1, order=8, backends=("reference", "cuda"))
+def dq_through_data_movement(graph: Graph) -> int:
+    """DequantizeLinear moved past Flatten/Reshape/Squeeze/Unsqueeze/Transpose (exact)."""
+    return run_rules(graph, MOVE_RULES)
+
+
 # Level 1 and first: a model's Q/DQ are honoured before constant folding would fold its weights'
 # DequantizeLinear into float constants; fuse_conv_act then grows QConvAct's epilogue. (The cpu
 # backend has no fast quantized kernels: there the folds run as before, and layers stay float.)
