@@ -401,18 +401,35 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
 
 
 def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
-    """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``
-    (anywhere, subgraphs included), and not themselves outputs."""
+    """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``, or
+    only by QuantizeLinear nodes whose outputs those convolutions alone read (an INT8/FP8
+    engine's first layer), anywhere, subgraphs included, and not themselves outputs."""
     if not weights:
         return frozenset()
-    ok = {v: v not in graph.outputs for v in graph.inputs}
+    readers: dict[Value, list[tuple[Node, int]]] = {}
     for _, n in graph.walk():
+        for i, v in enumerate(node_reads(n)):
+            readers.setdefault(v, []).append((n, i))
+
+    def conv_reads(n: Node, i: int, v: Value) -> bool:
         w = _WEIGHT_INPUT.get((n.domain, n.op))
         conv = w is not None and len(n.inputs) > w and n.inputs[w] in weights
-        for i, v in enumerate(node_reads(n)):
-            if v in ok and not (conv and i == 0 and v not in n.inputs[1:]):
-                ok[v] = False
-    return frozenset(v for v, good in ok.items() if good)
+        return conv and i == 0 and v not in n.inputs[1:]
+
+    def quantized_for_convs(n: Node, i: int) -> bool:
+        if (n.domain, n.op) != ("", "QuantizeLinear") or i != 0 or not n.outputs:
+            return False
+        q = n.outputs[0]
+        users = readers.get(q, [])
+        return bool(users) and q not in graph.outputs and all(conv_reads(m, j, q) for m, j in users)
+
+    return frozenset(
+        v
+        for v in graph.inputs
+        if v not in graph.outputs
+        and readers.get(v)
+        and all(conv_reads(n, i, v) or quantized_for_convs(n, i) for n, i in readers[v])
+    )
 
 
 def check_supported(graph: Graph, backend: str = "reference") -> None:

@@ -57,8 +57,10 @@ class LayerInputs:
                 return
             dtype = np.dtype(dtype)
             try:
-                if dtype.kind == "f":
-                    self.env[v] = _draw(shape, dtype.name, gen, backend)
+                if dtype.kind == "f":  # (in the layout the engine uploads it in)
+                    self.env[v] = self.executor.upload_input(
+                        v, _draw(shape, dtype.name, gen, backend)
+                    )
                 else:  # token ids, masks, indices: all ones, a valid index anywhere
                     self.env[v] = torch.ones(
                         shape, dtype=backend.device_dtype(dtype), device=backend.device

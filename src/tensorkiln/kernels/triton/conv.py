@@ -236,9 +236,13 @@ def conv_act(
     nb, c, h, wd = x.shape
     oc = w.shape[0]
     oh, ow = geom.out
-    # (the output keeps the input's layout: channels-last in, channels-last out)
+    # The output is channels-last when the input or the weight is, as torch's convolutions decide
+    # (the cuda backend uploads weights channels-last): a layer's output layout must not depend
+    # on which tactic ran it, or the autotuner times the next layer in one layout and the engine
+    # runs it in another.
     nhwc = x.stride(1) == 1 and not x.is_contiguous()
-    layout = torch.channels_last if nhwc else torch.contiguous_format
+    w_nhwc = w.stride(1) == 1 and not w.is_contiguous()
+    layout = torch.channels_last if nhwc or w_nhwc else torch.contiguous_format
     y_dtype = x.dtype if scale is None else out_dtype
     y = torch.empty((nb, oc, oh, ow), dtype=y_dtype, device=x.device, memory_format=layout)
     if y.numel() == 0:
