@@ -276,3 +276,35 @@ def test_int8_with_fp16_takes_every_kind_of_calibration_source(tmp_path: Path) -
         assert sum(n.op in ("QConvAct", "QGemmAct") for n in engine.graph.nodes) == 3
         y = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
         assert np.all(np.isfinite(y))
+
+
+def test_the_report_names_quantized_layers_left_on_the_exact_default() -> None:
+    """A quantized layer on its float64 default kernel is right but slow on a GPU (every FP8
+    convolution of a ResNet-50 ran so once, unnoticed): the build report says which and why."""
+    from tensorkiln.builder.builder import _quantized_defaults_notes
+
+    layers = [
+        {"name": "a", "op": "tensorkiln.QConvAct", "tactic": "triton_qconv_x"},
+        {"name": "b", "op": "tensorkiln.QConvAct", "tactic": "default"},
+        {
+            "name": "c",
+            "op": "tensorkiln.QGemmAct",
+            "tactic": "default",
+            "candidates": ["d", "t"],
+            "rejected": {"t": "relative error 3e-2 vs the float32 oracle"},
+        },  # fmt: skip
+        {
+            "name": "d",
+            "op": "tensorkiln.QConvAct",
+            "tactic": "default",
+            "candidates": ["d", "t"],
+            "fallback": "the default kernel failed on the tuning inputs: X",
+        },  # fmt: skip
+        {"name": "e", "op": "Relu", "tactic": "default"},
+    ]
+    (note,) = _quantized_defaults_notes(layers)
+    assert note.startswith("3 of 4 quantized layers run the exact default kernel")
+    assert "b: no tensor-core tactic takes its shapes and types" in note
+    assert "c: every candidate refused (t: relative error 3e-2" in note
+    assert "d: the default kernel failed on the tuning inputs: X" in note
+    assert _quantized_defaults_notes(layers[:1] + layers[4:]) == []

@@ -140,6 +140,7 @@ class Builder:
                         graph, config, backend, precision, policy
                     )
                     report.notes += _guessed_shapes_notes(graph, config)
+                    report.notes += _quantized_defaults_notes(report.layers)
                 else:
                     report.layers = _choose_tactics(graph, backend)
             with _phase(report, "memory", bar):
@@ -422,6 +423,36 @@ def _guessed_shapes_notes(graph: Graph, config: BuilderConfig) -> list[str]:
     return [
         f"kernels were tuned at size 1 for dynamic axes without a profile ({axes}); give "
         "--opt-shapes for timings that match the shapes the engine will run at"
+    ]
+
+
+_QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
+
+
+def _quantized_defaults_notes(layers: list[dict]) -> list[str]:
+    """A note naming the quantized layers that kept their default kernel (exact sums in float64:
+    right, but far slower on a GPU than any tensor-core tactic), with why: no tactic took the
+    layer, tuning could not measure it, or every candidate was refused."""
+    kept = [x for x in layers if x.get("op") in _QUANTIZED_LAYERS and x.get("tactic") == "default"]
+    if not kept:
+        return []
+    total = sum(1 for x in layers if x.get("op") in _QUANTIZED_LAYERS)
+
+    def why(x: dict) -> str:
+        if x.get("fallback"):
+            return str(x["fallback"])
+        if not x.get("candidates"):
+            return "no tensor-core tactic takes its shapes and types"
+        if x.get("rejected"):
+            name, reason = next(iter(x["rejected"].items()))
+            return f"every candidate refused ({name}: {reason})"
+        return "the default measured fastest"
+
+    shown = "; ".join(f"{x.get('name')}: {why(x)}" for x in kept[:5])
+    more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
+    return [
+        f"{len(kept)} of {total} quantized layers run the exact default kernel (float64 sums, "
+        f"slow on a GPU): {shown}{more}"
     ]
 
 
