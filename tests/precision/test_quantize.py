@@ -292,14 +292,14 @@ def test_the_report_names_quantized_layers_left_on_the_exact_default() -> None:
             "tactic": "default",
             "candidates": ["d", "t"],
             "rejected": {"t": "relative error 3e-2 vs the float32 oracle"},
-        },  # fmt: skip
+        },
         {
             "name": "d",
             "op": "tensorkiln.QConvAct",
             "tactic": "default",
             "candidates": ["d", "t"],
             "fallback": "the default kernel failed on the tuning inputs: X",
-        },  # fmt: skip
+        },
         {"name": "e", "op": "Relu", "tactic": "default"},
     ]
     (note,) = _quantized_defaults_notes(layers)
