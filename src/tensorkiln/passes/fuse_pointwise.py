@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.facts import ELEMENTWISE
 from tensorkiln.passes.registry import register_pass
@@ -36,6 +38,30 @@ class Group:
     outputs: list[Value] = field(default_factory=list)  # root output first, then extra ones
 
 
+_QDQ = ("QuantizeLinear", "DequantizeLinear")
+_EIGHT_BIT = (DType.INT8, DType.UINT8)
+
+
+def _per_tensor_qdq(node: Node) -> bool:
+    """A QuantizeLinear/DequantizeLinear of one float32 scale and zero point between float and
+    int8/uint8 tensors: elementwise, and the Triton generator emits it (an explicitly quantized
+    model's residual adds: DQ, DQ, Add, Relu, Q in one kernel, reading and writing 8 bits)."""
+    if len(node.outputs) != 1 or node.outputs[0] is None or len(node.inputs) < 2:
+        return False
+    if node.attrs.get("block_size", 0) or node.attrs.get("output_dtype", 0):
+        return False
+    scalars = [v for v in node.inputs[1:3] if v is not None]
+    if any(not isinstance(v.type, TensorType) or v.shape is None for v in scalars):
+        return False
+    if any(int(np.prod(v.shape)) != 1 for v in scalars) or node.inputs[1].dtype != DType.FLOAT:
+        return False
+    x, y = node.inputs[0], node.outputs[0]
+    if x is None or not isinstance(x.type, TensorType) or not isinstance(y.type, TensorType):
+        return False
+    quantized = y if node.op == "QuantizeLinear" else x
+    return quantized.dtype in _EIGHT_BIT and x.shape is not None and len(x.shape) >= 1
+
+
 def is_elementwise(node: Node) -> bool:
     """An elementwise op on tensors of known dtype that is not shape arithmetic.
 
@@ -43,6 +69,8 @@ def is_elementwise(node: Node) -> bool:
     computations and left alone, so that shape inference and folding keep seeing them; integer and
     bool ops on tensors of rank 2 and up (attention masks) are fused.
     """
+    if node.domain in ("", "ai.onnx") and node.op in _QDQ:
+        return _per_tensor_qdq(node)
     if node.domain not in ("", "ai.onnx") or node.op not in ELEMENTWISE:
         return False
     if "broadcast" in node.attrs or "axis" in node.attrs:  # opset < 7 unidirectional broadcasting

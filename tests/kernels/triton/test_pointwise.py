@@ -524,3 +524,40 @@ def test_channels_last_inputs_give_channels_last_outputs():
     mixed = mixed if isinstance(mixed, tuple) else (mixed,)
     for g, r in zip(mixed, reference(body, [x, z])):
         assert_close(to_numpy(g), r)
+
+
+@pytest.mark.parametrize("zero_point", ["int8", "uint8"])
+def test_fused_quantized_residual_add(zero_point):
+    """An explicitly quantized model's residual block: DQ(a), DQ(b), Add, Relu, Q -> one kernel
+    reading int8 (or uint8 with zero points) and writing it, bit for bit the reference's, which is
+    onnxruntime's (IEEE division, half-to-even rounding)."""
+    ort = pytest.importorskip("onnxruntime")
+    qtype, np_t = (
+        (TensorProto.INT8, np.int8) if zero_point == "int8" else (TensorProto.UINT8, np.uint8)
+    )
+    zps = (0, 0, 0) if zero_point == "int8" else (128, 120, 3)
+    m = model(
+        [
+            node("DequantizeLinear", ["aq", "sa", "za"], ["a"]),
+            node("DequantizeLinear", ["bq", "sb", "zb"], ["b"]),
+            node("Add", ["a", "b"], ["s"]),
+            node("Relu", ["s"], ["r"]),
+            node("QuantizeLinear", ["r", "sy", "zy"], ["out"]),
+        ],
+        [vi("aq", [2, 8, 5, 6], qtype), vi("bq", [2, 8, 5, 6], qtype)],
+        [vi("out", [2, 8, 5, 6], qtype)],
+        [
+            const("sa", 0.05), const("sb", 0.04), const("sy", 0.06),
+            const("za", zps[0], np_t), const("zb", zps[1], np_t), const("zy", zps[2], np_t),
+        ],
+    )  # fmt: skip
+    body, names = fused_body(m)
+    assert [n.op for n in body.nodes] == [
+        "DequantizeLinear", "DequantizeLinear", "Add", "Relu", "QuantizeLinear",
+    ]  # fmt: skip
+    lo, hi = (-128, 128) if zero_point == "int8" else (0, 256)
+    arrays = {k: rng.integers(lo, hi, (2, 8, 5, 6)).astype(np_t) for k in ("aq", "bq")}
+    check(body, feed(names, **arrays))
+    got = reference(body, feed(names, **arrays))[0]
+    session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(got, session.run(None, arrays)[0])
