@@ -358,26 +358,26 @@ def _clip(g, n, a):
 _EIGHT_BIT = {DType.INT8: (-128, 127), DType.UINT8: (0, 255)}
 
 
-def _per_tensor_qdq(n: Node, a: list[Term | None]) -> None:
-    """Q/DQ the generator emits: one scale and zero point (scalars), 8-bit integers."""
+def _per_tensor_qdq(n: Node, a: list[Term | None]) -> tuple:
+    """(x, scale, zero point or None) of a Q/DQ the generator emits: one float32 scale and zero
+    point (scalars)."""
     if n.attrs.get("block_size", 0) or n.attrs.get("output_dtype", 0):
         raise Unsupported(f"{n.op} with block_size or output_dtype")
     if n.attrs.get("precision", 0) not in (0, DType.FLOAT.value):
         raise Unsupported(f"{n.op} dividing in another type")
     if len(a) < 2 or a[1] is None or a[1].dtype != DType.FLOAT:
         raise Unsupported(f"{n.op} without a float32 scale")
+    return a[0], a[1], a[2] if len(a) > 2 else None
 
 
 @_op("DequantizeLinear")
 def _dequantize(g, n, a):
     """(x - zp) * scale, in float32 (exact for 8-bit x), as the reference computes it."""
-    _per_tensor_qdq(n, a)
-    x, s, zp = a[0], a[1], a[2] if len(a) > 2 else None
+    x, s, zp = _per_tensor_qdq(n, a)
     if x.dtype not in _EIGHT_BIT:
         raise Unsupported(f"DequantizeLinear of {x.dtype.name}")
     wide = f"{x.code}.to(tl.float32)"
-    if zp is not None:
-        wide = f"({wide} - {zp.code}.to(tl.float32))"
+    wide = wide if zp is None else f"({wide} - {zp.code}.to(tl.float32))"
     return f"{wide} * {s.code}"
 
 
@@ -385,15 +385,13 @@ def _dequantize(g, n, a):
 def _quantize(g, n, a):
     """clamp(round_half_even(x / scale) + zp) to int8 or uint8, the division IEEE as the
     reference's (Triton's ``/`` on float32 is an approximation)."""
-    _per_tensor_qdq(n, a)
-    x, s, zp = a[0], a[1], a[2] if len(a) > 2 else None
+    x, s, zp = _per_tensor_qdq(n, a)
     target = n.outputs[0].dtype if n.outputs and n.outputs[0] is not None else None
     if target not in _EIGHT_BIT or x.dtype not in FLOATS:
         raise Unsupported("QuantizeLinear to a type other than int8/uint8")
     lo, hi = _EIGHT_BIT[target]
     q = f"_round_even(tl.math.div_rn({x.code}.to(tl.float32), {s.code}))"
-    if zp is not None:
-        q = f"({q} + {zp.code}.to(tl.float32))"
+    q = q if zp is None else f"({q} + {zp.code}.to(tl.float32))"
     return f"tl.minimum(tl.maximum({q}, {lo}.0), {hi}.0)"
 
 
