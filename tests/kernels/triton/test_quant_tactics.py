@@ -223,3 +223,39 @@ def test_qgemm_tactics_write_the_quantized_output(kind, name) -> None:
     want = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
     got = to_numpy(tactic.fn(*[to_torch(np.asarray(a), "cpu") for a in args], **attrs))
     _codes_agree(got, want)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("requantize", [False, True])
+def test_pointwise_qconv_on_the_triton_gemm(kind, requantize) -> None:
+    """triton_qgemm: a 1x1 QConvAct as the Triton GEMM of the channels-last pixels, 8-bit
+    operands, scale, bias, residual and ReLU in the epilogue, and with Y_scale the output
+    written in 8 bits; against the reference."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    m, c = 128, 48
+    attrs = {"activation": "Relu", "out_dtype": (3 if kind == "int8" else 17) if requantize else 1}
+    args = [_q(rng, (2, c, 5, 6), kind), np.float32(0.05), _q(rng, (m, c, 1, 1), kind),
+            rng.uniform(1e-3, 3e-3, m).astype(np.float32), rng.standard_normal(m).astype(np.float32),
+            rng.standard_normal((2, m, 5, 6)).astype(np.float32)]  # fmt: skip
+    if requantize:
+        ref_float = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args,
+                           {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+        args.append(np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448)))
+    name = "triton_qgemm_64x128x128_w4_s4"
+    tactic = get_tactic("QConvAct", "tensorkiln", name)
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(np.shape(a) for a in args),
+                     tuple(np.asarray(a).dtype.name for a in args), device="cuda")  # fmt: skip
+    assert tactic is not None and tactic.applies(spec)
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [to_torch(np.asarray(a), "cpu") for a in args]
+    for i in (0, 2, 5):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    y = tactic.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y)
+    if requantize:
+        _codes_agree(got, want)
+    else:
+        rtol = 1e-6 if kind == "int8" else 1e-5
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())

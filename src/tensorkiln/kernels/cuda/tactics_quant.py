@@ -9,6 +9,9 @@
 * ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
   with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
+* ``triton_qgemm_<config>`` (QConvAct 1x1): the Triton GEMM of the channels-last pixels with 8-bit
+  operands, the scale, bias, residual, activation and (with Y_scale) the requantization in its
+  epilogue: 8 bits read and written, where torch._int_mm writes int32 sums a pass must read back.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused.
@@ -163,6 +166,53 @@ def qconv_pointwise_int8(
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _pointwise_sums)
 
 
+def _triton_pointwise_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """A 1x1 QConvAct the Triton GEMM takes: int8 or E4M3, one group, unit strides, no padding,
+    channels fitting the tile (the output written in 8 bits where the layer requantizes)."""
+    if not (spec.device == "cuda" or interpreting()):
+        return False
+    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
+    if g is None or not g.pointwise or spec.attrs.get("group", 1) != 1:
+        return False
+    if spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    if len(x) != 4 or x[0] * x[2] * x[3] * max(x[1], w[0]) > _LIMIT:
+        return False
+    if cfg.smem_bytes(1) > gemm.SMEM_LIMIT:
+        return False
+    return cfg.block_n <= max(64, 1 << max(w[0] - 1, 0).bit_length())
+
+
+def _triton_pointwise(cfg: Any) -> Callable:
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        nb, c, h, wd = x_q.shape
+        m = w_q.shape[0]
+        if x_q.stride(1) != 1:  # (the GEMM reads the channels-last (pixels, C) view)
+            x_q = x_q.contiguous(memory_format=torch.channels_last)
+        rows = nb * h * wd
+        y = torch.empty((nb, m, h, wd), dtype=call.out, device=x_q.device,
+                        memory_format=torch.channels_last)  # fmt: skip
+        if z is not None and z.stride() != y.stride():
+            z = z.contiguous(memory_format=torch.channels_last)
+        a = x_q.permute(0, 2, 3, 1).reshape(1, rows, c)
+        bt = w_q.reshape(m, c).t().unsqueeze(0)
+        c2 = None if bias is None else bias.reshape(1, m).expand(rows, m)
+        r2 = None if z is None else z.permute(0, 2, 3, 1).reshape(rows, m)
+        gemm.launch(
+            a, bt, y.permute(0, 2, 3, 1).reshape(1, rows, m), c2, r2, alpha=1.0, beta=1.0,
+            epilogue=gemm.Epilogue.of(call.activation, *call.act), residual_after=call.after,
+            config=cfg, scale=call.scale, y_scale=call.y_scale,
+        )  # fmt: skip
+        return y, True
+
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
+
+    run.__name__ = f"triton_qgemm_{cfg.name}"
+    return run
+
+
 def _half_ok(spec: LayerSpec) -> bool:
     g = _qconv_geometry(spec, ("int8", "float8_e4m3fn")) if spec.device == "cuda" else None
     return g is not None and len(spec.shapes[0]) in (3, 4)
@@ -261,6 +311,13 @@ def _register() -> None:
                 name=f"triton_qconv_{cfg.name}",
                 supports=partial(_triton_qconv_ok, cfg),
             )(_triton_qconv(cfg))
+        for cfg in QUANT_CONFIGS:  # 1x1: the GEMM of the pixels, 8 bits in and (requantized) out
+            tactic(
+                "QConvAct",
+                domain="tensorkiln",
+                name=f"triton_qgemm_{cfg.name}",
+                supports=partial(_triton_pointwise_ok, cfg),
+            )(_triton_pointwise(cfg))
 
 
 _register()

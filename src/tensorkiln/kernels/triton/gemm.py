@@ -22,6 +22,7 @@ import triton.language as tl
 
 from tensorkiln.kernels.common.gemm import gemm_layout
 from tensorkiln.kernels.triton import fp32_dot_precision, interpreting
+from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 # --------------------------------------------------------------------------------- activations
 
@@ -162,12 +163,13 @@ def swizzle(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr,
+    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, s_ptr, q_ptr,
     M, N, K,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, s_yb, s_ym, s_yn,
     alpha, beta, p0, p1, lo, hi,
     HAS_C: tl.constexpr, HAS_R: tl.constexpr, R_AFTER: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT: tl.constexpr, QOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -178,7 +180,10 @@ def _gemm_kernel(
     # rows and columns past the edge read valid ones again (wrapped): no masks in the main loop
     a_ptrs = a_ptr + batch * s_ab + (rm % M)[:, None] * s_am + rk[None, :] * s_ak
     b_ptrs = b_ptr + batch * s_bb + rk[:, None] * s_bk + (rn % N)[None, :] * s_bn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if QUANT == 1:  # int8 operands: exact int32 sums
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
@@ -187,12 +192,19 @@ def _gemm_kernel(
             left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < left, other=0.0)
-        if UPCAST:  # the interpreter multiplies bfloat16 as raw integers
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if QUANT == 1:
+            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        elif QUANT == 2 and not UPCAST:  # E4M3: fold the narrow accumulator every K step
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+        else:
+            if UPCAST:  # the interpreter multiplies bfloat16 as raw integers, and has no fp8 dot
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
+    if QUANT != 0:  # the sums of quantized products times A_scale * B_scale per column
+        acc = acc.to(tl.float32) * tl.load(s_ptr + rn % N).to(tl.float32)[None, :]
     acc = acc * alpha
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     c = 0.0
@@ -204,6 +216,8 @@ def _gemm_kernel(
         r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :] * s_rn, mask=mask, other=0.0)
         r = r.to(tl.float32)
     acc = finish(acc, c, r, HAS_C, HAS_R, R_AFTER, ACT, p0, p1, lo, hi)
+    if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
+        acc = requantize(acc, tl.load(q_ptr), QOUT)
     y_ptrs = y_ptr + batch * s_yb + rm[:, None] * s_ym + rn[None, :] * s_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -267,16 +281,23 @@ def launch(
     epilogue: Epilogue,
     residual_after: bool,
     config: TileConfig,
+    scale: torch.Tensor | None = None,
+    y_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[i] = act(alpha * a[i] @ b[i] + beta * c + r) for 3-D a, b, y (any strides, batch-0
-    broadcast allowed) and 2-D c, r of y's last two dims (broadcast by zero strides)."""
+    broadcast allowed) and 2-D c, r of y's last two dims (broadcast by zero strides). With
+    ``scale`` (float32, one per column), a and b are int8 or E4M3 and their sums are multiplied
+    by it first; with ``y_scale`` (one float32), y is int8 or E4M3 and the result is quantized to
+    it."""
     batch, m, k = a.shape
     n = b.shape[2]
     if batch == 0 or m == 0 or n == 0:
         return y
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), batch)
+    quant = 0 if scale is None else (1 if a.dtype == torch.int8 else 2)
     _gemm_kernel[grid](
-        a, b, c if c is not None else y, r if r is not None else y, y,
+        a, b, c if c is not None else y, r if r is not None else y, storable(y),
+        scale if scale is not None else y, y_scale if y_scale is not None else y,
         m, n, k,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
@@ -286,7 +307,9 @@ def launch(
         float(alpha), float(beta), epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
         HAS_C=c is not None, HAS_R=r is not None, R_AFTER=bool(residual_after),
         ACT=epilogue.code, PRECISION=dot_precision(a.dtype),
-        UPCAST=interpreting() and a.dtype == torch.bfloat16, EVEN_K=k % config.block_k == 0,
+        UPCAST=interpreting() and a.dtype in (torch.bfloat16, torch.float8_e4m3fn),
+        EVEN_K=k % config.block_k == 0, QUANT=quant,
+        QOUT=qout(y.dtype) if y_scale is not None else 0,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
