@@ -160,9 +160,13 @@ def test_mean_variance_normalization_of_a_narrow_spread():
     x = (2 + 0.05 * _randn(2, 3, 4, 5)).astype(np.float32)
     x64 = x.astype(np.float64)
     centred = x64 - x64.mean(axis=1, keepdims=True)
-    want = centred / (np.sqrt((centred**2).mean(axis=1, keepdims=True)) + 1e-9)
+    std = np.sqrt((centred**2).mean(axis=1, keepdims=True))
+    want = centred / (std + 1e-9)
     got = invoke(lookup("MeanVarianceNormalization", "", 13), [x], {"axes": [1]}, 1)[0]
-    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    # float32 rounding of values near 2, relative to each position's own spread (three draws can
+    # land close together); the cancelling formula misses by eps * x^2 / std^2 instead
+    bound = 16 * np.finfo(np.float32).eps * np.abs(x64).max() / std
+    assert np.all(np.abs(got - want) <= bound + 1e-6)
 
 
 @pytest.mark.parametrize(
