@@ -159,11 +159,18 @@ def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]
     return acc.to(torch.float32).mul_(call.scale.reshape(1, m, 1, 1)), False
 
 
-def qconv_pointwise_int8(
-    x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs
-) -> torch.Tensor:
-    """A 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _pointwise_sums)
+def _qconv_with(sums: Callable, name: str) -> Callable:
+    """QConvAct's kernel signature over ``sums`` (fused_quant.qconv does the rest)."""
+
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
+
+    run.__name__ = name
+    return run
+
+
+# a 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM
+qconv_pointwise_int8 = _qconv_with(_pointwise_sums, "qconv_pointwise_int8")
 
 
 def _triton_pointwise_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -206,11 +213,7 @@ def _triton_pointwise(cfg: Any) -> Callable:
         )  # fmt: skip
         return y, True
 
-    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
-        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
-
-    run.__name__ = f"triton_qgemm_{cfg.name}"
-    return run
+    return _qconv_with(sums, f"triton_qgemm_{cfg.name}")
 
 
 def _half_ok(spec: LayerSpec) -> bool:
@@ -238,10 +241,8 @@ def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     return acc.to(torch.float32).mul_(call.x_scale), False
 
 
-def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
-    """QConvAct through cuDNN's float16 convolution (the fallback tensor-core route where no
-    8-bit kernel wins)."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _half_sums)
+# QConvAct through cuDNN's float16 convolution (the tensor-core route where no 8-bit kernel wins)
+qconv_half = _qconv_with(_half_sums, "qconv_half")
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -270,11 +271,7 @@ def _triton_qconv(cfg: Any) -> Callable:
         )  # fmt: skip
         return y, True
 
-    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
-        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
-
-    run.__name__ = f"triton_qconv_{cfg.name}"
-    return run
+    return _qconv_with(sums, f"triton_qconv_{cfg.name}")
 
 
 def _quant_configs() -> tuple:
@@ -304,20 +301,15 @@ def _register() -> None:
     )
     tactic("QConvAct", domain="tensorkiln", name="cudnn_fp16", supports=_half_ok)(qconv_half)
     if available():
-        for cfg in conv.CONFIGS + QUANT_CONFIGS:
-            tactic(
-                "QConvAct",
-                domain="tensorkiln",
-                name=f"triton_qconv_{cfg.name}",
-                supports=partial(_triton_qconv_ok, cfg),
-            )(_triton_qconv(cfg))
-        for cfg in QUANT_CONFIGS:  # 1x1: the GEMM of the pixels, 8 bits in and (requantized) out
-            tactic(
-                "QConvAct",
-                domain="tensorkiln",
-                name=f"triton_qgemm_{cfg.name}",
-                supports=partial(_triton_pointwise_ok, cfg),
-            )(_triton_pointwise(cfg))
+        families = [("triton_qconv", conv.CONFIGS + QUANT_CONFIGS, _triton_qconv_ok, _triton_qconv)]
+        # 1x1: the GEMM of the pixels, 8 bits in and (requantized) out
+        families.append(("triton_qgemm", QUANT_CONFIGS, _triton_pointwise_ok, _triton_pointwise))
+        for prefix, configs, ok, make in families:
+            for cfg in configs:
+                name = f"{prefix}_{cfg.name}"
+                tactic("QConvAct", domain="tensorkiln", name=name, supports=partial(ok, cfg))(
+                    make(cfg)
+                )
 
 
 _register()

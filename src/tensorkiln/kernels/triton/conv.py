@@ -26,6 +26,7 @@ from tensorkiln.kernels.triton.gemm import (
     Epilogue,
     TileConfig,
     dot_precision,
+    dot_step,
     finish,
     launch,
     swizzle,
@@ -133,17 +134,7 @@ def _conv_kernel(
                 step, c_steps, x_rows, w_cols, ih0, iw0, m_ok, rk, C, H, W, KW,
                 sx_c, sx_h, sx_w, sw_c, sw_h, sw_w, dil_h, dil_w, BLOCK_K,
             )  # fmt: skip
-        if QUANT == 1:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        elif QUANT == 2 and not UPCAST:
-            # E4M3: Hopper's tensor cores keep fewer bits than float32 in their accumulator, and
-            # Triton lets them sum a whole K loop so; fold into float32 after every K step
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            if UPCAST:  # the interpreter multiplies bfloat16 as raw integers, and has no fp8 dot
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = dot_step(a, b, acc, QUANT, UPCAST, PRECISION, BLOCK_K)
     mask = m_ok[:, None] & (rn < OC)[None, :]
     if QUANT != 0:  # quantized operands: the sums times X_scale * W_scale per output channel
         acc = acc.to(tl.float32) * tl.load(s_ptr + co).to(tl.float32)[None, :]

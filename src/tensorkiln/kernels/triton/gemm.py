@@ -162,6 +162,25 @@ def swizzle(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def dot_step(a, b, acc, QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+             BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + a @ b for one K step: int8 operands (QUANT 1) into int32, E4M3 (QUANT 2) with
+    Hopper's narrower tensor-core accumulator folded into float32 after the step, floats at
+    PRECISION; UPCAST: through float32 (the interpreter multiplies bfloat16 as raw integers and
+    has no fp8 dot)."""
+    if QUANT == 1:
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+    elif QUANT == 2 and not UPCAST:
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
+    else:
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
 def _gemm_kernel(
     a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, s_ptr, q_ptr,
     M, N, K,
@@ -192,15 +211,7 @@ def _gemm_kernel(
             left = K - k * BLOCK_K
             a = tl.load(a_ptrs, mask=rk[None, :] < left, other=0.0)
             b = tl.load(b_ptrs, mask=rk[:, None] < left, other=0.0)
-        if QUANT == 1:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
-        elif QUANT == 2 and not UPCAST:  # E4M3: fold the narrow accumulator every K step
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            if UPCAST:  # the interpreter multiplies bfloat16 as raw integers, and has no fp8 dot
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = dot_step(a, b, acc, QUANT, UPCAST, PRECISION, BLOCK_K)
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
     if QUANT != 0:  # the sums of quantized products times A_scale * B_scale per column
