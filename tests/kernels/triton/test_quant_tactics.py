@@ -41,6 +41,21 @@ def _check(op: str, name: str, args: list, attrs: dict, *, channels_last: bool =
     np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
+def _as_engine_runs_it(name: str, args: list, attrs: dict) -> tuple[torch.Tensor, np.ndarray]:
+    """QConvAct tactic ``name`` on CPU tensors laid out as the cuda backend has them (the input,
+    weight and residual channels-last), asserting it takes the layer; (its output, the
+    reference's)."""
+    tactic = get_tactic("QConvAct", "tensorkiln", name)
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(np.shape(a) for a in args),
+                     tuple(np.asarray(a).dtype.name for a in args), device="cuda")  # fmt: skip
+    assert tactic is not None and tactic.applies(spec), name
+    ref = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [to_torch(np.asarray(a), "cpu") for a in args]
+    for i in (0, 2, 5):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    return tactic.fn(*tensors, **attrs), ref
+
+
 @pytest.mark.parametrize(("kind", "name", "rtol"), [("int8", "cublas_int8_mm", 1e-6),
                                                      ("float8_e4m3fn", "cublas_fp8_scaled_mm", 1e-5)])  # fmt: skip
 @pytest.mark.parametrize(
@@ -120,16 +135,7 @@ def test_triton_qconv_as_an_engine_runs_it(kind) -> None:
             rng.uniform(1e-3, 1e-2, m).astype(np.float32), rng.standard_normal(m).astype(np.float32),
             rng.standard_normal((2, m, 6, 5)).astype(np.float16)]  # fmt: skip
     attrs = {"pads": [1, 1, 1, 1], "activation": "Relu", "out_dtype": 10}
-    name = "triton_qconv_64x128x128_w4_s4"
-    tactic = get_tactic("QConvAct", "tensorkiln", name)
-    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(a.shape for a in args),
-                     tuple(a.dtype.name for a in args), device="cuda")  # fmt: skip
-    assert tactic is not None and tactic.applies(spec)
-    ref = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
-    tensors = [to_torch(a, "cpu") for a in args]
-    for i in (0, 2, 5):
-        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
-    y = tactic.fn(*tensors, **attrs)
+    y, ref = _as_engine_runs_it("triton_qconv_64x128x128_w4_s4", args, attrs)
     assert y.dtype == torch.float16 and y.is_contiguous(memory_format=torch.channels_last)
     got = to_numpy(y).astype(np.float32)
     assert ref.dtype == np.float16
@@ -195,16 +201,8 @@ def test_qconv_tactics_write_the_quantized_output(kind, name) -> None:
                        {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
     y_scale = np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448))
     args.append(y_scale)
-    tactic = get_tactic("QConvAct", "tensorkiln", name)
-    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(np.shape(a) for a in args),
-                     tuple(np.asarray(a).dtype.name for a in args), device="cuda")  # fmt: skip
-    assert tactic is not None and tactic.applies(spec), name
-    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
-    tensors = [to_torch(np.asarray(a), "cpu") for a in args]
-    for i in (0, 2, 5):
-        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
-    got = to_numpy(tactic.fn(*tensors, **attrs))
-    _codes_agree(got, want)
+    y, want = _as_engine_runs_it(name, args, attrs)
+    _codes_agree(to_numpy(y), want)
 
 
 @pytest.mark.parametrize(("kind", "name"), [("int8", "cublas_int8_mm"),
@@ -228,9 +226,9 @@ def test_qgemm_tactics_write_the_quantized_output(kind, name) -> None:
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("requantize", [False, True])
 def test_pointwise_qconv_on_the_triton_gemm(kind, requantize) -> None:
-    """triton_qgemm: a 1x1 QConvAct as the Triton GEMM of the channels-last pixels, 8-bit
-    operands, scale, bias, residual and ReLU in the epilogue, and with Y_scale the output
-    written in 8 bits; against the reference."""
+    """triton_qconv on a 1x1 QConvAct of a channels-last input runs the Triton GEMM of the
+    pixels: 8-bit operands, scale, bias, residual and ReLU in the epilogue, and with Y_scale the
+    output written in 8 bits; against the reference."""
     pytest.importorskip("triton")
     rng = np.random.default_rng()
     m, c = 128, 48
@@ -242,16 +240,7 @@ def test_pointwise_qconv_on_the_triton_gemm(kind, requantize) -> None:
         ref_float = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args,
                            {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
         args.append(np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448)))
-    name = "triton_qgemm_64x128x128_w4_s4"
-    tactic = get_tactic("QConvAct", "tensorkiln", name)
-    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(np.shape(a) for a in args),
-                     tuple(np.asarray(a).dtype.name for a in args), device="cuda")  # fmt: skip
-    assert tactic is not None and tactic.applies(spec)
-    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
-    tensors = [to_torch(np.asarray(a), "cpu") for a in args]
-    for i in (0, 2, 5):
-        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
-    y = tactic.fn(*tensors, **attrs)
+    y, want = _as_engine_runs_it("triton_qconv_64x128x128_w4_s4", args, attrs)
     assert y.is_contiguous(memory_format=torch.channels_last)
     got = to_numpy(y)
     if requantize:

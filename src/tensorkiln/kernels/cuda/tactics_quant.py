@@ -9,12 +9,11 @@
 * ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
   with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
-* ``triton_qgemm_<config>`` (QConvAct 1x1): the Triton GEMM of the channels-last pixels with 8-bit
-  operands, the scale, bias, residual, activation and (with Y_scale) the requantization in its
-  epilogue: 8 bits read and written, where torch._int_mm writes int32 sums a pass must read back.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
-  per-channel scale and the ConvAct epilogue fused.
+  per-channel scale and the ConvAct epilogue fused; a 1x1 convolution of a channels-last input
+  runs as the Triton GEMM of its pixels, the same epilogue and requantization fused (8 bits read
+  and written, where torch._int_mm writes int32 sums a second pass must read back).
 
 Each applies only where the kernel computes the op as the reference does (int8 or E4M3 operands
 as the layer has them, the shapes the library call takes); the autotuner times them against the
@@ -150,13 +149,20 @@ def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]
     m = w_q.shape[0]
     rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)
     acc = _matmul("int8", rows, w_q.reshape(m, c)).reshape(nb, h, wd, m).permute(0, 3, 1, 2)
+    return _scaled(acc, call.scale, bias, z, call)
+
+
+def _scaled(acc, scale, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+    """Sums ``acc`` (int32 or float, any dense layout) times ``scale`` (per output channel),
+    with the epilogue, residual and requantization in one Triton pass where it applies
+    (``True`` second); else the scaled float32 sums for qconv's epilogue."""
     if z is not None and z.stride() != acc.stride():
-        z = z.contiguous(memory_format=torch.channels_last)  # (the output's layout)
-    if one_pass_epilogue(acc, z, call.activation):  # scale, bias, residual, activation: one pass
+        z = torch.empty_like(acc, dtype=z.dtype).copy_(z)  # (the output's layout)
+    if one_pass_epilogue(acc, z, call.activation):
         ep = Epilogue.of(call.activation, *call.act)
-        y = epilogue.dequantize(acc, call.scale, bias, z, ep, call.after, call.out, call.y_scale)
+        y = epilogue.dequantize(acc, scale, bias, z, ep, call.after, call.out, call.y_scale)
         return y, True
-    return acc.to(torch.float32).mul_(call.scale.reshape(1, m, 1, 1)), False
+    return acc.to(torch.float32).mul_(scale.reshape(1, -1, *(1,) * (acc.ndim - 2))), False
 
 
 def _qconv_with(sums: Callable, name: str) -> Callable:
@@ -171,49 +177,6 @@ def _qconv_with(sums: Callable, name: str) -> Callable:
 
 # a 1x1 QConvAct (one group, unit strides, no padding) as an int8 GEMM
 qconv_pointwise_int8 = _qconv_with(_pointwise_sums, "qconv_pointwise_int8")
-
-
-def _triton_pointwise_ok(cfg: Any, spec: LayerSpec) -> bool:
-    """A 1x1 QConvAct the Triton GEMM takes: int8 or E4M3, one group, unit strides, no padding,
-    channels fitting the tile (the output written in 8 bits where the layer requantizes)."""
-    if not (spec.device == "cuda" or interpreting()):
-        return False
-    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
-    if g is None or not g.pointwise or spec.attrs.get("group", 1) != 1:
-        return False
-    if spec.attrs.get("activation", "") not in gemm.ACT_CODES:
-        return False
-    x, w = spec.shapes[0], spec.shapes[2]
-    if len(x) != 4 or x[0] * x[2] * x[3] * max(x[1], w[0]) > _LIMIT:
-        return False
-    if cfg.smem_bytes(1) > gemm.SMEM_LIMIT:
-        return False
-    return cfg.block_n <= max(64, 1 << max(w[0] - 1, 0).bit_length())
-
-
-def _triton_pointwise(cfg: Any) -> Callable:
-    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
-        nb, c, h, wd = x_q.shape
-        m = w_q.shape[0]
-        if x_q.stride(1) != 1:  # (the GEMM reads the channels-last (pixels, C) view)
-            x_q = x_q.contiguous(memory_format=torch.channels_last)
-        rows = nb * h * wd
-        y = torch.empty((nb, m, h, wd), dtype=call.out, device=x_q.device,
-                        memory_format=torch.channels_last)  # fmt: skip
-        if z is not None and z.stride() != y.stride():
-            z = z.contiguous(memory_format=torch.channels_last)
-        a = x_q.permute(0, 2, 3, 1).reshape(1, rows, c)
-        bt = w_q.reshape(m, c).t().unsqueeze(0)
-        c2 = None if bias is None else bias.reshape(1, m).expand(rows, m)
-        r2 = None if z is None else z.permute(0, 2, 3, 1).reshape(rows, m)
-        gemm.launch(
-            a, bt, y.permute(0, 2, 3, 1).reshape(1, rows, m), c2, r2, alpha=1.0, beta=1.0,
-            epilogue=gemm.Epilogue.of(call.activation, *call.act), residual_after=call.after,
-            config=cfg, scale=call.scale, y_scale=call.y_scale,
-        )  # fmt: skip
-        return y, True
-
-    return _qconv_with(sums, f"triton_qgemm_{cfg.name}")
 
 
 def _half_ok(spec: LayerSpec) -> bool:
@@ -231,14 +194,7 @@ def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     w = w.contiguous(memory_format=torch.channels_last) if w.ndim == 4 and x_q.ndim == 4 else w
     x = x_q.to(half)
     acc = conv_nd(x, w, None, call.geometry, call.group)
-    x_scale = call.x_scale.expand(m)
-    if z is not None and z.stride() != acc.stride():
-        z = torch.empty_like(acc, dtype=z.dtype).copy_(z)  # (the output's layout)
-    if one_pass_epilogue(acc, z, call.activation):
-        ep = Epilogue.of(call.activation, *call.act)
-        y = epilogue.dequantize(acc, x_scale, bias, z, ep, call.after, call.out, call.y_scale)
-        return y, True
-    return acc.to(torch.float32).mul_(call.x_scale), False
+    return _scaled(acc, call.x_scale.expand(m), bias, z, call)
 
 
 # QConvAct through cuDNN's float16 convolution (the tensor-core route where no 8-bit kernel wins)
@@ -301,15 +257,13 @@ def _register() -> None:
     )
     tactic("QConvAct", domain="tensorkiln", name="cudnn_fp16", supports=_half_ok)(qconv_half)
     if available():
-        families = [("triton_qconv", conv.CONFIGS + QUANT_CONFIGS, _triton_qconv_ok, _triton_qconv)]
-        # 1x1: the GEMM of the pixels, 8 bits in and (requantized) out
-        families.append(("triton_qgemm", QUANT_CONFIGS, _triton_pointwise_ok, _triton_pointwise))
-        for prefix, configs, ok, make in families:
-            for cfg in configs:
-                name = f"{prefix}_{cfg.name}"
-                tactic("QConvAct", domain="tensorkiln", name=name, supports=partial(ok, cfg))(
-                    make(cfg)
-                )
+        for cfg in conv.CONFIGS + QUANT_CONFIGS:
+            tactic(
+                "QConvAct",
+                domain="tensorkiln",
+                name=f"triton_qconv_{cfg.name}",
+                supports=partial(_triton_qconv_ok, cfg),
+            )(_triton_qconv(cfg))
 
 
 _register()

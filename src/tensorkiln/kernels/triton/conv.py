@@ -166,11 +166,14 @@ CONFIGS = (
 FLAT_BELOW = 16  # input channels per group under which the reduction runs in im2col order
 
 
-def _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config) -> torch.Tensor:
+def _pointwise_gemm(
+    x, w, bias, z, y, epilogue, residual_after, config, scale=None, y_scale=None
+) -> torch.Tensor:
     """A 1x1 convolution of channels-last ``x`` as the GEMM it is: the (pixels, C) view of ``x``
     times the (C, OC) view of ``w``, bias, residual and activation in the GEMM's epilogue, written
     into channels-last ``y`` through its (pixels, OC) view. The implicit-GEMM kernel's generic
-    addressing reads such an input a channel at a time; the GEMM reads whole rows."""
+    addressing reads such an input a channel at a time; the GEMM reads whole rows. ``scale`` and
+    ``y_scale``: 8-bit operands and output, as :func:`conv_act` takes them."""
     nb, c, h, wd = x.shape
     oc = w.shape[0]
     rows = nb * h * wd
@@ -181,7 +184,7 @@ def _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config) -> torch
     r2 = None if z is None else z.permute(0, 2, 3, 1).reshape(rows, oc)
     launch(
         a, bt, y2, c2, r2, alpha=1.0, beta=1.0, epilogue=epilogue,
-        residual_after=residual_after, config=config,
+        residual_after=residual_after, config=config, scale=scale, y_scale=y_scale,
     )  # fmt: skip
     return y
 
@@ -241,8 +244,10 @@ def conv_act(
     if z is not None and tuple(z.shape) != tuple(y.shape):
         raise ValueError(f"ConvAct: residual Z {tuple(z.shape)} must have the output's shape")
     bias = None if b is None else b.reshape(oc).contiguous()
-    if nhwc and group == 1 and geom.pointwise and scale is None:
-        return _pointwise_gemm(x, w, bias, z, y, epilogue, residual_after, config)
+    if nhwc and group == 1 and geom.pointwise:
+        return _pointwise_gemm(
+            x, w, bias, z, y, epilogue, residual_after, config, scale, y_scale
+        )  # fmt: skip
     quant = 0 if scale is None else (1 if x.dtype == torch.int8 else 2)
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
