@@ -32,6 +32,11 @@ from tensorkiln.kernels.cuda.convert import (
 from tensorkiln.kernels.reference import quant as reference
 from tensorkiln.kernels.registry import register
 
+if tk_triton.available():  # (QuantizeLinear of one scale in one pass)
+    from tensorkiln.kernels.triton import quantize as one_pass
+else:
+    one_pass = None
+
 Value = torch.Tensor | np.ndarray
 
 _INT_RANGES = {
@@ -108,15 +113,6 @@ def _quant_target(zero_point: Value | None, output_dtype: int) -> np.dtype:
     )
 
 
-def _one_pass():
-    """kernels/triton/quantize.py where Triton is available, else None."""
-    if not tk_triton.available():
-        return None
-    from tensorkiln.kernels.triton import quantize  # lazy: triton
-
-    return quantize
-
-
 @register("QuantizeLinear", since=10, backend="cuda")
 def quantize_linear(
     x: torch.Tensor,
@@ -141,7 +137,6 @@ def quantize_linear(
     target = torch_dtype(target_np)
     if target not in _INT_RANGES and target not in _FLOAT8:
         raise ValueError(f"QuantizeLinear cannot quantize to {target_np}")
-    one_pass = _one_pass()
     zp = y_zero_point if isinstance(y_zero_point, torch.Tensor) else None
     if (
         one_pass is not None
