@@ -44,17 +44,29 @@ def _e4m3_bits(q):
 
 
 @triton.jit
+def _saturated_e4m3(q):
+    """``q`` clamped to E4M3's range (NaN kept) and coded (:func:`_e4m3_bits`)."""
+    q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return _e4m3_bits(q)
+
+
+@triton.jit
+def _integer(q, z, lo, hi):
+    """round_half_even(q) + z clamped to [lo, hi], as int32."""
+    q = tl.minimum(tl.maximum(q, -1024.0), 1024.0)  # (beyond any 8-bit range + zero point)
+    q = (q + _ROUND) - _ROUND + z
+    return tl.minimum(tl.maximum(q, lo), hi).to(tl.int32)
+
+
+@triton.jit
 def requantize(v, s, QOUT: tl.constexpr):
     """A fused layer's float32 result ``v`` quantized to scale ``s`` with no zero point:
     QOUT 1: int8 values (int32 here), 2: E4M3 codes (store them as bytes)."""
     q = tl.math.div_rn(v, s)
     if QOUT == 2:
-        q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        return _e4m3_bits(q)
-    q = tl.minimum(tl.maximum(q, -1024.0), 1024.0)
-    q = (q + _ROUND) - _ROUND
-    return tl.minimum(tl.maximum(q, -128.0), 127.0).to(tl.int32)
+        return _saturated_e4m3(q)
+    return _integer(q, 0.0, -128.0, 127.0)
 
 
 def qout(dtype: torch.dtype | None) -> int:
@@ -76,20 +88,15 @@ def _quantize_kernel(
     ok = offs < N
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     q = tl.math.div_rn(x, tl.load(s_ptr))
+    z = 0.0
+    if HAS_Z:
+        z = tl.load(z_ptr).to(tl.float32)
     if FLOAT8:  # (a zero point is 0 for float8; the reference adds one that is not)
         if HAS_Z:
-            z = tl.load(z_ptr).to(tl.float32)
             q = tl.where(z == 0, q, q + z)
-        # saturate, keeping NaN
-        q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-        y = _e4m3_bits(q).to(tl.uint8)  # (y_ptr: the result's bytes)
+        y = _saturated_e4m3(q).to(tl.uint8)  # (y_ptr: the result's bytes)
     else:
-        q = tl.minimum(tl.maximum(q, -1024.0), 1024.0)  # (beyond any 8-bit range + zero point)
-        q = (q + _ROUND) - _ROUND
-        if HAS_Z:
-            q = q + tl.load(z_ptr).to(tl.float32)
-        y = tl.minimum(tl.maximum(q, lo), hi).to(tl.int32).to(y_ptr.dtype.element_ty)
+        y = _integer(q, z, lo, hi).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + offs, y, mask=ok)
 
 
