@@ -334,3 +334,21 @@ def test_eight_bit_outputs_are_checked_to_one_step_of_their_grid() -> None:
     assert not torch.equal(mixed.float(), w8.float())
     assert _rel_error([mixed], [w8]) == 0.0
     assert _rel_error([(w8.float() * 1.3).to(torch.float8_e4m3fn)], [w8]) == float("inf")
+
+
+def test_a_rejection_without_a_finite_error_says_what_differs() -> None:
+    """A candidate refused with an infinite error names what made it so: another type or shape,
+    NaN where the oracle has numbers, 8-bit values off the oracle's grid."""
+    torch = pytest.importorskip("torch")
+    from tensorkiln.tactics.autotune import _mismatch
+
+    rng = np.random.default_rng()
+    want = torch.from_numpy(rng.standard_normal((6, 5)).astype(np.float32))
+    assert "float16" in _mismatch([want.half()], [want])
+    nan = want.clone()
+    nan[2, 3] = float("nan")
+    assert "NaN in 1 of 30" in _mismatch([nan], [want])
+    codes = torch.from_numpy(rng.integers(-100, 100, 40).astype(np.int8))
+    off = codes.clone()
+    off[5] += 3
+    assert "up to 3" in _mismatch([off], [codes])

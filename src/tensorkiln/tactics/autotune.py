@@ -201,9 +201,12 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     for t in candidates:
         e = with_fn(entry, t.fn)
         try:
-            err = _rel_error(invoke(e, args, node.attrs, n_out, scope), oracle)
+            got = invoke(e, args, node.attrs, n_out, scope)
+            err = _rel_error(got, oracle)
             if not err <= bound:
                 rejected[t.name] = f"relative error {err:.2e} vs the float32 oracle"
+                if math.isinf(err):
+                    rejected[t.name] += f" ({_mismatch(got, oracle)})"
                 continue
             graph_ms[t.name], eager_ms[t.name] = _time(
                 e, args, node.attrs, n_out, scope, executor.backend, options
@@ -425,6 +428,31 @@ def _rel_error(got: list, want: list) -> float:
         denom = torch.linalg.vector_norm(w64).item() or 1.0
         worst = max(worst, torch.linalg.vector_norm(g64 - w64).item() / denom)
     return worst
+
+
+def _mismatch(got: list, want: list) -> str:
+    """Why :func:`_rel_error` found no finite error: the first output that differs in kind."""
+    import torch
+
+    eight_bit = (torch.int8, torch.uint8, torch.float8_e4m3fn)
+    for i, (g, w) in enumerate(zip(got, want)):
+        if not isinstance(w, torch.Tensor) or not (w.is_floating_point() or w.dtype in eight_bit):
+            continue
+        if not isinstance(g, torch.Tensor):
+            return f"output {i}: a {type(g).__name__}, not a tensor"
+        if g.shape != w.shape or g.dtype != w.dtype:
+            return (
+                f"output {i}: {g.dtype} {tuple(g.shape)}, the oracle's {w.dtype} {tuple(w.shape)}"
+            )
+        g64, w64 = g.double(), w.double()
+        odd = (torch.isnan(g64) != torch.isnan(w64)) | (torch.isinf(g64) != torch.isinf(w64))
+        if bool(odd.any()):
+            return f"output {i}: inf or NaN in {int(odd.sum())} of {w.numel()} places the oracle differs"
+        if w.dtype in eight_bit:
+            ok = ~torch.isnan(w64)
+            far = float((g64[ok] - w64[ok]).abs().max()) if bool(ok.any()) else 0.0
+            return f"output {i}: 8-bit values up to {far:.3g} from the oracle's"
+    return "the outputs differ"
 
 
 def _within_a_code(g, w) -> bool:

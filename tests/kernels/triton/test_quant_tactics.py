@@ -56,13 +56,21 @@ def _as_engine_runs_it(name: str, args: list, attrs: dict) -> tuple[torch.Tensor
     return tactic.fn(*tensors, **attrs), ref
 
 
+_TRITON_QGEMM = "triton_qgemm_64x64x64_w4_s4"
+
+
 @pytest.mark.parametrize(("kind", "name", "rtol"), [("int8", "cublas_int8_mm", 1e-6),
-                                                     ("float8_e4m3fn", "cublas_fp8_scaled_mm", 1e-5)])  # fmt: skip
+                                                     ("float8_e4m3fn", "cublas_fp8_scaled_mm", 1e-5),
+                                                     ("int8", _TRITON_QGEMM, 1e-5),
+                                                     ("float8_e4m3fn", _TRITON_QGEMM, 1e-5)])  # fmt: skip
 @pytest.mark.parametrize(
     ("a_shape", "attrs"),
-    [((24, 64), {"activation": "Relu"}), ((3, 7, 32), {"alpha": 0.5}), ((5, 48), {})],
-)
+    [((24, 64), {"activation": "Relu"}), ((3, 7, 32), {"alpha": 0.5}), ((5, 48), {}),
+     ((40, 96), {"activation": "Gelu", "beta": 0.5})],
+)  # fmt: skip
 def test_qgemm_tensor_core_tactics(kind, name, rtol, a_shape, attrs) -> None:
+    if name.startswith("triton"):
+        pytest.importorskip("triton")
     rng = np.random.default_rng()
     k, n = a_shape[-1], 32
     args = [_q(rng, a_shape, "int8" if kind == "int8" else "fp8"),
@@ -206,8 +214,12 @@ def test_qconv_tactics_write_the_quantized_output(kind, name) -> None:
 
 
 @pytest.mark.parametrize(("kind", "name"), [("int8", "cublas_int8_mm"),
-                                            ("float8_e4m3fn", "cublas_fp8_scaled_mm")])  # fmt: skip
+                                            ("float8_e4m3fn", "cublas_fp8_scaled_mm"),
+                                            ("int8", _TRITON_QGEMM),
+                                            ("float8_e4m3fn", _TRITON_QGEMM)])  # fmt: skip
 def test_qgemm_tactics_write_the_quantized_output(kind, name) -> None:
+    if name.startswith("triton"):
+        pytest.importorskip("triton")
     rng = np.random.default_rng()
     q = "int8" if kind == "int8" else "fp8"
     attrs = {"transB": 1, "activation": "Relu", "out_dtype": 3 if kind == "int8" else 17}

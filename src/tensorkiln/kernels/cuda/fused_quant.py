@@ -179,6 +179,49 @@ def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs)
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _exact_conv)
 
 
+@dataclass(frozen=True)
+class QGemm:
+    """A checked QGemmAct call: A as (M, K), B (the packed (N, K) weight when ``packed``, else
+    (K, N)), the bias broadcasting to (M, N) (beta applied) or None, ``alpha`` * A_scale *
+    B_scale per column (float64), the epilogue, and the output type."""
+
+    a2: torch.Tensor
+    b: torch.Tensor
+    packed: bool
+    bias: torch.Tensor | None
+    scale: torch.Tensor
+    activation: str
+    act: tuple  # (alpha, beta, min, max)
+    out: torch.dtype
+    y_scale: torch.Tensor | None  # float32, one value: ``out`` is int8 or E4M3, quantized to it
+    out_dtype: int  # ONNX's code of ``out``
+    shape: tuple[int, ...]  # the output's
+
+
+def qgemm_call(
+    a_q: torch.Tensor,
+    a_scale: torch.Tensor,
+    b_q: torch.Tensor,
+    b_scale: torch.Tensor,
+    c: torch.Tensor | None,
+    y_scale: torch.Tensor | None,
+    attrs: dict[str, Any],
+) -> QGemm:
+    """QGemmAct's operands and attributes (the op record's defaults filled in), checked."""
+    a = _attrs("QGemmAct", attrs)
+    ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
+    out = out_type(a["out_dtype"], ys)  # (checked before the product)
+    a2, b2, bias = gemm_layout(a_q, b_q, c, a["beta"], a["transA"], a["transB"], "QGemmAct")
+    packed = bool(a["transB"])
+    n = b2.shape[1]
+    scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
+    if bias is not None and a["beta"] != 1.0:
+        bias = bias.to(torch.float32) * a["beta"]
+    shape = (a2.shape[0], n) if a_q.ndim == 2 else (*a_q.shape[:-1], n)
+    return QGemm(a2, b_q if packed else b2, packed, bias, scale, a["activation"], _activation(a),
+                 out, ys, int(a["out_dtype"]), shape)  # fmt: skip
+
+
 def qgemm(
     a_q: torch.Tensor,
     a_scale: torch.Tensor,
@@ -192,47 +235,35 @@ def qgemm(
     """QGemmAct: ``product(A (M, K), B, packed)`` gives the sums, float32 or int32 or float64
     (``packed``: B is the (N, K) weight fuse_quantized stores, else (K, N)); scale, bias and
     activation (and with ``y_scale`` the quantization) run here; the result in ``out_dtype``."""
-    a = _attrs("QGemmAct", attrs)
-    ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
-    out_type(a["out_dtype"], ys)  # (checked before the product)
-    a2, b2, bias = gemm_layout(a_q, b_q, c, a["beta"], a["transA"], a["transB"], "QGemmAct")
-    packed = bool(a["transB"])
-    acc = product(a2, b_q if packed else b2, packed)
-    n = acc.shape[1]
-    scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
+    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+    acc = product(call.a2, call.b, call.packed)
+    scale = call.scale
     if acc.dtype != torch.float64:  # (int32 or float32 sums: the scale in float32 too)
         scale = scale.to(torch.float32)
-    y = _one_pass(acc, scale, bias, a, ys)
+    y = _one_pass(acc, scale, call)
     if y is not None:
-        return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+        return y.reshape(call.shape)
     y = (acc * scale).to(torch.float32)
-    if bias is not None:
-        y.add_(bias.to(torch.float32), alpha=a["beta"])
-    if a["activation"] and math.prod(y.shape):
-        activate_(y, a["activation"], *_activation(a))
-    y = as_out(y, a["out_dtype"], ys)
-    return y if a_q.ndim == 2 else y.reshape(*a_q.shape[:-1], n)
+    if call.bias is not None:
+        y.add_(call.bias.to(torch.float32))
+    if call.activation and math.prod(y.shape):
+        activate_(y, call.activation, *call.act)
+    return as_out(y, call.out_dtype, call.y_scale).reshape(call.shape)
 
 
-def _one_pass(
-    acc: torch.Tensor,
-    scale: torch.Tensor,
-    bias: torch.Tensor | None,
-    a: dict[str, Any],
-    y_scale: torch.Tensor | None,
-) -> torch.Tensor | None:
+def _one_pass(acc: torch.Tensor, scale: torch.Tensor, call: QGemm) -> torch.Tensor | None:
     """QGemmAct's scale, bias and activation on tensor-core sums (int32 or float32, (M, N)) in one
     Triton pass writing the output type; None where it does not apply (then torch's ops run)."""
-    if not one_pass_epilogue(acc, None, a["activation"]):
+    if not one_pass_epilogue(acc, None, call.activation):
         return None
     n = acc.shape[1]
+    bias = call.bias
     if bias is not None:
         if bias.numel() != n or (bias.ndim == 2 and bias.shape[0] != 1):
             return None  # (a bias of more than one row: Gemm's (M, N) C)
-        bias = bias.reshape(n).to(torch.float32) * a["beta"]
-    ep = Epilogue.of(a["activation"], *_activation(a))
-    out = out_type(a["out_dtype"], y_scale)
-    return epilogue.dequantize(acc, scale, bias, None, ep, False, out, y_scale)
+        bias = bias.reshape(n).to(torch.float32)
+    ep = Epilogue.of(call.activation, *call.act)
+    return epilogue.dequantize(acc, scale, bias, None, ep, False, call.out, call.y_scale)
 
 
 def one_pass_epilogue(acc: torch.Tensor, z: torch.Tensor | None, activation: str) -> bool:

@@ -6,6 +6,10 @@
   and applies the activation.
 * ``cublas_fp8_scaled_mm`` (QGemmAct): ``torch._scaled_mm`` of E4M3 operands with float32 sums, the
   scales applied in the same float32 pass.
+* ``triton_qgemm_<config>`` (QGemmAct): the Triton GEMM of kernels/triton/gemm.py with int8
+  operands and int32 sums (or E4M3 and float32 sums) on Hopper's 8-bit tensor-core instructions,
+  scale, bias, activation and the next layer's quantization in its epilogue: one kernel, 8 bits
+  read and (requantized) written, where the library calls write 32-bit sums a second pass reads.
 * ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
   with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
@@ -30,7 +34,13 @@ from typing import Any
 import torch
 
 from tensorkiln.kernels.common.conv import conv_geometry
-from tensorkiln.kernels.cuda.fused_quant import QConv, one_pass_epilogue, qconv, qgemm
+from tensorkiln.kernels.cuda.fused_quant import (
+    QConv,
+    one_pass_epilogue,
+    qconv,
+    qgemm,
+    qgemm_call,
+)
 from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
@@ -98,6 +108,56 @@ def _qgemm(kind: str) -> Callable:
         return qgemm(a_q, a_scale, b_q, b_scale, c, y_scale, attrs, product)
 
     run.__name__ = f"qgemm_{kind}"
+    return run
+
+
+def _triton_qgemm_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """A QGemmAct of 8-bit operands with a packed weight, an activation the epilogue has and a
+    bias of one row, on a tile that fits the problem."""
+    if not (spec.device == "cuda" or interpreting()) or not set(spec.attrs) <= _GEMM:
+        return False
+    dx, dw = _dtypes(spec)
+    if dx not in ("int8", "float8_e4m3fn") or dw != dx:
+        return False
+    if spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return False
+    dims = _gemm_dims(spec)
+    if dims is None:
+        return False
+    m, n, k = dims
+    c = spec.shapes[4] if len(spec.shapes) > 4 else None
+    if c is not None and math.prod(c) not in (1, n):
+        return False
+    if cfg.smem_bytes(1) > gemm.SMEM_LIMIT or m * max(n, k) > _LIMIT:
+        return False
+    return _fits(cfg.block_m, m) and _fits(cfg.block_n, n)
+
+
+def _fits(block: int, size: int) -> bool:
+    """A tile side worth trying for a problem side: not far below 64 nor above the problem."""
+    p = 1 << max(size - 1, 0).bit_length()
+    return min(64, p) // 2 <= block <= max(64, p)
+
+
+def _triton_qgemm(cfg: Any) -> Callable:
+    def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
+        call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+        if not call.packed:
+            raise ValueError("QGemmAct's Triton tactic takes a packed (N, K) weight")
+        m, n = call.a2.shape[0], call.b.shape[0]
+        y = torch.empty((m, n), dtype=call.out, device=a_q.device)
+        bias = None
+        if call.bias is not None:
+            bias = call.bias.reshape(-1).to(torch.float32).expand(n).reshape(1, n).expand(m, n)
+        gemm.launch(
+            call.a2.unsqueeze(0), call.b.t().unsqueeze(0), y.unsqueeze(0), bias, None,
+            alpha=1.0, beta=1.0, epilogue=Epilogue.of(call.activation, *call.act),
+            residual_after=False, config=cfg, scale=call.scale.to(torch.float32).contiguous(),
+            y_scale=call.y_scale,
+        )  # fmt: skip
+        return y.reshape(call.shape)
+
+    run.__name__ = f"triton_qgemm_{cfg.name}"
     return run
 
 
@@ -257,6 +317,13 @@ def _register() -> None:
     )
     tactic("QConvAct", domain="tensorkiln", name="cudnn_fp16", supports=_half_ok)(qconv_half)
     if available():
+        for cfg in gemm.CONFIGS + QUANT_CONFIGS:
+            tactic(
+                "QGemmAct",
+                domain="tensorkiln",
+                name=f"triton_qgemm_{cfg.name}",
+                supports=partial(_triton_qgemm_ok, cfg),
+            )(_triton_qgemm(cfg))
         for cfg in conv.CONFIGS + QUANT_CONFIGS:
             tactic(
                 "QConvAct",
