@@ -47,19 +47,38 @@ def _exact(q: torch.Tensor, what: str) -> torch.Tensor:
     return q.to(torch.float64)
 
 
-def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor, n: int, what: str) -> torch.Tensor:
-    """X_scale * W_scale per output channel, float64, shape (n,)."""
+def _scales(
+    x_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    n: int,
+    what: str,
+    dtype: torch.dtype = torch.float64,
+    alpha: float = 1.0,
+) -> torch.Tensor:
+    """alpha * X_scale * W_scale per output channel in ``dtype``, shape (n,), contiguous. In
+    float32 it is one multiplication of float32 scales (a CUDA graph replays every kernel a
+    layer launches: no widening copies), rounded once as the float64 product would be where
+    alpha is 1."""
+    ws = _check_scales(x_scale, w_scale, n, what)
+    s = x_scale.reshape(()).to(dtype) * ws.to(dtype)
+    if alpha != 1.0:
+        s = s * alpha
+    return s.expand(n).contiguous()
+
+
+def _check_scales(x_scale: torch.Tensor, w_scale: torch.Tensor, n: int, what: str) -> torch.Tensor:
+    """W_scale as a vector, after checking both scales' sizes."""
     if x_scale.numel() != 1:
         raise ValueError(
             f"{what}: the activation's scale must be one value, got {tuple(x_scale.shape)}"
         )
-    ws = w_scale.reshape(-1).to(torch.float64)
+    ws = w_scale.reshape(-1)
     if ws.numel() not in (1, n):
         raise ValueError(
             f"{what}: the weight's scale has {ws.numel()} values; it needs 1 or one per output "
             f"channel ({n})"
         )
-    return (x_scale.reshape(()).to(torch.float64) * ws).expand(n)
+    return ws
 
 
 _OUT = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16}
@@ -148,7 +167,7 @@ def qconv(
     g = geometry_of(x_q, w_q, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"],
                     a["strides"])  # fmt: skip
     m = w_q.shape[0]
-    scale = _scales(x_scale, w_scale, m, "QConvAct").to(torch.float32).contiguous()
+    scale = _scales(x_scale, w_scale, m, "QConvAct", torch.float32)
     ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
     call = QConv(g, a["group"], scale, a["activation"], _activation(a),
                  a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),
@@ -167,7 +186,9 @@ def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     acc = conv_nd(_exact(x_q, "QConvAct's X"), _exact(w_q, "QConvAct's W"), None, call.geometry,
                   call.group)  # fmt: skip
     m = acc.shape[1]
-    scale = call.scale.to(torch.float64).reshape(1, m, *(1,) * (acc.ndim - 2))
+    scale = (call.x_scale.to(torch.float64) * call.w_scale.to(torch.float64)).reshape(
+        1, m, *(1,) * (acc.ndim - 2)
+    )
     return (acc * scale).to(torch.float32), False
 
 
@@ -182,20 +203,28 @@ def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs)
 @dataclass(frozen=True)
 class QGemm:
     """A checked QGemmAct call: A as (M, K), B (the packed (N, K) weight when ``packed``, else
-    (K, N)), the bias broadcasting to (M, N) (beta applied) or None, ``alpha`` * A_scale *
-    B_scale per column (float64), the epilogue, and the output type."""
+    (K, N)), the bias broadcasting to (M, N) (times ``beta``) or None, the scales, the epilogue,
+    and the output type."""
 
     a2: torch.Tensor
     b: torch.Tensor
     packed: bool
     bias: torch.Tensor | None
-    scale: torch.Tensor
+    beta: float
+    x_scale: torch.Tensor
+    w_scale: torch.Tensor
+    alpha: float
     activation: str
     act: tuple  # (alpha, beta, min, max)
     out: torch.dtype
     y_scale: torch.Tensor | None  # float32, one value: ``out`` is int8 or E4M3, quantized to it
     out_dtype: int  # ONNX's code of ``out``
     shape: tuple[int, ...]  # the output's
+
+    def scale(self, dtype: torch.dtype) -> torch.Tensor:
+        """alpha * A_scale * B_scale per column, (N,), in ``dtype``."""
+        n = self.b.shape[0] if self.packed else self.b.shape[1]
+        return _scales(self.x_scale, self.w_scale, n, "QGemmAct", dtype, self.alpha)
 
 
 def qgemm_call(
@@ -214,12 +243,11 @@ def qgemm_call(
     a2, b2, bias = gemm_layout(a_q, b_q, c, a["beta"], a["transA"], a["transB"], "QGemmAct")
     packed = bool(a["transB"])
     n = b2.shape[1]
-    scale = a["alpha"] * _scales(a_scale, b_scale, n, "QGemmAct")  # (float64)
-    if bias is not None and a["beta"] != 1.0:
-        bias = bias.to(torch.float32) * a["beta"]
+    _check_scales(a_scale, b_scale, n, "QGemmAct")  # (before the product)
     shape = (a2.shape[0], n) if a_q.ndim == 2 else (*a_q.shape[:-1], n)
-    return QGemm(a2, b_q if packed else b2, packed, bias, scale, a["activation"], _activation(a),
-                 out, ys, int(a["out_dtype"]), shape)  # fmt: skip
+    return QGemm(a2, b_q if packed else b2, packed, bias, float(a["beta"]), a_scale, b_scale,
+                 float(a["alpha"]), a["activation"], _activation(a), out, ys, int(a["out_dtype"]),
+                 shape)  # fmt: skip
 
 
 def qgemm(
@@ -237,15 +265,14 @@ def qgemm(
     activation (and with ``y_scale`` the quantization) run here; the result in ``out_dtype``."""
     call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
     acc = product(call.a2, call.b, call.packed)
-    scale = call.scale
-    if acc.dtype != torch.float64:  # (int32 or float32 sums: the scale in float32 too)
-        scale = scale.to(torch.float32)
+    # (int32 or float32 sums: the scale in float32 too)
+    scale = call.scale(torch.float64 if acc.dtype == torch.float64 else torch.float32)
     y = _one_pass(acc, scale, call)
     if y is not None:
         return y.reshape(call.shape)
     y = (acc * scale).to(torch.float32)
     if call.bias is not None:
-        y.add_(call.bias.to(torch.float32))
+        y.add_(call.bias.to(torch.float32), alpha=call.beta)
     if call.activation and math.prod(y.shape):
         activate_(y, call.activation, *call.act)
     return as_out(y, call.out_dtype, call.y_scale).reshape(call.shape)
@@ -262,6 +289,7 @@ def _one_pass(acc: torch.Tensor, scale: torch.Tensor, call: QGemm) -> torch.Tens
         if bias.numel() != n or (bias.ndim == 2 and bias.shape[0] != 1):
             return None  # (a bias of more than one row: Gemm's (M, N) C)
         bias = bias.reshape(n).to(torch.float32)
+        bias = bias * call.beta if call.beta != 1.0 else bias
     ep = Epilogue.of(call.activation, *call.act)
     return epilogue.dequantize(acc, scale, bias, None, ep, False, call.out, call.y_scale)
 

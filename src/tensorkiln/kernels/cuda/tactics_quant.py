@@ -146,13 +146,13 @@ def _triton_qgemm(cfg: Any) -> Callable:
             raise ValueError("QGemmAct's Triton tactic takes a packed (N, K) weight")
         m, n = call.a2.shape[0], call.b.shape[0]
         y = torch.empty((m, n), dtype=call.out, device=a_q.device)
-        bias = None
+        bias = None  # (read in its own type; beta applied in the kernel)
         if call.bias is not None:
-            bias = call.bias.reshape(-1).to(torch.float32).expand(n).reshape(1, n).expand(m, n)
+            bias = call.bias.reshape(1, -1).expand(m, n)
         gemm.launch(
             call.a2.unsqueeze(0), call.b.t().unsqueeze(0), y.unsqueeze(0), bias, None,
-            alpha=1.0, beta=1.0, epilogue=Epilogue.of(call.activation, *call.act),
-            residual_after=False, config=cfg, scale=call.scale.to(torch.float32).contiguous(),
+            alpha=1.0, beta=call.beta, epilogue=Epilogue.of(call.activation, *call.act),
+            residual_after=False, config=cfg, scale=call.scale(torch.float32),
             y_scale=call.y_scale,
         )  # fmt: skip
         return y.reshape(call.shape)
