@@ -88,3 +88,39 @@ def test_float_operands_are_refused() -> None:
     s = to_torch(np.float32(1.0), DEVICE)
     with pytest.raises(ValueError, match="int8 or float8"):
         invoke(lookup("QConvAct", "tensorkiln", 1, "cuda"), [x, s, w, s], {}, 1)
+
+
+@pytest.mark.parametrize("requantize", [False, True])
+def test_the_exact_qconv_writes_the_layout_its_tactics_write(monkeypatch, requantize) -> None:
+    """cuDNN computes float64 convolutions NCHW whatever the operands' layout (as torch asks it
+    to); every tactic writes channels-last from a channels-last input or weight. The exact
+    default follows the tactics, so the autotuner times each layer on the layout the engine
+    will give it. (The NCHW float64 convolution is simulated on the CPU.)"""
+    from tensorkiln.kernels.cuda import fused_quant
+
+    real = fused_quant.conv_nd
+    monkeypatch.setattr(fused_quant, "conv_nd", lambda *a: real(*a).contiguous())
+    rng = np.random.default_rng()
+    args = [
+        _quantized(rng, (2, 16, 7, 7), "int8"),
+        np.float32(rng.uniform(0.01, 0.1)),
+        _quantized(rng, (24, 16, 3, 3), "int8"),
+        rng.uniform(1e-3, 1e-2, 24).astype(np.float32),
+        rng.standard_normal(24).astype(np.float32),
+    ]
+    attrs = {"pads": [1, 1, 1, 1], "strides": [2, 2], "activation": "Relu"}
+    if requantize:
+        args += [None, np.float32(0.05)]  # (no residual; Y_scale)
+        attrs["out_dtype"] = 3
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    inputs = [None if a is None else to_torch(a, DEVICE) for a in args]
+    for i in (0, 2):
+        inputs[i] = inputs[i].contiguous(memory_format=torch.channels_last)
+    got = invoke(lookup("QConvAct", "tensorkiln", 1, "cuda"), inputs, attrs, 1)[0]
+    assert got.is_contiguous(memory_format=torch.channels_last) and not got.is_contiguous()
+    np.testing.assert_allclose(to_numpy(got).astype(np.float32), want.astype(np.float32),
+                               rtol=1e-6, atol=1e-6 * np.abs(want.astype(np.float32)).max())  # fmt: skip
+    plain = [
+        None if a is None else to_torch(a, DEVICE) for a in args
+    ]  # (NCHW operands: NCHW out, as before)
+    assert invoke(lookup("QConvAct", "tensorkiln", 1, "cuda"), plain, attrs, 1)[0].is_contiguous()

@@ -182,9 +182,21 @@ def qconv(
     return y
 
 
+def channels_last_like(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether a convolution of ``x`` and ``w`` writes channels-last: when either is (the rule of
+    torch's fp16 and fp32 convolutions, and of every tactic here)."""
+    return x.ndim == 4 and any(t.stride(1) == 1 and not t.is_contiguous() for t in (x, w))
+
+
 def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     acc = conv_nd(_exact(x_q, "QConvAct's X"), _exact(w_q, "QConvAct's W"), None, call.geometry,
                   call.group)  # fmt: skip
+    # cuDNN runs float64 convolutions NCHW whatever the operands' layout; the tactics write
+    # channels-last. A layer's output layout must not depend on which kernel ran it: the
+    # autotuner times each layer on what the defaults before it wrote, and the engine runs it
+    # on what the chosen tactics write.
+    if channels_last_like(x_q, w_q) and not acc.is_contiguous(memory_format=torch.channels_last):
+        acc = acc.contiguous(memory_format=torch.channels_last)
     m = acc.shape[1]
     scale = (call.x_scale.to(torch.float64) * call.w_scale.to(torch.float64)).reshape(
         1, m, *(1,) * (acc.ndim - 2)
