@@ -263,19 +263,11 @@ def qgemm_call(
 
 
 def qgemm(
-    a_q: torch.Tensor,
-    a_scale: torch.Tensor,
-    b_q: torch.Tensor,
-    b_scale: torch.Tensor,
-    c: torch.Tensor | None,
-    y_scale: torch.Tensor | None,
-    attrs: dict[str, Any],
-    product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor],
+    call: QGemm, product: Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 ) -> torch.Tensor:
     """QGemmAct: ``product(A (M, K), B, packed)`` gives the sums, float32 or int32 or float64
     (``packed``: B is the (N, K) weight fuse_quantized stores, else (K, N)); scale, bias and
     activation (and with ``y_scale`` the quantization) run here; the result in ``out_dtype``."""
-    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
     acc = product(call.a2, call.b, call.packed)
     # (int32 or float32 sums: the scale in float32 too)
     scale = call.scale(torch.float64 if acc.dtype == torch.float64 else torch.float32)
@@ -324,4 +316,4 @@ def qgemm_act(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torc
     """act(alpha * (A_q' @ B_q') * A_scale * B_scale + beta * C), computed in float32, returned
     in ``out_dtype`` (quantized to ``y_scale`` when given); attributes as ops/fused.py records
     them."""
-    return qgemm(a_q, a_scale, b_q, b_scale, c, y_scale, attrs, _exact_product)
+    return qgemm(qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs), _exact_product)

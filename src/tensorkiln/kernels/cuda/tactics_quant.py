@@ -105,7 +105,7 @@ def _qgemm(kind: str) -> Callable:
     def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
         if attrs.get("transA", 0):
             raise ValueError("QGemmAct's tensor-core tactics take an untransposed A")
-        return qgemm(a_q, a_scale, b_q, b_scale, c, y_scale, attrs, product)
+        return qgemm(qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs), product)
 
     run.__name__ = f"qgemm_{kind}"
     return run
@@ -316,21 +316,17 @@ def _register() -> None:
         qconv_pointwise_int8
     )
     tactic("QConvAct", domain="tensorkiln", name="cudnn_fp16", supports=_half_ok)(qconv_half)
-    if available():
-        for cfg in gemm.CONFIGS + QUANT_CONFIGS:
-            tactic(
-                "QGemmAct",
-                domain="tensorkiln",
-                name=f"triton_qgemm_{cfg.name}",
-                supports=partial(_triton_qgemm_ok, cfg),
-            )(_triton_qgemm(cfg))
-        for cfg in conv.CONFIGS + QUANT_CONFIGS:
-            tactic(
-                "QConvAct",
-                domain="tensorkiln",
-                name=f"triton_qconv_{cfg.name}",
-                supports=partial(_triton_qconv_ok, cfg),
-            )(_triton_qconv(cfg))
+    if not available():
+        return
+    triton_families = (
+        ("QGemmAct", "triton_qgemm", gemm.CONFIGS, _triton_qgemm_ok, _triton_qgemm),
+        ("QConvAct", "triton_qconv", conv.CONFIGS, _triton_qconv_ok, _triton_qconv),
+    )
+    for op, prefix, configs, ok, kernel in triton_families:
+        for cfg in configs + QUANT_CONFIGS:
+            tactic(op, domain="tensorkiln", name=f"{prefix}_{cfg.name}", supports=partial(ok, cfg))(
+                kernel(cfg)
+            )
 
 
 _register()
