@@ -38,7 +38,12 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gpu_models")
-    r = _run("--device", "cpu", "--tiny", "--out", str(out), "--inductor-cache", str(out / "ic"))
+    # (about two minutes on two cores: the INT8 and FP8 engines' Triton kernels run through the
+    # interpreter here; the limit only catches a hang)
+    r = _run(
+        "--device", "cpu", "--tiny", "--out", str(out), "--inductor-cache", str(out / "ic"),
+        timeout=480,
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     return out
 
