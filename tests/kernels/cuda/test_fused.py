@@ -287,6 +287,39 @@ def test_gemm_act_half_precision(dtype, act):
     )
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_tanh_gelu_epilogue_tactic(dtype):
+    """cublaslt_gelu_tanh runs an erf-GELU GemmAct as the tanh GELU of the same GEMM: the
+    reference's GeluTanh to rounding, and within fp16's tolerance of the exact erf GELU the
+    autotuner checks it against; it applies only to 16-bit operands with a bias row on a GPU."""
+    from tensorkiln.kernels.tactics import LayerSpec, get_tactic
+
+    tactic = get_tactic("GemmAct", "tensorkiln", "cublaslt_gelu_tanh")
+    tdtype = getattr(torch, dtype)
+    args = _gemm_args((2, 24, 64), (64, 96), (96,))
+    attrs = {"beta": 1.0, "activation": "Gelu"}
+
+    def spec(shapes=((2, 24, 64), (64, 96), (96,)), dtypes=(dtype,) * 3, device="cuda", **at):
+        return LayerSpec("GemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device=device)
+
+    assert tactic.applies(spec())
+    assert tactic.applies(spec(((48, 64), (96, 64), (1, 96)), transB=1))
+    assert not tactic.applies(spec(dtypes=("float32",) * 3))  # (fp32 engines: exact GELU)
+    assert not tactic.applies(spec(device="cpu"))
+    assert not tactic.applies(spec(activation="Relu"))
+    assert not tactic.applies(spec(((48, 64), (64, 96), (48, 96))))  # a full C, not a row
+    tensors = [to_torch(a, DEVICE).to(tdtype) for a in args]
+    got = tactic.fn(*tensors, **attrs).double()
+    wide = [t.double().cpu().numpy() for t in tensors]  # (the rounded operands, exactly)
+    reference = lookup("GemmAct", "tensorkiln", 1, "reference")
+    tanh = invoke(reference, wide, {**attrs, "activation": "GeluTanh"}, 1)[0]
+    erf = invoke(reference, wide, attrs, 1)[0]
+    tol = 1e-2 if dtype == "float16" else 4e-2
+    np.testing.assert_allclose(to_numpy(got), tanh, rtol=tol, atol=tol * np.abs(tanh).max())
+    assert np.linalg.norm(to_numpy(got) - erf) <= 1e-2 * np.linalg.norm(erf)
+    assert 0 < np.abs(tanh - erf).max() <= 5e-4 * max(1.0, np.abs(erf).max())
+
+
 @pytest.mark.parametrize("backend", ["cuda", "reference"])
 def test_gemm_act_rejects_bad_shapes(backend):
     kernel = lookup("GemmAct", "tensorkiln", 1, backend).fn
