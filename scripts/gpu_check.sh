@@ -13,7 +13,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 files=$(python3 -m pytest -q -m gpu --collect-only tests -p no:cacheprovider 2>/dev/null \
     | grep "::" | cut -d: -f1 | sort -u)
 # the Triton kernels' own tests, which run on CUDA tensors where there is a GPU
-files="$files tests/kernels/triton/test_quantize.py"
+files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
 for f in $files; do
     log="$out/$(echo "$f" | tr '/' '_' | sed 's/\.py$//').log"
     timeout "$limit" python3 -X faulthandler -m pytest -q -rf --tb=short "$f" \
