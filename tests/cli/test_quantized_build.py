@@ -213,3 +213,18 @@ def test_plots_are_pngs_inside_the_folder_asked_for(cli, digits, tmp_path):
     assert _file_name("../../etc/passwd", used) == "etc_passwd.png"
     assert _file_name("../../etc/passwd", used) == "etc_passwd_1.png"
     assert _file_name("/", used) == "tensor.png"
+
+
+def test_quantize_all_records_that_every_layer_is_quantized(cli, digits, tmp_path):
+    """--quantize-all turns off the per-layer choice between the quantized and the float form
+    (on by default on a GPU): the engine records it, and every layer is quantized."""
+    x_train, _, _ = _split()
+    np.savez(tmp_path / "calib.npz", input=x_train[:64])
+    engine = tmp_path / "e"
+    rc, _, err = cli("build", digits, "-o", engine, "--backend", "reference", "--int8",
+                     "--calib-data", tmp_path / "calib.npz", "--quantize-all")  # fmt: skip
+    assert rc == 0, err
+    loaded = Engine.load(engine)
+    assert loaded.build["config"]["choose_precision_per_layer"] is False
+    layers = {x["name"]: x["compute_precision"] for x in loaded.layers}
+    assert [layers[n] for n in ("/0/Conv", "/3/Conv", "/6/Gemm")] == ["int8"] * 3, layers

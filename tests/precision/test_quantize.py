@@ -308,3 +308,89 @@ def test_the_report_names_quantized_layers_left_on_the_exact_default() -> None:
     assert "c: every candidate refused (t: relative error 3e-2" in note
     assert "d: the default kernel failed on the tuning inputs: X" in note
     assert _quantized_defaults_notes(layers[:1] + layers[4:]) == []
+
+
+def _choice_config(precision: str, calib) -> BuilderConfig:
+    config = BuilderConfig()
+    config.set_flag(precision)
+    config.set_flag("fp16")
+    config.calibration_data = calib
+    config.choose_precision_per_layer = True
+    return config
+
+
+def test_layers_measured_slower_quantized_stay_in_the_float_precision(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """--best as TensorRT does it: a quantized layer the autotuner measured no faster than its
+    float form is built in the float precision, from the same calibration (data read once,
+    given here as a one-shot iterator); the report names it, the others stay quantized, and
+    the engine still agrees with onnxruntime."""
+    pytest.importorskip("torch")
+    from tensorkiln.builder import builder as builder_module
+
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    seen = []
+    monkeypatch.setattr(builder_module, "_slower_quantized", lambda layers, *a: seen.append(
+        sorted(x["name"] for x in layers if x["op"].endswith(("QConvAct", "QGemmAct")))) or {"conv2"})  # fmt: skip
+    engine = Builder("cuda", device="cpu").build(path, _choice_config("int8", iter(batches)))
+    assert seen == [["conv1", "conv2", "fc"]]  # (compared once, on the fully quantized build)
+    ops = {n.name: (n.op, n.precision) for n in engine.graph.nodes if n.name in DATA_INPUT}
+    assert ops["conv2"] == ("ConvAct", "fp16"), ops
+    assert ops["conv1"][0] == "QConvAct" and ops["fc"][0] == "QGemmAct", ops
+    assert any("1 layers kept in fp16" in n and "conv2" in n for n in engine.build["notes"])
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
+    want = _run_ort(model, {"x": x})
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+
+
+def test_the_precision_choice_compares_each_layer_with_its_float_form(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """_slower_quantized: a quantized layer whose chosen tactic measured no faster than the
+    float engine's same-named layer is named; faster ones, layers with no measurement, and
+    other ops are not."""
+    from tensorkiln.builder import builder as builder_module
+
+    quantized = [
+        {"name": "a", "op": "tensorkiln.QConvAct", "tactic": "t", "timings_ms": {"t": 2.0}},
+        {"name": "b", "op": "tensorkiln.QConvAct", "tactic": "u", "timings_ms": {"u": 0.5}},
+        {"name": "c", "op": "tensorkiln.QGemmAct", "tactic": "default"},  # (not measured)
+        {"name": "d", "op": "tensorkiln.QGemmAct", "tactic": "v", "timings_ms": {"v": 1.0}},
+        {"name": "q", "op": "QuantizeLinear", "tactic": "w", "timings_ms": {"w": 9.0}},
+    ]
+    floats = [
+        {"name": "a", "op": "tensorkiln.ConvAct", "tactic": "f", "timings_ms": {"f": 1.0}},
+        {"name": "b", "op": "tensorkiln.ConvAct", "tactic": "f", "timings_ms": {"f": 1.0}},
+        {"name": "c", "op": "tensorkiln.GemmAct", "tactic": "f", "timings_ms": {"f": 1.0}},
+        {"name": "d", "op": "MatMul", "tactic": "default", "timings_ms": {"default": 1.0}},
+        {"name": "q", "op": "Relu", "tactic": "f", "timings_ms": {"f": 1.0}},
+    ]
+
+    def lower(graph, config, backend, policy, report, bar, cache):
+        report.layers = floats
+        return "fp16"
+
+    monkeypatch.setattr(builder_module, "_lower", lower)
+    slower = builder_module._slower_quantized(quantized, None, None, None, None, None)
+    assert slower == {"a", "d"}
+
+
+def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) -> None:
+    """On a CPU device the kernels timed are not the GPU's: unless asked, every layer is
+    quantized and no float engine is tuned beside the quantized one."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    config = _choice_config("int8", [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}])
+    config.choose_precision_per_layer = None
+    builder = Builder("cuda", device="cpu")
+    engine = builder.build(path, config)
+    assert "precision choice" not in builder.last_report.phases
+    assert sum(n.op in ("QConvAct", "QGemmAct") for n in engine.graph.nodes) == 3

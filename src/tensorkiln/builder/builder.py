@@ -7,6 +7,7 @@ is timed for the build report; a progress bar shows in a terminal.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import os
 import sys
@@ -35,7 +36,7 @@ from tensorkiln.precision.calib_data import CalibrationData
 from tensorkiln.precision.calibration import CalibrationRequest
 from tensorkiln.precision.io import set_io_types
 from tensorkiln.precision.overflow import value_ranges
-from tensorkiln.precision.quantize import quantize_graph
+from tensorkiln.precision.quantize import has_qdq, quantize_graph
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
@@ -123,26 +124,31 @@ class Builder:
                     graph, config.optimization_level, config.dump_ir, backend=self.backend
                 )
             quantized = _quantized_precision(config)
+            request = _calibration_request(config)
+            float_graph = None
             if quantized is not None:
+                if _chooses_precision(graph, config, backend):
+                    float_graph = _copy_graph(graph)
                 with _phase(report, "calibrate", bar):
-                    report.notes += _quantize(graph, config, backend, quantized, bar)
+                    report.notes += _quantize(graph, config, backend, quantized, bar, request)
             policy = config.precision_policy or DefaultPolicy(_fp16_ranges(graph, config, backend))
-            with _phase(report, "precision", bar):
-                precision, notes = _apply_precision(graph, config, policy)
-                report.notes += notes
-                report.notes += set_io_types(
-                    graph, config.input_io_formats, config.output_io_formats
-                )
-                _record_formats(graph, backend)
-            with _phase(report, "tactics", bar):
-                if backend.autotunes:
-                    report.layers, report.timing_cache = _tune(
-                        graph, config, backend, precision, policy
+            cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
+            notes = list(report.notes)
+            precision = _lower(graph, config, backend, policy, report, bar, cache)
+            if float_graph is not None and report.layers:
+                with _phase(report, "precision choice", bar):
+                    slower = _slower_quantized(
+                        report.layers, _copy_graph(float_graph), config, backend, policy, cache
                     )
-                    report.notes += _guessed_shapes_notes(graph, config)
-                    report.notes += _quantized_defaults_notes(report.layers)
-                else:
-                    report.layers = _choose_tactics(graph, backend)
+                if slower:  # quantize again without them, the same ranges, tactics from cache
+                    graph = float_graph
+                    with _phase(report, "calibrate", bar):
+                        _quantize(graph, config, backend, quantized, bar, request, slower)
+                    report.notes = notes  # (the first lowering's notes were of the other graph)
+                    precision = _lower(graph, config, backend, policy, report, bar, cache)
+                    report.notes.append(_kept_float_note(slower, quantized, precision))
+            if config.timing_cache:
+                cache.save(config.timing_cache)
             with _phase(report, "memory", bar):
                 report.memory = plan_memory(
                     graph, max_profile_symbols(graph, config.profiles)
@@ -197,22 +203,33 @@ def _quantized_precision(config: BuilderConfig) -> str | None:
     return next((p for p in QUANTIZED_PRECISIONS if p in config.precisions), None)
 
 
-def _quantize(
-    graph: Graph, config: BuilderConfig, backend: Backend, precision: str, bar: _Progress
-) -> list[str]:
-    """Calibrate the optimized float graph and quantize its convolutions and GEMMs."""
-    request = CalibrationRequest(
+def _calibration_request(config: BuilderConfig) -> CalibrationRequest:
+    return CalibrationRequest(
         _calibration_data(config),
         config.calibration_cache,
         config.calibrator,
         config.calibration_percentile,
     )
+
+
+def _quantize(
+    graph: Graph,
+    config: BuilderConfig,
+    backend: Backend,
+    precision: str,
+    bar: _Progress,
+    request: CalibrationRequest,
+    keep_float: set[str] = frozenset(),
+) -> list[str]:
+    """Calibrate the optimized float graph and quantize its convolutions and GEMMs, but those
+    pinned to a float precision and ``keep_float``."""
+    pinned = {k for k, p in config.layer_precisions.items() if p not in QUANTIZED_PRECISIONS}
     notes = quantize_graph(
         graph,
         precision,
         request,
         lambda g: Executor(g, backend),
-        exclude={k for k, p in config.layer_precisions.items() if p not in QUANTIZED_PRECISIONS},
+        exclude=pinned | set(keep_float),
         progress=bar.status,
         budget=None
         if config.accuracy_budget is None
@@ -339,14 +356,42 @@ def _apply_precision(
     return plan.engine, policy.rewrite(graph, plan)
 
 
+def _lower(
+    graph: Graph,
+    config: BuilderConfig,
+    backend: Backend,
+    policy: PrecisionPolicy,
+    report: BuildReport,
+    bar: _Progress,
+    cache: TimingCache,
+) -> str:
+    """The precision and tactics phases on ``graph``: each layer's precision, the I/O types and
+    formats, then each layer's kernel (``report.layers``); returns the engine's precision."""
+    with _phase(report, "precision", bar):
+        precision, notes = _apply_precision(graph, config, policy)
+        report.notes += notes
+        report.notes += set_io_types(graph, config.input_io_formats, config.output_io_formats)
+        _record_formats(graph, backend)
+    with _phase(report, "tactics", bar):
+        if backend.autotunes:
+            report.layers, report.timing_cache = _tune(
+                graph, config, backend, precision, policy, cache
+            )
+            report.notes += _guessed_shapes_notes(graph, config)
+            report.notes += _quantized_defaults_notes(report.layers)
+        else:
+            report.layers = _choose_tactics(graph, backend)
+    return precision
+
+
 def _tune(
     graph: Graph,
     config: BuilderConfig,
     backend: Backend,
     precision: str,
     policy: PrecisionPolicy,
+    cache: TimingCache,
 ) -> tuple[list[dict], dict]:
-    cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
     shapes = _opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
     options = TuneOptions(
@@ -369,9 +414,78 @@ def _tune(
             )
     except GraphError as exc:  # the model does not infer at the shapes it is tuned at
         raise BuildError(_tuning_shapes_error(graph, config.profiles, exc)) from None
-    if config.timing_cache:
-        cache.save(config.timing_cache)
     return layers, {"hits": cache.hits, "misses": cache.misses}
+
+
+# ------------------------------------------------- INT8/FP8: each layer in the faster precision
+
+_FLOAT_KINDS = {("", "Conv"), ("tensorkiln", "ConvAct"), ("", "Gemm"), ("tensorkiln", "GemmAct"),
+                 ("", "MatMul")}  # fmt: skip
+_QUANTIZED_KINDS = {("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")}
+
+
+def _chooses_precision(graph: Graph, config: BuilderConfig, backend: Backend) -> bool:
+    """Whether an INT8/FP8 build compares each quantized layer with its float form and keeps
+    the faster (TensorRT's choice among the allowed precisions): as configured, by default on a
+    GPU, never for a model that carries its own Q/DQ (quantized as written), nor with an
+    accuracy budget or SmoothQuant (which choose the float layers themselves)."""
+    wanted = config.choose_precision_per_layer
+    if wanted is None:
+        wanted = backend.autotunes and backend.streams
+    if not wanted or not backend.autotunes or config.optimization_level == 0:
+        return False
+    if config.accuracy_budget is not None or config.smooth_quant is not None:
+        return False
+    return not has_qdq(graph)
+
+
+def _copy_graph(graph: Graph) -> Graph:
+    """A copy to lower separately, sharing the (never rewritten in place) constant arrays."""
+    memo: dict[int, Any] = {}
+    for v in graph.values():
+        if v.const is not None:
+            memo[id(v.const)] = v.const
+    return copy.deepcopy(graph, memo)
+
+
+def _layer_ms(layers: list[dict], kinds: set[tuple[str, str]]) -> dict[str, float]:
+    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``kinds``."""
+    out = {}
+    for layer in layers:
+        domain, _, op = layer.get("op", "").rpartition(".")
+        timings = layer.get("timings_ms") or {}
+        if (domain, op) in kinds and layer.get("tactic") in timings:
+            out[layer["name"]] = float(timings[layer["tactic"]])
+    return out
+
+
+def _slower_quantized(
+    layers: list[dict],
+    float_graph: Graph,
+    config: BuilderConfig,
+    backend: Backend,
+    policy: PrecisionPolicy,
+    cache: TimingCache,
+) -> set[str]:
+    """The quantized layers whose measured time is no better than the same layer's in the
+    float engine (``float_graph``, lowered and tuned here). The QuantizeLinear that feeds a
+    quantized layer is not counted: where it is shared or fused into the producer it costs
+    the layer little, so the choice leans towards quantizing."""
+    quantized = _layer_ms(layers, _QUANTIZED_KINDS)
+    scratch = BuildReport()
+    _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
+    floats = _layer_ms(scratch.layers, _FLOAT_KINDS)
+    return {n for n, ms in quantized.items() if n in floats and ms >= floats[n]}
+
+
+def _kept_float_note(slower: set[str], quantized: str, precision: str) -> str:
+    names = sorted(slower)
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"{quantized}: {len(names)} layers kept in {precision} where the autotuner measured "
+        f"them faster than in {quantized}: {shown} (BuilderConfig.choose_precision_per_layer "
+        f"= False quantizes every layer)"
+    )
 
 
 def _unprofiled_axes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, list[str]]:
@@ -498,7 +612,8 @@ def _phase(report: BuildReport, name: str, bar: Any):
     except TensorkilnError:
         raise
     finally:
-        report.phases[name] = time.perf_counter() - t0
+        # (a phase run again, as an INT8 build's precision choice does, adds up)
+        report.phases[name] = report.phases.get(name, 0.0) + time.perf_counter() - t0
         bar.advance(name)
 
 

@@ -78,6 +78,11 @@ class BuilderConfig:
     # SmoothQuant's alpha for the GEMMs of an INT8/FP8 build (precision/smooth.py), or "auto"
     # (each GEMM measured on the first calibration batch); None: off
     smooth_quant: float | str | None = None
+    # INT8/FP8 builds: each quantized layer is also timed in the engine's float precision and
+    # the faster kept (TensorRT's choice among the allowed precisions; the build report names
+    # the layers kept in float). False quantizes every layer; None: on a GPU, where the timings
+    # mean something (on a CPU device the kernels measured are not the GPU's)
+    choose_precision_per_layer: bool | None = None
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
@@ -184,6 +189,7 @@ class BuilderConfig:
                 {
                     "calibrator": self.calibrator,
                     "calibration_percentile": self.calibration_percentile,
+                    "choose_precision_per_layer": self.choose_precision_per_layer,
                 }
                 if self.precisions & set(QUANTIZED_PRECISIONS)
                 else {}

@@ -190,6 +190,12 @@ def add_calibration_options(p: argparse.ArgumentParser) -> None:
         "on the first calibration batch (default: off)",
     )
     g.add_argument(
+        "--quantize-all",
+        action="store_true",
+        help="quantize every convolution and GEMM; by default, on a GPU, a layer the autotuner "
+        "measures faster in the engine's float precision stays in it (the build report names it)",
+    )
+    g.add_argument(
         "--accuracy-budget",
         metavar="SPEC",
         help="keep the fewest layers in float32 so that the outputs stay within SPEC of the "
@@ -291,6 +297,8 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     config.calibration_samples = getattr(args, "calib_samples", None)
     config.accuracy_budget = getattr(args, "accuracy_budget", None)
     config.smooth_quant = getattr(args, "smooth_quant", None)
+    if getattr(args, "quantize_all", False):
+        config.choose_precision_per_layer = False
     profiles = profiles_from_args(args)
     if not profiles and plan:
         profiles = [OptimizationProfile.from_json(p) for p in plan.get("profiles", [])]
