@@ -126,6 +126,7 @@ class Builder:
             quantized = _quantized_precision(config)
             request = _calibration_request(config)
             float_graph = None
+            before = list(report.notes)
             if quantized is not None:
                 if _chooses_precision(graph, config, backend):
                     float_graph = _copy_graph(graph)
@@ -133,7 +134,6 @@ class Builder:
                     report.notes += _quantize(graph, config, backend, quantized, bar, request)
             policy = config.precision_policy or DefaultPolicy(_fp16_ranges(graph, config, backend))
             cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
-            notes = list(report.notes)
             precision = _lower(graph, config, backend, policy, report, bar, cache)
             if float_graph is not None and report.layers:
                 with _phase(report, "precision choice", bar):
@@ -142,9 +142,11 @@ class Builder:
                     )
                 if slower:  # quantize again without them, the same ranges, tactics from cache
                     graph = float_graph
+                    report.notes = before  # (the first pass's notes were of the other graph)
                     with _phase(report, "calibrate", bar):
-                        _quantize(graph, config, backend, quantized, bar, request, slower)
-                    report.notes = notes  # (the first lowering's notes were of the other graph)
+                        report.notes += _quantize(
+                            graph, config, backend, quantized, bar, request, slower
+                        )
                     precision = _lower(graph, config, backend, policy, report, bar, cache)
                     report.notes.append(_kept_float_note(slower, quantized, precision))
             if config.timing_cache:
