@@ -264,3 +264,24 @@ def test_pointwise_qconv_on_the_triton_gemm(kind, requantize) -> None:
     else:
         rtol = 1e-6 if kind == "int8" else 1e-5
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+
+
+def test_the_tilings_timed_for_a_large_int8_gemm_are_8_bit_ones() -> None:
+    """The autotuner times the few best-estimated Triton tilings of a layer: for BERT-base's
+    int8 GEMMs at batch 64 those are large tiles with deep K steps, not the fp16 tilings
+    registered first (which were all it timed before the 8-bit tactics had an estimate)."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.tactics import tactics_for
+    from tensorkiln.tactics.autotune import _prune
+
+    int8 = ("int8", "float32", "int8", "float32", "float16")
+    for n, k in ((2304, 768), (768, 3072)):
+        spec = LayerSpec("QGemmAct", "tensorkiln", {"transB": 1},
+                         ((64, 128, k), (), (n, k), (n,), (n,)), int8, device="cuda")  # fmt: skip
+        applicable = [t for t in tactics_for("QGemmAct", "tensorkiln") if t.applies(spec)]
+        kept, _ = _prune(applicable, spec, 4)
+        tiles = [t.name.removeprefix("triton_qgemm_") for t in kept if t.name.startswith("triton")]
+        assert len(tiles) == 4, tiles
+        for tile in tiles:
+            bm, bn, bk = (int(d) for d in tile.split("_")[0].split("x"))
+            assert bm >= 128 and bn >= 128 and bk >= 64, tiles

@@ -263,7 +263,8 @@ def _conv_fn(cfg: gemm.TileConfig) -> Callable:
 # ------------------------------------------------------------------------------------ estimates
 
 
-def _sm_count() -> int:
+def sm_count() -> int:
+    """The GPU's multiprocessors (an H100/H200's 132 where there is none, for tests)."""
     import torch
 
     if torch.cuda.is_available():
@@ -284,7 +285,7 @@ def _tile_score(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
 
 def _gemm_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
     dims = _gemm_dims(spec)
-    return 0.0 if dims is None else _tile_score(cfg, dims[0], dims[1], _sm_count())
+    return 0.0 if dims is None else _tile_score(cfg, dims[0], dims[1], sm_count())
 
 
 def _matmul_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
@@ -292,7 +293,7 @@ def _matmul_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
     if dims is None:
         return 0.0
     nb, m, n = dims
-    return _tile_score(cfg, nb * m, n, _sm_count())  # the batch runs as more tiles
+    return _tile_score(cfg, nb * m, n, sm_count())  # the batch runs as more tiles
 
 
 # --------------------------------------------------------------------------------- registration

@@ -46,6 +46,7 @@ from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
 if available():
+    from tensorkiln.kernels.cuda import tactics_gemm
     from tensorkiln.kernels.triton import conv, epilogue, gemm
     from tensorkiln.kernels.triton.gemm import Epilogue
 
@@ -290,6 +291,35 @@ def _triton_qconv(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv_{cfg.name}")
 
 
+def _eight_bit_score(cfg: Any, m: int, n: int) -> float:
+    """The autotuner's estimate of a tiling of an M x N output for 8-bit operands (it times the
+    best few): the share of tile area doing useful work, times the share of the last wave of
+    tiles that is busy, times the tile's operand reuse against a 128x256 tile's (8-bit sums are
+    cheap; loads are what limits them), halved for K steps under 64 bytes, which feed Hopper's
+    8-bit tensor-core instructions (32 deep) one at a time."""
+    bm, bn = cfg.block_m, cfg.block_n
+    tiles = math.ceil(m / bm) * math.ceil(n / bn)
+    useful = (m * n) / (tiles * bm * bn)
+    sms = tactics_gemm.sm_count()
+    busy = tiles / (math.ceil(tiles / sms) * sms)
+    reuse = min(1.0, (bm * bn / (bm + bn)) / (128 * 256 / 384))
+    return useful * busy * reuse * (1.0 if cfg.block_k >= 64 else 0.5)
+
+
+def _qgemm_estimate(cfg: Any, spec: LayerSpec) -> float:
+    dims = _gemm_dims(spec)
+    return 0.0 if dims is None else _eight_bit_score(cfg, dims[0], dims[1])
+
+
+def _qconv_estimate(cfg: Any, spec: LayerSpec) -> float:
+    g = _conv_geometry(spec)
+    if g is None:
+        return 0.0
+    x, w = spec.shapes[0], spec.shapes[2]
+    group = spec.attrs.get("group", 1)
+    return _eight_bit_score(cfg, x[0] * math.prod(g.out), w[0] // group)
+
+
 def _quant_configs() -> tuple:
     """Tilings for 8-bit operands besides the fp16 ones: the tensor cores take int8 and E4M3 in
     K steps of 32, and an 8-bit tile of 128 channels costs the shared memory of 64 in fp16."""
@@ -319,14 +349,18 @@ def _register() -> None:
     if not available():
         return
     triton_families = (
-        ("QGemmAct", "triton_qgemm", gemm.CONFIGS, _triton_qgemm_ok, _triton_qgemm),
-        ("QConvAct", "triton_qconv", conv.CONFIGS, _triton_qconv_ok, _triton_qconv),
-    )
-    for op, prefix, configs, ok, kernel in triton_families:
-        for cfg in configs + QUANT_CONFIGS:
-            tactic(op, domain="tensorkiln", name=f"{prefix}_{cfg.name}", supports=partial(ok, cfg))(
-                kernel(cfg)
-            )
+        ("QGemmAct", "triton_qgemm", gemm.CONFIGS, _triton_qgemm_ok, _triton_qgemm, _qgemm_estimate),
+        ("QConvAct", "triton_qconv", conv.CONFIGS, _triton_qconv_ok, _triton_qconv, _qconv_estimate),
+    )  # fmt: skip
+    for op, prefix, configs, ok, kernel, estimate in triton_families:
+        for cfg in QUANT_CONFIGS + configs:
+            tactic(
+                op,
+                domain="tensorkiln",
+                name=f"{prefix}_{cfg.name}",
+                supports=partial(ok, cfg),
+                estimate=partial(estimate, cfg),
+            )(kernel(cfg))
 
 
 _register()
