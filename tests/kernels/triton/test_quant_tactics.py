@@ -285,3 +285,34 @@ def test_the_tilings_timed_for_a_large_int8_gemm_are_8_bit_ones() -> None:
         for tile in tiles:
             bm, bn, bk = (int(d) for d in tile.split("_")[0].split("x"))
             assert bm >= 128 and bn >= 128 and bk >= 64, tiles
+
+
+@pytest.mark.parametrize("out_dtype", [10, 16])
+def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtype) -> None:
+    """cublas_fp8_rowwise: E4M3 operands, the activation's scale per row and the weight's per
+    column with alpha and the bias in the GEMM, fp16/bf16 out; against the reference to 16-bit
+    rounding. It takes no activation, no Y_scale and no unpacked weight."""
+    rng = np.random.default_rng()
+    n, k = 48, 64
+    args = [_q(rng, (3, 7, k), "fp8"), np.float32(rng.uniform(0.01, 0.1)), _q(rng, (n, k), "fp8"),
+            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
+            rng.standard_normal(n).astype(np.float16)]  # fmt: skip
+    attrs = {"transB": 1, "alpha": 0.5, "out_dtype": out_dtype}
+    tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_fp8_rowwise")
+    dtypes = tuple(np.asarray(a).dtype.name for a in args)
+    shapes = tuple(np.shape(a) for a in args)
+
+    def spec(**at):
+        return LayerSpec("QGemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device="cuda")
+
+    assert tactic.applies(spec())
+    assert not tactic.applies(spec(activation="Relu"))
+    assert not tactic.applies(spec(out_dtype=1))
+    assert not tactic.applies(spec(transB=0))
+    want = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), args,
+                  {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+    got = tactic.fn(*[to_torch(np.asarray(a), DEVICE) for a in args], **attrs)
+    assert got.dtype == (torch.float16 if out_dtype == 10 else torch.bfloat16)
+    tol = 1e-2 if out_dtype == 10 else 2e-2
+    np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
+                               atol=tol * np.abs(want).max())  # fmt: skip

@@ -6,6 +6,9 @@
   and applies the activation.
 * ``cublas_fp8_scaled_mm`` (QGemmAct): ``torch._scaled_mm`` of E4M3 operands with float32 sums, the
   scales applied in the same float32 pass.
+* ``cublas_fp8_rowwise`` (QGemmAct with no activation and a 16-bit output): ``torch._scaled_mm``
+  with the activation's scale per row, the weight's per column and the bias in cuBLASLt's
+  epilogue, writing fp16/bf16 directly: no float32 sums written and read back.
 * ``triton_qgemm_<config>`` (QGemmAct): the Triton GEMM of kernels/triton/gemm.py with int8
   operands and int32 sums (or E4M3 and float32 sums) on Hopper's 8-bit tensor-core instructions,
   scale, bias, activation and the next layer's quantization in its epilogue: one kernel, 8 bits
@@ -160,6 +163,32 @@ def _triton_qgemm(cfg: Any) -> Callable:
 
     run.__name__ = f"triton_qgemm_{cfg.name}"
     return run
+
+
+def _rowwise_ok(spec: LayerSpec) -> bool:
+    """An E4M3 QGemmAct the row-wise scaled GEMM finishes alone: no activation, no Y_scale, a
+    16-bit output, a bias of one row at beta 1."""
+    if not _qgemm_ok("float8_e4m3fn", spec) or spec.attrs.get("activation", ""):
+        return False
+    if spec.attrs.get("out_dtype", 1) not in (10, 16) or len(spec.shapes) > 5:
+        return False
+    c = spec.shapes[4] if len(spec.shapes) > 4 else None
+    n = spec.shapes[2][0]
+    return c is None or (math.prod(c) == n and spec.attrs.get("beta", 1.0) == 1.0)
+
+
+def _qgemm_fp8_rowwise(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
+    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+    if call.y_scale is not None or call.activation or not call.packed or call.beta != 1.0:
+        raise ValueError("cublas_fp8_rowwise takes a packed weight, no activation, no Y_scale")
+    m, n = call.a2.shape[0], call.b.shape[0]
+    scale_a = call.x_scale.reshape(1, 1).to(torch.float32).expand(m, 1).contiguous()
+    scale_b = call.w_scale.reshape(1, -1).to(torch.float32).expand(1, n)
+    scale_b = (scale_b * call.alpha if call.alpha != 1.0 else scale_b).contiguous()
+    bias = None if call.bias is None else call.bias.reshape(n).to(call.out)
+    y = torch._scaled_mm(call.a2.contiguous(), call.b.t(), scale_a=scale_a, scale_b=scale_b,
+                         bias=bias, out_dtype=call.out)  # fmt: skip
+    return y.reshape(call.shape)
 
 
 def _conv_geometry(spec: LayerSpec) -> Any:
@@ -342,6 +371,9 @@ def _register() -> None:
         name="cublas_fp8_scaled_mm",
         supports=partial(_qgemm_ok, "float8_e4m3fn"),
     )(_qgemm("fp8"))
+    tactic("QGemmAct", domain="tensorkiln", name="cublas_fp8_rowwise", supports=_rowwise_ok)(
+        _qgemm_fp8_rowwise
+    )
     tactic("QConvAct", domain="tensorkiln", name="cublas_int8_mm", supports=_pointwise_ok)(
         qconv_pointwise_int8
     )
