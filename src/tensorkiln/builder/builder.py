@@ -133,7 +133,9 @@ class Builder:
                 with _phase(report, "calibrate", bar):
                     report.notes += _quantize(graph, config, backend, quantized, bar, request)
             policy = config.precision_policy or DefaultPolicy(_fp16_ranges(graph, config, backend))
-            cache = TimingCache.load(config.timing_cache) if config.timing_cache else TimingCache()
+            # (the tactic timing cache: read and written by backends that tune)
+            tuned = backend.autotunes and config.timing_cache
+            cache = TimingCache.load(config.timing_cache) if tuned else TimingCache()
             precision = _lower(graph, config, backend, policy, report, bar, cache)
             if float_graph is not None and report.layers:
                 with _phase(report, "precision choice", bar):
@@ -149,7 +151,7 @@ class Builder:
                         )
                     precision = _lower(graph, config, backend, policy, report, bar, cache)
                     report.notes.append(_kept_float_note(slower, quantized, precision))
-            if config.timing_cache:
+            if tuned:
                 cache.save(config.timing_cache)
             with _phase(report, "memory", bar):
                 report.memory = plan_memory(
