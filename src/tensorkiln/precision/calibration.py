@@ -185,7 +185,7 @@ class CalibrationRequest:
     histograms: dict[str, Histogram] | None = None  # set to {} to receive them (for plots)
     capture: frozenset[str] = frozenset()  # tensors whose first batch's values to keep...
     captured: dict[str, np.ndarray] = field(default_factory=dict)  # ...here (host copies)
-    # the ranges calibrate() chose, kept for a second quantization of the same graph in one
+    # the ranges quantize_graph used, kept for a second quantization of the same graph in one
     # build (the data may be an iterator, read once); given, they are used as they are
     table: CalibrationTable | None = None
 
@@ -208,26 +208,6 @@ def calibrate(
     method = request.calibrator or DEFAULT_CALIBRATOR[precision]
     check_method(method, precision, request.percentile)
     names = {v.name: layer for v, layer in tensors.items()}
-    if request.table is not None:  # (this build calibrated already)
-        request.table.check_fits(names, "this build's calibration", [v.name for v in channels])
-        return request.table
-    request.table = _calibrated(graph, executor_factory, tensors, precision, request, progress,
-                                channels, method, names)  # fmt: skip
-    return request.table
-
-
-def _calibrated(
-    graph: Graph,
-    executor_factory: Callable[[Graph], Any],
-    tensors: Mapping[Value, str],
-    precision: str,
-    request: CalibrationRequest,
-    progress: Progress | None,
-    channels: Collection[Value],
-    method: str,
-    names: dict[str, str],
-) -> CalibrationTable:
-    """The ranges from the cache when it has them, else from the calibration data."""
     cache = Path(request.cache) if request.cache is not None else None
     if cache is not None and cache.exists():
         table = CalibrationTable.load(cache)

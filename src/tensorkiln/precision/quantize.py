@@ -125,7 +125,10 @@ def quantize_graph(
     channels = list(dict.fromkeys(n.inputs[0] for n in smoothed))
     if smooth == "auto":
         request.capture = frozenset(v.name for v in channels)
-    table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels)
+    table = request.table  # (given: this build calibrated already, the same graph)
+    if table is None:
+        table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels)
+    request.table = table
     samples = _samples(graph, request, executor_factory) if smooth == "auto" and channels else {}
     chosen: dict[str, float | None] = {}
     switches = insert_qdq(graph, table, layers, precision, smooth, samples, chosen)
