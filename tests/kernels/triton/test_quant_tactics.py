@@ -316,3 +316,20 @@ def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtyp
     tol = 1e-2 if out_dtype == 10 else 2e-2
     np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
                                atol=tol * np.abs(want).max())  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_triton_tactics_take_a_per_tensor_weight_scale(kind) -> None:
+    """The Triton kernels form X_scale * W_scale themselves: with one weight scale for all
+    channels (read with a zero stride) as with one per channel; GEMM and convolution against
+    the reference."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    q = "int8" if kind == "int8" else "fp8"
+    gemm_args = [_q(rng, (40, 64), q), np.float32(0.05), _q(rng, (48, 64), q),
+                 np.float32(rng.uniform(1e-3, 1e-2)), rng.standard_normal(48).astype(np.float32)]  # fmt: skip
+    _check("QGemmAct", _TRITON_QGEMM, gemm_args, {"transB": 1, "alpha": 0.5}, rtol=1e-5)
+    conv_args = [_q(rng, (2, 32, 6, 6), q), np.float32(0.04), _q(rng, (32, 32, 3, 3), q),
+                 np.float32(rng.uniform(1e-3, 1e-2)), rng.standard_normal(32).astype(np.float32)]  # fmt: skip
+    _check("QConvAct", "triton_qconv_64x64x32_w4_s4", conv_args, {"pads": [1, 1, 1, 1]},
+           rtol=1e-5)  # fmt: skip

@@ -130,14 +130,18 @@ class QConv:
 
     geometry: Geometry
     group: int
-    scale: torch.Tensor
+    channels: int  # output channels
     activation: str
     act: tuple  # (alpha, beta, min, max)
     after: bool  # residual_order == "act_add"
     out: torch.dtype  # the layer's output type (sums that finish the epilogue write it)
     x_scale: torch.Tensor  # X_scale (float32, one value) and W_scale (float32, one per output
-    w_scale: torch.Tensor  # channel): ``scale`` is their product
+    w_scale: torch.Tensor  # channel or one for all)
     y_scale: torch.Tensor | None  # float32, one value: ``out`` is int8 or E4M3, quantized to it
+
+    def scale(self) -> torch.Tensor:
+        """X_scale * W_scale per output channel, float32 (formed only where a kernel needs it)."""
+        return _scales(self.x_scale, self.w_scale, self.channels, "QConvAct", torch.float32)
 
 
 # the sums of one QConvAct: (x_q, w_q, bias, z, call) -> the convolution times the scale, float32,
@@ -167,12 +171,11 @@ def qconv(
     g = geometry_of(x_q, w_q, a["auto_pad"], a["dilations"], a["kernel_shape"], a["pads"],
                     a["strides"])  # fmt: skip
     m = w_q.shape[0]
-    scale = _scales(x_scale, w_scale, m, "QConvAct", torch.float32)
+    ws = _check_scales(x_scale, w_scale, m, "QConvAct").to(torch.float32)
     ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
-    call = QConv(g, a["group"], scale, a["activation"], _activation(a),
+    call = QConv(g, a["group"], m, a["activation"], _activation(a),
                  a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),
-                 x_scale.reshape(()).to(torch.float32),
-                 w_scale.reshape(-1).to(torch.float32).expand(m), ys)  # fmt: skip
+                 x_scale.reshape(()).to(torch.float32), ws, ys)  # fmt: skip
     bias = None if b is None else b.reshape(m).to(torch.float32)
     y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
@@ -198,9 +201,8 @@ def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     if channels_last_like(x_q, w_q) and not acc.is_contiguous(memory_format=torch.channels_last):
         acc = acc.contiguous(memory_format=torch.channels_last)
     m = acc.shape[1]
-    scale = (call.x_scale.to(torch.float64) * call.w_scale.to(torch.float64)).reshape(
-        1, m, *(1,) * (acc.ndim - 2)
-    )
+    scale = (call.x_scale.to(torch.float64) * call.w_scale.to(torch.float64)).expand(m)
+    scale = scale.reshape(1, m, *(1,) * (acc.ndim - 2))
     return (acc * scale).to(torch.float32), False
 
 

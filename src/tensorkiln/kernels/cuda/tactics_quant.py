@@ -155,8 +155,8 @@ def _triton_qgemm(cfg: Any) -> Callable:
             bias = call.bias.reshape(1, -1).expand(m, n)
         gemm.launch(
             call.a2.unsqueeze(0), call.b.t().unsqueeze(0), y.unsqueeze(0), bias, None,
-            alpha=1.0, beta=call.beta, epilogue=Epilogue.of(call.activation, *call.act),
-            residual_after=False, config=cfg, scale=call.scale(torch.float32),
+            alpha=call.alpha, beta=call.beta, epilogue=Epilogue.of(call.activation, *call.act),
+            residual_after=False, config=cfg, scale=(call.x_scale, call.w_scale),
             y_scale=call.y_scale,
         )  # fmt: skip
         return y.reshape(call.shape)
@@ -239,7 +239,7 @@ def _pointwise_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]
     m = w_q.shape[0]
     rows = x_q.permute(0, 2, 3, 1).reshape(nb * h * wd, c)
     acc = _matmul("int8", rows, w_q.reshape(m, c)).reshape(nb, h, wd, m).permute(0, 3, 1, 2)
-    return _scaled(acc, call.scale, bias, z, call)
+    return _scaled(acc, call.scale(), bias, z, call)
 
 
 def _scaled(acc, scale, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
@@ -280,7 +280,8 @@ def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     range, and X_scale follows in the epilogue's pass."""
     half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
     m = w_q.shape[0]
-    w = (w_q.to(torch.float32) * call.w_scale.reshape(m, *(1,) * (w_q.ndim - 1))).to(half)
+    w_scale = call.w_scale.expand(m).reshape(m, *(1,) * (w_q.ndim - 1))
+    w = (w_q.to(torch.float32) * w_scale).to(half)
     w = w.contiguous(memory_format=torch.channels_last) if w.ndim == 4 and x_q.ndim == 4 else w
     x = x_q.to(half)
     acc = conv_nd(x, w, None, call.geometry, call.group)
@@ -312,7 +313,8 @@ def _triton_qconv(cfg: Any) -> Callable:
         epilogue = gemm.Epilogue.of(call.activation, *call.act)
         y = conv.conv_act(
             x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
-            residual_after=call.after, config=cfg, scale=call.scale, out_dtype=call.out,
+            residual_after=call.after, config=cfg, scale=(call.x_scale, call.w_scale),
+            out_dtype=call.out,
             y_scale=call.y_scale,
         )  # fmt: skip
         return y, True

@@ -25,10 +25,12 @@ from tensorkiln.kernels.triton.gemm import (
     NO_ACTIVATION,
     Epilogue,
     TileConfig,
+    channel_scale,
     dot_precision,
     dot_step,
     finish,
     launch,
+    scale_operands,
     swizzle,
 )
 from tensorkiln.kernels.triton.quantize import qout, requantize, storable
@@ -91,8 +93,8 @@ _GENERIC = [
 
 @triton.jit(do_not_specialize=_GENERIC)
 def _conv_kernel(
-    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, s_ptr, q_ptr,
-    NB, C, H, W, OC, OH, OW, KH, KW,
+    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr,
+    NB, C, H, W, OC, OH, OW, KH, KW, s_ws,
     sx_n, sx_c, sx_h, sx_w, sw_o, sw_c, sw_h, sw_w,
     sz_n, sz_c, sz_h, sz_w, sy_n, sy_c, sy_h, sy_w,
     stride_h, stride_w, pad_h, pad_w, dil_h, dil_w,
@@ -137,7 +139,7 @@ def _conv_kernel(
         acc = dot_step(a, b, acc, QUANT, UPCAST, PRECISION, BLOCK_K)
     mask = m_ok[:, None] & (rn < OC)[None, :]
     if QUANT != 0:  # quantized operands: the sums times X_scale * W_scale per output channel
-        acc = acc.to(tl.float32) * tl.load(s_ptr + co).to(tl.float32)[None, :]
+        acc = acc.to(tl.float32) * channel_scale(xs_ptr, ws_ptr, s_ws, co)[None, :]
     bias = 0.0
     if HAS_B:
         bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
@@ -204,13 +206,14 @@ def conv_act(
     epilogue: Epilogue = NO_ACTIVATION,
     residual_after: bool = False,
     config: TileConfig = CONFIGS[1],
-    scale: torch.Tensor | None = None,
+    scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     y_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
-    ``scale`` (float32, one per output channel), x and w are int8 or float8 E4M3 and the sums are
-    multiplied by it before the epilogue (tensorkiln.QConvAct), the output in ``out_dtype``
+    ``scale`` (X_scale, W_scale: float32, one value and one per output channel or one), x and w
+    are int8 or float8 E4M3 and the sums are multiplied by their product before the epilogue
+    (tensorkiln.QConvAct), the output in ``out_dtype``
     (with ``y_scale``: int8 or E4M3, the result quantized to it).
     Any strides: the weights of the cuda backend's convolutions are channels-last (OHWI), the
     layout whose channel reads are contiguous."""
@@ -249,12 +252,13 @@ def conv_act(
             x, w, bias, z, y, epilogue, residual_after, config, scale, y_scale
         )  # fmt: skip
     quant = 0 if scale is None else (1 if x.dtype == torch.int8 else 2)
+    xs, ws, s_ws = scale_operands(scale, y)
     ocg = oc // group
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
     _conv_kernel[grid](
         x, w, bias if bias is not None else y, z if z is not None else y, storable(y),
-        scale if scale is not None else y, y_scale if y_scale is not None else y,
-        nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3],
+        xs, ws, y_scale if y_scale is not None else y,
+        nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3], s_ws,
         *x.stride(), *w.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         *geom.strides, *geom.begin, *geom.dilations,
         epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,

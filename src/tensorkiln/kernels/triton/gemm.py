@@ -181,9 +181,18 @@ def dot_step(a, b, acc, QUANT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl
 
 
 @triton.jit
+def channel_scale(xs_ptr, ws_ptr, s_ws, cols):
+    """X_scale * W_scale (float32) for output columns ``cols``: W_scale has one value per column
+    (``s_ws`` 1) or one for all (``s_ws`` 0). Multiplied here, the layer launches no kernel to
+    form the product (a CUDA graph replays every kernel a layer launches)."""
+    xs = tl.load(xs_ptr).to(tl.float32)
+    return xs * tl.load(ws_ptr + cols * s_ws).to(tl.float32)
+
+
+@triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, s_ptr, q_ptr,
-    M, N, K,
+    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr,
+    M, N, K, s_ws,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, s_yb, s_ym, s_yn,
     alpha, beta, p0, p1, lo, hi,
     HAS_C: tl.constexpr, HAS_R: tl.constexpr, R_AFTER: tl.constexpr, ACT: tl.constexpr,
@@ -215,7 +224,7 @@ def _gemm_kernel(
         a_ptrs += BLOCK_K * s_ak
         b_ptrs += BLOCK_K * s_bk
     if QUANT != 0:  # the sums of quantized products times A_scale * B_scale per column
-        acc = acc.to(tl.float32) * tl.load(s_ptr + rn % N).to(tl.float32)[None, :]
+        acc = acc.to(tl.float32) * channel_scale(xs_ptr, ws_ptr, s_ws, rn % N)[None, :]
     acc = acc * alpha
     mask = (rm[:, None] < M) & (rn[None, :] < N)
     c = 0.0
@@ -292,24 +301,25 @@ def launch(
     epilogue: Epilogue,
     residual_after: bool,
     config: TileConfig,
-    scale: torch.Tensor | None = None,
+    scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     y_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[i] = act(alpha * a[i] @ b[i] + beta * c + r) for 3-D a, b, y (any strides, batch-0
     broadcast allowed) and 2-D c, r of y's last two dims (broadcast by zero strides). With
-    ``scale`` (float32, one per column), a and b are int8 or E4M3 and their sums are multiplied
-    by it first; with ``y_scale`` (one float32), y is int8 or E4M3 and the result is quantized to
-    it."""
+    ``scale`` (X_scale, W_scale: float32, one value and one per column or one), a and b are int8
+    or E4M3 and their sums are multiplied by their product first; with ``y_scale`` (one float32),
+    y is int8 or E4M3 and the result is quantized to it."""
     batch, m, k = a.shape
     n = b.shape[2]
     if batch == 0 or m == 0 or n == 0:
         return y
     grid = (triton.cdiv(m, config.block_m) * triton.cdiv(n, config.block_n), batch)
     quant = 0 if scale is None else (1 if a.dtype == torch.int8 else 2)
+    xs, ws, s_ws = scale_operands(scale, y)
     _gemm_kernel[grid](
         a, b, c if c is not None else y, r if r is not None else y, storable(y),
-        scale if scale is not None else y, y_scale if y_scale is not None else y,
-        m, n, k,
+        xs, ws, y_scale if y_scale is not None else y,
+        m, n, k, s_ws,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
         *(c.stride() if c is not None else (0, 0)),
@@ -325,6 +335,17 @@ def launch(
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return y
+
+
+def scale_operands(
+    scale: tuple[torch.Tensor, torch.Tensor] | None, placeholder: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(X_scale, W_scale, W_scale's stride) as :func:`channel_scale` reads them (float32; a
+    placeholder pointer where there is no scale)."""
+    if scale is None:
+        return placeholder, placeholder, 0
+    xs, ws = (t.reshape(-1).to(torch.float32) for t in scale)
+    return xs, ws, 1 if ws.numel() > 1 else 0
 
 
 # ----------------------------------------------------------------------------- op entry points
