@@ -164,7 +164,8 @@ def markdown(results: dict) -> list[str]:
             lines.append(f"| {m['model']} | - | {_cell(m, True)} |" + " |" * (len(cols) - 3))
         for row in m.get("rows", []):
             lines.append(_row(row))
-    return [*lines, "", *_notes(_rows(results)), *_kernel_lines(_rows(results))]
+    rows = _rows(results)
+    return [*lines, "", *_notes(rows), *_kernel_lines(rows), *_layer_lines(rows)]
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:
@@ -186,6 +187,27 @@ def _kernel_lines(rows: list[dict]) -> list[str]:
         out.append(f"- {r['model']} batch {r['batch']}: {per_peer}")
         for name, ms, n in (cells.get("tensorkiln") or {}).get("top", []):
             out.append(f"  - tensorkiln {ms:.4f} ms x{n:g}: `{name}`")
+    return out
+
+
+def _layer_lines(rows: list[dict]) -> list[str]:
+    """Per tensorkiln engine with a layer profile (--layers): its slowest layers."""
+    out = []
+    for r in rows:
+        for peer, cell in r["peers"].items():
+            prof = cell.get("layers") if isinstance(cell, dict) else None
+            if not isinstance(prof, dict):
+                continue
+            if not out:
+                out = ["", "## Slowest layers (layer by layer, CUDA events, after timing)", ""]
+            out.append(
+                f"- {r['model']} batch {r['batch']}, {PEER_COLUMNS.get(peer, peer)}: "
+                f"{prof['ms_per_run']:.3f} ms per run"
+            )
+            for x in prof["top"]:
+                out.append(
+                    f"  - {x['ms']:.4f} ms `{x['name']}` {x['op']} {x['tactic']} {x['precision']}"
+                )
     return out
 
 

@@ -32,7 +32,11 @@ time per inference, over the peak of an 8192^3 fp16 matmul measured at the start
 
 With ``--kernels N`` each peer is also run 20 times under the PyTorch profiler after its timing:
 its kernels per call, their summed GPU time and the top N go into the JSON and a section of
-results.md (where a batch-1 call's time goes: kernels, or the host between them).
+results.md (where a batch-1 call's time goes: kernels, or the host between them). With
+``--layers N`` each tensorkiln engine is also run layer by layer with CUDA events around each
+layer (what `tensorkiln run --dump-profile` shows): the N slowest layers, with their op, tactic
+and precisions, go into the JSON and results.md (which layer a kernel belongs to, and what the
+autotuner chose for it).
 
 Each model's rows go to DIR/<model>.json as soon as they are measured; the end of a run (and
 ``--merge DIR``) writes DIR/results.md and DIR/results.json from every model file in DIR, so
@@ -111,6 +115,7 @@ class Settings:
     warmup: int = 5
     latency_runs: int = 200  # batch 1: median of this many synchronized calls
     kernels: int = 0  # > 0: also profile each peer's kernels, keeping this many of the top ones
+    layers: int = 0  # > 0: also profile tensorkiln's layers, keeping this many of the slowest
     precision: str = "fp16"  # tensorkiln's: fp16, or int8/fp8 (with fp16 for the other layers)
 
     def sync(self) -> None:
@@ -289,10 +294,38 @@ def tensorkiln_peer(
     )
     if S.kernels:
         cell["kernels"] = kernel_profile(lambda: ctx.infer(dev), top=S.kernels)
+    if S.layers:
+        cell["layers"] = layer_profile(engine, dev, S.layers)
     cell["planned_bytes"] = engine.memory.get("peak_bytes")
     cell["actual_bytes"] = ctx.device_memory_bytes() if S.device == "cuda" else None
     cell["graph_fallback"] = ctx.cuda_graph_fallback
     return cell
+
+
+def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
+    """The engine run layer by layer (a context without a CUDA graph; CUDA events around each
+    layer): the total per run and the ``top`` slowest layers, each with its op, tactic,
+    precisions and milliseconds per run."""
+    from tensorkiln.runtime.profile import profile_layers
+
+    ctx = engine.create_execution_context()
+    for _ in range(2):
+        ctx.infer(dev)
+    rows = profile_layers(ctx, dev, runs)
+    info = {x["name"]: x for x in engine.layers}
+    slowest = []
+    for r in rows[:top]:
+        layer = info.get(r["name"], {})
+        slowest.append(
+            {
+                "name": r["name"],
+                "op": r["op"],
+                "tactic": layer.get("tactic", ""),
+                "precision": f"{layer.get('precision', '')}/{layer.get('compute_precision', '')}",
+                "ms": r["total_ms"] / runs,
+            }
+        )
+    return {"ms_per_run": sum(r["total_ms"] for r in rows) / runs, "top": slowest}
 
 
 def tactic_summary(layers: list) -> dict:
@@ -484,6 +517,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "calibrated on the run's inputs",
     )
     ap.add_argument(
+        "--layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after timing, run each tensorkiln engine layer by layer (CUDA events) and keep "
+        "its N slowest layers, with op, tactic and precision, in the JSON and results.md",
+    )
+    ap.add_argument(
         "--kernels",
         type=int,
         default=0,
@@ -509,6 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.merge:
         return print_merged(Path(args.merge))
     S.device, S.tiny, S.kernels = args.device, args.tiny, max(args.kernels, 0)
+    S.layers = max(args.layers, 0)
     S.precision = args.tk_precision
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5

@@ -104,11 +104,11 @@ def test_merge_round_trip_and_a_second_call(smoke: Path, tmp_path: Path) -> None
     merged = json.loads((tmp_path / "results.json").read_text())
     assert [m["model"] for m in merged["models"]] == list(ROWS)
     assert r.stdout.strip() == (smoke / "results.md").read_text().strip()
-    # a second call, tensorkiln alone at batch 1 from a static export: the first call's eager
-    # cell and its batch-4 row stay
+    # a second call, tensorkiln alone at batch 1 from a static export, with its layer profile:
+    # the first call's eager cell and its batch-4 row stay
     before = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
     r = _run("--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "gpt2",
-             "--batch", "1", "--peers", "tensorkiln", "--static-export")  # fmt: skip
+             "--batch", "1", "--peers", "tensorkiln", "--static-export", "--layers", "3")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     after = json.loads((tmp_path / "gpt2.json").read_text())["rows"]
     assert [x["batch"] for x in after] == [4, 1] and after[0] == before[0]
@@ -120,6 +120,12 @@ def test_merge_round_trip_and_a_second_call(smoke: Path, tmp_path: Path) -> None
         after[1]["peers"]["eager"]["value"] / after[1]["peers"]["tensorkiln"]["value"]
     )
     assert "gpt2 batch 1: exported at this batch" in (tmp_path / "results.md").read_text()
+    layers = after[1]["peers"]["tensorkiln"]["layers"]
+    assert len(layers["top"]) == 3 and layers["ms_per_run"] >= sum(x["ms"] for x in layers["top"])
+    assert all(x["ms"] > 0 and x["op"] and x["tactic"] for x in layers["top"])
+    assert layers["top"][0]["ms"] >= layers["top"][-1]["ms"]
+    md = (tmp_path / "results.md").read_text()
+    assert "## Slowest layers" in md and layers["top"][0]["name"] in md
 
 
 @pytest.mark.parametrize(
