@@ -322,24 +322,25 @@ def _triton_qconv(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv_{cfg.name}")
 
 
-def _eight_bit_score(cfg: Any, m: int, n: int) -> float:
-    """The autotuner's estimate of a tiling of an M x N output for 8-bit operands (it times the
-    best few): the share of tile area doing useful work, times the share of the last wave of
-    tiles that is busy, times the tile's operand reuse against a 128x256 tile's (8-bit sums are
-    cheap; loads are what limits them), halved for K steps under 64 bytes, which feed Hopper's
-    8-bit tensor-core instructions (32 deep) one at a time."""
-    bm, bn = cfg.block_m, cfg.block_n
+def _eight_bit_score(cfg: Any, m: int, n: int, k: int) -> float:
+    """The autotuner's estimate of a tiling of an M x N output summing K-long runs (a GEMM's K,
+    a convolution's channels per tap) for 8-bit operands; it times the best few. The share of
+    tile area doing useful work (output and K steps), times the share of the last wave of tiles
+    that is busy, times the tile's operand reuse against a 128x256 tile's (8-bit sums are cheap;
+    loads are what limits them), halved for K steps under 64 bytes, which feed Hopper's 8-bit
+    tensor-core instructions (32 deep) one at a time."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     tiles = math.ceil(m / bm) * math.ceil(n / bn)
-    useful = (m * n) / (tiles * bm * bn)
+    useful = (m * n) / (tiles * bm * bn) * k / (math.ceil(k / bk) * bk)
     sms = tactics_gemm.sm_count()
     busy = tiles / (math.ceil(tiles / sms) * sms)
     reuse = min(1.0, (bm * bn / (bm + bn)) / (128 * 256 / 384))
-    return useful * busy * reuse * (1.0 if cfg.block_k >= 64 else 0.5)
+    return useful * busy * reuse * (1.0 if bk >= 64 else 0.5)
 
 
 def _qgemm_estimate(cfg: Any, spec: LayerSpec) -> float:
     dims = _gemm_dims(spec)
-    return 0.0 if dims is None else _eight_bit_score(cfg, dims[0], dims[1])
+    return 0.0 if dims is None else _eight_bit_score(cfg, *dims)
 
 
 def _qconv_estimate(cfg: Any, spec: LayerSpec) -> float:
@@ -348,7 +349,9 @@ def _qconv_estimate(cfg: Any, spec: LayerSpec) -> float:
         return 0.0
     x, w = spec.shapes[0], spec.shapes[2]
     group = spec.attrs.get("group", 1)
-    return _eight_bit_score(cfg, x[0] * math.prod(g.out), w[0] // group)
+    c = w[1]  # (input channels per group: the run summed at each tap)
+    k = c * math.prod(w[2:]) if c < conv.FLAT_BELOW else c
+    return _eight_bit_score(cfg, x[0] * math.prod(g.out), w[0] // group, k)
 
 
 def _quant_configs() -> tuple:
