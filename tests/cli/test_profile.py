@@ -54,7 +54,9 @@ def test_dump_profile_prints_counts_rates_and_the_roofline(cli, engine):
         assert mb == pytest.approx(BYTES[name] / 1e6, rel=1e-3), name
         bound, pct = _expected_roofline(FLOPS[name], BYTES[name], avg_ms, 10, 100)
         assert r[8] == bound == "memory"  # (well below the ridge point of 100 FLOP/byte)
-        assert float(r[9]) == pytest.approx(pct, rel=0.05, abs=0.05), name
+        # (the table prints one decimal, and avg_ms rounded: a value just past a rounding edge
+        # prints a whole step away from what the printed avg_ms gives)
+        assert float(r[9]) == pytest.approx(pct, rel=0.05, abs=0.1), name
     summary = next(line for line in out.splitlines() if line.startswith("total:"))
     gflop = float(summary.split()[1])
     assert gflop == pytest.approx(sum(FLOPS.values()) / 1e9, rel=1e-3)
