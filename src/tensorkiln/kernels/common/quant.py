@@ -42,6 +42,26 @@ def scale_layout(
     return "block", axis, []
 
 
+REQUANTIZED = (3, 17)  # the out_dtype of a layer that quantizes its output: int8, float8 E4M3
+
+
+def check_quantized_output(out_dtype: int, y_scale_size: int | None) -> None:
+    """A quantized layer's (QConvAct's, QGemmAct's) ``out_dtype`` against its Y_scale (of
+    ``y_scale_size`` values; None: absent): with it, one value and an 8-bit type; without, a
+    float type (the caller checks which)."""
+    if y_scale_size is None:
+        if out_dtype in REQUANTIZED:
+            raise ValueError(f"out_dtype {out_dtype} (8-bit) needs the output's scale Y_scale")
+        return
+    if out_dtype not in REQUANTIZED:
+        raise ValueError(
+            f"a quantized output (Y_scale given) is int8 or float8 E4M3 (out_dtype 3 or 17), "
+            f"not type {out_dtype}"
+        )
+    if y_scale_size != 1:
+        raise ValueError(f"Y_scale must be one value, got {y_scale_size}")
+
+
 def quant_target(zero_point_dtype: np.dtype | None, output_dtype: int) -> np.dtype:
     """QuantizeLinear's result type: y_zero_point's type, which ``output_dtype`` must match when
     both are given, else ``output_dtype``, else uint8."""

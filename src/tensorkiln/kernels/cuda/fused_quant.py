@@ -23,6 +23,7 @@ import torch
 
 from tensorkiln.kernels.common.conv import check_conv_act
 from tensorkiln.kernels.common.gemm import gemm_layout
+from tensorkiln.kernels.common.quant import check_quantized_output
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
@@ -88,16 +89,9 @@ _REQUANTIZED = {3: torch.int8, 17: torch.float8_e4m3fn}  # (with Y_scale)
 def out_type(out_dtype: int, y_scale: torch.Tensor | None = None) -> torch.dtype:
     """The torch type of a quantized layer's output (``out_dtype``: ONNX's code): a float type,
     or with ``y_scale`` int8 or E4M3."""
+    check_quantized_output(int(out_dtype), None if y_scale is None else y_scale.numel())
     if y_scale is not None:
-        want = _REQUANTIZED.get(int(out_dtype))
-        if want is None:
-            raise ValueError(
-                f"a quantized output (Y_scale given) is int8 or float8 E4M3 (out_dtype 3 or "
-                f"17), not type {out_dtype}"
-            )
-        if y_scale.numel() != 1:
-            raise ValueError(f"Y_scale must be one value, got shape {tuple(y_scale.shape)}")
-        return want
+        return _REQUANTIZED[int(out_dtype)]
     want = _OUT.get(int(out_dtype))
     if want is None:
         raise ValueError(

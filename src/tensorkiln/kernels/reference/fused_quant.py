@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
+from tensorkiln.kernels.common.quant import check_quantized_output
 from tensorkiln.kernels.reference.fused_conv import _epilogue, activate, conv_act
 from tensorkiln.kernels.reference.fused_gemm import gemm_act
 from tensorkiln.kernels.reference.quant import quantize_linear
@@ -99,24 +100,13 @@ def qconv_act(
     return _as_out(y.reshape(acc.shape), out_dtype, y_scale)
 
 
-REQUANTIZED = (3, 17)  # the out_dtype of a layer that quantizes its output: int8, float8 E4M3
-
-
 def _as_out(y: np.ndarray, out_dtype: int, y_scale: np.ndarray | None = None) -> np.ndarray:
     """The float32 result in ``out_dtype``: a float type, or with ``y_scale`` int8 or E4M3,
     ``QuantizeLinear(y, y_scale)`` (saturating, zero point 0): the quantization of the next
     layer's input, fused into this one's epilogue."""
+    check_quantized_output(out_dtype, None if y_scale is None else int(np.size(y_scale)))
     if y_scale is None:
-        if out_dtype in REQUANTIZED:
-            raise ValueError(f"out_dtype {out_dtype} (8-bit) needs the output's scale Y_scale")
         return y if out_dtype == 1 else y.astype(tensor_dtype_to_np_dtype(out_dtype))
-    if out_dtype not in REQUANTIZED:
-        raise ValueError(
-            f"a quantized output (Y_scale given) is int8 or float8 E4M3 (out_dtype 3 or 17), "
-            f"not type {out_dtype}"
-        )
-    if np.size(y_scale) != 1:
-        raise ValueError(f"Y_scale must be one value, got shape {np.shape(y_scale)}")
     return quantize_linear(y, np.asarray(y_scale, np.float32).reshape(()), output_dtype=out_dtype)
 
 
