@@ -83,10 +83,16 @@ def _fits(block: int, size: int) -> bool:
     return min(64, p) // 2 <= block <= max(64, p)
 
 
-def _tile_ok(cfg: gemm.TileConfig, m: int, n: int, dtype: str) -> bool:
-    if cfg.smem_bytes(_ITEMSIZE[dtype]) > gemm.SMEM_LIMIT:
+def tile_fits(cfg: gemm.TileConfig, m: int, n: int, itemsize: int) -> bool:
+    """A tiling worth trying for an M x N output of ``itemsize``-byte operands: its pipelined
+    tiles fit the shared memory, its sides fit the problem's (:func:`_fits`)."""
+    if cfg.smem_bytes(itemsize) > gemm.SMEM_LIMIT:
         return False
     return _fits(cfg.block_m, m) and _fits(cfg.block_n, n)
+
+
+def _tile_ok(cfg: gemm.TileConfig, m: int, n: int, dtype: str) -> bool:
+    return tile_fits(cfg, m, n, _ITEMSIZE[dtype])
 
 
 def _activation_ok(attrs: dict) -> bool:
@@ -272,15 +278,19 @@ def sm_count() -> int:
     return 132  # an H100/H200
 
 
-def _tile_score(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
+def tile_coverage(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
     """How well ``cfg`` covers an M x N output on ``sms`` multiprocessors: the share of tile area
-    doing useful work times the share of the last wave of tiles that is busy, favouring larger
-    tiles (more reuse of each loaded operand) among equals."""
+    doing useful work times the share of the last wave of tiles that is busy."""
     tiles = math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
     useful = (m * n) / (tiles * cfg.block_m * cfg.block_n)
     waves = math.ceil(tiles / sms)
-    busy = tiles / (waves * sms)
-    return useful * busy + 1e-7 * cfg.block_m * cfg.block_n
+    return useful * tiles / (waves * sms)
+
+
+def _tile_score(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
+    """:func:`tile_coverage`, favouring larger tiles (more reuse of each loaded operand) among
+    equals."""
+    return tile_coverage(cfg, m, n, sms) + 1e-7 * cfg.block_m * cfg.block_n
 
 
 def _gemm_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:

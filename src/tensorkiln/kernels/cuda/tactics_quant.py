@@ -132,15 +132,7 @@ def _triton_qgemm_ok(cfg: Any, spec: LayerSpec) -> bool:
     c = spec.shapes[4] if len(spec.shapes) > 4 else None
     if c is not None and math.prod(c) not in (1, n):
         return False
-    if cfg.smem_bytes(1) > gemm.SMEM_LIMIT or m * max(n, k) > _LIMIT:
-        return False
-    return _fits(cfg.block_m, m) and _fits(cfg.block_n, n)
-
-
-def _fits(block: int, size: int) -> bool:
-    """A tile side worth trying for a problem side: not far below 64 nor above the problem."""
-    p = 1 << max(size - 1, 0).bit_length()
-    return min(64, p) // 2 <= block <= max(64, p)
+    return m * max(n, k) <= _LIMIT and tactics_gemm.tile_fits(cfg, m, n, 1)
 
 
 def _triton_qgemm(cfg: Any) -> Callable:
@@ -330,12 +322,10 @@ def _eight_bit_score(cfg: Any, m: int, n: int, k: int) -> float:
     loads are what limits them), halved for K steps under 64 bytes, which feed Hopper's 8-bit
     tensor-core instructions (32 deep) one at a time."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    tiles = math.ceil(m / bm) * math.ceil(n / bn)
-    useful = (m * n) / (tiles * bm * bn) * k / (math.ceil(k / bk) * bk)
-    sms = tactics_gemm.sm_count()
-    busy = tiles / (math.ceil(tiles / sms) * sms)
+    coverage = tactics_gemm.tile_coverage(cfg, m, n, tactics_gemm.sm_count())
+    k_useful = k / (math.ceil(k / bk) * bk)
     reuse = min(1.0, (bm * bn / (bm + bn)) / (128 * 256 / 384))
-    return useful * busy * reuse * (1.0 if bk >= 64 else 0.5)
+    return coverage * k_useful * reuse * (1.0 if bk >= 64 else 0.5)
 
 
 def _qgemm_estimate(cfg: Any, spec: LayerSpec) -> float:
