@@ -423,9 +423,9 @@ def _tune(
 
 # ------------------------------------------------- INT8/FP8: each layer in the faster precision
 
-_FLOAT_KINDS = {("", "Conv"), ("tensorkiln", "ConvAct"), ("", "Gemm"), ("tensorkiln", "GemmAct"),
-                 ("", "MatMul")}  # fmt: skip
-_QUANTIZED_KINDS = {("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")}
+# (layer records name ops as "domain.op", the default domain bare)
+_FLOAT_LAYERS = ("Conv", "tensorkiln.ConvAct", "Gemm", "tensorkiln.GemmAct", "MatMul")
+_QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
 
 
 def _chooses_precision(graph: Graph, config: BuilderConfig, backend: Backend) -> bool:
@@ -452,13 +452,12 @@ def _copy_graph(graph: Graph) -> Graph:
     return copy.deepcopy(graph, memo)
 
 
-def _layer_ms(layers: list[dict], kinds: set[tuple[str, str]]) -> dict[str, float]:
-    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``kinds``."""
+def _layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
+    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``ops``."""
     out = {}
     for layer in layers:
-        domain, _, op = layer.get("op", "").rpartition(".")
         timings = layer.get("timings_ms") or {}
-        if (domain, op) in kinds and layer.get("tactic") in timings:
+        if layer.get("op") in ops and layer.get("tactic") in timings:
             out[layer["name"]] = float(timings[layer["tactic"]])
     return out
 
@@ -475,10 +474,10 @@ def _slower_quantized(
     float engine (``float_graph``, lowered and tuned here). The QuantizeLinear that feeds a
     quantized layer is not counted: where it is shared or fused into the producer it costs
     the layer little, so the choice leans towards quantizing."""
-    quantized = _layer_ms(layers, _QUANTIZED_KINDS)
+    quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
     scratch = BuildReport()
     _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
-    floats = _layer_ms(scratch.layers, _FLOAT_KINDS)
+    floats = _layer_ms(scratch.layers, _FLOAT_LAYERS)
     return {n for n, ms in quantized.items() if n in floats and ms >= floats[n]}
 
 
@@ -542,9 +541,6 @@ def _guessed_shapes_notes(graph: Graph, config: BuilderConfig) -> list[str]:
         f"kernels were tuned at size 1 for dynamic axes without a profile ({axes}); give "
         "--opt-shapes for timings that match the shapes the engine will run at"
     ]
-
-
-_QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
 
 
 def _quantized_defaults_notes(layers: list[dict]) -> list[str]:
