@@ -406,9 +406,8 @@ def _rel_error(got: list, want: list) -> float:
     import torch
 
     worst = 0.0
-    eight_bit = (torch.int8, torch.uint8, torch.float8_e4m3fn)
     for g, w in zip(got, want):
-        if isinstance(w, torch.Tensor) and w.dtype in eight_bit:
+        if _eight_bit(w):
             if not _within_a_code(g, w):
                 return float("inf")
             continue
@@ -430,13 +429,20 @@ def _rel_error(got: list, want: list) -> float:
     return worst
 
 
+def _eight_bit(t) -> bool:
+    """An 8-bit output (int8, uint8 or E4M3: a layer quantizing its result for the next one)."""
+    import torch
+
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.int8, torch.uint8, torch.float8_e4m3fn)
+
+
 def _mismatch(got: list, want: list) -> str:
     """Why :func:`_rel_error` found no finite error: the first output that differs in kind."""
     import torch
 
-    eight_bit = (torch.int8, torch.uint8, torch.float8_e4m3fn)
     for i, (g, w) in enumerate(zip(got, want)):
-        if not isinstance(w, torch.Tensor) or not (w.is_floating_point() or w.dtype in eight_bit):
+        eight_bit = _eight_bit(w)
+        if not eight_bit and not (isinstance(w, torch.Tensor) and w.is_floating_point()):
             continue
         if not isinstance(g, torch.Tensor):
             return f"output {i}: a {type(g).__name__}, not a tensor"
@@ -448,7 +454,7 @@ def _mismatch(got: list, want: list) -> str:
         odd = (torch.isnan(g64) != torch.isnan(w64)) | (torch.isinf(g64) != torch.isinf(w64))
         if bool(odd.any()):
             return f"output {i}: inf or NaN in {int(odd.sum())} of {w.numel()} places the oracle differs"
-        if w.dtype in eight_bit:
+        if eight_bit:
             ok = ~torch.isnan(w64)
             far = float((g64[ok] - w64[ok]).abs().max()) if bool(ok.any()) else 0.0
             return f"output {i}: 8-bit values up to {far:.3g} from the oracle's"
