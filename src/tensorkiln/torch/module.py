@@ -1,0 +1,160 @@
+"""CompiledModule: a torch.nn.Module that runs a tensorkiln engine, tensors in and out.
+
+On the cuda backend the caller's device tensors go to the engine as they are and the engine's
+device tensors come back (no copies; a CUDA graph per input shape by default). On the host
+backends (cpu, reference) tensors pass as numpy views of the same memory where they can.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils import _pytree as pytree
+
+from tensorkiln.engine import Engine
+from tensorkiln.errors import InputError
+from tensorkiln.frontends.torch.export import flatten_inputs
+
+
+class CompiledModule(torch.nn.Module):
+    """Runs ``engine`` for calls shaped like the module it was compiled from.
+
+    ``leaves`` maps each leaf of the flattened (args, kwargs) to the engine input it feeds (None:
+    a value baked into the engine, which ``constants`` holds and calls must repeat); ``in_spec``
+    and ``out_spec`` are the module's input and output structures.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        in_spec: pytree.TreeSpec,
+        out_spec: pytree.TreeSpec,
+        leaves: Sequence[str | None],
+        constants: Sequence[Any],
+        name: str = "module",
+        use_cuda_graph: bool | None = None,
+    ) -> None:
+        super().__init__()
+        self.engine = engine
+        self.name = name
+        self.in_spec, self.out_spec = in_spec, out_spec
+        self.leaves, self.constants = tuple(leaves), tuple(constants)
+        self._kwarg_order = _kwarg_names(in_spec)
+        self._outputs = [o.name for o in engine.outputs]
+        backend = engine.runtime_backend
+        # the torch device the engine's values live on; None: numpy arrays (reference backend)
+        self._device = backend.device if backend.on_device else None
+        graphs = backend.cuda_graphs if use_cuda_graph is None else use_cuda_graph
+        self._use_cuda_graph = bool(graphs)
+        self._local = threading.local()  # one execution context per calling thread
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, engine={self.engine!r}"
+
+    @property
+    def context(self) -> Any:
+        """This thread's execution context (each has its own activation memory)."""
+        ctx = getattr(self._local, "ctx", None)
+        if ctx is None:
+            ctx = self.engine.create_execution_context(use_cuda_graph=self._use_cuda_graph)
+            self._local.ctx = ctx
+        return ctx
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        feeds = self._feeds(args, kwargs)
+        results = self.context.infer(feeds)
+        outs = [self._to_torch(results[n]) for n in self._outputs]
+        return pytree.tree_unflatten(outs, self.out_spec)
+
+    # ------------------------------------------------------------------ inputs
+    def _feeds(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if set(kwargs) == set(self._kwarg_order):
+            kwargs = {k: kwargs[k] for k in self._kwarg_order}
+        values, spec = flatten_inputs(args, kwargs)
+        if spec != self.in_spec:
+            raise InputError(
+                f"{self.name} was compiled for calls shaped {_describe(self.in_spec)}, and was "
+                f"called with {_describe(spec)}; compile it again for this call"
+            )
+        feeds = {}
+        for i, (name, value) in enumerate(zip(self.leaves, values)):
+            if name is None:
+                self._check_constant(i, value, args, kwargs)
+            elif not isinstance(value, torch.Tensor):
+                raise InputError(
+                    f"{self.name}: input '{name}' must be a torch.Tensor, got "
+                    f"{type(value).__name__}"
+                )
+            else:
+                feeds[name] = self._from_torch(name, value)
+        return feeds
+
+    def _check_constant(self, index: int, value: Any, args: tuple, kwargs: dict) -> None:
+        want = self.constants[index]
+        if isinstance(value, torch.Tensor) or (want is None and value is None):
+            return  # (an input the model does not read)
+        if type(value) is not type(want) or value != want:
+            where = _leaf_name(args, kwargs, index)
+            raise InputError(
+                f"{self.name}: {where} was {want!r} when compiled and is {value!r} now; the "
+                "engine has it built in: compile again for this value"
+            )
+
+    def _from_torch(self, name: str, t: torch.Tensor) -> Any:
+        t = t.detach()
+        want = "cpu" if self._device is None else torch.device(self._device).type
+        if t.device.type != want:
+            where = "the GPU" if want == "cuda" else "the CPU"
+            raise InputError(
+                f"{self.name}: input '{name}' is on {t.device}; this engine ({self.engine.backend} "
+                f"backend) runs on {where}: move the input there (x.to('{want}')), or compile "
+                f"with example inputs on {t.device}"
+            )
+        if self._device is not None:
+            return t
+        if t.dtype == torch.bfloat16:  # (numpy has no bfloat16: the engine reads ml_dtypes')
+            import ml_dtypes  # lazy: a dependency of the bfloat16 path only
+
+            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+
+    def _to_torch(self, value: Any) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            return value
+        arr = np.asarray(value)
+        if arr.dtype.name == "bfloat16":
+            return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+        if not arr.flags.writeable:
+            arr = arr.copy()
+        return torch.from_numpy(arr)
+
+
+def _kwarg_names(in_spec: pytree.TreeSpec) -> list[str]:
+    """The keyword names of an (args, kwargs) spec, in the order it holds them."""
+    return list(_child(in_spec, 1).context or [])
+
+
+def _leaf_name(args: tuple, kwargs: dict, index: int) -> str:
+    """'argument 0', "keyword 'scale'", "keyword 'cfg'['k']"... for leaf ``index`` of a call."""
+    path = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0][index][0]
+    rest = pytree.keystr(path[2:])
+    if getattr(path[0], "idx", 0) == 0:
+        return f"argument {getattr(path[1], 'idx', '?')}{rest}"
+    return f"keyword '{getattr(path[1], 'key', '?')}'{rest}"
+
+
+def _child(spec: pytree.TreeSpec, index: int) -> pytree.TreeSpec:
+    if hasattr(spec, "child"):  # (newer torch; children_specs is deprecated there)
+        return spec.child(index)
+    return spec.children_specs[index]
+
+
+def _describe(spec: pytree.TreeSpec) -> str:
+    args = _child(spec, 0)
+    names = ", ".join(_kwarg_names(spec))
+    return f"({args.num_leaves} positional leaves; keywords: {names or 'none'})"

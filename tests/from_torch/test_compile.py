@@ -1,0 +1,198 @@
+"""tensorkiln.torch.compile: PyTorch modules in, torch tensors out, checked against eager PyTorch."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")
+
+import tensorkiln.torch as tkt  # noqa: E402
+from tensorkiln.errors import InputError, ModelLoadError, UnsupportedOpError  # noqa: E402
+
+BACKENDS = ["cpu", "reference"]
+
+
+class ConvNet(torch.nn.Module):
+    """Convolution, BatchNorm, pooling and a linear head; a dict out, a number in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        self.drop = torch.nn.Dropout(0.5)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x, y, scale=2.0):
+        h = self.drop(torch.relu(self.bn(self.conv(x)))).mean((2, 3))
+        return {"logits": torch.relu(self.head(h)) * scale + y, "features": h}
+
+
+def _convnet() -> ConvNet:
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = ConvNet()
+    with torch.no_grad():  # statistics a trained network would have, not the identity
+        m.bn.running_mean.uniform_(-0.5, 0.5)
+        m.bn.running_var.uniform_(0.5, 2.0)
+        m.bn.weight.uniform_(0.5, 1.5)
+        m.bn.bias.uniform_(-0.5, 0.5)
+    return m
+
+
+def _batch(n: int) -> tuple:
+    return torch.randn(n, 3, 12, 12), torch.randn(n, 4)
+
+
+def _compile_convnet(m, backend, **kw):
+    batch = torch.export.Dim("batch", min=1, max=16)
+    return tkt.compile(
+        m, _batch(2), example_kwargs={"scale": 2.0}, backend=backend,
+        dynamic_shapes={"x": {0: batch}, "y": {0: batch}, "scale": None}, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dynamic_batch_matches_eager(backend):
+    m = _convnet()
+    m.train()  # compiled for inference; the module's own mode is left as it was
+    fast = _compile_convnet(m, backend)
+    assert m.training and m.drop.training
+    m.eval()
+    for n in (1, 5, 16):
+        x, y = _batch(n)
+        got = fast(x, y, scale=2.0)
+        want = m(x, y, scale=2.0)
+        assert set(got) == {"logits", "features"}
+        for k in want:
+            assert isinstance(got[k], torch.Tensor) and got[k].dtype == torch.float32
+            torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_batch_beyond_the_declared_maximum_is_refused():
+    fast = _compile_convnet(_convnet(), "cpu")
+    with pytest.raises(InputError, match="x"):
+        fast(*_batch(17), scale=2.0)
+
+
+def test_compiled_in_numbers_must_be_repeated():
+    fast = _compile_convnet(_convnet(), "cpu")
+    with pytest.raises(InputError, match=r"keyword 'scale' was 2.0 when compiled and is 3.0"):
+        fast(*_batch(2), scale=3.0)
+
+
+def test_a_call_of_another_structure_is_refused():
+    fast = _compile_convnet(_convnet(), "cpu")
+    with pytest.raises(InputError, match="compiled for calls shaped"):
+        fast(*_batch(2))  # scale left out
+    with pytest.raises(InputError, match=r"must be a torch.Tensor"):
+        fast(np.zeros((2, 3, 12, 12), np.float32), torch.randn(2, 4), scale=2.0)
+
+
+def test_an_input_on_another_device_is_refused():
+    fast = _compile_convnet(_convnet(), "cpu")
+    x = torch.empty((2, 3, 12, 12), device="meta")
+    with pytest.raises(InputError, match="input 'x' is on meta"):
+        fast(x, torch.randn(2, 4), scale=2.0)
+
+
+def test_an_unbounded_dynamic_dimension_asks_for_a_maximum():
+    m = _convnet()
+    batch = torch.export.Dim("batch")
+    with pytest.raises(InputError, match=r"no maximum.*Dim\('batch', max="):
+        tkt.compile(m, _batch(2), dynamic_shapes={"x": {0: batch}, "y": {0: batch}})
+
+
+def test_what_torch_export_cannot_capture_is_named():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            if x.sum() > 0:  # data-dependent control flow
+                return x * 2
+            return x
+
+    with pytest.raises(ModelLoadError, match=r"torch.export could not capture Branchy"):
+        tkt.compile(Branchy(), (torch.randn(3),))
+    with pytest.raises(InputError, match=r"torch.nn.Module"):
+        tkt.compile(lambda x: x, (torch.randn(3),))
+
+
+def test_an_op_without_an_onnx_translation_is_named():
+    @torch.library.custom_op("tensorkiln_test::cube", mutates_args=())
+    def cube(x: torch.Tensor) -> torch.Tensor:
+        return x**3
+
+    @cube.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    class Custom(torch.nn.Module):
+        def forward(self, x):
+            return cube(x) + 1
+
+    with pytest.raises(UnsupportedOpError, match=r"Custom.*cube"):
+        tkt.compile(Custom(), (torch.randn(3),))
+
+
+def test_a_transformer_with_a_padding_mask_matches_eager():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=500, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = transformers.BertModel(cfg).eval()
+    batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
+
+    def feeds(b, s):
+        mask = torch.ones(b, s, dtype=torch.int64)
+        mask[-1, s // 2 :] = 0
+        return {"input_ids": torch.randint(0, 500, (b, s)), "attention_mask": mask}
+
+    fast = tkt.compile(
+        m, (), example_kwargs=feeds(2, 16), backend="cpu",
+        dynamic_shapes={"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: seq}},
+    )  # fmt: skip
+    for b, s in [(1, 9), (3, 24), (8, 64)]:
+        f = feeds(b, s)
+        got, want = fast(**f), m(**f)
+        assert type(got) is type(want)  # the model's own output class
+        for k in ("last_hidden_state", "pooler_output"):
+            torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_save_and_load_round_trip(tmp_path, backend):
+    m = _convnet().eval()
+    fast = _compile_convnet(m, backend)
+    tkt.save(fast, tmp_path / "m")
+    again = tkt.load(tmp_path / "m")
+    x, y = _batch(3)
+    want = m(x, y, scale=2.0)
+    got = again(x, y, scale=2.0)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="keyword 'scale'"):
+        again(x, y, scale=1.0)
+
+
+def test_damaged_saved_modules_are_refused(tmp_path):
+    fast = _compile_convnet(_convnet(), "cpu")
+    tkt.save(fast, tmp_path / "m")
+    meta_path = tmp_path / "m" / "module.json"
+    good = json.loads(meta_path.read_text())
+
+    def refused(meta, match):
+        meta_path.write_text(meta if isinstance(meta, str) else json.dumps(meta))
+        with pytest.raises(ModelLoadError, match=match):
+            tkt.load(tmp_path / "m")
+
+    refused("{not json", "not valid JSON")
+    refused({**good, "format": "other/9"}, "format 'other/9'")
+    refused({**good, "leaves": ["x", "nope", None]}, "do not match the engine")
+    refused({**good, "leaves": good["leaves"][:1]}, "inputs for a call of")
+    refused({**good, "constants": [{"__class__": "os.system"}, None, 2.0]}, "plain values")
+    refused({**good, "in_spec": '[1, {"type": "no.such.Type"}]'}, "input/output structure")
+    with pytest.raises(ModelLoadError, match=r"no module.json"):
+        tkt.load(tmp_path / "elsewhere")
