@@ -16,6 +16,7 @@ make the engine take and give exactly the tensors PyTorch would.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -170,13 +171,19 @@ def _to_onnx(program, name: str, args: tuple, kwargs: dict) -> onnx.ModelProto:
         ) from err
 
 
-def untranslatable_ops(program: torch.export.ExportedProgram) -> list[str]:
-    """The ops of ``program`` outside ATen that the ONNX exporter has no translation of (custom
-    ops: torch.library's, other libraries'), by name, once each."""
+@functools.cache
+def onnx_registry() -> Any:
+    """torch's table of ATen (and registered custom) ops -> ONNX translations."""
     from torch.onnx._internal.exporter import _registration  # lazy: torch (a private module)
 
     with _quiet():
-        registry = _registration.ONNXRegistry.from_torchlib()
+        return _registration.ONNXRegistry.from_torchlib()
+
+
+def untranslatable_ops(program: torch.export.ExportedProgram) -> list[str]:
+    """The ops of ``program`` outside ATen that the ONNX exporter has no translation of (custom
+    ops: torch.library's, other libraries'), by name, once each."""
+    registry = onnx_registry()
     names = []
     for node in program.graph.nodes:
         target = node.target
