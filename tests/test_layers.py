@@ -2,7 +2,7 @@
 
 The layers, from the top (a module may import its own layer and any layer below it):
 
-    cli, serve, onnx_backend, torch, the package facade (tensorkiln/__init__, __main__)
+    cli, serve, onnx_backend, plugin, torch, the package facade (tensorkiln/__init__, __main__)
     builder
     passes, precision, tactics          (one layer: siblings may import each other)
     engine
@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "cli": 10,
     "serve": 10,
     "onnx_backend": 10,
+    "plugin": 10,  # tensorkiln.plugin: custom ops registered into ops, kernels and tactics
     "torch": 10,  # tensorkiln.torch: PyTorch modules in and out (it builds engines)
     "__init__": 10,  # the package facade: tensorkiln.run_onnx, tensorkiln.Runner, ...
     "__main__": 10,

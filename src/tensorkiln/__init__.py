@@ -14,6 +14,7 @@ from tensorkiln.errors import (
     UnsupportedOpError,
 )
 from tensorkiln.frontends.onnx import import_onnx
+from tensorkiln.plugin import TensorDesc, plugin
 from tensorkiln.runtime import Runner, run_onnx
 from tensorkiln.version import __version__
 
@@ -24,9 +25,11 @@ __all__ = [
     "ModelLoadError",
     "Runner",
     "ShapeInferenceError",
+    "TensorDesc",
     "TensorkilnError",
     "UnsupportedOpError",
     "__version__",
     "import_onnx",
+    "plugin",
     "run_onnx",
 ]

@@ -25,6 +25,7 @@ from tensorkiln.engine.serialize import graph_from_json, graph_to_json
 from tensorkiln.errors import EngineCompatibilityError, EngineFormatError, TensorkilnError
 from tensorkiln.ir import Graph, TensorType
 from tensorkiln.ir.verify import verify
+from tensorkiln.ops import records as ops
 from tensorkiln.runtime.context import ExecutionContext
 from tensorkiln.runtime.executor import check_supported
 from tensorkiln.version import __version__
@@ -159,6 +160,9 @@ class Engine:
             "build": self.build,
             "graph": graph_json,
         }
+        plugins = used_plugins(self.graph)
+        if plugins:
+            plan["plugins"] = plugins
         return plan, tensors
 
     def _source_json(self) -> dict:
@@ -264,6 +268,7 @@ def _check_compatible(plan: dict, where: str) -> str:
 
 def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine:
     backend = _check_compatible(plan, where)
+    _check_plugins(plan.get("plugins", []), where)
     source_model = _source_model(plan, tensors, where)
     try:
         graph, _ = graph_from_json(plan["graph"], tensors, plan["build"].get("precision", "fp32"))
@@ -291,6 +296,37 @@ def _from_plan(plan: dict, tensors: dict[str, np.ndarray], where: str) -> Engine
             f"{where}: the plan is damaged ({type(exc).__name__}: {exc})"
         ) from None
     return engine
+
+
+def used_plugins(graph: Graph) -> list[dict[str, str]]:
+    """The plugins (custom ops registered with tensorkiln.plugin) ``graph`` uses: name and
+    version, what an engine records of them (never their code)."""
+    found = {}
+    for _, node in graph.walk():
+        rec = ops.get(node.op, node.domain)
+        if rec is not None and rec.plugin_version is not None:
+            found[f"{node.domain}::{node.op}"] = rec.plugin_version
+    return [{"name": k, "version": v} for k, v in sorted(found.items())]
+
+
+def _check_plugins(plugins: list[dict], where: str) -> None:
+    """Every plugin the engine was built with is registered here, at the same version."""
+    for entry in plugins:
+        name, version = entry["name"], entry["version"]
+        domain, _, op = name.partition("::")
+        rec = ops.get(op, domain) if op else None
+        have = None if rec is None else rec.plugin_version
+        if have is None:
+            raise EngineCompatibilityError(
+                f"{where} uses plugin '{name}' (version {version}), which is not registered: "
+                f"import the module that registers it (@tensorkiln.plugin('{name}', "
+                f"version='{version}')) before loading the engine"
+            )
+        if have != version:
+            raise EngineCompatibilityError(
+                f"{where} was built with plugin '{name}' version {version}; this process has "
+                f"version {have}: register version {version}, or rebuild the engine"
+            )
 
 
 def _profiles(plan: dict, where: str) -> list:

@@ -287,7 +287,9 @@ PLAN = Obj(
         "build": BUILD,
         "graph": Obj(),  # its content: serialize.graph_from_json, which validates as it reads
         "tensors": Map(TENSOR_ENTRY),
-    }
+    },
+    # the plugins (tensorkiln.plugin) the graph uses, by name and version; absent: none
+    optional={"plugins": List(Obj({"name": NAME, "version": NAME}))},
 )
 
 

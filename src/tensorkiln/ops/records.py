@@ -61,6 +61,8 @@ class OpRecord:
     # reason where it is declared, in tensorkiln.ops.onnx_ops).
     overrides: dict[str, Any] | None = None
     doc: str = ""
+    # the version of the plugin (tensorkiln.plugin) that defines this op; None: not a plugin
+    plugin_version: str | None = None
 
     def has(self, trait: str) -> bool:
         """Whether the op has ``trait`` (one of the trait constants of this module)."""

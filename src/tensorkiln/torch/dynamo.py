@@ -38,6 +38,7 @@ from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner
 from torch.fx.passes.operator_support import OperatorSupportBase
 
 from tensorkiln.errors import InputError
+from tensorkiln.frontends.torch.export import translatable
 from tensorkiln.torch.compiler import compile as compile_module
 
 log = logging.getLogger("tensorkiln.torch")
@@ -226,16 +227,12 @@ def _op_key(op: Any) -> str:
 
 
 def _custom_op(target: Any) -> str | None:
-    """``ns::name`` where ``target`` is an op outside ATen that the ONNX exporter cannot
-    translate, else None."""
-    op = target
-    if isinstance(op, torch._ops.OpOverloadPacket):
-        op = op.default
-    if not isinstance(op, torch._ops.OpOverload) or op.namespace in ("aten", "prims"):
+    """``ns::name`` where ``target`` is an op outside ATen that neither the ONNX exporter nor a
+    tensorkiln plugin translates, else None."""
+    if translatable(target):
         return None
-    from tensorkiln.frontends.torch.export import onnx_registry  # lazy: torch's exporter (slow)
-
-    return None if onnx_registry().is_registered(op) else f"{op.namespace}::{op._opname}"
+    op = target.default if isinstance(target, torch._ops.OpOverloadPacket) else target
+    return f"{op.namespace}::{op._opname}"
 
 
 class _Support(OperatorSupportBase):

@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from tensorkiln.errors import InputError, ModelLoadError, UnsupportedOpError
+from tensorkiln.ops import records as ops_records
 
 Shape3 = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -154,21 +155,101 @@ def _to_onnx(program, name: str, args: tuple, kwargs: dict) -> onnx.ModelProto:
     try:
         with _quiet():
             exported = torch.onnx.export(
-                program, args, kwargs=kwargs, dynamo=True, optimize=True, verbose=False
-            )
+                program, args, kwargs=kwargs, dynamo=True, optimize=True, verbose=False,
+                custom_translation_table=plugin_translations(program),
+            )  # fmt: skip
             return exported.model_proto
     except Exception as err:
         missing = untranslatable_ops(program)
         if missing:
             raise UnsupportedOpError(
-                f"{name}: no ONNX translation of {', '.join(missing)}: tensorkiln.torch.compile "
-                "builds whole modules; torch.compile(module, backend='tensorkiln') leaves such "
-                "ops to PyTorch and builds the rest"
+                f"{name}: no ONNX translation of {', '.join(missing)}: register a tensorkiln "
+                "plugin of that name (@tensorkiln.plugin('ns::op')), or run the module through "
+                "torch.compile(module, backend='tensorkiln'), which leaves such ops to PyTorch "
+                "and builds the rest"
             ) from err
         raise UnsupportedOpError(
             f"{name}: the ONNX exporter could not translate the captured program: "
             f"{type(err).__name__}: {_first_line(err)}"
         ) from err
+
+
+# ---------------------------------------------------------------------- plugins
+# a torch custom op argument's type -> the ONNX attribute type it is written as
+_ATTR_TYPES = {
+    "float": onnx.defs.OpSchema.AttrType.FLOAT,
+    "int": onnx.defs.OpSchema.AttrType.INT,
+    "bool": onnx.defs.OpSchema.AttrType.INT,
+    "str": onnx.defs.OpSchema.AttrType.STRING,
+    "List[int]": onnx.defs.OpSchema.AttrType.INTS,
+    "List[float]": onnx.defs.OpSchema.AttrType.FLOATS,
+}
+_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+
+
+def plugin_translations(program: torch.export.ExportedProgram) -> dict:
+    """ONNX translations of the custom ops in ``program`` that a tensorkiln plugin of the same
+    name ('ns::op') implements: a node of domain ``ns``, op ``op``, the op's tensor arguments as
+    inputs and its other arguments as attributes (by their names in the op's schema)."""
+    table = {}
+    for node in program.graph.nodes:
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+            continue
+        if target in table or target.namespace in ("aten", "prims"):
+            continue
+        rec = ops_records.get(target._opname, target.namespace)
+        if rec is not None and rec.plugin_version is not None:
+            table[target] = _plugin_translation(target)
+    return table
+
+
+def _plugin_translation(target: torch._ops.OpOverload) -> Any:
+    import onnxscript  # lazy: torch's exporter needs it (a dependency of tensorkiln.torch)
+
+    arguments = list(target._schema.arguments)
+    attrs = [a for a in arguments if str(a.type) not in _TENSOR_TYPES]
+    for a in attrs:
+        if str(a.type) not in _ATTR_TYPES:
+            raise UnsupportedOpError(
+                f"custom op {target.namespace}::{target._opname}: argument '{a.name}' of type "
+                f"{a.type} has no ONNX attribute type ({', '.join(_ATTR_TYPES)} do)"
+            )
+    schema = _onnx_schema(target, attrs)
+    node_op = onnxscript.values.Op(
+        onnxscript.values.Opset(target.namespace, 1), target._opname, schema
+    )
+
+    def translate(*args: Any, **kwargs: Any) -> Any:
+        bound = {a.name: v for a, v in zip(arguments, args)} | kwargs
+        tensors = [bound.get(a.name) for a in arguments if str(a.type) in _TENSOR_TYPES]
+        while tensors and tensors[-1] is None:
+            tensors.pop()
+        values = {a.name: bound.get(a.name, a.default_value) for a in attrs}
+        values = {k: int(v) if isinstance(v, bool) else v for k, v in values.items()}
+        return node_op(*tensors, **{k: v for k, v in values.items() if v is not None})
+
+    return translate
+
+
+def _onnx_schema(target: torch._ops.OpOverload, attrs: list) -> onnx.defs.OpSchema:
+    schema = onnx.defs.OpSchema
+    variadic = schema.FormalParameterOption.Variadic
+    types = [f"tensor({t})" for t in ("float", "float16", "bfloat16", "double", "int64", "int32",
+                                       "int16", "int8", "uint8", "bool")]  # fmt: skip
+    return schema(
+        target._opname,
+        target.namespace,
+        1,
+        inputs=[schema.FormalParameter("inputs", "T", param_option=variadic, is_homogeneous=False)],
+        outputs=[
+            schema.FormalParameter("outputs", "T", param_option=variadic, is_homogeneous=False)
+        ],
+        type_constraints=[("T", types, "")],
+        attributes=[
+            schema.Attribute(a.name, _ATTR_TYPES[str(a.type)], "", required=False) for a in attrs
+        ],
+    )
 
 
 @functools.cache
@@ -181,18 +262,26 @@ def onnx_registry() -> Any:
 
 
 def untranslatable_ops(program: torch.export.ExportedProgram) -> list[str]:
-    """The ops of ``program`` outside ATen that the ONNX exporter has no translation of (custom
-    ops: torch.library's, other libraries'), by name, once each."""
-    registry = onnx_registry()
+    """The ops of ``program`` that neither the ONNX exporter nor a tensorkiln plugin translates
+    (custom ops: torch.library's, other libraries'), by name, once each."""
     names = []
     for node in program.graph.nodes:
-        target = node.target
-        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
-            continue
-        if target.namespace in ("aten", "prims") or registry.is_registered(target):
-            continue
-        names.append(f"{target.namespace}::{target._opname}")
+        if node.op == "call_function" and not translatable(node.target):
+            names.append(f"{node.target.namespace}::{node.target._opname}")
     return list(dict.fromkeys(names))
+
+
+def translatable(target: Any) -> bool:
+    """Whether a graph's call target reaches ONNX: anything but an op outside ATen with neither
+    a translation in torch's exporter nor a tensorkiln plugin of its name."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims"):
+        return True
+    rec = ops_records.get(target._opname, target.namespace)
+    if rec is not None and rec.plugin_version is not None:
+        return True  # (plugin_translations writes it)
+    return onnx_registry().is_registered(target)
 
 
 def _leaves(program, model: onnx.ModelProto, args: tuple, kwargs: dict) -> tuple[list, list]:
