@@ -113,26 +113,56 @@ def test_what_torch_export_cannot_capture_is_named():
             return x
 
     with pytest.raises(ModelLoadError, match=r"torch.export could not capture Branchy"):
-        tkt.compile(Branchy(), (torch.randn(3),))
+        tkt.compile(Branchy(), (torch.randn(3),), require_full_compilation=True)
+    torch._dynamo.reset()
+    with pytest.warns(UserWarning, match="Branchy runs partly in PyTorch"):
+        part = tkt.compile(Branchy(), (torch.randn(3),), backend="cpu")
+    for x in (torch.rand(3) + 0.1, -torch.rand(3) - 0.1):  # each branch, as dynamo guards it
+        torch.testing.assert_close(part(x), x * 2 if x.sum() > 0 else x)
+    torch._dynamo.reset()
     with pytest.raises(InputError, match=r"torch.nn.Module"):
         tkt.compile(lambda x: x, (torch.randn(3),))
 
 
-def test_an_op_without_an_onnx_translation_is_named():
-    @torch.library.custom_op("tensorkiln_test::cube", mutates_args=())
-    def cube(x: torch.Tensor) -> torch.Tensor:
-        return x**3
+@torch.library.custom_op("tensorkiln_test::cube", mutates_args=())
+def cube(x: torch.Tensor) -> torch.Tensor:
+    return x**3
 
-    @cube.register_fake
-    def _(x):
-        return torch.empty_like(x)
 
-    class Custom(torch.nn.Module):
-        def forward(self, x):
-            return cube(x) + 1
+@cube.register_fake
+def _(x):
+    return torch.empty_like(x)
 
-    with pytest.raises(UnsupportedOpError, match=r"Custom.*cube"):
-        tkt.compile(Custom(), (torch.randn(3),))
+
+class Custom(torch.nn.Module):
+    """Blocks of supported ops around an op nobody translates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(6, 6), torch.nn.Linear(6, 3)
+
+    def forward(self, x):
+        return torch.tanh(self.b(cube(torch.relu(self.a(x))) * 0.5)).softmax(-1)
+
+
+def test_an_op_without_a_translation_is_named_or_left_to_pytorch(tmp_path):
+    torch._dynamo.reset()
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = Custom().eval()
+    x = torch.randn(4, 6)
+    with pytest.raises(UnsupportedOpError, match=r"Custom.*tensorkiln_test::cube"):
+        tkt.compile(m, (x,), require_full_compilation=True)
+    with pytest.warns(UserWarning, match=r"Custom runs partly in PyTorch.*tensorkiln_test::cube"):
+        part = tkt.compile(m, (x,), backend="cpu", min_block_size=2)
+    assert isinstance(part, tkt.PartialModule) and "tensorkiln_test::cube" in part.reason
+    for n in (4, 2):
+        x = torch.randn(n, 6)
+        torch.testing.assert_close(part(x), m(x).detach(), rtol=1e-5, atol=1e-6)
+    report = part.report
+    assert report.engines == 2 and "tensorkiln_test::cube" in report.unsupported, str(report)
+    with pytest.raises(InputError, match=r"runs partly in PyTorch"):
+        tkt.save(part, tmp_path / "m")
+    torch._dynamo.reset()
 
 
 def test_a_transformer_with_a_padding_mask_matches_eager():

@@ -8,18 +8,20 @@
 
 ``compile`` exports the module with torch.export (dynamic dimensions declared the torch.export
 way, ``torch.export.Dim('batch', min=1, max=64)``, become the engine's optimization profile),
-builds an engine and returns a :class:`CompiledModule`. Importing this module needs torch (and
+builds an engine and returns a :class:`CompiledModule`; a module that cannot be one engine (an
+op with no translation, a build that fails) becomes a :class:`PartialModule`: engines for the
+blocks tensorkiln supports, PyTorch for the rest, and a warning saying why. Importing this module needs torch (and
 onnxscript, which torch's ONNX exporter uses).
 """
 
 from __future__ import annotations
 
-from tensorkiln.torch.compiler import compile
 from tensorkiln.torch.dynamo import backend, last_report
 from tensorkiln.torch.files import load, save
 from tensorkiln.torch.module import CompiledModule
+from tensorkiln.torch.partial import PartialModule, compile
 
-__all__ = ["CompiledModule", "backend", "compile", "last_report", "load", "save"]
+__all__ = ["CompiledModule", "PartialModule", "backend", "compile", "last_report", "load", "save"]
 
 
 def _register_backend() -> None:

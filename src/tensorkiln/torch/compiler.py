@@ -1,4 +1,5 @@
-"""tensorkiln.torch.compile: a PyTorch module in, a CompiledModule running its engine out."""
+"""A PyTorch module in, a CompiledModule running its one engine out (tensorkiln.torch.compile's
+whole-module path; partial.py falls back to blocks where this fails)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from tensorkiln.frontends.torch.export import TorchExport, export_module, flatte
 from tensorkiln.torch.module import CompiledModule
 
 
-def compile(
+def compile_whole(
     module: torch.nn.Module,
     example_inputs: Any,
     *,
@@ -27,7 +28,7 @@ def compile(
     use_cuda_graph: bool | None = None,
     progress: bool = False,
 ) -> CompiledModule:
-    """Build a tensorkiln engine for ``module(*example_inputs, **example_kwargs)``.
+    """Build one tensorkiln engine for ``module(*example_inputs, **example_kwargs)``.
 
     ``precision``: the precisions the builder may use ("fp32", "tf32", "fp16", "bf16", "int8",
     "fp8"), one or several. ``backend``: "cuda", "cpu", "reference", or "auto" (cuda when the

@@ -10,7 +10,7 @@ Dynamo hands the backend an FX graph of one traced region. The backend
    partitioner; ops outside ATen with no ONNX translation, torch.library custom ops among them,
    and ops named in ``torch_executed_ops`` are not supported), keeping blocks of at least
    ``min_block_size`` ops;
-3. builds an engine per block through :func:`tensorkiln.torch.compile`; a block whose export or
+3. builds an engine per block as tensorkiln.torch.compile builds a whole module; a block whose export or
    build fails stays in PyTorch, with the reason in the report.
 
 The build happens at the first call of each signature of input shapes, dtypes and numbers, so a
@@ -39,7 +39,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from tensorkiln.errors import InputError
 from tensorkiln.frontends.torch.export import translatable
-from tensorkiln.torch.compiler import compile as compile_module
+from tensorkiln.torch.compiler import compile_whole as compile_module
 
 log = logging.getLogger("tensorkiln.torch")
 

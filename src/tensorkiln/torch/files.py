@@ -24,8 +24,12 @@ def save(module: CompiledModule, path: str | os.PathLike) -> None:
     """Write ``module`` to the folder ``path``: its engine file and a JSON file of the call's
     structure (no pickle: loading runs no code from the folder)."""
     if not isinstance(module, CompiledModule):
+        partial = getattr(module, "reason", None)
+        why = f" (it runs partly in PyTorch: {partial})" if partial else ""
         raise InputError(
-            f"save takes a tensorkiln.torch.CompiledModule, got {type(module).__name__}"
+            f"save takes a module compiled into one engine (tensorkiln.torch.CompiledModule), "
+            f"got {type(module).__name__}{why}; the PyTorch parts of a partially compiled "
+            "module are code, which tensorkiln does not write to files"
         )
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
