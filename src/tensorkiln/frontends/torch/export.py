@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -134,9 +135,26 @@ def _quiet():
             lg.setLevel(level)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip() or type(err).__name__
-    return text.splitlines()[0][:500]
+    """The first line of ``err``, and of the innermost error that caused it where there is one
+    (torch's exporter wraps the real reason in errors of its own)."""
+
+    def line(e: BaseException) -> str:
+        text = _ANSI.sub("", str(e)).strip() or type(e).__name__
+        return text.splitlines()[0][:300]
+
+    inner = err
+    for _ in range(20):  # (a cycle of causes must not loop)
+        nxt = inner.__cause__ or inner.__context__
+        if nxt is None:
+            break
+        inner = nxt
+    if inner is err:
+        return line(err)
+    return f"{line(err)} (cause: {type(inner).__name__}: {line(inner)})"
 
 
 def _capture(module, name, args, kwargs, dynamic_shapes) -> torch.export.ExportedProgram:
@@ -153,25 +171,39 @@ def _capture(module, name, args, kwargs, dynamic_shapes) -> torch.export.Exporte
 
 def _to_onnx(program, name: str, args: tuple, kwargs: dict) -> onnx.ModelProto:
     try:
-        with _quiet():
-            exported = torch.onnx.export(
-                program, args, kwargs=kwargs, dynamo=True, optimize=True, verbose=False,
-                custom_translation_table=plugin_translations(program),
-            )  # fmt: skip
-            return exported.model_proto
+        return _export_onnx(program, args, kwargs)
     except Exception as err:
-        missing = untranslatable_ops(program)
-        if missing:
-            raise UnsupportedOpError(
-                f"{name}: no ONNX translation of {', '.join(missing)}: register a tensorkiln "
-                "plugin of that name (@tensorkiln.plugin('ns::op')), or run the module through "
-                "torch.compile(module, backend='tensorkiln'), which leaves such ops to PyTorch "
-                "and builds the rest"
-            ) from err
+        first = err
+    missing = untranslatable_ops(program)
+    if missing:
         raise UnsupportedOpError(
-            f"{name}: the ONNX exporter could not translate the captured program: "
-            f"{type(err).__name__}: {_first_line(err)}"
-        ) from err
+            f"{name}: no ONNX translation of {', '.join(missing)}: register a tensorkiln "
+            "plugin of that name (@tensorkiln.plugin('ns::op')), or run the module through "
+            "torch.compile(module, backend='tensorkiln'), which leaves such ops to PyTorch "
+            "and builds the rest"
+        ) from first
+    # The exporter's own decomposition table fails on some programs where PyTorch's core ATen
+    # decompositions do not (torch 2.13: a view of a transposed tensor in T5's and Swin's
+    # attention); the exporter takes a core-ATen program as well.
+    try:
+        with _quiet():
+            core = program.run_decompositions()
+        return _export_onnx(core, args, kwargs)
+    except Exception:  # (the first error is the one to report)
+        pass
+    raise UnsupportedOpError(
+        f"{name}: the ONNX exporter could not translate the captured program: "
+        f"{type(first).__name__}: {_first_line(first)}"
+    ) from first
+
+
+def _export_onnx(program, args: tuple, kwargs: dict) -> onnx.ModelProto:
+    with _quiet():
+        exported = torch.onnx.export(
+            program, args, kwargs=kwargs, dynamo=True, optimize=True, verbose=False,
+            custom_translation_table=plugin_translations(program),
+        )  # fmt: skip
+        return exported.model_proto
 
 
 # ---------------------------------------------------------------------- plugins
