@@ -70,6 +70,7 @@ import torch  # noqa: E402
 
 from benchmarks import _common as common  # noqa: E402
 from benchmarks import _gpu_table as table  # noqa: E402
+from tensorkiln.builder import BuilderConfig  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ PEERS = (
     "tensorkiln",
     "tensorkiln-int8",
     "tensorkiln-fp8",
+    "tensorkiln-torch",
     "eager",
     "compile",
     "max-autotune",
@@ -345,6 +347,38 @@ def tactic_summary(layers: list) -> dict:
     return out
 
 
+def tensorkiln_torch_peer(model16, args: list, want: list, large: bool, cache: Path) -> dict:
+    """tensorkiln.torch.compile of the fp16 module itself (no ONNX file): a dynamic batch axis
+    (min 1, max this batch) at the large batch, as the ONNX path's engine has; run on the same
+    device tensors, checked, timed. The issue's target: within 5% of the ONNX path."""
+    import tensorkiln.torch as tkt
+
+    batch = args[0].shape[0]
+    dims = None
+    if large:
+        axis = torch.export.Dim("batch", min=1, max=batch)
+        dims = tuple({0: axis} for _ in args)
+    config = BuilderConfig()
+    config.timing_cache = str(cache)
+    t0 = time.perf_counter()
+    fast = tkt.compile(
+        model16, tuple(args), dynamic_shapes=dims, precision="fp16", config=config,
+        backend="cuda" if S.device == "cuda" else "cpu", require_full_compilation=True,
+    )  # fmt: skip
+    cell = {"build_s": time.perf_counter() - t0, "layers": fast.engine.num_layers}
+    KEEP.append(fast)
+    with torch.inference_mode():
+        got = outputs(fast(*args))
+    S.sync()
+    cell["err"] = common.norm_rel_torch(got, want)
+    del got
+    run = lambda: fast(*args)  # noqa: E731
+    cell["value"] = throughput(run, batch) if large else latency_ms(run)
+    if S.kernels:
+        cell["kernels"] = kernel_profile(run, top=S.kernels)
+    return cell
+
+
 def torch_peer(peer: str, model16, args: list, want: list, large: bool) -> dict:
     """Eager fp16 or one torch.compile mode: compile (first call), check, time."""
     if peer != "eager" and S.device != "cuda":
@@ -391,7 +425,9 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
     for peer in peers:
         common.log(f"{name} batch {batch}: {peer}")
         try:
-            if peer.startswith("tensorkiln"):  # (as `tensorkiln run` runs it)
+            if peer == "tensorkiln-torch":  # the same engine, built from the module itself
+                cell = tensorkiln_torch_peer(model16, args, want, large, cache)
+            elif peer.startswith("tensorkiln"):  # (as `tensorkiln run` runs it)
                 # tensorkiln-int8 / -fp8: that precision beside the fp16 engine, same inputs
                 precision = peer.partition("-")[2] or S.precision
                 cell = tensorkiln_peer(path, dev, want, large, cache, precision)

@@ -16,6 +16,14 @@ onnxscript, which torch's ONNX exporter uses).
 
 from __future__ import annotations
 
+import importlib.util
+
+if importlib.util.find_spec("torch") is None or importlib.util.find_spec("onnxscript") is None:
+    raise ImportError(
+        "tensorkiln.torch needs PyTorch and onnxscript (torch's ONNX exporter uses it): "
+        "pip install 'tensorkiln[torch]'"
+    )
+
 from tensorkiln.torch.dynamo import backend, last_report
 from tensorkiln.torch.files import load, save
 from tensorkiln.torch.module import CompiledModule
