@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -120,7 +122,7 @@ def test_what_torch_export_cannot_capture_is_named():
     for x in (torch.rand(3) + 0.1, -torch.rand(3) - 0.1):  # each branch, as dynamo guards it
         torch.testing.assert_close(part(x), x * 2 if x.sum() > 0 else x)
     torch._dynamo.reset()
-    with pytest.raises(InputError, match=r"torch.nn.Module"):
+    with pytest.raises(InputError, match=r"torch.nn.Module or a torch.export.ExportedProgram"):
         tkt.compile(lambda x: x, (torch.randn(3),))
 
 
@@ -145,15 +147,15 @@ class Custom(torch.nn.Module):
         return torch.tanh(self.b(cube(torch.relu(self.a(x))) * 0.5)).softmax(-1)
 
 
-def test_an_op_without_a_translation_is_named_or_left_to_pytorch(tmp_path):
+def test_an_op_without_a_translation_is_named_or_left_to_pytorch_outside(tmp_path):
     torch._dynamo.reset()
     torch.manual_seed(np.random.default_rng().integers(1 << 31))
     m = Custom().eval()
     x = torch.randn(4, 6)
     with pytest.raises(UnsupportedOpError, match=r"Custom.*tensorkiln_test::cube"):
-        tkt.compile(m, (x,), require_full_compilation=True)
+        tkt.compile(m, (x,), require_full_compilation=True, torch_ops=False)
     with pytest.warns(UserWarning, match=r"Custom runs partly in PyTorch.*tensorkiln_test::cube"):
-        part = tkt.compile(m, (x,), backend="cpu", min_block_size=2)
+        part = tkt.compile(m, (x,), backend="cpu", min_block_size=2, torch_ops=False)
     assert isinstance(part, tkt.PartialModule) and "tensorkiln_test::cube" in part.reason
     for n in (4, 2):
         x = torch.randn(n, 6)
@@ -226,3 +228,102 @@ def test_damaged_saved_modules_are_refused(tmp_path):
     refused({**good, "in_spec": '[1, {"type": "no.such.Type"}]'}, "input/output structure")
     with pytest.raises(ModelLoadError, match=r"no module.json"):
         tkt.load(tmp_path / "elsewhere")
+
+
+def test_a_program_exported_already_is_taken_with_its_dynamic_dimensions():
+    m = _convnet().eval()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    program = torch.export.export(
+        m,
+        _batch(2),
+        {"scale": 2.0},
+        dynamic_shapes={"x": {0: batch}, "y": {0: batch}, "scale": None},
+    )
+    fast = tkt.compile(program, _batch(4), example_kwargs={"scale": 2.0}, backend="cpu")
+    assert fast.engine.profiles[0].shapes["x"] == ((1, 3, 12, 12), (4, 3, 12, 12), (16, 3, 12, 12))
+    for n in (1, 16):
+        x, y = _batch(n)
+        got, want = fast(x, y, scale=2.0), m(x, y, scale=2.0)
+        for k in want:
+            torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="carries its own dynamic dimensions"):
+        tkt.compile(program, _batch(4), example_kwargs={"scale": 2.0}, dynamic_shapes={})
+
+
+@torch.library.custom_op("tensorkiln_test::repeat_rows", mutates_args=())
+def repeat_rows(x: torch.Tensor, n: int = 2, scale: float = 1.0) -> torch.Tensor:
+    return x.repeat(n, 1) * scale
+
+
+@repeat_rows.register_fake
+def _(x, n=2, scale=1.0):
+    return x.new_empty((x.shape[0] * n, x.shape[1]))
+
+
+class Repeats(torch.nn.Module):
+    """A custom op whose output size follows a dynamic dimension, twice, between supported ops."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.relu(repeat_rows(self.a(x), 3, 0.5))
+        return h.sum(0, keepdim=True) + repeat_rows(x).mean()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_op_without_a_translation_runs_in_pytorch_inside_one_engine(tmp_path, backend):
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = Repeats().eval()
+    batch = torch.export.Dim("batch", min=1, max=8)
+    with pytest.warns(UserWarning, match=r"runs tensorkiln_test::repeat_rows in PyTorch"):
+        fast = tkt.compile(m, (torch.randn(2, 4),), dynamic_shapes=({0: batch},), backend=backend)
+    assert isinstance(fast, tkt.CompiledModule)
+    assert fast.torch_ops == ["tensorkiln_test::repeat_rows"]
+    assert [n.op for n in fast.engine.graph.nodes].count("repeat_rows") == 2
+    for n in (1, 5, 8):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(fast(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+    tkt.save(fast, tmp_path / "m")
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(tkt.load(tmp_path / "m")(x), m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_fresh_process_loads_it_once_the_op_is_defined(tmp_path):
+    """The saved engine names the op, never holds it: a process that defines the op loads and
+    runs it; one that does not is told which op to define."""
+    m = Repeats().eval()
+    with pytest.warns(UserWarning):
+        fast = tkt.compile(m, (torch.randn(2, 4),), backend="cpu")
+    tkt.save(fast, tmp_path / "m")
+    (tmp_path / "defs.py").write_text(
+        "import torch\n"
+        "@torch.library.custom_op('tensorkiln_test::repeat_rows', mutates_args=())\n"
+        "def repeat_rows(x: torch.Tensor, n: int = 2, scale: float = 1.0) -> torch.Tensor:\n"
+        "    return x.repeat(n, 1) * scale\n"
+        "@repeat_rows.register_fake\n"
+        "def _(x, n=2, scale=1.0):\n"
+        "    return x.new_empty((x.shape[0] * n, x.shape[1]))\n"
+    )
+    x = torch.randn(2, 4)
+    np.save(tmp_path / "x.npy", x.numpy())
+    load = (
+        "import json, sys, numpy, torch\nimport tensorkiln.torch as tkt\n"
+        "from tensorkiln.errors import EngineCompatibilityError\n"
+        "if sys.argv[1] == 'define':\n    sys.path.insert(0, sys.argv[2]); import defs\n"
+        "try:\n    fast = tkt.load(sys.argv[2] + '/m')\n"
+        "except EngineCompatibilityError as e:\n    print(e); sys.exit(3)\n"
+        "y = fast(torch.from_numpy(numpy.load(sys.argv[2] + '/x.npy')))\n"
+        "print(json.dumps(y.tolist()))\n"
+    )
+    run = [sys.executable, "-c", load]
+    without = subprocess.run([*run, "bare", str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert without.returncode == 3, without.stderr[-2000:]
+    assert "tensorkiln_test::repeat_rows" in without.stdout and "torch.library" in without.stdout
+    defined = subprocess.run([*run, "define", str(tmp_path)], capture_output=True, text=True,
+                             timeout=300)  # fmt: skip
+    assert defined.returncode == 0, defined.stderr[-2000:]
+    got = torch.tensor(json.loads(defined.stdout.strip().splitlines()[-1]))
+    torch.testing.assert_close(got, m(x).detach(), rtol=1e-5, atol=1e-5)

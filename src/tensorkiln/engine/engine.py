@@ -316,6 +316,12 @@ def _check_plugins(plugins: list[dict], where: str) -> None:
         domain, _, op = name.partition("::")
         rec = ops.get(op, domain) if op else None
         have = None if rec is None else rec.plugin_version
+        if have is None and version == "torch":  # (tensorkiln.torch's wrapped custom ops)
+            raise EngineCompatibilityError(
+                f"{where} runs the PyTorch custom op '{name}', which is not registered: import "
+                "the module that defines it (torch.library), then load with "
+                "tensorkiln.torch.load"
+            )
         if have is None:
             raise EngineCompatibilityError(
                 f"{where} uses plugin '{name}' (version {version}), which is not registered: "

@@ -12,11 +12,12 @@ from tensorkiln.builder import Builder, BuilderConfig
 from tensorkiln.engine import Engine
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.frontends.torch.export import TorchExport, export_module, flatten_inputs
+from tensorkiln.torch import torch_ops as torch_ops_module
 from tensorkiln.torch.module import CompiledModule
 
 
 def compile_whole(
-    module: torch.nn.Module,
+    module: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any,
     *,
     example_kwargs: dict | None = None,
@@ -26,6 +27,7 @@ def compile_whole(
     calibration_data: Iterable[Any] | None = None,
     config: BuilderConfig | None = None,
     use_cuda_graph: bool | None = None,
+    torch_ops: bool = True,
     progress: bool = False,
 ) -> CompiledModule:
     """Build one tensorkiln engine for ``module(*example_inputs, **example_kwargs)``.
@@ -35,10 +37,14 @@ def compile_whole(
     example tensors are on a GPU, else cpu). ``calibration_data`` (int8/fp8): batches shaped like
     ``example_inputs`` (tuples of tensors, or single tensors). ``config``: a BuilderConfig for
     everything else (its precisions and profiles are added to). ``use_cuda_graph``: replay each
-    input shape as a CUDA graph (default on the GPU).
+    input shape as a CUDA graph (default on the GPU). ``torch_ops``: custom ops that nothing
+    translates run in PyTorch inside the engine (torch_ops.py); False: they fail the build.
     """
     args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    exported = export_module(module, tuple(args), example_kwargs, dynamic_shapes)
+    exported = export_module(
+        module, tuple(args), example_kwargs, dynamic_shapes,
+        untranslated=torch_ops_module.wrap if torch_ops else None,
+    )  # fmt: skip
     backend = _backend(backend, args, example_kwargs)
     cfg = _config(config, precision, exported)
     if calibration_data is not None:

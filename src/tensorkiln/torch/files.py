@@ -11,8 +11,11 @@ from typing import Any
 from torch.utils import _pytree as pytree
 
 from tensorkiln.engine import Engine
-from tensorkiln.errors import InputError, ModelLoadError
-from tensorkiln.torch.module import CompiledModule
+from tensorkiln.engine.engine import read_plan
+from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
+from tensorkiln.plugin import registered
+from tensorkiln.torch.module import TORCH_OPS, CompiledModule
+from tensorkiln.torch.torch_ops import wrap_by_name
 
 SAVE_FORMAT = "tensorkiln.torch/1"
 ENGINE_FILE = "model.engine"
@@ -85,7 +88,9 @@ def load(path: str | os.PathLike, *, use_cuda_graph: bool | None = None) -> Comp
         raise ModelLoadError(
             f"'{meta_path}': cannot read the input/output structure: {err}"
         ) from err
-    engine = Engine.load(folder / ENGINE_FILE)  # (the name is ours, never the file's)
+    engine_path = folder / ENGINE_FILE  # (the name is ours, never the file's)
+    _wrap_torch_ops(engine_path)
+    engine = Engine.load(engine_path)
     _check_leaves(meta, engine, in_spec, meta_path)
     return CompiledModule(
         engine,
@@ -96,6 +101,19 @@ def load(path: str | os.PathLike, *, use_cuda_graph: bool | None = None) -> Comp
         name=meta["name"],
         use_cuda_graph=use_cuda_graph,
     )
+
+
+def _wrap_torch_ops(engine_path: Path) -> None:
+    """The custom ops the engine runs in PyTorch, wrapped again where torch has them registered
+    (a missing one is named when the engine loads)."""
+    try:
+        plugins = read_plan(engine_path).get("plugins", [])
+    except TensorkilnError:
+        return  # (Engine.load says what is wrong with the file)
+    for entry in plugins if isinstance(plugins, list) else []:
+        name = str(entry.get("name")) if isinstance(entry, dict) else ""
+        if name and entry.get("version") == TORCH_OPS and registered(name) is None:
+            wrap_by_name(name)
 
 
 def _check_meta(meta: Any, where: Path) -> None:

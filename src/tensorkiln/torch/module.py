@@ -16,8 +16,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from tensorkiln.engine import Engine
+from tensorkiln.engine.engine import used_plugins
 from tensorkiln.errors import InputError
 from tensorkiln.frontends.torch.export import flatten_inputs
+
+TORCH_OPS = "torch"  # the plugin version of custom ops run in PyTorch (torch_ops.py)
 
 
 class CompiledModule(torch.nn.Module):
@@ -55,6 +58,11 @@ class CompiledModule(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name}, engine={self.engine!r}"
+
+    @property
+    def torch_ops(self) -> list[str]:
+        """The custom ops this engine runs in PyTorch (no translation of them exists)."""
+        return [p["name"] for p in used_plugins(self.engine.graph) if p["version"] == TORCH_OPS]
 
     @property
     def context(self) -> Any:

@@ -43,7 +43,7 @@ class PartialModule(torch.nn.Module):
 
 
 def compile(
-    module: torch.nn.Module,
+    module: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any,
     *,
     example_kwargs: dict | None = None,
@@ -55,11 +55,13 @@ def compile(
     use_cuda_graph: bool | None = None,
     require_full_compilation: bool = False,
     min_block_size: int = 3,
+    torch_ops: bool = True,
     progress: bool = False,
 ) -> CompiledModule | PartialModule:
     """Build ``module(*example_inputs, **example_kwargs)`` into a tensorkiln engine.
 
-    Returns a :class:`CompiledModule` (one engine: saved with :func:`tensorkiln.torch.save`), or,
+    ``module`` may also be a program torch.export captured already. Returns a
+    :class:`CompiledModule` (one engine: saved with :func:`tensorkiln.torch.save`), or,
     where the module cannot be one engine (an op with no translation, a failed build) and
     ``require_full_compilation`` is False, a :class:`PartialModule` with a warning saying why.
 
@@ -71,10 +73,12 @@ def compile(
     ``calibration_data`` (int8/fp8): batches shaped like ``example_inputs``. ``config``: a
     BuilderConfig for everything else. ``use_cuda_graph``: replay each input shape as a CUDA
     graph (default on the GPU). ``min_block_size``: the fewest ops a block built into an engine
-    has, where the module falls back to blocks.
+    has, where the module falls back to blocks. ``torch_ops``: a custom op that nothing
+    translates runs in PyTorch inside the engine, which stays one engine (a warning names it);
+    False: such an op makes the module partial, or an error with ``require_full_compilation``.
     """
     try:
-        return compile_whole(
+        compiled = compile_whole(
             module,
             example_inputs,
             example_kwargs=example_kwargs,
@@ -84,6 +88,7 @@ def compile(
             calibration_data=calibration_data,
             config=config,
             use_cuda_graph=use_cuda_graph,
+            torch_ops=torch_ops,
             progress=progress,
         )
     except InputError:
@@ -92,11 +97,23 @@ def compile(
         if require_full_compilation:
             raise
         reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0]}"
+    else:
+        if compiled.torch_ops:
+            warnings.warn(
+                f"tensorkiln.torch.compile: {type(module).__name__}'s engine runs "
+                f"{', '.join(compiled.torch_ops)} in PyTorch (nothing translates them); a "
+                "tensorkiln plugin of the same name gives them a kernel of their own",
+                stacklevel=2,
+            )
+        return compiled
     options = {"precision": precision, "backend": backend, "min_block_size": min_block_size}
     if use_cuda_graph is not None:
         options["use_cuda_graph"] = use_cuda_graph
+    name = type(module).__name__
+    if isinstance(module, torch.export.ExportedProgram):
+        module = module.module()  # (a module running the program's graph)
     warnings.warn(
-        f"tensorkiln.torch.compile: {type(module).__name__} runs partly in PyTorch ({reason}); "
+        f"tensorkiln.torch.compile: {name} runs partly in PyTorch ({reason}); "
         "engines are built for the blocks tensorkiln supports at the first call "
         "(require_full_compilation=True makes this an error)",
         stacklevel=2,

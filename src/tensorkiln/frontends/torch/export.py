@@ -20,6 +20,7 @@ import functools
 import logging
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,19 +70,41 @@ def flatten_inputs(args: tuple, kwargs: dict) -> tuple[list[Any], pytree.TreeSpe
 
 
 def export_module(
-    module: torch.nn.Module,
+    module: torch.nn.Module | torch.export.ExportedProgram,
     args: tuple,
     kwargs: dict | None = None,
     dynamic_shapes: Any = None,
+    untranslated: Callable[[list], Any] | None = None,
 ) -> TorchExport:
     """Export ``module`` called as ``module(*args, **kwargs)`` (in eval mode, without gradients)
     to an ONNX model; ``dynamic_shapes`` as torch.export takes it. Dynamic dimensions need a
-    maximum (``torch.export.Dim(name, max=...)``): it is the engine profile's max."""
-    if not isinstance(module, torch.nn.Module):
-        raise InputError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    name = type(module).__name__
+    maximum (``torch.export.Dim(name, max=...)``): it is the engine profile's max. ``module``
+    may be a program torch.export captured already (its own dynamic dimensions apply; ``args``
+    are an example call, which sets the profile's opt). ``untranslated``, when given, is called
+    with the captured program's ops that nothing translates yet, before the translation (it
+    may register plugins for them)."""
     args, kwargs = tuple(args), dict(kwargs or {})
-    program = _capture(module, name, args, kwargs, dynamic_shapes)
+    if isinstance(module, torch.export.ExportedProgram):
+        if dynamic_shapes is not None:
+            raise InputError(
+                "an ExportedProgram carries its own dynamic dimensions: leave dynamic_shapes out "
+                "(or export again with the ones you want)"
+            )
+        name = "ExportedProgram"
+        program = module
+    elif isinstance(module, torch.nn.Module):
+        name = type(module).__name__
+        program = _capture(module, name, args, kwargs, dynamic_shapes)
+    else:
+        raise InputError(
+            f"expected a torch.nn.Module or a torch.export.ExportedProgram, got "
+            f"{type(module).__name__}"
+        )
+    if untranslated is not None:
+        missing = [n.target for n in program.graph.nodes
+                   if n.op == "call_function" and not translatable(n.target)]  # fmt: skip
+        if missing:
+            untranslated(list(dict.fromkeys(missing)))
     model = _to_onnx(program, name, args, kwargs)
     leaves, constants = _leaves(program, model, args, kwargs)
     examples = dict(zip(leaves, flatten_inputs(args, kwargs)[0]))
