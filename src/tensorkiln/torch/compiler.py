@@ -4,6 +4,7 @@ whole-module path; partial.py falls back to blocks where this fails)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -12,47 +13,45 @@ from tensorkiln.builder import Builder, BuilderConfig
 from tensorkiln.engine import Engine
 from tensorkiln.engine.profile import OptimizationProfile
 from tensorkiln.frontends.torch.export import TorchExport, export_module, flatten_inputs
-from tensorkiln.torch import torch_ops as torch_ops_module
+from tensorkiln.torch import torch_ops
 from tensorkiln.torch.module import CompiledModule
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """How tensorkiln.torch builds an engine (tensorkiln.torch.compile documents each)."""
+
+    precision: str | Iterable[str] = "fp32"
+    backend: str = "auto"
+    calibration_data: Iterable[Any] | None = None
+    config: BuilderConfig | None = None
+    use_cuda_graph: bool | None = None
+    torch_ops: bool = True  # custom ops nothing translates run in PyTorch inside the engine
+    progress: bool = False
 
 
 def compile_whole(
     module: torch.nn.Module | torch.export.ExportedProgram,
     example_inputs: Any,
-    *,
     example_kwargs: dict | None = None,
     dynamic_shapes: Any = None,
-    precision: str | Iterable[str] = "fp32",
-    backend: str = "auto",
-    calibration_data: Iterable[Any] | None = None,
-    config: BuilderConfig | None = None,
-    use_cuda_graph: bool | None = None,
-    torch_ops: bool = True,
-    progress: bool = False,
+    options: BuildOptions = BuildOptions(),
 ) -> CompiledModule:
-    """Build one tensorkiln engine for ``module(*example_inputs, **example_kwargs)``.
-
-    ``precision``: the precisions the builder may use ("fp32", "tf32", "fp16", "bf16", "int8",
-    "fp8"), one or several. ``backend``: "cuda", "cpu", "reference", or "auto" (cuda when the
-    example tensors are on a GPU, else cpu). ``calibration_data`` (int8/fp8): batches shaped like
-    ``example_inputs`` (tuples of tensors, or single tensors). ``config``: a BuilderConfig for
-    everything else (its precisions and profiles are added to). ``use_cuda_graph``: replay each
-    input shape as a CUDA graph (default on the GPU). ``torch_ops``: custom ops that nothing
-    translates run in PyTorch inside the engine (torch_ops.py); False: they fail the build.
-    """
+    """One tensorkiln engine for ``module(*example_inputs, **example_kwargs)``; raises where
+    the module cannot be one."""
     args = example_inputs if isinstance(example_inputs, tuple | list) else (example_inputs,)
     exported = export_module(
         module, tuple(args), example_kwargs, dynamic_shapes,
-        untranslated=torch_ops_module.wrap if torch_ops else None,
+        untranslated=torch_ops.wrap if options.torch_ops else None,
     )  # fmt: skip
-    backend = _backend(backend, args, example_kwargs)
-    cfg = _config(config, precision, exported)
-    if calibration_data is not None:
-        cfg.calibration_data = _calibration_feeds(calibration_data, exported)
+    backend = _backend(options.backend, args, example_kwargs)
+    cfg = _config(options.config, options.precision, exported)
+    if options.calibration_data is not None:
+        cfg.calibration_data = _calibration_feeds(options.calibration_data, exported)
     engine = Builder(backend).build(
-        exported.model, cfg, progress=progress, source_name=exported.name
+        exported.model, cfg, progress=options.progress, source_name=exported.name
     )
-    return _wrap(engine, exported, use_cuda_graph)
+    return _wrap(engine, exported, options.use_cuda_graph)
 
 
 def _wrap(engine: Engine, exported: TorchExport, use_cuda_graph: bool | None) -> CompiledModule:

@@ -39,6 +39,7 @@ from torch.fx.passes.operator_support import OperatorSupportBase
 
 from tensorkiln.errors import InputError
 from tensorkiln.frontends.torch.export import translatable
+from tensorkiln.torch.compiler import BuildOptions
 from tensorkiln.torch.compiler import compile_whole as compile_module
 
 log = logging.getLogger("tensorkiln.torch")
@@ -304,13 +305,9 @@ def build_graph(
             block.reason = "not reached when run on the first call's inputs"
             continue
         try:
-            compiled = compile_module(
-                sub,
-                tuple(block_args),
-                precision=opts["precision"],
-                backend=opts["backend"],
-                use_cuda_graph=opts.get("use_cuda_graph"),
-            )
+            built = BuildOptions(opts["precision"], opts["backend"],
+                                 use_cuda_graph=opts.get("use_cuda_graph"), torch_ops=False)  # fmt: skip
+            compiled = compile_module(sub, tuple(block_args), options=built)
         except Exception as err:  # any failure leaves the block to PyTorch, with the reason
             block.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
             continue

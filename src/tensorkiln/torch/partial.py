@@ -12,7 +12,7 @@ import torch
 
 from tensorkiln.builder import BuilderConfig
 from tensorkiln.errors import InputError, TensorkilnError
-from tensorkiln.torch.compiler import compile_whole
+from tensorkiln.torch.compiler import BuildOptions, compile_whole
 from tensorkiln.torch.dynamo import Report, backend, last_report
 from tensorkiln.torch.module import CompiledModule
 
@@ -77,20 +77,10 @@ def compile(
     translates runs in PyTorch inside the engine, which stays one engine (a warning names it);
     False: such an op makes the module partial, or an error with ``require_full_compilation``.
     """
+    built = BuildOptions(precision, backend, calibration_data, config, use_cuda_graph, torch_ops,
+                         progress)  # fmt: skip
     try:
-        compiled = compile_whole(
-            module,
-            example_inputs,
-            example_kwargs=example_kwargs,
-            dynamic_shapes=dynamic_shapes,
-            precision=precision,
-            backend=backend,
-            calibration_data=calibration_data,
-            config=config,
-            use_cuda_graph=use_cuda_graph,
-            torch_ops=torch_ops,
-            progress=progress,
-        )
+        compiled = compile_whole(module, example_inputs, example_kwargs, dynamic_shapes, built)
     except InputError:
         raise  # (the caller's mistake: blocks would not fix it)
     except TensorkilnError as err:
