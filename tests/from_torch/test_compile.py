@@ -327,3 +327,32 @@ def test_a_fresh_process_loads_it_once_the_op_is_defined(tmp_path):
     assert defined.returncode == 0, defined.stderr[-2000:]
     got = torch.tensor(json.loads(defined.stdout.strip().splitlines()[-1]))
     torch.testing.assert_close(got, m(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_from_calibration_batches_shaped_like_the_example():
+    """precision='int8' with calibration batches given as the module takes them: the engine's
+    convolutions and GEMMs are quantized, and its outputs stay near eager fp32."""
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = _convnet().eval()
+    batches = [(torch.randn(4, 3, 12, 12), torch.randn(4, 4)) for _ in range(4)]
+    fast = tkt.compile(
+        m, _batch(4), example_kwargs={"scale": 2.0}, precision="int8", backend="reference",
+        calibration_data=batches,
+    )  # fmt: skip
+    ops = [n.op for n in fast.engine.graph.nodes]
+    assert any(op.startswith("Q") for op in ops), ops  # (QConvAct / QGemmAct)
+    as_keywords = tkt.compile(
+        m, _batch(4), example_kwargs={"scale": 2.0}, precision="int8", backend="reference",
+        calibration_data=[{"x": x, "y": y} for x, y in batches],
+    )  # fmt: skip
+    x, y = _batch(4)
+    want = m(x, y, scale=2.0)
+    for compiled in (fast, as_keywords):
+        got = compiled(x, y, scale=2.0)
+        for k in want:
+            w = want[k].detach()
+            assert float((got[k] - w).norm() / w.norm()) < 0.05, k
+    # the same calibration data, however it was given: the same engine's outputs
+    torch.testing.assert_close(
+        as_keywords(x, y, scale=2.0)["logits"], fast(x, y, scale=2.0)["logits"]
+    )

@@ -90,13 +90,18 @@ def _config(config: BuilderConfig | None, precision: Any, exported: TorchExport)
 
 
 def _calibration_feeds(data: Iterable[Any], exported: TorchExport) -> Iterable[dict]:
-    """Batches shaped like the example inputs, as the name -> array feeds calibration reads."""
+    """Calibration batches as the name -> array feeds calibration reads: each a tuple of the
+    module's positional arguments (or one tensor), or a dict of its keyword arguments."""
+    names = {n for n in exported.leaves if n is not None}
     for batch in data:
-        args = batch if isinstance(batch, tuple | list) else (batch,)
-        values, _ = flatten_inputs(tuple(args), {})
+        if isinstance(batch, dict):
+            pairs = list(batch.items())  # (a tensor keyword is the ONNX input of its name)
+        else:
+            args = batch if isinstance(batch, tuple | list) else (batch,)
+            pairs = list(zip(exported.leaves, flatten_inputs(tuple(args), {})[0]))
         feeds = {}
-        for name, value in zip(exported.leaves, values):
-            if name is not None and isinstance(value, torch.Tensor):
-                feeds[name] = value.detach().float().cpu().numpy() if value.is_floating_point() \
-                    else value.detach().cpu().numpy()  # fmt: skip
+        for name, value in pairs:
+            if name in names and isinstance(value, torch.Tensor):
+                value = value.detach().cpu()
+                feeds[name] = (value.float() if value.is_floating_point() else value).numpy()
         yield feeds

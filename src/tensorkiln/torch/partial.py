@@ -70,7 +70,8 @@ def compile(
     needs a maximum (``torch.export.Dim('batch', min=1, max=64)``), which with the Dim's minimum
     and the example's size makes the engine's optimization profile. ``backend``: "cuda", "cpu",
     "reference", or "auto" (cuda when the example tensors are on a GPU, else cpu).
-    ``calibration_data`` (int8/fp8): batches shaped like ``example_inputs``. ``config``: a
+    ``calibration_data`` (int8/fp8): batches, each a tuple of positional arguments (or one
+    tensor) or a dict of keyword arguments, as the module takes them. ``config``: a
     BuilderConfig for everything else. ``use_cuda_graph``: replay each input shape as a CUDA
     graph (default on the GPU). ``min_block_size``: the fewest ops a block built into an engine
     has, where the module falls back to blocks. ``torch_ops``: a custom op that nothing
