@@ -121,3 +121,47 @@ def test_the_backend_is_found_by_name_and_as_a_function():
     assert "tensorkiln" in torch._dynamo.list_backends(exclude_tags=())
     m = _net(custom=True)
     _check(torch.compile(m, backend=tkt.backend, options={"backend": "cpu"}), m, sizes=(2,))
+
+
+def _counting(monkeypatch) -> list:
+    """Every engine the backend builds, as (block name, engine)."""
+    built = []
+    real = dynamo.compile_module
+
+    def count(sub, args, **kw):
+        compiled = real(sub, args, **kw)
+        built.append(compiled.engine)
+        return compiled
+
+    monkeypatch.setattr(dynamo, "compile_module", count)
+    return built
+
+
+@pytest.mark.parametrize("custom", [False, True])
+def test_bounded_dynamic_sizes_build_once_with_profiles(monkeypatch, custom):
+    built = _counting(monkeypatch)
+    m = _net(custom)
+    compiled = torch.compile(
+        m, backend="tensorkiln", options={"backend": "cpu", "min_block_size": 2}
+    )
+    with torch.no_grad():
+        for n in (4, 7, 33, 64, 5):
+            x = torch.randn(n, 8)
+            torch._dynamo.mark_dynamic(x, 0, min=2, max=64)
+            torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-6)
+    assert len(built) == (2 if custom else 1), "one build per block, whatever the batch"
+    for engine in built:
+        (lo, _, hi), *_ = (s for s in engine.profiles[0].shapes.values())
+        assert lo[0] == 2 and hi[0] == 64
+
+
+def test_unbounded_dynamic_sizes_build_per_shape(monkeypatch):
+    built = _counting(monkeypatch)
+    m = _net(custom=False)
+    compiled = torch.compile(m, backend="tensorkiln", options={"backend": "cpu"})
+    with torch.no_grad():
+        for n in (4, 7, 4):
+            x = torch.randn(n, 8)
+            torch._dynamo.mark_dynamic(x, 0)  # (no maximum: no profile to build for)
+            torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-6)
+    assert len(built) == 2  # sizes 4 and 7, the second 4 from the first build

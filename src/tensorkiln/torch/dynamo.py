@@ -13,9 +13,11 @@ Dynamo hands the backend an FX graph of one traced region. The backend
 3. builds an engine per block as tensorkiln.torch.compile builds a whole module; a block whose export or
    build fails stays in PyTorch, with the reason in the report.
 
-The build happens at the first call of each signature of input shapes, dtypes and numbers, so a
-graph dynamo traced with symbolic sizes gets an engine per concrete shape (at most
-``max_signatures``; beyond that, calls run in PyTorch). :func:`last_report` says what ran where.
+The build happens at the first call. Where dynamo traced the graph's sizes as symbols with
+bounds (``torch._dynamo.mark_dynamic(x, 0, min=2, max=64)``), each block's engine gets a profile
+spanning them and is built once (ranges.py); otherwise an engine is built per signature of input
+shapes, dtypes and numbers (at most ``max_signatures``; beyond that, calls run in PyTorch).
+:func:`last_report` says what ran where.
 
 Options (``torch.compile(..., options={...})``): ``precision`` ("fp32", "fp16", ... or a list),
 ``backend`` (tensorkiln's: "cuda", "cpu", "reference", "auto"), ``min_block_size`` (default 3),
@@ -41,6 +43,7 @@ from tensorkiln.errors import InputError
 from tensorkiln.frontends.torch.export import translatable
 from tensorkiln.torch.compiler import BuildOptions
 from tensorkiln.torch.compiler import compile_whole as compile_module
+from tensorkiln.torch.ranges import NotRanged, block_dims, sizes_from_tensors, symbol_ranges
 
 log = logging.getLogger("tensorkiln.torch")
 
@@ -114,9 +117,16 @@ def backend(
     opts = _options(options)
     constants = _constant_positions(gm, example_inputs)
     frozen = _freeze(gm, example_inputs, constants)
-    return _PerSignature(
-        frozen, [i for i in range(len(example_inputs)) if i not in constants], opts
-    )
+    runtime = [i for i in range(len(example_inputs)) if i not in constants]
+    try:  # sizes traced as bounded symbols: one build whose profiles span them (ranges.py)
+        ranges = symbol_ranges(frozen)
+        if ranges:
+            removed = set(sizes_from_tensors(frozen))
+            runtime = [r for k, r in enumerate(runtime) if k not in removed]
+    except NotRanged as why:
+        log.info("tensorkiln: building per input shape: %s", why)
+        ranges = {}
+    return _PerSignature(frozen, runtime, opts, ranges or None)
 
 
 def _options(options: dict | None) -> dict:
@@ -172,16 +182,20 @@ def _freeze(gm: torch.fx.GraphModule, example_inputs, constants: set[int]) -> to
 
 
 class _PerSignature:
-    """The frozen graph, built at the first call of each input signature."""
+    """The frozen graph, built at the first call of each input signature; or, where its
+    dynamic sizes are bounded (``ranges``: symbol -> (min, max)), built once at the first call
+    with profiles spanning them."""
 
-    def __init__(self, frozen: torch.fx.GraphModule, runtime: list[int], opts: dict) -> None:
-        self.frozen, self.runtime, self.opts = frozen, runtime, opts
+    def __init__(
+        self, frozen: torch.fx.GraphModule, runtime: list[int], opts: dict, ranges: dict | None
+    ) -> None:
+        self.frozen, self.runtime, self.opts, self.ranges = frozen, runtime, opts, ranges
         self.built: dict[tuple, Callable] = {}
         self.lock = threading.Lock()
 
     def __call__(self, *inputs: Any) -> Any:
         args = [inputs[i] for i in self.runtime]
-        key = tuple(_signature(a) for a in args)
+        key = ("ranged",) if self.ranges else tuple(_signature(a) for a in args)
         run = self.built.get(key)
         if run is None:
             with self.lock:
@@ -197,7 +211,15 @@ class _PerSignature:
             )
             self.built[key] = self.frozen
             return self.frozen
-        run, report = build_graph(self.frozen, args, self.opts)
+        if self.ranges:
+            try:
+                run, report = build_graph(self.frozen, args, self.opts, self.ranges)
+            except NotRanged as why:
+                log.info("tensorkiln: building per input shape: %s", why)
+                self.ranges = None
+                key = tuple(_signature(a) for a in args)
+        if not self.ranges:
+            run, report = build_graph(self.frozen, args, self.opts)
         _LAST[:] = [report]
         log.info("%s", report)
         if report.fallback:
@@ -270,10 +292,11 @@ def _compute_ops(nodes: Sequence[torch.fx.Node]) -> list[str]:
 
 
 def build_graph(
-    frozen: torch.fx.GraphModule, args: Sequence[Any], opts: dict
+    frozen: torch.fx.GraphModule, args: Sequence[Any], opts: dict, ranges: dict | None = None
 ) -> tuple[torch.fx.GraphModule, Report]:
     """A copy of ``frozen`` with its supported blocks replaced by tensorkiln engines built for
-    ``args``, and the report of what runs where."""
+    ``args`` (with profiles spanning ``ranges`` where given: raises NotRanged where a block's
+    inputs cannot have them), and the report of what runs where."""
     gm = torch.fx.GraphModule(frozen, copy.deepcopy(frozen.graph))  # (shares the weights)
     support = _Support(opts["torch_executed_ops"])
     partitioner = CapabilityBasedPartitioner(gm, support, allows_single_node_partition=True)
@@ -295,6 +318,8 @@ def build_graph(
     for node in calls:
         _inline_constants(gm, node)
     gm.recompile()
+    dims: dict[str, Any] = {}  # symbol -> its Dim, shared by the blocks
+    shapes = {n.target: block_dims(n, ranges, dims) for n in calls} if ranges else {}
     seen = _block_inputs(gm, {n.target for n in calls}, args)
     for node in calls:
         sub = gm.get_submodule(node.target)
@@ -307,7 +332,9 @@ def build_graph(
         try:
             built = BuildOptions(opts["precision"], opts["backend"],
                                  use_cuda_graph=opts.get("use_cuda_graph"), torch_ops=False)  # fmt: skip
-            compiled = compile_module(sub, tuple(block_args), options=built)
+            compiled = compile_module(
+                sub, tuple(block_args), dynamic_shapes=shapes.get(node.target), options=built
+            )
         except Exception as err:  # any failure leaves the block to PyTorch, with the reason
             block.reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"
             continue

@@ -145,7 +145,8 @@ def _eval_mode(module: torch.nn.Module):
 @contextlib.contextmanager
 def _quiet():
     """The exporter's notices (missing optional packages, deprecations) are not the user's."""
-    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._export")]
+    names = ("torch.onnx", "torch.export", "torch._export", "onnxscript", "onnx_ir")
+    loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
         lg.setLevel(logging.ERROR)
