@@ -381,6 +381,36 @@ def test_the_precision_choice_compares_each_layer_with_its_float_form(
     assert slower == {"a", "d"}
 
 
+def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer(monkeypatch) -> None:
+    """A QuantizeLinear read by one quantized layer only is part of that layer's cost (kept in
+    float, the layer would not need it); one shared by two layers is nobody's."""
+    from tensorkiln.builder import builder as builder_module
+
+    def q(name, out, ms):
+        return {"name": name, "op": "QuantizeLinear", "tactic": "t", "timings_ms": {"t": ms},
+                "inputs": ["x", "s"], "outputs": [out]}  # fmt: skip
+
+    def layer(name, a, ms):
+        return {"name": name, "op": "tensorkiln.QGemmAct", "tactic": "t", "timings_ms": {"t": ms},
+                "inputs": [a, "sa", "w", "sw"], "outputs": [name + "_y"]}  # fmt: skip
+
+    quantized = [
+        q("q_own", "xa", 0.6), layer("a", "xa", 0.5),  # 0.5 + 0.6 >= 1.0: slower
+        q("q_shared", "xs", 0.6), layer("b", "xs", 0.5), layer("c", "xs", 0.5),  # 0.5 < 1.0
+    ]  # fmt: skip
+    floats = [
+        {"name": n, "op": "tensorkiln.GemmAct", "tactic": "f", "timings_ms": {"f": 1.0}}
+        for n in ("a", "b", "c")
+    ]
+
+    def lower(graph, config, backend, policy, report, bar, cache):
+        report.layers = floats
+        return "fp16"
+
+    monkeypatch.setattr(builder_module, "_lower", lower)
+    assert builder_module._slower_quantized(quantized, None, None, None, None, None) == {"a"}
+
+
 def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) -> None:
     """On a CPU device the kernels timed are not the GPU's: unless asked, every layer is
     quantized and no float engine is tuned beside the quantized one."""

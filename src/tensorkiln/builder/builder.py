@@ -471,14 +471,37 @@ def _slower_quantized(
     cache: TimingCache,
 ) -> set[str]:
     """The quantized layers whose measured time is no better than the same layer's in the
-    float engine (``float_graph``, lowered and tuned here). The QuantizeLinear that feeds a
-    quantized layer is not counted: where it is shared or fused into the producer it costs
-    the layer little, so the choice leans towards quantizing."""
+    float engine (``float_graph``, lowered and tuned here). A quantized layer's time includes
+    the QuantizeLinear that exists only to feed it (kept in float, the layer would not need
+    it); a QuantizeLinear shared by several layers, or not measured, is not counted."""
     quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
+    for name, ms in _own_quantize_ms(layers).items():
+        if name in quantized:
+            quantized[name] += ms
     scratch = BuildReport()
     _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
     floats = _layer_ms(scratch.layers, _FLOAT_LAYERS)
     return {n for n, ms in quantized.items() if n in floats and ms >= floats[n]}
+
+
+def _own_quantize_ms(layers: list[dict]) -> dict[str, float]:
+    """Layer name -> the measured milliseconds of the QuantizeLinear layers whose output only
+    that layer reads."""
+    quantize = {}  # output value -> the QuantizeLinear's measured ms
+    readers: dict[str, list[str]] = {}
+    for layer in layers:
+        for value in layer.get("inputs") or ():
+            readers.setdefault(value, []).append(layer.get("name", ""))
+        timings = layer.get("timings_ms") or {}
+        if layer.get("op") == "QuantizeLinear" and layer.get("tactic") in timings:
+            for value in (layer.get("outputs") or ())[:1]:
+                quantize[value] = float(timings[layer["tactic"]])
+    out: dict[str, float] = {}
+    for value, ms in quantize.items():
+        names = readers.get(value, [])
+        if len(names) == 1:
+            out[names[0]] = out.get(names[0], 0.0) + ms
+    return out
 
 
 def _kept_float_note(slower: set[str], quantized: str, precision: str) -> str:
