@@ -356,3 +356,28 @@ def test_int8_from_calibration_batches_shaped_like_the_example():
     torch.testing.assert_close(
         as_keywords(x, y, scale=2.0)["logits"], fast(x, y, scale=2.0)["logits"]
     )
+
+
+def test_an_fp16_module_on_the_cuda_kernels_keeps_its_types():
+    """A half-precision module built for the cuda backend (its kernels on torch CPU tensors
+    here): fp16 in and out as PyTorch has them, close to the fp32 module."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=500, max_position_embeddings=64,
+    )  # fmt: skip
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = transformers.BertModel(cfg).eval()
+    m16 = transformers.BertModel(cfg).eval()
+    m16.load_state_dict(m.state_dict())
+    m16.half()
+    ids = torch.randint(0, 500, (2, 16))
+    mask = torch.ones(2, 16, dtype=torch.int64)
+    mask[1, 9:] = 0
+    fast = tkt.compile(m16, (), example_kwargs={"input_ids": ids, "attention_mask": mask},
+                       precision="fp16", backend="cuda")  # fmt: skip
+    assert fast.engine.backend == "cuda"
+    got = fast(input_ids=ids, attention_mask=mask).last_hidden_state
+    want = m(input_ids=ids, attention_mask=mask).last_hidden_state.detach()
+    assert got.dtype == torch.float16
+    assert float((got.float() - want).norm() / want.norm()) < 5e-3

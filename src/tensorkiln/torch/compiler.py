@@ -45,10 +45,11 @@ def compile_whole(
         untranslated=torch_ops.wrap if options.torch_ops else None,
     )  # fmt: skip
     backend = _backend(options.backend, args, example_kwargs)
+    device = _device(backend, args, example_kwargs)
     cfg = _config(options.config, options.precision, exported)
     if options.calibration_data is not None:
         cfg.calibration_data = _calibration_feeds(options.calibration_data, exported)
-    engine = Builder(backend).build(
+    engine = Builder(backend, device).build(
         exported.model, cfg, progress=options.progress, source_name=exported.name
     )
     return _wrap(engine, exported, options.use_cuda_graph)
@@ -64,6 +65,16 @@ def _wrap(engine: Engine, exported: TorchExport, use_cuda_graph: bool | None) ->
         name=exported.name,
         use_cuda_graph=use_cuda_graph,
     )
+
+
+def _device(backend: str, args: tuple, kwargs: dict | None) -> str | None:
+    """The cuda backend's device: the example tensors' ("cpu" runs its kernels on torch CPU
+    tensors, as the tests do); None (the default) for the other backends."""
+    if backend != "cuda":
+        return None
+    values, _ = flatten_inputs(args, kwargs or {})
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    return "cpu" if tensors and all(t.device.type == "cpu" for t in tensors) else None
 
 
 def _backend(backend: str, args: tuple, kwargs: dict | None) -> str:
