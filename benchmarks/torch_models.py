@@ -1,7 +1,8 @@
 """Coverage of tensorkiln.torch.compile: models nobody here wrote, straight from PyTorch.
 
     python benchmarks/torch_models.py [--models bert,gpt2,...] [--backend cpu|cuda|reference]
-                                      [--precision fp32|fp16] [--full] [--out DIR]
+                                      [--precision fp32|fp16] [--device cpu|cuda] [--full]
+                                      [--out DIR]
 
 For each model (random weights; transformers' built from small configs of their real
 architectures unless --full, torchvision's and timm's as published), in one process:
@@ -221,7 +222,7 @@ def run_one(name: str, library: str, make: Callable, args) -> dict:
         row.update(status="failed", detail=f"constructing it: {type(err).__name__}: {err}"[:300])
         return row
     torch.manual_seed(0)
-    device = "cuda" if args.backend == "cuda" else "cpu"
+    device = args.device or ("cuda" if args.backend == "cuda" else "cpu")
     model = model.to(device)
     inputs, kwargs = _move(inputs, device), _move(kwargs, device)
     half = args.precision == "fp16"
@@ -293,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="", help="comma-separated names (default: all)")
     p.add_argument("--backend", default="cpu", choices=["cpu", "cuda", "reference"])
     p.add_argument("--precision", default="fp32", choices=["fp32", "fp16"])
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default=None,
+        help="where the model and inputs live (default: cuda for --backend cuda, else cpu; "
+        "--backend cuda --device cpu runs the cuda kernels on CPU tensors)",
+    )  # fmt: skip
     p.add_argument("--full", action="store_true", help="transformers' default configs")
     p.add_argument("--out", default="torch-models")
     p.add_argument("--verbose", action="store_true")
@@ -313,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {
         "torch": torch.__version__,
         "backend": args.backend,
+        "device": args.device,
         "precision": args.precision,
         "python": sys.version.split()[0],
     }
