@@ -54,6 +54,9 @@ class CompiledModule(torch.nn.Module):
         self._device = backend.device if backend.on_device else None
         graphs = backend.cuda_graphs if use_cuda_graph is None else use_cuda_graph
         self._use_cuda_graph = bool(graphs)
+        self._device_type = "cpu" if self._device is None else torch.device(self._device).type
+        # calls of positional tensors only, each an engine input: fed without the pytree walk
+        self._positional = _positional_names(in_spec, self.leaves)
         self._local = threading.local()  # one execution context per calling thread
 
     def extra_repr(self) -> str:
@@ -81,6 +84,10 @@ class CompiledModule(torch.nn.Module):
 
     # ------------------------------------------------------------------ inputs
     def _feeds(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        names = self._positional
+        simple = names is not None and not kwargs and len(args) == len(names)
+        if simple and all(isinstance(a, torch.Tensor) for a in args):
+            return {n: self._from_torch(n, a) for n, a in zip(names, args)}
         if set(kwargs) == set(self._kwarg_order):
             kwargs = {k: kwargs[k] for k in self._kwarg_order}
         values, spec = flatten_inputs(args, kwargs)
@@ -115,7 +122,7 @@ class CompiledModule(torch.nn.Module):
 
     def _from_torch(self, name: str, t: torch.Tensor) -> Any:
         t = t.detach()
-        want = "cpu" if self._device is None else torch.device(self._device).type
+        want = self._device_type
         if t.device.type != want:
             where = "the GPU" if want == "cuda" else "the CPU"
             raise InputError(
@@ -145,6 +152,16 @@ class CompiledModule(torch.nn.Module):
 def _kwarg_names(in_spec: pytree.TreeSpec) -> list[str]:
     """The keyword names of an (args, kwargs) spec, in the order it holds them."""
     return list(_child(in_spec, 1).context or [])
+
+
+def _positional_names(in_spec: pytree.TreeSpec, leaves: tuple) -> list[str] | None:
+    """The engine inputs of a call that takes positional tensors only (no keywords, nothing
+    nested, each an input), in order; None for any other call."""
+    args = _child(in_spec, 0)
+    if _kwarg_names(in_spec) or args.num_leaves != len(leaves) or None in leaves:
+        return None
+    flat = pytree.tree_flatten(tuple(range(len(leaves))))[1]
+    return list(leaves) if args == flat else None
 
 
 def _leaf_name(args: tuple, kwargs: dict, index: int) -> str:
