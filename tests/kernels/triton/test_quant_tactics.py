@@ -170,6 +170,38 @@ def test_qconv_through_the_float16_convolution(kind, residual) -> None:
     _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=1e-5)
 
 
+def test_the_float16_weight_is_prepared_once_per_weight() -> None:
+    """cudnn_fp16 keeps the prepared weight of a constant weight tensor (a CUDA graph then
+    replays the convolution alone) and prepares it again when the weight changes in place or
+    another scale is given: every call matches the reference of its own operands."""
+    from tensorkiln.kernels.cuda import tactics_quant
+
+    rng = np.random.default_rng()
+    m, attrs = 16, {"pads": [1, 1, 1, 1]}
+    x = _q(rng, (2, 8, 5, 5), "int8")
+    w = _q(rng, (m, 8, 3, 3), "int8")
+    scales = [rng.uniform(1e-3, 1e-2, m).astype(np.float32) for _ in range(2)]
+    tactic = get_tactic("QConvAct", "tensorkiln", "cudnn_fp16")
+    xt, wt = to_torch(x, DEVICE), to_torch(w, DEVICE)
+    st = [to_torch(s, DEVICE) for s in scales]
+    xs = to_torch(np.float32(0.02), DEVICE)
+    reference = lookup("QConvAct", "tensorkiln", 1, "reference")
+
+    def check(w_now: np.ndarray, scale: np.ndarray, got: torch.Tensor) -> None:
+        ref = invoke(reference, [x, np.float32(0.02), w_now, scale], attrs, 1)[0]
+        np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+    check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
+    kept = tactics_quant._HALF_WEIGHTS[wt][1]
+    check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
+    assert tactics_quant._HALF_WEIGHTS[wt][1] is kept  # (not prepared again)
+    check(w, scales[1], tactic.fn(xt, xs, wt, st[1], **attrs))  # another scale
+    w2 = w.copy()
+    w2[0] = -w2[0]
+    wt.copy_(to_torch(w2, DEVICE))  # the weight changed in place
+    check(w2, scales[1], tactic.fn(xt, xs, wt, st[1], **attrs))
+
+
 def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
     """Two quantized outputs (int8 codes or E4M3 values) computed from sums in different orders
     and precisions: int8 equal but for values on a rounding edge, one step apart; E4M3 (float32

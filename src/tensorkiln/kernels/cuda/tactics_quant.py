@@ -35,6 +35,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from tensorkiln.kernels.common.conv import conv_geometry
 from tensorkiln.kernels.cuda.fused_quant import (
@@ -266,22 +267,53 @@ def _half_ok(spec: LayerSpec) -> bool:
     return g is not None and len(spec.shapes[0]) in (3, 4)
 
 
-def _half_sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+def _half_sums(
+    x_q, w_q, bias, z, call: QConv, *, w_half: torch.Tensor
+) -> tuple[torch.Tensor, bool]:
     """The convolution in float16 on cuDNN: int8 and E4M3 values are exact in float16; the
-    weight carries its per-channel scale (rounded to float16) so the sums stay in float16's
-    range, and X_scale follows in the epilogue's pass."""
+    weight (``w_half``) carries its per-channel scale (rounded to float16) so the sums stay in
+    float16's range, and X_scale follows in the epilogue's pass."""
+    acc = conv_nd(x_q.to(w_half.dtype), w_half, None, call.geometry, call.group)
+    return _scaled(acc, call.x_scale.expand(w_q.shape[0]), bias, z, call)
+
+
+# cudnn_fp16's weights (the 8-bit weight times its scale, in float16, in the layout the input
+# has), kept per weight tensor: an engine's weights are constants, so a CUDA graph replays the
+# convolution without the four kernels that prepare it. A weight changed in place (its version)
+# or given another scale tensor is prepared again; nothing is kept while a stream is capturing
+# (the tensor would belong to that graph's memory pool).
+_HALF_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
+    layout = w_q.ndim == 4 and x_q.ndim == 4
+    try:
+        key = (w_q._version, id(w_scale), w_scale._version, half, layout)
+    except RuntimeError:  # inference tensors keep no version: prepared on every call
+        key = None
+    hit = _HALF_WEIGHTS.get(w_q) if key is not None else None
+    if hit is not None and hit[0] == key and hit[2] is w_scale:
+        return hit[1]
     m = w_q.shape[0]
-    w_scale = call.w_scale.expand(m).reshape(m, *(1,) * (w_q.ndim - 1))
-    w = (w_q.to(torch.float32) * w_scale).to(half)
-    w = w.contiguous(memory_format=torch.channels_last) if w.ndim == 4 and x_q.ndim == 4 else w
-    x = x_q.to(half)
-    acc = conv_nd(x, w, None, call.geometry, call.group)
-    return _scaled(acc, call.x_scale.expand(m), bias, z, call)
+    scale = w_scale.to(torch.float32).reshape(-1).expand(m).reshape(m, *(1,) * (w_q.ndim - 1))
+    w = (w_q.to(torch.float32) * scale).to(half)
+    w = w.contiguous(memory_format=torch.channels_last) if layout else w
+    capturing = w_q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if key is not None and not capturing:
+        _HALF_WEIGHTS[w_q] = (key, w, w_scale)
+    return w
 
 
-# QConvAct through cuDNN's float16 convolution (the tensor-core route where no 8-bit kernel wins)
-qconv_half = _qconv_with(_half_sums, "qconv_half")
+def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+    """QConvAct through cuDNN's float16 convolution (the tensor-core route where no 8-bit kernel
+    wins)."""
+
+    def sums(xq, wq, bias, zz, call: QConv) -> tuple[torch.Tensor, bool]:
+        # (after qconv's checks of the operands: a bad scale is named, not a torch error)
+        return _half_sums(xq, wq, bias, zz, call, w_half=_half_weight(xq, wq, w_scale))
+
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
