@@ -15,7 +15,7 @@ from tensorkiln.backends.base import LayerTimer, host_memory
 from tensorkiln.backends.torch_common import TorchBackend
 from tensorkiln.errors import TensorkilnError
 from tensorkiln.kernels.cpu import conv as held_conv
-from tensorkiln.kernels.cuda.convert import to_torch
+from tensorkiln.kernels.cuda.convert import mark_constant, to_torch
 
 
 class CudaBackend(TorchBackend):
@@ -47,7 +47,7 @@ class CudaBackend(TorchBackend):
     def constant(self, array: np.ndarray, *, conv_weight: bool = False) -> Any:
         c = super().constant(array)
         if conv_weight and self.holds_weights:
-            c = held_conv.hold_weight(c)
+            c = mark_constant(held_conv.hold_weight(c))
             self.remember_on_host(c, array)
         return c
 

@@ -13,6 +13,7 @@ from tensorkiln.backends.base import Backend
 from tensorkiln.kernels.cuda.convert import (
     HOST_VALUES_LIMIT,
     host_values,
+    mark_constant,
     numpy_dtype,
     remember_host_values,
     to_numpy,
@@ -41,7 +42,7 @@ class TorchBackend(Backend):
     def constant(self, array: np.ndarray, *, conv_weight: bool = False) -> Any:
         c = to_torch(array, self.device)
         remember_host_values(c, array)
-        return c
+        return mark_constant(c)
 
     def device_dtype(self, dtype: Any) -> Any:
         return torch_dtype(dtype)

@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tensorkiln.kernels.cuda.convert import to_numpy, to_torch  # noqa: E402
+from tensorkiln.kernels.cuda.convert import mark_constant, to_numpy, to_torch  # noqa: E402
 from tensorkiln.kernels.registry import invoke, lookup  # noqa: E402
 from tensorkiln.kernels.tactics import LayerSpec, get_tactic  # noqa: E402
 from tests.kernels.triton import DEVICE  # noqa: E402
@@ -182,8 +182,8 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     w = _q(rng, (m, 8, 3, 3), "int8")
     scales = [rng.uniform(1e-3, 1e-2, m).astype(np.float32) for _ in range(2)]
     tactic = get_tactic("QConvAct", "tensorkiln", "cudnn_fp16")
-    xt, wt = to_torch(x, DEVICE), to_torch(w, DEVICE)
-    st = [to_torch(s, DEVICE) for s in scales]
+    xt, wt = to_torch(x, DEVICE), mark_constant(to_torch(w, DEVICE))
+    st = [mark_constant(to_torch(s, DEVICE)) for s in scales]
     xs = to_torch(np.float32(0.02), DEVICE)
     reference = lookup("QConvAct", "tensorkiln", 1, "reference")
 
@@ -200,6 +200,10 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     w2[0] = -w2[0]
     wt.copy_(to_torch(w2, DEVICE))  # the weight changed in place
     check(w2, scales[1], tactic.fn(xt, xs, wt, st[1], **attrs))
+    # a weight computed at run time (not an engine's constant) is never kept
+    w3 = to_torch(w2, DEVICE)
+    check(w2, scales[1], tactic.fn(xt, xs, w3, st[1], **attrs))
+    assert w3 not in tactics_quant._HALF_WEIGHTS
 
 
 def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:

@@ -166,6 +166,22 @@ def remember_host_values(t: torch.Tensor, arr: np.ndarray) -> None:
         setattr(t, _HOST_ATTR, np.array(arr))
 
 
+_CONSTANT_ATTR = "_tensorkiln_constant"
+
+
+def mark_constant(t: Any) -> Any:
+    """Mark ``t`` as an engine's constant (an initializer: never written after upload), which
+    kernels may prepare once and keep what they prepared (tactics_quant's float16 weights)."""
+    if isinstance(t, torch.Tensor):
+        setattr(t, _CONSTANT_ATTR, True)
+    return t
+
+
+def is_constant(t: Any) -> bool:
+    """Whether ``t`` is marked by :func:`mark_constant` (views and copies of it are not)."""
+    return isinstance(t, torch.Tensor) and getattr(t, _CONSTANT_ATTR, False)
+
+
 def host_values(t: Any) -> np.ndarray | None:
     """The host copy attached to tensor ``t``, or None."""
     return getattr(t, _HOST_ATTR, None) if isinstance(t, torch.Tensor) else None

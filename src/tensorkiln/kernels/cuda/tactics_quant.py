@@ -38,6 +38,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.cuda.convert import is_constant
 from tensorkiln.kernels.cuda.fused_quant import (
     QConv,
     one_pass_epilogue,
@@ -278,20 +279,24 @@ def _half_sums(
 
 
 # cudnn_fp16's weights (the 8-bit weight times its scale, in float16, in the layout the input
-# has), kept per weight tensor: an engine's weights are constants, so a CUDA graph replays the
-# convolution without the four kernels that prepare it. A weight changed in place (its version)
-# or given another scale tensor is prepared again; nothing is kept while a stream is capturing
-# (the tensor would belong to that graph's memory pool).
+# has), kept per weight tensor where the weight and its scale are an engine's constants
+# (convert.mark_constant: never written), so a CUDA graph replays the convolution without the
+# four kernels that prepare it. A weight changed in place (its version) or given another scale
+# tensor is prepared again; nothing is kept while a stream is capturing (the tensor would belong
+# to that graph's memory pool), nor for weights computed at run time (an arena's memory changes
+# under the same tensor).
 _HALF_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
     layout = w_q.ndim == 4 and x_q.ndim == 4
-    try:
-        key = (w_q._version, id(w_scale), w_scale._version, half, layout)
-    except RuntimeError:  # inference tensors keep no version: prepared on every call
-        key = None
+    key = None
+    if is_constant(w_q) and is_constant(w_scale):
+        try:
+            key = (w_q._version, id(w_scale), w_scale._version, half, layout)
+        except RuntimeError:  # inference tensors keep no version: prepared on every call
+            key = None
     hit = _HALF_WEIGHTS.get(w_q) if key is not None else None
     if hit is not None and hit[0] == key and hit[2] is w_scale:
         return hit[1]
