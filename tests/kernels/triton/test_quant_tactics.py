@@ -192,9 +192,9 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
         np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
     check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
-    kept = tactics_quant._HALF_WEIGHTS[wt][1]
+    (kept,) = (v[1] for v in tactics_quant._KEPT[wt].values())
     check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
-    assert tactics_quant._HALF_WEIGHTS[wt][1] is kept  # (not prepared again)
+    assert next(iter(tactics_quant._KEPT[wt].values()))[1] is kept  # (not prepared again)
     check(w, scales[1], tactic.fn(xt, xs, wt, st[1], **attrs))  # another scale
     w2 = w.copy()
     w2[0] = -w2[0]
@@ -203,7 +203,7 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     # a weight computed at run time (not an engine's constant) is never kept
     w3 = to_torch(w2, DEVICE)
     check(w2, scales[1], tactic.fn(xt, xs, w3, st[1], **attrs))
-    assert w3 not in tactics_quant._HALF_WEIGHTS
+    assert w3 not in tactics_quant._KEPT
 
 
 def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
@@ -347,11 +347,26 @@ def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtyp
     assert not tactic.applies(spec(transB=0))
     want = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), args,
                   {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
-    got = tactic.fn(*[to_torch(np.asarray(a), DEVICE) for a in args], **attrs)
-    assert got.dtype == (torch.float16 if out_dtype == 10 else torch.bfloat16)
     tol = 1e-2 if out_dtype == 10 else 2e-2
+    tensors = [to_torch(np.asarray(a), DEVICE) for a in args]
+    got = tactic.fn(*tensors, **attrs)
+    assert got.dtype == (torch.float16 if out_dtype == 10 else torch.bfloat16)
     np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
                                atol=tol * np.abs(want).max())  # fmt: skip
+    # with the scales and bias an engine's constants, their row/column vectors are kept; a
+    # second call at another batch (rows) still matches the reference
+    for i in (1, 3, 4):
+        mark_constant(tensors[i])
+    for rows in ((3, 7), (5, 2)):
+        a = _q(rng, (*rows, k), "fp8")
+        want = invoke(lookup("QGemmAct", "tensorkiln", 1, "reference"), [a, *args[1:]],
+                      {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+        got = tactic.fn(to_torch(a, DEVICE), *tensors[1:], **attrs)
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
+                                   atol=tol * np.abs(want).max())  # fmt: skip
+    from tensorkiln.kernels.cuda import tactics_quant
+
+    assert {("rows", 21), ("rows", 10)} <= set(tactics_quant._KEPT[tensors[1]])
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

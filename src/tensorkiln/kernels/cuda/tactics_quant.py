@@ -176,10 +176,21 @@ def _qgemm_fp8_rowwise(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs
     if call.y_scale is not None or call.activation or not call.packed or call.beta != 1.0:
         raise ValueError("cublas_fp8_rowwise takes a packed weight, no activation, no Y_scale")
     m, n = call.a2.shape[0], call.b.shape[0]
-    scale_a = call.x_scale.reshape(1, 1).to(torch.float32).expand(m, 1).contiguous()
-    scale_b = call.w_scale.reshape(1, -1).to(torch.float32).expand(1, n)
-    scale_b = (scale_b * call.alpha if call.alpha != 1.0 else scale_b).contiguous()
-    bias = None if call.bias is None else call.bias.reshape(n).to(call.out)
+    a_s, b_s, alpha = call.x_scale, call.w_scale, call.alpha
+
+    def rows() -> torch.Tensor:
+        return a_s.reshape(1, 1).to(torch.float32).expand(m, 1).contiguous()
+
+    def columns() -> torch.Tensor:
+        scale = b_s.reshape(1, -1).to(torch.float32).expand(1, n)
+        return (scale * alpha if alpha != 1.0 else scale).contiguous()
+
+    # (kept per constant scale and bias: torch's row-wise scaling takes no broadcast scale)
+    scale_a = _kept(a_s, ("rows", m), rows)
+    scale_b = _kept(b_s, ("columns", n, alpha), columns)
+    bias = None
+    if c is not None:
+        bias = _kept(c, ("bias", n, call.out), lambda: call.bias.reshape(n).to(call.out))
     y = torch._scaled_mm(call.a2.contiguous(), call.b.t(), scale_a=scale_a, scale_b=scale_b,
                          bias=bias, out_dtype=call.out)  # fmt: skip
     return y.reshape(call.shape)
@@ -278,36 +289,49 @@ def _half_sums(
     return _scaled(acc, call.x_scale.expand(w_q.shape[0]), bias, z, call)
 
 
-# cudnn_fp16's weights (the 8-bit weight times its scale, in float16, in the layout the input
-# has), kept per weight tensor where the weight and its scale are an engine's constants
-# (convert.mark_constant: never written), so a CUDA graph replays the convolution without the
-# four kernels that prepare it. A weight changed in place (its version) or given another scale
-# tensor is prepared again; nothing is kept while a stream is capturing (the tensor would belong
-# to that graph's memory pool), nor for weights computed at run time (an arena's memory changes
-# under the same tensor).
-_HALF_WEIGHTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# What a tactic prepares from an engine's constants (convert.mark_constant: never written),
+# kept per constant tensor and key: cudnn_fp16's float16 weight (the 8-bit weight times its
+# scale, in the input's layout), cublas_fp8_rowwise's scale vectors and bias. A CUDA graph then
+# replays the GEMM or convolution without the small kernels that prepare them. A value changed
+# in place (its version) or another dependency tensor prepares it again; nothing is kept while a
+# stream is capturing (it would belong to that graph's memory pool), nor for values computed at
+# run time (an arena's memory changes under the same tensor).
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _kept(owner: torch.Tensor, key: tuple, make: Callable[[], Any], *deps: Any) -> Any:
+    """``make()``, kept for ``owner`` and ``key`` where ``owner`` and the tensors of ``deps``
+    are constants; made on every call otherwise."""
+    tensors = [d for d in deps if isinstance(d, torch.Tensor)]
+    if not (is_constant(owner) and all(is_constant(d) for d in tensors)):
+        return make()
+    try:
+        versions = (owner._version, *((id(d), d._version) for d in tensors))
+    except RuntimeError:  # inference tensors keep no version: made on every call
+        return make()
+    entries = _KEPT.get(owner)
+    hit = entries.get(key) if entries is not None else None
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    value = make()
+    if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if entries is None:
+            entries = _KEPT[owner] = {}
+        entries[key] = (versions, value, tensors)  # (the dependencies held: their ids stay theirs)
+    return value
 
 
 def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
     layout = w_q.ndim == 4 and x_q.ndim == 4
-    key = None
-    if is_constant(w_q) and is_constant(w_scale):
-        try:
-            key = (w_q._version, id(w_scale), w_scale._version, half, layout)
-        except RuntimeError:  # inference tensors keep no version: prepared on every call
-            key = None
-    hit = _HALF_WEIGHTS.get(w_q) if key is not None else None
-    if hit is not None and hit[0] == key and hit[2] is w_scale:
-        return hit[1]
-    m = w_q.shape[0]
-    scale = w_scale.to(torch.float32).reshape(-1).expand(m).reshape(m, *(1,) * (w_q.ndim - 1))
-    w = (w_q.to(torch.float32) * scale).to(half)
-    w = w.contiguous(memory_format=torch.channels_last) if layout else w
-    capturing = w_q.is_cuda and torch.cuda.is_current_stream_capturing()
-    if key is not None and not capturing:
-        _HALF_WEIGHTS[w_q] = (key, w, w_scale)
-    return w
+
+    def make() -> torch.Tensor:
+        m = w_q.shape[0]
+        scale = w_scale.to(torch.float32).reshape(-1).expand(m)
+        w = (w_q.to(torch.float32) * scale.reshape(m, *(1,) * (w_q.ndim - 1))).to(half)
+        return w.contiguous(memory_format=torch.channels_last) if layout else w
+
+    return _kept(w_q, ("half", half, layout), make, w_scale)
 
 
 def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
