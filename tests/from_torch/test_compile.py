@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import subprocess
 import sys
@@ -167,14 +168,19 @@ def test_an_op_without_a_translation_is_named_or_left_to_pytorch_outside(tmp_pat
     torch._dynamo.reset()
 
 
-def test_a_transformer_with_a_padding_mask_matches_eager():
+def _tiny_bert():
+    """transformers' BertModel, 2 layers of hidden size 64, random weights, in eval mode."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(
         hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         vocab_size=500, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(np.random.default_rng().integers(1 << 31))
-    m = transformers.BertModel(cfg).eval()
+    return transformers.BertModel(cfg).eval()
+
+
+def test_a_transformer_with_a_padding_mask_matches_eager():
+    m = _tiny_bert()
     batch, seq = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("seq", min=2, max=64)
 
     def feeds(b, s):
@@ -361,16 +367,8 @@ def test_int8_from_calibration_batches_shaped_like_the_example():
 def test_an_fp16_module_on_the_cuda_kernels_keeps_its_types():
     """A half-precision module built for the cuda backend (its kernels on torch CPU tensors
     here): fp16 in and out as PyTorch has them, close to the fp32 module."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        vocab_size=500, max_position_embeddings=64,
-    )  # fmt: skip
-    torch.manual_seed(np.random.default_rng().integers(1 << 31))
-    m = transformers.BertModel(cfg).eval()
-    m16 = transformers.BertModel(cfg).eval()
-    m16.load_state_dict(m.state_dict())
-    m16.half()
+    m = _tiny_bert()
+    m16 = copy.deepcopy(m).half()
     ids = torch.randint(0, 500, (2, 16))
     mask = torch.ones(2, 16, dtype=torch.int64)
     mask[1, 9:] = 0
