@@ -308,12 +308,6 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(wanted) - set(every))
     if unknown:
         p.error(f"unknown models {unknown}; choose from {', '.join(every)}")
-    rows = []
-    for name in wanted:
-        library, make = every[name]
-        row = run_one(name, library, make, args)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-        rows.append(row)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {
@@ -323,10 +317,16 @@ def main(argv: list[str] | None = None) -> int:
         "precision": args.precision,
         "python": sys.version.split()[0],
     }
-    (out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
-    text = table(rows)
-    (out / "results.md").write_text(text + "\n")
-    print(text)
+    rows = []
+    for name in wanted:
+        library, make = every[name]
+        row = run_one(name, library, make, args)
+        print(json.dumps(row), file=sys.stderr, flush=True)
+        rows.append(row)
+        # (written after every model: a run stopped by a time limit keeps what it measured)
+        (out / "results.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+        (out / "results.md").write_text(table(rows) + "\n")
+    print(table(rows))
     return 0
 
 
