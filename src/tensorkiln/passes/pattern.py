@@ -88,14 +88,31 @@ Pattern = Union[Op, Var, Const, Alt]  # noqa: UP007  (a runtime alias, used in i
 
 
 def Scalar(target: float, rtol: float = 1e-6, name: str | None = None) -> Const:
-    """A one-element numeric constant within ``rtol`` (relative) of ``target``."""
+    """A one-element numeric constant within ``rtol`` (relative) of ``target``, or within its
+    type's spacing where that is coarser: a float16 model stores GELU's 0.044715 as 0.04471
+    (1.6e-4 off), a bfloat16 one as 0.04468, and each is that constant as the model has it."""
 
     def close(c: np.ndarray) -> bool:
-        if c.size != 1 or c.ndim > 1 or c.dtype.kind not in "fiu":
+        if c.size != 1 or c.ndim > 1:
             return False
-        return math.isclose(float(c.reshape(-1)[0]), target, rel_tol=rtol, abs_tol=0.0)
+        spacing = _spacing(c.dtype)
+        if spacing is None:
+            return False
+        value = float(c.reshape(-1)[0].astype(np.float64))
+        return math.isclose(value, target, rel_tol=max(rtol, spacing), abs_tol=0.0)
 
     return Const(close, name)
+
+
+def _spacing(dtype: np.dtype) -> float | None:
+    """The relative spacing of ``dtype``'s values (0 for integers; None: not a number type)."""
+    if dtype.kind in "iu":
+        return 0.0
+    if dtype.kind == "f":
+        return float(np.finfo(dtype).eps)
+    if dtype.name == "bfloat16":  # (ml_dtypes': 8 bits of precision)
+        return 2.0**-7
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
