@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,13 +36,43 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    """Options every subcommand takes; SUPPRESS keeps a --verbose given before the command."""
+    """Options every subcommand takes; SUPPRESS keeps one given before the command."""
     p.add_argument(
         "--verbose",
         action="store_true",
         default=argparse.SUPPRESS,
         help="show tracebacks on errors",
     )
+    p.add_argument(
+        "--plugins",
+        metavar="MODULES",
+        default=argparse.SUPPRESS,
+        help="installed Python modules to import first, comma-separated module names (not "
+        "files), which register custom ops with @tensorkiln.plugin (trtexec's --staticPlugins)",
+    )
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def import_plugins(names: str) -> list[str]:
+    """Import the plugin modules ``--plugins`` names; a name that is not a module name, or a
+    module that does not import, is a CLIError naming it."""
+    imported = []
+    for name in (n.strip() for n in names.split(",")):
+        if not _MODULE_NAME.match(name):
+            raise CLIError(
+                f"--plugins: '{name}' is not a Python module name; give installed modules by "
+                "name (my_package.plugins), not files"
+            )
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # (the module's own error, whatever it is, in one line)
+            raise CLIError(
+                f"--plugins: cannot import '{name}': {type(exc).__name__}: {exc}"
+            ) from exc
+        imported.append(name)
+    return imported
 
 
 def add_backend_option(p: argparse.ArgumentParser, help: str) -> None:

@@ -16,7 +16,13 @@ from typing import Any
 
 from tensorkiln.backends import NAMES as BACKEND_NAMES
 from tensorkiln.cli import build, compare, debug, inspect, run, trtexec
-from tensorkiln.cli.common import ArgumentParser, add_common, add_subcommand, parse_shapes
+from tensorkiln.cli.common import (
+    ArgumentParser,
+    add_common,
+    add_subcommand,
+    import_plugins,
+    parse_shapes,
+)
 from tensorkiln.engine.schema import printable
 from tensorkiln.errors import TensorkilnError
 from tensorkiln.kernels.registry import host_ops, normalize_domain, registered_ops
@@ -113,6 +119,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _handle(args: argparse.Namespace) -> int:
     try:
+        if getattr(args, "plugins", None):
+            import_plugins(args.plugins)
         return args.handler(args)
     except TensorkilnError as exc:
         if _verbose(args):

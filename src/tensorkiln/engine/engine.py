@@ -326,7 +326,8 @@ def _check_plugins(plugins: list[dict], where: str) -> None:
             raise EngineCompatibilityError(
                 f"{where} uses plugin '{name}' (version {version}), which is not registered: "
                 f"import the module that registers it (@tensorkiln.plugin('{name}', "
-                f"version='{version}')) before loading the engine"
+                f"version='{version}')) before loading the engine; on the command line, "
+                "--plugins MODULE"
             )
         if have != version:
             raise EngineCompatibilityError(
