@@ -70,7 +70,9 @@ def wrap(targets: Iterable[Any]) -> list[str]:
 def wrap_by_name(name: str) -> bool:
     """Wrap the op ``ns::op`` if torch has it registered (for loading an engine that uses it)."""
     ns, _, op = name.partition("::")
-    packet = getattr(getattr(torch.ops, ns, None), op, None) if ns and op else None
+    if not (ns.isidentifier() and op.isidentifier()) or ns in ("aten", "prims"):
+        return False  # (an engine file names it: only custom ops' namespaces are looked in)
+    packet = getattr(getattr(torch.ops, ns, None), op, None)
     target = getattr(packet, "default", None)
     return bool(target is not None and wrap([target]))
 
