@@ -44,6 +44,13 @@ def _ids(vocab: int, s: int = S) -> dict:
     return {"input_ids": torch.randint(0, vocab, (B, s)), "attention_mask": mask}
 
 
+def _pixels(config, default: int) -> torch.Tensor:
+    """A batch of images of the size the config's model takes (``default`` where it takes any)."""
+    size = getattr(config, "image_size", default)
+    h, w = size if isinstance(size, list | tuple) else (size, size)
+    return torch.randn(B, 3, h, w)
+
+
 def _hf(name: str, full: bool) -> Callable[[], tuple]:
     """A transformers model of a small config (the architecture's own code) and its inputs."""
 
@@ -95,17 +102,17 @@ def _hf(name: str, full: bool) -> Callable[[], tuple]:
                               num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4),
                          lambda c: {"input_values": torch.randn(B, 1600)}),
             "vit": (tf.ViTConfig, tf.ViTModel, vision,
-                    lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                    lambda c: {"pixel_values": _pixels(c, 32)}),
             "deit": (tf.DeiTConfig, tf.DeiTModel, vision,
-                     lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                     lambda c: {"pixel_values": _pixels(c, 32)}),
             "dinov2": (tf.Dinov2Config, tf.Dinov2Model, vision,
-                       lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                       lambda c: {"pixel_values": _pixels(c, 32)}),
             "clip_vision": (tf.CLIPVisionConfig, tf.CLIPVisionModel, vision,
-                            lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                            lambda c: {"pixel_values": _pixels(c, 32)}),
             "swin": (tf.SwinConfig, tf.SwinModel,
                      dict(image_size=32, patch_size=2, embed_dim=16, depths=[1, 1],
                           num_heads=[2, 4], window_size=4),
-                     lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                     lambda c: {"pixel_values": _pixels(c, 32)}),
             "convnext": (tf.ConvNextConfig, tf.ConvNextModel, conv,
                          lambda c: {"pixel_values": torch.randn(B, 3, 64, 64)}),
             "resnet_hf": (tf.ResNetConfig, tf.ResNetModel,
@@ -120,10 +127,12 @@ def _hf(name: str, full: bool) -> Callable[[], tuple]:
             "yolos": (tf.YolosConfig, tf.YolosForObjectDetection,
                       dict(small, image_size=[32, 32], patch_size=8, num_detection_tokens=5,
                            num_labels=3),
-                      lambda c: {"pixel_values": torch.randn(B, 3, 32, 32)}),
+                      lambda c: {"pixel_values": _pixels(c, 32)}),
         }  # fmt: skip
         config_cls, model_cls, kwargs, inputs = specs[name]
         config = config_cls() if full else config_cls(**kwargs)
+        if hasattr(config, "use_cache"):  # (a KV cache is no tensor: torch.export refuses it)
+            config.use_cache = False
         model = model_cls(config).eval()
         return model, (), inputs(config)
 
