@@ -95,7 +95,8 @@ def _hf(name: str, full: bool) -> Callable[[], tuple]:
                              max_source_positions=32, vocab_size=1000, use_cache=False,
                              pad_token_id=0, bos_token_id=1, eos_token_id=2,
                              decoder_start_token_id=1),
-                        lambda c: {"input_features": torch.randn(B, 80, 64),
+                        lambda c: {"input_features": torch.randn(
+                                       B, c.num_mel_bins, 2 * c.max_source_positions),
                                    "decoder_input_ids": torch.randint(0, c.vocab_size, (B, 8))}),
             "wav2vec2": (tf.Wav2Vec2Config, tf.Wav2Vec2Model,
                          dict(small, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
