@@ -170,15 +170,18 @@ def _freeze(gm: torch.fx.GraphModule, example_inputs, constants: set[int]) -> to
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i in sorted(constants):
-        node = placeholders[i]
-        name = f"_tk_constant_{i}"
-        gm.register_buffer(name, example_inputs[i].detach(), persistent=False)
-        with gm.graph.inserting_before(node):
-            attr = gm.graph.get_attr(name)
-        node.replace_all_uses_with(attr)
-        gm.graph.erase_node(node)
+        _as_attribute(gm, placeholders[i], f"_tk_constant_{i}", example_inputs[i].detach())
     gm.recompile()
     return gm
+
+
+def _as_attribute(gm: torch.fx.GraphModule, placeholder: torch.fx.Node, name: str, value) -> None:
+    """``gm``'s input ``placeholder`` replaced by ``value``, held as its buffer ``name``."""
+    gm.register_buffer(name, value, persistent=False)
+    with gm.graph.inserting_before(placeholder):
+        attr = gm.graph.get_attr(name)
+    placeholder.replace_all_uses_with(attr)
+    gm.graph.erase_node(placeholder)
 
 
 class _PerSignature:
@@ -344,13 +347,6 @@ def build_graph(
     return gm, report
 
 
-def _fetch(module: torch.nn.Module, target: str) -> Any:
-    obj = module
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _inline_constants(gm: torch.fx.GraphModule, call: torch.fx.Node) -> None:
     """The block's inputs that are the graph's constants become the block's own attributes."""
     sub = gm.get_submodule(call.target)
@@ -358,12 +354,7 @@ def _inline_constants(gm: torch.fx.GraphModule, call: torch.fx.Node) -> None:
     kept = []
     for i, (arg, ph) in enumerate(zip(call.args, placeholders)):
         if isinstance(arg, torch.fx.Node) and arg.op == "get_attr":
-            name = f"_tk_constant_{i}"
-            sub.register_buffer(name, _fetch(gm, arg.target), persistent=False)
-            with sub.graph.inserting_before(ph):
-                attr = sub.graph.get_attr(name)
-            ph.replace_all_uses_with(attr)
-            sub.graph.erase_node(ph)
+            _as_attribute(sub, ph, f"_tk_constant_{i}", operator.attrgetter(arg.target)(gm))
         else:
             kept.append(arg)
     call.args = tuple(kept)
