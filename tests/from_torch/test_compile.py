@@ -379,3 +379,18 @@ def test_an_fp16_module_on_the_cuda_kernels_keeps_its_types():
     want = m(input_ids=ids, attention_mask=mask).last_hidden_state.detach()
     assert got.dtype == torch.float16
     assert float((got.float() - want).norm() / want.norm()) < 5e-3
+
+
+def test_a_config_given_is_left_as_it_was_for_the_next_compile():
+    from tensorkiln.builder import BuilderConfig
+
+    config = BuilderConfig(optimization_level=2)
+    m = _convnet().eval()
+    for _ in range(2):  # (a second compile must not find the first's profile and formats)
+        fast = _compile_convnet(m, "reference", config=config)
+        assert len(fast.engine.profiles) == 1
+    assert config.profiles == [] and config.precisions == {"fp32"}
+    assert config.input_io_formats == [] and config.output_io_formats == []
+    x, y = _batch(3)
+    got, want = fast(x, y, scale=2.0), m(x, y, scale=2.0)
+    torch.testing.assert_close(got["logits"], want["logits"].detach(), rtol=1e-5, atol=1e-5)

@@ -4,7 +4,7 @@ whole-module path; partial.py falls back to blocks where this fails)."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,8 +44,7 @@ def compile_whole(
         module, tuple(args), example_kwargs, dynamic_shapes,
         untranslated=torch_ops.wrap if options.torch_ops else None,
     )  # fmt: skip
-    backend = _backend(options.backend, args, example_kwargs)
-    device = _device(backend, args, example_kwargs)
+    backend, device = _target(options.backend, args, example_kwargs)
     cfg = _config(options.config, options.precision, exported)
     if options.calibration_data is not None:
         cfg.calibration_data = _calibration_feeds(options.calibration_data, exported)
@@ -67,26 +66,25 @@ def _wrap(engine: Engine, exported: TorchExport, use_cuda_graph: bool | None) ->
     )
 
 
-def _device(backend: str, args: tuple, kwargs: dict | None) -> str | None:
-    """The cuda backend's device: the example tensors' ("cpu" runs its kernels on torch CPU
-    tensors, as the tests do); None (the default) for the other backends."""
-    if backend != "cuda":
-        return None
+def _target(backend: str, args: tuple, kwargs: dict | None) -> tuple[str, str | None]:
+    """The backend ("auto": cuda where the example tensors are on a GPU, else cpu) and, for
+    cuda, its device: "cpu" where every example tensor is on the CPU (its kernels on torch CPU
+    tensors, as the tests run them), else the default."""
     values, _ = flatten_inputs(args, kwargs or {})
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    return "cpu" if tensors and all(t.device.type == "cpu" for t in tensors) else None
-
-
-def _backend(backend: str, args: tuple, kwargs: dict | None) -> str:
-    if backend != "auto":
-        return backend
-    values, _ = flatten_inputs(args, kwargs or {})
-    on_gpu = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in values)
-    return "cuda" if on_gpu else "cpu"
+    devices = {v.device.type for v in values if isinstance(v, torch.Tensor)}
+    if backend == "auto":
+        backend = "cuda" if "cuda" in devices else "cpu"
+    device = "cpu" if backend == "cuda" and devices == {"cpu"} else None
+    return backend, device
 
 
 def _config(config: BuilderConfig | None, precision: Any, exported: TorchExport) -> BuilderConfig:
-    cfg = config if config is not None else BuilderConfig()
+    """The caller's config (a copy: its precisions and profiles are added to, and the caller's
+    own is left as it was, for the next compile) with the module's profile and I/O types."""
+    if config is None:
+        cfg = BuilderConfig()
+    else:
+        cfg = replace(config, precisions=set(config.precisions), profiles=list(config.profiles))
     for p in [precision] if isinstance(precision, str) else list(precision):
         cfg.set_flag(p)
     if exported.shapes:
