@@ -22,11 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from tensorkiln.frontends.torch.export import ATTR_TYPES, TENSOR_TYPES
 from tensorkiln.plugin import TensorDesc, plugin, registered
 from tensorkiln.torch.module import TORCH_OPS as VERSION  # (the version of these plugins)
 
-_TENSOR = ("Tensor", "Optional[Tensor]")
-_ATTRS = ("float", "int", "bool", "str", "List[int]", "List[float]")
 # sizes a symbolic dimension takes when the op's meta kernel is probed (two sets, to tell the
 # dimensions that follow a symbol from the ones that are fixed)
 _PROBES = ((1009, 1013, 1019, 1021, 1031, 1033), (2003, 2011, 2017, 2027, 2029, 2039))
@@ -45,7 +44,7 @@ def why_not(target: Any) -> str | None:
     if not schema.returns or any(str(r.type) != "Tensor" for r in schema.returns):
         return "it returns something other than tensors"
     for a in schema.arguments:
-        if str(a.type) not in _TENSOR + _ATTRS:
+        if str(a.type) not in TENSOR_TYPES and str(a.type) not in ATTR_TYPES:
             return f"argument '{a.name}' of type {a.type}"
     return None
 
@@ -79,8 +78,8 @@ def wrap_by_name(name: str) -> bool:
 
 def _register(target: torch._ops.OpOverload, name: str) -> None:
     arguments = list(target._schema.arguments)
-    tensors = [a for a in arguments if str(a.type) in _TENSOR]
-    attrs = [a for a in arguments if str(a.type) not in _TENSOR]
+    tensors = [a for a in arguments if str(a.type) in TENSOR_TYPES]
+    attrs = [a for a in arguments if str(a.type) not in TENSOR_TYPES]
     defaults = {a.name: _attr_default(a) for a in attrs if a.has_default_value()}
 
     def call(*values: Any, **given: Any) -> Any:

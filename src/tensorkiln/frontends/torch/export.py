@@ -101,10 +101,9 @@ def export_module(
             f"{type(module).__name__}"
         )
     if untranslated is not None:
-        missing = [n.target for n in program.graph.nodes
-                   if n.op == "call_function" and not translatable(n.target)]  # fmt: skip
+        missing = untranslatable_ops(program)
         if missing:
-            untranslated(list(dict.fromkeys(missing)))
+            untranslated(missing)
     model = _to_onnx(program, name, args, kwargs)
     leaves, constants = _leaves(program, model, args, kwargs)
     examples = dict(zip(leaves, flatten_inputs(args, kwargs)[0]))
@@ -198,7 +197,7 @@ def _to_onnx(program, name: str, args: tuple, kwargs: dict) -> onnx.ModelProto:
         return _export_onnx(program, args, kwargs)
     except Exception as err:
         first = err
-    missing = untranslatable_ops(program)
+    missing = [f"{op.namespace}::{op._opname}" for op in untranslatable_ops(program)]
     if missing:
         raise UnsupportedOpError(
             f"{name}: no ONNX translation of {', '.join(missing)}: register a tensorkiln "
@@ -231,8 +230,9 @@ def _export_onnx(program, args: tuple, kwargs: dict) -> onnx.ModelProto:
 
 
 # ---------------------------------------------------------------------- plugins
-# a torch custom op argument's type -> the ONNX attribute type it is written as
-_ATTR_TYPES = {
+# a torch custom op argument's type -> the ONNX attribute type it is written as; the types of
+# its tensor arguments (a plugin's inputs; torch_ops.py wraps ops of these argument types only)
+ATTR_TYPES = {
     "float": onnx.defs.OpSchema.AttrType.FLOAT,
     "int": onnx.defs.OpSchema.AttrType.INT,
     "bool": onnx.defs.OpSchema.AttrType.INT,
@@ -240,7 +240,7 @@ _ATTR_TYPES = {
     "List[int]": onnx.defs.OpSchema.AttrType.INTS,
     "List[float]": onnx.defs.OpSchema.AttrType.FLOATS,
 }
-_TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
+TENSOR_TYPES = ("Tensor", "Optional[Tensor]")
 
 
 def plugin_translations(program: torch.export.ExportedProgram) -> dict:
@@ -252,24 +252,30 @@ def plugin_translations(program: torch.export.ExportedProgram) -> dict:
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
             continue
-        if target in table or target.namespace in ("aten", "prims"):
-            continue
-        rec = ops_records.get(target._opname, target.namespace)
-        if rec is not None and rec.plugin_version is not None:
+        if target not in table and plugin_op(target):
             table[target] = _plugin_translation(target)
     return table
+
+
+def plugin_op(target: torch._ops.OpOverload) -> bool:
+    """Whether ``target``, an op outside ATen, is implemented by a tensorkiln plugin of its
+    name ('ns::op')."""
+    if target.namespace in ("aten", "prims"):
+        return False
+    rec = ops_records.get(target._opname, target.namespace)
+    return rec is not None and rec.plugin_version is not None
 
 
 def _plugin_translation(target: torch._ops.OpOverload) -> Any:
     import onnxscript  # lazy: torch's exporter needs it (a dependency of tensorkiln.torch)
 
     arguments = list(target._schema.arguments)
-    attrs = [a for a in arguments if str(a.type) not in _TENSOR_TYPES]
+    attrs = [a for a in arguments if str(a.type) not in TENSOR_TYPES]
     for a in attrs:
-        if str(a.type) not in _ATTR_TYPES:
+        if str(a.type) not in ATTR_TYPES:
             raise UnsupportedOpError(
                 f"custom op {target.namespace}::{target._opname}: argument '{a.name}' of type "
-                f"{a.type} has no ONNX attribute type ({', '.join(_ATTR_TYPES)} do)"
+                f"{a.type} has no ONNX attribute type ({', '.join(ATTR_TYPES)} do)"
             )
     schema = _onnx_schema(target, attrs)
     node_op = onnxscript.values.Op(
@@ -278,7 +284,7 @@ def _plugin_translation(target: torch._ops.OpOverload) -> Any:
 
     def translate(*args: Any, **kwargs: Any) -> Any:
         bound = {a.name: v for a, v in zip(arguments, args)} | kwargs
-        tensors = [bound.get(a.name) for a in arguments if str(a.type) in _TENSOR_TYPES]
+        tensors = [bound.get(a.name) for a in arguments if str(a.type) in TENSOR_TYPES]
         while tensors and tensors[-1] is None:
             tensors.pop()
         values = {a.name: bound.get(a.name, a.default_value) for a in attrs}
@@ -303,7 +309,7 @@ def _onnx_schema(target: torch._ops.OpOverload, attrs: list) -> onnx.defs.OpSche
         ],
         type_constraints=[("T", types, "")],
         attributes=[
-            schema.Attribute(a.name, _ATTR_TYPES[str(a.type)], "", required=False) for a in attrs
+            schema.Attribute(a.name, ATTR_TYPES[str(a.type)], "", required=False) for a in attrs
         ],
     )
 
@@ -317,14 +323,12 @@ def onnx_registry() -> Any:
         return _registration.ONNXRegistry.from_torchlib()
 
 
-def untranslatable_ops(program: torch.export.ExportedProgram) -> list[str]:
+def untranslatable_ops(program: torch.export.ExportedProgram) -> list[Any]:
     """The ops of ``program`` that neither the ONNX exporter nor a tensorkiln plugin translates
-    (custom ops: torch.library's, other libraries'), by name, once each."""
-    names = []
-    for node in program.graph.nodes:
-        if node.op == "call_function" and not translatable(node.target):
-            names.append(f"{node.target.namespace}::{node.target._opname}")
-    return list(dict.fromkeys(names))
+    (custom ops: torch.library's, other libraries'), once each, in graph order."""
+    found = [n.target for n in program.graph.nodes
+             if n.op == "call_function" and not translatable(n.target)]  # fmt: skip
+    return list(dict.fromkeys(found))
 
 
 def translatable(target: Any) -> bool:
@@ -334,10 +338,7 @@ def translatable(target: Any) -> bool:
         target = target.default
     if not isinstance(target, torch._ops.OpOverload) or target.namespace in ("aten", "prims"):
         return True
-    rec = ops_records.get(target._opname, target.namespace)
-    if rec is not None and rec.plugin_version is not None:
-        return True  # (plugin_translations writes it)
-    return onnx_registry().is_registered(target)
+    return plugin_op(target) or onnx_registry().is_registered(target)
 
 
 def _leaves(program, model: onnx.ModelProto, args: tuple, kwargs: dict) -> tuple[list, list]:
