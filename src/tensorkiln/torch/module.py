@@ -1,8 +1,9 @@
 """CompiledModule: a torch.nn.Module that runs a tensorkiln engine, tensors in and out.
 
 On the cuda backend the caller's device tensors go to the engine as they are and the engine's
-device tensors come back (no copies; a CUDA graph per input shape by default). On the host
-backends (cpu, reference) tensors pass as numpy views of the same memory where they can.
+device tensors come back (a CUDA graph per input shape by default, whose replay copies the inputs
+into its buffers and its outputs out, as torch.compile's reduce-overhead does). On the reference
+backend tensors pass as numpy views of the same memory where they can.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from tensorkiln.engine import Engine
 from tensorkiln.engine.engine import used_plugins
 from tensorkiln.errors import InputError
 from tensorkiln.frontends.torch.export import flatten_inputs
+from tensorkiln.kernels.cuda.convert import host_tensor, to_numpy
 
 TORCH_OPS = "torch"  # the plugin version of custom ops run in PyTorch (torch_ops.py)
 
@@ -132,21 +134,13 @@ class CompiledModule(torch.nn.Module):
             )
         if self._device is not None:
             return t
-        if t.dtype == torch.bfloat16:  # (numpy has no bfloat16: the engine reads ml_dtypes')
-            import ml_dtypes  # lazy: a dependency of the bfloat16 path only
-
-            return t.contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-        return t.numpy()
+        return to_numpy(t)  # (a view of a contiguous tensor; bfloat16 as ml_dtypes holds it)
 
     def _to_torch(self, value: Any) -> torch.Tensor:
         if isinstance(value, torch.Tensor):
             return value
         arr = np.asarray(value)
-        if arr.dtype.name == "bfloat16":
-            return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
-        if not arr.flags.writeable:
-            arr = arr.copy()
-        return torch.from_numpy(arr)
+        return host_tensor(arr if arr.flags.writeable else arr.copy())
 
 
 def _kwarg_names(in_spec: pytree.TreeSpec) -> list[str]:

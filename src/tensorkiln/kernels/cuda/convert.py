@@ -95,20 +95,25 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         dev = current_device() if device is None else torch.device(device)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return _filled(value, dev)
-        arr = np.ascontiguousarray(value).reshape(value.shape)  # (keeps 0-d arrays 0-d)
-        viewed = _VIEWED.get(arr.dtype)
         with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
             warnings.simplefilter("ignore", UserWarning)
-            if viewed is not None:
-                t = torch.from_numpy(arr.view(viewed[0])).view(viewed[1])
-            else:
-                t = torch.from_numpy(arr)
+            t = host_tensor(value)
         return t.to(dev, non_blocking=False) if t.device != dev else t.clone()
     if isinstance(value, np.generic):
         return to_torch(np.asarray(value), device)
     if isinstance(value, list):
         return [to_torch(v, device) for v in value]
     return value
+
+
+def host_tensor(value: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over ``value``'s memory (a C-ordered copy where it is strided), the types
+    numpy holds through ml_dtypes (bfloat16, float8) viewed as torch's own."""
+    arr = np.ascontiguousarray(value).reshape(value.shape)  # (keeps 0-d arrays 0-d)
+    viewed = _VIEWED.get(arr.dtype)
+    if viewed is not None:
+        return torch.from_numpy(arr.view(viewed[0])).view(viewed[1])
+    return torch.from_numpy(arr)
 
 
 def _filled(value: np.ndarray, device: torch.device) -> torch.Tensor:
