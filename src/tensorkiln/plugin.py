@@ -46,7 +46,6 @@ from tensorkiln.ir.graph import TensorType
 from tensorkiln.kernels.registry import register
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.ops import define, rule
-from tensorkiln.ops.records import get as get_record
 
 __all__ = ["Plugin", "TensorDesc", "plugin", "registered"]
 
@@ -154,11 +153,6 @@ def plugin(
         return p
 
     return decorator
-
-
-def plugin_version(op: str, domain: str) -> str | None:
-    rec = get_record(op, domain)
-    return None if rec is None else rec.plugin_version
 
 
 # ---------------------------------------------------------------------- adapters

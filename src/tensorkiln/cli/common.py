@@ -55,10 +55,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 _MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
-def import_plugins(names: str) -> list[str]:
+def import_plugins(names: str) -> None:
     """Import the plugin modules ``--plugins`` names; a name that is not a module name, or a
     module that does not import, is a CLIError naming it."""
-    imported = []
     for name in (n.strip() for n in names.split(",")):
         if not _MODULE_NAME.match(name):
             raise CLIError(
@@ -71,8 +70,6 @@ def import_plugins(names: str) -> list[str]:
             raise CLIError(
                 f"--plugins: cannot import '{name}': {type(exc).__name__}: {exc}"
             ) from exc
-        imported.append(name)
-    return imported
 
 
 def add_backend_option(p: argparse.ArgumentParser, help: str) -> None:

@@ -52,7 +52,6 @@ def save(module: CompiledModule, path: str | os.PathLike) -> None:
         "out_spec": out_spec,
         "leaves": list(module.leaves),
         "constants": [_constant_json(c) for c in module.constants],
-        "engine": ENGINE_FILE,
     }
     module.engine.save(folder / ENGINE_FILE)
     (folder / MODULE_FILE).write_text(json.dumps(meta, indent=1))
