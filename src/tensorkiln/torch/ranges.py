@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from tensorkiln.frontends.torch.export import size_range
+
 
 class NotRanged(Exception):
     """The graph's dynamic sizes cannot be given as profiles (the message says why)."""
@@ -47,21 +49,13 @@ def symbol_ranges(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int]]:
     ranges = {str(k): v for k, v in env.var_to_range.items()}
     out = {}
     for s in sorted(symbols):
-        vr = ranges.get(s)
-        hi = _int(vr.upper) if vr is not None else None
+        lo, hi = size_range(ranges[s]) if s in ranges else (1, None)
         if hi is None:
             raise NotRanged(
                 f"size {s} has no maximum (torch._dynamo.mark_dynamic(x, dim, max=...))"
             )
-        out[s] = (max(_int(vr.lower) or 1, 1), hi)
+        out[s] = (lo, hi)
     return out
-
-
-def _int(value: Any) -> int | None:
-    try:
-        return int(value)
-    except Exception:  # sympy's infinity
-        return None
 
 
 def sizes_from_tensors(gm: torch.fx.GraphModule) -> list[int]:

@@ -377,6 +377,12 @@ def _output_values(program, name: str) -> list[Any]:
     return values
 
 
+def size_range(vr: Any) -> tuple[int, int | None]:
+    """A symbolic size's range (torch's ValueRanges) as an engine profile takes it: its minimum,
+    at least 1, and its maximum (None where it has none)."""
+    return max(_bound(vr.lower) or 1, 1), _bound(vr.upper)
+
+
 def _bound(value: Any) -> int | None:
     try:
         return int(value)
@@ -396,16 +402,14 @@ def _profile(model, program, examples: dict, name: str) -> dict[str, Shape3]:
         for axis, dim in enumerate(dims):
             if not dim.dim_param or dim.dim_param not in ranges:
                 continue
-            vr = ranges[dim.dim_param]
-            upper = _bound(vr.upper)
+            lower, upper = size_range(ranges[dim.dim_param])
             if upper is None:
                 raise InputError(
                     f"{name}: dimension {axis} of input '{graph_input.name}' is dynamic with no "
                     "maximum; declare it with one, e.g. torch.export.Dim('batch', max=64): the "
                     "engine is built for sizes up to it"
                 )
-            lo[axis] = max(_bound(vr.lower) or 0, 1)
-            hi[axis] = upper
+            lo[axis], hi[axis] = lower, upper
         if tuple(lo) != example or tuple(hi) != example:
             shapes[graph_input.name] = (tuple(lo), example, tuple(hi))
     return shapes
