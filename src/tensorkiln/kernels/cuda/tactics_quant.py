@@ -286,7 +286,7 @@ def _half_sums(
     weight (``w_half``) carries its per-channel scale (rounded to float16) so the sums stay in
     float16's range, and X_scale follows in the epilogue's pass."""
     acc = conv_nd(x_q.to(w_half.dtype), w_half, None, call.geometry, call.group)
-    return _scaled(acc, call.x_scale.expand(w_q.shape[0]), bias, z, call)
+    return _scaled(acc, call.x_scale.expand(call.channels), bias, z, call)
 
 
 # What a tactic prepares from an engine's constants (convert.mark_constant: never written),
