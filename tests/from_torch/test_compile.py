@@ -74,6 +74,21 @@ def test_dynamic_batch_matches_eager(backend):
             torch.testing.assert_close(got[k], want[k].detach(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calls_in_and_out_of_inference_mode_give_tensors_the_caller_can_update(backend):
+    m = _convnet().eval()
+    fast = _compile_convnet(m, backend)
+    x, y = _batch(3)
+    want = m(x, y, scale=2.0)["logits"].detach()
+    with torch.inference_mode():
+        inside = fast(torch.clone(x), torch.clone(y), scale=2.0)["logits"]
+    outside = fast(x, y, scale=2.0)["logits"]
+    assert not outside.is_inference()  # PyTorch's own rule: made outside, updatable outside
+    outside += 1.0
+    torch.testing.assert_close(outside - 1.0, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(inside, want, rtol=1e-5, atol=1e-5)
+
+
 def test_a_batch_beyond_the_declared_maximum_is_refused():
     fast = _compile_convnet(_convnet(), "cpu")
     with pytest.raises(InputError, match="x"):

@@ -63,6 +63,22 @@ def test_fp16_conv_net_device_tensors_in_and_out():
         assert _rel(got, want) < 5e-3
 
 
+def test_first_call_under_inference_mode_then_outside_it():
+    # the CUDA graph is captured on the first call; later calls outside inference mode copy
+    # their inputs into the graph's, which must therefore be normal tensors
+    _seed()
+    m = ConvNet().cuda().eval().half()
+    x = torch.randn(4, 3, 32, 32, device="cuda", dtype=torch.half)
+    fast = tkt.compile(m, (x,), precision="fp16")
+    with torch.inference_mode():
+        first = fast(x)
+    x2 = torch.randn_like(x)
+    got = fast(x2)
+    got += 0  # the caller may update what it gets
+    with torch.no_grad():
+        assert _rel(got, m(x2)) < 5e-3 and _rel(first, m(x)) < 5e-3
+
+
 def test_bert_fp16_with_a_padding_mask():
     transformers = pytest.importorskip("transformers")
     _seed()
@@ -152,7 +168,7 @@ def test_a_plugin_tactic_is_timed_and_checked():
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("tk_gpu_test", 1)]
     )
     engine = Builder("cuda").build(model, progress=False)
-    layer = next(x for x in engine.layers if x.get("op") == "SoftClip")
+    layer = next(x for x in engine.layers if x.get("op") == "tk_gpu_test.SoftClip")
     assert "plugin_fused" in layer.get("candidates", []), layer
     assert "plugin_hardtanh_approx" in (layer.get("rejected") or {}), layer
     x = np.random.default_rng().standard_normal((256, 1024)).astype(np.float32) * 3

@@ -49,8 +49,9 @@ class CpuBackend(TorchBackend):
         return c
 
     def inference(self) -> AbstractContextManager[Any]:
-        # no CUDA math to set and no autograd at all: inference mode skips version counters
-        return torch.inference_mode()
+        # no_grad, not inference_mode: results are handed to the caller, and inference tensors
+        # would refuse the caller's in-place updates outside inference mode
+        return torch.no_grad()
 
     def prepare(self) -> None:
         cpu_memory.tune()

@@ -163,7 +163,10 @@ class GraphRunner:
     def _capture(self, inputs: list[Any]) -> tuple | None:
         import torch
 
-        static_in = [x.clone() for x in inputs]
+        # Normal tensors even when the first call comes under torch.inference_mode: later calls
+        # outside it copy into them, and PyTorch refuses in-place writes to inference tensors there.
+        with torch.inference_mode(False):
+            static_in = [x.clone() for x in inputs]
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         try:
