@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import tensorkiln.torch as tkt  # noqa: E402
+from tensorkiln.builder import BuilderConfig  # noqa: E402
 
 S = 16  # tokens per sequence
 B = 2  # batch
@@ -144,7 +145,10 @@ def _torchvision(name: str) -> Callable[[], tuple]:
     def make() -> tuple:
         import torchvision
 
-        model = torchvision.models.get_model(name, weights=None).eval()
+        heads = name.startswith(("fcn", "deeplab", "lraspp", "fasterrcnn", "retinanet", "ssd"))
+        # (random weights throughout: a head's backbone would otherwise download its own)
+        extra = {"weights_backbone": None} if heads else {}
+        model = torchvision.models.get_model(name, weights=None, **extra).eval()
         size = 224 if "raft" not in name else 128
         if name.startswith(("fcn", "deeplab", "lraspp")):
             size = 128
@@ -240,9 +244,12 @@ def run_one(name: str, library: str, make: Callable, args) -> dict:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            config = BuilderConfig()
+            if args.no_tuning:  # (coverage only: each layer's default kernel, nothing timed)
+                config.tactic_sources = set()
             compiled = tkt.compile(
                 model, inputs, example_kwargs=kwargs, backend=args.backend,
-                precision=args.precision,
+                precision=args.precision, config=config,
             )  # fmt: skip
         row["build_s"] = round(time.perf_counter() - t0, 2)
         fresh_in, fresh_kw = _fresh(inputs), _fresh(kwargs)
@@ -310,6 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         "--backend cuda --device cpu runs the cuda kernels on CPU tensors)",
     )  # fmt: skip
     p.add_argument("--full", action="store_true", help="transformers' default configs")
+    p.add_argument(
+        "--no-tuning", action="store_true",
+        help="build with each layer's default kernel and time none (a coverage run: the graph "
+        "is optimized as usual, the autotuner's minutes per model are skipped)",
+    )  # fmt: skip
     p.add_argument("--out", default="torch-models")
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -320,11 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown models {unknown}; choose from {', '.join(every)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if (args.device or ("cuda" if args.backend == "cuda" else "cpu")) == "cuda":
+        # eager in strict float32 as the reference: an fp32 engine does not use TF32 either
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     env = {
         "torch": torch.__version__,
         "backend": args.backend,
         "device": args.device,
         "precision": args.precision,
+        "tuning": not args.no_tuning,
         "python": sys.version.split()[0],
     }
     rows = []
