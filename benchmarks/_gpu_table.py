@@ -10,6 +10,7 @@ PEER_COLUMNS = {
     "tensorkiln": "tensorkiln",
     "tensorkiln-int8": "tensorkiln INT8",
     "tensorkiln-fp8": "tensorkiln FP8",
+    "tensorkiln-torch": "tensorkiln.torch",
     "eager": "eager",
     "compile": "compile",
     "max-autotune": "max-autotune-no-cudagraphs",
@@ -42,8 +43,14 @@ def derive(row: dict, peak_flops: float | None) -> dict:
     row["quantized_ratios"] = {
         p: (c["value"] / best if large else best / c["value"])
         for p, c in row["peers"].items()
-        if p.startswith("tensorkiln-") and c.get("value") and best
+        if p in ("tensorkiln-int8", "tensorkiln-fp8") and c.get("value") and best
     }
+    # tensorkiln.torch.compile of the module against the ONNX path's engine (the same speed is
+    # the aim: one builder behind both)
+    from_torch = row["peers"].get("tensorkiln-torch", {}).get("value")
+    row["torch_over_onnx"] = None
+    if from_torch and value:
+        row["torch_over_onnx"] = from_torch / value if large else value / from_torch
     if value and row.get("flops") and peak_flops:
         seconds = row["batch"] / value if large else value / 1e3
         row["pct_peak"] = 100.0 * row["flops"] / seconds / peak_flops
@@ -133,7 +140,9 @@ def _header(timing: dict) -> list[str]:
         "peer** (above 1: tensorkiln is faster).",
         f"Batch-1 rows: milliseconds, the median of {t['latency_runs']} synchronized calls; "
         "**ratio = best peer ms / tensorkiln ms** (above 1: tensorkiln is faster), and in "
-        "brackets **tensorkiln ms / best peer ms** (the target is <= 0.8).",
+        "brackets **tensorkiln ms / best peer ms** (the target is <= 0.8). tensorkiln.torch: "
+        "the PyTorch module through tensorkiln.torch.compile, its ratio to the ONNX path's "
+        "engine (above 1: faster).",
         "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
         "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3 (INT8/FP8 "
         f"engines: above {QUANTIZED_BOUND:g}).",
@@ -246,6 +255,8 @@ def _row(row: dict) -> str:
         ratio += f" [{row['tk_over_best']:.2f}]"
     for p, q in (row.get("quantized_ratios") or {}).items():
         ratio += f"; {p.partition('-')[2].upper()} {q:.2f}"
+    if row.get("torch_over_onnx") is not None:
+        ratio += f"; tensorkiln.torch / ONNX {row['torch_over_onnx']:.2f}"
     mem = "-"
     if tk.get("planned_bytes") is not None:
         actual = tk.get("actual_bytes")
