@@ -409,3 +409,13 @@ def test_a_config_given_is_left_as_it_was_for_the_next_compile():
     x, y = _batch(3)
     got, want = fast(x, y, scale=2.0), m(x, y, scale=2.0)
     torch.testing.assert_close(got["logits"], want["logits"].detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_float64_input_is_taken_as_it_is():
+    class Scaled(torch.nn.Module):
+        def forward(self, x, scale):
+            return torch.relu(x) * scale.float()
+
+    fast = tkt.compile(Scaled(), (torch.randn(3, 4), torch.rand(4, dtype=torch.float64)))
+    x, scale = torch.randn(3, 4), torch.rand(4, dtype=torch.float64) + 0.5
+    torch.testing.assert_close(fast(x, scale), Scaled()(x, scale))

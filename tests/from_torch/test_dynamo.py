@@ -165,3 +165,32 @@ def test_unbounded_dynamic_sizes_build_per_shape(monkeypatch):
             torch._dynamo.mark_dynamic(x, 0)  # (no maximum: no profile to build for)
             torch.testing.assert_close(compiled(x), m(x), rtol=1e-5, atol=1e-6)
     assert len(built) == 2  # sizes 4 and 7, the second 4 from the first build
+
+
+class _Anchored(torch.nn.Module):
+    """A plain tensor attribute (neither parameter nor buffer), as torchvision's SSD keeps its
+    anchor sizes: .to(device) leaves such a tensor where it was."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.offsets = torch.randn(8)
+
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * self.offsets.to(x.device) + self.offsets.sum()
+
+
+def test_tensor_attributes_are_frozen_with_the_weights(monkeypatch):
+    torch.manual_seed(np.random.default_rng().integers(1 << 31))
+    m = _Anchored().eval()
+    seen = []
+    real = dynamo.compile_module
+
+    def spy(sub, args, **kw):
+        seen.append(len(args))
+        return real(sub, args, **kw)
+
+    monkeypatch.setattr(dynamo, "compile_module", spy)
+    _check(torch.compile(m, backend="tensorkiln", options={"backend": "cpu"}), m)
+    assert seen and set(seen) == {1}, seen  # x alone: the attribute is among its constants
+    assert tkt.last_report().engines == 1

@@ -133,7 +133,8 @@ def test_fp32_engine_with_fp16_output_casts_it(tmp_path):
         (["fp16", "fp16"], "2 formats for 3 inputs"),
         (["int64"], "must be a float type"),
         (["fp16:hwc"], "layout 'hwc'"),
-        (["fp64"], "unknown type 'fp64'"),
+        (["fp12"], "unknown type 'fp12'"),
+        (["fp64"], "must be a float type .*, not 'double'"),  # (float64 stays as it is)
         (["fp16,"], "empty format"),
     ],
 )
@@ -151,3 +152,4 @@ def test_formats_parse_as_trtexec_writes_them():
         "bf16",
     ]
     assert parse_formats("float16,half,float", "f") == ["fp16", "fp16", "fp32"]
+    assert parse_formats("float64,fp64,double", "f") == ["double"] * 3

@@ -25,7 +25,10 @@ from tensorkiln.ir.dtypes import DType
 from tensorkiln.kernels.evaluate import infer_shapes
 
 FLOAT_TYPES = {"fp32": DType.FLOAT, "fp16": DType.FLOAT16, "bf16": DType.BFLOAT16}
-_SPELLINGS = {"float": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16"}
+_SPELLINGS = {
+    "float": "fp32", "float32": "fp32", "float16": "fp16", "half": "fp16", "float64": "double",
+    "fp64": "double",
+}  # fmt: skip
 LAYOUTS = ("chw", "linear")
 
 
@@ -45,18 +48,19 @@ def parse_formats(text: str, what: str) -> list[str]:
                 "and outputs are row-major ('chw'); layouts inside the engine are the builder's "
                 "choice"
             )
-        if kind not in FLOAT_TYPES and not _integer_or_bool(kind):
+        if kind not in FLOAT_TYPES and not _kept_type(kind):
             raise InputError(
                 f"{what}: unknown type '{kind}' in '{item.strip()}'; give fp32, fp16 or bf16 for "
-                "float tensors, or the tensor's own type (int64, int32, bool...)"
+                "float tensors, or the tensor's own type (int64, int32, bool, float64...)"
             )
         out.append(kind)
     return out
 
 
-def _integer_or_bool(kind: str) -> bool:
+def _kept_type(kind: str) -> bool:
+    """A type an engine input or output keeps as it is (integers, bool, float64...)."""
     dt = DType.__members__.get(kind.upper())
-    return dt is not None and not dt.is_float
+    return dt is not None and dt not in FLOAT_TYPES.values()
 
 
 def set_io_types(graph: Graph, inputs: Sequence[str], outputs: Sequence[str]) -> list[str]:

@@ -152,14 +152,21 @@ def _source_name(node: torch.fx.Node) -> str:
 
 
 def _constant_positions(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> set[int]:
-    """Graph inputs that are the module's parameters and buffers (dynamo passes them as inputs
-    when it inlines nn.Modules)."""
+    """Graph inputs that are the module's state: its parameters, buffers and plain tensor
+    attributes (dynamo passes them as inputs when it inlines nn.Modules). Frozen for inference,
+    as the module's weights are; a tensor attribute kept on the CPU (torchvision's SSD anchors)
+    then travels with the engine instead of reaching it as a CPU input."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     out = set()
     for i, (node, value) in enumerate(zip(placeholders, example_inputs)):
         if not isinstance(value, torch.Tensor):
             continue
-        if isinstance(value, torch.nn.Parameter) or "._buffers[" in _source_name(node):
+        source = _source_name(node)
+        if (
+            isinstance(value, torch.nn.Parameter)
+            or "._buffers[" in source
+            or source.startswith("L['self']")
+        ):
             out.add(i)
     return out
 
