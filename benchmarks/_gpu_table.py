@@ -174,7 +174,9 @@ def markdown(results: dict) -> list[str]:
         for row in m.get("rows", []):
             lines.append(_row(row))
     rows = _rows(results)
-    return [*lines, "", *_notes(rows), *_kernel_lines(rows), *_layer_lines(rows)]
+    return [
+        *lines, "", *_notes(rows), *_kernel_lines(rows), *_choice_lines(rows), *_layer_lines(rows)
+    ]  # fmt: skip
 
 
 def _kernel_lines(rows: list[dict]) -> list[str]:
@@ -194,8 +196,36 @@ def _kernel_lines(rows: list[dict]) -> list[str]:
             for p, k in cells.items()
         )
         out.append(f"- {r['model']} batch {r['batch']}: {per_peer}")
-        for name, ms, n in (cells.get("tensorkiln") or {}).get("top", []):
-            out.append(f"  - tensorkiln {ms:.4f} ms x{n:g}: `{name}`")
+        for peer, k in cells.items():  # (each tensorkiln engine's top kernels)
+            if peer.startswith("tensorkiln"):
+                for name, ms, n in k.get("top", []):
+                    out.append(f"  - {PEER_COLUMNS.get(peer, peer)} {ms:.4f} ms x{n:g}: `{name}`")
+    return out
+
+
+def _choice_lines(rows: list[dict]) -> list[str]:
+    """Per INT8/FP8 engine built choosing per layer: what was timed both ways, and where the
+    quantized form lost by most."""
+    out = []
+    for r in rows:
+        for peer, cell in r["peers"].items():
+            c = cell.get("precision_choice") if isinstance(cell, dict) else None
+            if not isinstance(c, dict):
+                continue
+            if not out:
+                out = [
+                    "",
+                    "## Precision choice (each 8-bit layer timed against its float form)",
+                    "",
+                ]
+            out.append(
+                f"- {r['model']} batch {r['batch']}, {PEER_COLUMNS.get(peer, peer)}: "
+                f"{c['layers']} layers, {c['kept_float']} kept in float; quantized "
+                f"{c['quantized_ms']:.3f} ms (of which QuantizeLinear {c['quantize_ms']:.3f}) "
+                f"against {c['float_ms']:.3f} ms in float"
+            )
+            for name, q, quant, f in c["worst"]:
+                out.append(f"  - `{name}`: {q:.4f} ms quantized ({quant:.4f} Q), {f:.4f} float")
     return out
 
 

@@ -87,7 +87,9 @@ def make_feeds(name: str, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     return token_feeds(batch, SEQ, 30522 if name == "bert" else 50257)
 
 
-def build(path: Path, precision: str, cache: Path) -> tuple[tensorkiln.Engine, float, dict]:
+def build(
+    path: Path, precision: str, cache: Path
+) -> tuple[tensorkiln.Engine, float, tensorkiln.builder.BuildReport]:
     return common.build(path, precision, cache, DEVICE)
 
 
@@ -172,11 +174,13 @@ def bench_model(name: str, folder: Path, cache: Path, large: int, log) -> dict:
     dev = to_dev(feeds)
     engines = {}
     for precision in ("fp32", "fp16"):
-        engine, secs, tc = build(path, precision, cache)
+        engine, secs, report = build(path, precision, cache)
+        tc = report.timing_cache
         res[f"build_{precision}_s"] = secs
         res[f"build_{precision}_cache"] = tc
         if name == "resnet50" and precision == "fp32":
-            _, warm, tc2 = build(path, precision, cache)
+            _, warm, report2 = build(path, precision, cache)
+            tc2 = report2.timing_cache
             res["build_fp32_warm_s"], res["build_fp32_warm_cache"] = warm, tc2
         ctx = engine.create_execution_context()
         got = ctx.infer(feeds)

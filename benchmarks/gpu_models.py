@@ -273,9 +273,10 @@ def tensorkiln_peer(
         calib = [
             {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in dev.items()}
         ]
-    engine, secs, tc = common.build(
+    engine, secs, report = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
     )
+    tc = report.timing_cache
     ctx = engine.create_execution_context(use_cuda_graph=True)
     KEEP.append(ctx)
     names = [o.name for o in engine.outputs]
@@ -290,6 +291,8 @@ def tensorkiln_peer(
     )[1]
     cell["precision"] = precision
     cell["tactics"] = tactic_summary(engine.layers)
+    if report.precision_choice:
+        cell["precision_choice"] = choice_summary(report.precision_choice)
     batch = next(iter(dev.values())).shape[0]
     cell["value"] = (
         throughput(lambda: ctx.infer(dev), batch) if large else latency_ms(lambda: ctx.infer(dev))
@@ -328,6 +331,23 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
             }
         )
     return {"ms_per_run": sum(r["total_ms"] for r in rows) / runs, "top": slowest}
+
+
+def choice_summary(choice: dict, top: int = 6) -> dict:
+    """An INT8/FP8 build's per-layer precision choice in brief: how many layers were timed both
+    ways and kept in each, the summed milliseconds each way, and the layers where the quantized
+    form lost by most (quantized ms with its own QuantizeLinear's, float ms)."""
+    worst = sorted(choice.items(), key=lambda kv: kv[1]["float_ms"] - kv[1]["quantized_ms"])
+    return {
+        "layers": len(choice),
+        "kept_float": sum(c["kept"] == "float" for c in choice.values()),
+        "quantized_ms": sum(c["quantized_ms"] for c in choice.values()),
+        "quantize_ms": sum(c["quantize_ms"] for c in choice.values()),
+        "float_ms": sum(c["float_ms"] for c in choice.values()),
+        "worst": [
+            [name, c["quantized_ms"], c["quantize_ms"], c["float_ms"]] for name, c in worst[:top]
+        ],
+    }
 
 
 def tactic_summary(layers: list) -> dict:

@@ -339,14 +339,25 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
     onnx.save(model, path)
     batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
     seen = []
-    monkeypatch.setattr(builder_module, "_slower_quantized", lambda layers, *a: seen.append(
-        sorted(x["name"] for x in layers if x["op"].endswith(("QConvAct", "QGemmAct")))) or {"conv2"})  # fmt: skip
-    engine = Builder("cuda", device="cpu").build(path, _choice_config("int8", iter(batches)))
+
+    def choice(layers, *a):
+        names = sorted(x["name"] for x in layers if x["op"].endswith(("QConvAct", "QGemmAct")))
+        seen.append(names)
+        return {
+            n: {"quantized_ms": 1.0, "quantize_ms": 0.0, "float_ms": 0.5 if n == "conv2" else 2.0,
+                "kept": "float" if n == "conv2" else "quantized"}
+            for n in names
+        }  # fmt: skip
+
+    monkeypatch.setattr(builder_module, "_precision_choice", choice)
+    builder = Builder("cuda", device="cpu")
+    engine = builder.build(path, _choice_config("int8", iter(batches)))
     assert seen == [["conv1", "conv2", "fc"]]  # (compared once, on the fully quantized build)
     ops = {n.name: (n.op, n.precision) for n in engine.graph.nodes if n.name in DATA_INPUT}
     assert ops["conv2"] == ("ConvAct", "fp16"), ops
     assert ops["conv1"][0] == "QConvAct" and ops["fc"][0] == "QGemmAct", ops
     assert any("1 layers kept in fp16" in n and "conv2" in n for n in engine.build["notes"])
+    assert "3 layers timed both ways" in builder.last_report.summary()
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})
@@ -356,7 +367,7 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
 def test_the_precision_choice_compares_each_layer_with_its_float_form(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """_slower_quantized: a quantized layer whose chosen tactic measured no faster than the
+    """_precision_choice: a quantized layer whose chosen tactic measured no faster than the
     float engine's same-named layer is named; faster ones, layers with no measurement, and
     other ops are not."""
     from tensorkiln.builder import builder as builder_module
@@ -381,8 +392,11 @@ def test_the_precision_choice_compares_each_layer_with_its_float_form(
         return "fp16"
 
     monkeypatch.setattr(builder_module, "_lower", lower)
-    slower = builder_module._slower_quantized(quantized, None, None, None, None, None)
-    assert slower == {"a", "d"}
+    choice = builder_module._precision_choice(quantized, None, None, None, None, None)
+    assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a", "d"}
+    assert set(choice) == {"a", "b", "d"}  # (c was not measured quantized: not compared)
+    assert choice["b"] == {"quantized_ms": 0.5, "quantize_ms": 0.0, "float_ms": 1.0,
+                           "kept": "quantized"}  # fmt: skip
 
 
 def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer(monkeypatch) -> None:
@@ -412,7 +426,9 @@ def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer(monke
         return "fp16"
 
     monkeypatch.setattr(builder_module, "_lower", lower)
-    assert builder_module._slower_quantized(quantized, None, None, None, None, None) == {"a"}
+    choice = builder_module._precision_choice(quantized, None, None, None, None, None)
+    assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a"}
+    assert choice["a"]["quantize_ms"] == 0.6 and choice["b"]["quantize_ms"] == 0.0
 
 
 def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) -> None:

@@ -54,6 +54,9 @@ class BuildReport:
     memory: dict = field(default_factory=dict)
     timing_cache: dict = field(default_factory=dict)  # hits and misses of the tactic timing cache
     notes: list[str] = field(default_factory=list)  # what the user may want to know or change
+    # INT8/FP8 builds choosing per layer: layer -> its measured ms quantized (with the
+    # QuantizeLinear feeding it alone), in float, and the precision kept
+    precision_choice: dict[str, dict] = field(default_factory=dict)
 
     def summary(self) -> str:
         lines = [f"layers: {len(self.layers)} (from {self.nodes_before} nodes)"]
@@ -67,6 +70,15 @@ class BuildReport:
             lines.append(f"tuning kept the default kernel of {len(kept)} layers:")
             lines += [f"  {x['name']}: {x['fallback']}" for x in kept]
         lines += [f"note: {n}" for n in self.notes]
+        if self.precision_choice:
+            q = sum(c["quantized_ms"] for c in self.precision_choice.values())
+            f = sum(c["float_ms"] for c in self.precision_choice.values())
+            kept = sum(c["kept"] == "float" for c in self.precision_choice.values())
+            lines.append(
+                f"precision choice: {len(self.precision_choice)} layers timed both ways, "
+                f"{q:.3f} ms quantized (with their own QuantizeLinear) against {f:.3f} ms in "
+                f"float; {kept} kept in float"
+            )
         if self.memory:
             lines.append(
                 f"activation memory: planned peak {self.memory['peak_bytes']:,} bytes, naive sum "
@@ -139,9 +151,10 @@ class Builder:
             precision = _lower(graph, config, backend, policy, report, bar, cache)
             if float_graph is not None and report.layers:
                 with _phase(report, "precision choice", bar):
-                    slower = _slower_quantized(
+                    report.precision_choice = _precision_choice(
                         report.layers, _copy_graph(float_graph), config, backend, policy, cache
                     )
+                slower = {n for n, c in report.precision_choice.items() if c["kept"] == "float"}
                 if slower:  # quantize again without them, the same ranges, tactics from cache
                     graph = float_graph
                     report.notes = before  # (the first pass's notes were of the other graph)
@@ -462,26 +475,36 @@ def _layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _slower_quantized(
+def _precision_choice(
     layers: list[dict],
     float_graph: Graph,
     config: BuilderConfig,
     backend: Backend,
     policy: PrecisionPolicy,
     cache: TimingCache,
-) -> set[str]:
-    """The quantized layers whose measured time is no better than the same layer's in the
-    float engine (``float_graph``, lowered and tuned here). A quantized layer's time includes
-    the QuantizeLinear that exists only to feed it (kept in float, the layer would not need
-    it); a QuantizeLinear shared by several layers, or not measured, is not counted."""
+) -> dict[str, dict]:
+    """Each quantized layer's measured time against the same layer's in the float engine
+    (``float_graph``, lowered and tuned here), and which to keep: float where the quantized
+    layer is no faster. A quantized layer's time includes the QuantizeLinear that exists only
+    to feed it (kept in float, the layer would not need it); a QuantizeLinear shared by several
+    layers, or not measured, is not counted."""
     quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
-    for name, ms in _own_quantize_ms(layers).items():
-        if name in quantized:
-            quantized[name] += ms
+    own = _own_quantize_ms(layers)
     scratch = BuildReport()
     _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
     floats = _layer_ms(scratch.layers, _FLOAT_LAYERS)
-    return {n for n, ms in quantized.items() if n in floats and ms >= floats[n]}
+    out = {}
+    for name, ms in quantized.items():
+        if name not in floats:
+            continue
+        q = ms + own.get(name, 0.0)
+        out[name] = {
+            "quantized_ms": q,
+            "quantize_ms": own.get(name, 0.0),
+            "float_ms": floats[name],
+            "kept": "float" if q >= floats[name] else "quantized",
+        }
+    return out
 
 
 def _own_quantize_ms(layers: list[dict]) -> dict[str, float]:
