@@ -1,0 +1,266 @@
+"""A model version being served: its engine, its completed configuration, a pool of execution
+contexts (the config's instance_group count), and the checks every request passes before it
+reaches the engine.
+
+An ``model.onnx`` version is built when loaded (with a profile spanning batch 1 to
+max_batch_size where the model has a batch dimension) and the engine is kept in an engine cache
+folder. The folder is keyed by the ONNX file's hash, the backend and the tensorkiln version, so
+the next start loads the engine instead of building it. A cached engine is read like any engine
+file, with the same checks. The server never writes into the model repository.
+
+The configuration is completed from the engine as Triton completes a TensorRT model's. Inputs
+and outputs left out are filled from the engine. Those given are checked against it: the same
+names, data types and dims, with the batch dimension left out when max_batch_size > 0.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import queue
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from tensorkiln import __version__
+from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
+from tensorkiln.engine import Engine
+from tensorkiln.engine.engine import TensorSpec
+from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
+from tensorkiln.serve import protocol
+from tensorkiln.serve.repository import ModelEntry, ModelVersion
+
+# the engine's type names (tensorkiln.ir.dtypes.DType) -> the protocol's datatypes
+DATATYPES = {
+    "BOOL": "BOOL", "UINT8": "UINT8", "UINT16": "UINT16", "UINT32": "UINT32", "UINT64": "UINT64",
+    "INT8": "INT8", "INT16": "INT16", "INT32": "INT32", "INT64": "INT64", "FLOAT16": "FP16",
+    "FLOAT": "FP32", "DOUBLE": "FP64", "BFLOAT16": "BF16", "STRING": "BYTES",
+}  # fmt: skip
+_CHUNK = 1 << 20
+
+
+class ServedModel:
+    """One version of a repository model, loaded: :meth:`infer` runs checked requests."""
+
+    def __init__(self, entry: ModelEntry, version: ModelVersion, engine: Engine) -> None:
+        self.name = entry.name
+        self.version = version.version
+        self.engine = engine
+        self.config = entry.config
+        self.max_batch_size = entry.max_batch_size
+        complete_config(self.config, engine, f"model '{self.name}' version {self.version}")
+        count = sum(g.count or 1 for g in self.config.instance_group) or 1
+        self._contexts: queue.Queue = queue.Queue()
+        for _ in range(count):
+            self._contexts.put(engine.create_execution_context())
+        self.instances = count
+        self.inputs = {t.name: _tensor_info(t) for t in self.config.input}
+        self.outputs = {t.name: _tensor_info(t) for t in self.config.output}
+
+    @classmethod
+    def load(
+        cls,
+        entry: ModelEntry,
+        version: ModelVersion,
+        *,
+        backend: str = "reference",
+        cache_dir: str | Path | None = None,
+    ) -> ServedModel:
+        """Load ``version`` of ``entry``: its engine file, or its ONNX model built (or taken
+        from ``cache_dir``, where the build is kept)."""
+        where = f"model '{entry.name}' version {version.version}"
+        try:
+            if version.kind == "engine":
+                engine = Engine.load(version.path)
+            else:
+                engine = _built(entry, version, backend, cache_dir)
+        except TensorkilnError as exc:
+            raise ModelLoadError(f"{where}: {exc}") from None
+        return cls(entry, version, engine)
+
+    # ------------------------------------------------------------------ description
+    def metadata(self) -> dict[str, Any]:
+        """The protocol's model metadata (name, versions, platform, inputs and outputs)."""
+
+        def tensors(infos: Mapping[str, tuple]) -> list[dict]:
+            return [
+                {"name": n, "datatype": dt, "shape": self._full_shape(dims)}
+                for n, (dt, dims) in infos.items()
+            ]
+
+        return {
+            "name": self.name,
+            "versions": [str(self.version)],
+            "platform": self.config.platform or "tensorkiln_engine",
+            "inputs": tensors(self.inputs),
+            "outputs": tensors(self.outputs),
+        }
+
+    def _full_shape(self, dims: tuple[int, ...]) -> list[int]:
+        return ([-1] if self.max_batch_size > 0 else []) + list(dims)
+
+    # ------------------------------------------------------------------ requests
+    def check(self, feeds: Mapping[str, np.ndarray]) -> int:
+        """Refuse, with an :class:`InputError` naming the problem, a request the engine must
+        not see: unknown or missing inputs, another data type, a shape the config does not
+        allow, a batch over max_batch_size or batches that differ. Returns the batch size (1
+        for a model without a batch dimension)."""
+        unknown = sorted(set(feeds) - set(self.inputs))
+        if unknown:
+            raise InputError(
+                f"model '{self.name}' has no input {', '.join(map(repr, unknown))}; its inputs "
+                f"are {', '.join(map(repr, self.inputs))}"
+            )
+        missing = [n for n in self.inputs if n not in feeds]
+        if missing:
+            raise InputError(
+                f"model '{self.name}': the request lacks input {', '.join(map(repr, missing))}"
+            )
+        batch = None
+        for name, (datatype, dims) in self.inputs.items():
+            x = feeds[name]
+            if protocol.datatype_of(x.dtype) != datatype:
+                got = protocol.datatype_of(x.dtype) or str(x.dtype)
+                raise InputError(
+                    f"model '{self.name}': input '{name}' is {datatype}, the request gives {got}"
+                )
+            shape = tuple(x.shape)
+            if self.max_batch_size > 0:
+                if not shape:
+                    raise InputError(
+                        f"model '{self.name}': input '{name}' needs a batch dimension first"
+                    )
+                n, shape = shape[0], shape[1:]
+                if not 1 <= n <= self.max_batch_size:
+                    raise InputError(
+                        f"model '{self.name}': input '{name}' has a batch of {n}; the model "
+                        f"takes 1 to {self.max_batch_size}"
+                    )
+                if batch is not None and n != batch:
+                    raise InputError(
+                        f"model '{self.name}': inputs have batches of {batch} and {n}; they "
+                        "must agree"
+                    )
+                batch = n
+            if len(shape) != len(dims) or any(d not in (-1, s) for d, s in zip(dims, shape)):
+                raise InputError(
+                    f"model '{self.name}': input '{name}' has shape {list(x.shape)}; the model "
+                    f"takes {self._full_shape(dims)} (-1: any size)"
+                )
+        return batch or 1
+
+    def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run checked ``feeds`` on a free execution context (waits for one)."""
+        ctx = self._contexts.get()
+        try:
+            out = ctx.infer(dict(feeds))
+        finally:
+            self._contexts.put(ctx)
+        return {n: np.asarray(out[n]) for n in self.outputs}
+
+
+def _tensor_info(t: Any) -> tuple[str, tuple[int, ...]]:
+    return protocol.config_type_name(t.data_type), tuple(int(d) for d in t.dims)
+
+
+def complete_config(config: Any, engine: Engine, where: str) -> None:
+    """Fill the inputs and outputs ``config`` leaves out from ``engine``; check those it gives."""
+    batched = config.max_batch_size > 0
+    for kind, specs, listed in (
+        ("input", engine.inputs, config.input),
+        ("output", engine.outputs, config.output),
+    ):
+        by_name = {s.name: s for s in specs}
+        if not listed:
+            for s in specs:
+                datatype, dims = _from_spec(s, batched, where)
+                listed.add(name=s.name, data_type=protocol.config_type(datatype), dims=dims)
+            continue
+        for t in listed:
+            s = by_name.get(t.name)
+            if s is None:
+                raise ModelLoadError(
+                    f"{where}: the config's {kind} '{t.name}' is not the engine's; its {kind}s "
+                    f"are {', '.join(map(repr, by_name))}"
+                )
+            datatype, dims = _from_spec(s, batched, where)
+            given = protocol.config_type_name(t.data_type)
+            if given != datatype:
+                raise ModelLoadError(
+                    f"{where}: {kind} '{t.name}' is {given} in the config and {datatype} in "
+                    "the engine"
+                )
+            if len(t.dims) != len(dims) or any(
+                a != b and -1 not in (a, b) for a, b in zip(t.dims, dims)
+            ):
+                raise ModelLoadError(
+                    f"{where}: {kind} '{t.name}' has dims {list(t.dims)} in the config and "
+                    f"{dims} in the engine" + (" (batch dimension left out)" if batched else "")
+                )
+        if kind == "input" and len(listed) != len(specs):
+            absent = [s.name for s in specs if s.name not in {t.name for t in listed}]
+            raise ModelLoadError(f"{where}: the config lacks the engine's inputs {absent}")
+
+
+def _from_spec(s: TensorSpec, batched: bool, where: str) -> tuple[str, list[int]]:
+    datatype = DATATYPES.get(s.dtype or "")
+    if datatype is None:
+        raise ModelLoadError(f"{where}: tensor '{s.name}' has type {s.dtype}, not servable")
+    if s.shape is None:
+        raise ModelLoadError(f"{where}: tensor '{s.name}' has no known rank")
+    dims = [d if isinstance(d, int) else -1 for d in s.shape]
+    if batched:
+        if not dims:
+            raise ModelLoadError(
+                f"{where}: max_batch_size > 0, but tensor '{s.name}' has no batch dimension"
+            )
+        dims = dims[1:]
+    return datatype, dims
+
+
+def _built(entry: ModelEntry, version: ModelVersion, backend: str, cache_dir: Any) -> Engine:
+    """``version``'s ONNX model as an engine: from the cache where it was built before."""
+    digest = hashlib.sha256()
+    with open(version.path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    key = f"{digest.hexdigest()[:32]}-{backend}-mb{entry.max_batch_size}-{__version__}"
+    cached = Path(cache_dir) / f"{entry.name}-{version.version}-{key}.engine" if cache_dir else None
+    if cached is not None and cached.is_file():
+        return Engine.load(cached)
+    config = BuilderConfig()
+    if entry.max_batch_size > 0:
+        profile = _batch_profile(version.path, entry.max_batch_size)
+        if profile is not None:
+            config.add_optimization_profile(profile)
+    engine = Builder(backend).build(str(version.path), config, progress=False)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".tmp{os.getpid()}")
+        engine.save(tmp)
+        os.replace(tmp, cached)  # (whole or absent: never a half-written engine)
+    return engine
+
+
+def _batch_profile(path: Path, max_batch: int) -> OptimizationProfile | None:
+    """A profile spanning batch 1 to ``max_batch`` over every input whose first dimension is
+    dynamic and whose other dimensions are fixed (None: no such input)."""
+    model = onnx.load(str(path), load_external_data=False)
+    inits = {i.name for i in model.graph.initializer}
+    profile = OptimizationProfile()
+    any_set = False
+    for v in model.graph.input:
+        if v.name in inits:
+            continue
+        dims = v.type.tensor_type.shape.dim
+        if not dims or dims[0].HasField("dim_value"):
+            continue
+        rest = [d.dim_value for d in dims[1:]]
+        if any(not d.HasField("dim_value") for d in dims[1:]):
+            return None
+        profile.set_shape(v.name, (1, *rest), (max_batch, *rest), (max_batch, *rest))
+        any_set = True
+    return profile if any_set else None
