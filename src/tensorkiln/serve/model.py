@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import onnx
 
-from tensorkiln import __version__
+from tensorkiln.version import __version__
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.engine.engine import TensorSpec
