@@ -25,13 +25,13 @@ from typing import Any
 import numpy as np
 import onnx
 
-from tensorkiln.version import __version__
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.engine.engine import TensorSpec
 from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
 from tensorkiln.serve import protocol
 from tensorkiln.serve.repository import ModelEntry, ModelVersion
+from tensorkiln.version import __version__
 
 # the engine's type names (tensorkiln.ir.dtypes.DType) -> the protocol's datatypes
 DATATYPES = {
