@@ -1,0 +1,192 @@
+"""Dynamic batching, as Triton's dynamic_batching does it: concurrent requests to one model are
+gathered into one engine run, and the results are split back to each request.
+
+One scheduler waits for a free instance (execution context), then takes the oldest waiting
+request. It gathers more, in arrival order, until the batch reaches the largest preferred batch
+size (max_batch_size when none is given) or the queue delay has passed since the first request.
+The batch runs in a thread, off the event loop, and each request gets the rows of the results that
+are its own. While every instance is busy, requests gather, so batches grow with the load. Only requests whose inputs have the same
+non-batch shapes go into one batch; a request that differs waits for a later batch, in order.
+Requests never see each other's rows. A failing run fails only the requests in that batch, with
+its error, and the worker goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class _Request:
+    feeds: Mapping[str, np.ndarray]
+    batch: int
+    future: asyncio.Future
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def key(self) -> tuple:
+        return tuple((n, x.dtype.str, x.shape[1:]) for n, x in sorted(self.feeds.items()))
+
+
+@dataclass
+class BatchStats:
+    """What the batcher has run: one entry per engine run."""
+
+    sizes: list[int] = field(default_factory=list)  # rows per run
+    requests: list[int] = field(default_factory=list)  # requests per run
+    queue_s: list[float] = field(default_factory=list)  # per request: arrival to its run
+    compute_s: list[float] = field(default_factory=list)  # per run
+
+
+class DynamicBatcher:
+    """Gathers requests for ``run`` (feeds with a batch dimension -> outputs with it) into
+    batches of at most ``max_batch`` rows, waiting at most ``max_delay_s`` for more, with
+    ``workers`` runs at a time. Start it inside a running event loop with :meth:`start`."""
+
+    def __init__(
+        self,
+        run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+        *,
+        max_batch: int,
+        max_delay_s: float = 0.0,
+        preferred: tuple[int, ...] = (),
+        workers: int = 1,
+        on_batch: Callable[[int, int, float], None] | None = None,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be 1 or more, got {max_batch}")
+        self._run = run
+        self.max_batch = max_batch
+        self.max_delay_s = max(0.0, max_delay_s)
+        self.preferred = tuple(sorted(p for p in preferred if 0 < p <= max_batch))
+        self.workers = max(1, workers)
+        self.stats = BatchStats()
+        self._on_batch = on_batch
+        self._waiting: deque[_Request] = deque()
+        self._arrived: asyncio.Event | None = None
+        self._free: asyncio.Semaphore | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._running: set[asyncio.Task] = set()
+        self._closed = False
+
+    def start(self) -> None:
+        """Start the scheduler on the running event loop."""
+        self._arrived = asyncio.Event()
+        self._free = asyncio.Semaphore(self.workers)
+        self._tasks = [asyncio.create_task(self._schedule())]
+
+    async def submit(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
+        """Queue one request of ``batch`` rows (checked already); its results, when run."""
+        if self._closed or self._arrived is None:
+            raise RuntimeError("the batcher is not running")
+        if not 1 <= batch <= self.max_batch:
+            raise ValueError(f"a request of {batch} rows; the batcher takes 1 to {self.max_batch}")
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Request(feeds, batch, future))
+        self._arrived.set()
+        return await future
+
+    async def close(self) -> None:
+        """Finish what is queued and running, then stop the scheduler."""
+        self._closed = True
+        while self._waiting or self._running:
+            await asyncio.sleep(0.001)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------------ workers
+    def _target(self, rows: int) -> int:
+        """The batch size to gather up to: the largest preferred size reachable, else the
+        largest allowed."""
+        for p in reversed(self.preferred):
+            if p >= rows:
+                return p if p <= self.max_batch else self.max_batch
+        return self.max_batch
+
+    def _take(self, first: _Request) -> list[_Request]:
+        """``first`` and the waiting requests that fit beside it, in arrival order."""
+        chosen, rows, key = [first], first.batch, first.key()
+        target = self._target(rows)
+        kept: deque[_Request] = deque()
+        while self._waiting:
+            r = self._waiting.popleft()
+            if rows + r.batch <= target and r.key() == key and not r.future.cancelled():
+                chosen.append(r)
+                rows += r.batch
+            else:
+                kept.append(r)
+        kept.extend(self._waiting)
+        self._waiting = kept
+        return chosen
+
+    async def _schedule(self) -> None:
+        """One scheduler: wait for a free instance, form a batch, run it on that instance.
+        While every instance is busy, requests gather, so batches grow with the load."""
+        assert self._arrived is not None and self._free is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._free.acquire()
+            while not self._waiting:
+                self._arrived.clear()
+                await self._arrived.wait()
+            first = self._waiting.popleft()
+            if first.future.cancelled():
+                self._free.release()
+                continue
+            deadline = first.arrived + self.max_delay_s
+            target = self._target(first.batch)
+            # wait for more until the batch is full or the delay has passed
+            while self.max_delay_s > 0:
+                rows = first.batch + sum(r.batch for r in self._waiting if r.key() == first.key())
+                left = deadline - time.perf_counter()
+                if rows >= target or left <= 0:
+                    break
+                self._arrived.clear()
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), timeout=left)
+                except TimeoutError:
+                    break
+            batch = self._take(first)
+            task = asyncio.create_task(self._execute(loop, batch))
+            self._running.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        assert self._free is not None
+        self._free.release()
+
+    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
+        start = time.perf_counter()
+        names = list(batch[0].feeds)
+        if len(batch) == 1:
+            feeds = dict(batch[0].feeds)
+        else:
+            feeds = {n: np.concatenate([r.feeds[n] for r in batch], axis=0) for n in names}
+        try:
+            out = await loop.run_in_executor(None, self._run, feeds)
+        except Exception as exc:  # the batch's requests fail; the worker goes on
+            for r in batch:
+                if not r.future.done():
+                    r.future.set_exception(exc)
+            return
+        compute = time.perf_counter() - start
+        rows = sum(r.batch for r in batch)
+        self.stats.sizes.append(rows)
+        self.stats.requests.append(len(batch))
+        self.stats.compute_s.append(compute)
+        self.stats.queue_s.extend(start - r.arrived for r in batch)
+        if self._on_batch is not None:
+            self._on_batch(rows, len(batch), compute)
+        offset = 0
+        for r in batch:
+            mine = {n: np.ascontiguousarray(v[offset : offset + r.batch]) for n, v in out.items()}
+            offset += r.batch
+            if not r.future.done():
+                r.future.set_result(mine)

@@ -1,0 +1,128 @@
+"""Dynamic batching: concurrent requests gathered into engine runs and split back, every request
+getting exactly its own rows, checked against running each request alone."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from tensorkiln.serve import ModelRepository
+from tensorkiln.serve.batcher import DynamicBatcher
+from tensorkiln.serve.model import ServedModel
+from tests.serve.test_repository import _model
+
+
+def _run_all(batcher: DynamicBatcher, requests: list[dict], delays: list[float] | None = None):
+    async def main():
+        batcher.start()
+
+        async def one(i, feeds):
+            if delays:
+                await asyncio.sleep(delays[i])
+            n = next(iter(feeds.values())).shape[0]
+            return await batcher.submit(feeds, n)
+
+        try:
+            return await asyncio.gather(
+                *(one(i, f) for i, f in enumerate(requests)), return_exceptions=True
+            )
+        finally:
+            await batcher.close()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
+    _model(tmp_path)
+    entry = ModelRepository(tmp_path).read("digits")
+    served = ServedModel.load(entry, entry.versions[0])
+    rng = np.random.default_rng()
+    requests = [
+        {"input": rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)}
+        for _ in range(40)
+    ]
+    batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2)
+    results = _run_all(batcher, requests)
+    for feeds, got in zip(requests, results):
+        want = served.infer(feeds)["logits"]  # the same request, alone
+        np.testing.assert_allclose(
+            got["logits"], want, rtol=1e-5, atol=1e-5
+        )  # (BLAS blocks by batch size)
+    assert sum(batcher.stats.requests) == 40
+    assert max(batcher.stats.requests) > 1 and max(batcher.stats.sizes) <= 16
+    assert sum(batcher.stats.sizes) == sum(r["input"].shape[0] for r in requests)
+
+
+def _rows(feeds):
+    """An oracle run: each output row names its input row (its sum), so mixing shows."""
+    x = feeds["x"]
+    return {"y": x.reshape(x.shape[0], -1).sum(axis=1, keepdims=True) * 2.0}
+
+
+def test_requests_of_other_shapes_are_never_mixed():
+    rng = np.random.default_rng()
+    seen = []
+
+    def run(feeds):
+        seen.append(feeds["x"].shape)
+        return _rows(feeds)
+
+    requests = [
+        {"x": rng.standard_normal((1, 3 if i % 2 else 5)).astype(np.float32)} for i in range(12)
+    ]
+    results = _run_all(DynamicBatcher(run, max_batch=8, max_delay_s=0.05), requests)
+    for feeds, got in zip(requests, results):
+        np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
+    assert all(len(s) == 2 for s in seen) and {s[1] for s in seen} == {3, 5}
+    assert max(s[0] for s in seen) > 1  # (still batched, each shape with its own kind)
+
+
+def test_preferred_batch_sizes_shape_the_runs():
+    rng = np.random.default_rng()
+    seen = []
+
+    def run(feeds):
+        seen.append(feeds["x"].shape[0])
+        return _rows(feeds)
+
+    # nine requests queued before the one instance is free: runs of the preferred 4, then the rest
+    requests = [{"x": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(9)]
+    batcher = DynamicBatcher(run, max_batch=16, max_delay_s=0.0, preferred=(4,))
+    results = _run_all(batcher, requests)
+    for feeds, got in zip(requests, results):
+        np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
+    assert seen == [4, 4, 1], seen
+
+
+def test_a_failing_run_fails_only_its_own_requests():
+    rng = np.random.default_rng()
+
+    def run(feeds):
+        if np.isnan(feeds["x"]).any():
+            raise RuntimeError("the engine refused a NaN")
+        return _rows(feeds)
+
+    requests = [{"x": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(6)]
+    requests[0]["x"][0, 0] = np.nan
+    delays = [0.0] + [0.1] * 5  # (the bad one alone in the first run)
+    results = _run_all(DynamicBatcher(run, max_batch=8, max_delay_s=0.02), requests, delays)
+    assert isinstance(results[0], RuntimeError) and "NaN" in str(results[0])
+    for feeds, got in zip(requests[1:], results[1:]):
+        np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
+
+
+def test_bad_uses_are_refused():
+    with pytest.raises(ValueError, match="max_batch must be 1 or more"):
+        DynamicBatcher(_rows, max_batch=0)
+    batcher = DynamicBatcher(_rows, max_batch=2)
+    x = np.ones((3, 4), np.float32)
+    results = _run_all(batcher, [{"x": x}])
+    assert isinstance(results[0], ValueError) and "1 to 2" in str(results[0])
+
+    async def after_close():
+        return await batcher.submit({"x": x[:1]}, 1)
+
+    with pytest.raises(RuntimeError, match="not running"):
+        asyncio.run(after_close())
