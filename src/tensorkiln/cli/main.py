@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorkiln.backends import NAMES as BACKEND_NAMES
-from tensorkiln.cli import build, compare, debug, inspect, run, trtexec
+from tensorkiln.cli import build, compare, debug, inspect, run, serve, trtexec
 from tensorkiln.cli.common import (
     ArgumentParser,
     add_common,
@@ -38,6 +38,7 @@ EPILOG = """examples:
   tensorkiln trtexec --onnx=model.onnx --saveEngine=model.engine --shapes=input:8x3x224x224
   tensorkiln debug precision model.onnx --int8 --calib-data calib/ --rel-l2 0.02
   tensorkiln ops --domain ai.onnx.ml
+  tensorkiln serve --model-repository models/
 
 Run `tensorkiln COMMAND --help` for each command's options.
 """
@@ -59,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     compare.add_parser(sub)
     trtexec.add_parser(sub)
     debug.add_parser(sub)
+    serve.add_parser(sub)
     _add_ops(sub)
     return p
 

@@ -1,0 +1,207 @@
+"""The server's state, apart from any protocol: the repository, the loaded models and their
+batchers, and inference on them. The HTTP and gRPC front ends translate to and from this.
+
+Errors a client causes are :class:`ServeError` with the HTTP status to answer with (400 for a bad
+request, 404 for an unknown model, 503 for a model that is not ready). Nothing a request holds
+reaches an engine before the model's checks pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.serve.batcher import DynamicBatcher
+from tensorkiln.serve.model import ServedModel
+from tensorkiln.serve.repository import ModelRepository
+from tensorkiln.version import __version__
+
+log = logging.getLogger("tensorkiln.serve")
+
+SERVER_NAME = "tensorkiln"
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+
+
+class ServeError(TensorkilnError):
+    """An error to answer a request with: ``status`` is the HTTP status."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class _Loaded:
+    versions: dict[int, ServedModel]
+    batchers: dict[int, DynamicBatcher | None] = field(default_factory=dict)
+
+
+class ServerCore:
+    """Models of a repository, loaded, and inference on them. ``backend``: the engines'
+    backend for ONNX models built on load; ``cache_dir``: where those builds are kept."""
+
+    def __init__(
+        self, repository: str | Path, *, backend: str = "reference", cache_dir: Any = None
+    ) -> None:
+        self.repository = ModelRepository(repository)
+        self.backend = backend
+        self.cache_dir = cache_dir
+        self.models: dict[str, _Loaded] = {}
+        self.failed: dict[str, str] = {}  # model -> why it could not load
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ model control
+    def _read(self, name: str) -> dict[int, ServedModel]:
+        """``name``'s served versions, loaded (engines read or built: slow, off the loop)."""
+        try:
+            entry = self.repository.read(name)
+            return {
+                v.version: ServedModel.load(
+                    entry, v, backend=self.backend, cache_dir=self.cache_dir
+                )
+                for v in entry.versions
+            }
+        except TensorkilnError as exc:
+            with self._lock:
+                self.failed[name] = str(exc)
+                self.models.pop(name, None)
+            log.error("model '%s' failed to load: %s", name, exc)
+            raise ServeError(str(exc), 400) from None
+
+    async def load(self, name: str) -> None:
+        """(Re)load ``name``'s served versions; their batchers start on the running loop, and
+        a version loaded before keeps serving until the new one is in place."""
+        loop = asyncio.get_running_loop()
+        versions = await loop.run_in_executor(None, self._read, name)
+        loaded = _Loaded(versions, {v: _batcher(m) for v, m in versions.items()})
+        with self._lock:
+            old = self.models.get(name)
+            self.models[name] = loaded
+            self.failed.pop(name, None)
+        if old is not None:
+            await _close(old)
+        log.info("model '%s' loaded: versions %s", name, sorted(versions))
+
+    async def unload(self, name: str) -> None:
+        with self._lock:
+            old = self.models.pop(name, None)
+        if old is None:
+            raise ServeError(f"model '{name}' is not loaded", 400)
+        await _close(old)
+
+    async def load_all(self) -> None:
+        """Every model of the repository (a model that fails is recorded, not fatal)."""
+        for name in self.repository.names():
+            with contextlib.suppress(ServeError):  # (recorded in self.failed)
+                await self.load(name)
+
+    async def close(self) -> None:
+        """Drain every batcher (requests in flight finish)."""
+        with self._lock:
+            loaded = list(self.models.values())
+        for m in loaded:
+            await _close(m)
+
+    # ------------------------------------------------------------------ lookup
+    def model(self, name: str, version: str | None = None) -> ServedModel:
+        with self._lock:
+            loaded = self.models.get(name)
+        if loaded is None:
+            why = self.failed.get(name)
+            if why is not None:
+                raise ServeError(f"model '{name}' is not ready: {why}", 503)
+            raise ServeError(f"unknown model '{name}'", 404)
+        v = _version(name, version, loaded)
+        return loaded.versions[v]
+
+    def batcher(self, name: str, version: int) -> DynamicBatcher | None:
+        with self._lock:
+            loaded = self.models.get(name)
+        return None if loaded is None else loaded.batchers.get(version)
+
+    def ready(self, name: str, version: str | None = None) -> bool:
+        try:
+            self.model(name, version)
+        except ServeError:
+            return False
+        return True
+
+    def index(self) -> list[dict[str, Any]]:
+        out = []
+        for item in self.repository.index():
+            name = item["name"]
+            with self._lock:
+                loaded = self.models.get(name)
+            if "version" in item:
+                ready = loaded is not None and int(item["version"]) in loaded.versions
+                item = {**item, "state": "READY" if ready else "UNAVAILABLE"}
+                if not ready and name in self.failed:
+                    item["reason"] = self.failed[name]
+            out.append(item)
+        return out
+
+    def metadata(self) -> dict[str, Any]:
+        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+
+    # ------------------------------------------------------------------ inference
+    async def infer(
+        self, name: str, version: str | None, feeds: dict[str, np.ndarray]
+    ) -> tuple[ServedModel, dict[str, np.ndarray]]:
+        """Check ``feeds`` against the model and run them (through its batcher where it has
+        dynamic batching); the model and the outputs."""
+        model = self.model(name, version)
+        try:
+            batch = model.check(feeds)
+        except InputError as exc:
+            raise ServeError(str(exc), 400) from None
+        batcher = self.batcher(name, model.version)
+        try:
+            if batcher is not None:
+                return model, await batcher.submit(feeds, batch)
+            loop = asyncio.get_running_loop()
+            return model, await loop.run_in_executor(None, model.infer, feeds)
+        except TensorkilnError as exc:  # (the engine's own refusal: still the request's fault)
+            raise ServeError(f"model '{name}': {exc}", 400) from None
+
+
+async def _close(loaded: _Loaded) -> None:
+    for b in loaded.batchers.values():
+        if b is not None:
+            await b.close()
+
+
+def _version(name: str, version: str | None, loaded: _Loaded) -> int:
+    if version in (None, ""):
+        return max(loaded.versions)
+    if not version.isdigit():
+        raise ServeError(f"model '{name}': version '{version}' is not a number", 400)
+    v = int(version)
+    if v not in loaded.versions:
+        raise ServeError(
+            f"model '{name}' has no version {v} loaded (loaded: {sorted(loaded.versions)})", 404
+        )
+    return v
+
+
+def _batcher(model: ServedModel) -> DynamicBatcher | None:
+    config = model.config
+    if not config.HasField("dynamic_batching") or model.max_batch_size <= 0:
+        return None
+    db = config.dynamic_batching
+    batcher = DynamicBatcher(
+        model.infer,
+        max_batch=model.max_batch_size,
+        max_delay_s=db.max_queue_delay_microseconds / 1e6,
+        preferred=tuple(db.preferred_batch_size),
+        workers=model.instances,
+    )
+    batcher.start()
+    return batcher

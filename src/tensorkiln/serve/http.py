@@ -1,0 +1,289 @@
+"""KServe v2 over HTTP/REST, with Triton's binary tensor data, model configuration and model
+repository extensions, on aiohttp's server.
+
+A request body is bounded (``max_body``, Triton's --http-max-input-size) before it is read. Its
+JSON is parsed and checked field by field. Every tensor's size is checked against its shape and
+data type before an array is made. Anything malformed is answered 400 with ``{"error": ...}``
+naming the problem, and never reaches an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+from google.protobuf import json_format
+
+from tensorkiln.serve import protocol
+from tensorkiln.serve.core import ServeError, ServerCore, log
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+MAX_BODY = 64 << 20  # bytes (Triton's --http-max-input-size default)
+MAX_DIMS = 16
+CORE = web.AppKey("core", ServerCore)
+
+
+def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -> web.Application:
+    """The HTTP application over ``core``; with ``load``, every repository model is loaded at
+    start."""
+    app = web.Application(client_max_size=max_body, middlewares=[_errors])
+    app[CORE] = core
+    r = app.router
+    r.add_get("/v2/health/live", _live)
+    r.add_get("/v2/health/ready", _ready)
+    r.add_get("/v2", _server_metadata)
+    for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+        r.add_get(prefix, _model_metadata)
+        r.add_get(prefix + "/ready", _model_ready)
+        r.add_get(prefix + "/config", _model_config)
+        r.add_post(prefix + "/infer", _infer)
+    r.add_post("/v2/repository/index", _index)
+    r.add_post("/v2/repository/models/{model}/load", _load)
+    r.add_post("/v2/repository/models/{model}/unload", _unload)
+    if load:
+        app.on_startup.append(_load_all)
+    app.on_shutdown.append(_drain)
+    return app
+
+
+async def _load_all(app: web.Application) -> None:
+    await app[CORE].load_all()
+
+
+async def _drain(app: web.Application) -> None:
+    await app[CORE].close()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ServeError as exc:
+        return web.json_response({"error": str(exc)}, status=exc.status)
+    except web.HTTPRequestEntityTooLarge as exc:
+        return web.json_response({"error": f"request body too large: {exc.text}"}, status=413)
+    except web.HTTPException:
+        raise
+    except Exception as exc:  # a fault of ours: answered, logged, and the server goes on
+        log.exception("internal error on %s", request.path)
+        return web.json_response({"error": f"internal error: {type(exc).__name__}"}, status=500)
+
+
+def _core(request: web.Request) -> ServerCore:
+    return request.app[CORE]
+
+
+# ---------------------------------------------------------------------- health and metadata
+async def _live(request: web.Request) -> web.Response:
+    return web.Response(status=200)
+
+
+async def _ready(request: web.Request) -> web.Response:
+    core = _core(request)
+    return web.Response(status=200 if not core.failed else 400)
+
+
+async def _server_metadata(request: web.Request) -> web.Response:
+    return web.json_response(_core(request).metadata())
+
+
+async def _model_metadata(request: web.Request) -> web.Response:
+    model = _core(request).model(request.match_info["model"], request.match_info.get("version"))
+    return web.json_response(model.metadata())
+
+
+async def _model_ready(request: web.Request) -> web.Response:
+    ready = _core(request).ready(request.match_info["model"], request.match_info.get("version"))
+    return web.Response(status=200 if ready else 400)
+
+
+async def _model_config(request: web.Request) -> web.Response:
+    model = _core(request).model(request.match_info["model"], request.match_info.get("version"))
+    return web.json_response(
+        json_format.MessageToDict(model.config, preserving_proto_field_name=True)
+    )
+
+
+# ---------------------------------------------------------------------- repository
+async def _index(request: web.Request) -> web.Response:
+    return web.json_response(_core(request).index())
+
+
+async def _load(request: web.Request) -> web.Response:
+    await _core(request).load(request.match_info["model"])
+    return web.Response(status=200)
+
+
+async def _unload(request: web.Request) -> web.Response:
+    await _core(request).unload(request.match_info["model"])
+    return web.Response(status=200)
+
+
+# ---------------------------------------------------------------------- inference
+async def _infer(request: web.Request) -> web.Response:
+    body = await request.read()
+    header, binary = _split(body, request.headers.get(HEADER_LENGTH))
+    feeds, wanted, binary_default, rid = _parse_request(header, binary)
+    name, version = request.match_info["model"], request.match_info.get("version")
+    model, outputs = await _core(request).infer(name, version, feeds)
+    unknown = [n for n in wanted if n not in outputs]
+    if unknown:
+        raise ServeError(f"model '{name}' has no output {', '.join(map(repr, unknown))}", 400)
+    names = list(wanted) or list(outputs)
+    reply: dict[str, Any] = {"model_name": model.name, "model_version": str(model.version)}
+    if rid is not None:
+        reply["id"] = rid
+    chunks, tensors = [], []
+    for n in names:
+        y = np.ascontiguousarray(outputs[n])
+        datatype = protocol.datatype_of(y.dtype)
+        if datatype is None:
+            raise ServeError(f"output '{n}' has type {y.dtype}, which the protocol lacks", 500)
+        t: dict[str, Any] = {"name": n, "datatype": datatype, "shape": list(y.shape)}
+        if wanted.get(n, binary_default):
+            data = y.tobytes()
+            t["parameters"] = {"binary_data_size": len(data)}
+            chunks.append(data)
+        else:
+            t["data"] = y.reshape(-1).tolist()
+        tensors.append(t)
+    reply["outputs"] = tensors
+    text = json.dumps(reply).encode()
+    if not chunks:
+        return web.Response(body=text, content_type="application/json")
+    return web.Response(
+        body=b"".join([text, *chunks]),
+        headers={HEADER_LENGTH: str(len(text)), "Content-Type": "application/octet-stream"},
+    )
+
+
+def _split(body: bytes, length: str | None) -> tuple[Any, bytes]:
+    """The request's JSON header (parsed) and its binary part."""
+    if length is None:
+        head, binary = body, b""
+    else:
+        if not length.isdigit() or int(length) > len(body):
+            raise ServeError(
+                f"{HEADER_LENGTH} is '{length[:40]}'; it must be the JSON header's byte count "
+                f"(the body has {len(body)} bytes)"
+            )
+        head, binary = body[: int(length)], body[int(length) :]
+    try:
+        return json.loads(head), binary
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ServeError(f"the request's JSON is malformed: {exc}") from None
+
+
+def _parse_request(header: Any, binary: bytes) -> tuple[dict, dict, bool, Any]:
+    """(feeds, requested outputs -> binary?, the default for outputs, the request id)."""
+    if not isinstance(header, dict):
+        raise ServeError("the request must be a JSON object with 'inputs'")
+    inputs = header.get("inputs")
+    if not isinstance(inputs, list) or not inputs:
+        raise ServeError("the request has no 'inputs' list")
+    params = _params(header, "the request")
+    binary_default = bool(params.get("binary_data_output", False))
+    feeds: dict[str, np.ndarray] = {}
+    offset = 0
+    for i, t in enumerate(inputs):
+        if not isinstance(t, dict):
+            raise ServeError(f"input {i} is not an object")
+        name = t.get("name")
+        if not isinstance(name, str) or not name:
+            raise ServeError(f"input {i} has no name")
+        if name in feeds:
+            raise ServeError(f"input '{name}' is given twice")
+        dtype, shape = _type_and_shape(t, name)
+        size = _params(t, f"input '{name}'").get("binary_data_size")
+        if size is not None:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ServeError(f"input '{name}': binary_data_size must be a byte count")
+            want = math.prod(shape) * dtype.itemsize
+            if size != want:
+                raise ServeError(
+                    f"input '{name}': binary_data_size is {size} bytes; shape {list(shape)} of "
+                    f"{t['datatype']} takes {want}"
+                )
+            if offset + size > len(binary):
+                raise ServeError(
+                    f"input '{name}': the binary data ends after {len(binary) - offset} of its "
+                    f"{size} bytes"
+                )
+            feeds[name] = np.frombuffer(binary, dtype, math.prod(shape), offset).reshape(shape)
+            offset += size
+        else:
+            feeds[name] = _from_json(t.get("data"), dtype, shape, name)
+    if offset != len(binary):
+        raise ServeError(
+            f"the request has {len(binary) - offset} bytes of binary data no input uses"
+        )
+    wanted: dict[str, bool] = {}
+    outputs = header.get("outputs", [])
+    if not isinstance(outputs, list):
+        raise ServeError("'outputs' must be a list")
+    for i, o in enumerate(outputs):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise ServeError(f"output {i} has no name")
+        wanted[o["name"]] = bool(
+            _params(o, f"output '{o['name']}'").get("binary_data", binary_default)
+        )
+    rid = header.get("id")
+    if rid is not None and not isinstance(rid, str):
+        raise ServeError("'id' must be a string")
+    return feeds, wanted, binary_default, rid
+
+
+def _params(obj: dict, what: str) -> dict:
+    params = obj.get("parameters", {})
+    if not isinstance(params, dict):
+        raise ServeError(f"{what}: 'parameters' must be an object")
+    return params
+
+
+def _type_and_shape(t: dict, name: str) -> tuple[np.dtype, tuple[int, ...]]:
+    datatype = t.get("datatype")
+    dtype = protocol.numpy_dtype(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise ServeError(f"input '{name}': datatype {datatype!r} is not one served here")
+    shape = t.get("shape")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise ServeError(
+            f"input '{name}': shape {str(shape)[:80]} must be a list of at most {MAX_DIMS} sizes"
+        )
+    if math.prod(shape) * dtype.itemsize > MAX_BODY:
+        raise ServeError(f"input '{name}': shape {shape} is larger than a request may be")
+    return dtype, tuple(shape)
+
+
+def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
+    if not isinstance(data, list):
+        raise ServeError(f"input '{name}' has neither 'data' nor binary_data_size")
+    try:
+        flat = np.asarray(data, dtype=np.float64 if dtype.kind == "f" else object).reshape(-1)
+        if flat.size != math.prod(shape):
+            raise ServeError(
+                f"input '{name}': {flat.size} values for shape {list(shape)} "
+                f"({math.prod(shape)} values)"
+            )
+        if dtype.kind == "b":
+            if not all(isinstance(v, bool) for v in flat):
+                raise ValueError("not true/false")
+            return flat.astype(dtype).reshape(shape)
+        if dtype.kind in "iu":
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
+                raise ValueError("not integers")
+            info = np.iinfo(dtype)
+            if flat.size and (min(flat) < info.min or max(flat) > info.max):
+                raise ValueError(f"outside {dtype}'s range")
+        return flat.astype(dtype).reshape(shape)
+    except ServeError:
+        raise
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ServeError(f"input '{name}': its data is not {dtype} values ({exc})") from None

@@ -1,0 +1,81 @@
+"""``tensorkiln serve`` as a user runs it: a process serving a repository, queried with
+tritonclient, stopped with SIGTERM (exit 0); bad flags and repositories are clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+httpclient = pytest.importorskip("tritonclient.http")
+pytest.importorskip("aiohttp")
+
+from tensorkiln.builder import Builder  # noqa: E402
+from tests.serve.test_http import _free_port  # noqa: E402
+from tests.serve.test_repository import DIGITS, _model  # noqa: E402
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "tensorkiln", "serve", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw,
+    )  # fmt: skip
+
+
+def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
+    _model(tmp_path / "repo")
+    port = _free_port()
+    proc = _cli("--model-repository", str(tmp_path / "repo"), "--http-port", str(port),
+                "--http-address", "127.0.0.1", "--engine-cache", str(tmp_path / "cache"))  # fmt: skip
+    try:
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if client.is_model_ready("digits"):
+                    break
+            except Exception:  # (not listening yet)
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "the server did not become ready"
+            time.sleep(0.2)
+        x = np.random.default_rng().standard_normal((2, 1, 8, 8)).astype(np.float32)
+        inp = httpclient.InferInput("input", [2, 1, 8, 8], "FP32")
+        inp.set_data_from_numpy(x)
+        got = client.infer("digits", [inp]).as_numpy("logits")
+        want = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+        np.testing.assert_allclose(got, want.infer({"input": x})["logits"], rtol=1e-5, atol=1e-5)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "model 'digits' loaded" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model-repository", "/no/such/folder"], "is not a folder"),
+        (["--model-repository", ".", "--http-port", "0"], "is not a port"),
+        (["--model-repository", ".", "--load-model", "x"], "needs --model-control-mode explicit"),
+    ],
+)
+def test_bad_invocations_are_one_line_errors(args, message):
+    proc = _cli(*args)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and message in out and "Traceback" not in out, out
+
+
+def test_an_explicitly_asked_model_that_fails_stops_the_start(tmp_path):
+    _model(tmp_path, name="broken", config="max_batch_size: -1")
+    proc = _cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                "--load-model", "broken", "--http-port", str(_free_port()))  # fmt: skip
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "max_batch_size is -1" in out, out
+    assert "Traceback" not in out, out
