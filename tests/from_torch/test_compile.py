@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("onnxscript")
 
 import tensorkiln.torch as tkt  # noqa: E402
+from tensorkiln.builder import BuilderConfig  # noqa: E402
 from tensorkiln.errors import InputError, ModelLoadError, UnsupportedOpError  # noqa: E402
 
 BACKENDS = ["cpu", "reference"]
@@ -355,16 +356,20 @@ def test_int8_from_calibration_batches_shaped_like_the_example():
     convolutions and GEMMs are quantized, and its outputs stay near eager fp32."""
     torch.manual_seed(np.random.default_rng().integers(1 << 31))
     m = _convnet().eval()
-    batches = [(torch.randn(4, 3, 12, 12), torch.randn(4, 4)) for _ in range(4)]
+    batches = [(torch.randn(4, 3, 12, 12), torch.randn(4, 4)) for _ in range(8)]
+    # min-max ranges: what is tested is how the data is given. The default entropy calibrator
+    # clips some seeds' ranges from 32 samples; measured over 25 seeds, the worst error is 0.33
+    # with entropy and 0.0043 with min-max.
+    config = BuilderConfig(calibrator="minmax")
     fast = tkt.compile(
         m, _batch(4), example_kwargs={"scale": 2.0}, precision="int8", backend="reference",
-        calibration_data=batches,
+        calibration_data=batches, config=config,
     )  # fmt: skip
     ops = [n.op for n in fast.engine.graph.nodes]
     assert any(op.startswith("Q") for op in ops), ops  # (QConvAct / QGemmAct)
     as_keywords = tkt.compile(
         m, _batch(4), example_kwargs={"scale": 2.0}, precision="int8", backend="reference",
-        calibration_data=[{"x": x, "y": y} for x, y in batches],
+        calibration_data=[{"x": x, "y": y} for x, y in batches], config=config,
     )  # fmt: skip
     x, y = _batch(4)
     want = m(x, y, scale=2.0)
@@ -397,8 +402,6 @@ def test_an_fp16_module_on_the_cuda_kernels_keeps_its_types():
 
 
 def test_a_config_given_is_left_as_it_was_for_the_next_compile():
-    from tensorkiln.builder import BuilderConfig
-
     config = BuilderConfig(optimization_level=2)
     m = _convnet().eval()
     for _ in range(2):  # (a second compile must not find the first's profile and formats)
