@@ -30,9 +30,11 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
 
 def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
     _model(tmp_path / "repo")
-    port = _free_port()
+    port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = _cli("--model-repository", str(tmp_path / "repo"), "--http-port", str(port),
-                "--http-address", "127.0.0.1", "--engine-cache", str(tmp_path / "cache"))  # fmt: skip
+                "--http-address", "127.0.0.1", "--grpc-port", str(grpc_port),
+                "--metrics-port", str(metrics_port),
+                "--grpc-address", "127.0.0.1", "--engine-cache", str(tmp_path / "cache"))  # fmt: skip
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 120
@@ -51,6 +53,18 @@ def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
         got = client.infer("digits", [inp]).as_numpy("logits")
         want = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
         np.testing.assert_allclose(got, want.infer({"input": x})["logits"], rtol=1e-5, atol=1e-5)
+        grpcclient = pytest.importorskip("tritonclient.grpc")
+        g = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+        ginp = grpcclient.InferInput("input", [2, 1, 8, 8], "FP32")
+        ginp.set_data_from_numpy(x)
+        np.testing.assert_allclose(g.infer("digits", [ginp]).as_numpy("logits"), got, rtol=1e-6)
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        # two requests of two rows each, over HTTP and gRPC
+        assert 'nv_inference_request_success_total{model="digits",version="1"} 2.0' in text, text
+        assert 'nv_inference_count_total{model="digits",version="1"} 4.0' in text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -64,6 +78,7 @@ def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
         (["--model-repository", "/no/such/folder"], "is not a folder"),
         (["--model-repository", ".", "--http-port", "0"], "is not a port"),
         (["--model-repository", ".", "--load-model", "x"], "needs --model-control-mode explicit"),
+        (["--model-repository", ".", "--grpc-port", "8000"], "two services on one port"),
     ],
 )
 def test_bad_invocations_are_one_line_errors(args, message):
@@ -75,7 +90,8 @@ def test_bad_invocations_are_one_line_errors(args, message):
 def test_an_explicitly_asked_model_that_fails_stops_the_start(tmp_path):
     _model(tmp_path, name="broken", config="max_batch_size: -1")
     proc = _cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
-                "--load-model", "broken", "--http-port", str(_free_port()))  # fmt: skip
+                "--load-model", "broken", "--http-port", str(_free_port()),
+                "--grpc-port", str(_free_port()), "--allow-metrics", "false")  # fmt: skip
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and "max_batch_size is -1" in out, out
     assert "Traceback" not in out, out

@@ -136,6 +136,21 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(server):
     batcher = core.batcher("gathered", 1)
     assert batcher is not None and sum(batcher.stats.requests) == 24
     assert max(batcher.stats.requests) > 1, batcher.stats.requests
+    # the metrics count what the batcher ran
+    if core.metrics is not None:
+        from tensorkiln.serve.metrics import labels_of
+
+        key = (("model", "gathered"), ("version", "1"))
+        assert labels_of(core.metrics, "nv_inference_request_success_total")[key] == 24
+        assert labels_of(core.metrics, "nv_inference_exec_count_total")[key] == len(
+            batcher.stats.sizes
+        )
+        assert labels_of(core.metrics, "nv_inference_count_total")[key] == sum(
+            x.shape[0] for x in xs
+        )
+        assert labels_of(core.metrics, "tensorkiln_batch_size_count")[key] == len(
+            batcher.stats.sizes
+        )
 
 
 def _post(url: str, path: str, body: bytes, headers: dict | None = None) -> tuple[int, dict]:

@@ -38,6 +38,19 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model-repository", required=True, metavar="DIR", help="the model repository")
     p.add_argument("--http-port", type=int, default=8000, help="default: 8000")
     p.add_argument("--http-address", default="0.0.0.0", help="default: 0.0.0.0 (every interface)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="default: 8001")
+    p.add_argument("--grpc-address", default="0.0.0.0", help="default: 0.0.0.0 (every interface)")
+    p.add_argument(
+        "--allow-grpc", type=_flag, default=True, metavar="BOOL",
+        help="serve gRPC too (default: true; false: HTTP alone)",
+    )  # fmt: skip
+    p.add_argument(
+        "--metrics-port", type=int, default=8002, help="Prometheus /metrics (default: 8002)"
+    )
+    p.add_argument(
+        "--allow-metrics", type=_flag, default=True, metavar="BOOL",
+        help="serve /metrics (default: true)",
+    )  # fmt: skip
     p.add_argument(
         "--model-control-mode", choices=["none", "explicit"], default="none",
         help="none (default): load every model at start; explicit: load only --load-model at "
@@ -77,8 +90,18 @@ def run_serve(args: argparse.Namespace) -> int:
     from tensorkiln.serve.core import ServerCore  # lazy: cli start time
     from tensorkiln.serve.http import make_app  # lazy: cli start time
 
-    if not 0 < args.http_port < 65536:
-        raise CLIError(f"--http-port {args.http_port} is not a port (1 to 65535)")
+    ports = {"--http-port": args.http_port}
+    if args.allow_grpc:
+        ports["--grpc-port"] = args.grpc_port
+    if args.allow_metrics:
+        ports["--metrics-port"] = args.metrics_port
+    for flag, port in ports.items():
+        if not 0 < port < 65536:
+            raise CLIError(f"{flag} {port} is not a port (1 to 65535)")
+    if len(set(ports.values())) != len(ports):
+        raise CLIError(
+            f"two services on one port: {', '.join(f'{k} {v}' for k, v in ports.items())}"
+        )
     if args.http_max_input_size < 1:
         raise CLIError(f"--http-max-input-size {args.http_max_input_size} must be 1 or more")
     if args.load_model and args.model_control_mode != "explicit":
@@ -98,6 +121,10 @@ def run_serve(args: argparse.Namespace) -> int:
                 await core.load(name)  # (an explicitly asked model that fails stops the start)
 
         app.on_startup.append(load_wanted)
+    if args.allow_grpc:
+        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}")
+    if args.allow_metrics:
+        _with_metrics(app, core, args.http_address, args.metrics_port)
     web.run_app(
         app, host=args.http_address, port=args.http_port, shutdown_timeout=30,
         print=lambda line: logging.getLogger("tensorkiln.serve").info(
@@ -105,3 +132,58 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
     )  # fmt: skip
     return 0
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("true", "1", "yes", "on"):
+        return True
+    if value in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"'{text}' is not true or false")
+
+
+def _with_grpc(app: Any, core: Any, address: str) -> None:
+    """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
+    try:
+        from tensorkiln.serve import grpc as serve_grpc  # lazy: cli start time (optional grpcio)
+    except ImportError:
+        raise CLIError(
+            "gRPC needs grpcio: pip install 'tensorkiln[serve]', or pass --allow-grpc false"
+        ) from None
+    held = {}
+
+    async def start(_app: Any) -> None:
+        held["server"] = await serve_grpc.start(core, address)
+        logging.getLogger("tensorkiln.serve").info("gRPC service at %s (KServe v2)", address)
+
+    async def stop(_app: Any) -> None:
+        if "server" in held:
+            await held["server"].stop(30)  # (requests in flight get 30 s to finish)
+
+    app.on_startup.append(start)
+    app.on_shutdown.insert(0, stop)
+
+
+def _with_metrics(app: Any, core: Any, host: str, port: int) -> None:
+    """Serve /metrics on its own port beside the HTTP service."""
+    from aiohttp import web  # lazy: cli start time (and an optional dependency)
+
+    from tensorkiln.serve.http import make_metrics_app  # lazy: cli start time
+
+    metrics = make_metrics_app(core)
+    held = {}
+
+    async def start(_app: Any) -> None:
+        runner = web.AppRunner(metrics)
+        await runner.setup()
+        await web.TCPSite(runner, host, port).start()
+        held["runner"] = runner
+        logging.getLogger("tensorkiln.serve").info("metrics at %s:%d/metrics", host, port)
+
+    async def stop(_app: Any) -> None:
+        if "runner" in held:
+            await held["runner"].cleanup()
+
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)

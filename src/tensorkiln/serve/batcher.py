@@ -56,7 +56,7 @@ class DynamicBatcher:
         max_delay_s: float = 0.0,
         preferred: tuple[int, ...] = (),
         workers: int = 1,
-        on_batch: Callable[[int, int, float], None] | None = None,
+        on_batch: Callable[[int, list[float], float], None] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be 1 or more, got {max_batch}")
@@ -182,8 +182,8 @@ class DynamicBatcher:
         self.stats.requests.append(len(batch))
         self.stats.compute_s.append(compute)
         self.stats.queue_s.extend(start - r.arrived for r in batch)
-        if self._on_batch is not None:
-            self._on_batch(rows, len(batch), compute)
+        if self._on_batch is not None:  # (rows, each request's queue seconds, compute seconds)
+            self._on_batch(rows, [start - r.arrived for r in batch], compute)
         offset = 0
         for r in batch:
             mine = {n: np.ascontiguousarray(v[offset : offset + r.batch]) for n, v in out.items()}

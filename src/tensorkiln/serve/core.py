@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,11 @@ from tensorkiln.serve.batcher import DynamicBatcher
 from tensorkiln.serve.model import ServedModel
 from tensorkiln.serve.repository import ModelRepository
 from tensorkiln.version import __version__
+
+try:
+    from tensorkiln.serve.metrics import Metrics
+except ImportError:  # (prometheus-client not installed: the server runs without /metrics)
+    Metrics = None  # type: ignore[assignment,misc]
 
 log = logging.getLogger("tensorkiln.serve")
 
@@ -56,6 +62,7 @@ class ServerCore:
         self.cache_dir = cache_dir
         self.models: dict[str, _Loaded] = {}
         self.failed: dict[str, str] = {}  # model -> why it could not load
+        self.metrics = _metrics()
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ model control
@@ -81,7 +88,7 @@ class ServerCore:
         a version loaded before keeps serving until the new one is in place."""
         loop = asyncio.get_running_loop()
         versions = await loop.run_in_executor(None, self._read, name)
-        loaded = _Loaded(versions, {v: _batcher(m) for v, m in versions.items()})
+        loaded = _Loaded(versions, {v: _batcher(m, self.metrics) for v, m in versions.items()})
         with self._lock:
             old = self.models.get(name)
             self.models[name] = loaded
@@ -158,18 +165,30 @@ class ServerCore:
         """Check ``feeds`` against the model and run them (through its batcher where it has
         dynamic batching); the model and the outputs."""
         model = self.model(name, version)
+        start = time.perf_counter()
+        ok = False
         try:
-            batch = model.check(feeds)
-        except InputError as exc:
-            raise ServeError(str(exc), 400) from None
-        batcher = self.batcher(name, model.version)
-        try:
-            if batcher is not None:
-                return model, await batcher.submit(feeds, batch)
-            loop = asyncio.get_running_loop()
-            return model, await loop.run_in_executor(None, model.infer, feeds)
-        except TensorkilnError as exc:  # (the engine's own refusal: still the request's fault)
-            raise ServeError(f"model '{name}': {exc}", 400) from None
+            try:
+                batch = model.check(feeds)
+            except InputError as exc:
+                raise ServeError(str(exc), 400) from None
+            batcher = self.batcher(name, model.version)
+            try:
+                if batcher is not None:
+                    out = await batcher.submit(feeds, batch)
+                else:
+                    loop = asyncio.get_running_loop()
+                    out = await loop.run_in_executor(None, model.infer, feeds)
+                    if self.metrics is not None:
+                        took = time.perf_counter() - start
+                        self.metrics.run(model.name, model.version, batch, [0.0], took)
+            except TensorkilnError as exc:  # (the engine's own refusal: the request's fault)
+                raise ServeError(f"model '{name}': {exc}", 400) from None
+            ok = True
+            return model, out
+        finally:
+            if self.metrics is not None:
+                self.metrics.request(model.name, model.version, ok, time.perf_counter() - start)
 
 
 async def _close(loaded: _Loaded) -> None:
@@ -191,7 +210,11 @@ def _version(name: str, version: str | None, loaded: _Loaded) -> int:
     return v
 
 
-def _batcher(model: ServedModel) -> DynamicBatcher | None:
+def _metrics() -> Any:
+    return None if Metrics is None else Metrics()
+
+
+def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher | None:
     config = model.config
     if not config.HasField("dynamic_batching") or model.max_batch_size <= 0:
         return None
@@ -202,6 +225,11 @@ def _batcher(model: ServedModel) -> DynamicBatcher | None:
         max_delay_s=db.max_queue_delay_microseconds / 1e6,
         preferred=tuple(db.preferred_batch_size),
         workers=model.instances,
+        on_batch=None
+        if metrics is None
+        else lambda rows, queued, compute: metrics.run(
+            model.name, model.version, rows, queued, compute
+        ),
     )
     batcher.start()
     return batcher

@@ -49,6 +49,21 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
     return app
 
 
+def make_metrics_app(core: ServerCore) -> web.Application:
+    """``GET /metrics``: the server's Prometheus metrics (Triton serves them on port 8002)."""
+    if core.metrics is None:
+        raise ServeError("metrics need prometheus-client: pip install 'tensorkiln[serve]'", 500)
+    app = web.Application()
+    app[CORE] = core
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    body = _core(request).metrics.exposition()
+    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4"})
+
+
 async def _load_all(app: web.Application) -> None:
     await app[CORE].load_all()
 

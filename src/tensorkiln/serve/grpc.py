@@ -1,0 +1,245 @@
+"""KServe v2 over gRPC: the GRPCInferenceService of the protocol's definitions, on grpcio's
+asyncio server.
+
+The service is registered with generic handlers whose messages come from protocol.py's descriptor
+pool. There is no generated stub, and the wire format is the published one, so tritonclient.grpc
+talks to it unchanged. Tensors come in as raw contents (what tritonclient sends) or typed
+contents. Sizes are checked against shapes and data types before any array is made. A client's
+error is answered with INVALID_ARGUMENT, NOT_FOUND or UNAVAILABLE and a message naming it. RPCs
+not served here (shared memory, tracing) answer UNIMPLEMENTED.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from tensorkiln.serve import protocol
+from tensorkiln.serve.core import ServeError, ServerCore, log
+
+SERVICE = "inference.GRPCInferenceService"
+MAX_MESSAGE = 64 << 20  # bytes, as the HTTP body bound
+MAX_DIMS = 16
+_STATUS = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    404: grpc.StatusCode.NOT_FOUND,
+    503: grpc.StatusCode.UNAVAILABLE,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+# typed contents: the InferTensorContents field of each datatype
+_FIELD = {
+    "BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+    "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+    "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+    "FP32": "fp32_contents", "FP64": "fp64_contents",
+}  # fmt: skip
+
+
+def _m(name: str) -> Any:
+    return protocol.message(f"inference.{name}")
+
+
+class InferenceService:
+    """The RPCs over a :class:`ServerCore`."""
+
+    def __init__(self, core: ServerCore) -> None:
+        self.core = core
+
+    async def ServerLive(self, request: Any, context: Any) -> Any:
+        return _m("ServerLiveResponse")(live=True)
+
+    async def ServerReady(self, request: Any, context: Any) -> Any:
+        return _m("ServerReadyResponse")(ready=not self.core.failed)
+
+    async def ModelReady(self, request: Any, context: Any) -> Any:
+        return _m("ModelReadyResponse")(ready=self.core.ready(request.name, request.version))
+
+    async def ServerMetadata(self, request: Any, context: Any) -> Any:
+        return _m("ServerMetadataResponse")(**self.core.metadata())
+
+    async def ModelMetadata(self, request: Any, context: Any) -> Any:
+        meta = self.core.model(request.name, request.version).metadata()
+        reply = _m("ModelMetadataResponse")()
+        json_format.ParseDict(meta, reply)
+        return reply
+
+    async def ModelConfig(self, request: Any, context: Any) -> Any:
+        model = self.core.model(request.name, request.version)
+        reply = _m("ModelConfigResponse")()
+        reply.config.CopyFrom(model.config)
+        return reply
+
+    async def RepositoryIndex(self, request: Any, context: Any) -> Any:
+        reply = _m("RepositoryIndexResponse")()
+        for item in self.core.index():
+            if request.ready and item.get("state") != "READY":
+                continue
+            reply.models.add(
+                **{k: item[k] for k in ("name", "version", "state", "reason") if k in item}
+            )
+        return reply
+
+    async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
+        await self.core.load(request.model_name)
+        return _m("RepositoryModelLoadResponse")()
+
+    async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
+        await self.core.unload(request.model_name)
+        return _m("RepositoryModelUnloadResponse")()
+
+    async def ModelInfer(self, request: Any, context: Any) -> Any:
+        return await self._infer(request)
+
+    async def ModelStreamInfer(self, requests: AsyncIterator, context: Any) -> AsyncIterator:
+        """Each request's response on the stream, in order; an error is a response carrying
+        ``error_message`` and the stream goes on, as Triton's does."""
+        async for request in requests:
+            reply = _m("ModelStreamInferResponse")()
+            try:
+                reply.infer_response.CopyFrom(await self._infer(request))
+            except ServeError as exc:
+                reply.error_message = str(exc)
+            yield reply
+
+    async def _infer(self, request: Any) -> Any:
+        feeds = _feeds(request)
+        wanted = [o.name for o in request.outputs]
+        model, outputs = await self.core.infer(request.model_name, request.model_version, feeds)
+        unknown = [n for n in wanted if n not in outputs]
+        if unknown:
+            raise ServeError(
+                f"model '{model.name}' has no output {', '.join(map(repr, unknown))}", 400
+            )
+        reply = _m("ModelInferResponse")(
+            model_name=model.name, model_version=str(model.version), id=request.id
+        )
+        for n in wanted or list(outputs):
+            y = np.ascontiguousarray(outputs[n])
+            datatype = protocol.datatype_of(y.dtype)
+            if datatype is None:
+                raise ServeError(f"output '{n}' has type {y.dtype}, which the protocol lacks", 500)
+            reply.outputs.add(name=n, datatype=datatype, shape=list(y.shape))
+            reply.raw_output_contents.append(y.tobytes())
+        return reply
+
+
+def _feeds(request: Any) -> dict[str, np.ndarray]:
+    """The request's tensors as arrays, every size checked first."""
+    if not request.inputs:
+        raise ServeError("the request has no inputs")
+    raw = list(request.raw_input_contents)
+    if raw and len(raw) != len(request.inputs):
+        raise ServeError(
+            f"the request has {len(request.inputs)} inputs and {len(raw)} raw contents; give "
+            "one per input, or none"
+        )
+    feeds: dict[str, np.ndarray] = {}
+    for i, t in enumerate(request.inputs):
+        if not t.name:
+            raise ServeError(f"input {i} has no name")
+        if t.name in feeds:
+            raise ServeError(f"input '{t.name}' is given twice")
+        dtype = protocol.numpy_dtype(t.datatype)
+        if dtype is None:
+            raise ServeError(
+                f"input '{t.name}': datatype '{t.datatype[:20]}' is not one served here"
+            )
+        shape = tuple(t.shape)
+        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
+            raise ServeError(
+                f"input '{t.name}': shape {list(shape)[:20]} must be at most {MAX_DIMS} sizes"
+            )
+        count = math.prod(shape)
+        if count * dtype.itemsize > MAX_MESSAGE:
+            raise ServeError(
+                f"input '{t.name}': shape {list(shape)} is larger than a request may be"
+            )
+        if raw:
+            data = raw[i]
+            if len(data) != count * dtype.itemsize:
+                raise ServeError(
+                    f"input '{t.name}': {len(data)} bytes of raw contents; shape {list(shape)} "
+                    f"of {t.datatype} takes {count * dtype.itemsize}"
+                )
+            feeds[t.name] = np.frombuffer(data, dtype).reshape(shape)
+            continue
+        field = _FIELD.get(t.datatype)
+        values = getattr(t.contents, field) if field else []
+        if field is None or len(values) != count:
+            raise ServeError(
+                f"input '{t.name}': {len(values)} values in contents for shape {list(shape)} "
+                f"({count} values)" + ("" if field else f"; {t.datatype} is sent as raw contents")
+            )
+        arr = np.asarray(values)
+        if dtype.kind in "iu" and arr.size:
+            info = np.iinfo(dtype)
+            if arr.min() < info.min or arr.max() > info.max:
+                raise ServeError(f"input '{t.name}': values outside {t.datatype}'s range")
+        feeds[t.name] = arr.astype(dtype).reshape(shape)
+    return feeds
+
+
+def _unary(service: InferenceService, name: str) -> grpc.RpcMethodHandler:
+    method = getattr(service, name)
+    request_type = _request_type(name)
+
+    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await method(request, context)
+        except ServeError as exc:
+            await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), str(exc))
+        except Exception as exc:  # a fault of ours: answered, logged, the server goes on
+            log.exception("internal error in %s", name)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=request_type.FromString, response_serializer=_serialize
+    )
+
+
+def _request_type(name: str) -> Any:
+    method = protocol._pool().FindServiceByName(SERVICE).FindMethodByName(name)
+    return protocol.message(method.input_type.full_name)
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
+RPCS = (
+    "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
+    "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "ModelInfer",
+)  # fmt: skip
+
+
+def handlers(core: ServerCore) -> grpc.GenericRpcHandler:
+    """The service's generic handler over ``core``."""
+    service = InferenceService(core)
+    methods: dict[str, grpc.RpcMethodHandler] = {n: _unary(service, n) for n in RPCS}
+    methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        service.ModelStreamInfer,
+        request_deserializer=_request_type("ModelStreamInfer").FromString,
+        response_serializer=_serialize,
+    )
+    return grpc.method_handlers_generic_handler(SERVICE, methods)
+
+
+async def start(
+    core: ServerCore, address: str, *, max_message: int = MAX_MESSAGE
+) -> grpc.aio.Server:
+    """A started gRPC server on ``address`` ("host:port") over ``core``."""
+    options = [
+        ("grpc.max_receive_message_length", max_message),
+        ("grpc.max_send_message_length", max_message),
+    ]
+    server = grpc.aio.server(options=options)
+    server.add_generic_rpc_handlers((handlers(core),))
+    if server.add_insecure_port(address) == 0:
+        raise ServeError(f"cannot listen for gRPC on {address}", 500)
+    await server.start()
+    return server
