@@ -184,7 +184,7 @@ def _tensor(**kw) -> dict:
         (json.dumps({"inputs": [_tensor(shape=[1, 1, 8, 9])]}).encode(), {}, 400, "64 values for shape"),
         (json.dumps({"inputs": [_tensor(shape=[-1, 8])]}).encode(), {}, 400, "must be a list"),
         (json.dumps({"inputs": [_tensor(shape=[10**9, 10**9])]}).encode(), {}, 400, "larger than a request"),
-        (json.dumps({"inputs": [_tensor(data=["a"] * 64)]}).encode(), {}, 400, "not float32 values"),
+        (json.dumps({"inputs": [_tensor(data=["a"] * 64)]}).encode(), {}, 400, "not all float32 values"),
         (json.dumps({"inputs": [_tensor(shape=[17, 1, 8, 8], data=[0.0] * 17 * 64)]}).encode(), {}, 400, "batch of 17"),
         (json.dumps({"inputs": [_tensor(data=None, parameters={"binary_data_size": 256})]}).encode(), {HEADER: "0"}, 400, "JSON is malformed"),
         (json.dumps({"inputs": [_tensor(data=None, parameters={"binary_data_size": 100})]}).encode(), {}, 400, "takes 256"),

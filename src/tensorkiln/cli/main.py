@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tensorkiln.backends import NAMES as BACKEND_NAMES
-from tensorkiln.cli import build, compare, debug, inspect, run, serve, trtexec
+from tensorkiln.cli import build, compare, debug, inspect, perf, run, serve, trtexec
 from tensorkiln.cli.common import (
     ArgumentParser,
     add_common,
@@ -39,6 +39,7 @@ EPILOG = """examples:
   tensorkiln debug precision model.onnx --int8 --calib-data calib/ --rel-l2 0.02
   tensorkiln ops --domain ai.onnx.ml
   tensorkiln serve --model-repository models/
+  tensorkiln perf -m digits --concurrency-range 1:16
 
 Run `tensorkiln COMMAND --help` for each command's options.
 """
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     trtexec.add_parser(sub)
     debug.add_parser(sub)
     serve.add_parser(sub)
+    perf.add_parser(sub)
     _add_ops(sub)
     return p
 

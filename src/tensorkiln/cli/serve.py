@@ -127,6 +127,8 @@ def run_serve(args: argparse.Namespace) -> int:
         _with_metrics(app, core, args.http_address, args.metrics_port)
     web.run_app(
         app, host=args.http_address, port=args.http_port, shutdown_timeout=30,
+        # (a line per request only when asked: at load, logging is the server's bottleneck)
+        access_log=logging.getLogger("aiohttp.access") if args.log_verbose > 0 else None,
         print=lambda line: logging.getLogger("tensorkiln.serve").info(
             "HTTP service at %s:%d (KServe v2)", args.http_address, args.http_port
         ),

@@ -24,6 +24,7 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_BODY = 64 << 20  # bytes (Triton's --http-max-input-size default)
 MAX_DIMS = 16
 CORE = web.AppKey("core", ServerCore)
+BODY_LIMIT = web.AppKey("body_limit", int)
 
 
 def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -> web.Application:
@@ -31,6 +32,7 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
     start."""
     app = web.Application(client_max_size=max_body, middlewares=[_errors])
     app[CORE] = core
+    app[BODY_LIMIT] = max_body
     r = app.router
     r.add_get("/v2/health/live", _live)
     r.add_get("/v2/health/ready", _ready)
@@ -139,6 +141,14 @@ async def _unload(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------------- inference
 async def _infer(request: web.Request) -> web.Response:
+    limit = request.app[BODY_LIMIT]
+    if request.content_length is not None and request.content_length > limit:
+        # (refused from its header, before a byte of it is read)
+        raise ServeError(
+            f"request body of {request.content_length:,} bytes is over the {limit:,} accepted "
+            "(--http-max-input-size)",
+            413,
+        )
     body = await request.read()
     header, binary = _split(body, request.headers.get(HEADER_LENGTH))
     feeds, wanted, binary_default, rid = _parse_request(header, binary)
@@ -187,9 +197,13 @@ def _split(body: bytes, length: str | None) -> tuple[Any, bytes]:
             )
         head, binary = body[: int(length)], body[int(length) :]
     try:
-        return json.loads(head), binary
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return json.loads(head, parse_constant=_not_json), binary
+    except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
         raise ServeError(f"the request's JSON is malformed: {exc}") from None
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON (send such values as binary tensor data)")
 
 
 def _parse_request(header: Any, binary: bytes) -> tuple[dict, dict, bool, Any]:
@@ -281,24 +295,24 @@ def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) ->
     if not isinstance(data, list):
         raise ServeError(f"input '{name}' has neither 'data' nor binary_data_size")
     try:
-        flat = np.asarray(data, dtype=np.float64 if dtype.kind == "f" else object).reshape(-1)
-        if flat.size != math.prod(shape):
-            raise ServeError(
-                f"input '{name}': {flat.size} values for shape {list(shape)} "
-                f"({math.prod(shape)} values)"
-            )
-        if dtype.kind == "b":
-            if not all(isinstance(v, bool) for v in flat):
-                raise ValueError("not true/false")
-            return flat.astype(dtype).reshape(shape)
-        if dtype.kind in "iu":
-            if not all(isinstance(v, int) and not isinstance(v, bool) for v in flat):
-                raise ValueError("not integers")
-            info = np.iinfo(dtype)
-            if flat.size and (min(flat) < info.min or max(flat) > info.max):
-                raise ValueError(f"outside {dtype}'s range")
-        return flat.astype(dtype).reshape(shape)
-    except ServeError:
-        raise
-    except (ValueError, TypeError, OverflowError) as exc:
-        raise ServeError(f"input '{name}': its data is not {dtype} values ({exc})") from None
+        flat = np.asarray(data, dtype=object).reshape(-1)  # (ragged nesting: ValueError)
+    except ValueError as exc:
+        raise ServeError(f"input '{name}': its data is not a regular array ({exc})") from None
+    if flat.size != math.prod(shape):
+        raise ServeError(
+            f"input '{name}': {flat.size} values for shape {list(shape)} "
+            f"({math.prod(shape)} values)"
+        )
+    if dtype.kind == "b":
+        ok = all(type(v) is bool for v in flat)
+    elif dtype.kind in "iu":
+        ok = all(type(v) is int for v in flat)
+    else:
+        ok = all(type(v) in (int, float) for v in flat)
+    if not ok:
+        raise ServeError(f"input '{name}': its data is not all {dtype} values")
+    if dtype.kind in "iu" and flat.size:
+        info = np.iinfo(dtype)
+        if min(flat) < info.min or max(flat) > info.max:
+            raise ServeError(f"input '{name}': values outside {dtype}'s range")
+    return flat.astype(dtype).reshape(shape)
