@@ -16,7 +16,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 pytest.importorskip("aiohttp")
 
 from tensorkiln.builder import Builder  # noqa: E402
-from tests.serve.test_http import _free_port  # noqa: E402
+from tests.serve.helpers import free_port as _free_port  # noqa: E402
 from tests.serve.test_repository import DIGITS, _model  # noqa: E402
 
 

@@ -4,10 +4,7 @@ requests answered with INVALID_ARGUMENT naming the problem."""
 
 from __future__ import annotations
 
-import asyncio
 import queue
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -21,40 +18,20 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from tensorkiln.serve import grpc as serve_grpc  # noqa: E402
 from tensorkiln.serve import protocol  # noqa: E402
 from tensorkiln.serve.core import ServerCore  # noqa: E402
-from tests.serve.test_http import _direct, _free_port  # noqa: E402
+from tests.serve.helpers import serving_with  # noqa: E402
+from tests.serve.test_http import _direct  # noqa: E402
 from tests.serve.test_repository import _model  # noqa: E402
 
 
-@contextmanager
 def serving(repo: Path):
-    port = _free_port()
-    core = ServerCore(repo)
-    started = threading.Event()
-    holder = {}
+    """The gRPC service on a free port in a thread of its own (models loaded at start)."""
 
-    def main():
-        loop = asyncio.new_event_loop()
-        holder["loop"] = loop
+    async def start(core: ServerCore, port: int):
+        await core.load_all()
+        server = await serve_grpc.start(core, f"127.0.0.1:{port}")
+        return lambda: server.stop(5)
 
-        async def up():
-            await core.load_all()
-            holder["server"] = await serve_grpc.start(core, f"127.0.0.1:{port}")
-
-        loop.run_until_complete(up())
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(holder["server"].stop(5))
-        loop.run_until_complete(core.close())
-        loop.close()
-
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    assert started.wait(60)
-    try:
-        yield f"127.0.0.1:{port}", core
-    finally:
-        holder["loop"].call_soon_threadsafe(holder["loop"].stop)
-        thread.join(30)
+    return serving_with(repo, start)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,7 @@ results checked against the engine run directly; malformed requests answered 4xx
 
 from __future__ import annotations
 
-import asyncio
 import json
-import socket
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -24,43 +20,20 @@ from tensorkiln.builder import Builder  # noqa: E402
 from tensorkiln.serve.core import ServerCore  # noqa: E402
 from tensorkiln.serve.http import HEADER_LENGTH as HEADER  # noqa: E402
 from tensorkiln.serve.http import make_app  # noqa: E402
+from tests.serve.helpers import serving_with  # noqa: E402
 from tests.serve.test_repository import DIGITS, _model  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
 def serving(repo: Path, **core_kw):
-    """A server on a free port in a thread of its own, stopped (drained) at the end."""
-    port = _free_port()
-    core = ServerCore(repo, **core_kw)
-    started = threading.Event()
-    holder = {}
+    """The HTTP application on a free port in a thread of its own (models loaded at start)."""
 
-    def main():
-        loop = asyncio.new_event_loop()
-        holder["loop"] = loop
+    async def start(core: ServerCore, port: int):
         runner = web.AppRunner(make_app(core))
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        holder["runner"] = runner
-        started.set()
-        loop.run_forever()
-        loop.run_until_complete(runner.cleanup())
-        loop.close()
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner.cleanup
 
-    thread = threading.Thread(target=main, daemon=True)
-    thread.start()
-    assert started.wait(60), "the server did not start"
-    try:
-        yield f"127.0.0.1:{port}", core
-    finally:
-        holder["loop"].call_soon_threadsafe(holder["loop"].stop)
-        thread.join(30)
+    return serving_with(repo, start, **core_kw)
 
 
 @pytest.fixture(scope="module")

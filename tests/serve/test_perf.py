@@ -13,8 +13,9 @@ pytest.importorskip("tritonclient.grpc")
 from tensorkiln.cli.common import CLIError
 from tensorkiln.cli.main import main
 from tensorkiln.cli.perf import concurrency_levels
+from tests.serve.helpers import free_port as _free_port
 from tests.serve.test_grpc import serving as grpc_serving
-from tests.serve.test_http import _free_port, serving
+from tests.serve.test_http import serving
 from tests.serve.test_repository import _model
 
 
