@@ -87,6 +87,20 @@ def test_bad_invocations_are_one_line_errors(args, message):
     assert proc.returncode == 1 and message in out and "Traceback" not in out, out
 
 
+def test_json_logs_are_one_object_per_line(tmp_path):
+    import json
+
+    _model(tmp_path, name="broken", config="max_batch_size: -1")
+    proc = _cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                "--load-model", "broken", "--http-port", str(_free_port()), "--log-format", "json",
+                "--allow-grpc", "false", "--allow-metrics", "false")  # fmt: skip
+    out, _ = proc.communicate(timeout=60)
+    records = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    failed = [r for r in records if r["level"] == "error" and r["logger"] == "tensorkiln.serve"]
+    assert failed and "max_batch_size is -1" in failed[0]["message"], out
+    assert {"ts", "level", "logger", "message"} <= set(failed[0])
+
+
 def test_an_explicitly_asked_model_that_fails_stops_the_start(tmp_path):
     _model(tmp_path, name="broken", config="max_batch_size: -1")
     proc = _cli("--model-repository", str(tmp_path), "--model-control-mode", "explicit",

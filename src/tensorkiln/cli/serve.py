@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
 import logging
 import os
 from pathlib import Path
@@ -77,8 +79,12 @@ def add_parser(sub: Any) -> None:
         type=int,
         default=0,
         metavar="N",
-        help="0 (default): info; 1 or more: debug",
+        help="0 (default): info; 1 or more: debug, and a line per request",
     )
+    p.add_argument(
+        "--log-format", choices=["default", "json"], default="default",
+        help="json: one JSON object per line (ts, level, logger, message), for log collectors",
+    )  # fmt: skip
     p.set_defaults(handler=run_serve)
 
 
@@ -106,10 +112,13 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--http-max-input-size {args.http_max_input_size} must be 1 or more")
     if args.load_model and args.model_control_mode != "explicit":
         raise CLIError("--load-model needs --model-control-mode explicit (as tritonserver's)")
-    logging.basicConfig(
-        level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    handler = logging.StreamHandler()
+    if args.log_format == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
+                        handlers=[handler], force=True)  # fmt: skip
     core = ServerCore(args.model_repository, backend=args.backend, cache_dir=args.engine_cache)
     explicit = args.model_control_mode == "explicit"
     app = make_app(core, max_body=args.http_max_input_size, load=not explicit)
@@ -134,6 +143,21 @@ def run_serve(args: argparse.Namespace) -> int:
         ),
     )  # fmt: skip
     return 0
+
+
+class JsonFormatter(logging.Formatter):
+    """A log record as one JSON object per line: ts (ISO 8601, UTC), level, logger, message."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": datetime.datetime.fromtimestamp(record.created, datetime.UTC).isoformat(),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["error"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
 
 
 def _flag(text: str) -> bool:
