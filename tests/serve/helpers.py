@@ -50,3 +50,13 @@ def serving_with(
     finally:
         holder["loop"].call_soon_threadsafe(holder["loop"].stop)
         thread.join(30)
+
+
+def samples(metrics: Any, family: str) -> dict[tuple, float]:
+    """A metric family's samples in a server's registry: sorted labels -> value."""
+    out: dict[tuple, float] = {}
+    for metric in metrics.registry.collect():
+        for s in metric.samples:
+            if s.name == family:
+                out[tuple(sorted(s.labels.items()))] = s.value
+    return out

@@ -111,7 +111,7 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(server):
     assert max(batcher.stats.requests) > 1, batcher.stats.requests
     # the metrics count what the batcher ran
     if core.metrics is not None:
-        from tensorkiln.serve.metrics import labels_of
+        from tests.serve.helpers import samples as labels_of
 
         key = (("model", "gathered"), ("version", "1"))
         assert labels_of(core.metrics, "nv_inference_request_success_total")[key] == 24

@@ -34,7 +34,7 @@ def test_a_sweep_over_http_reports_every_level(tmp_path, capsys):
         assert float(r["p50_ms"]) <= float(r["p99_ms"])
     # what the server counted covers what perf sent (warm-up requests included)
     key = (("model", "digits"), ("version", "1"))
-    from tensorkiln.serve.metrics import labels_of
+    from tests.serve.helpers import samples as labels_of
 
     served = labels_of(core.metrics, "nv_inference_request_success_total")[key]
     assert served >= sum(int(r["requests"]) for r in rows)

@@ -28,19 +28,22 @@ class _Request:
     batch: int
     future: asyncio.Future
     arrived: float = field(default_factory=time.perf_counter)
+    # what must agree for requests to share a run: input names, dtypes, non-batch shapes
+    key: tuple = field(init=False)
 
-    def key(self) -> tuple:
-        return tuple((n, x.dtype.str, x.shape[1:]) for n, x in sorted(self.feeds.items()))
+    def __post_init__(self) -> None:
+        self.key = tuple((n, x.dtype.str, x.shape[1:]) for n, x in sorted(self.feeds.items()))
+
+
+STATS_KEPT = 10_000  # engine runs the stats remember (a server runs for days: bounded)
 
 
 @dataclass
 class BatchStats:
-    """What the batcher has run: one entry per engine run."""
+    """The latest engine runs (the metrics count them all): one entry per run."""
 
-    sizes: list[int] = field(default_factory=list)  # rows per run
-    requests: list[int] = field(default_factory=list)  # requests per run
-    queue_s: list[float] = field(default_factory=list)  # per request: arrival to its run
-    compute_s: list[float] = field(default_factory=list)  # per run
+    sizes: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))  # rows
+    requests: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
 
 
 class DynamicBatcher:
@@ -111,12 +114,12 @@ class DynamicBatcher:
 
     def _take(self, first: _Request) -> list[_Request]:
         """``first`` and the waiting requests that fit beside it, in arrival order."""
-        chosen, rows, key = [first], first.batch, first.key()
+        chosen, rows, key = [first], first.batch, first.key
         target = self._target(rows)
         kept: deque[_Request] = deque()
         while self._waiting:
             r = self._waiting.popleft()
-            if rows + r.batch <= target and r.key() == key and not r.future.cancelled():
+            if rows + r.batch <= target and r.key == key and not r.future.cancelled():
                 chosen.append(r)
                 rows += r.batch
             else:
@@ -143,7 +146,7 @@ class DynamicBatcher:
             target = self._target(first.batch)
             # wait for more until the batch is full or the delay has passed
             while self.max_delay_s > 0:
-                rows = first.batch + sum(r.batch for r in self._waiting if r.key() == first.key())
+                rows = first.batch + sum(r.batch for r in self._waiting if r.key == first.key)
                 left = deadline - time.perf_counter()
                 if rows >= target or left <= 0:
                     break
@@ -180,8 +183,6 @@ class DynamicBatcher:
         rows = sum(r.batch for r in batch)
         self.stats.sizes.append(rows)
         self.stats.requests.append(len(batch))
-        self.stats.compute_s.append(compute)
-        self.stats.queue_s.extend(start - r.arrived for r in batch)
         if self._on_batch is not None:  # (rows, each request's queue seconds, compute seconds)
             self._on_batch(rows, [start - r.arrived for r in batch], compute)
         offset = 0

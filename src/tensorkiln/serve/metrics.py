@@ -11,8 +11,6 @@ nv_gpu_memory_used_bytes, where there is a GPU. Each server has a registry of it
 
 from __future__ import annotations
 
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LABELS = ("model", "version")
@@ -96,13 +94,3 @@ class Metrics:
             return
         for i in range(torch.cuda.device_count()):
             self.gpu_memory.labels(str(i)).set(torch.cuda.memory_reserved(i))
-
-
-def labels_of(metrics: Metrics, family: str) -> dict[tuple, float]:
-    """(A test helper) ``family``'s samples: labels -> value."""
-    out: dict[tuple, Any] = {}
-    for metric in metrics.registry.collect():
-        for s in metric.samples:
-            if s.name == family:
-                out[tuple(sorted(s.labels.items()))] = s.value
-    return out

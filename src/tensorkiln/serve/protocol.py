@@ -34,6 +34,7 @@ _NUMPY = {
     "FP32": np.float32,
     "FP64": np.float64,
 }
+_DATATYPES = {np.dtype(t): name for name, t in _NUMPY.items()}
 
 
 @cache
@@ -81,7 +82,4 @@ def numpy_dtype(datatype: str) -> np.dtype | None:
 
 def datatype_of(dtype: np.dtype) -> str | None:
     """The protocol datatype of a numpy dtype, or None where the protocol has none."""
-    for name, t in _NUMPY.items():
-        if np.dtype(t) == dtype:
-            return name
-    return None
+    return _DATATYPES.get(np.dtype(dtype))
