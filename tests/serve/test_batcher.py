@@ -55,6 +55,23 @@ def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
     assert sum(batcher.stats.sizes) == sum(r["input"].shape[0] for r in requests)
 
 
+def test_without_gathering_every_request_runs_alone_on_the_workers(tmp_path):
+    _model(tmp_path)
+    entry = ModelRepository(tmp_path).read("digits")
+    served = ServedModel.load(entry, entry.versions[0])
+    rng = np.random.default_rng()
+    requests = [
+        {"input": rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)}
+        for _ in range(20)
+    ]
+    batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2, gather=False)
+    results = _run_all(batcher, requests)
+    for feeds, got in zip(requests, results):
+        np.testing.assert_allclose(got["logits"], served.infer(feeds)["logits"], rtol=1e-6)
+    assert list(batcher.stats.requests) == [1] * 20
+    assert sorted(batcher.stats.sizes) == sorted(r["input"].shape[0] for r in requests)
+
+
 def _rows(feeds):
     """An oracle run: each output row names its input row (its sum), so mixing shows."""
     x = feeds["x"]

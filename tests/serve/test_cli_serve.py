@@ -63,8 +63,11 @@ def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=30) as r:
             text = r.read().decode()
         # two requests of two rows each, over HTTP and gRPC
-        assert 'nv_inference_request_success_total{model="digits",version="1"} 2.0' in text, text
-        assert 'nv_inference_count_total{model="digits",version="1"} 4.0' in text
+        assert 'nv_inference_request_success{model="digits",version="1"} 2.0' in text, text
+        assert 'nv_inference_count{model="digits",version="1"} 4.0' in text
+        # (named as Triton names them: no _total suffix, no _created samples)
+        assert "# TYPE nv_inference_count counter" in text and "_total" not in text
+        assert "nv_inference_count_created" not in text
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)

@@ -114,11 +114,11 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(server):
         from tests.serve.helpers import samples as labels_of
 
         key = (("model", "gathered"), ("version", "1"))
-        assert labels_of(core.metrics, "nv_inference_request_success_total")[key] == 24
-        assert labels_of(core.metrics, "nv_inference_exec_count_total")[key] == len(
+        assert labels_of(core.metrics, "nv_inference_request_success")[key] == 24
+        assert labels_of(core.metrics, "nv_inference_exec_count")[key] == len(
             batcher.stats.sizes
         )
-        assert labels_of(core.metrics, "nv_inference_count_total")[key] == sum(
+        assert labels_of(core.metrics, "nv_inference_count")[key] == sum(
             x.shape[0] for x in xs
         )
         assert labels_of(core.metrics, "tensorkiln_batch_size_count")[key] == len(

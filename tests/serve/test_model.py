@@ -110,3 +110,35 @@ def test_an_engine_version_is_served_as_built(tmp_path):
     x = np.random.default_rng().standard_normal((3, 1, 8, 8)).astype(np.float32)
     want = engine.create_execution_context().infer({"input": x})["logits"]
     np.testing.assert_allclose(served.infer({"input": x})["logits"], want, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "optimization,sizes",
+    [
+        ("", (1, 2, 4, 8, 16, 12)),  # (max_batch_size 12: the powers of two below, and 12)
+        ("graph_spec [ { batch_size: 3 }, { batch_size: 8 }, { batch_size: 40 } ]", (3, 8, 12)),
+    ],
+)
+def test_graph_batch_sizes_follow_the_config(tmp_path, optimization, sizes):
+    from tensorkiln.serve.model import _graph_batches
+
+    config = f"max_batch_size: 12 optimization {{ cuda {{ graphs: true {optimization} }} }}"
+    _model(tmp_path, config=config)
+    entry = ModelRepository(tmp_path).read("digits")
+    want = tuple(sorted(s for s in sizes if s <= 12))
+    assert _graph_batches(entry.config) == want
+
+
+def test_a_batch_padded_up_to_a_graph_size_returns_only_its_own_rows(tmp_path):
+    # (the reference backend captures no graphs: the padding is set as a GPU engine's would be)
+    _model(tmp_path, config="max_batch_size: 16 optimization { cuda { graphs: true } }")
+    served = _load(tmp_path)
+    assert served.graph_batches == ()  # (no CUDA graphs on the reference backend)
+    served.graph_batches = (1, 2, 4, 8, 16)
+    direct = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+    rng = np.random.default_rng()
+    for rows in (1, 3, 5, 16):
+        x = rng.standard_normal((rows, 1, 8, 8)).astype(np.float32)
+        got = served.infer({"input": x})["logits"]
+        assert got.shape == (rows, 10)
+        np.testing.assert_allclose(got, direct.infer({"input": x})["logits"], rtol=1e-5, atol=1e-6)

@@ -36,7 +36,7 @@ def test_a_sweep_over_http_reports_every_level(tmp_path, capsys):
     key = (("model", "digits"), ("version", "1"))
     from tests.serve.helpers import samples as labels_of
 
-    served = labels_of(core.metrics, "nv_inference_request_success_total")[key]
+    served = labels_of(core.metrics, "nv_inference_request_success")[key]
     assert served >= sum(int(r["requests"]) for r in rows)
     assert "concurrency  infer/s" in out
 

@@ -9,6 +9,12 @@ are its own. While every instance is busy, requests gather, so batches grow with
 non-batch shapes go into one batch; a request that differs waits for a later batch, in order.
 Requests never see each other's rows. A failing run fails only the requests in that batch, with
 its error, and the worker goes on.
+
+A model without dynamic batching goes through the same scheduler with ``gather=False``: each
+request runs alone, as it came, ``workers`` at a time. Either way the engine is called from
+``workers`` threads of the batcher's own, which also join and split the batches, so that the
+event loop only moves requests and the engine's threads stay few and warm (a thread per request
+would contend for the interpreter's lock with every other).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,6 +66,7 @@ class DynamicBatcher:
         max_delay_s: float = 0.0,
         preferred: tuple[int, ...] = (),
         workers: int = 1,
+        gather: bool = True,
         on_batch: Callable[[int, list[float], float], None] | None = None,
     ) -> None:
         if max_batch < 1:
@@ -68,12 +76,14 @@ class DynamicBatcher:
         self.max_delay_s = max(0.0, max_delay_s)
         self.preferred = tuple(sorted(p for p in preferred if 0 < p <= max_batch))
         self.workers = max(1, workers)
+        self.gather = gather
         self.stats = BatchStats()
         self._on_batch = on_batch
         self._waiting: deque[_Request] = deque()
         self._arrived: asyncio.Event | None = None
         self._free: asyncio.Semaphore | None = None
         self._tasks: list[asyncio.Task] = []
+        self._threads: ThreadPoolExecutor | None = None
         self._running: set[asyncio.Task] = set()
         self._closed = False
 
@@ -81,6 +91,7 @@ class DynamicBatcher:
         """Start the scheduler on the running event loop."""
         self._arrived = asyncio.Event()
         self._free = asyncio.Semaphore(self.workers)
+        self._threads = ThreadPoolExecutor(self.workers, thread_name_prefix="tensorkiln-engine")
         self._tasks = [asyncio.create_task(self._schedule())]
 
     async def submit(self, feeds: Mapping[str, np.ndarray], batch: int) -> dict[str, np.ndarray]:
@@ -102,6 +113,8 @@ class DynamicBatcher:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)
 
     # ------------------------------------------------------------------ workers
     def _target(self, rows: int) -> int:
@@ -115,6 +128,8 @@ class DynamicBatcher:
     def _take(self, first: _Request) -> list[_Request]:
         """``first`` and the waiting requests that fit beside it, in arrival order."""
         chosen, rows, key = [first], first.batch, first.key
+        if not self.gather:
+            return chosen
         target = self._target(rows)
         kept: deque[_Request] = deque()
         while self._waiting:
@@ -145,7 +160,7 @@ class DynamicBatcher:
             deadline = first.arrived + self.max_delay_s
             target = self._target(first.batch)
             # wait for more until the batch is full or the delay has passed
-            while self.max_delay_s > 0:
+            while self.gather and self.max_delay_s > 0:
                 rows = first.batch + sum(r.batch for r in self._waiting if r.key == first.key)
                 left = deadline - time.perf_counter()
                 if rows >= target or left <= 0:
@@ -167,13 +182,8 @@ class DynamicBatcher:
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
         start = time.perf_counter()
-        names = list(batch[0].feeds)
-        if len(batch) == 1:
-            feeds = dict(batch[0].feeds)
-        else:
-            feeds = {n: np.concatenate([r.feeds[n] for r in batch], axis=0) for n in names}
         try:
-            out = await loop.run_in_executor(None, self._run, feeds)
+            parts = await loop.run_in_executor(self._threads, self._run_batch, batch)
         except Exception as exc:  # the batch's requests fail; the worker goes on
             for r in batch:
                 if not r.future.done():
@@ -185,9 +195,22 @@ class DynamicBatcher:
         self.stats.requests.append(len(batch))
         if self._on_batch is not None:  # (rows, each request's queue seconds, compute seconds)
             self._on_batch(rows, [start - r.arrived for r in batch], compute)
-        offset = 0
-        for r in batch:
-            mine = {n: np.ascontiguousarray(v[offset : offset + r.batch]) for n, v in out.items()}
-            offset += r.batch
+        for r, mine in zip(batch, parts):
             if not r.future.done():
                 r.future.set_result(mine)
+
+    def _run_batch(self, batch: list[_Request]) -> list[dict[str, np.ndarray]]:
+        """On an engine thread: join the requests' rows, run, and split the outputs back (one
+        request: its feeds and outputs as they are)."""
+        if len(batch) == 1:
+            return [self._run(dict(batch[0].feeds))]
+        names = list(batch[0].feeds)
+        feeds = {n: np.concatenate([r.feeds[n] for r in batch], axis=0) for n in names}
+        out = self._run(feeds)
+        parts, offset = [], 0
+        for r in batch:
+            parts.append(
+                {n: np.ascontiguousarray(v[offset : offset + r.batch]) for n, v in out.items()}
+            )
+            offset += r.batch
+        return parts

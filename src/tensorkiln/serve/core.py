@@ -47,7 +47,7 @@ class ServeError(TensorkilnError):
 @dataclass
 class _Loaded:
     versions: dict[int, ServedModel]
-    batchers: dict[int, DynamicBatcher | None] = field(default_factory=dict)
+    batchers: dict[int, DynamicBatcher] = field(default_factory=dict)
 
 
 class ServerCore:
@@ -173,15 +173,10 @@ class ServerCore:
             except InputError as exc:
                 raise ServeError(str(exc), 400) from None
             batcher = self.batcher(name, model.version)
+            if batcher is None:  # (unloaded since the model was looked up)
+                raise ServeError(f"model '{name}' is not loaded", 503)
             try:
-                if batcher is not None:
-                    out = await batcher.submit(feeds, batch)
-                else:
-                    loop = asyncio.get_running_loop()
-                    out = await loop.run_in_executor(None, model.infer, feeds)
-                    if self.metrics is not None:
-                        took = time.perf_counter() - start
-                        self.metrics.run(model.name, model.version, batch, [0.0], took)
+                out = await batcher.submit(feeds, batch)
             except TensorkilnError as exc:  # (the engine's own refusal: the request's fault)
                 raise ServeError(f"model '{name}': {exc}", 400) from None
             ok = True
@@ -193,8 +188,7 @@ class ServerCore:
 
 async def _close(loaded: _Loaded) -> None:
     for b in loaded.batchers.values():
-        if b is not None:
-            await b.close()
+        await b.close()
 
 
 def _version(name: str, version: str | None, loaded: _Loaded) -> int:
@@ -214,17 +208,19 @@ def _metrics() -> Any:
     return None if Metrics is None else Metrics()
 
 
-def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher | None:
+def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher:
+    """The model's scheduler: dynamic batching where the config asks for it, else each request
+    run alone, on the model's instances."""
     config = model.config
-    if not config.HasField("dynamic_batching") or model.max_batch_size <= 0:
-        return None
+    gather = config.HasField("dynamic_batching") and model.max_batch_size > 0
     db = config.dynamic_batching
     batcher = DynamicBatcher(
         model.infer,
-        max_batch=model.max_batch_size,
+        max_batch=max(1, model.max_batch_size),
         max_delay_s=db.max_queue_delay_microseconds / 1e6,
         preferred=tuple(db.preferred_batch_size),
         workers=model.instances,
+        gather=gather,
         on_batch=None
         if metrics is None
         else lambda rows, queued, compute: metrics.run(

@@ -236,6 +236,7 @@ async def start(
     options = [
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message),
+        ("grpc.http2.lookahead_bytes", 16 << 20),
     ]
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((handlers(core),))

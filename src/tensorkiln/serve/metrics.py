@@ -7,11 +7,17 @@ cumulative microseconds nv_inference_request_duration_us, nv_inference_queue_dur
 nv_inference_compute_infer_duration_us. Histograms that Triton lacks are named tensorkiln_*:
 request, queue and compute seconds, and rows per engine run. GPU memory in use is
 nv_gpu_memory_used_bytes, where there is a GPU. Each server has a registry of its own.
+
+Triton's counters are written as Triton writes them (``# TYPE nv_inference_count counter`` and
+samples under that bare name): prometheus-client would name them ``nv_inference_count_total``
+and add ``_created`` samples, and queries written for Triton would find nothing.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import threading
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
 LABELS = ("model", "version")
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -19,14 +25,43 @@ _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+class TritonCounter:
+    """A counter per (model, version), exposed under its bare name as Triton exposes it."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc = name, doc
+        self.values: dict[tuple[str, str], float] = {}
+        self._lock = threading.Lock()
+
+    def inc(self, labels: tuple[str, str], amount: float = 1.0) -> None:
+        with self._lock:
+            self.values[labels] = self.values.get(labels, 0.0) + amount
+
+    def text(self) -> str:
+        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} counter"]
+        with self._lock:
+            items = sorted(self.values.items())
+        for (model, version), value in items:
+            lines.append(
+                f'{self.name}{{model="{_escape(model)}",version="{_escape(version)}"}} {value!r}'
+            )
+        return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
 class Metrics:
     """The server's counters and histograms (one registry per server)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
+        self.counters: dict[str, TritonCounter] = {}
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, LABELS, registry=r)
+        def counter(name: str, doc: str) -> TritonCounter:
+            self.counters[name] = TritonCounter(name, doc)
+            return self.counters[name]
 
         self.success = counter("nv_inference_request_success", "successful inference requests")
         self.failure = counter("nv_inference_request_failure", "failed inference requests")
@@ -62,28 +97,29 @@ class Metrics:
 
     def request(self, model: str, version: int, ok: bool, seconds: float) -> None:
         labels = (model, str(version))
-        (self.success if ok else self.failure).labels(*labels).inc()
+        (self.success if ok else self.failure).inc(labels)
         if ok:
-            self.request_us.labels(*labels).inc(seconds * 1e6)
+            self.request_us.inc(labels, seconds * 1e6)
             self.request_s.labels(*labels).observe(seconds)
 
     def run(self, model: str, version: int, rows: int, requests_queue_s: list[float],
             compute_s: float) -> None:  # fmt: skip
         """One engine run of ``rows`` rows for requests that waited ``requests_queue_s``."""
         labels = (model, str(version))
-        self.count.labels(*labels).inc(rows)
-        self.exec_count.labels(*labels).inc()
-        self.compute_us.labels(*labels).inc(compute_s * 1e6)
+        self.count.inc(labels, rows)
+        self.exec_count.inc(labels)
+        self.compute_us.inc(labels, compute_s * 1e6)
         self.compute_s.labels(*labels).observe(compute_s)
         self.batch_rows.labels(*labels).observe(rows)
         for q in requests_queue_s:
-            self.queue_us.labels(*labels).inc(q * 1e6)
+            self.queue_us.inc(labels, q * 1e6)
             self.queue_s.labels(*labels).observe(q)
 
     def exposition(self) -> bytes:
         """The text format, GPU memory read now."""
         self._read_gpu_memory()
-        return generate_latest(self.registry)
+        counters = "".join(c.text() for c in self.counters.values()).encode()
+        return counters + generate_latest(self.registry)
 
     def _read_gpu_memory(self) -> None:
         try:

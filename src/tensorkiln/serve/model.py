@@ -11,6 +11,12 @@ file, with the same checks. The server never writes into the model repository.
 The configuration is completed from the engine as Triton completes a TensorRT model's. Inputs
 and outputs left out are filled from the engine. Those given are checked against it: the same
 names, data types and dims, with the batch dimension left out when max_batch_size > 0.
+
+``optimization { cuda { graphs: true } }`` runs a GPU engine as CUDA graphs, as Triton's TensorRT
+backend does: a graph is captured per batch size the first time it is run, then replayed. To keep
+the graphs few, a batch is padded up to the next graph batch size (the config's graph_spec
+batch sizes, else the powers of two up to max_batch_size, and max_batch_size), and the padding
+rows are dropped from the outputs.
 """
 
 from __future__ import annotations
@@ -53,9 +59,12 @@ class ServedModel:
         self.max_batch_size = entry.max_batch_size
         complete_config(self.config, engine, f"model '{self.name}' version {self.version}")
         count = sum(g.count or 1 for g in self.config.instance_group) or 1
+        graphs = self.config.optimization.cuda.graphs and engine.runtime_backend.cuda_graphs
+        # batch sizes that runs are padded up to (a CUDA graph each); () runs as given
+        self.graph_batches = _graph_batches(self.config) if graphs else ()
         self._contexts: queue.Queue = queue.Queue()
         for _ in range(count):
-            self._contexts.put(engine.create_execution_context())
+            self._contexts.put(engine.create_execution_context(use_cuda_graph=bool(graphs)))
         self.instances = count
         self.inputs = {t.name: _tensor_info(t) for t in self.config.input}
         self.outputs = {t.name: _tensor_info(t) for t in self.config.output}
@@ -154,12 +163,48 @@ class ServedModel:
 
     def infer(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run checked ``feeds`` on a free execution context (waits for one)."""
+        feeds, rows = self._padded(feeds)
         ctx = self._contexts.get()
         try:
-            out = ctx.infer(dict(feeds))
+            out = ctx.infer(feeds)
         finally:
             self._contexts.put(ctx)
-        return {n: np.asarray(out[n]) for n in self.outputs}
+        if rows is None:
+            return {n: np.asarray(out[n]) for n in self.outputs}
+        return {n: np.asarray(out[n])[:rows] for n in self.outputs}
+
+    def _padded(self, feeds: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int | None]:
+        """``feeds`` with their batch padded (zero rows) up to the next graph batch size, and
+        the rows that are the request's (None: no padding)."""
+        feeds = dict(feeds)
+        if not self.graph_batches or not feeds:
+            return feeds, None
+        rows = next(iter(feeds.values())).shape[0]
+        size = next((b for b in self.graph_batches if b >= rows), rows)
+        if size == rows:
+            return feeds, None
+        padded = {}
+        for n, x in feeds.items():
+            full = np.zeros((size, *x.shape[1:]), x.dtype)
+            full[:rows] = x
+            padded[n] = full
+        return padded, rows
+
+
+def _graph_batches(config: Any) -> tuple[int, ...]:
+    """The batch sizes CUDA graphs are captured for (empty: a model without a batch dimension,
+    whose graphs are captured per input shape as requests come)."""
+    most = config.max_batch_size
+    if most <= 0:
+        return ()
+    given = {g.batch_size for g in config.optimization.cuda.graph_spec if 0 < g.batch_size <= most}
+    if given:
+        return tuple(sorted(given | {most}))
+    sizes, b = {most}, 1
+    while b < most:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
 
 
 def _tensor_info(t: Any) -> tuple[str, tuple[int, ...]]:
