@@ -239,6 +239,59 @@ def load(url: str, model: str, clients: int, args: argparse.Namespace, inputs: n
     return out
 
 
+def core_load(repo: Path, args: argparse.Namespace, inputs: np.ndarray,
+              expected: np.ndarray) -> dict:  # fmt: skip
+    """``--clients`` coroutines calling the server's core in this process (no protocol, no
+    network) for ``--seconds`` per model: what the scheduler and engine reach on their own."""
+    import asyncio
+
+    from tensorkiln.serve.core import ServerCore
+
+    async def one_model(core: ServerCore, model: str) -> dict:
+        done, lats, bad, counting = [0], [], [0], [False]
+
+        async def client(k: int, stop_at: float) -> None:
+            i = k
+            while time.monotonic() < stop_at:
+                t0 = time.monotonic()
+                _, got = await core.infer(model, None, {"input": inputs[i % len(inputs)]})
+                if rel_l2(got["output_0"], expected[i % len(inputs)]) > TOLERANCE:
+                    bad[0] += 1
+                if counting[0]:
+                    done[0] += 1
+                    lats.append(time.monotonic() - t0)
+                i += 1
+
+        stop_at = time.monotonic() + args.warmup + args.seconds
+        tasks = [asyncio.create_task(client(k, stop_at)) for k in range(args.clients)]
+        await asyncio.sleep(args.warmup)
+        counting[0], t0 = True, time.monotonic()
+        await asyncio.gather(*tasks)
+        elapsed = time.monotonic() - t0
+        lats.sort()
+        return {
+            "infer_per_s": round(done[0] / elapsed, 1),
+            "p50_ms": round(1e3 * lats[len(lats) // 2], 3) if lats else None,
+            "mismatches": bad[0],
+        }
+
+    async def main() -> dict:
+        core = ServerCore(repo, backend=args.backend)
+        await core.load_all()
+        out = {}
+        try:
+            for model in ("resnet50_b1", "resnet50"):
+                out[model] = await one_model(core, model)
+                log(f"{args.clients} coroutines on the core, {model}: {out[model]}")
+        finally:
+            await core.close()
+        b1, dyn = out["resnet50_b1"]["infer_per_s"], out["resnet50"]["infer_per_s"]
+        out["dynamic_over_batch1"] = round(dyn / b1, 2) if b1 else None
+        return out
+
+    return asyncio.run(main())
+
+
 def latency_1(call, n: int, warm: int = 30) -> dict:
     """Median and p90 milliseconds of ``n`` calls after ``warm``."""
     for _ in range(warm):
@@ -386,6 +439,7 @@ def main(argv: list[str] | None = None) -> int:
             result["dynamic_over_batch1"][protocol] = ratio
             log(f"dynamic batching / batch-1 serving, {args.clients} clients, {protocol}: {ratio}")
         result["load"] = loads
+        result["core_load"] = core_load(repo, args, inputs, expected)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

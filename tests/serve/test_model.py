@@ -142,3 +142,20 @@ def test_a_batch_padded_up_to_a_graph_size_returns_only_its_own_rows(tmp_path):
         got = served.infer({"input": x})["logits"]
         assert got.shape == (rows, 10)
         np.testing.assert_allclose(got, direct.infer({"input": x})["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_of_requests_is_joined_padded_and_split_back(tmp_path):
+    _model(tmp_path, config="max_batch_size: 16 optimization { cuda { graphs: true } }")
+    served = _load(tmp_path)
+    served.graph_batches = (1, 2, 4, 8, 16)
+    direct = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+    rng = np.random.default_rng()
+    requests = [
+        {"input": rng.standard_normal((n, 1, 8, 8)).astype(np.float32)} for n in (2, 1, 3)
+    ]
+    for _ in range(2):  # (the second batch reuses the thread's buffer)
+        results = served.infer_batch(requests)
+        for feeds, got in zip(requests, results):
+            want = direct.infer(feeds)["logits"]
+            np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-6)
+        requests = requests[::-1]

@@ -221,6 +221,7 @@ def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher:
         preferred=tuple(db.preferred_batch_size),
         workers=model.instances,
         gather=gather,
+        run_batch=model.infer_batch,
         on_batch=None
         if metrics is None
         else lambda rows, queued, compute: metrics.run(
