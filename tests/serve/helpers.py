@@ -65,3 +65,22 @@ def samples(metrics: Any, family: str) -> dict[tuple, float]:
             if s.name == family:
                 out[tuple(sorted(s.labels.items()))] = s.value
     return out
+
+
+def wait_until(ready: Callable[[], bool], proc: Any = None, seconds: float = 120) -> None:
+    """Poll ``ready()`` (an exception counts as not yet) until it is true; fail when ``proc``
+    (a server process) exits first or ``seconds`` pass."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            if ready():
+                return
+        except Exception:  # (not listening yet)
+            pass
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if getattr(proc, "stdout", None) else ""
+            raise AssertionError(f"the server exited with {proc.returncode}: {out}")
+        assert time.monotonic() < deadline, f"not ready within {seconds} s"
+        time.sleep(0.2)

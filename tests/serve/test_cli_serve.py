@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +16,7 @@ pytest.importorskip("aiohttp")
 
 from tensorkiln.builder import Builder  # noqa: E402
 from tests.serve.helpers import free_port as _free_port  # noqa: E402
+from tests.serve.helpers import wait_until  # noqa: E402
 from tests.serve.test_repository import DIGITS, _model  # noqa: E402
 
 
@@ -37,16 +37,7 @@ def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
                 "--grpc-address", "127.0.0.1", "--engine-cache", str(tmp_path / "cache"))  # fmt: skip
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if client.is_model_ready("digits"):
-                    break
-            except Exception:  # (not listening yet)
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "the server did not become ready"
-            time.sleep(0.2)
+        wait_until(lambda: client.is_model_ready("digits"), proc)
         x = np.random.default_rng().standard_normal((2, 1, 8, 8)).astype(np.float32)
         inp = httpclient.InferInput("input", [2, 1, 8, 8], "FP32")
         inp.set_data_from_numpy(x)

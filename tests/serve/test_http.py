@@ -115,12 +115,8 @@ def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(server):
 
         key = (("model", "gathered"), ("version", "1"))
         assert labels_of(core.metrics, "nv_inference_request_success")[key] == 24
-        assert labels_of(core.metrics, "nv_inference_exec_count")[key] == len(
-            batcher.stats.sizes
-        )
-        assert labels_of(core.metrics, "nv_inference_count")[key] == sum(
-            x.shape[0] for x in xs
-        )
+        assert labels_of(core.metrics, "nv_inference_exec_count")[key] == len(batcher.stats.sizes)
+        assert labels_of(core.metrics, "nv_inference_count")[key] == sum(x.shape[0] for x in xs)
         assert labels_of(core.metrics, "tensorkiln_batch_size_count")[key] == len(
             batcher.stats.sizes
         )

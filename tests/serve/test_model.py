@@ -150,9 +150,7 @@ def test_a_batch_of_requests_is_joined_padded_and_split_back(tmp_path):
     served.graph_batches = (1, 2, 4, 8, 16)
     direct = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
     rng = np.random.default_rng()
-    requests = [
-        {"input": rng.standard_normal((n, 1, 8, 8)).astype(np.float32)} for n in (2, 1, 3)
-    ]
+    requests = [{"input": rng.standard_normal((n, 1, 8, 8)).astype(np.float32)} for n in (2, 1, 3)]
     for _ in range(2):  # (the second batch reuses the thread's buffer)
         results = served.infer_batch(requests)
         for feeds, got in zip(requests, results):

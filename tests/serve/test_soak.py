@@ -22,6 +22,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 
 from tensorkiln.builder import Builder  # noqa: E402
 from tests.serve.helpers import free_port as _free_port  # noqa: E402
+from tests.serve.helpers import wait_until  # noqa: E402
 from tests.serve.test_repository import DIGITS, _model  # noqa: E402
 
 CLIENTS = 64
@@ -48,15 +49,7 @@ def served(tmp_path_factory):
     )  # fmt: skip
     url = f"127.0.0.1:{port}"
     client = httpclient.InferenceServerClient(url)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if client.is_model_ready("digits"):
-                break
-        except Exception:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.2)
+    wait_until(lambda: client.is_model_ready("digits"), proc)
     try:
         yield url, proc
     finally:

@@ -17,6 +17,7 @@ EPILOG = """examples:
   tensorkiln serve --model-repository models/
   tensorkiln serve --model-repository models/ --http-port 8080 --backend cuda
   tensorkiln serve --model-repository models/ --model-control-mode explicit --load-model digits
+  tensorkiln serve --model-repository models/ --model-control-mode poll --repository-poll-secs 5
 
   then, from Python (pip install 'tritonclient[http]'):
     import numpy as np, tritonclient.http as http
@@ -54,9 +55,15 @@ def add_parser(sub: Any) -> None:
         help="serve /metrics (default: true)",
     )  # fmt: skip
     p.add_argument(
-        "--model-control-mode", choices=["none", "explicit"], default="none",
+        "--model-control-mode", choices=["none", "explicit", "poll"], default="none",
         help="none (default): load every model at start; explicit: load only --load-model at "
-        "start, the rest through the repository API",
+        "start, the rest through the repository API; poll: load every model at start, then "
+        "follow the repository folder (models added, changed or removed)",
+    )  # fmt: skip
+    p.add_argument(
+        "--repository-poll-secs", type=int, default=15, metavar="SECONDS",
+        help="with --model-control-mode poll: seconds between scans of the repository "
+        "(default: 15)",
     )  # fmt: skip
     p.add_argument(
         "--load-model", action="append", default=[], metavar="NAME",
@@ -112,6 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError(f"--http-max-input-size {args.http_max_input_size} must be 1 or more")
     if args.load_model and args.model_control_mode != "explicit":
         raise CLIError("--load-model needs --model-control-mode explicit (as tritonserver's)")
+    if args.repository_poll_secs < 1:
+        raise CLIError(f"--repository-poll-secs {args.repository_poll_secs} must be 1 or more")
     handler = logging.StreamHandler()
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())
@@ -119,7 +128,10 @@ def run_serve(args: argparse.Namespace) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=logging.DEBUG if args.log_verbose > 0 else logging.INFO,
                         handlers=[handler], force=True)  # fmt: skip
-    core = ServerCore(args.model_repository, backend=args.backend, cache_dir=args.engine_cache)
+    core = ServerCore(
+        args.model_repository, backend=args.backend, cache_dir=args.engine_cache,
+        control_mode=args.model_control_mode,
+    )  # fmt: skip
     explicit = args.model_control_mode == "explicit"
     app = make_app(core, max_body=args.http_max_input_size, load=not explicit)
     if explicit and args.load_model:
@@ -130,6 +142,8 @@ def run_serve(args: argparse.Namespace) -> int:
                 await core.load(name)  # (an explicitly asked model that fails stops the start)
 
         app.on_startup.append(load_wanted)
+    if args.model_control_mode == "poll":
+        _with_polling(app, core, args.repository_poll_secs)
     if args.allow_grpc:
         _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}")
     if args.allow_metrics:
@@ -186,6 +200,31 @@ def _with_grpc(app: Any, core: Any, address: str) -> None:
     async def stop(_app: Any) -> None:
         if "server" in held:
             await held["server"].stop(30)  # (requests in flight get 30 s to finish)
+
+    app.on_startup.append(start)
+    app.on_shutdown.insert(0, stop)
+
+
+def _with_polling(app: Any, core: Any, seconds: int) -> None:
+    """Rescan the repository every ``seconds`` while the server runs (poll mode)."""
+    import asyncio  # lazy: cli start time
+
+    held = {}
+
+    async def poll_forever() -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await core.poll()
+            except Exception:  # (a scan that fails is logged; the next one tries again)
+                logging.getLogger("tensorkiln.serve").exception("repository poll failed")
+
+    async def start(_app: Any) -> None:
+        held["task"] = asyncio.create_task(poll_forever())
+
+    async def stop(_app: Any) -> None:
+        if "task" in held:
+            held["task"].cancel()
 
     app.on_startup.append(start)
     app.on_shutdown.insert(0, stop)

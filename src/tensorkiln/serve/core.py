@@ -50,13 +50,27 @@ class _Loaded:
     batchers: dict[int, DynamicBatcher] = field(default_factory=dict)
 
 
+CONTROL_MODES = ("none", "explicit", "poll")
+
+
 class ServerCore:
     """Models of a repository, loaded, and inference on them. ``backend``: the engines'
-    backend for ONNX models built on load; ``cache_dir``: where those builds are kept."""
+    backend for ONNX models built on load; ``cache_dir``: where those builds are kept;
+    ``control_mode``: Triton's model control mode, which decides whether the repository API may
+    load and unload models (only "explicit" lets it; "poll" follows the folder instead)."""
 
     def __init__(
-        self, repository: str | Path, *, backend: str = "reference", cache_dir: Any = None
+        self,
+        repository: str | Path,
+        *,
+        backend: str = "reference",
+        cache_dir: Any = None,
+        control_mode: str = "explicit",
     ) -> None:
+        if control_mode not in CONTROL_MODES:
+            raise ValueError(f"control_mode must be one of {CONTROL_MODES}, got {control_mode!r}")
+        self.control_mode = control_mode
+        self._seen: dict[str, tuple] = {}  # poll mode: model -> fingerprint when last loaded
         self.repository = ModelRepository(repository)
         self.backend = backend
         self.cache_dir = cache_dir
@@ -97,6 +111,47 @@ class ServerCore:
             await _close(old)
         log.info("model '%s' loaded: versions %s", name, sorted(versions))
 
+    async def request_load(self, name: str) -> None:
+        """The repository API's load: allowed in explicit model control mode only."""
+        self._check_control("load")
+        await self.load(name)
+
+    async def request_unload(self, name: str) -> None:
+        """The repository API's unload: allowed in explicit model control mode only."""
+        self._check_control("unload")
+        await self.unload(name)
+
+    def _check_control(self, what: str) -> None:
+        if self.control_mode != "explicit":
+            raise ServeError(
+                f"explicit model {what} is not allowed in model control mode "
+                f"'{self.control_mode}' (start the server with --model-control-mode explicit)",
+                400,
+            )
+
+    async def poll(self) -> None:
+        """Poll mode's rescan: load models added to the repository, reload those whose files
+        changed, unload those removed. A model that fails to load is recorded and tried again
+        only when its files change."""
+        names = set(self.repository.names())
+        with self._lock:
+            known = set(self.models) | set(self.failed) | set(self._seen)
+        for name in sorted(known - names):
+            self._seen.pop(name, None)
+            with self._lock:
+                self.failed.pop(name, None)
+            if name in self.models:
+                with contextlib.suppress(ServeError):
+                    await self.unload(name)
+                log.info("model '%s' unloaded: its folder is gone", name)
+        for name in sorted(names):
+            mark = self.repository.fingerprint(name)
+            if self._seen.get(name) == mark:
+                continue
+            self._seen[name] = mark
+            with contextlib.suppress(ServeError):  # (recorded in self.failed)
+                await self.load(name)
+
     async def unload(self, name: str) -> None:
         with self._lock:
             old = self.models.pop(name, None)
@@ -107,6 +162,7 @@ class ServerCore:
     async def load_all(self) -> None:
         """Every model of the repository (a model that fails is recorded, not fatal)."""
         for name in self.repository.names():
+            self._seen[name] = self.repository.fingerprint(name)
             with contextlib.suppress(ServeError):  # (recorded in self.failed)
                 await self.load(name)
 

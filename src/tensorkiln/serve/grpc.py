@@ -85,11 +85,11 @@ class InferenceService:
         return reply
 
     async def RepositoryModelLoad(self, request: Any, context: Any) -> Any:
-        await self.core.load(request.model_name)
+        await self.core.request_load(request.model_name)
         return _m("RepositoryModelLoadResponse")()
 
     async def RepositoryModelUnload(self, request: Any, context: Any) -> Any:
-        await self.core.unload(request.model_name)
+        await self.core.request_unload(request.model_name)
         return _m("RepositoryModelUnloadResponse")()
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:

@@ -130,12 +130,12 @@ async def _index(request: web.Request) -> web.Response:
 
 
 async def _load(request: web.Request) -> web.Response:
-    await _core(request).load(request.match_info["model"])
+    await _core(request).request_load(request.match_info["model"])
     return web.Response(status=200)
 
 
 async def _unload(request: web.Request) -> web.Response:
-    await _core(request).unload(request.match_info["model"])
+    await _core(request).request_unload(request.match_info["model"])
     return web.Response(status=200)
 
 

@@ -23,6 +23,7 @@ Anything wrong is a :class:`ModelLoadError` naming the model, the file and the p
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ from tensorkiln.serve import protocol
 
 CONFIG_LIMIT = 1 << 20  # bytes: a config.pbtxt larger than this is not a model configuration
 MODEL_FILES = ("model.engine", "model.onnx")
+CONFIG_FILES = ("config.pbtxt", "config.json")
+_SCAN_LIMIT = 1000  # folder entries a poll looks at per folder (a model has a few)
 PLATFORMS = {
     "": None,  # (taken from the version's file)
     "tensorkiln_engine": "engine",
@@ -94,6 +97,29 @@ class ModelRepository:
             for v in entry.versions:
                 out.append({"name": name, "version": str(v.version)})
         return out
+
+    def fingerprint(self, name: str) -> tuple:
+        """What a change to model ``name`` changes: the sizes and modification times of its
+        configuration files and of the files in its version folders (``()``: no such folder).
+        Poll mode reloads a model whose fingerprint changed."""
+        directory = self.root / name
+        try:
+            entries = sorted(os.scandir(directory), key=lambda e: e.name)[:_SCAN_LIMIT]
+        except OSError:
+            return ()
+        out = []
+        for e in entries:
+            try:
+                if e.name in CONFIG_FILES and e.is_file():
+                    st = e.stat()
+                    out.append((e.name, st.st_size, st.st_mtime_ns))
+                elif e.name.isdigit() and e.is_dir(follow_symlinks=False):
+                    for f in sorted(os.scandir(e.path), key=lambda f: f.name)[:_SCAN_LIMIT]:
+                        st = f.stat()
+                        out.append((f"{e.name}/{f.name}", st.st_size, st.st_mtime_ns))
+            except OSError:  # (changed while read: the next poll sees it)
+                out.append((e.name, -1, -1))
+        return tuple(out) or (("", 0, 0),)
 
     def read(self, name: str) -> ModelEntry:
         """Model ``name``'s configuration and served versions, checked."""
