@@ -152,8 +152,8 @@ def _tensor(**kw) -> dict:
         (json.dumps({"inputs": [_tensor(datatype="STRINGY")]}).encode(), {}, 400, "not one served here"),
         (json.dumps({"inputs": [_tensor(shape=[1, 1, 8, 9])]}).encode(), {}, 400, "64 values for shape"),
         (json.dumps({"inputs": [_tensor(shape=[-1, 8])]}).encode(), {}, 400, "must be a list"),
-        (json.dumps({"inputs": [_tensor(shape=[10**9, 10**9])]}).encode(), {}, 400, "larger than a request"),
-        (json.dumps({"inputs": [_tensor(data=["a"] * 64)]}).encode(), {}, 400, "not all float32 values"),
+        (json.dumps({"inputs": [_tensor(shape=[10**9, 10**9])]}).encode(), {}, 400, "bytes a request may have"),
+        (json.dumps({"inputs": [_tensor(data=["a"] * 64)]}).encode(), {}, 400, "not all FP32 values"),
         (json.dumps({"inputs": [_tensor(shape=[17, 1, 8, 8], data=[0.0] * 17 * 64)]}).encode(), {}, 400, "batch of 17"),
         (json.dumps({"inputs": [_tensor(data=None, parameters={"binary_data_size": 256})]}).encode(), {HEADER: "0"}, 400, "JSON is malformed"),
         (json.dumps({"inputs": [_tensor(data=None, parameters={"binary_data_size": 100})]}).encode(), {}, 400, "takes 256"),
@@ -183,3 +183,23 @@ def test_unknown_models_and_versions_and_oversized_bodies(server):
     # and the server still serves
     code, reply = _post(url, "/v2/models/digits/infer", body)
     assert code == 200 and reply["outputs"][0]["shape"] == [1, 10]
+
+
+def test_an_input_is_bounded_by_the_servers_body_limit(tmp_path):
+    _model(tmp_path)
+
+    async def start(core: ServerCore, port: int):
+        runner = web.AppRunner(make_app(core, max_body=4096))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner.cleanup
+
+    with serving_with(tmp_path, start) as (url, _):
+        # a small body declaring an input of 17 x 256 bytes, over the 4,096 accepted
+        body = json.dumps({"inputs": [_tensor(shape=[17, 1, 8, 8], data=[0.5])]}).encode()
+        code, reply = _post(url, "/v2/models/digits/infer", body)
+        assert code == 400 and "more than the 4,096 bytes" in reply["error"], reply
+        x = np.random.default_rng().standard_normal((1, 1, 8, 8)).astype(np.float32)
+        body = json.dumps({"inputs": [_tensor(data=x.reshape(-1).tolist())]}).encode()
+        code, reply = _post(url, "/v2/models/digits/infer", body)
+        assert code == 200 and len(reply["outputs"][0]["data"]) == 10, reply

@@ -20,8 +20,10 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.errors import InputError, TensorkilnError
+from tensorkiln.serve import protocol
 from tensorkiln.serve.batcher import DynamicBatcher
 from tensorkiln.serve.model import ServedModel
+from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.repository import ModelRepository
 from tensorkiln.version import __version__
 
@@ -34,14 +36,6 @@ log = logging.getLogger("tensorkiln.serve")
 
 SERVER_NAME = "tensorkiln"
 EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
-
-
-class ServeError(TensorkilnError):
-    """An error to answer a request with: ``status`` is the HTTP status."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass
@@ -216,14 +210,24 @@ class ServerCore:
 
     # ------------------------------------------------------------------ inference
     async def infer(
-        self, name: str, version: str | None, feeds: dict[str, np.ndarray]
+        self,
+        name: str,
+        version: str | None,
+        feeds: dict[str, np.ndarray],
+        outputs: list[str] | tuple[str, ...] = (),
     ) -> tuple[ServedModel, dict[str, np.ndarray]]:
-        """Check ``feeds`` against the model and run them (through its batcher where it has
-        dynamic batching); the model and the outputs."""
+        """Check ``feeds`` against the model and run them through its scheduler; the model and
+        the ``outputs`` asked for (every output when none is named), in that order, each of a
+        protocol datatype. An output the model lacks is refused before the run."""
         model = self.model(name, version)
         start = time.perf_counter()
         ok = False
         try:
+            unknown = [n for n in outputs if n not in model.outputs]
+            if unknown:
+                raise ServeError(
+                    f"model '{model.name}' has no output {', '.join(map(repr, unknown))}", 400
+                )
             try:
                 batch = model.check(feeds)
             except InputError as exc:
@@ -235,8 +239,18 @@ class ServerCore:
                 out = await batcher.submit(feeds, batch)
             except TensorkilnError as exc:  # (the engine's own refusal: the request's fault)
                 raise ServeError(f"model '{name}': {exc}", 400) from None
+            chosen = {}
+            for n in outputs or list(out):
+                y = np.ascontiguousarray(out[n])
+                if protocol.datatype_of(y.dtype) is None:
+                    raise ServeError(
+                        f"model '{model.name}': output '{n}' has type {y.dtype}, which the "
+                        "protocol lacks",
+                        500,
+                    )
+                chosen[n] = y
             ok = True
-            return model, out
+            return model, chosen
         finally:
             if self.metrics is not None:
                 self.metrics.request(model.name, model.version, ok, time.perf_counter() - start)

@@ -20,11 +20,11 @@ import numpy as np
 from google.protobuf import json_format
 
 from tensorkiln.serve import protocol
-from tensorkiln.serve.core import ServeError, ServerCore, log
+from tensorkiln.serve.core import ServerCore, log
+from tensorkiln.serve.protocol import ServeError
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_MESSAGE = 64 << 20  # bytes, as the HTTP body bound
-MAX_DIMS = 16
 _STATUS = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     404: grpc.StatusCode.NOT_FOUND,
@@ -47,8 +47,9 @@ def _m(name: str) -> Any:
 class InferenceService:
     """The RPCs over a :class:`ServerCore`."""
 
-    def __init__(self, core: ServerCore) -> None:
+    def __init__(self, core: ServerCore, max_message: int = 64 << 20) -> None:
         self.core = core
+        self.max_message = max_message
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return _m("ServerLiveResponse")(live=True)
@@ -107,28 +108,21 @@ class InferenceService:
             yield reply
 
     async def _infer(self, request: Any) -> Any:
-        feeds = _feeds(request)
+        feeds = _feeds(request, self.max_message)
         wanted = [o.name for o in request.outputs]
-        model, outputs = await self.core.infer(request.model_name, request.model_version, feeds)
-        unknown = [n for n in wanted if n not in outputs]
-        if unknown:
-            raise ServeError(
-                f"model '{model.name}' has no output {', '.join(map(repr, unknown))}", 400
-            )
+        model, outputs = await self.core.infer(
+            request.model_name, request.model_version, feeds, wanted
+        )
         reply = _m("ModelInferResponse")(
             model_name=model.name, model_version=str(model.version), id=request.id
         )
-        for n in wanted or list(outputs):
-            y = np.ascontiguousarray(outputs[n])
-            datatype = protocol.datatype_of(y.dtype)
-            if datatype is None:
-                raise ServeError(f"output '{n}' has type {y.dtype}, which the protocol lacks", 500)
-            reply.outputs.add(name=n, datatype=datatype, shape=list(y.shape))
+        for n, y in outputs.items():
+            reply.outputs.add(name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape))
             reply.raw_output_contents.append(y.tobytes())
         return reply
 
 
-def _feeds(request: Any) -> dict[str, np.ndarray]:
+def _feeds(request: Any, limit: int = MAX_MESSAGE) -> dict[str, np.ndarray]:
     """The request's tensors as arrays, every size checked first."""
     if not request.inputs:
         raise ServeError("the request has no inputs")
@@ -144,43 +138,20 @@ def _feeds(request: Any) -> dict[str, np.ndarray]:
             raise ServeError(f"input {i} has no name")
         if t.name in feeds:
             raise ServeError(f"input '{t.name}' is given twice")
-        dtype = protocol.numpy_dtype(t.datatype)
-        if dtype is None:
-            raise ServeError(
-                f"input '{t.name}': datatype '{t.datatype[:20]}' is not one served here"
-            )
-        shape = tuple(t.shape)
-        if len(shape) > MAX_DIMS or any(d < 0 for d in shape):
-            raise ServeError(
-                f"input '{t.name}': shape {list(shape)[:20]} must be at most {MAX_DIMS} sizes"
-            )
-        count = math.prod(shape)
-        if count * dtype.itemsize > MAX_MESSAGE:
-            raise ServeError(
-                f"input '{t.name}': shape {list(shape)} is larger than a request may be"
-            )
+        dtype, shape = protocol.declared(t.name, t.datatype, list(t.shape), limit)
         if raw:
-            data = raw[i]
-            if len(data) != count * dtype.itemsize:
+            want = math.prod(shape) * dtype.itemsize
+            if len(raw[i]) != want:
                 raise ServeError(
-                    f"input '{t.name}': {len(data)} bytes of raw contents; shape {list(shape)} "
-                    f"of {t.datatype} takes {count * dtype.itemsize}"
+                    f"input '{t.name}': {len(raw[i])} bytes of raw contents; shape "
+                    f"{list(shape)} of {t.datatype} takes {want}"
                 )
-            feeds[t.name] = np.frombuffer(data, dtype).reshape(shape)
+            feeds[t.name] = np.frombuffer(raw[i], dtype).reshape(shape)
             continue
         field = _FIELD.get(t.datatype)
-        values = getattr(t.contents, field) if field else []
-        if field is None or len(values) != count:
-            raise ServeError(
-                f"input '{t.name}': {len(values)} values in contents for shape {list(shape)} "
-                f"({count} values)" + ("" if field else f"; {t.datatype} is sent as raw contents")
-            )
-        arr = np.asarray(values)
-        if dtype.kind in "iu" and arr.size:
-            info = np.iinfo(dtype)
-            if arr.min() < info.min or arr.max() > info.max:
-                raise ServeError(f"input '{t.name}': values outside {t.datatype}'s range")
-        feeds[t.name] = arr.astype(dtype).reshape(shape)
+        if field is None:
+            raise ServeError(f"input '{t.name}': {t.datatype} is sent as raw contents")
+        feeds[t.name] = protocol.from_values(t.name, list(getattr(t.contents, field)), dtype, shape)
     return feeds
 
 
@@ -217,9 +188,10 @@ RPCS = (
 )  # fmt: skip
 
 
-def handlers(core: ServerCore) -> grpc.GenericRpcHandler:
-    """The service's generic handler over ``core``."""
-    service = InferenceService(core)
+def handlers(core: ServerCore, max_message: int = 64 << 20) -> grpc.GenericRpcHandler:
+    """The service's generic handler over ``core``; no input may declare more than
+    ``max_message`` bytes."""
+    service = InferenceService(core, max_message)
     methods: dict[str, grpc.RpcMethodHandler] = {n: _unary(service, n) for n in RPCS}
     methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         service.ModelStreamInfer,
@@ -239,7 +211,7 @@ async def start(
         ("grpc.http2.lookahead_bytes", 16 << 20),
     ]
     server = grpc.aio.server(options=options)
-    server.add_generic_rpc_handlers((handlers(core),))
+    server.add_generic_rpc_handlers((handlers(core, max_message),))
     if server.add_insecure_port(address) == 0:
         raise ServeError(f"cannot listen for gRPC on {address}", 500)
     await server.start()

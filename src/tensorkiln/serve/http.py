@@ -18,11 +18,11 @@ from aiohttp import web
 from google.protobuf import json_format
 
 from tensorkiln.serve import protocol
-from tensorkiln.serve.core import ServeError, ServerCore, log
+from tensorkiln.serve.core import ServerCore, log
+from tensorkiln.serve.protocol import ServeError
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_BODY = 64 << 20  # bytes (Triton's --http-max-input-size default)
-MAX_DIMS = 16
 CORE = web.AppKey("core", ServerCore)
 BODY_LIMIT = web.AppKey("body_limit", int)
 
@@ -151,23 +151,16 @@ async def _infer(request: web.Request) -> web.Response:
         )
     body = await request.read()
     header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-    feeds, wanted, binary_default, rid = _parse_request(header, binary)
+    feeds, wanted, binary_default, rid = _parse_request(header, binary, limit)
     name, version = request.match_info["model"], request.match_info.get("version")
-    model, outputs = await _core(request).infer(name, version, feeds)
-    unknown = [n for n in wanted if n not in outputs]
-    if unknown:
-        raise ServeError(f"model '{name}' has no output {', '.join(map(repr, unknown))}", 400)
-    names = list(wanted) or list(outputs)
+    model, outputs = await _core(request).infer(name, version, feeds, list(wanted))
     reply: dict[str, Any] = {"model_name": model.name, "model_version": str(model.version)}
     if rid is not None:
         reply["id"] = rid
     chunks, tensors = [], []
-    for n in names:
-        y = np.ascontiguousarray(outputs[n])
-        datatype = protocol.datatype_of(y.dtype)
-        if datatype is None:
-            raise ServeError(f"output '{n}' has type {y.dtype}, which the protocol lacks", 500)
-        t: dict[str, Any] = {"name": n, "datatype": datatype, "shape": list(y.shape)}
+    for n, y in outputs.items():
+        t: dict[str, Any] = {"name": n, "datatype": protocol.datatype_of(y.dtype),
+                             "shape": list(y.shape)}  # fmt: skip
         if wanted.get(n, binary_default):
             data = y.tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
@@ -206,8 +199,9 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (send such values as binary tensor data)")
 
 
-def _parse_request(header: Any, binary: bytes) -> tuple[dict, dict, bool, Any]:
-    """(feeds, requested outputs -> binary?, the default for outputs, the request id)."""
+def _parse_request(header: Any, binary: bytes, limit: int) -> tuple[dict, dict, bool, Any]:
+    """(feeds, requested outputs -> binary?, the default for outputs, the request id); no
+    input may declare more than ``limit`` bytes."""
     if not isinstance(header, dict):
         raise ServeError("the request must be a JSON object with 'inputs'")
     inputs = header.get("inputs")
@@ -225,7 +219,7 @@ def _parse_request(header: Any, binary: bytes) -> tuple[dict, dict, bool, Any]:
             raise ServeError(f"input {i} has no name")
         if name in feeds:
             raise ServeError(f"input '{name}' is given twice")
-        dtype, shape = _type_and_shape(t, name)
+        dtype, shape = protocol.declared(name, t.get("datatype"), t.get("shape"), limit)
         size = _params(t, f"input '{name}'").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -244,7 +238,9 @@ def _parse_request(header: Any, binary: bytes) -> tuple[dict, dict, bool, Any]:
             feeds[name] = np.frombuffer(binary, dtype, math.prod(shape), offset).reshape(shape)
             offset += size
         else:
-            feeds[name] = _from_json(t.get("data"), dtype, shape, name)
+            if not isinstance(t.get("data"), list):
+                raise ServeError(f"input '{name}' has neither 'data' nor binary_data_size")
+            feeds[name] = protocol.from_values(name, t["data"], dtype, shape)
     if offset != len(binary):
         raise ServeError(
             f"the request has {len(binary) - offset} bytes of binary data no input uses"
@@ -270,49 +266,3 @@ def _params(obj: dict, what: str) -> dict:
     if not isinstance(params, dict):
         raise ServeError(f"{what}: 'parameters' must be an object")
     return params
-
-
-def _type_and_shape(t: dict, name: str) -> tuple[np.dtype, tuple[int, ...]]:
-    datatype = t.get("datatype")
-    dtype = protocol.numpy_dtype(datatype) if isinstance(datatype, str) else None
-    if dtype is None:
-        raise ServeError(f"input '{name}': datatype {datatype!r} is not one served here")
-    shape = t.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-    ):
-        raise ServeError(
-            f"input '{name}': shape {str(shape)[:80]} must be a list of at most {MAX_DIMS} sizes"
-        )
-    if math.prod(shape) * dtype.itemsize > MAX_BODY:
-        raise ServeError(f"input '{name}': shape {shape} is larger than a request may be")
-    return dtype, tuple(shape)
-
-
-def _from_json(data: Any, dtype: np.dtype, shape: tuple[int, ...], name: str) -> np.ndarray:
-    if not isinstance(data, list):
-        raise ServeError(f"input '{name}' has neither 'data' nor binary_data_size")
-    try:
-        flat = np.asarray(data, dtype=object).reshape(-1)  # (ragged nesting: ValueError)
-    except ValueError as exc:
-        raise ServeError(f"input '{name}': its data is not a regular array ({exc})") from None
-    if flat.size != math.prod(shape):
-        raise ServeError(
-            f"input '{name}': {flat.size} values for shape {list(shape)} "
-            f"({math.prod(shape)} values)"
-        )
-    if dtype.kind == "b":
-        ok = all(type(v) is bool for v in flat)
-    elif dtype.kind in "iu":
-        ok = all(type(v) is int for v in flat)
-    else:
-        ok = all(type(v) in (int, float) for v in flat)
-    if not ok:
-        raise ServeError(f"input '{name}': its data is not all {dtype} values")
-    if dtype.kind in "iu" and flat.size:
-        info = np.iinfo(dtype)
-        if min(flat) < info.min or max(flat) > info.max:
-            raise ServeError(f"input '{name}': values outside {dtype}'s range")
-    return flat.astype(dtype).reshape(shape)

@@ -9,6 +9,7 @@ messages that tritonclient registers in protobuf's default pool.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,20 @@ from typing import Any
 import numpy as np
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
+from tensorkiln.errors import TensorkilnError
+
 DESCRIPTORS = Path(__file__).resolve().parent / "proto" / "kserve.binpb"
+MAX_DIMS = 16  # sizes an input's shape may have
+
+
+class ServeError(TensorkilnError):
+    """An error to answer a request with: ``status`` is the HTTP status (the gRPC front end
+    maps it to a status code)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
 
 # Triton's data types: the model configuration's TYPE_* enum names without the prefix are the
 # protocol's datatype strings ("FP32", "INT64", "BYTES" for strings)
@@ -83,3 +97,55 @@ def numpy_dtype(datatype: str) -> np.dtype | None:
 def datatype_of(dtype: np.dtype) -> str | None:
     """The protocol datatype of a numpy dtype, or None where the protocol has none."""
     return _DATATYPES.get(np.dtype(dtype))
+
+
+# ---------------------------------------------------------------------- request tensors
+def declared(name: str, datatype: Any, shape: Any, limit: int) -> tuple[np.dtype, tuple[int, ...]]:
+    """An input's declared datatype and shape, checked before any array is made: a datatype
+    served here, a list of at most MAX_DIMS sizes of 0 or more, and at most ``limit`` bytes."""
+    dtype = numpy_dtype(datatype) if isinstance(datatype, str) else None
+    if dtype is None:
+        raise ServeError(f"input '{name}': datatype {str(datatype)[:20]!r} is not one served here")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+    ):
+        raise ServeError(
+            f"input '{name}': shape {str(shape)[:80]} must be a list of at most {MAX_DIMS} sizes"
+        )
+    if math.prod(shape) * dtype.itemsize > limit:
+        raise ServeError(
+            f"input '{name}': shape {shape} of {datatype} takes more than the {limit:,} bytes a "
+            "request may have"
+        )
+    return dtype, tuple(shape)
+
+
+def from_values(name: str, values: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
+    """An input's values (JSON data, or gRPC typed contents) as an array: regular nesting,
+    the shape's count, values of the datatype's kind, integers within its range."""
+    if not isinstance(values, list):
+        raise ServeError(f"input '{name}' has no data")
+    try:
+        flat = np.asarray(values, dtype=object).reshape(-1)  # (ragged nesting: ValueError)
+    except ValueError as exc:
+        raise ServeError(f"input '{name}': its data is not a regular array ({exc})") from None
+    count = math.prod(shape)
+    if flat.size != count:
+        raise ServeError(
+            f"input '{name}': {flat.size} values for shape {list(shape)} ({count} values)"
+        )
+    if dtype.kind == "b":
+        ok = all(type(v) is bool for v in flat)
+    elif dtype.kind in "iu":
+        ok = all(type(v) is int for v in flat)
+    else:
+        ok = all(type(v) in (int, float) for v in flat)
+    if not ok:
+        raise ServeError(f"input '{name}': its data is not all {datatype_of(dtype)} values")
+    if dtype.kind in "iu" and flat.size:
+        info = np.iinfo(dtype)
+        if min(flat) < info.min or max(flat) > info.max:
+            raise ServeError(f"input '{name}': values outside {datatype_of(dtype)}'s range")
+    return flat.astype(dtype).reshape(shape)
