@@ -39,6 +39,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 import numpy as np  # noqa: E402
 
 SIDE = 224
+SHM_INPUTS = "tk_bench_inputs"  # the shared-memory region holding the inputs (grpc-shm)
 CHECK_INPUTS = 16  # distinct inputs each client cycles through, with their expected outputs
 TOLERANCE = 2e-2  # relative L2 between a served answer and the in-process one (fp16, any batch)
 
@@ -110,6 +111,8 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
         "--backend", args.backend, "--http-port", str(args.port), "--grpc-port",
         str(args.port + 1), "--metrics-port", str(args.port + 2),
     ]  # fmt: skip
+    if "grpc-shm" in args.protocols:
+        cmd += ["--allow-shared-memory", "true"]
     proc = subprocess.Popen(cmd, env=env, stdout=log_file.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -154,13 +157,16 @@ def _client_process(url: str, model: str, threads: int, seconds: float, warmup: 
                     inputs: np.ndarray, expected: np.ndarray, queue: mp.Queue,
                     protocol: str) -> None:  # fmt: skip
     """``threads`` clients sending back to back; puts (ends, latencies, errors, mismatches,
-    worst error, first error) measured after the warm-up."""
+    worst error, first error) measured after the warm-up. ``protocol`` "grpc-shm": inputs are
+    read from the shared-memory region SHM_INPUTS, outputs written to one region per client."""
+    import os
     import threading
 
-    if protocol == "grpc":
+    if protocol.startswith("grpc"):
         import tritonclient.grpc as client_module
     else:
         import tritonclient.http as client_module
+    import tritonclient.utils.shared_memory as shm
 
     stop_at = time.monotonic() + warmup + seconds
     count_from = time.monotonic() + warmup
@@ -169,18 +175,31 @@ def _client_process(url: str, model: str, threads: int, seconds: float, warmup: 
     def loop(k: int) -> None:
         client = client_module.InferenceServerClient(url)
         ends, lats, errors, bad, worst, first = [], [], 0, 0, 0.0, ""
+        out_bytes = expected[0].nbytes
+        if protocol == "grpc-shm":
+            region = f"tk_out_{os.getpid()}_{k}"
+            handle = shm.create_shared_memory_region(region, "/" + region, out_bytes)
+            client.register_system_shared_memory(region, "/" + region, out_bytes)
         i = k
         while True:
             t0 = time.monotonic()
             if t0 >= stop_at:
                 break
             x = client_module.InferInput("input", list(inputs[i % len(inputs)].shape), "FP32")
-            if protocol == "grpc":
-                x.set_data_from_numpy(inputs[i % len(inputs)])
-            else:
-                x.set_data_from_numpy(inputs[i % len(inputs)], binary_data=True)
             try:
-                got = client.infer(model, [x]).as_numpy("output_0")
+                if protocol == "grpc-shm":
+                    nbytes = inputs[0].nbytes
+                    x.set_shared_memory(SHM_INPUTS, nbytes, offset=(i % len(inputs)) * nbytes)
+                    out = client_module.InferRequestedOutput("output_0")
+                    out.set_shared_memory(region, out_bytes)
+                    client.infer(model, [x], outputs=[out])
+                    got = shm.get_contents_as_numpy(handle, np.float32, expected[0].shape)
+                elif protocol == "grpc":
+                    x.set_data_from_numpy(inputs[i % len(inputs)])
+                    got = client.infer(model, [x]).as_numpy("output_0")
+                else:
+                    x.set_data_from_numpy(inputs[i % len(inputs)], binary_data=True)
+                    got = client.infer(model, [x]).as_numpy("output_0")
             except Exception as exc:  # counted and reported
                 errors += 1
                 first = first or str(exc)[:200]
@@ -193,6 +212,9 @@ def _client_process(url: str, model: str, threads: int, seconds: float, warmup: 
                 ends.append(t1)
                 lats.append(t1 - t0)
             i += 1
+        if protocol == "grpc-shm":
+            client.unregister_system_shared_memory(region)
+            shm.destroy_shared_memory_region(handle)
         results.append((ends, lats, errors, bad, worst, first))
 
     ts = [threading.Thread(target=loop, args=(k,)) for k in range(threads)]
@@ -319,7 +341,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--delay-us", type=int, default=200, help="dynamic batching's max queue delay")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--client-processes", type=int, default=16)
-    p.add_argument("--protocols", default="grpc,http", help="protocols of the load runs")
+    p.add_argument(
+        "--protocols", default="grpc,http,grpc-shm",
+        help="protocols of the load runs (grpc-shm: gRPC with tensors in shared memory)",
+    )  # fmt: skip
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--latency-calls", type=int, default=300)
@@ -375,6 +400,26 @@ def main(argv: list[str] | None = None) -> int:
             t.set_data_from_numpy(x)
             return gc.infer(model, [t]).as_numpy("output_0")
 
+        shm_handle = None
+        if "grpc-shm" in args.protocols:
+            import tritonclient.utils.shared_memory as shm
+
+            shm_handle = shm.create_shared_memory_region(
+                SHM_INPUTS, "/" + SHM_INPUTS, inputs.nbytes
+            )
+            shm.set_shared_memory_region(shm_handle, [inputs])
+            gc.register_system_shared_memory(SHM_INPUTS, "/" + SHM_INPUTS, inputs.nbytes)
+            out_handle = shm.create_shared_memory_region("tk_c1_out", "/tk_c1_out", 4000)
+            gc.register_system_shared_memory("tk_c1_out", "/tk_c1_out", 4000)
+
+        def grpc_shm_call(model: str) -> np.ndarray:
+            t = grpcclient.InferInput("input", list(inputs[0].shape), "FP32")
+            t.set_shared_memory(SHM_INPUTS, inputs[0].nbytes)
+            o = grpcclient.InferRequestedOutput("output_0")
+            o.set_shared_memory("tk_c1_out", expected[0].nbytes)
+            gc.infer(model, [t], outputs=[o])
+            return shm.get_contents_as_numpy(out_handle, np.float32, expected[0].shape)
+
         def http_call(model: str, x: np.ndarray) -> np.ndarray:
             t = httpclient.InferInput("input", list(x.shape), "FP32")
             t.set_data_from_numpy(x, binary_data=True)
@@ -396,6 +441,12 @@ def main(argv: list[str] | None = None) -> int:
             )
             served[f"{model} http"] = latency_1(
                 lambda m=model: http_call(m, inputs[0]), args.latency_calls
+            )
+        if shm_handle is not None:
+            err = rel_l2(grpc_shm_call("resnet50_b1"), expected[0])
+            assert err <= TOLERANCE, f"shared-memory answer differs: {err}"
+            served["resnet50_b1 grpc shared memory"] = latency_1(
+                lambda: grpc_shm_call("resnet50_b1"), args.latency_calls
             )
         before = scrape(args)
         served["resnet50_b1 grpc (again)"] = latency_1(
@@ -421,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
 
         loads, result["dynamic_over_batch1"] = {}, {}
         for protocol in args.protocols.split(","):
-            url = grpc_url if protocol == "grpc" else http_url
+            url = grpc_url if protocol.startswith("grpc") else http_url
             for model in ("resnet50_b1", "resnet50"):
                 key = f"{model} {protocol}"
                 before = scrape(args)
@@ -440,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"dynamic batching / batch-1 serving, {args.clients} clients, {protocol}: {ratio}")
         result["load"] = loads
         result["core_load"] = core_load(repo, args, inputs, expected)
+        if shm_handle is not None:
+            shm.destroy_shared_memory_region(shm_handle)
+            shm.destroy_shared_memory_region(out_handle)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -23,7 +23,7 @@ from tests.serve.test_http import _direct  # noqa: E402
 from tests.serve.test_repository import _model  # noqa: E402
 
 
-def serving(repo: Path):
+def serving(repo: Path, **core_kw):
     """The gRPC service on a free port in a thread of its own (models loaded at start)."""
 
     async def start(core: ServerCore, port: int):
@@ -31,7 +31,7 @@ def serving(repo: Path):
         server = await serve_grpc.start(core, f"127.0.0.1:{port}")
         return lambda: server.stop(5)
 
-    return serving_with(repo, start)
+    return serving_with(repo, start, **core_kw)
 
 
 @pytest.fixture(scope="module")

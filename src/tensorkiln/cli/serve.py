@@ -70,6 +70,11 @@ def add_parser(sub: Any) -> None:
         help="with --model-control-mode explicit: a model to load at start (repeatable; '*' for all)",
     )  # fmt: skip
     p.add_argument(
+        "--allow-shared-memory", type=_flag, default=False, metavar="BOOL",
+        help="serve Triton's system shared-memory extension to clients on this machine "
+        "(default: false; a client can then name any shared-memory object the server may open)",
+    )  # fmt: skip
+    p.add_argument(
         "--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
         help="the largest request body accepted (default: 64 MiB)",
     )  # fmt: skip
@@ -130,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
                         handlers=[handler], force=True)  # fmt: skip
     core = ServerCore(
         args.model_repository, backend=args.backend, cache_dir=args.engine_cache,
-        control_mode=args.model_control_mode,
+        control_mode=args.model_control_mode, shared_memory=args.allow_shared_memory,
     )  # fmt: skip
     explicit = args.model_control_mode == "explicit"
     app = make_app(core, max_body=args.http_max_input_size, load=not explicit)

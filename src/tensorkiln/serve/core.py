@@ -25,6 +25,7 @@ from tensorkiln.serve.batcher import DynamicBatcher
 from tensorkiln.serve.model import ServedModel
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.repository import ModelRepository
+from tensorkiln.serve.shm import SharedMemory
 from tensorkiln.version import __version__
 
 try:
@@ -35,7 +36,10 @@ except ImportError:  # (prometheus-client not installed: the server runs without
 log = logging.getLogger("tensorkiln.serve")
 
 SERVER_NAME = "tensorkiln"
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data", "model_repository", "model_configuration", "statistics",
+    "system_shared_memory",
+]  # fmt: skip
 
 
 @dataclass
@@ -60,10 +64,12 @@ class ServerCore:
         backend: str = "reference",
         cache_dir: Any = None,
         control_mode: str = "explicit",
+        shared_memory: bool = False,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control_mode must be one of {CONTROL_MODES}, got {control_mode!r}")
         self.control_mode = control_mode
+        self.shm = SharedMemory(enabled=shared_memory)  # Triton's system shared memory
         self._seen: dict[str, tuple] = {}  # poll mode: model -> fingerprint when last loaded
         self.repository = ModelRepository(repository)
         self.backend = backend
@@ -166,6 +172,7 @@ class ServerCore:
             loaded = list(self.models.values())
         for m in loaded:
             await _close(m)
+        self.shm.close()
 
     # ------------------------------------------------------------------ lookup
     def model(self, name: str, version: str | None = None) -> ServedModel:

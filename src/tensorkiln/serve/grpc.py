@@ -6,7 +6,7 @@ pool. There is no generated stub, and the wire format is the published one, so t
 talks to it unchanged. Tensors come in as raw contents (what tritonclient sends) or typed
 contents. Sizes are checked against shapes and data types before any array is made. A client's
 error is answered with INVALID_ARGUMENT, NOT_FOUND or UNAVAILABLE and a message naming it. RPCs
-not served here (shared memory, tracing) answer UNIMPLEMENTED.
+not served here (CUDA shared memory, tracing) answer UNIMPLEMENTED.
 """
 
 from __future__ import annotations
@@ -93,6 +93,23 @@ class InferenceService:
         await self.core.request_unload(request.model_name)
         return _m("RepositoryModelUnloadResponse")()
 
+    async def SystemSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        reply = _m("SystemSharedMemoryStatusResponse")()
+        for r in self.core.shm.status(request.name):
+            reply.regions[r["name"]].CopyFrom(
+                _m("SystemSharedMemoryStatusResponse.RegionStatus")(**r)
+            )
+        return reply
+
+    async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        self.core.shm.register(request.name, request.key, request.offset, request.byte_size)
+        return _m("SystemSharedMemoryRegisterResponse")()
+
+    async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.core.shm.status()  # (refused when the extension is off)
+        self.core.shm.unregister(request.name)
+        return _m("SystemSharedMemoryUnregisterResponse")()
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         return await self._infer(request)
 
@@ -108,8 +125,17 @@ class InferenceService:
             yield reply
 
     async def _infer(self, request: Any) -> Any:
-        feeds = _feeds(request, self.max_message)
+        shm = self.core.shm
+        feeds = _feeds(request, self.max_message, shm)
         wanted = [o.name for o in request.outputs]
+        targets = {}  # output -> (region, offset, byte size) in shared memory
+        for o in request.outputs:
+            params = _params(o.parameters)
+            if "shared_memory_region" in params:
+                targets[o.name] = (
+                    params["shared_memory_region"], params.get("shared_memory_offset", 0),
+                    params.get("shared_memory_byte_size"),
+                )  # fmt: skip
         model, outputs = await self.core.infer(
             request.model_name, request.model_version, feeds, wanted
         )
@@ -117,36 +143,69 @@ class InferenceService:
             model_name=model.name, model_version=str(model.version), id=request.id
         )
         for n, y in outputs.items():
-            reply.outputs.add(name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape))
-            reply.raw_output_contents.append(y.tobytes())
+            t = reply.outputs.add(
+                name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape)
+            )
+            if n in targets:
+                region, offset, size = targets[n]
+                shm.write(region, offset, size, y, f"output '{n}'")
+                t.parameters["shared_memory_region"].string_param = region
+                t.parameters["shared_memory_byte_size"].int64_param = y.nbytes
+                if offset:
+                    t.parameters["shared_memory_offset"].int64_param = offset
+                reply.raw_output_contents.append(b"")  # (keeps the contents in output order)
+            else:
+                reply.raw_output_contents.append(y.tobytes())
         return reply
 
 
-def _feeds(request: Any, limit: int = MAX_MESSAGE) -> dict[str, np.ndarray]:
-    """The request's tensors as arrays, every size checked first."""
+def _params(parameters: Any) -> dict[str, Any]:
+    """A protocol parameters map as plain values."""
+    out = {}
+    for key, p in parameters.items():
+        which = p.WhichOneof("parameter_choice")
+        out[key] = getattr(p, which) if which else None
+    return out
+
+
+def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: Any = None) -> dict[str, np.ndarray]:
+    """The request's tensors as arrays, every size checked first (``shm``: the server's
+    shared-memory regions, which inputs may name)."""
     if not request.inputs:
         raise ServeError("the request has no inputs")
     raw = list(request.raw_input_contents)
-    if raw and len(raw) != len(request.inputs):
+    in_shm = ["shared_memory_region" in t.parameters for t in request.inputs]
+    if raw and len(raw) != in_shm.count(False):
         raise ServeError(
-            f"the request has {len(request.inputs)} inputs and {len(raw)} raw contents; give "
-            "one per input, or none"
+            f"the request has {in_shm.count(False)} inputs outside shared memory and {len(raw)} "
+            "raw contents; give one per such input, or none"
         )
     feeds: dict[str, np.ndarray] = {}
+    j = 0  # (raw contents are those of the inputs outside shared memory, in order)
     for i, t in enumerate(request.inputs):
         if not t.name:
             raise ServeError(f"input {i} has no name")
         if t.name in feeds:
             raise ServeError(f"input '{t.name}' is given twice")
         dtype, shape = protocol.declared(t.name, t.datatype, list(t.shape), limit)
+        params = _params(t.parameters)
+        if "shared_memory_region" in params:
+            if shm is None:
+                raise ServeError(f"input '{t.name}': shared memory is not served here")
+            feeds[t.name] = shm.read(
+                params["shared_memory_region"], params.get("shared_memory_offset", 0),
+                params.get("shared_memory_byte_size"), dtype, shape, f"input '{t.name}'",
+            )  # fmt: skip
+            continue
         if raw:
+            data, j = raw[j], j + 1
             want = math.prod(shape) * dtype.itemsize
-            if len(raw[i]) != want:
+            if len(data) != want:
                 raise ServeError(
-                    f"input '{t.name}': {len(raw[i])} bytes of raw contents; shape "
+                    f"input '{t.name}': {len(data)} bytes of raw contents; shape "
                     f"{list(shape)} of {t.datatype} takes {want}"
                 )
-            feeds[t.name] = np.frombuffer(raw[i], dtype).reshape(shape)
+            feeds[t.name] = np.frombuffer(data, dtype).reshape(shape)
             continue
         field = _FIELD.get(t.datatype)
         if field is None:
@@ -185,6 +244,7 @@ def _serialize(message: Any) -> bytes:
 RPCS = (
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "ModelInfer",
+    "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
 )  # fmt: skip
 
 

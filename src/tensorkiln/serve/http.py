@@ -45,6 +45,12 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
     r.add_post("/v2/repository/index", _index)
     r.add_post("/v2/repository/models/{model}/load", _load)
     r.add_post("/v2/repository/models/{model}/unload", _unload)
+    for prefix in ("/v2/systemsharedmemory", "/v2/systemsharedmemory/region/{region}"):
+        r.add_get(prefix + "/status", _shm_status)
+        r.add_post(prefix + "/status", _shm_status)
+        r.add_post(prefix + "/unregister", _shm_unregister)
+    r.add_post("/v2/systemsharedmemory/region/{region}/register", _shm_register)
+    r.add_route("*", "/v2/cudasharedmemory{rest:.*}", _no_cuda_shm)
     if load:
         app.on_startup.append(_load_all)
     app.on_shutdown.append(_drain)
@@ -139,6 +145,36 @@ async def _unload(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
+# ---------------------------------------------------------------------- shared memory
+async def _shm_status(request: web.Request) -> web.Response:
+    return web.json_response(_core(request).shm.status(request.match_info.get("region")))
+
+
+async def _shm_register(request: web.Request) -> web.Response:
+    body = await request.read()
+    if len(body) > 4096:
+        raise ServeError("a shared-memory registration is a small JSON object")
+    header, _ = _split(body, None)
+    if not isinstance(header, dict):
+        raise ServeError("the registration must be a JSON object with key, offset, byte_size")
+    _core(request).shm.register(
+        request.match_info["region"], header.get("key"), header.get("offset", 0),
+        header.get("byte_size"),
+    )  # fmt: skip
+    return web.Response(status=200)
+
+
+async def _shm_unregister(request: web.Request) -> web.Response:
+    core = _core(request)
+    core.shm.status()  # (refused when the extension is off)
+    core.shm.unregister(request.match_info.get("region"))
+    return web.Response(status=200)
+
+
+async def _no_cuda_shm(request: web.Request) -> web.Response:
+    raise ServeError("CUDA shared memory is not served here; use system shared memory", 400)
+
+
 # ---------------------------------------------------------------------- inference
 async def _infer(request: web.Request) -> web.Response:
     limit = request.app[BODY_LIMIT]
@@ -151,9 +187,10 @@ async def _infer(request: web.Request) -> web.Response:
         )
     body = await request.read()
     header, binary = _split(body, request.headers.get(HEADER_LENGTH))
-    feeds, wanted, binary_default, rid = _parse_request(header, binary, limit)
+    core = _core(request)
+    feeds, wanted, binary_default, rid = _parse_request(header, binary, limit, core.shm)
     name, version = request.match_info["model"], request.match_info.get("version")
-    model, outputs = await _core(request).infer(name, version, feeds, list(wanted))
+    model, outputs = await core.infer(name, version, feeds, list(wanted))
     reply: dict[str, Any] = {"model_name": model.name, "model_version": str(model.version)}
     if rid is not None:
         reply["id"] = rid
@@ -161,7 +198,14 @@ async def _infer(request: web.Request) -> web.Response:
     for n, y in outputs.items():
         t: dict[str, Any] = {"name": n, "datatype": protocol.datatype_of(y.dtype),
                              "shape": list(y.shape)}  # fmt: skip
-        if wanted.get(n, binary_default):
+        target = wanted.get(n, binary_default)
+        if isinstance(target, tuple):  # (into a shared-memory region)
+            region, offset, size = target
+            core.shm.write(region, offset, size, y, f"output '{n}'")
+            t["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": y.nbytes}
+            if offset:
+                t["parameters"]["shared_memory_offset"] = offset
+        elif target:
             data = y.tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)
@@ -199,9 +243,11 @@ def _not_json(name: str) -> Any:
     raise ValueError(f"{name} is not JSON (send such values as binary tensor data)")
 
 
-def _parse_request(header: Any, binary: bytes, limit: int) -> tuple[dict, dict, bool, Any]:
-    """(feeds, requested outputs -> binary?, the default for outputs, the request id); no
-    input may declare more than ``limit`` bytes."""
+def _parse_request(header: Any, binary: bytes, limit: int,
+                   shm: Any = None) -> tuple[dict, dict, bool, Any]:  # fmt: skip
+    """(feeds, requested outputs -> binary? or their (region, offset, bytes) in shared memory,
+    the default for outputs, the request id); no input may declare more than ``limit`` bytes.
+    ``shm``: the server's shared-memory regions, which inputs may name."""
     if not isinstance(header, dict):
         raise ServeError("the request must be a JSON object with 'inputs'")
     inputs = header.get("inputs")
@@ -220,7 +266,16 @@ def _parse_request(header: Any, binary: bytes, limit: int) -> tuple[dict, dict, 
         if name in feeds:
             raise ServeError(f"input '{name}' is given twice")
         dtype, shape = protocol.declared(name, t.get("datatype"), t.get("shape"), limit)
-        size = _params(t, f"input '{name}'").get("binary_data_size")
+        params = _params(t, f"input '{name}'")
+        if "shared_memory_region" in params:
+            if shm is None:
+                raise ServeError(f"input '{name}': shared memory is not served here")
+            feeds[name] = shm.read(
+                params["shared_memory_region"], params.get("shared_memory_offset", 0),
+                params.get("shared_memory_byte_size"), dtype, shape, f"input '{name}'",
+            )  # fmt: skip
+            continue
+        size = params.get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ServeError(f"input '{name}': binary_data_size must be a byte count")
@@ -245,16 +300,21 @@ def _parse_request(header: Any, binary: bytes, limit: int) -> tuple[dict, dict, 
         raise ServeError(
             f"the request has {len(binary) - offset} bytes of binary data no input uses"
         )
-    wanted: dict[str, bool] = {}
+    wanted: dict[str, Any] = {}
     outputs = header.get("outputs", [])
     if not isinstance(outputs, list):
         raise ServeError("'outputs' must be a list")
     for i, o in enumerate(outputs):
         if not isinstance(o, dict) or not isinstance(o.get("name"), str):
             raise ServeError(f"output {i} has no name")
-        wanted[o["name"]] = bool(
-            _params(o, f"output '{o['name']}'").get("binary_data", binary_default)
-        )
+        params = _params(o, f"output '{o['name']}'")
+        if "shared_memory_region" in params:
+            wanted[o["name"]] = (
+                params["shared_memory_region"], params.get("shared_memory_offset", 0),
+                params.get("shared_memory_byte_size"),
+            )  # fmt: skip
+        else:
+            wanted[o["name"]] = bool(params.get("binary_data", binary_default))
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise ServeError("'id' must be a string")

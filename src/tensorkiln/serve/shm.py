@@ -1,0 +1,175 @@
+"""Triton's system shared-memory extension: a client on the same machine puts tensors in a POSIX
+shared-memory object, registers it once, and then sends requests that name a region of it
+instead of carrying the bytes; outputs can be written back into a region the same way.
+
+A registered key can name any shared-memory object the server may open, and outputs are written
+into it, so the extension is off unless the server is started with
+``--allow-shared-memory true``. Keys are plain object names (no path), opened under
+/dev/shm without following links; the object must be a regular file holding the whole region,
+and regions are bounded in size and number. Input bytes are copied out of the region when the
+request is read, so a region can be unregistered or rewritten at any time after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import re
+import stat
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tensorkiln.serve.protocol import ServeError
+
+SHM_DIR = "/dev/shm"
+MAX_REGIONS = 1024
+MAX_REGION_BYTES = 4 << 30
+_KEY = re.compile(r"^/?[A-Za-z0-9_.\-]{1,200}$")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+
+
+@dataclass
+class _Region:
+    name: str
+    key: str
+    offset: int
+    byte_size: int
+    memory: mmap.mmap
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "offset": self.offset,
+                "byte_size": self.byte_size}  # fmt: skip
+
+
+class SharedMemory:
+    """The server's registered system shared-memory regions."""
+
+    def __init__(self, enabled: bool = False) -> None:
+        self.enabled = enabled
+        self._regions: dict[str, _Region] = {}
+        self._lock = threading.Lock()
+
+    def _check_enabled(self) -> None:
+        if not self.enabled:
+            raise ServeError(
+                "system shared memory is off on this server (start it with "
+                "--allow-shared-memory true)",
+                400,
+            )
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
+        self._check_enabled()
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ServeError(f"region name {str(name)[:60]!r} must be letters, digits, '_-.'")
+        if not isinstance(key, str) or not _KEY.match(key) or key.strip("/") in (".", ".."):
+            raise ServeError(
+                f"shared-memory key {str(key)[:60]!r} must be an object name such as '/input0'"
+            )
+        for what, v in (("offset", offset), ("byte_size", byte_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ServeError(f"region '{name}': {what} must be a byte count")
+        if not 0 < byte_size <= MAX_REGION_BYTES:
+            raise ServeError(
+                f"region '{name}': byte_size {byte_size:,} must be 1 to {MAX_REGION_BYTES:,}"
+            )
+        with self._lock:
+            if name in self._regions:
+                raise ServeError(f"region '{name}' is already registered", 400)
+            if len(self._regions) >= MAX_REGIONS:
+                raise ServeError(f"{MAX_REGIONS} regions are registered already", 400)
+        path = os.path.join(SHM_DIR, key.strip("/"))
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            raise ServeError(
+                f"region '{name}': cannot open shared memory '{key}' ({exc.strerror})"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise ServeError(f"region '{name}': '{key}' is not a shared-memory object")
+            if offset + byte_size > st.st_size:
+                raise ServeError(
+                    f"region '{name}': offset {offset:,} + byte_size {byte_size:,} is past the "
+                    f"end of '{key}' ({st.st_size:,} bytes)"
+                )
+            memory = mmap.mmap(fd, st.st_size)
+        finally:
+            os.close(fd)
+        with self._lock:
+            if name in self._regions:  # (registered meanwhile)
+                memory.close()
+                raise ServeError(f"region '{name}' is already registered", 400)
+            self._regions[name] = _Region(name, key, offset, byte_size, memory)
+
+    def unregister(self, name: str | None = None) -> None:
+        """Forget region ``name`` (every region when None); unknown names are no error, as in
+        Triton."""
+        with self._lock:
+            gone = list(self._regions.values()) if not name else [self._regions.pop(name, None)]
+            if not name:
+                self._regions.clear()
+        for r in gone:
+            if r is not None:
+                with contextlib.suppress(BufferError):  # (an array still views it: freed with it)
+                    r.memory.close()
+
+    def status(self, name: str | None = None) -> list[dict[str, Any]]:
+        self._check_enabled()
+        with self._lock:
+            if name:
+                if name not in self._regions:
+                    raise ServeError(f"no shared-memory region '{name}' is registered", 400)
+                return [self._regions[name].status()]
+            return [r.status() for r in self._regions.values()]
+
+    def _span(self, name: Any, offset: Any, byte_size: Any, what: str) -> tuple[_Region, int]:
+        self._check_enabled()
+        if not isinstance(name, str):
+            raise ServeError(f"{what}: shared_memory_region must be a region name")
+        with self._lock:
+            region = self._regions.get(name)
+        if region is None:
+            raise ServeError(f"{what}: no shared-memory region '{name[:60]}' is registered")
+        for label, v in (("shared_memory_offset", offset), ("shared_memory_byte_size", byte_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ServeError(f"{what}: {label} must be a byte count")
+        if offset + byte_size > region.byte_size:
+            raise ServeError(
+                f"{what}: offset {offset:,} + {byte_size:,} bytes is past the end of region "
+                f"'{name}' ({region.byte_size:,} bytes)"
+            )
+        return region, region.offset + offset
+
+    def read(self, name: Any, offset: Any, byte_size: Any, dtype: np.dtype,
+             shape: tuple[int, ...], what: str) -> np.ndarray:  # fmt: skip
+        """An input's tensor, copied out of its region (its byte count checked)."""
+        region, start = self._span(name, offset, byte_size, what)
+        want = math.prod(shape) * dtype.itemsize
+        if byte_size != want:
+            raise ServeError(
+                f"{what}: shared_memory_byte_size is {byte_size:,}; shape {list(shape)} of "
+                f"{dtype} takes {want:,}"
+            )
+        view = np.frombuffer(region.memory, dtype, math.prod(shape), start)
+        return view.reshape(shape).copy()
+
+    def write(self, name: Any, offset: Any, byte_size: Any, data: np.ndarray, what: str) -> None:
+        """An output's tensor into its region (it must fit in ``byte_size``)."""
+        region, start = self._span(name, offset, byte_size, what)
+        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        if raw.size > byte_size:
+            raise ServeError(
+                f"{what}: the output takes {raw.size:,} bytes, over the "
+                f"shared_memory_byte_size of {byte_size:,}"
+            )
+        np.frombuffer(region.memory, np.uint8, raw.size, start)[:] = raw
+
+    def close(self) -> None:
+        self.unregister(None)
