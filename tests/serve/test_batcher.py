@@ -34,15 +34,21 @@ def _run_all(batcher: DynamicBatcher, requests: list[dict], delays: list[float] 
     return asyncio.run(main())
 
 
-def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
-    _model(tmp_path)
-    entry = ModelRepository(tmp_path).read("digits")
+def _served_digits(root, count: int) -> tuple[ServedModel, list[dict]]:
+    """The digits model served from ``root``, and ``count`` requests of 1 to 3 random rows."""
+    _model(root)
+    entry = ModelRepository(root).read("digits")
     served = ServedModel.load(entry, entry.versions[0])
     rng = np.random.default_rng()
     requests = [
         {"input": rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)}
-        for _ in range(40)
+        for _ in range(count)
     ]
+    return served, requests
+
+
+def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
+    served, requests = _served_digits(tmp_path, 40)
     batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2)
     results = _run_all(batcher, requests)
     for feeds, got in zip(requests, results):
@@ -56,14 +62,7 @@ def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
 
 
 def test_without_gathering_every_request_runs_alone_on_the_workers(tmp_path):
-    _model(tmp_path)
-    entry = ModelRepository(tmp_path).read("digits")
-    served = ServedModel.load(entry, entry.versions[0])
-    rng = np.random.default_rng()
-    requests = [
-        {"input": rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)}
-        for _ in range(20)
-    ]
+    served, requests = _served_digits(tmp_path, 20)
     batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2, gather=False)
     results = _run_all(batcher, requests)
     for feeds, got in zip(requests, results):
