@@ -63,3 +63,25 @@ def test_what_a_user_gets_wrong_is_named(tmp_path, capsys):
     with serving(tmp_path / "repo") as (url, _):
         assert main(["perf", "-m", "nothing", "-u", url]) == 1
         assert "not ready" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_shared_memory_as_perf_analyzer_sends_it(tmp_path, protocol, capsys):
+    import os
+
+    pytest.importorskip("tritonclient.utils.shared_memory")
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm")
+    _model(tmp_path / "repo")
+    run = serving if protocol == "http" else grpc_serving
+    with run(tmp_path / "repo", shared_memory=True) as (url, core):
+        rc = main(["perf", "-m", "digits", "-u", url, "-i", protocol, "--concurrency-range", "2",
+                   "--measurement-interval", "300", "--shared-memory", "system"])  # fmt: skip
+        assert rc == 0, capsys.readouterr()
+        assert core.shm.status() == []  # (every client's regions unregistered at the end)
+    leftovers = [n for n in os.listdir("/dev/shm") if n.startswith("tkperf_")]
+    assert leftovers == []
+    with serving(tmp_path / "repo") as (url, _):  # (the extension off)
+        rc = main(["perf", "-m", "digits", "-u", url, "--measurement-interval", "200",
+                   "--shared-memory", "system"])  # fmt: skip
+    assert rc == 1 and "--allow-shared-memory" in capsys.readouterr().err

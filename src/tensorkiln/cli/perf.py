@@ -6,7 +6,9 @@ errors counted."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import os
 import statistics
 import sys
 import threading
@@ -21,6 +23,7 @@ EPILOG = """examples:
   tensorkiln perf -m digits                                  (HTTP on localhost:8000, concurrency 1)
   tensorkiln perf -m digits --concurrency-range 1:64:2 -i grpc -u localhost:8001
   tensorkiln perf -m bert --shape input_ids:128 --shape attention_mask:128 -b 8 -f report.csv
+  tensorkiln perf -m resnet50 -i grpc --shared-memory system   (same machine as the server)
 
 --concurrency-range START:END:STEP doubles when STEP is omitted (1:8 runs 1, 2, 4, 8), as
 perf_analyzer's does with a factor; --shape gives the sizes of an input's -1 dimensions (the batch
@@ -45,6 +48,15 @@ def add_parser(sub: Any) -> None:
     p.add_argument(
         "--shape", action="append", default=[], metavar="NAME:DIMS",
         help="sizes of an input's -1 dimensions, batch excluded (e.g. input_ids:128); repeatable",
+    )  # fmt: skip
+    p.add_argument(
+        "--shared-memory", choices=["none", "system"], default="none",
+        help="system: put each client's inputs and outputs in shared memory, registered with the "
+        "server (same machine; the server needs --allow-shared-memory true)",
+    )  # fmt: skip
+    p.add_argument(
+        "--output-shared-memory-size", type=int, default=102400, metavar="BYTES",
+        help="with --shared-memory system: bytes reserved per output (default: 102400)",
     )  # fmt: skip
     p.add_argument("-f", "--latency-report-file", default=None, metavar="CSV")
     p.set_defaults(handler=run_perf)
@@ -86,8 +98,9 @@ def _client_module(protocol: str) -> Any:
     return module
 
 
-def _inputs(module: Any, client: Any, args: argparse.Namespace, rng: np.random.Generator) -> list:
-    """Request inputs of the model's metadata, with random data."""
+def _inputs(client: Any, args: argparse.Namespace, rng: np.random.Generator) -> tuple[list, list]:
+    """(name, datatype, random data) of each input of the model's metadata, and the names of
+    its outputs."""
     from tensorkiln.serve import protocol  # lazy: cli start time
 
     grpc = args.protocol == "grpc"
@@ -122,14 +135,84 @@ def _inputs(module: Any, client: Any, args: argparse.Namespace, rng: np.random.G
             data = rng.integers(0, 2, shape).astype(bool)
         else:
             data = rng.integers(0, 100, shape).astype(dtype)
-        x = module.InferInput(t["name"], shape, t["datatype"])
-        x.set_data_from_numpy(data)
-        out.append(x)
-    return out
+        out.append((t["name"], t["datatype"], data))
+    return out, [t["name"] for t in meta["outputs"]]
+
+
+class _SharedMemory:
+    """One client's regions (perf_analyzer's --shared-memory system): its inputs, written once,
+    and room for each output; registered with the server, and removed at the end."""
+
+    def __init__(self, module: Any, client: Any, tag: str, inputs: list, outputs: list,
+                 out_size: int) -> None:  # fmt: skip
+        import tritonclient.utils.shared_memory as shm  # lazy: an optional dependency
+
+        self.shm, self.client, self.made = shm, client, []
+        try:
+            self._make(module, tag, inputs, outputs, out_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _make(self, module: Any, tag: str, inputs: list, outputs: list, out_size: int) -> None:
+        shm = self.shm
+        size = sum(d.nbytes for _, _, d in inputs)
+        self.inputs, offset = [], 0
+        handle = self._region(f"{tag}_in", size)
+        for name, datatype, data in inputs:
+            shm.set_shared_memory_region(handle, [data], offset=offset)
+            x = module.InferInput(name, list(data.shape), datatype)
+            x.set_shared_memory(f"{tag}_in", data.nbytes, offset=offset)
+            self.inputs.append(x)
+            offset += data.nbytes
+        self.outputs = []
+        if outputs:
+            self._region(f"{tag}_out", out_size * len(outputs))
+            for j, name in enumerate(outputs):
+                o = module.InferRequestedOutput(name)
+                o.set_shared_memory(f"{tag}_out", out_size, offset=j * out_size)
+                self.outputs.append(o)
+
+    def _region(self, name: str, size: int) -> Any:
+        handle = self.shm.create_shared_memory_region(name, "/" + name, max(size, 1))
+        self.made.append((name, handle))
+        self.client.register_system_shared_memory(name, "/" + name, max(size, 1))
+        return handle
+
+    def close(self) -> None:
+        for name, handle in self.made:
+            with contextlib.suppress(Exception):  # (best effort: the region goes regardless)
+                self.client.unregister_system_shared_memory(name)
+            self.shm.destroy_shared_memory_region(handle)
+        self.made = []
+
+
+def _plain_inputs(module: Any, inputs: list) -> list:
+    x = []
+    for name, datatype, data in inputs:
+        t = module.InferInput(name, list(data.shape), datatype)
+        t.set_data_from_numpy(data)
+        x.append(t)
+    return x
+
+
+def _requests(client: Any, args: argparse.Namespace, request: dict, stop: threading.Event,
+              latencies: list, errors: list, i: int, first_error: list) -> None:  # fmt: skip
+    """One client's requests, back to back until ``stop``."""
+    while not stop.is_set():
+        t0 = time.perf_counter()
+        try:
+            client.infer(args.model_name, model_version=args.model_version, **request)
+        except Exception as exc:  # counted and reported; the load goes on
+            errors[i] += 1
+            if not first_error:
+                first_error.append(str(exc)[:200])
+            continue
+        latencies.append(time.perf_counter() - t0)
 
 
 def _level(module: Any, url: str, args: argparse.Namespace, concurrency: int,
-           inputs: list) -> dict[str, Any]:  # fmt: skip
+           inputs: list, outputs: list) -> dict[str, Any]:  # fmt: skip
     """``concurrency`` clients sending back to back for the interval: the level's figures."""
     latencies: list[list[float]] = [[] for _ in range(concurrency)]
     errors = [0] * concurrency
@@ -138,16 +221,24 @@ def _level(module: Any, url: str, args: argparse.Namespace, concurrency: int,
 
     def client_loop(i: int) -> None:
         client = module.InferenceServerClient(url)
-        while not stop.is_set():
-            t0 = time.perf_counter()
+        shared = None
+        if args.shared_memory == "system":
+            tag = f"tkperf_{os.getpid()}_{concurrency}_{i}"
             try:
-                client.infer(args.model_name, inputs, model_version=args.model_version)
-            except Exception as exc:  # counted and reported; the load goes on
+                shared = _SharedMemory(module, client, tag, inputs, outputs,
+                                       args.output_shared_memory_size)  # fmt: skip
+            except Exception as exc:  # (counted: the server refused, or no /dev/shm)
                 errors[i] += 1
-                if not first_error:
-                    first_error.append(str(exc)[:200])
-                continue
-            latencies[i].append(time.perf_counter() - t0)
+                first_error.append(f"shared memory: {str(exc)[:200]}")
+                return
+            request = {"inputs": shared.inputs, "outputs": shared.outputs}
+        else:
+            request = {"inputs": _plain_inputs(module, inputs)}
+        try:
+            _requests(client, args, request, stop, latencies[i], errors, i, first_error)
+        finally:
+            if shared is not None:
+                shared.close()
 
     threads = [
         threading.Thread(target=client_loop, args=(i,), daemon=True) for i in range(concurrency)
@@ -186,6 +277,8 @@ def run_perf(args: argparse.Namespace) -> int:
         raise CLIError(f"--batch-size {args.batch_size} must be 1 or more")
     if args.measurement_interval < 100:
         raise CLIError("--measurement-interval must be 100 ms or more")
+    if args.output_shared_memory_size < 1:
+        raise CLIError("--output-shared-memory-size must be 1 or more")
     levels = concurrency_levels(args.concurrency_range)
     module = _client_module(args.protocol)
     url = args.url or ("localhost:8001" if args.protocol == "grpc" else "localhost:8000")
@@ -196,13 +289,13 @@ def run_perf(args: argparse.Namespace) -> int:
         raise CLIError(f"no server answers at {url} ({args.protocol}): {str(exc)[:200]}") from None
     if not ready:
         raise CLIError(f"model '{args.model_name}' is not ready at {url}")
-    inputs = _inputs(module, client, args, np.random.default_rng())
+    inputs, outputs = _inputs(client, args, np.random.default_rng())
     rows = []
     print(f"{args.model_name} over {args.protocol} at {url}, batch {args.batch_size}, "
           f"{args.measurement_interval} ms per level")  # fmt: skip
     print("concurrency  infer/s   p50 ms   p90 ms   p95 ms   p99 ms  errors")
     for c in levels:
-        row = _level(module, url, args, c, inputs)
+        row = _level(module, url, args, c, inputs, outputs)
         rows.append(row)
         cells = [
             f"{row[f'p{p}_ms']:8.2f}" if row[f"p{p}_ms"] is not None else "       -"
