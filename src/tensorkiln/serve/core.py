@@ -70,6 +70,7 @@ class ServerCore:
             raise ValueError(f"control_mode must be one of {CONTROL_MODES}, got {control_mode!r}")
         self.control_mode = control_mode
         self.shm = SharedMemory(enabled=shared_memory)  # Triton's system shared memory
+        self.stats: dict[tuple[str, int], ModelStats] = {}  # the statistics extension's
         self._seen: dict[str, tuple] = {}  # poll mode: model -> fingerprint when last loaded
         self.repository = ModelRepository(repository)
         self.backend = backend
@@ -102,7 +103,7 @@ class ServerCore:
         a version loaded before keeps serving until the new one is in place."""
         loop = asyncio.get_running_loop()
         versions = await loop.run_in_executor(None, self._read, name)
-        loaded = _Loaded(versions, {v: _batcher(m, self.metrics) for v, m in versions.items()})
+        loaded = _Loaded(versions, {v: _batcher(m, self._ran) for v, m in versions.items()})
         with self._lock:
             old = self.models.get(name)
             self.models[name] = loaded
@@ -215,6 +216,35 @@ class ServerCore:
     def metadata(self) -> dict[str, Any]:
         return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
 
+    # ------------------------------------------------------------------ statistics
+    def _stats(self, model: ServedModel) -> ModelStats:
+        key = (model.name, model.version)
+        st = self.stats.get(key)
+        if st is None:
+            st = self.stats[key] = ModelStats()
+        return st
+
+    def _ran(self, model: ServedModel, rows: int, queued: list[float], compute: float) -> None:
+        """An engine run of ``rows`` rows for requests that waited ``queued`` seconds."""
+        self._stats(model).run(rows, queued, compute)
+        if self.metrics is not None:
+            self.metrics.run(model.name, model.version, rows, queued, compute)
+
+    def statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
+        """The statistics extension's model_stats: every loaded model's versions, or ``name``'s
+        (``version``'s)."""
+        if name:
+            if version:
+                models = [self.model(name, version)]
+            else:
+                self.model(name)  # (unknown: 404; not ready: 503)
+                with self._lock:
+                    models = list(self.models[name].versions.values())
+        else:
+            with self._lock:
+                models = [m for loaded in self.models.values() for m in loaded.versions.values()]
+        return [self._stats(m).as_json(m.name, m.version) for m in models]
+
     # ------------------------------------------------------------------ inference
     async def infer(
         self,
@@ -259,8 +289,68 @@ class ServerCore:
             ok = True
             return model, chosen
         finally:
+            took = time.perf_counter() - start
+            self._stats(model).request(ok, took)
             if self.metrics is not None:
-                self.metrics.request(model.name, model.version, ok, time.perf_counter() - start)
+                self.metrics.request(model.name, model.version, ok, took)
+
+
+class ModelStats:
+    """One model version's counts and cumulative durations, as Triton's statistics extension
+    reports them. The engine run's input and output copies are inside compute_infer."""
+
+    def __init__(self) -> None:
+        self.durations = {k: [0, 0] for k in ("success", "fail", "queue", "compute_infer")}
+        self.inference_count = 0
+        self.execution_count = 0
+        self.last_inference = 0  # ms since the epoch
+        self.batches: dict[int, list[int]] = {}  # rows -> [runs, ns]
+
+    def request(self, ok: bool, seconds: float) -> None:
+        d = self.durations["success" if ok else "fail"]
+        d[0] += 1
+        d[1] += int(seconds * 1e9)
+        self.last_inference = int(time.time() * 1000)
+
+    def run(self, rows: int, queued: list[float], compute: float) -> None:
+        ns = int(compute * 1e9)
+        self.inference_count += rows
+        self.execution_count += 1
+        self.durations["compute_infer"][0] += 1
+        self.durations["compute_infer"][1] += ns
+        for q in queued:
+            self.durations["queue"][0] += 1
+            self.durations["queue"][1] += int(q * 1e9)
+        if rows in self.batches or len(self.batches) < 1024:
+            b = self.batches.setdefault(rows, [0, 0])
+            b[0] += 1
+            b[1] += ns
+
+    def as_json(self, name: str, version: int) -> dict[str, Any]:
+        def dur(count: int, ns: int) -> dict[str, int]:
+            return {"count": count, "ns": ns}
+
+        runs = self.execution_count
+        stats = {k: dur(*v) for k, v in self.durations.items()}
+        stats["compute_input"] = stats["compute_output"] = dur(runs, 0)
+        stats["cache_hit"] = stats["cache_miss"] = dur(0, 0)
+        return {
+            "name": name,
+            "version": str(version),
+            "last_inference": self.last_inference,
+            "inference_count": self.inference_count,
+            "execution_count": runs,
+            "inference_stats": stats,
+            "batch_stats": [
+                {
+                    "batch_size": rows,
+                    "compute_input": dur(n, 0),
+                    "compute_infer": dur(n, ns),
+                    "compute_output": dur(n, 0),
+                }
+                for rows, (n, ns) in sorted(self.batches.items())
+            ],
+        }
 
 
 async def _close(loaded: _Loaded) -> None:
@@ -285,7 +375,7 @@ def _metrics() -> Any:
     return None if Metrics is None else Metrics()
 
 
-def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher:
+def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:
     """The model's scheduler: dynamic batching where the config asks for it, else each request
     run alone, on the model's instances."""
     config = model.config
@@ -299,11 +389,7 @@ def _batcher(model: ServedModel, metrics: Any) -> DynamicBatcher:
         workers=model.instances,
         gather=gather,
         run_batch=model.infer_batch,
-        on_batch=None
-        if metrics is None
-        else lambda rows, queued, compute: metrics.run(
-            model.name, model.version, rows, queued, compute
-        ),
+        on_batch=lambda rows, queued, compute: ran(model, rows, queued, compute),
     )
     batcher.start()
     return batcher

@@ -110,6 +110,12 @@ class InferenceService:
         self.core.shm.unregister(request.name)
         return _m("SystemSharedMemoryUnregisterResponse")()
 
+    async def ModelStatistics(self, request: Any, context: Any) -> Any:
+        reply = _m("ModelStatisticsResponse")()
+        stats = self.core.statistics(request.name, request.version)
+        json_format.ParseDict({"model_stats": stats}, reply)
+        return reply
+
     async def ModelInfer(self, request: Any, context: Any) -> Any:
         return await self._infer(request)
 
@@ -245,6 +251,7 @@ RPCS = (
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "ModelInfer",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
+    "ModelStatistics",
 )  # fmt: skip
 
 

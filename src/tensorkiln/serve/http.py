@@ -42,6 +42,8 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
         r.add_get(prefix + "/ready", _model_ready)
         r.add_get(prefix + "/config", _model_config)
         r.add_post(prefix + "/infer", _infer)
+        r.add_get(prefix + "/stats", _stats)
+    r.add_get("/v2/models/stats", _stats)
     r.add_post("/v2/repository/index", _index)
     r.add_post("/v2/repository/models/{model}/load", _load)
     r.add_post("/v2/repository/models/{model}/unload", _unload)
@@ -88,6 +90,10 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         return web.json_response({"error": str(exc)}, status=exc.status)
     except web.HTTPRequestEntityTooLarge as exc:
         return web.json_response({"error": f"request body too large: {exc.text}"}, status=413)
+    except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as exc:  # (JSON, as every other error)
+        return web.json_response(
+            {"error": f"{exc.reason}: {request.method} {request.path[:200]}"}, status=exc.status
+        )
     except web.HTTPException:
         raise
     except Exception as exc:  # a fault of ours: answered, logged, and the server goes on
@@ -128,6 +134,12 @@ async def _model_config(request: web.Request) -> web.Response:
     return web.json_response(
         json_format.MessageToDict(model.config, preserving_proto_field_name=True)
     )
+
+
+async def _stats(request: web.Request) -> web.Response:
+    m = request.match_info
+    stats = _core(request).statistics(m.get("model", ""), m.get("version", ""))
+    return web.json_response({"model_stats": stats})
 
 
 # ---------------------------------------------------------------------- repository
