@@ -3,6 +3,8 @@ process, and dynamic batching against batch-1 serving, driven by tritonclient.
 
     python benchmarks/serve_gpu.py [--clients 64] [--seconds 10] [--json out.json]
     python benchmarks/serve_gpu.py --tiny --backend cpu --seconds 2     (a smoke run, no GPU)
+    python benchmarks/serve_gpu.py --perf-analyzer .perf_analyzer/perf_analyzer
+        (scripts/get_perf_analyzer.sh fetches Triton's C++ load generator)
 
 Two models of one repository, built from the same ONNX export (torchvision ResNet-50, random
 weights made to look trained): ``resnet50`` with dynamic batching (max_batch_size 64, engine
@@ -111,7 +113,7 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
         "--backend", args.backend, "--http-port", str(args.port), "--grpc-port",
         str(args.port + 1), "--metrics-port", str(args.port + 2),
     ]  # fmt: skip
-    if "grpc-shm" in args.protocols:
+    if "grpc-shm" in args.protocols or args.perf_analyzer:
         cmd += ["--allow-shared-memory", "true"]
     proc = subprocess.Popen(cmd, env=env, stdout=log_file.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
@@ -314,6 +316,41 @@ def core_load(repo: Path, args: argparse.Namespace, inputs: np.ndarray,
     return asyncio.run(main())
 
 
+def perf_analyzer(binary: str, url: str, work: Path, args: argparse.Namespace) -> dict:
+    """Triton's own C++ load generator (scripts/get_perf_analyzer.sh) against the server over
+    gRPC, with and without system shared memory: its CSV rows per model and concurrency, the
+    server-side breakdown (queue, compute) included."""
+    import csv
+
+    out: dict = {}
+    for shm in (False, True):
+        for model, levels in (
+            ("resnet50_b1", f"1:{args.clients}"),
+            ("resnet50", f"1:{args.clients}"),
+        ):
+            key = f"{model} grpc" + (" shared memory" if shm else "")
+            report = work / f"pa_{model}_{int(shm)}.csv"
+            cmd = [binary, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range",
+                   levels + f":{args.clients - 1}", "--measurement-interval", "3000",
+                   "-f", str(report)]  # fmt: skip
+            if shm:
+                cmd += ["--shared-memory", "system"]
+            try:
+                run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+            except subprocess.TimeoutExpired:
+                out[key] = {"error": "timed out"}
+                continue
+            if run.returncode != 0 or not report.exists():
+                out[key] = {"error": (run.stdout + run.stderr)[-500:]}
+                continue
+            out[key] = list(csv.DictReader(report.open()))
+            log(f"perf_analyzer, {key}: " + "; ".join(
+                f"c{r['Concurrency']} {float(r['Inferences/Second']):.0f}/s p50 "
+                f"{int(r['p50 latency']) / 1e3:.2f} ms (queue {r['Server Queue']} us, compute "
+                f"{r['Server Compute Infer']} us)" for r in out[key]))  # fmt: skip
+    return out
+
+
 def latency_1(call, n: int, warm: int = 30) -> dict:
     """Median and p90 milliseconds of ``n`` calls after ``warm``."""
     for _ in range(warm):
@@ -352,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default="/tmp/tk_serve_bench")
     p.add_argument("--json", default=None)
     p.add_argument("--reuse", action="store_true", help="keep --work's repository if built")
+    p.add_argument(
+        "--perf-analyzer", default=None, metavar="PATH",
+        help="also drive the server with Triton's perf_analyzer (scripts/get_perf_analyzer.sh)",
+    )  # fmt: skip
     p.add_argument(
         "--server-env",
         action="append",
@@ -490,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
             result["dynamic_over_batch1"][protocol] = ratio
             log(f"dynamic batching / batch-1 serving, {args.clients} clients, {protocol}: {ratio}")
         result["load"] = loads
+        if args.perf_analyzer:
+            result["perf_analyzer"] = perf_analyzer(args.perf_analyzer, grpc_url, work, args)
         result["core_load"] = core_load(repo, args, inputs, expected)
         if shm_handle is not None:
             shm.destroy_shared_memory_region(shm_handle)
