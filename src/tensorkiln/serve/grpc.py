@@ -6,7 +6,8 @@ pool. There is no generated stub, and the wire format is the published one, so t
 talks to it unchanged. Tensors come in as raw contents (what tritonclient sends) or typed
 contents. Sizes are checked against shapes and data types before any array is made. A client's
 error is answered with INVALID_ARGUMENT, NOT_FOUND or UNAVAILABLE and a message naming it. RPCs
-not served here (CUDA shared memory, tracing) answer UNIMPLEMENTED.
+not served here (tracing, logging settings) answer UNIMPLEMENTED; CUDA shared memory has no
+region to list or unregister, and registering one is refused.
 """
 
 from __future__ import annotations
@@ -109,6 +110,17 @@ class InferenceService:
         self.core.shm.status()  # (refused when the extension is off)
         self.core.shm.unregister(request.name)
         return _m("SystemSharedMemoryUnregisterResponse")()
+
+    async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
+        if request.name:
+            raise ServeError(f"no CUDA shared-memory region '{request.name}'")
+        return _m("CudaSharedMemoryStatusResponse")()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        return _m("CudaSharedMemoryUnregisterResponse")()  # (none is ever registered)
+
+    async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
+        raise ServeError("CUDA shared memory is not served here; use system shared memory")
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         reply = _m("ModelStatisticsResponse")()
@@ -251,7 +263,8 @@ RPCS = (
     "ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelConfig",
     "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload", "ModelInfer",
     "SystemSharedMemoryStatus", "SystemSharedMemoryRegister", "SystemSharedMemoryUnregister",
-    "ModelStatistics",
+    "ModelStatistics", "CudaSharedMemoryStatus", "CudaSharedMemoryRegister",
+    "CudaSharedMemoryUnregister",
 )  # fmt: skip
 
 

@@ -52,7 +52,11 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
         r.add_post(prefix + "/status", _shm_status)
         r.add_post(prefix + "/unregister", _shm_unregister)
     r.add_post("/v2/systemsharedmemory/region/{region}/register", _shm_register)
-    r.add_route("*", "/v2/cudasharedmemory{rest:.*}", _no_cuda_shm)
+    for prefix in ("/v2/cudasharedmemory", "/v2/cudasharedmemory/region/{region}"):
+        r.add_get(prefix + "/status", _cuda_shm_none)
+        r.add_post(prefix + "/status", _cuda_shm_none)
+        r.add_post(prefix + "/unregister", _cuda_shm_none)
+    r.add_post("/v2/cudasharedmemory/region/{region}/register", _no_cuda_shm)
     if load:
         app.on_startup.append(_load_all)
     app.on_shutdown.append(_drain)
@@ -180,6 +184,16 @@ async def _shm_unregister(request: web.Request) -> web.Response:
     core = _core(request)
     core.shm.status()  # (refused when the extension is off)
     core.shm.unregister(request.match_info.get("region"))
+    return web.Response(status=200)
+
+
+async def _cuda_shm_none(request: web.Request) -> web.Response:
+    """CUDA shared memory: no region is ever registered (status lists none, unregister is a
+    no-op, as clients that clean up every kind expect)."""
+    if request.path.endswith("/status"):
+        if "region" in request.match_info:
+            raise ServeError(f"no CUDA shared-memory region '{request.match_info['region']}'")
+        return web.json_response([])
     return web.Response(status=200)
 
 
