@@ -4,7 +4,10 @@ equal to the engine's results; the extension off by default; hostile keys and sp
 
 from __future__ import annotations
 
+import json
 import os
+import urllib.error
+import urllib.request
 import uuid
 
 import numpy as np
@@ -109,6 +112,14 @@ def test_hostile_keys_and_spans_are_refused(tmp_path, regions):
             inp.set_shared_memory(f"in_{tag}", IN_BYTES, offset=8)
             with pytest.raises(Exception, match="past the end of region"):
                 client.infer("digits", [inp])
+            big = json.dumps({"key": f"/tk_in_{tag}", "byte_size": 8, "pad": "x" * 10000})
+            req = urllib.request.Request(
+                f"http://{url}/v2/systemsharedmemory/region/big/register", big.encode(),
+                method="POST",
+            )  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(req, timeout=30)
+            assert caught.value.code == 400 and b"at most 4,096 bytes" in caught.value.read()
             assert client.is_server_live()
     finally:
         os.unlink(link)

@@ -167,9 +167,11 @@ async def _shm_status(request: web.Request) -> web.Response:
 
 
 async def _shm_register(request: web.Request) -> web.Response:
-    body = await request.read()
-    if len(body) > 4096:
-        raise ServeError("a shared-memory registration is a small JSON object")
+    if request.content_length is None or request.content_length > 4096:
+        raise ServeError("a shared-memory registration is a JSON object of at most 4,096 bytes")
+    body = await request.content.read(4097)
+    if len(body) > 4096:  # (more than the header said)
+        raise ServeError("a shared-memory registration is a JSON object of at most 4,096 bytes")
     header, _ = _split(body, None)
     if not isinstance(header, dict):
         raise ServeError("the registration must be a JSON object with key, offset, byte_size")
