@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tensorkiln.serve import ModelRepository
-from tensorkiln.serve.batcher import DynamicBatcher
+from tensorkiln.serve.batcher import DynamicBatcher, joined
 from tensorkiln.serve.model import ServedModel
 from tests.serve.test_repository import _model
 
@@ -49,7 +49,7 @@ def _served_digits(root, count: int) -> tuple[ServedModel, list[dict]]:
 
 def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
     served, requests = _served_digits(tmp_path, 40)
-    batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2)
+    batcher = DynamicBatcher(served.infer_batch, max_batch=16, max_delay_s=0.05, workers=2)
     results = _run_all(batcher, requests)
     for feeds, got in zip(requests, results):
         want = served.infer(feeds)["logits"]  # the same request, alone
@@ -63,7 +63,9 @@ def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):
 
 def test_without_gathering_every_request_runs_alone_on_the_workers(tmp_path):
     served, requests = _served_digits(tmp_path, 20)
-    batcher = DynamicBatcher(served.infer, max_batch=16, max_delay_s=0.05, workers=2, gather=False)
+    batcher = DynamicBatcher(
+        served.infer_batch, max_batch=16, max_delay_s=0.05, workers=2, gather=False
+    )
     results = _run_all(batcher, requests)
     for feeds, got in zip(requests, results):
         np.testing.assert_allclose(got["logits"], served.infer(feeds)["logits"], rtol=1e-6)
@@ -88,7 +90,7 @@ def test_requests_of_other_shapes_are_never_mixed():
     requests = [
         {"x": rng.standard_normal((1, 3 if i % 2 else 5)).astype(np.float32)} for i in range(12)
     ]
-    results = _run_all(DynamicBatcher(run, max_batch=8, max_delay_s=0.05), requests)
+    results = _run_all(DynamicBatcher(joined(run), max_batch=8, max_delay_s=0.05), requests)
     for feeds, got in zip(requests, results):
         np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
     assert all(len(s) == 2 for s in seen) and {s[1] for s in seen} == {3, 5}
@@ -105,7 +107,7 @@ def test_preferred_batch_sizes_shape_the_runs():
 
     # nine requests queued before the one instance is free: runs of the preferred 4, then the rest
     requests = [{"x": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(9)]
-    batcher = DynamicBatcher(run, max_batch=16, max_delay_s=0.0, preferred=(4,))
+    batcher = DynamicBatcher(joined(run), max_batch=16, max_delay_s=0.0, preferred=(4,))
     results = _run_all(batcher, requests)
     for feeds, got in zip(requests, results):
         np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
@@ -123,7 +125,7 @@ def test_a_failing_run_fails_only_its_own_requests():
     requests = [{"x": rng.standard_normal((1, 4)).astype(np.float32)} for _ in range(6)]
     requests[0]["x"][0, 0] = np.nan
     delays = [0.0] + [0.1] * 5  # (the bad one alone in the first run)
-    results = _run_all(DynamicBatcher(run, max_batch=8, max_delay_s=0.02), requests, delays)
+    results = _run_all(DynamicBatcher(joined(run), max_batch=8, max_delay_s=0.02), requests, delays)
     assert isinstance(results[0], RuntimeError) and "NaN" in str(results[0])
     for feeds, got in zip(requests[1:], results[1:]):
         np.testing.assert_allclose(got["y"], _rows(feeds)["y"], rtol=1e-6)
@@ -131,8 +133,8 @@ def test_a_failing_run_fails_only_its_own_requests():
 
 def test_bad_uses_are_refused():
     with pytest.raises(ValueError, match="max_batch must be 1 or more"):
-        DynamicBatcher(_rows, max_batch=0)
-    batcher = DynamicBatcher(_rows, max_batch=2)
+        DynamicBatcher(joined(_rows), max_batch=0)
+    batcher = DynamicBatcher(joined(_rows), max_batch=2)
     x = np.ones((3, 4), np.float32)
     results = _run_all(batcher, [{"x": x}])
     assert isinstance(results[0], ValueError) and "1 to 2" in str(results[0])

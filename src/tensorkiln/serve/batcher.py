@@ -4,16 +4,18 @@ gathered into one engine run, and the results are split back to each request.
 One scheduler waits for a free instance (execution context), then takes the oldest waiting
 request. It gathers more, in arrival order, until the batch reaches the largest preferred batch
 size (max_batch_size when none is given) or the queue delay has passed since the first request.
-The batch runs in a thread, off the event loop, and each request gets the rows of the results that
-are its own. While every instance is busy, requests gather, so batches grow with the load. Only requests whose inputs have the same
-non-batch shapes go into one batch; a request that differs waits for a later batch, in order.
+The batch runs in a thread, off the event loop, and each request gets the rows of the results
+that are its own. While every instance is busy, requests gather, so batches grow with the load.
+Only requests whose inputs have the same non-batch shapes go into one batch; a request that
+differs waits for a later batch, in order.
 Requests never see each other's rows. A failing run fails only the requests in that batch, with
 its error, and the worker goes on.
 
 A model without dynamic batching goes through the same scheduler with ``gather=False``: each
 request runs alone, as it came, ``workers`` at a time. Either way the engine is called from
-``workers`` threads of the batcher's own, which also join and split the batches, so that the
-event loop only moves requests and the engine's threads stay few and warm (a thread per request
+``workers`` threads of the batcher's own, on which the batch runner also joins and splits the
+rows (:func:`joined` makes one of a run over joined rows), so that the event loop only moves
+requests and the engine's threads stay few and warm (a thread per request
 would contend for the interpreter's lock with every other).
 """
 
@@ -58,23 +60,50 @@ class BatchStats:
     requests: deque[int] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
 
 
+Feeds = Mapping[str, np.ndarray]
+Outputs = dict[str, np.ndarray]
+
+
+def split_rows(out: Mapping[str, np.ndarray], rows: list[int]) -> list[Outputs]:
+    """The outputs of a run over joined requests, split back: the first ``rows[0]`` rows of
+    every output for the first request, and so on."""
+    parts, offset = [], 0
+    for n in rows:
+        parts.append({k: np.ascontiguousarray(v[offset : offset + n]) for k, v in out.items()})
+        offset += n
+    return parts
+
+
+def joined(
+    run: Callable[[dict[str, np.ndarray]], Outputs],
+) -> Callable[[list[Feeds]], list[Outputs]]:
+    """A batch runner for :class:`DynamicBatcher` from ``run`` (feeds with a batch dimension ->
+    outputs with it): the requests' rows joined, run once, split back (one request: as it is)."""
+
+    def run_batch(requests: list[Feeds]) -> list[Outputs]:
+        if len(requests) == 1:
+            return [run(dict(requests[0]))]
+        feeds = {n: np.concatenate([r[n] for r in requests], axis=0) for n in requests[0]}
+        return split_rows(run(feeds), [next(iter(r.values())).shape[0] for r in requests])
+
+    return run_batch
+
+
 class DynamicBatcher:
-    """Gathers requests for ``run`` (feeds with a batch dimension -> outputs with it) into
-    batches of at most ``max_batch`` rows, waiting at most ``max_delay_s`` for more, with
-    ``workers`` runs at a time. ``run_batch`` (a list of requests' feeds -> their outputs), when
-    given, runs a batch instead of ``run`` on the joined rows. Start it inside a running event loop with :meth:`start`."""
+    """Gathers requests into batches of at most ``max_batch`` rows, waiting at most
+    ``max_delay_s`` for more, and runs each batch with ``run`` (the requests' feeds -> their
+    outputs, in order; :func:`joined` makes one of a run over joined rows), ``workers`` runs at
+    a time. Start it inside a running event loop with :meth:`start`."""
 
     def __init__(
         self,
-        run: Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]],
+        run: Callable[[list[Feeds]], list[Outputs]],
         *,
         max_batch: int,
         max_delay_s: float = 0.0,
         preferred: tuple[int, ...] = (),
         workers: int = 1,
         gather: bool = True,
-        run_batch: Callable[[list[Mapping[str, np.ndarray]]], list[dict[str, np.ndarray]]]
-        | None = None,
         on_batch: Callable[[int, list[float], float], None] | None = None,
     ) -> None:
         if max_batch < 1:
@@ -85,7 +114,6 @@ class DynamicBatcher:
         self.preferred = tuple(sorted(p for p in preferred if 0 < p <= max_batch))
         self.workers = max(1, workers)
         self.gather = gather
-        self._run_many = run_batch
         self.stats = BatchStats()
         self._on_batch = on_batch
         self._waiting: deque[_Request] = deque()
@@ -193,7 +221,7 @@ class DynamicBatcher:
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
         start = time.perf_counter()
         try:
-            parts = await loop.run_in_executor(self._threads, self._run_batch, batch)
+            parts = await loop.run_in_executor(self._threads, self._run, [r.feeds for r in batch])
         except Exception as exc:  # the batch's requests fail; the worker goes on
             for r in batch:
                 if not r.future.done():
@@ -208,21 +236,3 @@ class DynamicBatcher:
         for r, mine in zip(batch, parts):
             if not r.future.done():
                 r.future.set_result(mine)
-
-    def _run_batch(self, batch: list[_Request]) -> list[dict[str, np.ndarray]]:
-        """On an engine thread: join the requests' rows, run, and split the outputs back (one
-        request: its feeds and outputs as they are). ``run_batch``, when given, does it all."""
-        if self._run_many is not None:
-            return self._run_many([r.feeds for r in batch])
-        if len(batch) == 1:
-            return [self._run(dict(batch[0].feeds))]
-        names = list(batch[0].feeds)
-        feeds = {n: np.concatenate([r.feeds[n] for r in batch], axis=0) for n in names}
-        out = self._run(feeds)
-        parts, offset = [], 0
-        for r in batch:
-            parts.append(
-                {n: np.ascontiguousarray(v[offset : offset + r.batch]) for n, v in out.items()}
-            )
-            offset += r.batch
-        return parts

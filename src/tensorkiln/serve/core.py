@@ -382,13 +382,12 @@ def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:
     gather = config.HasField("dynamic_batching") and model.max_batch_size > 0
     db = config.dynamic_batching
     batcher = DynamicBatcher(
-        model.infer,
+        model.infer_batch,
         max_batch=max(1, model.max_batch_size),
         max_delay_s=db.max_queue_delay_microseconds / 1e6,
         preferred=tuple(db.preferred_batch_size),
         workers=model.instances,
         gather=gather,
-        run_batch=model.infer_batch,
         on_batch=lambda rows, queued, compute: ran(model, rows, queued, compute),
     )
     batcher.start()

@@ -38,6 +38,7 @@ from tensorkiln.engine import Engine
 from tensorkiln.engine.engine import TensorSpec
 from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
 from tensorkiln.serve import protocol
+from tensorkiln.serve.batcher import split_rows
 from tensorkiln.serve.repository import ModelEntry, ModelVersion
 from tensorkiln.version import __version__
 
@@ -188,12 +189,7 @@ class ServedModel:
             np.concatenate([r[name] for r in requests], axis=0, out=buf[:total])
             buf[total:] = 0
             feeds[name] = buf
-        out = self._run(feeds)
-        parts, offset = [], 0
-        for n in rows:
-            parts.append({k: np.array(v[offset : offset + n]) for k, v in out.items()})
-            offset += n
-        return parts
+        return split_rows(self._run(feeds), rows)
 
     def _run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         ctx = self._contexts.get()
