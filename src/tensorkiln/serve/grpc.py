@@ -23,6 +23,8 @@ from google.protobuf import json_format
 from tensorkiln.serve import protocol
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
+from tensorkiln.serve.shm import OFF as shm_off
+from tensorkiln.serve.shm import SharedMemory, output_target
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_MESSAGE = 64 << 20  # bytes, as the HTTP body bound
@@ -148,12 +150,9 @@ class InferenceService:
         wanted = [o.name for o in request.outputs]
         targets = {}  # output -> (region, offset, byte size) in shared memory
         for o in request.outputs:
-            params = _params(o.parameters)
-            if "shared_memory_region" in params:
-                targets[o.name] = (
-                    params["shared_memory_region"], params.get("shared_memory_offset", 0),
-                    params.get("shared_memory_byte_size"),
-                )  # fmt: skip
+            target = output_target(_params(o.parameters))
+            if target is not None:
+                targets[o.name] = target
         model, outputs = await self.core.infer(
             request.model_name, request.model_version, feeds, wanted
         )
@@ -165,12 +164,11 @@ class InferenceService:
                 name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape)
             )
             if n in targets:
-                region, offset, size = targets[n]
-                shm.write(region, offset, size, y, f"output '{n}'")
-                t.parameters["shared_memory_region"].string_param = region
-                t.parameters["shared_memory_byte_size"].int64_param = y.nbytes
-                if offset:
-                    t.parameters["shared_memory_offset"].int64_param = offset
+                for key, value in shm.output_to(targets[n], n, y).items():
+                    if isinstance(value, str):
+                        t.parameters[key].string_param = value
+                    else:
+                        t.parameters[key].int64_param = value
                 reply.raw_output_contents.append(b"")  # (keeps the contents in output order)
             else:
                 reply.raw_output_contents.append(y.tobytes())
@@ -186,7 +184,8 @@ def _params(parameters: Any) -> dict[str, Any]:
     return out
 
 
-def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: Any = None) -> dict[str, np.ndarray]:
+def _feeds(request: Any, limit: int = MAX_MESSAGE,
+           shm: SharedMemory = shm_off) -> dict[str, np.ndarray]:  # fmt: skip
     """The request's tensors as arrays, every size checked first (``shm``: the server's
     shared-memory regions, which inputs may name)."""
     if not request.inputs:
@@ -206,14 +205,9 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: Any = None) -> dict[str,
         if t.name in feeds:
             raise ServeError(f"input '{t.name}' is given twice")
         dtype, shape = protocol.declared(t.name, t.datatype, list(t.shape), limit)
-        params = _params(t.parameters)
-        if "shared_memory_region" in params:
-            if shm is None:
-                raise ServeError(f"input '{t.name}': shared memory is not served here")
-            feeds[t.name] = shm.read(
-                params["shared_memory_region"], params.get("shared_memory_offset", 0),
-                params.get("shared_memory_byte_size"), dtype, shape, f"input '{t.name}'",
-            )  # fmt: skip
+        x = shm.input_from(_params(t.parameters), t.name, dtype, shape)
+        if x is not None:
+            feeds[t.name] = x
             continue
         if raw:
             data, j = raw[j], j + 1

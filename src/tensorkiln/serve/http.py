@@ -20,6 +20,8 @@ from google.protobuf import json_format
 from tensorkiln.serve import protocol
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
+from tensorkiln.serve.shm import OFF as shm_off
+from tensorkiln.serve.shm import SharedMemory, output_target
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 MAX_BODY = 64 << 20  # bytes (Triton's --http-max-input-size default)
@@ -228,11 +230,7 @@ async def _infer(request: web.Request) -> web.Response:
                              "shape": list(y.shape)}  # fmt: skip
         target = wanted.get(n, binary_default)
         if isinstance(target, tuple):  # (into a shared-memory region)
-            region, offset, size = target
-            core.shm.write(region, offset, size, y, f"output '{n}'")
-            t["parameters"] = {"shared_memory_region": region, "shared_memory_byte_size": y.nbytes}
-            if offset:
-                t["parameters"]["shared_memory_offset"] = offset
+            t["parameters"] = core.shm.output_to(target, n, y)
         elif target:
             data = y.tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
@@ -272,7 +270,7 @@ def _not_json(name: str) -> Any:
 
 
 def _parse_request(header: Any, binary: bytes, limit: int,
-                   shm: Any = None) -> tuple[dict, dict, bool, Any]:  # fmt: skip
+                   shm: SharedMemory = shm_off) -> tuple[dict, dict, bool, Any]:  # fmt: skip
     """(feeds, requested outputs -> binary? or their (region, offset, bytes) in shared memory,
     the default for outputs, the request id); no input may declare more than ``limit`` bytes.
     ``shm``: the server's shared-memory regions, which inputs may name."""
@@ -295,13 +293,9 @@ def _parse_request(header: Any, binary: bytes, limit: int,
             raise ServeError(f"input '{name}' is given twice")
         dtype, shape = protocol.declared(name, t.get("datatype"), t.get("shape"), limit)
         params = _params(t, f"input '{name}'")
-        if "shared_memory_region" in params:
-            if shm is None:
-                raise ServeError(f"input '{name}': shared memory is not served here")
-            feeds[name] = shm.read(
-                params["shared_memory_region"], params.get("shared_memory_offset", 0),
-                params.get("shared_memory_byte_size"), dtype, shape, f"input '{name}'",
-            )  # fmt: skip
+        x = shm.input_from(params, name, dtype, shape)
+        if x is not None:
+            feeds[name] = x
             continue
         size = params.get("binary_data_size")
         if size is not None:
@@ -336,13 +330,10 @@ def _parse_request(header: Any, binary: bytes, limit: int,
         if not isinstance(o, dict) or not isinstance(o.get("name"), str):
             raise ServeError(f"output {i} has no name")
         params = _params(o, f"output '{o['name']}'")
-        if "shared_memory_region" in params:
-            wanted[o["name"]] = (
-                params["shared_memory_region"], params.get("shared_memory_offset", 0),
-                params.get("shared_memory_byte_size"),
-            )  # fmt: skip
-        else:
-            wanted[o["name"]] = bool(params.get("binary_data", binary_default))
+        target = output_target(params)
+        wanted[o["name"]] = (
+            target if target is not None else bool(params.get("binary_data", binary_default))
+        )
     rid = header.get("id")
     if rid is not None and not isinstance(rid, str):
         raise ServeError("'id' must be a string")

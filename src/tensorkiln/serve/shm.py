@@ -19,6 +19,7 @@ import os
 import re
 import stat
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,5 +172,39 @@ class SharedMemory:
             )
         np.frombuffer(region.memory, np.uint8, raw.size, start)[:] = raw
 
+    def input_from(self, params: Mapping[str, Any], name: str, dtype: np.dtype,
+                   shape: tuple[int, ...]) -> np.ndarray | None:  # fmt: skip
+        """Input ``name`` read from the region its request parameters name (None when they
+        name none)."""
+        if "shared_memory_region" not in params:
+            return None
+        return self.read(
+            params["shared_memory_region"], params.get("shared_memory_offset", 0),
+            params.get("shared_memory_byte_size"), dtype, shape, f"input '{name}'",
+        )  # fmt: skip
+
+    def output_to(self, target: tuple, name: str, y: np.ndarray) -> dict[str, Any]:
+        """Output ``name`` written into its ``target`` (from :func:`output_target`); the
+        parameters its response tensor carries."""
+        region, offset, size = target
+        self.write(region, offset, size, y, f"output '{name}'")
+        params = {"shared_memory_region": region, "shared_memory_byte_size": y.nbytes}
+        if offset:
+            params["shared_memory_offset"] = offset
+        return params
+
     def close(self) -> None:
         self.unregister(None)
+
+
+def output_target(params: Mapping[str, Any]) -> tuple | None:
+    """(region, offset, byte size) a requested output's parameters name, or None."""
+    if "shared_memory_region" not in params:
+        return None
+    return (
+        params["shared_memory_region"], params.get("shared_memory_offset", 0),
+        params.get("shared_memory_byte_size"),
+    )  # fmt: skip
+
+
+OFF = SharedMemory(enabled=False)  # (for a front end given no server's regions)
