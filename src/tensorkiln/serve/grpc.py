@@ -109,7 +109,6 @@ class InferenceService:
         return _m("SystemSharedMemoryRegisterResponse")()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        self.core.shm.status()  # (refused when the extension is off)
         self.core.shm.unregister(request.name)
         return _m("SystemSharedMemoryUnregisterResponse")()
 

@@ -185,9 +185,7 @@ async def _shm_register(request: web.Request) -> web.Response:
 
 
 async def _shm_unregister(request: web.Request) -> web.Response:
-    core = _core(request)
-    core.shm.status()  # (refused when the extension is off)
-    core.shm.unregister(request.match_info.get("region"))
+    _core(request).shm.unregister(request.match_info.get("region"))
     return web.Response(status=200)
 
 

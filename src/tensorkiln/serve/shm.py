@@ -112,6 +112,10 @@ class SharedMemory:
     def unregister(self, name: str | None = None) -> None:
         """Forget region ``name`` (every region when None); unknown names are no error, as in
         Triton."""
+        self._check_enabled()
+        self._forget(name)
+
+    def _forget(self, name: str | None) -> None:
         with self._lock:
             gone = list(self._regions.values()) if not name else [self._regions.pop(name, None)]
             if not name:
@@ -194,7 +198,7 @@ class SharedMemory:
         return params
 
     def close(self) -> None:
-        self.unregister(None)
+        self._forget(None)
 
 
 def output_target(params: Mapping[str, Any]) -> tuple | None:
