@@ -55,10 +55,10 @@ def serving_with(
 def samples(metrics: Any, family: str) -> dict[tuple, float]:
     """A metric family's samples in a server's registry: sorted labels -> value."""
     out: dict[tuple, float] = {}
-    if family in metrics.counters:  # (Triton's counters, kept outside the registry)
+    if family.startswith("nv_inference"):  # (Triton's counters, kept outside the registry)
         return {
             (("model", m), ("version", v)): value
-            for (m, v), value in metrics.counters[family].values.items()
+            for (m, v), value in metrics.counter_values(family).items()
         }
     for metric in metrics.registry.collect():
         for s in metric.samples:

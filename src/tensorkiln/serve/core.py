@@ -77,7 +77,7 @@ class ServerCore:
         self.cache_dir = cache_dir
         self.models: dict[str, _Loaded] = {}
         self.failed: dict[str, str] = {}  # model -> why it could not load
-        self.metrics = _metrics()
+        self.metrics = None if Metrics is None else Metrics(lambda: self.stats)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ model control
@@ -369,10 +369,6 @@ def _version(name: str, version: str | None, loaded: _Loaded) -> int:
             f"model '{name}' has no version {v} loaded (loaded: {sorted(loaded.versions)})", 404
         )
     return v
-
-
-def _metrics() -> Any:
-    return None if Metrics is None else Metrics()
 
 
 def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:

@@ -10,12 +10,15 @@ nv_gpu_memory_used_bytes, where there is a GPU. Each server has a registry of it
 
 Triton's counters are written as Triton writes them (``# TYPE nv_inference_count counter`` and
 samples under that bare name): prometheus-client would name them ``nv_inference_count_total``
-and add ``_created`` samples, and queries written for Triton would find nothing.
+and add ``_created`` samples, and queries written for Triton would find nothing. Their values
+are read from the statistics the server keeps for Triton's statistics extension (core.ModelStats),
+not counted a second time.
 """
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 
@@ -25,27 +28,22 @@ _ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-class TritonCounter:
-    """A counter per (model, version), exposed under its bare name as Triton exposes it."""
-
-    def __init__(self, name: str, doc: str) -> None:
-        self.name, self.doc = name, doc
-        self.values: dict[tuple[str, str], float] = {}
-        self._lock = threading.Lock()
-
-    def inc(self, labels: tuple[str, str], amount: float = 1.0) -> None:
-        with self._lock:
-            self.values[labels] = self.values.get(labels, 0.0) + amount
-
-    def text(self) -> str:
-        lines = [f"# HELP {self.name} {self.doc}", f"# TYPE {self.name} counter"]
-        with self._lock:
-            items = sorted(self.values.items())
-        for (model, version), value in items:
-            lines.append(
-                f'{self.name}{{model="{_escape(model)}",version="{_escape(version)}"}} {value!r}'
-            )
-        return "\n".join(lines) + "\n"
+# Triton's counters, per model version: (name, help, the value from the version's statistics,
+# a core.ModelStats, which counts the same requests and runs for the statistics extension)
+COUNTERS: tuple[tuple[str, str, Callable[[Any], float]], ...] = (
+    ("nv_inference_request_success", "successful inference requests",
+     lambda s: s.durations["success"][0]),
+    ("nv_inference_request_failure", "failed inference requests",
+     lambda s: s.durations["fail"][0]),
+    ("nv_inference_count", "inferences performed (batch rows)", lambda s: s.inference_count),
+    ("nv_inference_exec_count", "engine runs (batches)", lambda s: s.execution_count),
+    ("nv_inference_request_duration_us", "cumulative request duration (microseconds)",
+     lambda s: s.durations["success"][1] / 1e3),
+    ("nv_inference_queue_duration_us", "cumulative time requests waited in the queue (us)",
+     lambda s: s.durations["queue"][1] / 1e3),
+    ("nv_inference_compute_infer_duration_us", "cumulative engine run time (us)",
+     lambda s: s.durations["compute_infer"][1] / 1e3),
+)  # fmt: skip
 
 
 def _escape(value: str) -> str:
@@ -53,29 +51,13 @@ def _escape(value: str) -> str:
 
 
 class Metrics:
-    """The server's counters and histograms (one registry per server)."""
+    """The server's counters and histograms (one registry per server). ``stats`` gives the
+    model versions' statistics, (model, version) -> core.ModelStats, which Triton's counters
+    are read from."""
 
-    def __init__(self) -> None:
+    def __init__(self, stats: Callable[[], Mapping[tuple[str, int], Any]] = dict) -> None:
         r = self.registry = CollectorRegistry()
-        self.counters: dict[str, TritonCounter] = {}
-
-        def counter(name: str, doc: str) -> TritonCounter:
-            self.counters[name] = TritonCounter(name, doc)
-            return self.counters[name]
-
-        self.success = counter("nv_inference_request_success", "successful inference requests")
-        self.failure = counter("nv_inference_request_failure", "failed inference requests")
-        self.count = counter("nv_inference_count", "inferences performed (batch rows)")
-        self.exec_count = counter("nv_inference_exec_count", "engine runs (batches)")
-        self.request_us = counter(
-            "nv_inference_request_duration_us", "cumulative request duration (microseconds)"
-        )
-        self.queue_us = counter(
-            "nv_inference_queue_duration_us", "cumulative time requests waited in the queue (us)"
-        )
-        self.compute_us = counter(
-            "nv_inference_compute_infer_duration_us", "cumulative engine run time (us)"
-        )
+        self._stats = stats
         self.request_s = Histogram(
             "tensorkiln_request_duration_seconds", "request duration", LABELS,
             buckets=_SECONDS, registry=r,
@@ -96,30 +78,37 @@ class Metrics:
         )
 
     def request(self, model: str, version: int, ok: bool, seconds: float) -> None:
-        labels = (model, str(version))
-        (self.success if ok else self.failure).inc(labels)
         if ok:
-            self.request_us.inc(labels, seconds * 1e6)
-            self.request_s.labels(*labels).observe(seconds)
+            self.request_s.labels(model, str(version)).observe(seconds)
 
     def run(self, model: str, version: int, rows: int, requests_queue_s: list[float],
             compute_s: float) -> None:  # fmt: skip
         """One engine run of ``rows`` rows for requests that waited ``requests_queue_s``."""
         labels = (model, str(version))
-        self.count.inc(labels, rows)
-        self.exec_count.inc(labels)
-        self.compute_us.inc(labels, compute_s * 1e6)
         self.compute_s.labels(*labels).observe(compute_s)
         self.batch_rows.labels(*labels).observe(rows)
         for q in requests_queue_s:
-            self.queue_us.inc(labels, q * 1e6)
             self.queue_s.labels(*labels).observe(q)
+
+    def counter_values(self, name: str) -> dict[tuple[str, str], float]:
+        """Triton counter ``name``'s value per (model, version)."""
+        value = next(v for n, _, v in COUNTERS if n == name)
+        return {(m, str(v)): float(value(s)) for (m, v), s in sorted(self._stats().items())}
+
+    def _counters_text(self) -> str:
+        lines = []
+        for name, doc, _ in COUNTERS:
+            lines += [f"# HELP {name} {doc}", f"# TYPE {name} counter"]
+            for (model, version), value in self.counter_values(name).items():
+                lines.append(
+                    f'{name}{{model="{_escape(model)}",version="{_escape(version)}"}} {value!r}'
+                )
+        return "\n".join(lines) + "\n"
 
     def exposition(self) -> bytes:
         """The text format, GPU memory read now."""
         self._read_gpu_memory()
-        counters = "".join(c.text() for c in self.counters.values()).encode()
-        return counters + generate_latest(self.registry)
+        return self._counters_text().encode() + generate_latest(self.registry)
 
     def _read_gpu_memory(self) -> None:
         try:
