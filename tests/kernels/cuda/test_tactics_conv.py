@@ -128,3 +128,87 @@ def test_im2col_on_the_gpu_in_half():
     assert y.is_contiguous(memory_format=torch.channels_last)
     got = to_numpy(y).astype(np.float64)
     assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
+PATCHIFY = get_tactic("ConvAct", "tensorkiln", "cublas_patchify")
+
+
+def _patch_spec(attrs, x=(8, 3, 224, 224), w=(768, 3, 16, 16), device="cuda", group=None):
+    attrs = {**attrs, **({"group": group} if group else {})}
+    return LayerSpec(
+        "ConvAct", "tensorkiln", attrs, (x, w, (w[0],)), ("float16",) * 3, device=device
+    )
+
+
+def test_patchify_takes_convolutions_whose_windows_do_not_overlap():
+    vit = {"kernel_shape": [16, 16], "strides": [16, 16]}
+    assert PATCHIFY.applies(_patch_spec(vit))
+    assert PATCHIFY.applies(_patch_spec({"strides": [16, 16]}))  # (kernel from the weight)
+    assert PATCHIFY.applies(_patch_spec({**vit, "pads": [0, 0, 0, 0], "auto_pad": "VALID"}))
+    assert PATCHIFY.applies(_patch_spec({"kernel_shape": [2, 2], "strides": [2, 2]},
+                                        x=(8, 96, 56, 56), w=(192, 96, 2, 2)))  # fmt: skip
+    assert not PATCHIFY.applies(_patch_spec(vit, device="cpu"))
+    assert not PATCHIFY.applies(_patch_spec({**vit, "strides": [8, 8]}))  # overlapping
+    assert not PATCHIFY.applies(_patch_spec({**vit, "pads": [1, 1, 1, 1]}))
+    assert not PATCHIFY.applies(_patch_spec({**vit, "dilations": [2, 2]}))
+    assert not PATCHIFY.applies(_patch_spec({**vit, "auto_pad": "SAME_UPPER"}))
+    assert not PATCHIFY.applies(_patch_spec(vit, x=(8, 6, 224, 224), w=(768, 3, 16, 16), group=2))
+    assert not PATCHIFY.applies(_patch_spec({"kernel_shape": [1, 1], "strides": [1, 1]},
+                                            w=(768, 3, 1, 1)))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "attrs,residual,bias,x",
+    [
+        ({"kernel_shape": [4, 4], "strides": [4, 4]}, False, True, (2, 3, 16, 12)),
+        ({"kernel_shape": [4, 4], "strides": [4, 4]}, False, False, (2, 3, 17, 15)),
+        ({"kernel_shape": [2, 3], "strides": [2, 3], "activation": "Relu"}, True, True,
+         (3, 5, 9, 10)),
+        ({"kernel_shape": [2, 2], "strides": [2, 2], "activation": "Sigmoid",
+          "residual_order": "act_add"}, True, True, (2, 8, 6, 6)),
+    ],
+    ids=["vit-like", "edges-dropped-no-bias", "relu-residual", "act-then-residual"],
+)  # fmt: skip
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_patchify_gives_the_convolution(attrs, residual, bias, x, channels_last):
+    """On CPU tensors (the tactic is taken on GPUs; the copy and GEMM are plain torch), against
+    the numpy reference ConvAct."""
+    from tensorkiln.kernels.common.conv import conv_geometry
+
+    rng = np.random.default_rng()
+    xs = rng.standard_normal(x).astype(np.float32)
+    w = (rng.standard_normal((8, x[1], *attrs["kernel_shape"])) / 5).astype(np.float32)
+    args = [xs, w, rng.standard_normal(8).astype(np.float32) if bias else None]
+    if residual:
+        g = conv_geometry(xs.shape, w.shape, "NOTSET", None, None, None, attrs.get("strides"))
+        args.append(rng.standard_normal((x[0], 8, *g.out)).astype(np.float32))
+    want = invoke(lookup("ConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [None if a is None else to_torch(a, "cpu") for a in args]
+    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)  # (as weights are held)
+    if channels_last:
+        tensors[0] = tensors[0].contiguous(memory_format=torch.channels_last)
+    y = PATCHIFY.fn(*tensors, **attrs)
+    assert tuple(y.shape) == want.shape
+    np.testing.assert_allclose(to_numpy(y), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_patchify_on_the_gpu_in_half():
+    rng = np.random.default_rng()
+    args = [
+        rng.standard_normal((4, 3, 224, 224)).astype(np.float16),
+        (rng.standard_normal((768, 3, 16, 16)) / 30).astype(np.float16),
+        rng.standard_normal(768).astype(np.float16),
+    ]
+    attrs = {"kernel_shape": [16, 16], "strides": [16, 16]}
+    want = invoke(
+        lookup("ConvAct", "tensorkiln", 1, "reference"), [a.astype(np.float32) for a in args],
+        attrs, 1,
+    )[0]  # fmt: skip
+    tensors = [to_torch(a, "cuda") for a in args]
+    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)
+    y = PATCHIFY.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y).astype(np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
