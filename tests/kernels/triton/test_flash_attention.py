@@ -96,6 +96,64 @@ def test_causal_alone_and_with_a_mask(with_mask, rows):
     assert _run(args, {"causal": 1}, np.float16, tactic) < 1e-2
 
 
+def _hidden_triangle(s, batch=B):
+    return np.triu(np.ones((s, s), bool), 1)[None, None].repeat(batch, axis=0)
+
+
+@pytest.mark.parametrize("rows", [64, 128], ids=["m64", "m128"])
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_key_blocks_the_mask_hides_from_a_whole_query_block_are_skipped_exactly(kind, rows):
+    """A causal triangle written into the mask (a decoder's export: finfo.min above the diagonal,
+    no causal attribute), right padding in batch 1 (its last keys hidden from every row) and, in
+    batch 0, rows that see no key: with a finite value their softmax still runs over every score
+    (the additive rule), so their query block visits every key."""
+    tactic = TACTIC if rows == 64 else TACTIC_128
+    rng = np.random.default_rng()
+    s = 200  # four blocks of 64 keys
+    args = _qkv(rng, sq=s, sk=s)
+    hidden = _hidden_triangle(s)
+    hidden[1, :, :, 120:] = True  # right padding
+    hidden[0, :, 10:40, :] = True  # blind rows
+    if kind == "bool":
+        args.append(~hidden)
+    else:
+        args.append(np.where(hidden, -60000.0, 0.0).astype(np.float32))
+    assert _run(args, {"mask_kind": kind}, np.float16, tactic) < 1e-2
+
+
+def test_short_sequences_of_a_padded_batch_skip_their_padding():
+    rng = np.random.default_rng()
+    s = 300
+    args = _qkv(rng, sq=40, sk=s)
+    lengths = rng.integers(1, s, B)
+    pad = np.arange(s)[None, :] >= lengths[:, None]
+    args.append(np.where(pad, -np.inf, 0.0)[:, None, None, :].astype(np.float32))
+    assert _run(args, {"mask_kind": "additive", "scale": 0.2}, np.float16, TACTIC_128) < 1e-2
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_row_ends_against_numpy(kind):
+    """The first pass on its own: one past each row's last visible key (every key for a row that
+    sees none), against numpy; a broadcast axis is read once."""
+    from tensorkiln.kernels.triton import flash_attention as flash
+
+    rng = np.random.default_rng()
+    sq, sk = 37, 290
+    hidden = rng.random((2, 3, sq, sk)) < 0.97
+    hidden[:, :, :, int(rng.integers(150, sk)) :] = True
+    hidden[1, 2, 7, :] = True  # a row that sees nothing
+    mask = ~hidden if kind == "bool" else np.where(hidden, -65504.0, 0.0).astype(np.float16)
+    got, strides = flash._row_ends(to_torch(mask, DEVICE), kind == "bool")
+    got = to_numpy(got)
+    last = np.where((~hidden).any(-1), sk - np.argmax((~hidden)[..., ::-1], axis=-1), sk)
+    np.testing.assert_array_equal(got, last)
+    assert strides == (3 * sq, sq, 1)
+    pad = to_torch(mask[:, :1, :1, :], DEVICE).expand(2, 3, sq, sk)  # [B, 1, 1, Sk] broadcast
+    got, strides = flash._row_ends(pad, kind == "bool")
+    assert tuple(got.shape) == (2, 1, 1) and strides == (1, 0, 0)
+    np.testing.assert_array_equal(to_numpy(got).reshape(2), last[:, 0, 0])
+
+
 def test_bsd_layout_bfloat16_and_a_wider_value():
     rng = np.random.default_rng()
     heads, d = 3, 16
@@ -131,3 +189,8 @@ def test_bert_and_gpt2_shapes_on_the_gpu():
         attrs = {"mask_kind": "additive", "causal": causal}
         for tactic in (TACTIC, TACTIC_128):
             assert _run([q, k, v, mask], attrs, np.float16, tactic) < 1e-2
+    # GPT-2's export: the triangle in the mask as float16's lowest value, no causal attribute
+    q, k, v = (rng.standard_normal((2, 12, 512, 64)).astype(np.float32) for _ in range(3))
+    mask = np.where(_hidden_triangle(512, 2), -65504.0, 0.0).astype(np.float32)
+    for tactic in (TACTIC, TACTIC_128):
+        assert _run([q, k, v, mask], {"mask_kind": "additive"}, np.float16, tactic) < 1e-2
