@@ -5,6 +5,7 @@ process, and dynamic batching against batch-1 serving, driven by tritonclient.
     python benchmarks/serve_gpu.py --tiny --backend cpu --seconds 2     (a smoke run, no GPU)
     python benchmarks/serve_gpu.py --perf-analyzer .perf_analyzer/perf_analyzer
         (scripts/get_perf_analyzer.sh fetches Triton's C++ load generator)
+    python benchmarks/serve_gpu.py --frontend-processes 8   (protocols in 8 more processes)
 
 Two models of one repository, built from the same ONNX export (torchvision ResNet-50, random
 weights made to look trained): ``resnet50`` with dynamic batching (max_batch_size 64, engine
@@ -115,6 +116,8 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
     ]  # fmt: skip
     if "grpc-shm" in args.protocols or args.perf_analyzer:
         cmd += ["--allow-shared-memory", "true"]
+    if args.frontend_processes:
+        cmd += ["--frontend-processes", str(args.frontend_processes)]
     proc = subprocess.Popen(cmd, env=env, stdout=log_file.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -392,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--perf-analyzer", default=None, metavar="PATH",
         help="also drive the server with Triton's perf_analyzer (scripts/get_perf_analyzer.sh)",
+    )  # fmt: skip
+    p.add_argument(
+        "--frontend-processes", type=int, default=0, metavar="N",
+        help="the server's --frontend-processes (protocol handling in N more processes)",
     )  # fmt: skip
     p.add_argument(
         "--server-env",

@@ -79,6 +79,13 @@ def add_parser(sub: Any) -> None:
         help="the largest request body accepted (default: 64 MiB)",
     )  # fmt: skip
     p.add_argument(
+        "--frontend-processes", type=int, default=0, metavar="N",
+        help="N more processes handle HTTP and gRPC on the same ports (the kernel spreads "
+        "connections over them), handing tensors to this one, which runs the models "
+        "(default: 0; a request costs the server about a millisecond of Python, so one process "
+        "tops out near a thousand requests a second)",
+    )  # fmt: skip
+    p.add_argument(
         "--backend", choices=BACKEND_NAMES, default="reference",
         help="the backend ONNX models are built for on load (default: reference)",
     )  # fmt: skip
@@ -126,6 +133,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError("--load-model needs --model-control-mode explicit (as tritonserver's)")
     if args.repository_poll_secs < 1:
         raise CLIError(f"--repository-poll-secs {args.repository_poll_secs} must be 1 or more")
+    if not 0 <= args.frontend_processes <= 64:
+        raise CLIError(f"--frontend-processes {args.frontend_processes} must be 0 to 64")
     handler = logging.StreamHandler()
     if args.log_format == "json":
         handler.setFormatter(JsonFormatter())
@@ -149,12 +158,15 @@ def run_serve(args: argparse.Namespace) -> int:
         app.on_startup.append(load_wanted)
     if args.model_control_mode == "poll":
         _with_polling(app, core, args.repository_poll_secs)
+    reuse = args.frontend_processes > 0
     if args.allow_grpc:
-        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}")
+        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}", reuse)
     if args.allow_metrics:
         _with_metrics(app, core, args.http_address, args.metrics_port)
+    if reuse:
+        _with_frontends(app, core, args)
     web.run_app(
-        app, host=args.http_address, port=args.http_port, shutdown_timeout=30,
+        app, host=args.http_address, port=args.http_port, shutdown_timeout=30, reuse_port=reuse,
         # (a line per request only when asked: at load, logging is the server's bottleneck)
         access_log=logging.getLogger("aiohttp.access") if args.log_verbose > 0 else None,
         print=lambda line: logging.getLogger("tensorkiln.serve").info(
@@ -188,7 +200,7 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"'{text}' is not true or false")
 
 
-def _with_grpc(app: Any, core: Any, address: str) -> None:
+def _with_grpc(app: Any, core: Any, address: str, reuse_port: bool = False) -> None:
     """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
     try:
         from tensorkiln.serve import grpc as serve_grpc  # lazy: cli start time (optional grpcio)
@@ -199,12 +211,69 @@ def _with_grpc(app: Any, core: Any, address: str) -> None:
     held = {}
 
     async def start(_app: Any) -> None:
-        held["server"] = await serve_grpc.start(core, address)
+        held["server"] = await serve_grpc.start(core, address, reuse_port=reuse_port)
         logging.getLogger("tensorkiln.serve").info("gRPC service at %s (KServe v2)", address)
 
     async def stop(_app: Any) -> None:
         if "server" in held:
             await held["server"].stop(30)  # (requests in flight get 30 s to finish)
+
+    app.on_startup.append(start)
+    app.on_shutdown.insert(0, stop)
+
+
+def _with_frontends(app: Any, core: Any, args: argparse.Namespace) -> None:
+    """Start the link (serve/link.py) and --frontend-processes processes serving on the same
+    ports after the models are loaded; stop them first at shutdown."""
+    import asyncio  # lazy: cli start time
+    import shutil  # lazy: as above
+    import subprocess  # lazy: as above
+    import sys  # lazy: as above
+    import tempfile  # lazy: as above
+
+    from tensorkiln.serve.link import EngineLink  # lazy: as above
+
+    held: dict[str, Any] = {}
+
+    async def start(_app: Any) -> None:
+        folder = tempfile.mkdtemp(prefix="tensorkiln-serve-")  # (0700: this user's alone)
+        path = os.path.join(folder, "engine.sock")
+        link = EngineLink(core)
+        await link.start(path)
+        held.update(folder=folder, link=link, procs=[])
+        for i in range(1, args.frontend_processes + 1):
+            cmd = [sys.executable, "-m", "tensorkiln.serve.frontend", "--link", path,
+                   "--index", str(i), "--http-address", args.http_address,
+                   "--http-port", str(args.http_port),
+                   "--http-max-input-size", str(args.http_max_input_size)]  # fmt: skip
+            if args.allow_grpc:
+                cmd += ["--grpc-address", args.grpc_address, "--grpc-port", str(args.grpc_port)]
+            if args.allow_shared_memory:
+                cmd.append("--shared-memory")
+            held["procs"].append(subprocess.Popen(cmd))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 120
+        while link.serving < len(held["procs"]):  # (the service starts once every one listens)
+            failed = [p.returncode for p in held["procs"] if p.poll() is not None]
+            if failed or loop.time() > deadline:
+                why = f"exited with {failed[0]}" if failed else "did not start in 120 s"
+                raise CLIError(f"a front-end process {why} (see its log above)")
+            await asyncio.sleep(0.05)
+        logging.getLogger("tensorkiln.serve").info(
+            "%d front-end processes started", args.frontend_processes
+        )
+
+    async def stop(_app: Any) -> None:
+        for proc in held.get("procs", []):
+            proc.terminate()
+        for proc in held.get("procs", []):
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if "link" in held:
+            await held["link"].close()
+            shutil.rmtree(held["folder"], ignore_errors=True)
 
     app.on_startup.append(start)
     app.on_shutdown.insert(0, stop)

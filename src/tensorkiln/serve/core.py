@@ -79,6 +79,12 @@ class ServerCore:
         self.failed: dict[str, str] = {}  # model -> why it could not load
         self.metrics = None if Metrics is None else Metrics(lambda: self.stats)
         self._lock = threading.Lock()
+        self.on_change: list[Any] = []  # called after models load, fail or unload
+        self.on_shm_change: list[Any] = []  # called after a region is registered or dropped
+
+    def _changed(self) -> None:
+        for hook in self.on_change:
+            hook()
 
     # ------------------------------------------------------------------ model control
     def _read(self, name: str) -> dict[int, ServedModel]:
@@ -102,12 +108,17 @@ class ServerCore:
         """(Re)load ``name``'s served versions; their batchers start on the running loop, and
         a version loaded before keeps serving until the new one is in place."""
         loop = asyncio.get_running_loop()
-        versions = await loop.run_in_executor(None, self._read, name)
+        try:
+            versions = await loop.run_in_executor(None, self._read, name)
+        except ServeError:
+            self._changed()  # (recorded in self.failed)
+            raise
         loaded = _Loaded(versions, {v: _batcher(m, self._ran) for v, m in versions.items()})
         with self._lock:
             old = self.models.get(name)
             self.models[name] = loaded
             self.failed.pop(name, None)
+        self._changed()
         if old is not None:
             await _close(old)
         log.info("model '%s' loaded: versions %s", name, sorted(versions))
@@ -140,7 +151,9 @@ class ServerCore:
         for name in sorted(known - names):
             self._seen.pop(name, None)
             with self._lock:
-                self.failed.pop(name, None)
+                dropped = self.failed.pop(name, None)
+            if dropped is not None:
+                self._changed()
             if name in self.models:
                 with contextlib.suppress(ServeError):
                     await self.unload(name)
@@ -158,6 +171,7 @@ class ServerCore:
             old = self.models.pop(name, None)
         if old is None:
             raise ServeError(f"model '{name}' is not loaded", 400)
+        self._changed()
         await _close(old)
 
     async def load_all(self) -> None:
@@ -244,6 +258,22 @@ class ServerCore:
             with self._lock:
                 models = [m for loaded in self.models.values() for m in loaded.versions.values()]
         return [self._stats(m).as_json(m.name, m.version) for m in models]
+
+    # (the services call these, so that a front-end process can answer them over its link)
+    async def model_statistics(self, name: str = "", version: str = "") -> list[dict[str, Any]]:
+        return self.statistics(name, version)
+
+    async def shm_register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        self.shm.register(name, key, offset, byte_size)
+        self._shm_changed()
+
+    async def shm_unregister(self, name: Any) -> None:
+        self.shm.unregister(name)
+        self._shm_changed()
+
+    def _shm_changed(self) -> None:
+        for hook in self.on_shm_change:
+            hook()
 
     # ------------------------------------------------------------------ inference
     async def infer(

@@ -105,11 +105,11 @@ class InferenceService:
         return reply
 
     async def SystemSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        self.core.shm.register(request.name, request.key, request.offset, request.byte_size)
+        await self.core.shm_register(request.name, request.key, request.offset, request.byte_size)
         return _m("SystemSharedMemoryRegisterResponse")()
 
     async def SystemSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        self.core.shm.unregister(request.name)
+        await self.core.shm_unregister(request.name)
         return _m("SystemSharedMemoryUnregisterResponse")()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
@@ -125,7 +125,7 @@ class InferenceService:
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         reply = _m("ModelStatisticsResponse")()
-        stats = self.core.statistics(request.name, request.version)
+        stats = await self.core.model_statistics(request.name, request.version)
         json_format.ParseDict({"model_stats": stats}, reply)
         return reply
 
@@ -275,13 +275,15 @@ def handlers(core: ServerCore, max_message: int = 64 << 20) -> grpc.GenericRpcHa
 
 
 async def start(
-    core: ServerCore, address: str, *, max_message: int = MAX_MESSAGE
+    core: ServerCore, address: str, *, max_message: int = MAX_MESSAGE, reuse_port: bool = False
 ) -> grpc.aio.Server:
-    """A started gRPC server on ``address`` ("host:port") over ``core``."""
+    """A started gRPC server on ``address`` ("host:port") over ``core``; ``reuse_port``: other
+    processes may listen on the same port (front-end processes, serve/link.py)."""
     options = [
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message),
         ("grpc.http2.lookahead_bytes", 16 << 20),
+        ("grpc.so_reuseport", int(reuse_port)),
     ]
     server = grpc.aio.server(options=options)
     server.add_generic_rpc_handlers((handlers(core, max_message),))

@@ -144,7 +144,7 @@ async def _model_config(request: web.Request) -> web.Response:
 
 async def _stats(request: web.Request) -> web.Response:
     m = request.match_info
-    stats = _core(request).statistics(m.get("model", ""), m.get("version", ""))
+    stats = await _core(request).model_statistics(m.get("model", ""), m.get("version", ""))
     return web.json_response({"model_stats": stats})
 
 
@@ -177,7 +177,7 @@ async def _shm_register(request: web.Request) -> web.Response:
     header, _ = _split(body, None)
     if not isinstance(header, dict):
         raise ServeError("the registration must be a JSON object with key, offset, byte_size")
-    _core(request).shm.register(
+    await _core(request).shm_register(
         request.match_info["region"], header.get("key"), header.get("offset", 0),
         header.get("byte_size"),
     )  # fmt: skip
@@ -185,7 +185,7 @@ async def _shm_register(request: web.Request) -> web.Response:
 
 
 async def _shm_unregister(request: web.Request) -> web.Response:
-    _core(request).shm.unregister(request.match_info.get("region"))
+    await _core(request).shm_unregister(request.match_info.get("region"))
     return web.Response(status=200)
 
 

@@ -125,6 +125,15 @@ class SharedMemory:
                 with contextlib.suppress(BufferError):  # (an array still views it: freed with it)
                     r.memory.close()
 
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._regions)
+
+    def registrations(self) -> list[dict[str, Any]]:
+        """Every registered region's status (also where the extension is off: none)."""
+        with self._lock:
+            return [r.status() for r in self._regions.values()]
+
     def status(self, name: str | None = None) -> list[dict[str, Any]]:
         self._check_enabled()
         with self._lock:

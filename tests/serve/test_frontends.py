@@ -1,0 +1,201 @@
+"""Front-end processes (serve/link.py, serve/frontend.py, ``tensorkiln serve --frontend-processes``):
+the link's frames and tensors, a front end's core answering from the engine process's (in one
+process, over the Unix socket), and the CLI serving tritonclient through several processes.
+Every answer is checked against the engine run directly (the reference backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+pytest.importorskip("aiohttp")
+
+from tensorkiln.builder import Builder
+from tensorkiln.serve import link
+from tensorkiln.serve.core import ServerCore
+from tensorkiln.serve.protocol import ServeError
+from tests.serve.helpers import free_port, wait_until
+from tests.serve.test_repository import DIGITS, _model
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return found
+
+
+def _digits(x: np.ndarray) -> np.ndarray:
+    ctx = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+    return ctx.infer({"input": x})["logits"]
+
+
+def test_tensors_cross_the_link_unchanged():
+    rng = np.random.default_rng()
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.integers(-100, 100, (7,)).astype(np.int64),
+        "c": rng.standard_normal((2, 0, 4)).astype(np.float16),
+        "d": rng.random((4, 4)) < 0.5,
+        "e": rng.standard_normal((6, 3)).astype(np.float64)[:, 1],  # (a strided view)
+    }
+    descs, chunks = link.pack_tensors(tensors)
+    payload = b"".join(bytes(c) for c in chunks)
+    back = link.unpack_tensors(descs, payload)
+    assert list(back) == list(tensors)
+    for name, x in tensors.items():
+        assert back[name].dtype == x.dtype and back[name].shape == x.shape
+        np.testing.assert_array_equal(back[name], x)
+
+
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        ({"offset": 10_000}, "outside its frame"),
+        ({"size": 8}, "bytes for shape"),
+        ({"shape": [-1, 3]}, "outside its frame"),
+        ({"datatype": "BYTES"}, "datatype"),
+    ],
+)
+def test_malformed_tensor_descriptors_are_refused(change, why):
+    descs, chunks = link.pack_tensors({"a": np.ones((2, 3), np.float32)})
+    descs[0].update(change)
+    with pytest.raises(ValueError, match=why):
+        link.unpack_tensors(descs, b"".join(bytes(c) for c in chunks))
+
+
+def test_oversized_frames_are_refused_before_reading_them():
+    async def go():
+        reader = asyncio.StreamReader()
+        reader.feed_data(link._FRAME.pack(link.MAX_HEADER + 1, 0))
+        with pytest.raises(ValueError, match="over the limits"):
+            await link.read_frame(reader)
+        reader = asyncio.StreamReader()
+        reader.feed_data(link._FRAME.pack(2, 0) + b"[]")
+        with pytest.raises(ValueError, match="JSON object"):
+            await link.read_frame(reader)
+
+    asyncio.run(go())
+
+
+def test_a_front_end_core_answers_as_the_engine_process_does(tmp_path):
+    """A RemoteCore connected to an EngineLink over ServerCore, in one event loop: inference,
+    refusals with their status, statistics, and state pushed after an unload."""
+    _model(tmp_path / "repo")
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 1, 8, 8)).astype(np.float32)
+
+    async def go():
+        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
+        await core.load("digits")
+        engine = link.EngineLink(core)
+        path = str(tmp_path / "engine.sock")
+        await engine.start(path)
+        remote = link.RemoteCore(shared_memory=False)
+        await remote.connect(path)
+        try:
+            model, out = await remote.infer("digits", None, {"input": x}, [])
+            assert (model.name, model.version) == ("digits", 1)
+            np.testing.assert_allclose(out["logits"], _digits(x), rtol=1e-5, atol=1e-5)
+            assert (
+                remote.ready("digits") and remote.model("digits", "1").config.max_batch_size == 16
+            )
+            assert remote.model("digits").metadata() == core.model("digits").metadata()
+            assert remote.index() == core.index()
+            with pytest.raises(ServeError) as bad:  # (the engine process's check, relayed)
+                await remote.infer("digits", None, {"input": x[:, :, :4]}, [])
+            assert bad.value.status == 400 and "input" in str(bad.value)
+            with pytest.raises(ServeError) as unknown:
+                await remote.infer("nope", None, {"input": x}, [])
+            assert unknown.value.status == 404
+            stats = await remote.model_statistics("digits")
+            assert stats == core.statistics("digits")
+            assert stats[0]["inference_count"] == 3
+            await remote.request_unload("digits")
+            assert not remote.ready("digits")  # (the state pushed before the reply)
+            with pytest.raises(ServeError) as gone:
+                await remote.infer("digits", None, {"input": x}, [])
+            assert gone.value.status == 404
+        finally:
+            await remote.close()
+            await engine.close()
+            await core.close()
+
+    asyncio.run(go())
+
+
+def test_serve_with_front_end_processes_answers_every_client(tmp_path):
+    """``tensorkiln serve --frontend-processes 2``: 8 tritonclient clients, each with its own
+    connections, over HTTP and gRPC; every answer right, every request counted once by the
+    engine process's statistics (whichever process received it), SIGTERM stops them all."""
+    httpclient = pytest.importorskip("tritonclient.http")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    _model(tmp_path / "repo")
+    port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(tmp_path / "repo"),
+         "--http-port", str(port), "--http-address", "127.0.0.1", "--grpc-port", str(grpc_port),
+         "--grpc-address", "127.0.0.1", "--allow-metrics", "false", "--frontend-processes", "2",
+         "--engine-cache", str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    rng = np.random.default_rng()
+    xs = [rng.standard_normal((2, 1, 8, 8)).astype(np.float32) for _ in range(8)]
+    try:
+        probe = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        wait_until(lambda: probe.is_model_ready("digits"), proc)
+
+        def client(i: int) -> np.ndarray:
+            got = []
+            for _ in range(6):  # (a fresh connection each time: spread over the processes)
+                if i % 2:
+                    c = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+                    inp = grpcclient.InferInput("input", [2, 1, 8, 8], "FP32")
+                else:
+                    c = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+                    inp = httpclient.InferInput("input", [2, 1, 8, 8], "FP32")
+                assert c.is_model_ready("digits")
+                inp.set_data_from_numpy(xs[i])
+                got.append(c.infer("digits", [inp]).as_numpy("logits"))
+                c.close()
+            return np.stack(got)
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(client, range(8)))
+        for x, got in zip(xs, answers, strict=True):
+            np.testing.assert_allclose(got, np.stack([_digits(x)] * 6), rtol=1e-5, atol=1e-5)
+        stats = probe.get_inference_statistics("digits")["model_stats"][0]
+        assert int(stats["inference_stats"]["success"]["count"]) == 8 * 6
+        assert len(_children(proc.pid)) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]
+    assert "2 front-end processes started" in out
+    assert "front end 1 serving" in out and "front end 2 serving" in out
+
+
+def test_frontend_processes_flag_is_checked(tmp_path):
+    _model(tmp_path / "repo")
+    run = subprocess.run(
+        [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(tmp_path / "repo"),
+         "--frontend-processes", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode != 0 and "--frontend-processes -1 must be 0 to 64" in run.stderr
