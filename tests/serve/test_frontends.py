@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -157,8 +158,13 @@ def test_serve_with_front_end_processes_answers_every_client(tmp_path):
     )  # fmt: skip
     rng = np.random.default_rng()
     xs = [rng.standard_normal((2, 1, 8, 8)).astype(np.float32) for _ in range(8)]
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
     try:
         probe = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
+        # (the front ends listen before the server process has finished starting)
+        wait_until(lambda: any("front-end processes started" in line for line in lines), proc)
         wait_until(lambda: probe.is_model_ready("digits"), proc)
 
         def client(i: int) -> np.ndarray:
@@ -185,7 +191,9 @@ def test_serve_with_front_end_processes_answers_every_client(tmp_path):
         assert len(_children(proc.pid)) == 2
     finally:
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
+        reader.join(timeout=10)
+    out = "".join(lines)
     assert proc.returncode == 0, out[-3000:]
     assert "2 front-end processes started" in out
     assert "front end 1 serving" in out and "front end 2 serving" in out
