@@ -207,11 +207,7 @@ class ServerCore:
         return None if loaded is None else loaded.batchers.get(version)
 
     def ready(self, name: str, version: str | None = None) -> bool:
-        try:
-            self.model(name, version)
-        except ServeError:
-            return False
-        return True
+        return found(self.model, name, version)
 
     def index(self) -> list[dict[str, Any]]:
         out = []
@@ -386,6 +382,15 @@ class ModelStats:
 async def _close(loaded: _Loaded) -> None:
     for b in loaded.batchers.values():
         await b.close()
+
+
+def found(lookup: Any, name: str, version: str | None) -> bool:
+    """Whether ``lookup(name, version)`` finds a ready model (a ServeError: not)."""
+    try:
+        lookup(name, version)
+    except ServeError:
+        return False
+    return True
 
 
 def _version(name: str, version: str | None, loaded: _Loaded) -> int:

@@ -342,11 +342,9 @@ class RemoteCore:
         return versions[int(version)]
 
     def ready(self, name: str, version: str | None = None) -> bool:
-        try:
-            self.model(name, version)
-        except ServeError:
-            return False
-        return True
+        from tensorkiln.serve.core import found  # lazy: no import cycle
+
+        return found(self.model, name, version)
 
     def index(self) -> list[dict[str, Any]]:
         return list(self._index)

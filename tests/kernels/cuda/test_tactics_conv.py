@@ -108,6 +108,21 @@ def test_im2col_gives_the_convolution(attrs, residual):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
+def _check_half_on_the_gpu(tactic, args, attrs):
+    """``tactic`` on float16 CUDA tensors (the weight channels-last, as held) gives a
+    channels-last output within 1e-2 of the numpy reference ConvAct in float32."""
+    want = invoke(
+        lookup("ConvAct", "tensorkiln", 1, "reference"), [a.astype(np.float32) for a in args],
+        attrs, 1,
+    )[0]  # fmt: skip
+    tensors = [to_torch(a, "cuda") for a in args]
+    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)
+    y = tactic.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y).astype(np.float64)
+    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_im2col_on_the_gpu_in_half():
@@ -118,16 +133,7 @@ def test_im2col_on_the_gpu_in_half():
         rng.standard_normal(64).astype(np.float16),
     ]
     attrs = {"kernel_shape": [7, 7], "strides": [2, 2], "pads": [3, 3, 3, 3], "activation": "Relu"}
-    want = invoke(
-        lookup("ConvAct", "tensorkiln", 1, "reference"), [a.astype(np.float32) for a in args],
-        attrs, 1,
-    )[0]  # fmt: skip
-    tensors = [to_torch(a, "cuda") for a in args]
-    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)
-    y = IM2COL.fn(*tensors, **attrs)
-    assert y.is_contiguous(memory_format=torch.channels_last)
-    got = to_numpy(y).astype(np.float64)
-    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    _check_half_on_the_gpu(IM2COL, args, attrs)
 
 
 PATCHIFY = get_tactic("ConvAct", "tensorkiln", "cublas_patchify")
@@ -202,13 +208,4 @@ def test_patchify_on_the_gpu_in_half():
         rng.standard_normal(768).astype(np.float16),
     ]
     attrs = {"kernel_shape": [16, 16], "strides": [16, 16]}
-    want = invoke(
-        lookup("ConvAct", "tensorkiln", 1, "reference"), [a.astype(np.float32) for a in args],
-        attrs, 1,
-    )[0]  # fmt: skip
-    tensors = [to_torch(a, "cuda") for a in args]
-    tensors[1] = tensors[1].contiguous(memory_format=torch.channels_last)
-    y = PATCHIFY.fn(*tensors, **attrs)
-    assert y.is_contiguous(memory_format=torch.channels_last)
-    got = to_numpy(y).astype(np.float64)
-    assert np.linalg.norm(got - want) <= 1e-2 * np.linalg.norm(want)
+    _check_half_on_the_gpu(PATCHIFY, args, attrs)
