@@ -231,7 +231,7 @@ def _with_frontends(app: Any, core: Any, args: argparse.Namespace) -> None:
     import sys  # lazy: as above
     import tempfile  # lazy: as above
 
-    from tensorkiln.serve.link import EngineLink  # lazy: as above
+    from tensorkiln.serve.link import EngineLink  # lazy: CLI start time
 
     held: dict[str, Any] = {}
 

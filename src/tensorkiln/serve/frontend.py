@@ -51,7 +51,7 @@ async def _connect(core: RemoteCore, path: str, timeout: float) -> None:
 async def serve(args: argparse.Namespace) -> None:
     from aiohttp import web  # lazy: an optional dependency
 
-    from tensorkiln.serve.http import make_app  # lazy: as above
+    from tensorkiln.serve.http import make_app  # lazy: CLI start time (aiohttp)
 
     core = RemoteCore(shared_memory=args.shared_memory)
     await _connect(core, args.link, args.connect_timeout)
@@ -61,7 +61,7 @@ async def serve(args: argparse.Namespace) -> None:
     await web.TCPSite(runner, args.http_address, args.http_port, reuse_port=True).start()
     grpc_server = None
     if args.grpc_port:
-        from tensorkiln.serve import grpc as serve_grpc  # lazy: an optional dependency
+        from tensorkiln.serve import grpc as serve_grpc  # lazy: CLI start time (grpcio)
 
         address = f"{args.grpc_address}:{args.grpc_port}"
         grpc_server = await serve_grpc.start(core, address, reuse_port=True)  # type: ignore[arg-type]

@@ -35,8 +35,10 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.serve import protocol
+from tensorkiln.serve.core import EXTENSIONS, SERVER_NAME, found
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import SharedMemory
+from tensorkiln.version import __version__
 
 log = logging.getLogger("tensorkiln.serve")
 
@@ -342,17 +344,12 @@ class RemoteCore:
         return versions[int(version)]
 
     def ready(self, name: str, version: str | None = None) -> bool:
-        from tensorkiln.serve.core import found  # lazy: no import cycle
-
         return found(self.model, name, version)
 
     def index(self) -> list[dict[str, Any]]:
         return list(self._index)
 
     def metadata(self) -> dict[str, Any]:
-        from tensorkiln.serve.core import EXTENSIONS, SERVER_NAME  # lazy: no import cycle
-        from tensorkiln.version import __version__  # lazy: as above
-
         return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
 
     async def serving(self) -> None:
