@@ -6,6 +6,7 @@ Every answer is checked against the engine run directly (the reference backend).
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import subprocess
@@ -41,9 +42,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+@functools.cache
+def _digits_context():
+    return Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+
+
 def _digits(x: np.ndarray) -> np.ndarray:
-    ctx = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
-    return ctx.infer({"input": x})["logits"]
+    return _digits_context().infer({"input": x})["logits"]
 
 
 def test_tensors_cross_the_link_unchanged():

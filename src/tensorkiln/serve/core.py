@@ -193,13 +193,7 @@ class ServerCore:
     def model(self, name: str, version: str | None = None) -> ServedModel:
         with self._lock:
             loaded = self.models.get(name)
-        if loaded is None:
-            why = self.failed.get(name)
-            if why is not None:
-                raise ServeError(f"model '{name}' is not ready: {why}", 503)
-            raise ServeError(f"unknown model '{name}'", 404)
-        v = _version(name, version, loaded)
-        return loaded.versions[v]
+        return pick(name, version, None if loaded is None else loaded.versions, self.failed)
 
     def batcher(self, name: str, version: int) -> DynamicBatcher | None:
         with self._lock:
@@ -224,7 +218,7 @@ class ServerCore:
         return out
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+        return server_metadata()
 
     # ------------------------------------------------------------------ statistics
     def _stats(self, model: ServedModel) -> ModelStats:
@@ -393,17 +387,30 @@ def found(lookup: Any, name: str, version: str | None) -> bool:
     return True
 
 
-def _version(name: str, version: str | None, loaded: _Loaded) -> int:
+def server_metadata() -> dict[str, Any]:
+    """The server metadata endpoint's answer."""
+    return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+
+
+def pick(name: str, version: str | None, versions: dict[int, Any] | None, failed: dict) -> Any:
+    """Version ``version`` (the latest where none is named) of model ``name``, whose loaded
+    versions are ``versions`` (None: not loaded; ``failed`` says why, if it failed); a
+    ServeError with the status to answer with where there is none."""
+    if versions is None:
+        why = failed.get(name)
+        if why is not None:
+            raise ServeError(f"model '{name}' is not ready: {why}", 503)
+        raise ServeError(f"unknown model '{name}'", 404)
     if version in (None, ""):
-        return max(loaded.versions)
+        return versions[max(versions)]
     if not version.isdigit():
         raise ServeError(f"model '{name}': version '{version}' is not a number", 400)
     v = int(version)
-    if v not in loaded.versions:
+    if v not in versions:
         raise ServeError(
-            f"model '{name}' has no version {v} loaded (loaded: {sorted(loaded.versions)})", 404
+            f"model '{name}' has no version {v} loaded (loaded: {sorted(versions)})", 404
         )
-    return v
+    return versions[v]
 
 
 def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:

@@ -35,10 +35,9 @@ from typing import Any
 import numpy as np
 
 from tensorkiln.serve import protocol
-from tensorkiln.serve.core import EXTENSIONS, SERVER_NAME, found
+from tensorkiln.serve.core import found, pick, server_metadata
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import SharedMemory
-from tensorkiln.version import __version__
 
 log = logging.getLogger("tensorkiln.serve")
 
@@ -327,21 +326,7 @@ class RemoteCore:
 
     # (ServerCore's interface, as the services use it)
     def model(self, name: str, version: str | None = None) -> RemoteModel:
-        versions = self._models.get(name)
-        if versions is None:
-            if name in self.failed:
-                raise ServeError(f"model '{name}' is not ready: {self.failed[name]}", 503)
-            raise ServeError(f"unknown model '{name}'", 404)
-        if version in (None, ""):
-            return versions[max(versions)]
-        if not version.isdigit():
-            raise ServeError(f"model '{name}': version '{version}' is not a number", 400)
-        if int(version) not in versions:
-            raise ServeError(
-                f"model '{name}' has no version {version} loaded (loaded: {sorted(versions)})",
-                404,
-            )
-        return versions[int(version)]
+        return pick(name, version, self._models.get(name), self.failed)
 
     def ready(self, name: str, version: str | None = None) -> bool:
         return found(self.model, name, version)
@@ -350,7 +335,7 @@ class RemoteCore:
         return list(self._index)
 
     def metadata(self) -> dict[str, Any]:
-        return {"name": SERVER_NAME, "version": __version__, "extensions": EXTENSIONS}
+        return server_metadata()
 
     async def serving(self) -> None:
         """Tell the engine process this front end listens (its start waits for every one)."""
@@ -367,7 +352,6 @@ class RemoteCore:
         await self._call({"op": "unload", "model": name})
 
     async def shm_register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
-        self.shm._check_enabled()
         args = {"name": name, "key": key, "offset": offset, "byte_size": byte_size}
         await self._call({"op": "shm_register", "args": args})
 

@@ -44,7 +44,7 @@ DEAD = -30000.0
 @triton.jit
 def _row_ends_kernel(
     m_ptr, out_ptr, SQ, SK, smb, smh, smm, smn, HM,
-    MASK_BOOL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    MASK_BOOL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, LIVE_ABOVE: tl.constexpr,
 ):  # fmt: skip
     """For rows ``program_id(0)`` of mask (batch, head) ``program_id(1)``: one past the last key
     each row sees (above DEAD), an int32 at out[bh, row]; SK for a row that sees no key at all
@@ -66,7 +66,7 @@ def _row_ends_kernel(
         if MASK_BOOL:
             live = ok & (mt != 0)
         else:
-            live = ok & (mt.to(tl.float32) > -30000.0)  # (DEAD)
+            live = ok & (mt.to(tl.float32) > LIVE_ABOVE)
         end = tl.maximum(end, tl.max(tl.where(live, offs_n[None, :] + 1, 0), axis=1))
     tl.store(out_ptr + bh * SQ + offs_m, tl.where(end == 0, SK, end), mask=m_ok)
 
@@ -160,7 +160,8 @@ def _row_ends(m: torch.Tensor, boolean: bool) -> tuple[torch.Tensor, tuple[int, 
     rows = 16
     _row_ends_kernel[(triton.cdiv(mq, rows), mb * mh)](
         m, out, mq, sk, *m.stride(), mh,
-        MASK_BOOL=boolean, ROWS=rows, BLOCK_N=min(256, triton.next_power_of_2(sk)), num_warps=4,
+        MASK_BOOL=boolean, ROWS=rows, BLOCK_N=min(256, triton.next_power_of_2(sk)),
+        LIVE_ABOVE=DEAD, num_warps=4,
     )  # fmt: skip
     strides = tuple(st if n > 1 else 0 for n, st in zip((mb, mh, mq), out.stride(), strict=True))
     return out, strides
