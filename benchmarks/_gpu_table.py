@@ -10,6 +10,7 @@ PEER_COLUMNS = {
     "tensorkiln": "tensorkiln",
     "tensorkiln-int8": "tensorkiln INT8",
     "tensorkiln-fp8": "tensorkiln FP8",
+    "tensorkiln-packed": "tensorkiln packed",
     "tensorkiln-torch": "tensorkiln.torch",
     "eager": "eager",
     "compile": "compile",
@@ -45,6 +46,11 @@ def derive(row: dict, peak_flops: float | None) -> dict:
         for p, c in row["peers"].items()
         if p in ("tensorkiln-int8", "tensorkiln-fp8") and c.get("value") and best
     }
+    # the fp16 engine built with --remove-padding (masked models): its ratio to the same peer
+    packed = row["peers"].get("tensorkiln-packed", {}).get("value")
+    row["packed_ratio"] = None
+    if packed and best:
+        row["packed_ratio"] = packed / best if large else best / packed
     # tensorkiln.torch.compile of the module against the ONNX path's engine (the same speed is
     # the aim: one builder behind both)
     from_torch = row["peers"].get("tensorkiln-torch", {}).get("value")
@@ -142,7 +148,9 @@ def _header(timing: dict) -> list[str]:
         "**ratio = best peer ms / tensorkiln ms** (above 1: tensorkiln is faster), and in "
         "brackets **tensorkiln ms / best peer ms** (the target is <= 0.8). tensorkiln.torch: "
         "the PyTorch module through tensorkiln.torch.compile, its ratio to the ONNX path's "
-        "engine (above 1: faster).",
+        "engine (above 1: faster). tensorkiln packed: the fp16 engine built with "
+        "--remove-padding (the masked tokens left out; its error is measured at the unmasked "
+        "positions, where the outputs mean something).",
         "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
         "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3 (INT8/FP8 "
         f"engines: above {QUANTIZED_BOUND:g}).",
@@ -285,6 +293,8 @@ def _row(row: dict) -> str:
         ratio += f" [{row['tk_over_best']:.2f}]"
     for p, q in (row.get("quantized_ratios") or {}).items():
         ratio += f"; {p.partition('-')[2].upper()} {q:.2f}"
+    if row.get("packed_ratio") is not None:
+        ratio += f"; packed {row['packed_ratio']:.2f}"
     if row.get("torch_over_onnx") is not None:
         ratio += f"; tensorkiln.torch / ONNX {row['torch_over_onnx']:.2f}"
     mem = "-"

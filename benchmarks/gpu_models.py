@@ -95,6 +95,7 @@ PEERS = (
     "tensorkiln",
     "tensorkiln-int8",
     "tensorkiln-fp8",
+    "tensorkiln-packed",
     "tensorkiln-torch",
     "eager",
     "compile",
@@ -254,11 +255,18 @@ def reference(model, dev: dict) -> tuple[list, int]:
 
 
 def tensorkiln_peer(
-    path: Path, dev: dict, want: list, large: bool, cache: Path, precision: str
+    path: Path,
+    dev: dict,
+    want: list,
+    large: bool,
+    cache: Path,
+    precision: str,
+    packed: bool = False,
 ) -> dict:
     """Build the fp16 engine for this batch, run it as a CUDA graph, check it, time it.
     A model with a dynamic batch axis gets a profile: min 1, opt = max = this batch (batch 1:
-    1, 1, 1)."""
+    1, 1, 1). ``packed``: built with padding removal; outputs compared where the mask keeps a
+    token (the engine gives zeros at the others)."""
     shapes = None
     if path.stem == "dynamic":
         shapes = {
@@ -274,21 +282,30 @@ def tensorkiln_peer(
             {k: (v.float() if v.is_floating_point() else v).cpu().numpy() for k, v in dev.items()}
         ]
     engine, secs, report = common.build(
-        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
-    )
+        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
+        remove_padding=packed,
+    )  # fmt: skip
+    if packed and not report.passes.get("remove_padding"):
+        return {"skipped": next((n for n in report.notes if "padding" in n), "not packed")}
     tc = report.timing_cache
     ctx = engine.create_execution_context(use_cuda_graph=True)
     KEEP.append(ctx)
     names = [o.name for o in engine.outputs]
     # fp16 in and out, as the PyTorch peers take and give (trtexec's --inputIOFormats=fp16:chw)
     dev = {k: v.half() if v.is_floating_point() else v for k, v in dev.items()}
-    got = ctx.infer(dev)
-    cell = {"err": common.norm_rel_torch([got[n] for n in names], want), "build_s": secs}
+    got = [ctx.infer(dev)[n] for n in names]
+    if packed:
+        got, want = (
+            _kept_tokens(got, dev["attention_mask"]),
+            _kept_tokens(want, dev["attention_mask"]),
+        )
+    cell = {"err": common.norm_rel_torch(got, want), "build_s": secs}
     cell["timing_cache"] = tc
     # the same build again, every layer's timing from the cache the first one filled
     cell["warm_build_s"] = common.build(
-        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib
-    )[1]
+        path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
+        remove_padding=packed,
+    )[1]  # fmt: skip
     cell["precision"] = precision
     cell["tactics"] = tactic_summary(engine.layers)
     if report.precision_choice:
@@ -305,6 +322,17 @@ def tensorkiln_peer(
     cell["actual_bytes"] = ctx.device_memory_bytes() if S.device == "cuda" else None
     cell["graph_fallback"] = ctx.cuda_graph_fallback
     return cell
+
+
+def _kept_tokens(outs: list, mask) -> list:
+    """Outputs of [B, S, ...] with the positions the mask drops set to zero (others as given)."""
+    keep = mask != 0
+    return [
+        torch.where(keep.reshape(*keep.shape, *(1,) * (o.ndim - 2)), o, 0)
+        if o.ndim >= 2 and tuple(o.shape[:2]) == tuple(keep.shape)
+        else o
+        for o in outs
+    ]
 
 
 def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
@@ -447,6 +475,10 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
         try:
             if peer == "tensorkiln-torch":  # the same engine, built from the module itself
                 cell = tensorkiln_torch_peer(model16, args, want, large, cache)
+            elif peer == "tensorkiln-packed" and not SPECS[name].pad:
+                cell = {"skipped": "no padding in this model's inputs"}
+            elif peer == "tensorkiln-packed":
+                cell = tensorkiln_peer(path, dev, want, large, cache, S.precision, packed=True)
             elif peer.startswith("tensorkiln"):  # (as `tensorkiln run` runs it)
                 # tensorkiln-int8 / -fp8: that precision beside the fp16 engine, same inputs
                 precision = peer.partition("-")[2] or S.precision

@@ -30,6 +30,7 @@ from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
 from tensorkiln.passes import PassManager
+from tensorkiln.passes.remove_padding import remove_padding
 from tensorkiln.precision import DefaultPolicy, PrecisionPolicy, engine_precision
 from tensorkiln.precision.budget import AccuracyBudget
 from tensorkiln.precision.calib_data import CalibrationData
@@ -135,6 +136,8 @@ class Builder:
                 report.passes = optimize(
                     graph, config.optimization_level, config.dump_ir, backend=self.backend
                 )
+                if config.remove_padding:
+                    report.notes.append(_remove_padding(graph, report))
             quantized = _quantized_precision(config)
             request = _calibration_request(config)
             float_graph = None
@@ -282,6 +285,16 @@ def optimize(
     infer_shapes(graph)
     verify(graph)
     return {name: n for name, n in pm.stats.items() if n}
+
+
+def _remove_padding(graph: Graph, report: BuildReport) -> str:
+    """Pack the masked tokens (passes/remove_padding.py); the note for the report."""
+    count, note = remove_padding(graph)
+    if count:
+        infer_shapes(graph)
+        verify(graph)
+        report.passes["remove_padding"] = count
+    return note
 
 
 def _source_bytes(model: Any, embed: bool) -> tuple[bytes, str]:

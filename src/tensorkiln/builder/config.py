@@ -83,6 +83,9 @@ class BuilderConfig:
     # the layers kept in float). False quantizes every layer; None: on a GPU, where the timings
     # mean something (on a CPU device the kernels measured are not the GPU's)
     choose_precision_per_layer: bool | None = None
+    # run the layers between a key-padding mask's attentions on the real tokens only, packed
+    # (passes/remove_padding.py); the outputs are zeros at the masked positions
+    remove_padding: bool = False
 
     def set_flag(self, precision: str) -> None:
         """Allow a precision: 'fp32', 'tf32', 'fp16', 'bf16', 'int8' or 'fp8' (int8/fp8 need
@@ -185,6 +188,7 @@ class BuilderConfig:
                 else sorted(self.tactic_sources),
             }
             | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})
+            | ({"remove_padding": True} if self.remove_padding else {})
             | (
                 {
                     "calibrator": self.calibrator,

@@ -84,6 +84,12 @@ def add_parser(sub: Any) -> None:
     )
     add_calibration_options(p)
     p.add_argument(
+        "--remove-padding",
+        action="store_true",
+        help="run a masked encoder (BERT-style key-padding mask) on its real tokens only, "
+        "packed; outputs are zeros at the masked positions",
+    )
+    p.add_argument(
         "--shapes", metavar="SHAPES", help="fixed input shapes, e.g. input:1x3x224x224,mask:1x128"
     )
     p.add_argument("--min-shapes", metavar="SHAPES", help="smallest shapes the engine accepts")
@@ -321,6 +327,9 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     given = getattr(args, "layer_precisions", None)
     pins = parse_layer_precisions(given) if given else old.get("layer_precisions", {})
     config.layer_precisions = dict(pins)
+    config.remove_padding = bool(getattr(args, "remove_padding", False)) or bool(
+        old.get("remove_padding", False)
+    )
     return config
 
 

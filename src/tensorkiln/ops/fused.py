@@ -127,6 +127,39 @@ define(
     },
     doc="softmax(Q K^T * scale + mask) V",
 )
+# Padding removal (passes/remove_padding.py): the tokens a key-padding mask keeps, packed.
+define(
+    "PackIndex",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"padding": 0},
+    doc="M [B, S] (nonzero: a token; with padding=1, nonzero: a pad) -> the kept tokens' flat "
+    "indices, int64 [T] in row-major "
+    "order, and one past each sequence's last packed row, int32 [B] (cumulative lengths)",
+)
+define(
+    "PackTokens",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={},
+    doc="X [B, S, ...], index [T] -> X's rows at the flat indices, [T, ...]",
+)
+define(
+    "UnpackTokens",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={},
+    doc="Y [T, ...], index [T], M [B, S] -> [B, S, ...]: Y's rows at their indices, zeros at the "
+    "tokens M drops",
+)
+define(
+    "PackedAttention",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={"scale": 0.0, "num_heads": 0},
+    doc="softmax(Q K^T * scale) V within each packed sequence: Q, K, V [T, H*D], cumulative "
+    "lengths [B] (int32, PackIndex's) and M [B, S] (its S bounds every length) -> [T, H*Dv]",
+)
 define(
     "Pointwise",
     domain=DOMAIN,
@@ -238,6 +271,39 @@ def _attention_shape(ctx: InferContext) -> list[Type | None]:
     layout = ctx.attr("output_layout", "bhsd")
     shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
     return [TensorType(ctx.dtype(0), shape[layout])]
+
+
+@rule("PackIndex", domain=DOMAIN)
+def _pack_index_shape(ctx: InferContext) -> list[Type | None]:
+    """The packed length is data-dependent: its bound, B * S, is what the engine plans for."""
+    m = ctx.shape(0)
+    if m is None or len(m) != 2:
+        return [TensorType(DType.INT64, (fresh_dim(),)), TensorType(DType.INT32, (fresh_dim(),))]
+    return [TensorType(DType.INT64, (dim_product(m),)), TensorType(DType.INT32, (m[0],))]
+
+
+@rule("PackTokens", domain=DOMAIN)
+def _pack_tokens_shape(ctx: InferContext) -> list[Type | None]:
+    x, index = ctx.shape(0), ctx.shape(1)
+    if x is None or index is None or len(x) < 2:
+        return [TensorType(ctx.dtype(0), None)]
+    return [TensorType(ctx.dtype(0), (index[0], *x[2:]))]
+
+
+@rule("UnpackTokens", domain=DOMAIN)
+def _unpack_tokens_shape(ctx: InferContext) -> list[Type | None]:
+    y, m = ctx.shape(0), ctx.shape(2)
+    if y is None or m is None or len(m) != 2:
+        return [TensorType(ctx.dtype(0), None)]
+    return [TensorType(ctx.dtype(0), (*m, *y[1:]))]
+
+
+@rule("PackedAttention", domain=DOMAIN)
+def _packed_attention_shape(ctx: InferContext) -> list[Type | None]:
+    q, v = ctx.shape(0), ctx.shape(2)
+    if q is None or v is None or len(q) != 2 or len(v) != 2:
+        return [TensorType(ctx.dtype(0), None)]
+    return [TensorType(ctx.dtype(0), (q[0], v[1]))]
 
 
 @rule("Pointwise", domain=DOMAIN)

@@ -90,7 +90,9 @@ class ExecutionContext:
                 # graphs and memory to the garbage collector, on whichever thread it runs)
                 executor, graph_inputs = self._executor, engine.graph.inputs
                 self._graphs = GraphRunner(
-                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))), backend
+                    lambda inputs: executor.run(dict(zip(graph_inputs, inputs))),
+                    backend,
+                    _token_mask(engine.graph),
                 )
         # output shapes per set of input shapes: the same for every thread (a race only
         # computes an entry twice)
@@ -311,8 +313,18 @@ class ExecutionContext:
     # replay; the first call with any new feed signature takes the full path.
     _KNOWN_FEEDS_MAX = 64
 
-    def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
+    def _signature(self, feeds: Mapping[str, Any]) -> tuple | None:
+        """The feeds' signature for the replay-only path; with padding removal, the mask's
+        token count too (the graph was captured for one)."""
         sig = _feed_signature(feeds)
+        tokens = self._graphs.tokens
+        if sig is None or tokens is None:
+            return sig
+        mask = feeds.get(self.engine.graph.inputs[tokens[0]].name)
+        return None if mask is None else (*sig, self._graphs.count(mask))
+
+    def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
+        sig = self._signature(feeds)
         entry = self._graphs.entry_for(inputs) if sig is not None else None
         if entry is None or len(self._known_feeds) >= self._KNOWN_FEEDS_MAX:
             return
@@ -328,7 +340,7 @@ class ExecutionContext:
         device, checked by an earlier call), or None when the feeds are not known."""
         import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
-        sig = _feed_signature(feeds)
+        sig = self._signature(feeds)
         known = self._known_feeds.get(sig) if sig is not None else None
         if known is None:
             return None
@@ -522,3 +534,14 @@ def _feed_signature(feeds: Any) -> tuple | None:
             return None
         sig.append((name, t.shape, t.dtype, t.device))
     return tuple(sig)
+
+
+def _token_mask(graph: Any) -> tuple[int, int] | None:
+    """The position among the graph's inputs of the mask a PackIndex layer reads (padding
+    removal) and the layer's ``padding`` attribute, or None."""
+    for n in graph.nodes:
+        if n.domain == "tensorkiln" and n.op == "PackIndex":
+            for i, v in enumerate(graph.inputs):
+                if n.inputs and n.inputs[0] is v:
+                    return i, int(n.attrs.get("padding", 0) or 0)
+    return None

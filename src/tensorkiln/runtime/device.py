@@ -19,6 +19,7 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
+from tensorkiln.kernels.common.packing import tokens_hint
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
@@ -113,12 +114,18 @@ class GraphRunner:
     autotuning caches), then captures a third run into a graph whose inputs and outputs are fixed
     tensors. Later calls copy the inputs into place and replay. An engine that cannot be captured
     (a layer reads device values on the host, say) runs eagerly, with one warning.
+
+    An engine that removes padding (passes/remove_padding.py) runs on as many rows as its mask
+    input keeps (``tokens``: its position among the inputs, and PackIndex's ``padding``): the count is read back before each call (one
+    synchronization), graphs are captured per count as well, and the capture's PackIndex takes
+    the count from :func:`~tensorkiln.kernels.common.packing.tokens_hint`.
     """
 
-    def __init__(self, run: Any, backend: Backend) -> None:
+    def __init__(self, run: Any, backend: Backend, tokens: tuple[int, int] | None = None) -> None:
         import torch
 
         self._run = run  # inputs (list of tensors) -> outputs (list)
+        self.tokens = tokens
         self._device = backend.device
         self._graphs: dict[tuple, Any] = {}
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
@@ -133,20 +140,33 @@ class GraphRunner:
 
         if self.eager_reason is not None or not all(isinstance(x, torch.Tensor) for x in inputs):
             return self._run(inputs)
-        key = tuple((tuple(x.shape), x.dtype) for x in inputs)
+        key = self._key(inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(inputs)
-            if entry is None:
-                return self._run(inputs)
+            with tokens_hint(key[-1]):
+                entry = self._capture(inputs)
+                if entry is None:
+                    return self._run(inputs)
             self._graphs[key] = entry
         return self.replay(entry, inputs)
+
+    def _key(self, inputs: list[Any]) -> tuple:
+        """The inputs' shapes and dtypes, and the token count where the engine packs tokens."""
+        count = None if self.tokens is None else self.count(inputs[self.tokens[0]])
+        return (*((tuple(x.shape), x.dtype) for x in inputs), count)
+
+    def count(self, mask: Any) -> int:
+        """The tokens ``mask`` keeps (read back: one synchronization)."""
+        import torch
+
+        nonzero = int(torch.count_nonzero(mask))
+        return mask.numel() - nonzero if self.tokens and self.tokens[1] else nonzero
 
     def entry_for(self, inputs: list[Any]) -> tuple | None:
         """The captured graph for inputs of these shapes and dtypes (None: not captured)."""
         if self.eager_reason is not None:
             return None
-        return self._graphs.get(tuple((tuple(x.shape), x.dtype) for x in inputs))
+        return self._graphs.get(self._key(inputs))
 
     @staticmethod
     def replay(entry: tuple, inputs: list[Any]) -> list[Any]:

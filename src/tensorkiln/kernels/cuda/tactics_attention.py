@@ -1,5 +1,7 @@
 """tensorkiln.Attention's Triton tactics, ``triton_flash_m64`` and ``triton_flash_m128``
-(kernels/triton/flash_attention.py; 64 or 128 query rows per program).
+(kernels/triton/flash_attention.py; 64 or 128 query rows per program), and PackedAttention's,
+``triton_flash_packed_m64`` / ``_m128``: the same kernel reading each sequence's rows of the packed
+operands (padding removal), where the default scatters them into padded tensors for SDPA.
 
 The default kernel is SDPA, which picks cuDNN's or its own flash kernels, but with a mask it
 wants the mask broadcast to aligned strides (some are materialized at [B, H, Sq, Sk]), a causal
@@ -30,6 +32,16 @@ def _head_width(spec: LayerSpec) -> int | None:
         heads = int(spec.attrs.get("num_heads", 0) or 0)
         return q[-1] // heads if heads > 0 and len(q) == 3 and q[-1] % heads == 0 else None
     return q[-1] if len(q) == 4 else None
+
+
+def _fits_packed(spec: LayerSpec) -> bool:
+    if not (spec.device == "cuda" or interpreting()) or len(spec.shapes) < 5:
+        return False
+    dtypes = spec.dtypes[:3]
+    if len(set(dtypes)) != 1 or dtypes[0] not in _HALF:
+        return False
+    q, heads = spec.shapes[0], int(spec.attrs.get("num_heads", 0) or 0)
+    return q is not None and len(q) == 2 and heads > 0 and q[1] % heads == 0 and q[1] <= 256 * heads
 
 
 def _fits(spec: LayerSpec) -> bool:
@@ -71,6 +83,28 @@ if available():
 
         return attention_triton_flash
 
+    def _packed_fn(block_m: int):
+        from tensorkiln.kernels.cuda.packing import packed_attention as fallback
+
+        def packed_attention_triton_flash(q, k, v, ends, m, *, scale=0.0, num_heads=0):
+            """Attention within each packed sequence in one Triton pass (see the module's
+            docstring); SDPA on padded copies where the kernel does not apply."""
+            if m.ndim != 2 or not flash.packed_applies(q, k, v, int(num_heads)):
+                return fallback(q, k, v, ends, m, scale=scale, num_heads=num_heads)
+            s = float(scale) if scale else 1.0 / math.sqrt(q.shape[1] // int(num_heads))
+            return flash.packed_attention(
+                q, k, v, ends, int(m.shape[1]), heads=int(num_heads), scale=s, block_m=block_m
+            )
+
+        return packed_attention_triton_flash
+
+    for _block_m in flash.BLOCKS_M:
+        tactic(
+            "PackedAttention",
+            domain="tensorkiln",
+            name=f"triton_flash_packed_m{_block_m}",
+            supports=_fits_packed,
+        )(_packed_fn(_block_m))
     for _block_m in flash.BLOCKS_M:
         tactic("Attention", domain="tensorkiln", name=f"triton_flash_m{_block_m}", supports=_fits)(
             _flash_fn(_block_m)

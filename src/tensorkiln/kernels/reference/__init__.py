@@ -37,6 +37,7 @@ _MODULES = (
     "fused_pointwise",
     "fused_se",
     "fused_quant",
+    "packing",
 )
 
 for _name in _MODULES:

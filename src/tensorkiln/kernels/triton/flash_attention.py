@@ -73,24 +73,36 @@ def _row_ends_kernel(
 
 @triton.jit
 def _flash_kernel(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, qk_scale, H, SQ, SK, D, DV,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, qk_scale, H, SQ, SK, D, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod, sbb, sbh, sbm,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    BOUNDS: tl.constexpr,
+    BOUNDS: tl.constexpr, PACKED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
+    q_off = b * sqb
+    k_off = b * skb
+    v_off = b * svb
+    o_off = b * sob
+    if PACKED:  # sequence b is rows [ends[b - 1], ends[b]) of every operand, all keys visible
+        row0 = tl.load(ends_ptr + b - 1, mask=b > 0, other=0)
+        SQ = tl.load(ends_ptr + b) - row0
+        SK = SQ
+        q_off = row0 * sqm
+        k_off = row0 * skn
+        v_off = row0 * svn
+        o_off = row0 * som
     offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     m_ok = offs_m < SQ
     q = tl.load(
-        q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+        q_ptr + q_off + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
         mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0,
     )  # fmt: skip
     if UPCAST:
@@ -108,7 +120,7 @@ def _flash_kernel(
         offs_n = start_n + offs_n0
         n_ok = offs_n < SK
         k = tl.load(
-            k_ptr + b * skb + h * skh + offs_n[None, :] * skn + offs_d[:, None] * skd,
+            k_ptr + k_off + h * skh + offs_n[None, :] * skn + offs_d[:, None] * skd,
             mask=n_ok[None, :] & (offs_d < D)[:, None], other=0.0,
         )  # fmt: skip
         if UPCAST:
@@ -133,7 +145,7 @@ def _flash_kernel(
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(
-            v_ptr + b * svb + h * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+            v_ptr + v_off + h * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
             mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0,
         )  # fmt: skip
         if UPCAST:
@@ -143,7 +155,7 @@ def _flash_kernel(
         m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(
-        o_ptr + b * sob + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
+        o_ptr + o_off + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
         out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :],
     )  # fmt: skip
 
@@ -225,12 +237,62 @@ def attention(
     if has_mask and sk > block_n:
         bounds, bstrides = _row_ends(m, mask_kind == "bool")
     _flash_kernel[grid](
-        q, k, v, m, o, bounds, float(scale) * LOG2E, h, sq, sk, d, dv,
+        q, k, v, m, o, bounds, q, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
-        UPCAST=interpreting(), BOUNDS=bounds is not q,
+        UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False,
         BLOCK_M=block_m, BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
         num_warps=4 if block_m == 64 else 8, num_stages=2,
     )  # fmt: skip
     return o
+
+
+def packed_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> bool:
+    """Whether :func:`packed_attention` takes these packed [T, H*D] operands."""
+    if any(x.ndim != 2 for x in (q, k, v)) or q.dtype not in DTYPES or heads <= 0:
+        return False
+    if k.dtype != q.dtype or v.dtype != q.dtype or q.shape != k.shape or v.shape[0] != q.shape[0]:
+        return False
+    if q.shape[1] % heads or v.shape[1] % heads or 0 in q.shape:
+        return False
+    if max(q.shape[1], v.shape[1]) // heads > MAX_HEAD:
+        return False
+    return max(x.numel() for x in (q, k, v)) < 2**31
+
+
+def packed_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ends: torch.Tensor,
+    longest: int,
+    *,
+    heads: int,
+    scale: float,
+    block_m: int = 128,
+) -> torch.Tensor:
+    """softmax(q k^T * scale) v within each packed sequence: ``q``, ``k``, ``v`` [T, H*D] (strided
+    views are fine), ``ends`` int32 [B] one past each sequence's last row, ``longest`` a bound on
+    every sequence's length (the grid's query blocks). Returns [T, H*Dv]. The caller checks
+    :func:`packed_applies`."""
+    t = q.shape[0]
+    d, dv = q.shape[1] // heads, v.shape[1] // heads
+    out = torch.empty((t, heads * dv), dtype=q.dtype, device=q.device)
+    block_m = 64 if longest <= 64 else block_m
+    block_n = 64
+
+    def strides(x: torch.Tensor, width: int) -> tuple[int, int, int, int]:
+        return 0, width * x.stride(1), x.stride(0), x.stride(1)  # batch (unused), head, row, col
+
+    grid = (triton.cdiv(max(longest, 1), block_m), ends.shape[0] * heads)
+    _flash_kernel[grid](
+        q, k, v, q, out, q, ends, float(scale) * LOG2E, heads, longest, longest, d, dv,
+        *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
+        HAS_MASK=False, MASK_BOOL=False, CAUSAL=False,
+        UPCAST=interpreting(), BOUNDS=False, PACKED=True,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+        num_warps=4 if block_m == 64 else 8, num_stages=2,
+    )  # fmt: skip
+    return out

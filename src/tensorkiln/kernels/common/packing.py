@@ -1,0 +1,73 @@
+"""Padding removal's ops (passes/remove_padding.py), written once for every kernel tree.
+
+``PackIndex(M)`` keeps the tokens where the key-padding mask M [B, S] is nonzero: their flat
+indices (row-major, int64 [T]) and one past each sequence's last packed row (int32 [B]).
+``PackTokens(X, index)`` gathers X [B, S, ...]'s rows; ``UnpackTokens(Y, index, M)`` scatters them
+back into zeros of [B, S, ...]; ``PackedAttention(Q, K, V, ends, M)`` attends within each packed
+sequence (every key of a sequence visible, as the mask it came from kept exactly those).
+
+T depends on M's values. A device backend that must know it without reading M back (a CUDA graph
+is captured for one T) sets it with :func:`tokens_hint` around the run; the count is then trusted
+to be M's (the caller computed it from the same tensor), and the indices are computed on the
+device without a synchronization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from tensorkiln.errors import KernelError
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def tokens_hint(count: int | None) -> Iterator[None]:
+    """PackIndex kernels run in this thread inside the block take ``count`` as M's token count."""
+    before = getattr(_local, "count", None)
+    _local.count = count
+    try:
+        yield
+    finally:
+        _local.count = before
+
+
+def hinted_count() -> int | None:
+    """The token count set by :func:`tokens_hint` in this thread (None: none)."""
+    return getattr(_local, "count", None)
+
+
+def check_mask(m: Any) -> tuple[int, int]:
+    """M's (B, S); a clear error for anything but a [B, S] mask."""
+    if m.ndim != 2:
+        raise KernelError(
+            f"PackIndex: the key-padding mask must be [batch, sequence]; got shape {tuple(m.shape)}"
+        )
+    return int(m.shape[0]), int(m.shape[1])
+
+
+def check_packed(x: Any, index: Any, what: str) -> None:
+    if x.ndim < 1 or x.shape[0] != index.shape[0]:
+        raise KernelError(
+            f"{what}: {tuple(x.shape)} does not hold one row per packed token ({index.shape[0]})"
+        )
+
+
+def check_unpacked(x: Any, b: int, s: int) -> None:
+    if x.ndim < 2 or tuple(x.shape[:2]) != (b, s):
+        raise KernelError(
+            f"PackTokens: the input's leading axes {tuple(x.shape[:2])} are not the mask's "
+            f"[batch, sequence] ({b}, {s})"
+        )
+
+
+def heads(x: Any, num_heads: int, what: str) -> int:
+    """The head width of packed [T, H*D] ``x``."""
+    if x.ndim != 2 or num_heads <= 0 or x.shape[1] % num_heads:
+        raise KernelError(
+            f"PackedAttention: {what} {tuple(x.shape)} is not [tokens, {num_heads} heads * width]"
+        )
+    return int(x.shape[1]) // num_heads

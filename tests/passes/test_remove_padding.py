@@ -1,0 +1,253 @@
+"""Padding removal (passes/remove_padding.py, BuilderConfig.remove_padding, --remove-padding).
+
+Real exports (a small Hugging Face BERT with a dynamic batch axis, torch's MultiheadAttention with
+a key_padding_mask, GPT-2's causal mask) are built with and without it; the packed engines must
+agree with onnxruntime at every position the mask keeps and give zeros at the others, on masks
+drawn fresh (right padding of every length, holes, an empty sequence). Graphs that do not qualify
+are left as they are, with a note saying why. The kernels are checked against numpy written here.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("onnxruntime")
+pytest.importorskip("transformers")
+
+from tensorkiln.builder import Builder, BuilderConfig  # noqa: E402
+from tensorkiln.kernels.common.packing import tokens_hint  # noqa: E402
+from tensorkiln.kernels.cuda import packing as cuda_packing  # noqa: E402
+from tensorkiln.kernels.reference import packing as ref_packing  # noqa: E402
+from tests.models.test_architectures import (  # noqa: E402
+    _no_mha_fastpath,
+    build_bert,
+    build_gpt2,
+    run_onnxruntime,
+)
+from tests.passes.test_fuse_mha import _export as export_mha  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")
+SEQ = 16
+
+
+def _export(model, feeds: dict, path, outputs: list[str]):
+    axes = {k: {0: "batch"} for k in (*feeds, *outputs)}
+    with warnings.catch_warnings(), _no_mha_fastpath(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, tuple(torch.from_numpy(v) for v in feeds.values()), str(path),
+            input_names=list(feeds), output_names=outputs, dynamic_axes=axes, opset_version=17,
+            dynamo=False,
+        )  # fmt: skip
+    return path
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    model, feeds = build_bert()
+    path = tmp_path_factory.mktemp("bert") / "bert.onnx"
+    return _export(model, feeds, path, ["hidden", "pooled"])
+
+
+def _masks(rng: np.random.Generator, batch: int, seq: int) -> list[np.ndarray]:
+    """Right padding of random lengths (one empty, one full), then random holes."""
+    right = np.zeros((batch, seq), np.int64)
+    lengths = rng.integers(1, seq, batch)
+    lengths[0], lengths[-1] = 0, seq
+    for i, n in enumerate(lengths):
+        right[i, :n] = 1
+    holes = (rng.random((batch, seq)) < 0.7).astype(np.int64)
+    holes[:, 0] = 1
+    return [right, holes]
+
+
+def _build(path, backend: str, packed: bool, level: int = 3):
+    config = BuilderConfig()
+    config.remove_padding = packed
+    config.optimization_level = level
+    builder = Builder(backend)
+    engine = builder.build(path, config, progress=False)
+    return engine, builder.last_report
+
+
+def _ops(engine) -> list[str]:
+    return [n.op for n in engine.graph.nodes]
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_bert_packed_agrees_with_onnxruntime_where_the_mask_keeps(bert, backend: str) -> None:
+    engine, report = _build(bert, backend, packed=True)
+    assert report.passes.get("remove_padding", 0) > 0, report.notes
+    assert any("padding removed" in n for n in report.notes)
+    ops = _ops(engine)
+    assert "PackedAttention" in ops and "Attention" not in ops
+    assert ops.count("PackIndex") == 1
+    ctx = engine.create_execution_context()
+    rng = np.random.default_rng()
+    for mask in _masks(rng, 5, SEQ):
+        feeds = {"input_ids": rng.integers(0, 1000, mask.shape), "attention_mask": mask}
+        want = run_onnxruntime(bert, feeds)
+        got = ctx.infer(feeds)
+        keep = mask != 0
+        hidden = got["hidden"]
+        scale = np.abs(want[0][keep]).max()
+        np.testing.assert_allclose(hidden[keep], want[0][keep], rtol=1e-4, atol=1e-4 * scale)
+        assert not hidden[~keep].any(), "masked positions must be zeros"
+        # the pooler reads token 0: where it is a token, the pooled output agrees
+        first = keep[:, 0]
+        np.testing.assert_allclose(got["pooled"][first], want[1][first], rtol=1e-4, atol=1e-5)
+
+
+def test_torch_key_padding_mask_marks_pads(tmp_path) -> None:
+    """torch's key_padding_mask is True at a pad: the pass reads it that way round."""
+    path, _ = export_mha(tmp_path, masked=True, dynamic=True)
+    engine, report = _build(path, "cpu", packed=True)
+    assert report.passes.get("remove_padding", 0) > 0, report.notes
+    (index,) = [n for n in engine.graph.nodes if n.op == "PackIndex"]
+    assert index.attrs["padding"] == 1
+    rng = np.random.default_rng()
+    ctx = engine.create_execution_context()
+    pad = rng.random((4, 7)) < 0.3
+    pad[:, 0] = False
+    x = rng.standard_normal((4, 7, 32)).astype(np.float32)
+    want = run_onnxruntime(path, {"x": x, "pad": pad})[0]
+    got = ctx.infer({"x": x, "pad": pad})["y"]
+    np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-4, atol=1e-4)
+    assert not got[pad].any()
+
+
+def test_causal_mask_is_not_packed(tmp_path) -> None:
+    model, feeds = build_gpt2()
+    path = _export(model, feeds, tmp_path / "gpt2.onnx", ["hidden"])
+    engine, report = _build(path, "reference", packed=True)
+    assert "remove_padding" not in report.passes
+    (note,) = [n for n in report.notes if "padding" in n]
+    assert note.startswith("padding not removed"), note
+    assert "PackIndex" not in _ops(engine)
+    rng = np.random.default_rng()
+    feeds = {"input_ids": rng.integers(0, 1000, (2, SEQ)), "attention_mask": np.ones((2, SEQ))}
+    feeds["attention_mask"] = feeds["attention_mask"].astype(np.int64)
+    got = engine.create_execution_context().infer(feeds)["hidden"]
+    np.testing.assert_allclose(got, run_onnxruntime(path, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_without_fused_attention_or_mask_nothing_changes(bert, tmp_path) -> None:
+    engine, report = _build(bert, "reference", packed=True, level=0)
+    assert any("no fused attention" in n for n in report.notes)
+    assert "PackIndex" not in _ops(engine)
+    path, _ = export_mha(tmp_path, masked=False, dynamic=True)
+    engine, report = _build(path, "reference", packed=True)
+    assert any("has no mask" in n for n in report.notes), report.notes
+    # and off by default
+    engine, report = _build(bert, "reference", packed=False)
+    assert "PackIndex" not in _ops(engine) and not any("padding" in n for n in report.notes)
+
+
+def test_cli_build_remove_padding(bert, tmp_path, capsys) -> None:
+    from tensorkiln.cli.main import main
+
+    out = tmp_path / "bert.engine"
+    assert (
+        main(["build", str(bert), "-o", str(out), "--backend", "reference", "--remove-padding"])
+        == 0
+    )
+    assert "padding removed" in capsys.readouterr().out
+    from tensorkiln.engine.engine import Engine
+
+    engine = Engine.load(out)
+    assert engine.build["config"]["remove_padding"] is True
+    assert "PackedAttention" in _ops(engine)
+    json.dumps(engine.build["config"])
+
+
+# ---------------------------------------------------------------- kernels
+
+
+def _oracle_attention(q, k, v, lengths, heads: int) -> np.ndarray:
+    """softmax(q k^T / sqrt(d)) v per sequence and head, in float64, written out."""
+    out = np.zeros((q.shape[0], v.shape[1]))
+    d, dv = q.shape[1] // heads, v.shape[1] // heads
+    start = 0
+    for n in lengths:
+        for h in range(heads if n else 0):
+            qs = q[start : start + n, h * d : (h + 1) * d].astype(np.float64)
+            ks = k[start : start + n, h * d : (h + 1) * d].astype(np.float64)
+            vs = v[start : start + n, h * dv : (h + 1) * dv].astype(np.float64)
+            s = qs @ ks.T / np.sqrt(d)
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            out[start : start + n, h * dv : (h + 1) * dv] = (p / p.sum(axis=1, keepdims=True)) @ vs
+        start += n
+    return out
+
+
+def test_pack_kernels_against_numpy() -> None:
+    rng = np.random.default_rng()
+    mask = (rng.random((4, 9)) < 0.6).astype(np.int64)
+    mask[2] = 0
+    keep = [(b, s) for b in range(4) for s in range(9) if mask[b, s]]
+    x = rng.standard_normal((4, 9, 5)).astype(np.float32)
+    want_rows = np.stack([x[b, s] for b, s in keep])
+    want_ends = np.cumsum(mask.sum(axis=1))
+    for padding, m in ((0, mask), (1, (mask == 0))):
+        index, ends = ref_packing.pack_index(m, padding=padding)
+        np.testing.assert_array_equal(ends, want_ends)
+        np.testing.assert_array_equal(ref_packing.pack_tokens(x, index), want_rows)
+        # torch: counted on the host, or given the count (as a CUDA graph's capture is)
+        for hint in (None, len(keep)):
+            with tokens_hint(hint):
+                t_index, t_ends = cuda_packing.pack_index(torch.from_numpy(m), padding=padding)
+            np.testing.assert_array_equal(t_index.numpy(), index)
+            np.testing.assert_array_equal(t_ends.numpy(), want_ends)
+    y = rng.standard_normal((len(keep), 5)).astype(np.float32)
+    want = np.zeros_like(x)
+    for row, (b, s) in zip(y, keep):
+        want[b, s] = row
+    np.testing.assert_array_equal(ref_packing.unpack_tokens(y, index, mask), want)
+    got = cuda_packing.unpack_tokens(
+        torch.from_numpy(y), torch.from_numpy(index), torch.from_numpy(mask)
+    )
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+def test_packed_attention_kernels_against_numpy() -> None:
+    rng = np.random.default_rng()
+    lengths = np.array([5, 0, 11, 1])
+    ends = np.cumsum(lengths).astype(np.int32)
+    heads, t = 2, int(lengths.sum())
+    q, k, v = (rng.standard_normal((t, heads * 8)).astype(np.float32) for _ in range(3))
+    mask = np.zeros((4, 12), np.int64)  # (only its shape is read: S bounds every length)
+    want = _oracle_attention(q, k, v, lengths, heads)
+    got = ref_packing.packed_attention(q, k, v, ends, mask, num_heads=heads)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    tq, tk, tv, te, tm = (torch.from_numpy(a) for a in (q, k, v, ends, mask))
+    got = cuda_packing.packed_attention(tq, tk, tv, te, tm, num_heads=heads)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_flash_kernel_through_the_interpreter(monkeypatch) -> None:
+    from tensorkiln.kernels.triton import available, interpreting
+
+    if not (available() and interpreting()):
+        pytest.skip("needs Triton's interpreter (TRITON_INTERPRET=1)")
+    from tensorkiln.kernels.triton import flash_attention as flash
+
+    rng = np.random.default_rng()
+    lengths = np.array([3, 70, 0, 129])
+    ends = torch.from_numpy(np.cumsum(lengths).astype(np.int32))
+    heads, d, t = 2, 16, int(lengths.sum())
+    qkv = torch.from_numpy(rng.standard_normal((t, 3 * heads * d)).astype(np.float16))
+    q, k, v = qkv.split(heads * d, dim=1)  # (strided views, as a Split of one GEMM gives them)
+    assert flash.packed_applies(q, k, v, heads)
+    want = _oracle_attention(
+        q.float().numpy(), k.float().numpy(), v.float().numpy(), lengths, heads
+    )
+    for block_m in flash.BLOCKS_M:
+        got = flash.packed_attention(
+            q, k, v, ends, 129, heads=heads, scale=d**-0.5, block_m=block_m
+        )
+        np.testing.assert_allclose(got.float().numpy(), want, rtol=2e-2, atol=2e-3)
