@@ -3,6 +3,8 @@ build report's tuning lines, inspect's tactic columns and run's GPU statistics."
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -96,7 +98,12 @@ def test_trtexec_and_compare_on_the_gpu(cli, digits, tmp_path) -> None:
         assert "(CUDA graph)" in out
     rc, out, err = cli("trtexec", f"--onnx={digits}", "--int8", "--skipInference")
     assert rc == 0 and "ranges come from random inputs" in err, err
-    assert "int8: 3 of 3 convolution/GEMM layers quantized" in out
+    # on a GPU each quantized layer is also timed in float and the faster kept (TensorRT's
+    # choice): the report says how many were quantized and names the ones kept in float
+    found = re.search(r"int8: (\d) of 3 convolution/GEMM layers quantized", out)
+    assert found, out
+    if int(found.group(1)) < 3:
+        assert "where the autotuner measured them faster" in out, out
     shapes = ["--shapes", "input:16x1x8x8", "--seed", "0", "--json"]
     r32 = cli.json("compare", digits, "--engine", engines["fp32"], *shapes)
     assert r32["passed"] and r32["outputs"]["logits"]["rel_l2"] < 1e-5

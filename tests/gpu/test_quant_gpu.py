@@ -70,7 +70,9 @@ def test_quantized_engine_on_the_gpu(tmp_path: Path, precision: str) -> None:
     x = rng.standard_normal((32, 64, 14, 14)).astype(np.float32)
     want = ref.create_execution_context().infer({"x": x})["y"]
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"])
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+    # (a tactic may run a quantized layer's dequantized product in fp16, cuDNN's: its output
+    # rounded to fp16, about 1e-3 of the reference's float32 arithmetic)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-3
     config.set_flag("fp16")
     mixed = Builder("cuda").build(path, config)
     half = np.asarray(mixed.create_execution_context().infer({"x": x})["y"], np.float32)

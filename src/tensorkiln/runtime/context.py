@@ -19,6 +19,7 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
+from tensorkiln.kernels.common.packing import tokens_hint
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.tactics import tactic_functions
 from tensorkiln.runtime import cpu_compile
@@ -27,6 +28,8 @@ from tensorkiln.runtime.device import ENQUEUE_LOCK, GraphRunner, bind_device_inp
 from tensorkiln.runtime.executor import Executor, Observer
 from tensorkiln.runtime.io import bind_inputs
 from tensorkiln.runtime.mathmode import math_mode
+
+_UNSET = object()  # (not looked up yet)
 
 
 class ExecutionContext:
@@ -100,6 +103,7 @@ class ExecutionContext:
         # CUDA graphs: feeds already checked once (names, shapes, dtypes, device) -> the graph
         # input order and the captured graph, for calls that only replay (see _replay_known)
         self._known_feeds: dict[tuple, tuple[tuple[str, ...], tuple]] = {}
+        self._tokens: Any = _UNSET  # padding removal's mask input (see _host_count)
 
     # -------------------------------------------------------------- per-thread state
     @property
@@ -272,8 +276,13 @@ class ExecutionContext:
                     if isinstance(x, torch.Tensor) and x.is_cuda:
                         x.record_stream(stream)
                 events[0].record(stream)  # after the uploads: layers only
+            # padding removal: a mask given on the host is counted there, with no read-back
+            count = self._host_count(bound)
             if use_graph:
-                results = self._graphs(inputs)
+                results = self._graphs(inputs, count)
+            elif count is not None:
+                with tokens_hint(count):
+                    results = self._executor.run(dict(zip(graph.inputs, inputs)))
             elif self._compiled is not None and plain:
                 key = _shapes_key(inputs)
                 results = self._threads.run(
@@ -312,6 +321,18 @@ class ExecutionContext:
     # and device a call has already checked (device tensors, nothing else) skip straight to the
     # replay; the first call with any new feed signature takes the full path.
     _KNOWN_FEEDS_MAX = 64
+
+    def _host_count(self, bound: Mapping[Any, Any]) -> int | None:
+        """The tokens a PackIndex layer keeps, where its mask is a host array (else None)."""
+        tokens = _token_mask(self.engine.graph) if self._tokens is _UNSET else self._tokens
+        self._tokens = tokens
+        if tokens is None:
+            return None
+        mask = bound.get(self.engine.graph.inputs[tokens[0]])
+        if not isinstance(mask, np.ndarray):
+            return None
+        nonzero = int(np.count_nonzero(mask))
+        return mask.size - nonzero if tokens[1] else nonzero
 
     def _signature(self, feeds: Mapping[str, Any]) -> tuple | None:
         """The feeds' signature for the replay-only path; with padding removal, the mask's

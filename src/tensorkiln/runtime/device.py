@@ -135,12 +135,15 @@ class GraphRunner:
         self._pool_id = self.pool.id if self.pool is not None else torch.cuda.graph_pool_handle()
         self.eager_reason: str | None = None
 
-    def __call__(self, inputs: list[Any]) -> list[Any]:
+    def __call__(self, inputs: list[Any], count: int | None = None) -> list[Any]:
+        """Replay (or capture) the graph for ``inputs``; ``count``: the tokens the mask keeps,
+        where the caller knows it (else read back from the mask)."""
         import torch
 
         if self.eager_reason is not None or not all(isinstance(x, torch.Tensor) for x in inputs):
-            return self._run(inputs)
-        key = self._key(inputs)
+            with tokens_hint(count):
+                return self._run(inputs)
+        key = self._key(inputs, count)
         entry = self._graphs.get(key)
         if entry is None:
             with tokens_hint(key[-1]):
@@ -150,9 +153,12 @@ class GraphRunner:
             self._graphs[key] = entry
         return self.replay(entry, inputs)
 
-    def _key(self, inputs: list[Any]) -> tuple:
+    def _key(self, inputs: list[Any], count: int | None = None) -> tuple:
         """The inputs' shapes and dtypes, and the token count where the engine packs tokens."""
-        count = None if self.tokens is None else self.count(inputs[self.tokens[0]])
+        if self.tokens is None:
+            count = None
+        elif count is None:
+            count = self.count(inputs[self.tokens[0]])
         return (*((tuple(x.shape), x.dtype) for x in inputs), count)
 
     def count(self, mask: Any) -> int:
