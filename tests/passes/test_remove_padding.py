@@ -251,3 +251,26 @@ def test_packed_flash_kernel_through_the_interpreter(monkeypatch) -> None:
             q, k, v, ends, 129, heads=heads, scale=d**-0.5, block_m=block_m
         )
         np.testing.assert_allclose(got.float().numpy(), want, rtol=2e-2, atol=2e-3)
+
+
+def test_a_rewrite_that_does_not_check_out_builds_without_it(bert, monkeypatch) -> None:
+    """The pass rewrites a copy: when it fails its own shape check, the build goes on with the
+    graph as it was, and the report says why."""
+    import tensorkiln.builder.builder as builder_module
+    from tensorkiln.errors import GraphError
+
+    def broken(graph):
+        graph.nodes = graph.nodes[: len(graph.nodes) // 2]  # (a half-done rewrite)
+        raise GraphError("layer 'x' gives f32[?] on packed tokens")
+
+    monkeypatch.setattr(builder_module, "remove_padding", broken)
+    engine, report = _build(bert, "reference", packed=True)
+    assert any(n.startswith("padding not removed: layer 'x'") for n in report.notes)
+    assert "PackIndex" not in _ops(engine) and "Attention" in _ops(engine)
+    rng = np.random.default_rng()
+    feeds = {
+        "input_ids": rng.integers(0, 1000, (2, SEQ)),
+        "attention_mask": np.ones((2, SEQ), np.int64),
+    }
+    got = engine.create_execution_context().infer(feeds)["hidden"]
+    np.testing.assert_allclose(got, run_onnxruntime(bert, feeds)[0], rtol=1e-4, atol=1e-4)

@@ -35,8 +35,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from tensorkiln.errors import GraphError
 from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.ir.toposort import toposort
+from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.ops import ELEMENTWISE, has_trait
 from tensorkiln.passes.cleanup import dead_code
 
@@ -56,7 +58,8 @@ class _Skip(Exception):
 def remove_padding(graph: Graph) -> tuple[int, str]:
     """Pack the masked tokens of ``graph`` (in place) where it qualifies. Returns the number of
     layers that now run on packed tokens (0: the graph is unchanged) and a note for the build
-    report."""
+    report. Raises GraphError when the rewritten graph's shapes do not check out (the graph is
+    then changed: rewrite a copy)."""
     try:
         return _remove_padding(graph)
     except _Skip as why:
@@ -96,9 +99,17 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
     m, padding = passed[0]
 
     region = _region(attentions, lead, producers, consumers, m)
+    ranks = {id(v): len(v.shape) for n in region for v in n.outputs if v is not None}
     count = _rewrite(graph, region, lead, m, padding, consumers)
     graph.nodes = toposort(graph)
     dead_code(graph)  # (the masks the attentions no longer read)
+    infer_shapes(graph)
+    for n in region:  # every packed tensor lost exactly the batch axis (the tokens' is one)
+        for v in n.outputs:
+            if v is not None and (v.shape is None or len(v.shape) != ranks[id(v)] - 1):
+                raise GraphError(
+                    f"padding removal: layer '{n.name}' ({n.op}) gives {v.type} on packed tokens"
+                )
     return count, (
         f"padding removed: {count} layers run on the tokens that '{m.name}' keeps; the outputs "
         "are zeros at the masked positions"
@@ -285,6 +296,8 @@ def _tokenwise(n: Node, lead: tuple, m: Value) -> bool:
     a = n.attrs
     if key == (DOMAIN, "Attention"):
         return all(_token(v, lead) for v in n.inputs[:3])
+    if key == (DOMAIN, "Pointwise") and not _body_small(n, len(n.outputs[0].shape)):
+        return False
     if (
         key in _PASSTHROUGH
         or key == (DOMAIN, "Pointwise")
@@ -320,6 +333,17 @@ def _tokenwise(n: Node, lead: tuple, m: Value) -> bool:
     if key == ("", "Split"):
         return _last_axis(int(a.get("axis", 0)), rank)
     return False
+
+
+def _body_small(n: Node, rank: int) -> bool:
+    """A Pointwise body whose own constants broadcast over the last axes only (a [1, 1, E]
+    constant inside would give packed [T, E] operands a leading axis back)."""
+    body = n.attrs.get("body")
+    if not isinstance(body, Graph) or body.outer_refs():
+        return False
+    consts = [v.const for v in body.initializers if v.const is not None]
+    consts += [a for b in body.nodes for a in b.attrs.values() if isinstance(a, np.ndarray)]
+    return all(c.ndim <= rank - 2 for c in consts)
 
 
 def _vector(v: Value | None) -> bool:
