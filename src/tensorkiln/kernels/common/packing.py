@@ -64,10 +64,39 @@ def check_unpacked(x: Any, b: int, s: int) -> None:
         )
 
 
-def heads(x: Any, num_heads: int, what: str) -> int:
-    """The head width of packed [T, H*D] ``x``."""
-    if x.ndim != 2 or num_heads <= 0 or x.shape[1] % num_heads:
+def head_widths(q: Any, k: Any, v: Any, num_heads: int) -> tuple[int, int]:
+    """The head widths of packed [T, H*D] ``q`` (and ``k``) and ``v``; a clear error for
+    operands that are not."""
+    widths = []
+    for x, what in ((q, "Q"), (k, "K"), (v, "V")):
+        if x.ndim != 2 or num_heads <= 0 or x.shape[1] % num_heads or x.shape[0] != q.shape[0]:
+            raise KernelError(
+                f"PackedAttention: {what} {tuple(x.shape)} is not [tokens, {num_heads} heads * "
+                f"width] with Q's {q.shape[0]} tokens"
+            )
+        widths.append(int(x.shape[1]) // num_heads)
+    if widths[0] != widths[1]:
         raise KernelError(
-            f"PackedAttention: {what} {tuple(x.shape)} is not [tokens, {num_heads} heads * width]"
+            f"PackedAttention: Q and K heads differ in width ({widths[0]}, {widths[1]})"
         )
-    return int(x.shape[1]) // num_heads
+    return widths[0], widths[2]
+
+
+def packed_attention(
+    xp: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    ends: Any,
+    m: Any,
+    *,
+    scale: float = 0.0,
+    num_heads: int = 0,
+) -> Any:
+    """softmax(Q K^T * scale) V over each sequence's rows of the packed [T, H*D] operands
+    (``ends``: one past each sequence's last row; ``m``: the [B, S] mask, whose S bounds every
+    length). ``xp.attend_packed(q, k, v, ends, batch, longest, scale, heads, widths)`` is a
+    tree's math."""
+    widths = head_widths(q, k, v, num_heads)
+    b, s = check_mask(m)
+    return xp.attend_packed(q, k, v, ends, b, s, scale, num_heads, widths)

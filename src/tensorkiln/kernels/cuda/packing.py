@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import packing as common
 from tensorkiln.kernels.registry import register
 
@@ -66,28 +67,21 @@ def _padded(x: torch.Tensor, index: torch.Tensor, b: int, s: int, heads: int) ->
     return out.reshape(b, s, heads, -1).transpose(1, 2)
 
 
-@register("PackedAttention", domain=DOMAIN, since=1, backend="cuda")
-def packed_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    ends: torch.Tensor,
-    m: torch.Tensor,
-    *,
-    scale: float = 0.0,
-    num_heads: int = 0,
-) -> torch.Tensor:
-    """softmax(Q K^T * scale) V over each sequence's rows of the packed [T, H*D] operands."""
-    common.heads(q, num_heads, "Q")
-    common.heads(k, num_heads, "K")
-    common.heads(v, num_heads, "V")
-    b, s = common.check_mask(m)
-    # each sequence's rows at the start of its padded row (attention does not see positions)
-    lengths = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
-    keep = torch.arange(s, device=q.device)[None, :] < lengths[:, None]
-    index = _flat_index(keep.reshape(-1), q.shape[0])
-    qp, kp, vp = (_padded(x, index, b, s, num_heads) for x in (q, k, v))
-    kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
-    hidden = keep[:, None, None, :]  # (padded keys hidden; padded query rows are dropped below)
-    y = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=hidden, scale=scale or None)
-    return y.transpose(1, 2).reshape(b * s, -1).index_select(0, index)
+class TorchPacked:
+    """The packed attention's math on torch tensors: SDPA on padded copies."""
+
+    @staticmethod
+    def attend_packed(q, k, v, ends, b, s, scale, heads, widths) -> torch.Tensor:
+        # each sequence's rows at the start of its padded row (attention does not see positions)
+        lengths = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
+        keep = torch.arange(s, device=q.device)[None, :] < lengths[:, None]
+        index = _flat_index(keep.reshape(-1), q.shape[0])
+        qp, kp, vp = (_padded(x, index, b, s, heads) for x in (q, k, v))
+        kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
+        hidden = keep[:, None, None, :]  # (padded keys hidden; padded query rows dropped below)
+        y = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=hidden, scale=scale or None)
+        return y.transpose(1, 2).reshape(b * s, -1).index_select(0, index)
+
+
+packed_attention = bind(common.packed_attention, TorchPacked(), __name__)
+register("PackedAttention", domain=DOMAIN, since=1, backend="cuda")(packed_attention)

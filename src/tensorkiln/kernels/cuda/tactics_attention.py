@@ -34,23 +34,24 @@ def _head_width(spec: LayerSpec) -> int | None:
     return q[-1] if len(q) == 4 else None
 
 
-def _fits_packed(spec: LayerSpec) -> bool:
-    if not (spec.device == "cuda" or interpreting()) or len(spec.shapes) < 5:
+def _half_on_device(spec: LayerSpec, inputs: int) -> bool:
+    """At least ``inputs`` inputs, Q, K and V of one 16-bit float type, on a GPU (or Triton's
+    interpreter)."""
+    if not (spec.device == "cuda" or interpreting()) or len(spec.shapes) < inputs:
         return False
     dtypes = spec.dtypes[:3]
-    if len(set(dtypes)) != 1 or dtypes[0] not in _HALF:
+    return len(set(dtypes)) == 1 and dtypes[0] in _HALF
+
+
+def _fits_packed(spec: LayerSpec) -> bool:
+    if not _half_on_device(spec, 5):
         return False
     q, heads = spec.shapes[0], int(spec.attrs.get("num_heads", 0) or 0)
     return q is not None and len(q) == 2 and heads > 0 and q[1] % heads == 0 and q[1] <= 256 * heads
 
 
 def _fits(spec: LayerSpec) -> bool:
-    if not (spec.device == "cuda" or interpreting()) or len(spec.shapes) < 3:
-        return False
-    dtypes = spec.dtypes[:3]
-    if len(set(dtypes)) != 1 or dtypes[0] not in _HALF:
-        return False
-    width = _head_width(spec)
+    width = _head_width(spec) if _half_on_device(spec, 3) else None
     return width is not None and 0 < width <= 256
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import packing as common
 from tensorkiln.kernels.reference.fused_attention import _attend
 from tensorkiln.kernels.registry import register
@@ -39,30 +40,25 @@ def unpack_tokens(y: np.ndarray, index: np.ndarray, m: np.ndarray) -> np.ndarray
     return out.reshape(b, s, *y.shape[1:])
 
 
-@register("PackedAttention", domain=DOMAIN, since=1)
-def packed_attention(
-    q: np.ndarray,
-    k: np.ndarray,
-    v: np.ndarray,
-    ends: np.ndarray,
-    m: np.ndarray,
-    *,
-    scale: float = 0.0,
-    num_heads: int = 0,
-) -> np.ndarray:
-    """softmax(Q K^T * scale) V over each sequence's rows of the packed [T, H*D] operands."""
-    d = common.heads(q, num_heads, "Q")
-    common.heads(k, num_heads, "K")
-    dv = common.heads(v, num_heads, "V")
-    out = np.zeros((q.shape[0], num_heads * dv), dtype=q.dtype)
-    start = 0
-    for end in np.asarray(ends, dtype=np.int64).tolist():
-        if end > start:
-            qs, ks, vs = (
-                x[start:end].reshape(end - start, num_heads, w).swapaxes(0, 1)[None]
-                for x, w in ((q, d), (k, d), (v, dv))
-            )
-            o = _attend(qs, ks, vs, None, scale, 0, "")
-            out[start:end] = o[0].swapaxes(0, 1).reshape(end - start, num_heads * dv)
-        start = end
-    return out
+class NumpyPacked:
+    """The packed attention's math on numpy arrays: each sequence's rows attended alone."""
+
+    @staticmethod
+    def attend_packed(q, k, v, ends, b, s, scale, heads, widths) -> np.ndarray:
+        d, dv = widths
+        out = np.zeros((q.shape[0], heads * dv), dtype=q.dtype)
+        start = 0
+        for end in np.asarray(ends, dtype=np.int64).tolist():
+            if end > start:
+                qs, ks, vs = (
+                    x[start:end].reshape(end - start, heads, w).swapaxes(0, 1)[None]
+                    for x, w in ((q, d), (k, d), (v, dv))
+                )
+                o = _attend(qs, ks, vs, None, scale, 0, "")
+                out[start:end] = o[0].swapaxes(0, 1).reshape(end - start, heads * dv)
+            start = end
+        return out
+
+
+packed_attention = bind(common.packed_attention, NumpyPacked(), __name__)
+register("PackedAttention", domain=DOMAIN, since=1)(packed_attention)
