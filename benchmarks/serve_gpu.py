@@ -56,6 +56,24 @@ def rel_l2(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-12))
 
 
+def environment() -> dict:
+    """The versions the server's protocol handling runs on: protobuf's implementation (upb, the
+    C one, or pure Python, many times slower per message) above all."""
+    import aiohttp
+    import grpc
+    from google.protobuf import __version__ as protobuf_version
+    from google.protobuf.internal import api_implementation
+
+    return {
+        "python": sys.version.split()[0],
+        "grpcio": grpc.__version__,
+        "aiohttp": aiohttp.__version__,
+        "protobuf": protobuf_version,
+        "protobuf_implementation": api_implementation.Type(),
+        "cpus": os.cpu_count(),
+    }
+
+
 # ---------------------------------------------------------------- repository
 
 
@@ -415,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     from tensorkiln.engine import Engine
 
     work = Path(args.work)
-    result: dict = {"args": vars(args)}
+    result: dict = {"args": vars(args), "environment": environment()}
+    log(f"environment: {result['environment']}")
     if args.reuse and (work / "repo").is_dir():
         repo = work / "repo"
     else:
