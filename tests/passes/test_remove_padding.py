@@ -274,3 +274,31 @@ def test_a_rewrite_that_does_not_check_out_builds_without_it(bert, monkeypatch) 
     }
     got = engine.create_execution_context().infer(feeds)["hidden"]
     np.testing.assert_allclose(got, run_onnxruntime(bert, feeds)[0], rtol=1e-4, atol=1e-4)
+
+
+def test_packed_kernels_stay_in_bounds_on_hostile_wiring() -> None:
+    """An engine file may feed these ops anything: out-of-range indices and lengths that do not
+    add up are clamped (as the gathers clamp), never read or written past a tensor."""
+    rng = np.random.default_rng()
+    x = torch.from_numpy(rng.standard_normal((2, 3, 4)).astype(np.float32))
+    index = torch.tensor([0, 5, 99, -7])
+    packed = cuda_packing.pack_tokens(x, index)
+    np.testing.assert_array_equal(packed.numpy(), x.reshape(6, 4).numpy()[[0, 5, 5, 0]])
+    y = torch.from_numpy(rng.standard_normal((4, 4)).astype(np.float32))
+    out = cuda_packing.unpack_tokens(y, index, torch.ones((2, 3), dtype=torch.int64))
+    assert out.shape == (2, 3, 4) and torch.isfinite(out).all()
+    q = torch.from_numpy(rng.standard_normal((5, 8)).astype(np.float32))
+    for ends in ([9, 2], [3, 30], [-4, 5]):  # past the rows, decreasing, negative
+        e = torch.tensor(ends, dtype=torch.int32)
+        got = cuda_packing.packed_attention(q, q, q, e, torch.ones((2, 16)), num_heads=2)
+        assert got.shape == (5, 8)
+    from tensorkiln.kernels.triton import available, interpreting
+
+    if available() and interpreting():
+        from tensorkiln.kernels.triton import flash_attention as flash
+
+        h = q.half()
+        for ends in ([9, 2], [3, 30], [-4, 5]):
+            e = torch.tensor(ends, dtype=torch.int32)
+            got = flash.packed_attention(h, h, h, e, 16, heads=2, scale=0.25, block_m=64)
+            assert got.shape == (5, 8)

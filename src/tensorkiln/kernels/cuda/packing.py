@@ -24,8 +24,10 @@ def _flat_index(keep: torch.Tensor, count: int) -> torch.Tensor:
     back: a cumulative sum gives each kept token its row, and the dropped tokens all land on one
     extra slot, cut off after the scatter."""
     pos = torch.cumsum(keep, 0) - 1  # (int64: a bool cumsum counts in int64)
-    target = torch.where(keep, pos, count)
-    index = torch.empty(count + 1, dtype=torch.int64, device=keep.device)
+    # (clamped: more kept entries than ``count`` must not write past the end)
+    target = torch.where(keep, pos, count).clamp_(0, count)
+    # (zeros: where fewer than ``count`` entries are kept, the rest still index row 0)
+    index = torch.zeros(count + 1, dtype=torch.int64, device=keep.device)
     index.scatter_(0, target, torch.arange(keep.numel(), dtype=torch.int64, device=keep.device))
     return index[:count]
 
@@ -47,7 +49,10 @@ def pack_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """X [B, S, ...]'s rows at the flat token indices, [T, ...]."""
     if x.ndim < 2:
         common.check_unpacked(x, 0, 0)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]).index_select(0, index)
+    rows = x.shape[0] * x.shape[1]
+    # (indices clamped to the rows, as the gathers are: an unchecked one faults the device;
+    # PackIndex's are in range, an engine file's wiring may not be)
+    return x.reshape(rows, *x.shape[2:]).index_select(0, index.clamp(0, max(rows - 1, 0)))
 
 
 @register("UnpackTokens", domain=DOMAIN, since=1, backend="cuda")
@@ -56,7 +61,7 @@ def unpack_tokens(y: torch.Tensor, index: torch.Tensor, m: torch.Tensor) -> torc
     b, s = common.check_mask(m)
     common.check_packed(y, index, "UnpackTokens")
     out = torch.zeros((b * s, *y.shape[1:]), dtype=y.dtype, device=y.device)
-    out.index_copy_(0, index, y)
+    out.index_copy_(0, index.clamp(0, max(b * s - 1, 0)), y)  # (clamped: see pack_tokens)
     return out.reshape(b, s, *y.shape[1:])
 
 

@@ -73,7 +73,7 @@ def _row_ends_kernel(
 
 @triton.jit
 def _flash_kernel(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, qk_scale, H, SQ, SK, D, DV,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, TOKENS, qk_scale, H, SQ, SK, D, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod, sbb, sbh, sbm,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
@@ -89,8 +89,9 @@ def _flash_kernel(
     v_off = b * svb
     o_off = b * sob
     if PACKED:  # sequence b is rows [ends[b - 1], ends[b]) of every operand, all keys visible
-        row0 = tl.load(ends_ptr + b - 1, mask=b > 0, other=0)
-        SQ = tl.load(ends_ptr + b) - row0
+        # (clamped to the D rows there are: an engine file's ends may be anything)
+        row0 = tl.minimum(tl.maximum(tl.load(ends_ptr + b - 1, mask=b > 0, other=0), 0), TOKENS)
+        SQ = tl.minimum(tl.maximum(tl.load(ends_ptr + b), row0), TOKENS) - row0
         SK = SQ
         q_off = row0 * sqm
         k_off = row0 * skn
@@ -237,7 +238,7 @@ def attention(
     if has_mask and sk > block_n:
         bounds, bstrides = _row_ends(m, mask_kind == "bool")
     _flash_kernel[grid](
-        q, k, v, m, o, bounds, q, float(scale) * LOG2E, h, sq, sk, d, dv,
+        q, k, v, m, o, bounds, q, 0, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False,
@@ -287,7 +288,7 @@ def packed_attention(
 
     grid = (triton.cdiv(max(longest, 1), block_m), ends.shape[0] * heads)
     _flash_kernel[grid](
-        q, k, v, q, out, q, ends, float(scale) * LOG2E, heads, longest, longest, d, dv,
+        q, k, v, q, out, q, ends, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
         HAS_MASK=False, MASK_BOOL=False, CAUSAL=False,
         UPCAST=interpreting(), BOUNDS=False, PACKED=True,
