@@ -302,3 +302,51 @@ def test_packed_kernels_stay_in_bounds_on_hostile_wiring() -> None:
             e = torch.tensor(ends, dtype=torch.int32)
             got = flash.packed_attention(h, h, h, e, 16, heads=2, scale=0.25, block_m=64)
             assert got.shape == (5, 8)
+
+
+class _Encoder(torch.nn.Module):
+    """A Hugging Face encoder returning last_hidden_state."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, input_ids, attention_mask):
+        return self.m(input_ids=input_ids, attention_mask=attention_mask, return_dict=False)[0]
+
+
+def _family(name: str):
+    import transformers as t
+
+    small = dict(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64,
+    )  # fmt: skip
+    if name == "distilbert":
+        config = t.DistilBertConfig(
+            vocab_size=1000, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
+            max_position_embeddings=64,
+        )  # fmt: skip
+        return t.DistilBertModel(config)
+    if name == "roberta":  # (position ids computed from the token ids, a Shape of them read)
+        return t.RobertaModel(t.RobertaConfig(**small, pad_token_id=1))
+    return t.AlbertModel(t.AlbertConfig(**small, embedding_size=32))
+
+
+@pytest.mark.parametrize("family", ["distilbert", "roberta", "albert"])
+def test_other_encoder_families_pack(family: str, tmp_path) -> None:
+    torch.manual_seed(0)
+    model = _Encoder(_family(family).eval())
+    rng = np.random.default_rng()
+    mask = _masks(rng, 4, SEQ)[0]
+    mask[0, 0] = 1  # (a first token everywhere: no sequence left empty here)
+    feeds = {"input_ids": rng.integers(2, 1000, mask.shape), "attention_mask": mask}
+    path = _export(model, feeds, tmp_path / f"{family}.onnx", ["hidden"])
+    engine, report = _build(path, "cpu", packed=True)
+    assert report.passes.get("remove_padding", 0) > 0, report.notes
+    got = engine.create_execution_context().infer(feeds)["hidden"]
+    want = run_onnxruntime(path, feeds)[0]
+    keep = mask != 0
+    scale = np.abs(want[keep]).max()
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * scale)
+    assert not got[~keep].any()

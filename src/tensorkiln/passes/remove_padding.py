@@ -132,7 +132,8 @@ def _check_attention(n: Node) -> None:
 
 
 def _ancestors(values: Iterable[Value], producers: dict[Value, Node]) -> list[Node]:
-    """The nodes ``values`` depend on."""
+    """The nodes ``values`` depend on; a Shape node's input only through its type (the masks'
+    evaluation takes shapes from the types, see _shape_of)."""
     seen: set[int] = set()
     out: list[Node] = []
     stack = [v for v in values if v is not None]
@@ -142,10 +143,42 @@ def _ancestors(values: Iterable[Value], producers: dict[Value, Node]) -> list[No
             continue
         seen.add(id(p))
         out.append(p)
+        if _reads_shape_only(p):
+            continue
         stack.extend(v for v in p.inputs if v is not None)
         for g in p.subgraphs():
             stack.extend(g.outer_refs())
     return out
+
+
+def _reads_shape_only(n: Node) -> bool:
+    return n.op == "Shape" and n.domain == "" and bool(n.inputs) and n.inputs[0] is not None
+
+
+def _shape_of(v: Value, sizes: dict) -> tuple[int, ...] | None:
+    """``v``'s shape with the sample masks' sizes put in (None where a dim stays unknown)."""
+    if v.shape is None:
+        return None
+    dims = []
+    for d in v.shape:
+        coef, syms = _parse_dim(d)
+        if any(name not in sizes for name in syms):
+            return None
+        dims.append(coef * int(np.prod([sizes[name] ** k for name, k in syms.items()])))
+    return tuple(dims)
+
+
+def _parse_dim(d: Any) -> tuple[int, dict[str, int]]:
+    """An IR dim as coefficient and symbol powers ("16*batch": 16, {"batch": 1})."""
+    if isinstance(d, int):
+        return d, {}
+    coef, syms = 1, {}
+    for part in str(d).split("*"):
+        if part.lstrip("-").isdigit():
+            coef *= int(part)
+        else:
+            syms[part] = syms.get(part, 0) + 1
+    return coef, syms
 
 
 def _mask_inputs(
@@ -220,6 +253,10 @@ def _check_key_padding(
         for n in nodes:  # (the reference kernels, as constant folding runs them)
             args = [None if v is None else v.const if v.const is not None else env.get(v)
                     for v in n.inputs]  # fmt: skip
+            if _reads_shape_only(n) and args[0] is None:  # (a stand-in of its shape, no data)
+                shape = _shape_of(n.inputs[0], sizes)
+                if shape is not None:
+                    args[0] = np.broadcast_to(np.zeros((), np.float32), shape)
             outs = None
             if not any(a is None for v, a in zip(n.inputs, args, strict=True) if v is not None):
                 outs = evaluate_node(graph, n, args, max_bytes=_PROBE_BYTES)
