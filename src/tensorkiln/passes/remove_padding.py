@@ -24,7 +24,8 @@ What it takes, each checked (a graph that fails a check is left as it was, and t
   over the last axes only.
 
 Layers that are not token-wise (the embeddings' position add, a pooler's Gather of token 0) stay
-on the padded [B, S, ...] tensors; the packing sits where they meet the packed region. The packed
+on the padded [B, S, ...] tensors; the packing sits where they meet the packed region. Those after
+it see zeros at the masked positions: a pooler of a left-padded batch reads a zero first token. The packed
 length is known only at run time; the engine plans its memory and tunes its tactics for B * S.
 Mask values other than 0 and 1 are read as 1, as the sample masks checked.
 """
