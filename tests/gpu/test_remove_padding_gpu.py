@@ -1,7 +1,8 @@
 """Padding removal on a real GPU: an fp16 BERT engine with --remove-padding, run as CUDA graphs on
 device tensors, against onnxruntime (fp32) at the kept positions, for masks of different token
-counts (a graph per count) and for a mask with the same count and other positions (the same graph,
-indices recomputed on the device).
+counts (one graph per packed length, counts rounded up: 96 tokens here, so the counts of 3 and 9
+pads share one graph and its padding rows) and for a mask with the same count at other positions
+(the same graph, indices recomputed on the device).
 
 Run on a GPU machine:  PYTHONPATH=src python3 -m pytest -q -m gpu tests
 """

@@ -350,3 +350,39 @@ def test_other_encoder_families_pack(family: str, tmp_path) -> None:
     scale = np.abs(want[keep]).max()
     np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * scale)
     assert not got[~keep].any()
+
+
+def test_a_bucketed_packed_length_gives_the_same_tokens() -> None:
+    """CUDA graphs are captured per packed length rounded up (a few graphs for any stream of
+    masks): the rows past the real count index a padding row that PackTokens clamps, attention
+    never reads and UnpackTokens drops. Every kept token's value must be the exact count's."""
+    from tensorkiln.kernels.common.packing import bucket
+
+    capacity = 4 * 40
+    lengths = {bucket(n, capacity) for n in range(capacity + 1)}
+    assert len(lengths) <= 33 and all(bucket(n, capacity) >= n for n in range(capacity + 1))
+    assert bucket(7168, 8192) == 7168 and bucket(43008, 49152) == 43008  # (the benchmarks')
+    rng = np.random.default_rng()
+    mask = torch.from_numpy((rng.random((4, 40)) < 0.6).astype(np.int64))
+    count = int(mask.sum())
+    rows = bucket(count, capacity)
+    x = torch.from_numpy(rng.standard_normal((4, 40, 8)).astype(np.float32))
+    exact_index, ends = cuda_packing.pack_index(mask)
+    with tokens_hint(rows):
+        index, ends_b = cuda_packing.pack_index(mask)
+    assert index.shape[0] == rows >= count
+    np.testing.assert_array_equal(index[:count].numpy(), exact_index.numpy())
+    assert (index[count:] == capacity).all()
+    np.testing.assert_array_equal(ends_b.numpy(), ends.numpy())
+    packed = cuda_packing.pack_tokens(x, index)
+    junk = torch.full((rows - count, 8), float("nan"))  # (whatever the padding rows become)
+    y = torch.cat([packed[:count] * 2, junk])
+    got = cuda_packing.unpack_tokens(y, index, mask)
+    keep = mask.numpy() != 0
+    np.testing.assert_array_equal(got.numpy()[keep], 2 * x.numpy()[keep])
+    assert not got.numpy()[~keep].any()
+    q = torch.from_numpy(rng.standard_normal((rows, 16)).astype(np.float32))
+    q[count:] = float("nan")
+    want = cuda_packing.packed_attention(q[:count], q[:count], q[:count], ends, mask, num_heads=2)
+    got = cuda_packing.packed_attention(q, q, q, ends, mask, num_heads=2)
+    np.testing.assert_allclose(got[:count].numpy(), want.numpy(), rtol=1e-6, atol=1e-6)

@@ -342,7 +342,7 @@ class ExecutionContext:
         if sig is None or tokens is None:
             return sig
         mask = feeds.get(self.engine.graph.inputs[tokens[0]].name)
-        return None if mask is None else (*sig, self._graphs.count(mask))
+        return None if mask is None else (*sig, self._graphs.rows(mask))
 
     def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
         sig = self._signature(feeds)

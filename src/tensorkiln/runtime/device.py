@@ -19,7 +19,7 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
-from tensorkiln.kernels.common.packing import tokens_hint
+from tensorkiln.kernels.common.packing import bucket, tokens_hint
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
@@ -115,10 +115,13 @@ class GraphRunner:
     tensors. Later calls copy the inputs into place and replay. An engine that cannot be captured
     (a layer reads device values on the host, say) runs eagerly, with one warning.
 
-    An engine that removes padding (passes/remove_padding.py) runs on as many rows as its mask
-    input keeps (``tokens``: its position among the inputs, and PackIndex's ``padding``): the count is read back before each call (one
-    synchronization), graphs are captured per count as well, and the capture's PackIndex takes
-    the count from :func:`~tensorkiln.kernels.common.packing.tokens_hint`.
+    An engine that removes padding (passes/remove_padding.py) runs on about as many rows as its
+    mask input keeps (``tokens``: its position among the inputs, and PackIndex's ``padding``).
+    The count is read back before each call (one synchronization; a caller that counted a host
+    mask passes it), rounded up to one of 32 packed lengths per input shape
+    (:func:`~tensorkiln.kernels.common.packing.bucket`), and graphs are captured per length too;
+    the capture's PackIndex takes the length from
+    :func:`~tensorkiln.kernels.common.packing.tokens_hint`.
     """
 
     def __init__(self, run: Any, backend: Backend, tokens: tuple[int, int] | None = None) -> None:
@@ -156,17 +159,20 @@ class GraphRunner:
     def _key(self, inputs: list[Any], count: int | None = None) -> tuple:
         """The inputs' shapes and dtypes, and the token count where the engine packs tokens."""
         if self.tokens is None:
-            count = None
-        elif count is None:
-            count = self.count(inputs[self.tokens[0]])
-        return (*((tuple(x.shape), x.dtype) for x in inputs), count)
+            rows = None
+        else:
+            mask = inputs[self.tokens[0]]
+            rows = self.rows(mask) if count is None else bucket(count, mask.numel())
+        return (*((tuple(x.shape), x.dtype) for x in inputs), rows)
 
-    def count(self, mask: Any) -> int:
-        """The tokens ``mask`` keeps (read back: one synchronization)."""
+    def rows(self, mask: Any) -> int:
+        """The packed length the graph for ``mask`` is captured for: the tokens it keeps (read
+        back, one synchronization), rounded up (kernels/common/packing.bucket)."""
         import torch
 
         nonzero = int(torch.count_nonzero(mask))
-        return mask.numel() - nonzero if self.tokens and self.tokens[1] else nonzero
+        count = mask.numel() - nonzero if self.tokens and self.tokens[1] else nonzero
+        return bucket(count, mask.numel())
 
     def entry_for(self, inputs: list[Any]) -> tuple | None:
         """The captured graph for inputs of these shapes and dtypes (None: not captured)."""

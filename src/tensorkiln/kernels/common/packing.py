@@ -7,9 +7,9 @@ back into zeros of [B, S, ...]; ``PackedAttention(Q, K, V, ends, M)`` attends wi
 sequence (every key of a sequence visible, as the mask it came from kept exactly those).
 
 T depends on M's values. A device backend that must know it without reading M back (a CUDA graph
-is captured for one T) sets it with :func:`tokens_hint` around the run; the count is then trusted
-to be M's (the caller computed it from the same tensor), and the indices are computed on the
-device without a synchronization.
+is captured for one T) sets it with :func:`tokens_hint` around the run: M's count, or a
+:func:`bucket` above it (the extra rows index row B * S, a row of padding); the indices are
+computed on the device without a synchronization.
 """
 
 from __future__ import annotations
@@ -33,6 +33,19 @@ def tokens_hint(count: int | None) -> Iterator[None]:
         yield
     finally:
         _local.count = before
+
+
+ROW_STEPS = 32  # a CUDA graph's packed length: the token count rounded up to capacity / this
+
+
+def bucket(count: int, capacity: int) -> int:
+    """The packed length a CUDA graph is captured for, ``count`` tokens of ``capacity`` (B * S)
+    kept: rounded up to a 32nd of the capacity (16 rows at least), so that a stream of masks
+    with ever new counts replays a few graphs instead of capturing one per count. The rows past
+    the count are padding of their own: PackIndex points them at row B * S, which PackTokens
+    clamps into the input and UnpackTokens drops; attention never reads them."""
+    step = max(16, -(-capacity // ROW_STEPS))
+    return min(capacity, -(-count // step) * step)
 
 
 def hinted_count() -> int | None:

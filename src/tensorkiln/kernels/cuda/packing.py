@@ -20,14 +20,14 @@ DOMAIN = "tensorkiln"
 
 
 def _flat_index(keep: torch.Tensor, count: int) -> torch.Tensor:
-    """The flat indices of the ``count`` True entries of ``keep`` (1-D), without reading anything
-    back: a cumulative sum gives each kept token its row, and the dropped tokens all land on one
-    extra slot, cut off after the scatter."""
+    """The flat indices of the True entries of ``keep`` (1-D) in ``count`` slots, without reading
+    anything back: a cumulative sum gives each kept token its slot, and the dropped tokens all
+    land on one extra slot, cut off after the scatter. Slots past the kept entries (a bucketed
+    count, kernels/common/packing.bucket) hold ``keep.numel()``: a row past the tokens."""
     pos = torch.cumsum(keep, 0) - 1  # (int64: a bool cumsum counts in int64)
     # (clamped: more kept entries than ``count`` must not write past the end)
     target = torch.where(keep, pos, count).clamp_(0, count)
-    # (zeros: where fewer than ``count`` entries are kept, the rest still index row 0)
-    index = torch.zeros(count + 1, dtype=torch.int64, device=keep.device)
+    index = torch.full((count + 1,), keep.numel(), dtype=torch.int64, device=keep.device)
     index.scatter_(0, target, torch.arange(keep.numel(), dtype=torch.int64, device=keep.device))
     return index[:count]
 
@@ -60,16 +60,19 @@ def unpack_tokens(y: torch.Tensor, index: torch.Tensor, m: torch.Tensor) -> torc
     """Y [T, ...] back at its tokens of [B, S, ...], zeros at the dropped ones."""
     b, s = common.check_mask(m)
     common.check_packed(y, index, "UnpackTokens")
-    out = torch.zeros((b * s, *y.shape[1:]), dtype=y.dtype, device=y.device)
-    out.index_copy_(0, index.clamp(0, max(b * s - 1, 0)), y)  # (clamped: see pack_tokens)
-    return out.reshape(b, s, *y.shape[1:])
+    # (one row more, for the padding rows of a bucketed count, dropped after; indices clamped
+    # into it: see pack_tokens)
+    out = torch.zeros((b * s + 1, *y.shape[1:]), dtype=y.dtype, device=y.device)
+    out.index_copy_(0, index.clamp(0, b * s), y)
+    return out[: b * s].reshape(b, s, *y.shape[1:])
 
 
 def _padded(x: torch.Tensor, index: torch.Tensor, b: int, s: int, heads: int) -> torch.Tensor:
-    """Packed [T, H*D] rows scattered into zeros of [B, H, S, D]."""
-    out = torch.zeros((b * s, x.shape[1]), dtype=x.dtype, device=x.device)
+    """Packed [T, H*D] rows scattered into zeros of [B, H, S, D] (rows indexed B * S, padding of
+    a bucketed count, land in a row dropped after)."""
+    out = torch.zeros((b * s + 1, x.shape[1]), dtype=x.dtype, device=x.device)
     out.index_copy_(0, index, x)
-    return out.reshape(b, s, heads, -1).transpose(1, 2)
+    return out[: b * s].reshape(b, s, heads, -1).transpose(1, 2)
 
 
 class TorchPacked:
@@ -85,7 +88,7 @@ class TorchPacked:
         kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
         hidden = keep[:, None, None, :]  # (padded keys hidden; padded query rows dropped below)
         y = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=hidden, scale=scale or None)
-        return y.transpose(1, 2).reshape(b * s, -1).index_select(0, index)
+        return y.transpose(1, 2).reshape(b * s, -1).index_select(0, index.clamp(0, b * s - 1))
 
 
 packed_attention = bind(common.packed_attention, TorchPacked(), __name__)
