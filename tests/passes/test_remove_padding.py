@@ -386,3 +386,29 @@ def test_a_bucketed_packed_length_gives_the_same_tokens() -> None:
     want = cuda_packing.packed_attention(q[:count], q[:count], q[:count], ends, mask, num_heads=2)
     got = cuda_packing.packed_attention(q, q, q, ends, mask, num_heads=2)
     np.testing.assert_allclose(got[:count].numpy(), want.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_from_pytorch_with_the_config() -> None:
+    """tensorkiln.torch.compile takes the BuilderConfig: the dynamo exporter's masks (fused into
+    Pointwise layers by then) are evaluated through those layers' bodies and qualify too."""
+    pytest.importorskip("onnxscript")
+    import tensorkiln.torch as tkt
+
+    model, _ = build_bert()
+    rng = np.random.default_rng()
+    mask = _masks(rng, 3, SEQ)[0]
+    mask[0, 0] = 1
+    ids = torch.from_numpy(rng.integers(0, 1000, mask.shape))
+    m = torch.from_numpy(mask)
+    config = BuilderConfig()
+    config.remove_padding = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = tkt.compile(model, (ids, m), config=config, backend="cpu")
+    assert "PackedAttention" in _ops(compiled.engine), compiled.engine.build.get("notes")
+    with torch.no_grad():
+        want = model(ids, m)[0].numpy()
+        got = compiled(ids, m)[0].numpy()
+    keep = mask != 0
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not got[~keep].any()

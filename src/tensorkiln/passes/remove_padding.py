@@ -260,13 +260,32 @@ def _check_key_padding(
                     args[0] = np.broadcast_to(np.zeros((), np.float32), shape)
             outs = None
             if not any(a is None for v, a in zip(n.inputs, args, strict=True) if v is not None):
-                outs = evaluate_node(graph, n, args, max_bytes=_PROBE_BYTES)
+                outs = _evaluate(graph, n, args)
             if outs is None:
                 raise _Skip(f"the masks cannot be evaluated to check them (at layer '{n.name}')")
             env.update((v, o) for v, o in zip(n.outputs, outs, strict=False) if v is not None)
         keep = (sample != 0) != bool(padding)
         for mask in masks:
             _compare(np.asarray(env[mask]), keep, users[mask])
+
+
+def _evaluate(graph: Graph, n: Node, args: list) -> list | None:
+    """``n``'s outputs by the reference kernels; a Pointwise layer (a fused elementwise chain:
+    the dynamo exporter's masks have them) by its body's, node by node."""
+    body = n.attrs.get("body") if (n.domain, n.op) == (DOMAIN, "Pointwise") else None
+    if not isinstance(body, Graph):
+        return evaluate_node(graph, n, args, max_bytes=_PROBE_BYTES)
+    if body.outer_refs() or len(body.inputs) != len(args):
+        return None
+    env: dict[Value, Any] = dict(zip(body.inputs, args, strict=True))
+    for b in body.nodes:
+        inner = [None if v is None else v.const if v.const is not None else env.get(v)
+                 for v in b.inputs]  # fmt: skip
+        outs = evaluate_node(graph, b, inner, max_bytes=_PROBE_BYTES)
+        if outs is None:
+            return None
+        env.update((v, o) for v, o in zip(b.outputs, outs, strict=False) if v is not None)
+    return [env.get(v) for v in body.outputs]
 
 
 def _compare(value: np.ndarray, keep: np.ndarray, node: Node) -> None:
