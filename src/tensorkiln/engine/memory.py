@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tensorkiln.ir import Graph, TensorType, Value, node_reads
-from tensorkiln.ir.dims import dim_product
+from tensorkiln.ir.dims import dim_value
 
 ALIGNMENT = 256
 
@@ -49,18 +49,12 @@ def value_bytes(v: Value, symbols: dict[str, int]) -> int | None:
     t = v.type
     if not isinstance(t, TensorType) or t.dtype is None or t.shape is None or t.dtype.bits == 0:
         return None
-    dims = []
-    for d in t.shape:
-        if isinstance(d, int):
-            dims.append(d)
-            continue
-        n = dim_product(symbols.get(f, f) if not f.isdigit() else int(f) for f in d.split("*"))
-        if not isinstance(n, int):
-            return None
-        dims.append(n)
     count = 1
-    for d in dims:
-        count *= d
+    for d in t.shape:
+        n = dim_value(d, symbols)
+        if n is None:
+            return None
+        count *= n
     return (count * t.dtype.bits + 7) // 8
 
 

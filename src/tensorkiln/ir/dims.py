@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from tensorkiln.ir.graph import Dim
 
@@ -52,6 +52,16 @@ def dim_product(dims: Iterable[Dim]) -> Dim:
         coef *= c
         syms += s
     return _render(coef, syms)
+
+
+def dim_value(d: Dim, sizes: Mapping[str, int]) -> int | None:
+    """``d`` as a number with its symbols bound by ``sizes`` (None where one is not bound)."""
+    coef, syms = _parse(d)
+    for name, power in syms.items():
+        if name not in sizes:
+            return None
+        coef *= sizes[name] ** power
+    return coef
 
 
 def dim_divide(a: Dim, b: Dim) -> Dim | None:

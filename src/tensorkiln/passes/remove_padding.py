@@ -32,13 +32,14 @@ Mask values other than 0 and 1 are read as 1, as the sample masks checked.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from tensorkiln.errors import GraphError
 from tensorkiln.ir import Graph, Node, TensorType, Value
+from tensorkiln.ir.dims import dim_value
 from tensorkiln.ir.toposort import toposort
 from tensorkiln.kernels.evaluate import evaluate_node, infer_shapes
 from tensorkiln.ops import ELEMENTWISE, has_trait
@@ -85,11 +86,22 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
         raise _Skip("the attention layers do not share one [batch, sequence]")
     masks = list(dict.fromkeys(n.inputs[3] for n in attentions))
     users = {n.inputs[3]: n for n in attentions}
+    nodes = _ancestors(masks, producers)
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    nodes.sort(key=lambda n: order.get(id(n), -1))
     reasons, passed = [], []
-    for m in _mask_inputs(graph, masks, producers, lead):
+    for m in _mask_inputs(graph, masks, nodes, lead):
+        try:
+            samples = _mask_samples(graph, masks, m, nodes)
+        except _Skip as why:
+            reasons.append(str(why))
+            continue
         for padding in (0, 1):  # nonzero marks a token (Hugging Face) or a pad (torch's MHA)
             try:
-                _check_key_padding(graph, masks, m, producers, users, padding)
+                for sample, values in samples:
+                    keep = (sample != 0) != bool(padding)
+                    for mask in masks:
+                        _compare(np.asarray(values[mask]), keep, users[mask])
             except _Skip as why:
                 reasons.append(str(why))
             else:
@@ -156,37 +168,17 @@ def _reads_shape_only(n: Node) -> bool:
     return n.op == "Shape" and n.domain == "" and bool(n.inputs) and n.inputs[0] is not None
 
 
-def _shape_of(v: Value, sizes: dict) -> tuple[int, ...] | None:
+def _shape_of(v: Value, sizes: Mapping[str, int]) -> tuple[int, ...] | None:
     """``v``'s shape with the sample masks' sizes put in (None where a dim stays unknown)."""
     if v.shape is None:
         return None
-    dims = []
-    for d in v.shape:
-        coef, syms = _parse_dim(d)
-        if any(name not in sizes for name in syms):
-            return None
-        dims.append(coef * int(np.prod([sizes[name] ** k for name, k in syms.items()])))
-    return tuple(dims)
+    dims = [dim_value(d, sizes) for d in v.shape]
+    return None if None in dims else tuple(dims)  # type: ignore[return-value]
 
 
-def _parse_dim(d: Any) -> tuple[int, dict[str, int]]:
-    """An IR dim as coefficient and symbol powers ("16*batch": 16, {"batch": 1})."""
-    if isinstance(d, int):
-        return d, {}
-    coef, syms = 1, {}
-    for part in str(d).split("*"):
-        if part.lstrip("-").isdigit():
-            coef *= int(part)
-        else:
-            syms[part] = syms.get(part, 0) + 1
-    return coef, syms
-
-
-def _mask_inputs(
-    graph: Graph, masks: list[Value], producers: dict[Value, Node], lead: tuple
-) -> list[Value]:
-    """The graph inputs [B, S] of integers or bools the masks depend on (the candidates for M)."""
-    nodes = _ancestors(masks, producers)
+def _mask_inputs(graph: Graph, masks: list[Value], nodes: list[Node], lead: tuple) -> list[Value]:
+    """The graph inputs [B, S] of integers or bools the masks depend on through ``nodes`` (the
+    candidates for M)."""
     read = {id(v) for n in nodes for v in n.inputs if v is not None} | {id(v) for v in masks}
     return [
         v
@@ -194,20 +186,6 @@ def _mask_inputs(
         if id(v) in read and v.shape is not None and tuple(v.shape) == lead
         and v.dtype is not None and not v.dtype.is_float
     ]  # fmt: skip
-
-
-def _probe_shape(v: Value, sizes: dict) -> tuple[int, ...]:
-    if v.shape is None:
-        raise _Skip(f"input '{v.name}' has no known shape to draw sample masks with")
-    dims = []
-    for d in v.shape:
-        if isinstance(d, int):
-            dims.append(d)
-        elif d in sizes:
-            dims.append(sizes[d])
-        else:
-            raise _Skip(f"input '{v.name}' has a dimension '{d}' the sample masks cannot fix")
-    return tuple(dims)
 
 
 def _sample_masks(b: int, s: int) -> list[np.ndarray]:
@@ -222,20 +200,13 @@ def _sample_masks(b: int, s: int) -> list[np.ndarray]:
     return [right, holes]
 
 
-def _check_key_padding(
-    graph: Graph,
-    masks: list[Value],
-    m: Value,
-    producers: dict[Value, Node],
-    users: dict[Value, Node],
-    padding: int,
-) -> None:
-    """Evaluate the masks on sample values of ``m``: each must hide exactly the keys M marks as
-    padding (``padding`` 0: its zeros; 1: its nonzeros) from every real query (see the module's
-    docstring)."""
-    nodes = _ancestors(masks, producers)
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    nodes.sort(key=lambda n: order.get(id(n), -1))
+def _mask_samples(
+    graph: Graph, masks: list[Value], m: Value, nodes: list[Node]
+) -> list[tuple[np.ndarray, dict[Value, Any]]]:
+    """The masks evaluated (``nodes``, the layers they depend on, in graph order) on sample values
+    of ``m``, the other inputs they read at zeros: (sample, mask -> value) per sample. Each mask
+    must then hide exactly the keys M marks as padding from every real query (see the module's
+    docstring and _compare)."""
     read = {id(v) for n in nodes for v in n.inputs if v is not None}
     inputs = [v for v in graph.inputs if id(v) in read or any(v is x for x in masks)]
     b, s = m.shape
@@ -244,16 +215,19 @@ def _check_key_padding(
         sizes[b] = _PROBE_BATCH
     if isinstance(s, str):
         sizes[s] = _PROBE_SEQ
-    shapes = {v: _probe_shape(v, sizes) for v in inputs}
-    pb, ps = shapes[m]
-    for sample in _sample_masks(pb, ps):
+    shapes = {}
+    for v in inputs:
+        shapes[v] = _shape_of(v, sizes)
+        if shapes[v] is None:
+            raise _Skip(f"input '{v.name}' has a shape the sample masks cannot fix ({v.type})")
+    out = []
+    for sample in _sample_masks(*shapes[m]):
         env: dict[Value, Any] = {}
         for v in inputs:
             dtype = v.dtype.numpy if v.dtype is not None else np.float32
             env[v] = (sample != 0).astype(dtype) if v is m else np.zeros(shapes[v], dtype)
         for n in nodes:  # (the reference kernels, as constant folding runs them)
-            args = [None if v is None else v.const if v.const is not None else env.get(v)
-                    for v in n.inputs]  # fmt: skip
+            args = _args(n, env)
             if _reads_shape_only(n) and args[0] is None:  # (a stand-in of its shape, no data)
                 shape = _shape_of(n.inputs[0], sizes)
                 if shape is not None:
@@ -264,9 +238,13 @@ def _check_key_padding(
             if outs is None:
                 raise _Skip(f"the masks cannot be evaluated to check them (at layer '{n.name}')")
             env.update((v, o) for v, o in zip(n.outputs, outs, strict=False) if v is not None)
-        keep = (sample != 0) != bool(padding)
-        for mask in masks:
-            _compare(np.asarray(env[mask]), keep, users[mask])
+        out.append((sample, {mask: env[mask] for mask in masks}))
+    return out
+
+
+def _args(n: Node, env: Mapping[Value, Any]) -> list:
+    """``n``'s inputs: constants, values computed in ``env``, None where neither."""
+    return [None if v is None else v.const if v.const is not None else env.get(v) for v in n.inputs]
 
 
 def _evaluate(graph: Graph, n: Node, args: list) -> list | None:
@@ -279,9 +257,7 @@ def _evaluate(graph: Graph, n: Node, args: list) -> list | None:
         return None
     env: dict[Value, Any] = dict(zip(body.inputs, args, strict=True))
     for b in body.nodes:
-        inner = [None if v is None else v.const if v.const is not None else env.get(v)
-                 for v in b.inputs]  # fmt: skip
-        outs = evaluate_node(graph, b, inner, max_bytes=_PROBE_BYTES)
+        outs = evaluate_node(graph, b, _args(b, env), max_bytes=_PROBE_BYTES)
         if outs is None:
             return None
         env.update((v, o) for v, o in zip(b.outputs, outs, strict=False) if v is not None)
