@@ -412,3 +412,24 @@ def test_from_pytorch_with_the_config() -> None:
     keep = mask != 0
     np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * np.abs(want).max())
     assert not got[~keep].any()
+
+
+def test_packed_engines_run_the_plain_loop_and_profile_layers(bert) -> None:
+    """A host mask's count reaches every way a context runs layers: the per-layer timings (a
+    profile) come back, and the cpu backend's compiled path, traced per input shapes, is not
+    taken (the packed shapes follow the mask's values) but said so."""
+    engine, _ = _build(bert, "cpu", packed=True)
+    rng = np.random.default_rng()
+    mask = _masks(rng, 3, SEQ)[0]
+    feeds = {"input_ids": rng.integers(0, 1000, mask.shape), "attention_mask": mask}
+    want = run_onnxruntime(bert, feeds)[0]
+    keep = mask != 0
+    ctx = engine.create_execution_context()
+    times: dict[str, float] = {}
+    got = ctx.infer(feeds, layer_times=times)["hidden"]
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert any(name.endswith("_pack_index") for name in times), sorted(times)
+    with pytest.warns(RuntimeWarning, match="removes padding"):
+        compiled = engine.create_execution_context(compile=True)
+    got = compiled.infer(feeds)["hidden"]
+    np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * np.abs(want).max())

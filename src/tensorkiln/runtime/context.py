@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -19,7 +20,7 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import EngineCompatibilityError, InputError
 from tensorkiln.ir import Graph
-from tensorkiln.kernels.common.packing import tokens_hint
+from tensorkiln.kernels.common.packing import kept, tokens_hint
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.tactics import tactic_functions
 from tensorkiln.runtime import cpu_compile
@@ -28,8 +29,6 @@ from tensorkiln.runtime.device import ENQUEUE_LOCK, GraphRunner, bind_device_inp
 from tensorkiln.runtime.executor import Executor, Observer
 from tensorkiln.runtime.io import bind_inputs
 from tensorkiln.runtime.mathmode import math_mode
-
-_UNSET = object()  # (not looked up yet)
 
 
 class ExecutionContext:
@@ -69,7 +68,9 @@ class ExecutionContext:
         # a backend whose thread count is measured per set of input shapes (cpu_threads.py)
         self._threads = ThreadChoice() if backend.thread_tuning else None
         backend.prepare()
-        self._compiled = _compiled_runs(engine, backend, compile)
+        # padding removal's mask input and PackIndex's polarity (None: the engine packs nothing)
+        self._tokens = _token_mask(engine.graph)
+        self._compiled = _compiled_runs(engine, backend, compile, packs=self._tokens is not None)
         # per thread: input shapes set, the last call's compute time and CUDA events
         self._local = threading.local()
         if backend.on_device and not backend.streams:  # torch CPU tensors: nothing is reserved
@@ -95,7 +96,7 @@ class ExecutionContext:
                 self._graphs = GraphRunner(
                     lambda inputs: executor.run(dict(zip(graph_inputs, inputs))),
                     backend,
-                    _token_mask(engine.graph),
+                    self._tokens,
                 )
         # output shapes per set of input shapes: the same for every thread (a race only
         # computes an entry twice)
@@ -103,7 +104,6 @@ class ExecutionContext:
         # CUDA graphs: feeds already checked once (names, shapes, dtypes, device) -> the graph
         # input order and the captured graph, for calls that only replay (see _replay_known)
         self._known_feeds: dict[tuple, tuple[tuple[str, ...], tuple]] = {}
-        self._tokens: Any = _UNSET  # padding removal's mask input (see _host_count)
 
     # -------------------------------------------------------------- per-thread state
     @property
@@ -267,7 +267,10 @@ class ExecutionContext:
         )
         # (a backend without CUDA math has no TF32 or Triton dots to set)
         mode = math_mode(self.precision) if backend.math_modes else contextlib.nullcontext()
-        with ENQUEUE_LOCK, mode, backend.inference(), ctx, pool:
+        # padding removal: a mask given on the host is counted there, with no read-back (every
+        # run below takes it; a CUDA graph's capture sets its own, rounded up)
+        count = self._host_count(bound)
+        with ENQUEUE_LOCK, mode, backend.inference(), ctx, pool, tokens_hint(count):
             if stream is not None:
                 stream.wait_stream(caller)
             inputs = [self._executor.upload_input(v, bound[v]) for v in graph.inputs]
@@ -276,13 +279,8 @@ class ExecutionContext:
                     if isinstance(x, torch.Tensor) and x.is_cuda:
                         x.record_stream(stream)
                 events[0].record(stream)  # after the uploads: layers only
-            # padding removal: a mask given on the host is counted there, with no read-back
-            count = self._host_count(bound)
             if use_graph:
                 results = self._graphs(inputs, count)
-            elif count is not None:
-                with tokens_hint(count):
-                    results = self._executor.run(dict(zip(graph.inputs, inputs)))
             elif self._compiled is not None and plain:
                 key = _shapes_key(inputs)
                 results = self._threads.run(
@@ -324,24 +322,21 @@ class ExecutionContext:
 
     def _host_count(self, bound: Mapping[Any, Any]) -> int | None:
         """The tokens a PackIndex layer keeps, where its mask is a host array (else None)."""
-        tokens = _token_mask(self.engine.graph) if self._tokens is _UNSET else self._tokens
-        self._tokens = tokens
-        if tokens is None:
+        if self._tokens is None:
             return None
-        mask = bound.get(self.engine.graph.inputs[tokens[0]])
+        index, padding = self._tokens
+        mask = bound.get(self.engine.graph.inputs[index])
         if not isinstance(mask, np.ndarray):
             return None
-        nonzero = int(np.count_nonzero(mask))
-        return mask.size - nonzero if tokens[1] else nonzero
+        return kept(int(np.count_nonzero(mask)), mask.size, padding)
 
     def _signature(self, feeds: Mapping[str, Any]) -> tuple | None:
         """The feeds' signature for the replay-only path; with padding removal, the mask's
         token count too (the graph was captured for one)."""
         sig = _feed_signature(feeds)
-        tokens = self._graphs.tokens
-        if sig is None or tokens is None:
+        if sig is None or self._tokens is None:
             return sig
-        mask = feeds.get(self.engine.graph.inputs[tokens[0]].name)
+        mask = feeds.get(self.engine.graph.inputs[self._tokens[0]].name)
         return None if mask is None else (*sig, self._graphs.rows(mask))
 
     def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
@@ -499,9 +494,20 @@ def _too_big(need: int, limit: int | None, what: str) -> EngineCompatibilityErro
     )
 
 
-def _compiled_runs(engine: Any, backend: Backend, compile: bool | None) -> Any:
-    """The compiled path (runtime/cpu_compile.py) where asked for and the backend has it."""
+def _compiled_runs(engine: Any, backend: Backend, compile: bool | None, packs: bool) -> Any:
+    """The compiled path (runtime/cpu_compile.py) where asked for and the backend has it; not
+    for an engine that ``packs`` tokens (its layers' shapes follow the mask's values, and a
+    program is traced per input shapes)."""
     if not cpu_compile.wanted(compile):
+        return None
+    if packs:
+        if compile:
+            warnings.warn(
+                "this engine removes padding: its layers' shapes follow the mask's values, so "
+                "it runs the plain loop, not a compiled program",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return None
     if not backend.compiles:
         if compile is None:  # (the environment asks for every context: only cpu ones take it)

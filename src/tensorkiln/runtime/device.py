@@ -19,7 +19,7 @@ import numpy as np
 from tensorkiln.backends import Backend
 from tensorkiln.errors import InputError
 from tensorkiln.ir import Graph, TensorType, Value
-from tensorkiln.kernels.common.packing import bucket, tokens_hint
+from tensorkiln.kernels.common.packing import bucket, kept, tokens_hint
 from tensorkiln.runtime.io import _check_shape, bind_inputs
 
 
@@ -144,8 +144,7 @@ class GraphRunner:
         import torch
 
         if self.eager_reason is not None or not all(isinstance(x, torch.Tensor) for x in inputs):
-            with tokens_hint(count):
-                return self._run(inputs)
+            return self._run(inputs)  # (with the caller's tokens_hint, if any)
         key = self._key(inputs, count)
         entry = self._graphs.get(key)
         if entry is None:
@@ -170,9 +169,8 @@ class GraphRunner:
         back, one synchronization), rounded up (kernels/common/packing.bucket)."""
         import torch
 
-        nonzero = int(torch.count_nonzero(mask))
-        count = mask.numel() - nonzero if self.tokens and self.tokens[1] else nonzero
-        return bucket(count, mask.numel())
+        padding = self.tokens[1] if self.tokens else 0
+        return bucket(kept(int(torch.count_nonzero(mask)), mask.numel(), padding), mask.numel())
 
     def entry_for(self, inputs: list[Any]) -> tuple | None:
         """The captured graph for inputs of these shapes and dtypes (None: not captured)."""

@@ -48,6 +48,12 @@ def bucket(count: int, capacity: int) -> int:
     return min(capacity, -(-count // step) * step)
 
 
+def kept(nonzero: int, total: int, padding: int) -> int:
+    """The tokens a mask of ``total`` entries, ``nonzero`` of them nonzero, keeps: the nonzero
+    ones, or with PackIndex's ``padding`` (nonzero marks a pad) the others."""
+    return total - nonzero if padding else nonzero
+
+
 def hinted_count() -> int | None:
     """The token count set by :func:`tokens_hint` in this thread (None: none)."""
     return getattr(_local, "count", None)
