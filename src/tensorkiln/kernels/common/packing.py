@@ -75,12 +75,13 @@ def check_packed(x: Any, index: Any, what: str) -> None:
         )
 
 
-def check_unpacked(x: Any, b: int, s: int) -> None:
-    if x.ndim < 2 or tuple(x.shape[:2]) != (b, s):
+def token_rows(x: Any) -> int:
+    """The B * S token rows of PackTokens' input [B, S, ...]; a clear error for fewer axes."""
+    if x.ndim < 2:
         raise KernelError(
-            f"PackTokens: the input's leading axes {tuple(x.shape[:2])} are not the mask's "
-            f"[batch, sequence] ({b}, {s})"
+            f"PackTokens: the input must be [batch, sequence, ...]; got shape {tuple(x.shape)}"
         )
+    return int(x.shape[0]) * int(x.shape[1])
 
 
 def head_widths(q: Any, k: Any, v: Any, num_heads: int) -> tuple[int, int]:

@@ -47,9 +47,7 @@ def pack_index(m: torch.Tensor, *, padding: int = 0) -> tuple[torch.Tensor, torc
 @register("PackTokens", domain=DOMAIN, since=1, backend="cuda")
 def pack_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """X [B, S, ...]'s rows at the flat token indices, [T, ...]."""
-    if x.ndim < 2:
-        common.check_unpacked(x, 0, 0)
-    rows = x.shape[0] * x.shape[1]
+    rows = common.token_rows(x)
     # (indices clamped to the rows, as the gathers are: an unchecked one faults the device;
     # PackIndex's are in range, an engine file's wiring may not be)
     return x.reshape(rows, *x.shape[2:]).index_select(0, index.clamp(0, max(rows - 1, 0)))

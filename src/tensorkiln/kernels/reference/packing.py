@@ -25,9 +25,7 @@ def pack_index(m: np.ndarray, *, padding: int = 0) -> tuple[np.ndarray, np.ndarr
 @register("PackTokens", domain=DOMAIN, since=1)
 def pack_tokens(x: np.ndarray, index: np.ndarray) -> np.ndarray:
     """X [B, S, ...]'s rows at the flat token indices, [T, ...]."""
-    if x.ndim < 2:
-        common.check_unpacked(x, 0, 0)
-    return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])[index]
+    return x.reshape(common.token_rows(x), *x.shape[2:])[index]
 
 
 @register("UnpackTokens", domain=DOMAIN, since=1)

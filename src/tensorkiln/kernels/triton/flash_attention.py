@@ -242,11 +242,21 @@ def attention(
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        num_warps=4 if block_m == 64 else 8, num_stages=2,
+        **_tiles(block_m, block_n, d, dv),
     )  # fmt: skip
     return o
+
+
+def _tiles(block_m: int, block_n: int, d: int, dv: int) -> dict[str, int]:
+    """The flash kernel's block sizes and launch settings for head widths ``d`` and ``dv``."""
+    return {
+        "BLOCK_M": block_m,
+        "BLOCK_N": block_n,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
+        "BLOCK_DV": max(16, triton.next_power_of_2(dv)),
+        "num_warps": 4 if block_m == 64 else 8,
+        "num_stages": 2,
+    }
 
 
 def packed_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> bool:
@@ -291,9 +301,6 @@ def packed_attention(
         q, k, v, q, out, q, ends, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
         HAS_MASK=False, MASK_BOOL=False, CAUSAL=False,
-        UPCAST=interpreting(), BOUNDS=False, PACKED=True,
-        BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-        num_warps=4 if block_m == 64 else 8, num_stages=2,
+        UPCAST=interpreting(), BOUNDS=False, PACKED=True, **_tiles(block_m, block_n, d, dv),
     )  # fmt: skip
     return out
