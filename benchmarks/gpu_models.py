@@ -293,7 +293,8 @@ def tensorkiln_peer(
     names = [o.name for o in engine.outputs]
     # fp16 in and out, as the PyTorch peers take and give (trtexec's --inputIOFormats=fp16:chw)
     dev = {k: v.half() if v.is_floating_point() else v for k, v in dev.items()}
-    got = [ctx.infer(dev)[n] for n in names]
+    out = ctx.infer(dev)
+    got = [out[n] for n in names]
     if packed:
         got, want = (
             _kept_tokens(got, dev["attention_mask"]),
