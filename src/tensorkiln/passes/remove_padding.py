@@ -113,7 +113,7 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
         ))  # fmt: skip
     m, padding = passed[0]
 
-    region = _region(attentions, lead, producers, consumers, m)
+    region = _region(attentions, lead, producers, consumers)
     ranks = {id(v): len(v.shape) for n in region for v in n.outputs if v is not None}
     count = _rewrite(graph, region, lead, m, padding, consumers)
     graph.nodes = toposort(graph)
@@ -310,7 +310,7 @@ def _last_axis(axis: int, rank: int) -> bool:
     return axis in (-1, rank - 1)
 
 
-def _tokenwise(n: Node, lead: tuple, m: Value) -> bool:
+def _tokenwise(n: Node, lead: tuple) -> bool:
     """Whether ``n`` computes each token's outputs from that token's inputs alone."""
     key = (n.domain, n.op)
     if not n.outputs or not all(_token(v, lead) for v in n.outputs if v is not None):
@@ -379,11 +379,10 @@ def _region(
     lead: tuple,
     producers: dict[Value, Node],
     consumers: dict[Value, list[Node]],
-    m: Value,
 ) -> list[Node]:
     """The token-wise layers connected to the attentions through [B, S, ...] tensors."""
     for n in attentions:
-        if not _tokenwise(n, lead, m):
+        if not _tokenwise(n, lead):
             raise _Skip(f"attention '{n.name}''s inputs are not [batch, sequence, ...] tensors")
     region: dict[int, Node] = {id(n): n for n in attentions}
     stack = list(attentions)
@@ -397,7 +396,7 @@ def _region(
             if v is not None:
                 near.extend(consumers.get(v, ()))
         for p in near:
-            if id(p) not in region and _tokenwise(p, lead, m):
+            if id(p) not in region and _tokenwise(p, lead):
                 region[id(p)] = p
                 stack.append(p)
     return list(region.values())
