@@ -47,10 +47,14 @@ def derive(row: dict, peak_flops: float | None) -> dict:
         if p in ("tensorkiln-int8", "tensorkiln-fp8") and c.get("value") and best
     }
     # the fp16 engine built with --remove-padding (masked models): its ratio to the same peer
-    packed = row["peers"].get("tensorkiln-packed", {}).get("value")
-    row["packed_ratio"] = None
+    cell = row["peers"].get("tensorkiln-packed", {})
+    packed, host_mask = cell.get("value"), cell.get("value_host_mask")
+    row["packed_ratio"] = row["packed_host_ratio"] = None
     if packed and best:
         row["packed_ratio"] = packed / best if large else best / packed
+    # (the same engine given the mask as a host array, as a tokenizer hands it: no read-back)
+    if host_mask and best and large:
+        row["packed_host_ratio"] = host_mask / best
     # tensorkiln.torch.compile of the module against the ONNX path's engine (the same speed is
     # the aim: one builder behind both)
     from_torch = row["peers"].get("tensorkiln-torch", {}).get("value")
@@ -150,7 +154,8 @@ def _header(timing: dict) -> list[str]:
         "the PyTorch module through tensorkiln.torch.compile, its ratio to the ONNX path's "
         "engine (above 1: faster). tensorkiln packed: the fp16 engine built with "
         "--remove-padding (the masked tokens left out; its error is measured at the unmasked "
-        "positions, where the outputs mean something).",
+        "positions, where the outputs mean something); host mask: the same engine given the "
+        "attention mask as a host array, as a tokenizer hands it, counted on the host.",
         "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
         "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3 (INT8/FP8 "
         f"engines: above {QUANTIZED_BOUND:g}).",
@@ -295,6 +300,8 @@ def _row(row: dict) -> str:
         ratio += f"; {p.partition('-')[2].upper()} {q:.2f}"
     if row.get("packed_ratio") is not None:
         ratio += f"; packed {row['packed_ratio']:.2f}"
+    if row.get("packed_host_ratio") is not None:
+        ratio += f" (host mask {row['packed_host_ratio']:.2f})"
     if row.get("torch_over_onnx") is not None:
         ratio += f"; tensorkiln.torch / ONNX {row['torch_over_onnx']:.2f}"
     mem = "-"

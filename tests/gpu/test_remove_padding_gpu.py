@@ -71,4 +71,11 @@ def test_packed_bert_cuda_graphs_agree_with_onnxruntime(tmp_path) -> None:
         err = np.linalg.norm(got[keep] - want[keep]) / np.linalg.norm(want[keep])
         err_plain = np.linalg.norm(plain_out[keep] - want[keep]) / np.linalg.norm(want[keep])
         assert err <= 2 * err_plain + 1e-3, (err, err_plain)
+    # the mask as a host array (a tokenizer's): counted on the host, the same graphs replayed
+    m = masks[0]
+    ids = torch.from_numpy(rng.integers(0, 1000, m.shape)).cuda()
+    on_device = ctx.infer({"input_ids": ids, "attention_mask": torch.from_numpy(m).cuda()})
+    on_host = ctx.infer({"input_ids": ids, "attention_mask": m})
+    a, b = (x["hidden"].float().cpu().numpy() for x in (on_device, on_host))
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-3 * np.abs(a).max())
     assert ctx.cuda_graph_fallback is None

@@ -330,20 +330,18 @@ class ExecutionContext:
             return None
         return kept(int(np.count_nonzero(mask)), mask.size, padding)
 
-    def _signature(self, feeds: Mapping[str, Any]) -> tuple | None:
-        """The feeds' signature for the replay-only path; with padding removal, the mask's
-        token count too (the graph was captured for one)."""
-        sig = _feed_signature(feeds)
-        if sig is None or self._tokens is None:
-            return sig
-        mask = feeds.get(self.engine.graph.inputs[self._tokens[0]].name)
-        return None if mask is None else (*sig, self._graphs.rows(mask))
-
     def _remember_feeds(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
-        sig = self._signature(feeds)
-        entry = self._graphs.entry_for(inputs) if sig is not None else None
-        if entry is None or len(self._known_feeds) >= self._KNOWN_FEEDS_MAX:
+        sig = _feed_signature(feeds)
+        if sig is None or len(self._known_feeds) >= self._KNOWN_FEEDS_MAX:
             return
+        if self._tokens is not None:
+            # padding removal: the graph depends on the mask's count too, so the entry is looked
+            # up on every call (GraphRunner.replay_packed)
+            entry = None
+        else:
+            entry = self._graphs.entry_for(inputs)
+            if entry is None:
+                return
         order = tuple(v.name for v in self.engine.graph.inputs)
         if set(order) != set(feeds) or len(order) != len(inputs):
             return
@@ -356,7 +354,7 @@ class ExecutionContext:
         device, checked by an earlier call), or None when the feeds are not known."""
         import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
-        sig = self._signature(feeds)
+        sig = _feed_signature(feeds)
         known = self._known_feeds.get(sig) if sig is not None else None
         if known is None:
             return None
@@ -377,13 +375,18 @@ class ExecutionContext:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     x.record_stream(stream)
                 events[0].record(stream)
-                results = self._graphs.replay(entry, inputs)
+                if entry is None:  # padding removal: the graph for the mask's count, if captured
+                    results = self._graphs.replay_packed(inputs)
+                else:
+                    results = self._graphs.replay(entry, inputs)
                 events[1].record(stream)
             finally:
                 torch.cuda.set_stream(caller)
             self._local.timed = events
             handoff[1].record(stream)
             caller.wait_event(handoff[1])
+        if results is None:  # (a packed length not captured yet: the full path captures it)
+            return None
         for r in results:
             if isinstance(r, torch.Tensor) and r.is_cuda:
                 r.record_stream(caller)

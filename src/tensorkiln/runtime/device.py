@@ -121,7 +121,10 @@ class GraphRunner:
     mask passes it), rounded up to one of 32 packed lengths per input shape
     (:func:`~tensorkiln.kernels.common.packing.bucket`), and graphs are captured per length too;
     the capture's PackIndex takes the length from
-    :func:`~tensorkiln.kernels.common.packing.tokens_hint`.
+    :func:`~tensorkiln.kernels.common.packing.tokens_hint`. The graphs of one input shape share
+    their input tensors, so that a call queues the copies into them and the count before it
+    waits for the count: after the wait only the replay is left to launch, and the GPU idles for
+    the time the host takes to wake and launch it, not for the whole call's host work.
     """
 
     def __init__(self, run: Any, backend: Backend, tokens: tuple[int, int] | None = None) -> None:
@@ -131,6 +134,10 @@ class GraphRunner:
         self.tokens = tokens
         self._device = backend.device
         self._graphs: dict[tuple, Any] = {}
+        # padding removal: the input tensors the graphs of each input shape share, and the host
+        # side of the token count's read-back (pinned, made on the first packed call)
+        self._shared: dict[tuple, list[Any]] = {}
+        self._count: tuple[Any, Any] | None = None
         # the graphs' memory: a MemPool, which device_memory_bytes() can measure, where torch has it
         # (recycled, never destroyed: see backends/pools.py)
         self.pool, self._stream = backend.acquire_pool("graphs")  # (captures run on the stream)
@@ -145,6 +152,8 @@ class GraphRunner:
 
         if self.eager_reason is not None or not all(isinstance(x, torch.Tensor) for x in inputs):
             return self._run(inputs)  # (with the caller's tokens_hint, if any)
+        if self.tokens is not None:
+            return self._call_packed(inputs, count)
         key = self._key(inputs, count)
         entry = self._graphs.get(key)
         if entry is None:
@@ -155,6 +164,63 @@ class GraphRunner:
             self._graphs[key] = entry
         return self.replay(entry, inputs)
 
+    def _call_packed(self, inputs: list[Any], count: int | None) -> list[Any]:
+        """__call__ for an engine that removes padding: stage the inputs in the shape's shared
+        tensors, count, and replay the graph of that packed length (captured on first use)."""
+        sig = _shapes(inputs)
+        shared = self._shared.get(sig)
+        if shared is None:  # the first call with these shapes: its capture makes the tensors
+            rows = self._key(inputs, count)[-1]
+            with tokens_hint(rows):
+                entry = self._capture(inputs)
+            if entry is None:
+                return self._run(inputs)
+            self._shared[sig] = entry[1]
+            self._graphs[(*sig, rows)] = entry
+            return self.replay(entry, inputs)
+        rows = self.stage(shared, inputs, count)
+        entry = self._graphs.get((*sig, rows))
+        if entry is None:
+            with tokens_hint(rows):
+                entry = self._capture(shared, shared=True)
+            if entry is None:
+                return self._run(inputs)
+            self._graphs[(*sig, rows)] = entry
+        return self.replay(entry, None)
+
+    def replay_packed(self, inputs: list[Any]) -> list[Any] | None:
+        """Replay for an engine that removes padding, where the graph for the inputs' shapes and
+        packed length is captured already; None (nothing replayed) where it is not."""
+        sig = _shapes(inputs)
+        shared = self._shared.get(sig)
+        if shared is None or self.eager_reason is not None:
+            return None
+        entry = self._graphs.get((*sig, self.stage(shared, inputs)))
+        return None if entry is None else self.replay(entry, None)
+
+    def stage(self, shared: list[Any], inputs: list[Any], count: int | None = None) -> int:
+        """Copy ``inputs`` into ``shared`` on the current stream and return the packed length:
+        ``count`` rounded up, or the shared mask's count, read back after the copies are queued
+        (the one synchronization of a call)."""
+        import torch
+
+        for s, x in zip(shared, inputs):
+            s.copy_(x)
+        index, padding = self.tokens  # type: ignore[misc]
+        mask = shared[index]
+        if count is None:
+            if self._count is None:
+                self._count = (
+                    torch.empty((), dtype=torch.int64, pin_memory=True),
+                    torch.cuda.Event(),
+                )
+            host, done = self._count
+            host.copy_(torch.count_nonzero(mask), non_blocking=True)
+            done.record()
+            done.synchronize()
+            count = kept(int(host), mask.numel(), padding)
+        return bucket(count, mask.numel())
+
     def _key(self, inputs: list[Any], count: int | None = None) -> tuple:
         """The inputs' shapes and dtypes, and the token count where the engine packs tokens."""
         if self.tokens is None:
@@ -162,7 +228,7 @@ class GraphRunner:
         else:
             mask = inputs[self.tokens[0]]
             rows = self.rows(mask) if count is None else bucket(count, mask.numel())
-        return (*((tuple(x.shape), x.dtype) for x in inputs), rows)
+        return (*_shapes(inputs), rows)
 
     def rows(self, mask: Any) -> int:
         """The packed length the graph for ``mask`` is captured for: the tokens it keeps (read
@@ -179,24 +245,26 @@ class GraphRunner:
         return self._graphs.get(self._key(inputs))
 
     @staticmethod
-    def replay(entry: tuple, inputs: list[Any]) -> list[Any]:
-        """Copy ``inputs`` into the captured graph ``entry``'s inputs, replay it on the current
-        stream, and return copies of its outputs."""
+    def replay(entry: tuple, inputs: list[Any] | None) -> list[Any]:
+        """Copy ``inputs`` into the captured graph ``entry``'s inputs (None: staged already),
+        replay it on the current stream, and return copies of its outputs."""
         import torch
 
         graph, static_in, static_out = entry
-        for s, x in zip(static_in, inputs):
+        for s, x in zip(static_in, inputs or ()):
             s.copy_(x)
         graph.replay()
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in static_out]
 
-    def _capture(self, inputs: list[Any]) -> tuple | None:
+    def _capture(self, inputs: list[Any], shared: bool = False) -> tuple | None:
+        """Warm up and capture a graph; its inputs are copies of ``inputs``, or with ``shared``
+        ``inputs`` themselves (the tensors another graph of the same shapes reads)."""
         import torch
 
         # Normal tensors even when the first call comes under torch.inference_mode: later calls
         # outside it copy into them, and PyTorch refuses in-place writes to inference tensors there.
         with torch.inference_mode(False):
-            static_in = [x.clone() for x in inputs]
+            static_in = list(inputs) if shared else [x.clone() for x in inputs]
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         try:
@@ -228,3 +296,8 @@ class GraphRunner:
             )
             return None
         return graph, static_in, static_out
+
+
+def _shapes(inputs: list[Any]) -> tuple:
+    """The (shape, dtype) of every input: what a captured graph is specific to."""
+    return tuple((tuple(x.shape), x.dtype) for x in inputs)

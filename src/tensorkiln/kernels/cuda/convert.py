@@ -98,7 +98,9 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
             warnings.simplefilter("ignore", UserWarning)
             t = host_tensor(value)
-        return t.to(dev, non_blocking=False) if t.device != dev else t.clone()
+        # (non-blocking: CUDA stages pageable memory before the call returns, so the array may
+        # change or go at once, and the host does not wait for the stream's earlier work)
+        return t.to(dev, non_blocking=True) if t.device != dev else t.clone()
     if isinstance(value, np.generic):
         return to_torch(np.asarray(value), device)
     if isinstance(value, list):
