@@ -51,6 +51,8 @@ class Tactic:
     fn: Callable
     supports: Callable[[LayerSpec], bool] | None = None
     estimate: Callable[[LayerSpec], float] | None = None
+    # the candidates the autotuner's max_candidates counts together (None: the name's source)
+    group: str | None = None
 
     def score(self, spec: LayerSpec) -> float:
         """How well the tactic should suit the layer (0 where it has no estimate, or the
@@ -82,30 +84,71 @@ def tactic(
     name: str,
     supports: Callable[[LayerSpec], bool] | None = None,
     estimate: Callable[[LayerSpec], float] | None = None,
+    group: str | None = None,
 ) -> Callable[[Callable], Callable]:
-    """Register ``fn`` as tactic ``name`` of ``op`` (besides the op's default kernel)."""
+    """Register ``fn`` as tactic ``name`` of ``op`` (besides the op's default kernel).
+    ``group``: the tactics that compete for the autotuner's per-layer candidate slots (default:
+    those of the same source, the name's first part); a tactic in a group of its own is always
+    timed where it applies."""
     domain = normalize_domain(domain)
 
     def decorator(fn: Callable) -> Callable:
         if name == "default":
             raise ValueError("'default' names the op's registered kernel; pick another name")
         _TACTICS.setdefault((domain, op), {})[name] = Tactic(
-            name, op, domain, fn, supports, estimate
+            name, op, domain, fn, supports, estimate, group
         )
         return fn
 
     return decorator
 
 
-def tactics_for(op: str, domain: str = "") -> list[Tactic]:
-    """The registered non-default tactics of ``op``, in registration order."""
+@dataclass(frozen=True, slots=True)
+class TacticFamily:
+    """Tactics named per layer rather than registered one by one: ``expand(spec)`` names the
+    family's candidates for a layer (cuBLASLt's algorithms for its shape, say), and
+    ``resolve(name)`` gives the tactic of a name the family made (None: not one of its names).
+    Every name starts with ``prefix``."""
+
+    prefix: str
+    expand: Callable[[LayerSpec], list[str]]
+    resolve: Callable[[str], Tactic | None]
+
+
+_FAMILIES: dict[tuple[str, str], list[TacticFamily]] = {}
+
+
+def tactic_family(op: str, family: TacticFamily, *, domain: str = "") -> None:
+    """Register ``family``'s tactics as candidates for ``op``."""
+    _FAMILIES.setdefault((normalize_domain(domain), op), []).append(family)
+
+
+def tactics_for(op: str, domain: str = "", spec: LayerSpec | None = None) -> list[Tactic]:
+    """The registered non-default tactics of ``op``, in registration order; with ``spec``, the
+    candidates its families name for that layer after them."""
     _load()
-    return list(_TACTICS.get((normalize_domain(domain), op), {}).values())
+    key = (normalize_domain(domain), op)
+    found = list(_TACTICS.get(key, {}).values())
+    if spec is not None:
+        for family in _FAMILIES.get(key, ()):
+            try:
+                names = family.expand(spec)
+            except Exception:  # a third-party model's odd layer must not fail the build
+                continue
+            found += [t for t in map(family.resolve, names) if t is not None]
+    return found
 
 
 def get_tactic(op: str, domain: str, name: str) -> Tactic | None:
     _load()
-    return _TACTICS.get((normalize_domain(domain), op), {}).get(name)
+    key = (normalize_domain(domain), op)
+    found = _TACTICS.get(key, {}).get(name)
+    if found is None:
+        for family in _FAMILIES.get(key, ()):
+            if name.startswith(family.prefix):
+                found = family.resolve(name)
+                break
+    return found
 
 
 def _load() -> None:

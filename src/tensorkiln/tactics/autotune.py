@@ -118,7 +118,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
     spec, *other_specs = (_spec(node, t, executor.device.type) for t in types)
     candidates = [
         t
-        for t in tactics_for(node.op, node.domain)
+        for t in (tactics_for(node.op, node.domain, spec) if spec else ())
         if spec
         and t.applies(spec)
         and all(s is None or t.applies(s) for s in other_specs)
@@ -248,12 +248,12 @@ def _reason(exc: Exception) -> str:
 def _prune(candidates: list, spec: LayerSpec, keep: int | None) -> tuple[list, list[str]]:
     """The ``keep`` best-estimated candidates of each tactic source (the name's first part:
     Triton's tile configs compete among themselves, a cuDNN or cuBLAS call is not crowded out by
-    them), in registration order, and the names of the others."""
+    them) or of each group a tactic names, in registration order, and the names of the others."""
     if keep is None:
         return candidates, []
     sources: dict[str, list[int]] = {}
     for i, t in enumerate(candidates):
-        sources.setdefault(_source(t.name), []).append(i)
+        sources.setdefault(t.group or _source(t.name), []).append(i)
     dropped: set[int] = set()
     for members in sources.values():
         ranked = sorted(members, key=lambda i: -candidates[i].score(spec))
