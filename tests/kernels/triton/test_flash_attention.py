@@ -81,10 +81,10 @@ def test_masks_of_every_broadcast_shape(shape, kind):
     assert _run(args, attrs, np.float16) < 1e-2
 
 
-@pytest.mark.parametrize("rows", [64, 128], ids=["m64", "m128"])
+@pytest.mark.parametrize("name", ["triton_flash_m64", "triton_flash_m128", "triton_flash_m64_s3"])
 @pytest.mark.parametrize("with_mask", [False, True], ids=["causal", "causal-and-mask"])
-def test_causal_alone_and_with_a_mask(with_mask, rows):
-    tactic = TACTIC if rows == 64 else TACTIC_128
+def test_causal_alone_and_with_a_mask(with_mask, name):
+    tactic = get_tactic("Attention", "tensorkiln", name)
     rng = np.random.default_rng()
     args = _qkv(rng, sq=SK)  # causal top-left: square is the usual case
     attrs = {"causal": 1}

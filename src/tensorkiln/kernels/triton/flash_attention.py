@@ -217,10 +217,12 @@ def attention(
     causal: bool = False,
     mask_kind: str = "",
     block_m: int = 128,
+    stages: int = 2,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v of [B, H, Sq, D] / [B, H, Sk, D] / [B, H, Sk, Dv]
     operands; ``mask_kind`` "bool" (True: visible) or anything else (additive); ``block_m``
-    query rows per program (64: twice the programs, for small batches). Returns [B, H, Sq, Dv],
+    query rows per program (64: twice the programs, for small batches); ``stages`` the software
+    pipeline's depth over key blocks. Returns [B, H, Sq, Dv],
     a view of a [B, Sq, H, Dv] tensor. The caller checks :func:`applies`."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
@@ -242,12 +244,12 @@ def attention(
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False,
-        **_tiles(block_m, block_n, d, dv),
+        **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return o
 
 
-def _tiles(block_m: int, block_n: int, d: int, dv: int) -> dict[str, int]:
+def _tiles(block_m: int, block_n: int, d: int, dv: int, stages: int = 2) -> dict[str, int]:
     """The flash kernel's block sizes and launch settings for head widths ``d`` and ``dv``."""
     return {
         "BLOCK_M": block_m,
@@ -255,7 +257,7 @@ def _tiles(block_m: int, block_n: int, d: int, dv: int) -> dict[str, int]:
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
         "BLOCK_DV": max(16, triton.next_power_of_2(dv)),
         "num_warps": 4 if block_m == 64 else 8,
-        "num_stages": 2,
+        "num_stages": stages,
     }
 
 
@@ -282,6 +284,7 @@ def packed_attention(
     heads: int,
     scale: float,
     block_m: int = 128,
+    stages: int = 2,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v within each packed sequence: ``q``, ``k``, ``v`` [T, H*D] (strided
     views are fine), ``ends`` int32 [B] one past each sequence's last row, ``longest`` a bound on
@@ -301,6 +304,6 @@ def packed_attention(
         q, k, v, q, out, q, ends, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
         HAS_MASK=False, MASK_BOOL=False, CAUSAL=False,
-        UPCAST=interpreting(), BOUNDS=False, PACKED=True, **_tiles(block_m, block_n, d, dv),
+        UPCAST=interpreting(), BOUNDS=False, PACKED=True, **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out
