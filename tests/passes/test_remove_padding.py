@@ -168,8 +168,9 @@ def test_cli_build_remove_padding(bert, tmp_path, capsys) -> None:
 # ---------------------------------------------------------------- kernels
 
 
-def _oracle_attention(q, k, v, lengths, heads: int) -> np.ndarray:
-    """softmax(q k^T / sqrt(d)) v per sequence and head, in float64, written out."""
+def _oracle_attention(q, k, v, lengths, heads: int, causal: bool = False) -> np.ndarray:
+    """softmax(q k^T / sqrt(d)) v per sequence and head (``causal``: row i sees keys up to i),
+    in float64, written out."""
     out = np.zeros((q.shape[0], v.shape[1]))
     d, dv = q.shape[1] // heads, v.shape[1] // heads
     start = 0
@@ -179,6 +180,8 @@ def _oracle_attention(q, k, v, lengths, heads: int) -> np.ndarray:
             ks = k[start : start + n, h * d : (h + 1) * d].astype(np.float64)
             vs = v[start : start + n, h * dv : (h + 1) * dv].astype(np.float64)
             s = qs @ ks.T / np.sqrt(d)
+            if causal:
+                s = np.where(np.tri(n, dtype=bool), s, -np.inf)
             p = np.exp(s - s.max(axis=1, keepdims=True))
             out[start : start + n, h * dv : (h + 1) * dv] = (p / p.sum(axis=1, keepdims=True)) @ vs
         start += n
@@ -214,18 +217,19 @@ def test_pack_kernels_against_numpy() -> None:
     np.testing.assert_array_equal(got.numpy(), want)
 
 
-def test_packed_attention_kernels_against_numpy() -> None:
+@pytest.mark.parametrize("causal", [0, 1], ids=["full", "causal"])
+def test_packed_attention_kernels_against_numpy(causal: int) -> None:
     rng = np.random.default_rng()
     lengths = np.array([5, 0, 11, 1])
     ends = np.cumsum(lengths).astype(np.int32)
     heads, t = 2, int(lengths.sum())
     q, k, v = (rng.standard_normal((t, heads * 8)).astype(np.float32) for _ in range(3))
     mask = np.zeros((4, 12), np.int64)  # (only its shape is read: S bounds every length)
-    want = _oracle_attention(q, k, v, lengths, heads)
-    got = ref_packing.packed_attention(q, k, v, ends, mask, num_heads=heads)
+    want = _oracle_attention(q, k, v, lengths, heads, bool(causal))
+    got = ref_packing.packed_attention(q, k, v, ends, mask, num_heads=heads, causal=causal)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     tq, tk, tv, te, tm = (torch.from_numpy(a) for a in (q, k, v, ends, mask))
-    got = cuda_packing.packed_attention(tq, tk, tv, te, tm, num_heads=heads)
+    got = cuda_packing.packed_attention(tq, tk, tv, te, tm, num_heads=heads, causal=causal)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
 
 
@@ -243,14 +247,15 @@ def test_packed_flash_kernel_through_the_interpreter(monkeypatch) -> None:
     qkv = torch.from_numpy(rng.standard_normal((t, 3 * heads * d)).astype(np.float16))
     q, k, v = qkv.split(heads * d, dim=1)  # (strided views, as a Split of one GEMM gives them)
     assert flash.packed_applies(q, k, v, heads)
-    want = _oracle_attention(
-        q.float().numpy(), k.float().numpy(), v.float().numpy(), lengths, heads
-    )
-    for block_m in flash.BLOCKS_M:
-        got = flash.packed_attention(
-            q, k, v, ends, 129, heads=heads, scale=d**-0.5, block_m=block_m
+    for causal in (False, True):
+        want = _oracle_attention(
+            q.float().numpy(), k.float().numpy(), v.float().numpy(), lengths, heads, causal
         )
-        np.testing.assert_allclose(got.float().numpy(), want, rtol=2e-2, atol=2e-3)
+        for block_m in flash.BLOCKS_M:
+            got = flash.packed_attention(
+                q, k, v, ends, 129, heads=heads, scale=d**-0.5, block_m=block_m, causal=causal
+            )
+            np.testing.assert_allclose(got.float().numpy(), want, rtol=2e-2, atol=2e-3)
 
 
 def test_a_rewrite_that_does_not_check_out_builds_without_it(bert, monkeypatch) -> None:
@@ -433,3 +438,52 @@ def test_packed_engines_run_the_plain_loop_and_profile_layers(bert) -> None:
         compiled = engine.create_execution_context(compile=True)
     got = compiled.infer(feeds)["hidden"]
     np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+class _CausalEncoder(torch.nn.Module):
+    """Two pre-norm blocks of torch's MultiheadAttention with a causal attn_mask beside the
+    key_padding_mask: every query sees the real keys up to itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.passes.test_fuse_mha import _Block
+
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x, pad):
+        s = x.shape[1]
+        future = torch.ones(s, s, dtype=torch.bool).triu(1)
+        for block in self.blocks:
+            y = block.ln_1(x)
+            y, _ = block.attn(y, y, y, key_padding_mask=pad, attn_mask=future, need_weights=False)
+            x = x + y
+            x = x + block.mlp(block.ln_2(x))
+        return x
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_causal_and_key_padding_mask_packs_causal(tmp_path, backend: str) -> None:
+    """A mask that is causal and key-padding at once packs, each packed attention causal; the
+    engine agrees with onnxruntime wherever the mask keeps a token."""
+    torch.manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    model = _CausalEncoder().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 7, 32)).astype(np.float32)
+    pad = np.zeros((3, 7), bool)
+    path = _export(model, {"x": x, "pad": pad}, tmp_path / "causal.onnx", ["y"])
+    engine, report = _build(path, backend, packed=True)
+    assert report.passes.get("remove_padding", 0) > 0, report.notes
+    attentions = [n for n in engine.graph.nodes if n.op == "PackedAttention"]
+    assert attentions and all(n.attrs["causal"] == 1 for n in attentions)
+    ctx = engine.create_execution_context()
+    for _ in range(3):  # right padding and holes; token 0 real, so no query sees nothing
+        pad = rng.random((4, 7)) < 0.35
+        pad[:, 0] = False
+        x = rng.standard_normal((4, 7, 32)).astype(np.float32)
+        want = run_onnxruntime(path, {"x": x, "pad": pad})[0]
+        got = ctx.infer({"x": x, "pad": pad})["y"]
+        np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-4, atol=1e-4)
+        assert not got[pad].any()

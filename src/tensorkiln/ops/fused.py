@@ -156,9 +156,10 @@ define(
     "PackedAttention",
     domain=DOMAIN,
     traits=[FUSED],
-    attributes={"scale": 0.0, "num_heads": 0},
-    doc="softmax(Q K^T * scale) V within each packed sequence: Q, K, V [T, H*D], cumulative "
-    "lengths [B] (int32, PackIndex's) and M [B, S] (its S bounds every length) -> [T, H*Dv]",
+    attributes={"scale": 0.0, "num_heads": 0, "causal": 0},
+    doc="softmax(Q K^T * scale) V within each packed sequence (causal: each token sees the "
+    "sequence's tokens up to itself): Q, K, V [T, H*D], cumulative lengths [B] (int32, "
+    "PackIndex's) and M [B, S] (its S bounds every length) -> [T, H*Dv]",
 )
 define(
     "Pointwise",

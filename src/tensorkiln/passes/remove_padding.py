@@ -11,13 +11,19 @@ tokens padding, the GEMMs do 1/8 less work.
 
 What it takes, each checked (a graph that fails a check is left as it was, and the note says why):
 
-* every tensorkiln.Attention node heads-packed (``bsd`` in and out), not causal, with a mask;
+* every tensorkiln.Attention node heads-packed (``bsd`` in and out; an output [B, S, H, D] that
+  only a Reshape to [B, S, H*D] reads counts, the Reshape folded into it), with a mask;
 * the masks computed from one graph input M [B, S] (B and S: the attention's leading axes) and
   constants, and each a key-padding mask of M: evaluated on sample masks (the reference kernels,
   with the other inputs the masks depend on at zeros), key j of sequence b must be visible to
   every real query of b exactly when M[b, j] != 0 (Hugging Face's attention_mask), or exactly
   when M[b, j] == 0 (torch's key_padding_mask, True at a pad); additive masks: 0 visible, -1e4
-  or less hidden; rows of padded queries are not looked at: they are dropped;
+  or less hidden; rows of padded queries are not looked at: they are dropped. A mask may also
+  be causal and key-padding at once (GPT-2's: real query i sees exactly the real keys j <= i),
+  and a causal attention may have a key-padding mask: the packed attention is causal then
+  (within a sequence the packed rows keep their order). A causal model's rows that see no real
+  key at all (left padding) are rows of padded queries: their outputs, which the original
+  computes as some average of all the values, are zeros like every masked position's;
 * between the packing and the unpacking, only token-wise layers: MatMul / GemmAct of a [B, S, K]
   input by a constant 2-D weight (a bias of rank 1), LayerNorm over the last axis (a residual
   that is packed too), Split of the last axis, and elementwise ops whose other operands broadcast
@@ -74,6 +80,7 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
     attentions = [n for n in graph.nodes if n.domain == DOMAIN and n.op == "Attention"]
     if not attentions:
         raise _Skip("the graph has no fused attention layer")
+    _merge_heads(graph, attentions)
     producers = graph.producers()
     consumers = graph.consumers()
     for n in attentions:
@@ -97,25 +104,32 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
             reasons.append(str(why))
             continue
         for padding in (0, 1):  # nonzero marks a token (Hugging Face) or a pad (torch's MHA)
+            forms: dict[Value, str] = {}  # mask -> "padding" or "causal", the same every sample
             try:
                 for sample, values in samples:
                     keep = (sample != 0) != bool(padding)
                     for mask in masks:
-                        _compare(np.asarray(values[mask]), keep, users[mask])
+                        value = np.asarray(values[mask])
+                        forms[mask] = _compare(value, keep, users[mask], forms.get(mask))
             except _Skip as why:
                 reasons.append(str(why))
             else:
-                passed.append((m, padding))
+                passed.append((m, padding, forms))
     if len(passed) != 1:
         raise _Skip(reasons[0] if not passed and reasons else (
             f"the attention masks do not come from exactly one integer or bool input of shape "
             f"{list(lead)} (found: {', '.join(v.name for v, _ in passed) or 'none'})"
         ))  # fmt: skip
-    m, padding = passed[0]
+    m, padding, forms = passed[0]
+    causal = {
+        id(n)
+        for n in attentions
+        if int(n.attrs.get("causal", 0) or 0) or forms.get(n.inputs[3]) == "causal"
+    }
 
     region = _region(attentions, lead, producers, consumers)
     ranks = {id(v): len(v.shape) for n in region for v in n.outputs if v is not None}
-    count = _rewrite(graph, region, lead, m, padding, consumers)
+    count = _rewrite(graph, region, lead, m, padding, consumers, causal)
     graph.nodes = toposort(graph)
     dead_code(graph)  # (the masks the attentions no longer read)
     infer_shapes(graph)
@@ -138,10 +152,33 @@ def _check_attention(n: Node) -> None:
     a = n.attrs
     if a.get("input_layout", "bhsd") != "bsd" or a.get("output_layout", "bhsd") != "bsd":
         raise _Skip(f"attention '{n.name}' does not take and give [batch, sequence, heads*width]")
-    if int(a.get("causal", 0) or 0):
-        raise _Skip(f"attention '{n.name}' is causal")
     if len(n.inputs) < 4 or n.inputs[3] is None:
         raise _Skip(f"attention '{n.name}' has no mask: nothing is padding")
+
+
+def _merge_heads(graph: Graph, attentions: list[Node]) -> None:
+    """Fold into each attention that gives [B, S, H, Dv] (``bshd``) the Reshape to [B, S, H*Dv]
+    that alone reads it (GPT-2's merge of the heads): the attention gives ``bsd`` then."""
+    consumers = graph.consumers()
+    for n in attentions:
+        out = n.outputs[0] if n.outputs else None
+        if out is None or n.attrs.get("output_layout") != "bshd" or out in graph.outputs:
+            continue
+        users = consumers.get(out, [])
+        r = users[0] if len(users) == 1 else None
+        if r is None or (r.domain, r.op) != ("", "Reshape") or r.inputs[0] is not out:
+            continue
+        y = r.outputs[0]
+        if out.shape is None or y is None or y.shape is None:
+            continue
+        if len(out.shape) != 4 or len(y.shape) != 3 or tuple(y.shape[:2]) != tuple(out.shape[:2]):
+            continue
+        h, dv = out.shape[2], out.shape[3]
+        if not isinstance(h, int) or not isinstance(dv, int) or y.shape[2] != h * dv:
+            continue
+        n.attrs = {**n.attrs, "output_layout": "bsd"}
+        n.outputs = [y]
+        graph.nodes = [x for x in graph.nodes if x is not r]
 
 
 def _ancestors(values: Iterable[Value], producers: dict[Value, Node]) -> list[Node]:
@@ -264,7 +301,10 @@ def _evaluate(graph: Graph, n: Node, args: list) -> list | None:
     return [env.get(v) for v in body.outputs]
 
 
-def _compare(value: np.ndarray, keep: np.ndarray, node: Node) -> None:
+def _compare(value: np.ndarray, keep: np.ndarray, node: Node, form: str | None = None) -> str:
+    """Which form of key-padding mask of ``keep`` the mask ``value`` is: "padding" (every real
+    query sees exactly the real keys) or "causal" (real query i sees exactly the real keys
+    j <= i); only ``form`` where one is given (what the other samples showed)."""
     b, s = keep.shape
     kind = node.attrs.get("mask_kind", "")
     try:
@@ -278,13 +318,15 @@ def _compare(value: np.ndarray, keep: np.ndarray, node: Node) -> None:
     else:
         raise _Skip(f"attention '{node.name}' has a mask of kind '{kind}'")
     rows = keep[:, None, :, None]  # real queries only
-    want = np.broadcast_to(keep[:, None, None, :], full.shape)
-    ok = np.where(want, visible, hidden)
-    if not np.all(ok | ~rows):
-        raise _Skip(
-            f"attention '{node.name}''s mask is not a key-padding mask of the input: it hides "
-            "other keys than the input's zeros (a causal or sliding-window mask, a bias)"
-        )
+    keys = np.broadcast_to(keep[:, None, None, :], full.shape)
+    for f in (form,) if form else ("padding", "causal"):
+        want = keys if f == "padding" else keys & np.tri(s, dtype=bool)[None, None]
+        if np.all(np.where(want, visible, hidden) | ~rows):
+            return f
+    raise _Skip(
+        f"attention '{node.name}''s mask is not a key-padding mask of the input, causal or not: "
+        "it hides other keys than the input's zeros (a sliding-window mask, a bias)"
+    )
 
 
 # ---------------------------------------------------------------- the region
@@ -418,6 +460,7 @@ def _rewrite(
     m: Value,
     padding: int,
     consumers: dict[Value, list[Node]],
+    causal: set[int],
 ) -> int:
     inside = {id(n) for n in region}
     made = {id(v) for n in region for v in n.outputs if v is not None}
@@ -481,6 +524,7 @@ def _rewrite(
             n.attrs = {
                 "scale": float(n.attrs.get("scale", 0.0) or 0.0),
                 "num_heads": int(n.attrs.get("num_heads", 0)),
+                "causal": int(id(n) in causal),
             }
         for v in n.outputs:
             if v is not None and isinstance(v.type, TensorType):

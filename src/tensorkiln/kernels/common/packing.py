@@ -112,11 +112,13 @@ def packed_attention(
     *,
     scale: float = 0.0,
     num_heads: int = 0,
+    causal: int = 0,
 ) -> Any:
     """softmax(Q K^T * scale) V over each sequence's rows of the packed [T, H*D] operands
     (``ends``: one past each sequence's last row; ``m``: the [B, S] mask, whose S bounds every
-    length). ``xp.attend_packed(q, k, v, ends, batch, longest, scale, heads, widths)`` is a
+    length; ``causal``: each row sees its sequence's rows up to itself).
+    ``xp.attend_packed(q, k, v, ends, batch, longest, scale, heads, widths, causal)`` is a
     tree's math."""
     widths = head_widths(q, k, v, num_heads)
     b, s = check_mask(m)
-    return xp.attend_packed(q, k, v, ends, b, s, scale, num_heads, widths)
+    return xp.attend_packed(q, k, v, ends, b, s, scale, num_heads, widths, int(bool(causal)))

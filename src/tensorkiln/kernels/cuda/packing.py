@@ -77,7 +77,7 @@ class TorchPacked:
     """The packed attention's math on torch tensors: SDPA on padded copies."""
 
     @staticmethod
-    def attend_packed(q, k, v, ends, b, s, scale, heads, widths) -> torch.Tensor:
+    def attend_packed(q, k, v, ends, b, s, scale, heads, widths, causal=0) -> torch.Tensor:
         # each sequence's rows at the start of its padded row (attention does not see positions)
         lengths = torch.diff(ends.to(torch.int64), prepend=ends.new_zeros(1, dtype=torch.int64))
         keep = torch.arange(s, device=q.device)[None, :] < lengths[:, None]
@@ -85,6 +85,8 @@ class TorchPacked:
         qp, kp, vp = (_padded(x, index, b, s, heads) for x in (q, k, v))
         kp, vp = kp.to(qp.dtype), vp.to(qp.dtype)
         hidden = keep[:, None, None, :]  # (padded keys hidden; padded query rows dropped below)
+        if causal:  # (a sequence's rows start its padded row: positions are the same)
+            hidden = hidden & torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
         y = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=hidden, scale=scale or None)
         return y.transpose(1, 2).reshape(b * s, -1).index_select(0, index.clamp(0, b * s - 1))
 

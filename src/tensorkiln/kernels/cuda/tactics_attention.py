@@ -88,15 +88,17 @@ if available():
         return attention_triton_flash
 
     def _packed_fn(block_m: int, stages: int):
-        def packed_attention_triton_flash(q, k, v, ends, m, *, scale=0.0, num_heads=0):
+        def packed_attention_triton_flash(q, k, v, ends, m, *, scale=0.0, num_heads=0, causal=0):
             """Attention within each packed sequence in one Triton pass (see the module's
             docstring); SDPA on padded copies where the kernel does not apply."""
             if m.ndim != 2 or not flash.packed_applies(q, k, v, int(num_heads)):
-                return packed_fallback(q, k, v, ends, m, scale=scale, num_heads=num_heads)
+                return packed_fallback(
+                    q, k, v, ends, m, scale=scale, num_heads=num_heads, causal=causal
+                )
             s = float(scale) if scale else 1.0 / math.sqrt(q.shape[1] // int(num_heads))
             return flash.packed_attention(
                 q, k, v, ends, int(m.shape[1]), heads=int(num_heads), scale=s, block_m=block_m,
-                stages=stages,
+                stages=stages, causal=bool(causal),
             )  # fmt: skip
 
         return packed_attention_triton_flash

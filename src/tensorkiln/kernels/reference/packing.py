@@ -42,7 +42,7 @@ class NumpyPacked:
     """The packed attention's math on numpy arrays: each sequence's rows attended alone."""
 
     @staticmethod
-    def attend_packed(q, k, v, ends, b, s, scale, heads, widths) -> np.ndarray:
+    def attend_packed(q, k, v, ends, b, s, scale, heads, widths, causal=0) -> np.ndarray:
         d, dv = widths
         out = np.zeros((q.shape[0], heads * dv), dtype=q.dtype)
         start = 0
@@ -52,7 +52,7 @@ class NumpyPacked:
                     x[start:end].reshape(end - start, heads, w).swapaxes(0, 1)[None]
                     for x, w in ((q, d), (k, d), (v, dv))
                 )
-                o = _attend(qs, ks, vs, None, scale, 0, "")
+                o = _attend(qs, ks, vs, None, scale, causal, "")
                 out[start:end] = o[0].swapaxes(0, 1).reshape(end - start, heads * dv)
             start = end
         return out

@@ -285,10 +285,12 @@ def packed_attention(
     scale: float,
     block_m: int = 128,
     stages: int = 2,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """softmax(q k^T * scale) v within each packed sequence: ``q``, ``k``, ``v`` [T, H*D] (strided
-    views are fine), ``ends`` int32 [B] one past each sequence's last row, ``longest`` a bound on
-    every sequence's length (the grid's query blocks). Returns [T, H*Dv]. The caller checks
+    """softmax(q k^T * scale) v within each packed sequence (``causal``: each row sees its
+    sequence's rows up to itself): ``q``, ``k``, ``v`` [T, H*D] (strided views are fine),
+    ``ends`` int32 [B] one past each sequence's last row, ``longest`` a bound on every
+    sequence's length (the grid's query blocks). Returns [T, H*Dv]. The caller checks
     :func:`packed_applies`."""
     t = q.shape[0]
     d, dv = q.shape[1] // heads, v.shape[1] // heads
@@ -303,7 +305,7 @@ def packed_attention(
     _flash_kernel[grid](
         q, k, v, q, out, q, ends, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
-        HAS_MASK=False, MASK_BOOL=False, CAUSAL=False,
+        HAS_MASK=False, MASK_BOOL=False, CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=False, PACKED=True, **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out
