@@ -11,8 +11,7 @@ tokens padding, the GEMMs do 1/8 less work.
 
 What it takes, each checked (a graph that fails a check is left as it was, and the note says why):
 
-* every tensorkiln.Attention node heads-packed (``bsd`` in and out; an output [B, S, H, D] that
-  only a Reshape to [B, S, H*D] reads counts, the Reshape folded into it), with a mask;
+* every tensorkiln.Attention node heads-packed (``bsd`` in and out), with a mask;
 * the masks computed from one graph input M [B, S] (B and S: the attention's leading axes) and
   constants, and each a key-padding mask of M: evaluated on sample masks (the reference kernels,
   with the other inputs the masks depend on at zeros), key j of sequence b must be visible to
@@ -80,7 +79,6 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
     attentions = [n for n in graph.nodes if n.domain == DOMAIN and n.op == "Attention"]
     if not attentions:
         raise _Skip("the graph has no fused attention layer")
-    _merge_heads(graph, attentions)
     producers = graph.producers()
     consumers = graph.consumers()
     for n in attentions:
@@ -154,31 +152,6 @@ def _check_attention(n: Node) -> None:
         raise _Skip(f"attention '{n.name}' does not take and give [batch, sequence, heads*width]")
     if len(n.inputs) < 4 or n.inputs[3] is None:
         raise _Skip(f"attention '{n.name}' has no mask: nothing is padding")
-
-
-def _merge_heads(graph: Graph, attentions: list[Node]) -> None:
-    """Fold into each attention that gives [B, S, H, Dv] (``bshd``) the Reshape to [B, S, H*Dv]
-    that alone reads it (GPT-2's merge of the heads): the attention gives ``bsd`` then."""
-    consumers = graph.consumers()
-    for n in attentions:
-        out = n.outputs[0] if n.outputs else None
-        if out is None or n.attrs.get("output_layout") != "bshd" or out in graph.outputs:
-            continue
-        users = consumers.get(out, [])
-        r = users[0] if len(users) == 1 else None
-        if r is None or (r.domain, r.op) != ("", "Reshape") or r.inputs[0] is not out:
-            continue
-        y = r.outputs[0]
-        if out.shape is None or y is None or y.shape is None:
-            continue
-        if len(out.shape) != 4 or len(y.shape) != 3 or tuple(y.shape[:2]) != tuple(out.shape[:2]):
-            continue
-        h, dv = out.shape[2], out.shape[3]
-        if not isinstance(h, int) or not isinstance(dv, int) or y.shape[2] != h * dv:
-            continue
-        n.attrs = {**n.attrs, "output_layout": "bsd"}
-        n.outputs = [y]
-        graph.nodes = [x for x in graph.nodes if x is not r]
 
 
 def _ancestors(values: Iterable[Value], producers: dict[Value, Node]) -> list[Node]:
