@@ -121,19 +121,27 @@ def test_torch_key_padding_mask_marks_pads(tmp_path) -> None:
     assert not got[pad].any()
 
 
-def test_causal_mask_is_not_packed(tmp_path) -> None:
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_gpt2_causal_mask_packs(tmp_path, backend: str) -> None:
+    """GPT-2's mask is causal and key-padding at once, and its GEMMs read the tokens flattened
+    to [batch*sequence, width]: it packs, every attention causal, and agrees with onnxruntime
+    wherever the mask keeps a token (left padding and holes too: a real token sees itself)."""
     model, feeds = build_gpt2()
     path = _export(model, feeds, tmp_path / "gpt2.onnx", ["hidden"])
-    engine, report = _build(path, "reference", packed=True)
-    assert "remove_padding" not in report.passes
-    (note,) = [n for n in report.notes if "padding" in n]
-    assert note.startswith("padding not removed"), note
-    assert "PackIndex" not in _ops(engine)
+    engine, report = _build(path, backend, packed=True)
+    assert report.passes.get("remove_padding", 0) > 0, report.notes
+    attentions = [n for n in engine.graph.nodes if n.op == "PackedAttention"]
+    assert attentions and all(n.attrs["causal"] == 1 for n in attentions)
     rng = np.random.default_rng()
-    feeds = {"input_ids": rng.integers(0, 1000, (2, SEQ)), "attention_mask": np.ones((2, SEQ))}
-    feeds["attention_mask"] = feeds["attention_mask"].astype(np.int64)
-    got = engine.create_execution_context().infer(feeds)["hidden"]
-    np.testing.assert_allclose(got, run_onnxruntime(path, feeds)[0], rtol=1e-4, atol=1e-4)
+    ctx = engine.create_execution_context()
+    right, holes = _masks(rng, 3, SEQ)
+    for mask in (right, holes, right[:, ::-1].copy()):  # (the last: left padding)
+        feeds = {"input_ids": rng.integers(0, 1000, mask.shape), "attention_mask": mask}
+        want = run_onnxruntime(path, feeds)[0]
+        got = ctx.infer(feeds)["hidden"]
+        keep = mask != 0
+        np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4)
+        assert not got[~keep].any()
 
 
 def test_without_fused_attention_or_mask_nothing_changes(bert, tmp_path) -> None:

@@ -23,10 +23,12 @@ What it takes, each checked (a graph that fails a check is left as it was, and t
   (within a sequence the packed rows keep their order). A causal model's rows that see no real
   key at all (left padding) are rows of padded queries: their outputs, which the original
   computes as some average of all the values, are zeros like every masked position's;
-* between the packing and the unpacking, only token-wise layers: MatMul / GemmAct of a [B, S, K]
-  input by a constant 2-D weight (a bias of rank 1), LayerNorm over the last axis (a residual
-  that is packed too), Split of the last axis, and elementwise ops whose other operands broadcast
-  over the last axes only.
+* between the packing and the unpacking, only token-wise layers: MatMul / Gemm / GemmAct of a
+  [B, S, K] input by a constant 2-D weight (a bias of rank 1), LayerNorm over the last axis (a
+  residual that is packed too), Split of the last axis, and elementwise ops whose other operands
+  broadcast over the last axes only. Inside, the tokens may also be flattened to [B*S, ...] and
+  back by Reshapes that keep each token's values (GPT-2's Conv1D GEMMs read them so); they
+  enter and leave as [B, S, ...].
 
 Layers that are not token-wise (the embeddings' position add, a pooler's Gather of token 0) stay
 on the padded [B, S, ...] tensors; the packing sits where they meet the packed region. Those after
@@ -37,14 +39,15 @@ Mask values other than 0 and 1 are read as 1, as the sample masks checked.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
 from tensorkiln.errors import GraphError
-from tensorkiln.ir import Graph, Node, TensorType, Value
-from tensorkiln.ir.dims import dim_value
+from tensorkiln.ir import DType, Graph, Node, TensorType, Value
+from tensorkiln.ir.dims import dim_product, dim_value
 from tensorkiln.ir.toposort import toposort
 from tensorkiln.kernels.evaluate import evaluate_node, infer_shapes
 from tensorkiln.ops import ELEMENTWISE, has_trait
@@ -57,6 +60,7 @@ _PROBE_SEQ = 16  # and their sequence length, where that axis is symbolic
 _PROBE_BYTES = 256 << 20  # the most one layer of the masks' evaluation may produce
 
 _PASSTHROUGH = {("", "Identity"), ("", "Cast"), ("", "Dropout")}
+_OUT = ("bsd", "bshd")  # attention outputs taken: [B, S, H*Dv], or [B, S, H, Dv] that Reshapes read
 _NORMS = {(DOMAIN, "LayerNorm"), ("", "LayerNormalization")}
 
 
@@ -116,7 +120,7 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
     if len(passed) != 1:
         raise _Skip(reasons[0] if not passed and reasons else (
             f"the attention masks do not come from exactly one integer or bool input of shape "
-            f"{list(lead)} (found: {', '.join(v.name for v, _ in passed) or 'none'})"
+            f"{list(lead)} (found: {', '.join(v.name for v, *_ in passed) or 'none'})"
         ))  # fmt: skip
     m, padding, forms = passed[0]
     causal = {
@@ -126,14 +130,15 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
     }
 
     region = _region(attentions, lead, producers, consumers)
-    ranks = {id(v): len(v.shape) for n in region for v in n.outputs if v is not None}
+    _check_edges(graph, region, lead, consumers)
+    ranks = _packed_ranks(region, lead)
     count = _rewrite(graph, region, lead, m, padding, consumers, causal)
     graph.nodes = toposort(graph)
     dead_code(graph)  # (the masks the attentions no longer read)
     infer_shapes(graph)
-    for n in region:  # every packed tensor lost exactly the batch axis (the tokens' is one)
+    for n in region:  # every packed tensor has one token axis where it had one or two
         for v in n.outputs:
-            if v is not None and (v.shape is None or len(v.shape) != ranks[id(v)] - 1):
+            if v is not None and (v.shape is None or len(v.shape) != ranks[id(v)]):
                 raise GraphError(
                     f"padding removal: layer '{n.name}' ({n.op}) gives {v.type} on packed tokens"
                 )
@@ -148,7 +153,7 @@ def _remove_padding(graph: Graph) -> tuple[int, str]:
 
 def _check_attention(n: Node) -> None:
     a = n.attrs
-    if a.get("input_layout", "bhsd") != "bsd" or a.get("output_layout", "bhsd") != "bsd":
+    if a.get("input_layout", "bhsd") != "bsd" or a.get("output_layout", "bhsd") not in _OUT:
         raise _Skip(f"attention '{n.name}' does not take and give [batch, sequence, heads*width]")
     if len(n.inputs) < 4 or n.inputs[3] is None:
         raise _Skip(f"attention '{n.name}' has no mask: nothing is padding")
@@ -305,16 +310,31 @@ def _compare(value: np.ndarray, keep: np.ndarray, node: Node, form: str | None =
 # ---------------------------------------------------------------- the region
 
 
+def _axes(v: Value | None, lead: tuple) -> int:
+    """How many leading axes of ``v`` hold its tokens: 2 for [B, S, ...] (rank 3 or more), 1 for
+    the tokens flattened, [B*S, ...] (rank 2 or more: GPT-2's GEMMs read them so), else 0."""
+    if v is None or v.shape is None:
+        return 0
+    if len(v.shape) >= 3 and tuple(v.shape[:2]) == lead:
+        return 2
+    if len(v.shape) >= 2 and dim_product([v.shape[0]]) == dim_product(lead):
+        return 1
+    return 0
+
+
 def _token(v: Value | None, lead: tuple) -> bool:
-    """Whether ``v`` is [B, S, ...] (rank 3 or more)."""
-    return (
-        v is not None and v.shape is not None and len(v.shape) >= 3 and tuple(v.shape[:2]) == lead
-    )
+    """Whether ``v`` holds one row per token, [B, S, ...] or [B*S, ...]."""
+    return _axes(v, lead) > 0
 
 
-def _small(v: Value | None, rank: int) -> bool:
-    """A non-token operand that broadcasts over the last axes only of a rank-``rank`` tensor."""
-    return v is None or (v.shape is not None and len(v.shape) <= rank - 2)
+def _small(v: Value | None, trailing: int) -> bool:
+    """A non-token operand that broadcasts over the last ``trailing`` axes only."""
+    return v is None or (v.shape is not None and len(v.shape) <= trailing)
+
+
+def _trailing(v: Value, lead: tuple) -> list:
+    """A token value's per-token dims."""
+    return list(v.shape[_axes(v, lead) :])
 
 
 def _weight(v: Value | None) -> bool:
@@ -332,9 +352,10 @@ def _tokenwise(n: Node, lead: tuple) -> bool:
         return False
     x = n.inputs[0] if n.inputs else None
     a = n.attrs
+    trailing = len(_trailing(n.outputs[0], lead)) if n.outputs[0] is not None else 0
     if key == (DOMAIN, "Attention"):
-        return all(_token(v, lead) for v in n.inputs[:3])
-    if key == (DOMAIN, "Pointwise") and not _body_small(n, len(n.outputs[0].shape)):
+        return all(_axes(v, lead) == 2 for v in (*n.inputs[:3], n.outputs[0]))
+    if key == (DOMAIN, "Pointwise") and not _body_small(n, trailing):
         return False
     if (
         key in _PASSTHROUGH
@@ -347,16 +368,20 @@ def _tokenwise(n: Node, lead: tuple) -> bool:
         tokens = [v for v in operands if _token(v, lead)]
         if not tokens:
             return False
-        rank = len(n.outputs[0].shape)
         return all(v.shape == n.outputs[0].shape for v in tokens) and all(
-            _token(v, lead) or _small(v, rank) for v in operands
+            _token(v, lead) or _small(v, trailing) for v in operands
         )
     if not _token(x, lead):
         return False
     rank = len(x.shape)
+    if key == ("", "Reshape"):  # between the two token forms, each token's values kept
+        dims = _trailing(x, lead) + _trailing(n.outputs[0], lead)
+        if not all(isinstance(d, int) for d in dims) or len(n.inputs) < 2:
+            return False
+        return math.prod(_trailing(x, lead)) == math.prod(_trailing(n.outputs[0], lead))
     if key == ("", "MatMul"):
         return len(n.inputs) == 2 and _weight(n.inputs[1])
-    if key == (DOMAIN, "GemmAct"):
+    if key in ((DOMAIN, "GemmAct"), ("", "Gemm")):
         plain = not int(a.get("transA", 0) or 0) and float(a.get("alpha", 1.0)) == 1.0
         plain = plain and float(a.get("beta", 1.0)) == 1.0
         bias = n.inputs[2] if len(n.inputs) > 2 else None
@@ -373,15 +398,15 @@ def _tokenwise(n: Node, lead: tuple) -> bool:
     return False
 
 
-def _body_small(n: Node, rank: int) -> bool:
-    """A Pointwise body whose own constants broadcast over the last axes only (a [1, 1, E]
-    constant inside would give packed [T, E] operands a leading axis back)."""
+def _body_small(n: Node, trailing: int) -> bool:
+    """A Pointwise body whose own constants broadcast over the last ``trailing`` axes only (a
+    [1, 1, E] constant inside would give packed [T, E] operands a leading axis back)."""
     body = n.attrs.get("body")
     if not isinstance(body, Graph) or body.outer_refs():
         return False
     consts = [v.const for v in body.initializers if v.const is not None]
     consts += [a for b in body.nodes for a in b.attrs.values() if isinstance(a, np.ndarray)]
-    return all(c.ndim <= rank - 2 for c in consts)
+    return all(c.ndim <= trailing for c in consts)
 
 
 def _vector(v: Value | None) -> bool:
@@ -415,6 +440,47 @@ def _region(
                 region[id(p)] = p
                 stack.append(p)
     return list(region.values())
+
+
+def _check_edges(
+    graph: Graph, region: list[Node], lead: tuple, consumers: dict[Value, list[Node]]
+) -> None:
+    """Tokens enter and leave the region as [B, S, ...] (packed and unpacked there), never
+    flattened; an attention's [B, S, H, Dv] output is read by the region's Reshapes alone."""
+    inside = {id(n) for n in region}
+    made = {id(v) for n in region for v in n.outputs if v is not None}
+    outputs = {id(v) for v in graph.outputs}
+    for n in region:
+        for v in _data_inputs(n):
+            if _token(v, lead) and id(v) not in made and _axes(v, lead) != 2:
+                raise _Skip(f"'{v.name}' enters the token-wise layers as [batch*sequence, ...]")
+        for v in n.outputs:
+            if v is None:
+                continue
+            leaves = id(v) in outputs or any(id(c) not in inside for c in consumers.get(v, ()))
+            if leaves and _axes(v, lead) != 2:
+                raise _Skip(f"'{v.name}' leaves the token-wise layers as [batch*sequence, ...]")
+        if (n.domain, n.op) == (DOMAIN, "Attention") and n.attrs.get("output_layout") == "bshd":
+            readers = consumers.get(n.outputs[0], [])
+            if id(n.outputs[0]) in outputs or not all(
+                id(c) in inside and (c.domain, c.op) == ("", "Reshape") for c in readers
+            ):
+                raise _Skip(
+                    f"attention '{n.name}''s [B, S, H, D] output is read other than reshaped"
+                )
+
+
+def _packed_ranks(region: list[Node], lead: tuple) -> dict[int, int]:
+    """The rank each region output has once packed: its per-token axes and the tokens' one (an
+    attention that gave [B, S, H, Dv] gives [T, H*Dv])."""
+    ranks = {}
+    for n in region:
+        for v in n.outputs:
+            if v is not None:
+                ranks[id(v)] = 1 + len(_trailing(v, lead))
+        if (n.domain, n.op) == (DOMAIN, "Attention"):
+            ranks[id(n.outputs[0])] = 2
+    return ranks
 
 
 def _data_inputs(n: Node) -> list[Value]:
@@ -453,6 +519,10 @@ def _rewrite(
 
     def pack(v: Value) -> Value:
         p = packed.get(id(v))
+        if p is None and _axes(v, lead) != 2:
+            raise _Skip(
+                f"'{v.name}' enters the token-wise layers flattened to [batch*sequence, ...]"
+            )
         if p is None:
             p = packed[id(v)] = Value(f"{v.name}_packed")
             added.append(Node("PackTokens", [v, index], [p], domain=DOMAIN, name=f"{v.name}_pack"))
@@ -464,7 +534,15 @@ def _rewrite(
             and int(n.attrs["axis"]) >= 0
             and (n.domain, n.op) != (DOMAIN, "Attention")
         ):
-            n.attrs["axis"] = int(n.attrs["axis"]) - 1
+            n.attrs["axis"] = int(n.attrs["axis"]) - (_axes(_data_inputs(n)[0], lead) - 1)
+    for n in region:  # Reshapes between the token forms: each token's dims, after its row
+        if (n.domain, n.op) == ("", "Reshape"):
+            target = np.array([-1, *_trailing(n.outputs[0], lead)], np.int64)
+            shape = Value(f"{n.name}_packed_shape", TensorType(DType.INT64, target.shape))
+            shape.const = target
+            graph.initializers.append(shape)
+            n.inputs = [n.inputs[0], shape]
+            n.attrs = {}
     for n in region:
         data = {id(v) for v in _data_inputs(n)}
         n.inputs = [
