@@ -155,5 +155,7 @@ def test_a_batch_of_requests_is_joined_padded_and_split_back(tmp_path):
         results = served.infer_batch(requests)
         for feeds, got in zip(requests, results):
             want = direct.infer(feeds)["logits"]
-            np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-6)
+            # (float32 sums blocked differently at another batch size: error relative to the
+            # logits' scale, not to each logit, which may be near zero)
+            np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5 * abs(want).max())
         requests = requests[::-1]
