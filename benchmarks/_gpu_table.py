@@ -154,7 +154,8 @@ def _header(timing: dict) -> list[str]:
         "the PyTorch module through tensorkiln.torch.compile, its ratio to the ONNX path's "
         "engine (above 1: faster). tensorkiln packed: the fp16 engine built with "
         "--remove-padding (the masked tokens left out; its error is measured at the unmasked "
-        "positions, where the outputs mean something); host mask: the same engine given the "
+        "positions, where the outputs mean something; GPT-2's inputs mask nothing, but its packed "
+        "attentions are causal instead of reading a [B, 1, S, S] mask); host mask: the same engine given the "
         "attention mask as a host array, as a tokenizer hands it, counted on the host.",
         "error: relative L2 distance to PyTorch fp32 eager on the same inputs, tensorkiln / "
         "PyTorch eager fp16; FLAG: tensorkiln's is above 2x eager fp16's + 1e-3 (INT8/FP8 "

@@ -480,8 +480,8 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
         try:
             if peer == "tensorkiln-torch":  # the same engine, built from the module itself
                 cell = tensorkiln_torch_peer(model16, args, want, large, cache)
-            elif peer == "tensorkiln-packed" and not SPECS[name].pad:
-                cell = {"skipped": "no padding in this model's inputs"}
+            elif peer == "tensorkiln-packed" and SPECS[name].image:
+                cell = {"skipped": "no attention mask"}
             elif peer == "tensorkiln-packed":
                 cell = tensorkiln_peer(path, dev, want, large, cache, S.precision, packed=True)
             elif peer.startswith("tensorkiln"):  # (as `tensorkiln run` runs it)
