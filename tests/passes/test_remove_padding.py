@@ -495,3 +495,49 @@ def test_causal_and_key_padding_mask_packs_causal(tmp_path, backend: str) -> Non
         got = ctx.infer({"x": x, "pad": pad})["y"]
         np.testing.assert_allclose(got[~pad], want[~pad], rtol=1e-4, atol=1e-4)
         assert not got[pad].any()
+
+
+def test_flash_varlen_sequence_bounds_whatever_the_ends() -> None:
+    """FlashAttention-2's cumulative lengths from any ``ends`` an engine file could hold: from
+    0, never decreasing, no step over the mask's S, none past the rows there are; PackIndex's own
+    ends come through unchanged. Kept with the tensor until it changes."""
+    from tensorkiln.kernels.cuda.tactics_varlen import cu_seqlens
+
+    rng = np.random.default_rng()
+    for _ in range(20):
+        ends = torch.from_numpy(rng.integers(-50, 200, int(rng.integers(1, 9))).astype(np.int32))
+        cu = cu_seqlens(ends, 100, 16).numpy()
+        steps = np.diff(cu)
+        assert cu[0] == 0 and cu.dtype == np.int32 and len(cu) == len(ends) + 1
+        assert (steps >= 0).all() and (steps <= 16).all() and cu[-1] <= 100
+    lengths = rng.integers(0, 17, 6)
+    ends = torch.from_numpy(np.cumsum(lengths).astype(np.int32))
+    cu = cu_seqlens(ends, int(lengths.sum()), 16)
+    np.testing.assert_array_equal(cu.numpy(), np.concatenate([[0], np.cumsum(lengths)]))
+    assert cu_seqlens(ends, int(lengths.sum()), 16) is cu
+    ends.zero_()  # (written in place: computed again)
+    assert not cu_seqlens(ends, int(lengths.sum()), 16).any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [0, 1], ids=["full", "causal"])
+def test_flash_varlen_tactic_against_numpy(causal: int) -> None:
+    from tensorkiln.kernels.cuda import tactics_varlen
+
+    if not tactics_varlen.available():
+        pytest.skip("needs a GPU that runs FlashAttention-2")
+    rng = np.random.default_rng()
+    lengths = np.array([5, 0, 70, 1, 128])
+    heads, d, t = 2, 64, int(lengths.sum()) + 3  # (3 rows past the last sequence: padding)
+    qkv = torch.from_numpy(rng.standard_normal((t, 3 * heads * d)).astype(np.float16)).cuda()
+    q, k, v = qkv.split(heads * d, dim=1)  # (strided views, as a Split of one GEMM gives them)
+    ends = torch.from_numpy(np.cumsum(lengths).astype(np.int32)).cuda()
+    mask = torch.ones((5, 128), dtype=torch.int64, device="cuda")
+    got = tactics_varlen.packed_attention_flash_varlen(
+        q, k, v, ends, mask, num_heads=heads, causal=causal
+    )
+    n = int(lengths.sum())
+    want = _oracle_attention(
+        *(x[:n].float().cpu().numpy() for x in (q, k, v)), lengths, heads, bool(causal)
+    )
+    np.testing.assert_allclose(got[:n].float().cpu().numpy(), want, rtol=2e-2, atol=2e-3)

@@ -1,0 +1,116 @@
+"""PackedAttention's ``sdpa_flash_varlen`` tactic: FlashAttention-2's variable-length kernel, the
+one PyTorch's scaled_dot_product_attention runs for nested tensors, on the packed rows directly.
+
+Padding removal (passes/remove_padding.py) packs the tokens into [T, H*D] rows and gives each
+attention the cumulative ends of its sequences; FlashAttention-2 takes exactly that layout
+(``cu_seqlens``, with a leading zero), causal or not, and reads Q, K and V through their row
+strides, so the Split views of one QKV GEMM go in as they are.
+
+The ends come from the engine's graph, which may come from a stranger: before FlashAttention-2
+reads rows by them they are made non-decreasing, within [0, T], with no sequence longer than the
+mask's S, on the device (a sequence past T, or ending before it starts, would read other memory;
+one longer than S would write past FlashAttention-2's per-row buffers). That costs a few small
+kernels, paid once per ``ends`` tensor: every attention of a run shares PackIndex's, and the
+checked copy is kept with the tensor object (a CUDA graph's capture records it once; an eager
+run makes new tensors, so nothing carries over between runs).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from tensorkiln.kernels.cuda.packing import packed_attention as packed_fallback
+from tensorkiln.kernels.tactics import LayerSpec, tactic
+
+_HALF = (torch.float16, torch.bfloat16)
+_MAX_HEAD = 256
+
+
+def available() -> bool:
+    """Whether this torch has FlashAttention-2's kernel and the GPU runs it (sm80 or later)."""
+    if not torch.cuda.is_available() or not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return False
+    try:
+        return torch.cuda.get_device_capability() >= (8, 0)
+    except (RuntimeError, AssertionError):
+        return False
+
+
+def _fits(spec: LayerSpec) -> bool:
+    """Q, K and V [T, H*D] of one 16-bit float type on a GPU, heads of one width, a multiple of
+    8 up to 256 (what FlashAttention-2 takes)."""
+    if spec.device != "cuda" or len(spec.shapes) < 5 or not available():
+        return False
+    dtypes = spec.dtypes[:3]
+    if len(set(dtypes)) != 1 or dtypes[0] not in ("float16", "bfloat16"):
+        return False
+    shapes = spec.shapes[:3]
+    heads = int(spec.attrs.get("num_heads", 0) or 0)
+    if heads <= 0 or any(s is None or len(s) != 2 for s in shapes):
+        return False
+    if len({s[1] for s in shapes}) != 1 or shapes[0][1] % heads:
+        return False
+    width = shapes[0][1] // heads
+    return width % 8 == 0 and 0 < width <= _MAX_HEAD
+
+
+_CHECKED: dict[tuple, tuple[Any, int, torch.Tensor]] = {}  # -> (ref, version, cu_seqlens)
+_LOCK = threading.Lock()
+
+
+def cu_seqlens(ends: torch.Tensor, rows: int, longest: int) -> torch.Tensor:
+    """FlashAttention-2's cumulative sequence lengths for ``ends`` (one past each sequence's
+    last row), safe whatever ``ends`` holds: [0, ...] int32, non-decreasing, no step over
+    ``longest`` (FlashAttention-2 sizes per-row buffers by it), none past ``rows``. Kept with
+    ``ends`` (the same tensor object, unchanged since: the same answer)."""
+    key = (id(ends), rows, longest)
+    with _LOCK:
+        hit = _CHECKED.get(key)
+        if hit is not None and hit[0]() is ends and hit[1] == ends._version:
+            return hit[2]
+    e = ends.reshape(-1).to(torch.int64)
+    lengths = torch.diff(e, prepend=e.new_zeros(1)).clamp(0, longest)
+    cu = torch.cat([e.new_zeros(1), torch.cumsum(lengths, 0).clamp(max=rows)]).to(torch.int32)
+    with _LOCK:
+        if len(_CHECKED) > 256:  # (drop the entries of tensors that are gone)
+            for k in [k for k, (r, _, _) in _CHECKED.items() if r() is None]:
+                del _CHECKED[k]
+        _CHECKED[key] = (weakref.ref(ends), ends._version, cu)
+    return cu
+
+
+def _runs(q: Any, k: Any, v: Any, heads: int) -> bool:
+    """Whether these operands go to FlashAttention-2 as they are."""
+    if not all(isinstance(x, torch.Tensor) and x.is_cuda for x in (q, k, v)):
+        return False
+    if q.dtype not in _HALF or k.dtype != q.dtype or v.dtype != q.dtype or heads <= 0:
+        return False
+    if any(x.ndim != 2 or x.shape != q.shape or x.stride(1) != 1 for x in (k, v)):
+        return False
+    if q.ndim != 2 or q.stride(1) != 1 or q.shape[1] % heads:
+        return False
+    width = q.shape[1] // heads
+    return width % 8 == 0 and 0 < width <= _MAX_HEAD and q.shape[0] > 0
+
+
+@tactic("PackedAttention", domain="tensorkiln", name="sdpa_flash_varlen", supports=_fits)
+def packed_attention_flash_varlen(q, k, v, ends, m, *, scale=0.0, num_heads=0, causal=0):
+    """Attention within each packed sequence by FlashAttention-2's variable-length kernel;
+    the default (SDPA on padded copies) where it does not take the operands."""
+    heads = int(num_heads)
+    if m.ndim != 2 or not _runs(q, k, v, heads):
+        return packed_fallback(q, k, v, ends, m, scale=scale, num_heads=num_heads, causal=causal)
+    t, width = q.shape[0], q.shape[1] // heads
+    s = float(scale) if scale else 1.0 / math.sqrt(width)
+    longest = int(m.shape[1])  # (a bound on every sequence's length: the grid's query blocks)
+    cu = cu_seqlens(ends, t, longest)
+    out = torch.ops.aten._flash_attention_forward(
+        *(x.view(t, heads, width) for x in (q, k, v)), cu, cu, longest, longest, 0.0,
+        bool(causal), False, scale=s,
+    )[0]  # fmt: skip
+    return out.reshape(t, heads * width)
