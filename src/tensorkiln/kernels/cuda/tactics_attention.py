@@ -105,18 +105,14 @@ if available():
 
     # two pipeline depths per block height: which is faster depends on the shape (an H200, fp16,
     # packed sequences of 336 tokens: 3 stages 6-12% faster; of 112: 2 stages, by as much)
-    for _stages, _suffix in ((2, ""), (3, "_s3")):
-        for _block_m in flash.BLOCKS_M:
-            tactic(
-                "PackedAttention",
-                domain="tensorkiln",
-                name=f"triton_flash_packed_m{_block_m}{_suffix}",
-                supports=_fits_packed,
-            )(_packed_fn(_block_m, _stages))
-        for _block_m in flash.BLOCKS_M:
-            tactic(
-                "Attention",
-                domain="tensorkiln",
-                name=f"triton_flash_m{_block_m}{_suffix}",
-                supports=_fits,
-            )(_flash_fn(_block_m, _stages))
+    _KINDS = (
+        ("PackedAttention", "triton_flash_packed", _fits_packed, _packed_fn),
+        ("Attention", "triton_flash", _fits, _flash_fn),
+    )
+    for _op, _name, _supports, _make in _KINDS:
+        for _stages, _suffix in ((2, ""), (3, "_s3")):
+            for _block_m in flash.BLOCKS_M:
+                tactic(
+                    _op, domain="tensorkiln", name=f"{_name}_m{_block_m}{_suffix}",
+                    supports=_supports,
+                )(_make(_block_m, _stages))  # fmt: skip
