@@ -43,7 +43,7 @@ from tensorkiln.kernels.tactics import LayerSpec, Tactic, TacticFamily, tactic_f
 log = logging.getLogger(__name__)
 
 ALGOS = 8  # candidates per layer: the heuristic's first ALGOS algorithms
-WORKSPACE = 32 << 20  # bytes of workspace per stream (what PyTorch gives cuBLASLt on Hopper)
+WORKSPACE = 32 << 20  # the most workspace an algorithm may ask (what PyTorch gives cuBLASLt)
 PLANS_MAX = 4096  # cached (shape, layout) plans; beyond, a plan is made and dropped per call
 
 # cublasLt.h
@@ -141,7 +141,7 @@ def _check(status: int, what: str) -> None:
         raise KernelError(f"cuBLASLt: {what} failed with status {status}")
 
 
-_LOCK = threading.Lock()  # plans, workspaces, and a plan's bias pointer between set and call
+_LOCK = threading.Lock()  # plans, and a plan's bias pointer between its setting and the call
 _state: dict[str, Any] = {}
 
 
@@ -219,18 +219,18 @@ class _Plan:
             if pref:
                 lib.pref_destroy(pref)
         self.device = device
-        self.algos = [
-            found[i].algo
-            for i in range(count.value)
-            if found[i].state == 0 and found[i].workspaceSize <= WORKSPACE
-        ]
+        ok = [found[i] for i in range(count.value)]
+        ok = [h for h in ok if h.state == 0 and h.workspaceSize <= WORKSPACE]
+        self.algos = [h.algo for h in ok]
+        self.workspace = {bytes(h.algo): int(h.workspaceSize) for h in ok}  # bytes each needs
         self.checked: dict[bytes, _Algo | None] = {}
 
-    def pick(self, algo: bytes | None) -> _Algo:
-        """The algorithm to run: ``algo`` where cuBLASLt confirms it takes this problem (checked
-        once), else the heuristic's first."""
+    def pick(self, algo: bytes | None) -> tuple[_Algo, int]:
+        """The algorithm to run and the workspace it needs: ``algo`` where cuBLASLt confirms it
+        takes this problem (checked once), else the heuristic's first."""
+        first = self.algos[0]
         if algo is None:
-            return self.algos[0]
+            return first, self.workspace[bytes(first)]
         if algo not in self.checked:
             candidate = _Algo.from_buffer_copy(algo)
             result = _Heuristic()
@@ -240,7 +240,12 @@ class _Plan:
             )  # fmt: skip
             ok = status == 0 and result.workspaceSize <= WORKSPACE
             self.checked[algo] = candidate if ok else None
-        return self.checked[algo] or self.algos[0]
+            if ok:
+                self.workspace.setdefault(algo, int(result.workspaceSize))
+        chosen = self.checked[algo]
+        if chosen is None:
+            return first, self.workspace[bytes(first)]
+        return chosen, self.workspace[algo]
 
     def release(self) -> None:
         for layout in (self.a, self.b, self.d):
@@ -319,17 +324,6 @@ def _plan(key: tuple, device: int) -> tuple[_Plan | None, bool]:
         return plan, False
 
 
-def _workspace(device: torch.device) -> torch.Tensor:
-    """This stream's workspace (one per stream: GEMMs on other streams may run at once)."""
-    stream = torch.cuda.current_stream(device).cuda_stream
-    with _LOCK:
-        spaces: dict = _state.setdefault("workspaces", {})
-        ws = spaces.get((device, stream))
-        if ws is None:
-            ws = spaces[(device, stream)] = torch.empty(WORKSPACE, dtype=torch.uint8, device=device)
-        return ws
-
-
 def matmul(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -360,11 +354,13 @@ def matmul(
         return None
     lib = plan.lib
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
-    ws = _workspace(a.device)
     stream = torch.cuda.current_stream(a.device).cuda_stream
     scale, zero = ctypes.c_float(alpha), ctypes.c_float(0.0)
     with _LOCK:
-        chosen = plan.pick(algo)
+        chosen, size = plan.pick(algo)
+        # (from the caching allocator, on this stream: freed once the GEMM is queued, reused by
+        # later work on the stream only; most algorithms need none)
+        ws = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
         if bias is not None:
             ptr = _vp(bias.data_ptr())
             _check(
@@ -375,7 +371,7 @@ def matmul(
             lib.handle(device), plan.desc, ctypes.byref(scale),
             b.data_ptr(), plan.a, a.data_ptr(), plan.b, ctypes.byref(zero),
             out.data_ptr(), plan.d, out.data_ptr(), plan.d,
-            ctypes.byref(chosen), ws.data_ptr(), WORKSPACE, stream,
+            ctypes.byref(chosen), ws.data_ptr() if ws is not None else None, size, stream,
         )  # fmt: skip
     if not cached:
         plan.release()
