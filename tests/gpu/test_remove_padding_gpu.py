@@ -1,4 +1,4 @@
-"""Padding removal on a real GPU: an fp16 BERT engine with --remove-padding, run as CUDA graphs on
+"""Padding removal on a real GPU: fp16 BERT and GPT-2 engines with --remove-padding, run as CUDA graphs on
 device tensors, against onnxruntime (fp32) at the kept positions, for masks of different token
 counts (one graph per packed length, counts rounded up: 96 tokens here, so the counts of 3 and 9
 pads share one graph and its padding rows) and for a mask with the same count at other positions
@@ -17,7 +17,7 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("transformers")
 
 from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # noqa: E402
-from tests.models.test_architectures import build_bert, run_onnxruntime  # noqa: E402
+from tests.models.test_architectures import build_bert, build_gpt2, run_onnxruntime  # noqa: E402
 from tests.passes.test_remove_padding import SEQ, _export  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.filterwarnings("ignore::torch.jit.TracerWarning")]
@@ -35,11 +35,14 @@ def _engine(path, packed: bool, batch: int):
     return builder.build(path, config, progress=False), builder.last_report
 
 
-def test_packed_bert_cuda_graphs_agree_with_onnxruntime(tmp_path) -> None:
+@pytest.mark.parametrize("family", ["bert", "gpt2"])
+def test_packed_engines_cuda_graphs_agree_with_onnxruntime(tmp_path, family: str) -> None:
+    """BERT's key-padding mask, and GPT-2's causal one (each packed attention causal)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    model, feeds = build_bert()
-    path = _export(model, feeds, tmp_path / "bert.onnx", ["hidden", "pooled"])
+    model, feeds = build_bert() if family == "bert" else build_gpt2()
+    outputs = ["hidden", "pooled"] if family == "bert" else ["hidden"]
+    path = _export(model, feeds, tmp_path / f"{family}.onnx", outputs)
     batch = 6
     engine, report = _engine(path, True, batch)
     assert report.passes.get("remove_padding", 0) > 0, report.notes
