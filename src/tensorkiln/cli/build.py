@@ -100,8 +100,10 @@ def add_parser(sub: Any) -> None:
         "--tactic-sources",
         metavar="LIST",
         help="kinds of tactic the autotuner may try besides each op's default kernel: triton "
-        "(generated kernels), cudnn (fused cuDNN calls), cublas (convolutions as GEMMs); 'none' "
-        "times nothing but the defaults (default: all)",
+        "(generated kernels), cudnn (fused cuDNN calls), cublas (convolutions as GEMMs), "
+        "cublaslt (each GEMM algorithm cuBLASLt's heuristic offers, epilogues fused), sdpa "
+        "(PyTorch's FlashAttention-2 on packed tokens); 'none' times nothing but the defaults "
+        "(default: all)",
     )
     add_backend_option(
         p, "cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present"
