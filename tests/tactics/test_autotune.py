@@ -367,3 +367,46 @@ def test_a_rejection_without_a_finite_error_says_what_differs() -> None:
     off = codes.clone()
     off[5] += 3
     assert "up to 3" in _mismatch([off], [codes])
+
+
+def test_a_tactic_family_names_candidates_per_layer(monkeypatch, tmp_path) -> None:
+    """A family's candidates are named from the layer (here its row count), timed and checked
+    like any tactic, each in a group of its own; an engine's recorded name resolves through the
+    family at load, and an installation without the family refuses the engine."""
+    registry._load()
+    monkeypatch.setattr(registry, "_TACTICS", {})
+    monkeypatch.setattr(registry, "_FAMILIES", {})
+    default = _default("GemmAct", "tensorkiln")
+
+    def wrong(*a, **k):
+        return default(*a, **k) + 1.0
+
+    def resolve(name: str):
+        kind, _, rows = name.removeprefix("fam_").partition("_")
+        if kind not in ("same", "wrong") or not rows.isdigit():
+            return None
+        fn = default if kind == "same" else wrong
+        return registry.Tactic(name, "GemmAct", "tensorkiln", fn, None, None, name)
+
+    def expand(spec):
+        rows = spec.shapes[0][0]
+        return [f"fam_same_{rows}", f"fam_wrong_{rows}"]
+
+    family = registry.TacticFamily("fam_", expand, resolve)
+    registry.tactic_family("GemmAct", family, domain="tensorkiln")
+    engine, _ = _build(tmp_path)
+    tuned = [x for x in engine.layers if x.get("timings_ms")]
+    assert tuned
+    for layer in tuned:
+        assert layer["candidates"] == ["default", "fam_same_8", "fam_wrong_8"]
+        assert "relative error" in layer["rejected"]["fam_wrong_8"]
+        layer["tactic"] = layer["tactic_eager"] = "fam_same_8"
+    path = tmp_path / "m.engine"
+    engine.save(path)
+    loaded = Engine.load(path)
+    x = RNG.standard_normal((8, 32)).astype(np.float32)
+    got = loaded.create_execution_context().infer({"x": x})["y"]
+    np.testing.assert_allclose(got, Runner(_mlp()).infer({"x": x})["y"], rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(registry, "_FAMILIES", {})
+    with pytest.raises(EngineCompatibilityError, match=r"fam_same_8.*rebuild"):
+        loaded.create_execution_context()
