@@ -166,6 +166,28 @@ def test_zero_copy_io_and_caller_buffers() -> None:
     assert _rel(ctx.infer({"x": x.cpu()})["y"], want) < 1e-5
 
 
+def test_host_inputs_are_uploaded_without_waiting_and_may_change_at_once() -> None:
+    """A numpy input beside a device tensor: the call queues its upload behind the caller's
+    earlier work (a long sleep kernel here) and returns; the array is overwritten at once, and
+    the result is still the one for the values it had when the call was made."""
+    a = helper.make_tensor_value_info("a", F, [4, 1 << 16])
+    b = helper.make_tensor_value_info("b", F, [4, 1 << 16])
+    y = helper.make_tensor_value_info("y", F, [4, 1 << 16])
+    engine = Builder("cuda").build(
+        model([helper.make_node("Add", ["a", "b"], ["y"])], [a, b], [y], []), progress=False
+    )
+    ctx = engine.create_execution_context()
+    rng = np.random.default_rng()
+    for _ in range(3):
+        left = torch.randn(4, 1 << 16, device="cuda")
+        right = rng.standard_normal((4, 1 << 16)).astype(np.float32)
+        want = left.cpu().numpy() + right
+        torch.cuda._sleep(200_000_000)  # (the caller's stream busy for a while)
+        out = ctx.infer({"a": left, "b": right})["y"]
+        right[...] = np.nan  # before the upload has run on the device
+        np.testing.assert_allclose(out.cpu().numpy(), want, rtol=1e-6, atol=1e-6)
+
+
 def _on_threads(worker, n: int) -> None:
     """Run ``worker(seed)`` for seeds 0..n-1 on n threads at once; wait for all."""
     threads = [threading.Thread(target=worker, args=(s,)) for s in range(n)]

@@ -15,7 +15,7 @@ from tensorkiln.backends.base import LayerTimer, host_memory
 from tensorkiln.backends.torch_common import TorchBackend
 from tensorkiln.errors import TensorkilnError
 from tensorkiln.kernels.cpu import conv as held_conv
-from tensorkiln.kernels.cuda.convert import mark_constant, to_torch
+from tensorkiln.kernels.cuda.convert import mark_constant, upload
 
 
 class CudaBackend(TorchBackend):
@@ -39,7 +39,7 @@ class CudaBackend(TorchBackend):
         self.holds_weights = gpu
 
     def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
-        t = to_torch(value, self.device)
+        t = upload(value, self.device)
         if channels_last and self.holds_weights and _image(t):
             return t.contiguous(memory_format=torch.channels_last)
         return t

@@ -108,6 +108,27 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
     return value
 
 
+def upload(value: Any, device: torch.device | str) -> Any:
+    """An engine input on ``device`` without the host waiting for the device's earlier work: a
+    numpy array is copied on the host into pinned memory (torch's caching host allocator keeps
+    that block until the copy from it has run on the stream), then sent asynchronously; the
+    caller's array may change as soon as this returns. Anything else as :func:`to_torch`."""
+    dev = torch.device(device)
+    if (
+        not isinstance(value, np.ndarray)
+        or not on_device(value.dtype)
+        or dev.type != "cuda"
+        or torch.cuda.is_current_stream_capturing()
+    ):
+        return to_torch(value, dev)
+    with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
+        warnings.simplefilter("ignore", UserWarning)
+        t = host_tensor(value)
+    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    staged.copy_(t)
+    return staged.to(dev, non_blocking=True)
+
+
 def host_tensor(value: np.ndarray) -> torch.Tensor:
     """A CPU tensor over ``value``'s memory (a C-ordered copy where it is strided), the types
     numpy holds through ml_dtypes (bfloat16, float8) viewed as torch's own."""
