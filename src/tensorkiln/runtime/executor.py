@@ -29,6 +29,7 @@ import numpy as np
 from tensorkiln.backends import Backend, get_backend
 from tensorkiln.errors import KernelError, TensorkilnError, UnsupportedOpError
 from tensorkiln.ir import Graph, Node, Value, node_reads
+from tensorkiln.kernels.derived import scope as derived_scope
 from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup, node_kwargs
 from tensorkiln.ops import RANDOM_OPS
 
@@ -186,7 +187,8 @@ class Executor:
         inputs = [feeds[v] for v in self.graph.inputs]
         if not self._on_device:
             return scope.run_graph(self.graph, inputs, timings, observer)
-        with self.backend.scope():
+        # (values the kernels derive from one tensor, kept for this run: kernels/derived.py)
+        with self.backend.scope(), derived_scope():
             inputs = [self.upload_input(v, x) for v, x in zip(self.graph.inputs, inputs)]
             return scope.run_graph(self.graph, inputs, timings, observer)
 

@@ -10,21 +10,19 @@ The ends come from the engine's graph, which may come from a stranger: before Fl
 reads rows by them they are made non-decreasing, within [0, T], with no sequence longer than the
 mask's S, on the device (a sequence past T, or ending before it starts, would read other memory;
 one longer than S would write past FlashAttention-2's per-row buffers). That costs a few small
-kernels, paid once per ``ends`` tensor: every attention of a run shares PackIndex's, and the
-checked copy is kept with the tensor object (a CUDA graph's capture records it once; an eager
-run makes new tensors, so nothing carries over between runs).
+kernels, paid once per ``ends`` tensor: every attention of a run shares PackIndex's
+(kernels/derived.py).
 """
 
 from __future__ import annotations
 
 import math
-import threading
-import weakref
 from typing import Any
 
 import torch
 
 from tensorkiln.kernels.cuda.packing import packed_attention as packed_fallback
+from tensorkiln.kernels.derived import derived
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -59,29 +57,19 @@ def _fits(spec: LayerSpec) -> bool:
     return width % 8 == 0 and 0 < width <= _MAX_HEAD
 
 
-_CHECKED: dict[tuple, tuple[Any, int, torch.Tensor]] = {}  # -> (ref, version, cu_seqlens)
-_LOCK = threading.Lock()
-
-
 def cu_seqlens(ends: torch.Tensor, rows: int, longest: int) -> torch.Tensor:
     """FlashAttention-2's cumulative sequence lengths for ``ends`` (one past each sequence's
     last row), safe whatever ``ends`` holds: [0, ...] int32, non-decreasing, no step over
-    ``longest`` (FlashAttention-2 sizes per-row buffers by it), none past ``rows``. Kept with
-    ``ends`` (the same tensor object, unchanged since: the same answer)."""
-    key = (id(ends), rows, longest)
-    with _LOCK:
-        hit = _CHECKED.get(key)
-        if hit is not None and hit[0]() is ends and hit[1] == ends._version:
-            return hit[2]
-    e = ends.reshape(-1).to(torch.int64)
-    lengths = torch.diff(e, prepend=e.new_zeros(1)).clamp(0, longest)
-    cu = torch.cat([e.new_zeros(1), torch.cumsum(lengths, 0).clamp(max=rows)]).to(torch.int32)
-    with _LOCK:
-        if len(_CHECKED) > 256:  # (drop the entries of tensors that are gone)
-            for k in [k for k, (r, _, _) in _CHECKED.items() if r() is None]:
-                del _CHECKED[k]
-        _CHECKED[key] = (weakref.ref(ends), ends._version, cu)
-    return cu
+    ``longest`` (FlashAttention-2 sizes per-row buffers by it), none past ``rows``. Computed
+    once per ``ends`` tensor (kernels/derived.py)."""
+
+    def make() -> torch.Tensor:
+        e = ends.reshape(-1).to(torch.int64)
+        lengths = torch.diff(e, prepend=e.new_zeros(1)).clamp(0, longest)
+        cu = torch.cumsum(lengths, 0).clamp(max=rows)
+        return torch.cat([e.new_zeros(1), cu]).to(torch.int32)
+
+    return derived(ends, ("cu_seqlens", rows, longest), make)
 
 
 def _runs(q: Any, k: Any, v: Any, heads: int) -> bool:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorkiln.kernels.derived import derived
 from tensorkiln.kernels.triton import interpreting
 
 DTYPES = (torch.float16, torch.bfloat16)
@@ -238,7 +239,11 @@ def attention(
     mstrides = m.stride() if has_mask else (0, 0, 0, 0)
     bounds, bstrides = q, (0, 0, 0)  # (no bounds: a placeholder pointer)
     if has_mask and sk > block_n:
-        bounds, bstrides = _row_ends(m, mask_kind == "bool")
+        # (once for all the layers that read this mask: kernels/derived.py)
+        boolean = mask_kind == "bool"
+        bounds, bstrides = derived(
+            mask, ("row_ends", (b, h, sq, sk), boolean), lambda: _row_ends(m, boolean)
+        )
     _flash_kernel[grid](
         q, k, v, m, o, bounds, q, 0, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
