@@ -25,7 +25,13 @@ from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.tactics import tactic_functions
 from tensorkiln.runtime import cpu_compile
 from tensorkiln.runtime.cpu_threads import ThreadChoice
-from tensorkiln.runtime.device import ENQUEUE_LOCK, GraphRunner, bind_device_inputs, write_outputs
+from tensorkiln.runtime.device import (
+    ENQUEUE_LOCK,
+    GraphRunner,
+    bind_device_inputs,
+    shapes_key,
+    write_outputs,
+)
 from tensorkiln.runtime.executor import Executor, Observer
 from tensorkiln.runtime.io import bind_inputs
 from tensorkiln.runtime.mathmode import math_mode
@@ -282,7 +288,7 @@ class ExecutionContext:
             if use_graph:
                 results = self._graphs(inputs, count)
             elif self._compiled is not None and plain:
-                key = _shapes_key(inputs)
+                key = shapes_key(inputs)
                 results = self._threads.run(
                     key,
                     lambda: self._compiled.run(
@@ -291,7 +297,7 @@ class ExecutionContext:
                 )
             elif self._threads is not None and plain:
                 results = self._threads.run(
-                    _shapes_key(inputs),
+                    shapes_key(inputs),
                     lambda: self._executor.run(dict(zip(graph.inputs, inputs))),
                 )
             else:
@@ -531,13 +537,6 @@ def _executor(engine: Any, mode: str) -> Executor:
         tactics=tactic_functions(engine.graph, engine.layers, mode),
         weights=engine.device_weights,
         specialized=engine.cpu_specialized,
-    )
-
-
-def _shapes_key(inputs: list[Any]) -> tuple:
-    """The inputs' shapes and dtypes (what a run's speed depends on), hashable."""
-    return tuple(
-        (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__ for x in inputs
     )
 
 

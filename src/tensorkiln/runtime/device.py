@@ -154,23 +154,22 @@ class GraphRunner:
             return self._run(inputs)  # (with the caller's tokens_hint, if any)
         if self.tokens is not None:
             return self._call_packed(inputs, count)
-        key = self._key(inputs, count)
+        key = shapes_key(inputs)
         entry = self._graphs.get(key)
         if entry is None:
-            with tokens_hint(key[-1]):
-                entry = self._capture(inputs)
-                if entry is None:
-                    return self._run(inputs)
+            entry = self._capture(inputs)
+            if entry is None:
+                return self._run(inputs)
             self._graphs[key] = entry
         return self.replay(entry, inputs)
 
     def _call_packed(self, inputs: list[Any], count: int | None) -> list[Any]:
         """__call__ for an engine that removes padding: stage the inputs in the shape's shared
         tensors, count, and replay the graph of that packed length (captured on first use)."""
-        sig = _shapes(inputs)
+        sig = shapes_key(inputs)
         shared = self._shared.get(sig)
         if shared is None:  # the first call with these shapes: its capture makes the tensors
-            rows = self._key(inputs, count)[-1]
+            rows = self._rows(inputs[self.tokens[0]], count)  # type: ignore[index]
             with tokens_hint(rows):
                 entry = self._capture(inputs)
             if entry is None:
@@ -191,7 +190,7 @@ class GraphRunner:
     def replay_packed(self, inputs: list[Any]) -> list[Any] | None:
         """Replay for an engine that removes padding, where the graph for the inputs' shapes and
         packed length is captured already; None (nothing replayed) where it is not."""
-        sig = _shapes(inputs)
+        sig = shapes_key(inputs)
         shared = self._shared.get(sig)
         if shared is None or self.eager_reason is not None:
             return None
@@ -202,12 +201,15 @@ class GraphRunner:
         """Copy ``inputs`` into ``shared`` on the current stream and return the packed length:
         ``count`` rounded up, or the shared mask's count, read back after the copies are queued
         (the one synchronization of a call)."""
-        import torch
-
         for s, x in zip(shared, inputs):
             s.copy_(x)
-        index, padding = self.tokens  # type: ignore[misc]
-        mask = shared[index]
+        return self._rows(shared[self.tokens[0]], count)  # type: ignore[index]
+
+    def _rows(self, mask: Any, count: int | None) -> int:
+        """The packed length for ``mask``: ``count`` (or the tokens the mask keeps, read back
+        into pinned memory: one synchronization) rounded up (kernels/common/packing.bucket)."""
+        import torch
+
         if count is None:
             if self._count is None:
                 self._count = (
@@ -218,31 +220,15 @@ class GraphRunner:
             host.copy_(torch.count_nonzero(mask), non_blocking=True)
             done.record()
             done.synchronize()
-            count = kept(int(host), mask.numel(), padding)
+            count = kept(int(host), mask.numel(), self.tokens[1])  # type: ignore[index]
         return bucket(count, mask.numel())
 
-    def _key(self, inputs: list[Any], count: int | None = None) -> tuple:
-        """The inputs' shapes and dtypes, and the token count where the engine packs tokens."""
-        if self.tokens is None:
-            rows = None
-        else:
-            mask = inputs[self.tokens[0]]
-            rows = self.rows(mask) if count is None else bucket(count, mask.numel())
-        return (*_shapes(inputs), rows)
-
-    def rows(self, mask: Any) -> int:
-        """The packed length the graph for ``mask`` is captured for: the tokens it keeps (read
-        back, one synchronization), rounded up (kernels/common/packing.bucket)."""
-        import torch
-
-        padding = self.tokens[1] if self.tokens else 0
-        return bucket(kept(int(torch.count_nonzero(mask)), mask.numel(), padding), mask.numel())
-
     def entry_for(self, inputs: list[Any]) -> tuple | None:
-        """The captured graph for inputs of these shapes and dtypes (None: not captured)."""
+        """The captured graph for inputs of these shapes and dtypes (None: not captured; an
+        engine that removes padding has one per packed length, found by replay_packed)."""
         if self.eager_reason is not None:
             return None
-        return self._graphs.get(self._key(inputs))
+        return self._graphs.get(shapes_key(inputs))
 
     @staticmethod
     def replay(entry: tuple, inputs: list[Any] | None) -> list[Any]:
@@ -298,6 +284,9 @@ class GraphRunner:
         return graph, static_in, static_out
 
 
-def _shapes(inputs: list[Any]) -> tuple:
-    """The (shape, dtype) of every input: what a captured graph is specific to."""
-    return tuple((tuple(x.shape), x.dtype) for x in inputs)
+def shapes_key(inputs: list[Any]) -> tuple:
+    """The inputs' shapes and dtypes (what a captured graph, and a run's speed, depend on),
+    hashable."""
+    return tuple(
+        (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__ for x in inputs
+    )
