@@ -119,8 +119,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
     candidates = [
         t
         for t in (tactics_for(node.op, node.domain, spec) if spec else ())
-        if spec
-        and t.applies(spec)
+        if t.applies(spec)
         and all(s is None or t.applies(s) for s in other_specs)
         and _allowed(t.name, options.sources)
     ]

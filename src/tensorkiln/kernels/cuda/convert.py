@@ -95,11 +95,9 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
         dev = current_device() if device is None else torch.device(device)
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return _filled(value, dev)
-        with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
-            warnings.simplefilter("ignore", UserWarning)
-            t = host_tensor(value)
-        # (non-blocking: CUDA stages pageable memory before the call returns, so the array may
-        # change or go at once, and the host does not wait for the stream's earlier work)
+        t = _quiet_host_tensor(value)
+        # (non-blocking: CUDA copies pageable memory to a staging buffer before the call
+        # returns, so the array may change or go at once; inputs take upload(), pinned)
         return t.to(dev, non_blocking=True) if t.device != dev else t.clone()
     if isinstance(value, np.generic):
         return to_torch(np.asarray(value), device)
@@ -121,12 +119,18 @@ def upload(value: Any, device: torch.device | str) -> Any:
         or torch.cuda.is_current_stream_capturing()
     ):
         return to_torch(value, dev)
-    with warnings.catch_warnings():  # read-only arrays: the tensor is copied before any write
-        warnings.simplefilter("ignore", UserWarning)
-        t = host_tensor(value)
+    t = _quiet_host_tensor(value)
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     staged.copy_(t)
     return staged.to(dev, non_blocking=True)
+
+
+def _quiet_host_tensor(value: np.ndarray) -> torch.Tensor:
+    """:func:`host_tensor`, without torch's warning for a read-only array (the tensor is copied
+    to the device before anything could write it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return host_tensor(value)
 
 
 def host_tensor(value: np.ndarray) -> torch.Tensor:

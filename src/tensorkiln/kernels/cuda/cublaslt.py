@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import math
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +37,7 @@ from tensorkiln.errors import KernelError
 from tensorkiln.kernels.common import bind
 from tensorkiln.kernels.common import gemm as common
 from tensorkiln.kernels.cuda.fused_gemm import TorchGemmArrays
+from tensorkiln.kernels.cuda.tactics_gemm import gemm_dims
 from tensorkiln.kernels.tactics import LayerSpec, Tactic, TacticFamily, tactic_family
 
 log = logging.getLogger(__name__)
@@ -400,26 +400,13 @@ class _LtGemmArrays(TorchGemmArrays):
         return super().affine(a, b, bias, alpha, beta, act, dtype)
 
 
-def _dims(spec: LayerSpec) -> tuple[int, int, int] | None:
-    """(M, K, N) of a Gemm/GemmAct layer, or None where its operands are not plain matrices."""
-    if len(spec.shapes) < 2 or spec.shapes[0] is None or spec.shapes[1] is None:
+def _layer_algos(spec: LayerSpec) -> list[_Algo] | None:
+    """The heuristic's algorithms for a 16-bit float GEMM layer on a GPU whose bias (if any) is
+    a row vector added once and whose activation cuBLASLt's epilogue computes, at the spec's
+    shapes, operands as the layer holds them; None for any other layer."""
+    if spec.device != "cuda" or library() is None or None in spec.shapes[:2]:
         return None
-    a, b = spec.shapes[0], spec.shapes[1]
-    if len(b) != 2 or len(a) < 2 or (len(a) > 2 and spec.attrs.get("transA", 0)):
-        return None
-    m = math.prod(a[:-1]) if not spec.attrs.get("transA", 0) else a[1]
-    k = a[0] if spec.attrs.get("transA", 0) else a[-1]
-    n = b[0] if spec.attrs.get("transB", 0) else b[1]
-    return m, k, n
-
-
-def _layer_plan(spec: LayerSpec) -> _Plan | None:
-    """The plan of a 16-bit float GEMM layer on a GPU whose bias (if any) is a row vector added
-    once and whose activation cuBLASLt's epilogue computes, at the spec's shapes, operands as
-    the layer holds them; None for any other layer."""
-    if spec.device != "cuda" or library() is None:
-        return None
-    dims = _dims(spec)
+    dims = gemm_dims(spec)
     dtypes = {d for d in spec.dtypes[:3] if d is not None}
     if dims is None or min(dims) < 2 or len(dtypes) != 1:
         return None
@@ -429,21 +416,22 @@ def _layer_plan(spec: LayerSpec) -> _Plan | None:
         return None
     if any(spec.attrs.get(k) is not None for k in ("activation_alpha", "activation_beta")):
         return None
-    m, k, n = dims
+    m, n, k = dims
     bias = spec.shapes[2] if len(spec.shapes) > 2 else None
-    if bias is not None:
-        if spec.attrs.get("beta", 1.0) != 1.0 or math.prod(bias) != n or len(bias) > 2:
-            return None
-        if len(bias) == 2 and bias[0] != 1:
-            return None
+    if bias is not None and (
+        spec.attrs.get("beta", 1.0) != 1.0 or tuple(bias) not in ((n,), (1, n))
+    ):
+        return None
     w = (_OP_T, k, n, k) if spec.attrs.get("transB", 0) else (_OP_N, n, k, n)
     x = (_OP_T, m, k, m) if spec.attrs.get("transA", 0) else (_OP_N, k, m, k)
     epilogue = _EPILOGUES[("GeluTanh" if activation == "Gelu" else activation, bias is not None)]
     key = (dtype, w, x, (n, m), epilogue, _aligns(w[3], x[3], n))
     plan, cached = _plan(key, torch.cuda.current_device())
-    if plan is not None and not cached:
+    if plan is None:
+        return None
+    if not cached:
         plan.release()
-    return plan
+    return plan.algos
 
 
 PREFIX = "cublaslt_"
@@ -469,14 +457,13 @@ def parse_name(name: str) -> tuple[int, bytes] | None:
 
 
 def _expand(spec: LayerSpec) -> list[str]:
-    plan = _layer_plan(spec)
-    if plan is None:
-        return []
-    return [algorithm_name(a, plan.lib.version) for a in plan.algos]
+    algos = _layer_algos(spec)
+    version = library().version if algos else 0  # type: ignore[union-attr]
+    return [algorithm_name(a, version) for a in algos or ()]
 
 
 def _applies(spec: LayerSpec) -> bool:
-    return _layer_plan(spec) is not None
+    return _layer_algos(spec) is not None
 
 
 def _make(op: str, domain: str, fn_of: Callable[[_LtGemmArrays], Callable]):

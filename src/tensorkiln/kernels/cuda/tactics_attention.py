@@ -45,7 +45,8 @@ def _half_on_device(spec: LayerSpec, inputs: int) -> bool:
     return len(set(dtypes)) == 1 and dtypes[0] in _HALF
 
 
-def _fits_packed(spec: LayerSpec) -> bool:
+def fits_packed(spec: LayerSpec) -> bool:
+    """A PackedAttention layer of 16-bit Q, K, V [T, H*D] on a GPU, heads up to 256 wide."""
     if not _half_on_device(spec, 5):
         return False
     q, heads = spec.shapes[0], int(spec.attrs.get("num_heads", 0) or 0)
@@ -106,7 +107,7 @@ if available():
     # two pipeline depths per block height: which is faster depends on the shape (an H200, fp16,
     # packed sequences of 336 tokens: 3 stages 6-12% faster; of 112: 2 stages, by as much)
     _KINDS = (
-        ("PackedAttention", "triton_flash_packed", _fits_packed, _packed_fn),
+        ("PackedAttention", "triton_flash_packed", fits_packed, _packed_fn),
         ("Attention", "triton_flash", _fits, _flash_fn),
     )
     for _op, _name, _supports, _make in _KINDS:

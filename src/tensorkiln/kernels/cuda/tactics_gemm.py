@@ -102,7 +102,7 @@ def _activation_ok(attrs: dict) -> bool:
 # ------------------------------------------------------------------------------------- GEMMs
 
 
-def _gemm_dims(spec: LayerSpec) -> tuple[int, int, int] | None:
+def gemm_dims(spec: LayerSpec) -> tuple[int, int, int] | None:
     """(M, N, K) of a GemmAct/Gemm, or None when the kernel does not take its shapes."""
     a, b = spec.shapes[0], spec.shapes[1]
     ta, tb = spec.attrs.get("transA", 0), spec.attrs.get("transB", 0)
@@ -134,7 +134,7 @@ def _gemm_supported(cfg: gemm.TileConfig, fused: bool, spec: LayerSpec) -> bool:
         return False
     if not _optional_ok(spec, 2) or not _activation_ok(spec.attrs):
         return False
-    dims = _gemm_dims(spec)
+    dims = gemm_dims(spec)
     if dims is None or not _bias_ok(spec, dims[0], dims[1]):
         return False
     m, n, _ = dims
@@ -294,7 +294,7 @@ def _tile_score(cfg: gemm.TileConfig, m: int, n: int, sms: int) -> float:
 
 
 def _gemm_estimate(cfg: gemm.TileConfig, spec: LayerSpec) -> float:
-    dims = _gemm_dims(spec)
+    dims = gemm_dims(spec)
     return 0.0 if dims is None else _tile_score(cfg, dims[0], dims[1], sm_count())
 
 

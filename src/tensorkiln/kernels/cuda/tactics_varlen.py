@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from tensorkiln.kernels.cuda.packing import packed_attention as packed_fallback
+from tensorkiln.kernels.cuda.tactics_attention import fits_packed
 from tensorkiln.kernels.derived import derived
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 
@@ -40,21 +41,14 @@ def available() -> bool:
 
 
 def _fits(spec: LayerSpec) -> bool:
-    """Q, K and V [T, H*D] of one 16-bit float type on a GPU, heads of one width, a multiple of
-    8 up to 256 (what FlashAttention-2 takes)."""
-    if spec.device != "cuda" or len(spec.shapes) < 5 or not available():
-        return False
-    dtypes = spec.dtypes[:3]
-    if len(set(dtypes)) != 1 or dtypes[0] not in ("float16", "bfloat16"):
+    """A packed attention layer (:func:`fits_packed`) on a GPU that runs FlashAttention-2, Q, K
+    and V of one width, heads a multiple of 8 wide (what FlashAttention-2 takes)."""
+    if spec.device != "cuda" or not fits_packed(spec) or not available():
         return False
     shapes = spec.shapes[:3]
-    heads = int(spec.attrs.get("num_heads", 0) or 0)
-    if heads <= 0 or any(s is None or len(s) != 2 for s in shapes):
+    if any(s is None or len(s) != 2 for s in shapes) or len({s[1] for s in shapes}) != 1:
         return False
-    if len({s[1] for s in shapes}) != 1 or shapes[0][1] % heads:
-        return False
-    width = shapes[0][1] // heads
-    return width % 8 == 0 and 0 < width <= _MAX_HEAD
+    return (shapes[0][1] // int(spec.attrs["num_heads"])) % 8 == 0
 
 
 def cu_seqlens(ends: torch.Tensor, rows: int, longest: int) -> torch.Tensor:

@@ -89,7 +89,8 @@ def _flash_kernel(
     k_off = b * skb
     v_off = b * svb
     o_off = b * sob
-    if PACKED:  # sequence b is rows [ends[b - 1], ends[b]) of every operand, all keys visible
+    if PACKED:  # sequence b is rows [ends[b - 1], ends[b]) of every operand, its keys all visible
+        # (causal: those up to each row)
         # (clamped to the TOKENS rows there are: an engine file's ends may be anything)
         row0 = tl.minimum(tl.maximum(tl.load(ends_ptr + b - 1, mask=b > 0, other=0), 0), TOKENS)
         SQ = tl.minimum(tl.maximum(tl.load(ends_ptr + b), row0), TOKENS) - row0
