@@ -141,7 +141,10 @@ def test_a_batch_padded_up_to_a_graph_size_returns_only_its_own_rows(tmp_path):
         x = rng.standard_normal((rows, 1, 8, 8)).astype(np.float32)
         got = served.infer({"input": x})["logits"]
         assert got.shape == (rows, 10)
-        np.testing.assert_allclose(got, direct.infer({"input": x})["logits"], rtol=1e-5, atol=1e-6)
+        want = direct.infer({"input": x})["logits"]
+        # (float32 sums blocked differently at the padded batch size: error relative to the
+        # logits' scale, not to each logit, which may be near zero)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * abs(want).max())
 
 
 def test_a_batch_of_requests_is_joined_padded_and_split_back(tmp_path):
