@@ -6,6 +6,7 @@ Every answer is checked against the engine run directly (the reference backend).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import signal
@@ -145,6 +146,169 @@ def test_a_front_end_core_answers_as_the_engine_process_does(tmp_path):
     asyncio.run(go())
 
 
+def test_arena_blocks_never_overlap_and_join_again_when_freed():
+    """Random takes and gives against an oracle: every byte owned by at most one block (a
+    block is its size rounded up to 64 bytes), no room only where the oracle has no free run
+    that long, the free bytes what the oracle counts, one whole block again at the end."""
+    rng = np.random.default_rng()
+    size = 64 * 200
+    blocks = link.Blocks(size)
+    owner = np.zeros(size, np.int64)  # the oracle: which block holds each byte (0: free)
+    held: dict[int, tuple[int, int]] = {}
+    for step in range(1, 3000):
+        if held and (rng.random() < 0.45 or len(held) > 40):
+            key = list(held)[rng.integers(len(held))]
+            offset, n = held.pop(key)
+            blocks.give(offset, n)
+            owner[owner == key] = 0
+        else:
+            n = int(rng.integers(1, 64 * 12))
+            whole = -(-n // 64) * 64
+            offset = blocks.take(n)
+            if offset is None:
+                edges = np.flatnonzero(np.diff(np.r_[1, owner != 0, 1]))
+                assert (edges[1::2] - edges[::2]).max(initial=0) < whole
+                continue
+            assert offset % 64 == 0 and offset + whole <= size
+            assert not owner[offset : offset + whole].any()
+            owner[offset : offset + whole] = step
+            held[step] = (offset, n)
+        assert blocks.free_bytes() == int((owner == 0).sum())
+    for offset, n in held.values():
+        blocks.give(offset, n)
+    assert blocks._free == [(0, size)]
+
+
+def _arena_files() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("tensorkiln-link-")}
+
+
+def test_requests_cross_through_the_arena_or_the_socket_when_it_is_full(tmp_path):
+    """Inputs written into the engine process's shared memory: every answer right with
+    requests in flight that overflow the arena (those go through the socket), one larger than
+    the arena, and none (arena_bytes=0); nothing left in /dev/shm once mapped."""
+    _model(tmp_path / "repo")
+    rng = np.random.default_rng()
+    before = _arena_files() if os.path.isdir("/dev/shm") else set()
+
+    async def go(arena_bytes: int) -> list[str]:
+        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
+        await core.load("digits")
+        engine = link.EngineLink(core, arena_bytes=arena_bytes)
+        path = str(tmp_path / f"engine{arena_bytes}.sock")
+        await engine.start(path)
+        remote = link.RemoteCore(shared_memory=False)
+        await remote.connect(path)
+        ways = []
+        sent = link.write_frame
+
+        def spy(writer, header, chunks):  # (which way each request's tensors went)
+            if header.get("op") == "infer":
+                ways.append("arena" if header.get("arena") else "socket")
+            sent(writer, header, chunks)
+
+        try:
+            assert (remote._arena is not None) == (arena_bytes > 0)
+            if os.path.isdir("/dev/shm"):
+                assert _arena_files() == before  # (unlinked once both ends hold it)
+            link.write_frame = spy
+            xs = [rng.standard_normal((int(rng.integers(1, 9)), 1, 8, 8)).astype(np.float32)
+                  for _ in range(24)]  # fmt: skip
+            answers = await asyncio.gather(
+                *(remote.infer("digits", None, {"input": x}, []) for x in xs)
+            )
+            for x, (_, out) in zip(xs, answers, strict=True):
+                np.testing.assert_allclose(out["logits"], _digits(x), rtol=1e-5, atol=1e-5)
+            big = rng.standard_normal((16, 1, 8, 8)).astype(np.float32)  # (4 KiB: over 3 KiB)
+            _, out = await remote.infer("digits", None, {"input": big}, [])
+            np.testing.assert_allclose(out["logits"], _digits(big), rtol=1e-5, atol=1e-5)
+            if remote._blocks is not None:
+                assert remote._blocks.free_bytes() == arena_bytes and not remote._held
+        finally:
+            link.write_frame = sent
+            await remote.close()
+            await engine.close()
+            await core.close()
+        return ways
+
+    ways = asyncio.run(go(3 << 10))  # (room for a few requests of up to 8 images)
+    assert "arena" in ways[:24] and "socket" in ways[:24] and ways[24] == "socket"
+    assert set(asyncio.run(go(0))) == {"socket"}
+    if os.path.isdir("/dev/shm"):
+        assert _arena_files() == before
+
+
+def test_a_front_end_opens_only_the_arenas_the_engine_process_makes(tmp_path):
+    name, memory = link.create_arena(str(tmp_path), 4096)
+    try:
+        assert os.stat(tmp_path / name).st_mode & 0o777 == 0o600
+        mapped = link.open_arena(str(tmp_path), name, 4096)
+        mapped[:5] = b"hello"
+        assert memory[:5] == b"hello"  # (the same memory)
+        mapped.close()
+        for bad in ("../x", "/etc/passwd", "tensorkiln-link-1-xyz", 7, None):
+            with pytest.raises(ValueError, match="not one the engine process makes"):
+                link.open_arena(str(tmp_path), bad, 4096)
+        with pytest.raises(ValueError, match="not a 8192-byte file"):
+            link.open_arena(str(tmp_path), name, 8192)
+        for size in (0, -1, "4096", link.MAX_PAYLOAD + 1):
+            with pytest.raises(ValueError, match="arena size"):
+                link.open_arena(str(tmp_path), name, size)
+        fake = "tensorkiln-link-1-0123456789abcdef"
+        (tmp_path / fake).symlink_to(tmp_path / name)
+        with pytest.raises(OSError):  # (a link is not followed)
+            link.open_arena(str(tmp_path), fake, 4096)
+    finally:
+        memory.close()
+
+
+def test_the_engine_process_refuses_an_arena_it_did_not_give(tmp_path):
+    _model(tmp_path / "repo")
+
+    async def go():
+        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
+        await core.load("digits")
+        engine = link.EngineLink(core, arena_bytes=0)
+        path = str(tmp_path / "engine.sock")
+        await engine.start(path)
+        remote = link.RemoteCore(shared_memory=False)
+        await remote.connect(path)
+        try:
+            descs, _ = link.pack_tensors({"input": np.ones((1, 1, 8, 8), np.float32)})
+            header = {"op": "infer", "model": "digits", "inputs": descs, "arena": True}
+            with pytest.raises(ServeError, match="arena it was not given") as bad:
+                await remote._call(header)
+            assert bad.value.status == 400
+        finally:
+            await remote.close()
+            await engine.close()
+            await core.close()
+
+    asyncio.run(go())
+
+
+def _listening_inodes(port: int) -> set[str]:
+    """The socket inodes listening on TCP ``port`` (from /proc/net)."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in list(f)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    found.add(fields[9])
+    return found
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target.startswith("socket:["):
+                out.add(target[8:-1])
+    return out
+
+
 def test_serve_with_front_end_processes_answers_every_client(tmp_path):
     """``tensorkiln serve --frontend-processes 2``: 8 tritonclient clients, each with its own
     connections, over HTTP and gRPC; every answer right, every request counted once by the
@@ -193,7 +357,13 @@ def test_serve_with_front_end_processes_answers_every_client(tmp_path):
             np.testing.assert_allclose(got, np.stack([_digits(x)] * 6), rtol=1e-5, atol=1e-5)
         stats = probe.get_inference_statistics("digits")["model_stats"][0]
         assert int(stats["inference_stats"]["success"]["count"]) == 8 * 6
-        assert len(_children(proc.pid)) == 2
+        children = _children(proc.pid)
+        assert len(children) == 2
+        # (the front ends alone listen: the engine process keeps its interpreter for the models)
+        for p in (port, grpc_port):
+            listening = _listening_inodes(p)
+            assert listening and not listening & _socket_inodes(proc.pid)
+            assert all(listening & _socket_inodes(c) for c in children)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

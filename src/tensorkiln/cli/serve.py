@@ -158,17 +158,33 @@ def run_serve(args: argparse.Namespace) -> int:
         app.on_startup.append(load_wanted)
     if args.model_control_mode == "poll":
         _with_polling(app, core, args.repository_poll_secs)
-    reuse = args.frontend_processes > 0
-    if args.allow_grpc:
-        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}", reuse)
     if args.allow_metrics:
         _with_metrics(app, core, args.http_address, args.metrics_port)
-    if reuse:
-        _with_frontends(app, core, args)
+    # (a line per request only when asked: at load, logging is the server's bottleneck)
+    access_log = logging.getLogger("aiohttp.access") if args.log_verbose > 0 else None
+    if args.frontend_processes:
+        # The front ends alone listen on the ports: a connection the kernel gave this process
+        # would put its protocol work on the interpreter that runs every model. This process
+        # serves its app on a Unix socket beside the link instead (run_app keeps the startup,
+        # signals and graceful shutdown of the single-process server).
+        import shutil  # lazy: cli start time
+        import tempfile  # lazy: as above
+
+        folder = tempfile.mkdtemp(prefix="tensorkiln-serve-")  # (0700: this user's alone)
+        try:
+            _with_frontends(app, core, args, folder)
+            web.run_app(
+                app, path=os.path.join(folder, "http.sock"), shutdown_timeout=30,
+                access_log=access_log, print=None,
+            )  # fmt: skip
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return 0
+    if args.allow_grpc:
+        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}")
     web.run_app(
-        app, host=args.http_address, port=args.http_port, shutdown_timeout=30, reuse_port=reuse,
-        # (a line per request only when asked: at load, logging is the server's bottleneck)
-        access_log=logging.getLogger("aiohttp.access") if args.log_verbose > 0 else None,
+        app, host=args.http_address, port=args.http_port, shutdown_timeout=30,
+        access_log=access_log,
         print=lambda line: logging.getLogger("tensorkiln.serve").info(
             "HTTP service at %s:%d (KServe v2)", args.http_address, args.http_port
         ),
@@ -200,7 +216,7 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"'{text}' is not true or false")
 
 
-def _with_grpc(app: Any, core: Any, address: str, reuse_port: bool = False) -> None:
+def _with_grpc(app: Any, core: Any, address: str) -> None:
     """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
     try:
         from tensorkiln.serve import grpc as serve_grpc  # lazy: cli start time (optional grpcio)
@@ -211,7 +227,7 @@ def _with_grpc(app: Any, core: Any, address: str, reuse_port: bool = False) -> N
     held = {}
 
     async def start(_app: Any) -> None:
-        held["server"] = await serve_grpc.start(core, address, reuse_port=reuse_port)
+        held["server"] = await serve_grpc.start(core, address)
         logging.getLogger("tensorkiln.serve").info("gRPC service at %s (KServe v2)", address)
 
     async def stop(_app: Any) -> None:
@@ -222,25 +238,30 @@ def _with_grpc(app: Any, core: Any, address: str, reuse_port: bool = False) -> N
     app.on_shutdown.insert(0, stop)
 
 
-def _with_frontends(app: Any, core: Any, args: argparse.Namespace) -> None:
-    """Start the link (serve/link.py) and --frontend-processes processes serving on the same
-    ports after the models are loaded; stop them first at shutdown."""
+def _with_frontends(app: Any, core: Any, args: argparse.Namespace, folder: str) -> None:
+    """Start the link (serve/link.py) in ``folder`` (this user's alone) and
+    --frontend-processes processes serving HTTP and gRPC on the ports, after the models are
+    loaded; stop them first at shutdown."""
     import asyncio  # lazy: cli start time
-    import shutil  # lazy: as above
     import subprocess  # lazy: as above
     import sys  # lazy: as above
-    import tempfile  # lazy: as above
 
+    if args.allow_grpc:  # (the front ends import it: a missing grpcio is said here, once)
+        try:
+            import grpc  # noqa: F401  # lazy: cli start time (optional grpcio)
+        except ImportError:
+            raise CLIError(
+                "gRPC needs grpcio: pip install 'tensorkiln[serve]', or pass --allow-grpc false"
+            ) from None
     from tensorkiln.serve.link import EngineLink  # lazy: CLI start time
 
     held: dict[str, Any] = {}
 
     async def start(_app: Any) -> None:
-        folder = tempfile.mkdtemp(prefix="tensorkiln-serve-")  # (0700: this user's alone)
         path = os.path.join(folder, "engine.sock")
         link = EngineLink(core)
         await link.start(path)
-        held.update(folder=folder, link=link, procs=[])
+        held.update(link=link, procs=[])
         for i in range(1, args.frontend_processes + 1):
             cmd = [sys.executable, "-m", "tensorkiln.serve.frontend", "--link", path,
                    "--index", str(i), "--http-address", args.http_address,
@@ -259,9 +280,11 @@ def _with_frontends(app: Any, core: Any, args: argparse.Namespace) -> None:
                 why = f"exited with {failed[0]}" if failed else "did not start in 120 s"
                 raise CLIError(f"a front-end process {why} (see its log above)")
             await asyncio.sleep(0.05)
-        logging.getLogger("tensorkiln.serve").info(
-            "%d front-end processes started", args.frontend_processes
-        )
+        log = logging.getLogger("tensorkiln.serve")
+        log.info("%d front-end processes started", args.frontend_processes)
+        log.info("HTTP service at %s:%d (KServe v2)", args.http_address, args.http_port)
+        if args.allow_grpc:
+            log.info("gRPC service at %s:%d (KServe v2)", args.grpc_address, args.grpc_port)
 
     async def stop(_app: Any) -> None:
         for proc in held.get("procs", []):
@@ -273,7 +296,6 @@ def _with_frontends(app: Any, core: Any, args: argparse.Namespace) -> None:
                 proc.kill()
         if "link" in held:
             await held["link"].close()
-            shutil.rmtree(held["folder"], ignore_errors=True)
 
     app.on_startup.append(start)
     app.on_shutdown.insert(0, stop)

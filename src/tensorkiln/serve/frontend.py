@@ -16,6 +16,7 @@ import signal
 import sys
 
 from tensorkiln.serve.link import RemoteCore
+from tensorkiln.serve.protocol import ServeError
 
 log = logging.getLogger("tensorkiln.serve")
 
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(serve(args))
     except (FileNotFoundError, ConnectionRefusedError) as exc:
         log.error("front end %d: no engine process at %s (%s)", args.index, args.link, exc)
+        return 1
+    except (OSError, ServeError) as exc:  # (a port another program holds, say)
+        log.error("front end %d: cannot serve: %s", args.index, exc)
         return 1
     return 0
 
