@@ -77,18 +77,32 @@ class Metrics:
             "nv_gpu_memory_used_bytes", "GPU memory in use by this process", ["gpu"], registry=r
         )
 
+        # (model, version) -> its histograms: prometheus-client's labels() takes a lock and
+        # builds a key on every call, which every request would pay
+        self._children: dict[tuple[str, int], tuple[Any, Any, Any, Any]] = {}
+
+    def _of(self, model: str, version: int) -> tuple[Any, Any, Any, Any]:
+        children = self._children.get((model, version))
+        if children is None:
+            labels = (model, str(version))
+            children = self._children[(model, version)] = tuple(
+                h.labels(*labels)
+                for h in (self.request_s, self.queue_s, self.compute_s, self.batch_rows)
+            )
+        return children
+
     def request(self, model: str, version: int, ok: bool, seconds: float) -> None:
         if ok:
-            self.request_s.labels(model, str(version)).observe(seconds)
+            self._of(model, version)[0].observe(seconds)
 
     def run(self, model: str, version: int, rows: int, requests_queue_s: list[float],
             compute_s: float) -> None:  # fmt: skip
         """One engine run of ``rows`` rows for requests that waited ``requests_queue_s``."""
-        labels = (model, str(version))
-        self.compute_s.labels(*labels).observe(compute_s)
-        self.batch_rows.labels(*labels).observe(rows)
+        _, queue_s, compute, batch_rows = self._of(model, version)
+        compute.observe(compute_s)
+        batch_rows.observe(rows)
         for q in requests_queue_s:
-            self.queue_s.labels(*labels).observe(q)
+            queue_s.observe(q)
 
     def counter_values(self, name: str) -> dict[tuple[str, str], float]:
         """Triton counter ``name``'s value per (model, version)."""
