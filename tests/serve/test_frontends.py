@@ -100,6 +100,25 @@ def test_oversized_frames_are_refused_before_reading_them():
     asyncio.run(go())
 
 
+@contextlib.asynccontextmanager
+async def _linked(tmp_path, arena_bytes: int = link.ARENA_BYTES):
+    """A ServerCore with the digits model loaded, its EngineLink, and a RemoteCore connected to
+    it over the Unix socket, in this event loop: (core, remote)."""
+    core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
+    await core.load("digits")
+    engine = link.EngineLink(core, arena_bytes=arena_bytes)
+    path = str(tmp_path / f"engine{arena_bytes}.sock")
+    await engine.start(path)
+    remote = link.RemoteCore(shared_memory=False)
+    await remote.connect(path)
+    try:
+        yield core, remote
+    finally:
+        await remote.close()
+        await engine.close()
+        await core.close()
+
+
 def test_a_front_end_core_answers_as_the_engine_process_does(tmp_path):
     """A RemoteCore connected to an EngineLink over ServerCore, in one event loop: inference,
     refusals with their status, statistics, and state pushed after an unload."""
@@ -108,14 +127,7 @@ def test_a_front_end_core_answers_as_the_engine_process_does(tmp_path):
     x = rng.standard_normal((3, 1, 8, 8)).astype(np.float32)
 
     async def go():
-        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
-        await core.load("digits")
-        engine = link.EngineLink(core)
-        path = str(tmp_path / "engine.sock")
-        await engine.start(path)
-        remote = link.RemoteCore(shared_memory=False)
-        await remote.connect(path)
-        try:
+        async with _linked(tmp_path) as (core, remote):
             model, out = await remote.infer("digits", None, {"input": x}, [])
             assert (model.name, model.version) == ("digits", 1)
             np.testing.assert_allclose(out["logits"], _digits(x), rtol=1e-5, atol=1e-5)
@@ -138,10 +150,6 @@ def test_a_front_end_core_answers_as_the_engine_process_does(tmp_path):
             with pytest.raises(ServeError) as gone:
                 await remote.infer("digits", None, {"input": x}, [])
             assert gone.value.status == 404
-        finally:
-            await remote.close()
-            await engine.close()
-            await core.close()
 
     asyncio.run(go())
 
@@ -192,13 +200,6 @@ def test_requests_cross_through_the_arena_or_the_socket_when_it_is_full(tmp_path
     before = _arena_files() if os.path.isdir("/dev/shm") else set()
 
     async def go(arena_bytes: int) -> list[str]:
-        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
-        await core.load("digits")
-        engine = link.EngineLink(core, arena_bytes=arena_bytes)
-        path = str(tmp_path / f"engine{arena_bytes}.sock")
-        await engine.start(path)
-        remote = link.RemoteCore(shared_memory=False)
-        await remote.connect(path)
         ways = []
         sent = link.write_frame
 
@@ -207,28 +208,26 @@ def test_requests_cross_through_the_arena_or_the_socket_when_it_is_full(tmp_path
                 ways.append("arena" if header.get("arena") else "socket")
             sent(writer, header, chunks)
 
-        try:
+        async with _linked(tmp_path, arena_bytes) as (_, remote):
             assert (remote._arena is not None) == (arena_bytes > 0)
             if os.path.isdir("/dev/shm"):
                 assert _arena_files() == before  # (unlinked once both ends hold it)
             link.write_frame = spy
-            xs = [rng.standard_normal((int(rng.integers(1, 9)), 1, 8, 8)).astype(np.float32)
-                  for _ in range(24)]  # fmt: skip
-            answers = await asyncio.gather(
-                *(remote.infer("digits", None, {"input": x}, []) for x in xs)
-            )
-            for x, (_, out) in zip(xs, answers, strict=True):
-                np.testing.assert_allclose(out["logits"], _digits(x), rtol=1e-5, atol=1e-5)
-            big = rng.standard_normal((16, 1, 8, 8)).astype(np.float32)  # (4 KiB: over 3 KiB)
-            _, out = await remote.infer("digits", None, {"input": big}, [])
-            np.testing.assert_allclose(out["logits"], _digits(big), rtol=1e-5, atol=1e-5)
-            if remote._blocks is not None:
-                assert remote._blocks.free_bytes() == arena_bytes and not remote._held
-        finally:
-            link.write_frame = sent
-            await remote.close()
-            await engine.close()
-            await core.close()
+            try:
+                xs = [rng.standard_normal((int(rng.integers(1, 9)), 1, 8, 8)).astype(np.float32)
+                      for _ in range(24)]  # fmt: skip
+                answers = await asyncio.gather(
+                    *(remote.infer("digits", None, {"input": x}, []) for x in xs)
+                )
+                for x, (_, out) in zip(xs, answers, strict=True):
+                    np.testing.assert_allclose(out["logits"], _digits(x), rtol=1e-5, atol=1e-5)
+                big = rng.standard_normal((16, 1, 8, 8)).astype(np.float32)  # (4 KiB: over 3 KiB)
+                _, out = await remote.infer("digits", None, {"input": big}, [])
+                np.testing.assert_allclose(out["logits"], _digits(big), rtol=1e-5, atol=1e-5)
+                if remote._blocks is not None:
+                    assert remote._blocks.free_bytes() == arena_bytes and not remote._held
+            finally:
+                link.write_frame = sent
         return ways
 
     ways = asyncio.run(go(3 << 10))  # (room for a few requests of up to 8 images)
@@ -266,23 +265,12 @@ def test_the_engine_process_refuses_an_arena_it_did_not_give(tmp_path):
     _model(tmp_path / "repo")
 
     async def go():
-        core = ServerCore(tmp_path / "repo", cache_dir=tmp_path / "cache", control_mode="explicit")
-        await core.load("digits")
-        engine = link.EngineLink(core, arena_bytes=0)
-        path = str(tmp_path / "engine.sock")
-        await engine.start(path)
-        remote = link.RemoteCore(shared_memory=False)
-        await remote.connect(path)
-        try:
+        async with _linked(tmp_path, 0) as (_, remote):
             descs, _ = link.pack_tensors({"input": np.ones((1, 1, 8, 8), np.float32)})
             header = {"op": "infer", "model": "digits", "inputs": descs, "arena": True}
             with pytest.raises(ServeError, match="arena it was not given") as bad:
                 await remote._call(header)
             assert bad.value.status == 400
-        finally:
-            await remote.close()
-            await engine.close()
-            await core.close()
 
     asyncio.run(go())
 
