@@ -50,9 +50,11 @@ class Backend(ABC):
 
     # ------------------------------------------------------------------ values
     @abstractmethod
-    def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
+    def to_device(self, value: Any, *, channels_last: bool = False, held: bool = False) -> Any:
         """A host value (numpy array, list of them) as this backend's kernels take it.
-        ``channels_last``: the value is read only by convolutions that take that layout."""
+        ``channels_last``: the value is read only by convolutions that take that layout.
+        ``held``: the caller leaves ``value`` unchanged until the run's results are back on the
+        host, so a backend may read it where it lies (no staging copy)."""
 
     @abstractmethod
     def to_host(self, value: Any) -> Any:

@@ -34,7 +34,7 @@ class CpuBackend(TorchBackend):
     def plain(self) -> CpuBackend:
         return CpuBackend(plain=True)
 
-    def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
+    def to_device(self, value: Any, *, channels_last: bool = False, held: bool = False) -> Any:
         if channels_last and self.holds_weights:
             t = cpu_conv.channels_last_input(value)
             if t is not None:

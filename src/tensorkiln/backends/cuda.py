@@ -38,8 +38,8 @@ class CudaBackend(TorchBackend):
         # changes once at the stem and where a tensor leaves the convolutions (a Flatten).
         self.holds_weights = gpu
 
-    def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
-        t = upload(value, self.device)
+    def to_device(self, value: Any, *, channels_last: bool = False, held: bool = False) -> Any:
+        t = upload(value, self.device, held=held)
         if channels_last and self.holds_weights and _image(t):
             return t.contiguous(memory_format=torch.channels_last)
         return t

@@ -15,7 +15,7 @@ class ReferenceBackend(Backend):
 
     name = "reference"
 
-    def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
+    def to_device(self, value: Any, *, channels_last: bool = False, held: bool = False) -> Any:
         return value
 
     def to_host(self, value: Any) -> Any:

@@ -33,7 +33,7 @@ class TorchBackend(Backend):
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
-    def to_device(self, value: Any, *, channels_last: bool = False) -> Any:
+    def to_device(self, value: Any, *, channels_last: bool = False, held: bool = False) -> Any:
         return to_torch(value, self.device)
 
     def to_host(self, value: Any) -> Any:

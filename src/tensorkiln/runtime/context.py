@@ -279,7 +279,10 @@ class ExecutionContext:
         with ENQUEUE_LOCK, mode, backend.inference(), ctx, pool, tokens_hint(count):
             if stream is not None:
                 stream.wait_stream(caller)
-            inputs = [self._executor.upload_input(v, bound[v]) for v in graph.inputs]
+            # (numpy in, numpy out: the call returns after the results are read back, so the
+            # caller's arrays are held unchanged until the device has read them)
+            held = not as_tensors
+            inputs = [self._executor.upload_input(v, bound[v], held) for v in graph.inputs]
             if stream is not None:
                 for x in inputs:  # the caller may free its tensors before this stream is done
                     if isinstance(x, torch.Tensor) and x.is_cuda:

@@ -192,10 +192,11 @@ class Executor:
             inputs = [self.upload_input(v, x) for v, x in zip(self.graph.inputs, inputs)]
             return scope.run_graph(self.graph, inputs, timings, observer)
 
-    def upload_input(self, v: Value, x: Any) -> Any:
+    def upload_input(self, v: Value, x: Any, held: bool = False) -> Any:
         """Input ``x`` of graph input ``v`` as the kernels take it (a fresh tensor on the
-        device for a numpy array; tensors as they are)."""
-        return self.backend.to_device(x, channels_last=v in self._conv_inputs)
+        device for a numpy array; tensors as they are). ``held``: ``x`` stays unchanged until
+        the run's results are on the host (Backend.to_device)."""
+        return self.backend.to_device(x, channels_last=v in self._conv_inputs, held=held)
 
     def shadow_host_values(self, node: Node, env: Mapping[Value, Any]) -> None:
         """Shape arithmetic on the device, mirrored on the host: when a node's small outputs come

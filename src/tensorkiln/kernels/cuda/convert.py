@@ -106,11 +106,14 @@ def to_torch(value: Any, device: torch.device | str | None = None) -> Any:
     return value
 
 
-def upload(value: Any, device: torch.device | str) -> Any:
+def upload(value: Any, device: torch.device | str, *, held: bool = False) -> Any:
     """An engine input on ``device`` without the host waiting for the device's earlier work: a
     numpy array is copied on the host into pinned memory (torch's caching host allocator keeps
     that block until the copy from it has run on the stream), then sent asynchronously; the
-    caller's array may change as soon as this returns. Anything else as :func:`to_torch`."""
+    caller's array may change as soon as this returns. ``held``: the caller leaves the array
+    unchanged until the run's results are back on the host, so an array already in page-locked
+    memory (a server's staging buffer) is sent from where it lies, without the host copy.
+    Anything else as :func:`to_torch`."""
     dev = torch.device(device)
     if (
         not isinstance(value, np.ndarray)
@@ -120,6 +123,8 @@ def upload(value: Any, device: torch.device | str) -> Any:
     ):
         return to_torch(value, dev)
     t = _quiet_host_tensor(value)
+    if held and t.is_pinned():
+        return t.to(dev, non_blocking=True)
     staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     staged.copy_(t)
     return staged.to(dev, non_blocking=True)
