@@ -62,7 +62,7 @@ _FRAME = struct.Struct("<II")
 MAX_HEADER = 16 << 20
 MAX_PAYLOAD = 2 << 30
 LINK_BUFFER = 16 << 20  # (a stream reader pauses its socket past twice this: frames are large)
-ARENA_BYTES = 64 << 20  # each front end's shared memory for requests' inputs
+ARENA_BYTES = 32 << 20  # each front end's shared memory for requests' inputs (50 ResNet images)
 _ALIGN = 64
 _ARENA_NAME = re.compile(r"^tensorkiln-link-[0-9]+-[0-9a-f]{16}$")
 
