@@ -121,7 +121,7 @@ _PLUGINS: dict[tuple[str, str], Plugin] = {}
 
 def registered(name: str) -> Plugin | None:
     """The plugin registered as ``name`` ('domain::Op'), or None."""
-    m = _NAME.match(name)
+    m = _NAME.fullmatch(name)
     return None if m is None else _PLUGINS.get((m.group(1), m.group(2)))
 
 
@@ -130,7 +130,7 @@ def plugin(
 ) -> Callable[[Callable], Plugin]:
     """Register the custom op ``name`` ('domain::Op') with its shape rule (the decorated
     function) and its attributes' defaults. Registering a name again replaces it."""
-    m = _NAME.match(name) if isinstance(name, str) else None
+    m = _NAME.fullmatch(name) if isinstance(name, str) else None
     if m is None:
         raise InputError(
             f"a plugin's name is 'domain::Op' (e.g. 'my_ops::ScaledTanh'), got {name!r}"

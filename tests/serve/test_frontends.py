@@ -245,7 +245,7 @@ def test_a_front_end_opens_only_the_arenas_the_engine_process_makes(tmp_path):
         mapped[:5] = b"hello"
         assert memory[:5] == b"hello"  # (the same memory)
         mapped.close()
-        for bad in ("../x", "/etc/passwd", "tensorkiln-link-1-xyz", 7, None):
+        for bad in ("../x", "/etc/passwd", "tensorkiln-link-1-xyz", name + "\n", 7, None):
             with pytest.raises(ValueError, match="not one the engine process makes"):
                 link.open_arena(str(tmp_path), bad, 4096)
         with pytest.raises(ValueError, match="not a 8192-byte file"):

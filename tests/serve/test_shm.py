@@ -95,6 +95,7 @@ def test_hostile_keys_and_spans_are_refused(tmp_path, regions):
             for key, size, message in [
                 ("/../../etc/passwd", 8, "must be an object name"),
                 ("etc/passwd", 8, "must be an object name"),
+                (f"/tk_in_{tag}\n", 8, "must be an object name"),
                 (f"/tk_absent_{tag}", 8, "cannot open shared memory"),
                 (f"/tk_link_{tag}", 8, "cannot open shared memory"),  # (links not followed)
                 (f"/tk_in_{tag}", IN_BYTES + 1, "past the end"),

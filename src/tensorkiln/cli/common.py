@@ -59,7 +59,7 @@ def import_plugins(names: str) -> None:
     """Import the plugin modules ``--plugins`` names; a name that is not a module name, or a
     module that does not import, is a CLIError naming it."""
     for name in (n.strip() for n in names.split(",")):
-        if not _MODULE_NAME.match(name):
+        if not _MODULE_NAME.fullmatch(name):
             raise CLIError(
                 f"--plugins: '{name}' is not a Python module name; give installed modules by "
                 "name (my_package.plugins), not files"

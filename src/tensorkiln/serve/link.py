@@ -165,7 +165,7 @@ def create_arena(folder: str, size: int) -> tuple[str, mmap.mmap]:
 def open_arena(folder: str, name: Any, size: Any) -> mmap.mmap:
     """The arena ``name`` the engine process created in ``folder``, mapped (the name, the file's
     kind, owner and size checked: nothing else is opened)."""
-    if not isinstance(name, str) or not _ARENA_NAME.match(name):
+    if not isinstance(name, str) or not _ARENA_NAME.fullmatch(name):
         raise ValueError(f"arena name {str(name)[:60]!r} is not one the engine process makes")
     if not isinstance(size, int) or not 0 < size <= MAX_PAYLOAD:
         raise ValueError(f"arena size {size!r}")

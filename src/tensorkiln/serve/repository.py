@@ -123,7 +123,7 @@ class ModelRepository:
 
     def read(self, name: str) -> ModelEntry:
         """Model ``name``'s configuration and served versions, checked."""
-        if not _NAME.match(name) or name in (".", ".."):
+        if not _NAME.fullmatch(name) or name in (".", ".."):
             raise ModelLoadError(f"'{name}' is not a model name (letters, digits, '_', '-', '.')")
         directory = self.root / name
         if not directory.is_dir():

@@ -66,9 +66,9 @@ class SharedMemory:
     def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
         """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
         self._check_enabled()
-        if not isinstance(name, str) or not _NAME.match(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ServeError(f"region name {str(name)[:60]!r} must be letters, digits, '_-.'")
-        if not isinstance(key, str) or not _KEY.match(key) or key.strip("/") in (".", ".."):
+        if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
             raise ServeError(
                 f"shared-memory key {str(key)[:60]!r} must be an object name such as '/input0'"
             )
