@@ -370,3 +370,25 @@ def test_frontend_processes_flag_is_checked(tmp_path):
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert run.returncode != 0 and "--frontend-processes -1 must be 0 to 64" in run.stderr
+
+
+def test_a_port_another_program_holds_stops_the_start_with_its_reason(tmp_path):
+    """The front ends alone bind the ports: one that cannot says why, and the server exits 1."""
+    import socket
+
+    _model(tmp_path / "repo")
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        run = subprocess.run(
+            [sys.executable, "-m", "tensorkiln", "serve", "--model-repository",
+             str(tmp_path / "repo"), "--http-port", str(port), "--http-address", "127.0.0.1",
+             "--allow-grpc", "false", "--allow-metrics", "false", "--frontend-processes", "1",
+             "--engine-cache", str(tmp_path / "cache")],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    out = run.stdout + run.stderr
+    assert run.returncode == 1, out[-2000:]
+    assert "address already in use" in out and "a front-end process exited with 1" in out
+    assert "Traceback" not in out
