@@ -56,10 +56,18 @@ def test_model_optimizer_qdq_models_run_as_written(name: str, backend: str) -> N
         assert len(layers) == count, Counter(n.op for n in engine.graph.nodes)
         assert {n.precision for n in layers} == {precision}
     context = engine.create_execution_context()
-    for _ in range(2):  # (the files keep the export's batch of 2)
+    exact = 0
+    for _ in range(4):  # (the files keep the export's batch of 2)
         inputs = feeds(name, 2, rng)
         want = onnxruntime_reference(path, inputs)
         got = context.infer(inputs)["y"]
         assert got.shape == want.shape
-        # (the same quantization codes: what is left is float32 rounding in the float layers)
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+        scale = np.abs(want).max()
+        error = np.abs(got - want)
+        # The float layers round differently from onnxruntime's in the last bit, and once in
+        # about fifty draws such a value lies on a rounding boundary of the next quantizer and
+        # takes the neighbouring code: one quantization step, about a hundredth of the output's
+        # scale here. Any other difference in the quantization would show in every draw.
+        assert error.max() <= 2e-2 * scale
+        exact += bool(np.all(error <= 1e-4 * np.abs(want) + 1e-5 * scale))
+    assert exact >= 2
