@@ -71,3 +71,18 @@ def test_model_optimizer_qdq_models_run_as_written(name: str, backend: str) -> N
         assert error.max() <= 2e-2 * scale
         exact += bool(np.all(error <= 1e-4 * np.abs(want) + 1e-5 * scale))
     assert exact >= 2
+
+
+def test_fp8_qdq_pairs_fuse_as_the_int8_ones_do() -> None:
+    """The encoder's FP8 file has its Q/DQ pairs where the INT8 one has them (around the
+    attention's products, after the LayerNorms): the same layers come of both, the FP8 pairs
+    inside Pointwise kernels as the INT8 ones."""
+    layers = {
+        precision: Counter(
+            n.op
+            for n in Builder("reference").build(str(DATA / f"encoder_{precision}.onnx")).graph.nodes
+        )
+        for precision in ("int8", "fp8")
+    }
+    assert layers["fp8"] == layers["int8"]
+    assert layers["fp8"]["QuantizeLinear"] <= 4 and layers["fp8"]["Pointwise"] >= 10

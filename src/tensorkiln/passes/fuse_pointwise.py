@@ -39,13 +39,14 @@ class Group:
 
 
 _QDQ = ("QuantizeLinear", "DequantizeLinear")
-_EIGHT_BIT = (DType.INT8, DType.UINT8)
+_EIGHT_BIT = (DType.INT8, DType.UINT8, DType.FLOAT8E4M3FN)
 
 
 def _per_tensor_qdq(node: Node) -> bool:
     """A QuantizeLinear/DequantizeLinear of one float32 scale and zero point between float and
-    int8/uint8 tensors: elementwise, and the Triton generator emits it (an explicitly quantized
-    model's residual adds: DQ, DQ, Add, Relu, Q in one kernel, reading and writing 8 bits)."""
+    int8/uint8/float8 E4M3 tensors: elementwise, and the Triton generator emits it (an explicitly
+    quantized model's residual adds: DQ, DQ, Add, Relu, Q in one kernel, reading and writing 8
+    bits; an FP8 model's Q/DQ pairs around the attention's products, into their neighbours)."""
     if len(node.outputs) != 1 or node.outputs[0] is None or len(node.inputs) < 2:
         return False
     if node.attrs.get("block_size", 0) or node.attrs.get("output_dtype", 0):

@@ -561,3 +561,102 @@ def test_fused_quantized_residual_add(zero_point):
     got = reference(body, feed(names, **arrays))[0]
     session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_array_equal(got, session.run(None, arrays)[0])
+
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+def _fp8_codes(shape, rng_) -> np.ndarray:
+    """Random float8 E4M3 values: every bit pattern but the NaNs (0x7f, 0xff)."""
+    bits = rng_.integers(0, 256, shape).astype(np.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x3C  # (1.5)
+    return bits.view(FP8)
+
+
+def test_fused_fp8_residual_add():
+    """An FP8 model's residual block: DQ(a), DQ(b), Add, Relu, Q to float8 E4M3 -> one kernel
+    reading and writing float8, bit for bit the reference's, which is onnxruntime's reference
+    run (graph optimizations off)."""
+    ort = pytest.importorskip("onnxruntime")
+    f8 = TensorProto.FLOAT8E4M3FN
+
+    def zero(name):
+        return helper.make_tensor(
+            name, f8, [], np.zeros((), FP8).view(np.uint8).tobytes(), raw=True
+        )
+
+    m = model(
+        [
+            node("DequantizeLinear", ["aq", "sa", "za"], ["a"]),
+            node("DequantizeLinear", ["bq", "sb", "zb"], ["b"]),
+            node("Add", ["a", "b"], ["s"]),
+            node("Relu", ["s"], ["r"]),
+            node("QuantizeLinear", ["r", "sy", "zy"], ["out"]),
+        ],
+        [vi("aq", [2, 8, 5, 6], f8), vi("bq", [2, 8, 5, 6], f8)],
+        [vi("out", [2, 8, 5, 6], f8)],
+        [const("sa", 0.05), const("sb", 0.04), const("sy", 0.03), zero("za"), zero("zb"),
+         zero("zy")],
+        opset=21,
+    )  # fmt: skip
+    body, names = fused_body(m)
+    assert [n.op for n in body.nodes] == [
+        "DequantizeLinear", "DequantizeLinear", "Add", "Relu", "QuantizeLinear",
+    ]  # fmt: skip
+    arrays = {k: _fp8_codes((2, 8, 5, 6), rng) for k in ("aq", "bq")}
+    got = triton_run(body, [device_tensor(a) for a in feed(names, **arrays)])[0]
+    ref = reference(body, feed(names, **arrays))[0]
+    assert got.dtype == ref.dtype == FP8
+    np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8))
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(
+        m.SerializeToString(), options, providers=["CPUExecutionProvider"]
+    )
+    fed = {  # (onnxruntime takes float8 tensors as their bytes, and gives them back so)
+        k: ort.OrtValue.ortvalue_from_numpy_with_onnx_type(a.view(np.uint8), f8)
+        for k, a in arrays.items()
+    }
+    np.testing.assert_array_equal(
+        ref.view(np.uint8), session.run_with_ort_values(None, fed)[0].numpy()
+    )
+
+
+def test_fp8_quantize_rounds_half_to_even_and_saturates():
+    """QuantizeLinear to float8 E4M3 in a generated kernel, on the values where rounding and
+    saturation show: every halfway point between neighbouring E4M3 values (ties to even), the
+    subnormals, +-448 and beyond, infinities, NaN, -0 and negative values that round to zero;
+    the float8 output and its DequantizeLinear bit for bit the reference kernel's, whose float8
+    codes are onnxruntime's (saturating, as ONNX's default)."""
+    ort = pytest.importorskip("onnxruntime")
+    grid = np.arange(256, dtype=np.uint8).view(FP8).astype(np.float32)
+    grid = np.unique(grid[np.isfinite(grid)])
+    halves = (grid[:-1] + grid[1:]) / 2  # (exact in float32)
+    special = [448.0, 464.0, 470.0, 480.0, 1e6, -1e6, np.inf, -np.inf, np.nan, -0.0, 2.0**-10,
+               3 * 2.0**-11, 2.0**-12, 1e-30, -1e-30, -(2.0**-11)]  # fmt: skip
+    x = np.concatenate([grid, halves, np.float32(special), rng.standard_normal(500) * 60])
+    x = np.concatenate([x, np.zeros(-x.size % 64)]).astype(np.float32).reshape(-1, 64)
+    f8 = DType.FLOAT8E4M3FN
+    for scale in (1.0, 0.37):  # (1: the halfway points stay halfway after the division)
+        body = op_body(
+            [("QuantizeLinear", ["i0", "c0", "c1"], f8),
+             ("DequantizeLinear", ["o0", "c0", "c1"], DType.FLOAT)],
+            [DType.FLOAT], consts=[np.float32(scale), np.zeros((), FP8)], opset=21,
+        )  # fmt: skip
+        ref = reference(body, [x])
+        got = triton_run(body, [device_tensor(x)])
+        # (Triton's interpreter converts a float32 NaN to the float8 code of 384 where the GPU
+        # keeps it NaN: on the CPU the NaN is left out of the comparison)
+        kept = np.ones(x.shape, bool) if DEVICE == "cuda" else ~np.isnan(x)
+        np.testing.assert_array_equal(got[0].view(np.uint8)[kept], ref[0].view(np.uint8)[kept])
+        np.testing.assert_array_equal(got[1].view(np.uint32)[kept], ref[1].view(np.uint32)[kept])
+        m = helper.make_model(
+            helper.make_graph(
+                [node("QuantizeLinear", ["x", "s", "z"], ["y"])], "q", [vi("x", list(x.shape))],
+                [vi("y", list(x.shape), TensorProto.FLOAT8E4M3FN)],
+                [const("s", scale), helper.make_tensor("z", TensorProto.FLOAT8E4M3FN, [], [0.0])],
+            ),
+            opset_imports=[helper.make_opsetid("", 21)],
+        )  # fmt: skip
+        session = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+        np.testing.assert_array_equal(ref[0].view(np.uint8), session.run(None, {"x": x})[0])

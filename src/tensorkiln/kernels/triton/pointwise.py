@@ -36,6 +36,7 @@ import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node, Value
 from tensorkiln.kernels.triton.pointwise_ops import (
+    FP8,
     PRELUDE,
     Emitter,
     Term,
@@ -118,6 +119,10 @@ def _emit_node(g: Emitter, node: Node, terms: dict[Value, Term], deps: dict[Valu
         raise Unsupported(f"{node.op} with {len(node.outputs)} outputs")
     if any(v is not None and v not in terms for v in node.inputs):
         raise Unsupported(f"{node.op} reads a value from outside the body")
+    if (node.domain, node.op) not in (("", "QuantizeLinear"), ("", "DequantizeLinear")) and any(
+        v is not None and v.dtype == FP8 for v in (*node.inputs, *node.outputs)
+    ):
+        raise Unsupported(f"{node.op} on float8 values")
     args = [None if v is None else terms[v] for v in node.inputs]
     out = node.outputs[0]
     if out.dtype is None:

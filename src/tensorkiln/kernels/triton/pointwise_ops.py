@@ -21,11 +21,15 @@ import onnx
 from tensorkiln.ir import DType, Node
 from tensorkiln.ops import attribute_defaults
 
-FLOATS = frozenset([DType.FLOAT, DType.FLOAT16, DType.BFLOAT16])
+FP8 = DType.FLOAT8E4M3FN
+# (float8 values are held in float32 like the other narrow floats, and only QuantizeLinear and
+# DequantizeLinear may read or write them: analyse refuses any other op touching one)
+FLOATS = frozenset([DType.FLOAT, DType.FLOAT16, DType.BFLOAT16, FP8])
 _TL = {
     DType.FLOAT: "tl.float32",
     DType.FLOAT16: "tl.float16",
     DType.BFLOAT16: "tl.bfloat16",
+    FP8: "tl.float8e4nv",
     DType.INT8: "tl.int8",
     DType.INT16: "tl.int16",
     DType.INT32: "tl.int32",
@@ -370,10 +374,19 @@ def _per_tensor_qdq(n: Node, a: list[Term | None]) -> tuple:
     return a[0], a[1], a[2] if len(a) > 2 else None
 
 
+def _zero_fp8_point(zp: Term | None) -> None:
+    """A float8 Q/DQ's zero point: none, or a constant zero (as ONNX requires of float8)."""
+    if zp is not None and (zp.value is None or float(zp.value) != 0.0):
+        raise Unsupported("a float8 QuantizeLinear/DequantizeLinear with a zero point")
+
+
 @_op("DequantizeLinear")
 def _dequantize(g, n, a):
     """(x - zp) * scale, in float32 (exact for 8-bit x), as the reference computes it."""
     x, s, zp = _per_tensor_qdq(n, a)
+    if x.dtype == FP8:  # (held in float32 already: the load widened it exactly)
+        _zero_fp8_point(zp)
+        return f"{x.code} * {s.code}"
     if x.dtype not in _EIGHT_BIT:
         raise Unsupported(f"DequantizeLinear of {x.dtype.name}")
     wide = f"{x.code}.to(tl.float32)"
@@ -384,11 +397,19 @@ def _dequantize(g, n, a):
 @_op("QuantizeLinear")
 def _quantize(g, n, a):
     """clamp(round_half_even(x / scale) + zp) to int8 or uint8, the division IEEE as the
-    reference's (Triton's ``/`` on float32 is an approximation)."""
+    reference's (Triton's ``/`` on float32 is an approximation). To float8 E4M3 (saturating,
+    ONNX's default), x / scale rounded half to even onto E4M3's grid in float32 arithmetic:
+    the store then converts an exact value (no conversion's own rounding mode involved)."""
     x, s, zp = _per_tensor_qdq(n, a)
     target = n.outputs[0].dtype if n.outputs and n.outputs[0] is not None else None
+    if target == FP8 and x.dtype in FLOATS and x.dtype != FP8:
+        _zero_fp8_point(zp)
+        if not n.attrs.get("saturate", 1):
+            raise Unsupported("QuantizeLinear to float8 without saturation")
+        q = g.assign(f"tl.math.div_rn({x.code}.to(tl.float32), {s.code})", DType.FLOAT).code
+        return f"_to_e4m3({q})"
     if target not in _EIGHT_BIT or x.dtype not in FLOATS:
-        raise Unsupported("QuantizeLinear to a type other than int8/uint8")
+        raise Unsupported("QuantizeLinear to a type other than int8/uint8/float8 E4M3")
     lo, hi = _EIGHT_BIT[target]
     q = f"_round_even(tl.math.div_rn({x.code}.to(tl.float32), {s.code}))"
     q = q if zp is None else f"({q} + {zp.code}.to(tl.float32))"
@@ -528,4 +549,18 @@ def _round_even(x):
     d = x - r
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
+
+
+@triton.jit
+def _to_e4m3(x):
+    # x (float32) rounded half to even onto float8 E4M3FN's values, saturating at +-448, NaN
+    # kept: the spacing of x's binade is 2**(e - 3) for 3 mantissa bits (2**-9 below 2**-6,
+    # the subnormals), a power of two, so the scaling is exact
+    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, -6)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
+    inv = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
+    r = _round_even(x * inv) * step
+    r = tl.where(r == 0.0, x * 0.0, r)  # (a negative value rounded to zero keeps its sign)
+    return tl.where(x != x, x, tl.minimum(tl.maximum(r, -448.0), 448.0))
 """
