@@ -242,7 +242,14 @@ def render(prog: Program, lay: Layout, n_out: int) -> str:
     body += prog.lines
     for j, t in enumerate(prog.outputs):
         ptr, _ = _address(f"o{j}", n_in + j, patterns[n_in + j], full=True)
-        body.append(f"tl.store({ptr}, {t.code}.to({tl_type(t.dtype)}), mask=mask)")
+        # (float8 results, on E4M3's grid already, are written as their codes: run() passes
+        # such outputs as bytes, so no float8 conversion of Triton's runs)
+        value = (
+            f"e4m3_bits({t.code}).to(tl.uint8)"
+            if t.dtype == FP8
+            else f"{t.code}.to({tl_type(t.dtype)})"
+        )
+        body.append(f"tl.store({ptr}, {value}, mask=mask)")
     text = "\n    ".join(body)
     return f"{PRELUDE}\n\n@triton.jit\ndef kernel({', '.join(params)}):\n    {text}\n"
 
@@ -352,8 +359,9 @@ def run(body: Graph, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     if plan.numel:
         # the interpreter computes masked-off lanes too: numpy warns of their NaNs
         quiet = np.errstate(all="ignore") if _interpreting() else contextlib.nullcontext()
+        written = [o.view(torch.uint8) if o.dtype == torch.float8_e4m3fn else o for o in outs]
         with quiet:
-            plan.kernel[plan.grid](*tensors, *outs, *plan.scalars, **plan.launch)
+            plan.kernel[plan.grid](*tensors, *written, *plan.scalars, **plan.launch)
     return outs
 
 

@@ -398,8 +398,10 @@ def _dequantize(g, n, a):
 def _quantize(g, n, a):
     """clamp(round_half_even(x / scale) + zp) to int8 or uint8, the division IEEE as the
     reference's (Triton's ``/`` on float32 is an approximation). To float8 E4M3 (saturating,
-    ONNX's default), x / scale rounded half to even onto E4M3's grid in float32 arithmetic:
-    the store then converts an exact value (no conversion's own rounding mode involved)."""
+    ONNX's default), x / scale rounded half to even onto E4M3's grid in float32 arithmetic,
+    which a DequantizeLinear in the body reads as it is; a float8 output is stored as its E4M3
+    code (quantize.e4m3_bits), so no float8 conversion of Triton's runs (its interpreter rounds
+    them wrongly and turns NaN into 384)."""
     x, s, zp = _per_tensor_qdq(n, a)
     target = n.outputs[0].dtype if n.outputs and n.outputs[0] is not None else None
     if target == FP8 and x.dtype in FLOATS and x.dtype != FP8:
@@ -477,6 +479,8 @@ def _int_pow(x: Term, y: Term) -> str:
 PRELUDE = """\
 import triton
 import triton.language as tl
+
+from tensorkiln.kernels.triton.quantize import e4m3_bits
 
 
 @triton.jit

@@ -26,7 +26,7 @@ _INT = {torch.int8: (-128.0, 127.0), torch.uint8: (0.0, 255.0)}
 
 
 @triton.jit
-def _e4m3_bits(q):
+def e4m3_bits(q):
     """The E4M3 code (int32, 0..255) of ``q`` (float32, |q| <= 448 or NaN), rounded half to
     even; -0 keeps its sign, NaN is 0x7F (with q's sign bit)."""
     bits = q.to(tl.int32, bitcast=True)
@@ -45,10 +45,10 @@ def _e4m3_bits(q):
 
 @triton.jit
 def _saturated_e4m3(q):
-    """``q`` clamped to E4M3's range (NaN kept) and coded (:func:`_e4m3_bits`)."""
+    """``q`` clamped to E4M3's range (NaN kept) and coded (:func:`e4m3_bits`)."""
     q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
     q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return _e4m3_bits(q)
+    return e4m3_bits(q)
 
 
 @triton.jit
