@@ -335,3 +335,82 @@ def test_pytorch_fake_quantized_export_runs_quantized(tmp_path) -> None:
     assert diff.max() <= 2 * w_step + 1e-5
     # most samples have no activation on an edge: their outputs agree to float32 rounding
     assert (diff.max(axis=1) <= 1e-5).mean() >= 0.5
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_residual_read_through_dequantize_is_read_quantized(tmp_path, precision) -> None:
+    """Before: Conv(DQ(x_q), DQ(W_q)) + DQ(r_q) -> Relu, as Model Optimizer writes a residual
+    block. Expected: one QConvAct reading r_q with r's scale (Z_scale) and no DequantizeLinear
+    layer left; the same result as onnxruntime's reference run."""
+    rng = np.random.default_rng()
+    wmax = {"int8": 127.0, "fp8": 448.0}[precision]
+    w = (rng.standard_normal((6, 4, 3, 3)) * 0.2).astype(np.float32)
+    w_scale = (np.abs(w).reshape(6, -1).max(1) / wmax).astype(np.float32)
+    if precision == "int8":
+        zeros = [numpy_helper.from_array(np.int8(0), "zp"),
+                 numpy_helper.from_array(np.zeros(6, np.int8), "wzp")]  # fmt: skip
+    else:
+        zeros = [_fp8(np.zeros(()), "zp"), _fp8(np.zeros(6), "wzp")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "xs", "zp"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "xs", "zp"], ["xd"]),
+        helper.make_node("QuantizeLinear", ["w", "ws", "wzp"], ["wq"], axis=0),
+        helper.make_node("DequantizeLinear", ["wq", "ws", "wzp"], ["wd"], axis=0),
+        helper.make_node("QuantizeLinear", ["r", "rs", "zp"], ["rq"]),
+        helper.make_node("DequantizeLinear", ["rq", "rs", "zp"], ["rd"]),
+        helper.make_node("Conv", ["xd", "wd"], ["c"], "conv", pads=[1] * 4),
+        helper.make_node("Add", ["c", "rd"], ["s"], "residual"),
+        helper.make_node("Relu", ["s"], ["y"], "relu"),
+    ]
+    inits = [numpy_helper.from_array(w, "w"), numpy_helper.from_array(w_scale, "ws"),
+             numpy_helper.from_array(np.float32(3.0 / wmax), "xs"),
+             numpy_helper.from_array(np.float32(2.0 / wmax), "rs"), *zeros]  # fmt: skip
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, 7, 7]),
+         helper.make_tensor_value_info("r", TensorProto.FLOAT, [2, 6, 7, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits,
+    )  # fmt: skip
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), path)
+    engine = Builder("reference").build(path)
+    ops = [n.op for n in engine.graph.nodes]
+    assert "DequantizeLinear" not in ops and ops.count("QConvAct") == 1
+    (layer,) = [n for n in engine.graph.nodes if n.op == "QConvAct"]
+    assert len(layer.inputs) == 8 and layer.inputs[5].dtype.name in ("INT8", "FLOAT8E4M3FN")
+    assert layer.attrs["activation"] == "Relu"
+    feeds = {"x": rng.standard_normal((2, 4, 7, 7)).astype(np.float32),
+             "r": rng.standard_normal((2, 6, 7, 7)).astype(np.float32)}  # fmt: skip
+    got = engine.create_execution_context().infer(feeds)["y"]
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    want = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(
+        None, feeds
+    )[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_growing_a_qconvact_keeps_its_residual_scale() -> None:
+    """A QConvAct that reads a quantized residual (Z_scale) and is followed by a Relu: the
+    grown layer keeps Z_scale with its residual (dropping it would read the codes as values)."""
+    rng = np.random.default_rng()
+    xq = _v("xq", DType.INT8, (1, 2, 5, 5))
+    zq = _v("zq", DType.INT8, (1, 3, 5, 5))
+    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
+    zs = _v("zs", DType.FLOAT, (), np.float32(0.05))
+    wq = _v("wq", DType.INT8, (3, 2, 1, 1), rng.integers(-127, 128, (3, 2, 1, 1)).astype(np.int8))
+    ws = _v("ws", DType.FLOAT, (3,), np.full(3, 0.02, np.float32))
+    c, y = _v("c", DType.FLOAT, (1, 3, 5, 5)), _v("y", DType.FLOAT, (1, 3, 5, 5))
+    layer = Node("QConvAct", [xq, xs, wq, ws, None, zq, None, zs], [c], domain="tensorkiln",
+                 name="conv")  # fmt: skip
+    graph = Graph(
+        inputs=[xq, zq], outputs=[y], initializers=[xs, zs, wq, ws], opsets={"": 21,
+        "tensorkiln": 1}, nodes=[layer, Node("Relu", [c], [y], name="relu")],
+    )  # fmt: skip
+    feeds = {"xq": rng.integers(-127, 128, (1, 2, 5, 5)).astype(np.int8),
+             "zq": rng.integers(-127, 128, (1, 3, 5, 5)).astype(np.int8)}  # fmt: skip
+    want = _run_graph(graph, feeds)[0]
+    assert fuse_conv_act(graph) == 1
+    (grown,) = graph.nodes
+    assert grown.inputs[5] is zq and grown.inputs[7] is zs and grown.attrs["activation"] == "Relu"
+    np.testing.assert_array_equal(_run_graph(graph, feeds)[0], want)

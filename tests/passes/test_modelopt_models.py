@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tensorkiln.builder import Builder
+from tensorkiln.ir import DType
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -55,6 +56,10 @@ def test_model_optimizer_qdq_models_run_as_written(name: str, backend: str) -> N
         layers = [n for n in engine.graph.nodes if n.op == op]
         assert len(layers) == count, Counter(n.op for n in engine.graph.nodes)
         assert {n.precision for n in layers} == {precision}
+        # (a quantized block's residual is read quantized, its DequantizeLinear fused)
+        if op == "QConvAct":
+            residuals = [n.inputs[5] for n in layers if len(n.inputs) > 5 and n.inputs[5]]
+            assert residuals and all(z.dtype in (DType.INT8, DType.FLOAT8E4M3FN) for z in residuals)
     context = engine.create_execution_context()
     exact = 0
     for _ in range(4):  # (the files keep the export's batch of 2)

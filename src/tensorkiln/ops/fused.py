@@ -80,8 +80,10 @@ define(
     traits=[FUSED],
     attributes={**_CONV, **_EPILOGUE, "residual_order": "add_act", "out_dtype": 1},
     doc="ConvAct of a quantized X (int8 or float8, per-tensor scale) and W (per output channel): "
-    "inputs X_q, X_scale, W_q, W_scale, B, Z, Y_scale; out in out_dtype (ONNX's code: float32, "
-    "float16 or bfloat16; with Y_scale, int8 or float8 E4M3: the result quantized to Y_scale)",
+    "inputs X_q, X_scale, W_q, W_scale, B, Z, Y_scale, Z_scale; out in out_dtype (ONNX's code: "
+    "float32, float16 or bfloat16; with Y_scale, int8 or float8 E4M3: the result quantized to "
+    "Y_scale); with Z_scale the residual Z is quantized too (int8 or float8, read as "
+    "Z * Z_scale in float32: its DequantizeLinear, fused)",
 )
 define(
     "QGemmAct",

@@ -166,7 +166,9 @@ def _fused(view: View, m: ConvMatch) -> Node:
         b = add_constant(view.graph, name, np.ascontiguousarray(m.bias))
     op = "QConvAct" if m.start.op == "QConvAct" else "ConvAct"
     head = m.start.inputs[:4] if op == "QConvAct" else m.start.inputs[:2]
-    inputs = [*head, b, m.residual]
+    # (a QConvAct's Y_scale and Z_scale stay with it; Z_scale belongs to its own residual)
+    tail = m.start.inputs[6:8] if op == "QConvAct" and m.residual is _input(m.start, 3) else []
+    inputs = [*head, b, m.residual, *tail]
     while inputs and inputs[-1] is None:
         inputs.pop()
     name = m.start.name or m.out.name

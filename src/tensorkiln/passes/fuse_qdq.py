@@ -308,11 +308,42 @@ def _requantize(view: View, found: Found) -> Rewrite | None:
     return Rewrite(remove=[layer, q], add=[fused], count=1)
 
 
-REQUANTIZE = (Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),)
+# QConvAct(..., Z = DQ(Z_q, s)) -> QConvAct(..., Z_q, Z_scale = s): the residual read quantized,
+# dequantized in the epilogue (its Z_scale input), for a DQ of one scale and a zero zero point,
+# as TensorRT reads an INT8 residual in the convolution that adds it. Exact: the epilogue
+# computes Z_q * s in float32 as DequantizeLinear does. The DQ stays for its other readers.
+
+_Z, _Z_SCALE = 5, 7  # QConvAct's input slots of the residual and its scale
+
+
+def _residual_dequantize(view: View, found: Found) -> Rewrite | None:
+    layer = found.root
+    if len(layer.inputs) <= _Z or layer.inputs[_Z] is None:
+        return None
+    if len(layer.inputs) > _Z_SCALE and layer.inputs[_Z_SCALE] is not None:
+        return None
+    dq = view.made_by(layer.inputs[_Z], "DequantizeLinear")
+    if dq is None or not _activation_dq(view, dq) or dq.attrs.get("output_dtype", 0):
+        return None
+    z_q = dq.inputs[0]
+    if z_q is None or z_q.shape != layer.inputs[_Z].shape:
+        return None
+    inputs = list(layer.inputs) + [None] * (_Z_SCALE + 1 - len(layer.inputs))
+    inputs[_Z], inputs[_Z_SCALE] = z_q, dq.inputs[1]
+    fused = Node(layer.op, inputs, list(layer.outputs), dict(layer.attrs), domain=DOMAIN,
+                 name=layer.name)  # fmt: skip
+    return Rewrite(remove=[layer], add=[fused], count=1)
+
+
+REQUANTIZE = (
+    Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),
+    Rule("residual_dequantize_in_epilogue", Op("QConvAct", domain=DOMAIN), _residual_dequantize),
+)
 
 
 # after the epilogues have grown (fuse_conv_act, fuse_gemm_act) and Q/DQ propagation
 @register_pass("fuse_requantize", level=2, order=46, backends=("reference", "cuda"))
 def fuse_requantize(graph: Graph) -> int:
-    """``Q(QConvAct(...))`` -> QConvAct writing the quantized tensor (same for QGemmAct)."""
+    """``Q(QConvAct(...))`` -> QConvAct writing the quantized tensor (same for QGemmAct), and
+    ``QConvAct(..., DQ(Z_q))`` -> QConvAct reading its residual quantized."""
     return run_rules(graph, REQUANTIZE)

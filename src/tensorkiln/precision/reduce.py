@@ -32,7 +32,7 @@ KEEP_FP32_INPUTS: dict[tuple[str, str], tuple[int, ...]] = {
     ("", "MaxRoiPool"): (1,),
     # quantization scales: float16 would round them, and the quantized values with them
     ("", "QuantizeLinear"): (1,),
-    ("tensorkiln", "QConvAct"): (1, 3, 6),
+    ("tensorkiln", "QConvAct"): (1, 3, 6, 7),
     ("tensorkiln", "QGemmAct"): (1, 3, 5),
 }
 # ops whose attribute names a float32 output dtype: (domain, op) -> attribute

@@ -384,3 +384,43 @@ def test_triton_tactics_take_a_per_tensor_weight_scale(kind) -> None:
                  np.float32(rng.uniform(1e-3, 1e-2)), rng.standard_normal(32).astype(np.float32)]  # fmt: skip
     _check("QConvAct", "triton_qconv_64x64x32_w4_s4", conv_args, {"pads": [1, 1, 1, 1]},
            rtol=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("name", [*CONV_TACTICS, None])
+def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
+    """With Z_scale (fuse_requantize's residual rule), the residual is int8 or E4M3 and read as
+    Z * Z_scale: each tactic (and the cuda backend's exact default, None), channels-last as an
+    engine runs it, agrees with the reference, whose result is the float layer's with the
+    residual dequantized first (DequantizeLinear's reference kernel)."""
+    if name == "cublas_int8_mm" and kind == "fp8":
+        pytest.skip("the int8 GEMM takes int8 operands only")
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    pointwise = name == "cublas_int8_mm"
+    w_shape = (64, 32, 1, 1) if pointwise else (64, 32, 3, 3)
+    attrs = {"activation": "Relu"} | ({} if pointwise else {"pads": [1, 1, 1, 1]})
+    z_q, z_scale = _q(rng, (2, 64, 6, 5), kind), np.float32(rng.uniform(0.01, 0.05))
+    args = [_q(rng, (2, 32, 6, 5), kind), np.float32(0.05), _q(rng, w_shape, kind),
+            rng.uniform(1e-3, 3e-3, 64).astype(np.float32),
+            rng.standard_normal(64).astype(np.float32), z_q, None, z_scale]  # fmt: skip
+    reference = lookup("QConvAct", "tensorkiln", 1, "reference")
+    ref = invoke(reference, args, attrs, 1)[0]
+    dq = invoke(lookup("DequantizeLinear", "", 21, "reference"), [z_q, z_scale], {}, 1)[0]
+    np.testing.assert_array_equal(ref, invoke(reference, [*args[:5], dq], attrs, 1)[0])
+    tensors = [None if a is None else to_torch(np.asarray(a), DEVICE) for a in args]
+    for i in (0, 2, 5):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    if name is None:
+        fn = lookup("QConvAct", "tensorkiln", 1, "cuda").fn
+    else:
+        tactic = get_tactic("QConvAct", "tensorkiln", name)
+        spec = LayerSpec("QConvAct", "tensorkiln", attrs,
+                         tuple(None if a is None else np.shape(a) for a in args),
+                         tuple(None if a is None else np.asarray(a).dtype.name for a in args),
+                         device="cuda")  # fmt: skip
+        assert tactic is not None and tactic.applies(spec), name
+        fn = tactic.fn
+    got = to_numpy(fn(*tensors, **attrs))
+    rtol = 1e-6 if kind == "int8" else 1e-5  # (E4M3 sums in float32)
+    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * np.abs(ref).max())

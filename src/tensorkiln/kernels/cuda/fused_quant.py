@@ -132,10 +132,19 @@ class QConv:
     x_scale: torch.Tensor  # X_scale (float32, one value) and W_scale (float32, one per output
     w_scale: torch.Tensor  # channel or one for all)
     y_scale: torch.Tensor | None  # float32, one value: ``out`` is int8 or E4M3, quantized to it
+    z_scale: torch.Tensor | None = None  # float32, one value: the residual is int8 or E4M3
 
     def scale(self) -> torch.Tensor:
         """X_scale * W_scale per output channel, float32 (formed only where a kernel needs it)."""
         return _scales(self.x_scale, self.w_scale, self.channels, "QConvAct", torch.float32)
+
+    def residual(self, z: torch.Tensor | None) -> torch.Tensor | None:
+        """The residual as float32: a quantized one times Z_scale, as DequantizeLinear reads it
+        (for the kernels that do not read it quantized)."""
+        if z is None:
+            return None
+        z32 = z.to(torch.float32)
+        return z32 if self.z_scale is None else z32 * self.z_scale.reshape(())
 
 
 # the sums of one QConvAct: (x_q, w_q, bias, z, call) -> the convolution times the scale, float32,
@@ -154,10 +163,12 @@ def qconv(
     y_scale: torch.Tensor | None,
     attrs: dict[str, Any],
     sums: ConvSums,
+    z_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """QConvAct: ``sums`` computes the scaled convolution; the epilogue (bias, residual,
     activation, and with ``y_scale`` the quantization) runs here unless ``sums`` did it; the
-    result in ``out_dtype``."""
+    result in ``out_dtype``. With ``z_scale`` the residual ``z`` is int8 or float8 (the sums
+    get it as it is and read it through ``call.residual`` or quantized)."""
     a = _attrs("QConvAct", attrs)
     b_size = None if b is None else b.numel()
     check_conv_act(tuple(x_q.shape), tuple(w_q.shape), b_size, a["group"], a["activation"],
@@ -167,14 +178,21 @@ def qconv(
     m = w_q.shape[0]
     ws = _check_scales(x_scale, w_scale, m, "QConvAct").to(torch.float32)
     ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
+    zs = None
+    if z_scale is not None:
+        if z is None or z.dtype not in _QUANTIZED or z_scale.numel() != 1:
+            raise ValueError(
+                "QConvAct: a residual with Z_scale must be int8 or float8 with one scale, got "
+                f"{None if z is None else z.dtype} and {z_scale.numel()} scales"
+            )
+        zs = z_scale.reshape(1).to(torch.float32)
     call = QConv(g, a["group"], m, a["activation"], _activation(a),
                  a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),
-                 x_scale.reshape(()).to(torch.float32), ws, ys)  # fmt: skip
+                 x_scale.reshape(()).to(torch.float32), ws, ys, zs)  # fmt: skip
     bias = None if b is None else b.reshape(m).to(torch.float32)
     y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
-        zz = None if z is None else z.to(torch.float32)
-        y = conv_epilogue_(y, bias, zz, call.activation, call.act, call.after)
+        y = conv_epilogue_(y, bias, call.residual(z), call.activation, call.act, call.after)
         return as_out(y, a["out_dtype"], ys)
     return y
 
@@ -201,11 +219,13 @@ def _exact_conv(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
 
 
 @register("QConvAct", domain="tensorkiln", since=1, backend="cuda")
-def qconv_act(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+def qconv_act(
+    x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, z_scale=None, **attrs
+) -> torch.Tensor:
     """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
-    returned in ``out_dtype`` (quantized to ``y_scale`` when given); attributes as ops/fused.py
-    records them."""
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _exact_conv)
+    returned in ``out_dtype`` (quantized to ``y_scale`` when given; Z quantized with
+    ``z_scale``); attributes as ops/fused.py records them."""
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _exact_conv, z_scale)
 
 
 @dataclass(frozen=True)

@@ -253,9 +253,11 @@ def _scaled(acc, scale, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
     (``True`` second); else the scaled float32 sums for qconv's epilogue."""
     if z is not None and z.stride() != acc.stride():
         z = torch.empty_like(acc, dtype=z.dtype).copy_(z)  # (the output's layout)
-    if one_pass_epilogue(acc, z, call.activation):
+    if one_pass_epilogue(acc, z, call.activation):  # (a quantized residual read as it is)
         ep = Epilogue.of(call.activation, *call.act)
-        y = epilogue.dequantize(acc, scale, bias, z, ep, call.after, call.out, call.y_scale)
+        y = epilogue.dequantize(
+            acc, scale, bias, z, ep, call.after, call.out, call.y_scale, call.z_scale
+        )
         return y, True
     return acc.to(torch.float32).mul_(scale.reshape(1, -1, *(1,) * (acc.ndim - 2))), False
 
@@ -263,8 +265,10 @@ def _scaled(acc, scale, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
 def _qconv_with(sums: Callable, name: str) -> Callable:
     """QConvAct's kernel signature over ``sums`` (fused_quant.qconv does the rest)."""
 
-    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
-        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
+    def run(
+        x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, z_scale=None, **attrs
+    ) -> torch.Tensor:
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
     run.__name__ = name
     return run
@@ -334,7 +338,9 @@ def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) ->
     return _kept(w_q, ("half", half, layout), make, w_scale)
 
 
-def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+def qconv_half(
+    x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, z_scale=None, **attrs
+) -> torch.Tensor:
     """QConvAct through cuDNN's float16 convolution (the tensor-core route where no 8-bit kernel
     wins)."""
 
@@ -342,7 +348,7 @@ def qconv_half(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs
         # (after qconv's checks of the operands: a bad scale is named, not a torch error)
         return _half_sums(xq, wq, bias, zz, call, w_half=_half_weight(xq, wq, w_scale))
 
-    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums)
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
 
 def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
@@ -364,6 +370,8 @@ def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
 def _triton_qconv(cfg: Any) -> Callable:
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
         epilogue = gemm.Epilogue.of(call.activation, *call.act)
+        # (a quantized residual dequantized first: the convolution's epilogue reads floats)
+        z = z if call.z_scale is None else call.residual(z)
         y = conv.conv_act(
             x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
             residual_after=call.after, config=cfg, scale=(call.x_scale, call.w_scale),

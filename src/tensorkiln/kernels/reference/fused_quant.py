@@ -58,6 +58,7 @@ def qconv_act(
     b: np.ndarray | None = None,
     z: np.ndarray | None = None,
     y_scale: np.ndarray | None = None,
+    z_scale: np.ndarray | None = None,
     *,
     auto_pad: str = "NOTSET",
     dilations=None,
@@ -74,7 +75,8 @@ def qconv_act(
     out_dtype: int = 1,
 ) -> np.ndarray:
     """act(conv(X_q, W_q) * X_scale * W_scale + B + Z) (or act(...) + Z), computed in float32,
-    returned in ``out_dtype``; with ``y_scale``, quantized to it (:func:`_as_out`)."""
+    returned in ``out_dtype``; with ``y_scale``, quantized to it (:func:`_as_out`); with
+    ``z_scale``, Z is quantized and read as DequantizeLinear reads it (:func:`residual`)."""
     acc = conv_act(
         _exact(x_q, "QConvAct's X"),
         _exact(w_q, "QConvAct's W"),
@@ -94,10 +96,23 @@ def qconv_act(
             f"QConvAct: residual Z of shape {z.shape} must have the output's {acc.shape}"
         )
     bb = None if b is None else b.astype(np.float32).reshape(m)
-    zz = None if z is None else z.astype(np.float32).reshape(y.shape)
+    zz = None if z is None else residual(z, z_scale).reshape(y.shape)
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     _epilogue(y, bb, zz, act, residual_order == "act_add")
     return _as_out(y.reshape(acc.shape), out_dtype, y_scale)
+
+
+def residual(z: np.ndarray, z_scale: np.ndarray | None) -> np.ndarray:
+    """A residual as float32: with ``z_scale`` (one value), an int8 or float8 Z times it in
+    float32, as DequantizeLinear computes it (zero point 0)."""
+    if z_scale is None:
+        return z.astype(np.float32)
+    if z.dtype not in _QUANTIZED or np.size(z_scale) != 1:
+        raise ValueError(
+            f"QConvAct: a residual with Z_scale must be int8 or float8 with one scale, got "
+            f"{z.dtype} and {np.size(z_scale)} scales"
+        )
+    return z.astype(np.float32) * np.asarray(z_scale, np.float32).reshape(())
 
 
 def _as_out(y: np.ndarray, out_dtype: int, y_scale: np.ndarray | None = None) -> np.ndarray:

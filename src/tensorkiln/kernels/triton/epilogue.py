@@ -26,14 +26,16 @@ from tensorkiln.kernels.triton.gemm import Epilogue, finish
 from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_RESIDUALS = (*FLOATS, torch.int8, torch.float8_e4m3fn)  # (8-bit ones read with a scale)
 BLOCK = 2048
 
 
 @triton.jit
 def _epilogue_kernel(
-    x_ptr, s_ptr, b_ptr, z_ptr, q_ptr, y_ptr, n, C, inner, p0, p1, lo, hi,
-    HAS_S: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr,
-    ACT: tl.constexpr, NHWC: tl.constexpr, QOUT: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, s_ptr, b_ptr, z_ptr, zs_ptr, q_ptr, y_ptr, n, C, inner, p0, p1, lo, hi,
+    HAS_S: tl.constexpr, HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_SCALED: tl.constexpr,
+    Z_AFTER: tl.constexpr, ACT: tl.constexpr, NHWC: tl.constexpr, QOUT: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -47,7 +49,9 @@ def _epilogue_kernel(
         bias = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
     z = 0.0
     if HAS_Z:
-        z = tl.load(z_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + offs, mask=mask).to(tl.float32)  # (no other: 8-bit float types)
+        if Z_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
+            z = z * tl.load(zs_ptr)
     v = finish(v, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # (the next layer's input quantization, fused)
         v = requantize(v, tl.load(q_ptr), QOUT)
@@ -86,7 +90,9 @@ def epilogue_(
     return y
 
 
-def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool, y_scale=None) -> None:
+def _launch(
+    x, scale, b, z, y, epilogue: Epilogue, residual_after: bool, y_scale=None, z_scale=None
+) -> None:
     inner = channel_stride(x)
     channels = x.shape[1]
     for what, v in (("bias", b), ("scale", scale)):
@@ -97,24 +103,27 @@ def _launch(x, scale, b, z, y, epilogue: Epilogue, residual_after: bool, y_scale
     code = qout(y.dtype) if y_scale is not None else 0
     _epilogue_kernel[(triton.cdiv(n, BLOCK),)](
         x, scale if scale is not None else x, bias if bias is not None else x,
-        z if z is not None else x, y_scale if y_scale is not None else x, storable(y),
+        z if z is not None else x, z_scale if z_scale is not None else x,
+        y_scale if y_scale is not None else x, storable(y),
         n, channels, inner, epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
         HAS_S=scale is not None, HAS_B=bias is not None, HAS_Z=z is not None,
-        Z_AFTER=bool(residual_after), ACT=epilogue.code, NHWC=inner == 1, QOUT=code,
+        Z_SCALED=z_scale is not None, Z_AFTER=bool(residual_after), ACT=epilogue.code,
+        NHWC=inner == 1, QOUT=code,
         BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
 
 
 def dequantize_applies(acc: torch.Tensor, z: torch.Tensor | None) -> bool:
     """Whether :func:`dequantize` takes sums ``acc`` (int32 or a float type, dense (N, C, ...)
-    or (rows, C)) and residual ``z`` (the output's shape and strides, any float type)."""
+    or (rows, C)) and residual ``z`` (the output's shape and strides, any float type, or int8
+    or float8 E4M3 read with a scale)."""
     if acc.dtype not in (torch.int32, *FLOATS) or acc.numel() == 0:
         return False
     if channel_stride(acc) is None or acc.numel() >= 2**31:
         return False
     if z is None:
         return True
-    return z.shape == acc.shape and z.dtype in FLOATS and z.stride() == acc.stride()
+    return z.shape == acc.shape and z.dtype in _RESIDUALS and z.stride() == acc.stride()
 
 
 def dequantize(
@@ -126,15 +135,19 @@ def dequantize(
     residual_after: bool,
     out_dtype: torch.dtype,
     y_scale: torch.Tensor | None = None,
+    z_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A quantized layer's epilogue in one pass: ``act(acc * scale + b + z)`` (or
     ``act(acc * scale + b) + z``) in float32, written once in ``out_dtype`` and ``acc``'s layout;
     ``scale`` (float32) and ``b`` hold one value per channel (axis 1); with ``y_scale`` (float32,
     one value) the result is quantized to it (``out_dtype`` int8 or float8 E4M3). The caller
-    checks :func:`dequantize_applies` first."""
+    checks :func:`dequantize_applies` first. ``z_scale`` (float32, one value): ``z`` is int8 or
+    E4M3, read as ``z * z_scale``; an 8-bit ``z`` needs one."""
     if y_scale is not None and not qout(out_dtype):
         raise ValueError(f"a quantized output is int8 or float8_e4m3fn, not {out_dtype}")
+    if z is not None and (z.dtype in FLOATS) != (z_scale is None):
+        raise ValueError(f"a residual of {z.dtype} is read with a scale only when 8-bit")
     y = torch.empty_like(acc, dtype=out_dtype)
     scale = scale.to(torch.float32).contiguous()
-    _launch(acc, scale, b, z, y, epilogue, residual_after, y_scale)
+    _launch(acc, scale, b, z, y, epilogue, residual_after, y_scale, z_scale)
     return y
