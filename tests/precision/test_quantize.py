@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.builder import Builder, BuilderConfig
 from tensorkiln.errors import BuildError
+from tensorkiln.ir import DType
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -447,3 +448,143 @@ def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) 
     engine = builder.build(path, config)
     assert "precision choice" not in builder.last_report.phases
     assert sum(n.op in ("QConvAct", "QGemmAct") for n in engine.graph.nodes) == 3
+
+
+def _residual_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """Two residual blocks as a ResNet's: r0 = Relu(conv0(x)); r1 = Relu(conv2(Relu(conv1(r0)))
+    + r0); r2 = Relu(conv4(Relu(conv3(r1))) + r1); then pool and a Gemm."""
+    c = 8
+    inits, nodes = [], []
+
+    def conv(name: str, x: str, y: str, cin: int, act: bool = True) -> None:
+        w = (rng.standard_normal((c, cin, 3, 3)) * (0.5 / np.sqrt(cin * 9))).astype(np.float32)
+        b = (rng.standard_normal(c) * 0.1).astype(np.float32)
+        inits.extend(
+            [numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(b, f"{name}_b")]
+        )
+        out = f"{name}_out" if act else y
+        nodes.append(
+            helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out], name, pads=[1] * 4)
+        )
+        if act:
+            nodes.append(helper.make_node("Relu", [out], [y], f"{name}_relu"))
+
+    conv("conv0", "x", "r0", 3)
+    for k, (i, o) in enumerate((("r0", "r1"), ("r1", "r2"))):
+        conv(f"conv{2 * k + 1}", i, f"h{k}", c)
+        conv(f"conv{2 * k + 2}", f"h{k}", f"s{k}_conv", c, act=False)
+        nodes.append(helper.make_node("Add", [f"s{k}_conv", i], [f"s{k}"], f"add{k}"))
+        nodes.append(helper.make_node("Relu", [f"s{k}"], [o], f"relu_add{k}"))
+    w = (rng.standard_normal((10, c)) * 0.3).astype(np.float32)
+    inits += [
+        numpy_helper.from_array(w, "fc_w"),
+        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
+    ]
+    nodes += [
+        helper.make_node("GlobalAveragePool", ["r2"], ["p"], "pool"),
+        helper.make_node("Flatten", ["p"], ["flat"], "flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], "fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "resnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_residual_blocks_quantize_as_tensorrt_runs_them(tmp_path: Path, precision: str) -> None:
+    """A block's input, quantized for the next convolution, is its residual too: the block's
+    last convolution reads it quantized and the block before writes it quantized, so no
+    QuantizeLinear runs between blocks. The oracle: onnxruntime's run of the explicit Q/DQ
+    model written here from the calibration cache's scales, with the residual read through the
+    same Q/DQ pair as the next convolution's input."""
+    rng = np.random.default_rng()
+    model = _residual_model(rng)
+    path = tmp_path / "resnet.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    cache = tmp_path / "calib.json"
+    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
+                    calibrator="minmax")  # fmt: skip
+    layers = {n.name: n for n in engine.graph.nodes}
+    code = {"int8": 3, "fp8": 17}[precision]
+    for k in range(2):
+        last = layers[f"conv{2 * k + 2}"]
+        assert last.op == "QConvAct" and len(last.inputs) == 8
+        assert last.inputs[5].dtype == (DType.INT8 if precision == "int8" else DType.FLOAT8E4M3FN)
+    assert layers["conv2"].attrs["out_dtype"] == code  # (block 1's output, written quantized)
+    made_by = {v: n for n in engine.graph.nodes for v in n.outputs}
+    for q in (n for n in engine.graph.nodes if n.op == "QuantizeLinear"):
+        assert q.inputs[0] not in made_by or made_by[q.inputs[0]].op != "QConvAct", q.name
+    import json
+
+    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
+    oracle = _qdq_model_of(model, scales, precision)
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _run_ort(oracle, {"x": x})
+    # (as above: a value on a later quantizer's rounding edge may land one step away, rarely)
+    err = np.abs(got - want)
+    off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
+    assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
+
+
+def _qdq_model_of(
+    model: onnx.ModelProto, scales: dict[str, float], precision: str
+) -> onnx.ModelProto:
+    """``model`` with one Q/DQ pair per calibrated tensor, read by every layer that takes it as
+    its data input and by the residual adds of it; weights per output channel."""
+    g = onnx.ModelProto()
+    g.CopyFrom(model)
+    graph = g.graph
+    weights = {t.name: numpy_helper.to_array(t) for t in graph.initializer}
+    inits = [numpy_helper.from_array(ZERO[precision], "zp")]
+    nodes = list(graph.node)
+    for x, s in scales.items():
+        inits.append(numpy_helper.from_array(np.float32(s), f"{x}_s"))
+        nodes += [helper.make_node("QuantizeLinear", [x, f"{x}_s", "zp"], [f"{x}_q"]),
+                  helper.make_node("DequantizeLinear", [f"{x}_q", f"{x}_s", "zp"], [f"{x}_dq"])]  # fmt: skip
+    for node in list(nodes):
+        if node.op_type in ("Conv", "Gemm") and node.input[0] in scales:
+            w = node.input[1]
+            wq, ws = _quantize_weight(weights[w], precision)
+            q = numpy_helper.from_array(wq, f"{w}_q") if precision == "int8" else _f8(wq, f"{w}_q")
+            inits += [q, numpy_helper.from_array(ws, f"{w}_s")]
+            nodes.append(
+                helper.make_node("DequantizeLinear", [f"{w}_q", f"{w}_s"], [f"{w}_dq"], axis=0)
+            )
+            node.input[0], node.input[1] = f"{node.input[0]}_dq", f"{w}_dq"
+        if node.op_type == "Add" and node.input[1] in scales:
+            node.input[1] = f"{node.input[1]}_dq"
+    known = (
+        {i.name for i in graph.input}
+        | {t.name for t in graph.initializer}
+        | {t.name for t in inits}
+    )
+    ordered = []  # (topological order, as ONNX wants it)
+    while nodes:
+        ready = [n for n in nodes if all(i in known for i in n.input if i)]
+        assert ready, "the oracle's graph has a cycle"
+        for n in ready:
+            nodes.remove(n)
+            ordered.append(n)
+            known.update(n.output)
+    del graph.node[:]
+    graph.node.extend(ordered)
+    graph.initializer.extend(inits)
+    onnx.checker.check_model(g)
+    return g
+
+
+def test_a_layer_kept_in_float_reads_its_residual_in_float(tmp_path: Path) -> None:
+    """The accuracy budget's switch of a residual convolution takes its residual back to float
+    with its data input and weight (a budget no quantized layer meets keeps them all float)."""
+    rng = np.random.default_rng()
+    path = tmp_path / "resnet.onnx"
+    onnx.save(_residual_model(rng), path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    engine = _build(path, "int8", calibration_data=calib, accuracy_budget="0.00001")
+    for name in ("conv2", "conv4"):
+        (layer,) = [n for n in engine.graph.nodes if n.name == name]
+        assert layer.op == "ConvAct" and layer.inputs[3].dtype == DType.FLOAT

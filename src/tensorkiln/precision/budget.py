@@ -94,15 +94,18 @@ def _worst_cosine(g: np.ndarray, w: np.ndarray) -> float:
 
 @dataclass
 class Switch:
-    """A quantizable layer's two ways to read its data input and weight."""
+    """A quantizable layer's two ways to read its inputs in ``slots``: its data input and weight
+    (0 and 1), and a convolution's residual (3) where that is quantized too."""
 
     node: Node
-    float_inputs: tuple[Value, Value]
-    quantized_inputs: tuple[Value, Value]
+    float_inputs: tuple[Value, ...]
+    quantized_inputs: tuple[Value, ...]
+    slots: tuple[int, ...] = (0, 1)
 
     def set(self, quantized: bool) -> None:
-        pair = self.quantized_inputs if quantized else self.float_inputs
-        self.node.inputs[0], self.node.inputs[1] = pair
+        values = self.quantized_inputs if quantized else self.float_inputs
+        for slot, v in zip(self.slots, values, strict=True):
+            self.node.inputs[slot] = v
 
 
 @dataclass

@@ -22,9 +22,9 @@ import numpy as np
 from tensorkiln.errors import BuildError
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
 from tensorkiln.passes.cleanup import dead_code
-from tensorkiln.passes.fuse_qdq import fuse_quantized, fuse_requantize
+from tensorkiln.passes.fuse_qdq import REQUANTIZE, fuse_quantized
 from tensorkiln.passes.rewrite import Rewrite, add_constant, const_value
-from tensorkiln.passes.rules import View
+from tensorkiln.passes.rules import View, apply_rules
 from tensorkiln.precision.budget import AccuracyBudget, Switch, run_with, search
 from tensorkiln.precision.calibration import (
     CalibrationRequest,
@@ -144,7 +144,13 @@ def quantize_graph(
         note, kept = _meet(graph, switches, budget, request, executor_factory, progress)
         notes.append(note)
     fused = fuse_quantized(graph)
-    requantized = fuse_requantize(graph)
+    done: Counter[str] = Counter()
+    for _ in range(4):  # (a layer both rules rewrite takes the second in the next sweep)
+        sweep = apply_rules(graph, REQUANTIZE)
+        if not sweep:
+            break
+        done += sweep
+    requantized, residuals = done["requantize_in_epilogue"], done["residual_dequantize_in_epilogue"]
     dead_code(graph)
     left = len(layers) - kept - fused
     notes.append(
@@ -152,6 +158,7 @@ def quantize_graph(
         + (f", {kept} kept in float32 for the accuracy budget" if kept else "")
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
         + (f"; {requantized} write the next layer's quantized input" if requantized else "")
+        + (f"; {residuals} read their residual quantized" if residuals else "")
     )
     return notes
 
@@ -265,8 +272,32 @@ def insert_qdq(
         w_dq = _dequantize(rw, names, wq_v, ws_v, None, w, axis)
         switches.append(Switch(n, (x, n.inputs[1]), (x_dq, w_dq)))
         n.inputs = [x_dq, w_dq, *n.inputs[2:]]
+    for sw in switches:
+        _quantized_residual(sw, dequantized)
     rw.apply(graph)
     return switches
+
+
+_RESIDUAL = 3  # ConvAct's input slot of the residual (X, W, B, Z)
+
+
+def _quantized_residual(sw: Switch, dequantized: Mapping[Value, Value]) -> None:
+    """A quantized convolution whose residual is a tensor quantized for another layer (the
+    block input a ResNet adds back, which the next block's first convolution reads) reads the
+    residual through that same Q/DQ pair, as TensorRT's INT8 ResNets do. The tensor then has
+    the Q as its one reader, so its producer writes it quantized (fuse_requantize), and this
+    layer reads it quantized (the DQ fused into its epilogue): no QuantizeLinear runs on its own
+    between blocks. The residual carries the quantization error of the tensor it is."""
+    n = sw.node
+    if (n.domain, n.op) != ("tensorkiln", "ConvAct") or len(n.inputs) <= _RESIDUAL:
+        return
+    z = n.inputs[_RESIDUAL]
+    z_dq = dequantized.get(z) if z is not None else None
+    if z_dq is None or z_dq.shape != z.shape:
+        return
+    n.inputs[_RESIDUAL] = z_dq
+    sw.float_inputs, sw.quantized_inputs = (*sw.float_inputs, z), (*sw.quantized_inputs, z_dq)
+    sw.slots = (*sw.slots, _RESIDUAL)
 
 
 def _smoothed(
