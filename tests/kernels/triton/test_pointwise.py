@@ -526,6 +526,24 @@ def test_channels_last_inputs_give_channels_last_outputs():
         assert_close(to_numpy(g), r)
 
 
+def _residual_block(qtype: int, zero_points: list, **kw):
+    """DQ(aq), DQ(bq), Add, Relu, Q -> out: an explicitly quantized residual block, its tensors
+    of ``qtype`` (2x8x5x6), ``zero_points`` the initializers za, zb, zy."""
+    return model(
+        [
+            node("DequantizeLinear", ["aq", "sa", "za"], ["a"]),
+            node("DequantizeLinear", ["bq", "sb", "zb"], ["b"]),
+            node("Add", ["a", "b"], ["s"]),
+            node("Relu", ["s"], ["r"]),
+            node("QuantizeLinear", ["r", "sy", "zy"], ["out"]),
+        ],
+        [vi("aq", [2, 8, 5, 6], qtype), vi("bq", [2, 8, 5, 6], qtype)],
+        [vi("out", [2, 8, 5, 6], qtype)],
+        [const("sa", 0.05), const("sb", 0.04), const("sy", 0.06), *zero_points],
+        **kw,
+    )  # fmt: skip
+
+
 @pytest.mark.parametrize("zero_point", ["int8", "uint8"])
 def test_fused_quantized_residual_add(zero_point):
     """An explicitly quantized model's residual block: DQ(a), DQ(b), Add, Relu, Q -> one kernel
@@ -536,21 +554,9 @@ def test_fused_quantized_residual_add(zero_point):
         (TensorProto.INT8, np.int8) if zero_point == "int8" else (TensorProto.UINT8, np.uint8)
     )
     zps = (0, 0, 0) if zero_point == "int8" else (128, 120, 3)
-    m = model(
-        [
-            node("DequantizeLinear", ["aq", "sa", "za"], ["a"]),
-            node("DequantizeLinear", ["bq", "sb", "zb"], ["b"]),
-            node("Add", ["a", "b"], ["s"]),
-            node("Relu", ["s"], ["r"]),
-            node("QuantizeLinear", ["r", "sy", "zy"], ["out"]),
-        ],
-        [vi("aq", [2, 8, 5, 6], qtype), vi("bq", [2, 8, 5, 6], qtype)],
-        [vi("out", [2, 8, 5, 6], qtype)],
-        [
-            const("sa", 0.05), const("sb", 0.04), const("sy", 0.06),
-            const("za", zps[0], np_t), const("zb", zps[1], np_t), const("zy", zps[2], np_t),
-        ],
-    )  # fmt: skip
+    m = _residual_block(
+        qtype, [const(n, z, np_t) for n, z in zip(("za", "zb", "zy"), zps, strict=True)]
+    )
     body, names = fused_body(m)
     assert [n.op for n in body.nodes] == [
         "DequantizeLinear", "DequantizeLinear", "Add", "Relu", "QuantizeLinear",
@@ -585,20 +591,7 @@ def test_fused_fp8_residual_add():
             name, f8, [], np.zeros((), FP8).view(np.uint8).tobytes(), raw=True
         )
 
-    m = model(
-        [
-            node("DequantizeLinear", ["aq", "sa", "za"], ["a"]),
-            node("DequantizeLinear", ["bq", "sb", "zb"], ["b"]),
-            node("Add", ["a", "b"], ["s"]),
-            node("Relu", ["s"], ["r"]),
-            node("QuantizeLinear", ["r", "sy", "zy"], ["out"]),
-        ],
-        [vi("aq", [2, 8, 5, 6], f8), vi("bq", [2, 8, 5, 6], f8)],
-        [vi("out", [2, 8, 5, 6], f8)],
-        [const("sa", 0.05), const("sb", 0.04), const("sy", 0.03), zero("za"), zero("zb"),
-         zero("zy")],
-        opset=21,
-    )  # fmt: skip
+    m = _residual_block(f8, [zero("za"), zero("zb"), zero("zy")], opset=21)
     body, names = fused_body(m)
     assert [n.op for n in body.nodes] == [
         "DequantizeLinear", "DequantizeLinear", "Add", "Relu", "QuantizeLinear",

@@ -226,20 +226,25 @@ def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
 CONV_TACTICS = ["cublas_int8_mm", "cudnn_fp16", "triton_qconv_64x64x32_w4_s4"]
 
 
+def _conv_case(kind: str, name: str | None) -> tuple[tuple[int, ...], dict]:
+    """A 64-channel QConvAct of 32 channels for tactic ``name``: its weight's shape (1x1 for
+    the int8 GEMM, else 3x3, padded) and attributes (ReLU); skips what the tactic cannot take."""
+    if name == "cublas_int8_mm" and kind == "fp8":
+        pytest.skip("the int8 GEMM takes int8 operands only")
+    pytest.importorskip("triton")
+    if name == "cublas_int8_mm":
+        return (64, 32, 1, 1), {"activation": "Relu"}
+    return (64, 32, 3, 3), {"activation": "Relu", "pads": [1, 1, 1, 1]}
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("name", CONV_TACTICS)
 def test_qconv_tactics_write_the_quantized_output(kind, name) -> None:
     """With Y_scale (fuse_requantize), each tactic writes the next layer's 8-bit input from its
     epilogue; the reference quantizes its float32 result."""
-    if name == "cublas_int8_mm" and kind == "fp8":
-        pytest.skip("the int8 GEMM takes int8 operands only")
-    pytest.importorskip("triton")
     rng = np.random.default_rng()
-    pointwise = name == "cublas_int8_mm"
-    w_shape = (64, 32, 1, 1) if pointwise else (64, 32, 3, 3)
-    attrs = {"activation": "Relu", "out_dtype": 3 if kind == "int8" else 17}
-    if not pointwise:
-        attrs["pads"] = [1, 1, 1, 1]
+    w_shape, attrs = _conv_case(kind, name)
+    attrs["out_dtype"] = 3 if kind == "int8" else 17
     xs = np.float32(0.05)
     args = [_q(rng, (2, 32, 6, 5), kind), xs, _q(rng, w_shape, kind),
             rng.uniform(1e-3, 3e-3, 64).astype(np.float32),
@@ -393,13 +398,8 @@ def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
     Z * Z_scale: each tactic (and the cuda backend's exact default, None), channels-last as an
     engine runs it, agrees with the reference, whose result is the float layer's with the
     residual dequantized first (DequantizeLinear's reference kernel)."""
-    if name == "cublas_int8_mm" and kind == "fp8":
-        pytest.skip("the int8 GEMM takes int8 operands only")
-    pytest.importorskip("triton")
     rng = np.random.default_rng()
-    pointwise = name == "cublas_int8_mm"
-    w_shape = (64, 32, 1, 1) if pointwise else (64, 32, 3, 3)
-    attrs = {"activation": "Relu"} | ({} if pointwise else {"pads": [1, 1, 1, 1]})
+    w_shape, attrs = _conv_case(kind, name)
     z_q, z_scale = _q(rng, (2, 64, 6, 5), kind), np.float32(rng.uniform(0.01, 0.05))
     args = [_q(rng, (2, 32, 6, 5), kind), np.float32(0.05), _q(rng, w_shape, kind),
             rng.uniform(1e-3, 3e-3, 64).astype(np.float32),
