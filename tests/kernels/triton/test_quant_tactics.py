@@ -228,11 +228,12 @@ CONV_TACTICS = ["cublas_int8_mm", "cudnn_fp16", "triton_qconv_64x64x32_w4_s4"]
 
 def _conv_case(kind: str, name: str | None) -> tuple[tuple[int, ...], dict]:
     """A 64-channel QConvAct of 32 channels for tactic ``name``: its weight's shape (1x1 for
-    the int8 GEMM, else 3x3, padded) and attributes (ReLU); skips what the tactic cannot take."""
+    the int8 GEMM and for a name ending in ':1x1', else 3x3, padded) and attributes (ReLU);
+    skips what the tactic cannot take."""
     if name == "cublas_int8_mm" and kind == "fp8":
         pytest.skip("the int8 GEMM takes int8 operands only")
     pytest.importorskip("triton")
-    if name == "cublas_int8_mm":
+    if name == "cublas_int8_mm" or (name or "").endswith(":1x1"):
         return (64, 32, 1, 1), {"activation": "Relu"}
     return (64, 32, 3, 3), {"activation": "Relu", "pads": [1, 1, 1, 1]}
 
@@ -392,7 +393,7 @@ def test_triton_tactics_take_a_per_tensor_weight_scale(kind) -> None:
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
-@pytest.mark.parametrize("name", [*CONV_TACTICS, None])
+@pytest.mark.parametrize("name", [*CONV_TACTICS, "triton_qconv_64x64x32_w4_s4:1x1", None])
 def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
     """With Z_scale (fuse_requantize's residual rule), the residual is int8 or E4M3 and read as
     Z * Z_scale: each tactic (and the cuda backend's exact default, None), channels-last as an
@@ -414,7 +415,8 @@ def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
     if name is None:
         fn = lookup("QConvAct", "tensorkiln", 1, "cuda").fn
     else:
-        tactic = get_tactic("QConvAct", "tensorkiln", name)
+        # (':1x1': the Triton convolution's channels-last 1x1 route, its GEMM kernel)
+        tactic = get_tactic("QConvAct", "tensorkiln", name.split(":")[0])
         spec = LayerSpec("QConvAct", "tensorkiln", attrs,
                          tuple(None if a is None else np.shape(a) for a in args),
                          tuple(None if a is None else np.asarray(a).dtype.name for a in args),

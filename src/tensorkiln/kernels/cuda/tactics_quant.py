@@ -370,13 +370,11 @@ def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
 def _triton_qconv(cfg: Any) -> Callable:
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
         epilogue = gemm.Epilogue.of(call.activation, *call.act)
-        # (a quantized residual dequantized first: the convolution's epilogue reads floats)
-        z = z if call.z_scale is None else call.residual(z)
         y = conv.conv_act(
             x_q, w_q, bias, z, geom=call.geometry, group=call.group, epilogue=epilogue,
             residual_after=call.after, config=cfg, scale=(call.x_scale, call.w_scale),
             out_dtype=call.out,
-            y_scale=call.y_scale,
+            y_scale=call.y_scale, z_scale=call.z_scale,  # (a quantized residual read as it is)
         )  # fmt: skip
         return y, True
 

@@ -93,7 +93,7 @@ _GENERIC = [
 
 @triton.jit(do_not_specialize=_GENERIC)
 def _conv_kernel(
-    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr,
+    x_ptr, w_ptr, b_ptr, z_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr, zs_ptr,
     NB, C, H, W, OC, OH, OW, KH, KW, s_ws,
     sx_n, sx_c, sx_h, sx_w, sw_o, sw_c, sw_h, sw_w,
     sz_n, sz_c, sz_h, sz_w, sy_n, sy_c, sy_h, sy_w,
@@ -101,7 +101,8 @@ def _conv_kernel(
     p0, p1, lo, hi,
     HAS_B: tl.constexpr, HAS_Z: tl.constexpr, Z_AFTER: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, FLAT_K: tl.constexpr, QUANT: tl.constexpr,
-    QOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    QOUT: tl.constexpr, Z_SCALED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     # C and OC are the input and output channels of one group
     M = NB * OH * OW
@@ -146,7 +147,10 @@ def _conv_kernel(
     z = 0.0
     if HAS_Z:
         z_ptrs = z_ptr + (n * sz_n + oh * sz_h + ow * sz_w)[:, None] + co[None, :] * sz_c
-        z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if Z_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
+            z = tl.load(z_ptrs, mask=mask).to(tl.float32) * tl.load(zs_ptr)
+        else:
+            z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
     acc = finish(acc, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
         acc = requantize(acc, tl.load(q_ptr), QOUT)
@@ -169,7 +173,7 @@ FLAT_BELOW = 16  # input channels per group under which the reduction runs in im
 
 
 def _pointwise_gemm(
-    x, w, bias, z, y, epilogue, residual_after, config, scale=None, y_scale=None
+    x, w, bias, z, y, epilogue, residual_after, config, scale=None, y_scale=None, z_scale=None
 ) -> torch.Tensor:
     """A 1x1 convolution of channels-last ``x`` as the GEMM it is: the (pixels, C) view of ``x``
     times the (C, OC) view of ``w``, bias, residual and activation in the GEMM's epilogue, written
@@ -187,6 +191,7 @@ def _pointwise_gemm(
     launch(
         a, bt, y2, c2, r2, alpha=1.0, beta=1.0, epilogue=epilogue,
         residual_after=residual_after, config=config, scale=scale, y_scale=y_scale,
+        r_scale=z_scale,
     )  # fmt: skip
     return y
 
@@ -209,12 +214,14 @@ def conv_act(
     scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_dtype: torch.dtype = torch.float32,
     y_scale: torch.Tensor | None = None,
+    z_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """act(conv(x, w) + b + z) for 1-D and 2-D NCHW convolutions with OIHW weights; with
     ``scale`` (X_scale, W_scale: float32, one value and one per output channel or one), x and w
     are int8 or float8 E4M3 and the sums are multiplied by their product before the epilogue
     (tensorkiln.QConvAct), the output in ``out_dtype``
-    (with ``y_scale``: int8 or E4M3, the result quantized to it).
+    (with ``y_scale``: int8 or E4M3, the result quantized to it; with ``z_scale``: z is int8 or
+    E4M3, read as z * z_scale).
     Any strides: the weights of the cuda backend's convolutions are channels-last (OHWI), the
     layout whose channel reads are contiguous."""
     if x.dim() not in (3, 4) or w.dim() != x.dim():
@@ -227,7 +234,7 @@ def conv_act(
         y = conv_act(
             _as_2d(x), _as_2d(w), b, _as_2d(z), geom=g1, group=group, epilogue=epilogue,
             residual_after=residual_after, config=config, scale=scale, out_dtype=out_dtype,
-            y_scale=y_scale,
+            y_scale=y_scale, z_scale=z_scale,
         )  # fmt: skip
         return y.squeeze(2)
     nb, c, h, wd = x.shape
@@ -249,7 +256,7 @@ def conv_act(
     bias = None if b is None else b.reshape(oc).contiguous()
     if nhwc and group == 1 and geom.pointwise:
         return _pointwise_gemm(
-            x, w, bias, z, y, epilogue, residual_after, config, scale, y_scale
+            x, w, bias, z, y, epilogue, residual_after, config, scale, y_scale, z_scale
         )  # fmt: skip
     quant = 0 if scale is None else (1 if x.dtype == torch.int8 else 2)
     xs, ws, s_ws = scale_operands(scale, y)
@@ -257,7 +264,7 @@ def conv_act(
     grid = (triton.cdiv(nb * oh * ow, config.block_m) * triton.cdiv(ocg, config.block_n), group)
     _conv_kernel[grid](
         x, w, bias if bias is not None else y, z if z is not None else y, storable(y),
-        xs, ws, y_scale if y_scale is not None else y,
+        xs, ws, y_scale if y_scale is not None else y, z_scale if z_scale is not None else y,
         nb, c // group, h, wd, ocg, oh, ow, w.shape[2], w.shape[3], s_ws,
         *x.stride(), *w.stride(), *(z.stride() if z is not None else (0, 0, 0, 0)), *y.stride(),
         *geom.strides, *geom.begin, *geom.dilations,
@@ -266,7 +273,7 @@ def conv_act(
         ACT=epilogue.code, PRECISION=dot_precision(x.dtype),
         UPCAST=interpreting() and x.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         FLAT_K=c // group < FLAT_BELOW, QUANT=quant,
-        QOUT=qout(y.dtype) if y_scale is not None else 0,
+        QOUT=qout(y.dtype) if y_scale is not None else 0, Z_SCALED=z_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip

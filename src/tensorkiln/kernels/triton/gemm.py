@@ -191,13 +191,13 @@ def channel_scale(xs_ptr, ws_ptr, s_ws, cols):
 
 @triton.jit
 def _gemm_kernel(
-    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr,
+    a_ptr, b_ptr, c_ptr, r_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr, rs_ptr,
     M, N, K, s_ws,
     s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cm, s_cn, s_rm, s_rn, s_yb, s_ym, s_yn,
     alpha, beta, p0, p1, lo, hi,
     HAS_C: tl.constexpr, HAS_R: tl.constexpr, R_AFTER: tl.constexpr, ACT: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr, EVEN_K: tl.constexpr,
-    QUANT: tl.constexpr, QOUT: tl.constexpr,
+    QUANT: tl.constexpr, QOUT: tl.constexpr, R_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -233,8 +233,11 @@ def _gemm_kernel(
         c = c.to(tl.float32) * beta
     r = 0.0
     if HAS_R:
-        r = tl.load(r_ptr + rm[:, None] * s_rm + rn[None, :] * s_rn, mask=mask, other=0.0)
-        r = r.to(tl.float32)
+        r_ptrs = r_ptr + rm[:, None] * s_rm + rn[None, :] * s_rn
+        if R_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
+            r = tl.load(r_ptrs, mask=mask).to(tl.float32) * tl.load(rs_ptr)
+        else:
+            r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
     acc = finish(acc, c, r, HAS_C, HAS_R, R_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
         acc = requantize(acc, tl.load(q_ptr), QOUT)
@@ -303,12 +306,14 @@ def launch(
     config: TileConfig,
     scale: tuple[torch.Tensor, torch.Tensor] | None = None,
     y_scale: torch.Tensor | None = None,
+    r_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y[i] = act(alpha * a[i] @ b[i] + beta * c + r) for 3-D a, b, y (any strides, batch-0
     broadcast allowed) and 2-D c, r of y's last two dims (broadcast by zero strides). With
     ``scale`` (X_scale, W_scale: float32, one value and one per column or one), a and b are int8
     or E4M3 and their sums are multiplied by their product first; with ``y_scale`` (one float32),
-    y is int8 or E4M3 and the result is quantized to it."""
+    y is int8 or E4M3 and the result is quantized to it; with ``r_scale`` (one float32), r is
+    int8 or E4M3, read as r * r_scale."""
     batch, m, k = a.shape
     n = b.shape[2]
     if batch == 0 or m == 0 or n == 0:
@@ -318,7 +323,7 @@ def launch(
     xs, ws, s_ws = scale_operands(scale, y)
     _gemm_kernel[grid](
         a, b, c if c is not None else y, r if r is not None else y, storable(y),
-        xs, ws, y_scale if y_scale is not None else y,
+        xs, ws, y_scale if y_scale is not None else y, r_scale if r_scale is not None else y,
         m, n, k, s_ws,
         a.stride(0), a.stride(1), a.stride(2),
         b.stride(0), b.stride(1), b.stride(2),
@@ -330,7 +335,7 @@ def launch(
         ACT=epilogue.code, PRECISION=dot_precision(a.dtype),
         UPCAST=interpreting() and a.dtype in (torch.bfloat16, torch.float8_e4m3fn),
         EVEN_K=k % config.block_k == 0, QUANT=quant,
-        QOUT=qout(y.dtype) if y_scale is not None else 0,
+        QOUT=qout(y.dtype) if y_scale is not None else 0, R_SCALED=r_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
