@@ -29,7 +29,6 @@ _TL = {
     DType.FLOAT: "tl.float32",
     DType.FLOAT16: "tl.float16",
     DType.BFLOAT16: "tl.bfloat16",
-    FP8: "tl.float8e4nv",
     DType.INT8: "tl.int8",
     DType.INT16: "tl.int16",
     DType.INT32: "tl.int32",
@@ -398,10 +397,11 @@ def _dequantize(g, n, a):
 def _quantize(g, n, a):
     """clamp(round_half_even(x / scale) + zp) to int8 or uint8, the division IEEE as the
     reference's (Triton's ``/`` on float32 is an approximation). To float8 E4M3 (saturating,
-    ONNX's default), x / scale rounded half to even onto E4M3's grid in float32 arithmetic,
-    which a DequantizeLinear in the body reads as it is; a float8 output is stored as its E4M3
-    code (quantize.e4m3_bits), so no float8 conversion of Triton's runs (its interpreter rounds
-    them wrongly and turns NaN into 384)."""
+    ONNX's default), x / scale rounded half to even onto E4M3's grid in float32 arithmetic
+    (quantize.saturated_e4m3_value, the QuantizeLinear kernel's rounding), which a
+    DequantizeLinear in the body reads as it is; a float8 output is stored as its E4M3 code
+    (quantize.e4m3_bits), so no float8 conversion of Triton's runs (its interpreter rounds them
+    wrongly and turns NaN into 384)."""
     x, s, zp = _per_tensor_qdq(n, a)
     target = n.outputs[0].dtype if n.outputs and n.outputs[0] is not None else None
     if target == FP8 and x.dtype in FLOATS and x.dtype != FP8:
@@ -409,7 +409,7 @@ def _quantize(g, n, a):
         if not n.attrs.get("saturate", 1):
             raise Unsupported("QuantizeLinear to float8 without saturation")
         q = g.assign(f"tl.math.div_rn({x.code}.to(tl.float32), {s.code})", DType.FLOAT).code
-        return f"_to_e4m3({q})"
+        return f"saturated_e4m3_value({q})"
     if target not in _EIGHT_BIT or x.dtype not in FLOATS:
         raise Unsupported("QuantizeLinear to a type other than int8/uint8/float8 E4M3")
     lo, hi = _EIGHT_BIT[target]
@@ -480,7 +480,7 @@ PRELUDE = """\
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.triton.quantize import e4m3_bits
+from tensorkiln.kernels.triton.quantize import e4m3_bits, saturated_e4m3_value
 
 
 @triton.jit
@@ -553,18 +553,4 @@ def _round_even(x):
     d = x - r
     odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
     return tl.where((d > 0.5) | ((d == 0.5) & odd), r + 1.0, r)
-
-
-@triton.jit
-def _to_e4m3(x):
-    # x (float32) rounded half to even onto float8 E4M3FN's values, saturating at +-448, NaN
-    # kept: the spacing of x's binade is 2**(e - 3) for 3 mantissa bits (2**-9 below 2**-6,
-    # the subnormals), a power of two, so the scaling is exact
-    e = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, -6)
-    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)
-    inv = ((127 - (e - 3)) << 23).to(tl.float32, bitcast=True)
-    r = _round_even(x * inv) * step
-    r = tl.where(r == 0.0, x * 0.0, r)  # (a negative value rounded to zero keeps its sign)
-    return tl.where(x != x, x, tl.minimum(tl.maximum(r, -448.0), 448.0))
 """

@@ -26,29 +26,48 @@ _INT = {torch.int8: (-128.0, 127.0), torch.uint8: (0.0, 255.0)}
 
 
 @triton.jit
-def e4m3_bits(q):
-    """The E4M3 code (int32, 0..255) of ``q`` (float32, |q| <= 448 or NaN), rounded half to
-    even; -0 keeps its sign, NaN is 0x7F (with q's sign bit)."""
-    bits = q.to(tl.int32, bitcast=True)
-    exp = ((bits >> 23) & 0xFF) - 127
+def _e4m3_magnitude(q):
+    """|q| (float32, |q| <= 448) rounded half to even onto E4M3's values (not for NaN)."""
+    exp = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     ulp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; subnormals: a fixed step of 2**-9
     magic = ((ulp + 23 + 127) << 23) | (1 << 22)  # 1.5 * 2**(ulp + 23)
     c = magic.to(tl.float32, bitcast=True)
-    r = (tl.abs(q) + c) - c  # the magnitude, rounded
-    r = tl.where(q != q, 0.0, r)  # (NaN: coded below)
+    return (tl.abs(q) + c) - c
+
+
+@triton.jit
+def e4m3_bits(q):
+    """The E4M3 code (int32, 0..255) of ``q`` (float32, |q| <= 448 or NaN), rounded half to
+    even; -0 keeps its sign, NaN is 0x7F (with q's sign bit)."""
+    r = tl.where(q != q, 0.0, _e4m3_magnitude(q))  # (NaN: coded below)
     rb = r.to(tl.int32, bitcast=True)
     e = ((rb >> 23) & 0xFF) - 120  # E4M3's biased exponent (bias 7)
     code = tl.where(e >= 1, (e << 3) | ((rb >> 20) & 7), (r * 512.0).to(tl.int32))
     code = tl.where(q != q, 0x7F, code)
-    return code | ((bits >> 24) & 0x80)
+    return code | ((q.to(tl.int32, bitcast=True) >> 24) & 0x80)
+
+
+@triton.jit
+def _clamp_e4m3(q):
+    """``q`` clamped to E4M3's range, NaN kept."""
+    q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _saturated_e4m3(q):
     """``q`` clamped to E4M3's range (NaN kept) and coded (:func:`e4m3_bits`)."""
-    q = tl.maximum(q, -E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    q = tl.minimum(q, E4M3_MAX, propagate_nan=tl.PropagateNan.ALL)
-    return e4m3_bits(q)
+    return e4m3_bits(_clamp_e4m3(q))
+
+
+@triton.jit
+def saturated_e4m3_value(q):
+    """The value of :func:`_saturated_e4m3`'s code, as float32: ``q`` clamped and rounded half
+    to even onto E4M3's values; a negative value rounded to zero is -0, NaN stays NaN."""
+    q = _clamp_e4m3(q)
+    sign = q.to(tl.int32, bitcast=True) & -2147483648  # (q's sign bit, on the magnitude)
+    r = (_e4m3_magnitude(q).to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(q != q, q, r)
 
 
 @triton.jit
