@@ -30,6 +30,7 @@ from tensorkiln.kernels.triton.gemm import (
     dot_step,
     finish,
     launch,
+    load_residual,
     scale_operands,
     swizzle,
 )
@@ -147,10 +148,7 @@ def _conv_kernel(
     z = 0.0
     if HAS_Z:
         z_ptrs = z_ptr + (n * sz_n + oh * sz_h + ow * sz_w)[:, None] + co[None, :] * sz_c
-        if Z_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
-            z = tl.load(z_ptrs, mask=mask).to(tl.float32) * tl.load(zs_ptr)
-        else:
-            z = tl.load(z_ptrs, mask=mask, other=0.0).to(tl.float32)
+        z = load_residual(z_ptrs, mask, zs_ptr, Z_SCALED)
     acc = finish(acc, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
         acc = requantize(acc, tl.load(q_ptr), QOUT)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.triton.gemm import Epilogue, finish
+from tensorkiln.kernels.triton.gemm import Epilogue, finish, load_residual
 from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -49,9 +49,7 @@ def _epilogue_kernel(
         bias = tl.load(b_ptr + channel, mask=mask, other=0.0).to(tl.float32)
     z = 0.0
     if HAS_Z:
-        z = tl.load(z_ptr + offs, mask=mask).to(tl.float32)  # (no other: 8-bit float types)
-        if Z_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
-            z = z * tl.load(zs_ptr)
+        z = load_residual(z_ptr + offs, mask, zs_ptr, Z_SCALED)
     v = finish(v, bias, z, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # (the next layer's input quantization, fused)
         v = requantize(v, tl.load(q_ptr), QOUT)

@@ -148,6 +148,15 @@ def finish(
 
 
 @triton.jit
+def load_residual(ptrs, mask, scale_ptr, SCALED: tl.constexpr):
+    """A residual tile in float32; ``SCALED``: an int8 or E4M3 one times its one float32 scale
+    (its DequantizeLinear, fused; loaded with no ``other``, which 8-bit float types refuse)."""
+    if SCALED:
+        return tl.load(ptrs, mask=mask).to(tl.float32) * tl.load(scale_ptr)
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def swizzle(pid, grid_m, grid_n, GROUP_M: tl.constexpr):
     """Tile (row, column) of program ``pid``, GROUP_M row tiles at a time so B stays in L2."""
     width = GROUP_M * grid_n
@@ -233,11 +242,7 @@ def _gemm_kernel(
         c = c.to(tl.float32) * beta
     r = 0.0
     if HAS_R:
-        r_ptrs = r_ptr + rm[:, None] * s_rm + rn[None, :] * s_rn
-        if R_SCALED:  # (an int8 or E4M3 residual: its DequantizeLinear, fused)
-            r = tl.load(r_ptrs, mask=mask).to(tl.float32) * tl.load(rs_ptr)
-        else:
-            r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = load_residual(r_ptr + rm[:, None] * s_rm + rn[None, :] * s_rn, mask, rs_ptr, R_SCALED)
     acc = finish(acc, c, r, HAS_C, HAS_R, R_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
         acc = requantize(acc, tl.load(q_ptr), QOUT)
