@@ -54,7 +54,7 @@ import numpy as np
 from tensorkiln.serve import protocol
 from tensorkiln.serve.core import found, pick, server_metadata
 from tensorkiln.serve.protocol import ServeError
-from tensorkiln.serve.shm import SharedMemory
+from tensorkiln.serve.shm import SHM_DIR, SharedMemory
 
 log = logging.getLogger("tensorkiln.serve")
 
@@ -105,7 +105,7 @@ def pack_tensors(
         if datatype is None or datatype == "BYTES":
             raise ServeError(f"tensor '{name}' has type {x.dtype}, which the link does not carry")
         view = memoryview(x.reshape(-1).view(np.uint8)) if x.size else memoryview(b"")
-        offset = -(-offset // align) * align
+        offset = _aligned(offset, align)
         descs.append({"name": name, "datatype": datatype, "shape": list(x.shape),
                       "offset": offset, "size": view.nbytes})  # fmt: skip
         chunks.append(view)
@@ -139,8 +139,8 @@ def unpack_tensors(descs: Any, payload: Any) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------- arenas
 def _arena_dir(link_path: str) -> str:
     """Where the engine process creates arenas: /dev/shm (memory), else the link's folder."""
-    if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK | os.X_OK):
-        return "/dev/shm"
+    if os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK | os.X_OK):
+        return SHM_DIR
     return os.path.dirname(link_path)
 
 
@@ -179,16 +179,20 @@ def open_arena(folder: str, name: Any, size: Any) -> mmap.mmap:
         os.close(fd)
 
 
+def _aligned(n: int, align: int = _ALIGN) -> int:
+    """``n`` rounded up to a multiple of ``align``."""
+    return -(-n // align) * align
+
+
 class Blocks:
     """A front end's bookkeeping of its arena: first-fit blocks of ``_ALIGN`` bytes."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
         self._free: list[tuple[int, int]] = [(0, size)]  # (offset, size), by offset
 
     def take(self, nbytes: int) -> int | None:
         """The offset of a free block of ``nbytes`` (None: no room)."""
-        n = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        n = max(_ALIGN, _aligned(nbytes))
         for i, (offset, size) in enumerate(self._free):
             if size >= n:
                 if size == n:
@@ -201,7 +205,7 @@ class Blocks:
     def give(self, offset: int, nbytes: int) -> None:
         """Free the block ``take`` gave for ``nbytes`` at ``offset`` (joined with its free
         neighbours)."""
-        n = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+        n = max(_ALIGN, _aligned(nbytes))
         i = bisect.bisect(self._free, (offset, 0))
         if i < len(self._free) and self._free[i][0] == offset + n:
             n += self._free.pop(i)[1]
@@ -285,7 +289,7 @@ class EngineLink:
                 exc,
             )  # fmt: skip
             return None, None
-        where = "shm" if self._arena_dir == "/dev/shm" else "link"
+        where = "shm" if self._arena_dir == SHM_DIR else "link"
         return {"name": name, "size": self.arena_bytes, "where": where}, memory
 
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
@@ -427,7 +431,7 @@ class RemoteCore:
         (both ends hold it mapped; nothing is left behind if either dies)."""
         if not isinstance(told, dict):
             return
-        folder = "/dev/shm" if told.get("where") == "shm" else os.path.dirname(path)
+        folder = SHM_DIR if told.get("where") == "shm" else os.path.dirname(path)
         try:
             self._arena = open_arena(folder, told.get("name"), told.get("size"))
             self._blocks = Blocks(len(self._arena))
