@@ -62,6 +62,16 @@ def check_quantized_output(out_dtype: int, y_scale_size: int | None) -> None:
         raise ValueError(f"Y_scale must be one value, got {y_scale_size}")
 
 
+def check_quantized_residual(eight_bit: bool, what: str, z_scale_size: int) -> None:
+    """QConvAct's residual read with Z_scale (of ``z_scale_size`` values): ``eight_bit``,
+    whether the residual (``what``: its type, for the message) is an int8 or float8 tensor."""
+    if not eight_bit or z_scale_size != 1:
+        raise ValueError(
+            "QConvAct: a residual with Z_scale must be int8 or float8 with one scale, got "
+            f"{what} and {z_scale_size} scales"
+        )
+
+
 def quant_target(zero_point_dtype: np.dtype | None, output_dtype: int) -> np.dtype:
     """QuantizeLinear's result type: y_zero_point's type, which ``output_dtype`` must match when
     both are given, else ``output_dtype``, else uint8."""

@@ -23,7 +23,7 @@ import torch
 
 from tensorkiln.kernels.common.conv import check_conv_act
 from tensorkiln.kernels.common.gemm import gemm_layout
-from tensorkiln.kernels.common.quant import check_quantized_output
+from tensorkiln.kernels.common.quant import check_quantized_output, check_quantized_residual
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
@@ -180,11 +180,8 @@ def qconv(
     ys = None if y_scale is None else y_scale.reshape(1).to(torch.float32)
     zs = None
     if z_scale is not None:
-        if z is None or z.dtype not in _QUANTIZED or z_scale.numel() != 1:
-            raise ValueError(
-                "QConvAct: a residual with Z_scale must be int8 or float8 with one scale, got "
-                f"{None if z is None else z.dtype} and {z_scale.numel()} scales"
-            )
+        eight_bit = z is not None and z.dtype in _QUANTIZED
+        check_quantized_residual(eight_bit, str(None if z is None else z.dtype), z_scale.numel())
         zs = z_scale.reshape(1).to(torch.float32)
     call = QConv(g, a["group"], m, a["activation"], _activation(a),
                  a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),

@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from onnx.helper import tensor_dtype_to_np_dtype
 
-from tensorkiln.kernels.common.quant import check_quantized_output
+from tensorkiln.kernels.common.quant import check_quantized_output, check_quantized_residual
 from tensorkiln.kernels.reference.fused_conv import _epilogue, activate, conv_act
 from tensorkiln.kernels.reference.fused_gemm import gemm_act
 from tensorkiln.kernels.reference.quant import quantize_linear
@@ -107,11 +107,7 @@ def residual(z: np.ndarray, z_scale: np.ndarray | None) -> np.ndarray:
     float32, as DequantizeLinear computes it (zero point 0)."""
     if z_scale is None:
         return z.astype(np.float32)
-    if z.dtype not in _QUANTIZED or np.size(z_scale) != 1:
-        raise ValueError(
-            f"QConvAct: a residual with Z_scale must be int8 or float8 with one scale, got "
-            f"{z.dtype} and {np.size(z_scale)} scales"
-        )
+    check_quantized_residual(z.dtype in _QUANTIZED, str(z.dtype), int(np.size(z_scale)))
     return z.astype(np.float32) * np.asarray(z_scale, np.float32).reshape(())
 
 
