@@ -216,14 +216,20 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"'{text}' is not true or false")
 
 
-def _with_grpc(app: Any, core: Any, address: str) -> None:
-    """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
+def _grpc_service() -> Any:
+    """tensorkiln.serve.grpc, or a CLIError saying how to get grpcio."""
     try:
         from tensorkiln.serve import grpc as serve_grpc  # lazy: cli start time (optional grpcio)
     except ImportError:
         raise CLIError(
             "gRPC needs grpcio: pip install 'tensorkiln[serve]', or pass --allow-grpc false"
         ) from None
+    return serve_grpc
+
+
+def _with_grpc(app: Any, core: Any, address: str) -> None:
+    """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
+    serve_grpc = _grpc_service()
     held = {}
 
     async def start(_app: Any) -> None:
@@ -247,12 +253,7 @@ def _with_frontends(app: Any, core: Any, args: argparse.Namespace, folder: str) 
     import sys  # lazy: as above
 
     if args.allow_grpc:  # (the front ends import it: a missing grpcio is said here, once)
-        try:
-            import grpc  # noqa: F401  # lazy: cli start time (optional grpcio)
-        except ImportError:
-            raise CLIError(
-                "gRPC needs grpcio: pip install 'tensorkiln[serve]', or pass --allow-grpc false"
-            ) from None
+        _grpc_service()
     from tensorkiln.serve.link import EngineLink  # lazy: CLI start time
 
     held: dict[str, Any] = {}
