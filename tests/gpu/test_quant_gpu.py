@@ -71,8 +71,11 @@ def test_quantized_engine_on_the_gpu(tmp_path: Path, precision: str) -> None:
     want = ref.create_execution_context().infer({"x": x})["y"]
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"])
     # (a tactic may run a quantized layer's dequantized product in fp16, cuDNN's: its output
-    # rounded to fp16, about 1e-3 of the reference's float32 arithmetic)
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 4e-3
+    # rounded to fp16, about 1e-3 of the reference's float32 arithmetic; Hopper's E4M3 tensor
+    # cores add partial sums with fewer bits than float32, and an E4M3 code one step off the
+    # reference's is 6% of its value: 4e-3 measured over the three layers)
+    tol = 4e-3 if precision == "int8" else 1.5e-2
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
     config.set_flag("fp16")
     mixed = Builder("cuda").build(path, config)
     half = np.asarray(mixed.create_execution_context().infer({"x": x})["y"], np.float32)

@@ -25,6 +25,19 @@ def _q(rng: np.random.Generator, shape: tuple, kind: str) -> np.ndarray:
     return np.clip(rng.standard_normal(shape) * 30, -448, 448).astype(FP8)
 
 
+def _tol(kind: str, name: str = "") -> float:
+    """The relative tolerance (of the output's largest value) a tactic's result keeps to the
+    reference's exact float32 sums: int8 sums are exact integers; on a GPU, Hopper's E4M3 tensor
+    cores add partial sums with fewer bits than float32 (the sums come out about 1e-4 of the
+    largest value off) and cudnn_fp16 rounds its float16 output (5e-4); on the CPU both sum in
+    float32."""
+    if DEVICE == "cuda" and name.startswith("cudnn_fp16"):
+        return 3e-3
+    if kind == "int8":
+        return 1e-6
+    return 1e-3 if DEVICE == "cuda" else 1e-5
+
+
 def _check(op: str, name: str, args: list, attrs: dict, *, channels_last: bool = False,
            rtol: float = 1e-5) -> None:  # fmt: skip
     tactic = get_tactic(op, "tensorkiln", name)
@@ -60,16 +73,16 @@ def _as_engine_runs_it(name: str, args: list, attrs: dict) -> tuple[torch.Tensor
 _TRITON_QGEMM = "triton_qgemm_64x64x64_w4_s4"
 
 
-@pytest.mark.parametrize(("kind", "name", "rtol"), [("int8", "cublas_int8_mm", 1e-6),
-                                                     ("float8_e4m3fn", "cublas_fp8_scaled_mm", 1e-5),
-                                                     ("int8", _TRITON_QGEMM, 1e-5),
-                                                     ("float8_e4m3fn", _TRITON_QGEMM, 1e-5)])  # fmt: skip
+@pytest.mark.parametrize(("kind", "name"), [("int8", "cublas_int8_mm"),
+                                           ("float8_e4m3fn", "cublas_fp8_scaled_mm"),
+                                           ("int8", _TRITON_QGEMM),
+                                           ("float8_e4m3fn", _TRITON_QGEMM)])  # fmt: skip
 @pytest.mark.parametrize(
     ("a_shape", "attrs"),
     [((24, 64), {"activation": "Relu"}), ((3, 7, 32), {"alpha": 0.5}), ((5, 48), {}),
      ((40, 96), {"activation": "Gelu", "beta": 0.5})],
 )  # fmt: skip
-def test_qgemm_tensor_core_tactics(kind, name, rtol, a_shape, attrs) -> None:
+def test_qgemm_tensor_core_tactics(kind, name, a_shape, attrs) -> None:
     if name.startswith("triton"):
         pytest.importorskip("triton")
     rng = np.random.default_rng()
@@ -79,7 +92,7 @@ def test_qgemm_tensor_core_tactics(kind, name, rtol, a_shape, attrs) -> None:
             _q(rng, (n, k), "int8" if kind == "int8" else "fp8"),  # packed (N, K)
             rng.uniform(1e-3, 1e-2, n).astype(np.float32),
             rng.standard_normal(n).astype(np.float32)]  # fmt: skip
-    _check("QGemmAct", name, args, {"transB": 1, **attrs}, rtol=rtol)
+    _check("QGemmAct", name, args, {"transB": 1, **attrs}, rtol=_tol(kind))
 
 
 def test_qgemm_tactics_refuse_what_they_cannot_run() -> None:
@@ -127,8 +140,7 @@ def test_triton_qconv(kind, x_shape, w_shape, attrs) -> None:
     args = [_q(rng, x_shape, kind), np.float32(0.04), _q(rng, w_shape, kind),
             rng.uniform(1e-3, 1e-2, m).astype(np.float32),
             rng.standard_normal(m).astype(np.float32)]  # fmt: skip
-    rtol = 1e-6 if kind == "int8" else 1e-5  # (E4M3 sums in float32)
-    _check("QConvAct", "triton_qconv_64x64x32_w4_s4", args, attrs, rtol=rtol)
+    _check("QConvAct", "triton_qconv_64x64x32_w4_s4", args, attrs, rtol=_tol(kind))
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -167,7 +179,7 @@ def test_qconv_through_the_float16_convolution(kind, residual) -> None:
     if residual:
         args.append(rng.standard_normal((2, m, 4, 6)).astype(np.float32))
     attrs = {"pads": [1, 1, 1, 1], "strides": [2, 1], "group": 2, "activation": "LeakyRelu"}
-    _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=1e-5)
+    _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=_tol(kind, "cudnn_fp16"))
 
 
 def test_the_float16_weight_is_prepared_once_per_weight() -> None:
@@ -189,7 +201,8 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
 
     def check(w_now: np.ndarray, scale: np.ndarray, got: torch.Tensor) -> None:
         ref = invoke(reference, [x, np.float32(0.02), w_now, scale], attrs, 1)[0]
-        np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+        tol = _tol("int8", "cudnn_fp16")
+        np.testing.assert_allclose(to_numpy(got), ref, rtol=tol, atol=tol * np.abs(ref).max())
 
     check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
     (kept,) = (v[1] for v in tactics_quant._KEPT[wt].values())
@@ -304,8 +317,8 @@ def test_pointwise_qconv_on_the_triton_gemm(kind, requantize) -> None:
     if requantize:
         _codes_agree(got, want)
     else:
-        rtol = 1e-6 if kind == "int8" else 1e-5
-        np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.abs(want).max())
+        tol = _tol(kind)
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 def test_the_tilings_timed_for_a_large_int8_gemm_are_8_bit_ones() -> None:
@@ -385,11 +398,11 @@ def test_triton_tactics_take_a_per_tensor_weight_scale(kind) -> None:
     q = "int8" if kind == "int8" else "fp8"
     gemm_args = [_q(rng, (40, 64), q), np.float32(0.05), _q(rng, (48, 64), q),
                  np.float32(rng.uniform(1e-3, 1e-2)), rng.standard_normal(48).astype(np.float32)]  # fmt: skip
-    _check("QGemmAct", _TRITON_QGEMM, gemm_args, {"transB": 1, "alpha": 0.5}, rtol=1e-5)
+    _check("QGemmAct", _TRITON_QGEMM, gemm_args, {"transB": 1, "alpha": 0.5}, rtol=_tol(kind))
     conv_args = [_q(rng, (2, 32, 6, 6), q), np.float32(0.04), _q(rng, (32, 32, 3, 3), q),
                  np.float32(rng.uniform(1e-3, 1e-2)), rng.standard_normal(32).astype(np.float32)]  # fmt: skip
     _check("QConvAct", "triton_qconv_64x64x32_w4_s4", conv_args, {"pads": [1, 1, 1, 1]},
-           rtol=1e-5)  # fmt: skip
+           rtol=_tol(kind))  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -424,5 +437,5 @@ def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
         assert tactic is not None and tactic.applies(spec), name
         fn = tactic.fn
     got = to_numpy(fn(*tensors, **attrs))
-    rtol = 1e-6 if kind == "int8" else 1e-5  # (E4M3 sums in float32)
-    np.testing.assert_allclose(got, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+    tol = _tol(kind, name or "")
+    np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
