@@ -96,6 +96,19 @@ def test_causal_alone_and_with_a_mask(with_mask, name):
     assert _run(args, {"causal": 1}, np.float16, tactic) < 1e-2
 
 
+@pytest.mark.parametrize("name", ["triton_flash_m64", "triton_flash_m128"])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_whole_key_blocks_and_the_edge_block(name, causal):
+    """Key blocks every row of a query block sees whole run without the visibility test, the
+    rest (the diagonal, the keys past the end) with it: several of each, for the two block
+    heights, causal or not, with fewer and with more queries than keys."""
+    tactic = get_tactic("Attention", "tensorkiln", name)
+    rng = np.random.default_rng()
+    for sq, sk in ((200, 200), (150, 230), (230, 150)):
+        args = _qkv(rng, sq=sq, sk=sk)
+        assert _run(args, {"causal": causal, "scale": 0.2}, np.float16, tactic) < 1e-2
+
+
 def _hidden_triangle(s, batch=B):
     return np.triu(np.ones((s, s), bool), 1)[None, None].repeat(batch, axis=0)
 

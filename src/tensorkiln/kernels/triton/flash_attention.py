@@ -73,6 +73,69 @@ def _row_ends_kernel(
 
 
 @triton.jit
+def _attend(
+    acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
+    skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
+    MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr,
+):  # fmt: skip
+    """One block of keys from ``start_n`` into the running (acc, l_i, m_i); MASKED: the block
+    may hold keys past SK, above the diagonal or hidden by the mask (else every score counts)."""
+    offs_n = start_n + offs_n0
+    n_ok = offs_n < SK
+    if MASKED:
+        k = tl.load(
+            k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
+            mask=n_ok[None, :] & (offs_d < D)[:, None], other=0.0,
+        )  # fmt: skip
+    else:
+        k = tl.load(
+            k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
+            mask=(offs_d < D)[:, None], other=0.0,
+        )  # fmt: skip
+    if UPCAST:
+        k = k.to(tl.float32)
+    s = tl.dot(q, k) * qk_scale  # (log2 units: exp2 below)
+    if MASKED:
+        visible = n_ok[None, :] & m_ok[:, None]
+        if CAUSAL:
+            visible = visible & (offs_m[:, None] >= offs_n[None, :])
+        if HAS_MASK:
+            mt = tl.load(
+                m_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
+                mask=m_ok[:, None] & n_ok[None, :], other=0,
+            )  # fmt: skip
+            if MASK_BOOL:
+                visible = visible & (mt != 0)
+            else:
+                s = s + mt.to(tl.float32) * 1.4426950408889634
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows with nothing visible yet)
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = m_new
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if MASKED:
+        v = tl.load(
+            v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+            mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0,
+        )  # fmt: skip
+    else:
+        v = tl.load(
+            v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
+            mask=(offs_dv < DV)[None, :], other=0.0,
+        )  # fmt: skip
+    if UPCAST:
+        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _flash_kernel(
     q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, TOKENS, qk_scale, H, SQ, SK, D, DV,
     sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
@@ -119,43 +182,28 @@ def _flash_kernel(
         hi = tl.max(ends, axis=0)
     if CAUSAL:
         hi = tl.minimum(hi, (start_m + 1) * BLOCK_M)
-    for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + offs_n0
-        n_ok = offs_n < SK
-        k = tl.load(
-            k_ptr + k_off + h * skh + offs_n[None, :] * skn + offs_d[:, None] * skd,
-            mask=n_ok[None, :] & (offs_d < D)[:, None], other=0.0,
-        )  # fmt: skip
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, k) * qk_scale  # (log2 units: exp2 below)
-        visible = n_ok[None, :] & m_ok[:, None]
+    k_base = k_ptr + k_off + h * skh
+    v_base = v_ptr + v_off + h * svh
+    m_base = m_ptr + b * smb + h * smh
+    first_masked = 0
+    if not HAS_MASK:
+        # Key blocks every row of the program sees whole (all keys in range; causal: at or
+        # below the first row's diagonal) run without the per-score visibility test
+        first_masked = tl.minimum(SK // BLOCK_N * BLOCK_N, hi)
         if CAUSAL:
-            visible = visible & (offs_m[:, None] >= offs_n[None, :])
-        if HAS_MASK:
-            mt = tl.load(
-                m_ptr + b * smb + h * smh + offs_m[:, None] * smm + offs_n[None, :] * smn,
-                mask=m_ok[:, None] & n_ok[None, :], other=0,
+            first_masked = tl.minimum(first_masked, (start_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N)
+        for start_n in range(0, first_masked, BLOCK_N):
+            acc, l_i, m_i = _attend(
+                acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
+                skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
+                MASKED=False, HAS_MASK=False, MASK_BOOL=False, CAUSAL=False, UPCAST=UPCAST,
             )  # fmt: skip
-            if MASK_BOOL:
-                visible = visible & (mt != 0)
-            else:
-                s = s + mt.to(tl.float32) * 1.4426950408889634
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows with nothing visible yet)
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(
-            v_ptr + v_off + h * svh + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0,
+    for start_n in range(first_masked, hi, BLOCK_N):
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
+            skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
+            MASKED=True, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=CAUSAL, UPCAST=UPCAST,
         )  # fmt: skip
-        if UPCAST:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     tl.store(
         o_ptr + o_off + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
