@@ -223,6 +223,11 @@ def test_layers_pinned_to_fp32_stay_float(tmp_path: Path) -> None:
     )
     ops = {n.name: (n.op, n.precision) for n in engine.graph.nodes}
     assert ops["fc"] == ("Gemm", "fp32") and ops["conv1"] == ("QConvAct", "int8")
+    # (the count is of every candidate layer, the pinned one among them)
+    assert any(
+        "int8: 2 of 3 convolution/GEMM layers quantized, 1 kept at a higher precision" in n
+        for n in engine.build["notes"]
+    ), engine.build["notes"]
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
     got = engine.create_execution_context().infer({"x": x})["y"]
     want = _run_ort(model, {"x": x})
@@ -361,6 +366,8 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
     assert ops["conv2"] == ("ConvAct", "fp16"), ops
     assert ops["conv1"][0] == "QConvAct" and ops["fc"][0] == "QGemmAct", ops
     assert any("1 layers kept in fp16" in n and "conv2" in n for n in engine.build["notes"])
+    assert any("int8: 2 of 3 convolution/GEMM layers quantized, 1 kept" in n
+               for n in engine.build["notes"]), engine.build["notes"]  # fmt: skip
     assert "3 layers timed both ways" in builder.last_report.summary()
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)

@@ -109,6 +109,7 @@ def quantize_graph(
             "they are used as written and no calibration runs"
         ]
     layers = quantizable(graph, exclude)
+    excluded = len(quantizable(graph)) - len(layers) if exclude else 0
     if not layers:
         kept = len(quantizable(graph)) if exclude else 0
         if kept:
@@ -154,7 +155,8 @@ def quantize_graph(
     dead_code(graph)
     left = len(layers) - kept - fused
     notes.append(
-        f"{precision}: {fused} of {len(layers)} convolution/GEMM layers quantized"
+        f"{precision}: {fused} of {len(layers) + excluded} convolution/GEMM layers quantized"
+        + (f", {excluded} kept at a higher precision as chosen" if excluded else "")
         + (f", {kept} kept in float32 for the accuracy budget" if kept else "")
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
         + (f"; {requantized} write the next layer's quantized input" if requantized else "")
