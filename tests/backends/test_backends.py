@@ -117,3 +117,32 @@ def test_memory_limits_are_the_machines_on_the_cpu() -> None:
     assert limit is None or limit > 2**20
     assert get_backend("reference").memory_limit() == (limit, what)
     assert get_backend("cpu").allocated() == 0
+
+
+def test_a_pool_given_back_during_a_capture_waits_for_the_next_acquire(monkeypatch) -> None:
+    """A context collected while this thread captures a CUDA graph gives its pool back then:
+    waiting on its stream would break the capture, so the pair waits, and the next acquire
+    outside a capture waits on the stream and hands the pool out."""
+    pytest.importorskip("torch")
+    from tensorkiln.backends import pools
+
+    class Stream:
+        waited = 0
+
+        def synchronize(self) -> None:
+            self.waited += 1
+
+    capturing = [True]
+    monkeypatch.setattr(pools, "_capturing", lambda: capturing[0])
+    monkeypatch.setattr(pools, "_free", {})
+    monkeypatch.setattr(pools, "_pending", [])
+    pool, stream = object(), Stream()
+    pools.release(pool, stream, "cuda:0", kind="test")
+    assert stream.waited == 0 and pools._free == {}
+    pools._settle()  # (still capturing: nothing waits)
+    assert stream.waited == 0 and len(pools._pending) == 1
+    capturing[0] = False
+    assert pools.acquire("cuda:0", kind="test") == (pool, stream)
+    assert stream.waited == 1 and pools._pending == [] and pools._free == {("test", 0): []}
+    pools.release(pool, stream, "cuda:0", kind="test")  # (outside a capture: waits at once)
+    assert stream.waited == 2 and pools._free == {("test", 0): [(pool, stream)]}

@@ -22,6 +22,10 @@ from typing import Any
 
 _lock = threading.Lock()
 _free: dict[tuple[str, int], list[tuple[Any, Any]]] = {}  # (kind, device) -> idle (pool, stream)
+# Pairs given back while this thread captured a CUDA graph (a context collected during another's
+# capture): waiting on their streams then would break the capture, so they wait until the next
+# acquire outside one.
+_pending: list[tuple[tuple[str, int], Any, Any]] = []
 
 
 def _key(kind: str, device: Any) -> tuple[str, int]:
@@ -37,6 +41,7 @@ def acquire(device: Any, kind: str = "activations") -> tuple[Any, Any]:
     import torch
 
     key = _key(kind, device)
+    _settle()
     with _lock:
         idle = _free.get(key)
         if idle:
@@ -54,8 +59,32 @@ def acquire(device: Any, kind: str = "activations") -> tuple[Any, Any]:
 
 def release(pool: Any, stream: Any, device: Any, kind: str = "activations") -> None:
     """Give ``pool`` and ``stream`` back for reuse, once the stream has finished its work."""
+    key = _key(kind, device)
+    if _capturing():
+        with _lock:
+            _pending.append((key, pool, stream))
+        return
     stream.synchronize()
-    if pool is None:
+    if pool is not None:
+        with _lock:
+            _free.setdefault(key, []).append((pool, stream))
+
+
+def _capturing() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _settle() -> None:
+    """The pairs given back during a capture, onto the free list once their streams finish."""
+    if not _pending or _capturing():
         return
     with _lock:
-        _free.setdefault(_key(kind, device), []).append((pool, stream))
+        waiting = list(_pending)
+        _pending.clear()
+    for key, pool, stream in waiting:
+        stream.synchronize()
+        if pool is not None:
+            with _lock:
+                _free.setdefault(key, []).append((pool, stream))
