@@ -410,3 +410,31 @@ def test_a_tactic_family_names_candidates_per_layer(monkeypatch, tmp_path) -> No
     monkeypatch.setattr(registry, "_FAMILIES", {})
     with pytest.raises(EngineCompatibilityError, match=r"fam_same_8.*rebuild"):
         loaded.create_execution_context()
+
+
+def test_a_timed_tactic_derives_shared_values_once_for_all_its_calls() -> None:
+    """The autotuner times a layer's calls inside one scope of derived values
+    (kernels/derived.py), as an engine's run shares them across its layers: a kernel's
+    derivation from a shared input (FlashAttention-2's cumulative lengths, the flash kernel's
+    mask row ends) is made once for the calls, not charged to each; the scope ends with the
+    layer's timing."""
+    from tensorkiln.backends import get_backend
+    from tensorkiln.kernels import derived
+    from tensorkiln.kernels.registry import KernelEntry
+    from tensorkiln.tactics import autotune
+
+    rng = np.random.default_rng()
+    mask, x = rng.random(8), rng.random(8)
+    made = []
+
+    def kernel(x):
+        for _ in range(3):  # (as three layers, or three timed calls, of one run)
+            ends = derived.derived(mask, ("ends",), lambda: made.append(1) or np.cumsum(mask))
+        return x + ends
+
+    entry = KernelEntry("Add", "", 1, "test", kernel, False, False)
+    autotune._time(entry, [x], {}, 1, None, get_backend("reference"), autotune.TuneOptions())
+    assert made == [1]
+    assert getattr(derived._local, "cache", None) is None
+    kernel(x)  # (outside a timing: computed at every call, as before)
+    assert made == [1, 1, 1, 1]

@@ -38,6 +38,7 @@ from tensorkiln.backends import Backend
 from tensorkiln.errors import GraphError
 from tensorkiln.ir import Graph, Node, TensorType
 from tensorkiln.ir.printer import format_graph
+from tensorkiln.kernels import derived
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
 from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for
@@ -505,12 +506,23 @@ def _checkable(oracle: list) -> bool:
 
 
 def _time(entry, args, attrs, n_out, scope, backend, options: TuneOptions) -> tuple[float, float]:
+    """:func:`_time_calls` with one scope of derived values around all the calls."""
+    with derived.scope():
+        return _time_calls(entry, args, attrs, n_out, scope, backend, options)
+
+
+def _time_calls(
+    entry, args, attrs, n_out, scope, backend, options: TuneOptions
+) -> tuple[float, float]:
     """Median milliseconds of one call, (as a CUDA graph, layer by layer).
 
     As a graph: replays of a CUDA graph of ``GRAPH_CALLS`` calls, the kernels' time alone (where
     capture fails, the layer-by-layer time). Layer by layer: single calls between CUDA events,
     Python's launch overhead included where it exceeds the kernels' time. On the CPU (tests), one
-    call, for both.
+    call, for both. Values a kernel derives from a shared input (the mask's row ends, the packed
+    sequences' cumulative lengths: kernels/derived.py) are computed once for all the calls, as
+    an engine's run computes them once for all its layers: a tactic is not charged per layer
+    for what the engine pays once.
     """
     import torch  # lazy: torch is optional (an autotuning backend has it)
 
