@@ -384,19 +384,28 @@ def choice_summary(choice: dict, top: int = 6) -> dict:
 
 
 def tactic_summary(layers: list) -> dict:
-    """Per op type: how many layers took each tactic, and a few reasons candidates were
-    rejected or the default was kept (what to look at when a precision is slower than hoped)."""
+    """Per op type: how many layers took each tactic, each candidate's median time over the
+    layers the autotuner timed it on ("timed_ms", milliseconds per call: by how much the
+    others lost), and a few reasons candidates were rejected or the default was kept (what to
+    look at when a precision is slower than hoped)."""
     out: dict = {}
+    times: dict = {}
     for layer in layers:
         op = layer.get("op", "?")
         entry = out.setdefault(op, {"chosen": {}, "why": []})
         tactic = layer.get("tactic", "default")
         entry["chosen"][tactic] = entry["chosen"].get(tactic, 0) + 1
+        for name, ms in (layer.get("timings_ms") or {}).items():
+            times.setdefault(op, {}).setdefault(name, []).append(float(ms))
         reasons = [layer["fallback"]] if layer.get("fallback") else []
         reasons += [f"{k}: {v}" for k, v in (layer.get("rejected") or {}).items()]
         for r in reasons:
             if len(entry["why"]) < 6 and r[:200] not in entry["why"]:
                 entry["why"].append(r[:200])
+    for op, by_name in times.items():
+        out[op]["timed_ms"] = {
+            name: round(statistics.median(ms), 5) for name, ms in sorted(by_name.items())
+        }
     return out
 
 
