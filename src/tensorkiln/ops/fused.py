@@ -72,7 +72,9 @@ define(
     domain=DOMAIN,
     traits=[FUSED],
     attributes={"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0, **_EPILOGUE},
-    doc="act(alpha * A' @ B' + beta * C) for a 2-D A, or A @ B' + C for a higher rank",
+    doc="act(alpha * A' @ B' + beta * C) for a 2-D A, or A @ B' + C for a higher rank; an "
+    "optional fourth input Z of the output's shape is added last (a residual: only without "
+    "an activation)",
 )
 define(
     "QConvAct",

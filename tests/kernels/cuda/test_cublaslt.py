@@ -177,3 +177,44 @@ def test_algorithm_tactic_in_a_cuda_graph() -> None:
     want = torch.relu(a.float() @ w.float().T + bias.float())
     err = (out.float() - want).abs().max().item() / want.abs().max().item()
     assert err < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("has_bias", [True, False])
+def test_a_residual_goes_in_as_c(has_bias: bool) -> None:
+    """A GemmAct's residual Z read as cuBLASLt's C (beta 1) beside the bias epilogue: every
+    algorithm's a @ b + bias + z against PyTorch in float32, through the algorithm tactic (a
+    3-D A, as BERT's GEMMs read the tokens); a residual cuBLASLt cannot take as C (another
+    dtype, a strided view) is added after the product instead, with the same result."""
+    _gpu()
+    gen = torch.Generator(device="cuda").manual_seed(int(np.random.default_rng().integers(1 << 31)))
+    m, k, n = 384, 256, 512
+    a = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
+    w = torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen) / k**0.5
+    bias = torch.randn(n, device="cuda", dtype=torch.float16, generator=gen) if has_bias else None
+    z = torch.randn(m, n, device="cuda", dtype=torch.float16, generator=gen)
+    want = a.float() @ w.float().T + (bias.float() if has_bias else 0) + z.float()
+    scale = want.abs().max().item()
+    key = cublaslt.problem(a, w.T, bias, "")
+    plan, _ = cublaslt._plan(key, torch.cuda.current_device())
+    assert plan.algos
+    for algo in [None, *(bytes(x) for x in plan.algos)]:
+        got = cublaslt.matmul(a, w.T, bias, 1.0, "", algo, residual=z)
+        assert got is not None and got.shape == (m, n)
+        assert (got.float() - want).abs().max().item() / scale < 1e-2, algo
+    assert cublaslt.matmul(a, w.T, bias, 1.0, "", None, residual=z[:, : n // 2]) is None
+    assert cublaslt.matmul(a, w.T, bias, 1.0, "Relu", None, residual=z) is None
+    spec = LayerSpec(
+        "GemmAct", "tensorkiln", {"transB": 1},
+        ((2, m // 2, k), (n, k), (n,), (2, m // 2, n)), ("float16",) * 4, "cuda",
+    )  # fmt: skip
+    names = [t.name for t in tactics_for("GemmAct", "tensorkiln", spec)]
+    found = [x for x in names if cublaslt.parse_name(x)]
+    assert found, names
+    fn = get_tactic("GemmAct", "tensorkiln", found[0]).fn
+    c = bias if has_bias else torch.zeros(n, device="cuda", dtype=torch.float16)
+    want3 = want.reshape(2, m // 2, n)
+    for residual in (z, z.float(), torch.cat([z, z], 1)[:, :n]):  # (C as is; cast; strided)
+        got = fn(a.reshape(2, m // 2, k), w, c, residual.reshape(2, m // 2, n), transB=1)
+        assert got.shape == (2, m // 2, n)
+        assert (got.float() - want3).abs().max().item() / scale < 1e-2

@@ -1,6 +1,7 @@
 """Gemm and tensorkiln.GemmAct written once, over one backend's :class:`GemmArrays`.
 
-``Y = act(alpha * A' @ B' + beta * C)``. A of rank 2 is Gemm's A (``transA`` allowed, C broadcast
+``Y = act(alpha * A' @ B' + beta * C)`` (GemmAct: ``+ Z``, a residual of Y's shape, where there
+is no activation). A of rank 2 is Gemm's A (``transA`` allowed, C broadcast
 to (M, N) as Gemm does); A of higher rank is MatMul's (GemmAct only), its leading dims folded into
 the rows (``transA`` must be 0, C broadcast along the last axis only). The checks, the operand
 transposes (views), the bias layout and the integer path live here; a backend supplies only the
@@ -40,7 +41,11 @@ class GemmArrays(Protocol):
         """act(alpha * A @ B + beta * bias) of float 2-D operands as a fresh (M, N) array of
         ``dtype``; ``bias`` is None or broadcasts to (M, N); ``act`` is (activation,
         activation_alpha, activation_beta, activation_min, activation_max), activation "" for
-        none."""
+        none.
+
+        Arrays may also have ``affine_residual(a, b, bias, alpha, beta, dtype, z)``: alpha *
+        A @ B + beta * bias + z (z of (M, N)) in one pass, or None where they cannot; without
+        it (or on None) z is added to :meth:`affine`'s result."""
 
 
 def gemm_layout(
@@ -75,14 +80,38 @@ def _integer(xp: GemmArrays, a2: Any, b2: Any, bias: Any, alpha: float, beta: fl
     return xp.astype(wide, y.dtype)
 
 
-def _gemm(xp: GemmArrays, a: Any, b: Any, c: Any, alpha, beta, trans_a, trans_b, act, op) -> Any:
+def _gemm(
+    xp: GemmArrays, a: Any, b: Any, c: Any, alpha, beta, trans_a, trans_b, act, op, z: Any = None
+) -> Any:
     a2, b2, bias = gemm_layout(a, b, c, beta, trans_a, trans_b, op)
     dtype = a.dtype
-    if dtype in xp.integer_dtypes:
+    if z is not None:
+        y = _with_residual(xp, a, a2, b2, bias, alpha, beta, act, z)
+    elif dtype in xp.integer_dtypes:
         y = _integer(xp, a2, b2, bias, alpha, beta)
     else:
         y = xp.affine(a2, b2, bias, alpha, beta, act, dtype)
     return y if a.ndim == 2 else y.reshape(*a.shape[:-1], y.shape[1])
+
+
+def _with_residual(xp: GemmArrays, a, a2, b2, bias, alpha, beta, act, z) -> Any:
+    """alpha * A @ B + beta * C + Z as (M, N): in the arrays' one pass where they have one,
+    else Z added to the product (rounded to the output's type first, as a separate Add)."""
+    if a.dtype in xp.integer_dtypes or act[0]:
+        raise ValueError("GemmAct: a residual Z is taken by a float GemmAct without activation")
+    m, n = a2.shape[0], b2.shape[1]
+    want = (m, n) if a.ndim == 2 else (*a.shape[:-1], n)
+    if tuple(z.shape) != tuple(want):
+        raise ValueError(f"GemmAct: the residual Z has shape {tuple(z.shape)}, the output {want}")
+    z2 = z.reshape(m, n)
+    if z2.dtype != a.dtype:
+        z2 = xp.astype(z2, a.dtype)
+    fused = getattr(xp, "affine_residual", None)
+    y = fused(a2, b2, bias, alpha, beta, a.dtype, z2) if fused is not None else None
+    if y is None:
+        y = xp.affine(a2, b2, bias, alpha, beta, act, a.dtype)
+        y += z2  # (the product is a fresh array)
+    return y
 
 
 _NO_ACTIVATION = ("", None, None, None, None)
@@ -109,6 +138,7 @@ def gemm_act(
     a: Any,
     b: Any,
     c: Any = None,
+    z: Any = None,
     *,
     alpha: float = 1.0,
     beta: float = 1.0,
@@ -120,7 +150,8 @@ def gemm_act(
     activation_min: float | None = None,
     activation_max: float | None = None,
 ) -> Any:
-    """tensorkiln.GemmAct: act(alpha * A' @ B' + beta * C), leading dims of A kept."""
+    """tensorkiln.GemmAct: act(alpha * A' @ B' + beta * C) (+ Z, the residual of the output's
+    shape, where there is no activation), leading dims of A kept."""
     check_activation(activation, "GemmAct")
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
-    return _gemm(xp, a, b, c, alpha, beta, transA, transB, act, "GemmAct")
+    return _gemm(xp, a, b, c, alpha, beta, transA, transB, act, "GemmAct", z)

@@ -331,10 +331,13 @@ def matmul(
     alpha: float,
     activation: str,
     algo: bytes | None = None,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """``act(alpha * a @ b + bias)`` by cuBLASLt's algorithm ``algo`` (a serialized
     cublasLtMatmulAlgo_t; None or one that does not take the problem: the heuristic's first);
-    None where cuBLASLt cannot run it (the caller computes it otherwise)."""
+    with ``residual`` (M, N) and no activation, ``alpha * a @ b + bias + residual`` (cuBLASLt's C
+    with beta 1: the sum written once, not the product and then the sum); None where cuBLASLt
+    cannot run it (the caller computes it otherwise)."""
     if not a.is_cuda:
         return None
     if bias is not None:
@@ -343,6 +346,8 @@ def matmul(
             return None
     key = problem(a, b, bias, activation)
     if key is None:
+        return None
+    if residual is not None and not _takes_residual(residual, a, b, activation, key[5][2]):
         return None
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
     plan, cached = _plan(key, device)
@@ -355,7 +360,8 @@ def matmul(
     lib = plan.lib
     out = torch.empty((a.shape[0], b.shape[1]), dtype=a.dtype, device=a.device)
     stream = torch.cuda.current_stream(a.device).cuda_stream
-    scale, zero = ctypes.c_float(alpha), ctypes.c_float(0.0)
+    scale, zero = ctypes.c_float(alpha), ctypes.c_float(0.0 if residual is None else 1.0)
+    c_ptr = out.data_ptr() if residual is None else residual.data_ptr()
     with _LOCK:
         chosen, size = plan.pick(algo)
         # (from the caching allocator, on this stream: freed once the GEMM is queued, reused by
@@ -370,13 +376,25 @@ def matmul(
         status = lib.matmul(
             lib.handle(device), plan.desc, ctypes.byref(scale),
             b.data_ptr(), plan.a, a.data_ptr(), plan.b, ctypes.byref(zero),
-            out.data_ptr(), plan.d, out.data_ptr(), plan.d,
+            c_ptr, plan.d, out.data_ptr(), plan.d,
             ctypes.byref(chosen), ws.data_ptr() if ws is not None else None, size, stream,
         )  # fmt: skip
     if not cached:
         plan.release()
     _check(status, f"matmul of {tuple(a.shape)} x {tuple(b.shape)}")
     return out
+
+
+def _takes_residual(
+    r: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str, align: int
+) -> bool:
+    """Whether ``r`` goes in as cuBLASLt's C: (M, N) row-major like the output, of its dtype and
+    device, at least as aligned as the plan assumed of C, with no activation after the sum."""
+    if activation or r.dtype is not a.dtype or r.device != a.device or r.ndim != 2:
+        return False
+    if tuple(r.shape) != (a.shape[0], b.shape[1]) or not r.is_contiguous():
+        return False
+    return _alignment(r.data_ptr(), 2 * r.shape[1]) >= align
 
 
 class _LtGemmArrays(TorchGemmArrays):
@@ -398,6 +416,14 @@ class _LtGemmArrays(TorchGemmArrays):
             if y is not None:
                 return y
         return super().affine(a, b, bias, alpha, beta, act, dtype)
+
+    def affine_residual(self, a, b, bias, alpha, beta, dtype, z):
+        if bias is not None and beta != 1.0:
+            return None
+        b = b if b.dtype is dtype else b.to(dtype)
+        if bias is not None:
+            bias = bias if bias.dtype is dtype else bias.to(dtype)
+        return matmul(a, b, bias, alpha, "", self.algo, residual=z)
 
 
 def _layer_algos(spec: LayerSpec) -> list[_Algo] | None:

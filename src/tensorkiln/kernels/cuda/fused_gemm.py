@@ -93,11 +93,17 @@ register("GemmAct", domain="tensorkiln", since=1, backend="cuda")(gemm_act)
 
 def _specializer(kernel: Callable[..., torch.Tensor]) -> Callable[..., Any]:
     def specialize(
-        a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None, **attrs: Any
+        a: torch.Tensor,
+        b: torch.Tensor,
+        c: torch.Tensor | None = None,
+        z: torch.Tensor | None = None,
+        **attrs: Any,
     ) -> Callable[..., torch.Tensor] | None:
         """On the cpu backend, the native GEMM for these shapes and constants where it applies
         and is the faster (cpu_native.specialize_gemm: float32 only, a classifier head's GEMV at
-        batch 1); None otherwise."""
+        batch 1, no residual); None otherwise."""
+        if z is not None:
+            return None
         return cpu_native.specialize_gemm(kernel, a, b, c, attrs)
 
     return specialize
@@ -114,8 +120,8 @@ def _gelu_epilogue_ok(spec: LayerSpec) -> bool:
         return False
     if not set(spec.attrs) <= {"alpha", "beta", "transA", "transB", "activation"}:
         return False
-    if len(spec.shapes) < 3 or spec.shapes[2] is None or len(spec.shapes[1]) != 2:
-        return False
+    if len(spec.shapes) != 3 or spec.shapes[2] is None or len(spec.shapes[1]) != 2:
+        return False  # (a residual Z, a fourth input, comes without an activation)
     dtypes = set(spec.dtypes[:3])
     if len(dtypes) != 1 or dtypes.pop() not in ("float16", "bfloat16"):
         return False
