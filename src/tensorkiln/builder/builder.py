@@ -133,8 +133,14 @@ class Builder:
                 report.notes += _pin_fixed_dims(graph, config.profiles)
             with _phase(report, "optimize", bar):
                 report.nodes_before = len(graph.nodes)
+                # (a quantized build's GEMMs become QGemmAct, which takes no residual)
+                skip = (
+                    frozenset({"fold_residual_into_gemm"})
+                    if _quantized_precision(config)
+                    else frozenset()
+                )
                 report.passes = optimize(
-                    graph, config.optimization_level, config.dump_ir, backend=self.backend
+                    graph, config.optimization_level, config.dump_ir, self.backend, skip
                 )
                 if config.remove_padding:
                     graph = _remove_padding(graph, report)
@@ -275,12 +281,13 @@ def optimize(
     level: int,
     dump_dir: str | os.PathLike | None = None,
     backend: str | None = None,
+    exclude: frozenset[str] = frozenset(),
 ) -> dict[str, int]:
     """Run the graph optimizer at ``level`` (0 = none) in place, with the passes of ``backend``
-    (None: all); returns matches per pass."""
+    (None: all) but those named in ``exclude``; returns matches per pass."""
     if level <= 0:
         return {}
-    pm = PassManager(level, dump_dir=dump_dir, backend=backend)
+    pm = PassManager(level, dump_dir=dump_dir, backend=backend, exclude=exclude)
     pm.run(graph)
     infer_shapes(graph)
     verify(graph)

@@ -68,8 +68,8 @@ def _weight(view: View, node: Node) -> np.ndarray | None:
 
 
 def _start(view: View, node: Node) -> GemmMatch | None:
-    if _weight(view, node) is None:
-        return None
+    if _weight(view, node) is None or len(node.inputs) > 3:
+        return None  # (a GemmAct with a residual Z is finished too: nothing comes after the sum)
     c = node.inputs[2] if len(node.inputs) > 2 else None
     bias = view.const(c, through_identity=True)
     if c is not None and bias is None:
@@ -182,6 +182,8 @@ def _projection(view: View, node: Node) -> Projection | None:
     kind = (node.domain, node.op)
     if kind not in (("", "MatMul"), ("tensorkiln", "GemmAct")) or node.outputs[0] is None:
         return None
+    if len(node.inputs) > 3:
+        return None  # (a residual Z: its own sum, not merged with another GEMM's)
     w = _weight(view, node)
     if w is None:
         return None

@@ -11,6 +11,13 @@ The activation fusions (GELU, SiLU, Softmax) are in :mod:`tensorkiln.passes.fuse
 * ``fold_residual_into_layer_norm``: ``LayerNorm(Add(a, b))`` becomes ``LayerNorm(a, .., residual=b)``;
   when the sum is read elsewhere, the fused node's second output returns it. One operand may be a
   constant (the dynamo exporter folds position embeddings into one); the residual may broadcast.
+* ``fold_residual_into_gemm``: ``LayerNorm(x, .., residual=r)`` where one of x, r is made by a
+  float Gemm/GemmAct without activation (through a Reshape at most) that only this LayerNorm
+  reads becomes that GEMM with the other as its residual input Z, the LayerNorm reading the sum
+  alone: the GEMM's epilogue writes the sum (cuBLASLt's C with beta 1), so the LayerNorm reads
+  one tensor where it read two, and writes none besides its output where it wrote the sum for
+  the next block too (a pre-LN transformer's residual stream). Shapes must be equal, nothing
+  broadcast; not run for quantized builds (QGemmAct takes no residual).
 * ``fuse_rms_norm``: ONNX RMSNormalization, and ``Pow(2) | Mul(x, x) -> ReduceMean -> Add(eps) ->
   Sqrt -> Div | Reciprocal+Mul [-> Mul(scale)]``, become ``tensorkiln.RMSNorm``.
 
@@ -24,7 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tensorkiln.ir import Graph, Node, Value
+from tensorkiln.ir import Graph, Node, TensorType, Value
 from tensorkiln.ir.dtypes import DType
 from tensorkiln.passes.pattern import Found, Op
 from tensorkiln.passes.registry import register_pass
@@ -193,6 +200,77 @@ def _fold_residual(m: View, found: Found) -> Rewrite | None:
     return fused_rewrite([add, ln], fused)
 
 
+def _gemm_making(m: View, v: Value, ln: Node) -> tuple[Node, Node | None] | None:
+    """(the Gemm/GemmAct, the Reshape between or None) making ``v``, read by ``ln`` alone, where
+    the GEMM can take a residual: float, no activation, no residual yet, its output read once."""
+    if m.sole(v) is not ln:
+        return None
+    node, reshape = m.producers.get(v), None
+    if node is not None and is_op(node, "Reshape"):
+        reshape, inner = node, node.inputs[0]
+        if m.sole(inner) is not reshape:
+            return None
+        node = m.producers.get(inner)
+    if node is None or (node.domain, node.op) not in (("", "Gemm"), (DOMAIN, "GemmAct")):
+        return None
+    if len(node.inputs) > 3 or node.attrs.get("activation") or len(node.outputs) != 1:
+        return None
+    out = node.outputs[0]
+    if not is_float(out) or out.shape is None:
+        return None
+    if reshape is not None and (len(out.shape) != 2 or not isinstance(out.shape[1], int)):
+        return None
+    return node, reshape
+
+
+def _same_shape(a: Value, b: Value) -> bool:
+    return (
+        a.shape is not None
+        and b.shape is not None
+        and len(a.shape) == len(b.shape)
+        and all(x == y for x, y in zip(a.shape, b.shape, strict=True))
+    )
+
+
+def _residual_into_gemm(m: View, found: Found) -> Rewrite | None:
+    ln = found.root
+    if len(ln.inputs) < 4 or ln.inputs[3] is None or ln.inputs[0] is None:
+        return None
+    x, r = ln.inputs[0], ln.inputs[3]
+    if x.dtype != r.dtype or not _same_shape(x, r):
+        return None
+    if len(ln.outputs) > 1 and ln.outputs[1] is not None and ln.outputs[1] in m.outputs:
+        return None  # (the sum is a graph output: left as it is)
+    for made, other in ((x, r), (r, x)):
+        hit = _gemm_making(m, made, ln)
+        if hit is not None and m.const(other) is None:
+            break
+    else:
+        return None
+    gemm, reshape = hit
+    out = gemm.outputs[0]
+    add: list[Node] = []
+    z = other
+    if reshape is not None:  # the residual in the GEMM's [rows, N] form (a view)
+        shape = add_constant(m.graph, m.fresh_name(f"{gemm.name}/residual_shape"),
+                             np.array([-1, out.shape[1]], np.int64))  # fmt: skip
+        z = Value(m.fresh_name(f"{other.name}/rows"), TensorType(other.dtype, out.shape))
+        add.append(Node("Reshape", [other, shape], [z], name=m.fresh_name(f"{gemm.name}/rows")))
+    elif not _same_shape(out, other):
+        return None
+    keys = ("alpha", "beta", "transA", "transB", "activation_min", "activation_max")
+    attrs = {k: v for k, v in gemm.attrs.items() if k in keys or gemm.op == "GemmAct"}
+    c = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+    fused = Node("GemmAct", [gemm.inputs[0], gemm.inputs[1], c, z], [out], attrs, DOMAIN,
+                 gemm.name)  # fmt: skip
+    norm = Node("LayerNorm", [made, ln.inputs[1], ln.inputs[2]], [ln.outputs[0]],
+                dict(ln.attrs), DOMAIN, ln.name)  # fmt: skip
+    replace = {}
+    if len(ln.outputs) > 1 and ln.outputs[1] is not None:
+        replace[ln.outputs[1]] = made  # (the GEMM's output is the sum now)
+    return Rewrite(remove=[gemm, ln], add=[*add, fused, norm], replace=replace, count=1)
+
+
 # ---------------------------------------------------------------------------------------------
 # RMSNorm
 
@@ -241,6 +319,9 @@ LAYER_NORM_RULES = (
     Rule("layer_norm_onnx", Op("LayerNormalization"), _layer_norm_onnx),
 )
 RESIDUAL_RULES = (Rule("residual_into_layer_norm", Op("LayerNorm", domain=DOMAIN), _fold_residual),)
+GEMM_RESIDUAL_RULES = (
+    Rule("residual_into_gemm", Op("LayerNorm", domain=DOMAIN), _residual_into_gemm),
+)
 RMS_NORM_RULES = (
     Rule("rms_norm_decomposed", Op("ReduceMean"), _rms_norm_decomposed),
     Rule("rms_norm_onnx", Op("RMSNormalization"), _rms_norm_onnx),
@@ -257,6 +338,12 @@ def fuse_layer_norm(graph: Graph) -> int:
 def fold_residual_into_layer_norm(graph: Graph) -> int:
     """LayerNorm(a + b) -> LayerNorm(a, residual=b), the sum as a second output where it is read."""
     return run_rules(graph, RESIDUAL_RULES)
+
+
+@register_pass("fold_residual_into_gemm", level=3, order=63)
+def fold_residual_into_gemm(graph: Graph) -> int:
+    """LayerNorm(gemm(a) + r) -> LayerNorm(gemm(a, Z=r)): the GEMM's epilogue writes the sum."""
+    return run_rules(graph, GEMM_RESIDUAL_RULES)
 
 
 @register_pass("fuse_rms_norm", level=3, order=62)

@@ -116,6 +116,8 @@ def _conv_fits(view: View, found: Found) -> bool:
 
 def _gemm_fits(view: View, found: Found) -> bool:
     root = found.root
+    if len(root.inputs) > 3:
+        return False  # (a GemmAct's residual Z: QGemmAct has no such input)
     w = found.node("wdq").inputs[0]
     if root.op == "MatMul":
         if w is None or w.shape is None or len(w.shape) != 2:

@@ -37,6 +37,7 @@ class PassManager:
         max_rounds: int = 4,
         only: list[str] | None = None,
         backend: str | None = None,
+        exclude: frozenset[str] = frozenset(),
     ) -> None:
         self.level = level
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
@@ -47,6 +48,7 @@ class PassManager:
             for p in PASSES.values()
             if 0 < p.level <= level
             and (backend is None or p.backends is None or backend in p.backends)
+            and p.name not in exclude
         ]
         if only is not None:
             unknown = set(only) - set(PASSES)

@@ -385,7 +385,10 @@ def _tokenwise(n: Node, lead: tuple) -> bool:
         plain = not int(a.get("transA", 0) or 0) and float(a.get("alpha", 1.0)) == 1.0
         plain = plain and float(a.get("beta", 1.0)) == 1.0
         bias = n.inputs[2] if len(n.inputs) > 2 else None
-        return plain and len(n.inputs) <= 3 and _weight(n.inputs[1]) and _vector(bias)
+        z = n.inputs[3] if len(n.inputs) > 3 else None  # (a residual: one row per token too)
+        if z is not None and not (_token(z, lead) and z.shape == n.outputs[0].shape):
+            return False
+        return plain and len(n.inputs) <= 4 and _weight(n.inputs[1]) and _vector(bias)
     if key in _NORMS:
         residual = n.inputs[3] if len(n.inputs) > 3 else None
         return (
