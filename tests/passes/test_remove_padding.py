@@ -542,3 +542,31 @@ def test_flash_varlen_tactic_against_numpy(causal: int) -> None:
         *(x[:n].float().cpu().numpy() for x in (q, k, v)), lengths, heads, bool(causal)
     )
     np.testing.assert_allclose(got[:n].float().cpu().numpy(), want, rtol=2e-2, atol=2e-3)
+
+
+def test_a_batch_1_engine_packs(bert, tmp_path) -> None:
+    """A profile of batch 1 makes the batch axis static: the mask probe's one row must still
+    tell a token from a pad (a full row alone passes for either reading), and the engine agrees
+    with onnxruntime wherever the mask keeps a token."""
+    from tensorkiln.builder import OptimizationProfile
+
+    config = BuilderConfig()
+    config.remove_padding = True
+    profile = OptimizationProfile()
+    for name in ("input_ids", "attention_mask"):
+        profile.set_shape(name, (1, SEQ), (1, SEQ), (1, SEQ))
+    config.add_optimization_profile(profile)
+    builder = Builder("cpu")
+    engine = builder.build(bert, config, progress=False)
+    assert builder.last_report.passes.get("remove_padding", 0) > 0, builder.last_report.notes
+    ctx = engine.create_execution_context()
+    rng = np.random.default_rng()
+    for n in (SEQ, int(rng.integers(1, SEQ))):
+        mask = np.zeros((1, SEQ), np.int64)
+        mask[0, :n] = 1
+        feeds = {"input_ids": rng.integers(0, 1000, mask.shape), "attention_mask": mask}
+        want = run_onnxruntime(bert, feeds)[0]
+        got = ctx.infer(feeds)["hidden"]
+        keep = mask != 0
+        scale = np.abs(want[keep]).max()
+        np.testing.assert_allclose(got[keep], want[keep], rtol=1e-4, atol=1e-4 * scale)

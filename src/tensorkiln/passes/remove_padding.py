@@ -204,15 +204,21 @@ def _mask_inputs(graph: Graph, masks: list[Value], nodes: list[Node], lead: tupl
 
 
 def _sample_masks(b: int, s: int) -> list[np.ndarray]:
-    """Right-padded rows of every length, an empty row, a full one, and scattered holes."""
+    """Right-padded rows of every length, an empty row, a full one, and scattered holes. With one
+    row (a batch-1 engine) the row is half padded, then holed, then full: every sample without a
+    zero would pass for either reading of the mask (a 1 marking a token or a pad)."""
     rng = np.random.default_rng(0)
     right = np.zeros((b, s), np.int64)
     for i in range(b):
         right[i, : (i * s) // max(b - 1, 1)] = 1
-    right[-1] = 1
     holes = (rng.random((b, s)) < 0.6).astype(np.int64)
-    holes[0] = 1
-    return [right, holes]
+    if b > 1:
+        right[-1] = 1
+        holes[0] = 1
+        return [right, holes]
+    right[0, : max(1, s // 2)] = 1
+    holes[0, 0], holes[0, -1] = 1, 0
+    return [right, holes, np.ones((b, s), np.int64)]
 
 
 def _mask_samples(
