@@ -87,7 +87,9 @@ def test_fused_records_declare_their_attributes():
     assert conv_act is not None and conv_act.has(ops.FUSED)
     d = conv_act.defaults(1)
     assert d["residual_order"] == "add_act" and d["activation"] == "" and d["group"] == 1
-    assert ops.attribute_defaults("LayerNorm", "tensorkiln", 1) == {"axis": -1, "epsilon": 1e-5}
+    assert ops.attribute_defaults("LayerNorm", "tensorkiln", 1) == {
+        "axis": -1, "epsilon": 1e-5, "q_dtype": 0,
+    }  # fmt: skip
     assert ops.get("Attention", "tensorkiln").defaults(1)["input_layout"] == "bhsd"
     assert ops.get("NotAnOp", "tensorkiln") is None
     assert set(ops.ACTIVATIONS) >= {"", "Relu", "Gelu", "GeluTanh"}

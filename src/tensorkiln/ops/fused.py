@@ -99,8 +99,10 @@ define(
     "LayerNorm",
     domain=DOMAIN,
     traits=[FUSED],
-    attributes={"axis": -1, "epsilon": 1e-5},
-    doc="layer normalization of X (+ residual), with the pre-norm sum as optional 2nd output",
+    attributes={"axis": -1, "epsilon": 1e-5, "q_dtype": 0},
+    doc="layer normalization of X (+ residual), with the pre-norm sum as optional 2nd output; "
+    "with q_dtype (ONNX's code: int8 or float8 E4M3) and a fifth input Y_scale (per tensor), "
+    "the outputs are Y, Y quantized to Y_scale as QuantizeLinear does, and the optional sum",
 )
 define(
     "RMSNorm",
@@ -247,7 +249,11 @@ def _layer_norm_shape(ctx: InferContext) -> list[Type | None]:
         res = ctx.shape(3)
         shape = None if shape is None or res is None else broadcast_shapes(shape, res)
     t = TensorType(ctx.dtype(0), shape)
-    return [t] * len(ctx.node.outputs)
+    out = [t] * len(ctx.node.outputs)
+    q_dtype = int(ctx.attr("q_dtype", 0) or 0)
+    if q_dtype and len(out) > 1:
+        out[1] = TensorType(DType(q_dtype), shape)
+    return out
 
 
 @rule("RMSNorm", "Gelu", "SiLU", "SqueezeExcite", domain=DOMAIN)

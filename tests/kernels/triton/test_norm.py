@@ -185,3 +185,39 @@ def test_large_rows_on_the_gpu(dtype, n):
     check("LayerNormalization", "", [x, w, b], n_outputs=3)
     check("Softmax", "", [x], {"axis": -1})
     check("LogSoftmax", "", [x], {"axis": -1})
+
+
+@pytest.mark.parametrize("q_dtype", [3, 17], ids=["int8", "float8"])
+@pytest.mark.parametrize("with_sum", [False, True], ids=["y-q", "y-q-sum"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_layer_norm_writes_its_output_quantized(rows_path, q_dtype, with_sum, dtype):
+    """LayerNorm with Y_scale and q_dtype: the second output is the first quantized, bit for bit
+    QuantizeLinear's reference kernel on the values the tactic wrote (int8 and float8 E4M3,
+    saturating: the scale puts some values past the type's range); the first output and the
+    sum (third) as the reference's. Rows that fit a block quantize in the kernel, looped rows
+    through QuantizeLinear."""
+    from tensorkiln.kernels.reference.quant import quantize_linear
+
+    x, r = randn(3, 5, 48, dtype=dtype), randn(3, 5, 48, dtype=dtype)
+    w, b = randn(48, dtype=dtype, shift=1.0), randn(48, dtype=dtype)
+    top = 127 if q_dtype == 3 else 448
+    y_scale = np.float32(rng.uniform(2.0, 4.0) / top)  # (|y| beyond 2 saturates)
+    args = [x, w, b, r, y_scale]
+    attrs = {"epsilon": 1e-5, "q_dtype": q_dtype}
+    n = 3 if with_sum else 2
+    tactic = get_tactic("LayerNorm", "tensorkiln", "triton")
+    assert tactic.applies(spec_of("LayerNorm", "tensorkiln", args, attrs))
+    ref = invoke(lookup("LayerNorm", "tensorkiln", 1), args, attrs, n)
+    got = tactic.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=n)
+    assert len(got) == n
+    y = to_numpy(got[0])
+    tol = 1e-5 if dtype == np.float32 else 1e-2
+    np.testing.assert_allclose(y.astype(np.float32), ref[0].astype(np.float32), rtol=tol,
+                               atol=tol * np.abs(ref[0]).max())  # fmt: skip
+    q, want = to_numpy(got[1]), quantize_linear(y, y_scale, output_dtype=q_dtype)
+    assert q.dtype == want.dtype == ref[1].dtype
+    np.testing.assert_array_equal(q.view(np.uint8), want.view(np.uint8))
+    assert (np.abs(want.astype(np.float32)) >= top).any()  # (saturation was exercised)
+    if with_sum:
+        np.testing.assert_allclose(to_numpy(got[2]).astype(np.float32),
+                                   ref[2].astype(np.float32), rtol=tol, atol=tol)  # fmt: skip

@@ -207,6 +207,17 @@ class FusedNormArrays(Protocol):
     def rms_norm(self, x: Any, axis: int, scale: Any, epsilon: float) -> Any:
         """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""
 
+    def quantize(self, y: Any, scale: Any, q_dtype: int) -> Any:
+        """QuantizeLinear of ``y`` to the per-tensor ``scale``, no zero point, of ONNX type
+        ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
+
+
+def quant_scale(y_scale: Any) -> Any:
+    """LayerNorm's Y_scale, checked: its quantized output needs one."""
+    if y_scale is None:
+        raise ValueError("LayerNorm: a quantized output (q_dtype) needs the Y_scale input")
+    return y_scale
+
 
 class FusedNorm:
     """tensorkiln.LayerNorm and RMSNorm over one backend's :class:`FusedNormArrays`: the
@@ -221,16 +232,24 @@ class FusedNorm:
         scale: Any,
         bias: Any = None,
         residual: Any = None,
+        y_scale: Any = None,
         *,
         axis: int = -1,
         epsilon: float = 1e-5,
+        q_dtype: int = 0,
         _n_outputs: int = 1,
     ) -> Any:
         """LayerNormalization of ``x + residual`` over the axes from ``axis`` on; second output
-        the sum."""
+        the sum. With ``q_dtype``: second output the normalized values quantized to
+        ``y_scale`` (as a QuantizeLinear reading the first output would), third the sum."""
         s = x if residual is None else x + residual
         y = self.xp.layer_norm(s, norm_axis(axis, s.ndim, "LayerNorm"), scale, bias, epsilon)
-        return y if _n_outputs == 1 else (y, s)
+        if _n_outputs == 1:
+            return y
+        if not q_dtype:
+            return y, s
+        q = self.xp.quantize(y, quant_scale(y_scale), int(q_dtype))
+        return (y, q) if _n_outputs == 2 else (y, q, s)
 
     def rms_norm(self, x: Any, scale: Any, *, axis: int = -1, epsilon: float = 1e-5) -> Any:
         """``x / sqrt(mean(x^2) + epsilon) * scale`` over the axes from ``axis`` on."""

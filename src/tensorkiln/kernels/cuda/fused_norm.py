@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tensorkiln.kernels.common.norm import FusedNorm
+from tensorkiln.kernels.cuda.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 
 DOMAIN = "tensorkiln"
@@ -95,6 +96,9 @@ class TorchFusedNormArrays:
         y = x.to(ct) * inv
         y.mul_(scale.to(ct))
         return y.to(x.dtype)
+
+    def quantize(self, y: torch.Tensor, scale: torch.Tensor, q_dtype: int) -> torch.Tensor:
+        return quantize_linear(y, scale, output_dtype=q_dtype)
 
 
 _NORMS = FusedNorm(TorchFusedNormArrays())

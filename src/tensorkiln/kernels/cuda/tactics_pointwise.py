@@ -95,7 +95,13 @@ def _max_pool_fits(spec: LayerSpec) -> bool:
 
 
 if available():
+    import torch
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    from tensorkiln.kernels.common.norm import quant_scale
+    from tensorkiln.kernels.cuda.convert import torch_dtype
     from tensorkiln.kernels.cuda.pool import max_pool
+    from tensorkiln.kernels.cuda.quant import quantize_linear
     from tensorkiln.kernels.triton import norm, pointwise, softmax
     from tensorkiln.kernels.triton import pool as triton_pool
 
@@ -107,15 +113,30 @@ if available():
 
     @tactic("LayerNorm", domain="tensorkiln", name="triton", supports=_layer_norm_fits)
     def layer_norm_triton(
-        x, scale, bias=None, residual=None, *, axis: int = -1, epsilon: float = 1e-5,
-        _n_outputs: int = 1,
+        x, scale, bias=None, residual=None, y_scale=None, *, axis: int = -1,
+        epsilon: float = 1e-5, q_dtype: int = 0, _n_outputs: int = 1,
     ):  # fmt: skip
-        """LayerNorm of ``x + residual`` over the last axis; second output the sum."""
-        want_sum = _n_outputs > 1 and residual is not None
-        y, s, _, _ = norm.normalize(x, scale, bias, residual, eps=epsilon, want_sum=want_sum)
+        """LayerNorm of ``x + residual`` over the last axis; second output the sum. With
+        ``q_dtype``: second output the normalized values quantized to ``y_scale`` in the same
+        kernel, third the sum."""
+        sums = _n_outputs == (3 if q_dtype else 2)
+        quantized = None
+        if q_dtype and _n_outputs > 1:
+            target = torch_dtype(tensor_dtype_to_np_dtype(int(q_dtype)))
+            quantized = (torch.empty(x.shape, dtype=target, device=x.device), quant_scale(y_scale))
+        y, s, _, _ = norm.normalize(
+            x, scale, bias, residual, eps=epsilon, want_sum=sums and residual is not None,
+            quantized=quantized,
+        )  # fmt: skip
         if _n_outputs == 1:
             return y
-        return y, (s if residual is not None else x)
+        s = x if residual is None else s
+        if quantized is None:
+            return y, s
+        q = quantized[0]
+        if not norm.quantizes(x.shape[-1] if x.dim() else 1):
+            q = quantize_linear(y, y_scale, output_dtype=int(q_dtype))
+        return (y, q, s) if sums else (y, q)
 
     @tactic("RMSNorm", domain="tensorkiln", name="triton", supports=_norm_fits)
     def rms_norm_triton(x, scale, *, axis: int = -1, epsilon: float = 1e-5):

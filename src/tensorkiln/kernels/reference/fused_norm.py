@@ -2,9 +2,11 @@
 
 The ops of the ``tensorkiln`` domain that :mod:`tensorkiln.passes.fuse_norm` makes:
 
-* ``LayerNorm(X, scale, bias?, residual?) {axis=-1, epsilon=1e-5}`` -> ``Y[, S]``: with a residual,
-  ``S = X + residual`` is normalized, and the optional second output returns ``S`` itself (the
-  pre-norm sum a pre-LN transformer reads again for its next residual).
+* ``LayerNorm(X, scale, bias?, residual?, Y_scale?) {axis=-1, epsilon=1e-5, q_dtype}`` ->
+  ``Y[, S[, Y_q]]``: with a residual, ``S = X + residual`` is normalized, and the optional second
+  output returns ``S`` itself (the pre-norm sum a pre-LN transformer reads again for its next
+  residual); with Y_scale, ``Y_q = QuantizeLinear(Y, Y_scale)`` to type q_dtype (the next
+  quantized layer's input, written by the normalization instead of a pass of its own).
 * ``RMSNorm(X, scale) {axis=-1, epsilon=1e-5}``: ``X / sqrt(mean(X^2) + epsilon) * scale``.
 * ``Gelu(X) {approximate="none"}``: ONNX Gelu for models below opset 20, where ONNX has none.
 * ``SiLU(X)``: ``X * sigmoid(X)`` (ONNX Swish with alpha 1 only exists from opset 24).
@@ -21,6 +23,7 @@ import numpy as np
 from tensorkiln.kernels.common.norm import FusedNorm
 from tensorkiln.kernels.reference.elementwise import gelu as _onnx_gelu
 from tensorkiln.kernels.reference.elementwise import sigmoid as _sigmoid
+from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 
 DOMAIN = "tensorkiln"
@@ -70,6 +73,9 @@ class NumpyFusedNormArrays:
         y *= (1.0 / np.sqrt(ms + ct.type(epsilon))).astype(ct, copy=False)[:, None]
         _affine(y, x.shape, axis, scale, add=False)
         return y.reshape(x.shape).astype(x.dtype, copy=False)
+
+    def quantize(self, y: np.ndarray, scale: np.ndarray, q_dtype: int) -> np.ndarray:
+        return quantize_linear(y, np.asarray(scale), output_dtype=q_dtype)
 
 
 _NORMS = FusedNorm(NumpyFusedNormArrays())

@@ -18,15 +18,17 @@ import numpy as np
 import triton
 import triton.language as tl
 
+from tensorkiln.kernels.triton.quantize import qout, requantize, storable
+
 MAX_BLOCK = 16384  # longest row held in registers at once (float32: 64 values a thread at 8 warps)
 LOOP_BLOCK = 4096
 
 
 @triton.jit
 def _norm_rows(
-    X, R, W, B, Y, S, MEAN, INV, n_rows, N, eps,
+    X, R, W, B, Y, S, MEAN, INV, Q, QS, n_rows, N, eps,
     HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, STATS: tl.constexpr,
-    RMS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    RMS: tl.constexpr, QOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -54,7 +56,11 @@ def _norm_rows(
     y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + offs, y, mask=mask)
+    if QOUT != 0:  # the stored values quantized, as a QuantizeLinear reading Y would
+        code = requantize(y.to(tl.float32), tl.load(QS), QOUT)
+        tl.store(Q + offs, code.to(Q.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -122,11 +128,14 @@ def normalize(
     rms: bool = False,
     want_sum: bool = False,
     want_stats: bool = False,
+    quantized=None,
 ):
     """Normalize ``x`` (+ ``residual``) over its last axis; returns (y, sum or None, mean, inv_std).
 
     ``scale`` and ``bias`` hold one value per column (any shape of that size); mean and inv_std
-    are float32 of shape ``x.shape[:-1]`` when ``want_stats``.
+    are float32 of shape ``x.shape[:-1]`` when ``want_stats``. ``quantized``: (an int8 or float8
+    E4M3 tensor of x's shape, a float32 scale tensor of one value) into which rows that fit one
+    block (:func:`quantizes`) also write y quantized.
     """
     import torch
 
@@ -146,6 +155,7 @@ def normalize(
     stats = [torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(want_stats * 2)]
     mean, inv = stats if want_stats else (y, y)  # (unused pointers without the statistics)
     flags = dict(HAS_RES=residual is not None, HAS_B=bias is not None, RMS=rms)
+    q, qs = (storable(quantized[0]).reshape(rows, n), quantized[1]) if quantized else (y, y)
     with np.errstate(all="ignore"):  # the interpreter computes masked-off lanes too
         if rows and long_rows:
             _norm_long_rows[(rows,)](
@@ -154,11 +164,18 @@ def normalize(
             )  # fmt: skip
         elif rows and n:
             block_n, per, warps = row_tile(n, rows)
+            qout_code = qout(quantized[0].dtype) if quantized else 0
             _norm_rows[(triton.cdiv(rows, per),)](
-                x2, r, w, b, y, s, mean, inv, rows, n, eps, STORE_S=s is not y,
-                STATS=want_stats, ROWS=per, BLOCK_N=block_n, num_warps=warps, **flags,
+                x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, STORE_S=s is not y,
+                STATS=want_stats, QOUT=qout_code, ROWS=per, BLOCK_N=block_n, num_warps=warps,
+                **flags,
             )  # fmt: skip
     out_sum = s.reshape(shape) if want_sum and residual is not None else None
     if not want_stats:
         return y.reshape(shape), out_sum, None, None
     return y.reshape(shape), out_sum, stats[0].reshape(shape[:-1]), stats[1].reshape(shape[:-1])
+
+
+def quantizes(n: int) -> bool:
+    """Whether :func:`normalize` writes the quantized values of rows of ``n`` itself."""
+    return 0 < n <= MAX_BLOCK
