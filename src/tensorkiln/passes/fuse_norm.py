@@ -182,8 +182,8 @@ def _layer_norm_onnx(m: View, found: Found) -> Rewrite | None:
 
 def _fold_residual(m: View, found: Found) -> Rewrite | None:
     ln = found.root
-    if len(ln.inputs) > 3 and ln.inputs[3] is not None:
-        return None
+    if (len(ln.inputs) > 3 and ln.inputs[3] is not None) or ln.attrs.get("q_dtype"):
+        return None  # (a quantized output takes the second slot: left as it is)
     s = ln.inputs[0]
     add = m.made_by(s, "Add")
     if add is None or s.shape is None or all(m.const(v) is not None for v in add.inputs):
@@ -234,8 +234,10 @@ def _same_shape(a: Value, b: Value) -> bool:
 
 def _residual_into_gemm(m: View, found: Found) -> Rewrite | None:
     ln = found.root
-    if len(ln.inputs) < 4 or ln.inputs[3] is None or ln.inputs[0] is None:
+    if len(ln.inputs) != 4 or ln.inputs[3] is None or ln.inputs[0] is None:
         return None
+    if ln.attrs.get("q_dtype"):
+        return None  # (its second output is the quantized one, not the sum)
     x, r = ln.inputs[0], ln.inputs[3]
     if x.dtype != r.dtype or not _same_shape(x, r):
         return None

@@ -293,6 +293,20 @@ def _requantize(view: View, found: Found) -> Rewrite | None:
     if len(layer.inputs) > slot and layer.inputs[slot] is not None:
         return None
     out = q.outputs[0]
+    code = _quantize_fits(view, q)
+    if code is None:
+        return None
+    inputs = list(layer.inputs) + [None] * (slot + 1 - len(layer.inputs))
+    inputs[slot] = q.inputs[1]
+    attrs = dict(layer.attrs) | {"out_dtype": code}
+    fused = Node(layer.op, inputs, [out], attrs, domain=DOMAIN, name=layer.name)
+    return Rewrite(remove=[layer, q], add=[fused], count=1)
+
+
+def _quantize_fits(view: View, q: Node) -> int | None:
+    """The ONNX type code of ``q``'s output where a layer can write it quantized itself: int8 or
+    float8 E4M3 (saturating), one float32 scale, a zero point of zero, float32 division."""
+    out = q.outputs[0]
     code = _OUT_CODES.get(out.dtype) if out is not None else None
     scale = view.const(q.inputs[1]) if len(q.inputs) > 1 else None
     if code is None or scale is None or scale.size != 1 or scale.dtype != np.float32:
@@ -303,11 +317,30 @@ def _requantize(view: View, found: Found) -> Rewrite | None:
         return None
     if out.dtype == DType.FLOAT8E4M3FN and not q.attrs.get("saturate", 1):
         return None  # (NaN on overflow: left to QuantizeLinear)
-    inputs = list(layer.inputs) + [None] * (slot + 1 - len(layer.inputs))
-    inputs[slot] = q.inputs[1]
-    attrs = dict(layer.attrs) | {"out_dtype": code}
-    fused = Node(layer.op, inputs, [out], attrs, domain=DOMAIN, name=layer.name)
-    return Rewrite(remove=[layer, q], add=[fused], count=1)
+    return code
+
+
+# LayerNorm -> QuantizeLinear (the next quantized GEMM's input, BERT's and GPT-2's): the
+# normalization writes the quantized tensor too, from the values it writes (its Y_scale input,
+# q_dtype, the quantized output second); the float output stays for its other readers (the
+# residual of a post-LN block). One pass less over the activations per LayerNorm.
+
+
+def _quantize_layer_norm(view: View, found: Found) -> Rewrite | None:
+    q = found.root
+    ln = view.producers.get(q.inputs[0]) if q.inputs else None
+    if ln is None or (ln.domain, ln.op) != (DOMAIN, "LayerNorm") or ln.attrs.get("q_dtype"):
+        return None
+    if not ln.outputs or ln.outputs[0] is not q.inputs[0] or len(ln.inputs) > 4:
+        return None
+    code = _quantize_fits(view, q)
+    if code is None:
+        return None
+    inputs = list(ln.inputs) + [None] * (4 - len(ln.inputs)) + [q.inputs[1]]
+    outputs = [ln.outputs[0], q.outputs[0], *ln.outputs[1:2]]
+    fused = Node("LayerNorm", inputs, outputs, dict(ln.attrs) | {"q_dtype": code},
+                 domain=DOMAIN, name=ln.name)  # fmt: skip
+    return Rewrite(remove=[ln, q], add=[fused], count=1)
 
 
 # QConvAct(..., Z = DQ(Z_q, s)) -> QConvAct(..., Z_q, Z_scale = s): the residual read quantized,
@@ -339,6 +372,7 @@ def _residual_dequantize(view: View, found: Found) -> Rewrite | None:
 
 REQUANTIZE = (
     Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),
+    Rule("quantize_in_layer_norm", Op("QuantizeLinear"), _quantize_layer_norm),
     Rule("residual_dequantize_in_epilogue", Op("QConvAct", domain=DOMAIN), _residual_dequantize),
 )
 

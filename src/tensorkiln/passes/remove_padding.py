@@ -397,10 +397,12 @@ def _tokenwise(n: Node, lead: tuple) -> bool:
         return plain and len(n.inputs) <= 4 and _weight(n.inputs[1]) and _vector(bias)
     if key in _NORMS:
         residual = n.inputs[3] if len(n.inputs) > 3 else None
+        y_scale = n.inputs[4] if len(n.inputs) > 4 else None  # (per tensor: one value)
         return (
             _last_axis(int(a.get("axis", -1)), rank)
             and all(_vector(v) for v in n.inputs[1:3])
             and (residual is None or (_token(residual, lead) and residual.shape == x.shape))
+            and (y_scale is None or (y_scale.const is not None and y_scale.const.size == 1))
         )
     if key == ("", "Split"):
         return _last_axis(int(a.get("axis", 0)), rank)

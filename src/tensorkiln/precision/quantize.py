@@ -152,6 +152,7 @@ def quantize_graph(
             break
         done += sweep
     requantized, residuals = done["requantize_in_epilogue"], done["residual_dequantize_in_epilogue"]
+    norms = done["quantize_in_layer_norm"]
     dead_code(graph)
     left = len(layers) - kept - fused
     notes.append(
@@ -161,6 +162,7 @@ def quantize_graph(
         + (f" ({left} run in float through their Q/DQ nodes)" if left else "")
         + (f"; {requantized} write the next layer's quantized input" if requantized else "")
         + (f"; {residuals} read their residual quantized" if residuals else "")
+        + (f"; {norms} LayerNorms write their output quantized too" if norms else "")
     )
     return notes
 
