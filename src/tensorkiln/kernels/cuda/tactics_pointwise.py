@@ -123,7 +123,8 @@ if available():
         quantized = None
         if q_dtype and _n_outputs > 1:
             target = torch_dtype(tensor_dtype_to_np_dtype(int(q_dtype)))
-            quantized = (torch.empty(x.shape, dtype=target, device=x.device), quant_scale(y_scale))
+            shape = x.shape if residual is None else torch.broadcast_shapes(x.shape, residual.shape)
+            quantized = (torch.empty(shape, dtype=target, device=x.device), quant_scale(y_scale))
         y, s, _, _ = norm.normalize(
             x, scale, bias, residual, eps=epsilon, want_sum=sums and residual is not None,
             quantized=quantized,
