@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.builder import Builder, BuilderConfig
+from tensorkiln.engine import Engine
 from tensorkiln.passes import fuse_qdq
 from tensorkiln.precision import quantize
 from tests.passes.util import model
@@ -81,6 +82,10 @@ def test_the_layer_norm_writes_the_quantized_input(tmp_path, monkeypatch, backen
     assert (
         ops.count("QuantizeLinear") == [n.op for n in plain.graph.nodes].count("QuantizeLinear") - 2
     )
+    path_engine = tmp_path / "m.engine"
+    fused.save(path_engine)
+    fused = Engine.load(path_engine)  # (Y_scale and q_dtype survive the file)
+    assert all(n.attrs.get("q_dtype") for n in fused.graph.nodes if n.op == "LayerNorm")
     x = rng.standard_normal((3, S, N)).astype(np.float32)
     got = fused.create_execution_context().infer({"x": x})["out"]
     want = plain.create_execution_context().infer({"x": x})["out"]

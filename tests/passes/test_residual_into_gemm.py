@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tensorkiln.builder import Builder, BuilderConfig
+from tensorkiln.engine import Engine
 from tests.passes.util import model
 
 S, N = 6, 16
@@ -92,10 +93,19 @@ def test_the_residual_moves_into_the_gemm(tmp_path, backend: str, form: str) -> 
     norms = [n for n in engine.graph.nodes if n.op == "LayerNorm"]
     assert len(gemms) == 2 and all(len(n.inputs) == 4 and n.inputs[3] is not None for n in gemms)
     assert len(norms) == 2 and all(len(n.inputs) <= 3 or n.inputs[3] is None for n in norms)
+    loaded = Engine.load(_saved(engine, tmp_path))  # (the fourth input survives the file)
+    assert [len(n.inputs) for n in loaded.graph.nodes if n.op == "GemmAct"] == [4, 4]
     for batch in (1, 3):
         x = rng.standard_normal((batch, S, N)).astype(np.float32)
-        got = engine.create_execution_context().infer({"x": x})["y1"]
-        np.testing.assert_allclose(got, _ort(m, x), rtol=1e-4, atol=1e-4)
+        for e in (engine, loaded):
+            got = e.create_execution_context().infer({"x": x})["y1"]
+            np.testing.assert_allclose(got, _ort(m, x), rtol=1e-4, atol=1e-4)
+
+
+def _saved(engine, tmp_path):
+    path = tmp_path / "m.engine"
+    engine.save(path)
+    return path
 
 
 def test_a_quantized_build_keeps_the_residual_in_the_layer_norm(tmp_path) -> None:
