@@ -223,3 +223,15 @@ def test_layer_norm_writes_its_output_quantized(rows_path, q_dtype, with_sum, dt
     if with_sum:
         np.testing.assert_allclose(to_numpy(got[2]).astype(np.float32),
                                    ref[2].astype(np.float32), rtol=tol, atol=tol)  # fmt: skip
+
+
+@pytest.mark.parametrize("q_dtype", [1, 7, 999])
+def test_a_quantized_output_of_another_type_is_refused(q_dtype):
+    """An engine file may name any q_dtype: anything but int8 and float8 E4M3 is refused by
+    name, by the tactic and by the default kernel, never written as uninitialized memory."""
+    x, w = randn(2, 16), randn(16)
+    args = [to_torch(a, DEVICE) for a in (x, w)] + [None, None, to_torch(np.float32(0.1), DEVICE)]
+    for fn in (get_tactic("LayerNorm", "tensorkiln", "triton").fn,
+               lookup("LayerNorm", "tensorkiln", 1, "cuda").fn):  # fmt: skip
+        with pytest.raises(ValueError, match="q_dtype"):
+            fn(*args, q_dtype=q_dtype, _n_outputs=2)

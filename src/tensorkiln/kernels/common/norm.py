@@ -212,8 +212,16 @@ class FusedNormArrays(Protocol):
         ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
 
 
-def quant_scale(y_scale: Any) -> Any:
-    """LayerNorm's Y_scale, checked: its quantized output needs one."""
+QUANTIZED_OUTPUTS = (3, 17)  # LayerNorm's q_dtype: ONNX's int8 and float8 E4M3
+
+
+def quant_scale(y_scale: Any, q_dtype: int) -> Any:
+    """LayerNorm's Y_scale, checked with its q_dtype: the quantized output needs both."""
+    if int(q_dtype) not in QUANTIZED_OUTPUTS:
+        raise ValueError(
+            f"LayerNorm: q_dtype {q_dtype} is not int8 (3) or float8 E4M3 (17), the types its "
+            "quantized output takes"
+        )
     if y_scale is None:
         raise ValueError("LayerNorm: a quantized output (q_dtype) needs the Y_scale input")
     return y_scale
@@ -248,7 +256,7 @@ class FusedNorm:
             return y
         if not q_dtype:
             return y, s
-        q = self.xp.quantize(y, quant_scale(y_scale), int(q_dtype))
+        q = self.xp.quantize(y, quant_scale(y_scale, q_dtype), int(q_dtype))
         return (y, q) if _n_outputs == 2 else (y, q, s)
 
     def rms_norm(self, x: Any, scale: Any, *, axis: int = -1, epsilon: float = 1e-5) -> Any:

@@ -122,9 +122,10 @@ if available():
         sums = _n_outputs == (3 if q_dtype else 2)
         quantized = None
         if q_dtype and _n_outputs > 1:
+            y_scale = quant_scale(y_scale, q_dtype)
             target = torch_dtype(tensor_dtype_to_np_dtype(int(q_dtype)))
             shape = x.shape if residual is None else torch.broadcast_shapes(x.shape, residual.shape)
-            quantized = (torch.empty(shape, dtype=target, device=x.device), quant_scale(y_scale))
+            quantized = (torch.empty(shape, dtype=target, device=x.device), y_scale)
         y, s, _, _ = norm.normalize(
             x, scale, bias, residual, eps=epsilon, want_sum=sums and residual is not None,
             quantized=quantized,
