@@ -18,6 +18,7 @@ from tensorkiln.builder import Builder, BuilderConfig
 from tensorkiln.engine import Engine
 from tensorkiln.passes import fuse_qdq
 from tensorkiln.precision import quantize
+from tests.passes.test_residual_into_gemm import post_ln
 from tests.passes.util import model
 
 S, N = 6, 32
@@ -29,28 +30,6 @@ def _vi(name, shape, elem=TensorProto.FLOAT):
 
 def _const(name, value):
     return numpy_helper.from_array(np.asarray(value), name)
-
-
-def _post_ln(rng) -> onnx.ModelProto:
-    """Two BERT output sub-blocks: y = LN(x + MatMul(x, W) + b), the LN's output read by the next
-    GEMM and as the next residual."""
-    nodes, inits, prev = [], [], "x"
-    for k in range(2):
-        inits += [_const(f"w{k}", (rng.standard_normal((N, N)) / 5).astype(np.float32)),
-                  _const(f"b{k}", rng.standard_normal(N).astype(np.float32)),
-                  _const(f"g{k}", rng.uniform(0.5, 1.5, N).astype(np.float32)),
-                  _const(f"be{k}", rng.standard_normal(N).astype(np.float32))]  # fmt: skip
-        nodes += [
-            helper.make_node("MatMul", [prev, f"w{k}"], [f"m{k}"]),
-            helper.make_node("Add", [f"m{k}", f"b{k}"], [f"p{k}"]),
-            helper.make_node("Add", [f"p{k}", prev], [f"s{k}"]),
-            helper.make_node("LayerNormalization", [f"s{k}", f"g{k}", f"be{k}"], [f"y{k}"],
-                             axis=-1, epsilon=1e-5),
-        ]  # fmt: skip
-        prev = f"y{k}"
-    nodes.append(helper.make_node("MatMul", [prev, "w_out"], ["out"]))
-    inits.append(_const("w_out", (rng.standard_normal((N, 8)) / 5).astype(np.float32)))
-    return model(nodes, [_vi("x", ["B", S, N])], [_vi("out", ["B", S, 8])], inits)
 
 
 def _build(path, backend: str, precision: str, calib, monkeypatch=None, fuse: bool = True):
@@ -71,7 +50,7 @@ def test_the_layer_norm_writes_the_quantized_input(tmp_path, monkeypatch, backen
         pytest.importorskip("torch")
     rng = np.random.default_rng()
     path = tmp_path / "m.onnx"
-    onnx.save(_post_ln(rng), path)
+    onnx.save(post_ln(rng, N, head=8), path)
     calib = [{"x": rng.standard_normal((4, S, N)).astype(np.float32)} for _ in range(2)]
     fused, report = _build(path, backend, precision, calib)
     norms = [n for n in fused.graph.nodes if n.op == "LayerNorm"]

@@ -52,14 +52,16 @@ def _pre_ln(rng) -> onnx.ModelProto:
     return model(nodes, [_vi("x", ["B", S, N])], [_vi("y1", ["B", S, N])], inits)
 
 
-def _post_ln(rng) -> onnx.ModelProto:
-    """BERT's output sub-block: LN(x + (MatMul(x, W) + b)) on [B, S, N], twice."""
+def post_ln(rng, n: int = N, head: int = 0) -> onnx.ModelProto:
+    """BERT's output sub-block: LN(x + (MatMul(x, W) + b)) on [B, S, n], twice (the first LN's
+    output read by the next GEMM and as the next residual); ``head``: then a MatMul to that
+    many features, the output "out" (else "y1")."""
     nodes, inits, prev = [], [], "x"
     for k in range(2):
-        inits += [_const(f"w{k}", (rng.standard_normal((N, N)) / 4).astype(np.float32)),
-                  _const(f"b{k}", rng.standard_normal(N).astype(np.float32)),
-                  _const(f"g{k}", rng.uniform(0.5, 1.5, N).astype(np.float32)),
-                  _const(f"be{k}", rng.standard_normal(N).astype(np.float32))]  # fmt: skip
+        inits += [_const(f"w{k}", (rng.standard_normal((n, n)) / 4).astype(np.float32)),
+                  _const(f"b{k}", rng.standard_normal(n).astype(np.float32)),
+                  _const(f"g{k}", rng.uniform(0.5, 1.5, n).astype(np.float32)),
+                  _const(f"be{k}", rng.standard_normal(n).astype(np.float32))]  # fmt: skip
         nodes += [
             helper.make_node("MatMul", [prev, f"w{k}"], [f"m{k}"]),
             helper.make_node("Add", [f"m{k}", f"b{k}"], [f"p{k}"]),
@@ -68,7 +70,11 @@ def _post_ln(rng) -> onnx.ModelProto:
                              axis=-1, epsilon=1e-5),
         ]  # fmt: skip
         prev = f"y{k}"
-    return model(nodes, [_vi("x", ["B", S, N])], [_vi("y1", ["B", S, N])], inits)
+    if not head:
+        return model(nodes, [_vi("x", ["B", S, n])], [_vi("y1", ["B", S, n])], inits)
+    nodes.append(helper.make_node("MatMul", [prev, "w_out"], ["out"]))
+    inits.append(_const("w_out", (rng.standard_normal((n, head)) / 5).astype(np.float32)))
+    return model(nodes, [_vi("x", ["B", S, n])], [_vi("out", ["B", S, head])], inits)
 
 
 def _ort(m: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
@@ -83,7 +89,7 @@ def test_the_residual_moves_into_the_gemm(tmp_path, backend: str, form: str) -> 
     if backend != "reference":
         pytest.importorskip("torch")
     rng = np.random.default_rng()
-    m = (_pre_ln if form == "pre-ln" else _post_ln)(rng)
+    m = (_pre_ln if form == "pre-ln" else post_ln)(rng)
     path = tmp_path / "m.onnx"
     onnx.save(m, path)
     builder = Builder(backend, device="cpu") if backend == "cuda" else Builder(backend)
@@ -111,7 +117,7 @@ def _saved(engine, tmp_path):
 def test_a_quantized_build_keeps_the_residual_in_the_layer_norm(tmp_path) -> None:
     """QGemmAct takes no residual: an INT8 build leaves the add where it was, and quantizes."""
     rng = np.random.default_rng()
-    m = _post_ln(rng)
+    m = post_ln(rng)
     path = tmp_path / "m.onnx"
     onnx.save(m, path)
     config = BuilderConfig()
@@ -164,7 +170,7 @@ def test_the_residual_in_the_gemm_on_the_gpu(tmp_path, form: str) -> None:
     """fp16 on the GPU, tactics tuned: the engine agrees with onnxruntime to fp16's rounding
     (the residual goes in as cuBLASLt's C where a cuBLASLt algorithm won)."""
     rng = np.random.default_rng()
-    m = (_pre_ln if form == "pre-ln" else _post_ln)(rng)
+    m = (_pre_ln if form == "pre-ln" else post_ln)(rng)
     path = tmp_path / "m.onnx"
     onnx.save(m, path)
     config = BuilderConfig()
