@@ -182,3 +182,25 @@ def test_the_residual_in_the_gemm_on_the_gpu(tmp_path, form: str) -> None:
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y1"], np.float32)
     want = _ort(m, x)
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+
+
+@pytest.mark.parametrize("form", ["pre-ln", "post-ln"])
+def test_the_residual_in_a_float16_engine(tmp_path, form: str) -> None:
+    """fp16 (the cuda kernels on CPU tensors): the precision pass narrows the residual with the
+    GEMM's other operands, and the engine agrees with onnxruntime to float16's rounding."""
+    pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    m = (_pre_ln if form == "pre-ln" else post_ln)(rng)
+    path = tmp_path / "m.onnx"
+    onnx.save(m, path)
+    config = BuilderConfig()
+    config.set_flag("fp16")
+    builder = Builder("cuda", device="cpu")
+    engine = builder.build(path, config)
+    assert builder.last_report.passes.get("fold_residual_into_gemm") == 2
+    gemms = [n for n in engine.graph.nodes if n.op == "GemmAct"]
+    assert all(v.dtype.name == "FLOAT16" for n in gemms for v in n.inputs if v is not None)
+    x = rng.standard_normal((3, S, N)).astype(np.float32)
+    got = np.asarray(engine.create_execution_context().infer({"x": x})["y1"], np.float32)
+    want = _ort(m, x)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 5e-3
