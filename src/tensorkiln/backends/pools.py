@@ -64,6 +64,11 @@ def release(pool: Any, stream: Any, device: Any, kind: str = "activations") -> N
         with _lock:
             _pending.append((key, pool, stream))
         return
+    _give_back(key, pool, stream)
+
+
+def _give_back(key: tuple[str, int], pool: Any, stream: Any) -> None:
+    """``pool`` and ``stream`` onto the free list of ``key`` once the stream has finished."""
     stream.synchronize()
     if pool is not None:
         with _lock:
@@ -84,7 +89,4 @@ def _settle() -> None:
         waiting = list(_pending)
         _pending.clear()
     for key, pool, stream in waiting:
-        stream.synchronize()
-        if pool is not None:
-            with _lock:
-                _free.setdefault(key, []).append((pool, stream))
+        _give_back(key, pool, stream)

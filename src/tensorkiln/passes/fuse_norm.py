@@ -224,12 +224,7 @@ def _gemm_making(m: View, v: Value, ln: Node) -> tuple[Node, Node | None] | None
 
 
 def _same_shape(a: Value, b: Value) -> bool:
-    return (
-        a.shape is not None
-        and b.shape is not None
-        and len(a.shape) == len(b.shape)
-        and all(x == y for x, y in zip(a.shape, b.shape, strict=True))
-    )
+    return a.shape is not None and b.shape is not None and tuple(a.shape) == tuple(b.shape)
 
 
 def _residual_into_gemm(m: View, found: Found) -> Rewrite | None:

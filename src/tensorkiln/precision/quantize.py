@@ -111,9 +111,10 @@ def quantize_graph(
     layers = quantizable(graph, exclude)
     excluded = len(quantizable(graph)) - len(layers) if exclude else 0
     if not layers:
-        kept = len(quantizable(graph)) if exclude else 0
-        if kept:
-            return [f"{precision}: all {kept} convolution/GEMM layers are kept at higher precision"]
+        if excluded:
+            return [
+                f"{precision}: all {excluded} convolution/GEMM layers are kept at higher precision"
+            ]
         return [f"{precision}: no convolution or GEMM with a constant weight to quantize"]
     tensors = calibrated_tensors(layers)
     if budget is not None:
