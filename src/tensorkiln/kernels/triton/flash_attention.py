@@ -83,16 +83,12 @@ def _attend(
     may hold keys past SK, above the diagonal or hidden by the mask (else every score counts)."""
     offs_n = start_n + offs_n0
     n_ok = offs_n < SK
-    if MASKED:
-        k = tl.load(
-            k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-            mask=n_ok[None, :] & (offs_d < D)[:, None], other=0.0,
-        )  # fmt: skip
-    else:
-        k = tl.load(
-            k_base + offs_n[None, :] * skn + offs_d[:, None] * skd,
-            mask=(offs_d < D)[:, None], other=0.0,
-        )  # fmt: skip
+    k_ok = (offs_d < D)[:, None]
+    v_ok = (offs_dv < DV)[None, :]
+    if MASKED:  # (whole blocks need no key bound)
+        k_ok = k_ok & n_ok[None, :]
+        v_ok = v_ok & n_ok[:, None]
+    k = tl.load(k_base + offs_n[None, :] * skn + offs_d[:, None] * skd, mask=k_ok, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k) * qk_scale  # (log2 units: exp2 below)
@@ -118,16 +114,7 @@ def _attend(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    if MASKED:
-        v = tl.load(
-            v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=n_ok[:, None] & (offs_dv < DV)[None, :], other=0.0,
-        )  # fmt: skip
-    else:
-        v = tl.load(
-            v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd,
-            mask=(offs_dv < DV)[None, :], other=0.0,
-        )  # fmt: skip
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_dv[None, :] * svd, mask=v_ok, other=0.0)
     if UPCAST:
         acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32))
     else:
