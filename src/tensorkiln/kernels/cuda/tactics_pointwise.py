@@ -101,7 +101,6 @@ if available():
     from tensorkiln.kernels.common.norm import quant_scale
     from tensorkiln.kernels.cuda.convert import torch_dtype
     from tensorkiln.kernels.cuda.pool import max_pool
-    from tensorkiln.kernels.cuda.quant import quantize_linear
     from tensorkiln.kernels.triton import norm, pointwise, softmax
     from tensorkiln.kernels.triton import pool as triton_pool
 
@@ -135,10 +134,7 @@ if available():
         s = x if residual is None else s
         if quantized is None:
             return y, s
-        q = quantized[0]
-        if not norm.quantizes(x.shape[-1] if x.dim() else 1):
-            q = quantize_linear(y, y_scale, output_dtype=int(q_dtype))
-        return (y, q, s) if sums else (y, q)
+        return (y, quantized[0], s) if sums else (y, quantized[0])
 
     @tactic("RMSNorm", domain="tensorkiln", name="triton", supports=_norm_fits)
     def rms_norm_triton(x, scale, *, axis: int = -1, epsilon: float = 1e-5):

@@ -18,7 +18,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.triton.quantize import qout, requantize, storable
+from tensorkiln.kernels.triton.quantize import qout, quantize_into, requantize, storable
 
 MAX_BLOCK = 16384  # longest row held in registers at once (float32: 64 values a thread at 8 warps)
 LOOP_BLOCK = 4096
@@ -134,8 +134,8 @@ def normalize(
 
     ``scale`` and ``bias`` hold one value per column (any shape of that size); mean and inv_std
     are float32 of shape ``x.shape[:-1]`` when ``want_stats``. ``quantized``: (an int8 or float8
-    E4M3 tensor of x's shape, a float32 scale tensor of one value) into which rows that fit one
-    block (:func:`quantizes`) also write y quantized.
+    E4M3 tensor of the output's shape, a float32 scale tensor of one value) into which y is also
+    written quantized (by the kernel itself where rows fit one block).
     """
     import torch
 
@@ -162,6 +162,8 @@ def normalize(
                 x2, r, w, b, y, s, mean, inv, n, eps, STATS=want_stats, BLOCK_N=LOOP_BLOCK,
                 num_warps=8, **flags,
             )  # fmt: skip
+            if quantized:
+                quantize_into(y, quantized[1], None, quantized[0].reshape(rows, n))
         elif rows and n:
             block_n, per, warps = row_tile(n, rows)
             qout_code = qout(quantized[0].dtype) if quantized else 0
@@ -174,8 +176,3 @@ def normalize(
     if not want_stats:
         return y.reshape(shape), out_sum, None, None
     return y.reshape(shape), out_sum, stats[0].reshape(shape[:-1]), stats[1].reshape(shape[:-1])
-
-
-def quantizes(n: int) -> bool:
-    """Whether :func:`normalize` writes the quantized values of rows of ``n`` itself."""
-    return 0 < n <= MAX_BLOCK

@@ -147,15 +147,20 @@ def quantize(
     x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, target: torch.dtype
 ) -> torch.Tensor:
     """QuantizeLinear's result for a case :func:`applies` takes, in ``x``'s layout."""
-    y = torch.empty_like(x, dtype=target)  # (dense: the same strides as x)
+    return quantize_into(x, scale, zero_point, torch.empty_like(x, dtype=target))
+
+
+def quantize_into(
+    x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None, y: torch.Tensor
+) -> torch.Tensor:
+    """:func:`quantize` written into ``y`` (of the target type, ``x``'s size and layout)."""
     n = x.numel()
     if n == 0:
         return y
-    lo, hi = _INT.get(target, (0.0, 0.0))
+    lo, hi = _INT.get(y.dtype, (0.0, 0.0))
     has_z = zero_point is not None
-    out = y if target in _INT else y.view(torch.uint8)  # (E4M3 codes written as bytes)
     _quantize_kernel[(triton.cdiv(n, BLOCK),)](
-        x, scale, zero_point if has_z else scale, out, n, lo, hi,
-        HAS_Z=has_z, FLOAT8=target not in _INT, BLOCK=BLOCK,
+        x, scale, zero_point if has_z else scale, storable(y), n, lo, hi,
+        HAS_Z=has_z, FLOAT8=y.dtype not in _INT, BLOCK=BLOCK,
     )  # fmt: skip
     return y
