@@ -404,15 +404,12 @@ class _LtGemmArrays(TorchGemmArrays):
         self.algo = algo
 
     def affine(self, a, b, bias, alpha, beta, act, dtype):
-        b = b if b.dtype is dtype else b.to(dtype)
         activation = act[0]
         if activation == "Gelu":  # (the tactic applies only where the tanh form is tolerated)
             activation = "GeluTanh"
         plain = all(x is None for x in act[1:])
         if plain and (bias is None or beta == 1.0):
-            if bias is not None:
-                bias = bias if bias.dtype is dtype else bias.to(dtype)
-            y = matmul(a, b, bias, alpha, activation, self.algo)
+            y = self._matmul(a, b, bias, alpha, activation, dtype)
             if y is not None:
                 return y
         return super().affine(a, b, bias, alpha, beta, act, dtype)
@@ -420,10 +417,14 @@ class _LtGemmArrays(TorchGemmArrays):
     def affine_residual(self, a, b, bias, alpha, beta, dtype, z):
         if bias is not None and beta != 1.0:
             return None
+        return self._matmul(a, b, bias, alpha, "", dtype, z)
+
+    def _matmul(self, a, b, bias, alpha, activation, dtype, residual=None):
+        """:func:`matmul` with this algorithm, B and the bias in ``dtype``."""
         b = b if b.dtype is dtype else b.to(dtype)
         if bias is not None:
             bias = bias if bias.dtype is dtype else bias.to(dtype)
-        return matmul(a, b, bias, alpha, "", self.algo, residual=z)
+        return matmul(a, b, bias, alpha, activation, self.algo, residual=residual)
 
 
 def _layer_algos(spec: LayerSpec) -> list[_Algo] | None:
