@@ -3,17 +3,21 @@
 # under its own time limit, so one slow file cannot hide the others' results), then ONNX's backend
 # suite on the cuda backend (plain, and through optimized engines). Logs go to $OUT (or
 # ./gpu-logs); a summary is printed. GPU_CHECK_LIMIT sets the seconds per test file (120).
+# `gpu_check.sh tests` runs only the test files, `gpu_check.sh conformance` only the suites.
 set -uo pipefail
+part=${1:-all}
+case "$part" in all | tests | conformance) ;; *) echo "usage: $0 [all|tests|conformance]" >&2; exit 2 ;; esac
 export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 out=${OUT:-gpu-logs}
 limit=${GPU_CHECK_LIMIT:-120}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-files=$(python3 -m pytest -q -m gpu --collect-only tests -p no:cacheprovider 2>/dev/null \
+files=""
+[ "$part" != conformance ] && files=$(python3 -m pytest -q -m gpu --collect-only tests -p no:cacheprovider 2>/dev/null \
     | grep "::" | cut -d: -f1 | sort -u)
 # the Triton kernels' own tests, which run on CUDA tensors where there is a GPU
-files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
+[ "$part" != conformance ] && files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
 for f in $files; do
     log="$out/$(echo "$f" | tr '/' '_' | sed 's/\.py$//').log"
     timeout "$limit" python3 -X faulthandler -m pytest -q -rf --tb=short "$f" \
@@ -24,7 +28,9 @@ for f in $files; do
     echo "$f: ${summary:-exit $rc}"
     grep -E "^FAILED|Fatal Python" "$log" | head -5
 done
-for suite in test_onnx_backend_cuda test_onnx_backend_cuda_optimized; do
+suites="test_onnx_backend_cuda test_onnx_backend_cuda_optimized"
+[ "$part" = tests ] && suites=""
+for suite in $suites; do
     python3 -m pytest -q "tests/conformance/$suite.py" -p no:cacheprovider -rf >"$out/$suite.log" 2>&1
     echo "$suite:"
     grep -E "^FAILED|passed|failed" "$out/$suite.log" | tail -20
