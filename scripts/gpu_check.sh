@@ -3,7 +3,8 @@
 # under its own time limit, so one slow file cannot hide the others' results), then ONNX's backend
 # suite on the cuda backend (plain, and through optimized engines). Logs go to $OUT (or
 # ./gpu-logs); a summary is printed. GPU_CHECK_LIMIT sets the seconds per test file (120).
-# `gpu_check.sh tests` runs only the test files, `gpu_check.sh conformance` only the suites.
+# `gpu_check.sh tests` runs only the test files, `gpu_check.sh conformance` only the suites;
+# GPU_CHECK_SHARD=1/2 (then 2/2) runs half of the files.
 set -uo pipefail
 part=${1:-all}
 case "$part" in all | tests | conformance) ;; *) echo "usage: $0 [all|tests|conformance]" >&2; exit 2 ;; esac
@@ -18,6 +19,11 @@ files=""
     | grep "::" | cut -d: -f1 | sort -u)
 # the Triton kernels' own tests, which run on CUDA tensors where there is a GPU
 [ "$part" != conformance ] && files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
+# GPU_CHECK_SHARD=i/n: only every n-th file from the i-th (1-based), to split the run
+if [ -n "${GPU_CHECK_SHARD:-}" ]; then
+    i=${GPU_CHECK_SHARD%/*} n=${GPU_CHECK_SHARD#*/}
+    files=$(echo $files | tr ' ' '\n' | awk -v i="$i" -v n="$n" 'NR % n == i % n')
+fi
 for f in $files; do
     log="$out/$(echo "$f" | tr '/' '_' | sed 's/\.py$//').log"
     timeout "$limit" python3 -X faulthandler -m pytest -q -rf --tb=short "$f" \
