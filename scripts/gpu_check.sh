@@ -15,13 +15,19 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 files=""
-[ "$part" != conformance ] && files=$(python3 -m pytest -q -m gpu --collect-only tests -p no:cacheprovider 2>/dev/null \
-    | grep "::" | cut -d: -f1 | sort -u)
-# the Triton kernels' own tests, which run on CUDA tensors where there is a GPU
-[ "$part" != conformance ] && files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
+if [ "$part" != conformance ]; then
+    files=$(python3 -m pytest -q -m gpu --collect-only tests -p no:cacheprovider 2>/dev/null \
+        | grep "::" | cut -d: -f1 | sort -u)
+    # the Triton kernels' own tests, which run on CUDA tensors where there is a GPU
+    files="$files tests/kernels/triton/test_quantize.py tests/kernels/triton/test_quant_tactics.py"
+fi
 # GPU_CHECK_SHARD=i/n: only every n-th file from the i-th (1-based), to split the run
 if [ -n "${GPU_CHECK_SHARD:-}" ]; then
     i=${GPU_CHECK_SHARD%/*} n=${GPU_CHECK_SHARD#*/}
+    if ! [[ "$i" =~ ^[1-9][0-9]*$ && "$n" =~ ^[1-9][0-9]*$ ]] || [ "$i" -gt "$n" ]; then
+        echo "GPU_CHECK_SHARD must be i/n with 1 <= i <= n, not '$GPU_CHECK_SHARD'" >&2
+        exit 2
+    fi
     files=$(echo $files | tr ' ' '\n' | awk -v i="$i" -v n="$n" 'NR % n == i % n')
 fi
 for f in $files; do
