@@ -361,7 +361,8 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
     monkeypatch.setattr(builder_module, "_precision_choice", choice)
     builder = Builder("cuda", device="cpu")
     engine = builder.build(path, _choice_config("int8", iter(batches)))
-    assert seen == [["conv1", "conv2", "fc"]]  # (compared once, on the fully quantized build)
+    # compared on the fully quantized build, then once more on the build without conv2
+    assert seen == [["conv1", "conv2", "fc"], ["conv1", "fc"]]
     ops = {n.name: (n.op, n.precision) for n in engine.graph.nodes if n.name in DATA_INPUT}
     assert ops["conv2"] == ("ConvAct", "fp16"), ops
     assert ops["conv1"][0] == "QConvAct" and ops["fc"][0] == "QGemmAct", ops
@@ -369,6 +370,62 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
     assert any("int8: 2 of 3 convolution/GEMM layers quantized, 1 kept" in n
                for n in engine.build["notes"]), engine.build["notes"]  # fmt: skip
     assert "3 layers timed both ways" in builder.last_report.summary()
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
+    want = _run_ort(model, {"x": x})
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+
+
+@pytest.mark.parametrize("rounds", [4, 1])
+def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
+    tmp_path: Path, monkeypatch, rounds: int
+) -> None:
+    """In the fully quantized build conv1's epilogue writes the int8 input of conv2, so conv2
+    pays no quantization; kept in float, conv1 writes float and a QuantizeLinear of its own runs
+    before conv2, which makes conv2 slower than its float form too. The builder compares again
+    on the new build and keeps conv2 in float as well (fc, cheap enough with its quantization,
+    stays int8); with the rounds bounded at 1 it stops after the first comparison."""
+    pytest.importorskip("torch")
+    from tensorkiln.builder import builder as builder_module
+
+    real_choice = builder_module._precision_choice
+    quantized_ms = {"conv1": 2.0, "conv2": 0.8, "fc": 0.5}
+    quantize_ms = {"x_quantize": 0.5, "r1_quantize": 0.5, "flat_quantize": 0.1}
+    seen = []
+
+    def choice(layers, floats):  # the real comparison, over these timings
+        layers = [dict(layer) for layer in layers]  # (the engine keeps the real records)
+        for layer in layers:
+            ms = quantized_ms.get(layer["name"], quantize_ms.get(layer["name"]))
+            if ms is not None:
+                layer["tactic"], layer["timings_ms"] = "t", {"t": ms}
+        seen.append(sorted(x["name"] for x in layers if x["op"] == "QuantizeLinear"))
+        return real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
+
+    monkeypatch.setattr(builder_module, "_precision_choice", choice)
+    monkeypatch.setattr(builder_module, "_CHOICE_ROUNDS", rounds)
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    builder = Builder("cuda", device="cpu")
+    engine = builder.build(path, _choice_config("int8", iter(batches)))
+    ops = {n.name: n.op for n in engine.graph.nodes if n.name in DATA_INPUT}
+    choice_made = builder.last_report.precision_choice
+    if rounds == 1:
+        assert seen == [["flat_quantize", "x_quantize"]]
+        assert ops == {"conv1": "ConvAct", "conv2": "QConvAct", "fc": "QGemmAct"}, ops
+        assert choice_made["conv2"]["quantize_ms"] == 0.0  # (its quantization was fused then)
+    else:  # the first build, the one without conv1, the one without conv1 and conv2
+        assert seen == [["flat_quantize", "x_quantize"], ["flat_quantize", "r1_quantize"],
+                        ["flat_quantize"]]  # fmt: skip
+        assert ops == {"conv1": "ConvAct", "conv2": "ConvAct", "fc": "QGemmAct"}, ops
+        assert choice_made["conv2"] == {"quantized_ms": 1.3, "quantize_ms": 0.5,
+                                        "float_ms": 1.0, "kept": "float"}  # fmt: skip
+        assert any("2 layers kept in fp16" in n and "conv1, conv2" in n
+                   for n in engine.build["notes"]), engine.build["notes"]  # fmt: skip
+    assert choice_made["conv1"]["kept"] == "float" and choice_made["fc"]["kept"] == "quantized"
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})
@@ -403,14 +460,16 @@ def test_the_precision_choice_compares_each_layer_with_its_float_form(
         return "fp16"
 
     monkeypatch.setattr(builder_module, "_lower", lower)
-    choice = builder_module._precision_choice(quantized, None, None, None, None, None)
+    float_ms = builder_module._float_layer_ms(None, None, None, None, None)
+    assert float_ms == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}  # (q is no float GEMM/conv)
+    choice = builder_module._precision_choice(quantized, float_ms)
     assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a", "d"}
     assert set(choice) == {"a", "b", "d"}  # (c was not measured quantized: not compared)
     assert choice["b"] == {"quantized_ms": 0.5, "quantize_ms": 0.0, "float_ms": 1.0,
                            "kept": "quantized"}  # fmt: skip
 
 
-def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer(monkeypatch) -> None:
+def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer() -> None:
     """A QuantizeLinear read by one quantized layer only is part of that layer's cost (kept in
     float, the layer would not need it); one shared by two layers is nobody's."""
     from tensorkiln.builder import builder as builder_module
@@ -427,19 +486,39 @@ def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer(monke
         q("q_own", "xa", 0.6), layer("a", "xa", 0.5),  # 0.5 + 0.6 >= 1.0: slower
         q("q_shared", "xs", 0.6), layer("b", "xs", 0.5), layer("c", "xs", 0.5),  # 0.5 < 1.0
     ]  # fmt: skip
-    floats = [
-        {"name": n, "op": "tensorkiln.GemmAct", "tactic": "f", "timings_ms": {"f": 1.0}}
-        for n in ("a", "b", "c")
-    ]
-
-    def lower(graph, config, backend, policy, report, bar, cache):
-        report.layers = floats
-        return "fp16"
-
-    monkeypatch.setattr(builder_module, "_lower", lower)
-    choice = builder_module._precision_choice(quantized, None, None, None, None, None)
+    choice = builder_module._precision_choice(quantized, {"a": 1.0, "b": 1.0, "c": 1.0})
     assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a"}
     assert choice["a"]["quantize_ms"] == 0.6 and choice["b"]["quantize_ms"] == 0.0
+
+
+def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path) -> None:
+    """A QuantizeLinear has no tactics to choose between, but what it costs is part of the
+    quantized layer it feeds: an INT8 build times its default kernel (and the comparison counts
+    it), a float build leaves a layer without tactics untimed."""
+    pytest.importorskip("torch")
+    from tensorkiln.builder.builder import _precision_choice
+
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    config = _choice_config("int8", [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}])
+    config.choose_precision_per_layer = False
+    builder = Builder("cuda", device="cpu")
+    builder.build(path, config)
+    layers = {x["name"]: x for x in builder.last_report.layers}
+    quantize = [x for x in layers.values() if x["op"] == "QuantizeLinear"]
+    assert {x["name"] for x in quantize} == {"x_quantize", "flat_quantize"}, list(layers)
+    for x in quantize:
+        assert x["tactic"] == "default" and x["timings_ms"]["default"] > 0, x
+    choice = _precision_choice(list(layers.values()), {"conv1": 1e3, "conv2": 1e3, "fc": 1e3})
+    assert choice["fc"]["quantize_ms"] == layers["flat_quantize"]["timings_ms"]["default"]
+    assert choice["conv1"]["quantize_ms"] == layers["x_quantize"]["timings_ms"]["default"]
+
+    plain = BuilderConfig()
+    plain.set_flag("fp16")
+    builder.build(path, plain)
+    untimed = [x for x in builder.last_report.layers if "candidates" not in x]
+    assert untimed and not any("timings_ms" in x for x in untimed)
 
 
 def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) -> None:

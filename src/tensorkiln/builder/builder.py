@@ -12,6 +12,7 @@ import hashlib
 import os
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,19 +161,16 @@ class Builder:
             precision = _lower(graph, config, backend, policy, report, bar, cache)
             if float_graph is not None and report.layers:
                 with _phase(report, "precision choice", bar):
-                    report.precision_choice = _precision_choice(
-                        report.layers, _copy_graph(float_graph), config, backend, policy, cache
+                    floats = _float_layer_ms(
+                        _copy_graph(float_graph), config, backend, policy, cache
                     )
-                slower = {n for n, c in report.precision_choice.items() if c["kept"] == "float"}
-                if slower:  # quantize again without them, the same ranges, tactics from cache
-                    graph = float_graph
-                    report.notes = before  # (the first pass's notes were of the other graph)
-                    with _phase(report, "calibrate", bar):
-                        report.notes += _quantize(
-                            graph, config, backend, quantized, bar, request, slower
-                        )
-                    precision = _lower(graph, config, backend, policy, report, bar, cache)
-                    report.notes.append(_kept_float_note(slower, quantized, precision))
+                    report.precision_choice = _precision_choice(report.layers, floats)
+                settled, precision = _settle_precision(
+                    float_graph, floats, report, before, bar, quantized, precision,
+                    lambda g, slower: _quantize(g, config, backend, quantized, bar, request, slower),
+                    lambda g: _lower(g, config, backend, policy, report, bar, cache),
+                )  # fmt: skip
+                graph = graph if settled is None else settled
             if tuned:
                 cache.save(config.timing_cache)
             with _phase(report, "memory", bar):
@@ -445,6 +443,8 @@ def _tune(
         sources=sources,
         # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few
         max_candidates=None if config.optimization_level >= 4 else 4,
+        # (a standalone quantization's cost is part of the precision choice's comparison)
+        timed_ops=(frozenset({"QuantizeLinear"}) if _quantized_precision(config) else frozenset()),
     )
     try:
         with math_mode(precision):
@@ -502,24 +502,28 @@ def _layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def _precision_choice(
-    layers: list[dict],
+def _float_layer_ms(
     float_graph: Graph,
     config: BuilderConfig,
     backend: Backend,
     policy: PrecisionPolicy,
     cache: TimingCache,
-) -> dict[str, dict]:
-    """Each quantized layer's measured time against the same layer's in the float engine
-    (``float_graph``, lowered and tuned here), and which to keep: float where the quantized
-    layer is no faster. A quantized layer's time includes the QuantizeLinear that exists only
-    to feed it (kept in float, the layer would not need it); a QuantizeLinear shared by several
-    layers, or not measured, is not counted."""
-    quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
-    own = _own_quantize_ms(layers)
+) -> dict[str, float]:
+    """Layer name -> the measured ms of its chosen tactic in the float engine (``float_graph``,
+    lowered and tuned here), for the layers an INT8/FP8 build may quantize."""
     scratch = BuildReport()
     _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
-    floats = _layer_ms(scratch.layers, _FLOAT_LAYERS)
+    return _layer_ms(scratch.layers, _FLOAT_LAYERS)
+
+
+def _precision_choice(layers: list[dict], floats: dict[str, float]) -> dict[str, dict]:
+    """Each quantized layer's measured time against the same layer's in the float engine
+    (``floats``, from _float_layer_ms), and which to keep: float where the quantized layer is no
+    faster. A quantized layer's time includes the QuantizeLinear that exists only to feed it
+    (kept in float, the layer would not need it); a QuantizeLinear shared by several layers, or
+    not measured, is not counted."""
+    quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
+    own = _own_quantize_ms(layers)
     out = {}
     for name, ms in quantized.items():
         if name not in floats:
@@ -532,6 +536,55 @@ def _precision_choice(
             "kept": "float" if q >= floats[name] else "quantized",
         }
     return out
+
+
+# quantize-and-lower rounds of the precision choice after the first, at most
+_CHOICE_ROUNDS = 4
+
+
+def _settle_precision(
+    float_graph: Graph,
+    floats: dict[str, float],
+    report: BuildReport,
+    notes_before: list[str],
+    bar: _Progress,
+    quantized: str,
+    precision: str,
+    quantize: Callable[[Graph, set[str]], list[str]],
+    lower: Callable[[Graph], str],
+) -> tuple[Graph | None, str]:
+    """Quantize and lower again without the layers the choice keeps in float, until no more go.
+
+    One comparison is not enough: in the fully quantized build a layer's input quantization is
+    fused into the quantized layer that produces it, so it costs nothing there; once that
+    producer is kept in float, the quantization runs as a kernel of its own before the layer,
+    which may then be slower than its float form as well. Each round compares the new build's
+    quantized layers again (their own QuantizeLinear now measured) and only ever adds layers to
+    the float set, so it ends; after _CHOICE_ROUNDS rounds the last set is built without a
+    further comparison. ``quantized`` names the 8-bit precision, ``precision`` the
+    float one the first build lowered to. Returns (the graph to use, None if the first build
+    stands; its precision)."""
+    graph = None
+    slower: set[str] = set()
+    choice = report.precision_choice
+    for round_ in range(1, _CHOICE_ROUNDS + 1):
+        new = {n for n, c in choice.items() if c["kept"] == "float"} - slower
+        if not new:
+            break
+        slower |= new
+        graph = _copy_graph(float_graph)  # the same ranges, the tactics from the cache
+        report.notes = list(notes_before)  # (the last round's notes were of another graph)
+        with _phase(report, "calibrate", bar):
+            report.notes += quantize(graph, slower)
+        precision = lower(graph)
+        if round_ == _CHOICE_ROUNDS:
+            break
+        with _phase(report, "precision choice", bar):
+            choice = _precision_choice(report.layers, floats)
+        report.precision_choice.update(choice)  # (the float layers keep their earlier entry)
+    if slower:
+        report.notes.append(_kept_float_note(slower, quantized, precision))
+    return graph, precision
 
 
 def _own_quantize_ms(layers: list[dict]) -> dict[str, float]:

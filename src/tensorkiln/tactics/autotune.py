@@ -62,6 +62,9 @@ class TuneOptions:
     # at most this many candidates besides the default are timed per layer, the best-estimated
     # ones (each costs a compilation on a cold build); None times every applicable one
     max_candidates: int | None = 4
+    # ops whose default kernel is timed even where no tactic applies (an INT8/FP8 build's
+    # precision choice counts what a QuantizeLinear of its own adds to a quantized layer)
+    timed_ops: frozenset[str] = frozenset()
 
 
 def choose_tactics(
@@ -124,7 +127,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         and all(s is None or t.applies(s) for s in other_specs)
         and _allowed(t.name, options.sources)
     ]
-    if not candidates:
+    if not candidates and (spec is None or node.op not in options.timed_ops):
         return layer
     candidates, pruned = _prune(candidates, spec, options.max_candidates)
     layer["candidates"] = ["default"] + [t.name for t in candidates]
