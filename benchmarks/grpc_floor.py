@@ -1,0 +1,247 @@
+"""What gRPC in Python costs by itself at concurrency 1: `tensorkiln serve` against a bare grpcio
+KServe service that answers every ModelInfer with a response recorded from the real server.
+
+    python benchmarks/grpc_floor.py --model-repository DIR --model NAME \
+        --perf-analyzer PATH [--backend cpu] [--rounds 2] [--interval-ms 3000]
+
+The server runs as one process (no front-end processes). The stand-in is a grpc.aio server (and,
+as a second variant, grpcio's thread-pool server) with the same channel options as the real one;
+it parses each request as the real one does (the raw input contents viewed as arrays) and
+returns the recorded response: no model, no checks, no queue. Its metadata, config and server
+metadata are the real server's, read in this process; the stand-in runs in a child process
+that never opens a client channel (a synchronous gRPC client in the process changes how
+grpc.aio polls). Triton's perf_analyzer drives each in turn at concurrency 1, batch 1, rounds
+alternating; printed: its p50 latency for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stub(recorded: Path, port: int, mode: str) -> None:
+    """The stand-in service (run in a child process)."""
+    import grpc
+    from google.protobuf import json_format
+
+    from tensorkiln.serve import protocol
+    from tensorkiln.serve.grpc import SERVICE, _request_type
+
+    def message(name):
+        return protocol.message(f"inference.{name}")
+
+    blobs = recorded.read_bytes().split(b"\0SPLIT\0")
+    meta, config, server_meta, answer = blobs
+    served = [0]
+
+    def infer(request):
+        for raw in request.raw_input_contents:
+            np.frombuffer(raw, np.uint8)  # (viewed, as the real server views it)
+        served[0] += 1
+        reply = message("ModelInferResponse").FromString(answer)
+        reply.id = request.id
+        return reply
+
+    def statistics(request):  # what perf_analyzer reads around each measurement
+        n = served[0]
+        stat = {"count": str(n), "ns": str(n * 1000)}
+        parts = ("success", "queue", "compute_input", "compute_infer", "compute_output")
+        stats = {
+            "model_stats": [
+                {
+                    "name": request.name, "version": "1", "last_inference": "1",
+                    "inference_count": str(n), "execution_count": str(n),
+                    "inference_stats": dict.fromkeys(parts, stat),
+                }
+            ]
+        }  # fmt: skip
+        return json_format.ParseDict(stats, message("ModelStatisticsResponse")())
+
+    answers = {
+        "ServerLive": lambda r: message("ServerLiveResponse")(live=True),
+        "ServerReady": lambda r: message("ServerReadyResponse")(ready=True),
+        "ModelReady": lambda r: message("ModelReadyResponse")(ready=True),
+        "ServerMetadata": lambda r: message("ServerMetadataResponse").FromString(server_meta),
+        "ModelMetadata": lambda r: message("ModelMetadataResponse").FromString(meta),
+        "ModelConfig": lambda r: message("ModelConfigResponse").FromString(config),
+        "ModelStatistics": statistics,
+        "ModelInfer": infer,
+    }
+
+    def handler(name, fn):
+        if mode == "sync":
+            behaviour = lambda request, context: fn(request)  # noqa: E731
+        else:
+
+            async def behaviour(request, context):
+                return fn(request)
+
+        return grpc.unary_unary_rpc_method_handler(
+            behaviour,
+            request_deserializer=_request_type(name).FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+
+    generic = grpc.method_handlers_generic_handler(
+        SERVICE, {n: handler(n, fn) for n, fn in answers.items()}
+    )
+    options = [  # the real server's
+        ("grpc.max_receive_message_length", 64 << 20),
+        ("grpc.max_send_message_length", 64 << 20),
+        ("grpc.http2.lookahead_bytes", 16 << 20),
+    ]
+    if mode == "sync":
+        from concurrent.futures import ThreadPoolExecutor
+
+        server = grpc.server(ThreadPoolExecutor(4), options=options)
+        server.add_generic_rpc_handlers((generic,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        server.start()
+        print("ready", flush=True)
+        server.wait_for_termination()
+        return
+
+    async def main():
+        server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers((generic,))
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        print("ready", flush=True)
+        await server.wait_for_termination()
+
+    asyncio.run(main())
+
+
+def _record(url: str, model: str, path: Path) -> None:
+    """The real server's metadata, config, server metadata and one response, to ``path``."""
+    import tritonclient.grpc as tc
+
+    client = tc.InferenceServerClient(url)
+    meta = client.get_model_metadata(model)
+    inputs = []
+    rng = np.random.default_rng()
+    for t in meta.inputs:
+        shape = [1 if d < 0 else d for d in t.shape]
+        x = tc.InferInput(t.name, shape, t.datatype)
+        x.set_data_from_numpy(rng.standard_normal(shape).astype(_np_dtype(t.datatype)))
+        inputs.append(x)
+    answer = client.infer(model, inputs).get_response()
+    blobs = [meta, client.get_model_config(model), client.get_server_metadata(), answer]
+    path.write_bytes(b"\0SPLIT\0".join(m.SerializeToString() for m in blobs))
+    client.close()
+
+
+def _np_dtype(datatype: str) -> np.dtype:
+    from tritonclient.utils import triton_to_np_dtype
+
+    return np.dtype(triton_to_np_dtype(datatype))
+
+
+def _p50(perf_analyzer: str, model: str, url: str, interval_ms: int) -> str:
+    cmd = [perf_analyzer, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", "1:1",
+           "-b", "1", "--measurement-interval", str(interval_ms), "--percentile", "50"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+    m = re.search(r"p50 latency: (\d+) usec", out)
+    return f"{m.group(1)} us" if m else "failed: " + (out.strip().splitlines() or ["no output"])[-1]
+
+
+def _wait_ready(http_port: int, proc: subprocess.Popen) -> None:
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited ({proc.returncode})")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise SystemExit("the server did not become ready")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model-repository", type=Path)
+    ap.add_argument("--model")
+    ap.add_argument("--perf-analyzer")
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--interval-ms", type=int, default=3000)
+    ap.add_argument("--stub", nargs=3, metavar=("RECORDED", "PORT", "MODE"), help=argparse.SUPPRESS)
+    ap.add_argument("--record", nargs=3, metavar=("URL", "MODEL", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.record:
+        _record(args.record[0], args.record[1], Path(args.record[2]))
+        return
+    if args.stub:
+        _stub(Path(args.stub[0]), int(args.stub[1]), args.stub[2])
+        return
+    if not (args.model_repository and args.model and args.perf_analyzer):
+        ap.error("--model-repository, --model and --perf-analyzer are required")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    http, grpc_port, metrics, stub_port = (_free_port() for _ in range(4))
+    with tempfile.TemporaryDirectory() as tmp:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "tensorkiln", "serve", "--model-repository",
+             str(args.model_repository), "--backend", args.backend, "--http-port", str(http),
+             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics),
+             "--engine-cache", str(Path(tmp) / "cache")],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            _wait_ready(http, server)
+            recorded = Path(tmp) / "recorded.bin"
+            # (in a child: this process starts the stand-ins, which must not inherit a channel)
+            subprocess.run(
+                [sys.executable, __file__, "--record", f"127.0.0.1:{grpc_port}", args.model,
+                 str(recorded)],
+                check=True, env=env,
+            )  # fmt: skip
+            for round_ in range(1, args.rounds + 1):
+                p50 = _p50(
+                    args.perf_analyzer, args.model, f"127.0.0.1:{grpc_port}", args.interval_ms
+                )
+                print(f"round {round_}: tensorkiln serve p50 {p50}", flush=True)
+                for mode in ("aio", "sync"):
+                    stub = subprocess.Popen(
+                        [sys.executable, __file__, "--stub", str(recorded), str(stub_port), mode],
+                        env=env, stdout=subprocess.PIPE, text=True,
+                    )  # fmt: skip
+                    try:
+                        stub.stdout.readline()  # "ready"
+                        p50 = _p50(
+                            args.perf_analyzer,
+                            args.model,
+                            f"127.0.0.1:{stub_port}",
+                            args.interval_ms,
+                        )
+                        print(f"round {round_}: bare grpcio ({mode}) p50 {p50}", flush=True)
+                    finally:
+                        stub.terminate()
+                        stub.wait(20)
+        finally:
+            server.terminate()
+            server.wait(30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""benchmarks/grpc_floor.py's stand-in service: recorded from a real gRPC server over the digits
+model, it answers tritonclient with the real server's metadata and config, the recorded response
+(the real engine's result for the recorded input) and statistics that count its requests; the
+timing itself needs Triton's perf_analyzer and is not run here."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+grpcclient = pytest.importorskip("tritonclient.grpc")
+pytest.importorskip("grpc")
+
+from tests.serve.helpers import free_port  # noqa: E402
+from tests.serve.test_grpc import serving  # noqa: E402
+from tests.serve.test_repository import _model  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "grpc_floor.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("grpc_floor_bench", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    return bench
+
+
+@pytest.mark.parametrize("mode", ["aio", "sync"])
+def test_the_stand_in_answers_as_the_recorded_server(tmp_path, mode) -> None:
+    bench = _bench()
+    repo = tmp_path / "repo"
+    _model(repo)
+    recorded = tmp_path / "recorded.bin"
+    with serving(repo) as (url, _):
+        bench._record(url, "digits", recorded)
+        real = grpcclient.InferenceServerClient(url)
+        meta = real.get_model_metadata("digits", as_json=True)
+        config = real.get_model_config("digits", as_json=True)
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'src'}")
+    stub = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--stub", str(recorded), str(port), mode],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    try:
+        assert stub.stdout.readline().strip() == "ready"
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        assert client.is_server_ready() and client.is_model_ready("digits")
+        assert client.get_model_metadata("digits", as_json=True) == meta
+        assert client.get_model_config("digits", as_json=True) == config
+        x = np.random.default_rng().standard_normal((1, 1, 8, 8)).astype(np.float32)
+        x_in = grpcclient.InferInput("input", [1, 1, 8, 8], "FP32")
+        x_in.set_data_from_numpy(x)
+        first = client.infer("digits", [x_in], request_id="a")
+        second = client.infer("digits", [x_in], request_id="b")
+        assert first.get_response().id == "a" and second.get_response().id == "b"
+        logits = first.as_numpy("logits")
+        assert logits.shape == (1, 10) and np.all(np.isfinite(logits))
+        np.testing.assert_array_equal(second.as_numpy("logits"), logits)  # (recorded)
+        stats = client.get_inference_statistics("digits", as_json=True)["model_stats"][0]
+        assert stats["inference_count"] == "2" and stats["version"] == "1"
+    finally:
+        stub.terminate()
+        stub.wait(20)
