@@ -323,6 +323,17 @@ def test_the_report_names_quantized_layers_left_on_the_exact_default() -> None:
     assert _quantized_defaults_notes(layers[:1] + layers[4:]) == []
 
 
+def _one_batch_int8(tmp_path: Path, choose: bool | None) -> tuple[Path, BuilderConfig]:
+    """_model saved under ``tmp_path`` and an INT8 config calibrated on one random batch, with
+    ``choose_precision_per_layer`` = ``choose``."""
+    rng = np.random.default_rng()
+    path = tmp_path / "net.onnx"
+    onnx.save(_model(rng), path)
+    config = _choice_config("int8", [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}])
+    config.choose_precision_per_layer = choose
+    return path, config
+
+
 def _choice_config(precision: str, calib) -> BuilderConfig:
     config = BuilderConfig()
     config.set_flag(precision)
@@ -498,11 +509,7 @@ def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path) ->
     pytest.importorskip("torch")
     from tensorkiln.builder.builder import _precision_choice
 
-    rng = np.random.default_rng()
-    path = tmp_path / "net.onnx"
-    onnx.save(_model(rng), path)
-    config = _choice_config("int8", [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}])
-    config.choose_precision_per_layer = False
+    path, config = _one_batch_int8(tmp_path, choose=False)
     builder = Builder("cuda", device="cpu")
     builder.build(path, config)
     layers = {x["name"]: x for x in builder.last_report.layers}
@@ -525,11 +532,7 @@ def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) 
     """On a CPU device the kernels timed are not the GPU's: unless asked, every layer is
     quantized and no float engine is tuned beside the quantized one."""
     pytest.importorskip("torch")
-    rng = np.random.default_rng()
-    path = tmp_path / "net.onnx"
-    onnx.save(_model(rng), path)
-    config = _choice_config("int8", [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)}])
-    config.choose_precision_per_layer = None
+    path, config = _one_batch_int8(tmp_path, choose=None)
     builder = Builder("cuda", device="cpu")
     engine = builder.build(path, config)
     assert "precision choice" not in builder.last_report.phases
