@@ -130,8 +130,10 @@ define(
         "num_heads": 0,
         "input_layout": "bhsd",
         "output_layout": "bhsd",
+        "q_dtype": 0,
     },
-    doc="softmax(Q K^T * scale + mask) V",
+    doc="softmax(Q K^T * scale + mask) V; with q_dtype (ONNX's code: int8 or float8 E4M3) and a "
+    "fifth input Y_scale (per tensor), the output quantized to Y_scale as QuantizeLinear does",
 )
 # Padding removal (passes/remove_padding.py): the tokens a key-padding mask keeps, packed.
 define(
@@ -276,12 +278,14 @@ def _attention_shape(ctx: InferContext) -> list[Type | None]:
         heads = int(ctx.attr("num_heads", 0))
         q, k, v = (_heads_view(x, heads) for x in (q, k, v))
     if any(x is None or len(x) != 4 for x in (q, k, v)):
-        return [TensorType(ctx.dtype(0), None)]
+        q_dtype = int(ctx.attr("q_dtype", 0) or 0)
+        return [TensorType(DType(q_dtype) if q_dtype else ctx.dtype(0), None)]
     b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # type: ignore[index]
     s, dv = q[2], v[3]  # type: ignore[index]
     layout = ctx.attr("output_layout", "bhsd")
     shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
-    return [TensorType(ctx.dtype(0), shape[layout])]
+    q_dtype = int(ctx.attr("q_dtype", 0) or 0)
+    return [TensorType(DType(q_dtype) if q_dtype else ctx.dtype(0), shape[layout])]
 
 
 @rule("PackIndex", domain=DOMAIN)

@@ -343,6 +343,27 @@ def _quantize_layer_norm(view: View, found: Found) -> Rewrite | None:
     return Rewrite(remove=[ln, q], add=[fused], count=1)
 
 
+# Attention -> QuantizeLinear, the attention's output read by that Q alone (the attention output
+# projection's input in a quantized BERT or GPT-2): the attention writes the quantized tensor
+# itself (its Y_scale input, q_dtype). One pass less over the activations per attention.
+
+
+def _quantize_attention(view: View, found: Found) -> Rewrite | None:
+    q = found.root
+    att = view.producers.get(q.inputs[0]) if q.inputs else None
+    if att is None or (att.domain, att.op) != (DOMAIN, "Attention") or att.attrs.get("q_dtype"):
+        return None
+    if view.sole(q.inputs[0]) is not q or len(att.inputs) > 4:
+        return None
+    code = _quantize_fits(view, q)
+    if code is None:
+        return None
+    inputs = list(att.inputs) + [None] * (4 - len(att.inputs)) + [q.inputs[1]]
+    fused = Node("Attention", inputs, [q.outputs[0]], dict(att.attrs) | {"q_dtype": code},
+                 domain=DOMAIN, name=att.name)  # fmt: skip
+    return Rewrite(remove=[att, q], add=[fused], count=1)
+
+
 # QConvAct(..., Z = DQ(Z_q, s)) -> QConvAct(..., Z_q, Z_scale = s): the residual read quantized,
 # dequantized in the epilogue (its Z_scale input), for a DQ of one scale and a zero zero point,
 # as TensorRT reads an INT8 residual in the convolution that adds it. Exact: the epilogue
@@ -373,6 +394,7 @@ def _residual_dequantize(view: View, found: Found) -> Rewrite | None:
 REQUANTIZE = (
     Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),
     Rule("quantize_in_layer_norm", Op("QuantizeLinear"), _quantize_layer_norm),
+    Rule("quantize_in_attention", Op("QuantizeLinear"), _quantize_attention),
     Rule("residual_dequantize_in_epilogue", Op("QConvAct", domain=DOMAIN), _residual_dequantize),
 )
 
@@ -380,6 +402,7 @@ REQUANTIZE = (
 # after the epilogues have grown (fuse_conv_act, fuse_gemm_act) and Q/DQ propagation
 @register_pass("fuse_requantize", level=2, order=46, backends=("reference", "cuda"))
 def fuse_requantize(graph: Graph) -> int:
-    """``Q(QConvAct(...))`` -> QConvAct writing the quantized tensor (same for QGemmAct), and
-    ``QConvAct(..., DQ(Z_q))`` -> QConvAct reading its residual quantized."""
+    """``Q(QConvAct(...))`` -> QConvAct writing the quantized tensor (same for QGemmAct, and for
+    LayerNorm and Attention where a Q reads them), and ``QConvAct(..., DQ(Z_q))`` -> QConvAct
+    reading its residual quantized."""
     return run_rules(graph, REQUANTIZE)

@@ -157,6 +157,8 @@ def _check_attention(n: Node) -> None:
         raise _Skip(f"attention '{n.name}' does not take and give [batch, sequence, heads*width]")
     if len(n.inputs) < 4 or n.inputs[3] is None:
         raise _Skip(f"attention '{n.name}' has no mask: nothing is padding")
+    if a.get("q_dtype"):  # (PackedAttention writes float only)
+        raise _Skip(f"attention '{n.name}' writes its output quantized")
 
 
 def _ancestors(values: Iterable[Value], producers: dict[Value, Node]) -> list[Node]:

@@ -153,7 +153,7 @@ def quantize_graph(
             break
         done += sweep
     requantized, residuals = done["requantize_in_epilogue"], done["residual_dequantize_in_epilogue"]
-    norms = done["quantize_in_layer_norm"]
+    norms, attentions = done["quantize_in_layer_norm"], done["quantize_in_attention"]
     dead_code(graph)
     left = len(layers) - kept - fused
     notes.append(
@@ -164,6 +164,7 @@ def quantize_graph(
         + (f"; {requantized} write the next layer's quantized input" if requantized else "")
         + (f"; {residuals} read their residual quantized" if residuals else "")
         + (f"; {norms} LayerNorms write their output quantized too" if norms else "")
+        + (f"; {attentions} attentions write their output quantized" if attentions else "")
     )
     return notes
 

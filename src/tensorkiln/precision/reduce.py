@@ -35,6 +35,7 @@ KEEP_FP32_INPUTS: dict[tuple[str, str], tuple[int, ...]] = {
     ("tensorkiln", "QConvAct"): (1, 3, 6, 7),
     ("tensorkiln", "QGemmAct"): (1, 3, 5),
     ("tensorkiln", "LayerNorm"): (4,),
+    ("tensorkiln", "Attention"): (4,),
 }
 # ops whose attribute names a float32 output dtype: (domain, op) -> attribute
 _DTYPE_ATTRS = {

@@ -8,6 +8,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tensorkiln.kernels.common.norm import quant_scale
+
 LAYOUTS_IN = ("bhsd", "bsd")
 LAYOUTS_OUT = ("bhsd", "bshd", "bsd")
 MASK_KINDS = ("", "additive", "bool")
@@ -66,6 +68,10 @@ class AttentionArrays(Protocol):
         """softmax(Q K^T * scale + mask) V on [B, H, S, D] operands (scale 0: 1/sqrt(D)), a query
         row with no visible key giving zeros."""
 
+    def quantize(self, y: Any, scale: Any, q_dtype: int) -> Any:
+        """QuantizeLinear of ``y`` to the per-tensor ``scale``, no zero point, of ONNX type
+        ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
+
 
 class FusedAttention:
     """tensorkiln.Attention over one backend's :class:`AttentionArrays`: the checks and the
@@ -94,6 +100,7 @@ class FusedAttention:
         k: Any,
         v: Any,
         mask: Any = None,
+        y_scale: Any = None,
         *,
         scale: float = 0.0,
         causal: int = 0,
@@ -101,17 +108,22 @@ class FusedAttention:
         num_heads: int = 0,
         input_layout: str = "bhsd",
         output_layout: str = "bhsd",
+        q_dtype: int = 0,
     ) -> Any:
         """Scaled dot-product attention with an optional additive or boolean mask and causal
-        masking."""
+        masking; with ``q_dtype``, the output quantized to ``y_scale`` (as a QuantizeLinear
+        reading it would)."""
         check_attention(mask_kind, input_layout, output_layout, mask is not None)
+        if q_dtype:
+            y_scale = quant_scale(y_scale, q_dtype, "Attention")
         if input_layout == "bsd":
             q, k, v = (
                 self._split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V"))
             )
         check_attention_rank(q.shape, k.shape, v.shape)
         y = self.xp.attend(q, k, v, mask, scale, causal, mask_kind)
-        return self._arrange_output(y, output_layout)
+        y = self._arrange_output(y, output_layout)
+        return self.xp.quantize(y, y_scale, int(q_dtype)) if q_dtype else y
 
 
 def check_gemm_operands(

@@ -212,18 +212,19 @@ class FusedNormArrays(Protocol):
         ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
 
 
-QUANTIZED_OUTPUTS = (3, 17)  # LayerNorm's q_dtype: ONNX's int8 and float8 E4M3
+QUANTIZED_OUTPUTS = (3, 17)  # q_dtype: ONNX's int8 and float8 E4M3
 
 
-def quant_scale(y_scale: Any, q_dtype: int) -> Any:
-    """LayerNorm's Y_scale, checked with its q_dtype: the quantized output needs both."""
+def quant_scale(y_scale: Any, q_dtype: int, op: str = "LayerNorm") -> Any:
+    """The Y_scale of ``op`` (LayerNorm, Attention), checked with its q_dtype: the quantized
+    output needs both."""
     if int(q_dtype) not in QUANTIZED_OUTPUTS:
         raise ValueError(
-            f"LayerNorm: q_dtype {q_dtype} is not int8 (3) or float8 E4M3 (17), the types its "
+            f"{op}: q_dtype {q_dtype} is not int8 (3) or float8 E4M3 (17), the types its "
             "quantized output takes"
         )
     if y_scale is None:
-        raise ValueError("LayerNorm: a quantized output (q_dtype) needs the Y_scale input")
+        raise ValueError(f"{op}: a quantized output (q_dtype) needs the Y_scale input")
     return y_scale
 
 

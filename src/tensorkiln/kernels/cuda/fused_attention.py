@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.cuda.attention import sdpa_mask
+from tensorkiln.kernels.cuda.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 from tensorkiln.kernels.triton import available as triton_available
 
@@ -121,6 +122,9 @@ class TorchAttentionArrays:
 
     def swap12(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
+
+    def quantize(self, y: torch.Tensor, scale: torch.Tensor, q_dtype: int) -> torch.Tensor:
+        return quantize_linear(y, scale, output_dtype=q_dtype)
 
 
 fused_attention = FusedAttention(TorchAttentionArrays()).fused_attention

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from tensorkiln.kernels.common.fused import FusedAttention
+from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 
 
@@ -60,6 +61,9 @@ class NumpyAttentionArrays:
 
     def swap12(self, x: np.ndarray) -> np.ndarray:
         return x.swapaxes(1, 2)
+
+    def quantize(self, y: np.ndarray, scale: np.ndarray, q_dtype: int) -> np.ndarray:
+        return quantize_linear(y, np.asarray(scale), output_dtype=q_dtype)
 
 
 fused_attention = FusedAttention(NumpyAttentionArrays()).fused_attention
