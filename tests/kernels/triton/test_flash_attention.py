@@ -207,3 +207,44 @@ def test_bert_and_gpt2_shapes_on_the_gpu():
     mask = np.where(_hidden_triangle(512, 2), -65504.0, 0.0).astype(np.float32)
     for tactic in (TACTIC, TACTIC_128):
         assert _run([q, k, v, mask], {"mask_kind": "additive"}, np.float16, tactic) < 1e-2
+
+
+@pytest.mark.parametrize("q_dtype", [3, 17], ids=["int8", "fp8"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-padding"])
+@pytest.mark.parametrize("layout", ["bhsd", "bsd"])
+def test_the_output_written_quantized_is_quantize_linear_of_the_float_one(q_dtype, masked, layout):
+    """With q_dtype and Y_scale the kernel's epilogue quantizes what it would have stored: the
+    codes equal the reference QuantizeLinear of the same tactic's float16 output, bit for bit,
+    including saturated values (the scale puts some outside the 8-bit range) and the zero rows
+    of queries that see no key."""
+    from tensorkiln.kernels.reference.quant import quantize_linear
+
+    rng = np.random.default_rng()
+    q, k, v = (a.astype(np.float16) for a in _qkv(rng))
+    attrs = {"scale": 0.3}
+    if layout == "bsd":  # [B, S, H*D] in and out, the heads split inside
+        q, k, v = (a.transpose(0, 2, 1, 3).reshape(B, a.shape[2], H * D) for a in (q, k, v))
+        attrs |= {"num_heads": H, "input_layout": "bsd", "output_layout": "bsd"}
+    args = [q, k, v]
+    if masked:  # batch 0 sees no key (zero rows), batch 1 has padding at the end
+        pad = np.zeros((B, 1, 1, SK), np.float32)
+        pad[0] = -np.inf
+        pad[1, ..., rng.integers(SK // 2, SK - 1) :] = np.float32(np.finfo(np.float32).min)
+        attrs["mask_kind"] = "additive"
+        args.append(pad)
+    device = [to_torch(a, DEVICE) for a in args]
+    float_out = to_numpy(TACTIC.fn(*device, **attrs))
+    top = 448.0 if q_dtype == 17 else 127.0
+    y_scale = np.float32(np.abs(float_out.astype(np.float32)).max() / (top * 1.5))
+    want = quantize_linear(float_out, y_scale, output_dtype=q_dtype)
+    if not masked:
+        device.append(None)
+    got = to_numpy(TACTIC.fn(*device, to_torch(y_scale, DEVICE), **attrs, q_dtype=q_dtype))
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    ratio = float_out.astype(np.float32) / y_scale
+    bounds = {3: (-128.0, 127.0), 17: (-448.0, 448.0)}[q_dtype]
+    codes = want.astype(np.float32)
+    assert (np.abs(ratio) > top + 1).any()  # (the scale leaves some values out of range)
+    assert (codes[ratio > top + 1] == bounds[1]).all()
+    assert (codes[ratio < bounds[0] - 1] == bounds[0]).all()

@@ -72,6 +72,13 @@ class AttentionArrays(Protocol):
         """QuantizeLinear of ``y`` to the per-tensor ``scale``, no zero point, of ONNX type
         ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
 
+    def attend_quantized(
+        self, q: Any, k: Any, v: Any, mask: Any, scale: float, causal: int, kind: str,
+        y_scale: Any, q_dtype: int,
+    ) -> Any:  # fmt: skip
+        """:meth:`attend` then :meth:`quantize` in one kernel, bit for bit; None where the
+        backend has no such kernel for these operands (the two steps then run)."""
+
 
 class FusedAttention:
     """tensorkiln.Attention over one backend's :class:`AttentionArrays`: the checks and the
@@ -121,6 +128,11 @@ class FusedAttention:
                 self._split_heads(x, num_heads, n) for x, n in ((q, "Q"), (k, "K"), (v, "V"))
             )
         check_attention_rank(q.shape, k.shape, v.shape)
+        if q_dtype:
+            args = (q, k, v, mask, scale, causal, mask_kind, y_scale, int(q_dtype))
+            y = self.xp.attend_quantized(*args)
+            if y is not None:
+                return self._arrange_output(y, output_layout)
         y = self.xp.attend(q, k, v, mask, scale, causal, mask_kind)
         y = self._arrange_output(y, output_layout)
         return self.xp.quantize(y, y_scale, int(q_dtype)) if q_dtype else y

@@ -10,12 +10,16 @@ op with a mask gets the triangle folded into a materialized mask, and the empty-
 after it. The Triton kernel reads any broadcast mask through its strides, skips the key blocks
 a causal row cannot see and writes zeros for empty rows itself; the autotuner keeps whichever is
 faster on the layer's real inputs. float16 and bfloat16, head widths up to 256; the checks and
-head layouts are the shared FusedAttention's.
+head layouts are the shared FusedAttention's. An Attention writing its output quantized
+(q_dtype, Y_scale) gets it from the kernel's epilogue, where the default quantizes SDPA's output
+in a second kernel.
 """
 
 from __future__ import annotations
 
 import math
+
+import torch
 
 from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.cuda.fused_attention import TorchAttentionArrays, prepare_mask
@@ -24,6 +28,7 @@ from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
 _HALF = frozenset(["float16", "bfloat16"])
+_QUANTIZED = {3: torch.int8, 17: torch.float8_e4m3fn}  # q_dtype (ONNX's code) -> the output type
 
 
 def _head_width(spec: LayerSpec) -> int | None:
@@ -78,13 +83,26 @@ if available():
                 block_m=self.block_m, stages=self.stages,
             )  # fmt: skip
 
+        def attend_quantized(self, q, k, v, mask, scale, causal, mask_kind, y_scale, q_dtype):
+            """The flash kernel writing its output quantized (its epilogue), where it applies."""
+            m = None if mask is None else prepare_mask(mask, mask_kind, q.dtype)
+            target = _QUANTIZED.get(q_dtype)
+            if target is None or y_scale.numel() != 1 or not flash.applies(q, k, v, m):
+                return None
+            s = float(scale) if scale else 1.0 / math.sqrt(q.shape[-1])
+            y_scale = y_scale.reshape(()).to(device=q.device, dtype=torch.float32)
+            return flash.attention(
+                q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
+                block_m=self.block_m, stages=self.stages, quantized=(target, y_scale),
+            )  # fmt: skip
+
     def _flash_fn(block_m: int, stages: int):
         run = FusedAttention(TritonAttentionArrays(block_m, stages)).fused_attention
 
-        def attention_triton_flash(q, k, v, mask=None, **attrs):
+        def attention_triton_flash(q, k, v, mask=None, y_scale=None, **attrs):
             """The attention in one Triton pass over blocks of keys (see the module's
-            docstring)."""
-            return run(q, k, v, mask, **attrs)
+            docstring), its output quantized in the same pass with q_dtype."""
+            return run(q, k, v, mask, y_scale, **attrs)
 
         return attention_triton_flash
 

@@ -17,7 +17,10 @@ take without help, this one reads as it is:
   114 -> 98 us; keys of [64, 12, 512, 64] of which 112 are unpadded 316 -> 118 us);
 * rows that see no key give zeros, the op's rule, with no pass after it;
 * Q, K and V as strided views (heads split out of [B, S, H*D] without copies); the output is
-  written as [B, Sq, H, D] and returned as its [B, H, Sq, D] view.
+  written as [B, Sq, H, D] and returned as its [B, H, Sq, D] view;
+* optionally the output quantized (int8 or float8 E4M3, one scale) in the same pass, as a
+  QuantizeLinear after it would quantize it (a quantized BERT's attention output projection
+  reads it so).
 
 float16 and bfloat16 operands (float32 accumulation); head widths up to 256.
 """
@@ -30,6 +33,7 @@ import triton.language as tl
 
 from tensorkiln.kernels.derived import derived
 from tensorkiln.kernels.triton import interpreting
+from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 DTYPES = (torch.float16, torch.bfloat16)
 BLOCKS_M = (64, 128)  # query rows per program: one tactic each
@@ -124,11 +128,11 @@ def _attend(
 
 @triton.jit
 def _flash_kernel(
-    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, TOKENS, qk_scale, H, SQ, SK, D, DV,
-    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, bounds_ptr, ends_ptr, qs_ptr, TOKENS, qk_scale, H, SQ, SK,
+    D, DV, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod, sbb, sbh, sbm,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    BOUNDS: tl.constexpr, PACKED: tl.constexpr,
+    BOUNDS: tl.constexpr, PACKED: tl.constexpr, QOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0)
@@ -192,6 +196,9 @@ def _flash_kernel(
             MASKED=True, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=CAUSAL, UPCAST=UPCAST,
         )  # fmt: skip
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
+    if QOUT != 0:  # the float output as it would be stored, quantized as QuantizeLinear would
+        stored = out.to(q_ptr.dtype.element_ty).to(tl.float32)
+        out = requantize(stored, tl.load(qs_ptr), QOUT)
     tl.store(
         o_ptr + o_off + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
         out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :],
@@ -255,16 +262,20 @@ def attention(
     mask_kind: str = "",
     block_m: int = 128,
     stages: int = 2,
+    quantized: tuple[torch.dtype, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v of [B, H, Sq, D] / [B, H, Sk, D] / [B, H, Sk, Dv]
     operands; ``mask_kind`` "bool" (True: visible) or anything else (additive); ``block_m``
     query rows per program (64: twice the programs, for small batches); ``stages`` the software
-    pipeline's depth over key blocks. Returns [B, H, Sq, Dv],
-    a view of a [B, Sq, H, Dv] tensor. The caller checks :func:`applies`."""
+    pipeline's depth over key blocks; ``quantized`` (int8 or float8_e4m3fn, a float32 scale of
+    one element): the output written quantized, as a QuantizeLinear reading the float output
+    would quantize it. Returns [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The caller
+    checks :func:`applies`."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
-    out = torch.empty((b, sq, h, dv), dtype=q.dtype, device=q.device)
-    o = out.permute(0, 2, 1, 3)
+    dtype, y_scale = quantized if quantized is not None else (q.dtype, q)
+    out = torch.empty((b, sq, h, dv), dtype=dtype, device=q.device)
+    o = storable(out).permute(0, 2, 1, 3)
     has_mask = mask is not None
     m = _mask_4d(mask, (b, h, sq, sk)) if has_mask else q
     if has_mask and m.dtype == torch.bool:
@@ -281,13 +292,13 @@ def attention(
             mask, ("row_ends", (b, h, sq, sk), boolean), lambda: _row_ends(m, boolean)
         )
     _flash_kernel[grid](
-        q, k, v, m, o, bounds, q, 0, float(scale) * LOG2E, h, sq, sk, d, dv,
+        q, k, v, m, o, bounds, q, y_scale, 0, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
-        UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False,
+        UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False, QOUT=qout(dtype),
         **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
-    return o
+    return out.permute(0, 2, 1, 3)
 
 
 def _tiles(block_m: int, block_n: int, d: int, dv: int, stages: int = 2) -> dict[str, int]:
@@ -344,9 +355,9 @@ def packed_attention(
 
     grid = (triton.cdiv(max(longest, 1), block_m), ends.shape[0] * heads)
     _flash_kernel[grid](
-        q, k, v, q, out, q, ends, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
+        q, k, v, q, out, q, ends, q, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
-        HAS_MASK=False, MASK_BOOL=False, CAUSAL=bool(causal),
-        UPCAST=interpreting(), BOUNDS=False, PACKED=True, **_tiles(block_m, block_n, d, dv, stages),
+        HAS_MASK=False, MASK_BOOL=False, CAUSAL=bool(causal), UPCAST=interpreting(),
+        BOUNDS=False, PACKED=True, QOUT=0, **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out
