@@ -388,6 +388,51 @@ def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtyp
     assert {("rows", 21), ("rows", 10)} <= set(tactics_quant._KEPT[tensors[1]])
 
 
+@pytest.mark.parametrize("quantized", [False, True], ids=["fp16-out", "fp8-out"])
+def test_the_rowwise_fp8_gemm_with_an_activation_finishes_in_one_pass(quantized) -> None:
+    """cublas_fp8_rowwise_act: the row-wise GEMM writes 16 bits with the scales applied, then
+    one Triton pass adds the bias, applies GELU and (with Y_scale) quantizes; against the
+    reference QGemmAct: to 16-bit rounding, or within one step of the E4M3 grid. It leaves to
+    cublas_fp8_rowwise the layers without an activation or a quantized output."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    n, k = 48, 64
+    args = [_q(rng, (3, 7, k), "fp8"), np.float32(rng.uniform(0.01, 0.1)), _q(rng, (n, k), "fp8"),
+            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
+            rng.standard_normal(n).astype(np.float16)]  # fmt: skip
+    attrs = {"transB": 1, "alpha": 0.5, "activation": "Gelu", "out_dtype": 10}
+    reference = lookup("QGemmAct", "tensorkiln", 1, "reference")
+    if quantized:
+        wide = invoke(reference, args, {**attrs, "out_dtype": 1}, 1)[0]
+        args.append(np.float32(np.abs(wide).max() / 300))
+        attrs["out_dtype"] = 17
+    tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_fp8_rowwise_act")
+    dtypes = tuple(np.asarray(a).dtype.name for a in args)
+    shapes = tuple(np.shape(a) for a in args)
+
+    def spec(**at):
+        return LayerSpec("QGemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device="cuda")
+
+    assert tactic.applies(spec())
+    assert not tactic.applies(spec(transB=0))
+    if not quantized:
+        assert not tactic.applies(spec(activation=""))  # (cublas_fp8_rowwise's)
+    want = invoke(reference, args, attrs, 1)[0]
+    got = tactic.fn(*(to_torch(np.asarray(a), DEVICE) for a in args), **attrs)
+    if quantized:
+        assert got.dtype == torch.float8_e4m3fn
+        got_v = got.float().cpu().numpy()
+        want_v = want.astype(np.float32)
+        # one E4M3 step: 1/8 of the value's power of two (2**-9 below 2**-6)
+        step = np.exp2(np.floor(np.log2(np.maximum(np.abs(want_v), 2.0**-6))) - 3)
+        assert (np.abs(got_v - want_v) <= step * 1.001).all()
+        assert (got_v == want_v).mean() > 0.9
+    else:
+        assert got.dtype == torch.float16
+        np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=1e-2,
+                                   atol=1e-2 * np.abs(want).max())  # fmt: skip
+
+
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_triton_tactics_take_a_per_tensor_weight_scale(kind) -> None:
     """The Triton kernels form X_scale * W_scale themselves: with one weight scale for all

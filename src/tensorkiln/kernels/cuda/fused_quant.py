@@ -284,7 +284,7 @@ def qgemm(
     acc = product(call.a2, call.b, call.packed)
     # (int32 or float32 sums: the scale in float32 too)
     scale = call.scale(torch.float64 if acc.dtype == torch.float64 else torch.float32)
-    y = _one_pass(acc, scale, call)
+    y = one_pass(acc, scale, call)
     if y is not None:
         return y.reshape(call.shape)
     y = (acc * scale).to(torch.float32)
@@ -295,7 +295,7 @@ def qgemm(
     return as_out(y, call.out_dtype, call.y_scale).reshape(call.shape)
 
 
-def _one_pass(acc: torch.Tensor, scale: torch.Tensor, call: QGemm) -> torch.Tensor | None:
+def one_pass(acc: torch.Tensor, scale: torch.Tensor, call: QGemm) -> torch.Tensor | None:
     """QGemmAct's scale, bias and activation on tensor-core sums (int32 or float32, (M, N)) in one
     Triton pass writing the output type; None where it does not apply (then torch's ops run)."""
     if not one_pass_epilogue(acc, None, call.activation):

@@ -9,6 +9,10 @@
 * ``cublas_fp8_rowwise`` (QGemmAct with no activation and a 16-bit output): ``torch._scaled_mm``
   with the activation's scale per row, the weight's per column and the bias in cuBLASLt's
   epilogue, writing fp16/bf16 directly: no float32 sums written and read back.
+* ``cublas_fp8_rowwise_act`` (QGemmAct with an activation or a quantized output): the same
+  row-wise GEMM writing 16 bits, then one Triton pass adds the bias, applies the activation and
+  quantizes (kernels/triton/epilogue.py): 16-bit results read back where
+  ``cublas_fp8_scaled_mm`` writes and reads float32 sums.
 * ``triton_qgemm_<config>`` (QGemmAct): the Triton GEMM of kernels/triton/gemm.py with int8
   operands and int32 sums (or E4M3 and float32 sums) on Hopper's 8-bit tensor-core instructions,
   scale, bias, activation and the next layer's quantization in its epilogue: one kernel, 8 bits
@@ -41,6 +45,7 @@ from tensorkiln.kernels.common.conv import conv_geometry
 from tensorkiln.kernels.cuda.convert import is_constant
 from tensorkiln.kernels.cuda.fused_quant import (
     QConv,
+    one_pass,
     one_pass_epilogue,
     qconv,
     qgemm,
@@ -171,10 +176,10 @@ def _rowwise_ok(spec: LayerSpec) -> bool:
     return c is None or (math.prod(c) == n and spec.attrs.get("beta", 1.0) == 1.0)
 
 
-def _qgemm_fp8_rowwise(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
-    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
-    if call.y_scale is not None or call.activation or not call.packed or call.beta != 1.0:
-        raise ValueError("cublas_fp8_rowwise takes a packed weight, no activation, no Y_scale")
+def _rowwise_product(call: Any, bias: torch.Tensor | None, out: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` of a packed E4M3 call, the activation's scale per row and the
+    weight's per column (times alpha) applied in cuBLASLt, ``bias`` added there: (M, N) in
+    ``out``."""
     m, n = call.a2.shape[0], call.b.shape[0]
     a_s, b_s, alpha = call.x_scale, call.w_scale, call.alpha
 
@@ -185,14 +190,50 @@ def _qgemm_fp8_rowwise(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs
         scale = b_s.reshape(1, -1).to(torch.float32).expand(1, n)
         return (scale * alpha if alpha != 1.0 else scale).contiguous()
 
-    # (kept per constant scale and bias: torch's row-wise scaling takes no broadcast scale)
+    # (kept per constant scale: torch's row-wise scaling takes no broadcast scale)
     scale_a = _kept(a_s, ("rows", m), rows)
     scale_b = _kept(b_s, ("columns", n, alpha), columns)
+    return torch._scaled_mm(call.a2.contiguous(), call.b.t(), scale_a=scale_a, scale_b=scale_b,
+                            bias=bias, out_dtype=out)  # fmt: skip
+
+
+def _qgemm_fp8_rowwise(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
+    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+    if call.y_scale is not None or call.activation or not call.packed or call.beta != 1.0:
+        raise ValueError("cublas_fp8_rowwise takes a packed weight, no activation, no Y_scale")
+    n = call.b.shape[0]
     bias = None
     if c is not None:
         bias = _kept(c, ("bias", n, call.out), lambda: call.bias.reshape(n).to(call.out))
-    y = torch._scaled_mm(call.a2.contiguous(), call.b.t(), scale_a=scale_a, scale_b=scale_b,
-                         bias=bias, out_dtype=call.out)  # fmt: skip
+    return _rowwise_product(call, bias, call.out).reshape(call.shape)
+
+
+def _rowwise_act_ok(spec: LayerSpec) -> bool:
+    """An E4M3 QGemmAct with what the row-wise GEMM alone does not finish (an activation the
+    one-pass epilogue has, or a quantized output), a bias of one row if any, and no residual."""
+    if not available() or not _qgemm_ok("float8_e4m3fn", spec) or len(spec.shapes) > 6:
+        return False
+    activation = spec.attrs.get("activation", "")
+    quantized = len(spec.shapes) > 5 and spec.shapes[5] is not None
+    if (not activation and not quantized) or activation not in gemm.ACT_CODES:
+        return False
+    c = spec.shapes[4] if len(spec.shapes) > 4 else None
+    return c is None or math.prod(c) == spec.shapes[2][0]
+
+
+def _qgemm_fp8_rowwise_act(
+    a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs
+) -> torch.Tensor:
+    call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+    if not call.packed:
+        raise ValueError("cublas_fp8_rowwise_act takes a packed (N, K) weight")
+    n = call.b.shape[0]
+    wide = call.out if call.out in (torch.float16, torch.bfloat16) else torch.float16
+    sums = _rowwise_product(call, None, wide)  # (scaled: the epilogue multiplies by one)
+    ones = _kept(call.w_scale, ("ones", n), lambda: torch.ones(n, device=sums.device))
+    y = one_pass(sums, ones, call)
+    if y is None:
+        raise ValueError("cublas_fp8_rowwise_act needs the one-pass epilogue kernel")
     return y.reshape(call.shape)
 
 
@@ -433,6 +474,9 @@ def _register() -> None:
         name="cublas_fp8_scaled_mm",
         supports=partial(_qgemm_ok, "float8_e4m3fn"),
     )(_qgemm("fp8"))
+    tactic(
+        "QGemmAct", domain="tensorkiln", name="cublas_fp8_rowwise_act", supports=_rowwise_act_ok
+    )(_qgemm_fp8_rowwise_act)
     tactic("QGemmAct", domain="tensorkiln", name="cublas_fp8_rowwise", supports=_rowwise_ok)(
         _qgemm_fp8_rowwise
     )
