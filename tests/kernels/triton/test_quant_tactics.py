@@ -402,8 +402,8 @@ def test_the_rowwise_fp8_gemm_with_an_activation_finishes_in_one_pass(quantized)
             rng.standard_normal(n).astype(np.float16)]  # fmt: skip
     attrs = {"transB": 1, "alpha": 0.5, "activation": "Gelu", "out_dtype": 10}
     reference = lookup("QGemmAct", "tensorkiln", 1, "reference")
+    wide = invoke(reference, args, {**attrs, "out_dtype": 1}, 1)[0]
     if quantized:
-        wide = invoke(reference, args, {**attrs, "out_dtype": 1}, 1)[0]
         args.append(np.float32(np.abs(wide).max() / 300))
         attrs["out_dtype"] = 17
     tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_fp8_rowwise_act")
@@ -423,9 +423,12 @@ def test_the_rowwise_fp8_gemm_with_an_activation_finishes_in_one_pass(quantized)
         assert got.dtype == torch.float8_e4m3fn
         got_v = got.float().cpu().numpy()
         want_v = want.astype(np.float32)
-        # one E4M3 step: 1/8 of the value's power of two (2**-9 below 2**-6)
+        # one E4M3 step (1/8 of the value's power of two, 2**-9 below 2**-6), plus what float16
+        # rounding of the sums before the activation moves (2**-11 of them, in Y_scale's units):
+        # near zero, where a GELU of cancelling sums lands, that is more than E4M3's fine steps
         step = np.exp2(np.floor(np.log2(np.maximum(np.abs(want_v), 2.0**-6))) - 3)
-        assert (np.abs(got_v - want_v) <= step * 1.001).all()
+        rounding = 2.0**-10 * np.abs(wide).max() / args[5]
+        assert (np.abs(got_v - want_v) <= step * 1.001 + rounding).all()
         assert (got_v == want_v).mean() > 0.9
     else:
         assert got.dtype == torch.float16
