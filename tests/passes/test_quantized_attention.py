@@ -42,7 +42,8 @@ def _feeds(rng: np.random.Generator, batch: int) -> dict:
     return feeds
 
 
-def _build(path, backend: str, precision: str, monkeypatch, fuse: bool, calib: list):
+def _build(path, backend: str, precision: str, monkeypatch, fuse: bool, calib: list,
+           device: str = "cpu"):  # fmt: skip
     rules = fuse_qdq.REQUANTIZE
     if not fuse:
         rules = tuple(r for r in rules if r.name != "quantize_in_attention")
@@ -51,10 +52,11 @@ def _build(path, backend: str, precision: str, monkeypatch, fuse: bool, calib: l
     config.set_flag(precision)
     if backend == "cuda":
         config.set_flag("fp16")
-        config.tactic_sources = []  # (default kernels: two tuned builds may pick others elsewhere)
+        if device == "cpu":  # (default kernels: two tuned builds may pick others elsewhere)
+            config.tactic_sources = []
     config.calibration_data = calib
     config.choose_precision_per_layer = False
-    builder = Builder(backend, device="cpu") if backend == "cuda" else Builder(backend)
+    builder = Builder(backend, device=device) if backend == "cuda" else Builder(backend)
     return builder.build(path, config, progress=False), builder.last_report
 
 
@@ -112,3 +114,28 @@ def test_a_quantized_output_needs_its_scale() -> None:
     want = np.clip(np.rint(fused_attention(q, k, v) / np.float32(0.01)), -128, 127)
     assert y.dtype == np.int8
     np.testing.assert_array_equal(y, want.astype(np.int8))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_on_the_gpu_the_flash_kernel_writes_the_quantized_output(bert, monkeypatch, precision):
+    """Built and tuned on the GPU, where the Triton flash tactics compete: every attention
+    writes its output quantized, and the engine agrees with the build without the rewrite (whose
+    other layers may have tuned to other kernels: within one quantization step's effect)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng()
+    calib = [_feeds(rng, 3) for _ in range(2)]
+    fused, report = _build(bert, "cuda", precision, monkeypatch, True, calib, device="cuda")
+    plain, _ = _build(bert, "cuda", precision, monkeypatch, False, calib, device="cuda")
+    attentions = [x for x in report.layers if x["op"] == "tensorkiln.Attention"]
+    assert len(attentions) == 2 and all(x.get("rejected") is None for x in attentions), attentions
+    assert all(n.attrs.get("q_dtype") for n in fused.graph.nodes if n.op == "Attention")
+    feeds = _feeds(rng, 4)
+    got = fused.create_execution_context().infer(feeds)
+    want = plain.create_execution_context().infer(feeds)
+    for name in ("hidden", "pooled"):
+        g, w = (np.asarray(x[name], np.float32) for x in (got, want))
+        assert np.linalg.norm(g - w) / np.linalg.norm(w) < 2e-2, name
