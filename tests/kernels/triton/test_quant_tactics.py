@@ -342,24 +342,34 @@ def test_the_tilings_timed_for_a_large_int8_gemm_are_8_bit_ones() -> None:
             assert bm >= 128 and bn >= 128 and bk >= 64, tiles
 
 
+def _rowwise_args(rng: np.random.Generator, n: int = 48, k: int = 64) -> list:
+    """A row-wise FP8 QGemmAct's inputs: E4M3 A (3, 7, k) and packed W (n, k), a per-tensor
+    X_scale, per-column W_scale and a float16 bias."""
+    return [_q(rng, (3, 7, k), "fp8"), np.float32(rng.uniform(0.01, 0.1)), _q(rng, (n, k), "fp8"),
+            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
+            rng.standard_normal(n).astype(np.float16)]  # fmt: skip
+
+
+def _spec_of(args: list, attrs: dict):
+    """``spec(**changed_attrs)``: the QGemmAct LayerSpec of ``args`` on a GPU."""
+    dtypes = tuple(np.asarray(a).dtype.name for a in args)
+    shapes = tuple(np.shape(a) for a in args)
+    return lambda **at: LayerSpec(
+        "QGemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device="cuda"
+    )
+
+
 @pytest.mark.parametrize("out_dtype", [10, 16])
 def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtype) -> None:
     """cublas_fp8_rowwise: E4M3 operands, the activation's scale per row and the weight's per
     column with alpha and the bias in the GEMM, fp16/bf16 out; against the reference to 16-bit
     rounding. It takes no activation, no Y_scale and no unpacked weight."""
     rng = np.random.default_rng()
-    n, k = 48, 64
-    args = [_q(rng, (3, 7, k), "fp8"), np.float32(rng.uniform(0.01, 0.1)), _q(rng, (n, k), "fp8"),
-            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
-            rng.standard_normal(n).astype(np.float16)]  # fmt: skip
+    k = 64
+    args = _rowwise_args(rng, k=k)
     attrs = {"transB": 1, "alpha": 0.5, "out_dtype": out_dtype}
     tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_fp8_rowwise")
-    dtypes = tuple(np.asarray(a).dtype.name for a in args)
-    shapes = tuple(np.shape(a) for a in args)
-
-    def spec(**at):
-        return LayerSpec("QGemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device="cuda")
-
+    spec = _spec_of(args, attrs)
     assert tactic.applies(spec())
     assert not tactic.applies(spec(activation="Relu"))
     assert not tactic.applies(spec(out_dtype=1))
@@ -396,10 +406,7 @@ def test_the_rowwise_fp8_gemm_with_an_activation_finishes_in_one_pass(quantized)
     cublas_fp8_rowwise the layers without an activation or a quantized output."""
     pytest.importorskip("triton")
     rng = np.random.default_rng()
-    n, k = 48, 64
-    args = [_q(rng, (3, 7, k), "fp8"), np.float32(rng.uniform(0.01, 0.1)), _q(rng, (n, k), "fp8"),
-            rng.uniform(1e-3, 1e-2, n).astype(np.float32),
-            rng.standard_normal(n).astype(np.float16)]  # fmt: skip
+    args = _rowwise_args(rng)
     attrs = {"transB": 1, "alpha": 0.5, "activation": "Gelu", "out_dtype": 10}
     reference = lookup("QGemmAct", "tensorkiln", 1, "reference")
     wide = invoke(reference, args, {**attrs, "out_dtype": 1}, 1)[0]
@@ -407,12 +414,7 @@ def test_the_rowwise_fp8_gemm_with_an_activation_finishes_in_one_pass(quantized)
         args.append(np.float32(np.abs(wide).max() / 300))
         attrs["out_dtype"] = 17
     tactic = get_tactic("QGemmAct", "tensorkiln", "cublas_fp8_rowwise_act")
-    dtypes = tuple(np.asarray(a).dtype.name for a in args)
-    shapes = tuple(np.shape(a) for a in args)
-
-    def spec(**at):
-        return LayerSpec("QGemmAct", "tensorkiln", {**attrs, **at}, shapes, dtypes, device="cuda")
-
+    spec = _spec_of(args, attrs)
     assert tactic.applies(spec())
     assert not tactic.applies(spec(transB=0))
     if not quantized:
