@@ -502,14 +502,18 @@ def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer() -> 
     assert choice["a"]["quantize_ms"] == 0.6 and choice["b"]["quantize_ms"] == 0.0
 
 
-def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path) -> None:
+def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path, monkeypatch) -> None:
     """A QuantizeLinear has no tactics to choose between, but what it costs is part of the
-    quantized layer it feeds: an INT8 build times its default kernel (and the comparison counts
-    it), a float build leaves a layer without tactics untimed."""
+    quantized layer it feeds: an INT8 build that chooses precisions per layer times its default
+    kernel (and the comparison counts it); one that does not choose, and a float build, leave a
+    layer without tactics untimed."""
     pytest.importorskip("torch")
-    from tensorkiln.builder.builder import _precision_choice
+    from tensorkiln.builder import builder as builder_module
 
-    path, config = _one_batch_int8(tmp_path, choose=False)
+    real_choice = builder_module._precision_choice
+    keep = lambda layers, floats: {}  # noqa: E731  (every layer stays quantized: one lowering)
+    monkeypatch.setattr(builder_module, "_precision_choice", keep)
+    path, config = _one_batch_int8(tmp_path, choose=True)
     builder = Builder("cuda", device="cpu")
     builder.build(path, config)
     layers = {x["name"]: x for x in builder.last_report.layers}
@@ -517,9 +521,14 @@ def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path) ->
     assert {x["name"] for x in quantize} == {"x_quantize", "flat_quantize"}, list(layers)
     for x in quantize:
         assert x["tactic"] == "default" and x["timings_ms"]["default"] > 0, x
-    choice = _precision_choice(list(layers.values()), {"conv1": 1e3, "conv2": 1e3, "fc": 1e3})
+    choice = real_choice(list(layers.values()), {"conv1": 1e3, "conv2": 1e3, "fc": 1e3})
     assert choice["fc"]["quantize_ms"] == layers["flat_quantize"]["timings_ms"]["default"]
     assert choice["conv1"]["quantize_ms"] == layers["x_quantize"]["timings_ms"]["default"]
+
+    config.choose_precision_per_layer = False
+    builder.build(path, config)
+    quantize = [x for x in builder.last_report.layers if x["op"] == "QuantizeLinear"]
+    assert quantize and not any("timings_ms" in x for x in quantize)
 
     plain = BuilderConfig()
     plain.set_flag("fp16")

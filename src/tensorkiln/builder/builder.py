@@ -158,8 +158,9 @@ class Builder:
             # (the tactic timing cache: read and written by backends that tune)
             tuned = backend.autotunes and config.timing_cache
             cache = TimingCache.load(config.timing_cache) if tuned else TimingCache()
-            precision = _lower(graph, config, backend, policy, report, bar, cache)
-            if float_graph is not None and report.layers:
+            chooses = float_graph is not None  # (its quantizations are then timed too)
+            precision = _lower(graph, config, backend, policy, report, bar, cache, chooses)
+            if chooses and report.layers:
                 with _phase(report, "precision choice", bar):
                     floats = _float_layer_ms(
                         _copy_graph(float_graph), config, backend, policy, cache
@@ -168,7 +169,7 @@ class Builder:
                 settled, precision = _settle_precision(
                     float_graph, floats, report, before, bar, quantized, precision,
                     lambda g, slower: _quantize(g, config, backend, quantized, bar, request, slower),
-                    lambda g: _lower(g, config, backend, policy, report, bar, cache),
+                    lambda g: _lower(g, config, backend, policy, report, bar, cache, True),
                 )  # fmt: skip
                 graph = graph if settled is None else settled
             if tuned:
@@ -406,9 +407,11 @@ def _lower(
     report: BuildReport,
     bar: _Progress,
     cache: TimingCache,
+    time_quantize: bool = False,
 ) -> str:
     """The precision and tactics phases on ``graph``: each layer's precision, the I/O types and
-    formats, then each layer's kernel (``report.layers``); returns the engine's precision."""
+    formats, then each layer's kernel (``report.layers``); returns the engine's precision.
+    ``time_quantize``: QuantizeLinear layers are timed too (for the precision choice)."""
     with _phase(report, "precision", bar):
         precision, notes = _apply_precision(graph, config, policy)
         report.notes += notes
@@ -417,7 +420,7 @@ def _lower(
     with _phase(report, "tactics", bar):
         if backend.autotunes:
             report.layers, report.timing_cache = _tune(
-                graph, config, backend, precision, policy, cache
+                graph, config, backend, precision, policy, cache, time_quantize
             )
             report.notes += _guessed_shapes_notes(graph, config)
             report.notes += _quantized_defaults_notes(report.layers)
@@ -433,6 +436,7 @@ def _tune(
     precision: str,
     policy: PrecisionPolicy,
     cache: TimingCache,
+    time_quantize: bool = False,
 ) -> tuple[list[dict], dict]:
     shapes = _opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
@@ -444,7 +448,7 @@ def _tune(
         # levels 4 and 5 time every applicable tactic; lower ones the best-estimated few
         max_candidates=None if config.optimization_level >= 4 else 4,
         # (a standalone quantization's cost is part of the precision choice's comparison)
-        timed_ops=(frozenset({"QuantizeLinear"}) if _quantized_precision(config) else frozenset()),
+        timed_ops=frozenset({"QuantizeLinear"}) if time_quantize else frozenset(),
     )
     try:
         with math_mode(precision):
