@@ -23,12 +23,12 @@ import torch
 
 from tensorkiln.kernels.common.fused import FusedAttention
 from tensorkiln.kernels.cuda.fused_attention import TorchAttentionArrays, prepare_mask
+from tensorkiln.kernels.cuda.fused_quant import out_type
 from tensorkiln.kernels.cuda.packing import packed_attention as packed_fallback
 from tensorkiln.kernels.tactics import LayerSpec, tactic
 from tensorkiln.kernels.triton import available, interpreting
 
 _HALF = frozenset(["float16", "bfloat16"])
-_QUANTIZED = {3: torch.int8, 17: torch.float8_e4m3fn}  # q_dtype (ONNX's code) -> the output type
 
 
 def _head_width(spec: LayerSpec) -> int | None:
@@ -73,28 +73,31 @@ if available():
             self.block_m = block_m
             self.stages = stages
 
-        def attend(self, q, k, v, mask, scale: float, causal: int, mask_kind: str):
+        def _flash(self, q, k, v, mask, scale, causal, mask_kind, quantized=None):
+            """The flash kernel's result (``quantized``: flash.attention's), or None where it
+            does not apply."""
             m = None if mask is None else prepare_mask(mask, mask_kind, q.dtype)
             if not flash.applies(q, k, v, m):
-                return TorchAttentionArrays.attend(q, k, v, mask, scale, causal, mask_kind)
+                return None
             s = float(scale) if scale else 1.0 / math.sqrt(q.shape[-1])
             return flash.attention(
                 q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
-                block_m=self.block_m, stages=self.stages,
+                block_m=self.block_m, stages=self.stages, quantized=quantized,
             )  # fmt: skip
+
+        def attend(self, q, k, v, mask, scale: float, causal: int, mask_kind: str):
+            y = self._flash(q, k, v, mask, scale, causal, mask_kind)
+            if y is None:
+                return TorchAttentionArrays.attend(q, k, v, mask, scale, causal, mask_kind)
+            return y
 
         def attend_quantized(self, q, k, v, mask, scale, causal, mask_kind, y_scale, q_dtype):
             """The flash kernel writing its output quantized (its epilogue), where it applies."""
-            m = None if mask is None else prepare_mask(mask, mask_kind, q.dtype)
-            target = _QUANTIZED.get(q_dtype)
-            if target is None or y_scale.numel() != 1 or not flash.applies(q, k, v, m):
+            if y_scale.numel() != 1:
                 return None
-            s = float(scale) if scale else 1.0 / math.sqrt(q.shape[-1])
+            target = out_type(q_dtype, y_scale)
             y_scale = y_scale.reshape(()).to(device=q.device, dtype=torch.float32)
-            return flash.attention(
-                q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
-                block_m=self.block_m, stages=self.stages, quantized=(target, y_scale),
-            )  # fmt: skip
+            return self._flash(q, k, v, mask, scale, causal, mask_kind, (target, y_scale))
 
     def _flash_fn(block_m: int, stages: int):
         run = FusedAttention(TritonAttentionArrays(block_m, stages)).fused_attention
