@@ -277,15 +277,15 @@ def _attention_shape(ctx: InferContext) -> list[Type | None]:
     if ctx.attr("input_layout", "bhsd") == "bsd":
         heads = int(ctx.attr("num_heads", 0))
         q, k, v = (_heads_view(x, heads) for x in (q, k, v))
+    q_dtype = int(ctx.attr("q_dtype", 0) or 0)
+    dtype = DType(q_dtype) if q_dtype else ctx.dtype(0)
     if any(x is None or len(x) != 4 for x in (q, k, v)):
-        q_dtype = int(ctx.attr("q_dtype", 0) or 0)
-        return [TensorType(DType(q_dtype) if q_dtype else ctx.dtype(0), None)]
+        return [TensorType(dtype, None)]
     b, h = broadcast_shapes(q[:2], k[:2], v[:2])  # type: ignore[index]
     s, dv = q[2], v[3]  # type: ignore[index]
     layout = ctx.attr("output_layout", "bhsd")
     shape = {"bhsd": (b, h, s, dv), "bshd": (b, s, h, dv), "bsd": (b, s, dim_product((h, dv)))}
-    q_dtype = int(ctx.attr("q_dtype", 0) or 0)
-    return [TensorType(DType(q_dtype) if q_dtype else ctx.dtype(0), shape[layout])]
+    return [TensorType(dtype, shape[layout])]
 
 
 @rule("PackIndex", domain=DOMAIN)
