@@ -24,14 +24,14 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from benchmarks.serve_gpu import wait_ready  # noqa: E402
 
 
 def _free_port() -> int:
@@ -166,18 +166,6 @@ def _p50(perf_analyzer: str, model: str, url: str, interval_ms: int) -> str:
     return f"{m.group(1)} us" if m else "failed: " + (out.strip().splitlines() or ["no output"])[-1]
 
 
-def _wait_ready(http_port: int, proc: subprocess.Popen) -> None:
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit("the server did not become ready")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model-repository", type=Path)
@@ -200,15 +188,16 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     http, grpc_port, metrics, stub_port = (_free_port() for _ in range(4))
     with tempfile.TemporaryDirectory() as tmp:
+        server_log = Path(tmp) / "server.log"
         server = subprocess.Popen(
             [sys.executable, "-m", "tensorkiln", "serve", "--model-repository",
              str(args.model_repository), "--backend", args.backend, "--http-port", str(http),
              "--grpc-port", str(grpc_port), "--metrics-port", str(metrics),
              "--engine-cache", str(Path(tmp) / "cache")],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=env, stdout=server_log.open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            _wait_ready(http, server)
+            wait_ready(http, server, server_log)
             recorded = Path(tmp) / "recorded.bin"
             # (in a child: this process starts the stand-ins, which must not inherit a channel)
             subprocess.run(

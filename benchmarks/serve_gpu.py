@@ -137,7 +137,17 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
     if args.frontend_processes:
         cmd += ["--frontend-processes", str(args.frontend_processes)]
     proc = subprocess.Popen(cmd, env=env, stdout=log_file.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
+    wait_ready(args.port, proc, log_file)
+    return proc
+
+
+def wait_ready(
+    http_port: int, proc: subprocess.Popen, log_file: Path, seconds: float = 600
+) -> None:
+    """Poll the server's readiness on ``http_port`` until it answers 200; exit naming why (with
+    the tail of ``log_file``, the server's output) when it stops first, or is not ready within
+    ``seconds`` (then it is killed)."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(
@@ -145,15 +155,15 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
             )
         try:
             with urllib.request.urlopen(
-                f"http://127.0.0.1:{args.port}/v2/health/ready", timeout=2
+                f"http://127.0.0.1:{http_port}/v2/health/ready", timeout=2
             ) as r:
                 if r.status == 200:
-                    return proc
+                    return
         except OSError:
             pass
         time.sleep(0.5)
     proc.kill()
-    raise SystemExit("the server was not ready within 600 s")
+    raise SystemExit(f"the server was not ready within {seconds:g} s")
 
 
 def scrape(args: argparse.Namespace) -> dict[tuple[str, str], float]:
