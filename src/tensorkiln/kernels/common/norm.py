@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from tensorkiln.kernels.common.quant import REQUANTIZED
+
 
 def norm_axis(axis: int, rank: int, op: str) -> int:
     """``axis`` as a non-negative axis of a ``rank``-D input; ValueError when out of range."""
@@ -212,13 +214,10 @@ class FusedNormArrays(Protocol):
         ``q_dtype`` (int8, float8 E4M3: saturating, half to even): the backend's own kernel."""
 
 
-QUANTIZED_OUTPUTS = (3, 17)  # q_dtype: ONNX's int8 and float8 E4M3
-
-
 def quant_scale(y_scale: Any, q_dtype: int, op: str = "LayerNorm") -> Any:
     """The Y_scale of ``op`` (LayerNorm, Attention), checked with its q_dtype: the quantized
     output needs both."""
-    if int(q_dtype) not in QUANTIZED_OUTPUTS:
+    if int(q_dtype) not in REQUANTIZED:  # (ONNX's int8 and float8 E4M3)
         raise ValueError(
             f"{op}: q_dtype {q_dtype} is not int8 (3) or float8 E4M3 (17), the types its "
             "quantized output takes"
