@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tensorkiln.errors import InputError
+from tensorkiln.precision import calibrators
 from tensorkiln.precision.calibration import _add
 from tensorkiln.precision.calibrators import (
     NUM_BINS,
@@ -129,6 +130,27 @@ def test_entropy_clips_outliers_and_keeps_uniform_data() -> None:
     assert amax > np.percentile(x, 99)  # ...the bulk is not
     u = _hist(rng.uniform(-5, 5, 100_000).astype(np.float32))
     assert choose_amax(u, "entropy", "int8") > 0.95 * u.amax
+
+
+def test_entropy_on_few_values_does_not_clip_the_bulk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pooled tensor after a ReLU: 64 channels whose means lie away from zero, 4,096 values
+    for a 2,048-bin histogram. Most candidate ranges then end on an empty bin (infinite
+    divergence); the range must still cover the channels, not be a stray finite candidate near
+    the smallest range (which the procedure run on the sparse histogram as it is picks)."""
+    rng = np.random.default_rng()
+    x = np.abs(rng.uniform(0.3, 0.94, 64) + rng.normal(0.0, 0.047, (64, 64))).astype(np.float32)
+    x[0, :2] = [0.075, 0.0755]  # (two low samples: the candidate ranges that end on them)
+    h = _hist(x[:32], x[32:])
+    amax = choose_amax(h, "entropy", "int8")
+    assert np.mean(np.abs(x) > amax) < 0.01, (amax, h.amax)
+    monkeypatch.setattr(calibrators, "_ENTROPY_MIN_MEAN_COUNT", 0.0)
+    assert np.mean(np.abs(x) > choose_amax(h, "entropy", "int8")) > 0.5  # (as it was)
+    # a dense histogram is not coarsened: the same range either way
+    dense = _hist(np.repeat(x, 64))
+    assert dense.total >= 16 * len(dense.counts)
+    raw = choose_amax(dense, "entropy", "int8")
+    monkeypatch.undo()
+    assert choose_amax(dense, "entropy", "int8") == raw
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])

@@ -34,6 +34,8 @@ DEFAULT_PERCENTILE = 99.99
 NUM_BINS = 2048  # histogram resolution: at least this many bins up to the largest magnitude
 _MAX_BINS = 2 * NUM_BINS  # a histogram that grows past this merges neighbouring bins
 _QUANT_BINS = 128  # INT8's positive levels, for the entropy calibrator
+# the entropy calibrator's least mean count per bin: a sparser histogram is coarsened first
+_ENTROPY_MIN_MEAN_COUNT = 16.0
 _MSE_CANDIDATES = 512  # ranges the mse calibrator tries, evenly spaced up to the largest magnitude
 
 
@@ -165,8 +167,20 @@ def amax_entropy(hist: Histogram, stride: int = 1) -> float:
     """TensorRT's entropy calibration: for each candidate range of ``i`` bins (128 up to all),
     the reference distribution P is the first ``i`` bins with everything above added to the last;
     Q merges those bins into 128 levels and spreads each level's count evenly over its non-empty
-    bins; the range with the least KL(P || Q) wins (ties: the widest)."""
+    bins; the range with the least KL(P || Q) wins (ties: the widest).
+
+    A histogram with fewer than ``_ENTROPY_MIN_MEAN_COUNT`` values a bin on average (a pooled
+    tensor: a few thousand values over 2,048 bins) has neighbours merged first. Sparse, most
+    candidates end on an empty bin, where Q is zero and P holds the clipped tail, so their
+    divergence is infinite and the one finite candidate left wins however much it clips: a
+    global-average-pooled ResNet-style tensor lost 99.9% of its values to a range of 7% of its
+    largest magnitude that way (relative error 0.84 at the network's output, 0.008 with the
+    largest magnitude as the range)."""
+    width = hist.width
     bins = hist.counts.copy()
+    while len(bins) > _QUANT_BINS and bins.sum() < _ENTROPY_MIN_MEAN_COUNT * len(bins):
+        bins = np.append(bins, 0.0) if len(bins) % 2 else bins
+        bins, width = bins.reshape(-1, 2).sum(axis=1), width * 2
     n = len(bins)
     if n <= _QUANT_BINS:
         return hist.amax
@@ -185,7 +199,7 @@ def amax_entropy(hist: Histogram, stride: int = 1) -> float:
         kl = _kl(p, q)
         if kl <= best_kl:
             best_i, best_kl = i, kl
-    return min(hist.amax, (best_i + 0.5) * hist.width)
+    return min(hist.amax, (best_i + 0.5) * width)
 
 
 def _kl(p: np.ndarray, q: np.ndarray) -> float:
