@@ -99,3 +99,31 @@ def test_cases_it_leaves_to_the_torch_composition():
     assert not quantize.applies(x, s, torch.tensor(0, dtype=torch.uint8), torch.int8, True)
     assert not quantize.applies(x, s, None, torch.float8_e5m2, True)
     assert quantize.applies(x, s, None, torch.int8, True)
+
+
+def _e4m3_hard_cases() -> np.ndarray:
+    """Every finite E4M3 value, each midpoint between neighbours (ties, rounded to the even
+    code) and the float32 values just either side of it, subnormals included, both signs; values
+    past 448 up to float32's largest; zeros of both signs; NaN."""
+    codes = np.arange(0, 0x7F, dtype=np.uint8)  # (0x7F is NaN)
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    mids = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
+    near = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
+    big = np.array([448.0, 449.0, 464.0, 465.0, 480.0, 1e4, 3.0e38], np.float32)
+    pos = np.concatenate([values, mids, *near, big])
+    return np.concatenate([pos, -pos, np.array([0.0, -0.0, np.nan, -np.nan], np.float32)])
+
+
+def test_every_e4m3_midpoint_rounds_as_the_reference():
+    """Bit for bit against the reference at every rounding boundary of E4M3: on the GPU this is
+    the hardware conversion, through the interpreter the integer one."""
+    x = _e4m3_hard_cases()
+    rng = np.random.default_rng()
+    x = x[rng.permutation(x.size)]  # (in a fresh order: neighbours share no block)
+    scale = np.array(1.0, np.float32)
+    want = reference.quantize_linear(x, scale, None, output_dtype=17)
+    got = to_numpy(quantize.quantize(to_torch(x, DEVICE), to_torch(scale, DEVICE), None,
+                                     torch.float8_e4m3fn))  # fmt: skip
+    nan = np.isnan(x)
+    assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
+    assert np.array_equal(_bits(got)[~nan], _bits(want)[~nan])
