@@ -185,7 +185,9 @@ def main() -> None:
         return
     if not (args.model_repository and args.model and args.perf_analyzer):
         ap.error("--model-repository, --model and --perf-analyzer are required")
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    # (the children find the project first, then whatever the caller's path adds)
+    path = [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     http, grpc_port, metrics, stub_port = (_free_port() for _ in range(4))
     with tempfile.TemporaryDirectory() as tmp:
         server_log = Path(tmp) / "server.log"
