@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,27 @@ def _bench():
     return bench
 
 
-@pytest.mark.parametrize("mode", ["aio", "sync"])
-def test_the_stand_in_answers_as_the_recorded_server(tmp_path, mode) -> None:
+@pytest.fixture(scope="module")
+def cpp_stand_in(tmp_path_factory) -> Path:
+    """The C++ stand-in, built from benchmarks/grpc_floor_cpp (where gRPC C++ is installed)."""
+    tools = ("g++", "protoc", "grpc_cpp_plugin", "pkg-config")
+    if not all(shutil.which(t) for t in tools):
+        pytest.skip(
+            "gRPC C++ is not installed (apt-get install libgrpc++-dev protobuf-compiler-grpc)"
+        )
+    binary = tmp_path_factory.mktemp("cpp") / "grpc_floor_stand_in"
+    built = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "grpc_floor_cpp" / "build.sh"), str(binary)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if built.returncode != 0 and "grpc++" in built.stderr and "pkg-config" in built.stderr:
+        pytest.skip("gRPC C++'s pkg-config files are missing")
+    assert built.returncode == 0, built.stderr[-2000:]
+    return binary
+
+
+@pytest.mark.parametrize("mode", ["aio", "sync", "c++"])
+def test_the_stand_in_answers_as_the_recorded_server(tmp_path, mode, request) -> None:
     bench = _bench()
     repo = tmp_path / "repo"
     _model(repo)
@@ -46,10 +66,10 @@ def test_the_stand_in_answers_as_the_recorded_server(tmp_path, mode) -> None:
         config = real.get_model_config("digits", as_json=True)
     port = free_port()
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'src'}")
-    stub = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--stub", str(recorded), str(port), mode],
-        stdout=subprocess.PIPE, text=True, env=env,
-    )  # fmt: skip
+    cmd = [sys.executable, str(SCRIPT), "--stub", str(recorded), str(port), mode]
+    if mode == "c++":
+        cmd = [str(request.getfixturevalue("cpp_stand_in")), str(recorded), str(port)]
+    stub = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert stub.stdout.readline().strip() == "ready"
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
