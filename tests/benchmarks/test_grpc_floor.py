@@ -1,7 +1,8 @@
-"""benchmarks/grpc_floor.py's stand-in service: recorded from a real gRPC server over the digits
-model, it answers tritonclient with the real server's metadata and config, the recorded response
-(the real engine's result for the recorded input) and statistics that count its requests; the
-timing itself needs Triton's perf_analyzer and is not run here."""
+"""benchmarks/grpc_floor.py's stand-in services (grpcio's aio and thread-pool servers, and the
+C++ one where gRPC C++ is installed): recorded from a real gRPC server over the digits model, each
+answers tritonclient with the real server's metadata and config, the recorded response (the real
+engine's result for the recorded input) and statistics that count its requests; the timing
+itself needs Triton's perf_analyzer and is not run here."""
 
 from __future__ import annotations
 
