@@ -111,7 +111,10 @@ def test_model_from_bytes_and_path_agree(tmp_path):
     a = tensorkiln.run_onnx(tmp_path / "m.onnx", feeds)["y"]
     b = tensorkiln.run_onnx(model.SerializeToString(), feeds)["y"]
     np.testing.assert_array_equal(a, b)
-    np.testing.assert_allclose(a, run_ort(model, feeds)[0], rtol=1e-6)
+    # (onnxruntime's vectorized logistic drifts from the exact one as outputs near 0: 1.9e-6
+    # relative for |x| <= 3, 1.5e-5 for |x| <= 5, 3.6e-5 for |x| <= 6, measured; 1.01e-6 failed
+    # 1e-6 once)
+    np.testing.assert_allclose(a, run_ort(model, feeds)[0], rtol=5e-5)
 
 
 def test_duplicate_node_names_are_made_unique():
