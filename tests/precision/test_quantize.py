@@ -28,6 +28,10 @@ ELEM = {"int8": TensorProto.INT8, "fp8": TensorProto.FLOAT8E4M3FN}
 ZERO = {"int8": np.int8(0), "fp8": np.zeros((), ml_dtypes.float8_e4m3fn)}
 LAYERS = ("conv1", "conv2", "fc")  # (name, data input) pairs below
 DATA_INPUT = {"conv1": "x", "conv2": "r1", "fc": "flat"}
+# _model's INT8 engine calibrated on three batches of four against onnxruntime's fp32 run:
+# relative L2 3% at the median, 6% at the 90th percentile and up to 14% over 40 draws (with
+# the entropy calibrator); a wrong graph or a skipped dequantization is off by about 1
+INT8_ERROR = 0.25
 
 
 def _model(rng: np.random.Generator) -> onnx.ModelProto:
@@ -231,7 +235,7 @@ def test_layers_pinned_to_fp32_stay_float(tmp_path: Path) -> None:
     x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
     got = engine.create_execution_context().infer({"x": x})["y"]
     want = _run_ort(model, {"x": x})
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
@@ -384,7 +388,7 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
 
 
 @pytest.mark.parametrize("rounds", [4, 1])
@@ -440,7 +444,7 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})
-    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 0.1
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
 
 
 def test_the_precision_choice_compares_each_layer_with_its_float_form(
