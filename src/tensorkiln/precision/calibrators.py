@@ -176,11 +176,11 @@ def amax_entropy(hist: Histogram, stride: int = 1) -> float:
     global-average-pooled ResNet-style tensor lost 99.9% of its values to a range of 7% of its
     largest magnitude that way (relative error 0.84 at the network's output, 0.008 with the
     largest magnitude as the range)."""
-    width = hist.width
-    bins = hist.counts.copy()
-    while len(bins) > _QUANT_BINS and bins.sum() < _ENTROPY_MIN_MEAN_COUNT * len(bins):
-        bins = np.append(bins, 0.0) if len(bins) % 2 else bins
-        bins, width = bins.reshape(-1, 2).sum(axis=1), width * 2
+    coarse = Histogram(hist.counts.copy(), hist.width, hist.amax)  # (bins[0] is written below)
+    least = _ENTROPY_MIN_MEAN_COUNT  # (merging keeps the total)
+    while len(coarse.counts) > _QUANT_BINS and hist.total < least * len(coarse.counts):
+        coarse._merge_pairs()
+    bins, width = coarse.counts, coarse.width
     n = len(bins)
     if n <= _QUANT_BINS:
         return hist.amax
