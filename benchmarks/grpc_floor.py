@@ -3,9 +3,10 @@ KServe service that answers every ModelInfer with a response recorded from the r
 
     python benchmarks/grpc_floor.py --model-repository DIR --model NAME \
         --perf-analyzer PATH [--backend cpu] [--rounds 2] [--interval-ms 3000] \
-        [--cpp-stand-in build/grpc_floor_stand_in]
+        [--cpp-stand-in build/grpc_floor_stand_in] [--transports grpcio,native]
 
-The server runs as one process (no front-end processes). The stand-in is a grpc.aio server (and,
+The server runs as one process (no front-end processes), once per ``--transports`` entry (its
+``--grpc-transport``). The stand-in is a grpc.aio server (and,
 as a second variant, grpcio's thread-pool server) with the same channel options as the real one;
 it parses each request as the real one does (the raw input contents viewed as arrays) and
 returns the recorded response: no model, no checks, no queue. Its metadata, config and server
@@ -187,6 +188,10 @@ def main() -> None:
         "--cpp-stand-in",
         help="also time this C++ stand-in binary (benchmarks/grpc_floor_cpp/build.sh makes it)",
     )
+    ap.add_argument(
+        "--transports", default="grpcio",
+        help="comma-separated --grpc-transport values: one server each (default: grpcio)",
+    )  # fmt: skip
     ap.add_argument("--stub", nargs=3, metavar=("RECORDED", "PORT", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--record", nargs=3, metavar=("URL", "MODEL", "PATH"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -201,30 +206,36 @@ def main() -> None:
     # (the children find the project first, then whatever the caller's path adds)
     path = [str(ROOT / "src"), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    http, grpc_port, metrics, stub_port = (_free_port() for _ in range(4))
+    transports = args.transports.split(",")
+    stub_port = _free_port()
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        server_log = Path(tmp) / "server.log"
-        server = subprocess.Popen(
-            [sys.executable, "-m", "tensorkiln", "serve", "--model-repository",
-             str(args.model_repository), "--backend", args.backend, "--http-port", str(http),
-             "--grpc-port", str(grpc_port), "--metrics-port", str(metrics),
-             "--engine-cache", str(Path(tmp) / "cache")],
-            env=env, stdout=server_log.open("w"), stderr=subprocess.STDOUT,
-        )  # fmt: skip
         try:
-            wait_ready(http, server, server_log)
+            for transport in transports:  # (one at a time: they share the engine cache)
+                http, grpc_port, metrics = (_free_port() for _ in range(3))
+                server_log = Path(tmp) / f"server_{transport}.log"
+                server = subprocess.Popen(
+                    [sys.executable, "-m", "tensorkiln", "serve", "--model-repository",
+                     str(args.model_repository), "--backend", args.backend, "--http-port",
+                     str(http), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics),
+                     "--engine-cache", str(Path(tmp) / "cache"), "--grpc-transport", transport],
+                    env=env, stdout=server_log.open("w"), stderr=subprocess.STDOUT,
+                )  # fmt: skip
+                servers[transport] = (server, grpc_port)
+                wait_ready(http, server, server_log)
             recorded = Path(tmp) / "recorded.bin"
             # (in a child: this process starts the stand-ins, which must not inherit a channel)
             subprocess.run(
-                [sys.executable, __file__, "--record", f"127.0.0.1:{grpc_port}", args.model,
-                 str(recorded)],
+                [sys.executable, __file__, "--record", f"127.0.0.1:{servers[transports[0]][1]}",
+                 args.model, str(recorded)],
                 check=True, env=env,
             )  # fmt: skip
             for round_ in range(1, args.rounds + 1):
-                p50 = _p50(
-                    args.perf_analyzer, args.model, f"127.0.0.1:{grpc_port}", args.interval_ms
-                )
-                print(f"round {round_}: tensorkiln serve p50 {p50}", flush=True)
+                for transport, (_, grpc_port) in servers.items():
+                    p50 = _p50(
+                        args.perf_analyzer, args.model, f"127.0.0.1:{grpc_port}", args.interval_ms
+                    )
+                    print(f"round {round_}: tensorkiln serve ({transport}) p50 {p50}", flush=True)
                 for mode in ("aio", "sync", "c++") if args.cpp_stand_in else ("aio", "sync"):
                     cmd = [sys.executable, __file__, "--stub", str(recorded), str(stub_port), mode]
                     if mode == "c++":
@@ -244,8 +255,9 @@ def main() -> None:
                         stub.terminate()
                         stub.wait(20)
         finally:
-            server.terminate()
-            server.wait(30)
+            for server, _ in servers.values():
+                server.terminate()
+                server.wait(30)
 
 
 if __name__ == "__main__":

@@ -136,6 +136,7 @@ def start_server(repo: Path, args: argparse.Namespace, log_file: Path) -> subpro
         cmd += ["--allow-shared-memory", "true"]
     if args.frontend_processes:
         cmd += ["--frontend-processes", str(args.frontend_processes)]
+    cmd += ["--grpc-transport", args.grpc_transport]
     proc = subprocess.Popen(cmd, env=env, stdout=log_file.open("w"), stderr=subprocess.STDOUT)
     wait_ready(args.port, proc, log_file)
     return proc
@@ -428,6 +429,12 @@ def main(argv: list[str] | None = None) -> int:
         "--frontend-processes", type=int, default=0, metavar="N",
         help="the server's --frontend-processes (protocol handling in N more processes)",
     )  # fmt: skip
+    p.add_argument(
+        "--grpc-transport",
+        choices=["grpcio", "native"],
+        default="grpcio",
+        help="the server's --grpc-transport",
+    )
     p.add_argument(
         "--server-env",
         action="append",

@@ -20,20 +20,25 @@ from tests.serve.helpers import wait_until  # noqa: E402
 from tests.serve.test_repository import DIGITS, _model  # noqa: E402
 
 
-def _cli(*args: str, **kw) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def _cli(*args: str, env: dict | None = None, **kw) -> subprocess.Popen:
+    env = {**(env or os.environ), "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(
         [sys.executable, "-m", "tensorkiln", "serve", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, **kw,
     )  # fmt: skip
 
 
-def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(tmp_path):
+@pytest.mark.parametrize("transport", ["grpcio", "native"])
+def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(transport, tmp_path):
+    if transport == "native":
+        from tests.serve.test_grpc import native_or_skip
+
+        native_or_skip()
     _model(tmp_path / "repo")
     port, grpc_port, metrics_port = _free_port(), _free_port(), _free_port()
     proc = _cli("--model-repository", str(tmp_path / "repo"), "--http-port", str(port),
                 "--http-address", "127.0.0.1", "--grpc-port", str(grpc_port),
-                "--metrics-port", str(metrics_port),
+                "--metrics-port", str(metrics_port), "--grpc-transport", transport,
                 "--grpc-address", "127.0.0.1", "--engine-cache", str(tmp_path / "cache"))  # fmt: skip
     try:
         client = httpclient.InferenceServerClient(f"127.0.0.1:{port}")
@@ -79,6 +84,14 @@ def test_bad_invocations_are_one_line_errors(args, message):
     proc = _cli(*args)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and message in out and "Traceback" not in out, out
+
+
+def test_a_native_transport_that_cannot_load_is_a_one_line_error(tmp_path):
+    env = {**os.environ, "TENSORKILN_GRPC_LIBRARY": str(tmp_path / "missing.so")}
+    proc = _cli("--model-repository", str(tmp_path), "--grpc-transport", "native", env=env)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in out, out
+    assert f"--grpc-transport native: TENSORKILN_GRPC_LIBRARY: no library at {tmp_path}" in out
 
 
 def test_json_logs_are_one_object_per_line(tmp_path):

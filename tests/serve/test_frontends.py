@@ -297,19 +297,25 @@ def _socket_inodes(pid: int) -> set[str]:
     return out
 
 
-def test_serve_with_front_end_processes_answers_every_client(tmp_path):
+@pytest.mark.parametrize("transport", ["grpcio", "native"])
+def test_serve_with_front_end_processes_answers_every_client(transport, tmp_path):
     """``tensorkiln serve --frontend-processes 2``: 8 tritonclient clients, each with its own
-    connections, over HTTP and gRPC; every answer right, every request counted once by the
-    engine process's statistics (whichever process received it), SIGTERM stops them all."""
+    connections, over HTTP and gRPC (either transport); every answer right, every request
+    counted once by the engine process's statistics (whichever process received it), SIGTERM
+    stops them all."""
     httpclient = pytest.importorskip("tritonclient.http")
     grpcclient = pytest.importorskip("tritonclient.grpc")
+    if transport == "native":
+        from tests.serve.test_grpc import native_or_skip
+
+        native_or_skip()
     _model(tmp_path / "repo")
     port, grpc_port = free_port(), free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(tmp_path / "repo"),
          "--http-port", str(port), "--http-address", "127.0.0.1", "--grpc-port", str(grpc_port),
          "--grpc-address", "127.0.0.1", "--allow-metrics", "false", "--frontend-processes", "2",
-         "--engine-cache", str(tmp_path / "cache")],
+         "--engine-cache", str(tmp_path / "cache"), "--grpc-transport", transport],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip

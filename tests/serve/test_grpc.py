@@ -23,23 +23,35 @@ from tests.serve.test_http import _direct  # noqa: E402
 from tests.serve.test_repository import _model  # noqa: E402
 
 
-def serving(repo: Path, **core_kw):
+def serving(repo: Path, transport: str = "grpcio", **core_kw):
     """The gRPC service on a free port in a thread of its own (models loaded at start)."""
 
     async def start(core: ServerCore, port: int):
         await core.load_all()
-        server = await serve_grpc.start(core, f"127.0.0.1:{port}")
+        server = await serve_grpc.start(core, f"127.0.0.1:{port}", transport=transport)
         return lambda: server.stop(5)
 
     return serving_with(repo, start, **core_kw)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def native_or_skip() -> None:
+    """Skips where the native transport cannot be built (no gRPC C++ or compiler here)."""
+    from tensorkiln.serve import native
+
+    try:
+        native.library()
+    except native.NativeUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module", params=serve_grpc.TRANSPORTS)
+def server(request, tmp_path_factory):
+    if request.param == "native":
+        native_or_skip()
     root = tmp_path_factory.mktemp("repo")
     _model(root)
     _model(root, name="broken", config="max_batch_size: -2")
-    with serving(root) as s:
+    with serving(root, request.param) as s:
         yield s
 
 

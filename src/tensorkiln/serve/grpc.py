@@ -12,6 +12,8 @@ region to list or unregister, and registering one is refused.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import math
 from collections.abc import AsyncIterator
 from typing import Any
@@ -134,14 +136,20 @@ class InferenceService:
 
     async def ModelStreamInfer(self, requests: AsyncIterator, context: Any) -> AsyncIterator:
         """Each request's response on the stream, in order; an error is a response carrying
-        ``error_message`` and the stream goes on, as Triton's does."""
-        async for request in requests:
-            reply = _m("ModelStreamInferResponse")()
-            try:
-                reply.infer_response.CopyFrom(await self._infer(request))
-            except ServeError as exc:
-                reply.error_message = str(exc)
-            yield reply
+        ``error_message`` and the stream goes on, as Triton's does. The requests come as bytes
+        (a malformed one is such an error)."""
+        async for data in requests:
+            yield await self.stream_reply(data)
+
+    async def stream_reply(self, data: bytes | bytearray) -> Any:
+        """ModelStreamInfer's response to one request's bytes."""
+        reply = _m("ModelStreamInferResponse")()
+        try:
+            request = parse("ModelStreamInfer", data)
+            reply.infer_response.CopyFrom(await self._infer(request))
+        except ServeError as exc:
+            reply.error_message = str(exc)
+        return reply
 
     async def _infer(self, request: Any) -> Any:
         shm = self.core.shm
@@ -225,24 +233,32 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE,
     return feeds
 
 
+def parse(name: str, data: bytes | bytearray) -> Any:
+    """RPC ``name``'s request message from its bytes; bytes that are not one are the client's
+    error (both transports take requests as bytes, so each answers this the same way)."""
+    request_type = _request_type(name)
+    try:
+        return request_type.FromString(data)  # (a bytearray parses without a copy first)
+    except Exception:  # (protobuf's DecodeError, whichever backend raises it)
+        raise ServeError(f"{name}: the request is not a valid {request_type.__name__}") from None
+
+
 def _unary(service: InferenceService, name: str) -> grpc.RpcMethodHandler:
     method = getattr(service, name)
-    request_type = _request_type(name)
 
-    async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handle(data: bytes, context: grpc.aio.ServicerContext) -> Any:
         try:
-            return await method(request, context)
+            return await method(parse(name, data), context)
         except ServeError as exc:
             await context.abort(_STATUS.get(exc.status, grpc.StatusCode.INTERNAL), str(exc))
         except Exception as exc:  # a fault of ours: answered, logged, the server goes on
             log.exception("internal error in %s", name)
             await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}")
 
-    return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=request_type.FromString, response_serializer=_serialize
-    )
+    return grpc.unary_unary_rpc_method_handler(handle, response_serializer=_serialize)
 
 
+@functools.cache
 def _request_type(name: str) -> Any:
     method = protocol._pool().FindServiceByName(SERVICE).FindMethodByName(name)
     return protocol.message(method.input_type.full_name)
@@ -267,18 +283,59 @@ def handlers(core: ServerCore, max_message: int = 64 << 20) -> grpc.GenericRpcHa
     service = InferenceService(core, max_message)
     methods: dict[str, grpc.RpcMethodHandler] = {n: _unary(service, n) for n in RPCS}
     methods["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
-        service.ModelStreamInfer,
-        request_deserializer=_request_type("ModelStreamInfer").FromString,
-        response_serializer=_serialize,
+        service.ModelStreamInfer, response_serializer=_serialize
     )
     return grpc.method_handlers_generic_handler(SERVICE, methods)
 
 
+TRANSPORTS = ("grpcio", "native")
+
+
+def native_answer(service: InferenceService) -> Any:
+    """The native transport's handler (serve/native): a method path and its request bytes to
+    the response bytes, a client's error as a status (the grpcio transport's codes and
+    messages)."""
+    from tensorkiln.serve import native
+
+    prefix = f"/{SERVICE}/"
+    served = frozenset(RPCS)
+
+    async def answer(path: str, data: bytearray, streaming: bool) -> bytes:
+        if streaming:  # one request of ModelStreamInfer: errors go in the stream's response
+            return (await service.stream_reply(data)).SerializeToString()
+        name = path[len(prefix) :] if path.startswith(prefix) else ""
+        if name not in served:
+            raise native.Reply(native.UNIMPLEMENTED, f"{path}: no such method here")
+        try:
+            return (await getattr(service, name)(parse(name, data), None)).SerializeToString()
+        except ServeError as exc:
+            code = native.STATUS_OF_HTTP.get(exc.status, native.INTERNAL)
+            raise native.Reply(code, str(exc)) from None
+
+    return answer
+
+
 async def start(
-    core: ServerCore, address: str, *, max_message: int = MAX_MESSAGE, reuse_port: bool = False
-) -> grpc.aio.Server:
+    core: ServerCore,
+    address: str,
+    *,
+    max_message: int = MAX_MESSAGE,
+    reuse_port: bool = False,
+    transport: str = "grpcio",
+) -> Any:
     """A started gRPC server on ``address`` ("host:port") over ``core``; ``reuse_port``: other
-    processes may listen on the same port (front-end processes, serve/link.py)."""
+    processes may listen on the same port (front-end processes, serve/link.py); ``transport``:
+    grpcio's asyncio server, or gRPC C++ through serve/native (the same service; it has
+    ``stop(grace)`` as grpcio's server has)."""
+    if transport == "native":
+        from tensorkiln.serve import native
+
+        service = InferenceService(core, max_message)
+        server = native.NativeServer(native_answer(service), asyncio.get_running_loop())
+        server.start(address, max_message, reuse_port)
+        return server
+    if transport != "grpcio":
+        raise ServeError(f"unknown gRPC transport '{transport}'; known: {', '.join(TRANSPORTS)}")
     options = [
         ("grpc.max_receive_message_length", max_message),
         ("grpc.max_send_message_length", max_message),

@@ -1,0 +1,215 @@
+"""The native gRPC transport (``tensorkiln serve --grpc-transport native``): gRPC C++ carries
+the KServe v2 RPCs, this process answers them.
+
+grpcio's Python server spends about a millisecond and a half a call in its own machinery on a
+server CPU (HTTP/2 frames, completion queues and thread hand-offs under the interpreter lock),
+more than the whole batch-1 inference of a ResNet-50 on the GPU. Here transport.cc (gRPC C++'s
+callback generic service, compiled against the system's gRPC C++) does that work on its own
+threads and hands each request over as bytes; the same service as the grpcio transport
+(serve/grpc.py) parses it, runs it on the event loop and answers. Clients see the same service:
+the wire format, status codes and messages do not change.
+
+The library is compiled from transport.cc on first use into the user's cache folder (the one
+kernels/cpu/native.py keeps; name: a hash of the source, compiler and gRPC version), which needs
+a C++17 compiler and gRPC C++'s headers (Debian/Ubuntu: ``apt-get install g++ pkg-config
+libgrpc++-dev``). ``TENSORKILN_GRPC_LIBRARY`` names a library built elsewhere instead (a machine
+with only gRPC C++'s runtime libraries). Nothing a client sends reaches the build.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tensorkiln.serve.protocol import ServeError
+
+log = logging.getLogger("tensorkiln.serve")
+
+SOURCE = Path(__file__).with_name("transport.cc")
+ABI = 1  # tk_abi_version() of the library this module drives
+PACKAGES = (
+    "g++, pkg-config and gRPC C++ (Debian/Ubuntu: apt-get install g++ pkg-config libgrpc++-dev)"
+)
+
+_HANDLER = ctypes.CFUNCTYPE(
+    None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int
+)
+
+# gRPC status codes (grpc/status.h)
+OK, CANCELLED, INVALID_ARGUMENT, NOT_FOUND = 0, 1, 3, 5
+RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAVAILABLE = 8, 12, 13, 14
+STATUS_OF_HTTP = {400: INVALID_ARGUMENT, 404: NOT_FOUND, 413: RESOURCE_EXHAUSTED, 503: UNAVAILABLE}
+
+
+class NativeUnavailable(ServeError):
+    """The native transport cannot be built or loaded here (the message says what is missing)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 500)
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+
+
+def _build() -> Path:
+    """transport.cc compiled into the cache folder (reused when already there)."""
+    from tensorkiln.kernels.cpu.native import cache_dir  # (the same private folder)
+
+    cxx = next(
+        (p for n in (os.environ.get("CXX", "").strip(), "c++", "g++", "clang++")
+         if n and (p := shutil.which(n))),
+        None,
+    )  # fmt: skip
+    if cxx is None or shutil.which("pkg-config") is None:
+        raise NativeUnavailable(f"the native gRPC transport is built here and needs {PACKAGES}")
+    flags = _run(["pkg-config", "--cflags", "--libs", "grpc++"])
+    version = _run(["pkg-config", "--modversion", "grpc++"])
+    if flags.returncode != 0:
+        raise NativeUnavailable(f"gRPC C++ was not found by pkg-config; install {PACKAGES}")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256()
+    for part in (source, cxx.encode(), _run([cxx, "--version"]).stdout.encode(),
+                 flags.stdout.encode(), version.stdout.encode()):  # fmt: skip
+        key.update(part + b"\0")
+    try:
+        folder = cache_dir()
+    except (OSError, RuntimeError) as exc:
+        raise NativeUnavailable(f"no cache folder for the native gRPC transport: {exc}") from None
+    target = folder / f"grpc_transport-{key.hexdigest()[:32]}.so"
+    if target.is_file() and not target.is_symlink():
+        return target
+    log.info("building the native gRPC transport (gRPC C++ %s)", version.stdout.strip())
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        out = Path(tmp) / "lib.so"
+        src = Path(tmp) / "transport.cc"
+        src.write_bytes(source)
+        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(out), str(src)]
+        done = _run(cmd + flags.stdout.split())
+        if done.returncode != 0:
+            raise NativeUnavailable(
+                f"building the native gRPC transport failed: {done.stderr.strip()[-400:]}"
+            )
+        os.replace(out, target)
+    return target
+
+
+class _Library:
+    def __init__(self, path: str) -> None:
+        lib = ctypes.CDLL(path)
+        lib.tk_abi_version.restype = ctypes.c_int
+        if lib.tk_abi_version() != ABI:
+            raise NativeUnavailable(f"{path} is another version of the native gRPC transport")
+        lib.tk_start.restype = ctypes.c_void_p
+        lib.tk_start.argtypes = [
+            ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int, _HANDLER,
+            ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t,
+        ]  # fmt: skip
+        lib.tk_request_copy.restype = ctypes.c_int
+        lib.tk_request_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+        lib.tk_reply.restype = None
+        lib.tk_reply.argtypes = [
+            ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
+        ]  # fmt: skip
+        lib.tk_stop.restype = None
+        lib.tk_stop.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        self.lib = lib
+        self.path = path
+
+
+@functools.cache
+def library() -> _Library:
+    """The transport library: ``TENSORKILN_GRPC_LIBRARY``'s, else built from transport.cc."""
+    named = os.environ.get("TENSORKILN_GRPC_LIBRARY", "").strip()
+    path = Path(named) if named else _build()
+    if named and not path.is_file():
+        raise NativeUnavailable(f"TENSORKILN_GRPC_LIBRARY: no library at {named}")
+    try:
+        return _Library(str(path))
+    except (OSError, AttributeError) as exc:
+        raise NativeUnavailable(f"cannot load the native gRPC transport {path}: {exc}") from None
+
+
+class NativeServer:
+    """A running native transport whose requests ``answer`` (an async function of the method
+    path, the request bytes and whether the call is ModelStreamInfer, returning the response
+    bytes or raising :class:`Reply`) handles on ``loop``."""
+
+    def __init__(self, answer: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._lib = library()
+        self._answer = answer
+        self._loop = loop
+        self._server: int | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._handler = _HANDLER(self._on_call)  # (kept: the library calls it)
+        self.port = 0
+
+    def start(self, address: str, max_message: int, reuse_port: bool = False) -> None:
+        port = ctypes.c_int(0)
+        err = ctypes.create_string_buffer(512)
+        server = self._lib.lib.tk_start(
+            address.encode(), max_message, int(reuse_port), self._handler, ctypes.byref(port),
+            err, len(err),
+        )  # fmt: skip
+        if not server:
+            raise ServeError(err.value.decode(errors="replace") or "cannot start gRPC", 500)
+        self._server, self.port = server, port.value
+
+    def _on_call(self, call: int, method: int, method_len: int, size: int, streaming: int) -> None:
+        """(a gRPC thread, holding the interpreter lock) the request copied out, then handed to
+        the event loop; every request is answered, an unexpected fault with INTERNAL."""
+        lib = self._lib.lib
+        try:
+            name = ctypes.string_at(method, method_len).decode("utf-8", "replace")
+            data = bytearray(size)
+            if size:
+                buf = (ctypes.c_char * size).from_buffer(data)
+                if lib.tk_request_copy(call, buf, size) != 0:
+                    raise RuntimeError("the request could not be read")
+            self._loop.call_soon_threadsafe(self._dispatch, call, name, data, bool(streaming))
+        except Exception as exc:  # (the loop is closed, or a fault of ours)
+            lib.tk_reply(call, None, 0, UNAVAILABLE, f"server stopping: {exc}".encode()[:200])
+
+    def _dispatch(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
+        task = self._loop.create_task(self._respond(call, name, data, streaming))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _respond(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
+        code, body, message = OK, b"", b""
+        try:
+            body = await self._answer(name, data, streaming)
+        except Reply as r:
+            code, message = r.code, r.message.encode("utf-8", "replace")
+        except BaseException as exc:  # (answered whatever happens: it frees the call)
+            log.exception("internal error in %s", name)
+            code, message = INTERNAL, f"internal error: {type(exc).__name__}".encode()
+            if not isinstance(exc, Exception):
+                self._lib.lib.tk_reply(call, None, 0, code, message)
+                raise
+        self._lib.lib.tk_reply(call, body, len(body), code, message)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls; those open after ``grace`` seconds are cancelled (their handed-over
+        requests still get their answers, which the library waits for)."""
+        server, self._server = self._server, None
+        if server is not None:
+            await asyncio.to_thread(self._lib.lib.tk_stop, server, float(grace or 0.0))
+
+
+class Reply(Exception):  # (a status answer, not a fault)
+    """A call answered with a gRPC status ``code`` other than OK and ``message``."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
