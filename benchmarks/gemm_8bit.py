@@ -1,9 +1,12 @@
 """Where an 8-bit GEMM's time goes, on BERT-base's four GEMM shapes at batch 64 x 128 tokens:
 the Triton 8-bit GEMM (the `triton_qgemm_<tile>` tactics' kernel) for each tiling, plain (16-bit
 output with the bias), with the activation, and with the activation and a quantized output,
-against cuBLAS fp16 (`torch.nn.functional.linear`), `torch._int_mm` and `torch._scaled_mm`.
+against cuBLAS fp16 (`torch.nn.functional.linear`), `torch._int_mm`, `torch._scaled_mm` and
+cuBLASLt's FP8 GEMM called directly with its epilogue (bias, activation, E4M3 output).
+``--shapes resnet``: ResNet-50's 1x1 convolutions at batch 256 instead (channels-last GEMMs).
 
-    python benchmarks/gemm_8bit.py [--reps 50] [--kinds int8,fp8] [--tiny --device cpu]
+    python benchmarks/gemm_8bit.py [--reps 50] [--kinds int8,fp8] [--shapes bert|resnet]
+        [--no-triton] [--tiny --device cpu]
 
 Every Triton result is first checked against the same product in float64 from the same 8-bit
 operands (16-bit outputs to 2e-3 relative L2 for INT8, 1e-2 for FP8; 8-bit outputs to one
@@ -31,6 +34,11 @@ SHAPES = (  # (M, N, K, activation): BERT-base's QKV, attention output, MLP GEMM
     (8192, 3072, 768, "Gelu"),
     (8192, 768, 3072, ""),
 )
+RESNET_SHAPES = (  # ResNet-50's 1x1 convolutions at batch 256 as GEMMs of the channels-last view
+    (802816, 64, 64, "Relu"), (802816, 256, 64, ""), (802816, 64, 256, "Relu"),
+    (200704, 128, 512, "Relu"), (200704, 512, 128, ""), (50176, 256, 1024, "Relu"),
+    (50176, 1024, 256, ""), (12544, 512, 2048, "Relu"), (12544, 2048, 512, ""),
+)  # fmt: skip
 TINY_SHAPES = ((64, 64, 128, ""), (64, 128, 128, "Gelu"))
 TILES = (  # (block_m, block_n, block_k, warps, stages)
     (128, 128, 128, 8, 3), (128, 256, 128, 8, 3), (64, 128, 128, 4, 4), (128, 256, 64, 8, 3),
@@ -69,6 +77,8 @@ def main() -> None:
     ap.add_argument("--kinds", default="int8,fp8")
     ap.add_argument("--tiny", action="store_true", help="small shapes and tiles (a smoke run)")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shapes", choices=["bert", "resnet"], default="bert")
+    ap.add_argument("--no-triton", action="store_true", help="the library peers only")
     args = ap.parse_args()
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -81,7 +91,8 @@ def main() -> None:
     gen = torch.Generator(device="cpu").manual_seed(int(time.time()))
     tiles = [TileConfig(*t) for t in (TINY_TILES if args.tiny else TILES)]
     eight = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
-    for m, n, k, act in TINY_SHAPES if args.tiny else SHAPES:
+    shapes = TINY_SHAPES if args.tiny else (RESNET_SHAPES if args.shapes == "resnet" else SHAPES)
+    for m, n, k, act in shapes:
         flops = 2 * m * n * k
         a16 = torch.randn(m, k, generator=gen).to(dev, torch.float16)
         w16 = (torch.randn(n, k, generator=gen) * 0.05).to(dev, torch.float16)
@@ -116,7 +127,9 @@ def main() -> None:
             if dev == "cuda":
                 t = _bench(torch, peer[1], args.reps, dev)
                 print(f"   {peer[0]}: {t:.4f} ms ({flops / t / 1e9:.0f} TOP/s, sums only)")
-            for cfg in tiles:
+            if dev == "cuda" and kind == "fp8":
+                _cublaslt_fp8(torch, args, a8, w8, xs, ws[:1], bias, act, exact, flops)
+            for cfg in tiles if not args.no_triton else ():
                 if cfg.smem_bytes(1) > gemm.SMEM_LIMIT:
                     continue
                 row = []
@@ -124,7 +137,7 @@ def main() -> None:
                     if mode == "act" and not act:
                         continue
                     ep = Epilogue.of(act if mode != "plain" else "")
-                    want = torch.nn.functional.gelu(exact) if mode != "plain" and act else exact
+                    want = _activate(torch, act, exact) if mode != "plain" else exact
                     y_scale = None
                     out_t = torch.float16
                     if mode == "act+q":
@@ -156,6 +169,50 @@ def main() -> None:
                     row.append(f"{_bench(torch, run, args.reps, dev):.4f}")
                 modes = "plain / act / act+q" if act else "plain / q"
                 print(f"   triton {kind} {cfg.name} ({modes}): {' / '.join(row)} ms")
+
+
+def _activate(torch, act: str, v, approximate: str = "none"):
+    if act == "Gelu":
+        return torch.nn.functional.gelu(v, approximate=approximate)
+    return torch.relu(v) if act == "Relu" else v
+
+
+def _cublaslt_fp8(torch, args, a8, w8, xs, ws, bias, act, exact, flops) -> None:
+    """cuBLASLt's FP8 GEMM in one call (kernels/cuda/cublaslt.py's fp8_matmul; per-tensor
+    scales): the bias and the activation in its epilogue, a 16-bit or an E4M3 output, with
+    and without fast accumulation; each checked as the Triton rows are first."""
+    from tensorkiln.kernels.cuda.cublaslt import fp8_matmul
+
+    activation = {"Gelu": "GeluTanh"}.get(act, act)
+    want = _activate(torch, act, exact, approximate="tanh")  # (cuBLASLt's GELU: the tanh form)
+    for out in ("fp16", "e4m3"):
+        for fast in (False, True):
+            y_scale = None
+            if out == "e4m3":
+                y_scale = torch.tensor([float(want.abs().max()) / 448.0], device=a8.device)
+
+            def call(y_scale=y_scale, out=out, fast=fast):
+                return fp8_matmul(
+                    a8, w8, xs, ws, bias=bias, activation=activation,
+                    out_dtype=torch.float16 if out == "fp16" else torch.float8_e4m3fn,
+                    y_scale=y_scale, fast_accum=fast,
+                )  # fmt: skip
+
+            tag = f"cuBLASLt FP8 ({act or 'bias'} in the epilogue, {out} out{', fast' * fast})"
+            y = call()
+            if y is None:
+                print(f"   {tag}: not supported")
+                continue
+            got = y.double() * (1.0 if y_scale is None else float(y_scale))
+            if y_scale is None:
+                err, bound = _rel(got, want), 1e-2
+            else:
+                err, bound = float((got - want).abs().max()) / (float(y_scale) * 32.0), 1.0
+            if not err <= bound:
+                print(f"   {tag}: WRONG ({err:.2e} > {bound})")
+                continue
+            t = _bench(torch, call, args.reps, "cuda")
+            print(f"   {tag}: {t:.4f} ms ({flops / t / 1e9:.0f} TOP/s)")
 
 
 if __name__ == "__main__":

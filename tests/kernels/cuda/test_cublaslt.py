@@ -218,3 +218,63 @@ def test_a_residual_goes_in_as_c(has_bias: bool) -> None:
         got = fn(a.reshape(2, m // 2, k), w, c, residual.reshape(2, m // 2, n), transB=1)
         assert got.shape == (2, m // 2, n)
         assert (got.float() - want3).abs().max().item() / scale < 1e-2
+
+
+def test_fp8_matmul_refuses_what_it_cannot_take() -> None:
+    """On the CPU, or with operands other than E4M3, an E4M3 output without its scale: None
+    (the caller computes it otherwise), never a wrong answer."""
+    a = torch.zeros((32, 32)).to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    assert cublaslt.fp8_matmul(a, a, one, one) is None  # (a CPU tensor)
+    assert cublaslt.fp8_matmul(a.float(), a.float(), one, one) is None
+    assert cublaslt.fp8_matmul(a, a, one, one, out_dtype=torch.float8_e4m3fn) is None
+
+
+FP8_CASES = [  # (M, N, K, activation, output)
+    (256, 128, 64, "", "fp16"),
+    (512, 256, 128, "Relu", "fp16"),
+    (384, 192, 256, "GeluTanh", "bf16"),
+    (256, 128, 64, "Relu", "e4m3"),
+    (512, 256, 192, "GeluTanh", "e4m3"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case", FP8_CASES, ids=lambda c: f"{c[0]}x{c[1]}x{c[2]}-{c[3] or 'bias'}-{c[4]}"
+)
+@pytest.mark.parametrize("fast", [False, True])
+def test_fp8_matmul_agrees_with_the_exact_product(case, fast: bool) -> None:
+    """cuBLASLt's FP8 GEMM with the bias, the activation and the output quantization in its
+    epilogue, against float64 from the same E4M3 operands: 16-bit outputs to 1e-2 relative L2,
+    E4M3 outputs within one step of the output's largest value."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 GEMMs need a GPU of compute capability 8.9 or later")
+    m, n, k, act, out = case
+    g = torch.Generator().manual_seed(int(np.random.default_rng().integers(1 << 30)))
+    a = (torch.randn(m, k, generator=g) * 4).to("cuda", torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=g) * 4).to("cuda", torch.float8_e4m3fn)
+    xs = torch.rand(1, generator=g).cuda() * 0.1 + 0.01
+    ws = torch.rand(1, generator=g).cuda() * 0.1 + 0.01
+    c_dtype = torch.bfloat16 if out == "bf16" else torch.float16
+    bias = torch.randn(n, generator=g).to("cuda", c_dtype)
+    exact = (a.double() @ w.double().T) * float(xs) * float(ws) + bias.double()
+    if act == "Relu":
+        exact = torch.relu(exact)
+    elif act == "GeluTanh":
+        exact = torch.nn.functional.gelu(exact, approximate="tanh")
+    out_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "e4m3": torch.float8_e4m3fn}[out]
+    y_scale = None
+    if out == "e4m3":
+        y_scale = torch.tensor([float(exact.abs().max()) / 448.0], device="cuda")
+    y = cublaslt.fp8_matmul(
+        a, w, xs, ws, bias=bias, activation=act, out_dtype=out_dtype, y_scale=y_scale,
+        fast_accum=fast,
+    )  # fmt: skip
+    assert y is not None and y.shape == (m, n) and y.dtype == out_dtype
+    if y_scale is None:
+        err = float((y.double() - exact).norm() / exact.norm())
+        assert err <= 1e-2, err
+    else:  # (E4M3's step at the largest value, 448, is 32: one step of the range)
+        err = float((y.double() * float(y_scale) - exact).abs().max())
+        assert err <= 32.0 * float(y_scale), (err, float(y_scale))

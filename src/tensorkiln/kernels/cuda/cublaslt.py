@@ -385,6 +385,139 @@ def matmul(
     return out
 
 
+# FP8 (E4M3) GEMMs: cublasLt.h's scale pointers and types
+_E4M3 = 28
+_DESC_A_SCALE, _DESC_B_SCALE, _DESC_D_SCALE, _DESC_FAST_ACCUM, _DESC_BIAS_TYPE = 17, 18, 20, 25, 26
+_FP8_OUT = {torch.float16: 2, torch.bfloat16: 14, torch.float8_e4m3fn: _E4M3}
+
+
+def fp8_matmul(
+    a: torch.Tensor,
+    w: torch.Tensor,
+    a_scale: torch.Tensor,
+    w_scale: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str = "",
+    out_dtype: torch.dtype = torch.float16,
+    y_scale: torch.Tensor | None = None,
+    fast_accum: bool = False,
+) -> torch.Tensor | None:
+    """``act(a_scale * w_scale * a @ w.T + bias)`` in one cuBLASLt call for E4M3 ``a`` (M, K)
+    and ``w`` (N, K), both row-major, per-tensor float32 scales (one value each, on the GPU), a
+    16-bit ``bias`` of N values and an activation of cuBLASLt's epilogue ("", "Relu",
+    "GeluTanh"). ``out_dtype`` float16 or bfloat16, or E4M3 with ``y_scale``: the result is
+    quantized to it (divided by it, saturated) in the epilogue. ``fast_accum``: Hopper's FP8
+    accumulation without the periodic promotion to float32 (faster, less exact). The
+    heuristic's first algorithm runs. None where cuBLASLt cannot run it (no cuBLASLt, other
+    types or layouts)."""
+    lib = library()
+    if lib is None or not a.is_cuda or a.dtype != torch.float8_e4m3fn or w.dtype != a.dtype:
+        return None
+    if a.ndim != 2 or w.ndim != 2 or a.shape[1] != w.shape[1] or out_dtype not in _FP8_OUT:
+        return None
+    if not (a.is_contiguous() and w.is_contiguous()) or (out_dtype == a.dtype) != (
+        y_scale is not None
+    ):
+        return None
+    m, k = a.shape
+    n = w.shape[0]
+    c_dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float16
+    if bias is not None and (bias.dtype != c_dtype or bias.numel() != n):
+        return None
+    epilogue = _EPILOGUES.get((activation, bias is not None))
+    if epilogue is None or k % 16 or n % 16:
+        return None
+    device = a.device.index if a.device.index is not None else torch.cuda.current_device()
+    key = ("fp8", device, m, n, k, out_dtype, epilogue, bias is not None, fast_accum)
+    with _LOCK:
+        plans: dict = _state.setdefault("fp8_plans", {})
+        plan = plans.get(key)
+        if plan is None:
+            plan = _Fp8Plan(lib, device, m, n, k, out_dtype, c_dtype, epilogue, bias, fast_accum)
+            if len(plans) < PLANS_MAX:
+                plans[key] = plan
+    if plan.algo is None:
+        return None
+    # (D of E4M3 takes a C of its own: C and D may be one buffer only with one layout; with
+    # beta 0 nothing reads it)
+    out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    c = out if out_dtype == c_dtype else torch.empty((m, n), dtype=c_dtype, device=a.device)
+    d_scale = None if y_scale is None else torch.reciprocal(y_scale.reshape(1).float())
+    size = plan.workspace
+    space = torch.empty(size, dtype=torch.uint8, device=a.device) if size else None
+    one, zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
+    pointers = [(_DESC_A_SCALE, w_scale), (_DESC_B_SCALE, a_scale), (_DESC_D_SCALE, d_scale),
+                (_DESC_BIAS_POINTER, bias)]  # fmt: skip
+    with _LOCK:  # (the pointers stay set on the shared descriptor until the call is queued)
+        for attr, t in pointers:
+            if t is not None:
+                ptr = _vp(t.data_ptr())
+                _check(lib.desc_set(plan.desc, attr, ctypes.byref(ptr), 8), "pointer")
+        status = lib.matmul(
+            lib.handle(device), plan.desc, ctypes.byref(one), w.data_ptr(), plan.a,
+            a.data_ptr(), plan.b, ctypes.byref(zero), c.data_ptr(), plan.c, out.data_ptr(),
+            plan.d, ctypes.byref(plan.algo), space.data_ptr() if space is not None else None,
+            size, torch.cuda.current_stream(a.device).cuda_stream,
+        )  # fmt: skip
+    _check(status, f"FP8 matmul of {tuple(a.shape)} x {tuple(w.shape)}")
+    return out
+
+
+class _Fp8Plan:
+    """One FP8 problem's descriptors and the heuristic's first algorithm (None: none takes it)."""
+
+    def __init__(self, lib, device, m, n, k, out_dtype, c_dtype, epilogue, bias, fast) -> None:
+        self.desc, self.a, self.b, self.c, self.d = _vp(), _vp(), _vp(), _vp(), _vp()
+        self.algo: _Algo | None = None
+        self.workspace = 0
+        pref = _vp()
+        try:
+            _check(lib.desc_create(ctypes.byref(self.desc), _COMPUTE_32F, _R_32F), "desc")
+            attrs: list = [
+                (_DESC_TRANSA, ctypes.c_int32(_OP_T)),
+                (_DESC_TRANSB, ctypes.c_int32(_OP_N)),
+                (_DESC_EPILOGUE, ctypes.c_uint32(epilogue)),
+            ]
+            if bias is not None:
+                attrs.append((_DESC_BIAS_TYPE, ctypes.c_int32(_DATA_TYPES[c_dtype])))
+            if fast:
+                attrs.append((_DESC_FAST_ACCUM, ctypes.c_int8(1)))
+            for attr, value in attrs:
+                _check(
+                    lib.desc_set(self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)),
+                    "attribute",
+                )
+            # the scale pointers are part of the problem the heuristic answers: set now (to a
+            # placeholder address, never read), each call sets the real ones
+            scales = [_DESC_A_SCALE, _DESC_B_SCALE]
+            if out_dtype == torch.float8_e4m3fn:
+                scales.append(_DESC_D_SCALE)
+            for attr in scales:
+                placeholder = _vp(256)
+                _check(lib.desc_set(self.desc, attr, ctypes.byref(placeholder), 8), "scale")
+            _check(lib.layout_create(ctypes.byref(self.a), _E4M3, k, n, k), "layout A")
+            _check(lib.layout_create(ctypes.byref(self.b), _E4M3, k, m, k), "layout B")
+            cd = _DATA_TYPES[c_dtype]
+            _check(lib.layout_create(ctypes.byref(self.c), cd, n, m, n), "layout C")
+            _check(lib.layout_create(ctypes.byref(self.d), _FP8_OUT[out_dtype], n, m, n), "D")
+            _check(lib.pref_create(ctypes.byref(pref)), "preference")
+            ws = ctypes.c_uint64(WORKSPACE)
+            _check(lib.pref_set(pref, _PREF_MAX_WORKSPACE, ctypes.byref(ws), 8), "workspace")
+            found = (_Heuristic * 1)()
+            count = ctypes.c_int(0)
+            status = lib.heuristic(
+                lib.handle(device), self.desc, self.a, self.b, self.c, self.d, pref, 1, found,
+                ctypes.byref(count),
+            )  # fmt: skip
+            if status == 0 and count.value > 0 and found[0].workspaceSize <= WORKSPACE:
+                self.algo = found[0].algo
+                self.workspace = int(found[0].workspaceSize)
+        finally:
+            if pref:
+                lib.pref_destroy(pref)
+
+
 def _takes_residual(
     r: torch.Tensor, a: torch.Tensor, b: torch.Tensor, activation: str, align: int
 ) -> bool:
