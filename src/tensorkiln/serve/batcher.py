@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -121,7 +122,7 @@ class DynamicBatcher:
         self._free: asyncio.Semaphore | None = None
         self._tasks: list[asyncio.Task] = []
         self._threads: ThreadPoolExecutor | None = None
-        self._running: set[asyncio.Task] = set()
+        self._running: set[asyncio.Future] = set()  # engine runs in flight
         self._closed = False
 
     def start(self) -> None:
@@ -137,10 +138,24 @@ class DynamicBatcher:
             raise RuntimeError("the batcher is not running")
         if not 1 <= batch <= self.max_batch:
             raise ValueError(f"a request of {batch} rows; the batcher takes 1 to {self.max_batch}")
-        future = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Request(feeds, batch, future))
-        self._arrived.set()
-        return await future
+        loop = asyncio.get_running_loop()
+        request = _Request(feeds, batch, loop.create_future())
+        if (
+            not self.gather
+            and not self._waiting
+            and self._free is not None
+            and not self._free.locked()
+        ):
+            # Each request runs alone, an instance is free and nobody is ahead: what the
+            # scheduler would do at once, done here without its turn of the loop (a request at
+            # concurrency 1 pays every turn). (With dynamic batching the scheduler's turn is
+            # what lets requests that arrive together share a run.)
+            await self._free.acquire()  # (returns at once: not locked)
+            self._launch(loop, [request])
+        else:
+            self._waiting.append(request)
+            self._arrived.set()
+        return await request.future
 
     async def close(self) -> None:
         """Finish what is queued and running, then stop the scheduler."""
@@ -186,10 +201,13 @@ class DynamicBatcher:
         assert self._arrived is not None and self._free is not None
         loop = asyncio.get_running_loop()
         while True:
-            await self._free.acquire()
             while not self._waiting:
                 self._arrived.clear()
                 await self._arrived.wait()
+            await self._free.acquire()  # (while every instance is busy, requests gather)
+            if not self._waiting:  # (cancelled meanwhile)
+                self._free.release()
+                continue
             first = self._waiting.popleft()
             if first.future.cancelled():
                 self._free.release()
@@ -208,25 +226,27 @@ class DynamicBatcher:
                         await asyncio.wait_for(self._arrived.wait(), left - _TIMER_SLACK)
                 else:  # (the loop's timers wake up to a millisecond late: poll the rest)
                     await asyncio.sleep(0)
-            batch = self._take(first)
-            task = asyncio.create_task(self._execute(loop, batch))
-            self._running.add(task)
-            task.add_done_callback(self._finished)
+            self._launch(loop, self._take(first))
 
-    def _finished(self, task: asyncio.Task) -> None:
-        self._running.discard(task)
+    def _launch(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
+        """Run ``batch`` on a worker thread (an instance's permit is held); :meth:`_ran` hands
+        out the results and frees the permit."""
+        start = time.perf_counter()
+        run = loop.run_in_executor(self._threads, self._run, [r.feeds for r in batch])
+        self._running.add(run)
+        run.add_done_callback(functools.partial(self._ran, batch, start))
+
+    def _ran(self, batch: list[_Request], start: float, run: asyncio.Future) -> None:
+        self._running.discard(run)
         assert self._free is not None
         self._free.release()
-
-    async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Request]) -> None:
-        start = time.perf_counter()
-        try:
-            parts = await loop.run_in_executor(self._threads, self._run, [r.feeds for r in batch])
-        except Exception as exc:  # the batch's requests fail; the worker goes on
+        exc = asyncio.CancelledError() if run.cancelled() else run.exception()
+        if exc is not None:  # the batch's requests fail; the worker goes on
             for r in batch:
                 if not r.future.done():
                     r.future.set_exception(exc)
             return
+        parts = run.result()
         compute = time.perf_counter() - start
         rows = sum(r.batch for r in batch)
         self.stats.sizes.append(rows)
