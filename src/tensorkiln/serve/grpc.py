@@ -16,13 +16,13 @@ import asyncio
 import functools
 import math
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from tensorkiln.serve import protocol
+from tensorkiln.serve import protocol, wire
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import OFF as shm_off
@@ -132,7 +132,7 @@ class InferenceService:
         return reply
 
     async def ModelInfer(self, request: Any, context: Any) -> Any:
-        return await self._infer(request)
+        return await self._infer(request)  # (an InferCall, from parse)
 
     async def ModelStreamInfer(self, requests: AsyncIterator, context: Any) -> AsyncIterator:
         """Each request's response on the stream, in order; an error is a response carrying
@@ -151,9 +151,11 @@ class InferenceService:
             reply.error_message = str(exc)
         return reply
 
-    async def _infer(self, request: Any) -> Any:
+    async def _infer(self, call: Any) -> Any:
+        """A ModelInferRequest (or an :class:`InferCall`) answered."""
+        request, raw = (call.request, call.raw) if isinstance(call, InferCall) else (call, None)
         shm = self.core.shm
-        feeds = _feeds(request, self.max_message, shm)
+        feeds = _feeds(request, self.max_message, shm, raw)
         wanted = [o.name for o in request.outputs]
         targets = {}  # output -> (region, offset, byte size) in shared memory
         for o in request.outputs:
@@ -191,13 +193,15 @@ def _params(parameters: Any) -> dict[str, Any]:
     return out
 
 
-def _feeds(request: Any, limit: int = MAX_MESSAGE,
-           shm: SharedMemory = shm_off) -> dict[str, np.ndarray]:  # fmt: skip
+def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: SharedMemory = shm_off,
+           raw: list | None = None) -> dict[str, np.ndarray]:  # fmt: skip
     """The request's tensors as arrays, every size checked first (``shm``: the server's
-    shared-memory regions, which inputs may name)."""
+    shared-memory regions, which inputs may name; ``raw``: its raw contents where they were
+    taken out of the message, else the message's own)."""
     if not request.inputs:
         raise ServeError("the request has no inputs")
-    raw = list(request.raw_input_contents)
+    if raw is None:
+        raw = list(request.raw_input_contents)
     in_shm = ["shared_memory_region" in t.parameters for t in request.inputs]
     if raw and len(raw) != in_shm.count(False):
         raise ServeError(
@@ -233,11 +237,27 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE,
     return feeds
 
 
+class InferCall(NamedTuple):
+    """A ModelInferRequest parsed without its raw contents, and those contents as views into
+    the received bytes (serve/wire.py: no copy of the tensors)."""
+
+    request: Any
+    raw: list
+
+
+_RAW_INPUT_CONTENTS = 7  # ModelInferRequest's field number
+
+
 def parse(name: str, data: bytes | bytearray) -> Any:
-    """RPC ``name``'s request message from its bytes; bytes that are not one are the client's
-    error (both transports take requests as bytes, so each answers this the same way)."""
+    """RPC ``name``'s request message from its bytes (an :class:`InferCall` for inference);
+    bytes that are not one are the client's error (both transports take requests as bytes, so
+    each answers this the same way)."""
     request_type = _request_type(name)
     try:
+        if name in ("ModelInfer", "ModelStreamInfer"):
+            split = wire.split_field(data, _RAW_INPUT_CONTENTS)
+            if split is not None:
+                return InferCall(request_type.FromString(split[0]), split[1])
         return request_type.FromString(data)  # (a bytearray parses without a copy first)
     except Exception:  # (protobuf's DecodeError, whichever backend raises it)
         raise ServeError(f"{name}: the request is not a valid {request_type.__name__}") from None
