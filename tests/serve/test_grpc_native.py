@@ -16,21 +16,13 @@ grpc = pytest.importorskip("grpc")
 
 from tensorkiln.serve import grpc as serve_grpc  # noqa: E402
 from tensorkiln.serve import protocol  # noqa: E402
+from tests.serve import test_grpc  # noqa: E402
 from tests.serve.test_grpc import _input, native_or_skip, serving  # noqa: E402
 from tests.serve.test_http import _direct  # noqa: E402
 from tests.serve.test_repository import _model  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/"
-
-
-@pytest.fixture(scope="module", params=serve_grpc.TRANSPORTS)
-def server(request, tmp_path_factory):
-    if request.param == "native":
-        native_or_skip()
-    root = tmp_path_factory.mktemp("repo")
-    _model(root)
-    with serving(root, request.param) as s:
-        yield s
+server = test_grpc.server  # (the gRPC suite's server, on each transport)
 
 
 def _raw(url: str, method: str, body: bytes, **kw) -> bytes:
