@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from tensorkiln.serve import protocol, wire
+from tensorkiln.serve import native, protocol, wire
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import OFF as shm_off
@@ -315,8 +315,6 @@ def native_answer(service: InferenceService) -> Any:
     """The native transport's handler (serve/native): a method path and its request bytes to
     the response bytes, a client's error as a status (the grpcio transport's codes and
     messages)."""
-    from tensorkiln.serve import native
-
     prefix = f"/{SERVICE}/"
     served = frozenset(RPCS)
 
@@ -348,8 +346,6 @@ async def start(
     grpcio's asyncio server, or gRPC C++ through serve/native (the same service; it has
     ``stop(grace)`` as grpcio's server has)."""
     if transport == "native":
-        from tensorkiln.serve import native
-
         service = InferenceService(core, max_message)
         server = native.NativeServer(native_answer(service), asyncio.get_running_loop())
         server.start(address, max_message, reuse_port)

@@ -63,7 +63,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def _build() -> Path:
     """transport.cc compiled into the cache folder (reused when already there)."""
-    from tensorkiln.kernels.cpu.native import cache_dir  # (the same private folder)
+    from tensorkiln.kernels.cpu.native import cache_dir  # lazy: torch (its module imports it)
 
     cxx = next(
         (p for n in (os.environ.get("CXX", "").strip(), "c++", "g++", "clang++")
