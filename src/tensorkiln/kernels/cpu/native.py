@@ -21,14 +21,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
-import shutil
-import stat
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +34,7 @@ from typing import Any
 
 import torch
 
+from tensorkiln.kernels.common.build import cached_library, find_program, run
 from tensorkiln.kernels.common.window import Geometry
 
 ENV = "TENSORKILN_CPU_NATIVE"
@@ -132,23 +129,10 @@ def _load() -> Native | None:
 
 
 def _compiler() -> str:
-    for name in (os.environ.get("CC", "").strip(), "cc", "gcc", "clang"):
-        if name and (path := shutil.which(name)):
-            return path
-    raise RuntimeError("no C compiler found (set CC)")
-
-
-def cache_dir() -> Path:
-    """Where built libraries are kept (created private to the user when missing)."""
-    root = os.environ.get("TENSORKILN_CACHE_DIR") or os.environ.get("XDG_CACHE_HOME")
-    base = Path(root) if root else Path.home() / ".cache"
-    folder = base if os.environ.get("TENSORKILN_CACHE_DIR") else base / "tensorkiln"
-    folder = folder / "native"
-    folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    info = folder.stat()
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise RuntimeError(f"cache folder {folder} is not private to this user")
-    return folder
+    cc = find_program("CC", ("cc", "gcc", "clang"))
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    return cc
 
 
 def _cpu_id() -> str:
@@ -164,35 +148,13 @@ def _cpu_id() -> str:
     return platform.processor()
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
-
-
 def _build() -> Path:
     cc = _compiler()
-    source = _SOURCE.read_bytes()
-    version = _run([cc, "--version"]).stdout
-    key = hashlib.sha256()
-    for part in (source, cc.encode(), version.encode(), " ".join(_FLAGS).encode()):
-        key.update(part + b"\0")
-    key.update((platform.machine() + _cpu_id()).encode())
-    folder = cache_dir()
-    target = folder / f"cpu_native-{key.hexdigest()[:32]}.so"
-    if target.is_file() and not target.is_symlink():
-        return target
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        out = Path(tmp) / "lib.so"
-        src = Path(tmp) / "cpu_native.c"
-        src.write_bytes(source)
-        for extra in (["-fopenmp"], []):  # OpenMP where the compiler has it
-            done = _run([cc, *_FLAGS, *extra, "-o", str(out), str(src)])
-            if done.returncode == 0:
-                break
-            _LOG.info("tensorkiln: %s %s failed: %s", cc, " ".join(extra), done.stderr[-300:])
-        else:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-300:]}")
-        os.replace(out, target)
-    return target
+    key = (cc, run([cc, "--version"]).stdout, " ".join(_FLAGS), platform.machine() + _cpu_id())
+    commands = [  # (OpenMP where the compiler has it)
+        [cc, *_FLAGS, *extra, "-o", "{out}", "{src}"] for extra in (["-fopenmp"], [])
+    ]
+    return cached_library("cpu_native", _SOURCE, (k.encode() for k in key), commands)
 
 
 # ------------------------------------------------------------------- layer functions

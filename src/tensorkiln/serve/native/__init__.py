@@ -10,7 +10,7 @@ threads and hands each request over as bytes; the same service as the grpcio tra
 the wire format, status codes and messages do not change.
 
 The library is compiled from transport.cc on first use into the user's cache folder (the one
-kernels/cpu/native.py keeps; name: a hash of the source, compiler and gRPC version), which needs
+kernels/common/build.py keeps; name: a hash of the source, compiler and gRPC version), which needs
 a C++17 compiler and gRPC C++'s headers (Debian/Ubuntu: ``apt-get install g++ pkg-config
 libgrpc++-dev``). ``TENSORKILN_GRPC_LIBRARY`` names a library built elsewhere instead (a machine
 with only gRPC C++'s runtime libraries). Nothing a client sends reaches the build.
@@ -21,15 +21,14 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from tensorkiln.kernels.common.build import cached_library, find_program, run
 from tensorkiln.serve.protocol import ServeError
 
 log = logging.getLogger("tensorkiln.serve")
@@ -57,50 +56,24 @@ class NativeUnavailable(ServeError):
         super().__init__(message, 500)
 
 
-def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-
-
 def _build() -> Path:
     """transport.cc compiled into the cache folder (reused when already there)."""
-    from tensorkiln.kernels.cpu.native import cache_dir  # lazy: torch (its module imports it)
-
-    cxx = next(
-        (p for n in (os.environ.get("CXX", "").strip(), "c++", "g++", "clang++")
-         if n and (p := shutil.which(n))),
-        None,
-    )  # fmt: skip
+    cxx = find_program("CXX", ("c++", "g++", "clang++"))
     if cxx is None or shutil.which("pkg-config") is None:
         raise NativeUnavailable(f"the native gRPC transport is built here and needs {PACKAGES}")
-    flags = _run(["pkg-config", "--cflags", "--libs", "grpc++"])
-    version = _run(["pkg-config", "--modversion", "grpc++"])
+    flags = run(["pkg-config", "--cflags", "--libs", "grpc++"])
+    version = run(["pkg-config", "--modversion", "grpc++"])
     if flags.returncode != 0:
         raise NativeUnavailable(f"gRPC C++ was not found by pkg-config; install {PACKAGES}")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256()
-    for part in (source, cxx.encode(), _run([cxx, "--version"]).stdout.encode(),
-                 flags.stdout.encode(), version.stdout.encode()):  # fmt: skip
-        key.update(part + b"\0")
+    key = (cxx, run([cxx, "--version"]).stdout, flags.stdout, version.stdout)
+    command = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", "{out}", "{src}"]
     try:
-        folder = cache_dir()
-    except (OSError, RuntimeError) as exc:
-        raise NativeUnavailable(f"no cache folder for the native gRPC transport: {exc}") from None
-    target = folder / f"grpc_transport-{key.hexdigest()[:32]}.so"
-    if target.is_file() and not target.is_symlink():
-        return target
-    log.info("building the native gRPC transport (gRPC C++ %s)", version.stdout.strip())
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        out = Path(tmp) / "lib.so"
-        src = Path(tmp) / "transport.cc"
-        src.write_bytes(source)
-        cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-o", str(out), str(src)]
-        done = _run(cmd + flags.stdout.split())
-        if done.returncode != 0:
-            raise NativeUnavailable(
-                f"building the native gRPC transport failed: {done.stderr.strip()[-400:]}"
-            )
-        os.replace(out, target)
-    return target
+        return cached_library(
+            "grpc_transport", SOURCE, (k.encode() for k in key),
+            [command + flags.stdout.split()], timeout=600,
+        )  # fmt: skip
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        raise NativeUnavailable(f"building the native gRPC transport failed: {exc}") from None
 
 
 class _Library:
