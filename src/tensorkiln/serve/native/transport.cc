@@ -19,7 +19,6 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -41,18 +40,13 @@ class Call final : public grpc::ServerGenericBidiReactor {
     StartRead(&request_);
   }
 
+  // (a unary call reads once; a stream reads again after each answer is written)
   void OnReadDone(bool ok) override {
     if (!ok) {  // the client half-closed (or the call ended) with no request outstanding
-      Finish(streaming_ || got_one_ ? grpc::Status::OK
-                                    : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
-                                                   "no request message"));
+      Finish(streaming_ ? grpc::Status::OK
+                        : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
       return;
     }
-    if (got_one_ && !streaming_) {  // a unary RPC given a second message
-      Finish(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "a unary RPC takes one message"));
-      return;
-    }
-    got_one_ = true;
     handler_(this, method_.data(), method_.size(), request_.Length(), streaming_ ? 1 : 0);
     // (the handler copied the request; a reply may already have been given)
   }
@@ -99,7 +93,6 @@ class Call final : public grpc::ServerGenericBidiReactor {
   tk_handler_fn handler_;
   std::string method_;
   bool streaming_;
-  bool got_one_ = false;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
 };
