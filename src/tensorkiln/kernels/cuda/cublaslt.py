@@ -305,9 +305,10 @@ def _aligns(ld_w: int, ld_x: int, n: int, w_ptr: int = 0, x_ptr: int = 0) -> tup
     return (a, b, d, d)
 
 
-def _plan(key: tuple, device: int) -> tuple[_Plan | None, bool]:
-    """The plan for ``key`` on ``device`` and whether it is cached (else the caller releases
-    it after its call)."""
+def _plan(key: tuple, device: int, make: Callable = _Plan) -> tuple[Any, bool]:
+    """The plan for ``key`` on ``device`` (``make(lib, device, key)``: a :class:`_Plan`, or an
+    :class:`_Fp8Plan` for keys that start with "fp8") and whether it is cached (else the caller
+    releases it after its call)."""
     lib = library()
     if lib is None:
         return None, False
@@ -317,7 +318,7 @@ def _plan(key: tuple, device: int) -> tuple[_Plan | None, bool]:
         plan = plans.get(full)
         if plan is not None:
             return plan, True
-        plan = _Plan(lib, device, key)
+        plan = make(lib, device, key)
         if len(plans) < PLANS_MAX:
             plans[full] = plan
             return plan, True
@@ -429,15 +430,11 @@ def fp8_matmul(
     if epilogue is None or k % 16 or n % 16:
         return None
     device = a.device.index if a.device.index is not None else torch.cuda.current_device()
-    key = ("fp8", device, m, n, k, out_dtype, epilogue, bias is not None, fast_accum)
-    with _LOCK:
-        plans: dict = _state.setdefault("fp8_plans", {})
-        plan = plans.get(key)
-        if plan is None:
-            plan = _Fp8Plan(lib, device, m, n, k, out_dtype, c_dtype, epilogue, bias, fast_accum)
-            if len(plans) < PLANS_MAX:
-                plans[key] = plan
+    key = ("fp8", m, n, k, out_dtype, c_dtype, epilogue, bias is not None, fast_accum)
+    plan, cached = _plan(key, device, _Fp8Plan)
     if plan.algo is None:
+        if not cached:
+            plan.release()
         return None
     # (D of E4M3 takes a C of its own: C and D may be one buffer only with one layout; with
     # beta 0 nothing reads it)
@@ -460,6 +457,8 @@ def fp8_matmul(
             plan.d, ctypes.byref(plan.algo), space.data_ptr() if space is not None else None,
             size, torch.cuda.current_stream(a.device).cuda_stream,
         )  # fmt: skip
+    if not cached:
+        plan.release()
     _check(status, f"FP8 matmul of {tuple(a.shape)} x {tuple(w.shape)}")
     return out
 
@@ -467,7 +466,9 @@ def fp8_matmul(
 class _Fp8Plan:
     """One FP8 problem's descriptors and the heuristic's first algorithm (None: none takes it)."""
 
-    def __init__(self, lib, device, m, n, k, out_dtype, c_dtype, epilogue, bias, fast) -> None:
+    def __init__(self, lib: _Library, device: int, key: tuple) -> None:
+        _, m, n, k, out_dtype, c_dtype, epilogue, has_bias, fast = key
+        self.lib = lib
         self.desc, self.a, self.b, self.c, self.d = _vp(), _vp(), _vp(), _vp(), _vp()
         self.algo: _Algo | None = None
         self.workspace = 0
@@ -479,7 +480,7 @@ class _Fp8Plan:
                 (_DESC_TRANSB, ctypes.c_int32(_OP_N)),
                 (_DESC_EPILOGUE, ctypes.c_uint32(epilogue)),
             ]
-            if bias is not None:
+            if has_bias:
                 attrs.append((_DESC_BIAS_TYPE, ctypes.c_int32(_DATA_TYPES[c_dtype])))
             if fast:
                 attrs.append((_DESC_FAST_ACCUM, ctypes.c_int8(1)))
@@ -516,6 +517,13 @@ class _Fp8Plan:
         finally:
             if pref:
                 lib.pref_destroy(pref)
+
+    def release(self) -> None:
+        for layout in (self.a, self.b, self.c, self.d):
+            if layout:
+                self.lib.layout_destroy(layout)
+        if self.desc:
+            self.lib.desc_destroy(self.desc)
 
 
 def _takes_residual(
