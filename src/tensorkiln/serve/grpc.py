@@ -151,9 +151,9 @@ class InferenceService:
             reply.error_message = str(exc)
         return reply
 
-    async def _infer(self, call: Any) -> Any:
-        """A ModelInferRequest (or an :class:`InferCall`) answered."""
-        request, raw = (call.request, call.raw) if isinstance(call, InferCall) else (call, None)
+    async def _infer(self, call: InferCall) -> Any:
+        """An inference request (from :func:`parse`) answered."""
+        request, raw = call
         shm = self.core.shm
         feeds = _feeds(request, self.max_message, shm, raw)
         wanted = [o.name for o in request.outputs]
@@ -200,7 +200,7 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: SharedMemory = shm_off,
     taken out of the message, else the message's own)."""
     if not request.inputs:
         raise ServeError("the request has no inputs")
-    if raw is None:
+    if raw is None:  # (a message built in this process, as the tests build them)
         raw = list(request.raw_input_contents)
     in_shm = ["shared_memory_region" in t.parameters for t in request.inputs]
     if raw and len(raw) != in_shm.count(False):
@@ -254,11 +254,13 @@ def parse(name: str, data: bytes | bytearray) -> Any:
     each answers this the same way)."""
     request_type = _request_type(name)
     try:
-        if name in ("ModelInfer", "ModelStreamInfer"):
-            split = wire.split_field(data, _RAW_INPUT_CONTENTS)
-            if split is not None:
-                return InferCall(request_type.FromString(split[0]), split[1])
-        return request_type.FromString(data)  # (a bytearray parses without a copy first)
+        if name not in ("ModelInfer", "ModelStreamInfer"):
+            return request_type.FromString(data)  # (a bytearray parses without a copy first)
+        split = wire.split_field(data, _RAW_INPUT_CONTENTS)
+        if split is not None:
+            return InferCall(request_type.FromString(split[0]), split[1])
+        whole = request_type.FromString(data)  # (not fields protobuf-style: it says why)
+        return InferCall(whole, list(whole.raw_input_contents))
     except Exception:  # (protobuf's DecodeError, whichever backend raises it)
         raise ServeError(f"{name}: the request is not a valid {request_type.__name__}") from None
 
