@@ -144,3 +144,98 @@ def test_bad_uses_are_refused():
 
     with pytest.raises(RuntimeError, match="not running"):
         asyncio.run(after_close())
+
+
+def _threads_run(delay: float = 0.0, fail_nan: bool = False):
+    """A run that notes the thread it ran on (and sleeps ``delay``, refusing NaN if asked)."""
+    import threading
+    import time
+
+    threads: list[int] = []
+
+    def run(feeds):
+        threads.append(threading.get_ident())
+        if delay:
+            time.sleep(delay)
+        if fail_nan and np.isnan(feeds["x"]).any():
+            raise RuntimeError("the engine refused a NaN")
+        return _rows(feeds)
+
+    return joined(run), threads
+
+
+def test_a_lone_request_to_an_idle_short_model_runs_on_the_loop_thread():
+    import threading
+
+    rng = np.random.default_rng()
+    run, threads = _threads_run(fail_nan=True)
+    batcher = DynamicBatcher(run, max_batch=4, workers=2, gather=False, inline_max_s=0.05)
+
+    async def main():
+        batcher.start()
+        try:
+            got = []
+            for i in range(30):  # one at a time, as a client at concurrency 1 over a network
+                await asyncio.sleep(0.002)
+                x = rng.standard_normal((1 + i % 3, 4)).astype(np.float32)
+                if i == 20:
+                    x[0, 0] = np.nan
+                try:
+                    got.append((x, await batcher.submit({"x": x}, x.shape[0])))
+                except RuntimeError as exc:
+                    got.append((x, exc))
+            return got
+        finally:
+            await batcher.close()
+
+    results = asyncio.run(main())
+    loop_thread = threading.get_ident()  # (asyncio.run runs the loop on this thread)
+    # the first runs go to the workers (too few to know the model is short), then on the loop
+    assert all(t != loop_thread for t in threads[:8])
+    assert threads[8:] == [loop_thread] * 22 and batcher.inline_runs == 22
+    for i, (x, got) in enumerate(results):
+        if i == 20:  # a failing run on the loop fails its own request, and the batcher goes on
+            assert isinstance(got, RuntimeError) and "NaN" in str(got)
+        else:
+            np.testing.assert_allclose(got["y"], _rows({"x": x})["y"], rtol=1e-6)
+
+
+def test_concurrent_requests_and_long_runs_stay_off_the_loop_thread():
+    import threading
+
+    rng = np.random.default_rng()
+
+    def lone_then_together(batcher, runs_before: int, together: int):
+        async def main():
+            batcher.start()
+            try:
+                for _ in range(runs_before):  # (a lone client first)
+                    await asyncio.sleep(0.002)
+                    x = rng.standard_normal((1, 4)).astype(np.float32)
+                    await batcher.submit({"x": x}, 1)
+                inline_before.append(batcher.inline_runs)
+                await asyncio.sleep(0.002)
+                xs = [rng.standard_normal((1, 4)).astype(np.float32) for _ in range(together)]
+                ys = await asyncio.gather(*(batcher.submit({"x": x}, 1) for x in xs))
+                return xs, ys
+            finally:
+                await batcher.close()
+
+        return asyncio.run(main())
+
+    inline_before: list[int] = []
+    # load: requests in flight together go to the workers (at most the first runs on the loop)
+    run, threads = _threads_run(delay=0.002)
+    batcher = DynamicBatcher(run, max_batch=1, workers=2, gather=False, inline_max_s=0.05)
+    xs, ys = lone_then_together(batcher, 10, 24)
+    for x, y in zip(xs, ys):
+        np.testing.assert_allclose(y["y"], _rows({"x": x})["y"], rtol=1e-6)
+    loop_thread = threading.get_ident()
+    assert inline_before[-1] == 2  # (the lone client's last two runs: on the loop)
+    assert threads[10:].count(loop_thread) <= 1 and batcher.inline_runs <= 3
+    # runs longer than inline_max_s never run on the loop, nor with dynamic batching
+    for kwargs in ({"gather": False, "inline_max_s": 0.001}, {"inline_max_s": 0.05}):
+        run, threads = _threads_run(delay=0.003)
+        batcher = DynamicBatcher(run, max_batch=1, workers=2, **kwargs)
+        lone_then_together(batcher, 12, 2)
+        assert loop_thread not in threads and batcher.inline_runs == 0

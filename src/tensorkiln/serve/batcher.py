@@ -17,6 +17,15 @@ request runs alone, as it came, ``workers`` at a time. Either way the engine is 
 rows (:func:`joined` makes one of a run over joined rows), so that the event loop only moves
 requests and the engine's threads stay few and warm (a thread per request
 would contend for the interpreter's lock with every other).
+
+One exception, for latency at low load: a request that runs alone and finds the model idle, on
+a model whose runs are short (``inline_max_s``), runs on the event loop's own thread. The hop to
+a worker thread and back costs two thread wake-ups, as much as a short GPU run, and a lone
+client pays both on every request. While it runs the loop does nothing else, which is why it is
+kept to short runs and idle models. Idle means: no other request to the model in flight, none
+in the last ``_BUSY_HOLD_S``, and the last run ended at least ``_IDLE_GAP_S`` ago (a request
+that comes sooner may have waited behind that run, in the loop or in the transport). Under load
+requests are in flight together, and the model's requests go to the worker threads.
 """
 
 from __future__ import annotations
@@ -50,6 +59,11 @@ class _Request:
 # milliseconds), which would stretch a 200 us queue delay to over 1 ms: the last stretch of a
 # delay is spent yielding to the loop instead.
 _TIMER_SLACK = 0.0015
+# after a request found another in flight, requests stay off the loop's thread this long
+_BUSY_HOLD_S = 0.05
+# a request that reaches the batcher this soon after the last run ended does not run on the loop
+_IDLE_GAP_S = 0.0003
+_RUN_TIMES_KEPT = 8  # the recent runs whose median decides whether a run is short
 STATS_KEPT = 10_000  # engine runs the stats remember (a server runs for days: bounded)
 
 
@@ -105,6 +119,7 @@ class DynamicBatcher:
         preferred: tuple[int, ...] = (),
         workers: int = 1,
         gather: bool = True,
+        inline_max_s: float = 0.0,
         on_batch: Callable[[int, list[float], float], None] | None = None,
     ) -> None:
         if max_batch < 1:
@@ -124,6 +139,13 @@ class DynamicBatcher:
         self._threads: ThreadPoolExecutor | None = None
         self._running: set[asyncio.Future] = set()  # engine runs in flight
         self._closed = False
+        # running a lone request on the loop's thread (the module's docstring says when)
+        self.inline_max_s = max(0.0, inline_max_s) if not gather else 0.0
+        self._pending = 0  # requests submitted and not yet returned
+        self._busy_until = 0.0  # perf_counter before which no request runs on the loop
+        self._last_end = 0.0  # perf_counter when the last run ended
+        self._run_times: deque[float] = deque(maxlen=_RUN_TIMES_KEPT)
+        self.inline_runs = 0  # requests run on the loop's thread (statistics, tests)
 
     def start(self) -> None:
         """Start the scheduler on the running event loop."""
@@ -140,6 +162,46 @@ class DynamicBatcher:
             raise ValueError(f"a request of {batch} rows; the batcher takes 1 to {self.max_batch}")
         loop = asyncio.get_running_loop()
         request = _Request(feeds, batch, loop.create_future())
+        self._pending += 1
+        try:
+            if self._pending > 1:  # (another request is in flight: the model has load)
+                self._busy_until = request.arrived + _BUSY_HOLD_S
+            if self._may_inline(request.arrived):
+                await self._free.acquire()  # (returns at once: nothing in flight)
+                self._run_inline(loop, request)
+            else:
+                await self._enqueue(loop, request)
+            return await request.future
+        finally:
+            self._pending -= 1
+
+    def _may_inline(self, now: float) -> bool:
+        """Whether a lone request may run on the loop's thread: the model runs requests alone,
+        has been idle for a while, and its recent runs were short."""
+        if not self.inline_max_s or now < self._busy_until or self._running or self._waiting:
+            return False
+        if now - self._last_end < _IDLE_GAP_S:
+            return False
+        if self._free is None or self._free.locked() or len(self._run_times) < _RUN_TIMES_KEPT:
+            return False  # (not enough runs yet to know: the first ones capture graphs, tune)
+        return sorted(self._run_times)[_RUN_TIMES_KEPT // 2] <= self.inline_max_s
+
+    def _run_inline(self, loop: asyncio.AbstractEventLoop, request: _Request) -> None:
+        """Run ``request`` here, on the loop's thread (an instance's permit is held), and hand
+        out its results as a worker's run would."""
+        start = time.perf_counter()
+        run = loop.create_future()
+        try:
+            run.set_result(self._run([request.feeds]))
+        except Exception as exc:  # (its request fails; the batcher goes on)
+            run.set_exception(exc)
+        self.inline_runs += 1
+        self._running.add(run)
+        self._ran([request], start, run)
+
+    async def _enqueue(self, loop: asyncio.AbstractEventLoop, request: _Request) -> None:
+        """Hand ``request`` to a worker thread: at once when it runs alone and an instance is
+        free with nobody ahead, else through the scheduler."""
         if (
             not self.gather
             and not self._waiting
@@ -153,9 +215,9 @@ class DynamicBatcher:
             await self._free.acquire()  # (returns at once: not locked)
             self._launch(loop, [request])
         else:
+            assert self._arrived is not None
             self._waiting.append(request)
             self._arrived.set()
-        return await request.future
 
     async def close(self) -> None:
         """Finish what is queued and running, then stop the scheduler."""
@@ -238,6 +300,7 @@ class DynamicBatcher:
 
     def _ran(self, batch: list[_Request], start: float, run: asyncio.Future) -> None:
         self._running.discard(run)
+        self._last_end = time.perf_counter()
         assert self._free is not None
         self._free.release()
         exc = asyncio.CancelledError() if run.cancelled() else run.exception()
@@ -248,6 +311,7 @@ class DynamicBatcher:
             return
         parts = run.result()
         compute = time.perf_counter() - start
+        self._run_times.append(compute)
         rows = sum(r.batch for r in batch)
         self.stats.sizes.append(rows)
         self.stats.requests.append(len(batch))

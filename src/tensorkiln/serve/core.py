@@ -49,6 +49,9 @@ class _Loaded:
 
 
 CONTROL_MODES = ("none", "explicit", "poll")
+# a lone request to an idle model whose runs take at most this long runs on the event loop's
+# thread, without the two thread hops of a worker's run (serve/batcher.py says when and why)
+INLINE_RUN_MAX_S = 0.002
 
 
 class ServerCore:
@@ -426,6 +429,7 @@ def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:
         preferred=tuple(db.preferred_batch_size),
         workers=model.instances,
         gather=gather,
+        inline_max_s=INLINE_RUN_MAX_S,
         on_batch=lambda rows, queued, compute: ran(model, rows, queued, compute),
     )
     batcher.start()
