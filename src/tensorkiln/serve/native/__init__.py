@@ -5,8 +5,9 @@ grpcio's Python server spends about a millisecond and a half a call in its own m
 server CPU (HTTP/2 frames, completion queues and thread hand-offs under the interpreter lock),
 more than the whole batch-1 inference of a ResNet-50 on the GPU. Here transport.cc (gRPC C++'s
 callback generic service, compiled against the system's gRPC C++) does that work on its own
-threads and hands each request over as bytes; the same service as the grpcio transport
-(serve/grpc.py) parses it, runs it on the event loop and answers. Clients see the same service:
+threads and queues each received request; an eventfd watched by the event loop says when some
+are waiting, and the loop takes them as bytes (no gRPC thread calls into the interpreter). The
+same service as the grpcio transport (serve/grpc.py) parses each, runs it and answers. Clients see the same service:
 the wire format, status codes and messages do not change.
 
 The library is compiled from transport.cc on first use into the user's cache folder (the one
@@ -19,12 +20,14 @@ with only gRPC C++'s runtime libraries). Nothing a client sends reaches the buil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import logging
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +37,9 @@ from tensorkiln.serve.protocol import ServeError
 log = logging.getLogger("tensorkiln.serve")
 
 SOURCE = Path(__file__).with_name("transport.cc")
-ABI = 1  # tk_abi_version() of the library this module drives
+ABI = 2  # tk_abi_version() of the library this module drives
 PACKAGES = (
     "g++, pkg-config and gRPC C++ (Debian/Ubuntu: apt-get install g++ pkg-config libgrpc++-dev)"
-)
-
-_HANDLER = ctypes.CFUNCTYPE(
-    None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int
 )
 
 # gRPC status codes (grpc/status.h)
@@ -84,8 +83,13 @@ class _Library:
             raise NativeUnavailable(f"{path} is another version of the native gRPC transport")
         lib.tk_start.restype = ctypes.c_void_p
         lib.tk_start.argtypes = [
-            ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int, _HANDLER,
+            ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
             ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t,
+        ]  # fmt: skip
+        lib.tk_next.restype = ctypes.c_void_p
+        lib.tk_next.argtypes = [
+            ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
+            ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_int),
         ]  # fmt: skip
         lib.tk_request_copy.restype = ctypes.c_int
         lib.tk_request_copy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
@@ -102,6 +106,8 @@ class _Library:
 @functools.cache
 def library() -> _Library:
     """The transport library: ``TENSORKILN_GRPC_LIBRARY``'s, else built from transport.cc."""
+    if not hasattr(os, "eventfd"):
+        raise NativeUnavailable("the native gRPC transport needs Linux (it is woken by an eventfd)")
     named = os.environ.get("TENSORKILN_GRPC_LIBRARY", "").strip()
     path = Path(named) if named else _build()
     if named and not path.is_file():
@@ -110,6 +116,11 @@ def library() -> _Library:
         return _Library(str(path))
     except (OSError, AttributeError) as exc:
         raise NativeUnavailable(f"cannot load the native gRPC transport {path}: {exc}") from None
+
+
+# Python 3.12's tasks can start at once: a request whose run is short (the batcher runs it on
+# the loop's thread) is then answered within the callback that brought it
+_EAGER = sys.version_info >= (3, 12)
 
 
 class NativeServer:
@@ -122,40 +133,66 @@ class NativeServer:
         self._answer = answer
         self._loop = loop
         self._server: int | None = None
+        self._efd = -1
         self._tasks: set[asyncio.Task] = set()
-        self._handler = _HANDLER(self._on_call)  # (kept: the library calls it)
+        # (tk_next's outputs, reused)
+        self._method = ctypes.c_void_p()
+        self._method_len = ctypes.c_size_t()
+        self._size = ctypes.c_size_t()
+        self._streaming = ctypes.c_int()
         self.port = 0
 
     def start(self, address: str, max_message: int, reuse_port: bool = False) -> None:
         port = ctypes.c_int(0)
         err = ctypes.create_string_buffer(512)
+        efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         server = self._lib.lib.tk_start(
-            address.encode(), max_message, int(reuse_port), self._handler, ctypes.byref(port),
+            address.encode(), max_message, int(reuse_port), efd, ctypes.byref(port),
             err, len(err),
         )  # fmt: skip
         if not server:
+            os.close(efd)
             raise ServeError(err.value.decode(errors="replace") or "cannot start gRPC", 500)
-        self._server, self.port = server, port.value
+        self._server, self._efd, self.port = server, efd, port.value
+        self._loop.add_reader(efd, self._take, server)
 
-    def _on_call(self, call: int, method: int, method_len: int, size: int, streaming: int) -> None:
-        """(a gRPC thread, holding the interpreter lock) the request copied out, then handed to
-        the event loop; every request is answered, an unexpected fault with INTERNAL."""
+    def _take(self, server: int) -> None:
+        """(the event loop, when the eventfd is readable) every waiting request copied out and
+        handled; every request is answered, an unexpected fault with INTERNAL."""
         lib = self._lib.lib
-        try:
-            name = ctypes.string_at(method, method_len).decode("utf-8", "replace")
-            data = bytearray(size)
-            if size:
-                buf = (ctypes.c_char * size).from_buffer(data)
-                if lib.tk_request_copy(call, buf, size) != 0:
-                    raise RuntimeError("the request could not be read")
-            self._loop.call_soon_threadsafe(self._dispatch, call, name, data, bool(streaming))
-        except Exception as exc:  # (the loop is closed, or a fault of ours)
-            lib.tk_reply(call, None, 0, UNAVAILABLE, f"server stopping: {exc}".encode()[:200])
+        with contextlib.suppress(BlockingIOError):  # (reset first: a later arrival signals again)
+            os.eventfd_read(self._efd)
+        while True:
+            call = lib.tk_next(
+                server, ctypes.byref(self._method), ctypes.byref(self._method_len),
+                ctypes.byref(self._size), ctypes.byref(self._streaming),
+            )  # fmt: skip
+            if not call:
+                return
+            try:
+                name = ctypes.string_at(self._method.value, self._method_len.value).decode(
+                    "utf-8", "replace"
+                )
+                size = self._size.value
+                data = bytearray(size)
+                if size:
+                    buf = (ctypes.c_char * size).from_buffer(data)
+                    if lib.tk_request_copy(call, buf, size) != 0:
+                        raise RuntimeError("the request could not be read")
+            except Exception as exc:  # (a fault of ours: the call is still answered)
+                lib.tk_reply(call, None, 0, INTERNAL, f"internal error: {exc}".encode()[:200])
+                continue
+            self._dispatch(call, name, data, bool(self._streaming.value))
 
     def _dispatch(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
-        task = self._loop.create_task(self._respond(call, name, data, streaming))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        coro = self._respond(call, name, data, streaming)
+        if _EAGER:  # (the request is handled now, up to its first wait, not a loop turn later)
+            task = asyncio.Task(coro, loop=self._loop, eager_start=True)
+        else:
+            task = self._loop.create_task(coro)
+        if not task.done():
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
 
     async def _respond(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
         code, body, message = OK, b"", b""
@@ -172,11 +209,16 @@ class NativeServer:
         self._lib.lib.tk_reply(call, body, len(body), code, message)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop taking calls; those open after ``grace`` seconds are cancelled (their handed-over
-        requests still get their answers, which the library waits for)."""
+        """Stop taking calls; those open after ``grace`` seconds are cancelled (their received
+        requests still get their answers: the loop keeps taking them while the library waits)."""
         server, self._server = self._server, None
         if server is not None:
-            await asyncio.to_thread(self._lib.lib.tk_stop, server, float(grace or 0.0))
+            try:
+                await asyncio.to_thread(self._lib.lib.tk_stop, server, float(grace or 0.0))
+            finally:
+                self._loop.remove_reader(self._efd)
+                os.close(self._efd)
+                self._efd = -1
 
 
 class Reply(Exception):  # (a status answer, not a fault)

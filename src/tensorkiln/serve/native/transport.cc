@@ -1,44 +1,79 @@
 // The native gRPC transport of `tensorkiln serve --grpc-transport native`: gRPC C++'s callback
 // generic service carries the KServe v2 RPCs; the serving process (Python, through ctypes)
-// receives each request message as bytes and answers it with tk_reply. HTTP/2, flow control
-// and message framing run here, outside the interpreter; the protocol (parsing, checks, the
-// engine) stays in Python, as with the grpcio transport.
+// takes each request message as bytes and answers it with tk_reply. HTTP/2, flow control and
+// message framing run here, outside the interpreter; the protocol (parsing, checks, the engine)
+// stays in Python, as with the grpcio transport.
 //
 // A call is one reactor. Unary RPCs: one request, one tk_reply (a message, or a status that ends
 // the call). ModelStreamInfer: each request is handed over only after the previous one's answer
 // was written, so answers keep the requests' order; the stream ends when the client half-closes.
-// The embedding process must answer every handed-over request exactly once (it is how the call
-// is finished and freed).
+// A received request waits in the server's queue, and the eventfd given to tk_start is signalled;
+// the embedding process takes the waiting requests with tk_next (on its own thread, when the
+// eventfd is readable: no gRPC thread ever calls into it). It must answer every request it
+// takes exactly once, and keep taking them until tk_stop returns (that is how calls are finished
+// and freed).
 //
 // C ABI only (no Python headers): one build serves every Python version.
 
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
-
-extern "C" {
-// (call, method, method length, request bytes, streaming): the request is read with
-// tk_request_copy during this callback; the answer comes later through tk_reply.
-typedef void (*tk_handler_fn)(void* call, const char* method, size_t method_len,
-                              size_t request_len, int streaming);
-}
 
 namespace {
 
 constexpr char kStream[] = "/inference.GRPCInferenceService/ModelStreamInfer";
 
+class Call;
+
+// The received requests waiting to be taken, and the eventfd that says there are some.
+class Inbox {
+ public:
+  explicit Inbox(int efd) : efd_(efd) {}
+
+  void Push(Call* call) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ready_.push_back(call);
+    }
+    const uint64_t one = 1;
+    // (the counter cannot overflow here; a failed write would only delay the wake-up)
+    [[maybe_unused]] ssize_t n = write(efd_, &one, sizeof(one));
+  }
+
+  Call* Pop() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ready_.empty()) return nullptr;
+    Call* call = ready_.front();
+    ready_.pop_front();
+    return call;
+  }
+
+ private:
+  int efd_;
+  std::mutex mu_;
+  std::deque<Call*> ready_;
+};
+
 class Call final : public grpc::ServerGenericBidiReactor {
  public:
-  Call(grpc::GenericCallbackServerContext* ctx, tk_handler_fn handler)
-      : handler_(handler), method_(ctx->method()), streaming_(method_ == kStream) {
+  Call(grpc::GenericCallbackServerContext* ctx, Inbox* inbox)
+      : inbox_(inbox), method_(ctx->method()), streaming_(method_ == kStream) {
     StartRead(&request_);
   }
+
+  const std::string& method() const { return method_; }
+  bool streaming() const { return streaming_; }
+  size_t request_length() { return request_.Length(); }
 
   // (a unary call reads once; a stream reads again after each answer is written)
   void OnReadDone(bool ok) override {
@@ -47,11 +82,10 @@ class Call final : public grpc::ServerGenericBidiReactor {
                         : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
       return;
     }
-    handler_(this, method_.data(), method_.size(), request_.Length(), streaming_ ? 1 : 0);
-    // (the handler copied the request; a reply may already have been given)
+    inbox_->Push(this);  // (taken with tk_next, answered with tk_reply)
   }
 
-  // Copies the request being handed over into dst (request_len bytes); 0 on success.
+  // Copies the request taken with tk_next into dst (request_len bytes); 0 on success.
   int CopyRequest(char* dst, size_t len) {
     if (len != request_.Length()) return 1;
     std::vector<grpc::Slice> slices;
@@ -90,7 +124,7 @@ class Call final : public grpc::ServerGenericBidiReactor {
   void OnDone() override { delete this; }
 
  private:
-  tk_handler_fn handler_;
+  Inbox* inbox_;
   std::string method_;
   bool streaming_;
   grpc::ByteBuffer request_;
@@ -99,17 +133,18 @@ class Call final : public grpc::ServerGenericBidiReactor {
 
 class Service final : public grpc::CallbackGenericService {
  public:
-  explicit Service(tk_handler_fn handler) : handler_(handler) {}
+  explicit Service(Inbox* inbox) : inbox_(inbox) {}
   grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
-    return new Call(ctx, handler_);
+    return new Call(ctx, inbox_);
   }
 
  private:
-  tk_handler_fn handler_;
+  Inbox* inbox_;
 };
 
 struct Server {
-  explicit Server(tk_handler_fn handler) : service(handler) {}
+  explicit Server(int efd) : inbox(efd), service(&inbox) {}
+  Inbox inbox;
   Service service;
   std::unique_ptr<grpc::Server> server;
 };
@@ -118,13 +153,14 @@ struct Server {
 
 extern "C" {
 
-int tk_abi_version() { return 1; }
+int tk_abi_version() { return 2; }
 
-// Starts a server on `address` ("host:port"; port 0: any free one, written to *port). Returns
-// the server, or null with a reason in err.
-void* tk_start(const char* address, long long max_message, int reuse_port, tk_handler_fn handler,
-               int* port, char* err, size_t err_len) {
-  auto* s = new Server(handler);
+// Starts a server on `address` ("host:port"; port 0: any free one, written to *port) that
+// signals the eventfd `efd` (the caller's; it outlives the server) when requests are waiting.
+// Returns the server, or null with a reason in err.
+void* tk_start(const char* address, long long max_message, int reuse_port, int efd, int* port,
+               char* err, size_t err_len) {
+  auto* s = new Server(efd);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
   builder.RegisterCallbackGenericService(&s->service);
@@ -142,6 +178,20 @@ void* tk_start(const char* address, long long max_message, int reuse_port, tk_ha
   return s;
 }
 
+// The next waiting request (null: none): its call, method and length, read with
+// tk_request_copy and answered with tk_reply.
+void* tk_next(void* server, const char** method, size_t* method_len, size_t* request_len,
+              int* streaming) {
+  Call* call = static_cast<Server*>(server)->inbox.Pop();
+  if (call != nullptr) {
+    *method = call->method().data();
+    *method_len = call->method().size();
+    *request_len = call->request_length();
+    *streaming = call->streaming() ? 1 : 0;
+  }
+  return call;
+}
+
 int tk_request_copy(void* call, char* dst, size_t len) {
   return static_cast<Call*>(call)->CopyRequest(dst, len);
 }
@@ -151,7 +201,8 @@ void tk_reply(void* call, const char* data, size_t len, int code, const char* me
 }
 
 // Stops taking calls, cancels those still open after `grace` seconds and frees the server. It
-// waits for every handed-over request to be answered: answer them all (from another thread).
+// waits for every received request to be answered: keep taking and answering them (from
+// another thread) until it returns.
 void tk_stop(void* server, double grace) {
   auto* s = static_cast<Server*>(server);
   auto deadline = std::chrono::system_clock::now() +
