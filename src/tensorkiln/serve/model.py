@@ -175,16 +175,13 @@ class ServedModel:
         """Run checked requests (the same inputs, shapes alike but for the batch) as one batch:
         their rows joined, padded up to the next graph batch size, and the outputs split back.
         On a GPU the rows are joined in page-locked memory, which the upload reads at full
-        speed; the buffer is the calling thread's own, reused by its next batch. A lone
-        request that needs no padding runs on its own arrays."""
+        speed; the buffer is the calling thread's own, reused by its next batch."""
         if self.max_batch_size <= 0:  # (no batch dimension: one request, as it is)
             return [self._run(dict(r)) for r in requests]
         rows = [next(iter(r.values())).shape[0] for r in requests]
         total = sum(rows)
         size = next((b for b in self.graph_batches if b >= total), total)
-        if len(requests) == 1 and size == total:
-            # (one request, no padding: its own arrays go to the engine, as a direct caller's
-            # do; staging them would add a full copy of the input to every lone request)
+        if len(requests) == 1 and size == total and not self._pinned:
             return [self._run(dict(requests[0]))]
         feeds = {}
         for name, first in requests[0].items():
