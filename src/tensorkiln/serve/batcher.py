@@ -196,7 +196,6 @@ class DynamicBatcher:
         except Exception as exc:  # (its request fails; the batcher goes on)
             run.set_exception(exc)
         self.inline_runs += 1
-        self._running.add(run)
         self._ran([request], start, run)
 
     async def _enqueue(self, loop: asyncio.AbstractEventLoop, request: _Request) -> None:

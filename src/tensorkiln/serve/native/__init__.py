@@ -7,8 +7,8 @@ more than the whole batch-1 inference of a ResNet-50 on the GPU. Here transport.
 callback generic service, compiled against the system's gRPC C++) does that work on its own
 threads and queues each received request; an eventfd watched by the event loop says when some
 are waiting, and the loop takes them as bytes (no gRPC thread calls into the interpreter). The
-same service as the grpcio transport (serve/grpc.py) parses each, runs it and answers. Clients see the same service:
-the wire format, status codes and messages do not change.
+same service as the grpcio transport (serve/grpc.py) parses each, runs it and answers. Clients
+see the same service: the wire format, status codes and messages do not change.
 
 The library is compiled from transport.cc on first use into the user's cache folder (the one
 kernels/common/build.py keeps; name: a hash of the source, compiler and gRPC version), which needs
