@@ -151,6 +151,92 @@ def test_known_feeds_replay_the_graph_directly() -> None:
     assert ctx.cuda_graph_fallback is None
 
 
+def test_known_host_feeds_replay_the_graph_directly() -> None:
+    """numpy in, numpy out: a second call with arrays of the same names, shapes and dtypes
+    replays the graph through page-locked buffers; the results are right for new values and
+    layouts, fresh arrays each call, and right from two threads sharing the context."""
+    engine, _ = _engine()
+    ctx = engine.create_execution_context(use_cuda_graph=True)
+    runner = Runner(_cnn())
+    rng = np.random.default_rng()
+
+    def fresh(n=4):
+        return rng.standard_normal((n, 3, 16, 16)).astype(np.float32)
+
+    x = fresh()
+    first = ctx.infer({"x": x})["y"]
+    assert len(ctx._known_host) == 1
+    kept = first.copy()
+    for _ in range(3):
+        x = fresh()
+        got = ctx.infer({"x": x})["y"]
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32 and got.shape == (4, 10)
+        assert _rel(got, runner.infer({"x": x})["y"]) < 1e-5
+    np.testing.assert_array_equal(first, kept)  # (earlier results are not overwritten)
+    # a strided view, a read-only array and an array in page-locked memory
+    wide = rng.standard_normal((4, 3, 16, 32)).astype(np.float32)[..., ::2]
+    frozen = fresh()
+    frozen.setflags(write=False)
+    pinned = torch.empty((4, 3, 16, 16), pin_memory=True).numpy()
+    pinned[...] = fresh()
+    for x in (wide, frozen, pinned):
+        assert (
+            _rel(ctx.infer({"x": x})["y"], runner.infer({"x": np.ascontiguousarray(x)})["y"]) < 1e-5
+        )
+    assert len(ctx._known_host) == 1
+    # other shapes are captured and remembered; wrong feeds still get the full path's errors
+    x = fresh(9)
+    assert _rel(ctx.infer({"x": x})["y"], runner.infer({"x": x})["y"]) < 1e-5
+    assert len(ctx._known_host) == 2
+    with pytest.raises(InputError, match="dtype"):
+        ctx.infer({"x": fresh().astype(np.float64)})
+    with pytest.raises(InputError):
+        ctx.infer({"x": fresh(), "extra": fresh()})
+    # two threads replaying the same graph: each gets the answer to its own input
+    errors: list[str] = []
+
+    def worker(seed: int) -> None:
+        mine = np.random.default_rng(seed)
+        for i in range(20):
+            x = mine.standard_normal((4, 3, 16, 16)).astype(np.float32)
+            got = ctx.infer({"x": x})["y"]
+            if _rel(got, runner.infer({"x": x})["y"]) > 1e-5:
+                errors.append(f"thread {seed} call {i}")
+
+    _on_threads(worker, 3)
+    assert not errors
+    assert ctx.cuda_graph_fallback is None
+
+
+def test_known_host_feeds_with_image_outputs_and_fp16() -> None:
+    """The fast host path with 4-d outputs (kept channels-last on the device) and an fp16
+    engine's float32 inputs and outputs."""
+    w = (np.random.default_rng(2).standard_normal((8, 3, 3, 3)) * 0.2).astype(np.float32)
+    onnx_model = model(
+        [
+            helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+            helper.make_node("Relu", ["c"], ["y"]),
+        ],
+        [helper.make_tensor_value_info("x", F, [2, 3, 16, 16])],
+        [helper.make_tensor_value_info("y", F, [2, 8, 16, 16])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    runner = Runner(onnx_model)
+    rng = np.random.default_rng()
+    for precision, tol in ((None, 1e-5), ("fp16", 1e-2)):
+        cfg = BuilderConfig()
+        if precision:
+            cfg.set_flag(precision)
+        engine = Builder("cuda").build(onnx_model, cfg, progress=False)
+        ctx = engine.create_execution_context(use_cuda_graph=True)
+        for _ in range(3):
+            x = rng.standard_normal((2, 3, 16, 16)).astype(np.float32)
+            got = ctx.infer({"x": x})["y"]
+            assert got.dtype == np.float32 and got.flags.c_contiguous
+            assert _rel(got, runner.infer({"x": x})["y"]) < tol
+        assert len(ctx._known_host) == 1
+
+
 def test_zero_copy_io_and_caller_buffers() -> None:
     engine, _ = _engine()
     ctx = engine.create_execution_context()
