@@ -17,6 +17,7 @@ grpc = pytest.importorskip("grpc")
 from tensorkiln.serve import grpc as serve_grpc  # noqa: E402
 from tensorkiln.serve import protocol  # noqa: E402
 from tests.serve import test_grpc  # noqa: E402
+from tests.serve.helpers import serving_with  # noqa: E402
 from tests.serve.test_grpc import _input, native_or_skip, serving  # noqa: E402
 from tests.serve.test_http import _direct  # noqa: E402
 from tests.serve.test_repository import _model  # noqa: E402
@@ -147,3 +148,53 @@ def test_a_malformed_message_in_a_stream_is_an_error_response_and_the_stream_goe
     assert replies[1].error_message == "" and replies[1].infer_response.id == "ok"
     y = np.frombuffer(replies[1].infer_response.raw_output_contents[0], np.float32)
     np.testing.assert_allclose(y.reshape(2, -1), _direct(x), rtol=1e-5, atol=1e-5)
+
+
+def test_requests_received_into_the_cores_buffers(tmp_path):
+    """An inference request's bytes go where the core's receive_buffer says (on a GPU, the
+    pinned pool's numpy arrays; here plain numpy arrays as stand-ins): answers stay right,
+    streamed ones too, and bytes that are no message are still refused."""
+    native_or_skip()
+    _model(tmp_path)
+    given: list[int] = []
+
+    def receive(size: int) -> np.ndarray:
+        given.append(size)
+        return np.empty(size, np.uint8)
+
+    async def start(core, port):
+        core.receive_buffer = receive
+        await core.load_all()
+        server = await serve_grpc.start(core, f"127.0.0.1:{port}", transport="native")
+        return lambda: server.stop(5)
+
+    rng = np.random.default_rng()
+    with serving_with(tmp_path, start) as (url, _):
+        client = grpcclient.InferenceServerClient(url)
+        for n in (1, 16):
+            x = rng.standard_normal((n, 1, 8, 8)).astype(np.float32)
+            got = client.infer("digits", [_input(x)]).as_numpy("logits")
+            np.testing.assert_allclose(got, _direct(x), rtol=1e-5, atol=1e-5)
+        results: list = []
+        done = threading.Event()
+
+        def callback(result, error):
+            results.append((result, error))
+            if len(results) == 3:
+                done.set()
+
+        xs = [rng.standard_normal((2, 1, 8, 8)).astype(np.float32) for _ in range(3)]
+        client.start_stream(callback)
+        for x in xs:
+            client.async_stream_infer("digits", [_input(x)])
+        assert done.wait(30)
+        client.stop_stream()
+        for x, (result, error) in zip(xs, results):
+            assert error is None
+            np.testing.assert_allclose(result.as_numpy("logits"), _direct(x), rtol=1e-5, atol=1e-5)
+        junk = b"\xff" + rng.integers(0, 256, 5000, dtype=np.uint8).tobytes()
+        with pytest.raises(grpc.RpcError) as info:
+            _raw(url, "ModelInfer", junk)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert client.is_server_live()
+    assert len(given) == 6 and len(junk) in given  # (every inference request, and only those)

@@ -12,7 +12,7 @@ import pytest
 from tensorkiln.builder import Builder
 from tensorkiln.errors import InputError, ModelLoadError
 from tensorkiln.serve import ModelRepository
-from tensorkiln.serve.model import ServedModel
+from tensorkiln.serve.model import PinnedPool, ServedModel
 from tests.serve.test_repository import CONFIG, DIGITS, _model
 
 
@@ -162,3 +162,16 @@ def test_a_batch_of_requests_is_joined_padded_and_split_back(tmp_path):
             # logits' scale, not to each logit, which may be near zero)
             np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5 * abs(want).max())
         requests = requests[::-1]
+
+
+def test_the_pinned_pool_gives_nothing_where_memory_cannot_be_page_locked():
+    """Without a GPU, page-locked memory cannot be had: the pool says so (its caller receives
+    into pageable memory), and the refused bytes do not count against its limit."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here (tests/gpu/test_serve_gpu.py covers the pool)")
+    pool = PinnedPool(limit=1 << 20)
+    assert pool.take(4096) is None
+    assert pool.used == 0
+    assert pool.take(2 << 20) is None  # (over the limit)
+    assert pool.used == 0

@@ -22,7 +22,7 @@ import numpy as np
 from tensorkiln.errors import InputError, TensorkilnError
 from tensorkiln.serve import protocol
 from tensorkiln.serve.batcher import DynamicBatcher
-from tensorkiln.serve.model import ServedModel
+from tensorkiln.serve.model import PinnedPool, ServedModel
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.repository import ModelRepository
 from tensorkiln.serve.shm import SharedMemory
@@ -52,6 +52,10 @@ CONTROL_MODES = ("none", "explicit", "poll")
 # a lone request to an idle model whose runs take at most this long runs on the event loop's
 # thread, without the two thread hops of a worker's run (serve/batcher.py says when and why)
 INLINE_RUN_MAX_S = 0.002
+
+
+# (smaller requests are copied as fast as they are received)
+RECEIVE_PINNED_MIN = 64 << 10
 
 
 class ServerCore:
@@ -84,10 +88,23 @@ class ServerCore:
         self._lock = threading.Lock()
         self.on_change: list[Any] = []  # called after models load, fail or unload
         self.on_shm_change: list[Any] = []  # called after a region is registered or dropped
+        self._pinned: PinnedPool | None = None  # (made when a model on a GPU loads)
 
     def _changed(self) -> None:
         for hook in self.on_change:
             hook()
+
+    def receive_buffer(self, size: int) -> Any:
+        """Where to receive an inference request of ``size`` bytes: page-locked memory from
+        the pinned pool once a model on a GPU is loaded and for requests of RECEIVE_PINNED_MIN
+        bytes or more (the tensors in it then go to the GPU from where they arrived, with no
+        staging copy), else a bytearray."""
+        pool = self._pinned
+        if pool is not None and size >= RECEIVE_PINNED_MIN:
+            buf = pool.take(size)
+            if buf is not None:
+                return buf
+        return bytearray(size)
 
     # ------------------------------------------------------------------ model control
     def _read(self, name: str) -> dict[int, ServedModel]:
@@ -117,6 +134,8 @@ class ServerCore:
             self._changed()  # (recorded in self.failed)
             raise
         loaded = _Loaded(versions, {v: _batcher(m, self._ran) for v, m in versions.items()})
+        if self._pinned is None and any(m._pinned for m in versions.values()):
+            self._pinned = PinnedPool()
         with self._lock:
             old = self.models.get(name)
             self.models[name] = loaded

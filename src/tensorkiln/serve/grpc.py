@@ -141,7 +141,7 @@ class InferenceService:
         async for data in requests:
             yield await self.stream_reply(data)
 
-    async def stream_reply(self, data: bytes | bytearray) -> Any:
+    async def stream_reply(self, data: Any) -> Any:
         """ModelStreamInfer's response to one request's bytes."""
         reply = _m("ModelStreamInferResponse")()
         try:
@@ -248,7 +248,7 @@ class InferCall(NamedTuple):
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest's field number
 
 
-def parse(name: str, data: bytes | bytearray) -> Any:
+def parse(name: str, data: Any) -> Any:
     """RPC ``name``'s request message from its bytes (an :class:`InferCall` for inference);
     bytes that are not one are the client's error (both transports take requests as bytes, so
     each answers this the same way)."""
@@ -259,7 +259,8 @@ def parse(name: str, data: bytes | bytearray) -> Any:
         split = wire.split_field(data, _RAW_INPUT_CONTENTS)
         if split is not None:
             return InferCall(request_type.FromString(split[0]), split[1])
-        whole = request_type.FromString(data)  # (not fields protobuf-style: it says why)
+        # (not fields protobuf-style: protobuf says why; it reads bytes, not any buffer)
+        whole = request_type.FromString(memoryview(data))
         return InferCall(whole, list(whole.raw_input_contents))
     except Exception:  # (protobuf's DecodeError, whichever backend raises it)
         raise ServeError(f"{name}: the request is not a valid {request_type.__name__}") from None
@@ -320,7 +321,7 @@ def native_answer(service: InferenceService) -> Any:
     prefix = f"/{SERVICE}/"
     served = frozenset(RPCS)
 
-    async def answer(path: str, data: bytearray, streaming: bool) -> bytes:
+    async def answer(path: str, data: Any, streaming: bool) -> bytes:
         if streaming:  # one request of ModelStreamInfer: errors go in the stream's response
             return (await service.stream_reply(data)).SerializeToString()
         name = path[len(prefix) :] if path.startswith(prefix) else ""
@@ -349,7 +350,9 @@ async def start(
     ``stop(grace)`` as grpcio's server has)."""
     if transport == "native":
         service = InferenceService(core, max_message)
-        server = native.NativeServer(native_answer(service), asyncio.get_running_loop())
+        # (a front end's core forwards the tensors to the engine process: plain buffers there)
+        receive = getattr(core, "receive_buffer", None)
+        server = native.NativeServer(native_answer(service), asyncio.get_running_loop(), receive)
         server.start(address, max_message, reuse_port)
         return server
     if transport != "grpcio":

@@ -26,6 +26,7 @@ import math
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -181,7 +182,10 @@ class ServedModel:
         rows = [next(iter(r.values())).shape[0] for r in requests]
         total = sum(rows)
         size = next((b for b in self.graph_batches if b >= total), total)
-        if len(requests) == 1 and size == total and not self._pinned:
+        # (one request, no padding: its own arrays go to the engine, on a GPU where they lie
+        # in page-locked memory already, a request received into the pinned pool; others are
+        # joined in the staging buffer there, which the upload reads asynchronously)
+        if len(requests) == 1 and size == total and (not self._pinned or _page_locked(requests[0])):
             return [self._run(dict(requests[0]))]
         feeds = {}
         for name, first in requests[0].items():
@@ -218,6 +222,55 @@ class ServedModel:
                 buf = np.empty(shape, dtype)
             held[key] = buf
         return buf
+
+
+def _page_locked(feeds: Mapping[str, np.ndarray]) -> bool:
+    """Whether every array of ``feeds`` lies, C-ordered, in page-locked memory."""
+    import torch  # lazy: torch is optional (only a GPU engine pins, and has it)
+
+    for a in feeds.values():
+        if not (a.flags.c_contiguous and a.flags.writeable and a.size):
+            return False
+        if not torch.from_numpy(a.reshape(-1).view(np.uint8)).is_pinned():
+            return False
+    return True
+
+
+# Triton's default --pinned-memory-pool-byte-size
+PINNED_POOL_BYTES = 256 << 20
+
+
+class PinnedPool:
+    """Page-locked buffers, at most ``limit`` bytes of them in use at once (Triton's pinned
+    memory pool). The blocks come from torch's caching host allocator, which keeps a freed one
+    for the next request of its size; a buffer counts against the limit until the last view of
+    it is gone."""
+
+    def __init__(self, limit: int = PINNED_POOL_BYTES) -> None:
+        self.limit = limit
+        self.used = 0
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray | None:
+        """A uint8 array of ``size`` bytes in page-locked memory, or None when the pool's
+        limit would be passed (or the memory cannot be had)."""
+        with self._lock:
+            if self.used + size > self.limit:
+                return None
+            self.used += size
+        try:
+            import torch  # lazy: torch is optional (only a GPU engine pins, and has it)
+
+            t = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except Exception:  # (page-locked memory refused: the caller takes pageable memory)
+            self._give(size)
+            return None
+        weakref.finalize(t, self._give, size)
+        return t.numpy()  # (holds the tensor until the array and its views are gone)
+
+    def _give(self, size: int) -> None:
+        with self._lock:
+            self.used -= size
 
 
 def _graph_batches(config: Any) -> tuple[int, ...]:

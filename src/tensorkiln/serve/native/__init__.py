@@ -128,9 +128,13 @@ class NativeServer:
     path, the request bytes and whether the call is ModelStreamInfer, returning the response
     bytes or raising :class:`Reply`) handles on ``loop``."""
 
-    def __init__(self, answer: Any, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, answer: Any, loop: asyncio.AbstractEventLoop, receive_buffer: Any = None
+    ) -> None:
         self._lib = library()
         self._answer = answer
+        # (an inference request's bytes go where receive_buffer(size) says: a writable buffer)
+        self._receive = receive_buffer or bytearray
         self._loop = loop
         self._server: int | None = None
         self._efd = -1
@@ -174,7 +178,7 @@ class NativeServer:
                     "utf-8", "replace"
                 )
                 size = self._size.value
-                data = bytearray(size)
+                data = self._receive(size) if name.endswith("Infer") else bytearray(size)
                 if size:
                     buf = (ctypes.c_char * size).from_buffer(data)
                     if lib.tk_request_copy(call, buf, size) != 0:
@@ -184,7 +188,7 @@ class NativeServer:
                 continue
             self._dispatch(call, name, data, bool(self._streaming.value))
 
-    def _dispatch(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
+    def _dispatch(self, call: int, name: str, data: Any, streaming: bool) -> None:
         coro = self._respond(call, name, data, streaming)
         if _EAGER:  # (the request is handled now, up to its first wait, not a loop turn later)
             task = asyncio.Task(coro, loop=self._loop, eager_start=True)
@@ -194,7 +198,7 @@ class NativeServer:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _respond(self, call: int, name: str, data: bytearray, streaming: bool) -> None:
+    async def _respond(self, call: int, name: str, data: Any, streaming: bool) -> None:
         code, body, message = OK, b"", b""
         try:
             body = await self._answer(name, data, streaming)
