@@ -243,8 +243,8 @@ PINNED_POOL_BYTES = 256 << 20
 class PinnedPool:
     """Page-locked buffers, at most ``limit`` bytes of them in use at once (Triton's pinned
     memory pool). The blocks come from torch's caching host allocator, which keeps a freed one
-    for the next request of its size; a buffer counts against the limit until the last view of
-    it is gone."""
+    for the next request of its size; a buffer counts against the limit until the array and
+    the last view of it are gone."""
 
     def __init__(self, limit: int = PINNED_POOL_BYTES) -> None:
         self.limit = limit
@@ -265,8 +265,9 @@ class PinnedPool:
         except Exception:  # (page-locked memory refused: the caller takes pageable memory)
             self._give(size)
             return None
-        weakref.finalize(t, self._give, size)
-        return t.numpy()  # (holds the tensor until the array and its views are gone)
+        array = t.numpy()  # (holds the memory; the tensor object itself may go)
+        weakref.finalize(array, self._give, size)  # (views of the array hold it)
+        return array
 
     def _give(self, size: int) -> None:
         with self._lock:
