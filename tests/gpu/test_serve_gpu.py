@@ -89,5 +89,11 @@ def test_the_core_receives_large_requests_in_page_locked_memory_once_a_gpu_model
             assert isinstance(small, bytearray)
         finally:
             await core.close()
+        off = ServerCore(tmp_path / "repo", backend="cuda", pinned_pool_bytes=0)
+        await off.load("digits")
+        try:  # (--pinned-memory-pool-byte-size 0: no pool, every request is staged)
+            assert isinstance(off.receive_buffer(RECEIVE_PINNED_MIN + 7), bytearray)
+        finally:
+            await off.close()
 
     asyncio.run(main())

@@ -78,6 +78,10 @@ def test_serve_answers_tritonclient_and_stops_cleanly_on_sigterm(transport, tmp_
         (["--model-repository", ".", "--http-port", "0"], "is not a port"),
         (["--model-repository", ".", "--load-model", "x"], "needs --model-control-mode explicit"),
         (["--model-repository", ".", "--grpc-port", "8000"], "two services on one port"),
+        (
+            ["--model-repository", ".", "--pinned-memory-pool-byte-size", "-1"],
+            "--pinned-memory-pool-byte-size -1 must be 0 or more",
+        ),
     ],
 )
 def test_bad_invocations_are_one_line_errors(args, message):

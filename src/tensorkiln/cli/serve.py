@@ -13,6 +13,10 @@ from typing import Any
 from tensorkiln.backends import NAMES as BACKEND_NAMES
 from tensorkiln.cli.common import CLIError, add_subcommand
 
+# Triton's --pinned-memory-pool-byte-size default (serve/model.py PINNED_POOL_BYTES, not
+# imported here: the CLI starts without the server's modules)
+_PINNED_POOL = 256 << 20
+
 EPILOG = """examples:
   tensorkiln serve --model-repository models/
   tensorkiln serve --model-repository models/ --http-port 8080 --backend cuda
@@ -81,6 +85,12 @@ def add_parser(sub: Any) -> None:
         "(default: false; a client can then name any shared-memory object the server may open)",
     )  # fmt: skip
     p.add_argument(
+        "--pinned-memory-pool-byte-size", type=int, default=_PINNED_POOL, metavar="BYTES",
+        help="page-locked memory that inference requests to models on a GPU are received into, "
+        "at most, so that their tensors go to the GPU from where they arrived (default: "
+        f"{_PINNED_POOL}, as Triton's; 0: none, requests are staged)",
+    )  # fmt: skip
+    p.add_argument(
         "--http-max-input-size", type=int, default=64 << 20, metavar="BYTES",
         help="the largest request body accepted (default: 64 MiB)",
     )  # fmt: skip
@@ -139,6 +149,10 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CLIError("--load-model needs --model-control-mode explicit (as tritonserver's)")
     if args.repository_poll_secs < 1:
         raise CLIError(f"--repository-poll-secs {args.repository_poll_secs} must be 1 or more")
+    if args.pinned_memory_pool_byte_size < 0:
+        raise CLIError(
+            f"--pinned-memory-pool-byte-size {args.pinned_memory_pool_byte_size} must be 0 or more"
+        )
     if not 0 <= args.frontend_processes <= 64:
         raise CLIError(f"--frontend-processes {args.frontend_processes} must be 0 to 64")
     if args.allow_grpc and args.grpc_transport == "native":
@@ -153,6 +167,7 @@ def run_serve(args: argparse.Namespace) -> int:
     core = ServerCore(
         args.model_repository, backend=args.backend, cache_dir=args.engine_cache,
         control_mode=args.model_control_mode, shared_memory=args.allow_shared_memory,
+        pinned_pool_bytes=args.pinned_memory_pool_byte_size,
     )  # fmt: skip
     explicit = args.model_control_mode == "explicit"
     app = make_app(core, max_body=args.http_max_input_size, load=not explicit)

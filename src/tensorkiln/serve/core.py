@@ -22,7 +22,7 @@ import numpy as np
 from tensorkiln.errors import InputError, TensorkilnError
 from tensorkiln.serve import protocol
 from tensorkiln.serve.batcher import DynamicBatcher
-from tensorkiln.serve.model import PinnedPool, ServedModel
+from tensorkiln.serve.model import PINNED_POOL_BYTES, PinnedPool, ServedModel
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.repository import ModelRepository
 from tensorkiln.serve.shm import SharedMemory
@@ -62,7 +62,9 @@ class ServerCore:
     """Models of a repository, loaded, and inference on them. ``backend``: the engines'
     backend for ONNX models built on load; ``cache_dir``: where those builds are kept;
     ``control_mode``: Triton's model control mode, which decides whether the repository API may
-    load and unload models (only "explicit" lets it; "poll" follows the folder instead)."""
+    load and unload models (only "explicit" lets it; "poll" follows the folder instead);
+    ``pinned_pool_bytes``: the page-locked memory that requests to models on a GPU are
+    received into, at most (0: none)."""
 
     def __init__(
         self,
@@ -72,6 +74,7 @@ class ServerCore:
         cache_dir: Any = None,
         control_mode: str = "explicit",
         shared_memory: bool = False,
+        pinned_pool_bytes: int = PINNED_POOL_BYTES,
     ) -> None:
         if control_mode not in CONTROL_MODES:
             raise ValueError(f"control_mode must be one of {CONTROL_MODES}, got {control_mode!r}")
@@ -89,6 +92,7 @@ class ServerCore:
         self.on_change: list[Any] = []  # called after models load, fail or unload
         self.on_shm_change: list[Any] = []  # called after a region is registered or dropped
         self._pinned: PinnedPool | None = None  # (made when a model on a GPU loads)
+        self._pinned_bytes = pinned_pool_bytes
 
     def _changed(self) -> None:
         for hook in self.on_change:
@@ -134,8 +138,12 @@ class ServerCore:
             self._changed()  # (recorded in self.failed)
             raise
         loaded = _Loaded(versions, {v: _batcher(m, self._ran) for v, m in versions.items()})
-        if self._pinned is None and any(m._pinned for m in versions.values()):
-            self._pinned = PinnedPool()
+        if (
+            self._pinned is None
+            and self._pinned_bytes > 0
+            and any(m._pinned for m in versions.values())
+        ):
+            self._pinned = PinnedPool(self._pinned_bytes)
         with self._lock:
             old = self.models.get(name)
             self.models[name] = loaded
