@@ -1,0 +1,158 @@
+"""The server from several source trees side by side under Triton's perf_analyzer: which change
+bought which latency or throughput, measured in one run on one host, rounds alternating.
+
+    git archive COMMIT src | tar -x -C /tmp/before      # (a tree of an earlier commit)
+    python benchmarks/serve_trees.py --perf-analyzer .perf_analyzer/perf_analyzer \
+        --tree before=/tmp/before/src --tree now=src [--cpp-stand-in build/grpc_floor_stand_in] \
+        [--loads b1:1,b1:64,dyn:64] [--rounds 3] [--backend cuda] [--tiny]
+
+One `tensorkiln serve` process per tree (native gRPC transport, all started before the first
+measurement, each on its own ports, over the same repository of two prebuilt engines: ResNet-50
+fp16 at batch 1 without dynamic batching, "b1", and with it, "dyn"); each load (model and
+concurrency) is driven against each tree in turn, every round. Printed: perf_analyzer's
+throughput and p50 latency. ``--cpp-stand-in`` adds, every round, the p50 at concurrency 1 of
+gRPC C++ answering with a recorded response (benchmarks/grpc_floor.py's stand-in: the
+protocol's floor on this host), and the end adds the in-process run (numpy in and out) back to
+back and at the gaps a concurrency-1 client leaves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from benchmarks.grpc_floor import _free_port  # noqa: E402
+from benchmarks.serve_gpu import make_repository, wait_ready  # noqa: E402
+
+MODELS = {"b1": "resnet50_b1", "dyn": "resnet50"}
+
+
+def _perf(perf_analyzer: str, model: str, port: int, concurrency: int, interval_ms: int) -> str:
+    cmd = [perf_analyzer, "-m", model, "-u", f"127.0.0.1:{port}", "-i", "grpc",
+           "--concurrency-range", f"{concurrency}:{concurrency}", "-b", "1",
+           "--measurement-interval", str(interval_ms), "--percentile", "50",
+           "--stability-percentage", "20", "--max-trials", "10"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    rate = re.search(r"Throughput: ([\d.]+) infer/sec", done.stdout)
+    p50 = re.search(r"p50 latency: (\d+) usec", done.stdout)
+    if rate and p50:
+        return f"{float(rate.group(1)):,.0f} infer/s, p50 {int(p50.group(1)):,} us"
+    said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()
+    return f"failed (exit {done.returncode}): {said[-1]}"
+
+
+def _in_process(repo: Path, calls: int = 300) -> None:
+    from tensorkiln.engine import Engine
+
+    engine = Engine.load(repo / "resnet50_b1" / "1" / "model.engine")
+    ctx = engine.create_execution_context(use_cuda_graph=engine.runtime_backend.cuda_graphs)
+    name = engine.inputs[0].name
+    x = np.random.default_rng().standard_normal((1, *engine.inputs[0].shape[1:])).astype(np.float32)
+    for _ in range(50):
+        ctx.infer({name: x})
+    for gap_ms in (0.0, 1.5):
+        times = []
+        for _ in range(calls):
+            if gap_ms:
+                time.sleep(gap_ms / 1e3)
+            t = time.perf_counter()
+            ctx.infer({name: x})
+            times.append(time.perf_counter() - t)
+        print(f"in-process run, gap {gap_ms:g} ms: p50 {1e3 * statistics.median(times):.3f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--perf-analyzer", required=True)
+    ap.add_argument(
+        "--tree", action="append", required=True, metavar="LABEL=SRC",
+        help="a source tree's src folder, labelled (repeatable; two or more)",
+    )  # fmt: skip
+    ap.add_argument("--loads", default="b1:1,b1:64,dyn:64", help="model:concurrency, ...")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--interval-ms", type=int, default=2000)
+    ap.add_argument("--cpp-stand-in", help="benchmarks/grpc_floor_cpp/build.sh makes it")
+    ap.add_argument("--backend", default="cuda")
+    ap.add_argument("--tiny", action="store_true", help="a small conv net at 32x32 (smoke runs)")
+    ap.add_argument("--work", default="/tmp/tk_serve_trees")
+    args = ap.parse_args()
+    trees = dict(t.split("=", 1) for t in args.tree)
+    loads = [(MODELS[m], int(c)) for m, c in (x.split(":") for x in args.loads.split(","))]
+    work = Path(args.work)
+    repo = work / "repo"
+    if not repo.is_dir():
+        work.mkdir(parents=True, exist_ok=True)
+        built = argparse.Namespace(
+            tiny=args.tiny, precision="fp16" if args.backend == "cuda" else "fp32",
+            backend=args.backend, max_batch=64, instances=2, delay_us=200,
+        )  # fmt: skip
+        make_repository(built, work)
+    # (each server finds its own tree first, then what the caller's path adds beyond a src)
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [p for p in extra if Path(p).resolve() != (ROOT / "src").resolve()]
+    logs = Path(tempfile.mkdtemp(prefix="serve_trees_"))
+    servers: dict[str, tuple[subprocess.Popen, int]] = {}
+    try:
+        for label, tree in trees.items():
+            http, grpc_port, metrics = (_free_port() for _ in range(3))
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(tree).resolve()), *extra]))
+            log = logs / f"{label}.log"
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(repo),
+                 "--backend", args.backend, "--http-port", str(http), "--grpc-port",
+                 str(grpc_port), "--metrics-port", str(metrics), "--grpc-transport", "native",
+                 "--engine-cache", str(logs / "cache")],
+                env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(logs),
+            )  # fmt: skip
+            servers[label] = (proc, grpc_port)
+            wait_ready(http, proc, log)
+            print(f"{label} ({tree}): ready", flush=True)
+        recorded = logs / "recorded.bin"
+        if args.cpp_stand_in:
+            first = next(iter(servers.values()))[1]
+            subprocess.run(
+                [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), "--record",
+                 f"127.0.0.1:{first}", "resnet50_b1", str(recorded)],
+                check=True,
+            )  # fmt: skip
+        stand_in_port = _free_port()
+        for round_ in range(1, args.rounds + 1):
+            for model, concurrency in loads:
+                for label, (_, port) in servers.items():
+                    said = _perf(args.perf_analyzer, model, port, concurrency, args.interval_ms)
+                    print(f"round {round_}: {model} c{concurrency} {label}: {said}", flush=True)
+            if args.cpp_stand_in:
+                stub = subprocess.Popen(
+                    [args.cpp_stand_in, str(recorded), str(stand_in_port)],
+                    stdout=subprocess.PIPE, text=True,
+                )  # fmt: skip
+                try:
+                    stub.stdout.readline()  # "ready"
+                    said = _perf(
+                        args.perf_analyzer, "resnet50_b1", stand_in_port, 1, args.interval_ms
+                    )
+                    print(f"round {round_}: resnet50_b1 c1 bare C++ gRPC: {said}", flush=True)
+                finally:
+                    stub.terminate()
+                    stub.wait(20)
+    finally:
+        for proc, _ in servers.values():
+            proc.terminate()
+            proc.wait(30)
+    _in_process(repo)
+
+
+if __name__ == "__main__":
+    main()
