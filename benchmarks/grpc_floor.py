@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import re
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -162,6 +164,18 @@ def _np_dtype(datatype: str) -> np.dtype:
     return np.dtype(triton_to_np_dtype(datatype))
 
 
+@contextlib.contextmanager
+def stand_in(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[None]:
+    """A stand-in server (``cmd``) running, from its "ready" line to the end of the block."""
+    stub = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        stub.stdout.readline()  # "ready"
+        yield
+    finally:
+        stub.terminate()
+        stub.wait(20)
+
+
 def _p50(perf_analyzer: str, model: str, url: str, interval_ms: int) -> str:
     cmd = [perf_analyzer, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", "1:1",
            "-b", "1", "--measurement-interval", str(interval_ms), "--percentile", "50",
@@ -240,20 +254,15 @@ def main() -> None:
                     cmd = [sys.executable, __file__, "--stub", str(recorded), str(stub_port), mode]
                     if mode == "c++":
                         cmd = [args.cpp_stand_in, str(recorded), str(stub_port)]
-                    stub = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
-                    try:
-                        stub.stdout.readline()  # "ready"
+                    with stand_in(cmd, env):
                         p50 = _p50(
                             args.perf_analyzer,
                             args.model,
                             f"127.0.0.1:{stub_port}",
                             args.interval_ms,
                         )
-                        what = "bare C++ gRPC" if mode == "c++" else f"bare grpcio ({mode})"
-                        print(f"round {round_}: {what} p50 {p50}", flush=True)
-                    finally:
-                        stub.terminate()
-                        stub.wait(20)
+                    what = "bare C++ gRPC" if mode == "c++" else f"bare grpcio ({mode})"
+                    print(f"round {round_}: {what} p50 {p50}", flush=True)
         finally:
             for server, _ in servers.values():
                 server.terminate()

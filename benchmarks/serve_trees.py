@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from benchmarks.grpc_floor import _free_port  # noqa: E402
+from benchmarks.grpc_floor import _free_port, stand_in  # noqa: E402
 from benchmarks.serve_gpu import make_repository, wait_ready  # noqa: E402
 
 MODELS = {"b1": "resnet50_b1", "dyn": "resnet50"}
@@ -134,19 +134,11 @@ def main() -> None:
                     said = _perf(args.perf_analyzer, model, port, concurrency, args.interval_ms)
                     print(f"round {round_}: {model} c{concurrency} {label}: {said}", flush=True)
             if args.cpp_stand_in:
-                stub = subprocess.Popen(
-                    [args.cpp_stand_in, str(recorded), str(stand_in_port)],
-                    stdout=subprocess.PIPE, text=True,
-                )  # fmt: skip
-                try:
-                    stub.stdout.readline()  # "ready"
+                with stand_in([args.cpp_stand_in, str(recorded), str(stand_in_port)]):
                     said = _perf(
                         args.perf_analyzer, "resnet50_b1", stand_in_port, 1, args.interval_ms
                     )
-                    print(f"round {round_}: resnet50_b1 c1 bare C++ gRPC: {said}", flush=True)
-                finally:
-                    stub.terminate()
-                    stub.wait(20)
+                print(f"round {round_}: resnet50_b1 c1 bare C++ gRPC: {said}", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()

@@ -420,7 +420,7 @@ class ExecutionContext:
     def _remember_host(self, feeds: Mapping[str, Any], inputs: list[Any]) -> None:
         import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
-        sig = _host_signature(feeds)
+        sig = _feed_signature(feeds, host=True)
         if (
             sig is None
             or self._tokens is not None
@@ -451,7 +451,7 @@ class ExecutionContext:
         shapes, dtypes checked by an earlier call), or None when the feeds are not known."""
         import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
-        sig = _host_signature(feeds)
+        sig = _feed_signature(feeds, host=True)
         known = self._known_host.get(sig) if sig is not None else None
         if known is None:
             return None
@@ -642,31 +642,22 @@ def _infer_output_shapes(graph: Graph, shapes: dict[str, tuple[int, ...]]) -> di
     return out
 
 
-def _feed_signature(feeds: Any) -> tuple | None:
-    """(name, shape, dtype, device) of every feed, when ``feeds`` is a dict of torch tensors;
-    None otherwise."""
-    import torch  # lazy: torch is optional (only a GPU backend replays graphs)
+def _feed_signature(feeds: Any, host: bool = False) -> tuple | None:
+    """(name, shape, dtype, device) of every feed, when ``feeds`` is a dict of torch tensors
+    (with ``host``: (name, shape, dtype), when it is a dict of numpy arrays); None otherwise."""
+    if host:
+        kind: type = np.ndarray
+    else:
+        import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
+        kind = torch.Tensor
     if type(feeds) is not dict:
         return None
     sig = []
-    for name, t in feeds.items():
-        if type(t) is not torch.Tensor:
+    for name, x in feeds.items():
+        if type(x) is not kind:
             return None
-        sig.append((name, t.shape, t.dtype, t.device))
-    return tuple(sig)
-
-
-def _host_signature(feeds: Any) -> tuple | None:
-    """(name, shape, dtype) of every feed, when ``feeds`` is a dict of numpy arrays; None
-    otherwise."""
-    if type(feeds) is not dict:
-        return None
-    sig = []
-    for name, a in feeds.items():
-        if type(a) is not np.ndarray:
-            return None
-        sig.append((name, a.shape, a.dtype))
+        sig.append((name, x.shape, x.dtype) if host else (name, x.shape, x.dtype, x.device))
     return tuple(sig)
 
 
