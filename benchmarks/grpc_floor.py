@@ -176,18 +176,35 @@ def stand_in(cmd: list[str], env: dict[str, str] | None = None) -> Iterator[None
         stub.wait(20)
 
 
-def _p50(perf_analyzer: str, model: str, url: str, interval_ms: int) -> str:
-    cmd = [perf_analyzer, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range", "1:1",
-           "-b", "1", "--measurement-interval", str(interval_ms), "--percentile", "50",
+def measure(
+    perf_analyzer: str,
+    model: str,
+    url: str,
+    interval_ms: int,
+    *,
+    concurrency: int = 1,
+    max_trials: int = 20,
+) -> tuple[float, int] | str:
+    """perf_analyzer over gRPC at batch 1 and ``concurrency``: (infer/s, p50 us), or what went
+    wrong."""
+    cmd = [perf_analyzer, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range",
+           f"{concurrency}:{concurrency}", "-b", "1", "--measurement-interval", str(interval_ms),
+           "--percentile", "50",
            # (three windows within 20% of each other, up to 20 windows: on a machine whose cores
            # the client shares with the server, 10% in 10 windows often never settles)
-           "--stability-percentage", "20", "--max-trials", "20"]  # fmt: skip
+           "--stability-percentage", "20", "--max-trials", str(max_trials)]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    m = re.search(r"p50 latency: (\d+) usec", done.stdout)
-    if m:
-        return f"{m.group(1)} us"
+    rate = re.search(r"Throughput: ([\d.]+) infer/sec", done.stdout)
+    p50 = re.search(r"p50 latency: (\d+) usec", done.stdout)
+    if rate and p50:
+        return float(rate.group(1)), int(p50.group(1))
     said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()
     return f"failed (exit {done.returncode}): {said[-1]}"
+
+
+def _p50(perf_analyzer: str, model: str, url: str, interval_ms: int) -> str:
+    got = measure(perf_analyzer, model, url, interval_ms)
+    return got if isinstance(got, str) else f"{got[1]} us"
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -33,24 +32,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from benchmarks.grpc_floor import _free_port, stand_in  # noqa: E402
+from benchmarks.grpc_floor import _free_port, measure, stand_in  # noqa: E402
 from benchmarks.serve_gpu import make_repository, wait_ready  # noqa: E402
 
 MODELS = {"b1": "resnet50_b1", "dyn": "resnet50"}
 
 
 def _perf(perf_analyzer: str, model: str, port: int, concurrency: int, interval_ms: int) -> str:
-    cmd = [perf_analyzer, "-m", model, "-u", f"127.0.0.1:{port}", "-i", "grpc",
-           "--concurrency-range", f"{concurrency}:{concurrency}", "-b", "1",
-           "--measurement-interval", str(interval_ms), "--percentile", "50",
-           "--stability-percentage", "20", "--max-trials", "10"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    rate = re.search(r"Throughput: ([\d.]+) infer/sec", done.stdout)
-    p50 = re.search(r"p50 latency: (\d+) usec", done.stdout)
-    if rate and p50:
-        return f"{float(rate.group(1)):,.0f} infer/s, p50 {int(p50.group(1)):,} us"
-    said = (done.stderr.strip() or done.stdout.strip() or "no output").splitlines()
-    return f"failed (exit {done.returncode}): {said[-1]}"
+    got = measure(
+        perf_analyzer, model, f"127.0.0.1:{port}", interval_ms,
+        concurrency=concurrency, max_trials=10,
+    )  # fmt: skip
+    return got if isinstance(got, str) else f"{got[0]:,.0f} infer/s, p50 {got[1]:,} us"
 
 
 def _in_process(repo: Path, calls: int = 300) -> None:

@@ -669,7 +669,10 @@ class _HostBuffers:
     def __init__(self) -> None:
         import torch  # lazy: torch is optional (only a GPU backend replays graphs)
 
+        from tensorkiln.kernels.cuda.convert import page_locked_bytes  # lazy: torch (cuda tree)
+
         self._torch = torch
+        self._page_locked = page_locked_bytes
         self._inputs: dict[int, Any] = {}
         self._outputs: dict[int, Any] = {}
         self.done = torch.cuda.Event()
@@ -685,11 +688,9 @@ class _HostBuffers:
         """A page-locked tensor (dtype and shape of ``like``) holding ``array``'s values:
         ``array`` itself where it lies in page-locked memory already (a server's staging
         buffer), else a copy in this thread's buffer."""
-        torch = self._torch
-        if array.flags.c_contiguous and array.flags.writeable and array.size:
-            here = torch.from_numpy(array.reshape(-1).view(np.uint8))
-            if here.is_pinned():
-                return here.view(like.dtype).view(like.shape)
+        here = self._page_locked(array)
+        if here is not None:
+            return here.view(like.dtype).view(like.shape)
         buf = self._buffer(self._inputs, key, array.nbytes)
         np.copyto(buf.numpy().view(array.dtype).reshape(array.shape), array)
         return buf.view(like.dtype).view(like.shape)

@@ -226,14 +226,9 @@ class ServedModel:
 
 def _page_locked(feeds: Mapping[str, np.ndarray]) -> bool:
     """Whether every array of ``feeds`` lies, C-ordered, in page-locked memory."""
-    import torch  # lazy: torch is optional (only a GPU engine pins, and has it)
+    from tensorkiln.kernels.cuda.convert import page_locked_bytes  # lazy: torch (cuda tree)
 
-    for a in feeds.values():
-        if not (a.flags.c_contiguous and a.flags.writeable and a.size):
-            return False
-        if not torch.from_numpy(a.reshape(-1).view(np.uint8)).is_pinned():
-            return False
-    return True
+    return all(page_locked_bytes(a) is not None for a in feeds.values())
 
 
 # Triton's default --pinned-memory-pool-byte-size

@@ -130,6 +130,16 @@ def upload(value: Any, device: torch.device | str, *, held: bool = False) -> Any
     return staged.to(dev, non_blocking=True)
 
 
+def page_locked_bytes(array: np.ndarray) -> torch.Tensor | None:
+    """``array``'s bytes as a uint8 CPU tensor over its own memory, where it is C-ordered,
+    writable and not empty and lies in page-locked memory (a pinned buffer, or a view of one);
+    else None."""
+    if not (array.flags.c_contiguous and array.flags.writeable and array.size):
+        return None
+    t = torch.from_numpy(array.reshape(-1).view(np.uint8))
+    return t if t.is_pinned() else None
+
+
 def _quiet_host_tensor(value: np.ndarray) -> torch.Tensor:
     """:func:`host_tensor`, without torch's warning for a read-only array (the tensor is copied
     to the device before anything could write it)."""
