@@ -4,16 +4,18 @@ bought which latency or throughput, measured in one run on one host, rounds alte
     git archive COMMIT src | tar -x -C /tmp/before      # (a tree of an earlier commit)
     python benchmarks/serve_trees.py --perf-analyzer .perf_analyzer/perf_analyzer \
         --tree before=/tmp/before/src --tree now=src [--cpp-stand-in build/grpc_floor_stand_in] \
-        [--loads b1:1,b1:64,dyn:64] [--rounds 3] [--backend cuda] [--tiny]
+        [--loads b1:1,b1:64,dyn:64,b1:1:cuda] [--rounds 3] [--backend cuda] [--tiny]
 
 One `tensorkiln serve` process per tree (native gRPC transport, all started before the first
 measurement, each on its own ports, over the same repository of two prebuilt engines: ResNet-50
 fp16 at batch 1 without dynamic batching, "b1", and with it, "dyn"); each load (model and
-concurrency) is driven against each tree in turn, every round. Printed: perf_analyzer's
+concurrency, and where the tensors travel: in the message, or with ``:cuda`` / ``:system`` in
+Triton's shared memory) is driven against each tree in turn, every round. Printed: perf_analyzer's
 throughput and p50 latency. ``--cpp-stand-in`` adds, every round, the p50 at concurrency 1 of
 gRPC C++ answering with a recorded response (benchmarks/grpc_floor.py's stand-in: the
-protocol's floor on this host), and the end adds the in-process run (numpy in and out) back to
-back and at the gaps a concurrency-1 client leaves.
+protocol's floor on this host), and the end adds the in-process run back to back and at the gaps
+a concurrency-1 client leaves: numpy in and out, and GPU tensors in and out (the peer of a
+client whose tensors are in CUDA shared memory).
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ from benchmarks.serve_gpu import make_repository, wait_ready  # noqa: E402
 MODELS = {"b1": "resnet50_b1", "dyn": "resnet50"}
 
 
-def _perf(perf_analyzer: str, model: str, port: int, concurrency: int, interval_ms: int) -> str:
+def _perf(
+    perf_analyzer: str, model: str, port: int, concurrency: int, interval_ms: int, shm: str
+) -> str:
     got = measure(
         perf_analyzer, model, f"127.0.0.1:{port}", interval_ms,
-        concurrency=concurrency, max_trials=10,
+        concurrency=concurrency, max_trials=10, shared_memory=shm,
     )  # fmt: skip
     return got if isinstance(got, str) else f"{got[0]:,.0f} infer/s, p50 {got[1]:,} us"
 
@@ -53,17 +57,27 @@ def _in_process(repo: Path, calls: int = 300) -> None:
     ctx = engine.create_execution_context(use_cuda_graph=engine.runtime_backend.cuda_graphs)
     name = engine.inputs[0].name
     x = np.random.default_rng().standard_normal((1, *engine.inputs[0].shape[1:])).astype(np.float32)
-    for _ in range(50):
-        ctx.infer({name: x})
-    for gap_ms in (0.0, 1.5):
-        times = []
-        for _ in range(calls):
-            if gap_ms:
-                time.sleep(gap_ms / 1e3)
-            t = time.perf_counter()
-            ctx.infer({name: x})
-            times.append(time.perf_counter() - t)
-        print(f"in-process run, gap {gap_ms:g} ms: p50 {1e3 * statistics.median(times):.3f} ms")
+    import torch
+
+    on_gpu = torch.from_numpy(x).cuda()
+
+    def device() -> None:  # (GPU tensors in and out, the results ready to read)
+        ctx.infer({name: on_gpu})
+        torch.cuda.current_stream().synchronize()
+
+    for label, run in (("numpy", lambda: ctx.infer({name: x})), ("GPU tensors", device)):
+        for _ in range(50):
+            run()
+        for gap_ms in (0.0, 1.5):
+            times = []
+            for _ in range(calls):
+                if gap_ms:
+                    time.sleep(gap_ms / 1e3)
+                t = time.perf_counter()
+                run()
+                times.append(time.perf_counter() - t)
+            p50 = 1e3 * statistics.median(times)
+            print(f"in-process run, {label}, gap {gap_ms:g} ms: p50 {p50:.3f} ms")
 
 
 def main() -> None:
@@ -82,7 +96,10 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/tk_serve_trees")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
-    loads = [(MODELS[m], int(c)) for m, c in (x.split(":") for x in args.loads.split(","))]
+    loads = [
+        (MODELS[m], int(c), shm[0] if shm else "none")
+        for m, c, *shm in (x.split(":") for x in args.loads.split(","))
+    ]
     work = Path(args.work)
     repo = work / "repo"
     if not repo.is_dir():
@@ -106,7 +123,7 @@ def main() -> None:
                 [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(repo),
                  "--backend", args.backend, "--http-port", str(http), "--grpc-port",
                  str(grpc_port), "--metrics-port", str(metrics), "--grpc-transport", "native",
-                 "--engine-cache", str(logs / "cache")],
+                 "--engine-cache", str(logs / "cache"), "--allow-shared-memory", "true"],
                 env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(logs),
             )  # fmt: skip
             servers[label] = (proc, grpc_port)
@@ -122,14 +139,24 @@ def main() -> None:
             )  # fmt: skip
         stand_in_port = _free_port()
         for round_ in range(1, args.rounds + 1):
-            for model, concurrency in loads:
+            for model, concurrency, shm in loads:
                 for label, (_, port) in servers.items():
-                    said = _perf(args.perf_analyzer, model, port, concurrency, args.interval_ms)
-                    print(f"round {round_}: {model} c{concurrency} {label}: {said}", flush=True)
+                    said = _perf(
+                        args.perf_analyzer, model, port, concurrency, args.interval_ms, shm
+                    )
+                    where = "" if shm == "none" else f" ({shm} shared memory)"
+                    print(
+                        f"round {round_}: {model} c{concurrency}{where} {label}: {said}", flush=True
+                    )
             if args.cpp_stand_in:
                 with stand_in([args.cpp_stand_in, str(recorded), str(stand_in_port)]):
                     said = _perf(
-                        args.perf_analyzer, "resnet50_b1", stand_in_port, 1, args.interval_ms
+                        args.perf_analyzer,
+                        "resnet50_b1",
+                        stand_in_port,
+                        1,
+                        args.interval_ms,
+                        "none",
                     )
                 print(f"round {round_}: resnet50_b1 c1 bare C++ gRPC: {said}", flush=True)
     finally:

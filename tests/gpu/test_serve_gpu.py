@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ from tensorkiln.builder import Builder  # noqa: E402
 from tensorkiln.serve import ModelRepository  # noqa: E402
 from tensorkiln.serve.core import RECEIVE_PINNED_MIN, ServerCore  # noqa: E402
 from tensorkiln.serve.model import PinnedPool, ServedModel  # noqa: E402
-from tests.serve.test_repository import DIGITS, _model  # noqa: E402
+from tests.serve.test_repository import CONFIG, DIGITS, _model  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -97,3 +98,140 @@ def test_the_core_receives_large_requests_in_page_locked_memory_once_a_gpu_model
             await off.close()
 
     asyncio.run(main())
+
+
+# ---------------------------------------------------------------------- CUDA shared memory
+GRAPHS = CONFIG.replace("instance_group", "optimization { cuda { graphs: true } }\ninstance_group")
+
+
+def _reference(x: np.ndarray) -> np.ndarray:
+    direct = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
+    return direct.infer({"input": x})["logits"]
+
+
+@pytest.mark.parametrize("config", [CONFIG, GRAPHS], ids=["plain", "graphs"])
+def test_requests_on_the_gpu_run_and_join_there(tmp_path, config) -> None:
+    """Tensors in CUDA shared memory reach the model as GPU tensors: a lone one runs as it is,
+    several are joined (and padded up to a graph's batch) on the GPU, and the outputs stay
+    there."""
+    _model(tmp_path, config=config)
+    entry = ModelRepository(tmp_path).read("digits")
+    served = ServedModel.load(entry, entry.versions[-1], backend="cuda")
+    rng = np.random.default_rng()
+    xs = [rng.standard_normal((n, 1, 8, 8)).astype(np.float32) for n in (1, 3, 2)]
+    feeds = [{"input": torch.from_numpy(x).cuda()} for x in xs]
+    assert served.check(feeds[1]) == 3
+    lone = served.infer(feeds[0])["logits"]
+    assert isinstance(lone, torch.Tensor) and lone.is_cuda
+    np.testing.assert_allclose(lone.cpu().numpy(), _reference(xs[0]), rtol=1e-4, atol=1e-5)
+    got = served.infer_batch(feeds)
+    for x, g in zip(xs, got):
+        assert g["logits"].is_cuda and tuple(g["logits"].shape) == (x.shape[0], 10)
+        np.testing.assert_allclose(g["logits"].cpu().numpy(), _reference(x), rtol=1e-4, atol=1e-5)
+
+
+def _exported(nbytes: int) -> tuple[Any, bytes, int]:
+    """A GPU buffer of this process's, as another process opens it: (the uint8 tensor, its
+    CUDA IPC handle, the tensor's byte offset from the handle's base)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    _, handle, _, offset, *_ = buf.untyped_storage()._share_cuda_()
+    handle = bytes(handle)
+    if len(handle) == 66:  # (torch's form: a version byte, "c" for cudaMalloc, the handle)
+        assert handle[1:2] == b"c"
+        handle = handle[2:]
+    return buf, handle, int(offset)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_cuda_shared_memory_with_tritonclient(tmp_path, protocol) -> None:
+    """``tensorkiln serve --backend cuda --allow-shared-memory true`` in its own process, and
+    this process as the client: inputs and outputs in GPU memory this process exported, alone
+    and beside tensors in the message, one at a time and 16 at once (joined by dynamic
+    batching); every answer is the reference backend's for its own input."""
+    import base64
+    import concurrent.futures
+    import subprocess
+    import sys
+
+    from tests.serve.helpers import free_port, wait_until
+
+    module = pytest.importorskip(f"tritonclient.{protocol}")
+    _model(tmp_path / "repo")
+    http_port, grpc_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(tmp_path / "repo"),
+         "--backend", "cuda", "--allow-shared-memory", "true", "--http-port", str(http_port),
+         "--http-address", "127.0.0.1", "--grpc-port", str(grpc_port), "--grpc-address",
+         "127.0.0.1", "--allow-metrics", "false", "--engine-cache", str(tmp_path / "cache")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        url = f"127.0.0.1:{http_port if protocol == 'http' else grpc_port}"
+        client = module.InferenceServerClient(url)
+        wait_until(lambda: client.is_model_ready("digits"), proc)
+        n_req = 16
+        in_bytes, out_bytes = 4 * 64 * 4, 4 * 10 * 4  # (up to 4 rows a request)
+        ins = [_exported(in_bytes) for _ in range(n_req)]
+        outs = [_exported(out_bytes) for _ in range(n_req)]
+        for i, (buf, handle, offset) in enumerate(ins + outs):
+            client.register_cuda_shared_memory(
+                f"r{i}", base64.b64encode(handle), 0, offset + buf.numel()
+            )
+        status = client.get_cuda_shared_memory_status(
+            **({"as_json": True} if protocol == "grpc" else {})
+        )
+        listed = status if protocol == "http" else list(status["regions"].values())
+        assert sorted(r["name"] for r in listed) == sorted(f"r{i}" for i in range(2 * n_req))
+
+        def ask(i: int, rows: int, in_gpu: bool, out_gpu: bool, by: Any = client) -> tuple:
+            x = np.random.default_rng().standard_normal((rows, 1, 8, 8)).astype(np.float32)
+            inp = module.InferInput("input", list(x.shape), "FP32")
+            buf, _, offset = ins[i]
+            if in_gpu:
+                buf[: x.nbytes].copy_(torch.from_numpy(x.reshape(-1).view(np.uint8)))
+                torch.cuda.synchronize()
+                inp.set_shared_memory(f"r{i}", x.nbytes, offset=offset)
+            else:
+                inp.set_data_from_numpy(x)
+            out = module.InferRequestedOutput("logits")
+            obuf, _, ooffset = outs[i]
+            if out_gpu:
+                out.set_shared_memory(f"r{n_req + i}", rows * 40, offset=ooffset)
+            result = by.infer("digits", [inp], outputs=[out])
+            if out_gpu:
+                got = obuf[: rows * 40].cpu().numpy().view(np.float32).reshape(rows, 10)
+            else:
+                got = result.as_numpy("logits")
+            return x, got
+
+        for in_gpu, out_gpu in ((True, True), (True, False), (False, True)):
+            for rows in (1, 3):
+                x, got = ask(0, rows, in_gpu, out_gpu)
+                np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+        if protocol == "grpc":  # (16 at once: the dynamic batcher joins them on the GPU)
+            clients = [module.InferenceServerClient(url) for _ in range(n_req)]
+
+            def one(i: int) -> tuple[np.ndarray, np.ndarray]:
+                return ask(i, 1 + i % 4, True, True, clients[i])
+
+            with concurrent.futures.ThreadPoolExecutor(n_req) as pool:
+                for x, got in pool.map(one, range(n_req)):
+                    np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+        # refused, naming the problem: past the region's end, a size past the allocation
+        inp = module.InferInput("input", [4, 1, 8, 8], "FP32")
+        inp.set_shared_memory("r0", in_bytes, offset=ins[0][2] + 4)
+        with pytest.raises(Exception, match="past the end of region 'r0'"):
+            client.infer("digits", [inp])
+        with pytest.raises(Exception, match="past the end of the GPU allocation"):
+            # (a small tensor's allocation is a 2 MiB block of torch's; 1 GiB is past it)
+            client.register_cuda_shared_memory("huge", base64.b64encode(ins[0][1]), 0, 1 << 30)
+        client.unregister_cuda_shared_memory("r0")
+        inp.set_shared_memory("r0", in_bytes, offset=ins[0][2])
+        with pytest.raises(Exception, match="no shared-memory region 'r0'"):
+            client.infer("digits", [inp])
+        client.unregister_cuda_shared_memory()
+        assert client.is_server_live()
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out[-3000:]

@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -52,7 +53,11 @@ class _Request:
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
-        self.key = tuple((n, x.dtype.str, x.shape[1:]) for n, x in sorted(self.feeds.items()))
+        # (a torch dtype, of a tensor in CUDA shared memory, has no .str: never a numpy key)
+        self.key = tuple(
+            (n, getattr(x.dtype, "str", str(x.dtype)), tuple(x.shape[1:]))
+            for n, x in sorted(self.feeds.items())
+        )
 
 
 # The event loop's timers wake up to a millisecond late (its selector waits in whole
@@ -84,9 +89,14 @@ def split_rows(out: Mapping[str, np.ndarray], rows: list[int]) -> list[Outputs]:
     every output for the first request, and so on."""
     parts, offset = [], 0
     for n in rows:
-        parts.append({k: np.ascontiguousarray(v[offset : offset + n]) for k, v in out.items()})
+        parts.append({k: _contiguous(v[offset : offset + n]) for k, v in out.items()})
         offset += n
     return parts
+
+
+def _contiguous(x: Any) -> Any:
+    """``x`` C-ordered: a numpy array, or a torch tensor (outputs left on the GPU)."""
+    return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
 
 
 def joined(

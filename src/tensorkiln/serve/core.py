@@ -328,7 +328,8 @@ class ServerCore:
                 raise ServeError(f"model '{name}': {exc}", 400) from None
             chosen = {}
             for n in outputs or list(out):
-                y = np.ascontiguousarray(out[n])
+                y = out[n]  # (a torch tensor on the GPU where the inputs came from there)
+                y = np.ascontiguousarray(y) if isinstance(y, np.ndarray) else y.contiguous()
                 if protocol.datatype_of(y.dtype) is None:
                     raise ServeError(
                         f"model '{model.name}': output '{n}' has type {y.dtype}, which the "

@@ -6,8 +6,8 @@ pool. There is no generated stub, and the wire format is the published one, so t
 talks to it unchanged. Tensors come in as raw contents (what tritonclient sends) or typed
 contents. Sizes are checked against shapes and data types before any array is made. A client's
 error is answered with INVALID_ARGUMENT, NOT_FOUND or UNAVAILABLE and a message naming it. RPCs
-not served here (tracing, logging settings) answer UNIMPLEMENTED; CUDA shared memory has no
-region to list or unregister, and registering one is refused.
+not served here (tracing, logging settings) answer UNIMPLEMENTED. Tensors may lie in system or
+CUDA shared memory (shm.py, cuda_shm.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
-from tensorkiln.serve import native, protocol, wire
+from tensorkiln.serve import cuda_shm, native, protocol, wire
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import OFF as shm_off
@@ -115,15 +115,22 @@ class InferenceService:
         return _m("SystemSharedMemoryUnregisterResponse")()
 
     async def CudaSharedMemoryStatus(self, request: Any, context: Any) -> Any:
-        if request.name:
-            raise ServeError(f"no CUDA shared-memory region '{request.name}'")
-        return _m("CudaSharedMemoryStatusResponse")()
-
-    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
-        return _m("CudaSharedMemoryUnregisterResponse")()  # (none is ever registered)
+        reply = _m("CudaSharedMemoryStatusResponse")()
+        for r in self.core.shm.cuda_status(request.name):
+            reply.regions[r["name"]].CopyFrom(
+                _m("CudaSharedMemoryStatusResponse.RegionStatus")(**r)
+            )
+        return reply
 
     async def CudaSharedMemoryRegister(self, request: Any, context: Any) -> Any:
-        raise ServeError("CUDA shared memory is not served here; use system shared memory")
+        self.core.shm.register_cuda(
+            request.name, request.raw_handle, request.device_id, request.byte_size
+        )
+        return _m("CudaSharedMemoryRegisterResponse")()
+
+    async def CudaSharedMemoryUnregister(self, request: Any, context: Any) -> Any:
+        self.core.shm.unregister_cuda(request.name)
+        return _m("CudaSharedMemoryUnregisterResponse")()
 
     async def ModelStatistics(self, request: Any, context: Any) -> Any:
         reply = _m("ModelStatisticsResponse")()
@@ -180,7 +187,7 @@ class InferenceService:
                         t.parameters[key].int64_param = value
                 reply.raw_output_contents.append(b"")  # (keeps the contents in output order)
             else:
-                reply.raw_output_contents.append(y.tobytes())
+                reply.raw_output_contents.append(cuda_shm.host(y).tobytes())
         return reply
 
 

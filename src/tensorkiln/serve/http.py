@@ -9,6 +9,8 @@ naming the problem, and never reaches an engine.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from typing import Any
@@ -17,7 +19,7 @@ import numpy as np
 from aiohttp import web
 from google.protobuf import json_format
 
-from tensorkiln.serve import protocol
+from tensorkiln.serve import cuda_shm, protocol
 from tensorkiln.serve.core import ServerCore, log
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.shm import OFF as shm_off
@@ -55,10 +57,10 @@ def make_app(core: ServerCore, *, max_body: int = MAX_BODY, load: bool = True) -
         r.add_post(prefix + "/unregister", _shm_unregister)
     r.add_post("/v2/systemsharedmemory/region/{region}/register", _shm_register)
     for prefix in ("/v2/cudasharedmemory", "/v2/cudasharedmemory/region/{region}"):
-        r.add_get(prefix + "/status", _cuda_shm_none)
-        r.add_post(prefix + "/status", _cuda_shm_none)
-        r.add_post(prefix + "/unregister", _cuda_shm_none)
-    r.add_post("/v2/cudasharedmemory/region/{region}/register", _no_cuda_shm)
+        r.add_get(prefix + "/status", _cuda_shm_status)
+        r.add_post(prefix + "/status", _cuda_shm_status)
+        r.add_post(prefix + "/unregister", _cuda_shm_unregister)
+    r.add_post("/v2/cudasharedmemory/region/{region}/register", _cuda_shm_register)
     if load:
         app.on_startup.append(_load_all)
     app.on_shutdown.append(_drain)
@@ -168,7 +170,8 @@ async def _shm_status(request: web.Request) -> web.Response:
     return web.json_response(_core(request).shm.status(request.match_info.get("region")))
 
 
-async def _shm_register(request: web.Request) -> web.Response:
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """A shared-memory registration's body: a JSON object of at most 4,096 bytes."""
     if request.content_length is None or request.content_length > 4096:
         raise ServeError("a shared-memory registration is a JSON object of at most 4,096 bytes")
     body = await request.content.read(4097)
@@ -176,7 +179,12 @@ async def _shm_register(request: web.Request) -> web.Response:
         raise ServeError("a shared-memory registration is a JSON object of at most 4,096 bytes")
     header, _ = _split(body, None)
     if not isinstance(header, dict):
-        raise ServeError("the registration must be a JSON object with key, offset, byte_size")
+        raise ServeError("the registration must be a JSON object")
+    return header
+
+
+async def _shm_register(request: web.Request) -> web.Response:
+    header = await _json_body(request)
     await _core(request).shm_register(
         request.match_info["region"], header.get("key"), header.get("offset", 0),
         header.get("byte_size"),
@@ -189,18 +197,30 @@ async def _shm_unregister(request: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def _cuda_shm_none(request: web.Request) -> web.Response:
-    """CUDA shared memory: no region is ever registered (status lists none, unregister is a
-    no-op, as clients that clean up every kind expect)."""
-    if request.path.endswith("/status"):
-        if "region" in request.match_info:
-            raise ServeError(f"no CUDA shared-memory region '{request.match_info['region']}'")
-        return web.json_response([])
+async def _cuda_shm_status(request: web.Request) -> web.Response:
+    return web.json_response(_core(request).shm.cuda_status(request.match_info.get("region")))
+
+
+async def _cuda_shm_register(request: web.Request) -> web.Response:
+    """{"raw_handle": {"b64": the CUDA IPC handle in base64}, "device_id", "byte_size"}."""
+    header = await _json_body(request)
+    handle = header.get("raw_handle")
+    b64 = handle.get("b64") if isinstance(handle, dict) else None
+    try:
+        raw = base64.b64decode(b64, validate=True) if isinstance(b64, str) else None
+    except (binascii.Error, ValueError):
+        raw = None
+    if raw is None:
+        raise ServeError('raw_handle must be {"b64": the CUDA IPC handle in base64}')
+    _core(request).shm.register_cuda(
+        request.match_info["region"], raw, header.get("device_id", 0), header.get("byte_size")
+    )
     return web.Response(status=200)
 
 
-async def _no_cuda_shm(request: web.Request) -> web.Response:
-    raise ServeError("CUDA shared memory is not served here; use system shared memory", 400)
+async def _cuda_shm_unregister(request: web.Request) -> web.Response:
+    _core(request).shm.unregister_cuda(request.match_info.get("region"))
+    return web.Response(status=200)
 
 
 # ---------------------------------------------------------------------- inference
@@ -229,7 +249,10 @@ async def _infer(request: web.Request) -> web.Response:
         target = wanted.get(n, binary_default)
         if isinstance(target, tuple):  # (into a shared-memory region)
             t["parameters"] = core.shm.output_to(target, n, y)
-        elif target:
+            tensors.append(t)
+            continue
+        y = cuda_shm.host(y)  # (a GPU engine's output, for a request in CUDA shared memory)
+        if target:
             data = y.tobytes()
             t["parameters"] = {"binary_data_size": len(data)}
             chunks.append(data)

@@ -399,6 +399,13 @@ class _RemoteShm(SharedMemory):
                 with contextlib.suppress(ServeError):  # (gone since: the next push says)
                     SharedMemory.register(self, r["name"], r["key"], r["offset"], r["byte_size"])
 
+    def register_cuda(self, name: Any, raw_handle: Any, device_id: Any, byte_size: Any) -> None:
+        self._check_enabled("CUDA")
+        raise ServeError(
+            "CUDA shared memory is served without --frontend-processes (the engine's process "
+            "holds the GPU; front-end processes do not)"
+        )
+
 
 class RemoteCore:
     """What the HTTP and gRPC services need of a ServerCore, answered by the engine process

@@ -38,7 +38,7 @@ from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile
 from tensorkiln.engine import Engine
 from tensorkiln.engine.engine import TensorSpec
 from tensorkiln.errors import InputError, ModelLoadError, TensorkilnError
-from tensorkiln.serve import protocol
+from tensorkiln.serve import cuda_shm, protocol
 from tensorkiln.serve.batcher import split_rows
 from tensorkiln.serve.repository import ModelEntry, ModelVersion
 from tensorkiln.version import __version__
@@ -138,7 +138,7 @@ class ServedModel:
         batch = None
         for name, (datatype, dims) in self.inputs.items():
             x = feeds[name]
-            if protocol.datatype_of(x.dtype) != datatype:
+            if protocol.datatype_of(x.dtype) != datatype:  # (numpy, or torch: CUDA memory)
                 got = protocol.datatype_of(x.dtype) or str(x.dtype)
                 raise InputError(
                     f"model '{self.name}': input '{name}' is {datatype}, the request gives {got}"
@@ -177,11 +177,18 @@ class ServedModel:
         their rows joined, padded up to the next graph batch size, and the outputs split back.
         On a GPU the rows are joined in page-locked memory, which the upload reads at full
         speed; the buffer is the calling thread's own, reused by its next batch."""
+        if not self._pinned and any(_on_device(r) for r in requests):
+            # (a host engine given tensors in CUDA shared memory reads them on the host)
+            requests = [{n: cuda_shm.host(x) for n, x in r.items()} for r in requests]
         if self.max_batch_size <= 0:  # (no batch dimension: one request, as it is)
             return [self._run(dict(r)) for r in requests]
         rows = [next(iter(r.values())).shape[0] for r in requests]
         total = sum(rows)
         size = next((b for b in self.graph_batches if b >= total), total)
+        if _on_device(requests[0]):  # (tensors in CUDA shared memory: joined on the GPU)
+            if len(requests) == 1 and size == total:
+                return [self._run(dict(requests[0]))]
+            return split_rows(self._run(_joined_on_device(requests, size - total)), rows)
         # (one request, no padding: its own arrays go to the engine, on a GPU where they lie
         # in page-locked memory already, a request received into the pinned pool; others are
         # joined in the staging buffer there, which the upload reads asynchronously)
@@ -201,7 +208,10 @@ class ServedModel:
             out = ctx.infer(feeds)
         finally:
             self._contexts.put(ctx)
-        return {n: np.asarray(out[n]) for n in self.outputs}
+        # (outputs stay on the GPU where the inputs came from it: CUDA shared memory)
+        return {
+            n: out[n] if hasattr(out[n], "is_cuda") else np.asarray(out[n]) for n in self.outputs
+        }
 
     def _staging(self, name: str, dtype: np.dtype, inner: tuple[int, ...]) -> np.ndarray:
         """This thread's buffer of max_batch_size rows for input ``name``."""
@@ -222,6 +232,27 @@ class ServedModel:
                 buf = np.empty(shape, dtype)
             held[key] = buf
         return buf
+
+
+def _on_device(feeds: Mapping[str, Any]) -> bool:
+    """Whether ``feeds`` are GPU tensors (a request whose inputs are in CUDA shared memory; a
+    request is all one kind, as the batcher keys requests by their dtypes)."""
+    return any(not isinstance(x, np.ndarray) for x in feeds.values())
+
+
+def _joined_on_device(requests: list[Mapping[str, Any]], padding: int) -> dict[str, Any]:
+    """The requests' rows joined on the GPU (any on the host moved there), ``padding`` zero
+    rows after them."""
+    import torch  # lazy: torch is optional (tensors on a GPU come with it)
+
+    first = next(x for x in requests[0].values() if not isinstance(x, np.ndarray))
+    feeds = {}
+    for name in requests[0]:
+        parts = [torch.as_tensor(r[name], device=first.device) for r in requests]
+        if padding:
+            parts.append(parts[0].new_zeros((padding, *parts[0].shape[1:])))
+        feeds[name] = torch.cat(parts)
+    return feeds
 
 
 def _page_locked(feeds: Mapping[str, np.ndarray]) -> bool:

@@ -49,6 +49,8 @@ _NUMPY = {
     "FP64": np.float64,
 }
 _DATATYPES = {np.dtype(t): name for name, t in _NUMPY.items()}
+# (a GPU engine's outputs, and inputs in CUDA shared memory, are torch tensors)
+_TORCH = {f"torch.{np.dtype(t).name}": name for name, t in _NUMPY.items()} | {"torch.bool": "BOOL"}
 
 
 @cache
@@ -94,8 +96,12 @@ def numpy_dtype(datatype: str) -> np.dtype | None:
     return None if t is None else np.dtype(t)
 
 
-def datatype_of(dtype: np.dtype) -> str | None:
-    """The protocol datatype of a numpy dtype, or None where the protocol has none."""
+def datatype_of(dtype: Any) -> str | None:
+    """The protocol datatype of a numpy (or torch) dtype, or None where the protocol has none."""
+    if not isinstance(dtype, np.dtype):
+        named = _TORCH.get(str(dtype))
+        if named is not None or str(dtype).startswith("torch."):
+            return named
     return _DATATYPES.get(np.dtype(dtype))
 
 

@@ -8,6 +8,9 @@ into it, so the extension is off unless the server is started with
 /dev/shm without following links; the object must be a regular file holding the whole region,
 and regions are bounded in size and number. Input bytes are copied out of the region when the
 request is read, so a region can be unregistered or rewritten at any time after.
+
+CUDA shared-memory regions (serve/cuda_shm.py) are kept here too, in the same namespace as in
+Triton: a region name is either kind's, and a request's tensors may name either.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from tensorkiln.serve import cuda_shm
 from tensorkiln.serve.protocol import ServeError
 
 SHM_DIR = "/dev/shm"
@@ -47,34 +51,38 @@ class _Region:
                 "byte_size": self.byte_size}  # fmt: skip
 
 
+@dataclass
+class _CudaRegion:
+    name: str
+    device_id: int
+    byte_size: int
+    memory: Any  # a uint8 torch tensor over the client's GPU memory
+
+    def status(self) -> dict[str, Any]:
+        return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
+
+
 class SharedMemory:
-    """The server's registered system shared-memory regions."""
+    """The server's registered system (and CUDA) shared-memory regions."""
 
     def __init__(self, enabled: bool = False) -> None:
         self.enabled = enabled
         self._regions: dict[str, _Region] = {}
         self._lock = threading.Lock()
 
-    def _check_enabled(self) -> None:
+    def _check_enabled(self, kind: str = "system") -> None:
         if not self.enabled:
             raise ServeError(
-                "system shared memory is off on this server (start it with "
+                f"{kind} shared memory is off on this server (start it with "
                 "--allow-shared-memory true)",
                 400,
             )
 
-    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
-        """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
-        self._check_enabled()
+    def _check_new(self, name: Any, byte_size: Any) -> None:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ServeError(f"region name {str(name)[:60]!r} must be letters, digits, '_-.'")
-        if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
-            raise ServeError(
-                f"shared-memory key {str(key)[:60]!r} must be an object name such as '/input0'"
-            )
-        for what, v in (("offset", offset), ("byte_size", byte_size)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ServeError(f"region '{name}': {what} must be a byte count")
+        if not isinstance(byte_size, int) or isinstance(byte_size, bool) or byte_size < 0:
+            raise ServeError(f"region '{name}': byte_size must be a byte count")
         if not 0 < byte_size <= MAX_REGION_BYTES:
             raise ServeError(
                 f"region '{name}': byte_size {byte_size:,} must be 1 to {MAX_REGION_BYTES:,}"
@@ -84,6 +92,23 @@ class SharedMemory:
                 raise ServeError(f"region '{name}' is already registered", 400)
             if len(self._regions) >= MAX_REGIONS:
                 raise ServeError(f"{MAX_REGIONS} regions are registered already", 400)
+
+    def _add(self, region: Any) -> None:
+        with self._lock:
+            if region.name in self._regions:  # (registered meanwhile)
+                raise ServeError(f"region '{region.name}' is already registered", 400)
+            self._regions[region.name] = region
+
+    def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
+        """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
+        self._check_enabled()
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
+            raise ServeError(f"region '{name}': offset must be a byte count")
+        self._check_new(name, byte_size)
+        if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
+            raise ServeError(
+                f"shared-memory key {str(key)[:60]!r} must be an object name such as '/input0'"
+            )
         path = os.path.join(SHM_DIR, key.strip("/"))
         try:
             fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -103,47 +128,67 @@ class SharedMemory:
             memory = mmap.mmap(fd, st.st_size)
         finally:
             os.close(fd)
-        with self._lock:
-            if name in self._regions:  # (registered meanwhile)
-                memory.close()
-                raise ServeError(f"region '{name}' is already registered", 400)
-            self._regions[name] = _Region(name, key, offset, byte_size, memory)
+        try:
+            self._add(_Region(name, key, offset, byte_size, memory))
+        except ServeError:
+            memory.close()
+            raise
 
-    def unregister(self, name: str | None = None) -> None:
-        """Forget region ``name`` (every region when None); unknown names are no error, as in
-        Triton."""
-        self._check_enabled()
-        self._forget(name)
+    def register_cuda(self, name: Any, raw_handle: Any, device_id: Any, byte_size: Any) -> None:
+        """Open the GPU memory a client exported (``raw_handle``, its CUDA IPC handle) on
+        device ``device_id``, ``byte_size`` bytes of it, as region ``name``."""
+        self._check_enabled("CUDA")
+        self._check_new(name, byte_size)
+        memory = cuda_shm.open_region(name, raw_handle, device_id, byte_size)
+        self._add(_CudaRegion(name, device_id, byte_size, memory))
 
-    def _forget(self, name: str | None) -> None:
+    def unregister(self, name: str | None = None, kind: type = _Region) -> None:
+        """Forget region ``name`` of ``kind`` (every such region when None); unknown names are
+        no error, as in Triton."""
+        self._check_enabled("system" if kind is _Region else "CUDA")
+        self._forget(name, kind)
+
+    def unregister_cuda(self, name: str | None = None) -> None:
+        self.unregister(name, _CudaRegion)
+
+    def _forget(self, name: str | None, kind: type | None = _Region) -> None:
         with self._lock:
-            gone = list(self._regions.values()) if not name else [self._regions.pop(name, None)]
-            if not name:
-                self._regions.clear()
+            gone = [
+                r for n, r in self._regions.items()
+                if (not name or n == name) and (kind is None or isinstance(r, kind))
+            ]  # fmt: skip
+            for r in gone:
+                del self._regions[r.name]
         for r in gone:
-            if r is not None:
+            if isinstance(r, _Region):
                 with contextlib.suppress(BufferError):  # (an array still views it: freed with it)
                     r.memory.close()
+            # (a CUDA region is closed when the last tensor viewing it is gone)
 
     def names(self) -> list[str]:
         with self._lock:
-            return list(self._regions)
+            return [n for n, r in self._regions.items() if isinstance(r, _Region)]
 
     def registrations(self) -> list[dict[str, Any]]:
-        """Every registered region's status (also where the extension is off: none)."""
+        """Every registered system region's status (also where the extension is off: none)."""
         with self._lock:
-            return [r.status() for r in self._regions.values()]
+            return [r.status() for r in self._regions.values() if isinstance(r, _Region)]
 
-    def status(self, name: str | None = None) -> list[dict[str, Any]]:
-        self._check_enabled()
+    def status(self, name: str | None = None, kind: type = _Region) -> list[dict[str, Any]]:
+        what = "system" if kind is _Region else "CUDA"
+        self._check_enabled(what)
         with self._lock:
             if name:
-                if name not in self._regions:
-                    raise ServeError(f"no shared-memory region '{name}' is registered", 400)
-                return [self._regions[name].status()]
-            return [r.status() for r in self._regions.values()]
+                r = self._regions.get(name)
+                if not isinstance(r, kind):
+                    raise ServeError(f"no {what} shared-memory region '{name}' is registered", 400)
+                return [r.status()]
+            return [r.status() for r in self._regions.values() if isinstance(r, kind)]
 
-    def _span(self, name: Any, offset: Any, byte_size: Any, what: str) -> tuple[_Region, int]:
+    def cuda_status(self, name: str | None = None) -> list[dict[str, Any]]:
+        return self.status(name, _CudaRegion)
+
+    def _span(self, name: Any, offset: Any, byte_size: Any, what: str) -> tuple[Any, int]:
         self._check_enabled()
         if not isinstance(name, str):
             raise ServeError(f"{what}: shared_memory_region must be a region name")
@@ -159,11 +204,12 @@ class SharedMemory:
                 f"{what}: offset {offset:,} + {byte_size:,} bytes is past the end of region "
                 f"'{name}' ({region.byte_size:,} bytes)"
             )
-        return region, region.offset + offset
+        return region, getattr(region, "offset", 0) + offset
 
     def read(self, name: Any, offset: Any, byte_size: Any, dtype: np.dtype,
              shape: tuple[int, ...], what: str) -> np.ndarray:  # fmt: skip
-        """An input's tensor, copied out of its region (its byte count checked)."""
+        """An input's tensor, copied out of its system region (its byte count checked), or a
+        view of its CUDA region's GPU memory (a torch tensor)."""
         region, start = self._span(name, offset, byte_size, what)
         want = math.prod(shape) * dtype.itemsize
         if byte_size != want:
@@ -171,18 +217,25 @@ class SharedMemory:
                 f"{what}: shared_memory_byte_size is {byte_size:,}; shape {list(shape)} of "
                 f"{dtype} takes {want:,}"
             )
+        if isinstance(region, _CudaRegion):
+            return cuda_shm.view(region.memory, start, dtype, shape, what)
         view = np.frombuffer(region.memory, dtype, math.prod(shape), start)
         return view.reshape(shape).copy()
 
     def write(self, name: Any, offset: Any, byte_size: Any, data: np.ndarray, what: str) -> None:
-        """An output's tensor into its region (it must fit in ``byte_size``)."""
+        """An output's tensor (a numpy array, or a torch tensor of a GPU engine's) into its
+        region (it must fit in ``byte_size``)."""
         region, start = self._span(name, offset, byte_size, what)
-        raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        if raw.size > byte_size:
+        nbytes = data.nbytes  # (numpy and torch alike)
+        if nbytes > byte_size:
             raise ServeError(
-                f"{what}: the output takes {raw.size:,} bytes, over the "
+                f"{what}: the output takes {nbytes:,} bytes, over the "
                 f"shared_memory_byte_size of {byte_size:,}"
             )
+        if isinstance(region, _CudaRegion):
+            cuda_shm.write(region.memory, start, data)
+            return
+        raw = np.ascontiguousarray(cuda_shm.host(data)).reshape(-1).view(np.uint8)
         np.frombuffer(region.memory, np.uint8, raw.size, start)[:] = raw
 
     def input_from(self, params: Mapping[str, Any], name: str, dtype: np.dtype,
@@ -207,7 +260,7 @@ class SharedMemory:
         return params
 
     def close(self) -> None:
-        self._forget(None)
+        self._forget(None, None)
 
 
 def output_target(params: Mapping[str, Any]) -> tuple | None:

@@ -1,0 +1,145 @@
+"""Triton's CUDA shared-memory extension, where no client GPU memory is at hand: the extension
+off by default, malformed registrations refused with messages naming them (over HTTP and gRPC,
+with tritonclient's own calls), status and unregister of CUDA regions, and front-end processes
+refusing it. The inference path with real GPU memory is tests/gpu/test_serve_gpu.py's."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+
+httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
+
+from tensorkiln.serve import link  # noqa: E402
+from tensorkiln.serve.protocol import ServeError, datatype_of  # noqa: E402
+from tensorkiln.serve.shm import SharedMemory  # noqa: E402
+from tests.serve import test_grpc, test_http  # noqa: E402
+from tests.serve.test_repository import _model  # noqa: E402
+
+
+def _handle() -> bytes:
+    return os.urandom(64)  # (no GPU allocation's: the driver refuses it, or there is none)
+
+
+def test_cuda_shared_memory_is_off_unless_asked_for() -> None:
+    with pytest.raises(ServeError, match=r"CUDA shared memory is off.*--allow-shared-memory"):
+        SharedMemory().register_cuda("r", _handle(), 0, 64)
+    with pytest.raises(ServeError, match="CUDA shared memory is off"):
+        SharedMemory().cuda_status()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("r", b"short", 0, 64), "raw_handle must be the 64 bytes.*gives 5 bytes"),
+        (("r", "x" * 64, 0, 64), "raw_handle must be the 64 bytes.*gives no bytes"),
+        (("bad/name", _handle(), 0, 64), "must be letters, digits"),
+        (("r", _handle(), 0, 0), "byte_size 0 must be 1"),
+        (("r", _handle(), 0, -5), "byte_size must be a byte count"),
+        (("r", _handle(), 0, 1 << 40), "must be 1 to"),
+        # (a handle no driver knows: refused by the driver, or by the want of one)
+        (("r", _handle(), 0, 64), r"region 'r'.*cannot be opened|needs a GPU and its driver"),
+        (("r", _handle(), 9999, 64), r"device_id 9999 is not one of|needs a GPU and its driver"),
+    ],
+)
+def test_malformed_registrations_are_refused(args, message) -> None:
+    regions = SharedMemory(enabled=True)
+    with pytest.raises(ServeError, match=message) as caught:
+        regions.register_cuda(*args)
+    assert caught.value.status == 400
+    assert regions.cuda_status() == [] and regions.registrations() == []
+
+
+def test_cuda_and_system_regions_share_one_namespace(tmp_path) -> None:
+    regions = SharedMemory(enabled=True)
+    key = f"tk_cuda_ns_{os.getpid()}"
+    with open(f"/dev/shm/{key}", "wb") as f:
+        f.write(os.urandom(256))
+    try:
+        regions.register("r", key, 0, 256)
+        with pytest.raises(ServeError, match="'r' is already registered"):
+            regions.register_cuda("r", _handle(), 0, 64)
+        with pytest.raises(ServeError, match="no CUDA shared-memory region 'r'"):
+            regions.cuda_status("r")
+        regions.unregister_cuda("r")  # (a system region: CUDA's unregister leaves it)
+        assert [r["name"] for r in regions.status()] == ["r"]
+        regions.unregister_cuda()
+        assert regions.names() == ["r"]
+    finally:
+        regions.close()
+        os.unlink(f"/dev/shm/{key}")
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_tritonclient_registration_errors_name_the_problem(tmp_path, protocol) -> None:
+    _model(tmp_path)
+    module, serving = (
+        (httpclient, test_http.serving) if protocol == "http" else (grpcclient, test_grpc.serving)
+    )
+    with serving(tmp_path, shared_memory=True) as (url, _):
+        client = module.InferenceServerClient(url)
+        # tritonclient takes the handle in base64 (cuda_shared_memory.get_raw_handle's form)
+        for raw, size, message in [
+            (base64.b64encode(b"x" * 10), 64, "raw_handle must be the 64 bytes"),
+            (base64.b64encode(_handle()), 64, "cannot be opened|needs a GPU"),
+            (base64.b64encode(_handle()), 0, "byte_size 0"),
+        ]:
+            with pytest.raises(Exception, match=message):
+                client.register_cuda_shared_memory("r", raw, 0, size)
+        status = client.get_cuda_shared_memory_status(
+            **({"as_json": True} if protocol == "grpc" else {})
+        )
+        assert not (status if protocol == "http" else status.get("regions"))
+        with pytest.raises(Exception, match="no CUDA shared-memory region 'r'"):
+            client.get_cuda_shared_memory_status("r")
+        client.unregister_cuda_shared_memory()  # (none registered: no error, as in Triton)
+        client.unregister_cuda_shared_memory("r")
+        # an input naming a region nobody registered never reaches the engine
+        inp = module.InferInput("input", [1, 1, 8, 8], "FP32")
+        inp.set_shared_memory("r", 256)
+        with pytest.raises(Exception, match="no shared-memory region 'r'"):
+            client.infer("digits", [inp])
+        assert client.is_server_live()
+
+
+def test_http_registration_bodies_are_checked(tmp_path) -> None:
+    _model(tmp_path)
+    with test_http.serving(tmp_path, shared_memory=True) as (url, _):
+        for body, message in [
+            ({"raw_handle": "abc", "byte_size": 64}, b'raw_handle must be {\\"b64\\"'),
+            ({"raw_handle": {"b64": "%%%"}, "byte_size": 64}, b"raw_handle must be"),
+            ({"raw_handle": {"b64": 5}, "byte_size": 64}, b"raw_handle must be"),
+            ([1, 2], b"must be a JSON object"),
+            ({"raw_handle": {"b64": "A" * 8000}}, b"at most 4,096 bytes"),
+        ]:
+            req = urllib.request.Request(
+                f"http://{url}/v2/cudasharedmemory/region/r/register",
+                json.dumps(body).encode(), method="POST",
+            )  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as caught:
+                urllib.request.urlopen(req, timeout=30)
+            assert caught.value.code == 400
+            assert message in caught.value.read()
+
+
+def test_front_end_processes_refuse_cuda_shared_memory() -> None:
+    remote = link.RemoteCore(shared_memory=True)
+    with pytest.raises(ServeError, match="without --frontend-processes"):
+        remote.shm.register_cuda("r", _handle(), 0, 64)
+    with pytest.raises(ServeError, match="CUDA shared memory is off"):
+        link.RemoteCore(shared_memory=False).shm.register_cuda("r", _handle(), 0, 64)
+
+
+def test_torch_dtypes_have_their_protocol_datatypes() -> None:
+    torch = pytest.importorskip("torch")
+    for dtype in (np.float32, np.float16, np.int64, np.int8, np.uint8, np.bool_, np.float64):
+        t = torch.from_numpy(np.zeros(1, dtype))
+        assert datatype_of(t.dtype) == datatype_of(np.dtype(dtype)) is not None
+    assert datatype_of(torch.bfloat16) is None  # (no numpy twin: such an output is refused)
