@@ -13,9 +13,10 @@ concurrency, and where the tensors travel: in the message, or with ``:cuda`` / `
 Triton's shared memory) is driven against each tree in turn, every round. Printed: perf_analyzer's
 throughput and p50 latency. ``--cpp-stand-in`` adds, every round, the p50 at concurrency 1 of
 gRPC C++ answering with a recorded response (benchmarks/grpc_floor.py's stand-in: the
-protocol's floor on this host), and the end adds the in-process run back to back and at the gaps
-a concurrency-1 client leaves: numpy in and out, and GPU tensors in and out (the peer of a
-client whose tensors are in CUDA shared memory).
+protocol's floor on this host; with the tensors where the concurrency-1 loads put them), and
+the end adds the in-process run back to back and at the gaps a concurrency-1 client leaves:
+numpy in and out, and GPU tensors in and out (the peer of a client whose tensors are in CUDA
+shared memory).
 """
 
 from __future__ import annotations
@@ -138,6 +139,8 @@ def main() -> None:
                 check=True,
             )  # fmt: skip
         stand_in_port = _free_port()
+        # (the floor where the concurrency-1 loads' tensors travel)
+        floor_modes = sorted({shm for _, c, shm in loads if c == 1}, reverse=True) or ["none"]
         for round_ in range(1, args.rounds + 1):
             for model, concurrency, shm in loads:
                 for label, (_, port) in servers.items():
@@ -148,17 +151,13 @@ def main() -> None:
                     print(
                         f"round {round_}: {model} c{concurrency}{where} {label}: {said}", flush=True
                     )
-            if args.cpp_stand_in:
+            for shm in floor_modes if args.cpp_stand_in else ():
                 with stand_in([args.cpp_stand_in, str(recorded), str(stand_in_port)]):
                     said = _perf(
-                        args.perf_analyzer,
-                        "resnet50_b1",
-                        stand_in_port,
-                        1,
-                        args.interval_ms,
-                        "none",
+                        args.perf_analyzer, "resnet50_b1", stand_in_port, 1, args.interval_ms, shm
                     )
-                print(f"round {round_}: resnet50_b1 c1 bare C++ gRPC: {said}", flush=True)
+                where = "" if shm == "none" else f" ({shm} shared memory)"
+                print(f"round {round_}: resnet50_b1 c1{where} bare C++ gRPC: {said}", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()

@@ -1,8 +1,9 @@
 // grpc_floor.py's C++ stand-in: a bare KServe v2 gRPC service (gRPC C++'s synchronous server)
 // that answers ModelInfer with a response recorded from the real server (the request's raw
 // contents are walked, as a server reads them; no model, no checks), the metadata and config
-// with the real server's, and statistics that count its requests, as the Python stand-ins do.
-// What a gRPC server costs when its protocol work is not in Python.
+// with the real server's, and statistics that count its requests, as the Python stand-ins do;
+// shared-memory registrations are accepted (a client with its tensors there sends small
+// requests). What a gRPC server costs when its protocol work is not in Python.
 //   grpc_floor_stand_in RECORDED PORT     (build: benchmarks/grpc_floor_cpp/build.sh)
 #include <grpcpp/grpcpp.h>
 
@@ -80,6 +81,20 @@ class StandIn final : public inf::GRPCInferenceService::Service {
     served_++;
     return Status::OK;
   }
+  // Shared-memory registrations are accepted and forgotten: a client whose tensors are in
+  // shared memory sends requests without them, and the recorded answer goes back as it is.
+#define TK_ACCEPT(rpc)                                                          \
+  Status rpc(ServerContext*, const inf::rpc##Request*, inf::rpc##Response*) override { \
+    return Status::OK;                                                          \
+  }
+  TK_ACCEPT(SystemSharedMemoryRegister)
+  TK_ACCEPT(SystemSharedMemoryUnregister)
+  TK_ACCEPT(SystemSharedMemoryStatus)
+  TK_ACCEPT(CudaSharedMemoryRegister)
+  TK_ACCEPT(CudaSharedMemoryUnregister)
+  TK_ACCEPT(CudaSharedMemoryStatus)
+#undef TK_ACCEPT
+
   Status ModelStatistics(ServerContext*, const inf::ModelStatisticsRequest* request,
                          inf::ModelStatisticsResponse* reply) override {
     const long n = served_.load();
