@@ -16,6 +16,7 @@ server is started with ``--allow-shared-memory true``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -106,12 +107,14 @@ class _Opened:
             "shape": (byte_size,), "typestr": "|u1", "data": (ptr, False), "version": 3,
             "strides": None,
         }  # fmt: skip
-        weakref.finalize(self, _close, ptr, device_id)
+        # (not at exit: the process's mappings go with it, and the driver may be shut down)
+        weakref.finalize(self, _close, ptr, device_id).atexit = False
 
 
 def _close(ptr: int, device_id: int) -> None:
     d = _driver()
-    d.in_context(device_id, lambda: d.cuIpcCloseMemHandle(ptr))
+    with contextlib.suppress(ServeError):  # (a context gone already: nothing left to close)
+        d.in_context(device_id, lambda: d.cuIpcCloseMemHandle(ptr))
 
 
 def open_region(name: str, raw_handle: Any, device_id: Any, byte_size: int) -> Any:
@@ -140,7 +143,9 @@ def open_region(name: str, raw_handle: Any, device_id: Any, byte_size: int) -> A
         ptr = ctypes.c_uint64()
         d.check(
             d.cuIpcOpenMemHandle_v2(
-                ctypes.byref(ptr), _Handle.from_buffer_copy(bytes(raw_handle)), _LAZY_ENABLE_PEER_ACCESS
+                ctypes.byref(ptr),
+                _Handle.from_buffer_copy(bytes(raw_handle)),
+                _LAZY_ENABLE_PEER_ACCESS,
             ),
             f"region '{name}': the CUDA IPC handle cannot be opened (cuIpcOpenMemHandle)",
         )
