@@ -53,9 +53,9 @@ class _Request:
     key: tuple = field(init=False)
 
     def __post_init__(self) -> None:
-        # (a torch dtype, of a tensor in CUDA shared memory, has no .str: never a numpy key)
+        # (a tensor in CUDA shared memory has a torch dtype: never a numpy array's key)
         self.key = tuple(
-            (n, getattr(x.dtype, "str", str(x.dtype)), tuple(x.shape[1:]))
+            (n, x.dtype.str if isinstance(x, np.ndarray) else str(x.dtype), x.shape[1:])
             for n, x in sorted(self.feeds.items())
         )
 

@@ -18,6 +18,8 @@ _MAX_VARINT = 10  # bytes of a 64-bit varint
 def _varint(buf: memoryview, i: int, n: int) -> tuple[int, int] | None:
     """The varint at ``buf[i]`` and the index after it; None where it runs past ``n`` or is
     longer than 64 bits allow."""
+    if i < n and buf[i] < 0x80:  # (one byte: every tag and most lengths here)
+        return buf[i], i + 1
     value = shift = 0
     for j in range(i, min(n, i + _MAX_VARINT)):
         byte = buf[j]
