@@ -143,3 +143,78 @@ def test_torch_dtypes_have_their_protocol_datatypes() -> None:
         t = torch.from_numpy(np.zeros(1, dtype))
         assert datatype_of(t.dtype) == datatype_of(np.dtype(dtype)) is not None
     assert datatype_of(torch.bfloat16) is None  # (no numpy twin: such an output is refused)
+
+
+# ---------------------------------------------------------------------- tensors, not arrays
+# (on a GPU server a request in CUDA shared memory brings torch tensors and a GPU engine returns
+# them; these paths are checked here with torch tensors on the CPU against numpy runs)
+
+
+def test_tensor_requests_to_a_host_engine_run_on_the_host(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from tests.serve.test_batcher import _served_digits
+
+    served, requests = _served_digits(tmp_path, 3)
+    tensors = [{"input": torch.from_numpy(r["input"].copy())} for r in requests]
+    assert served.check(tensors[0]) == requests[0]["input"].shape[0]
+    for r, t in zip(requests, tensors):
+        np.testing.assert_array_equal(served.infer(t)["logits"], served.infer(r)["logits"])
+    joined = served.infer_batch(tensors)
+    for r, got in zip(requests, joined):
+        assert isinstance(got["logits"], np.ndarray)
+        np.testing.assert_allclose(got["logits"], served.infer(r)["logits"], rtol=1e-5, atol=1e-5)
+    bad = {"input": torch.zeros((1, 1, 8, 8), dtype=torch.float64)}
+    with pytest.raises(Exception, match="input 'input' is FP32, the request gives FP64"):
+        served.check(bad)
+
+
+def test_tensor_and_array_requests_never_share_a_run(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from tensorkiln.serve.batcher import DynamicBatcher
+    from tests.serve.test_batcher import _run_all, _served_digits
+
+    served, requests = _served_digits(tmp_path, 16)
+    seen: list[set] = []
+
+    def run(batch):
+        seen.append({type(r["input"]) for r in batch})
+        return served.infer_batch(batch)
+
+    feeds = [
+        {"input": torch.from_numpy(r["input"].copy())} if i % 2 else r
+        for i, r in enumerate(requests)
+    ]
+    results = _run_all(DynamicBatcher(run, max_batch=16, max_delay_s=0.05, workers=2), feeds)
+    for r, got in zip(requests, results):
+        np.testing.assert_allclose(got["logits"], served.infer(r)["logits"], rtol=1e-5, atol=1e-5)
+    assert all(len(kinds) == 1 for kinds in seen) and len(seen) >= 2
+
+
+def test_split_rows_and_system_regions_take_tensors(tmp_path) -> None:
+    torch = pytest.importorskip("torch")
+    from tensorkiln.serve.batcher import split_rows
+
+    y = np.random.default_rng().standard_normal((5, 10)).astype(np.float32)
+    parts = split_rows({"y": torch.from_numpy(y)}, [2, 3])
+    for got, want in zip(parts, (y[:2], y[2:])):
+        assert isinstance(got["y"], torch.Tensor) and got["y"].is_contiguous()
+        np.testing.assert_array_equal(got["y"].numpy(), want)
+    regions = SharedMemory(enabled=True)
+    key = f"tk_cuda_tensor_{os.getpid()}"
+    with open(f"/dev/shm/{key}", "wb") as f:
+        f.write(os.urandom(256))
+    try:
+        regions.register("out", key, 0, 256)
+        params = regions.output_to(("out", 16, 200), "y", torch.from_numpy(y[:4]))
+        assert params == {
+            "shared_memory_region": "out", "shared_memory_byte_size": 160,
+            "shared_memory_offset": 16,
+        }  # fmt: skip
+        with open(f"/dev/shm/{key}", "rb") as f:
+            written = np.frombuffer(f.read()[16:176], np.float32).reshape(4, 10)
+        np.testing.assert_array_equal(written, y[:4])
+        with pytest.raises(ServeError, match="takes 200 bytes, over the shared_memory_byte_size"):
+            regions.output_to(("out", 0, 160), "y", torch.from_numpy(y))
+    finally:
+        regions.close()
+        os.unlink(f"/dev/shm/{key}")
