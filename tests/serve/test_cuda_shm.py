@@ -10,6 +10,7 @@ import json
 import os
 import urllib.error
 import urllib.request
+import uuid
 
 import numpy as np
 import pytest
@@ -57,24 +58,30 @@ def test_malformed_registrations_are_refused(args, message) -> None:
     assert regions.cuda_status() == [] and regions.registrations() == []
 
 
-def test_cuda_and_system_regions_share_one_namespace(tmp_path) -> None:
+@pytest.fixture
+def system_object():
+    """Regions with the extension on, and the key of a 256-byte shared-memory object of random
+    bytes; both gone after the test."""
     regions = SharedMemory(enabled=True)
-    key = f"tk_cuda_ns_{os.getpid()}"
+    key = f"tk_cuda_test_{uuid.uuid4().hex[:8]}"
     with open(f"/dev/shm/{key}", "wb") as f:
         f.write(os.urandom(256))
-    try:
-        regions.register("r", key, 0, 256)
-        with pytest.raises(ServeError, match="'r' is already registered"):
-            regions.register_cuda("r", _handle(), 0, 64)
-        with pytest.raises(ServeError, match="no CUDA shared-memory region 'r'"):
-            regions.cuda_status("r")
-        regions.unregister_cuda("r")  # (a system region: CUDA's unregister leaves it)
-        assert [r["name"] for r in regions.status()] == ["r"]
-        regions.unregister_cuda()
-        assert regions.names() == ["r"]
-    finally:
-        regions.close()
-        os.unlink(f"/dev/shm/{key}")
+    yield regions, key
+    regions.close()
+    os.unlink(f"/dev/shm/{key}")
+
+
+def test_cuda_and_system_regions_share_one_namespace(system_object) -> None:
+    regions, key = system_object
+    regions.register("r", key, 0, 256)
+    with pytest.raises(ServeError, match="'r' is already registered"):
+        regions.register_cuda("r", _handle(), 0, 64)
+    with pytest.raises(ServeError, match="no CUDA shared-memory region 'r'"):
+        regions.cuda_status("r")
+    regions.unregister_cuda("r")  # (a system region: CUDA's unregister leaves it)
+    assert [r["name"] for r in regions.status()] == ["r"]
+    regions.unregister_cuda()
+    assert regions.names() == ["r"]
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
@@ -190,7 +197,7 @@ def test_tensor_and_array_requests_never_share_a_run(tmp_path) -> None:
     assert all(len(kinds) == 1 for kinds in seen) and len(seen) >= 2
 
 
-def test_split_rows_and_system_regions_take_tensors(tmp_path) -> None:
+def test_split_rows_and_system_regions_take_tensors(system_object) -> None:
     torch = pytest.importorskip("torch")
     from tensorkiln.serve.batcher import split_rows
 
@@ -199,22 +206,14 @@ def test_split_rows_and_system_regions_take_tensors(tmp_path) -> None:
     for got, want in zip(parts, (y[:2], y[2:])):
         assert isinstance(got["y"], torch.Tensor) and got["y"].is_contiguous()
         np.testing.assert_array_equal(got["y"].numpy(), want)
-    regions = SharedMemory(enabled=True)
-    key = f"tk_cuda_tensor_{os.getpid()}"
-    with open(f"/dev/shm/{key}", "wb") as f:
-        f.write(os.urandom(256))
-    try:
-        regions.register("out", key, 0, 256)
-        params = regions.output_to(("out", 16, 200), "y", torch.from_numpy(y[:4]))
-        assert params == {
-            "shared_memory_region": "out", "shared_memory_byte_size": 160,
-            "shared_memory_offset": 16,
-        }  # fmt: skip
-        with open(f"/dev/shm/{key}", "rb") as f:
-            written = np.frombuffer(f.read()[16:176], np.float32).reshape(4, 10)
-        np.testing.assert_array_equal(written, y[:4])
-        with pytest.raises(ServeError, match="takes 200 bytes, over the shared_memory_byte_size"):
-            regions.output_to(("out", 0, 160), "y", torch.from_numpy(y))
-    finally:
-        regions.close()
-        os.unlink(f"/dev/shm/{key}")
+    regions, key = system_object
+    regions.register("out", key, 0, 256)
+    params = regions.output_to(("out", 16, 200), "y", torch.from_numpy(y[:4]))
+    assert params == {
+        "shared_memory_region": "out", "shared_memory_byte_size": 160, "shared_memory_offset": 16,
+    }  # fmt: skip
+    with open(f"/dev/shm/{key}", "rb") as f:
+        written = np.frombuffer(f.read()[16:176], np.float32).reshape(4, 10)
+    np.testing.assert_array_equal(written, y[:4])
+    with pytest.raises(ServeError, match="takes 200 bytes, over the shared_memory_byte_size"):
+        regions.output_to(("out", 0, 160), "y", torch.from_numpy(y))
