@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
 import statistics
 import sys
 import tempfile
@@ -48,12 +49,14 @@ STAGES = (
 
 class Trace:
     """Timestamps of every inference request, taken by wrappers around the native transport's
-    wake-up and dispatch, the core's infer and tk_reply (one request at a time: concurrency 1)."""
+    wake-up and dispatch, the core's infer and tk_reply. A request's record travels with the
+    task that answers it (a context variable, which the task copies when it is made), so calls
+    that overlap it (perf_analyzer's statistics) leave it whole."""
 
     def __init__(self) -> None:
         self.records: list[dict[str, float]] = []
         self._wake = 0.0
-        self._current: dict[str, float] | None = None
+        self._current: contextvars.ContextVar = contextvars.ContextVar("request", default=None)
 
     def install(self, core, native) -> None:
         trace, now = self, time.perf_counter
@@ -64,17 +67,17 @@ class Trace:
             return take(server_self, server)
 
         def timed_dispatch(server_self, call, name, data, streaming):
+            record = None  # (perf_analyzer's statistics and metadata calls: not traced)
             if name.endswith("/ModelInfer"):
-                trace._current = {"wake": trace._wake, "dispatch": now()}
-                trace.records.append(trace._current)
-            else:  # (perf_analyzer's statistics and metadata calls: not traced)
-                trace._current = None
+                record = {"wake": trace._wake, "dispatch": now()}
+                trace.records.append(record)
+            trace._current.set(record)  # (the task made in dispatch takes it along)
             return dispatch(server_self, call, name, data, streaming)
 
         infer = core.infer
 
         async def timed_infer(*args, **kw):
-            record = trace._current
+            record = trace._current.get()
             if record is not None:
                 record["infer_start"] = now()
             try:
@@ -87,7 +90,7 @@ class Trace:
         reply = lib.tk_reply
 
         def timed_reply(*args):
-            record = trace._current
+            record = trace._current.get()
             start = now()
             try:
                 return reply(*args)
