@@ -89,12 +89,12 @@ def split_rows(out: Mapping[str, np.ndarray], rows: list[int]) -> list[Outputs]:
     every output for the first request, and so on."""
     parts, offset = [], 0
     for n in rows:
-        parts.append({k: _contiguous(v[offset : offset + n]) for k, v in out.items()})
+        parts.append({k: contiguous(v[offset : offset + n]) for k, v in out.items()})
         offset += n
     return parts
 
 
-def _contiguous(x: Any) -> Any:
+def contiguous(x: Any) -> Any:
     """``x`` C-ordered: a numpy array, or a torch tensor (outputs left on the GPU)."""
     return np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x.contiguous()
 

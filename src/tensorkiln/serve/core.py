@@ -21,7 +21,7 @@ import numpy as np
 
 from tensorkiln.errors import InputError, TensorkilnError
 from tensorkiln.serve import protocol
-from tensorkiln.serve.batcher import DynamicBatcher
+from tensorkiln.serve.batcher import DynamicBatcher, contiguous
 from tensorkiln.serve.model import PINNED_POOL_BYTES, PinnedPool, ServedModel
 from tensorkiln.serve.protocol import ServeError
 from tensorkiln.serve.repository import ModelRepository
@@ -328,8 +328,7 @@ class ServerCore:
                 raise ServeError(f"model '{name}': {exc}", 400) from None
             chosen = {}
             for n in outputs or list(out):
-                y = out[n]  # (a torch tensor on the GPU where the inputs came from there)
-                y = np.ascontiguousarray(y) if isinstance(y, np.ndarray) else y.contiguous()
+                y = contiguous(out[n])  # (a torch tensor where the inputs were on the GPU)
                 if protocol.datatype_of(y.dtype) is None:
                     raise ServeError(
                         f"model '{model.name}': output '{n}' has type {y.dtype}, which the "

@@ -168,12 +168,17 @@ def open_region(name: str, raw_handle: Any, device_id: Any, byte_size: int) -> A
     return torch.as_tensor(memory, device=f"cuda:{device_id}")
 
 
-def view(region: Any, start: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> Any:
-    """``shape`` of ``dtype`` at byte ``start`` of a region's tensor, in place."""
+@functools.cache
+def _torch_dtype(dtype: np.dtype) -> Any:
     import torch  # lazy: torch is optional (only a GPU server maps CUDA memory)
 
+    return torch.from_numpy(np.empty(0, dtype)).dtype
+
+
+def view(region: Any, start: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> Any:
+    """``shape`` of ``dtype`` at byte ``start`` of a region's tensor, in place."""
     try:
-        tdtype = torch.from_numpy(np.empty(0, dtype)).dtype
+        tdtype = _torch_dtype(dtype)
     except TypeError:
         raise ServeError(f"{what}: {dtype} cannot be read from CUDA shared memory") from None
     nbytes = math.prod(shape) * dtype.itemsize
@@ -185,9 +190,9 @@ def view(region: Any, start: int, dtype: np.dtype, shape: tuple[int, ...], what:
     return region[start : start + nbytes].view(tdtype).reshape(shape)
 
 
-def write(region: Any, start: int, data: Any) -> int:
+def write(region: Any, start: int, data: Any) -> None:
     """``data`` (a numpy array or a torch tensor) copied into a region's tensor from byte
-    ``start``, the copy finished; the bytes written."""
+    ``start``, the copy finished."""
     import torch  # lazy: torch is optional (only a GPU server maps CUDA memory)
 
     if isinstance(data, np.ndarray):
@@ -197,7 +202,6 @@ def write(region: Any, start: int, data: Any) -> int:
     dst = region[start : start + raw.numel()]
     dst.copy_(raw)
     torch.cuda.current_stream(dst.device).synchronize()  # (the client reads it once answered)
-    return raw.numel()
 
 
 def host(x: Any) -> np.ndarray:

@@ -98,10 +98,8 @@ def numpy_dtype(datatype: str) -> np.dtype | None:
 
 def datatype_of(dtype: Any) -> str | None:
     """The protocol datatype of a numpy (or torch) dtype, or None where the protocol has none."""
-    if not isinstance(dtype, np.dtype):
-        named = _TORCH.get(str(dtype))
-        if named is not None or str(dtype).startswith("torch."):
-            return named
+    if not isinstance(dtype, np.dtype) and str(dtype).startswith("torch."):
+        return _TORCH.get(str(dtype))
     return _DATATYPES.get(np.dtype(dtype))
 
 

@@ -62,6 +62,9 @@ class _CudaRegion:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
 
+_KIND = {_Region: "system", _CudaRegion: "CUDA"}  # (as messages name them)
+
+
 class SharedMemory:
     """The server's registered system (and CUDA) shared-memory regions."""
 
@@ -102,9 +105,9 @@ class SharedMemory:
     def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
         """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
         self._check_enabled()
+        self._check_new(name, byte_size)
         if not isinstance(offset, int) or isinstance(offset, bool) or offset < 0:
             raise ServeError(f"region '{name}': offset must be a byte count")
-        self._check_new(name, byte_size)
         if not isinstance(key, str) or not _KEY.fullmatch(key) or key.strip("/") in (".", ".."):
             raise ServeError(
                 f"shared-memory key {str(key)[:60]!r} must be an object name such as '/input0'"
@@ -145,7 +148,7 @@ class SharedMemory:
     def unregister(self, name: str | None = None, kind: type = _Region) -> None:
         """Forget region ``name`` of ``kind`` (every such region when None); unknown names are
         no error, as in Triton."""
-        self._check_enabled("system" if kind is _Region else "CUDA")
+        self._check_enabled(_KIND[kind])
         self._forget(name, kind)
 
     def unregister_cuda(self, name: str | None = None) -> None:
@@ -175,7 +178,7 @@ class SharedMemory:
             return [r.status() for r in self._regions.values() if isinstance(r, _Region)]
 
     def status(self, name: str | None = None, kind: type = _Region) -> list[dict[str, Any]]:
-        what = "system" if kind is _Region else "CUDA"
+        what = _KIND[kind]
         self._check_enabled(what)
         with self._lock:
             if name:
