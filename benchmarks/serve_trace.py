@@ -45,6 +45,14 @@ STAGES = (
     ("answer", "infer_end", "reply_start"),
     ("reply", "reply_start", "reply_end"),
 )
+# inside "run" and "answer", where the timestamps were taken: the model's batch run (the
+# engine, joining and splitting rows), and the outputs' copies into CUDA shared memory
+SUBSTAGES = (
+    ("run: checks, scheduler", "infer_start", "batch_start"),
+    ("run: the model's batch", "batch_start", "batch_end"),
+    ("run: results handed back", "batch_end", "infer_end"),
+    ("answer: CUDA copies, synchronized", "write_start", "write_end"),
+)
 
 
 class Trace:
@@ -57,6 +65,38 @@ class Trace:
         self.records: list[dict[str, float]] = []
         self._wake = 0.0
         self._current: contextvars.ContextVar = contextvars.ContextVar("request", default=None)
+        self._last: dict[str, float] | None = None  # (a worker thread lacks the task's context)
+
+    def install_model(self) -> None:
+        """Wrap the model's batch run and the copies into CUDA shared memory (before the models
+        load: each scheduler keeps the batch run it was given)."""
+        trace, now = self, time.perf_counter
+        from tensorkiln.serve import cuda_shm
+        from tensorkiln.serve.model import ServedModel
+
+        infer_batch, write = ServedModel.infer_batch, cuda_shm.write
+
+        def timed_batch(model_self, requests):
+            record = trace._current.get() or trace._last  # (concurrency 1: the one in flight)
+            start = now()
+            try:
+                return infer_batch(model_self, requests)
+            finally:
+                if record is not None:
+                    record["batch_start"], record["batch_end"] = start, now()
+
+        def timed_write(dst, data):
+            record = trace._current.get()
+            start = now()
+            try:
+                return write(dst, data)
+            finally:
+                if record is not None:
+                    record.setdefault("write_start", start)
+                    record["write_end"] = now()
+
+        ServedModel.infer_batch = timed_batch
+        cuda_shm.write = timed_write
 
     def install(self, core, native) -> None:
         trace, now = self, time.perf_counter
@@ -71,6 +111,7 @@ class Trace:
             if name.endswith("/ModelInfer"):
                 record = {"wake": trace._wake, "dispatch": now()}
                 trace.records.append(record)
+                trace._last = record
             trace._current.set(record)  # (the task made in dispatch takes it along)
             return dispatch(server_self, call, name, data, streaming)
 
@@ -109,6 +150,10 @@ class Trace:
         out: dict[str, float] = {"requests": len(done)}
         for label, a, b in STAGES:
             out[label] = 1e6 * statistics.median(r[b] - r[a] for r in done)
+        for label, a, b in SUBSTAGES:
+            have = [r[b] - r[a] for r in done if a in r and b in r]
+            if have:
+                out[label] = 1e6 * statistics.median(have)
         gaps = [
             nxt["wake"] - r["reply_end"]
             for r, nxt in zip(self.records, self.records[1:])
@@ -120,7 +165,7 @@ class Trace:
 
 
 def _serve(repo: Path, backend: str, port: int, trace: Trace, ready: threading.Event,
-           holder: dict) -> None:  # fmt: skip
+           holder: dict, busy_poll_us: int = 0) -> None:  # fmt: skip
     from tensorkiln.serve import grpc as serve_grpc
     from tensorkiln.serve import native
     from tensorkiln.serve.core import ServerCore
@@ -129,15 +174,23 @@ def _serve(repo: Path, backend: str, port: int, trace: Trace, ready: threading.E
     holder["loop"] = loop
 
     async def start() -> None:
+        trace.install_model()
         core = ServerCore(repo, backend=backend, shared_memory=True)
         await core.load_all()
         trace.install(core, native)
         holder["core"] = core
-        holder["server"] = await serve_grpc.start(core, f"127.0.0.1:{port}", transport="native")
+        holder["server"] = await serve_grpc.start(
+            core, f"127.0.0.1:{port}", transport="native", busy_poll_us=busy_poll_us
+        )
 
     loop.run_until_complete(start())
+    profile = holder.get("profile")
+    if profile is not None:
+        profile.enable()
     ready.set()
     loop.run_forever()
+    if profile is not None:
+        profile.disable()
     loop.run_until_complete(holder["server"].stop(5))
     loop.run_until_complete(holder["core"].close())
     loop.close()
@@ -152,6 +205,10 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--tiny", action="store_true", help="the small conv net (smoke runs)")
+    ap.add_argument(
+        "--profile", type=Path, help="write cProfile's statistics of the server's thread here"
+    )
+    ap.add_argument("--busy-poll-us", type=int, default=0, help="serve --grpc-busy-poll-us")
     args = ap.parse_args()
     repo = args.model_repository
     if repo is None:
@@ -165,9 +222,15 @@ def main() -> None:
         make_repository(built, work)
         repo = work / "repo"
     trace, ready, holder = Trace(), threading.Event(), {}
+    if args.profile is not None:
+        import cProfile
+
+        holder["profile"] = cProfile.Profile()
     port = _free_port()
     thread = threading.Thread(
-        target=_serve, args=(repo, args.backend, port, trace, ready, holder), daemon=True
+        target=_serve,
+        args=(repo, args.backend, port, trace, ready, holder, args.busy_poll_us),
+        daemon=True,
     )
     thread.start()
     if not ready.wait(600):
@@ -186,11 +249,17 @@ def main() -> None:
     stats = holder["core"].statistics(args.model)[0]["inference_stats"]["success"]["count"]
     print(f"{args.model}, tensors: {args.shared_memory}, {s['requests']:.0f} requests traced "
           f"({stats} answered by the model)")  # fmt: skip
-    for label, *_ in STAGES:
-        print(f"  {label}: {s[label]:.0f} us")
+    for label, *_ in STAGES + SUBSTAGES:
+        if label in s:
+            print(f"  {label}: {s[label]:.0f} us")
     print(f"  outside: {s['outside']:.0f} us")
     print(f"  server, wake-up to reply: {s['server']:.0f} us")
+    batchers = [b for b in (holder["core"].batcher(args.model, 1),) if b is not None]
+    if batchers:
+        print(f"  runs on the event loop's thread: {batchers[0].inline_runs}")
     print(f"perf_analyzer p50: {got[1]} us ({got[0]:,.0f} infer/s)")
+    if args.profile is not None:
+        holder["profile"].dump_stats(args.profile)
 
 
 if __name__ == "__main__":

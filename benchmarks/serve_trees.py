@@ -95,6 +95,7 @@ def main() -> None:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small conv net at 32x32 (smoke runs)")
     ap.add_argument("--work", default="/tmp/tk_serve_trees")
+    ap.add_argument("--grpc-busy-poll-us", type=int, default=0, help="each server's (serve's flag)")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
     loads = [
@@ -124,7 +125,9 @@ def main() -> None:
                 [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(repo),
                  "--backend", args.backend, "--http-port", str(http), "--grpc-port",
                  str(grpc_port), "--metrics-port", str(metrics), "--grpc-transport", "native",
-                 "--engine-cache", str(logs / "cache"), "--allow-shared-memory", "true"],
+                 "--engine-cache", str(logs / "cache"), "--allow-shared-memory", "true",
+                 *(["--grpc-busy-poll-us", str(args.grpc_busy_poll_us)]
+                   if args.grpc_busy_poll_us else [])],
                 env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(logs),
             )  # fmt: skip
             servers[label] = (proc, grpc_port)

@@ -58,6 +58,13 @@ def add_parser(sub: Any) -> None:
         "TENSORKILN_GRPC_LIBRARY naming a built library), about a millisecond less a request",
     )  # fmt: skip
     p.add_argument(
+        "--grpc-busy-poll-us", type=int, default=0, metavar="US",
+        help="with --grpc-transport native: after each answer, poll for the next request this "
+        "many microseconds instead of sleeping until it wakes the server (default: 0, off). "
+        "Cuts 0.1-0.2 ms off each request at low load, for a CPU core kept busy while "
+        "requests keep coming; 2000 suits a client that sends the next request at once",
+    )  # fmt: skip
+    p.add_argument(
         "--metrics-port", type=int, default=8002, help="Prometheus /metrics (default: 8002)"
     )
     p.add_argument(
@@ -155,6 +162,10 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     if not 0 <= args.frontend_processes <= 64:
         raise CLIError(f"--frontend-processes {args.frontend_processes} must be 0 to 64")
+    if not 0 <= args.grpc_busy_poll_us <= 1_000_000:
+        raise CLIError(f"--grpc-busy-poll-us {args.grpc_busy_poll_us} must be 0 to 1000000")
+    if args.grpc_busy_poll_us and args.grpc_transport != "native":
+        raise CLIError("--grpc-busy-poll-us needs --grpc-transport native")
     if args.allow_grpc and args.grpc_transport == "native":
         _native_transport()
     handler = logging.StreamHandler()
@@ -204,7 +215,10 @@ def run_serve(args: argparse.Namespace) -> int:
             shutil.rmtree(folder, ignore_errors=True)
         return 0
     if args.allow_grpc:
-        _with_grpc(app, core, f"{args.grpc_address}:{args.grpc_port}", args.grpc_transport)
+        _with_grpc(
+            app, core, f"{args.grpc_address}:{args.grpc_port}", args.grpc_transport,
+            args.grpc_busy_poll_us,
+        )  # fmt: skip
     web.run_app(
         app, host=args.http_address, port=args.http_port, shutdown_timeout=30,
         access_log=access_log,
@@ -261,13 +275,17 @@ def _native_transport() -> None:
         raise CLIError(f"--grpc-transport native: {exc}") from None
 
 
-def _with_grpc(app: Any, core: Any, address: str, transport: str = "grpcio") -> None:
+def _with_grpc(
+    app: Any, core: Any, address: str, transport: str = "grpcio", busy_poll_us: int = 0
+) -> None:
     """Start the gRPC service with the HTTP one, on the same event loop, and stop it first."""
     serve_grpc = _grpc_service()
     held = {}
 
     async def start(_app: Any) -> None:
-        held["server"] = await serve_grpc.start(core, address, transport=transport)
+        held["server"] = await serve_grpc.start(
+            core, address, transport=transport, busy_poll_us=busy_poll_us
+        )
         logging.getLogger("tensorkiln.serve").info(
             "gRPC service at %s (KServe v2, %s)", address, transport
         )
@@ -306,7 +324,8 @@ def _with_frontends(app: Any, core: Any, args: argparse.Namespace, folder: str) 
                    "--http-max-input-size", str(args.http_max_input_size)]  # fmt: skip
             if args.allow_grpc:
                 cmd += ["--grpc-address", args.grpc_address, "--grpc-port", str(args.grpc_port),
-                        "--grpc-transport", args.grpc_transport]  # fmt: skip
+                        "--grpc-transport", args.grpc_transport,
+                        "--grpc-busy-poll-us", str(args.grpc_busy_poll_us)]  # fmt: skip
             if args.allow_shared_memory:
                 cmd.append("--shared-memory")
             held["procs"].append(subprocess.Popen(cmd))

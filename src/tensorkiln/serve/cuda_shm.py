@@ -190,18 +190,37 @@ def view(region: Any, start: int, dtype: np.dtype, shape: tuple[int, ...], what:
     return region[start : start + nbytes].view(tdtype).reshape(shape)
 
 
-def write(region: Any, start: int, data: Any) -> None:
-    """``data`` (a numpy array or a torch tensor) copied into a region's tensor from byte
-    ``start``, the copy finished."""
+def write(dst: Any, data: Any) -> None:
+    """``data`` (a numpy array or a torch tensor) copied into ``dst`` (a uint8 tensor of a
+    region, its size), the copy finished."""
     import torch  # lazy: torch is optional (only a GPU server maps CUDA memory)
 
     if isinstance(data, np.ndarray):
         raw = torch.from_numpy(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
     else:
-        raw = data.contiguous().reshape(-1).view(torch.uint8)
-    dst = region[start : start + raw.numel()]
+        raw = data.contiguous().view(-1).view(torch.uint8)
     dst.copy_(raw)
-    torch.cuda.current_stream(dst.device).synchronize()  # (the client reads it once answered)
+    _current_stream(dst.device.index).synchronize()  # (the client reads it once answered)
+
+
+_streams: dict[tuple[int, int], Any] = {}
+
+
+def _current_stream(device: int) -> Any:
+    """``torch.cuda.current_stream(device)``, without building a new Stream object on every
+    call (that alone takes tens of microseconds)."""
+    import torch  # lazy: torch is optional (only a GPU server maps CUDA memory)
+
+    try:
+        sid, index, kind = torch._C._cuda_getCurrentStream(device)
+    except (AttributeError, TypeError, ValueError):  # (another torch: the public way)
+        return torch.cuda.current_stream(device)
+    stream = _streams.get((index, sid))
+    if stream is None:
+        stream = _streams[(index, sid)] = torch.cuda.Stream(
+            stream_id=sid, device_index=index, device_type=kind
+        )
+    return stream
 
 
 def host(x: Any) -> np.ndarray:

@@ -30,6 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-address", default="0.0.0.0")
     p.add_argument("--grpc-port", type=int, default=0, help="0: no gRPC")
     p.add_argument("--grpc-transport", choices=["grpcio", "native"], default="grpcio")
+    p.add_argument("--grpc-busy-poll-us", type=int, default=0)
     p.add_argument("--http-max-input-size", type=int, default=64 << 20)
     p.add_argument("--shared-memory", action="store_true")
     p.add_argument("--connect-timeout", type=float, default=30.0)
@@ -69,6 +70,7 @@ async def serve(args: argparse.Namespace) -> None:
         grpc_server = await serve_grpc.start(
             core,  # type: ignore[arg-type]
             address, reuse_port=True, transport=args.grpc_transport,
+            busy_poll_us=args.grpc_busy_poll_us,
         )  # fmt: skip
     await core.serving()
     log.info("front end %d serving (HTTP port %d)", args.index, args.http_port)

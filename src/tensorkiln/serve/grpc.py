@@ -55,6 +55,9 @@ class InferenceService:
     def __init__(self, core: ServerCore, max_message: int = 64 << 20) -> None:
         self.core = core
         self.max_message = max_message
+        # inference requests' plans (see _Plan), by the request's bytes without its raw contents
+        self._plans: dict[bytes, _Plan] = {}
+        core.shm.on_change.append(self._plans.clear)  # (plans hold views of CUDA regions)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
         return _m("ServerLiveResponse")(live=True)
@@ -160,15 +163,25 @@ class InferenceService:
 
     async def _infer(self, call: InferCall) -> Any:
         """An inference request (from :func:`parse`) answered."""
-        request, raw = call
+        request, raw, header = call
         shm = self.core.shm
-        feeds = _feeds(request, self.max_message, shm, raw)
-        wanted = [o.name for o in request.outputs]
-        targets = {}  # output -> (region, offset, byte size) in shared memory
-        for o in request.outputs:
-            target = output_target(_params(o.parameters))
-            if target is not None:
-                targets[o.name] = target
+        plan = self._plans.get(header) if header is not None else None
+        if plan is not None and plan.generation == shm.generation:
+            feeds, wanted, targets = plan.feeds(raw, shm), plan.wanted, plan.targets
+        else:
+            feeds = _feeds(request, self.max_message, shm, raw)
+            wanted = [o.name for o in request.outputs]
+            targets = {}  # output -> (region, offset, byte size) in shared memory
+            for o in request.outputs:
+                target = output_target(_params(o.parameters))
+                if target is not None:
+                    targets[o.name] = target
+            if header is not None and len(header) <= _PLAN_HEADER_MAX:
+                plan = _Plan.of(request, raw, feeds, wanted, targets, shm)
+                if plan is not None:
+                    if len(self._plans) >= _PLANS_KEPT:
+                        self._plans.clear()
+                    self._plans[header] = plan
         model, outputs = await self.core.infer(
             request.model_name, request.model_version, feeds, wanted
         )
@@ -189,6 +202,73 @@ class InferenceService:
             else:
                 reply.raw_output_contents.append(cuda_shm.host(y).tobytes())
         return reply
+
+
+_PLAN_HEADER_MAX = 4096  # bytes of a request without its raw contents, at most, to keep a plan
+_PLANS_KEPT = 256
+
+
+class _Plan(NamedTuple):
+    """What an inference request's bytes other than its raw contents say, worked out once:
+    clients send the same names, shapes, data types and shared-memory places request after
+    request, and only the tensors' bytes change. A request whose other bytes are the same as
+    an earlier one's takes that one's plan; its raw contents are still checked (count and
+    sizes) and viewed, and system shared memory read again. Kept only for requests whose
+    inputs are raw contents or in shared memory, and only while no region is registered or
+    dropped (``generation``)."""
+
+    generation: int
+    # per input: name, dtype, shape, datatype, and where (None: raw contents; the parameters
+    # naming its system region; its view of a CUDA region)
+    inputs: tuple
+    raw_count: int
+    wanted: list
+    targets: dict
+
+    @staticmethod
+    def of(request: Any, raw: list, feeds: dict, wanted: list, targets: dict,
+           shm: SharedMemory) -> _Plan | None:  # fmt: skip
+        """The plan of a request whose ``feeds`` were just made from it and its raw contents
+        ``raw``, or None where its inputs cannot be planned (typed contents)."""
+        inputs = []
+        for t in request.inputs:
+            x = feeds[t.name]
+            params = _params(t.parameters)
+            host = isinstance(x, np.ndarray)
+            dtype, shape = (x.dtype if host else None), tuple(x.shape)
+            if "shared_memory_region" in params:
+                # (a CUDA region's view stays as it is; system memory is copied out each time)
+                inputs.append((t.name, dtype, shape, t.datatype, params if host else x))
+            elif raw:
+                inputs.append((t.name, dtype, shape, t.datatype, None))
+            else:
+                return None
+        return _Plan(shm.generation, tuple(inputs), len(raw or ()), wanted, targets)
+
+    def feeds(self, raw: list, shm: SharedMemory) -> dict[str, Any]:
+        """This request's feeds: the plan's, with the raw contents ``raw`` (checked)."""
+        if len(raw) != self.raw_count:
+            raise ServeError(
+                f"the request has {self.raw_count} inputs outside shared memory and {len(raw)} "
+                "raw contents; give one per such input, or none"
+            )
+        feeds: dict[str, Any] = {}
+        j = 0
+        for name, dtype, shape, datatype, where in self.inputs:
+            if where is None:
+                data, j = raw[j], j + 1
+                want = math.prod(shape) * dtype.itemsize
+                if len(data) != want:
+                    raise ServeError(
+                        f"input '{name}': {len(data)} bytes of raw contents; shape "
+                        f"{list(shape)} of {datatype} takes {want}"
+                    )
+                feeds[name] = np.frombuffer(data, dtype).reshape(shape)
+            elif isinstance(where, dict):
+                feeds[name] = shm.input_from(where, name, dtype, shape)
+            else:
+                feeds[name] = where
+        return feeds
 
 
 def _params(parameters: Any) -> dict[str, Any]:
@@ -246,10 +326,12 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: SharedMemory = shm_off,
 
 class InferCall(NamedTuple):
     """A ModelInferRequest parsed without its raw contents, and those contents as views into
-    the received bytes (serve/wire.py: no copy of the tensors)."""
+    the received bytes (serve/wire.py: no copy of the tensors); ``header``: the request's
+    bytes without them (None where the message was parsed whole)."""
 
     request: Any
     raw: list
+    header: bytes | None = None
 
 
 _RAW_INPUT_CONTENTS = 7  # ModelInferRequest's field number
@@ -265,7 +347,7 @@ def parse(name: str, data: Any) -> Any:
             return request_type.FromString(data)  # (a bytearray parses without a copy first)
         split = wire.split_field(data, _RAW_INPUT_CONTENTS)
         if split is not None:
-            return InferCall(request_type.FromString(split[0]), split[1])
+            return InferCall(request_type.FromString(split[0]), split[1], split[0])
         # (not fields protobuf-style: protobuf says why; it reads bytes, not any buffer)
         whole = request_type.FromString(memoryview(data))
         return InferCall(whole, list(whole.raw_input_contents))
@@ -350,16 +432,20 @@ async def start(
     max_message: int = MAX_MESSAGE,
     reuse_port: bool = False,
     transport: str = "grpcio",
+    busy_poll_us: int = 0,
 ) -> Any:
     """A started gRPC server on ``address`` ("host:port") over ``core``; ``reuse_port``: other
     processes may listen on the same port (front-end processes, serve/link.py); ``transport``:
     grpcio's asyncio server, or gRPC C++ through serve/native (the same service; it has
-    ``stop(grace)`` as grpcio's server has)."""
+    ``stop(grace)`` as grpcio's server has); ``busy_poll_us``: the native transport polls for
+    the next request this long after each answer (serve/native: NativeServer._poll)."""
     if transport == "native":
         service = InferenceService(core, max_message)
         # (a front end's core forwards the tensors to the engine process: plain buffers there)
         receive = getattr(core, "receive_buffer", None)
-        server = native.NativeServer(native_answer(service), asyncio.get_running_loop(), receive)
+        server = native.NativeServer(
+            native_answer(service), asyncio.get_running_loop(), receive, busy_poll_us
+        )
         server.start(address, max_message, reuse_port)
         return server
     if transport != "grpcio":

@@ -23,7 +23,7 @@ import re
 import stat
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ MAX_REGIONS = 1024
 MAX_REGION_BYTES = 4 << 30
 _KEY = re.compile(r"^/?[A-Za-z0-9_.\-]{1,200}$")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,200}$")
+_VIEWS_KEPT = 64  # tensors kept per CUDA region (places in it that requests name)
 
 
 @dataclass
@@ -57,6 +58,33 @@ class _CudaRegion:
     device_id: int
     byte_size: int
     memory: Any  # a uint8 torch tensor over the client's GPU memory
+    # The tensors this region's requests read and write, kept: a client names the same places
+    # request after request, and slicing and viewing a GPU tensor costs tens of microseconds
+    # on the host. A view reads the memory when the engine runs, so a kept one is as fresh as
+    # a new one. They go with the region (and keep its memory mapped only as long as it).
+    _views: dict = field(default_factory=dict, repr=False)
+
+    def view(self, start: int, dtype: np.dtype, shape: tuple[int, ...], what: str) -> Any:
+        key = (start, dtype, shape)
+        got = self._views.get(key)
+        if got is None:
+            got = cuda_shm.view(self.memory, start, dtype, shape, what)
+            self._keep(key, got)
+        return got
+
+    def span(self, start: int, nbytes: int) -> Any:
+        """The region's bytes ``start`` to ``start + nbytes`` (a uint8 tensor)."""
+        key = (start, nbytes)
+        got = self._views.get(key)
+        if got is None:
+            got = self.memory[start : start + nbytes]
+            self._keep(key, got)
+        return got
+
+    def _keep(self, key: tuple, tensor: Any) -> None:
+        if len(self._views) >= _VIEWS_KEPT:
+            self._views.clear()
+        self._views[key] = tensor
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
@@ -72,6 +100,8 @@ class SharedMemory:
         self.enabled = enabled
         self._regions: dict[str, _Region] = {}
         self._lock = threading.Lock()
+        self.generation = 0  # counts registrations and drops (what was read of them may change)
+        self.on_change: list[Any] = []  # called after a region is registered or dropped
 
     def _check_enabled(self, kind: str = "system") -> None:
         if not self.enabled:
@@ -101,6 +131,12 @@ class SharedMemory:
             if region.name in self._regions:  # (registered meanwhile)
                 raise ServeError(f"region '{region.name}' is already registered", 400)
             self._regions[region.name] = region
+            self.generation += 1
+        self._changed()
+
+    def _changed(self) -> None:
+        for hook in self.on_change:
+            hook()
 
     def register(self, name: Any, key: Any, offset: Any, byte_size: Any) -> None:
         """Map ``byte_size`` bytes at ``offset`` of the object ``key`` as region ``name``."""
@@ -162,6 +198,10 @@ class SharedMemory:
             ]  # fmt: skip
             for r in gone:
                 del self._regions[r.name]
+            if gone:
+                self.generation += 1
+        if gone:
+            self._changed()
         for r in gone:
             if isinstance(r, _Region):
                 with contextlib.suppress(BufferError):  # (an array still views it: freed with it)
@@ -221,7 +261,7 @@ class SharedMemory:
                 f"{dtype} takes {want:,}"
             )
         if isinstance(region, _CudaRegion):
-            return cuda_shm.view(region.memory, start, dtype, shape, what)
+            return region.view(start, dtype, shape, what)
         view = np.frombuffer(region.memory, dtype, math.prod(shape), start)
         return view.reshape(shape).copy()
 
@@ -236,7 +276,7 @@ class SharedMemory:
                 f"shared_memory_byte_size of {byte_size:,}"
             )
         if isinstance(region, _CudaRegion):
-            cuda_shm.write(region.memory, start, data)
+            cuda_shm.write(region.span(start, nbytes), data)
             return
         raw = np.ascontiguousarray(cuda_shm.host(data)).reshape(-1).view(np.uint8)
         np.frombuffer(region.memory, np.uint8, raw.size, start)[:] = raw
