@@ -256,14 +256,7 @@ class _Plan(NamedTuple):
         j = 0
         for name, dtype, shape, datatype, where in self.inputs:
             if where is None:
-                data, j = raw[j], j + 1
-                want = math.prod(shape) * dtype.itemsize
-                if len(data) != want:
-                    raise ServeError(
-                        f"input '{name}': {len(data)} bytes of raw contents; shape "
-                        f"{list(shape)} of {datatype} takes {want}"
-                    )
-                feeds[name] = np.frombuffer(data, dtype).reshape(shape)
+                feeds[name], j = _from_raw(raw[j], name, dtype, shape, datatype), j + 1
             elif isinstance(where, dict):
                 feeds[name] = shm.input_from(where, name, dtype, shape)
             else:
@@ -308,20 +301,24 @@ def _feeds(request: Any, limit: int = MAX_MESSAGE, shm: SharedMemory = shm_off,
             feeds[t.name] = x
             continue
         if raw:
-            data, j = raw[j], j + 1
-            want = math.prod(shape) * dtype.itemsize
-            if len(data) != want:
-                raise ServeError(
-                    f"input '{t.name}': {len(data)} bytes of raw contents; shape "
-                    f"{list(shape)} of {t.datatype} takes {want}"
-                )
-            feeds[t.name] = np.frombuffer(data, dtype).reshape(shape)
+            feeds[t.name], j = _from_raw(raw[j], t.name, dtype, shape, t.datatype), j + 1
             continue
         field = _FIELD.get(t.datatype)
         if field is None:
             raise ServeError(f"input '{t.name}': {t.datatype} is sent as raw contents")
         feeds[t.name] = protocol.from_values(t.name, list(getattr(t.contents, field)), dtype, shape)
     return feeds
+
+
+def _from_raw(data: Any, name: str, dtype: np.dtype, shape: tuple, datatype: str) -> np.ndarray:
+    """An input's raw contents as an array of its declared shape (its byte count checked)."""
+    want = math.prod(shape) * dtype.itemsize
+    if len(data) != want:
+        raise ServeError(
+            f"input '{name}': {len(data)} bytes of raw contents; shape {list(shape)} of "
+            f"{datatype} takes {want}"
+        )
+    return np.frombuffer(data, dtype).reshape(shape)
 
 
 class InferCall(NamedTuple):
