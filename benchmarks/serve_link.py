@@ -129,9 +129,11 @@ def _cpu_seconds(pid: int) -> float:
 async def _drive(path: str, concurrency: int, seconds: float, side: int) -> tuple[int, int]:
     """Requests answered and answers that were wrong, ``concurrency`` at a time."""
     from tensorkiln.serve import link
+    from tensorkiln.serve.frontend import _connect
 
     remote = link.RemoteCore(shared_memory=False)
-    await remote.connect(path)
+    # (the socket's file appears at bind, before it listens: connect as a front end does)
+    await _connect(remote, path, 30.0)
     remote._models.setdefault("m", {1: link.RemoteModel("m", 1, {}, None)})
     rng = np.random.default_rng()
     inputs = [rng.standard_normal((1, 3, side, side)).astype(np.float32) for _ in range(8)]
