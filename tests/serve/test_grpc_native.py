@@ -198,3 +198,44 @@ def test_requests_received_into_the_cores_buffers(tmp_path):
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert client.is_server_live()
     assert len(given) == 6 and len(junk) in given  # (every inference request, and only those)
+
+
+def test_several_transport_threads_answer_many_clients_and_the_count_is_bounded(tmp_path):
+    import asyncio
+
+    from tensorkiln.serve import native
+
+    native_or_skip()
+    _model(tmp_path)
+
+    async def start(core, port):
+        await core.load_all()
+        service = serve_grpc.InferenceService(core, serve_grpc.MAX_MESSAGE)
+        server = native.NativeServer(
+            serve_grpc.native_answer(service), asyncio.get_running_loop(), pumps=3
+        )
+        server.start(f"127.0.0.1:{port}", serve_grpc.MAX_MESSAGE)
+        return lambda: server.stop(5)
+
+    rng = np.random.default_rng()
+    xs = [
+        rng.standard_normal((int(rng.integers(1, 5)), 1, 8, 8)).astype(np.float32)
+        for _ in range(48)
+    ]
+    with serving_with(tmp_path, start) as (url, _):
+        client = grpcclient.InferenceServerClient(url)
+
+        def call(x):
+            return client.infer("digits", [_input(x)]).as_numpy("logits")
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            for x, got in zip(xs, pool.map(call, xs)):
+                np.testing.assert_allclose(got, _direct(x), rtol=1e-5, atol=1e-5)
+
+    async def refused(pumps):
+        server = native.NativeServer(lambda *a: None, asyncio.get_running_loop(), pumps=pumps)
+        server.start("127.0.0.1:0", 1 << 20)
+
+    for pumps in (0, 65):
+        with pytest.raises(protocol.ServeError, match=f"takes 1 to 64 threads, not {pumps}"):
+            asyncio.run(refused(pumps))

@@ -4,8 +4,8 @@ the KServe v2 RPCs, this process answers them.
 grpcio's Python server spends about a millisecond and a half a call in its own machinery on a
 server CPU (HTTP/2 frames, completion queues and thread hand-offs under the interpreter lock),
 more than the whole batch-1 inference of a ResNet-50 on the GPU. Here transport.cc (gRPC C++'s
-callback generic service, compiled against the system's gRPC C++) does that work on its own
-threads and queues each received request; an eventfd watched by the event loop says when some
+async generic service, compiled against the system's gRPC C++) does that work on a thread of its
+own that polls one completion queue, and queues each received request; an eventfd watched by the event loop says when some
 are waiting, and the loop takes them as bytes (no gRPC thread calls into the interpreter). The
 same service as the grpcio transport (serve/grpc.py) parses each, runs it and answers. Clients
 see the same service: the wire format, status codes and messages do not change.
@@ -38,7 +38,7 @@ from tensorkiln.serve.protocol import ServeError
 log = logging.getLogger("tensorkiln.serve")
 
 SOURCE = Path(__file__).with_name("transport.cc")
-ABI = 2  # tk_abi_version() of the library this module drives
+ABI = 3  # tk_abi_version() of the library this module drives
 PACKAGES = (
     "g++, pkg-config and gRPC C++ (Debian/Ubuntu: apt-get install g++ pkg-config libgrpc++-dev)"
 )
@@ -84,9 +84,11 @@ class _Library:
             raise NativeUnavailable(f"{path} is another version of the native gRPC transport")
         lib.tk_start.restype = ctypes.c_void_p
         lib.tk_start.argtypes = [
-            ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int,
+            ctypes.c_char_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int, ctypes.c_int,
             ctypes.POINTER(ctypes.c_int), ctypes.c_char_p, ctypes.c_size_t,
         ]  # fmt: skip
+        lib.tk_busy_poll.restype = None
+        lib.tk_busy_poll.argtypes = [ctypes.c_void_p, ctypes.c_longlong]
         lib.tk_next.restype = ctypes.c_void_p
         lib.tk_next.argtypes = [
             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t),
@@ -135,6 +137,7 @@ class NativeServer:
         loop: asyncio.AbstractEventLoop,
         receive_buffer: Any = None,
         busy_poll_us: int = 0,
+        pumps: int = 1,
     ) -> None:
         self._lib = library()
         self._answer = answer
@@ -155,18 +158,22 @@ class NativeServer:
         self._spin_s = max(0, busy_poll_us) / 1e6
         self._spin_until = 0.0
         self._spinning = False
+        # (threads of the transport's own that poll its sockets and completion queue)
+        self._pumps = pumps
 
     def start(self, address: str, max_message: int, reuse_port: bool = False) -> None:
         port = ctypes.c_int(0)
         err = ctypes.create_string_buffer(512)
         efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         server = self._lib.lib.tk_start(
-            address.encode(), max_message, int(reuse_port), efd, ctypes.byref(port),
-            err, len(err),
+            address.encode(), max_message, int(reuse_port), efd, self._pumps,
+            ctypes.byref(port), err, len(err),
         )  # fmt: skip
         if not server:
             os.close(efd)
             raise ServeError(err.value.decode(errors="replace") or "cannot start gRPC", 500)
+        if self._spin_s:  # (the transport's thread polls the sockets meanwhile: _poll)
+            self._lib.lib.tk_busy_poll(server, round(self._spin_s * 1e6))
         self._server, self._efd, self.port = server, efd, port.value
         self._loop.add_reader(efd, self._take, server)
 
@@ -210,7 +217,7 @@ class NativeServer:
         microseconds after a request arrives (more where its core has gone idle); polling
         finds it within a turn, at the cost of a busy core. Only while no request is in flight:
         then worker threads may need the interpreter's lock, which a polling loop would keep
-        taking from them."""
+        taking from them. (The transport's own thread polls the sockets meanwhile: tk_busy_poll.)"""
         busy = any(not t.done() for t in self._tasks)  # (the one answered last may be there)
         if self._server != server or busy or time.perf_counter() > self._spin_until:
             self._spinning = False

@@ -1,25 +1,35 @@
-// The native gRPC transport of `tensorkiln serve --grpc-transport native`: gRPC C++'s callback
+// The native gRPC transport of `tensorkiln serve --grpc-transport native`: gRPC C++'s async
 // generic service carries the KServe v2 RPCs; the serving process (Python, through ctypes)
 // takes each request message as bytes and answers it with tk_reply. HTTP/2, flow control and
 // message framing run here, outside the interpreter; the protocol (parsing, checks, the engine)
 // stays in Python, as with the grpcio transport.
 //
-// A call is one reactor. Unary RPCs: one request, one tk_reply (a message, or a status that ends
-// the call). ModelStreamInfer: each request is handed over only after the previous one's answer
-// was written, so answers keep the requests' order; the stream ends when the client half-closes.
-// A received request waits in the server's queue, and the eventfd given to tk_start is signalled;
-// the embedding process takes the waiting requests with tk_next (on its own thread, when the
-// eventfd is readable: no gRPC thread ever calls into it). It must answer every request it
-// takes exactly once, and keep taking them until tk_stop returns (that is how calls are finished
-// and freed).
+// One completion queue, polled by the transport's own threads ("pumps", one by default): a
+// pump does the socket work itself and hands a received request straight to the server's
+// queue, with no further thread in between (gRPC's callback API runs each callback on an
+// executor thread of its own, one more wake-up on every request's path). With busy polling
+// (tk_busy_poll) the first pump keeps polling the sockets for a while after each answer
+// instead of sleeping in epoll, so the next request of a client is read as soon as it lands.
+//
+// A call: one request, one tk_reply (a message, or a status that ends the call).
+// ModelStreamInfer: each request is handed over only after the previous one's answer was
+// written, so answers keep the requests' order; the stream ends when the client half-closes.
+// A received request waits in the server's queue, and the eventfd given to tk_start is
+// signalled; the embedding process takes the waiting requests with tk_next (on its own thread,
+// when the eventfd is readable: no gRPC thread ever calls into it). It must answer every request
+// it takes exactly once, and keep taking them until tk_stop returns (that is how calls are
+// finished and freed).
 //
 // C ABI only (no Python headers): one build serves every Python version.
 
+#include <grpc/support/time.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -27,11 +37,21 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
 
 constexpr char kStream[] = "/inference.GRPCInferenceService/ModelStreamInfer";
+
+// What a completion-queue tag says was done, in the low bits of the call's address.
+enum Op : uintptr_t { kNew = 0, kRead = 1, kWrite = 2, kFinish = 3 };
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 class Call;
 
@@ -64,25 +84,44 @@ class Inbox {
   std::deque<Call*> ready_;
 };
 
-class Call final : public grpc::ServerGenericBidiReactor {
+struct Server;
+
+class Call {
  public:
-  Call(grpc::GenericCallbackServerContext* ctx, Inbox* inbox)
-      : inbox_(inbox), method_(ctx->method()), streaming_(method_ == kStream) {
-    StartRead(&request_);
-  }
+  explicit Call(Server* server) : server_(server), stream_(&ctx_) {}
+
+  void* Tag(Op op) { return reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(this) | op); }
 
   const std::string& method() const { return method_; }
   bool streaming() const { return streaming_; }
   size_t request_length() { return request_.Length(); }
 
-  // (a unary call reads once; a stream reads again after each answer is written)
-  void OnReadDone(bool ok) override {
-    if (!ok) {  // the client half-closed (or the call ended) with no request outstanding
-      Finish(streaming_ ? grpc::Status::OK
-                        : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "no request message"));
+  void Accept(grpc::AsyncGenericService* service, grpc::ServerCompletionQueue* cq) {
+    service->RequestCall(&ctx_, &stream_, cq, cq, Tag(kNew));
+  }
+
+  void Started() {  // (a pump: the call arrived) read its (first) request
+    method_ = ctx_.method();
+    streaming_ = method_ == kStream;
+    stream_.Read(&request_, Tag(kRead));
+  }
+
+  // (a pump) a stream's answer was written: read its next request, or end a broken stream
+  void Written(bool ok) {
+    if (!ok) {
+      stream_.Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed"),
+                     Tag(kFinish));
       return;
     }
-    inbox_->Push(this);  // (taken with tk_next, answered with tk_reply)
+    stream_.Read(&request_, Tag(kRead));
+  }
+
+  // (a pump) no request came: the client half-closed (or the call ended)
+  void NoRequest() {
+    stream_.Finish(streaming_ ? grpc::Status::OK
+                              : grpc::Status(grpc::StatusCode::INVALID_ARGUMENT,
+                                             "no request message"),
+                   Tag(kFinish));
   }
 
   // Copies the request taken with tk_next into dst (request_len bytes); 0 on success.
@@ -98,84 +137,170 @@ class Call final : public grpc::ServerGenericBidiReactor {
     return at == len ? 0 : 3;
   }
 
-  void Reply(const char* data, size_t len, int code, const char* message) {
-    if (code != 0) {
-      Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message ? message : ""));
-      return;
-    }
-    grpc::Slice slice(data, len);  // (a copy: the caller's buffer may go right after)
-    response_ = grpc::ByteBuffer(&slice, 1);
-    request_.Clear();
-    if (streaming_) {
-      StartWrite(&response_);
-    } else {
-      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
-    }
-  }
-
-  void OnWriteDone(bool ok) override {  // (streams only: a unary write finishes the call)
-    if (!ok) {
-      Finish(grpc::Status(grpc::StatusCode::CANCELLED, "the stream was closed"));
-      return;
-    }
-    StartRead(&request_);  // the stream's next request
-  }
-
-  void OnDone() override { delete this; }
+  // (the embedding process's thread) the answer to the request taken
+  void Reply(const char* data, size_t len, int code, const char* message);
 
  private:
-  Inbox* inbox_;
+  Server* server_;
+  grpc::GenericServerContext ctx_;
+  grpc::GenericServerAsyncReaderWriter stream_;
   std::string method_;
-  bool streaming_;
+  bool streaming_ = false;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
 };
 
-class Service final : public grpc::CallbackGenericService {
- public:
-  explicit Service(Inbox* inbox) : inbox_(inbox) {}
-  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
-    return new Call(ctx, inbox_);
+struct Server {
+  explicit Server(int efd) : inbox(efd) {}
+
+  // A call object waiting for the next call to arrive (one always is, until shutdown).
+  void Accept() {
+    auto* call = new Call(this);
+    live.fetch_add(1);
+    call->Accept(&service, cq.get());
   }
 
- private:
-  Inbox* inbox_;
+  void Done(Call* call) {
+    delete call;
+    if (live.fetch_sub(1) == 1) {
+      std::lock_guard<std::mutex> lock(mu);
+      idle.notify_all();
+    }
+  }
+
+  void Handle(void* tag, bool ok) {
+    auto* call = reinterpret_cast<Call*>(reinterpret_cast<uintptr_t>(tag) & ~uintptr_t{3});
+    switch (static_cast<Op>(reinterpret_cast<uintptr_t>(tag) & 3)) {
+      case kNew:
+        if (!ok) {  // (the server is shutting down: no call came)
+          Done(call);
+          return;
+        }
+        if (!stopping.load()) Accept();
+        call->Started();
+        return;
+      case kRead:
+        if (ok) {
+          inbox.Push(call);  // (taken with tk_next, answered with tk_reply)
+        } else {
+          call->NoRequest();
+        }
+        return;
+      case kWrite:  // (streams only: a unary write finishes the call)
+        call->Written(ok);
+        return;
+      case kFinish:
+        Done(call);
+        return;
+    }
+  }
+
+  // Busy polling: the last answer went less than spin_ns ago. (Also while requests are being
+  // answered: a pump that sleeps then must be woken to finish the answer, and is asleep when
+  // the client's next request comes; under load it finds work on every look anyway.)
+  bool Spinning() {
+    return spin_ns.load(std::memory_order_relaxed) > 0 &&
+           NowNs() < spin_until.load(std::memory_order_relaxed);
+  }
+
+  // A pump: takes what the completion queue says until it shuts down. The first one polls
+  // without sleeping while busy polling says so.
+  void Pump(bool first) {
+    void* tag = nullptr;
+    bool ok = false;
+    const gpr_timespec now = gpr_inf_past(GPR_CLOCK_MONOTONIC);
+    for (;;) {
+      if (first && Spinning()) {
+        const auto got = cq->AsyncNext(&tag, &ok, now);  // (one look at the sockets)
+        if (got == grpc::CompletionQueue::TIMEOUT) continue;
+        if (got == grpc::CompletionQueue::SHUTDOWN) return;
+      } else if (!cq->Next(&tag, &ok)) {
+        return;
+      }
+      Handle(tag, ok);
+    }
+  }
+
+  Inbox inbox;
+  grpc::AsyncGenericService service;
+  std::unique_ptr<grpc::ServerCompletionQueue> cq;
+  std::unique_ptr<grpc::Server> server;
+  std::vector<std::thread> pumps;
+  std::atomic<long long> live{0};  // call objects not yet freed
+  std::atomic<bool> stopping{false};
+  std::atomic<int64_t> spin_ns{0};
+  std::atomic<int64_t> spin_until{0};
+  std::mutex mu;
+  std::condition_variable idle;
 };
 
-struct Server {
-  explicit Server(int efd) : inbox(efd), service(&inbox) {}
-  Inbox inbox;
-  Service service;
-  std::unique_ptr<grpc::Server> server;
-};
+// (after Server: busy polling starts from each answer)
+void Call::Reply(const char* data, size_t len, int code, const char* message) {
+  const int64_t spin = server_->spin_ns.load(std::memory_order_relaxed);
+  if (spin > 0) server_->spin_until.store(NowNs() + spin, std::memory_order_relaxed);
+  if (code != 0) {
+    stream_.Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message ? message : ""),
+                   Tag(kFinish));
+    return;
+  }
+  grpc::Slice slice(data, len);  // (a copy: the caller's buffer may go right after)
+  response_ = grpc::ByteBuffer(&slice, 1);
+  request_.Clear();
+  if (streaming_) {
+    stream_.Write(response_, Tag(kWrite));
+  } else {
+    stream_.WriteAndFinish(response_, grpc::WriteOptions(), grpc::Status::OK, Tag(kFinish));
+  }
+}
 
 }  // namespace
 
 extern "C" {
 
-int tk_abi_version() { return 2; }
+int tk_abi_version() { return 3; }
 
-// Starts a server on `address` ("host:port"; port 0: any free one, written to *port) that
-// signals the eventfd `efd` (the caller's; it outlives the server) when requests are waiting.
-// Returns the server, or null with a reason in err.
-void* tk_start(const char* address, long long max_message, int reuse_port, int efd, int* port,
-               char* err, size_t err_len) {
+// Starts a server on `address` ("host:port"; port 0: any free one, written to *port) with
+// `pumps` threads (1 to 64) polling its completion queue, that signals the eventfd `efd` (the
+// caller's; it outlives the server) when requests are waiting. Returns the server, or null with
+// a reason in err.
+void* tk_start(const char* address, long long max_message, int reuse_port, int efd, int pumps,
+               int* port, char* err, size_t err_len) {
+  if (pumps < 1 || pumps > 64) {
+    std::snprintf(err, err_len, "the gRPC transport takes 1 to 64 threads, not %d", pumps);
+    return nullptr;
+  }
   auto* s = new Server(efd);
   grpc::ServerBuilder builder;
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(), port);
-  builder.RegisterCallbackGenericService(&s->service);
+  builder.RegisterAsyncGenericService(&s->service);
   const int limit = max_message > 0x7fffffff ? 0x7fffffff : static_cast<int>(max_message);
   builder.SetMaxReceiveMessageSize(limit);
   builder.SetMaxSendMessageSize(limit);
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, reuse_port ? 1 : 0);
   builder.AddChannelArgument("grpc.http2.lookahead_bytes", 16 << 20);
+  s->cq = builder.AddCompletionQueue();
   s->server = builder.BuildAndStart();
   if (!s->server || *port == 0) {
     std::snprintf(err, err_len, "cannot listen for gRPC on %s", address);
+    if (s->server) s->server->Shutdown();
+    s->cq->Shutdown();
+    void* tag = nullptr;
+    bool ok = false;
+    while (s->cq->Next(&tag, &ok)) {
+    }
+    s->server.reset();
     delete s;
     return nullptr;
   }
+  s->Accept();
+  for (int i = 0; i < pumps; ++i) s->pumps.emplace_back(&Server::Pump, s, i == 0);
   return s;
+}
+
+// Busy polling: after each answer, the first pump polls the sockets for `us` microseconds
+// (0: never) before it sleeps again.
+void tk_busy_poll(void* server, long long us) {
+  static_cast<Server*>(server)->spin_ns.store(us > 0 ? us * 1000 : 0);
 }
 
 // The next waiting request (null: none): its call, method and length, read with
@@ -205,10 +330,17 @@ void tk_reply(void* call, const char* data, size_t len, int code, const char* me
 // another thread) until it returns.
 void tk_stop(void* server, double grace) {
   auto* s = static_cast<Server*>(server);
+  s->stopping.store(true);
   auto deadline = std::chrono::system_clock::now() +
                   std::chrono::microseconds(static_cast<long long>(grace * 1e6));
   s->server->Shutdown(deadline);
-  s->server->Wait();
+  {  // (the pumps finish the calls: each is answered, cancelled, or never came)
+    std::unique_lock<std::mutex> lock(s->mu);
+    s->idle.wait(lock, [s] { return s->live.load() == 0; });
+  }
+  s->cq->Shutdown();
+  for (auto& t : s->pumps) t.join();
+  s->server.reset();
   delete s;
 }
 
