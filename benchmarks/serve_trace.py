@@ -4,7 +4,7 @@ medians over every inference request of the run.
 
     python benchmarks/serve_trace.py --perf-analyzer .perf_analyzer/perf_analyzer \
         [--model-repository R --model M] [--shared-memory none|system|cuda] [--backend cuda]
-        [--seconds 4] [--tiny]
+        [--seconds 4] [--tiny] [--profile FILE] [--busy-poll-us US] [--concurrency N]
 
 Without ``--model-repository`` the ResNet-50 repository of benchmarks/serve_gpu.py is built and
 its batch-1 model is traced (``--tiny``: the small conv net). The server runs on an event loop in
@@ -19,6 +19,10 @@ this process, perf_analyzer in another. Printed, medians in microseconds:
 - outside: from the hand-over's return to the next request's wake-up: gRPC C++ sending, the
   client, the network both ways, receiving, and the wake-up itself;
 - and perf_analyzer's p50 for the same run.
+
+``--concurrency N`` (above 1) drives the model with N clients at once instead; the stages are
+not traced then (they assume one request in flight), only perf_analyzer's figures, the mean
+batch the model ran, and with ``--profile`` where the server's thread spent its time.
 """
 
 from __future__ import annotations
@@ -164,7 +168,7 @@ class Trace:
         return out
 
 
-def _serve(repo: Path, backend: str, port: int, trace: Trace, ready: threading.Event,
+def _serve(repo: Path, backend: str, port: int, trace: Trace | None, ready: threading.Event,
            holder: dict, busy_poll_us: int = 0) -> None:  # fmt: skip
     from tensorkiln.serve import grpc as serve_grpc
     from tensorkiln.serve import native
@@ -174,10 +178,12 @@ def _serve(repo: Path, backend: str, port: int, trace: Trace, ready: threading.E
     holder["loop"] = loop
 
     async def start() -> None:
-        trace.install_model()
+        if trace is not None:
+            trace.install_model()
         core = ServerCore(repo, backend=backend, shared_memory=True)
         await core.load_all()
-        trace.install(core, native)
+        if trace is not None:
+            trace.install(core, native)
         holder["core"] = core
         holder["server"] = await serve_grpc.start(
             core, f"127.0.0.1:{port}", transport="native", busy_poll_us=busy_poll_us
@@ -209,6 +215,9 @@ def main() -> None:
         "--profile", type=Path, help="write cProfile's statistics of the server's thread here"
     )
     ap.add_argument("--busy-poll-us", type=int, default=0, help="serve --grpc-busy-poll-us")
+    ap.add_argument(
+        "--concurrency", type=int, default=1, help="clients at once (above 1: no trace)"
+    )
     args = ap.parse_args()
     repo = args.model_repository
     if repo is None:
@@ -221,7 +230,8 @@ def main() -> None:
         )  # fmt: skip
         make_repository(built, work)
         repo = work / "repo"
-    trace, ready, holder = Trace(), threading.Event(), {}
+    trace = Trace() if args.concurrency == 1 else None
+    ready, holder = threading.Event(), {}
     if args.profile is not None:
         import cProfile
 
@@ -238,17 +248,27 @@ def main() -> None:
     try:
         got = measure(
             args.perf_analyzer, args.model, f"127.0.0.1:{port}", int(args.seconds * 1000),
-            max_trials=10, shared_memory=args.shared_memory,
+            concurrency=args.concurrency, max_trials=10, shared_memory=args.shared_memory,
         )  # fmt: skip
     finally:
         holder["loop"].call_soon_threadsafe(holder["loop"].stop)
         thread.join(30)
     if isinstance(got, str):
         raise SystemExit(f"perf_analyzer: {got}")
+    stats = holder["core"].statistics(args.model)[0]
+    answered = stats["inference_stats"]["success"]["count"]
+    if trace is None:
+        runs = stats["execution_count"]
+        print(f"{args.model}, tensors: {args.shared_memory}, concurrency {args.concurrency}: "
+              f"{answered} requests answered in {runs} runs "
+              f"({answered / max(runs, 1):.1f} a run)")  # fmt: skip
+        print(f"perf_analyzer: {got[0]:,.0f} infer/s, p50 {got[1]} us")
+        if args.profile is not None:
+            holder["profile"].dump_stats(args.profile)
+        return
     s = trace.summary()
-    stats = holder["core"].statistics(args.model)[0]["inference_stats"]["success"]["count"]
     print(f"{args.model}, tensors: {args.shared_memory}, {s['requests']:.0f} requests traced "
-          f"({stats} answered by the model)")  # fmt: skip
+          f"({answered} answered by the model)")  # fmt: skip
     for label, *_ in STAGES + SUBSTAGES:
         if label in s:
             print(f"  {label}: {s[label]:.0f} us")

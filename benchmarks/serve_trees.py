@@ -4,7 +4,8 @@ bought which latency or throughput, measured in one run on one host, rounds alte
     git archive COMMIT src | tar -x -C /tmp/before      # (a tree of an earlier commit)
     python benchmarks/serve_trees.py --perf-analyzer .perf_analyzer/perf_analyzer \
         --tree before=/tmp/before/src --tree now=src [--cpp-stand-in build/grpc_floor_stand_in] \
-        [--loads b1:1,b1:64,dyn:64,b1:1:cuda] [--rounds 3] [--backend cuda] [--tiny]
+        [--loads b1:1,b1:64,dyn:64,b1:1:cuda] [--rounds 3] [--backend cuda] [--tiny] \
+        [--library before=/tmp/before/libtk_grpc.so] [--busy-poll now=2000]
 
 One `tensorkiln serve` process per tree (native gRPC transport, all started before the first
 measurement, each on its own ports, over the same repository of two prebuilt engines: ResNet-50
@@ -16,7 +17,9 @@ gRPC C++ answering with a recorded response (benchmarks/grpc_floor.py's stand-in
 protocol's floor on this host; with the tensors where the concurrency-1 loads put them), and
 the end adds the in-process run back to back and at the gaps a concurrency-1 client leaves:
 numpy in and out, and GPU tensors in and out (the peer of a client whose tensors are in CUDA
-shared memory).
+shared memory). ``--library LABEL=PATH`` gives one tree's server a native transport library of
+its own (``TENSORKILN_GRPC_LIBRARY``: a tree of another transport version); ``--busy-poll
+LABEL=US`` its own ``--grpc-busy-poll-us`` (one tree may be listed twice under two labels).
 """
 
 from __future__ import annotations
@@ -96,8 +99,14 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="a small conv net at 32x32 (smoke runs)")
     ap.add_argument("--work", default="/tmp/tk_serve_trees")
     ap.add_argument("--grpc-busy-poll-us", type=int, default=0, help="each server's (serve's flag)")
+    ap.add_argument("--library", action="append", default=[], help="LABEL=PATH (repeatable)")
+    ap.add_argument("--busy-poll", action="append", default=[], help="LABEL=US (repeatable)")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.tree)
+    libraries = dict(t.split("=", 1) for t in args.library)
+    busy = {label: int(us) for label, us in (t.split("=", 1) for t in args.busy_poll)}
+    if not set(libraries) | set(busy) <= set(trees):
+        ap.error("--library and --busy-poll name labels of --tree")
     loads = [
         (MODELS[m], int(c), shm[0] if shm else "none")
         for m, c, *shm in (x.split(":") for x in args.loads.split(","))
@@ -120,19 +129,21 @@ def main() -> None:
         for label, tree in trees.items():
             http, grpc_port, metrics = (_free_port() for _ in range(3))
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(tree).resolve()), *extra]))
+            if label in libraries:
+                env["TENSORKILN_GRPC_LIBRARY"] = str(Path(libraries[label]).resolve())
+            spin = busy.get(label, args.grpc_busy_poll_us)
             log = logs / f"{label}.log"
             proc = subprocess.Popen(
                 [sys.executable, "-m", "tensorkiln", "serve", "--model-repository", str(repo),
                  "--backend", args.backend, "--http-port", str(http), "--grpc-port",
                  str(grpc_port), "--metrics-port", str(metrics), "--grpc-transport", "native",
                  "--engine-cache", str(logs / "cache"), "--allow-shared-memory", "true",
-                 *(["--grpc-busy-poll-us", str(args.grpc_busy_poll_us)]
-                   if args.grpc_busy_poll_us else [])],
+                 *(["--grpc-busy-poll-us", str(spin)] if spin else [])],
                 env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, cwd=str(logs),
             )  # fmt: skip
             servers[label] = (proc, grpc_port)
             wait_ready(http, proc, log)
-            print(f"{label} ({tree}): ready", flush=True)
+            print(f"{label} ({tree}, busy polling {spin} us): ready", flush=True)
         recorded = logs / "recorded.bin"
         if args.cpp_stand_in:
             first = next(iter(servers.values()))[1]
