@@ -23,6 +23,7 @@
 // C ABI only (no Python headers): one build serves every Python version.
 
 #include <grpc/support/time.h>
+#include <grpcpp/alarm.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
@@ -44,8 +45,10 @@ namespace {
 
 constexpr char kStream[] = "/inference.GRPCInferenceService/ModelStreamInfer";
 
-// What a completion-queue tag says was done, in the low bits of the call's address.
-enum Op : uintptr_t { kNew = 0, kRead = 1, kWrite = 2, kFinish = 3 };
+// What a completion-queue tag says was done, in the low bits of the call's address (a Call
+// holds pointers: aligned to 8 at least).
+enum Op : uintptr_t { kNew = 0, kRead = 1, kWrite = 2, kFinish = 3, kSend = 4 };
+constexpr uintptr_t kOpBits = 7;
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -137,8 +140,22 @@ class Call {
     return at == len ? 0 : 3;
   }
 
-  // (the embedding process's thread) the answer to the request taken
+  // (the embedding process's thread) the answer to the request taken: sent from this thread
+  // when no other request is waiting for its answer (a client at a time: the answer goes at
+  // once), else handed to a pump (under load, the sending, tens of microseconds a call, is
+  // taken off the thread that runs the requests)
   void Reply(const char* data, size_t len, int code, const char* message);
+
+  // (this thread or a pump) the answer kept by Reply, sent
+  void Send() {
+    if (!status_.ok()) {
+      stream_.Finish(status_, Tag(kFinish));
+    } else if (streaming_) {
+      stream_.Write(response_, Tag(kWrite));
+    } else {
+      stream_.WriteAndFinish(response_, grpc::WriteOptions(), grpc::Status::OK, Tag(kFinish));
+    }
+  }
 
  private:
   Server* server_;
@@ -148,6 +165,10 @@ class Call {
   bool streaming_ = false;
   grpc::ByteBuffer request_;
   grpc::ByteBuffer response_;
+  grpc::Status status_;
+  // (fires at once on the completion queue: a pump sends the answer; a new one each time, as
+  // a stream hands over an answer only after the previous one was written)
+  std::unique_ptr<grpc::Alarm> handover_;
 };
 
 struct Server {
@@ -169,8 +190,8 @@ struct Server {
   }
 
   void Handle(void* tag, bool ok) {
-    auto* call = reinterpret_cast<Call*>(reinterpret_cast<uintptr_t>(tag) & ~uintptr_t{3});
-    switch (static_cast<Op>(reinterpret_cast<uintptr_t>(tag) & 3)) {
+    auto* call = reinterpret_cast<Call*>(reinterpret_cast<uintptr_t>(tag) & ~kOpBits);
+    switch (static_cast<Op>(reinterpret_cast<uintptr_t>(tag) & kOpBits)) {
       case kNew:
         if (!ok) {  // (the server is shutting down: no call came)
           Done(call);
@@ -181,6 +202,7 @@ struct Server {
         return;
       case kRead:
         if (ok) {
+          waiting.fetch_add(1);
           inbox.Push(call);  // (taken with tk_next, answered with tk_reply)
         } else {
           call->NoRequest();
@@ -191,6 +213,9 @@ struct Server {
         return;
       case kFinish:
         Done(call);
+        return;
+      case kSend:  // (sent whatever ok says: only sending ends the call)
+        call->Send();
         return;
     }
   }
@@ -228,6 +253,7 @@ struct Server {
   std::vector<std::thread> pumps;
   std::atomic<long long> live{0};  // call objects not yet freed
   std::atomic<bool> stopping{false};
+  std::atomic<long long> waiting{0};  // requests handed over and not yet answered
   std::atomic<int64_t> spin_ns{0};
   std::atomic<int64_t> spin_until{0};
   std::mutex mu;
@@ -238,18 +264,20 @@ struct Server {
 void Call::Reply(const char* data, size_t len, int code, const char* message) {
   const int64_t spin = server_->spin_ns.load(std::memory_order_relaxed);
   if (spin > 0) server_->spin_until.store(NowNs() + spin, std::memory_order_relaxed);
+  const bool alone = server_->waiting.fetch_sub(1) == 1;
   if (code != 0) {
-    stream_.Finish(grpc::Status(static_cast<grpc::StatusCode>(code), message ? message : ""),
-                   Tag(kFinish));
-    return;
-  }
-  grpc::Slice slice(data, len);  // (a copy: the caller's buffer may go right after)
-  response_ = grpc::ByteBuffer(&slice, 1);
-  request_.Clear();
-  if (streaming_) {
-    stream_.Write(response_, Tag(kWrite));
+    status_ = grpc::Status(static_cast<grpc::StatusCode>(code), message ? message : "");
   } else {
-    stream_.WriteAndFinish(response_, grpc::WriteOptions(), grpc::Status::OK, Tag(kFinish));
+    status_ = grpc::Status::OK;
+    grpc::Slice slice(data, len);  // (a copy: the caller's buffer may go right after)
+    response_ = grpc::ByteBuffer(&slice, 1);
+    request_.Clear();
+  }
+  if (alone) {
+    Send();
+  } else {
+    handover_ = std::make_unique<grpc::Alarm>();
+    handover_->Set(server_->cq.get(), gpr_time_0(GPR_CLOCK_MONOTONIC), Tag(kSend));
   }
 }
 
