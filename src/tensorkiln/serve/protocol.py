@@ -98,9 +98,20 @@ def numpy_dtype(datatype: str) -> np.dtype | None:
 
 def datatype_of(dtype: Any) -> str | None:
     """The protocol datatype of a numpy (or torch) dtype, or None where the protocol has none."""
+    try:  # (asked several times a request: the dtypes seen are remembered)
+        return _SEEN[dtype]
+    except (KeyError, TypeError):
+        pass
     if not isinstance(dtype, np.dtype) and str(dtype).startswith("torch."):
-        return _TORCH.get(str(dtype))
-    return _DATATYPES.get(np.dtype(dtype))
+        got = _TORCH.get(str(dtype))
+    else:
+        got = _DATATYPES.get(np.dtype(dtype))
+    if len(_SEEN) < 64:
+        _SEEN[dtype] = got
+    return got
+
+
+_SEEN: dict[Any, str | None] = {}
 
 
 # ---------------------------------------------------------------------- request tensors
