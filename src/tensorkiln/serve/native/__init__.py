@@ -78,7 +78,10 @@ def _build() -> Path:
 
 class _Library:
     def __init__(self, path: str) -> None:
-        lib = ctypes.CDLL(path)
+        # (the calls made per request return at once and never call back into Python: they
+        # keep the interpreter's lock, as PyDLL's do, rather than give it up and wait to take it
+        # back from the engine's threads; only tk_stop, which waits, gives it up)
+        lib = ctypes.PyDLL(path)
         lib.tk_abi_version.restype = ctypes.c_int
         if lib.tk_abi_version() != ABI:
             raise NativeUnavailable(f"{path} is another version of the native gRPC transport")
@@ -100,9 +103,11 @@ class _Library:
         lib.tk_reply.argtypes = [
             ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_char_p,
         ]  # fmt: skip
-        lib.tk_stop.restype = None
-        lib.tk_stop.argtypes = [ctypes.c_void_p, ctypes.c_double]
+        waits = ctypes.CDLL(path)
+        waits.tk_stop.restype = None
+        waits.tk_stop.argtypes = [ctypes.c_void_p, ctypes.c_double]
         self.lib = lib
+        self.stop = waits.tk_stop
         self.path = path
 
 
@@ -257,7 +262,7 @@ class NativeServer:
         server, self._server = self._server, None
         if server is not None:
             try:
-                await asyncio.to_thread(self._lib.lib.tk_stop, server, float(grace or 0.0))
+                await asyncio.to_thread(self._lib.stop, server, float(grace or 0.0))
             finally:
                 self._loop.remove_reader(self._efd)
                 os.close(self._efd)
