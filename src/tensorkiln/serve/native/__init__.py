@@ -20,7 +20,6 @@ with only gRPC C++'s runtime libraries). Nothing a client sends reaches the buil
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import functools
 import logging
@@ -108,6 +107,9 @@ class _Library:
         waits.tk_stop.argtypes = [ctypes.c_void_p, ctypes.c_double]
         self.lib = lib
         self.stop = waits.tk_stop
+        self.read = ctypes.PyDLL(None).read  # (libc's, the interpreter's lock kept: _take)
+        self.read.restype = ctypes.c_ssize_t
+        self.read.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
         self.path = path
 
 
@@ -157,6 +159,7 @@ class NativeServer:
         self._method_len = ctypes.c_size_t()
         self._size = ctypes.c_size_t()
         self._streaming = ctypes.c_int()
+        self._counter = ctypes.create_string_buffer(8)  # (the eventfd's, read to reset it)
         self.port = 0
         # busy polling: after an answer, look for the next request on every turn of the loop
         # for this long rather than sleep until the eventfd wakes the loop (see _poll)
@@ -186,8 +189,9 @@ class NativeServer:
         """(the event loop, when the eventfd is readable) every waiting request copied out and
         handled; every request is answered, an unexpected fault with INTERNAL."""
         lib = self._lib.lib
-        with contextlib.suppress(BlockingIOError):  # (reset first: a later arrival signals again)
-            os.eventfd_read(self._efd)
+        # (reset first: a later arrival signals again; libc's read with the lock kept, as
+        # os.eventfd_read gives it up; nothing waiting: EAGAIN, ignored)
+        self._lib.read(self._efd, self._counter, 8)
         while True:
             call = lib.tk_next(
                 server, ctypes.byref(self._method), ctypes.byref(self._method_len),
