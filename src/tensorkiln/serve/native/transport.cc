@@ -10,6 +10,9 @@
 // executor thread of its own, one more wake-up on every request's path). With busy polling
 // (tk_busy_poll) the first pump keeps polling the sockets for a while after each answer
 // instead of sleeping in epoll, so the next request of a client is read as soon as it lands.
+// An answer is sent from the thread that gives it when no other request waits for its own
+// (one client at a time: no hand-over), else by a pump (under load, sending is taken off the
+// thread that runs the requests).
 //
 // A call: one request, one tk_reply (a message, or a status that ends the call).
 // ModelStreamInfer: each request is handed over only after the previous one's answer was
