@@ -239,3 +239,48 @@ def test_several_transport_threads_answer_many_clients_and_the_count_is_bounded(
     for pumps in (0, 65):
         with pytest.raises(protocol.ServeError, match=f"takes 1 to 64 threads, not {pumps}"):
             asyncio.run(refused(pumps))
+
+
+def test_streams_and_unary_calls_at_once_each_get_their_answers_in_order(server):
+    # (many requests in flight at once: answers are handed to the transport's thread to send,
+    # on streams as on unary calls)
+    import queue
+
+    url, _ = server
+    rng = np.random.default_rng()
+    streams = [
+        [
+            rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)
+            for _ in range(6)
+        ]
+        for _ in range(4)
+    ]
+    unary = [rng.standard_normal((2, 1, 8, 8)).astype(np.float32) for _ in range(24)]
+
+    def stream(xs):
+        client = grpcclient.InferenceServerClient(url)
+        replies: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: replies.put((result, error)))
+        try:
+            for i, x in enumerate(xs):
+                client.async_stream_infer("digits", [_input(x)], request_id=str(i))
+            return [replies.get(timeout=60) for _ in xs]
+        finally:
+            client.stop_stream()
+
+    def call(x):
+        return grpcclient.InferenceServerClient(url).infer("digits", [_input(x)]).as_numpy("logits")
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        streamed = [pool.submit(stream, xs) for xs in streams]
+        answered = list(pool.map(call, unary))
+        for xs, future in zip(streams, streamed):
+            got = future.result(timeout=120)
+            assert [r.get_response().id for r, _ in got] == [str(i) for i in range(len(xs))]
+            for (result, error), x in zip(got, xs):
+                assert error is None
+                np.testing.assert_allclose(
+                    result.as_numpy("logits"), _direct(x), rtol=1e-5, atol=1e-5
+                )
+    for x, y in zip(unary, answered):
+        np.testing.assert_allclose(y, _direct(x), rtol=1e-5, atol=1e-5)
