@@ -33,7 +33,8 @@ def _call(service, request) -> object:
     """``request`` (a ModelInferRequest) through the service as either transport hands it
     over: parsed from its bytes."""
     call = serve_grpc.parse("ModelInfer", request.SerializeToString())
-    return service.loop.run_until_complete(service.ModelInfer(call, None))
+    answer = service.loop.run_until_complete(service.ModelInfer(call, None))
+    return protocol.message("inference.ModelInferResponse").FromString(answer)
 
 
 def _request(x: np.ndarray, **kw):
@@ -192,7 +193,10 @@ def test_busy_polling_answers_right_and_stops_when_idle(tmp_path):
     async def start(core, port):
         await core.load_all()
         server = await serve_grpc.start(
-            core, f"127.0.0.1:{port}", transport="native", busy_poll_us=20_000
+            core,
+            f"127.0.0.1:{port}",
+            transport="native",
+            busy_poll_us=300_000,  # (0.3 s: a busy host)
         )
         held["server"] = server
         return lambda: server.stop(5)

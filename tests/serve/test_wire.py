@@ -99,3 +99,19 @@ def test_truncated_and_corrupted_bytes_are_refused_or_agree() -> None:
     for junk in (b"\x00", b"\x3a", b"\x3a\xff\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01",
                  b"\x3a\x05ab", b"\x0b", b"\x3c", b"\xff" * 11):  # fmt: skip
         assert wire.split_field(junk, RAW) is None
+
+
+def test_fields_written_parse_as_protobuf_writes_them() -> None:
+    rng = np.random.default_rng()
+    Response = protocol.message("inference.ModelInferResponse")
+    for size in (0, 1, 127, 128, 300, 16383, 16384, int(rng.integers(20_000, 300_000))):
+        data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        ident = "req-" + "x" * int(rng.integers(0, 200))
+        want = Response(model_name="digits", model_version="1", id=ident)
+        want.raw_output_contents.extend([data, b""])
+        head = Response(model_name="digits", model_version="1").SerializeToString()
+        got = b"".join(
+            [head, wire.field(3, ident.encode()), wire.field(6, data), wire.field(6, b"")]
+        )
+        assert Response.FromString(got) == want
+        assert wire.field(6, memoryview(data)) == wire.field(6, data)

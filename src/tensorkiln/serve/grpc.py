@@ -57,6 +57,7 @@ class InferenceService:
         self.max_message = max_message
         # inference requests' plans (see _Plan), by the request's bytes without its raw contents
         self._plans: dict[bytes, _Plan] = {}
+        self._heads: dict[tuple, bytes] = {}  # (responses' bytes but for id and contents: _infer)
         core.shm.on_change.append(self._plans.clear)  # (plans hold views of CUDA regions)
 
     async def ServerLive(self, request: Any, context: Any) -> Any:
@@ -151,18 +152,17 @@ class InferenceService:
         async for data in requests:
             yield await self.stream_reply(data)
 
-    async def stream_reply(self, data: Any) -> Any:
-        """ModelStreamInfer's response to one request's bytes."""
-        reply = _m("ModelStreamInferResponse")()
+    async def stream_reply(self, data: Any) -> bytes:
+        """ModelStreamInfer's response to one request's bytes (serialized)."""
         try:
             request = parse("ModelStreamInfer", data)
-            reply.infer_response.CopyFrom(await self._infer(request))
+            return wire.field(2, await self._infer(request))  # (infer_response)
         except ServeError as exc:
-            reply.error_message = str(exc)
-        return reply
+            return _m("ModelStreamInferResponse")(error_message=str(exc)).SerializeToString()
 
-    async def _infer(self, call: InferCall) -> Any:
-        """An inference request (from :func:`parse`) answered."""
+    async def _infer(self, call: InferCall) -> bytes:
+        """An inference request (from :func:`parse`) answered: the ModelInferResponse's
+        bytes."""
         request, raw, header = call
         shm = self.core.shm
         plan = self._plans.get(header) if header is not None else None
@@ -185,23 +185,38 @@ class InferenceService:
         model, outputs = await self.core.infer(
             request.model_name, request.model_version, feeds, wanted
         )
-        reply = _m("ModelInferResponse")(
-            model_name=model.name, model_version=str(model.version), id=request.id
-        )
+        contents, params = [], {}
         for n, y in outputs.items():
-            t = reply.outputs.add(
-                name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape)
-            )
             if n in targets:
-                for key, value in shm.output_to(targets[n], n, y).items():
-                    if isinstance(value, str):
-                        t.parameters[key].string_param = value
-                    else:
-                        t.parameters[key].int64_param = value
-                reply.raw_output_contents.append(b"")  # (keeps the contents in output order)
+                params[n] = shm.output_to(targets[n], n, y)
+                contents.append(b"")  # (keeps the contents in output order)
             else:
-                reply.raw_output_contents.append(cuda_shm.host(y).tobytes())
-        return reply
+                contents.append(cuda_shm.host(y).tobytes())
+        # (the response's bytes but for its id and contents: the same request after request)
+        key = (model.name, model.version, *((n, y.dtype, y.shape, targets.get(n))
+                                            for n, y in outputs.items()))  # fmt: skip
+        head = self._heads.get(key)
+        if head is None:
+            head = _head(model, outputs, params)
+            if len(self._heads) >= _PLANS_KEPT:
+                self._heads.clear()
+            self._heads[key] = head
+        ident = wire.field(3, request.id.encode()) if request.id else b""
+        return b"".join([head, ident, *(wire.field(6, c) for c in contents)])
+
+
+def _head(model: Any, outputs: dict, params: dict) -> bytes:
+    """A ModelInferResponse's bytes without its id and raw contents (fields 3 and 6, which the
+    caller appends: a message's fields may come in any order)."""
+    reply = _m("ModelInferResponse")(model_name=model.name, model_version=str(model.version))
+    for n, y in outputs.items():
+        t = reply.outputs.add(name=n, datatype=protocol.datatype_of(y.dtype), shape=list(y.shape))
+        for key, value in params.get(n, {}).items():
+            if isinstance(value, str):
+                t.parameters[key].string_param = value
+            else:
+                t.parameters[key].int64_param = value
+    return reply.SerializeToString()
 
 
 _PLAN_HEADER_MAX = 4096  # bytes of a request without its raw contents, at most, to keep a plan
@@ -374,7 +389,8 @@ def _request_type(name: str) -> Any:
 
 
 def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
+    """(inference answers come serialized already)"""
+    return message if isinstance(message, bytes) else message.SerializeToString()
 
 
 RPCS = (
@@ -409,12 +425,12 @@ def native_answer(service: InferenceService) -> Any:
 
     async def answer(path: str, data: Any, streaming: bool) -> bytes:
         if streaming:  # one request of ModelStreamInfer: errors go in the stream's response
-            return (await service.stream_reply(data)).SerializeToString()
+            return await service.stream_reply(data)
         name = path[len(prefix) :] if path.startswith(prefix) else ""
         if name not in served:
             raise native.Reply(native.UNIMPLEMENTED, f"{path}: no such method here")
         try:
-            return (await getattr(service, name)(parse(name, data), None)).SerializeToString()
+            return _serialize(await getattr(service, name)(parse(name, data), None))
         except ServeError as exc:
             code = native.STATUS_OF_HTTP.get(exc.status, native.INTERNAL)
             raise native.Reply(code, str(exc)) from None

@@ -1,5 +1,6 @@
 """Protocol buffers' wire format, as far as the gRPC service needs it: a ModelInferRequest's raw
-tensor contents taken out of the received bytes without copying them.
+tensor contents taken out of the received bytes without copying them, and length-delimited
+fields written (a response's id and contents after the bytes kept for the rest of it).
 
 Parsed whole, a request's 600 KB image is copied twice before the engine sees it: into the
 parsed message, and out of it again when the field is read (protobuf's Python API hands out a
@@ -75,3 +76,20 @@ def split_field(data: bytes | bytearray | memoryview, field: int) -> tuple[bytes
         i = j
     rest += buf[kept_from:n]
     return bytes(rest), values
+
+
+def _encode_varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def field(number: int, data: bytes | bytearray | memoryview) -> bytes:
+    """Field ``number`` holding ``data`` (bytes, a string's UTF-8 or an embedded message), as
+    protobuf writes it: the key, the length, the bytes."""
+    size = len(data)
+    length = bytes((size,)) if size < 0x80 else _encode_varint(size)
+    return b"".join((_encode_varint(number << 3 | 2), length, data))
