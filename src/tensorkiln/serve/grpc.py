@@ -179,9 +179,7 @@ class InferenceService:
             if header is not None and len(header) <= _PLAN_HEADER_MAX:
                 plan = _Plan.of(request, raw, feeds, wanted, targets, shm)
                 if plan is not None:
-                    if len(self._plans) >= _PLANS_KEPT:
-                        self._plans.clear()
-                    self._plans[header] = plan
+                    _keep(self._plans, header, plan)
         model, outputs = await self.core.infer(
             request.model_name, request.model_version, feeds, wanted
         )
@@ -197,12 +195,18 @@ class InferenceService:
                                             for n, y in outputs.items()))  # fmt: skip
         head = self._heads.get(key)
         if head is None:
-            head = _head(model, outputs, params)
-            if len(self._heads) >= _PLANS_KEPT:
-                self._heads.clear()
-            self._heads[key] = head
+            head = _keep(self._heads, key, _head(model, outputs, params))
         ident = wire.field(3, request.id.encode()) if request.id else b""
         return b"".join([head, ident, *(wire.field(6, c) for c in contents)])
+
+
+def _keep(cache: dict, key: Any, value: Any) -> Any:
+    """``value`` stored in ``cache`` (plans, response heads: emptied when _PLANS_KEPT are
+    there, so what strangers' requests leave behind stays bounded)."""
+    if len(cache) >= _PLANS_KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def _head(model: Any, outputs: dict, params: dict) -> bytes:

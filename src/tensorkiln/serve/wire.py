@@ -79,6 +79,8 @@ def split_field(data: bytes | bytearray | memoryview, field: int) -> tuple[bytes
 
 
 def _encode_varint(value: int) -> bytes:
+    if value < 0x80:  # (one byte: every key and most lengths here)
+        return bytes((value,))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -90,6 +92,4 @@ def _encode_varint(value: int) -> bytes:
 def field(number: int, data: bytes | bytearray | memoryview) -> bytes:
     """Field ``number`` holding ``data`` (bytes, a string's UTF-8 or an embedded message), as
     protobuf writes it: the key, the length, the bytes."""
-    size = len(data)
-    length = bytes((size,)) if size < 0x80 else _encode_varint(size)
-    return b"".join((_encode_varint(number << 3 | 2), length, data))
+    return b"".join((_encode_varint(number << 3 | 2), _encode_varint(len(data)), data))

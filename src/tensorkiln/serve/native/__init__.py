@@ -5,10 +5,11 @@ grpcio's Python server spends about a millisecond and a half a call in its own m
 server CPU (HTTP/2 frames, completion queues and thread hand-offs under the interpreter lock),
 more than the whole batch-1 inference of a ResNet-50 on the GPU. Here transport.cc (gRPC C++'s
 async generic service, compiled against the system's gRPC C++) does that work on a thread of its
-own that polls one completion queue, and queues each received request; an eventfd watched by the event loop says when some
-are waiting, and the loop takes them as bytes (no gRPC thread calls into the interpreter). The
-same service as the grpcio transport (serve/grpc.py) parses each, runs it and answers. Clients
-see the same service: the wire format, status codes and messages do not change.
+own that polls one completion queue, and queues each received request; an eventfd watched by
+the event loop says when some are waiting, and the loop takes them as bytes (no gRPC thread
+calls into the interpreter). The same service as the grpcio transport (serve/grpc.py) parses
+each, runs it and answers. Clients see the same service: the wire format, status codes and
+messages do not change.
 
 The library is compiled from transport.cc on first use into the user's cache folder (the one
 kernels/common/build.py keeps; name: a hash of the source, compiler and gRPC version), which needs
@@ -163,7 +164,8 @@ class NativeServer:
         self.port = 0
         # busy polling: after an answer, look for the next request on every turn of the loop
         # for this long rather than sleep until the eventfd wakes the loop (see _poll)
-        self._spin_s = max(0, busy_poll_us) / 1e6
+        self._spin_us = max(0, busy_poll_us)
+        self._spin_s = self._spin_us / 1e6
         self._spin_until = 0.0
         self._spinning = False
         # (threads of the transport's own that poll its sockets and completion queue)
@@ -180,8 +182,8 @@ class NativeServer:
         if not server:
             os.close(efd)
             raise ServeError(err.value.decode(errors="replace") or "cannot start gRPC", 500)
-        if self._spin_s:  # (the transport's thread polls the sockets meanwhile: _poll)
-            self._lib.lib.tk_busy_poll(server, round(self._spin_s * 1e6))
+        if self._spin_us:  # (the transport's thread polls the sockets meanwhile: _poll)
+            self._lib.lib.tk_busy_poll(server, self._spin_us)
         self._server, self._efd, self.port = server, efd, port.value
         self._loop.add_reader(efd, self._take, server)
 
@@ -226,7 +228,8 @@ class NativeServer:
         microseconds after a request arrives (more where its core has gone idle); polling
         finds it within a turn, at the cost of a busy core. Only while no request is in flight:
         then worker threads may need the interpreter's lock, which a polling loop would keep
-        taking from them. (The transport's own thread polls the sockets meanwhile: tk_busy_poll.)"""
+        taking from them. (The transport's own thread polls the sockets meanwhile:
+        tk_busy_poll.)"""
         busy = any(not t.done() for t in self._tasks)  # (the one answered last may be there)
         if self._server != server or busy or time.perf_counter() > self._spin_until:
             self._spinning = False
