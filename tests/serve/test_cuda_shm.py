@@ -217,3 +217,47 @@ def test_split_rows_and_system_regions_take_tensors(system_object) -> None:
     np.testing.assert_array_equal(written, y[:4])
     with pytest.raises(ServeError, match="takes 200 bytes, over the shared_memory_byte_size"):
         regions.output_to(("out", 0, 160), "y", torch.from_numpy(y))
+
+
+def test_answers_of_one_loop_turn_share_one_wait() -> None:
+    """The answers of one batched run (handed back in one turn of the loop) wait for their
+    copies with one synchronization; later turns get their own; a failed wait fails each of
+    its answers, and a cancelled answer leaves the others waiting."""
+    import asyncio
+
+    from tensorkiln.serve import cuda_shm
+
+    rng = np.random.default_rng()
+    calls: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def wait() -> None:
+            assert asyncio.get_running_loop() is loop  # (on the loop's own thread)
+            calls.append(1)
+
+        first = int(rng.integers(2, 9))
+        await asyncio.gather(*(cuda_shm.together("k", wait) for _ in range(first)))
+        assert len(calls) == 1  # (one wait for all of the first turn's callers)
+        await cuda_shm.together("k", wait)
+        assert len(calls) == 2
+
+        def fail() -> None:
+            raise RuntimeError("copy failed")
+
+        results = await asyncio.gather(
+            *(cuda_shm.together("f", fail) for _ in range(3)), return_exceptions=True
+        )
+        assert [str(r) for r in results] == ["copy failed"] * 3
+
+        tasks = [asyncio.ensure_future(cuda_shm.together("k", wait)) for _ in range(4)]
+        await asyncio.sleep(0)  # (each task has joined the turn's waiters)
+        tasks[1].cancel()
+        done = await asyncio.gather(*tasks, return_exceptions=True)
+        assert len(calls) == 3
+        assert isinstance(done[1], asyncio.CancelledError)
+        assert [done[i] for i in (0, 2, 3)] == [None] * 3
+        assert not cuda_shm._together  # (nothing left behind)
+
+    asyncio.run(main())

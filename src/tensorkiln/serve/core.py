@@ -447,7 +447,7 @@ def _batcher(model: ServedModel, ran: Any) -> DynamicBatcher:
     """The model's scheduler: dynamic batching where the config asks for it, else each request
     run alone, on the model's instances."""
     config = model.config
-    gather = config.HasField("dynamic_batching") and model.max_batch_size > 0
+    gather = model.batching
     db = config.dynamic_batching
     batcher = DynamicBatcher(
         model.infer_batch,

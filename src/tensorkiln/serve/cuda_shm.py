@@ -16,6 +16,7 @@ server is started with ``--allow-shared-memory true``.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import functools
@@ -190,9 +191,10 @@ def view(region: Any, start: int, dtype: np.dtype, shape: tuple[int, ...], what:
     return region[start : start + nbytes].view(tdtype).reshape(shape)
 
 
-def write(dst: Any, data: Any) -> None:
+def write(dst: Any, data: Any, wait: bool = True) -> None:
     """``data`` (a numpy array or a torch tensor) copied into ``dst`` (a uint8 tensor of a
-    region, its size), the copy finished."""
+    region, its size), the copy finished; with ``wait=False`` only enqueued on the current
+    stream (the caller awaits :func:`copied` before it answers)."""
     import torch  # lazy: torch is optional (only a GPU server maps CUDA memory)
 
     if isinstance(data, np.ndarray):
@@ -200,7 +202,47 @@ def write(dst: Any, data: Any) -> None:
     else:
         raw = data.contiguous().view(-1).view(torch.uint8)
     dst.copy_(raw)
-    _current_stream(dst.device.index).synchronize()  # (the client reads it once answered)
+    if wait:
+        _current_stream(dst.device.index).synchronize()  # (the client reads it once answered)
+
+
+async def copied(device: int) -> None:
+    """Waits for the copies this thread enqueued on ``device``'s current stream, together with
+    every other answer that awaits them in the same turn of the event loop: the answers of one
+    batched run are handed back in one turn, and one synchronization then serves them all
+    instead of one for each answer, each waiting in turn for the GPU to run its copy."""
+    await together(("cuda", device), _current_stream(device).synchronize)
+
+
+_together: dict[Any, list] = {}
+
+
+async def together(key: Any, wait: Any) -> None:
+    """``wait()`` called once for every caller that awaits this with ``key`` in the same turn of
+    the running loop (in the next turn, on the loop's thread); its exception, if any, is each
+    caller's. A caller cancelled meanwhile leaves the others waiting as before."""
+    loop = asyncio.get_running_loop()
+    waiters = _together.get((loop, key))
+    if waiters is None:
+        waiters = _together[(loop, key)] = []
+        loop.call_soon(_settle, loop, key, wait)
+    future = loop.create_future()
+    waiters.append(future)
+    await future
+
+
+def _settle(loop: asyncio.AbstractEventLoop, key: Any, wait: Any) -> None:
+    waiters = _together.pop((loop, key))
+    try:
+        wait()
+    except Exception as exc:  # (each waiter gets it: a failed copy fails every answer it had)
+        for future in waiters:
+            if not future.done():
+                future.set_exception(exc)
+        return
+    for future in waiters:
+        if not future.done():
+            future.set_result(None)
 
 
 _streams: dict[tuple[int, int], Any] = {}

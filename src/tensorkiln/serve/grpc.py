@@ -184,12 +184,18 @@ class InferenceService:
             request.model_name, request.model_version, feeds, wanted
         )
         contents, params = [], {}
+        # (a batching model's answers come back together: their copies into CUDA regions share
+        # one wait; a batch-1 model's answer waits for its own copy at once, before another
+        # run can be enqueued ahead of a shared wait)
+        pending: set | None = set() if model.batching else None
         for n, y in outputs.items():
             if n in targets:
-                params[n] = shm.output_to(targets[n], n, y)
+                params[n] = shm.output_to(targets[n], n, y, pending)
                 contents.append(b"")  # (keeps the contents in output order)
             else:
                 contents.append(cuda_shm.host(y).tobytes())
+        for device in pending or ():
+            await cuda_shm.copied(device)
         # (the response's bytes but for its id and contents: the same request after request)
         key = (model.name, model.version, *((n, y.dtype, y.shape, targets.get(n))
                                             for n, y in outputs.items()))  # fmt: skip

@@ -381,6 +381,7 @@ class RemoteModel:
     def __init__(self, name: str, version: int, metadata: dict, config: Any) -> None:
         self.name, self.version, self.config = name, version, config
         self._metadata = metadata
+        self.batching = False  # (a front end's outputs come from the link, not CUDA copies)
 
     def metadata(self) -> dict[str, Any]:
         return self._metadata

@@ -61,6 +61,8 @@ class ServedModel:
         self.engine = engine
         self.config = entry.config
         self.max_batch_size = entry.max_batch_size
+        # (requests gathered into one run: dynamic batching asked for, and a batch dimension)
+        self.batching = self.config.HasField("dynamic_batching") and self.max_batch_size > 0
         complete_config(self.config, engine, f"model '{self.name}' version {self.version}")
         count = sum(g.count or 1 for g in self.config.instance_group) or 1
         graphs = self.config.optimization.cuda.graphs and engine.runtime_backend.cuda_graphs

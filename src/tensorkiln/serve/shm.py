@@ -265,9 +265,12 @@ class SharedMemory:
         view = np.frombuffer(region.memory, dtype, math.prod(shape), start)
         return view.reshape(shape).copy()
 
-    def write(self, name: Any, offset: Any, byte_size: Any, data: np.ndarray, what: str) -> None:
+    def write(self, name: Any, offset: Any, byte_size: Any, data: np.ndarray, what: str,
+              pending: set | None = None) -> None:  # fmt: skip
         """An output's tensor (a numpy array, or a torch tensor of a GPU engine's) into its
-        region (it must fit in ``byte_size``)."""
+        region (it must fit in ``byte_size``). With a ``pending`` set, a copy into a CUDA region
+        is only enqueued and its device added to the set (the caller awaits
+        :func:`cuda_shm.copied` for each before it answers)."""
         region, start = self._span(name, offset, byte_size, what)
         nbytes = data.nbytes  # (numpy and torch alike)
         if nbytes > byte_size:
@@ -276,7 +279,10 @@ class SharedMemory:
                 f"shared_memory_byte_size of {byte_size:,}"
             )
         if isinstance(region, _CudaRegion):
-            cuda_shm.write(region.span(start, nbytes), data)
+            dst = region.span(start, nbytes)
+            cuda_shm.write(dst, data, wait=pending is None)
+            if pending is not None:
+                pending.add(dst.device.index)
             return
         raw = np.ascontiguousarray(cuda_shm.host(data)).reshape(-1).view(np.uint8)
         np.frombuffer(region.memory, np.uint8, raw.size, start)[:] = raw
@@ -292,11 +298,12 @@ class SharedMemory:
             params.get("shared_memory_byte_size"), dtype, shape, f"input '{name}'",
         )  # fmt: skip
 
-    def output_to(self, target: tuple, name: str, y: np.ndarray) -> dict[str, Any]:
+    def output_to(self, target: tuple, name: str, y: np.ndarray,
+                  pending: set | None = None) -> dict[str, Any]:  # fmt: skip
         """Output ``name`` written into its ``target`` (from :func:`output_target`); the
-        parameters its response tensor carries."""
+        parameters its response tensor carries. ``pending``: as for :meth:`write`."""
         region, offset, size = target
-        self.write(region, offset, size, y, f"output '{name}'")
+        self.write(region, offset, size, y, f"output '{name}'", pending)
         params = {"shared_memory_region": region, "shared_memory_byte_size": y.nbytes}
         if offset:
             params["shared_memory_offset"] = offset
