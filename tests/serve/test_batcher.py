@@ -11,7 +11,7 @@ import pytest
 from tensorkiln.serve import ModelRepository
 from tensorkiln.serve.batcher import DynamicBatcher, joined
 from tensorkiln.serve.model import ServedModel
-from tests.serve.test_repository import _model
+from tests.serve.test_repository import _model, digit_inputs
 
 
 def _run_all(batcher: DynamicBatcher, requests: list[dict], delays: list[float] | None = None):
@@ -39,12 +39,7 @@ def _served_digits(root, count: int) -> tuple[ServedModel, list[dict]]:
     _model(root)
     entry = ModelRepository(root).read("digits")
     served = ServedModel.load(entry, entry.versions[0])
-    rng = np.random.default_rng()
-    requests = [
-        {"input": rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)}
-        for _ in range(count)
-    ]
-    return served, requests
+    return served, [{"input": x} for x in digit_inputs(count)]
 
 
 def test_concurrent_requests_get_their_own_rows_of_shared_runs(tmp_path):

@@ -20,7 +20,7 @@ from tests.serve import test_grpc  # noqa: E402
 from tests.serve.helpers import serving_with  # noqa: E402
 from tests.serve.test_grpc import _input, native_or_skip, serving  # noqa: E402
 from tests.serve.test_http import _direct  # noqa: E402
-from tests.serve.test_repository import _model  # noqa: E402
+from tests.serve.test_repository import _model, digit_inputs  # noqa: E402
 
 METHOD = "/inference.GRPCInferenceService/"
 server = test_grpc.server  # (the gRPC suite's server, on each transport)
@@ -248,13 +248,7 @@ def test_streams_and_unary_calls_at_once_each_get_their_answers_in_order(server)
 
     url, _ = server
     rng = np.random.default_rng()
-    streams = [
-        [
-            rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)
-            for _ in range(6)
-        ]
-        for _ in range(4)
-    ]
+    streams = [digit_inputs(6) for _ in range(4)]
     unary = [rng.standard_normal((2, 1, 8, 8)).astype(np.float32) for _ in range(24)]
 
     def stream(xs):

@@ -21,7 +21,7 @@ from tensorkiln.serve.core import ServerCore  # noqa: E402
 from tensorkiln.serve.http import HEADER_LENGTH as HEADER  # noqa: E402
 from tensorkiln.serve.http import make_app  # noqa: E402
 from tests.serve.helpers import serving_with  # noqa: E402
-from tests.serve.test_repository import DIGITS, _model  # noqa: E402
+from tests.serve.test_repository import DIGITS, _model, digit_inputs  # noqa: E402
 
 
 def serving(repo: Path, **core_kw):
@@ -92,11 +92,7 @@ def test_health_metadata_config_and_repository(server):
 
 def test_concurrent_clients_are_batched_and_each_gets_its_own_rows(server):
     url, core = server
-    rng = np.random.default_rng()
-    xs = [
-        rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)
-        for _ in range(24)
-    ]
+    xs = digit_inputs(24)
     client = httpclient.InferenceServerClient(url, concurrency=24)
     pending = []
     for x in xs:

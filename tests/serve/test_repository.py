@@ -8,6 +8,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tensorkiln.errors import ModelLoadError
@@ -35,6 +36,15 @@ def _model(root: Path, name: str = "digits", config: str | None = CONFIG,
         (folder / str(v)).mkdir()
         (folder / str(v) / filename).write_bytes(DIGITS.read_bytes())
     return folder
+
+
+def digit_inputs(count: int) -> list[np.ndarray]:
+    """``count`` fresh random inputs of the digits model, each of 1 to 3 rows."""
+    rng = np.random.default_rng()
+    return [
+        rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)
+        for _ in range(count)
+    ]
 
 
 def test_a_triton_repository_reads_as_triton_reads_it(tmp_path):

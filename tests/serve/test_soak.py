@@ -23,7 +23,7 @@ httpclient = pytest.importorskip("tritonclient.http")
 from tensorkiln.builder import Builder  # noqa: E402
 from tests.serve.helpers import free_port as _free_port  # noqa: E402
 from tests.serve.helpers import wait_until  # noqa: E402
-from tests.serve.test_repository import DIGITS, _model  # noqa: E402
+from tests.serve.test_repository import DIGITS, _model, digit_inputs  # noqa: E402
 
 CLIENTS = 64
 SECONDS = float(os.environ.get("TENSORKILN_SOAK_SECONDS", "60"))
@@ -62,10 +62,8 @@ def served(tmp_path_factory):
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RSS from /proc")
 def test_64_clients_for_a_minute(served):
     url, proc = served
-    rng = np.random.default_rng()
     # each client its own inputs, with their answers from the engine run directly
-    inputs = [rng.standard_normal((int(rng.integers(1, 4)), 1, 8, 8)).astype(np.float32)
-              for _ in range(CLIENTS)]  # fmt: skip
+    inputs = digit_inputs(CLIENTS)
     ctx = Builder("reference").build(str(DIGITS), progress=False).create_execution_context()
     answers = [ctx.infer({"input": x})["logits"] for x in inputs]
     errors: list[str] = []
