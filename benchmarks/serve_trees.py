@@ -94,6 +94,10 @@ def main() -> None:
     ap.add_argument("--loads", default="b1:1,b1:64,dyn:64", help="model:concurrency, ...")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--interval-ms", type=int, default=2000)
+    ap.add_argument(
+        "--warmup", type=int, default=1,
+        help="unmeasured passes over every load and tree before the first round",
+    )  # fmt: skip
     ap.add_argument("--cpp-stand-in", help="benchmarks/grpc_floor_cpp/build.sh makes it")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--tiny", action="store_true", help="a small conv net at 32x32 (smoke runs)")
@@ -155,6 +159,15 @@ def main() -> None:
         stand_in_port = _free_port()
         # (the floor where the concurrency-1 loads' tensors travel)
         floor_modes = sorted({shm for _, c, shm in loads if c == 1}, reverse=True) or ["none"]
+        # (the first measurements after a start ran slow: engines' first runs at each load, the
+        # host and the GPU coming out of idle; perf_analyzer's stable windows do not hide it all)
+        for _ in range(args.warmup):
+            for model, concurrency, shm in loads:
+                for label, (_, port) in servers.items():
+                    said = _perf(
+                        args.perf_analyzer, model, port, concurrency, args.interval_ms, shm
+                    )
+                    print(f"warm-up: {model} c{concurrency} {label}: {said}", flush=True)
         for round_ in range(1, args.rounds + 1):
             for model, concurrency, shm in loads:
                 for label, (_, port) in servers.items():
