@@ -195,8 +195,14 @@ def test_a_lone_request_to_an_idle_short_model_runs_on_the_loop_thread():
             np.testing.assert_allclose(got["y"], _rows({"x": x})["y"], rtol=1e-6)
 
 
-def test_concurrent_requests_and_long_runs_stay_off_the_loop_thread():
+@pytest.mark.parametrize("idle_gap_s", [None, 0.0], ids=["idle-gap", "no-idle-gap"])
+def test_concurrent_requests_and_long_runs_stay_off_the_loop_thread(idle_gap_s, monkeypatch):
     import threading
+
+    if idle_gap_s is not None:
+        # (as a host that stalls between requests arriving together would make it: the gap
+        # since the last run no longer tells; the requests of one loop turn still count as load)
+        monkeypatch.setattr("tensorkiln.serve.batcher._IDLE_GAP_S", idle_gap_s)
 
     rng = np.random.default_rng()
 

@@ -24,8 +24,12 @@ a worker thread and back costs two thread wake-ups, as much as a short GPU run, 
 client pays both on every request. While it runs the loop does nothing else, which is why it is
 kept to short runs and idle models. Idle means: no other request to the model in flight, none
 in the last ``_BUSY_HOLD_S``, and the last run ended at least ``_IDLE_GAP_S`` ago (a request
-that comes sooner may have waited behind that run, in the loop or in the transport). Under load
-requests are in flight together, and the model's requests go to the worker threads.
+that comes sooner may have waited behind that run, in the loop or in the transport). Requests
+that reach the batcher in the turn of the loop in which one of them ran on the loop came
+together, and count as load whatever the clock says (a run on the loop returns without
+yielding, so "in flight" alone would not see them, and a host that stalls between them would
+fool the gap). Under load requests are in flight together, and the model's requests go to the
+worker threads.
 """
 
 from __future__ import annotations
@@ -154,6 +158,7 @@ class DynamicBatcher:
         self._pending = 0  # requests submitted and not yet returned
         self._busy_until = 0.0  # perf_counter before which no request runs on the loop
         self._last_end = 0.0  # perf_counter when the last run ended
+        self._ran_inline_this_turn = False  # a request ran on the loop in this loop turn
         self._run_times: deque[float] = deque(maxlen=_RUN_TIMES_KEPT)
         self.inline_runs = 0  # requests run on the loop's thread (statistics, tests)
 
@@ -174,7 +179,9 @@ class DynamicBatcher:
         request = _Request(feeds, batch, loop.create_future())
         self._pending += 1
         try:
-            if self._pending > 1:  # (another request is in flight: the model has load)
+            # (another request is in flight, or one ran on the loop in this very turn and this
+            # one came with it: the model has load)
+            if self._pending > 1 or self._ran_inline_this_turn:
                 self._busy_until = request.arrived + _BUSY_HOLD_S
             if self._may_inline(request.arrived):
                 await self._free.acquire()  # (returns at once: nothing in flight)
@@ -206,7 +213,13 @@ class DynamicBatcher:
         except Exception as exc:  # (its request fails; the batcher goes on)
             run.set_exception(exc)
         self.inline_runs += 1
+        if not self._ran_inline_this_turn:  # (cleared by the loop's next turn)
+            self._ran_inline_this_turn = True
+            loop.call_soon(self._next_turn)
         self._ran([request], start, run)
+
+    def _next_turn(self) -> None:
+        self._ran_inline_this_turn = False
 
     async def _enqueue(self, loop: asyncio.AbstractEventLoop, request: _Request) -> None:
         """Hand ``request`` to a worker thread: at once when it runs alone and an instance is
