@@ -54,6 +54,11 @@ def _perf(
     return got if isinstance(got, str) else f"{got[0]:,.0f} infer/s, p50 {got[1]:,} us"
 
 
+def _where(shm: str) -> str:
+    """How a load's tensors travel, as its printed rows say it."""
+    return "" if shm == "none" else f" ({shm} shared memory)"
+
+
 def _in_process(repo: Path, calls: int = 300) -> None:
     from tensorkiln.engine import Engine
 
@@ -159,32 +164,30 @@ def main() -> None:
         stand_in_port = _free_port()
         # (the floor where the concurrency-1 loads' tensors travel)
         floor_modes = sorted({shm for _, c, shm in loads if c == 1}, reverse=True) or ["none"]
+
+        def every_load(tag: str) -> None:
+            """One measurement of each load on each tree, printed behind ``tag``."""
+            for model, concurrency, shm in loads:
+                for label, (_, port) in servers.items():
+                    said = _perf(
+                        args.perf_analyzer, model, port, concurrency, args.interval_ms, shm
+                    )
+                    print(f"{tag}: {model} c{concurrency}{_where(shm)} {label}: {said}", flush=True)
+
         # (the first measurements after a start ran slow: engines' first runs at each load, the
         # host and the GPU coming out of idle; perf_analyzer's stable windows do not hide it all)
         for _ in range(args.warmup):
-            for model, concurrency, shm in loads:
-                for label, (_, port) in servers.items():
-                    said = _perf(
-                        args.perf_analyzer, model, port, concurrency, args.interval_ms, shm
-                    )
-                    print(f"warm-up: {model} c{concurrency} {label}: {said}", flush=True)
+            every_load("warm-up")
         for round_ in range(1, args.rounds + 1):
-            for model, concurrency, shm in loads:
-                for label, (_, port) in servers.items():
-                    said = _perf(
-                        args.perf_analyzer, model, port, concurrency, args.interval_ms, shm
-                    )
-                    where = "" if shm == "none" else f" ({shm} shared memory)"
-                    print(
-                        f"round {round_}: {model} c{concurrency}{where} {label}: {said}", flush=True
-                    )
+            every_load(f"round {round_}")
             for shm in floor_modes if args.cpp_stand_in else ():
                 with stand_in([args.cpp_stand_in, str(recorded), str(stand_in_port)]):
                     said = _perf(
                         args.perf_analyzer, "resnet50_b1", stand_in_port, 1, args.interval_ms, shm
                     )
-                where = "" if shm == "none" else f" ({shm} shared memory)"
-                print(f"round {round_}: resnet50_b1 c1{where} bare C++ gRPC: {said}", flush=True)
+                print(
+                    f"round {round_}: resnet50_b1 c1{_where(shm)} bare C++ gRPC: {said}", flush=True
+                )
     finally:
         for proc, _ in servers.values():
             proc.terminate()
