@@ -68,13 +68,16 @@ def _in_process(repo: Path, calls: int = 300) -> None:
     x = np.random.default_rng().standard_normal((1, *engine.inputs[0].shape[1:])).astype(np.float32)
     import torch
 
-    on_gpu = torch.from_numpy(x).cuda()
+    runs = [("numpy", lambda: ctx.infer({name: x}))]
+    if torch.cuda.is_available():  # (a smoke run on the reference backend has no GPU)
+        on_gpu = torch.from_numpy(x).cuda()
 
-    def device() -> None:  # (GPU tensors in and out, the results ready to read)
-        ctx.infer({name: on_gpu})
-        torch.cuda.current_stream().synchronize()
+        def device() -> None:  # (GPU tensors in and out, the results ready to read)
+            ctx.infer({name: on_gpu})
+            torch.cuda.current_stream().synchronize()
 
-    for label, run in (("numpy", lambda: ctx.infer({name: x})), ("GPU tensors", device)):
+        runs.append(("GPU tensors", device))
+    for label, run in runs:
         for _ in range(50):
             run()
         for gap_ms in (0.0, 1.5):
