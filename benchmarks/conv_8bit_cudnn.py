@@ -35,6 +35,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
+from benchmarks._common import norm_rel_torch  # noqa: E402
+
 # ResNet-50 (torchvision, stride on the 3x3): (in channels, out channels, kernel, stride, input
 # height and width, how many times the network runs it)
 SHAPES = (
@@ -307,8 +309,7 @@ def _variant(cd: Cudnn, kind: str, shape: tuple, batch: int, args: argparse.Name
         except CudnnError as exc:
             best = best or f"execute failed: {exc}"
             continue
-        got = y.float() * sy
-        err = float((got - ref).norm() / ref.norm().clamp_min(1e-30))
+        err = norm_rel_torch([y.float() * sy], [ref])
         tolerance = 0.07 if out8 else 1e-2
         if not err <= tolerance:
             best = best if isinstance(best, tuple) else f"wrong: rel. L2 {err:.2e}"
