@@ -1,0 +1,267 @@
+"""Whether Hopper WGMMA GEMMs of CUTLASS's kind carry 8-bit layers past fp16 on this GPU: the
+kernels compiled ahead of time by ``benchmarks/cutlass_gemm_build.py`` (FP8 E4M3 operands, the
+scale and ReLU in the epilogue, an E4M3 or fp16 output; the same kernel in fp16 for comparison)
+against cuBLAS's fp16 GEMM, ``torch._scaled_mm`` and, for ResNet-50's layers, the fp16
+convolution the fp16 engine runs (cuDNN, channels-last).
+
+    python benchmarks/cutlass_gemm.py [--lib build/cutlass_gemm] [--reps 30] [--batch 256]
+
+Shapes: ResNet-50's convolutions but the stem at ``--batch`` (a k x k convolution as the GEMM
+M = batch * output pixels, N = out channels, K = k * k * in channels; for 3x3 layers that GEMM
+reads an explicit im2col matrix, nine times the input, so it bounds what an implicit-GEMM
+kernel with the same main loop would take) and BERT-base's four GEMMs at 64 x 128 tokens.
+Every CUTLASS result is first checked against float32 arithmetic on the same 8-bit values (one
+E4M3 step in relative L2 for an E4M3 output, 2e-3 for fp16); a kernel that disagrees is reported
+and not timed. Times: the median of ``--reps`` groups of five calls between CUDA events.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import glob
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "src")]
+
+from benchmarks._common import norm_rel_torch  # noqa: E402
+from benchmarks.conv_8bit_cudnn import SHAPES, _time  # noqa: E402
+
+BERT = ((8192, 2304, 768, 1), (8192, 768, 768, 1), (8192, 3072, 768, 1), (8192, 768, 3072, 1))
+
+
+class _Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("shapes", ctypes.c_int32 * 2),
+        ("strides", ctypes.c_int64 * 2),
+    ]
+
+
+def _load_cudart() -> None:
+    """The CUDA runtime torch uses, made global so the kernels' launcher binds to it (one
+    runtime, one context)."""
+    import torch
+
+    torch.zeros(1, device="cuda")
+    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
+    for base in sys.path:
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so*")))
+    for name in names:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL).cudaLibraryLoadData  # noqa: B018
+            return
+        except (OSError, AttributeError):
+            continue
+    raise SystemExit("cutlass_gemm: no CUDA runtime with cudaLibraryLoadData found")
+
+
+class _Vector(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 1)]
+
+
+class CutlassGemms:
+    """The exported kernels of one build: ``run(name, a, b, d, scale)`` launches
+    ``d = op(scale * a @ b.T)`` on torch's current stream; with the per-channel epilogue
+    ``run(name, a, b, d, 0.0, col, bias)``, ``d = op(a @ b.T * col + bias)``; with the residual
+    one ``run(name, a, b, d, z_scale, col, bias, z)``, ``d = op(a @ b.T * col + bias + z *
+    z_scale)``."""
+
+    def __init__(self, folder: Path) -> None:
+        _load_cudart()
+        manifest = json.loads((folder / "manifest.json").read_text())
+        self.lib = ctypes.CDLL(str(folder / manifest["library"]), mode=ctypes.RTLD_GLOBAL)
+        self.kernels = {k["name"]: k for k in manifest["kernels"]}
+        self._modules = {}
+        self._entries = {}
+        for name, k in self.kernels.items():
+            module = ctypes.c_void_p()
+            holder = ctypes.pointer(module)
+            ret = ctypes.c_int(0)
+            init_args = (ctypes.c_void_p * 2)(ctypes.addressof(holder), ctypes.addressof(ret))
+            getattr(self.lib, f"_mlir_{name}_cuda_init")(init_args)
+            if ret.value:
+                raise RuntimeError(f"{name}: loading its cubin failed (CUDA error {ret.value})")
+            device = ctypes.c_int32(0)
+            load_args = (ctypes.c_void_p * 3)(
+                ctypes.addressof(holder), ctypes.addressof(device), ctypes.addressof(ret)
+            )
+            getattr(self.lib, f"_mlir_{name}_cuda_load_to_device")(load_args)
+            if ret.value:
+                raise RuntimeError(f"{name}: loading it on the device failed (CUDA {ret.value})")
+            for t in ("a", "b", "c", "res") if k["epilogue"] == "residual" else ("a", "b", "c"):
+                if k["tensors"].get(t) != [2, 2]:  # (the _Tensor layout this loader passes)
+                    raise RuntimeError(f"{name}: tensor {t} is not a dynamic 2-D row-major one")
+            entry = getattr(self.lib, k["entry"])
+            entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+            entry.restype = None
+            self._modules[name] = (module, holder)
+            self._entries[name] = entry
+
+    @staticmethod
+    def _view(t) -> _Tensor:
+        rows, cols = t.shape
+        if t.stride() != (cols, 1) or t.data_ptr() % 16:
+            raise ValueError("operands must be row-major and 16-byte aligned")
+        return _Tensor(t.data_ptr(), (rows, cols), (cols, rows * cols))
+
+    def run(self, name: str, a, b, d, scale: float, col=None, bias=None, z=None) -> None:
+        import torch
+
+        structs = [self._view(a), self._view(b), self._view(d)]
+        epilogue = self.kernels[name]["epilogue"]
+        if epilogue in ("channel", "residual"):
+            for v in (col, bias):
+                if v is None or v.dtype != torch.float32 or v.shape != (d.shape[1],):
+                    raise ValueError("the per-channel epilogue takes two float32 vectors of N")
+                structs.append(_Vector(v.data_ptr(), (v.shape[0],)))
+        if epilogue == "residual":
+            if z is None or z.shape != d.shape or z.dtype != torch.float8_e4m3fn:
+                raise ValueError("the residual epilogue takes an E4M3 residual of D's shape")
+            structs.append(self._view(z))
+        s = ctypes.c_float(scale)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        ret = ctypes.c_int32(0)
+        ptrs = [ctypes.addressof(x) for x in (*structs, s, stream, ret)]
+        self._entries[name]((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
+        if ret.value:
+            raise RuntimeError(f"{name}: launch failed (status {ret.value})")
+
+
+def _shapes(batch: int):
+    for cin, cout, k, stride, hw, count in SHAPES:
+        out_hw = (hw + 2 * (k // 2) - k) // stride + 1
+        label = f"{cin}->{cout} {k}x{k}/{stride} @{hw}"
+        yield label, (batch * out_hw * out_hw, cout, cin * k * k, count), (cin, cout, k, stride, hw)
+    for m, n, k, count in BERT:
+        yield f"BERT {m}x{n}x{k}", (m, n, k, count), None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lib", type=Path, default=ROOT / "build" / "cutlass_gemm")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--shapes", type=int, default=0, help="the first N shapes only")
+    ap.add_argument("--all-k", action="store_true",
+                    help="run the shallow-stage (k2) and epilogue-subtile (e) variants at every K, "
+                         "not only where K is 64 (one of them hung the GPU at K = 576)")  # fmt: skip
+    args = ap.parse_args()
+    import torch
+    import torch.nn.functional as F
+
+    torch.backends.cudnn.benchmark = True
+    gemms = CutlassGemms(args.lib)
+    print(
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels: {len(gemms.kernels)}"
+    )
+    kinds = sorted(
+        {
+            (k["a"], k["c"], k["epilogue"], k.get("activation", "relu"))
+            for k in gemms.kernels.values()
+        }
+    )
+    acts = {"relu": torch.relu, "none": lambda v: v, "gelu": F.gelu}
+    e4m3 = torch.float8_e4m3fn
+    dt = {"fp8": e4m3, "f16": torch.half}
+    header = ["shape", "x", "conv fp16", "cuBLAS fp16", "_scaled_mm fp8->f16"]
+    header += [f"CUTLASS {a}->{c} {e} {act} (tile)" for a, c, e, act in kinds]
+    print(" | ".join(header))
+    totals: dict[str, float] = {}
+    shapes = list(_shapes(args.batch))
+    for label, (m, n, k, count), conv in shapes[: args.shapes or None]:
+        g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
+        a32 = torch.randn(m, k, device="cuda", generator=g)
+        b32 = torch.randn(n, k, device="cuda", generator=g)
+        a8, b8 = a32.to(e4m3), b32.to(e4m3)
+        a16, b16 = a8.half(), b8.half()
+        scale = 1.0 / k**0.5
+        acc = a8.float() @ b8.float().T
+        col = scale * (0.5 + torch.rand(n, device="cuda", generator=g))
+        bias = 0.5 * torch.randn(n, device="cuda", generator=g)
+        z = torch.randn(m, n, device="cuda", generator=g).to(e4m3)
+        z_scale = 0.5
+        pre = {
+            "scalar": scale * acc,
+            "channel": acc * col + bias,
+            "residual": acc * col + bias + z.float() * z_scale,
+        }
+        del acc
+        cells = [label, str(count)]
+        row: dict[str, float] = {}
+        if conv is not None:
+            cin, cout, kk, stride, hw = conv
+            x = torch.randn(args.batch, cin, hw, hw, device="cuda", dtype=torch.half)
+            x = x.contiguous(memory_format=torch.channels_last)
+            w = torch.randn(cout, cin, kk, kk, device="cuda", dtype=torch.half)
+            w = w.contiguous(memory_format=torch.channels_last)
+            row["conv fp16"] = _time(
+                lambda x=x, w=w, s=stride, p=kk // 2: F.conv2d(x, w, stride=s, padding=p), args.reps
+            )
+            del x, w
+        row["cuBLAS fp16"] = _time(lambda a=a16, b=b16: F.linear(a, b), args.reps)
+        one = torch.ones((), device="cuda")
+        row["_scaled_mm"] = _time(
+            lambda a=a8, b=b8, one=one: torch._scaled_mm(a, b.T, one, one, out_dtype=torch.half),
+            args.reps,
+        )
+        for key in ("conv fp16", "cuBLAS fp16", "_scaled_mm"):
+            cells.append(f"{row[key]:.3f}" if key in row else "-")
+        for a_kind, c_kind, epi, act in kinds:
+            want = acts[act](pre[epi])
+            want = want.to(e4m3).float() if c_kind == "fp8" else want
+            s = z_scale if epi == "residual" else scale
+            best = None
+            a_in, b_in = (a8, b8) if a_kind == "fp8" else (a16, b16)
+            for name, kern in gemms.kernels.items():
+                if (kern["a"], kern["c"], kern["epilogue"], kern.get("activation", "relu")) != (
+                    a_kind,
+                    c_kind,
+                    epi,
+                    act,
+                ):
+                    continue
+                if k > 64 and (kern["k_steps"] != 4 or kern["epi_tile"]) and not args.all_k:
+                    continue  # (one of these hung the GPU at K = 576; see --all-k)
+                if epi == "residual" and (n % kern["tile"][1] or m % kern["tile"][0]):
+                    continue  # (the residual's tile copy is not bounded by the tensor)
+                d = torch.empty(m, n, device="cuda", dtype=dt[c_kind])
+                try:
+                    gemms.run(name, a_in, b_in, d, s, col, bias, z)
+                    torch.cuda.synchronize()
+                except (RuntimeError, ValueError) as exc:
+                    print(f"  {name} on {label}: {exc}")
+                    continue
+                err = norm_rel_torch([d.float()], [want])
+                limit = 2.0**-6 if c_kind == "fp8" else 2e-3
+                if not err <= limit:
+                    print(f"  {name} on {label}: relative L2 {err:.2e} over {limit:.1e}, not timed")
+                    continue
+                vecs = (col, bias, z)
+                t = _time(lambda name=name, a_in=a_in, b_in=b_in, d=d, s=s, v=vecs: (
+                    gemms.run(name, a_in, b_in, d, s, *v)), args.reps)  # fmt: skip
+                if best is None or t < best[0]:
+                    best = (t, kern["tag"], err)
+            key = f"{a_kind}->{c_kind} {epi} {act}"
+            if best is None:
+                cells.append("none ran")
+            else:
+                row[key] = best[0]
+                cells.append(f"{best[0]:.3f} ({best[1]}, err {best[2]:.1e})")
+        for key, t in row.items():
+            group = "resnet" if conv is not None else "bert"
+            totals[f"{group}:{key}"] = totals.get(f"{group}:{key}", 0.0) + count * t
+        print(" | ".join(cells), flush=True)
+        del a32, b32, a8, b8, a16, b16, pre, col, bias, z
+        torch.cuda.empty_cache()
+    print("\nWeighted by use (ResNet-50: each layer times how often the network runs it):")
+    for key, t in sorted(totals.items()):
+        print(f"  {key}: {t:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,395 @@
+"""Compile Hopper WGMMA GEMMs ahead of time with CUTLASS's Python DSL (CuTe DSL), on a machine
+without a GPU, into one shared library that ``benchmarks/cutlass_gemm.py`` loads on the GPU.
+
+    python benchmarks/cutlass_gemm_build.py --kernel PATH/dense_gemm_fp8_gelu_persistent.py
+        [--out build/cutlass_gemm] [--tiles 128x64,128x128o2k2,...] [--variants ...]
+
+``--kernel`` is CUTLASS's own Hopper example (examples/python/CuTeDSL/cute/hopper/kernel/
+dense_gemm/dense_gemm_fp8_gelu_persistent.py in github.com/NVIDIA/cutlass): a persistent,
+warp-specialized GEMM with TMA loads and stores, ``D = op(scale * A @ B^T)`` with a compile-time
+elementwise ``op``. It is read from where it lies and not copied into this project. The DSL
+(``pip install "nvidia-cutlass-dsl[cu13]"``, NVIDIA's licence) is needed here only; what runs on
+the GPU is the exported object code, linked with the DSL's small CUDA runtime shim.
+
+Each variant is compiled with dynamic M, N and K (M a multiple of 128, N and K of 16), for sm_90a:
+A is M x K and B is N x K, both K-major (a channels-last activation and a weight as stored);
+D is M x N, N-major. The manifest (``manifest.json``) names each variant's entry point and its
+tensors' dynamic extents, as the exported headers declare them.
+
+The example is patched as it is read (the patches below, each of which must match exactly once,
+so another revision of the example is refused rather than half-patched); the figures in
+benchmarks/RESULTS.md were measured with CUTLASS at commit 7107b0553 and the DSL 4.8.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_kernel_module(path: Path):
+    spec = importlib.util.spec_from_file_location("cutlass_hopper_gemm_example", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cutlass_gemm_build: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _header_entry(header: str) -> tuple[str, dict[str, list[int]]]:
+    """The exported header's C entry point, and for each tensor argument its dynamic shape and
+    stride counts (the fields of its ``<prefix>_Tensor_<name>_t``)."""
+    entry = re.search(
+        r"void (_mlir_\w+__mlir_ciface_\w+)\(void \*\*args, int32_t num_args\)", header
+    )
+    if entry is None:
+        raise SystemExit("cutlass_gemm_build: no entry point in the exported header")
+    tensors = {}
+    for shapes, strides, struct in re.findall(
+        r"typedef struct \{\s*void \*data;\s*int32_t dynamic_shapes\[(\d+)\];\s*"
+        r"int64_t dynamic_strides\[(\d+)\];\s*\} (\w+)_t;",
+        header,
+    ):
+        tensors[struct.rsplit("_Tensor_", 1)[1]] = [int(shapes), int(strides)]
+    return entry.group(1), tensors
+
+
+# The per-channel epilogue (``--epilogue channel``): CUTLASS's example computes ``op(scale * acc)``
+# with one scale. A quantized layer needs ``op(acc * col[n] + bias[n])`` (``col``: the input's
+# scale times the weight's per-channel scale over the output's scale; ``bias`` likewise divided),
+# so the example's text is patched at build time: two float32 vectors of N travel as M x N views
+# with a zero row stride, each epilogue subtile reads them through the thread partition of the
+# shared-memory tile the fragment is copied to (element i of the fragment lands on element i of
+# that partition, so the vectors are read in that order and reshaped to the fragment's shape),
+# and the scalar scale is left out.
+_CHANNEL_PATCHES = (
+    (
+        "        c: cute.Tensor,\n        scale_ab: cutlass.Float32,",
+        "        c: cute.Tensor,\n        col: cute.Tensor,\n        bias: cute.Tensor,\n"
+        "        scale_ab: cutlass.Float32,",
+    ),
+    (
+        "        self.shared_storage = SharedStorage\n",
+        "        self.shared_storage = SharedStorage\n"
+        "        vec_layout = cute.make_layout(\n"
+        "            (cute.size(c, mode=[0]), cute.size(c, mode=[1]), 1), stride=(0, 1, 0)\n"
+        "        )\n"
+        "        col_mnl = cute.make_tensor(col.iterator, vec_layout)\n"
+        "        bias_mnl = cute.make_tensor(bias.iterator, vec_layout)\n",
+    ),
+    (
+        "            tma_tensor_c,\n            self.tiled_mma,",
+        "            tma_tensor_c,\n            col_mnl,\n            bias_mnl,\n            self.tiled_mma,",
+    ),
+    (
+        "        mC_mnl: cute.Tensor,\n",
+        "        mC_mnl: cute.Tensor,\n        mCol_mnl: cute.Tensor,\n        mBias_mnl: cute.Tensor,\n",
+    ),
+    (
+        "        # Partition shared tensor for TMA load A/B\n",
+        "        gCol_mnl = cute.local_tile(\n"
+        "            mCol_mnl, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None)\n"
+        "        )\n"
+        "        gBias_mnl = cute.local_tile(\n"
+        "            mBias_mnl, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None)\n"
+        "        )\n"
+        "        # Partition shared tensor for TMA load A/B\n",
+    ),
+    (
+        "                    acc_vec = tRS_rAcc_epi.load()\n",
+        "                    acc_vec = tRS_rAcc_epi.load()\n"
+        "                    tk_coord = epi_tile_layout.get_hier_coord(epi_idx)\n"
+        "                    tk_col = thr_copy_r2s.partition_D(cute.local_tile(\n"
+        "                        gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n"
+        "                    )).load().reshape(tRS_rD_layout.shape)\n"
+        "                    tk_bias = thr_copy_r2s.partition_D(cute.local_tile(\n"
+        "                        gBias_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n"
+        "                    )).load().reshape(tRS_rD_layout.shape)\n"
+        "                    acc_vec = acc_vec * tk_col + tk_bias\n",
+    ),
+)
+
+
+# The residual epilogue (``residual``): the channel epilogue plus an E4M3 residual of the
+# output's shape times a scale (the scalar argument, which the channel epilogue leaves unused),
+# added before the activation: ``op(acc * col[n] + bias[n] + z * z_scale)``, a ResNet block's
+# last convolution with its shortcut. The tile's residual is copied to a row-major shared-memory
+# tile by the epilogue's threads when the tile starts (16-byte cp.async copies), so the copy runs
+# under the tile's main loop; the epilogue waits for it once, then reads each subtile through the
+# partition the fragment is stored with. (Read from global memory through that partition, a byte
+# or two at a time, or copied subtile by subtile just before its use, the residual made these
+# layers twice as slow as without it.)
+_RESIDUAL_PATCHES = (
+    ("        bias: cute.Tensor,\n", "        bias: cute.Tensor,\n        res: cute.Tensor,\n"),
+    ("            bias_mnl,\n            self.tiled_mma,",
+     "            bias_mnl,\n            res,\n            self.tiled_mma,"),
+    ("        mBias_mnl: cute.Tensor,\n", "        mBias_mnl: cute.Tensor,\n        mRes_mnl: cute.Tensor,\n"),
+    (
+        "        # Partition shared tensor for TMA load A/B\n",
+        "        gRes_mnl = cute.local_tile(\n"
+        "            mRes_mnl, cute.slice_(self.tile_shape_mnk, (None, None, 0)), (None, None, None)\n"
+        "        )\n"
+        "        # Partition shared tensor for TMA load A/B\n",
+    ),
+    (
+        "                    cute.cosize(self.epi_smem_layout_staged),\n"
+        "                ],\n                self.buffer_align_bytes,\n            ]\n",
+        "                    cute.cosize(self.epi_smem_layout_staged),\n"
+        "                ],\n                self.buffer_align_bytes,\n            ]\n"
+        "            sR: cute.struct.Align[\n"
+        "                cute.struct.MemRange[\n"
+        "                    cutlass.Float8E4M3FN, self.tile_shape_mnk[0] * self.tile_shape_mnk[1]\n"
+        "                ],\n"
+        "                128,\n"
+        "            ]\n",
+    ),
+    (
+        "        sC = storage.sC.get_tensor(\n"
+        "            epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner\n        )\n",
+        "        sC = storage.sC.get_tensor(\n"
+        "            epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner\n        )\n"
+        "        sR = storage.sR.get_tensor(\n"
+        "            cute.make_layout(\n"
+        "                (self.tile_shape_mnk[0], self.tile_shape_mnk[1]),\n"
+        "                stride=(self.tile_shape_mnk[1], 1),\n"
+        "            )\n"
+        "        )\n",
+    ),
+    (
+        "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n",
+        "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n"
+        "                tk_tpr = self.tile_shape_mnk[1] // 16\n"
+        "                tk_ld = cute.make_tiled_copy_tv(\n"
+        "                    cute.make_copy_atom(\n"
+        "                        cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float8E4M3FN,\n"
+        "                        num_bits_per_copy=128,\n"
+        "                    ),\n"
+        "                    cute.make_layout(\n"
+        "                        (self.num_mma_threads // tk_tpr, tk_tpr), stride=(tk_tpr, 1)\n"
+        "                    ),\n"
+        "                    cute.make_layout((1, 16)),\n"
+        "                )\n"
+        "                tk_thr = tk_ld.get_slice(\n"
+        "                    tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group\n"
+        "                )\n"
+        "                cute.copy(\n"
+        "                    tk_ld,\n"
+        "                    tk_thr.partition_S(gRes_mnl[(None, None, *tile_coord_mnl)]),\n"
+        "                    tk_thr.partition_D(sR),\n"
+        "                )\n"
+        "                cute.arch.cp_async_commit_group()\n",
+    ),
+    (
+        "                # Epilogue\n",
+        "                # Epilogue\n"
+        "                cute.arch.cp_async_wait_group(0)\n"
+        "                self.epilog_sync_barrier.arrive_and_wait()\n",
+    ),
+    (
+        "                    acc_vec = acc_vec * tk_col + tk_bias\n",
+        "                    tk_res = thr_copy_r2s.partition_D(\n"
+        "                        cute.local_tile(sR, self.epi_tile, tk_coord)\n"
+        "                    ).load().reshape(tRS_rD_layout.shape)\n"
+        "                    acc_vec = acc_vec * tk_col + tk_bias + tk_res.to(cutlass.Float32) * scale_ab\n",
+    ),
+)  # fmt: skip
+
+
+# Two CTAs an SM (``--tiles 128x128o2``): the example launches with ``min_blocks_per_mp=1`` whatever
+# its occupancy; the launch bound follows the occupancy here, so the compiler keeps each thread to
+# half the register file, and the MMA warp group takes 216 of them once the load warp group has
+# given its share back (40 + 216 = 2 x 128). The shared-memory carveout is stated (all of it),
+# since the DSL would otherwise ask the GPU for it while compiling. (64x256o2 does not compile:
+# ptxas wants 154 registers a thread for its 64 x 256 WGMMA under a launch bound of 128.)
+_OCCUPANCY_PATCH = (
+    "            min_blocks_per_mp=1,\n",
+    "            min_blocks_per_mp=self.occupancy,\n"
+    "            preferred_smem_carveout=100 if self.occupancy > 1 else None,\n",
+)
+
+
+# The K depth of a main-loop stage (``k2``: two WGMMA K steps, 64 bytes, for layers whose K is 64,
+# where the example's four would multiply zeros) and the epilogue subtile (``e128x64``) become
+# settable from the build.
+_SHAPE_PATCHES = (
+    ("        mma_inst_tile_k = 4\n", "        mma_inst_tile_k = getattr(self, 'k_steps', 4)\n"),
+    (
+        "            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative\n",
+        "            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative,\n"
+        "            epi_tile_override=getattr(self, 'epi_tile', None),\n",
+    ),
+)
+
+
+def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
+    text = path.read_text()
+    patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES]
+    if epilogue in ("channel", "residual"):
+        patches += _CHANNEL_PATCHES
+    if epilogue == "residual":
+        patches += _RESIDUAL_PATCHES
+    for old, new in patches:
+        if text.count(old) != 1:
+            raise SystemExit(f"cutlass_gemm_build: {path} is not the example this patch fits")
+        text = text.replace(old, new)
+    patched = out / f"{epilogue}_epilogue_kernel.py"
+    patched.write_text(text)
+    return patched
+
+
+# epilogue : activation : A type _ D type. scalar: op(scale * acc); channel: op(acc * col[n] +
+# bias[n]); residual: op(acc * col[n] + bias[n] + z * z_scale).
+VARIANTS = (
+    "scalar:relu:fp8_fp8", "scalar:relu:f16_f16", "channel:relu:fp8_fp8", "channel:none:fp8_fp8",
+    "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8",
+)  # fmt: skip
+TILES = (
+    "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
+    "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
+    "64x256e64x128",
+)  # fmt: skip
+
+
+def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None]:
+    found = re.fullmatch(r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?", spec)
+    if found is None:
+        raise SystemExit(
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN] (M 64/128, N 64/128/256)"
+        )
+    epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
+    return (
+        int(found.group(1)),
+        int(found.group(2)),
+        int(found.group(3) or 1),
+        int(found.group(4) or 4),
+        epi,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--kernel", type=Path, required=True, help="CUTLASS's Hopper FP8 GEMM example")
+    p.add_argument("--out", type=Path, default=ROOT / "build" / "cutlass_gemm")
+    p.add_argument("--tiles", default=",".join(TILES),
+                   help="CTA tiles, M x N (M 64 or 128; N 64, 128 or 256), then o2: two CTAs "
+                        "an SM, k2: 64-byte K stages, eMxN: the epilogue subtile")  # fmt: skip
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help="epilogue:activation:kind (A type _ D type), each built at every tile")  # fmt: skip
+    p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
+    args = p.parse_args(argv)
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    source = args.kernel.resolve()
+    modules = {
+        epilogue: _load_kernel_module(_patched_source(source, out, epilogue))
+        for epilogue in ("scalar", "channel", "residual")
+    }
+    dtypes = {"fp8": cutlass.Float8E4M3FN, "f16": cutlass.Float16}
+
+    def relu(v):
+        return cute.where(v > 0.0, v, cute.full_like(v, 0.0))
+
+    def none(v):
+        return v
+
+    def gelu_erf(v):  # (ONNX's Gelu and BERT's, through erf: made the GEMM up to 2x slower)
+        half, one = cute.full_like(v, 0.5), cute.full_like(v, 1.0)
+        return half * v * (one + cute.erf(v * cute.full_like(v, 0.7071067811865476)))
+
+    # gelu: the example's clipped odd polynomial for the normal CDF (a few FMAs an element)
+    activations = {"relu": relu, "none": none, "gelu_erf": gelu_erf, "gelu": None}
+    for stale in out.glob("*.o"):
+        stale.unlink()
+    manifest = {"kernels": []}
+    m = cute.sym_int32(divisibility=128)
+    n, k = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=16)
+    variants = []
+    for variant in args.variants.split(","):
+        epilogue, act, kind = variant.split(":")
+        if epilogue not in modules or act not in activations or kind not in ("fp8_fp8", "f16_f16"):
+            raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
+        # (with a 16-bit output the vectors' partition is not in the fragment's order: the
+        # per-channel results came out wrong on the GPU, so only 8-bit outputs take them)
+        if epilogue != "scalar" and kind.endswith("f16"):
+            raise SystemExit(f"cutlass_gemm_build: {variant}: per-channel epilogues write 8 bits")
+        variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
+    for epilogue, act, kind, (tile_m, tile_n, occupancy, k_steps, epi_tile) in variants:
+        a_name, c_name = kind.split("_")
+        ex = modules[epilogue]
+        tag = f"{tile_m}x{tile_n}o{occupancy}k{k_steps}" + (
+            f"e{epi_tile[0]}x{epi_tile[1]}" if epi_tile else ""
+        )
+        name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
+        t0 = time.perf_counter()
+        a = make_fake_compact_tensor(
+            dtypes[a_name], (m, k, 1), stride_order=(1, 0, 2), assumed_align=16
+        )
+        b = make_fake_compact_tensor(
+            dtypes[a_name], (n, k, 1), stride_order=(1, 0, 2), assumed_align=16
+        )
+        c = make_fake_compact_tensor(
+            dtypes[c_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
+        )
+        gemm = ex.HopperFP8GeluPersistentGemmKernel(
+            cutlass.Float32, (tile_m, tile_n), (1, 1), 1, True
+        )
+        gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
+        if epilogue == "residual":  # (the residual's tile, out of the main loop's stages)
+            gemm.smem_capacity -= (tile_m * tile_n + 1024) * occupancy
+        if occupancy == 2:
+            gemm.occupancy = 2
+            gemm.mma_register_requirement = 216
+        extra = ()
+        if epilogue != "scalar":
+            extra = tuple(
+                make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16) for _ in range(2)
+            )
+        if epilogue == "residual":
+            extra += (
+                make_fake_compact_tensor(
+                    cutlass.Float8E4M3FN, (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
+                ),
+            )
+        fn = cute.compile(
+            gemm, a, b, c, *extra, 1.0, epilogue == "scalar", args.sms * occupancy,
+            make_fake_stream(), activations[act] or ex.poly11_gelu, options="--gpu-arch sm_90a",
+        )  # fmt: skip
+        fn.export_to_c(str(out), name)
+        entry, tensors = _header_entry((out / f"{name}.h").read_text())
+        manifest["kernels"].append(
+            {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
+             "k_steps": k_steps, "epi_tile": epi_tile, "entry": entry,
+             "tensors": tensors, "epilogue": epilogue, "activation": act}
+        )  # fmt: skip
+        print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    runtime = Path(cutlass.__file__).resolve().parents[2] / "cu13" / "lib"
+    static = runtime / "libcuda_dialect_runtime_static.a"
+    if not static.is_file():
+        raise SystemExit(f"cutlass_gemm_build: the DSL's runtime shim is not at {static}")
+    lib = out / "libtk_cutlass_gemm.so"
+    cmd = ["g++", "-shared", "-o", str(lib), *sorted(str(o) for o in out.glob("*.o")), str(static)]
+    subprocess.run(cmd, check=True)
+    manifest["library"] = lib.name
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"wrote {lib} ({lib.stat().st_size // 1024} KiB) and manifest.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""benchmarks/cutlass_gemm_build.py's own logic, without the DSL: the tile grammar, reading the
+exported header, and refusing an example its patches do not fit (each patch must match once)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cutlass_gemm_build.py"
+
+
+@pytest.fixture(scope="module")
+def build():
+    spec = importlib.util.spec_from_file_location("cutlass_gemm_build", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiles_parse_and_bad_ones_are_refused(build) -> None:
+    assert build._tile("128x256") == (128, 256, 1, 4, None)
+    assert build._tile("128x128o2k2e64x128") == (128, 128, 2, 2, (64, 128))
+    for bad in ("96x128", "128x32", "128x128o3", "128x128k3", "128x128e64", "x"):
+        with pytest.raises(SystemExit, match="is not MxN"):
+            build._tile(bad)
+    for spec in build.TILES:  # (the defaults are all well formed)
+        build._tile(spec)
+
+
+# The shape of what ``export_to_c`` writes (DSL 4.8.1): one struct per tensor argument with its
+# dynamic extents, and the C entry point taking the packed argument pointers.
+_HEADER = """
+typedef struct {
+    void *data;
+    int32_t dynamic_shapes[2];
+    int64_t dynamic_strides[2];
+} k_Tensor_a_t;
+
+typedef struct {
+    void *data;
+    int32_t dynamic_shapes[1];
+} k_Tensor_col_t;
+
+typedef struct {
+    void *data;
+    int32_t dynamic_shapes[2];
+    int64_t dynamic_strides[1];
+} k_Tensor_res_t;
+
+void _mlir_k__mlir_ciface_cutlass___call___Kernel_object_at__x(void **args, int32_t num_args);
+"""
+
+
+def test_header_entry_point_and_tensor_extents(build) -> None:
+    entry, tensors = build._header_entry(_HEADER)
+    assert entry == "_mlir_k__mlir_ciface_cutlass___call___Kernel_object_at__x"
+    # (a vector without dynamic strides is not listed: the loader passes it as a pointer and N)
+    assert tensors == {"a": [2, 2], "res": [2, 1]}
+    with pytest.raises(SystemExit, match="no entry point"):
+        build._header_entry(_HEADER.replace("void **args", "void *args"))
+
+
+def _anchors(patches) -> str:
+    return "".join(old for old, _ in patches)
+
+
+def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Path) -> None:
+    source = tmp_path / "example.py"
+    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES]
+    source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES))
+    patched = build._patched_source(source, tmp_path, "channel").read_text()
+    for _, new in (*base, *build._CHANNEL_PATCHES):
+        assert new in patched
+    assert "mRes_mnl" not in patched  # (the residual's patches are the residual's own)
+
+    scalar = build._patched_source(source, tmp_path, "scalar").read_text()
+    assert "mCol_mnl" not in scalar and "min_blocks_per_mp=self.occupancy" in scalar
+
+    # an anchor missing, or found twice: the example is not the one the patches were written for
+    source.write_text(_anchors(base))
+    with pytest.raises(SystemExit, match="is not the example this patch fits"):
+        build._patched_source(source, tmp_path, "channel")
+    source.write_text(_anchors(base) * 2)
+    with pytest.raises(SystemExit, match="is not the example this patch fits"):
+        build._patched_source(source, tmp_path, "scalar")
