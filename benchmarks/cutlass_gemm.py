@@ -13,6 +13,8 @@ kernel with the same main loop would take) and BERT-base's four GEMMs at 64 x 12
 Every CUTLASS result is first checked against float32 arithmetic on the same 8-bit values (one
 E4M3 step in relative L2 for an E4M3 output, 2e-3 for fp16); a kernel that disagrees is reported
 and not timed. Times: the median of ``--reps`` groups of five calls between CUDA events.
+Kernels that change the example's stage counts stalled the GPU at some K: ``--isolate 60``
+measures each shape in a child process that is killed when it takes longer.
 """
 
 from __future__ import annotations
@@ -141,16 +143,77 @@ def _shapes(batch: int):
         yield f"BERT {m}x{n}x{k}", (m, n, k, count), None
 
 
+def _isolated(args: argparse.Namespace) -> None:
+    """Each shape in a child process (this script with ``--shape-index``) under a timeout: the
+    rows as they come, a stalled shape reported and skipped, the weighted sums of the rest."""
+    import subprocess
+
+    argv, skip = [], False
+    for a in sys.argv[1:]:  # (the same options, less --isolate and its value)
+        if skip:
+            skip = False
+            continue
+        if a == "--isolate":
+            skip = True
+            continue
+        if not a.startswith("--isolate="):
+            argv.append(a)
+    totals: dict[str, float] = {}
+    shapes = list(_shapes(args.batch))
+    header_done = False
+    for i, (label, *_) in enumerate(shapes[: args.shapes or None]):
+        cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--shape-index", str(i)]
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=args.isolate,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},  # (what it printed before a stall)
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+            for line in partial.splitlines():
+                if line.startswith(
+                    "  "
+                ):  # (with --every: the kernels that ran, the one that did not)
+                    print(line)
+            print(f"{label} | stalled: the child was killed after {args.isolate:.0f} s", flush=True)
+            continue
+        for line in done.stdout.splitlines():
+            if line.startswith("ROW "):
+                got = json.loads(line[4:])
+                for key, t in got["row"].items():
+                    name = f"{got['group']}:{key}"
+                    totals[name] = totals.get(name, 0.0) + got["count"] * t
+            elif line.startswith("shape | ") or ", torch " in line:
+                if not header_done:
+                    print(line)
+            elif (line.startswith("  ") and " on " in line) or " | " in line:
+                print(line)  # (the child's own weighted sums are left out: the parent adds up)
+        header_done = header_done or done.returncode == 0
+        if done.returncode:
+            print(f"{label} | failed: {done.stderr.strip().splitlines()[-1:]}", flush=True)
+    print("\nWeighted by use, over the shapes that finished:")
+    for key, t in sorted(totals.items()):
+        print(f"  {key}: {t:.3f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lib", type=Path, default=ROOT / "build" / "cutlass_gemm")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", type=int, default=0, help="the first N shapes only")
+    ap.add_argument("--every", action="store_true", help="print every kernel's time")
     ap.add_argument("--all-k", action="store_true",
-                    help="run the shallow-stage (k2) and epilogue-subtile (e) variants at every K, "
-                         "not only where K is 64 (one of them hung the GPU at K = 576)")  # fmt: skip
+                    help="run the variants with other stage counts (k2, e, s) at every K, not only "
+                         "where K is 64 (such variants stalled the GPU at K = 576 and 256)")  # fmt: skip
+    ap.add_argument("--isolate", type=float, default=0.0, metavar="SECONDS",
+                    help="measure each shape in a child process killed after SECONDS, so a "
+                         "kernel that stalls the GPU costs one shape, not the run")  # fmt: skip
+    ap.add_argument("--shape-index", type=int, default=-1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.isolate > 0:
+        _isolated(args)
+        return
     import torch
     import torch.nn.functional as F
 
@@ -165,7 +228,7 @@ def main() -> None:
             for k in gemms.kernels.values()
         }
     )
-    acts = {"relu": torch.relu, "none": lambda v: v, "gelu": F.gelu}
+    acts = {"relu": torch.relu, "none": lambda v: v, "gelu": F.gelu, "gelu_erf": F.gelu}
     e4m3 = torch.float8_e4m3fn
     dt = {"fp8": e4m3, "f16": torch.half}
     header = ["shape", "x", "conv fp16", "cuBLAS fp16", "_scaled_mm fp8->f16"]
@@ -173,7 +236,10 @@ def main() -> None:
     print(" | ".join(header))
     totals: dict[str, float] = {}
     shapes = list(_shapes(args.batch))
-    for label, (m, n, k, count), conv in shapes[: args.shapes or None]:
+    chosen = shapes[: args.shapes or None]
+    if args.shape_index >= 0:
+        chosen = shapes[args.shape_index : args.shape_index + 1]
+    for label, (m, n, k, count), conv in chosen:
         g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
         a32 = torch.randn(m, k, device="cuda", generator=g)
         b32 = torch.randn(n, k, device="cuda", generator=g)
@@ -225,11 +291,14 @@ def main() -> None:
                     act,
                 ):
                     continue
-                if k > 64 and (kern["k_steps"] != 4 or kern["epi_tile"]) and not args.all_k:
-                    continue  # (one of these hung the GPU at K = 576; see --all-k)
+                changed = kern["k_steps"] != 4 or kern["epi_tile"] or kern.get("epi_stages", 4) != 4
+                if k > 64 and changed and not args.all_k:
+                    continue  # (such variants stalled the GPU at K = 576 and 256; see --all-k)
                 if epi == "residual" and (n % kern["tile"][1] or m % kern["tile"][0]):
                     continue  # (the residual's tile copy is not bounded by the tensor)
                 d = torch.empty(m, n, device="cuda", dtype=dt[c_kind])
+                if args.every:
+                    print(f"  {name} on {label}: launched", flush=True)
                 try:
                     gemms.run(name, a_in, b_in, d, s, col, bias, z)
                     torch.cuda.synchronize()
@@ -244,6 +313,8 @@ def main() -> None:
                 vecs = (col, bias, z)
                 t = _time(lambda name=name, a_in=a_in, b_in=b_in, d=d, s=s, v=vecs: (
                     gemms.run(name, a_in, b_in, d, s, *v)), args.reps)  # fmt: skip
+                if args.every:
+                    print(f"  {name} on {label}: {t:.3f} ms")
                 if best is None or t < best[0]:
                     best = (t, kern["tag"], err)
             key = f"{a_kind}->{c_kind} {epi} {act}"
@@ -252,10 +323,12 @@ def main() -> None:
             else:
                 row[key] = best[0]
                 cells.append(f"{best[0]:.3f} ({best[1]}, err {best[2]:.1e})")
+        group = "resnet" if conv is not None else "bert"
         for key, t in row.items():
-            group = "resnet" if conv is not None else "bert"
             totals[f"{group}:{key}"] = totals.get(f"{group}:{key}", 0.0) + count * t
         print(" | ".join(cells), flush=True)
+        if args.shape_index >= 0:
+            print("ROW " + json.dumps({"group": group, "count": count, "row": row}), flush=True)
         del a32, b32, a8, b8, a16, b16, pre, col, bias, z
         torch.cuda.empty_cache()
     print("\nWeighted by use (ResNet-50: each layer times how often the network runs it):")

@@ -218,8 +218,9 @@ _OCCUPANCY_PATCH = (
 
 
 # The K depth of a main-loop stage (``k2``: two WGMMA K steps, 64 bytes, for layers whose K is 64,
-# where the example's four would multiply zeros) and the epilogue subtile (``e128x64``) become
-# settable from the build.
+# where the example's four would multiply zeros), the epilogue subtile (``e128x64``) and the
+# number of epilogue stages (``s8``: TMA stores in flight; the example waits once three of its
+# four are, which bounds a CTA's stores to 12-16 KB in flight) become settable from the build.
 _SHAPE_PATCHES = (
     ("        mma_inst_tile_k = 4\n", "        mma_inst_tile_k = getattr(self, 'k_steps', 4)\n"),
     (
@@ -227,6 +228,8 @@ _SHAPE_PATCHES = (
         "            self.tile_shape_mnk, self.c_dtype, is_cooperative=is_cooperative,\n"
         "            epi_tile_override=getattr(self, 'epi_tile', None),\n",
     ),
+    # (a static method: the count comes from a module global the build sets per variant)
+    ("        epi_stage = 4\n", "        epi_stage = globals().get('TK_EPI_STAGES', 4)\n"),
 )
 
 
@@ -259,11 +262,13 @@ TILES = (
 )  # fmt: skip
 
 
-def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None]:
-    found = re.fullmatch(r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?", spec)
+def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int]:
+    found = re.fullmatch(
+        r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(4|8|16))?", spec
+    )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN] (M 64/128, N 64/128/256)"
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS] (M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
     return (
@@ -272,6 +277,7 @@ def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None]:
         int(found.group(3) or 1),
         int(found.group(4) or 4),
         epi,
+        int(found.group(7) or 4),
     )
 
 
@@ -281,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "build" / "cutlass_gemm")
     p.add_argument("--tiles", default=",".join(TILES),
                    help="CTA tiles, M x N (M 64 or 128; N 64, 128 or 256), then o2: two CTAs "
-                        "an SM, k2: 64-byte K stages, eMxN: the epilogue subtile")  # fmt: skip
+                        "an SM, k2: 64-byte K stages, eMxN: the epilogue subtile, s8: epilogue stages")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="epilogue:activation:kind (A type _ D type), each built at every tile")  # fmt: skip
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
@@ -328,11 +334,13 @@ def main(argv: list[str] | None = None) -> int:
         if epilogue != "scalar" and kind.endswith("f16"):
             raise SystemExit(f"cutlass_gemm_build: {variant}: per-channel epilogues write 8 bits")
         variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
-    for epilogue, act, kind, (tile_m, tile_n, occupancy, k_steps, epi_tile) in variants:
+    for epilogue, act, kind, (tile_m, tile_n, occupancy, k_steps, epi_tile, stages) in variants:
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
-        tag = f"{tile_m}x{tile_n}o{occupancy}k{k_steps}" + (
-            f"e{epi_tile[0]}x{epi_tile[1]}" if epi_tile else ""
+        tag = (
+            f"{tile_m}x{tile_n}o{occupancy}k{k_steps}"
+            + (f"e{epi_tile[0]}x{epi_tile[1]}" if epi_tile else "")
+            + (f"s{stages}" if stages != 4 else "")
         )
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
@@ -349,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
             cutlass.Float32, (tile_m, tile_n), (1, 1), 1, True
         )
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
+        ex.TK_EPI_STAGES = stages
         if epilogue == "residual":  # (the residual's tile, out of the main loop's stages)
             gemm.smem_capacity -= (tile_m * tile_n + 1024) * occupancy
         if occupancy == 2:
@@ -373,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
         entry, tensors = _header_entry((out / f"{name}.h").read_text())
         manifest["kernels"].append(
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
-             "k_steps": k_steps, "epi_tile": epi_tile, "entry": entry,
+             "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
              "tensors": tensors, "epilogue": epilogue, "activation": act}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
