@@ -264,7 +264,7 @@ TILES = (
 
 def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int]:
     found = re.fullmatch(
-        r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(4|8|16))?", spec
+        r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?", spec
     )
     if found is None:
         raise SystemExit(
