@@ -149,6 +149,19 @@ def test_engine_keeps_its_tactics_through_a_file(test_tactics, tmp_path, monkeyp
         loaded.create_execution_context()
 
 
+def test_a_missing_library_tactic_names_what_to_set(test_tactics, tmp_path) -> None:
+    from tensorkiln.kernels.tactics import tactic_functions
+
+    engine, _ = _build(tmp_path)
+    layer = next(x for x in engine.layers if x.get("timings_ms"))
+    layer["tactic"] = "cutlass_fp8_gemm_fp8_fp8_channel_relu_128x128o2k4"
+    with pytest.raises(EngineCompatibilityError, match=r"TENSORKILN_CUTLASS_KERNELS.*rebuild"):
+        tactic_functions(engine.graph, engine.layers, "graph")
+    layer["tactic"] = "t_gone"
+    with pytest.raises(EngineCompatibilityError, match=r"is triton installed\?"):
+        tactic_functions(engine.graph, engine.layers, "graph")
+
+
 def test_graph_and_eager_choices_are_kept_apart(test_tactics, tmp_path) -> None:
     from tensorkiln.kernels.tactics import tactic_functions
 

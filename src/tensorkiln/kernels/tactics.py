@@ -156,6 +156,13 @@ def _load() -> None:
     import tensorkiln.kernels.cuda  # noqa: F401  # lazy: torch
 
 
+# what to check when an engine names a tactic this installation lacks, by the name's start
+_MISSING_HINTS = (
+    ("cutlass_fp8_", "TENSORKILN_CUTLASS_KERNELS must name the kernel library it was built with, "
+                     "on a GPU of compute capability 9.0"),
+)  # fmt: skip
+
+
 def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:
     """Node name -> tactic function for the layers whose chosen tactic is not the default;
     ``mode`` picks the choice for engines run as CUDA graphs ("graph") or layer by layer
@@ -171,9 +178,12 @@ def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> d
             continue
         t = get_tactic(node.op, node.domain, name)
         if t is None:
+            hint = next(
+                (h for p, h in _MISSING_HINTS if name.startswith(p)), "is triton installed?"
+            )
             raise EngineCompatibilityError(
                 f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
-                "(is triton installed?); rebuild the engine here"
+                f"({hint}); rebuild the engine here"
             )
         out[node.name] = t.fn
     return out

@@ -1,0 +1,419 @@
+"""FP8 GEMMs from a kernel library built ahead of time: tactics ``cutlass_fp8_<variant>`` of
+QGemmAct and of 1x1 QConvAct, where a library is configured and has a kernel for the layer.
+
+The library is what ``benchmarks/cutlass_gemm_build.py`` writes: CUTLASS's persistent,
+warp-specialized Hopper GEMM (TMA loads and stores, WGMMA), compiled for sm_90a with CUTLASS's
+Python DSL on any machine and exported as object code, with ``manifest.json`` naming each
+kernel's entry point. ``TENSORKILN_CUTLASS_KERNELS`` names the folder; without it (or without a
+CUDA GPU of compute capability 9.0) the tactics are not candidates. Nothing of the DSL is needed
+here: the kernels are called through ctypes on torch's stream, with the CUDA runtime torch
+loaded.
+
+The kernels take E4M3 A (M x K) and B (N x K, the packed weight), both K-major, and write E4M3
+D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] + bias[n] +
+Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A quantized layer
+maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and ``bias = beta * B[n] /
+Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive division, and the
+kernel's conversion to E4M3 saturates as QuantizeLinear does. Dividing before rounding rather
+than after changes a value by at most one E4M3 step, which the autotuner's check of E4M3 outputs
+(one step of the tensor's largest value) allows. Shapes: M a multiple of 128, N and K of 16; a
+call at another shape (an engine's dynamic dimension away from the shape it was tuned at) runs
+the layer's exact default kernel instead.
+
+The library is code: a folder named here is trusted as a plugin library is. Its manifest is
+still read defensively (bounded, every field checked), and a library that does not load or
+does not match is reported once and leaves these tactics out; an engine that names one of them
+then fails to load with the tactic's name rather than running something else.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import json
+import logging
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tensorkiln.errors import KernelError
+from tensorkiln.kernels.cuda.fused_quant import qconv, qconv_act, qgemm_act, qgemm_call
+from tensorkiln.kernels.tactics import LayerSpec, Tactic, TacticFamily, tactic_family
+
+log = logging.getLogger(__name__)
+
+ENV = "TENSORKILN_CUTLASS_KERNELS"
+PREFIX = "cutlass_fp8_"
+MANIFEST = "manifest.json"
+_MANIFEST_LIMIT = 4 << 20
+_KERNELS_LIMIT = 4096
+_KERNEL_NAME = re.compile(r"gemm_fp8_fp8_(channel|residual)_(relu|none)_([0-9a-z]{1,40})\Z")
+_ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
+_LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
+_TILES_M, _TILES_N = (64, 128), (64, 128, 256)
+_E4M3 = "float8_e4m3fn"
+_E4M3_CODE = 17  # ONNX's FLOAT8E4M3FN
+_ACTIVATIONS = {"": "none", "Relu": "relu"}
+_M_MULTIPLE, _NK_MULTIPLE = 128, 16
+
+
+class _Tensor(ctypes.Structure):  # a 2-D row-major tensor: extents and the two dynamic strides
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("shapes", ctypes.c_int32 * 2),
+        ("strides", ctypes.c_int64 * 2),
+    ]
+
+
+class _Vector(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 1)]
+
+
+def read_manifest(folder: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
+    """The library's path and its kernels (name -> manifest entry), checked: a malformed or
+    oversized manifest, a library named outside the folder, or a kernel entry of another shape
+    is a :class:`KernelError` naming the file and the field."""
+    folder = Path(folder).resolve()
+    path = folder / MANIFEST
+    where = f"kernel library {path}"
+    try:
+        size = path.stat().st_size
+    except OSError as exc:
+        raise KernelError(f"{where}: cannot read it ({exc.strerror or exc})") from None
+    if size > _MANIFEST_LIMIT:
+        raise KernelError(f"{where}: {size} bytes, more than a manifest's {_MANIFEST_LIMIT}")
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:
+        raise KernelError(f"{where}: not JSON ({exc})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("kernels"), list):
+        raise KernelError(f"{where}: expected an object with a 'kernels' list")
+    lib_name = doc.get("library")
+    if not isinstance(lib_name, str) or not _LIBRARY_NAME.fullmatch(lib_name):
+        raise KernelError(
+            f"{where}: 'library' must name a .so file in the folder, not {lib_name!r}"
+        )
+    lib = (folder / lib_name).resolve()
+    if lib.parent != folder or not lib.is_file():
+        raise KernelError(f"{where}: library {lib_name!r} is not a file in {folder}")
+    if len(doc["kernels"]) > _KERNELS_LIMIT:
+        raise KernelError(f"{where}: more than {_KERNELS_LIMIT} kernels")
+    kernels = {}
+    for i, k in enumerate(doc["kernels"]):
+        kernels[_checked_kernel(k, f"{where}, kernels[{i}]")["name"]] = k
+    return lib, kernels
+
+
+def _checked_kernel(k: Any, where: str) -> dict[str, Any]:
+    if not isinstance(k, dict):
+        raise KernelError(f"{where}: expected an object")
+    name, entry = k.get("name"), k.get("entry")
+    found = _KERNEL_NAME.fullmatch(name) if isinstance(name, str) else None
+    if found is None:
+        raise KernelError(f"{where}: name {name!r} is not an FP8 channel or residual kernel's")
+    if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
+        raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
+    epilogue, activation = found.group(1), found.group(2)
+    if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
+        "fp8", "fp8", epilogue, activation,
+    ):  # fmt: skip
+        raise KernelError(f"{where}: types or epilogue do not match the name {name!r}")
+    tile = k.get("tile")
+    if not (
+        isinstance(tile, list) and len(tile) == 2 and tile[0] in _TILES_M and tile[1] in _TILES_N
+    ):
+        raise KernelError(f"{where}: tile {tile!r} is not one of M {_TILES_M} by N {_TILES_N}")
+    tensors = k.get("tensors")
+    want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
+    if not isinstance(tensors, dict) or any(tensors.get(t) != [2, 2] for t in want):
+        raise KernelError(f"{where}: tensors {tensors!r} are not dynamic 2-D row-major ones")
+    return k
+
+
+class Library:
+    """The kernels of one library, loaded on the current CUDA device."""
+
+    def __init__(self, folder: Path) -> None:
+        lib_path, self.kernels = read_manifest(folder)
+        _load_cudart()
+        try:
+            self._lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
+        except OSError as exc:
+            raise KernelError(f"kernel library {lib_path}: does not load ({exc})") from None
+        self._entries: dict[str, Any] = {}
+        self._modules: list[Any] = []
+        device = ctypes.c_int32(torch.cuda.current_device())
+        for name, k in self.kernels.items():
+            try:
+                init = getattr(self._lib, f"_mlir_{name}_cuda_init")
+                load = getattr(self._lib, f"_mlir_{name}_cuda_load_to_device")
+                entry = getattr(self._lib, k["entry"])
+            except AttributeError:
+                raise KernelError(f"kernel library {lib_path}: {name} is not in it") from None
+            module = ctypes.c_void_p()
+            holder = ctypes.pointer(module)
+            ret = ctypes.c_int(0)
+            init((ctypes.c_void_p * 2)(ctypes.addressof(holder), ctypes.addressof(ret)))
+            if not ret.value:
+                args = (ctypes.addressof(holder), ctypes.addressof(device), ctypes.addressof(ret))
+                load((ctypes.c_void_p * 3)(*args))
+            if ret.value:
+                raise KernelError(f"kernel library {lib_path}: {name} did not load (CUDA error "
+                                  f"{ret.value})")  # fmt: skip
+            entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+            entry.restype = None
+            self._modules.append((module, holder))
+            self._entries[name] = entry
+
+    def run(
+        self,
+        name: str,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        d: torch.Tensor,
+        col: torch.Tensor,
+        bias: torch.Tensor,
+        z: torch.Tensor | None = None,
+        z_scale: float = 0.0,
+    ) -> None:
+        """``d = act(a @ b.T * col + bias [+ z * z_scale])`` on torch's current stream."""
+        structs: list[ctypes.Structure] = [_view(a), _view(b), _view(d)]
+        structs += [_Vector(v.data_ptr(), (v.shape[0],)) for v in (col, bias)]
+        if self.kernels[name]["epilogue"] == "residual":
+            if z is None:
+                raise KernelError(f"{name} reads a residual and was given none")
+            structs.append(_view(z))
+        scale = ctypes.c_float(z_scale)
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        ret = ctypes.c_int32(0)
+        ptrs = [ctypes.addressof(s) for s in (*structs, scale, stream, ret)]
+        self._entries[name]((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
+        if ret.value:
+            raise KernelError(f"{name}: the launch failed (status {ret.value})")
+
+
+def _view(t: torch.Tensor) -> _Tensor:
+    rows, cols = t.shape
+    if t.stride() != (cols, 1) or t.data_ptr() % 16:
+        raise KernelError("CUTLASS FP8 GEMMs take row-major operands on 16-byte boundaries")
+    return _Tensor(t.data_ptr(), (rows, cols), (cols, rows * cols))
+
+
+def _load_cudart() -> None:
+    """The CUDA runtime torch uses, made global so that the kernels' launchers bind to it (one
+    runtime, one context)."""
+    names = ["libcudart.so.13", "libcudart.so.12"]
+    for base in sys.path:
+        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so*")))
+    for name in names:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL).cudaLibraryLoadData  # noqa: B018
+            return
+        except (OSError, AttributeError):
+            continue
+    raise KernelError("no CUDA runtime with cudaLibraryLoadData (CUDA 12 or later) found")
+
+
+_state: dict[str, Any] = {}
+
+
+def library() -> Library | None:
+    """The library ``TENSORKILN_CUTLASS_KERNELS`` names, loaded once (None: none named, no
+    Hopper GPU, or it did not load; the reason is logged once)."""
+    folder = os.environ.get(ENV, "")
+    if _state.get("folder") == folder:
+        return _state.get("lib")
+    lib = None
+    if folder and torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        try:
+            lib = Library(Path(folder))
+        except KernelError as exc:
+            log.warning("CUTLASS FP8 tactics unavailable: %s", exc)
+    elif folder:
+        log.info("CUTLASS FP8 tactics unavailable: they need a GPU of compute capability 9.0")
+    _state.update(folder=folder, lib=lib)
+    return lib
+
+
+def _layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
+    """(epilogue, M, N, K) of a layer the kernels compute, else None."""
+    if spec.device != "cuda":
+        return None
+    if spec.op == "QGemmAct":
+        return _gemm_layer(spec)
+    if spec.op == "QConvAct":
+        return _conv_layer(spec)
+    return None
+
+
+def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
+    at = spec.attrs
+    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or len(spec.shapes) < 6:
+        return None
+    if at.get("transA", 0) or not at.get("transB", 0) or spec.shapes[5] is None:
+        return None  # (a packed weight; a quantized output)
+    if at.get("out_dtype") != _E4M3_CODE or at.get("activation", "") not in _ACTIVATIONS:
+        return None
+    a, b = spec.shapes[0], spec.shapes[2]
+    if a is None or b is None or len(b) != 2 or len(a) < 2 or a[-1] != b[1]:
+        return None
+    m, n, k = _prod(a[:-1]), b[0], b[1]
+    c = spec.shapes[4]
+    if c is not None and _prod(c) != n:
+        return None  # (a bias of one row)
+    return "channel", m, n, k
+
+
+def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
+    at = spec.attrs
+    x, w = spec.shapes[0], spec.shapes[2]
+    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or x is None or w is None:
+        return None
+    if len(x) != 4 or len(w) != 4 or tuple(w[2:]) != (1, 1) or at.get("group", 1) != 1:
+        return None
+    if any(s != 1 for s in at.get("strides") or (1, 1)) or any(at.get("pads") or ()):
+        return None
+    if at.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None
+    if any(d != 1 for d in at.get("dilations") or (1, 1)) or x[1] != w[1]:
+        return None
+    if len(spec.shapes) < 7 or spec.shapes[6] is None or at.get("out_dtype") != _E4M3_CODE:
+        return None
+    if at.get("activation", "") not in _ACTIVATIONS:
+        return None
+    z = spec.shapes[5] if len(spec.shapes) > 5 else None
+    epilogue = "channel"
+    if z is not None:  # (a quantized residual, added before the activation)
+        quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
+        if not quantized or spec.dtypes[5] != _E4M3 or tuple(z) != (x[0], w[0], x[2], x[3]):
+            return None
+        if at.get("residual_order", "add_act") != "add_act":
+            return None
+        epilogue = "residual"
+    return epilogue, x[0] * x[2] * x[3], w[0], w[1]
+
+
+def _prod(dims: Any) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _kernels_for(spec: LayerSpec) -> list[str]:
+    lib = library() if spec.device == "cuda" else None
+    layer = _layer(spec) if lib is not None else None
+    if layer is None:
+        return []
+    epilogue, m, n, k = layer
+    if not _fits(m, n, k):
+        return []
+    act = _ACTIVATIONS[spec.attrs.get("activation", "")]
+    names = []
+    for name, kern in lib.kernels.items():  # type: ignore[union-attr]
+        if (kern["epilogue"], kern["activation"]) != (epilogue, act):
+            continue
+        tile_m, tile_n = kern["tile"]
+        if epilogue == "residual" and (m % tile_m or n % tile_n):
+            continue  # (the residual's tile is read unbounded)
+        if k > 64 and (kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or
+                       kern.get("epi_stages", 4) != 4):  # fmt: skip
+            continue  # (variants that change stage counts stalled the GPU at larger K)
+        names.append(PREFIX + name)
+    return names
+
+
+def _scales(call_alpha: float, x_scale, w_scale, y_scale, n: int, beta: float, bias):
+    """(col, bias) of the epilogue, float32 vectors of N."""
+    ys = y_scale.reshape(()).to(torch.float32)
+    col = (x_scale.reshape(()).to(torch.float32) * w_scale.reshape(-1).to(torch.float32)).expand(n)
+    col = (col * call_alpha / ys).contiguous()
+    if bias is None:
+        return col, torch.zeros(n, dtype=torch.float32, device=col.device)
+    return col, (bias.reshape(n).to(torch.float32) * beta / ys).contiguous()
+
+
+def _gemm_fn(kernel: str) -> Callable:
+    def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
+        call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
+        lib = library()
+        if lib is None or call.y_scale is None or not call.packed:
+            raise KernelError(f"{PREFIX}{kernel}: no kernel library, or not a packed FP8 layer")
+        m, n = call.a2.shape[0], call.b.shape[0]
+        if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
+            return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
+        col, bias = _scales(call.alpha, call.x_scale, call.w_scale, call.y_scale, n, call.beta,
+                            call.bias)  # fmt: skip
+        d = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=a_q.device)
+        lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias)
+        return d.reshape(call.shape)
+
+    run.__name__ = f"{PREFIX}{kernel}"
+    return run
+
+
+def _conv_fn(kernel: str) -> Callable:
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, z_scale=None, **attrs):
+        lib = library()
+        if lib is None:
+            raise KernelError(f"{PREFIX}{kernel}: no kernel library")
+        pixels = x_q.shape[0] * x_q.shape[2] * x_q.shape[3] if x_q.ndim == 4 else 0
+        if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1]):
+            return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
+
+        def sums(xq, wq, bias, zz, call) -> tuple[torch.Tensor, bool]:
+            nb, ch, h, wd = xq.shape
+            m = wq.shape[0]
+            rows = xq.permute(0, 2, 3, 1).reshape(nb * h * wd, ch)  # (a view when channels-last)
+            col, bias2 = _scales(1.0, call.x_scale, call.w_scale, call.y_scale, m, 1.0, bias)
+            d = torch.empty((nb * h * wd, m), dtype=torch.float8_e4m3fn, device=xq.device)
+            zs = 0.0
+            z2 = None
+            if zz is not None:
+                z2 = zz.permute(0, 2, 3, 1).reshape(nb * h * wd, m).contiguous()
+                zs = float(call.z_scale.reshape(()) / call.y_scale.reshape(()))
+            lib.run(kernel, rows.contiguous(), wq.reshape(m, ch).contiguous(), d, col, bias2,
+                    z2, zs)  # fmt: skip
+            return d.reshape(nb, h, wd, m).permute(0, 3, 1, 2), True
+
+        return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
+
+    run.__name__ = f"{PREFIX}{kernel}"
+    return run
+
+
+def _fits(m: int, n: int, k: int) -> bool:
+    return not (m % _M_MULTIPLE or n % _NK_MULTIPLE or k % _NK_MULTIPLE or m * max(n, k) >= 2**31)
+
+
+def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tactic | None]:
+    made: dict[str, Tactic | None] = {}
+
+    def resolve(name: str) -> Tactic | None:
+        if name not in made:
+            kernel = name.removeprefix(PREFIX)
+            lib = library() if name.startswith(PREFIX) else None
+            if lib is None or kernel not in lib.kernels:
+                return None  # (not made: a library configured later may have it)
+
+            def supports(spec: LayerSpec, name: str = name) -> bool:
+                return name in _kernels_for(spec)
+
+            made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, None, PREFIX)
+        return made[name]
+
+    return resolve
+
+
+def _register() -> None:
+    for op, fn_of in (("QGemmAct", _gemm_fn), ("QConvAct", _conv_fn)):
+        family = TacticFamily(PREFIX, _kernels_for, _resolver(op, fn_of))
+        tactic_family(op, family, domain="tensorkiln")
+
+
+_register()

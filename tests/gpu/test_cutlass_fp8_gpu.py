@@ -1,0 +1,109 @@
+"""The CUTLASS FP8 tactics on an H200 against the layers' exact kernels: every kernel of the
+library that claims a QGemmAct (ReLU and none) or a 1x1 QConvAct (with and without a quantized
+residual) writes what the exact kernel writes, to one E4M3 step of the output's largest value
+(the autotuner's own check of E4M3 outputs); and a call at a shape the kernels do not take runs
+the exact kernel.
+
+Needs a kernel library (``python benchmarks/cutlass_gemm_build.py --kernel ...`` on any machine
+with CUTLASS's DSL) named by TENSORKILN_CUTLASS_KERNELS:
+    TENSORKILN_CUTLASS_KERNELS=build/cutlass_gemm PYTHONPATH=src python3 -m pytest -q -m gpu \\
+        tests/gpu/test_cutlass_fp8_gpu.py
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tensorkiln.kernels.cuda import cutlass_fp8 as cf  # noqa: E402
+from tensorkiln.kernels.cuda.fused_quant import qconv_act, qgemm_act  # noqa: E402
+from tensorkiln.kernels.tactics import LayerSpec  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not os.environ.get(cf.ENV), reason=f"{cf.ENV} names no kernel library"),
+]
+E4M3 = torch.float8_e4m3fn
+
+
+def _within_a_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype == E4M3 and got.shape == want.shape
+    g, w = got.float(), want.float()
+    top = float(w.abs().max())
+    assert top > 0
+    step = 2.0 ** (math.floor(math.log2(top)) - 3)  # (E4M3: three mantissa bits)
+    assert float((g - w).abs().max()) <= step, (float((g - w).abs().max()), step)
+
+
+def _library():
+    lib = cf.library()
+    assert lib is not None, f"{cf.ENV} is set but its library did not load (see the log)"
+    return lib
+
+
+@pytest.mark.parametrize("activation", ["Relu", ""])
+def test_gemm_kernels_match_the_exact_kernel(activation: str) -> None:
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    m, n, k = 512, 256, 384
+    a = torch.randn(m, k, device="cuda", generator=g).to(E4M3)
+    b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
+    a_scale = torch.tensor(0.05, device="cuda")
+    b_scale = 0.01 + 0.02 * torch.rand(n, device="cuda", generator=g)
+    c = 0.2 * torch.randn(n, device="cuda", generator=g)
+    y_scale = torch.tensor(0.03, device="cuda")
+    attrs = {"transB": 1, "activation": activation, "out_dtype": 17, "alpha": 0.75, "beta": 0.5}
+    spec = LayerSpec("QGemmAct", "tensorkiln", attrs, ((m, k), (), (n, k), (n,), (n,), ()),
+                     ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32", "float32",
+                      "float32"))  # fmt: skip
+    names = cf._kernels_for(spec)
+    assert names, "the library has no kernel for this layer"
+    want = qgemm_act(a, a_scale, b, b_scale, c, y_scale, **attrs)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    for name in names:
+        got = resolve(name).fn(a, a_scale, b, b_scale, c, y_scale, **attrs)
+        torch.cuda.synchronize()
+        _within_a_step(got, want)
+    # a shape the kernels do not take (M not a multiple of 128) runs the exact kernel
+    odd = resolve(names[0]).fn(a[:200], a_scale, b, b_scale, c, y_scale, **attrs)
+    assert torch.equal(odd.float(), qgemm_act(a[:200], a_scale, b, b_scale, c, y_scale,
+                                              **attrs).float())  # fmt: skip
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(12)
+    nb, c_in, m, hw = 4, 128, 256, 16
+    x = torch.randn(nb, c_in, hw, hw, device="cuda", generator=g).to(E4M3)
+    x = x.contiguous(memory_format=torch.channels_last)
+    w = torch.randn(m, c_in, 1, 1, device="cuda", generator=g).to(E4M3)
+    w = w.contiguous(memory_format=torch.channels_last)
+    x_scale = torch.tensor(0.04, device="cuda")
+    w_scale = 0.01 + 0.02 * torch.rand(m, device="cuda", generator=g)
+    bias = 0.2 * torch.randn(m, device="cuda", generator=g)
+    y_scale = torch.tensor(0.05, device="cuda")
+    z = z_scale = None
+    if residual:
+        z = torch.randn(nb, m, hw, hw, device="cuda", generator=g).to(E4M3)
+        z = z.contiguous(memory_format=torch.channels_last)
+        z_scale = torch.tensor(0.1, device="cuda")
+    attrs = {"activation": "Relu", "out_dtype": 17, "group": 1}
+    shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,),
+              (nb, m, hw, hw) if residual else None, (), () if residual else None)  # fmt: skip
+    dtypes = ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32", "float32",
+              "float8_e4m3fn" if residual else None, "float32",
+              "float32" if residual else None)  # fmt: skip
+    names = cf._kernels_for(LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes))
+    assert names, "the library has no kernel for this layer"
+    want = qconv_act(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
+    resolve = cf._resolver("QConvAct", cf._conv_fn)
+    for name in names:
+        got = resolve(name).fn(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
+        torch.cuda.synchronize()
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        _within_a_step(got, want.contiguous(memory_format=torch.channels_last))

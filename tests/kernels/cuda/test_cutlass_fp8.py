@@ -1,0 +1,147 @@
+"""The CUTLASS FP8 tactics' CPU side: the kernel library's manifest is read defensively (every
+malformed field a KernelError naming the file), and the layers the tactics claim are the ones
+their kernels compute (E4M3 operands, a packed weight, a quantized E4M3 output, ReLU or none,
+1x1 convolutions with a quantized residual, shapes the kernels assume). The kernels themselves
+run in tests/gpu/test_cutlass_fp8_gpu.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tensorkiln.errors import KernelError
+from tensorkiln.kernels.cuda import cutlass_fp8 as cf
+from tensorkiln.kernels.tactics import LayerSpec
+
+E4M3 = "float8_e4m3fn"
+
+
+def _kernel(epilogue: str, act: str, tile: tuple[int, int], **extra) -> dict:
+    name = f"gemm_fp8_fp8_{epilogue}_{act}_{tile[0]}x{tile[1]}o1k{extra.get('k_steps', 4)}"
+    tensors = {t: [2, 2] for t in ("a", "b", "c", *(("res",) if epilogue == "residual" else ()))}
+    return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": "fp8", "c": "fp8",
+            "epilogue": epilogue, "activation": act, "tile": list(tile), "tensors": tensors,
+            **extra}  # fmt: skip
+
+
+def _library(tmp_path: Path, kernels: list[dict], library: str = "libk.so") -> Path:
+    (tmp_path / "libk.so").write_bytes(b"\x7fELF")  # (read_manifest does not load it)
+    (tmp_path / cf.MANIFEST).write_text(json.dumps({"library": library, "kernels": kernels}))
+    return tmp_path
+
+
+KERNELS = [
+    _kernel("channel", "relu", (128, 128)),
+    _kernel("channel", "none", (128, 256)),
+    _kernel("residual", "relu", (128, 256)),
+    _kernel("residual", "relu", (128, 64)),
+    _kernel("channel", "relu", (128, 64), k_steps=2),  # (K = 64 only)
+]
+
+
+def test_a_well_formed_manifest_is_read(tmp_path: Path) -> None:
+    lib, kernels = cf.read_manifest(_library(tmp_path, KERNELS))
+    assert lib == (tmp_path / "libk.so").resolve()
+    assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.update(library="../libk.so"), "must name a .so file in the folder"),
+        (lambda d: d.update(library="/tmp/libk.so"), "must name a .so file in the folder"),
+        (lambda d: d.update(library="other.so"), "is not a file in"),
+        (lambda d: d.update(kernels={}), "'kernels' list"),
+        (lambda d: d["kernels"][0].update(name="gemm; rm -rf"), "is not an FP8 channel"),
+        (lambda d: d["kernels"][0].update(entry="system"), "is not an exported kernel's"),
+        (lambda d: d["kernels"][0].update(tile=[96, 128]), "is not one of M"),
+        (lambda d: d["kernels"][0].update(c="f16"), "do not match the name"),
+        (lambda d: d["kernels"][2]["tensors"].pop("res"), "are not dynamic 2-D"),
+        (lambda d: d["kernels"].append(7), "expected an object"),
+    ],
+)
+def test_a_malformed_manifest_is_a_clear_error(tmp_path: Path, change, message: str) -> None:
+    doc = {"library": "libk.so", "kernels": json.loads(json.dumps(KERNELS))}
+    change(doc)
+    (tmp_path / "libk.so").write_bytes(b"\x7fELF")
+    (tmp_path / cf.MANIFEST).write_text(json.dumps(doc))
+    with pytest.raises(KernelError, match=message) as err:
+        cf.read_manifest(tmp_path)
+    assert "manifest.json" in str(err.value)
+
+
+def test_missing_oversized_and_non_json_manifests(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(KernelError, match="cannot read it"):
+        cf.read_manifest(tmp_path)
+    (tmp_path / cf.MANIFEST).write_text("{not json")
+    with pytest.raises(KernelError, match="not JSON"):
+        cf.read_manifest(tmp_path)
+    monkeypatch.setattr(cf, "_MANIFEST_LIMIT", 8)
+    (tmp_path / cf.MANIFEST).write_text(json.dumps({"library": "x.so", "kernels": []}))
+    with pytest.raises(KernelError, match="more than a manifest's"):
+        cf.read_manifest(tmp_path)
+
+
+class _Loaded:
+    def __init__(self, folder: Path) -> None:
+        self.kernels = cf.read_manifest(folder)[1]
+
+
+def _gemm(m=256, n=128, k=256, *, act="Relu", y=True, out=17, dtype=E4M3, trans_b=1, bias=True):
+    shapes = ((m, k), (), (n, k), (n,), (n,) if bias else None, () if y else None)
+    dtypes = (dtype, "float32", dtype, "float32", "float32" if bias else None, "float32")
+    attrs = {"activation": act, "transB": trans_b, "out_dtype": out}
+    return LayerSpec("QGemmAct", "tensorkiln", attrs, shapes, dtypes)
+
+
+def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu"):
+    z = (n, m, hw, hw) if residual else None
+    shapes = ((n, c, hw, hw), (), (m, c, k, k), (m,), (m,), z, (), () if residual else None)
+    dtypes = (E4M3, "float32", E4M3, "float32", "float32", E4M3 if residual else None,
+              "float32", "float32" if residual else None)  # fmt: skip
+    attrs = {"activation": act, "out_dtype": 17, "strides": list(strides), "group": 1}
+    return LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes)
+
+
+def _names(spec: LayerSpec) -> list[str]:
+    return sorted(n.removeprefix(cf.PREFIX) for n in cf._kernels_for(spec))
+
+
+def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
+    loaded = _Loaded(_library(tmp_path, KERNELS))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    relu = ["gemm_fp8_fp8_channel_relu_128x128o1k4"]
+    assert _names(_gemm()) == relu
+    assert _names(_gemm(act="")) == ["gemm_fp8_fp8_channel_none_128x256o1k4"]
+    assert _names(_gemm(k=64)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
+    # not theirs: another activation, a float output, int8, an unpacked weight, odd shapes
+    for spec in (_gemm(act="Gelu"), _gemm(y=False, out=10), _gemm(dtype="int8"),
+                 _gemm(trans_b=0), _gemm(m=200), _gemm(n=120), _gemm(k=72)):  # fmt: skip
+        assert _names(spec) == []
+    assert _names(_gemm(bias=False)) == relu
+    cpu = _gemm()
+    assert cf._kernels_for(LayerSpec(cpu.op, cpu.domain, cpu.attrs, cpu.shapes, cpu.dtypes,
+                                     device="cpu")) == []  # fmt: skip
+
+    # 1x1 convolutions: the residual kernels whose tile divides the problem
+    assert _names(_conv()) == [
+        "gemm_fp8_fp8_residual_relu_128x256o1k4", "gemm_fp8_fp8_residual_relu_128x64o1k4",
+    ]  # fmt: skip
+    assert _names(_conv(m=64)) == ["gemm_fp8_fp8_residual_relu_128x64o1k4"]
+    assert _names(_conv(residual=False, c=128)) == relu
+    assert _names(_conv(residual=False)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
+    for spec in (_conv(k=3), _conv(strides=(2, 2)), _conv(act="Sigmoid"), _conv(hw=7)):
+        assert _names(spec) == []
+
+
+def test_no_library_no_candidates(monkeypatch) -> None:
+    monkeypatch.delenv(cf.ENV, raising=False)
+    cf._state.clear()
+    assert cf.library() is None
+    assert cf._kernels_for(_gemm()) == []
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    assert resolve(cf.PREFIX + "gemm_fp8_fp8_channel_relu_128x128o1k4") is None
