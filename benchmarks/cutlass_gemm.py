@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import glob
 import json
 import os
 import sys
@@ -33,37 +32,15 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 from benchmarks._common import norm_rel_torch  # noqa: E402
 from benchmarks.conv_8bit_cudnn import SHAPES, _time  # noqa: E402
 
+from tensorkiln.errors import KernelError  # noqa: E402
+from tensorkiln.kernels.cuda.cutlass_fp8 import (  # noqa: E402
+    VectorArg,
+    launch,
+    load_cudart,
+    tensor_arg,
+)
+
 BERT = ((8192, 2304, 768, 1), (8192, 768, 768, 1), (8192, 3072, 768, 1), (8192, 768, 3072, 1))
-
-
-class _Tensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("shapes", ctypes.c_int32 * 2),
-        ("strides", ctypes.c_int64 * 2),
-    ]
-
-
-def _load_cudart() -> None:
-    """The CUDA runtime torch uses, made global so the kernels' launcher binds to it (one
-    runtime, one context)."""
-    import torch
-
-    torch.zeros(1, device="cuda")
-    names = ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]
-    for base in sys.path:
-        names += sorted(glob.glob(os.path.join(base, "nvidia", "*", "lib", "libcudart.so*")))
-    for name in names:
-        try:
-            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL).cudaLibraryLoadData  # noqa: B018
-            return
-        except (OSError, AttributeError):
-            continue
-    raise SystemExit("cutlass_gemm: no CUDA runtime with cudaLibraryLoadData found")
-
-
-class _Vector(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 1)]
 
 
 class CutlassGemms:
@@ -74,7 +51,10 @@ class CutlassGemms:
     z_scale)``."""
 
     def __init__(self, folder: Path) -> None:
-        _load_cudart()
+        import torch
+
+        torch.zeros(1, device="cuda")
+        load_cudart()
         manifest = json.loads((folder / "manifest.json").read_text())
         self.lib = ctypes.CDLL(str(folder / manifest["library"]), mode=ctypes.RTLD_GLOBAL)
         self.kernels = {k["name"]: k for k in manifest["kernels"]}
@@ -96,7 +76,7 @@ class CutlassGemms:
             if ret.value:
                 raise RuntimeError(f"{name}: loading it on the device failed (CUDA {ret.value})")
             for t in ("a", "b", "c", "res") if k["epilogue"] == "residual" else ("a", "b", "c"):
-                if k["tensors"].get(t) != [2, 2]:  # (the _Tensor layout this loader passes)
+                if k["tensors"].get(t) != [2, 2]:  # (the TensorArg layout this loader passes)
                     raise RuntimeError(f"{name}: tensor {t} is not a dynamic 2-D row-major one")
             entry = getattr(self.lib, k["entry"])
             entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
@@ -104,34 +84,21 @@ class CutlassGemms:
             self._modules[name] = (module, holder)
             self._entries[name] = entry
 
-    @staticmethod
-    def _view(t) -> _Tensor:
-        rows, cols = t.shape
-        if t.stride() != (cols, 1) or t.data_ptr() % 16:
-            raise ValueError("operands must be row-major and 16-byte aligned")
-        return _Tensor(t.data_ptr(), (rows, cols), (cols, rows * cols))
-
     def run(self, name: str, a, b, d, scale: float, col=None, bias=None, z=None) -> None:
         import torch
 
-        structs = [self._view(a), self._view(b), self._view(d)]
+        structs = [tensor_arg(a), tensor_arg(b), tensor_arg(d)]
         epilogue = self.kernels[name]["epilogue"]
         if epilogue in ("channel", "residual"):
             for v in (col, bias):
                 if v is None or v.dtype != torch.float32 or v.shape != (d.shape[1],):
                     raise ValueError("the per-channel epilogue takes two float32 vectors of N")
-                structs.append(_Vector(v.data_ptr(), (v.shape[0],)))
+                structs.append(VectorArg(v.data_ptr(), (v.shape[0],)))
         if epilogue == "residual":
             if z is None or z.shape != d.shape or z.dtype != torch.float8_e4m3fn:
                 raise ValueError("the residual epilogue takes an E4M3 residual of D's shape")
-            structs.append(self._view(z))
-        s = ctypes.c_float(scale)
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        ret = ctypes.c_int32(0)
-        ptrs = [ctypes.addressof(x) for x in (*structs, s, stream, ret)]
-        self._entries[name]((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
-        if ret.value:
-            raise RuntimeError(f"{name}: launch failed (status {ret.value})")
+            structs.append(tensor_arg(z))
+        launch(self._entries[name], name, structs, scale)
 
 
 def _shapes(batch: int):
@@ -302,7 +269,7 @@ def main() -> None:
                 try:
                     gemms.run(name, a_in, b_in, d, s, col, bias, z)
                     torch.cuda.synchronize()
-                except (RuntimeError, ValueError) as exc:
+                except (RuntimeError, ValueError, KernelError) as exc:
                     print(f"  {name} on {label}: {exc}")
                     continue
                 err = norm_rel_torch([d.float()], [want])

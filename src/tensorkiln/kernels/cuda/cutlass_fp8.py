@@ -62,7 +62,7 @@ _ACTIVATIONS = {"": "none", "Relu": "relu"}
 _M_MULTIPLE, _NK_MULTIPLE = 128, 16
 
 
-class _Tensor(ctypes.Structure):  # a 2-D row-major tensor: extents and the two dynamic strides
+class TensorArg(ctypes.Structure):  # a 2-D row-major tensor: extents and the two dynamic strides
     _fields_ = [
         ("data", ctypes.c_void_p),
         ("shapes", ctypes.c_int32 * 2),
@@ -70,7 +70,7 @@ class _Tensor(ctypes.Structure):  # a 2-D row-major tensor: extents and the two 
     ]
 
 
-class _Vector(ctypes.Structure):
+class VectorArg(ctypes.Structure):  # a vector: its data and length
     _fields_ = [("data", ctypes.c_void_p), ("shapes", ctypes.c_int32 * 1)]
 
 
@@ -140,7 +140,7 @@ class Library:
 
     def __init__(self, folder: Path) -> None:
         lib_path, self.kernels = read_manifest(folder)
-        _load_cudart()
+        load_cudart()
         try:
             self._lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
@@ -182,29 +182,35 @@ class Library:
         z_scale: float = 0.0,
     ) -> None:
         """``d = act(a @ b.T * col + bias [+ z * z_scale])`` on torch's current stream."""
-        structs: list[ctypes.Structure] = [_view(a), _view(b), _view(d)]
-        structs += [_Vector(v.data_ptr(), (v.shape[0],)) for v in (col, bias)]
+        structs: list[ctypes.Structure] = [tensor_arg(a), tensor_arg(b), tensor_arg(d)]
+        structs += [VectorArg(v.data_ptr(), (v.shape[0],)) for v in (col, bias)]
         if self.kernels[name]["epilogue"] == "residual":
             if z is None:
                 raise KernelError(f"{name} reads a residual and was given none")
-            structs.append(_view(z))
-        scale = ctypes.c_float(z_scale)
-        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-        ret = ctypes.c_int32(0)
-        ptrs = [ctypes.addressof(s) for s in (*structs, scale, stream, ret)]
-        self._entries[name]((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
-        if ret.value:
-            raise KernelError(f"{name}: the launch failed (status {ret.value})")
+            structs.append(tensor_arg(z))
+        launch(self._entries[name], name, structs, z_scale)
 
 
-def _view(t: torch.Tensor) -> _Tensor:
+def launch(entry: Any, name: str, structs: list[ctypes.Structure], scalar: float) -> None:
+    """Call an exported kernel's entry point on torch's current stream: its tensor arguments in
+    order, then the one float scalar, the stream and the status it writes."""
+    value = ctypes.c_float(scalar)
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    ret = ctypes.c_int32(0)
+    ptrs = [ctypes.addressof(s) for s in (*structs, value, stream, ret)]
+    entry((ctypes.c_void_p * len(ptrs))(*ptrs), len(ptrs))
+    if ret.value:
+        raise KernelError(f"{name}: the launch failed (status {ret.value})")
+
+
+def tensor_arg(t: torch.Tensor) -> TensorArg:
     rows, cols = t.shape
     if t.stride() != (cols, 1) or t.data_ptr() % 16:
         raise KernelError("CUTLASS FP8 GEMMs take row-major operands on 16-byte boundaries")
-    return _Tensor(t.data_ptr(), (rows, cols), (cols, rows * cols))
+    return TensorArg(t.data_ptr(), (rows, cols), (cols, rows * cols))
 
 
-def _load_cudart() -> None:
+def load_cudart() -> None:
     """The CUDA runtime torch uses, made global so that the kernels' launchers bind to it (one
     runtime, one context)."""
     names = ["libcudart.so.13", "libcudart.so.12"]
