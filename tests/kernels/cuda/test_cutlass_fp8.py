@@ -21,7 +21,8 @@ E4M3 = "float8_e4m3fn"
 
 
 def _kernel(epilogue: str, act: str, tile: tuple[int, int], **extra) -> dict:
-    name = f"gemm_fp8_fp8_{epilogue}_{act}_{tile[0]}x{tile[1]}o1k{extra.get('k_steps', 4)}"
+    occupancy, k_steps = extra.get("occupancy", 1), extra.get("k_steps", 4)
+    name = f"gemm_fp8_fp8_{epilogue}_{act}_{tile[0]}x{tile[1]}o{occupancy}k{k_steps}"
     tensors = {t: [2, 2] for t in ("a", "b", "c", *(("res",) if epilogue == "residual" else ()))}
     return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": "fp8", "c": "fp8",
             "epilogue": epilogue, "activation": act, "tile": list(tile), "tensors": tensors,
@@ -145,3 +146,23 @@ def test_no_library_no_candidates(monkeypatch) -> None:
     assert cf._kernels_for(_gemm()) == []
     resolve = cf._resolver("QGemmAct", cf._gemm_fn)
     assert resolve(cf.PREFIX + "gemm_fp8_fp8_channel_relu_128x128o1k4") is None
+
+
+def test_the_estimate_ranks_fitting_tiles_first(tmp_path: Path, monkeypatch) -> None:
+    kernels = [
+        _kernel("channel", "relu", t, occupancy=o)
+        for t, o in (((128, 64), 2), ((128, 128), 2), ((128, 256), 1), ((64, 256), 1))
+    ]
+    loaded = _Loaded(_library(tmp_path, kernels))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+
+    def ranked(spec: LayerSpec) -> list[str]:
+        tactics = [resolve(n) for n in cf._kernels_for(spec)]
+        return [t.name.rsplit("_", 1)[1] for t in sorted(tactics, key=lambda t: -t.score(spec))]
+
+    assert ranked(_gemm(n=64))[0] == "128x64o2k4"  # (the only tile that wastes no columns)
+    assert ranked(_gemm(n=128))[:2] == ["128x128o2k4", "128x64o2k4"]
+    assert ranked(_gemm(n=256))[-1] == "64x256o1k4"
+    for name in cf._kernels_for(_gemm()):
+        assert resolve(name).supports(_gemm()) and not resolve(name).supports(_gemm(m=200))

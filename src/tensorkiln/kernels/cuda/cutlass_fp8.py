@@ -393,6 +393,22 @@ def _conv_fn(kernel: str) -> Callable:
     return run
 
 
+def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
+    """The autotuner's ranking of a kernel for an M x N x K layer (it times the best few), from
+    what won on the H200 (benchmarks/RESULTS.md): a tile as wide as N, or narrower, wastes none
+    of its columns, and of those the widest reads A the fewest times; two CTAs an SM keep memory busier where tiles are small; on K = 64 layers,
+    64-byte stages and wider epilogue subtiles help; 64-row tiles rarely won."""
+    tile_m, tile_n = kernel["tile"]
+    score = n / (-(-n // tile_n) * tile_n) * (0.8 + 0.2 * tile_n / 256)  # (wider: fewer loads)
+    if kernel.get("occupancy", 1) == 2:
+        score *= 1.15
+    if k == 64 and kernel.get("k_steps", 4) == 2:
+        score *= 1.1
+    if k == 64 and kernel.get("epi_tile"):
+        score *= 1.05
+    return score * (0.9 if tile_m == 64 else 1.0)
+
+
 def _fits(m: int, n: int, k: int) -> bool:
     return not (m % _M_MULTIPLE or n % _NK_MULTIPLE or k % _NK_MULTIPLE or m * max(n, k) >= 2**31)
 
@@ -410,7 +426,11 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
             def supports(spec: LayerSpec, name: str = name) -> bool:
                 return name in _kernels_for(spec)
 
-            made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, None, PREFIX)
+            def estimate(spec: LayerSpec, entry: dict = lib.kernels[kernel]) -> float:
+                layer = _layer(spec)
+                return 0.0 if layer is None else _estimate(entry, *layer[1:])
+
+            made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, estimate, PREFIX)
         return made[name]
 
     return resolve
