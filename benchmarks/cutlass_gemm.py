@@ -37,6 +37,7 @@ from tensorkiln.kernels.cuda.cutlass_fp8 import (  # noqa: E402
     VectorArg,
     launch,
     load_cudart,
+    load_kernel,
     tensor_arg,
 )
 
@@ -58,31 +59,12 @@ class CutlassGemms:
         manifest = json.loads((folder / "manifest.json").read_text())
         self.lib = ctypes.CDLL(str(folder / manifest["library"]), mode=ctypes.RTLD_GLOBAL)
         self.kernels = {k["name"]: k for k in manifest["kernels"]}
-        self._modules = {}
         self._entries = {}
         for name, k in self.kernels.items():
-            module = ctypes.c_void_p()
-            holder = ctypes.pointer(module)
-            ret = ctypes.c_int(0)
-            init_args = (ctypes.c_void_p * 2)(ctypes.addressof(holder), ctypes.addressof(ret))
-            getattr(self.lib, f"_mlir_{name}_cuda_init")(init_args)
-            if ret.value:
-                raise RuntimeError(f"{name}: loading its cubin failed (CUDA error {ret.value})")
-            device = ctypes.c_int32(0)
-            load_args = (ctypes.c_void_p * 3)(
-                ctypes.addressof(holder), ctypes.addressof(device), ctypes.addressof(ret)
-            )
-            getattr(self.lib, f"_mlir_{name}_cuda_load_to_device")(load_args)
-            if ret.value:
-                raise RuntimeError(f"{name}: loading it on the device failed (CUDA {ret.value})")
             for t in ("a", "b", "c", "res") if k["epilogue"] == "residual" else ("a", "b", "c"):
                 if k["tensors"].get(t) != [2, 2]:  # (the TensorArg layout this loader passes)
                     raise RuntimeError(f"{name}: tensor {t} is not a dynamic 2-D row-major one")
-            entry = getattr(self.lib, k["entry"])
-            entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-            entry.restype = None
-            self._modules[name] = (module, holder)
-            self._entries[name] = entry
+            self._entries[name] = load_kernel(self.lib, name, k["entry"], str(folder))
 
     def run(self, name: str, a, b, d, scale: float, col=None, bias=None, z=None) -> None:
         import torch

@@ -166,3 +166,48 @@ def test_the_estimate_ranks_fitting_tiles_first(tmp_path: Path, monkeypatch) -> 
     assert ranked(_gemm(n=256))[-1] == "64x256o1k4"
     for name in cf._kernels_for(_gemm()):
         assert resolve(name).supports(_gemm()) and not resolve(name).supports(_gemm(m=200))
+
+
+class _Recording:
+    """A stand-in library: records what a tactic hands its kernel (the GPU runs the real one)."""
+
+    def __init__(self, epilogue: str) -> None:
+        self.kernels = {"k": {"epilogue": epilogue}}
+        self.calls: list[tuple] = []
+
+    def run(self, name, a, b, d, col, bias, z=None, z_scale=0.0) -> None:
+        self.calls.append((a, b, col, bias, z, z_scale))
+        d.zero_()
+
+
+def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import mark_constant
+
+    lib = _Recording("residual")
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(5)
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(2, 16, 8, 8, generator=g).to(e4m3).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 1, 1, generator=g).to(e4m3)
+    z = torch.randn(2, 32, 8, 8, generator=g).to(e4m3)
+    x_scale, y_scale, z_scale = torch.tensor(0.04), torch.tensor(0.05), torch.tensor(0.1)
+    w_scale = 0.01 + 0.02 * torch.rand(32, generator=g)
+    bias = torch.randn(32, generator=g)
+    for t in (x_scale, y_scale, z_scale, w_scale, bias):
+        mark_constant(t)  # (an engine's constants: what the tactic makes of them is kept)
+    fn = cf._conv_fn("k")
+    for _ in range(2):  # (the second call takes the vectors kept from the first)
+        y = fn(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, activation="Relu", out_dtype=17)
+    assert y.shape == (2, 32, 8, 8) and y.dtype == e4m3
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    (a, b, col, shift, z2, zs), again = lib.calls
+    assert again[2] is col and again[3] is shift
+    assert torch.equal(a.float(), x.permute(0, 2, 3, 1).reshape(128, 16).float())
+    assert torch.equal(b.float(), w.reshape(32, 16).float())
+    assert torch.equal(z2.float(), z.permute(0, 2, 3, 1).reshape(128, 32).float())
+    want = x_scale.double() * w_scale.double() / y_scale.double()
+    torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(shift.double(), bias.double() / 0.05, rtol=1e-6, atol=0)
+    assert zs == pytest.approx(0.1 / 0.05, rel=1e-6)

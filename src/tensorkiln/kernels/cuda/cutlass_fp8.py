@@ -32,6 +32,7 @@ import ctypes
 import glob
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -39,10 +40,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from tensorkiln.errors import KernelError
+from tensorkiln.kernels.cuda.convert import host_list
 from tensorkiln.kernels.cuda.fused_quant import qconv, qconv_act, qgemm_act, qgemm_call
+from tensorkiln.kernels.cuda.tactics_quant import _kept
 from tensorkiln.kernels.tactics import LayerSpec, Tactic, TacticFamily, tactic_family
 
 log = logging.getLogger(__name__)
@@ -145,30 +149,10 @@ class Library:
             self._lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
             raise KernelError(f"kernel library {lib_path}: does not load ({exc})") from None
-        self._entries: dict[str, Any] = {}
-        self._modules: list[Any] = []
-        device = ctypes.c_int32(torch.cuda.current_device())
-        for name, k in self.kernels.items():
-            try:
-                init = getattr(self._lib, f"_mlir_{name}_cuda_init")
-                load = getattr(self._lib, f"_mlir_{name}_cuda_load_to_device")
-                entry = getattr(self._lib, k["entry"])
-            except AttributeError:
-                raise KernelError(f"kernel library {lib_path}: {name} is not in it") from None
-            module = ctypes.c_void_p()
-            holder = ctypes.pointer(module)
-            ret = ctypes.c_int(0)
-            init((ctypes.c_void_p * 2)(ctypes.addressof(holder), ctypes.addressof(ret)))
-            if not ret.value:
-                args = (ctypes.addressof(holder), ctypes.addressof(device), ctypes.addressof(ret))
-                load((ctypes.c_void_p * 3)(*args))
-            if ret.value:
-                raise KernelError(f"kernel library {lib_path}: {name} did not load (CUDA error "
-                                  f"{ret.value})")  # fmt: skip
-            entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
-            entry.restype = None
-            self._modules.append((module, holder))
-            self._entries[name] = entry
+        self._entries = {
+            name: load_kernel(self._lib, name, k["entry"], f"kernel library {lib_path}")
+            for name, k in self.kernels.items()
+        }
 
     def run(
         self,
@@ -189,6 +173,31 @@ class Library:
                 raise KernelError(f"{name} reads a residual and was given none")
             structs.append(tensor_arg(z))
         launch(self._entries[name], name, structs, z_scale)
+
+
+def load_kernel(lib: ctypes.CDLL, name: str, entry_name: str, where: str) -> Any:
+    """Kernel ``name`` of an exported library loaded on the current CUDA device (its generated
+    init and load functions, as the exported header calls them), and its entry point."""
+    try:
+        init = getattr(lib, f"_mlir_{name}_cuda_init")
+        load = getattr(lib, f"_mlir_{name}_cuda_load_to_device")
+        entry = getattr(lib, entry_name)
+    except AttributeError:
+        raise KernelError(f"{where}: {name} is not in it") from None
+    module = ctypes.c_void_p()  # (the cudaLibrary_t the init fills; kept with the entry point)
+    holder = ctypes.pointer(module)
+    device = ctypes.c_int32(torch.cuda.current_device())
+    ret = ctypes.c_int(0)
+    init((ctypes.c_void_p * 2)(ctypes.addressof(holder), ctypes.addressof(ret)))
+    if not ret.value:
+        args = (ctypes.addressof(holder), ctypes.addressof(device), ctypes.addressof(ret))
+        load((ctypes.c_void_p * 3)(*args))
+    if ret.value:
+        raise KernelError(f"{where}: {name} did not load (CUDA error {ret.value})")
+    entry.argtypes = [ctypes.c_void_p, ctypes.c_int32]
+    entry.restype = None
+    entry.tk_module = (module, holder)
+    return entry
 
 
 def launch(entry: Any, name: str, structs: list[ctypes.Structure], scalar: float) -> None:
@@ -268,9 +277,9 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
     a, b = spec.shapes[0], spec.shapes[2]
     if a is None or b is None or len(b) != 2 or len(a) < 2 or a[-1] != b[1]:
         return None
-    m, n, k = _prod(a[:-1]), b[0], b[1]
+    m, n, k = math.prod(a[:-1]), b[0], b[1]
     c = spec.shapes[4]
-    if c is not None and _prod(c) != n:
+    if c is not None and math.prod(c) != n:
         return None  # (a bias of one row)
     return "channel", m, n, k
 
@@ -304,13 +313,6 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
     return epilogue, x[0] * x[2] * x[3], w[0], w[1]
 
 
-def _prod(dims: Any) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
-
-
 def _kernels_for(spec: LayerSpec) -> list[str]:
     lib = library() if spec.device == "cuda" else None
     layer = _layer(spec) if lib is not None else None
@@ -334,14 +336,34 @@ def _kernels_for(spec: LayerSpec) -> list[str]:
     return names
 
 
-def _scales(call_alpha: float, x_scale, w_scale, y_scale, n: int, beta: float, bias):
-    """(col, bias) of the epilogue, float32 vectors of N."""
-    ys = y_scale.reshape(()).to(torch.float32)
-    col = (x_scale.reshape(()).to(torch.float32) * w_scale.reshape(-1).to(torch.float32)).expand(n)
-    col = (col * call_alpha / ys).contiguous()
+def _vectors(
+    scale: Callable[[], torch.Tensor], w_scale, x_scale, y_scale, bias, beta: float, key: tuple
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The epilogue's (col, bias), float32 vectors of N: the layer's per-column scale (``scale()``,
+    its call's) and its bias times ``beta``, over Y_scale; kept per constant as the other
+    quantized tactics keep theirs (tactics_quant._kept), so an engine's calls make them once."""
+    n = key[0]
+
+    def col() -> torch.Tensor:
+        return (scale().expand(n) / y_scale.reshape(()).to(torch.float32)).contiguous()
+
+    def shifted() -> torch.Tensor:
+        b = bias.reshape(n).to(torch.float32) * beta
+        return (b / y_scale.reshape(()).to(torch.float32)).contiguous()
+
+    def zeros() -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.float32, device=y_scale.device)
+
+    cols = _kept(w_scale, ("cutlass_col", *key), col, x_scale, y_scale)
     if bias is None:
-        return col, torch.zeros(n, dtype=torch.float32, device=col.device)
-    return col, (bias.reshape(n).to(torch.float32) * beta / ys).contiguous()
+        return cols, _kept(y_scale, ("cutlass_zeros", n), zeros)
+    return cols, _kept(bias, ("cutlass_bias", n, beta), shifted, y_scale)
+
+
+def _host_scalar(t: torch.Tensor) -> float:
+    """A one-value scale read on the host (an engine's constants carry their host values, so no
+    device synchronization: the kernel takes the residual's scale by value)."""
+    return float(np.ravel(host_list(t))[0])
 
 
 def _gemm_fn(kernel: str) -> Callable:
@@ -353,8 +375,8 @@ def _gemm_fn(kernel: str) -> Callable:
         m, n = call.a2.shape[0], call.b.shape[0]
         if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
-        col, bias = _scales(call.alpha, call.x_scale, call.w_scale, call.y_scale, n, call.beta,
-                            call.bias)  # fmt: skip
+        col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
+                             call.beta, (n, call.alpha))  # fmt: skip
         d = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=a_q.device)
         lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias)
         return d.reshape(call.shape)
@@ -372,17 +394,17 @@ def _conv_fn(kernel: str) -> Callable:
         if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1]):
             return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
-        def sums(xq, wq, bias, zz, call) -> tuple[torch.Tensor, bool]:
+        def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
             nb, ch, h, wd = xq.shape
             m = wq.shape[0]
             rows = xq.permute(0, 2, 3, 1).reshape(nb * h * wd, ch)  # (a view when channels-last)
-            col, bias2 = _scales(1.0, call.x_scale, call.w_scale, call.y_scale, m, 1.0, bias)
+            col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, b, 1.0, (m,))
             d = torch.empty((nb * h * wd, m), dtype=torch.float8_e4m3fn, device=xq.device)
             zs = 0.0
             z2 = None
             if zz is not None:
                 z2 = zz.permute(0, 2, 3, 1).reshape(nb * h * wd, m).contiguous()
-                zs = float(call.z_scale.reshape(()) / call.y_scale.reshape(()))
+                zs = _host_scalar(z_scale) / _host_scalar(y_scale)
             lib.run(kernel, rows.contiguous(), wq.reshape(m, ch).contiguous(), d, col, bias2,
                     z2, zs)  # fmt: skip
             return d.reshape(nb, h, wd, m).permute(0, 3, 1, 2), True
