@@ -154,6 +154,8 @@ def test_a_missing_library_tactic_names_what_to_set(test_tactics, tmp_path) -> N
 
     engine, _ = _build(tmp_path)
     layer = next(x for x in engine.layers if x.get("timings_ms"))
+    node = next(n for n in engine.graph.nodes if n.name == layer["name"])
+    node.op, node.domain = "QGemmAct", "tensorkiln"  # (the op the CUTLASS family serves)
     layer["tactic"] = "cutlass_fp8_gemm_fp8_fp8_channel_relu_128x128o2k4"
     with pytest.raises(EngineCompatibilityError, match=r"TENSORKILN_CUTLASS_KERNELS.*rebuild"):
         tactic_functions(engine.graph, engine.layers, "graph")

@@ -113,6 +113,8 @@ class TacticFamily:
     prefix: str
     expand: Callable[[LayerSpec], list[str]]
     resolve: Callable[[str], Tactic | None]
+    # what to check when an engine names one of its tactics and this installation cannot make it
+    missing: str = ""
 
 
 _FAMILIES: dict[tuple[str, str], list[TacticFamily]] = {}
@@ -144,23 +146,18 @@ def get_tactic(op: str, domain: str, name: str) -> Tactic | None:
     key = (normalize_domain(domain), op)
     found = _TACTICS.get(key, {}).get(name)
     if found is None:
-        for family in _FAMILIES.get(key, ()):
-            if name.startswith(family.prefix):
-                found = family.resolve(name)
-                break
+        family = _family_of(key, name)
+        found = family.resolve(name) if family is not None else None
     return found
+
+
+def _family_of(key: tuple[str, str], name: str) -> TacticFamily | None:
+    return next((f for f in _FAMILIES.get(key, ()) if name.startswith(f.prefix)), None)
 
 
 def _load() -> None:
     # (the cuda tree's modules register their tactics on import)
     import tensorkiln.kernels.cuda  # noqa: F401  # lazy: torch
-
-
-# what to check when an engine names a tactic this installation lacks, by the name's start
-_MISSING_HINTS = (
-    ("cutlass_fp8_", "TENSORKILN_CUTLASS_KERNELS must name the kernel library it was built with, "
-                     "on a GPU of compute capability 9.0"),
-)  # fmt: skip
 
 
 def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> dict[str, Callable]:
@@ -178,9 +175,8 @@ def tactic_functions(graph: Graph, layers: list[dict], mode: str = "graph") -> d
             continue
         t = get_tactic(node.op, node.domain, name)
         if t is None:
-            hint = next(
-                (h for p, h in _MISSING_HINTS if name.startswith(p)), "is triton installed?"
-            )
+            family = _family_of((normalize_domain(node.domain), node.op), name)
+            hint = (family.missing if family is not None else "") or "is triton installed?"
             raise EngineCompatibilityError(
                 f"layer '{node.name}' uses tactic '{name}', which this installation does not have "
                 f"({hint}); rebuild the engine here"

@@ -460,7 +460,8 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
 
 def _register() -> None:
     for op, fn_of in (("QGemmAct", _gemm_fn), ("QConvAct", _conv_fn)):
-        family = TacticFamily(PREFIX, _kernels_for, _resolver(op, fn_of))
+        missing = f"{ENV} must name the kernel library it was built with, on an sm_90 GPU"
+        family = TacticFamily(PREFIX, _kernels_for, _resolver(op, fn_of), missing)
         tactic_family(op, family, domain="tensorkiln")
 
 
