@@ -50,6 +50,21 @@ def test_a_well_formed_manifest_is_read(tmp_path: Path) -> None:
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
 
 
+def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
+    # what a default build also writes: fp16 kernels, scalar epilogues, GELU
+    others = [
+        {**_kernel("channel", "relu", (128, 64)), "name": "gemm_f16_f16_scalar_relu_128x64o1k4"},
+        {**_kernel("channel", "relu", (128, 64)), "name": "gemm_fp8_fp8_scalar_relu_128x64o2k2"},
+        {**_kernel("channel", "relu", (128, 64)), "name": "gemm_fp8_fp8_channel_gelu_128x64o1k4"},
+        {
+            **_kernel("channel", "relu", (128, 64)),
+            "name": "gemm_fp8_fp8_channel_gelu_erf_64x256o1k4",
+        },
+    ]
+    _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
+    assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -57,7 +72,8 @@ def test_a_well_formed_manifest_is_read(tmp_path: Path) -> None:
         (lambda d: d.update(library="/tmp/libk.so"), "must name a .so file in the folder"),
         (lambda d: d.update(library="other.so"), "is not a file in"),
         (lambda d: d.update(kernels={}), "'kernels' list"),
-        (lambda d: d["kernels"][0].update(name="gemm; rm -rf"), "is not an FP8 channel"),
+        (lambda d: d["kernels"][0].update(name="gemm; rm -rf"), "is not an exported GEMM"),
+        (lambda d: d["kernels"][0].update(name=None), "is not an exported GEMM"),
         (lambda d: d["kernels"][0].update(entry="system"), "is not an exported kernel's"),
         (lambda d: d["kernels"][0].update(tile=[96, 128]), "is not one of M"),
         (lambda d: d["kernels"][0].update(c="f16"), "do not match the name"),

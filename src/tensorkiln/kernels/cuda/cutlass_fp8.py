@@ -56,6 +56,10 @@ PREFIX = "cutlass_fp8_"
 MANIFEST = "manifest.json"
 _MANIFEST_LIMIT = 4 << 20
 _KERNELS_LIMIT = 4096
+# every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
+# the FP8 ones with a per-channel or residual epilogue and ReLU or none, and pass over the rest
+_ANY_KERNEL = re.compile(r"gemm_(fp8|f16)_(fp8|f16)_(scalar|channel|residual)_([a-z_]{1,20})_"
+                         r"([0-9a-z]{1,40})\Z")  # fmt: skip
 _KERNEL_NAME = re.compile(r"gemm_fp8_fp8_(channel|residual)_(relu|none)_([0-9a-z]{1,40})\Z")
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
@@ -109,17 +113,22 @@ def read_manifest(folder: Path) -> tuple[Path, dict[str, dict[str, Any]]]:
         raise KernelError(f"{where}: more than {_KERNELS_LIMIT} kernels")
     kernels = {}
     for i, k in enumerate(doc["kernels"]):
-        kernels[_checked_kernel(k, f"{where}, kernels[{i}]")["name"]] = k
+        if _checked_kernel(k, f"{where}, kernels[{i}]"):
+            kernels[k["name"]] = k
     return lib, kernels
 
 
-def _checked_kernel(k: Any, where: str) -> dict[str, Any]:
+def _checked_kernel(k: Any, where: str) -> bool:
+    """Whether manifest entry ``k`` is a kernel the tactics use (False: another the build makes,
+    such as a 16-bit or scalar-epilogue one); a malformed entry is a KernelError."""
     if not isinstance(k, dict):
         raise KernelError(f"{where}: expected an object")
     name, entry = k.get("name"), k.get("entry")
-    found = _KERNEL_NAME.fullmatch(name) if isinstance(name, str) else None
+    if not isinstance(name, str) or not _ANY_KERNEL.fullmatch(name):
+        raise KernelError(f"{where}: name {name!r} is not an exported GEMM kernel's")
+    found = _KERNEL_NAME.fullmatch(name)
     if found is None:
-        raise KernelError(f"{where}: name {name!r} is not an FP8 channel or residual kernel's")
+        return False
     if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
         raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
     epilogue, activation = found.group(1), found.group(2)
@@ -136,7 +145,7 @@ def _checked_kernel(k: Any, where: str) -> dict[str, Any]:
     want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
     if not isinstance(tensors, dict) or any(tensors.get(t) != [2, 2] for t in want):
         raise KernelError(f"{where}: tensors {tensors!r} are not dynamic 2-D row-major ones")
-    return k
+    return True
 
 
 class Library:
