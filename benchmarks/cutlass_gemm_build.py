@@ -119,6 +119,20 @@ _CHANNEL_PATCHES = (
 )
 
 
+# The channel epilogue's output scale: the example scales the sums before its ``op``; here the
+# scale (the scalar argument, where the build asks for it) multiplies the activation's result,
+# ``op(acc * col[n] + bias[n]) * scale``. GELU does not commute with a quantized output's
+# ``1 / Y_scale`` as ReLU does, so the GELU GEMMs take the output scale after the activation.
+_POST_SCALE_PATCH = (
+    "                    if cutlass.const_expr(apply_scale):\n"
+    "                        acc_vec = acc_vec * scale_ab\n\n"
+    "                    activation = epilogue_op(acc_vec)\n",
+    "                    activation = epilogue_op(acc_vec)\n"
+    "                    if cutlass.const_expr(apply_scale):\n"
+    "                        activation = activation * scale_ab\n",
+)
+
+
 # The residual epilogue (``residual``): the channel epilogue plus an E4M3 residual of the
 # output's shape times a scale (the scalar argument, which the channel epilogue leaves unused),
 # added before the activation: ``op(acc * col[n] + bias[n] + z * z_scale)``, a ResNet block's
@@ -238,6 +252,8 @@ def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
     patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES]
     if epilogue in ("channel", "residual"):
         patches += _CHANNEL_PATCHES
+    if epilogue == "channel":
+        patches.append(_POST_SCALE_PATCH)
     if epilogue == "residual":
         patches += _RESIDUAL_PATCHES
     for old, new in patches:
@@ -250,7 +266,7 @@ def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
 
 
 # epilogue : activation : A type _ D type. scalar: op(scale * acc); channel: op(acc * col[n] +
-# bias[n]); residual: op(acc * col[n] + bias[n] + z * z_scale).
+# bias[n]), for GELU times scale; residual: op(acc * col[n] + bias[n] + z * z_scale).
 VARIANTS = (
     "scalar:relu:fp8_fp8", "scalar:relu:f16_f16", "channel:relu:fp8_fp8", "channel:none:fp8_fp8",
     "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8",
@@ -374,8 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                     cutlass.Float8E4M3FN, (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
                 ),
             )
+        # the scalar scales the sums (scalar), the GELU's result (channel) or the residual
+        post_scale = epilogue == "channel" and act.startswith("gelu")
         fn = cute.compile(
-            gemm, a, b, c, *extra, 1.0, epilogue == "scalar", args.sms * occupancy,
+            gemm, a, b, c, *extra, 1.0, epilogue == "scalar" or post_scale, args.sms * occupancy,
             make_fake_stream(), activations[act] or ex.poly11_gelu, options="--gpu-arch sm_90a",
         )  # fmt: skip
         fn.export_to_c(str(out), name)
@@ -383,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         manifest["kernels"].append(
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
-             "tensors": tensors, "epilogue": epilogue, "activation": act}
+             "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
 

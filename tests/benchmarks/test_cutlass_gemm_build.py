@@ -69,11 +69,17 @@ def _anchors(patches) -> str:
 def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Path) -> None:
     source = tmp_path / "example.py"
     base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES]
-    source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES))
+    post = [build._POST_SCALE_PATCH]
+    source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES) + _anchors(post))
     patched = build._patched_source(source, tmp_path, "channel").read_text()
-    for _, new in (*base, *build._CHANNEL_PATCHES):
+    for _, new in (*base, *build._CHANNEL_PATCHES, *post):
         assert new in patched
     assert "mRes_mnl" not in patched  # (the residual's patches are the residual's own)
+    # the output scale after the activation is the channel epilogue's alone
+    assert "activation = activation * scale_ab" in patched
+    scaled_first = build._patched_source(source, tmp_path, "scalar").read_text()
+    assert "acc_vec = acc_vec * scale_ab" in scaled_first
+    assert "activation = activation * scale_ab" not in scaled_first
 
     scalar = build._patched_source(source, tmp_path, "scalar").read_text()
     assert "mCol_mnl" not in scalar and "min_blocks_per_mp=self.occupancy" in scalar

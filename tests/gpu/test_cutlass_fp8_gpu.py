@@ -1,5 +1,5 @@
 """The CUTLASS FP8 tactics on an H200 against the layers' exact kernels: every kernel of the
-library that claims a QGemmAct (ReLU and none) or a 1x1 QConvAct (with and without a quantized
+library that claims a QGemmAct (ReLU, none and GELU) or a 1x1 QConvAct (with and without a quantized
 residual) writes what the exact kernel writes, to one E4M3 step of the output's largest value
 (the autotuner's own check of E4M3 outputs); and a call at a shape the kernels do not take runs
 the exact kernel.
@@ -45,7 +45,7 @@ def _library():
     return lib
 
 
-@pytest.mark.parametrize("activation", ["Relu", ""])
+@pytest.mark.parametrize("activation", ["Relu", "", "Gelu"])
 def test_gemm_kernels_match_the_exact_kernel(activation: str) -> None:
     _library()
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -107,3 +107,68 @@ def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
         torch.cuda.synchronize()
         assert got.is_contiguous(memory_format=torch.channels_last)
         _within_a_step(got, want.contiguous(memory_format=torch.channels_last))
+
+
+def _mlp(rng, rows: int):
+    """Three GEMMs (256 -> 1024, GELU; 1024 -> 256, ReLU; 256 -> 256): the first two write an
+    8-bit output for the next, the shapes the kernels take."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    inits = {
+        "w1": rng.standard_normal((1024, 256)) * 0.06, "b1": rng.standard_normal(1024) * 0.1,
+        "w2": rng.standard_normal((256, 1024)) * 0.03, "b2": rng.standard_normal(256) * 0.1,
+        "w3": rng.standard_normal((256, 256)) * 0.06, "b3": rng.standard_normal(256) * 0.1,
+    }  # fmt: skip
+    nodes = [
+        helper.make_node("Gemm", ["x", "w1", "b1"], ["h1"], "fc1", transB=1),
+        helper.make_node("Gelu", ["h1"], ["g1"], "gelu1"),
+        helper.make_node("Gemm", ["g1", "w2", "b2"], ["h2"], "fc2", transB=1),
+        helper.make_node("Relu", ["h2"], ["r2"], "relu2"),
+        helper.make_node("Gemm", ["r2", "w3", "b3"], ["y"], "fc3", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 256])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(a.astype("float32"), k) for k, a in inits.items()],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+def test_an_fp8_engine_times_the_kernels_and_matches_the_reference(tmp_path) -> None:
+    """An FP8 build with the library configured: the autotuner times the CUTLASS tactics of the
+    8-bit-output GEMMs and accepts them (its own check against the float32 oracle), and the
+    engine's output, whichever tactics won, is the reference backend's to E4M3's rounding."""
+    import numpy as np
+    import onnx
+
+    from tensorkiln.builder import Builder, BuilderConfig
+
+    _library()
+    rng = np.random.default_rng()
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(rng, 1024), path)
+    calib = [{"x": rng.standard_normal((1024, 256)).astype(np.float32)} for _ in range(2)]
+    ref_config = BuilderConfig()
+    ref_config.set_flag("fp8")
+    ref_config.calibration_data = calib
+    ref_config.calibration_cache = str(tmp_path / "calib.json")
+    ref = Builder("reference").build(path, ref_config)
+    config = BuilderConfig()
+    config.set_flag("fp8")
+    config.calibration_cache = str(tmp_path / "calib.json")
+    engine = Builder("cuda").build(path, config)
+    timed = {
+        x["name"]: sorted(x.get("timings_ms", {}))
+        for x in engine.layers
+        if x["op"].endswith("QGemmAct")
+    }
+    print({x["name"]: x.get("tactic") for x in engine.layers}, timed)
+    cutlass = [n for names in timed.values() for n in names if n.startswith(cf.PREFIX)]
+    assert cutlass, f"no CUTLASS tactic was timed: {timed}"
+    for x in engine.layers:
+        rejected = {k: v for k, v in x.get("rejected", {}).items() if k.startswith(cf.PREFIX)}
+        assert not rejected, (x["name"], rejected)
+    x = rng.standard_normal((1024, 256)).astype(np.float32)
+    want = ref.create_execution_context().infer({"x": x})["y"]
+    got = np.asarray(engine.create_execution_context().infer({"x": x})["y"])
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 3e-2

@@ -41,6 +41,7 @@ KERNELS = [
     _kernel("residual", "relu", (128, 256)),
     _kernel("residual", "relu", (128, 64)),
     _kernel("channel", "relu", (128, 64), k_steps=2),  # (K = 64 only)
+    _kernel("channel", "gelu", (128, 256), post_scale=True),  # (QGemmAct's GELU)
 ]
 
 
@@ -51,7 +52,8 @@ def test_a_well_formed_manifest_is_read(tmp_path: Path) -> None:
 
 
 def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
-    # what a default build also writes: fp16 kernels, scalar epilogues, GELU
+    # what a default build also writes: fp16 kernels, scalar epilogues, GELU through erf, and
+    # what an older build wrote: GELU scaled before the activation
     others = [
         {**_kernel("channel", "relu", (128, 64)), "name": "gemm_f16_f16_scalar_relu_128x64o1k4"},
         {**_kernel("channel", "relu", (128, 64)), "name": "gemm_fp8_fp8_scalar_relu_128x64o2k2"},
@@ -60,6 +62,8 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
             **_kernel("channel", "relu", (128, 64)),
             "name": "gemm_fp8_fp8_channel_gelu_erf_64x256o1k4",
         },
+        _kernel("channel", "gelu", (64, 128)),
+        _kernel("channel", "gelu", (64, 256), post_scale=False),
     ]
     _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
@@ -135,8 +139,9 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_gemm()) == relu
     assert _names(_gemm(act="")) == ["gemm_fp8_fp8_channel_none_128x256o1k4"]
     assert _names(_gemm(k=64)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
+    assert _names(_gemm(act="Gelu")) == ["gemm_fp8_fp8_channel_gelu_128x256o1k4"]
     # not theirs: another activation, a float output, int8, an unpacked weight, odd shapes
-    for spec in (_gemm(act="Gelu"), _gemm(y=False, out=10), _gemm(dtype="int8"),
+    for spec in (_gemm(act="Sigmoid"), _gemm(act="GeluTanh"), _gemm(y=False, out=10), _gemm(dtype="int8"),
                  _gemm(trans_b=0), _gemm(m=200), _gemm(n=120), _gemm(k=72)):  # fmt: skip
         assert _names(spec) == []
     assert _names(_gemm(bias=False)) == relu
@@ -151,7 +156,8 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_conv(m=64)) == ["gemm_fp8_fp8_residual_relu_128x64o1k4"]
     assert _names(_conv(residual=False, c=128)) == relu
     assert _names(_conv(residual=False)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
-    for spec in (_conv(k=3), _conv(strides=(2, 2)), _conv(act="Sigmoid"), _conv(hw=7)):
+    for spec in (_conv(k=3), _conv(strides=(2, 2)), _conv(act="Sigmoid"), _conv(hw=7),
+                 _conv(act="Gelu", residual=False)):  # fmt: skip
         assert _names(spec) == []
 
 
@@ -187,8 +193,8 @@ def test_the_estimate_ranks_fitting_tiles_first(tmp_path: Path, monkeypatch) -> 
 class _Recording:
     """A stand-in library: records what a tactic hands its kernel (the GPU runs the real one)."""
 
-    def __init__(self, epilogue: str) -> None:
-        self.kernels = {"k": {"epilogue": epilogue}}
+    def __init__(self, epilogue: str, activation: str = "relu") -> None:
+        self.kernels = {"k": {"epilogue": epilogue, "activation": activation}}
         self.calls: list[tuple] = []
 
     def run(self, name, a, b, d, col, bias, z=None, z_scale=0.0) -> None:
@@ -227,3 +233,36 @@ def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
     torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(shift.double(), bias.double() / 0.05, rtol=1e-6, atol=0)
     assert zs == pytest.approx(0.1 / 0.05, rel=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+def test_the_epilogue_a_gemm_hands_its_kernel(monkeypatch, activation: str) -> None:
+    """ReLU commutes with the output's 1 / Y_scale, so it goes into the vectors; GELU does not,
+    so a GELU kernel takes the vectors without it and 1 / Y_scale after the activation."""
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import mark_constant
+
+    lib = _Recording("channel", activation)
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(6)
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(2, 128, 32, generator=g).to(e4m3)
+    b = torch.randn(48, 32, generator=g).to(e4m3)
+    a_scale, y_scale = torch.tensor(0.04), torch.tensor(0.05)
+    b_scale = 0.01 + 0.02 * torch.rand(48, generator=g)
+    c = torch.randn(48, generator=g)
+    for t in (a_scale, y_scale, b_scale, c):
+        mark_constant(t)
+    act = {"relu": "Relu", "gelu": "Gelu"}[activation]
+    attrs = {"transB": 1, "activation": act, "out_dtype": 17, "alpha": 0.5, "beta": 0.25}
+    y = cf._gemm_fn("k")(a, a_scale, b, b_scale, c, y_scale, **attrs)
+    assert y.shape == (2, 128, 48) and y.dtype == e4m3
+    ((a2, b2, col, shift, z2, scalar),) = lib.calls
+    assert torch.equal(a2.float(), a.reshape(256, 32).float()) and z2 is None
+    assert torch.equal(b2.float(), b.float())
+    over = 1.0 / 0.05 if activation == "relu" else 1.0
+    want = 0.5 * a_scale.double() * b_scale.double() * over
+    torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(shift.double(), 0.25 * c.double() * over, rtol=1e-6, atol=0)
+    assert scalar == (pytest.approx(1.0 / 0.05, rel=1e-6) if activation == "gelu" else 0.0)

@@ -14,7 +14,10 @@ D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[
 Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A quantized layer
 maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and ``bias = beta * B[n] /
 Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive division, and the
-kernel's conversion to E4M3 saturates as QuantizeLinear does. Dividing before rounding rather
+kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not commute with it: a
+GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without the division and
+``D = gelu(acc * col[n] + bias[n]) * (1 / Y_scale)``, its GELU CUTLASS's polynomial for the
+normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step). Dividing before rounding rather
 than after changes a value by at most one E4M3 step, which the autotuner's check of E4M3 outputs
 (one step of the tensor's largest value) allows. Shapes: M a multiple of 128, N and K of 16; a
 call at another shape (an engine's dynamic dimension away from the shape it was tuned at) runs
@@ -57,16 +60,18 @@ MANIFEST = "manifest.json"
 _MANIFEST_LIMIT = 4 << 20
 _KERNELS_LIMIT = 4096
 # every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
-# the FP8 ones with a per-channel or residual epilogue and ReLU or none, and pass over the rest
+# the FP8 ones with a per-channel or residual epilogue and ReLU or none (or a per-channel one
+# with GELU and its output scale after it), and pass over the rest
 _ANY_KERNEL = re.compile(r"gemm_(fp8|f16)_(fp8|f16)_(scalar|channel|residual)_([a-z_]{1,20})_"
                          r"([0-9a-z]{1,40})\Z")  # fmt: skip
-_KERNEL_NAME = re.compile(r"gemm_fp8_fp8_(channel|residual)_(relu|none)_([0-9a-z]{1,40})\Z")
+_KERNEL_NAME = re.compile(r"gemm_fp8_fp8_(channel|residual)_(relu|none|gelu)_([0-9a-z]{1,40})\Z")
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
 _TILES_M, _TILES_N = (64, 128), (64, 128, 256)
 _E4M3 = "float8_e4m3fn"
 _E4M3_CODE = 17  # ONNX's FLOAT8E4M3FN
 _ACTIVATIONS = {"": "none", "Relu": "relu"}
+_GEMM_ACTIVATIONS = {**_ACTIVATIONS, "Gelu": "gelu"}  # (QGemmAct's: with the output scale after)
 _M_MULTIPLE, _NK_MULTIPLE = 128, 16
 
 
@@ -132,6 +137,8 @@ def _checked_kernel(k: Any, where: str) -> bool:
     if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
         raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
     epilogue, activation = found.group(1), found.group(2)
+    if activation == "gelu" and (epilogue != "channel" or k.get("post_scale") is not True):
+        return False  # (a GELU kernel built to scale before its activation: not one of these)
     if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
         "fp8", "fp8", epilogue, activation,
     ):  # fmt: skip
@@ -172,16 +179,17 @@ class Library:
         col: torch.Tensor,
         bias: torch.Tensor,
         z: torch.Tensor | None = None,
-        z_scale: float = 0.0,
+        scalar: float = 0.0,
     ) -> None:
-        """``d = act(a @ b.T * col + bias [+ z * z_scale])`` on torch's current stream."""
+        """``d = act(a @ b.T * col + bias [+ z * scalar])`` (a residual kernel) or ``act(a @ b.T *
+        col + bias) * scalar`` (a GELU one) on torch's current stream."""
         structs: list[ctypes.Structure] = [tensor_arg(a), tensor_arg(b), tensor_arg(d)]
         structs += [VectorArg(v.data_ptr(), (v.shape[0],)) for v in (col, bias)]
         if self.kernels[name]["epilogue"] == "residual":
             if z is None:
                 raise KernelError(f"{name} reads a residual and was given none")
             structs.append(tensor_arg(z))
-        launch(self._entries[name], name, structs, z_scale)
+        launch(self._entries[name], name, structs, scalar)
 
 
 def load_kernel(lib: ctypes.CDLL, name: str, entry_name: str, where: str) -> Any:
@@ -281,7 +289,7 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
         return None
     if at.get("transA", 0) or not at.get("transB", 0) or spec.shapes[5] is None:
         return None  # (a packed weight; a quantized output)
-    if at.get("out_dtype") != _E4M3_CODE or at.get("activation", "") not in _ACTIVATIONS:
+    if at.get("out_dtype") != _E4M3_CODE or at.get("activation", "") not in _GEMM_ACTIVATIONS:
         return None
     a, b = spec.shapes[0], spec.shapes[2]
     if a is None or b is None or len(b) != 2 or len(a) < 2 or a[-1] != b[1]:
@@ -330,7 +338,7 @@ def _kernels_for(spec: LayerSpec) -> list[str]:
     epilogue, m, n, k = layer
     if not _fits(m, n, k):
         return []
-    act = _ACTIVATIONS[spec.attrs.get("activation", "")]
+    act = _GEMM_ACTIVATIONS[spec.attrs.get("activation", "")]
     names = []
     for name, kern in lib.kernels.items():  # type: ignore[union-attr]
         if (kern["epilogue"], kern["activation"]) != (epilogue, act):
@@ -346,19 +354,30 @@ def _kernels_for(spec: LayerSpec) -> list[str]:
 
 
 def _vectors(
-    scale: Callable[[], torch.Tensor], w_scale, x_scale, y_scale, bias, beta: float, key: tuple
+    scale: Callable[[], torch.Tensor],
+    w_scale,
+    x_scale,
+    y_scale,
+    bias,
+    beta: float,
+    key: tuple,
+    over_y: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The epilogue's (col, bias), float32 vectors of N: the layer's per-column scale (``scale()``,
-    its call's) and its bias times ``beta``, over Y_scale; kept per constant as the other
-    quantized tactics keep theirs (tactics_quant._kept), so an engine's calls make them once."""
+    its call's) and its bias times ``beta``, over Y_scale unless ``over_y`` is False; kept per
+    constant as the other quantized tactics keep theirs (tactics_quant._kept), so an engine's
+    calls make them once."""
     n = key[0]
+    key = (*key, over_y)
+
+    def over(v: torch.Tensor) -> torch.Tensor:
+        return (v / y_scale.reshape(()).to(torch.float32) if over_y else v).contiguous()
 
     def col() -> torch.Tensor:
-        return (scale().expand(n) / y_scale.reshape(()).to(torch.float32)).contiguous()
+        return over(scale().expand(n).to(torch.float32))
 
     def shifted() -> torch.Tensor:
-        b = bias.reshape(n).to(torch.float32) * beta
-        return (b / y_scale.reshape(()).to(torch.float32)).contiguous()
+        return over(bias.reshape(n).to(torch.float32) * beta)
 
     def zeros() -> torch.Tensor:
         return torch.zeros(n, dtype=torch.float32, device=y_scale.device)
@@ -366,7 +385,7 @@ def _vectors(
     cols = _kept(w_scale, ("cutlass_col", *key), col, x_scale, y_scale)
     if bias is None:
         return cols, _kept(y_scale, ("cutlass_zeros", n), zeros)
-    return cols, _kept(bias, ("cutlass_bias", n, beta), shifted, y_scale)
+    return cols, _kept(bias, ("cutlass_bias", n, beta, over_y), shifted, y_scale)
 
 
 def _host_scalar(t: torch.Tensor) -> float:
@@ -384,10 +403,12 @@ def _gemm_fn(kernel: str) -> Callable:
         m, n = call.a2.shape[0], call.b.shape[0]
         if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
+        gelu = lib.kernels[kernel]["activation"] == "gelu"  # (the output scale after the GELU)
         col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
-                             call.beta, (n, call.alpha))  # fmt: skip
+                             call.beta, (n, call.alpha), over_y=not gelu)  # fmt: skip
         d = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=a_q.device)
-        lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias)
+        scalar = 1.0 / _host_scalar(y_scale) if gelu else 0.0
+        lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias, None, scalar)
         return d.reshape(call.shape)
 
     run.__name__ = f"{PREFIX}{kernel}"
