@@ -187,7 +187,26 @@ def test_the_estimate_ranks_fitting_tiles_first(tmp_path: Path, monkeypatch) -> 
     assert ranked(_gemm(n=128))[:2] == ["128x128o2k4", "128x64o2k4"]
     assert ranked(_gemm(n=256))[-1] == "64x256o1k4"
     for name in cf._kernels_for(_gemm()):
-        assert resolve(name).supports(_gemm()) and not resolve(name).supports(_gemm(m=200))
+        # (at an engine's other shapes, M = 200 among them, the tactic runs the exact kernel)
+        assert resolve(name).supports(_gemm()) and resolve(name).supports(_gemm(m=200))
+        assert not resolve(name).supports(_gemm(act="Sigmoid"))
+        assert not resolve(name).supports(_gemm(y=False, out=10))
+
+
+def test_a_tactic_timed_at_one_shape_applies_at_a_dynamic_batch_of_one(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """ResNet-50's 1x1 convolutions at batch 256 are the kernels' (M = 256 x 56 x 56), at batch
+    1 not (3,136 pixels): the autotuner keeps a tactic only where it applies at every shape an
+    engine runs at, so the tactic applies at both and runs the exact kernel at the second."""
+    loaded = _Loaded(_library(tmp_path, KERNELS))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    big, one = _conv(n=256, hw=56, c=64), _conv(n=1, hw=56, c=64)
+    names = cf._kernels_for(big)
+    assert names and cf._kernels_for(one) == []  # (timed at the shape the kernels take)
+    resolve = cf._resolver("QConvAct", cf._conv_fn)
+    for name in names:
+        assert resolve(name).applies(big) and resolve(name).applies(one)
 
 
 class _Recording:

@@ -330,13 +330,17 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
     return epilogue, x[0] * x[2] * x[3], w[0], w[1]
 
 
-def _kernels_for(spec: LayerSpec) -> list[str]:
+def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
+    """The library's kernels for the layer ``spec`` describes; ``fit``: only where its shape is
+    one they take. (Without ``fit``: the layer's kind alone, as a tactic timed at one shape
+    must also apply at an engine's other shapes, where it runs the exact kernel instead when
+    the shape is not one the kernels take: a dynamic batch of 1 image is not 128 pixels.)"""
     lib = library() if spec.device == "cuda" else None
     layer = _layer(spec) if lib is not None else None
     if layer is None:
         return []
     epilogue, m, n, k = layer
-    if not _fits(m, n, k):
+    if fit and not _fits(m, n, k):
         return []
     act = _GEMM_ACTIVATIONS[spec.attrs.get("activation", "")]
     names = []
@@ -344,8 +348,8 @@ def _kernels_for(spec: LayerSpec) -> list[str]:
         if (kern["epilogue"], kern["activation"]) != (epilogue, act):
             continue
         tile_m, tile_n = kern["tile"]
-        if epilogue == "residual" and (m % tile_m or n % tile_n):
-            continue  # (the residual's tile is read unbounded)
+        if epilogue == "residual" and ((fit and m % tile_m) or n % tile_n):
+            continue  # (its tile is read unbounded; where it runs, M is a multiple of 128)
         if k > 64 and (kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or
                        kern.get("epi_stages", 4) != 4):  # fmt: skip
             continue  # (variants that change stage counts stalled the GPU at larger K)
@@ -476,7 +480,7 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
                 return None  # (not made: a library configured later may have it)
 
             def supports(spec: LayerSpec, name: str = name) -> bool:
-                return name in _kernels_for(spec)
+                return name in _kernels_for(spec, fit=False)
 
             def estimate(spec: LayerSpec, entry: dict = lib.kernels[kernel]) -> float:
                 layer = _layer(spec)
