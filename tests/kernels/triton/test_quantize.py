@@ -127,3 +127,29 @@ def test_every_e4m3_midpoint_rounds_as_the_reference():
     nan = np.isnan(x)
     assert np.array_equal(np.isnan(got.astype(np.float32)), nan)
     assert np.array_equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
+@pytest.mark.parametrize("target", ["int8", "e4m3"])
+def test_the_division_rounds_as_ieee_at_every_scale(target):
+    """x / scale is the correctly rounded quotient for scales that are not powers of two (on the
+    GPU the kernels divide through the reciprocal and one correction): values placed at the
+    target's rounding boundaries times the scale, where a quotient one float32 step off
+    changes the code, and random ones, against the reference, bit for bit."""
+    rng = np.random.default_rng()
+    _, torch_t, onnx_t = TARGETS[target]
+    for scale_value in rng.uniform(0.001, 3.0, size=6):
+        scale = np.array(scale_value, np.float32)
+        if target == "int8":
+            grid = np.arange(-128, 128, dtype=np.float64) + 0.5
+        else:
+            grid = _e4m3_hard_cases().astype(np.float64)
+            grid = grid[np.isfinite(grid)]
+        ties = (grid * np.float64(scale)).astype(np.float32)  # (rounded: just off the boundary)
+        nearby = np.concatenate([ties, np.nextafter(ties, np.float32(np.inf)),
+                                 np.nextafter(ties, np.float32(-np.inf))])  # fmt: skip
+        x = np.concatenate([nearby, (rng.standard_normal(4096) * 100 * scale).astype(np.float32)])
+        x = x[rng.permutation(x.size)]
+        want = reference.quantize_linear(x, scale, None, output_dtype=onnx_t)
+        got = to_numpy(quantize.quantize(to_torch(x, DEVICE), to_torch(scale, DEVICE), None,
+                                         torch_t))  # fmt: skip
+        assert np.array_equal(_bits(got), _bits(want)), float(scale)

@@ -5,8 +5,8 @@ kernels in float32 over the whole tensor (widen, divide, round, add the zero poi
 in an INT8 ResNet-50 at batch 256 the quantization of activations took about half of the GPU
 time. Here one kernel reads the input once (any float type) and writes the 8-bit result once.
 
-The results are bit-identical to the reference: the division is IEEE (``div_rn``), integers round
-half to even, and E4M3 codes are rounded half to even to 3 mantissa bits (subnormals below 2^-6)
+The results are bit-identical to the reference: the division is IEEE's correctly rounded one
+(:func:`quotient`), integers round half to even, and E4M3 codes are rounded half to even to 3 mantissa bits (subnormals below 2^-6)
 and stored as bytes. On a GPU with FP8 conversions (compute capability 8.9 and up) that rounding is
 the hardware's own conversion (``cvt.rn.satfinite.e4m3x2.f32``, one instruction for two values);
 elsewhere, and in Triton's interpreter (which rounds float8 casts wrongly and turns NaN into 384),
@@ -43,6 +43,26 @@ def _hardware_e4m3() -> bool:
 
 
 HARDWARE_E4M3 = tl.constexpr(_hardware_e4m3())
+_INTERPRETED = tl.constexpr(interpreting())
+
+
+@triton.jit
+def quotient(v, s):
+    """``v / s`` correctly rounded (float32; ``s`` one value), as IEEE division and the reference
+    compute it. Compiled, through the reciprocal: ``q = v * (1 / s)``, then one correction,
+    ``q + (v - q * s) * (1 / s)`` with the remainder exact in a fused multiply-add, which is
+    the correctly rounded quotient when ``1 / s`` is (Markstein's theorem), outside underflow;
+    an overflowed or NaN ``q`` is kept, and a zero one (the correction would turn -0 into +0,
+    whose E4M3 codes differ). The full division (``div_rn``) took a LayerNorm that
+    writes its output quantized from 0.007 to 0.021 ms on 8192 x 768 values on an H200 (0.009
+    with the reciprocal). The interpreter divides (its fused multiply-add is not fused)."""
+    if _INTERPRETED:
+        return tl.math.div_rn(v, s)
+    inv = tl.math.div_rn(1.0, s)
+    q = v * inv
+    r = tl.fma(-q, s, v)
+    fixed = tl.fma(r, inv, q)
+    return tl.where((fixed != fixed) | (q == 0.0), q, fixed)
 
 
 @triton.jit
@@ -108,7 +128,7 @@ def _integer(q, z, lo, hi):
 def requantize(v, s, QOUT: tl.constexpr):
     """A fused layer's float32 result ``v`` quantized to scale ``s`` with no zero point:
     QOUT 1: int8 values (int32 here), 2: E4M3 codes (store them as bytes)."""
-    q = tl.math.div_rn(v, s)
+    q = quotient(v, s)
     if QOUT == 2:
         return _saturated_e4m3(q)
     return _integer(q, 0.0, -128.0, 127.0)
@@ -132,7 +152,7 @@ def _quantize_kernel(
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    q = tl.math.div_rn(x, tl.load(s_ptr))
+    q = quotient(x, tl.load(s_ptr))
     z = 0.0
     if HAS_Z:
         z = tl.load(z_ptr).to(tl.float32)
