@@ -120,6 +120,7 @@ class Settings:
     kernels: int = 0  # > 0: also profile each peer's kernels, keeping this many of the top ones
     layers: int = 0  # > 0: also profile tensorkiln's layers, keeping this many of the slowest
     precision: str = "fp16"  # tensorkiln's: fp16, or int8/fp8 (with fp16 for the other layers)
+    quantize_all: bool = False  # int8/fp8: every layer quantized (no per-layer precision choice)
 
     def sync(self) -> None:
         if self.device == "cuda":
@@ -283,7 +284,7 @@ def tensorkiln_peer(
         ]
     engine, secs, report = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
-        remove_padding=packed,
+        remove_padding=packed, quantize_all=S.quantize_all,
     )  # fmt: skip
     if packed and not report.passes.get("remove_padding"):
         return {"skipped": next((n for n in report.notes if "padding" in n), "not packed")}
@@ -309,6 +310,12 @@ def tensorkiln_peer(
     )[1]  # fmt: skip
     cell["precision"] = precision
     cell["tactics"] = tactic_summary(engine.layers)
+    if precision != "fp16" and S.quantize_all:  # each quantized layer's candidates, timed
+        cell["quantized_layers"] = [
+            {k: x[k] for k in ("name", "tactic", "timings_ms", "rejected") if k in x}
+            for x in engine.layers
+            if x.get("op", "").rpartition(".")[2] in ("QConvAct", "QGemmAct")
+        ]
     if report.precision_choice:
         cell["precision_choice"] = choice_summary(report.precision_choice)
     batch = next(iter(dev.values())).shape[0]
@@ -619,6 +626,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "calibrated on the run's inputs",
     )
     ap.add_argument(
+        "--quantize-all",
+        action="store_true",
+        help="INT8/FP8 engines quantize every layer they can (no per-layer precision choice); "
+        "each quantized layer's timed candidates go into the JSON",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
         default=0,
@@ -654,6 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     S.device, S.tiny, S.kernels = args.device, args.tiny, max(args.kernels, 0)
     S.layers = max(args.layers, 0)
     S.precision = args.tk_precision
+    S.quantize_all = args.quantize_all
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5
     if S.device == "cuda" and not torch.cuda.is_available():
