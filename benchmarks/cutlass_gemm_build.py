@@ -278,13 +278,16 @@ TILES = (
 )  # fmt: skip
 
 
-def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int]:
+def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int, tuple[int, int]]:
     found = re.fullmatch(
-        r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?", spec
+        r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?"
+        r"(?:c([12])x([12]))?",
+        spec,
     )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS] (M 64/128, N 64/128/256)"
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN] "
+            "(M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
     return (
@@ -294,6 +297,7 @@ def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int]:
         int(found.group(4) or 4),
         epi,
         int(found.group(7) or 4),
+        (int(found.group(8) or 1), int(found.group(9) or 1)),
     )
 
 
@@ -303,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "build" / "cutlass_gemm")
     p.add_argument("--tiles", default=",".join(TILES),
                    help="CTA tiles, M x N (M 64 or 128; N 64, 128 or 256), then o2: two CTAs "
-                        "an SM, k2: 64-byte K stages, eMxN: the epilogue subtile, s8: epilogue stages")  # fmt: skip
+                        "an SM, k2: 64-byte K stages, eMxN: the epilogue subtile, s8: epilogue "
+                        "stages, c2x1: a cluster of 2 x 1 CTAs (TMA multicast)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="epilogue:activation:kind (A type _ D type), each built at every tile")  # fmt: skip
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
@@ -350,13 +355,15 @@ def main(argv: list[str] | None = None) -> int:
         if epilogue != "scalar" and kind.endswith("f16"):
             raise SystemExit(f"cutlass_gemm_build: {variant}: per-channel epilogues write 8 bits")
         variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
-    for epilogue, act, kind, (tile_m, tile_n, occupancy, k_steps, epi_tile, stages) in variants:
+    for epilogue, act, kind, shape in variants:
+        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster = shape
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
         tag = (
             f"{tile_m}x{tile_n}o{occupancy}k{k_steps}"
             + (f"e{epi_tile[0]}x{epi_tile[1]}" if epi_tile else "")
             + (f"s{stages}" if stages != 4 else "")
+            + (f"c{cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
         )
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
@@ -370,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             dtypes[c_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
         )
         gemm = ex.HopperFP8GeluPersistentGemmKernel(
-            cutlass.Float32, (tile_m, tile_n), (1, 1), 1, True
+            cutlass.Float32, (tile_m, tile_n), cluster, 1, True
         )
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
         ex.TK_EPI_STAGES = stages
@@ -393,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
         # the scalar scales the sums (scalar), the GELU's result (channel) or the residual
         post_scale = epilogue == "channel" and act.startswith("gelu")
         fn = cute.compile(
-            gemm, a, b, c, *extra, 1.0, epilogue == "scalar" or post_scale, args.sms * occupancy,
+            gemm, a, b, c, *extra, 1.0, epilogue == "scalar" or post_scale,
+            args.sms * occupancy // (cluster[0] * cluster[1]),
             make_fake_stream(), activations[act] or ex.poly11_gelu, options="--gpu-arch sm_90a",
         )  # fmt: skip
         fn.export_to_c(str(out), name)
@@ -401,7 +409,8 @@ def main(argv: list[str] | None = None) -> int:
         manifest["kernels"].append(
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
-             "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale}
+             "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
+             "cluster": list(cluster)}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
 
