@@ -1,0 +1,79 @@
+"""The quantizing Triton kernels compile for Hopper (sm_90) on a machine without a GPU: Triton
+compiles for a stated target (PTX, then ptxas, both in its wheel), so the compiled forms that
+only a GPU runs, which the interpreter never sees, are checked here too. Each kernel is compiled
+with the hardware's E4M3 conversion (as on a GPU of compute capability 8.9 and up) and without
+it, and the PTX is read for the conversion: there where it is asked for, absent where not.
+(Whether the compiled kernels compute the right values only a GPU can say:
+tests/kernels/triton/test_quantize.py runs on CUDA tensors there.)
+
+Run in child processes, one a variant, each with a cache of its own: the test suite interprets
+Triton (TRITON_INTERPRET=1), and the kernels' modules read that when they are imported; and
+Triton's compile cache does not tell the variants apart (the flag is a module global).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+pytest.importorskip("torch")
+
+ROOT = Path(__file__).resolve().parents[3]
+
+_CHILD = r"""
+import json, sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tensorkiln.kernels.triton import norm, quantize
+
+target = GPUTarget("cuda", 90, 32)
+out = {}
+hardware = sys.argv[1] == "hardware"
+quantize.HARDWARE_E4M3 = tl.constexpr(hardware)  # (read when a kernel is compiled)
+kernels = {
+    "quantize": (quantize._quantize_kernel,
+                 {"x_ptr": "*fp16", "s_ptr": "*fp32", "z_ptr": "*fp32", "y_ptr": "*u8",
+                  "N": "i32", "lo": "fp32", "hi": "fp32", "HAS_Z": "constexpr",
+                  "FLOAT8": "constexpr", "BLOCK": "constexpr"},
+                 {"HAS_Z": False, "FLOAT8": True, "BLOCK": 1024}),
+    "layernorm": (norm._norm_rows,
+                  {"X": "*fp16", "R": "*fp16", "W": "*fp16", "B": "*fp16", "Y": "*fp16",
+                   "S": "*fp16", "MEAN": "*fp32", "INV": "*fp32", "Q": "*u8", "QS": "*fp32",
+                   "n_rows": "i32", "N": "i32", "eps": "fp32", "HAS_RES": "constexpr",
+                   "HAS_B": "constexpr", "STORE_S": "constexpr", "STATS": "constexpr",
+                   "RMS": "constexpr", "QOUT": "constexpr", "ROWS": "constexpr",
+                   "BLOCK_N": "constexpr"},
+                  {"HAS_RES": True, "HAS_B": True, "STORE_S": False, "STATS": False,
+                   "RMS": False, "QOUT": 2, "ROWS": 2, "BLOCK_N": 1024}),
+}
+for name, (fn, signature, constexprs) in kernels.items():
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
+    ptx = triton.compile(src, target=target).asm["ptx"]
+    out[f"{name}{'_hw' if hardware else ''}"] = {
+        "fma": ptx.count("fma.rn.f32"), "div": ptx.count("div.rn.f32"),
+        "cvt_e4m3": ptx.count("e4m3x2.f32"),
+    }
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("variant", ["hardware", "integer"])
+def test_quantizing_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # (the target is stated; no GPU is asked)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, "-c", _CHILD, variant], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(counts) == 2
+    for name, c in counts.items():
+        assert (c["cvt_e4m3"] > 0) == name.endswith("_hw"), (name, c)
