@@ -235,3 +235,33 @@ def test_a_quantized_output_of_another_type_is_refused(q_dtype):
                lookup("LayerNorm", "tensorkiln", 1, "cuda").fn):  # fmt: skip
         with pytest.raises(ValueError, match="q_dtype"):
             fn(*args, q_dtype=q_dtype, _n_outputs=2)
+
+
+@pytest.mark.parametrize("q_dtype", [3, 17], ids=["int8", "float8"])
+def test_the_quantizing_layer_norm_at_other_tiles(q_dtype):
+    """The quantizing LayerNorm's tile variants (the autotuner times them beside the default
+    tile) write exactly what the default tactic writes, for quantizing LayerNorms only, and
+    only where their rows fit the block they hold."""
+    x, r = randn(37, 96, dtype=np.float16), randn(37, 96, dtype=np.float16)
+    w, b = randn(96, dtype=np.float16, shift=1.0), randn(96, dtype=np.float16)
+    y_scale = np.float32(3.0 / (127 if q_dtype == 3 else 448))
+    args, attrs = [x, w, b, r, y_scale], {"epsilon": 1e-5, "q_dtype": q_dtype}
+    base = get_tactic("LayerNorm", "tensorkiln", "triton")
+    want = base.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=3)
+    spec = spec_of("LayerNorm", "tensorkiln", args, attrs)
+    plain = spec_of("LayerNorm", "tensorkiln", [x, w, b, r], {"epsilon": 1e-5})
+    long_rows = [randn(2, 2048), randn(2048), randn(2048), randn(2, 2048), y_scale]
+    for name in ("triton_r1w4", "triton_r4w4"):
+        tiled = get_tactic("LayerNorm", "tensorkiln", name)
+        assert tiled.applies(spec) and not tiled.applies(plain)
+        got = tiled.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=3)
+        for g, e in zip(got, want):
+            g, e = to_numpy(g), to_numpy(e)
+            assert g.dtype == e.dtype and np.array_equal(g.view(np.uint8), e.view(np.uint8))
+    # (4 rows of 2,048 values hold 8,192, past the 4,096 a program of these tiles holds)
+    assert not get_tactic("LayerNorm", "tensorkiln", "triton_r4w4").applies(
+        spec_of("LayerNorm", "tensorkiln", long_rows, attrs)
+    )
+    assert get_tactic("LayerNorm", "tensorkiln", "triton_r1w4").applies(
+        spec_of("LayerNorm", "tensorkiln", long_rows, attrs)
+    )

@@ -452,8 +452,9 @@ def _conv_fn(kernel: str) -> Callable:
 def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
     """The autotuner's ranking of a kernel for an M x N x K layer (it times the best few), from
     what won on the H200 (benchmarks/RESULTS.md): a tile as wide as N, or narrower, wastes none
-    of its columns, and of those the widest reads A the fewest times; two CTAs an SM keep memory busier where tiles are small; on K = 64 layers,
-    64-byte stages and wider epilogue subtiles help; 64-row tiles rarely won."""
+    of its columns, and of those the widest reads A the fewest times; two CTAs an SM keep memory
+    busier where tiles are small; on K = 64 layers, 64-byte stages and wider epilogue subtiles
+    help; 64-row tiles rarely won."""
     tile_m, tile_n = kernel["tile"]
     score = n / (-(-n // tile_n) * tile_n) * (0.8 + 0.2 * tile_n / 256)  # (wider: fewer loads)
     if kernel.get("occupancy", 1) == 2:

@@ -7,6 +7,8 @@ tensors, or on CPU tensors through Triton's interpreter (``TRITON_INTERPRET=1``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from tensorkiln.kernels.common.pool import pool_geometry
@@ -57,6 +59,20 @@ def _layer_norm_fits(spec: LayerSpec) -> bool:
             return False
         return spec.dtypes[3] == spec.dtypes[0] and len(r) > 0 and r[-1] == x[-1]
     return True
+
+
+def _quantized_layer_norm_fits(rows: int) -> Callable[[LayerSpec], bool]:
+    """A LayerNorm that also writes its output quantized, ``rows`` of whose rows (their length
+    rounded up to a power of two) hold at most 4,096 values: a block a program, as the default
+    tiles hold about 2,048."""
+
+    def fits(spec: LayerSpec) -> bool:
+        x = spec.shapes[0]
+        if not spec.attrs.get("q_dtype") or not _layer_norm_fits(spec) or not x or x[-1] < 1:
+            return False
+        return rows * (1 << (int(x[-1]) - 1).bit_length()) <= 4096
+
+    return fits
 
 
 def _onnx_layer_norm_fits(spec: LayerSpec) -> bool:
@@ -118,6 +134,30 @@ if available():
         """LayerNorm of ``x + residual`` over the last axis; second output the sum. With
         ``q_dtype``: second output the normalized values quantized to ``y_scale`` in the same
         kernel, third the sum."""
+        return _layer_norm(x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs)
+
+    # The quantizing LayerNorm at two more tiles (rows a program, warps), the same arithmetic:
+    # it computes far more a value than the plain one (the quantization), and on an H200 the
+    # best tile for it moved with each change of that arithmetic (benchmarks/norm_quant.py, on
+    # 8192 x 768 values: 0.0085 to 0.0145 ms by tile for one form, 0.0151 to 0.0314 for another).
+    def _tiled_layer_norm(rows: int, warps: int):
+        def tiled(
+            x, scale, bias=None, residual=None, y_scale=None, *, axis: int = -1,
+            epsilon: float = 1e-5, q_dtype: int = 0, _n_outputs: int = 1,
+        ):  # fmt: skip
+            return _layer_norm(x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs,
+                               (rows, warps))  # fmt: skip
+
+        tiled.__doc__ = f"The quantizing LayerNorm, {rows} rows a program, {warps} warps."
+        return tiled
+
+    for rows, warps in ((1, 4), (4, 4)):
+        fits = _quantized_layer_norm_fits(rows)
+        tactic("LayerNorm", domain="tensorkiln", name=f"triton_r{rows}w{warps}", supports=fits)(
+            _tiled_layer_norm(rows, warps)
+        )
+
+    def _layer_norm(x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs, tile=None):
         sums = _n_outputs == (3 if q_dtype else 2)
         quantized = None
         if q_dtype and _n_outputs > 1:
@@ -127,7 +167,7 @@ if available():
             quantized = (torch.empty(shape, dtype=target, device=x.device), y_scale)
         y, s, _, _ = norm.normalize(
             x, scale, bias, residual, eps=epsilon, want_sum=sums and residual is not None,
-            quantized=quantized,
+            quantized=quantized, tile=tile,
         )  # fmt: skip
         if _n_outputs == 1:
             return y

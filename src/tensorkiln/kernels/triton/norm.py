@@ -129,13 +129,15 @@ def normalize(
     want_sum: bool = False,
     want_stats: bool = False,
     quantized=None,
+    tile: tuple[int, int] | None = None,
 ):
     """Normalize ``x`` (+ ``residual``) over its last axis; returns (y, sum or None, mean, inv_std).
 
     ``scale`` and ``bias`` hold one value per column (any shape of that size); mean and inv_std
     are float32 of shape ``x.shape[:-1]`` when ``want_stats``. ``quantized``: (an int8 or float8
     E4M3 tensor of the output's shape, a float32 scale tensor of one value) into which y is also
-    written quantized (by the kernel itself where rows fit one block).
+    written quantized (by the kernel itself where rows fit one block). ``tile``: (rows a
+    program, warps) for rows that fit one block, instead of :func:`row_tile`'s.
     """
     import torch
 
@@ -166,6 +168,8 @@ def normalize(
                 quantize_into(y, quantized[1], None, quantized[0].reshape(rows, n))
         elif rows and n:
             block_n, per, warps = row_tile(n, rows)
+            if tile is not None:
+                per, warps = tile
             qout_code = qout(quantized[0].dtype) if quantized else 0
             _norm_rows[(triton.cdiv(rows, per),)](
                 x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, STORE_S=s is not y,
