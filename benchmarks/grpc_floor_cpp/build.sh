@@ -3,7 +3,7 @@
 # the project's KServe protos) answering ModelInfer with a recorded response.
 #   bash benchmarks/grpc_floor_cpp/build.sh [OUT]     (default OUT: build/grpc_floor_stand_in)
 # Needs a C++17 compiler, protoc, grpc_cpp_plugin and gRPC C++ (Debian/Ubuntu:
-# apt-get install g++ libgrpc++-dev protobuf-compiler-grpc).
+# apt-get install g++ libgrpc++-dev libprotobuf-dev protobuf-compiler-grpc).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"

@@ -48,8 +48,13 @@ def cpp_stand_in(tmp_path_factory) -> Path:
         ["bash", str(ROOT / "benchmarks" / "grpc_floor_cpp" / "build.sh"), str(binary)],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-    if built.returncode != 0 and "grpc++" in built.stderr and "pkg-config" in built.stderr:
-        pytest.skip("gRPC C++'s pkg-config files are missing")
+    if (
+        built.returncode != 0
+        and "pkg-config" in built.stderr
+        and ("grpc++" in built.stderr or "protobuf" in built.stderr)
+    ):
+        pytest.skip("gRPC C++'s or protobuf's pkg-config files are missing "
+                    "(apt-get install libgrpc++-dev libprotobuf-dev)")  # fmt: skip
     assert built.returncode == 0, built.stderr[-2000:]
     return binary
 
