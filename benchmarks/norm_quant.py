@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tensorkiln.kernels.triton.norm import normalize, row_tile
+from tensorkiln.kernels.triton.norm import _summed, normalize, row_tile
 from tensorkiln.kernels.triton.quantize import requantize
 
 
@@ -45,10 +45,7 @@ def _norm_copy(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(Y.dtype.element_ty).to(tl.float32)
+    x = _summed(X, R, Y, Y, offs, mask, HAS_RES, False)  # (the library's, as its kernel reads)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)

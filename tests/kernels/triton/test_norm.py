@@ -47,10 +47,14 @@ def spec_of(op: str, domain: str, args: list, attrs: dict) -> LayerSpec:
     return LayerSpec(op, domain, attrs, shapes, dtypes, DEVICE)
 
 
-def check(op: str, domain: str, args: list, attrs: dict | None = None, n_outputs: int = 1):
-    """The op's Triton tactic against its reference kernel on ``args``, output by output."""
+def check(
+    op: str, domain: str, args: list, attrs: dict | None = None, n_outputs: int = 1,
+    name: str = "triton",
+):  # fmt: skip
+    """The op's Triton tactic ``name`` against its reference kernel on ``args``, output by
+    output."""
     attrs = attrs or {}
-    tactic = get_tactic(op, domain, "triton")
+    tactic = get_tactic(op, domain, name)
     assert tactic.applies(spec_of(op, domain, args, attrs))
     ref = invoke(lookup(op, domain, OPSET.get(domain, 17)), args, attrs, n_outputs)
     tensors = [None if a is None else to_torch(a, DEVICE) for a in args]
@@ -265,3 +269,46 @@ def test_the_quantizing_layer_norm_at_other_tiles(q_dtype):
     assert get_tactic("LayerNorm", "tensorkiln", "triton_r1w4").applies(
         spec_of("LayerNorm", "tensorkiln", long_rows, attrs)
     )
+
+
+def test_rows_split_in_two_blocks():
+    """768 columns as 512 + 256 (BERT-base's rows), and the lengths where two blocks save
+    nothing over one of the next power of two."""
+    assert norm.split_blocks(768) == (512, 256)
+    assert norm.split_blocks(3072) == (2048, 1024)
+    assert norm.split_blocks(96) == (64, 32)
+    assert norm.split_blocks(1500) == (1024, 512)
+    for n in (1, 64, 1024, 1000, 1800, norm.MAX_BLOCK + 256):
+        assert norm.split_blocks(n) is None, n
+
+
+@pytest.mark.parametrize("n", [96, 48, 40])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
+def test_layer_norm_split_rows(dtype, n):
+    """The split form against the reference: plain, with a residual and its sum, and writing
+    its output quantized (bit for bit QuantizeLinear's reference kernel on the values it wrote);
+    40 columns as 32 + 8, the second block part masked."""
+    from tensorkiln.kernels.reference.quant import quantize_linear
+
+    x, r = randn(7, 5, n, dtype=dtype), randn(7, 5, n, dtype=dtype)
+    w, b = randn(n, dtype=dtype, shift=1.0), randn(n, dtype=dtype)
+    check("LayerNorm", "tensorkiln", [x, w, b], {"epsilon": 1e-5}, name="triton_split")
+    check("LayerNorm", "tensorkiln", [x, w, b, r], {"epsilon": 1e-5}, n_outputs=2,
+          name="triton_split")  # fmt: skip
+    split = get_tactic("LayerNorm", "tensorkiln", "triton_split")
+    for q_dtype, top in ((3, 127), (17, 448)):
+        y_scale = np.float32(3.0 / top)
+        args, attrs = [x, w, b, r, y_scale], {"epsilon": 1e-5, "q_dtype": q_dtype}
+        assert split.applies(spec_of("LayerNorm", "tensorkiln", args, attrs))
+        got = split.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=3)
+        ref = invoke(lookup("LayerNorm", "tensorkiln", 1), args, attrs, 3)
+        y = to_numpy(got[0])
+        tol = 1e-5 if dtype == np.float32 else 1e-2
+        np.testing.assert_allclose(y.astype(np.float32), ref[0].astype(np.float32), rtol=tol,
+                                   atol=tol * np.abs(ref[0]).max())  # fmt: skip
+        want = quantize_linear(y, y_scale, output_dtype=q_dtype)
+        np.testing.assert_array_equal(to_numpy(got[1]).view(np.uint8), want.view(np.uint8))
+        np.testing.assert_allclose(to_numpy(got[2]).astype(np.float32),
+                                   ref[2].astype(np.float32), rtol=tol, atol=tol)  # fmt: skip
+    pow2 = [randn(3, 64), randn(64), randn(64)]
+    assert not split.applies(spec_of("LayerNorm", "tensorkiln", pow2, {"epsilon": 1e-5}))

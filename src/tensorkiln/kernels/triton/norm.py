@@ -10,6 +10,11 @@ the normalized writes; an added residual is written first and read back).
 
 With a residual, ``s = x + residual`` is rounded to the input's dtype (what the second output
 stores, and what the reference normalizes).
+
+A row whose length is not a power of two fills a block of the next power of two, the rest of it
+masked: a quarter of a 768-wide row's block (BERT-base's) computes nothing, and the kernel that
+also writes its output quantized is bound by instructions rather than memory. The split form
+(``split=True``, :func:`split_blocks`) holds such a row as two blocks, 768 as 512 + 256.
 """
 
 from __future__ import annotations
@@ -25,6 +30,34 @@ LOOP_BLOCK = 4096
 
 
 @triton.jit
+def _summed(X, R, S, Y, offs, mask, HAS_RES: tl.constexpr, STORE_S: tl.constexpr):
+    """A block of x (+ the residual, rounded to Y's dtype and stored to S if asked), float32."""
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(Y.dtype.element_ty).to(tl.float32)
+        if STORE_S:
+            tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
+    return x
+
+
+@triton.jit
+def _written(
+    xc, inv, W, B, Y, Q, QS, cols, cmask, offs, mask, HAS_B: tl.constexpr, QOUT: tl.constexpr
+):
+    """A block of centred values normalized, scaled, shifted and stored, and where QOUT asks,
+    quantized as a QuantizeLinear reading Y would."""
+    y = xc * inv[:, None] * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    y = y.to(Y.dtype.element_ty)
+    tl.store(Y + offs, y, mask=mask)
+    if QOUT != 0:
+        code = requantize(y.to(tl.float32), tl.load(QS), QOUT)
+        tl.store(Q + offs, code.to(Q.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _norm_rows(
     X, R, W, B, Y, S, MEAN, INV, Q, QS, n_rows, N, eps,
     HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, STATS: tl.constexpr,
@@ -36,31 +69,18 @@ def _norm_rows(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(Y.dtype.element_ty).to(tl.float32)
-        if STORE_S:
-            tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
+    x = _summed(X, R, S, Y, offs, mask, HAS_RES, STORE_S)
     if RMS:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-        y = x * inv[:, None]
+        xc = x
     else:
         mean = tl.sum(x, axis=1) / N
         xc = tl.where(mask, x - mean[:, None], 0.0)
         inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-        y = xc * inv[:, None]
         if STATS:
             tl.store(MEAN + rows, mean, mask=rmask)
             tl.store(INV + rows, inv, mask=rmask)
-    y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = y.to(Y.dtype.element_ty)
-    tl.store(Y + offs, y, mask=mask)
-    if QOUT != 0:  # the stored values quantized, as a QuantizeLinear reading Y would
-        code = requantize(y.to(tl.float32), tl.load(QS), QOUT)
-        tl.store(Q + offs, code.to(Q.dtype.element_ty), mask=mask)
+    _written(xc, inv, W, B, Y, Q, QS, cols, cmask, offs, mask, HAS_B, QOUT)
 
 
 @triton.jit
@@ -109,6 +129,44 @@ def _norm_long_rows(
         tl.store(Y + cols, y.to(Y.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _norm_split_rows(
+    X, R, W, B, Y, S, Q, QS, n_rows, N, eps,
+    HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, QOUT: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """_norm_rows's LayerNorm (no statistics out) with a row as two blocks: columns
+    [0, BLOCK_A) and [BLOCK_A, BLOCK_A + BLOCK_B), N <= BLOCK_A + BLOCK_B."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < n_rows
+    base = rows.to(tl.int64)[:, None] * N
+    ca = tl.arange(0, BLOCK_A)
+    cb = BLOCK_A + tl.arange(0, BLOCK_B)
+    cma, cmb = ca < N, cb < N
+    ma, mb = rmask[:, None] & cma[None, :], rmask[:, None] & cmb[None, :]
+    xa = _summed(X, R, S, Y, base + ca[None, :], ma, HAS_RES, STORE_S)
+    xb = _summed(X, R, S, Y, base + cb[None, :], mb, HAS_RES, STORE_S)
+    mean = (tl.sum(xa, axis=1) + tl.sum(xb, axis=1)) / N
+    xca = tl.where(ma, xa - mean[:, None], 0.0)
+    xcb = tl.where(mb, xb - mean[:, None], 0.0)
+    inv = 1.0 / tl.sqrt((tl.sum(xca * xca, axis=1) + tl.sum(xcb * xcb, axis=1)) / N + eps)
+    _written(xca, inv, W, B, Y, Q, QS, ca, cma, base + ca[None, :], ma, HAS_B, QOUT)
+    _written(xcb, inv, W, B, Y, Q, QS, cb, cmb, base + cb[None, :], mb, HAS_B, QOUT)
+
+
+def split_blocks(n: int) -> tuple[int, int] | None:
+    """(BLOCK_A, BLOCK_B): a row of ``n`` as two power-of-two blocks holding fewer columns than
+    the next power of two (768: 512 + 256, 3072: 2048 + 1024); None where that saves nothing or
+    the row does not fit one block."""
+    if n < 2 or n > MAX_BLOCK:
+        return None
+    a = 1 << (n.bit_length() - 1)
+    if a == n:
+        return None
+    b = triton.next_power_of_2(n - a)
+    return (a, b) if a + b < triton.next_power_of_2(n) else None
+
+
 def row_tile(n: int, rows: int) -> tuple[int, int, int]:
     """(BLOCK_N, rows a program, warps) for rows of ``n`` that fit one block: about 2K values a
     program (short rows share one) and 16 a thread: the fastest tiles on an H200 for rows of 768
@@ -130,6 +188,7 @@ def normalize(
     want_stats: bool = False,
     quantized=None,
     tile: tuple[int, int] | None = None,
+    split: bool = False,
 ):
     """Normalize ``x`` (+ ``residual``) over its last axis; returns (y, sum or None, mean, inv_std).
 
@@ -137,7 +196,9 @@ def normalize(
     are float32 of shape ``x.shape[:-1]`` when ``want_stats``. ``quantized``: (an int8 or float8
     E4M3 tensor of the output's shape, a float32 scale tensor of one value) into which y is also
     written quantized (by the kernel itself where rows fit one block). ``tile``: (rows a
-    program, warps) for rows that fit one block, instead of :func:`row_tile`'s.
+    program, warps) for rows that fit one block, instead of :func:`row_tile`'s. ``split``: a
+    LayerNorm (not RMS, no statistics) whose rows :func:`split_blocks` splits runs the split
+    form.
     """
     import torch
 
@@ -166,6 +227,17 @@ def normalize(
             )  # fmt: skip
             if quantized:
                 quantize_into(y, quantized[1], None, quantized[0].reshape(rows, n))
+        elif rows and n and split and not (rms or want_stats) and split_blocks(n):
+            block_a, block_b = split_blocks(n)  # type: ignore[misc]
+            _, per, warps = row_tile(block_a + block_b, rows)
+            if tile is not None:
+                per, warps = tile
+            qout_code = qout(quantized[0].dtype) if quantized else 0
+            _norm_split_rows[(triton.cdiv(rows, per),)](
+                x2, r, w, b, y, s, q, qs, rows, n, eps, HAS_RES=residual is not None,
+                HAS_B=bias is not None, STORE_S=s is not y, QOUT=qout_code, ROWS=per,
+                BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
+            )  # fmt: skip
         elif rows and n:
             block_n, per, warps = row_tile(n, rows)
             if tile is not None:
