@@ -204,9 +204,9 @@ def build(
     ("int8+fp16"); ``shapes``: name -> (min, opt, max), one optimization profile; ``io_format``
     ("fp16"...): the type of every float input and output (float32 when None); ``calibration``:
     INT8/FP8 calibration feeds; ``remove_padding``: BuilderConfig.remove_padding;
-    ``quantize_all``: every layer that can be quantized is (no per-layer precision choice). Returns the
-    engine, the build's seconds and the build's report (its ``timing_cache`` hits and misses, an
-    INT8/FP8 build's ``precision_choice``)."""
+    ``quantize_all``: every layer that can be quantized is (no per-layer precision choice).
+    Returns the engine, the build's seconds and the build's report (its ``timing_cache`` hits and
+    misses, an INT8/FP8 build's ``precision_choice``)."""
     config = BuilderConfig()
     for p in precision.split("+"):
         if p != "fp32":

@@ -9,7 +9,7 @@ call timed with events measures Python's launch instead), the median of ``--reps
 Variants (each one's E4M3 codes checked against the library's first, within one step):
 - ``library``, ``library E4M3``: kernels/triton/norm.py's ``normalize``, plain and quantizing;
 - ``copy, plain``: the copy below, no quantized output (it should time as ``library``);
-- ``copy, requantize``: the library's quantization (IEEE division, clamp, NaN test, codes as
+- ``copy, requantize``: the library's quantization (its division, clamp, NaN test, codes as
   integers stored as bytes): it should time as ``library E4M3``;
 - ``copy, div + cast``: the IEEE division, then Triton's float-to-E4M3 conversion (the
   hardware's, which saturates) stored as float8;
@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tensorkiln.kernels.triton.norm import _summed, normalize, row_tile
+from tensorkiln.kernels.triton.norm import _summed, _written, normalize, row_tile
 from tensorkiln.kernels.triton.quantize import requantize
 
 
@@ -45,15 +45,12 @@ def _norm_copy(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = _summed(X, R, Y, Y, offs, mask, HAS_RES, False)  # (the library's, as its kernel reads)
+    # (the library's reads and writes, with its quantization left out and done below)
+    x = _summed(X, R, Y, Y, offs, mask, HAS_RES, False)
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
-    y = xc * inv[:, None]
-    y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    y = y.to(Y.dtype.element_ty)
-    tl.store(Y + offs, y, mask=mask)
+    y = _written(xc, inv, W, B, Y, Q, QS, cols, cmask, offs, mask, True, 0)
     if MODE == 1:
         code = requantize(y.to(tl.float32), tl.load(QS), 2)
         tl.store(Q + offs, code.to(tl.uint8).to(tl.float8e4nv, bitcast=True), mask=mask)

@@ -46,7 +46,7 @@ def _written(
     xc, inv, W, B, Y, Q, QS, cols, cmask, offs, mask, HAS_B: tl.constexpr, QOUT: tl.constexpr
 ):
     """A block of centred values normalized, scaled, shifted and stored, and where QOUT asks,
-    quantized as a QuantizeLinear reading Y would."""
+    quantized as a QuantizeLinear reading Y would; returns what was stored to Y."""
     y = xc * inv[:, None] * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
@@ -55,6 +55,7 @@ def _written(
     if QOUT != 0:
         code = requantize(y.to(tl.float32), tl.load(QS), QOUT)
         tl.store(Q + offs, code.to(Q.dtype.element_ty), mask=mask)
+    return y
 
 
 @triton.jit
@@ -227,27 +228,24 @@ def normalize(
             )  # fmt: skip
             if quantized:
                 quantize_into(y, quantized[1], None, quantized[0].reshape(rows, n))
-        elif rows and n and split and not (rms or want_stats) and split_blocks(n):
-            block_a, block_b = split_blocks(n)  # type: ignore[misc]
-            _, per, warps = row_tile(block_a + block_b, rows)
-            if tile is not None:
-                per, warps = tile
-            qout_code = qout(quantized[0].dtype) if quantized else 0
-            _norm_split_rows[(triton.cdiv(rows, per),)](
-                x2, r, w, b, y, s, q, qs, rows, n, eps, HAS_RES=residual is not None,
-                HAS_B=bias is not None, STORE_S=s is not y, QOUT=qout_code, ROWS=per,
-                BLOCK_A=block_a, BLOCK_B=block_b, num_warps=warps,
-            )  # fmt: skip
         elif rows and n:
             block_n, per, warps = row_tile(n, rows)
             if tile is not None:
                 per, warps = tile
             qout_code = qout(quantized[0].dtype) if quantized else 0
-            _norm_rows[(triton.cdiv(rows, per),)](
-                x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, STORE_S=s is not y,
-                STATS=want_stats, QOUT=qout_code, ROWS=per, BLOCK_N=block_n, num_warps=warps,
-                **flags,
-            )  # fmt: skip
+            blocks = split_blocks(n) if split and not (rms or want_stats) else None
+            if blocks is not None:
+                _norm_split_rows[(triton.cdiv(rows, per),)](
+                    x2, r, w, b, y, s, q, qs, rows, n, eps, HAS_RES=residual is not None,
+                    HAS_B=bias is not None, STORE_S=s is not y, QOUT=qout_code, ROWS=per,
+                    BLOCK_A=blocks[0], BLOCK_B=blocks[1], num_warps=warps,
+                )  # fmt: skip
+            else:
+                _norm_rows[(triton.cdiv(rows, per),)](
+                    x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, STORE_S=s is not y,
+                    STATS=want_stats, QOUT=qout_code, ROWS=per, BLOCK_N=block_n,
+                    num_warps=warps, **flags,
+                )  # fmt: skip
     out_sum = s.reshape(shape) if want_sum and residual is not None else None
     if not want_stats:
         return y.reshape(shape), out_sum, None, None
