@@ -70,7 +70,9 @@ def _header_entry(header: str) -> tuple[str, dict[str, list[int]]]:
 # with a zero row stride, each epilogue subtile reads them through the thread partition of the
 # shared-memory tile the fragment is copied to (element i of the fragment lands on element i of
 # that partition, so the vectors are read in that order and reshaped to the fragment's shape),
-# and the scalar scale is left out.
+# and the scalar scale is left out. A 16-bit output is stored with ``stmatrix``, whose threads
+# write elements other threads hold: there the vectors are read through the copy's source
+# partition, the registers' own order (through the destination's, the results came out wrong).
 _CHANNEL_PATCHES = (
     (
         "        c: cute.Tensor,\n        scale_ab: cutlass.Float32,",
@@ -108,10 +110,14 @@ _CHANNEL_PATCHES = (
         "                    acc_vec = tRS_rAcc_epi.load()\n",
         "                    acc_vec = tRS_rAcc_epi.load()\n"
         "                    tk_coord = epi_tile_layout.get_hier_coord(epi_idx)\n"
-        "                    tk_col = thr_copy_r2s.partition_D(cute.local_tile(\n"
+        "                    tk_part = (\n"
+        "                        thr_copy_r2s.partition_S if self.c_dtype.width == 16\n"
+        "                        else thr_copy_r2s.partition_D\n"
+        "                    )\n"
+        "                    tk_col = tk_part(cute.local_tile(\n"
         "                        gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n"
         "                    )).load().reshape(tRS_rD_layout.shape)\n"
-        "                    tk_bias = thr_copy_r2s.partition_D(cute.local_tile(\n"
+        "                    tk_bias = tk_part(cute.local_tile(\n"
         "                        gBias_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n"
         "                    )).load().reshape(tRS_rD_layout.shape)\n"
         "                    acc_vec = acc_vec * tk_col + tk_bias\n",
@@ -267,9 +273,10 @@ def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
 
 # epilogue : activation : A type _ D type. scalar: op(scale * acc); channel: op(acc * col[n] +
 # bias[n]), for GELU times scale; residual: op(acc * col[n] + bias[n] + z * z_scale).
+KINDS = ("fp8_fp8", "fp8_f16", "f16_f16")  # (A's type _ D's type)
 VARIANTS = (
     "scalar:relu:fp8_fp8", "scalar:relu:f16_f16", "channel:relu:fp8_fp8", "channel:none:fp8_fp8",
-    "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8",
+    "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8", "channel:none:fp8_f16",
 )  # fmt: skip
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
@@ -348,12 +355,13 @@ def main(argv: list[str] | None = None) -> int:
     variants = []
     for variant in args.variants.split(","):
         epilogue, act, kind = variant.split(":")
-        if epilogue not in modules or act not in activations or kind not in ("fp8_fp8", "f16_f16"):
+        if epilogue not in modules or act not in activations or kind not in KINDS:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        # (with a 16-bit output the vectors' partition is not in the fragment's order: the
-        # per-channel results came out wrong on the GPU, so only 8-bit outputs take them)
-        if epilogue != "scalar" and kind.endswith("f16"):
-            raise SystemExit(f"cutlass_gemm_build: {variant}: per-channel epilogues write 8 bits")
+        # (the residual epilogue's tile is E4M3 and its output 8 bits; a per-channel epilogue
+        # writes 16 bits from E4M3 operands, fp8_f16)
+        wrong = {"residual": kind != "fp8_fp8", "channel": kind == "f16_f16"}
+        if wrong.get(epilogue, False):
+            raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
         variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
     for epilogue, act, kind, shape in variants:
         tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster = shape

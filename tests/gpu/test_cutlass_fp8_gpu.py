@@ -74,6 +74,38 @@ def test_gemm_kernels_match_the_exact_kernel(activation: str) -> None:
                                               **attrs).float())  # fmt: skip
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_float16_output_kernels_match_the_exact_kernel(bias: bool) -> None:
+    """The per-channel kernels that write float16 (a GEMM with no Y_scale and no activation, as
+    BERT's QKV, attention-output and second FFN GEMMs are): to float16's rounding of the
+    exact kernel's result."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(13)
+    m, n, k = 512, 384, 256
+    a = torch.randn(m, k, device="cuda", generator=g).to(E4M3)
+    b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
+    a_scale = torch.tensor(0.05, device="cuda")
+    b_scale = 0.01 + 0.02 * torch.rand(n, device="cuda", generator=g)
+    c = 0.5 * torch.randn(n, device="cuda", generator=g) if bias else None
+    attrs = {"transB": 1, "activation": "", "out_dtype": 10, "alpha": 0.75, "beta": 0.5}
+    spec = LayerSpec("QGemmAct", "tensorkiln", attrs,
+                     ((m, k), (), (n, k), (n,), (n,) if bias else None, None),
+                     ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32",
+                      "float32" if bias else None, None))  # fmt: skip
+    names = cf._kernels_for(spec)
+    assert names, "the library has no float16-output kernel"
+    want = qgemm_act(a, a_scale, b, b_scale, c, None, **attrs).float()
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    for name in names:
+        got = resolve(name).fn(a, a_scale, b, b_scale, c, None, **attrs)
+        torch.cuda.synchronize()
+        assert got.dtype == torch.float16 and got.shape == want.shape
+        # (float32 sums in another order, then rounded to float16: a few float16 steps)
+        torch.testing.assert_close(
+            got.float(), want, rtol=4e-3, atol=4e-3 * float(want.abs().max())
+        )
+
+
 @pytest.mark.parametrize("residual", [True, False])
 def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
     _library()

@@ -20,11 +20,11 @@ from tensorkiln.kernels.tactics import LayerSpec
 E4M3 = "float8_e4m3fn"
 
 
-def _kernel(epilogue: str, act: str, tile: tuple[int, int], **extra) -> dict:
+def _kernel(epilogue: str, act: str, tile: tuple[int, int], out: str = "fp8", **extra) -> dict:
     occupancy, k_steps = extra.get("occupancy", 1), extra.get("k_steps", 4)
-    name = f"gemm_fp8_fp8_{epilogue}_{act}_{tile[0]}x{tile[1]}o{occupancy}k{k_steps}"
+    name = f"gemm_fp8_{out}_{epilogue}_{act}_{tile[0]}x{tile[1]}o{occupancy}k{k_steps}"
     tensors = {t: [2, 2] for t in ("a", "b", "c", *(("res",) if epilogue == "residual" else ()))}
-    return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": "fp8", "c": "fp8",
+    return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": "fp8", "c": out,
             "epilogue": epilogue, "activation": act, "tile": list(tile), "tensors": tensors,
             **extra}  # fmt: skip
 
@@ -42,6 +42,7 @@ KERNELS = [
     _kernel("residual", "relu", (128, 64)),
     _kernel("channel", "relu", (128, 64), k_steps=2),  # (K = 64 only)
     _kernel("channel", "gelu", (128, 256), post_scale=True),  # (QGemmAct's GELU)
+    _kernel("channel", "none", (128, 128), out="f16"),  # (a float16 output)
 ]
 
 
@@ -64,6 +65,8 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         },
         _kernel("channel", "gelu", (64, 128)),
         _kernel("channel", "gelu", (64, 256), post_scale=False),
+        _kernel("residual", "relu", (128, 64), out="f16"),  # (16 bits: per-channel alone)
+        _kernel("channel", "gelu", (128, 64), out="f16", post_scale=True),
     ]
     _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
@@ -140,8 +143,16 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_gemm(act="")) == ["gemm_fp8_fp8_channel_none_128x256o1k4"]
     assert _names(_gemm(k=64)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
     assert _names(_gemm(act="Gelu")) == ["gemm_fp8_fp8_channel_gelu_128x256o1k4"]
-    # not theirs: another activation, a float output, int8, an unpacked weight, odd shapes
-    for spec in (_gemm(act="Sigmoid"), _gemm(act="GeluTanh"), _gemm(y=False, out=10), _gemm(dtype="int8"),
+    # a float16 output without an activation: the 16-bit kernel
+    assert _names(_gemm(y=False, out=10, act="")) == ["gemm_fp8_f16_channel_none_128x128o1k4"]
+    assert _names(_gemm(y=False, out=10, act="", bias=False)) == [
+        "gemm_fp8_f16_channel_none_128x128o1k4"
+    ]
+    # not theirs: another activation, a float32 or bfloat16 output or one with an activation,
+    # int8, an unpacked weight, odd shapes
+    for spec in (_gemm(act="Sigmoid"), _gemm(act="GeluTanh"), _gemm(y=False, out=10),
+                 _gemm(y=False, out=1, act=""), _gemm(y=False, out=16, act=""),
+                 _gemm(y=False, out=10, act="", dtype="int8"), _gemm(dtype="int8"),
                  _gemm(trans_b=0), _gemm(m=200), _gemm(n=120), _gemm(k=72)):  # fmt: skip
         assert _names(spec) == []
     assert _names(_gemm(bias=False)) == relu
@@ -212,8 +223,8 @@ def test_a_tactic_timed_at_one_shape_applies_at_a_dynamic_batch_of_one(
 class _Recording:
     """A stand-in library: records what a tactic hands its kernel (the GPU runs the real one)."""
 
-    def __init__(self, epilogue: str, activation: str = "relu") -> None:
-        self.kernels = {"k": {"epilogue": epilogue, "activation": activation}}
+    def __init__(self, epilogue: str, activation: str = "relu", out: str = "fp8") -> None:
+        self.kernels = {"k": {"epilogue": epilogue, "activation": activation, "c": out}}
         self.calls: list[tuple] = []
 
     def run(self, name, a, b, d, col, bias, z=None, z_scale=0.0) -> None:
@@ -285,3 +296,39 @@ def test_the_epilogue_a_gemm_hands_its_kernel(monkeypatch, activation: str) -> N
     torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(shift.double(), 0.25 * c.double() * over, rtol=1e-6, atol=0)
     assert scalar == (pytest.approx(1.0 / 0.05, rel=1e-6) if activation == "gelu" else 0.0)
+
+
+def test_a_float16_output_takes_the_scales_undivided(monkeypatch) -> None:
+    """A GEMM that writes float16 (no Y_scale, no activation) hands its kernel ``alpha *
+    X_scale * W_scale[n]`` and ``beta * B[n]`` and a float16 output; a layer with a Y_scale or
+    an activation is refused by that kernel rather than run wrongly."""
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import mark_constant
+
+    lib = _Recording("channel", "none", out="f16")
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(7)
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(128, 32, generator=g).to(e4m3)
+    b = torch.randn(48, 32, generator=g).to(e4m3)
+    a_scale = torch.tensor(0.01 + 0.05 * torch.rand(1, generator=g).item())
+    b_scale = 0.01 + 0.02 * torch.rand(48, generator=g)
+    c = torch.randn(48, generator=g)
+    for t in (a_scale, b_scale, c):
+        mark_constant(t)
+    attrs = {"transB": 1, "activation": "", "out_dtype": 10, "alpha": 0.5, "beta": 0.25}
+    y = cf._gemm_fn("k")(a, a_scale, b, b_scale, c, None, **attrs)
+    assert y.shape == (128, 48) and y.dtype == torch.float16
+    ((a2, b2, col, shift, z2, scalar),) = lib.calls
+    assert torch.equal(a2.float(), a.float()) and torch.equal(b2.float(), b.float())
+    want = 0.5 * a_scale.double() * b_scale.double()
+    torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(shift.double(), 0.25 * c.double(), rtol=1e-6, atol=0)
+    assert z2 is None and scalar == 0.0
+    with pytest.raises(KernelError, match="not a packed FP8 layer"):
+        cf._gemm_fn("k")(
+            a, a_scale, b, b_scale, c, torch.tensor(0.05), **{**attrs, "out_dtype": 17}
+        )
+    with pytest.raises(KernelError, match="without an activation"):
+        cf._gemm_fn("k")(a, a_scale, b, b_scale, c, None, **{**attrs, "activation": "Relu"})

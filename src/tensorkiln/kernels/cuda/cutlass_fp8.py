@@ -10,14 +10,16 @@ here: the kernels are called through ctypes on torch's stream, with the CUDA run
 loaded.
 
 The kernels take E4M3 A (M x K) and B (N x K, the packed weight), both K-major, and write E4M3
-D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] + bias[n] +
+or float16 D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] + bias[n] +
 Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A quantized layer
 maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and ``bias = beta * B[n] /
 Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive division, and the
 kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not commute with it: a
 GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without the division and
 ``D = gelu(acc * col[n] + bias[n]) * (1 / Y_scale)``, its GELU CUTLASS's polynomial for the
-normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step). Dividing before rounding rather
+normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step). A float16 output (a layer
+without Y_scale or activation: BERT's QKV, attention-output and second FFN GEMMs) takes ``col =
+alpha * X_scale * W_scale[n]`` and ``bias = beta * B[n]``. Dividing before rounding rather
 than after changes a value by at most one E4M3 step, which the autotuner's check of E4M3 outputs
 (one step of the tensor's largest value) allows. Shapes: M a multiple of 128, N and K of 16; a
 call at another shape (an engine's dynamic dimension away from the shape it was tuned at) runs
@@ -61,15 +63,19 @@ _MANIFEST_LIMIT = 4 << 20
 _KERNELS_LIMIT = 4096
 # every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
 # the FP8 ones with a per-channel or residual epilogue and ReLU or none (or a per-channel one
-# with GELU and its output scale after it), and pass over the rest
+# with GELU and its output scale after it, or a per-channel one writing float16 with no
+# activation), and pass over the rest
 _ANY_KERNEL = re.compile(r"gemm_(fp8|f16)_(fp8|f16)_(scalar|channel|residual)_([a-z_]{1,20})_"
                          r"([0-9a-z]{1,40})\Z")  # fmt: skip
-_KERNEL_NAME = re.compile(r"gemm_fp8_fp8_(channel|residual)_(relu|none|gelu)_([0-9a-z]{1,40})\Z")
+_KERNEL_NAME = re.compile(
+    r"gemm_fp8_(fp8|f16)_(channel|residual)_(relu|none|gelu)_([0-9a-z]{1,40})\Z"
+)
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
 _TILES_M, _TILES_N = (64, 128), (64, 128, 256)
 _E4M3 = "float8_e4m3fn"
 _E4M3_CODE = 17  # ONNX's FLOAT8E4M3FN
+_F16_CODE = 10  # ONNX's FLOAT16
 _ACTIVATIONS = {"": "none", "Relu": "relu"}
 _GEMM_ACTIVATIONS = {**_ACTIVATIONS, "Gelu": "gelu"}  # (QGemmAct's: with the output scale after)
 _M_MULTIPLE, _NK_MULTIPLE = 128, 16
@@ -136,11 +142,13 @@ def _checked_kernel(k: Any, where: str) -> bool:
         return False
     if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
         raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
-    epilogue, activation = found.group(1), found.group(2)
+    out, epilogue, activation = found.group(1), found.group(2), found.group(3)
     if activation == "gelu" and (epilogue != "channel" or k.get("post_scale") is not True):
         return False  # (a GELU kernel built to scale before its activation: not one of these)
+    if out == "f16" and (epilogue != "channel" or activation == "gelu"):
+        return False  # (16-bit outputs: the per-channel epilogue, no output scale)
     if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
-        "fp8", "fp8", epilogue, activation,
+        "fp8", out, epilogue, activation,
     ):  # fmt: skip
         raise KernelError(f"{where}: types or epilogue do not match the name {name!r}")
     tile = k.get("tile")
@@ -272,8 +280,8 @@ def library() -> Library | None:
     return lib
 
 
-def _layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
-    """(epilogue, M, N, K) of a layer the kernels compute, else None."""
+def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
+    """(epilogue, M, N, K, output: "fp8" or "f16") of a layer the kernels compute, else None."""
     if spec.device != "cuda":
         return None
     if spec.op == "QGemmAct":
@@ -283,13 +291,20 @@ def _layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
     return None
 
 
-def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
+def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
     at = spec.attrs
-    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or len(spec.shapes) < 6:
+    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or len(spec.shapes) < 5:
         return None
-    if at.get("transA", 0) or not at.get("transB", 0) or spec.shapes[5] is None:
-        return None  # (a packed weight; a quantized output)
-    if at.get("out_dtype") != _E4M3_CODE or at.get("activation", "") not in _GEMM_ACTIVATIONS:
+    if at.get("transA", 0) or not at.get("transB", 0):
+        return None  # (a packed weight)
+    y = spec.shapes[5] if len(spec.shapes) > 5 else None
+    if y is not None and at.get("out_dtype") == _E4M3_CODE:
+        out = "fp8"  # (a quantized output, any activation the kernels have)
+        if at.get("activation", "") not in _GEMM_ACTIVATIONS:
+            return None
+    elif y is None and at.get("out_dtype") == _F16_CODE and not at.get("activation", ""):
+        out = "f16"  # (a 16-bit output, no activation: a QKV projection's, a residual branch's)
+    else:
         return None
     a, b = spec.shapes[0], spec.shapes[2]
     if a is None or b is None or len(b) != 2 or len(a) < 2 or a[-1] != b[1]:
@@ -298,7 +313,7 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
     c = spec.shapes[4]
     if c is not None and math.prod(c) != n:
         return None  # (a bias of one row)
-    return "channel", m, n, k
+    return "channel", m, n, k, out
 
 
 def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
@@ -327,7 +342,7 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
         if at.get("residual_order", "add_act") != "add_act":
             return None
         epilogue = "residual"
-    return epilogue, x[0] * x[2] * x[3], w[0], w[1]
+    return epilogue, x[0] * x[2] * x[3], w[0], w[1], "fp8"
 
 
 def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
@@ -339,13 +354,13 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
     layer = _layer(spec) if lib is not None else None
     if layer is None:
         return []
-    epilogue, m, n, k = layer
+    epilogue, m, n, k, out = layer
     if fit and not _fits(m, n, k):
         return []
     act = _GEMM_ACTIVATIONS[spec.attrs.get("activation", "")]
     names = []
     for name, kern in lib.kernels.items():  # type: ignore[union-attr]
-        if (kern["epilogue"], kern["activation"]) != (epilogue, act):
+        if (kern["epilogue"], kern["activation"], kern["c"]) != (epilogue, act, out):
             continue
         tile_m, tile_n = kern["tile"]
         if epilogue == "residual" and ((fit and m % tile_m) or n % tile_n):
@@ -370,8 +385,9 @@ def _vectors(
     """The epilogue's (col, bias), float32 vectors of N: the layer's per-column scale (``scale()``,
     its call's) and its bias times ``beta``, over Y_scale unless ``over_y`` is False; kept per
     constant as the other quantized tactics keep theirs (tactics_quant._kept), so an engine's
-    calls make them once."""
+    calls make them once. Without ``y_scale`` (a 16-bit output) nothing is divided."""
     n = key[0]
+    over_y = over_y and y_scale is not None
     key = (*key, over_y)
 
     def over(v: torch.Tensor) -> torch.Tensor:
@@ -384,11 +400,11 @@ def _vectors(
         return over(bias.reshape(n).to(torch.float32) * beta)
 
     def zeros() -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float32, device=y_scale.device)
+        return torch.zeros(n, dtype=torch.float32, device=w_scale.device)
 
     cols = _kept(w_scale, ("cutlass_col", *key), col, x_scale, y_scale)
     if bias is None:
-        return cols, _kept(y_scale, ("cutlass_zeros", n), zeros)
+        return cols, _kept(w_scale, ("cutlass_zeros", n), zeros)
     return cols, _kept(bias, ("cutlass_bias", n, beta, over_y), shifted, y_scale)
 
 
@@ -402,15 +418,19 @@ def _gemm_fn(kernel: str) -> Callable:
     def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
         call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
         lib = library()
-        if lib is None or call.y_scale is None or not call.packed:
+        wide = lib is not None and lib.kernels[kernel]["c"] == "f16"
+        if lib is None or (call.y_scale is None) != wide or not call.packed:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library, or not a packed FP8 layer")
+        if wide and (call.out != torch.float16 or call.activation):
+            raise KernelError(f"{PREFIX}{kernel}: writes float16 without an activation")
         m, n = call.a2.shape[0], call.b.shape[0]
         if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
         gelu = lib.kernels[kernel]["activation"] == "gelu"  # (the output scale after the GELU)
         col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
                              call.beta, (n, call.alpha), over_y=not gelu)  # fmt: skip
-        d = torch.empty((m, n), dtype=torch.float8_e4m3fn, device=a_q.device)
+        d = torch.empty((m, n), dtype=torch.float16 if wide else torch.float8_e4m3fn,
+                        device=a_q.device)  # fmt: skip
         scalar = 1.0 / _host_scalar(y_scale) if gelu else 0.0
         lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias, None, scalar)
         return d.reshape(call.shape)
@@ -485,7 +505,7 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
 
             def estimate(spec: LayerSpec, entry: dict = lib.kernels[kernel]) -> float:
                 layer = _layer(spec)
-                return 0.0 if layer is None else _estimate(entry, *layer[1:])
+                return 0.0 if layer is None else _estimate(entry, *layer[1:4])
 
             made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, estimate, PREFIX)
         return made[name]
