@@ -118,6 +118,21 @@ def main(argv: list[str] | None = None) -> int:
         ):  # fmt: skip
             ms = _time(fn, args.reps)
             print(f"{label}{tag} | {per} | {warps} | {ms:.4f} | {rows * nbytes / ms / 1e6:.0f}")
+        # The quantizing LayerNorm's tactics at other tiles
+        for tile in ((1, 4), (4, 4)):
+            label = "library E4M3 tile"
+
+            def tactic(rr=resid, tile=tile) -> None:
+                normalize(x, w, b, rr, eps=1e-12, quantized=(q, scale), tile=tile)
+
+            tactic()
+            torch.cuda.synchronize()
+            err = float(((q.float() - want).abs() / step).max())
+            if err > 0:
+                print(f"{label}{tag} {tile}: codes {err:.1f} steps off the default tile's")
+            ms = _time(tactic, args.reps)
+            print(f"{label}{tag} | {tile[0]} | {tile[1]} | {ms:.4f} | "
+                  f"{rows * (read + 3 * n) / ms / 1e6:.0f}")  # fmt: skip
         names = {
             0: "copy, plain",
             1: "copy, requantize",

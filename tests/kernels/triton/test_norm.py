@@ -244,8 +244,10 @@ def test_a_quantized_output_of_another_type_is_refused(q_dtype):
 @pytest.mark.parametrize("q_dtype", [3, 17], ids=["int8", "float8"])
 def test_the_quantizing_layer_norm_at_other_tiles(q_dtype):
     """The quantizing LayerNorm's tile variants (the autotuner times them beside the default
-    tile) write exactly what the default tactic writes, for quantizing LayerNorms only, and
-    only where their rows fit the block they hold."""
+    tile) write what the default tactic writes, for quantizing LayerNorms only, and only where
+    their rows fit the block they hold. (Compiled, another tile sums a row in another order:
+    float16 outputs one rounding apart, and so codes a step apart where a value lies at a
+    rounding boundary; through the interpreter, the same bits.)"""
     x, r = randn(37, 96, dtype=np.float16), randn(37, 96, dtype=np.float16)
     w, b = randn(96, dtype=np.float16, shift=1.0), randn(96, dtype=np.float16)
     y_scale = np.float32(3.0 / (127 if q_dtype == 3 else 448))
@@ -259,9 +261,20 @@ def test_the_quantizing_layer_norm_at_other_tiles(q_dtype):
         tiled = get_tactic("LayerNorm", "tensorkiln", name)
         assert tiled.applies(spec) and not tiled.applies(plain)
         got = tiled.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=3)
-        for g, e in zip(got, want):
-            g, e = to_numpy(g), to_numpy(e)
-            assert g.dtype == e.dtype and np.array_equal(g.view(np.uint8), e.view(np.uint8))
+        (y, q, s), (y0, q0, s0) = ([to_numpy(t) for t in ts] for ts in (got, want))
+        assert y.dtype == y0.dtype and q.dtype == q0.dtype and s.dtype == s0.dtype
+        if DEVICE == "cpu":
+            for g, e in ((y, y0), (q, q0), (s, s0)):
+                assert np.array_equal(g.view(np.uint8), e.view(np.uint8))
+            continue
+        np.testing.assert_allclose(y.astype(np.float32), y0.astype(np.float32), rtol=2e-3,
+                                   atol=2e-3)  # fmt: skip
+        np.testing.assert_array_equal(s, s0)  # (the residual sum: no reduction in it)
+        qf, q0f = q.astype(np.float32), q0.astype(np.float32)
+        step = (
+            1.0 if q_dtype == 3 else 2.0 ** (np.floor(np.log2(np.maximum(np.abs(q0f), 2**-6))) - 3)
+        )
+        assert np.all(np.abs(qf - q0f) <= step), float(np.max(np.abs(qf - q0f) / step))
     # (4 rows of 2,048 values hold 8,192, past the 4,096 a program of these tiles holds)
     assert not get_tactic("LayerNorm", "tensorkiln", "triton_r4w4").applies(
         spec_of("LayerNorm", "tensorkiln", long_rows, attrs)
@@ -269,46 +282,3 @@ def test_the_quantizing_layer_norm_at_other_tiles(q_dtype):
     assert get_tactic("LayerNorm", "tensorkiln", "triton_r1w4").applies(
         spec_of("LayerNorm", "tensorkiln", long_rows, attrs)
     )
-
-
-def test_rows_split_in_two_blocks():
-    """768 columns as 512 + 256 (BERT-base's rows), and the lengths where two blocks save
-    nothing over one of the next power of two."""
-    assert norm.split_blocks(768) == (512, 256)
-    assert norm.split_blocks(3072) == (2048, 1024)
-    assert norm.split_blocks(96) == (64, 32)
-    assert norm.split_blocks(1500) == (1024, 512)
-    for n in (1, 64, 1024, 1000, 1800, norm.MAX_BLOCK + 256):
-        assert norm.split_blocks(n) is None, n
-
-
-@pytest.mark.parametrize("n", [96, 48, 40])
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=["float32", "float16"])
-def test_layer_norm_split_rows(dtype, n):
-    """The split form against the reference: plain, with a residual and its sum, and writing
-    its output quantized (bit for bit QuantizeLinear's reference kernel on the values it wrote);
-    40 columns as 32 + 8, the second block part masked."""
-    from tensorkiln.kernels.reference.quant import quantize_linear
-
-    x, r = randn(7, 5, n, dtype=dtype), randn(7, 5, n, dtype=dtype)
-    w, b = randn(n, dtype=dtype, shift=1.0), randn(n, dtype=dtype)
-    check("LayerNorm", "tensorkiln", [x, w, b], {"epsilon": 1e-5}, name="triton_split")
-    check("LayerNorm", "tensorkiln", [x, w, b, r], {"epsilon": 1e-5}, n_outputs=2,
-          name="triton_split")  # fmt: skip
-    split = get_tactic("LayerNorm", "tensorkiln", "triton_split")
-    for q_dtype, top in ((3, 127), (17, 448)):
-        y_scale = np.float32(3.0 / top)
-        args, attrs = [x, w, b, r, y_scale], {"epsilon": 1e-5, "q_dtype": q_dtype}
-        assert split.applies(spec_of("LayerNorm", "tensorkiln", args, attrs))
-        got = split.fn(*(to_torch(a, DEVICE) for a in args), **attrs, _n_outputs=3)
-        ref = invoke(lookup("LayerNorm", "tensorkiln", 1), args, attrs, 3)
-        y = to_numpy(got[0])
-        tol = 1e-5 if dtype == np.float32 else 1e-2
-        np.testing.assert_allclose(y.astype(np.float32), ref[0].astype(np.float32), rtol=tol,
-                                   atol=tol * np.abs(ref[0]).max())  # fmt: skip
-        want = quantize_linear(y, y_scale, output_dtype=q_dtype)
-        np.testing.assert_array_equal(to_numpy(got[1]).view(np.uint8), want.view(np.uint8))
-        np.testing.assert_allclose(to_numpy(got[2]).astype(np.float32),
-                                   ref[2].astype(np.float32), rtol=tol, atol=tol)  # fmt: skip
-    pow2 = [randn(3, 64), randn(64), randn(64)]
-    assert not split.applies(spec_of("LayerNorm", "tensorkiln", pow2, {"epsilon": 1e-5}))

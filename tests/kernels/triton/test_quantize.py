@@ -104,12 +104,12 @@ def test_cases_it_leaves_to_the_torch_composition():
 def _e4m3_hard_cases() -> np.ndarray:
     """Every finite E4M3 value, each midpoint between neighbours (ties, rounded to the even
     code) and the float32 values just either side of it, subnormals included, both signs; values
-    past 448 up to float32's largest; zeros of both signs; NaN."""
+    past 448 up to float32's largest and infinity (saturated to 448); zeros of both signs; NaN."""
     codes = np.arange(0, 0x7F, dtype=np.uint8)  # (0x7F is NaN)
     values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     mids = ((values[:-1].astype(np.float64) + values[1:]) / 2).astype(np.float32)
     near = [np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(0))]
-    big = np.array([448.0, 449.0, 464.0, 465.0, 480.0, 1e4, 3.0e38], np.float32)
+    big = np.array([448.0, 449.0, 464.0, 465.0, 480.0, 1e4, 3.0e38, np.inf], np.float32)
     pos = np.concatenate([values, mids, *near, big])
     return np.concatenate([pos, -pos, np.array([0.0, -0.0, np.nan, -np.nan], np.float32)])
 

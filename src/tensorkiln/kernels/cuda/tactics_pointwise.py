@@ -75,14 +75,6 @@ def _quantized_layer_norm_fits(rows: int) -> Callable[[LayerSpec], bool]:
     return fits
 
 
-def _split_layer_norm_fits(spec: LayerSpec) -> bool:
-    """A LayerNorm whose rows the split form holds in fewer columns (768: 512 + 256)."""
-    from tensorkiln.kernels.triton.norm import split_blocks  # lazy: triton is optional here
-
-    x = spec.shapes[0]
-    return _layer_norm_fits(spec) and bool(x) and split_blocks(int(x[-1])) is not None
-
-
 def _onnx_layer_norm_fits(spec: LayerSpec) -> bool:
     return int(spec.attrs.get("stash_type", 1)) == 1 and _norm_fits(spec, 2)
 
@@ -165,19 +157,7 @@ if available():
             _tiled_layer_norm(rows, warps)
         )
 
-    @tactic("LayerNorm", domain="tensorkiln", name="triton_split", supports=_split_layer_norm_fits)
-    def layer_norm_triton_split(
-        x, scale, bias=None, residual=None, y_scale=None, *, axis: int = -1,
-        epsilon: float = 1e-5, q_dtype: int = 0, _n_outputs: int = 1,
-    ):  # fmt: skip
-        """The LayerNorm with a row held as two power-of-two blocks rather than one block of
-        the next power of two (kernels/triton/norm.py says why)."""
-        return _layer_norm(x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs,
-                           split=True)  # fmt: skip
-
-    def _layer_norm(
-        x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs, tile=None, split=False
-    ):
+    def _layer_norm(x, scale, bias, residual, y_scale, epsilon, q_dtype, _n_outputs, tile=None):
         sums = _n_outputs == (3 if q_dtype else 2)
         quantized = None
         if q_dtype and _n_outputs > 1:
@@ -187,7 +167,7 @@ if available():
             quantized = (torch.empty(shape, dtype=target, device=x.device), y_scale)
         y, s, _, _ = norm.normalize(
             x, scale, bias, residual, eps=epsilon, want_sum=sums and residual is not None,
-            quantized=quantized, tile=tile, split=split,
+            quantized=quantized, tile=tile,
         )  # fmt: skip
         if _n_outputs == 1:
             return y
