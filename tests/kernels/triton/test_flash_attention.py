@@ -109,6 +109,31 @@ def test_whole_key_blocks_and_the_edge_block(name, causal):
         assert _run(args, {"causal": causal, "scale": 0.2}, np.float16, tactic) < 1e-2
 
 
+@pytest.mark.parametrize("name", ["triton_flash_m64", "triton_flash_m128"])
+@pytest.mark.parametrize("kind", ["additive", "-inf", "bool"])
+@pytest.mark.parametrize("causal", [0, 1])
+def test_a_key_padding_mask_over_whole_key_blocks(name, kind, causal):
+    """A [B, 1, 1, Sk] mask (one row for every query: read as one vector a block, whole blocks
+    without the per-score visibility test) over three whole blocks of keys and an edge block:
+    random keys hidden, in batch 0 its whole first block hidden too, batch 2 sees no key at
+    all (zeros), batch 3 sees every key; finite and infinite additive values and bool masks."""
+    tactic = get_tactic("Attention", "tensorkiln", name)
+    rng = np.random.default_rng()
+    batch, sq, sk = 4, 150, 230
+    args = [rng.standard_normal((batch, H, n, D)).astype(np.float32) for n in (sq, sk, sk)]
+    hidden = rng.random((batch, 1, 1, sk)) < 0.3
+    hidden[0, ..., :64] = True
+    hidden[2] = True
+    hidden[3] = False
+    if kind == "bool":
+        mask = ~hidden
+    else:
+        low = -np.inf if kind == "-inf" else np.finfo(np.float16).min
+        mask = np.where(hidden, low, 0.5 * rng.standard_normal(hidden.shape)).astype(np.float32)
+    attrs = {"mask_kind": "bool" if kind == "bool" else "additive", "scale": 0.25, "causal": causal}
+    assert _run([*args, mask], attrs, np.float16, tactic) < 1e-2
+
+
 def _hidden_triangle(s, batch=B):
     return np.triu(np.ones((s, s), bool), 1)[None, None].repeat(batch, axis=0)
 

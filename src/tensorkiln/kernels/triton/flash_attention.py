@@ -6,7 +6,9 @@ take without help, this one reads as it is:
 
 * a mask of any broadcast shape ([B, 1, 1, Sk] key padding, [B, 1, Sq, Sk] causal-and-padding,
   [Sq, Sk]) through its strides, a zero stride on the broadcast axes, so it is never expanded to
-  [B, H, Sq, Sk]; bool masks hide keys, additive ones are added to the scores;
+  [B, H, Sq, Sk]; bool masks hide keys, additive ones are added to the scores; a mask of one
+  row for every query (key padding) is read as one vector a block of keys, and its whole
+  blocks need no per-score visibility test;
 * causal masking (top-left aligned) with a mask at the same time, skipping the key blocks above
   the diagonal;
 * key blocks after the last one that any row of a program sees are not visited: a first pass
@@ -81,10 +83,12 @@ def _attend(
     acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
     skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
     MASKED: tl.constexpr, HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, MASK_ROW: tl.constexpr,
 ):  # fmt: skip
     """One block of keys from ``start_n`` into the running (acc, l_i, m_i); MASKED: the block
-    may hold keys past SK, above the diagonal or hidden by the mask (else every score counts)."""
+    may hold keys past SK or above the diagonal, or a mask of rows may hide keys (else every
+    score counts but for a MASK_ROW mask: one row for every query, a key padding mask, read as
+    one vector of the block's keys and added or applied to every row)."""
     offs_n = start_n + offs_n0
     n_ok = offs_n < SK
     k_ok = (offs_d < D)[:, None]
@@ -96,11 +100,18 @@ def _attend(
     if UPCAST:
         k = k.to(tl.float32)
     s = tl.dot(q, k) * qk_scale  # (log2 units: exp2 below)
+    if HAS_MASK and MASK_ROW:
+        row = tl.load(m_base + offs_n * smn, mask=n_ok, other=0)
+        if not MASK_BOOL:
+            s = s + (row.to(tl.float32) * 1.4426950408889634)[None, :]
     if MASKED:
         visible = n_ok[None, :] & m_ok[:, None]
         if CAUSAL:
             visible = visible & (offs_m[:, None] >= offs_n[None, :])
-        if HAS_MASK:
+        if HAS_MASK and MASK_ROW:
+            if MASK_BOOL:
+                visible = visible & (row != 0)[None, :]
+        elif HAS_MASK:
             mt = tl.load(
                 m_base + offs_m[:, None] * smm + offs_n[None, :] * smn,
                 mask=m_ok[:, None] & n_ok[None, :], other=0,
@@ -112,6 +123,11 @@ def _attend(
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows with nothing visible yet)
+    elif HAS_MASK:  # (a row mask over a whole block)
+        if MASK_BOOL:
+            s = tl.where((row != 0)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = m_new
@@ -132,7 +148,7 @@ def _flash_kernel(
     D, DV, sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
     smb, smh, smm, smn, sob, soh, som, sod, sbb, sbh, sbm,
     HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-    BOUNDS: tl.constexpr, PACKED: tl.constexpr, QOUT: tl.constexpr,
+    BOUNDS: tl.constexpr, PACKED: tl.constexpr, QOUT: tl.constexpr, MASK_ROW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
     start_m = tl.program_id(0)
@@ -177,9 +193,10 @@ def _flash_kernel(
     v_base = v_ptr + v_off + h * svh
     m_base = m_ptr + b * smb + h * smh
     first_masked = 0
-    if not HAS_MASK:
+    if not HAS_MASK or MASK_ROW:
         # Key blocks every row of the program sees whole (all keys in range; causal: at or
-        # below the first row's diagonal) run without the per-score visibility test
+        # below the first row's diagonal) run without the per-score visibility test (a key
+        # padding mask read as one row and added, or applied as one row)
         first_masked = tl.minimum(SK // BLOCK_N * BLOCK_N, hi)
         if CAUSAL:
             first_masked = tl.minimum(first_masked, (start_m * BLOCK_M + 1) // BLOCK_N * BLOCK_N)
@@ -187,13 +204,15 @@ def _flash_kernel(
             acc, l_i, m_i = _attend(
                 acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
                 skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
-                MASKED=False, HAS_MASK=False, MASK_BOOL=False, CAUSAL=False, UPCAST=UPCAST,
+                MASKED=False, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=False,
+                UPCAST=UPCAST, MASK_ROW=MASK_ROW,
             )  # fmt: skip
     for start_n in range(first_masked, hi, BLOCK_N):
         acc, l_i, m_i = _attend(
             acc, l_i, m_i, q, start_n, offs_m, m_ok, k_base, v_base, m_base, SK, D, DV,
             skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
             MASKED=True, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=CAUSAL, UPCAST=UPCAST,
+            MASK_ROW=MASK_ROW,
         )  # fmt: skip
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     if QOUT != 0:  # the float output as it would be stored, quantized as QuantizeLinear would
@@ -296,7 +315,7 @@ def attention(
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False, QOUT=qout(dtype),
-        **_tiles(block_m, block_n, d, dv, stages),
+        MASK_ROW=has_mask and mstrides[2] == 0, **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out.permute(0, 2, 1, 3)
 
@@ -358,6 +377,7 @@ def packed_attention(
         q, k, v, q, out, q, ends, q, t, float(scale) * LOG2E, heads, longest, longest, d, dv,
         *strides(q, d), *strides(k, d), *strides(v, dv), 0, 0, 0, 0, *strides(out, dv), 0, 0, 0,
         HAS_MASK=False, MASK_BOOL=False, CAUSAL=bool(causal), UPCAST=interpreting(),
-        BOUNDS=False, PACKED=True, QOUT=0, **_tiles(block_m, block_n, d, dv, stages),
+        BOUNDS=False, PACKED=True, QOUT=0, MASK_ROW=False,
+        **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out
