@@ -120,7 +120,22 @@ _CHANNEL_PATCHES = (
         "                    tk_bias = tk_part(cute.local_tile(\n"
         "                        gBias_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n"
         "                    )).load().reshape(tRS_rD_layout.shape)\n"
-        "                    acc_vec = acc_vec * tk_col + tk_bias\n",
+        "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias\n",
+    ),
+    # an 8-bit integer output: saturated, then rounded half to even (1.5 * 2**23 added and taken
+    # away), as QuantizeLinear rounds; the conversion after it truncates an integral value
+    (
+        "                    tRS_rD_out.store(activation.to(self.c_dtype))\n",
+        "                    if cutlass.const_expr(self.c_dtype == cutlass.Int8):\n"
+        "                        activation = cute.where(\n"
+        "                            activation > 127.0, cute.full_like(activation, 127.0), activation\n"
+        "                        )\n"
+        "                        activation = cute.where(\n"
+        "                            activation < -128.0, cute.full_like(activation, -128.0),\n"
+        "                            activation,\n"
+        "                        )\n"
+        "                        activation = (activation + 12582912.0) - 12582912.0\n"
+        "                    tRS_rD_out.store(activation.to(self.c_dtype))\n",
     ),
 )
 
@@ -215,11 +230,11 @@ _RESIDUAL_PATCHES = (
         "                self.epilog_sync_barrier.arrive_and_wait()\n",
     ),
     (
-        "                    acc_vec = acc_vec * tk_col + tk_bias\n",
+        "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias\n",
         "                    tk_res = thr_copy_r2s.partition_D(\n"
         "                        cute.local_tile(sR, self.epi_tile, tk_coord)\n"
         "                    ).load().reshape(tRS_rD_layout.shape)\n"
-        "                    acc_vec = acc_vec * tk_col + tk_bias + tk_res.to(cutlass.Float32) * scale_ab\n",
+        "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias + tk_res.to(cutlass.Float32) * scale_ab\n",
     ),
 )  # fmt: skip
 
@@ -273,10 +288,12 @@ def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
 
 # epilogue : activation : A type _ D type. scalar: op(scale * acc); channel: op(acc * col[n] +
 # bias[n]), for GELU times scale; residual: op(acc * col[n] + bias[n] + z * z_scale).
-KINDS = ("fp8_fp8", "fp8_f16", "f16_f16")  # (A's type _ D's type)
+KINDS = ("fp8_fp8", "fp8_f16", "f16_f16", "i8_i8", "i8_f16")  # (A's type _ D's type)
 VARIANTS = (
     "scalar:relu:fp8_fp8", "scalar:relu:f16_f16", "channel:relu:fp8_fp8", "channel:none:fp8_fp8",
     "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8", "channel:none:fp8_f16",
+    "channel:gelu:i8_i8", "channel:none:i8_f16", "channel:gelu_tanh:fp8_fp8",
+    "channel:gelu_tanh:i8_i8",
 )  # fmt: skip
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
@@ -333,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         epilogue: _load_kernel_module(_patched_source(source, out, epilogue))
         for epilogue in ("scalar", "channel", "residual")
     }
-    dtypes = {"fp8": cutlass.Float8E4M3FN, "f16": cutlass.Float16}
+    dtypes = {"fp8": cutlass.Float8E4M3FN, "f16": cutlass.Float16, "i8": cutlass.Int8}
 
     def relu(v):
         return cute.where(v > 0.0, v, cute.full_like(v, 0.0))
@@ -345,8 +362,16 @@ def main(argv: list[str] | None = None) -> int:
         half, one = cute.full_like(v, 0.5), cute.full_like(v, 1.0)
         return half * v * (one + cute.erf(v * cute.full_like(v, 0.7071067811865476)))
 
+    def gelu_tanh(v):  # (tanh's form, on the hardware's tanh: within 2e-3 of erf's GELU)
+        inner = v * (
+            cute.full_like(v, 0.7978845608028654) + cute.full_like(v, 0.035677408136300125) * v * v
+        )
+        half = cute.full_like(v, 0.5)
+        return half * v + half * v * cute.math.tanh(inner, fastmath=True)
+
     # gelu: the example's clipped odd polynomial for the normal CDF (a few FMAs an element)
-    activations = {"relu": relu, "none": none, "gelu_erf": gelu_erf, "gelu": None}
+    activations = {"relu": relu, "none": none, "gelu_erf": gelu_erf, "gelu": None,
+                   "gelu_tanh": gelu_tanh}  # fmt: skip
     for stale in out.glob("*.o"):
         stale.unlink()
     manifest = {"kernels": []}
@@ -359,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
         # (the residual epilogue's tile is E4M3 and its output 8 bits; a per-channel epilogue
         # writes 16 bits from E4M3 operands, fp8_f16)
-        wrong = {"residual": kind != "fp8_fp8", "channel": kind == "f16_f16"}
+        wrong = {"residual": kind != "fp8_fp8", "channel": kind == "f16_f16",
+                 "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
         variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
@@ -384,9 +410,8 @@ def main(argv: list[str] | None = None) -> int:
         c = make_fake_compact_tensor(
             dtypes[c_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
         )
-        gemm = ex.HopperFP8GeluPersistentGemmKernel(
-            cutlass.Float32, (tile_m, tile_n), cluster, 1, True
-        )
+        acc = cutlass.Int32 if a_name == "i8" else cutlass.Float32  # (int8: exact int32 sums)
+        gemm = ex.HopperFP8GeluPersistentGemmKernel(acc, (tile_m, tile_n), cluster, 1, True)
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
         ex.TK_EPI_STAGES = stages
         if epilogue == "residual":  # (the residual's tile, out of the main loop's stages)

@@ -106,6 +106,45 @@ def test_float16_output_kernels_match_the_exact_kernel(bias: bool) -> None:
         )
 
 
+@pytest.mark.parametrize("out", ["int8", "float16"])
+def test_int8_kernels_match_the_exact_kernel(out: str) -> None:
+    """The int8 kernels (exact int32 sums): a GELU GEMM writing int8 to within one code of the
+    exact kernel's, its output scale after the GELU; one writing float16 to float16's rounding."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(14)
+    m, n, k = 512, 384, 768
+    a = torch.randint(-128, 128, (m, k), device="cuda", generator=g, dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, k), device="cuda", generator=g, dtype=torch.int8)
+    a_scale = torch.tensor(0.02, device="cuda")
+    b_scale = 0.0005 + 0.001 * torch.rand(n, device="cuda", generator=g)
+    c = 0.5 * torch.randn(n, device="cuda", generator=g)
+    y_scale = torch.tensor(0.03, device="cuda") if out == "int8" else None
+    act = "Gelu" if out == "int8" else ""
+    attrs = {"transB": 1, "activation": act, "out_dtype": 3 if out == "int8" else 10,
+             "alpha": 0.75, "beta": 0.5}  # fmt: skip
+    spec = LayerSpec("QGemmAct", "tensorkiln", attrs,
+                     ((m, k), (), (n, k), (n,), (n,), () if y_scale is not None else None),
+                     ("int8", "float32", "int8", "float32", "float32",
+                      "float32" if y_scale is not None else None))  # fmt: skip
+    names = cf._kernels_for(spec)
+    assert names, f"the library has no int8 kernel writing {out}"
+    want = qgemm_act(a, a_scale, b, b_scale, c, y_scale, **attrs)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    for name in names:
+        got = resolve(name).fn(a, a_scale, b, b_scale, c, y_scale, **attrs)
+        torch.cuda.synchronize()
+        assert got.dtype == want.dtype and got.shape == want.shape
+        if out == "int8":
+            diff = (got.int() - want.int()).abs()
+            assert int(diff.max()) <= 1, (name, int(diff.max()))
+            # (rounding boundaries the approximate GELU lands on the other side of)
+            assert float((diff > 0).float().mean()) < 0.05
+            assert int(want.int().abs().max()) > 60  # (the codes span the range)
+        else:
+            w = want.float()
+            torch.testing.assert_close(got.float(), w, rtol=2e-3, atol=2e-3 * float(w.abs().max()))
+
+
 @pytest.mark.parametrize("residual", [True, False])
 def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
     _library()

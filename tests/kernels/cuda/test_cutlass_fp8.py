@@ -20,11 +20,13 @@ from tensorkiln.kernels.tactics import LayerSpec
 E4M3 = "float8_e4m3fn"
 
 
-def _kernel(epilogue: str, act: str, tile: tuple[int, int], out: str = "fp8", **extra) -> dict:
+def _kernel(
+    epilogue: str, act: str, tile: tuple[int, int], out: str = "fp8", a: str = "fp8", **extra
+) -> dict:
     occupancy, k_steps = extra.get("occupancy", 1), extra.get("k_steps", 4)
-    name = f"gemm_fp8_{out}_{epilogue}_{act}_{tile[0]}x{tile[1]}o{occupancy}k{k_steps}"
+    name = f"gemm_{a}_{out}_{epilogue}_{act}_{tile[0]}x{tile[1]}o{occupancy}k{k_steps}"
     tensors = {t: [2, 2] for t in ("a", "b", "c", *(("res",) if epilogue == "residual" else ()))}
-    return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": "fp8", "c": out,
+    return {"name": name, "entry": f"_mlir_{name}__mlir_ciface_x", "a": a, "c": out,
             "epilogue": epilogue, "activation": act, "tile": list(tile), "tensors": tensors,
             **extra}  # fmt: skip
 
@@ -42,7 +44,10 @@ KERNELS = [
     _kernel("residual", "relu", (128, 64)),
     _kernel("channel", "relu", (128, 64), k_steps=2),  # (K = 64 only)
     _kernel("channel", "gelu", (128, 256), post_scale=True),  # (QGemmAct's GELU)
+    _kernel("channel", "gelu_tanh", (128, 64), post_scale=True),  # (GELU on the hardware's tanh)
     _kernel("channel", "none", (128, 128), out="f16"),  # (a float16 output)
+    _kernel("channel", "gelu", (128, 128), out="i8", a="i8", post_scale=True),  # (int8)
+    _kernel("channel", "none", (128, 64), out="f16", a="i8"),
 ]
 
 
@@ -67,6 +72,9 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         _kernel("channel", "gelu", (64, 256), post_scale=False),
         _kernel("residual", "relu", (128, 64), out="f16"),  # (16 bits: per-channel alone)
         _kernel("channel", "gelu", (128, 64), out="f16", post_scale=True),
+        _kernel("channel", "none", (128, 64), out="fp8", a="i8"),  # (int8 in, E4M3 out)
+        _kernel("channel", "none", (128, 64), out="i8", a="fp8"),
+        _kernel("residual", "relu", (128, 64), out="i8", a="i8"),  # (int8: per-channel alone)
     ]
     _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
@@ -142,17 +150,27 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_gemm()) == relu
     assert _names(_gemm(act="")) == ["gemm_fp8_fp8_channel_none_128x256o1k4"]
     assert _names(_gemm(k=64)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
-    assert _names(_gemm(act="Gelu")) == ["gemm_fp8_fp8_channel_gelu_128x256o1k4"]
+    assert _names(_gemm(act="Gelu")) == [
+        "gemm_fp8_fp8_channel_gelu_128x256o1k4", "gemm_fp8_fp8_channel_gelu_tanh_128x64o1k4"
+    ]  # fmt: skip
     # a float16 output without an activation: the 16-bit kernel
     assert _names(_gemm(y=False, out=10, act="")) == ["gemm_fp8_f16_channel_none_128x128o1k4"]
+    # int8 operands: the int8 kernels, an int8 output with GELU or a float16 one
+    assert _names(_gemm(dtype="int8", act="Gelu", out=3)) == ["gemm_i8_i8_channel_gelu_128x128o1k4"]
+    assert _names(_gemm(dtype="int8", y=False, out=10, act="")) == [
+        "gemm_i8_f16_channel_none_128x64o1k4"
+    ]
+    for spec in (_gemm(dtype="int8", act="Gelu", out=17), _gemm(dtype="int8", act="", out=3),
+                 _gemm(act="Gelu", out=3)):  # fmt: skip
+        assert _names(spec) == []
     assert _names(_gemm(y=False, out=10, act="", bias=False)) == [
         "gemm_fp8_f16_channel_none_128x128o1k4"
     ]
     # not theirs: another activation, a float32 or bfloat16 output or one with an activation,
-    # int8, an unpacked weight, odd shapes
+    # an unpacked weight, odd shapes
     for spec in (_gemm(act="Sigmoid"), _gemm(act="GeluTanh"), _gemm(y=False, out=10),
                  _gemm(y=False, out=1, act=""), _gemm(y=False, out=16, act=""),
-                 _gemm(y=False, out=10, act="", dtype="int8"), _gemm(dtype="int8"),
+                 _gemm(dtype="int8"),
                  _gemm(trans_b=0), _gemm(m=200), _gemm(n=120), _gemm(k=72)):  # fmt: skip
         assert _names(spec) == []
     assert _names(_gemm(bias=False)) == relu
@@ -326,7 +344,7 @@ def test_a_float16_output_takes_the_scales_undivided(monkeypatch) -> None:
     torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(shift.double(), 0.25 * c.double(), rtol=1e-6, atol=0)
     assert z2 is None and scalar == 0.0
-    with pytest.raises(KernelError, match="not a packed FP8 layer"):
+    with pytest.raises(KernelError, match="not a packed 8-bit layer"):
         cf._gemm_fn("k")(
             a, a_scale, b, b_scale, c, torch.tensor(0.05), **{**attrs, "out_dtype": 17}
         )

@@ -1,4 +1,4 @@
-"""FP8 GEMMs from a kernel library built ahead of time: tactics ``cutlass_fp8_<variant>`` of
+"""FP8 (and int8) GEMMs from a kernel library built ahead of time: tactics ``cutlass_fp8_<variant>`` of
 QGemmAct and of 1x1 QConvAct, where a library is configured and has a kernel for the layer.
 
 The library is what ``benchmarks/cutlass_gemm_build.py`` writes: CUTLASS's persistent,
@@ -17,9 +17,13 @@ Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive divis
 kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not commute with it: a
 GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without the division and
 ``D = gelu(acc * col[n] + bias[n]) * (1 / Y_scale)``, its GELU CUTLASS's polynomial for the
-normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step). A float16 output (a layer
+normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step), or, ``gelu_tanh``, GELU's
+tanh form on the hardware's approximate tanh (within 2e-3; half the epilogue's instructions). A float16 output (a layer
 without Y_scale or activation: BERT's QKV, attention-output and second FFN GEMMs) takes ``col =
-alpha * X_scale * W_scale[n]`` and ``bias = beta * B[n]``. Dividing before rounding rather
+alpha * X_scale * W_scale[n]`` and ``bias = beta * B[n]``. The same kernels with int8
+operands (int32 sums, exact) write int8 (GELU, its result saturated and rounded half to even,
+as QuantizeLinear rounds) or float16: the tactics keep the family's name, ``cutlass_fp8_``, and
+the kernel's name says its types (``gemm_i8_i8_...``). Dividing before rounding rather
 than after changes a value by at most one E4M3 step, which the autotuner's check of E4M3 outputs
 (one step of the tensor's largest value) allows. Shapes: M a multiple of 128, N and K of 16; a
 call at another shape (an engine's dynamic dimension away from the shape it was tuned at) runs
@@ -64,20 +68,27 @@ _KERNELS_LIMIT = 4096
 # every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
 # the FP8 ones with a per-channel or residual epilogue and ReLU or none (or a per-channel one
 # with GELU and its output scale after it, or a per-channel one writing float16 with no
-# activation), and pass over the rest
-_ANY_KERNEL = re.compile(r"gemm_(fp8|f16)_(fp8|f16)_(scalar|channel|residual)_([a-z_]{1,20})_"
+# activation; the same with int8 operands and outputs), and pass over the rest
+_ANY_KERNEL = re.compile(r"gemm_(fp8|f16|i8)_(fp8|f16|i8)_(scalar|channel|residual)_([a-z_]{1,20})_"
                          r"([0-9a-z]{1,40})\Z")  # fmt: skip
 _KERNEL_NAME = re.compile(
-    r"gemm_fp8_(fp8|f16)_(channel|residual)_(relu|none|gelu)_([0-9a-z]{1,40})\Z"
+    r"gemm_(fp8|i8)_(fp8|i8|f16)_(channel|residual)_(relu|none|gelu|gelu_tanh)_([0-9a-z]{1,40})\Z"
 )
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
 _TILES_M, _TILES_N = (64, 128), (64, 128, 256)
 _E4M3 = "float8_e4m3fn"
 _E4M3_CODE = 17  # ONNX's FLOAT8E4M3FN
+_INT8_CODE = 3  # ONNX's INT8
+_OPERANDS = {_E4M3: "fp8", "int8": "i8"}  # (the layer's operand type: the kernels' A and B)
+_QUANTIZED_OUT = {"fp8": _E4M3_CODE, "i8": _INT8_CODE}  # (their 8-bit output, as ONNX codes)
+_OUT_DTYPES = {"fp8": torch.float8_e4m3fn, "i8": torch.int8, "f16": torch.float16}
 _F16_CODE = 10  # ONNX's FLOAT16
 _ACTIVATIONS = {"": "none", "Relu": "relu"}
 _GEMM_ACTIVATIONS = {**_ACTIVATIONS, "Gelu": "gelu"}  # (QGemmAct's: with the output scale after)
+# a kernel's activation that computes a layer's: GELU in tanh's form on the hardware's tanh
+# (within 2e-3 of erf's, inside an 8-bit step; the autotuner checks each kernel's outputs)
+_SAME_AS = {"gelu_tanh": "gelu"}
 _M_MULTIPLE, _NK_MULTIPLE = 128, 16
 
 
@@ -142,13 +153,15 @@ def _checked_kernel(k: Any, where: str) -> bool:
         return False
     if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
         raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
-    out, epilogue, activation = found.group(1), found.group(2), found.group(3)
-    if activation == "gelu" and (epilogue != "channel" or k.get("post_scale") is not True):
+    a, out, epilogue, activation = found.groups()[:4]
+    if activation.startswith("gelu") and (epilogue != "channel" or k.get("post_scale") is not True):
         return False  # (a GELU kernel built to scale before its activation: not one of these)
-    if out == "f16" and (epilogue != "channel" or activation == "gelu"):
+    if out == "f16" and (epilogue != "channel" or activation.startswith("gelu")):
         return False  # (16-bit outputs: the per-channel epilogue, no output scale)
+    if out not in (a, "f16") or (a == "i8" and epilogue != "channel"):
+        return False  # (8-bit outputs of the operands' type; int8: the per-channel epilogue)
     if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
-        "fp8", out, epilogue, activation,
+        a, out, epilogue, activation,
     ):  # fmt: skip
         raise KernelError(f"{where}: types or epilogue do not match the name {name!r}")
     tile = k.get("tile")
@@ -280,8 +293,9 @@ def library() -> Library | None:
     return lib
 
 
-def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
-    """(epilogue, M, N, K, output: "fp8" or "f16") of a layer the kernels compute, else None."""
+def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
+    """(epilogue, M, N, K, output: "fp8", "i8" or "f16", operands: "fp8" or "i8") of a layer
+    the kernels compute, else None."""
     if spec.device != "cuda":
         return None
     if spec.op == "QGemmAct":
@@ -291,15 +305,16 @@ def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
     return None
 
 
-def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
+def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     at = spec.attrs
-    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or len(spec.shapes) < 5:
+    operands = _OPERANDS.get(spec.dtypes[0])
+    if operands is None or spec.dtypes[2] != spec.dtypes[0] or len(spec.shapes) < 5:
         return None
     if at.get("transA", 0) or not at.get("transB", 0):
         return None  # (a packed weight)
     y = spec.shapes[5] if len(spec.shapes) > 5 else None
-    if y is not None and at.get("out_dtype") == _E4M3_CODE:
-        out = "fp8"  # (a quantized output, any activation the kernels have)
+    if y is not None and at.get("out_dtype") == _QUANTIZED_OUT[operands]:
+        out = operands  # (a quantized output, any activation the kernels have)
         if at.get("activation", "") not in _GEMM_ACTIVATIONS:
             return None
     elif y is None and at.get("out_dtype") == _F16_CODE and not at.get("activation", ""):
@@ -313,7 +328,7 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str] | None:
     c = spec.shapes[4]
     if c is not None and math.prod(c) != n:
         return None  # (a bias of one row)
-    return "channel", m, n, k, out
+    return "channel", m, n, k, out, operands
 
 
 def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
@@ -342,7 +357,7 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
         if at.get("residual_order", "add_act") != "add_act":
             return None
         epilogue = "residual"
-    return epilogue, x[0] * x[2] * x[3], w[0], w[1], "fp8"
+    return epilogue, x[0] * x[2] * x[3], w[0], w[1], "fp8", "fp8"
 
 
 def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
@@ -354,13 +369,14 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
     layer = _layer(spec) if lib is not None else None
     if layer is None:
         return []
-    epilogue, m, n, k, out = layer
+    epilogue, m, n, k, out, operands = layer
     if fit and not _fits(m, n, k):
         return []
     act = _GEMM_ACTIVATIONS[spec.attrs.get("activation", "")]
     names = []
     for name, kern in lib.kernels.items():  # type: ignore[union-attr]
-        if (kern["epilogue"], kern["activation"], kern["c"]) != (epilogue, act, out):
+        if (kern["epilogue"], _SAME_AS.get(kern["activation"], kern["activation"]), kern["c"],
+                kern["a"]) != (epilogue, act, out, operands):  # fmt: skip
             continue
         tile_m, tile_n = kern["tile"]
         if epilogue == "residual" and ((fit and m % tile_m) or n % tile_n):
@@ -420,17 +436,16 @@ def _gemm_fn(kernel: str) -> Callable:
         lib = library()
         wide = lib is not None and lib.kernels[kernel]["c"] == "f16"
         if lib is None or (call.y_scale is None) != wide or not call.packed:
-            raise KernelError(f"{PREFIX}{kernel}: no kernel library, or not a packed FP8 layer")
+            raise KernelError(f"{PREFIX}{kernel}: no kernel library, or not a packed 8-bit layer")
         if wide and (call.out != torch.float16 or call.activation):
             raise KernelError(f"{PREFIX}{kernel}: writes float16 without an activation")
         m, n = call.a2.shape[0], call.b.shape[0]
         if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
-        gelu = lib.kernels[kernel]["activation"] == "gelu"  # (the output scale after the GELU)
+        gelu = lib.kernels[kernel]["activation"].startswith("gelu")  # (scaled after the GELU)
         col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
                              call.beta, (n, call.alpha), over_y=not gelu)  # fmt: skip
-        d = torch.empty((m, n), dtype=torch.float16 if wide else torch.float8_e4m3fn,
-                        device=a_q.device)  # fmt: skip
+        d = torch.empty((m, n), dtype=_OUT_DTYPES[lib.kernels[kernel]["c"]], device=a_q.device)
         scalar = 1.0 / _host_scalar(y_scale) if gelu else 0.0
         lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias, None, scalar)
         return d.reshape(call.shape)
