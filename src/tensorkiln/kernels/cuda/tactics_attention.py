@@ -141,8 +141,10 @@ if available():
                     _op, domain="tensorkiln", name=f"{_name}_m{_block_m}{_suffix}",
                     supports=_supports,
                 )(_make(_block_m, _stages))  # fmt: skip
-    # (keys in blocks of 128: BERT's sequences of 128 in one block, one softmax pass)
+    # (keys in blocks of 128: BERT's sequences of 128 in one block, one softmax pass; a group
+    # of their own, so the four the autotuner times of the others do not crowd them out)
     for _block_m in flash.BLOCKS_M:
         tactic(
-            "Attention", domain="tensorkiln", name=f"triton_flash_m{_block_m}_n128", supports=_fits
-        )(_flash_fn(_block_m, 2, 128))
+            "Attention", domain="tensorkiln", name=f"triton_flash_m{_block_m}_n128",
+            supports=_fits, group="triton_flash_n128",
+        )(_flash_fn(_block_m, 2, 128))  # fmt: skip

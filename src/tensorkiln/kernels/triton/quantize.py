@@ -148,7 +148,9 @@ def requantize(v, s, QOUT: tl.constexpr):
     q = quotient(v, s)
     if QOUT == 2:
         return _saturated_e4m3(q)
-    return _integer(q, 0.0, -128.0, 127.0)
+    # (no zero point: clamped to the integer bounds first, then rounded, is the same)
+    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
+    return ((q + _ROUND) - _ROUND).to(tl.int32)
 
 
 def qout(dtype: torch.dtype | None) -> int:
