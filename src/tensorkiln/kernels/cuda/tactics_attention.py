@@ -1,7 +1,6 @@
 """tensorkiln.Attention's Triton tactics, ``triton_flash_m64`` and ``triton_flash_m128``
 (kernels/triton/flash_attention.py; 64 or 128 query rows per program; ``_s3``: a three-stage
-pipeline over key blocks instead of two; ``_n128``: blocks of 128 keys instead of 64, a
-sequence of 128 in one block), and PackedAttention's, ``triton_flash_packed_m64`` /
+pipeline over key blocks instead of two), and PackedAttention's, ``triton_flash_packed_m64`` /
 ``_m128`` (and ``_s3``): the same kernel reading each sequence's rows of the packed
 operands (padding removal), where the default scatters them into padded tensors for SDPA.
 
@@ -70,10 +69,9 @@ if available():
     class TritonAttentionArrays(TorchAttentionArrays):
         """The attention math on the Triton flash kernel where it applies, SDPA elsewhere."""
 
-        def __init__(self, block_m: int, stages: int, block_n: int = 64) -> None:
+        def __init__(self, block_m: int, stages: int) -> None:
             self.block_m = block_m
             self.stages = stages
-            self.block_n = block_n
 
         def _flash(self, q, k, v, mask, scale, causal, mask_kind, quantized=None):
             """The flash kernel's result (``quantized``: flash.attention's), or None where it
@@ -85,7 +83,6 @@ if available():
             return flash.attention(
                 q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
                 block_m=self.block_m, stages=self.stages, quantized=quantized,
-                block_n=self.block_n,
             )  # fmt: skip
 
         def attend(self, q, k, v, mask, scale: float, causal: int, mask_kind: str):
@@ -102,8 +99,8 @@ if available():
             y_scale = y_scale.reshape(()).to(device=q.device, dtype=torch.float32)
             return self._flash(q, k, v, mask, scale, causal, mask_kind, (target, y_scale))
 
-    def _flash_fn(block_m: int, stages: int, block_n: int = 64):
-        run = FusedAttention(TritonAttentionArrays(block_m, stages, block_n)).fused_attention
+    def _flash_fn(block_m: int, stages: int):
+        run = FusedAttention(TritonAttentionArrays(block_m, stages)).fused_attention
 
         def attention_triton_flash(q, k, v, mask=None, y_scale=None, **attrs):
             """The attention in one Triton pass over blocks of keys (see the module's
@@ -141,10 +138,5 @@ if available():
                     _op, domain="tensorkiln", name=f"{_name}_m{_block_m}{_suffix}",
                     supports=_supports,
                 )(_make(_block_m, _stages))  # fmt: skip
-    # (keys in blocks of 128: BERT's sequences of 128 in one block, one softmax pass; a group
-    # of their own, so the four the autotuner times of the others do not crowd them out)
-    for _block_m in flash.BLOCKS_M:
-        tactic(
-            "Attention", domain="tensorkiln", name=f"triton_flash_m{_block_m}_n128",
-            supports=_fits, group="triton_flash_n128",
-        )(_flash_fn(_block_m, 2, 128))  # fmt: skip
+    # (keys in blocks of 128 instead of 64, BERT's sequence of 128 in one block, ran slower on
+    # an H200: 0.034-0.037 ms against 0.028 for its attention at batch 64)

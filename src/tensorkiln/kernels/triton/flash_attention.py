@@ -282,14 +282,13 @@ def attention(
     block_m: int = 128,
     stages: int = 2,
     quantized: tuple[torch.dtype, torch.Tensor] | None = None,
-    block_n: int = 64,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v of [B, H, Sq, D] / [B, H, Sk, D] / [B, H, Sk, Dv]
     operands; ``mask_kind`` "bool" (True: visible) or anything else (additive); ``block_m``
     query rows per program (64: twice the programs, for small batches); ``stages`` the software
     pipeline's depth over key blocks; ``quantized`` (int8 or float8_e4m3fn, a float32 scale of
     one element): the output written quantized, as a QuantizeLinear reading the float output
-    would quantize it; ``block_n`` keys a block (64 or 128). Returns [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The caller
+    would quantize it. Returns [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The caller
     checks :func:`applies`."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
@@ -301,6 +300,7 @@ def attention(
     if has_mask and m.dtype == torch.bool:
         m = m.view(torch.uint8)
     block_m = 64 if sq <= 64 else block_m
+    block_n = 64
     grid = (triton.cdiv(sq, block_m), b * h)
     mstrides = m.stride() if has_mask else (0, 0, 0, 0)
     bounds, bstrides = q, (0, 0, 0)  # (no bounds: a placeholder pointer)
