@@ -122,20 +122,19 @@ _CHANNEL_PATCHES = (
         "                    )).load().reshape(tRS_rD_layout.shape)\n"
         "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias\n",
     ),
-    # an 8-bit integer output: saturated, then rounded half to even (1.5 * 2**23 added and taken
-    # away), as QuantizeLinear rounds; the conversion after it truncates an integral value
+    # an 8-bit integer output: rounded half to even, as QuantizeLinear rounds, converted to int32
+    # (which saturates) and held to [-128, 127] in integers
     (
         "                    tRS_rD_out.store(activation.to(self.c_dtype))\n",
         "                    if cutlass.const_expr(self.c_dtype == cutlass.Int8):\n"
-        "                        activation = cute.where(\n"
-        "                            activation > 127.0, cute.full_like(activation, 127.0), activation\n"
+        "                        tk_int = cute.math.roundeven(activation).to(cutlass.Int32)\n"
+        "                        tk_int = cute.math.max(\n"
+        "                            cute.math.min(tk_int, cute.full_like(tk_int, 127)),\n"
+        "                            cute.full_like(tk_int, -128),\n"
         "                        )\n"
-        "                        activation = cute.where(\n"
-        "                            activation < -128.0, cute.full_like(activation, -128.0),\n"
-        "                            activation,\n"
-        "                        )\n"
-        "                        activation = (activation + 12582912.0) - 12582912.0\n"
-        "                    tRS_rD_out.store(activation.to(self.c_dtype))\n",
+        "                        tRS_rD_out.store(tk_int.to(self.c_dtype))\n"
+        "                    else:\n"
+        "                        tRS_rD_out.store(activation.to(self.c_dtype))\n",
     ),
 )
 
