@@ -45,15 +45,21 @@ def _library():
     return lib
 
 
+def _fp8_operands(seed: int, m: int, n: int, k: int):
+    """E4M3 A (m x k) and packed B (n x k), A's scale and B's per-channel scales, and the
+    generator they were drawn from."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    a = torch.randn(m, k, device="cuda", generator=g).to(E4M3)
+    b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
+    b_scale = 0.01 + 0.02 * torch.rand(n, device="cuda", generator=g)
+    return g, a, b, torch.tensor(0.05, device="cuda"), b_scale
+
+
 @pytest.mark.parametrize("activation", ["Relu", "", "Gelu"])
 def test_gemm_kernels_match_the_exact_kernel(activation: str) -> None:
     _library()
-    g = torch.Generator(device="cuda").manual_seed(11)
     m, n, k = 512, 256, 384
-    a = torch.randn(m, k, device="cuda", generator=g).to(E4M3)
-    b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
-    a_scale = torch.tensor(0.05, device="cuda")
-    b_scale = 0.01 + 0.02 * torch.rand(n, device="cuda", generator=g)
+    g, a, b, a_scale, b_scale = _fp8_operands(11, m, n, k)
     c = 0.2 * torch.randn(n, device="cuda", generator=g)
     y_scale = torch.tensor(0.03, device="cuda")
     attrs = {"transB": 1, "activation": activation, "out_dtype": 17, "alpha": 0.75, "beta": 0.5}
@@ -80,12 +86,8 @@ def test_float16_output_kernels_match_the_exact_kernel(bias: bool) -> None:
     BERT's QKV, attention-output and second FFN GEMMs are): to float16's rounding of the
     exact kernel's result."""
     _library()
-    g = torch.Generator(device="cuda").manual_seed(13)
     m, n, k = 512, 384, 256
-    a = torch.randn(m, k, device="cuda", generator=g).to(E4M3)
-    b = torch.randn(n, k, device="cuda", generator=g).to(E4M3)
-    a_scale = torch.tensor(0.05, device="cuda")
-    b_scale = 0.01 + 0.02 * torch.rand(n, device="cuda", generator=g)
+    g, a, b, a_scale, b_scale = _fp8_operands(13, m, n, k)
     c = 0.5 * torch.randn(n, device="cuda", generator=g) if bias else None
     attrs = {"transB": 1, "activation": "", "out_dtype": 10, "alpha": 0.75, "beta": 0.5}
     spec = LayerSpec("QGemmAct", "tensorkiln", attrs,
