@@ -107,6 +107,22 @@ def test_layer_norm_with_a_broadcast_residual(rows_path):
     w, b = randn(24), randn(24)
     check("LayerNorm", "tensorkiln", [big, w, b, small], n_outputs=2)
     check("LayerNorm", "tensorkiln", [small, w, b, big], n_outputs=2)
+    # read in place as repeating rows: [S, H], one row; copied: a broadcast that is not a
+    # repetition of whole rows ([B, 1, H] over [B, S, H]), both operands broadcast
+    for other in (randn(7, 24), randn(1, 1, 24), randn(4, 1, 24)):
+        check("LayerNorm", "tensorkiln", [big, w, b, other], n_outputs=2)
+    check("LayerNorm", "tensorkiln", [randn(4, 1, 24), w, b, small], n_outputs=2)
+
+
+def test_row_period():
+    """Which broadcast residuals the kernel reads in place, as rows that repeat."""
+    assert norm._row_period((1, 7, 24), (4, 7, 24)) == 7
+    assert norm._row_period((7, 24), (4, 7, 24)) == 7
+    assert norm._row_period((1, 1, 24), (4, 7, 24)) == 1
+    assert norm._row_period((24,), (4, 7, 24)) == 1
+    assert norm._row_period((2, 7, 24), (3, 2, 7, 24)) == 14
+    for small in ((4, 1, 24), (1, 7, 1), (3, 1, 7, 24)):
+        assert norm._row_period(small, (4, 7, 24) if len(small) == 3 else (3, 2, 7, 24)) == 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)

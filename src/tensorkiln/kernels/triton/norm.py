@@ -31,11 +31,16 @@ LOOP_BLOCK = 4096
 
 
 @triton.jit
-def _summed(X, R, S, Y, offs, mask, HAS_RES: tl.constexpr, STORE_S: tl.constexpr):
-    """A block of x (+ the residual, rounded to Y's dtype and stored to S if asked), float32."""
+def _summed(X, R, S, Y, offs, mask, HAS_RES: tl.constexpr, STORE_S: tl.constexpr, roffs=None):
+    """A block of x (+ the residual at ``roffs``, else at x's offsets; rounded to Y's dtype and
+    stored to S if asked), float32."""
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        x = x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)
+        if roffs is None:
+            r = tl.load(R + offs, mask=mask, other=0.0)
+        else:
+            r = tl.load(R + roffs, mask=mask, other=0.0)
+        x = x + r.to(tl.float32)
         x = x.to(Y.dtype.element_ty).to(tl.float32)
         if STORE_S:
             tl.store(S + offs, x.to(S.dtype.element_ty), mask=mask)
@@ -61,9 +66,10 @@ def _written(
 
 @triton.jit
 def _norm_rows(
-    X, R, W, B, Y, S, MEAN, INV, Q, QS, n_rows, N, eps,
+    X, R, W, B, Y, S, MEAN, INV, Q, QS, n_rows, N, eps, R_ROWS,
     HAS_RES: tl.constexpr, HAS_B: tl.constexpr, STORE_S: tl.constexpr, STATS: tl.constexpr,
     RMS: tl.constexpr, QOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    R_PERIODIC: tl.constexpr = False,
 ):  # fmt: skip
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_N)
@@ -71,7 +77,10 @@ def _norm_rows(
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = _summed(X, R, S, Y, offs, mask, HAS_RES, STORE_S)
+    roffs = None
+    if R_PERIODIC:  # (the residual's R_ROWS rows repeat: a position embedding over a batch)
+        roffs = (rows % R_ROWS).to(tl.int64)[:, None] * N + cols[None, :]
+    x = _summed(X, R, S, Y, offs, mask, HAS_RES, STORE_S, roffs)
     if RMS:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
         xc = x
@@ -140,6 +149,22 @@ def row_tile(n: int, rows: int) -> tuple[int, int, int]:
     return block_n, per, min(16, max(4, block_n * per // 512))
 
 
+def _row_period(small, shape) -> int:
+    """The rows of a tensor of shape ``small`` broadcast to ``shape`` (last axes the same) as a
+    repeating period: the number of its rows where its leading axes are all 1 ([1, S, H] over
+    [B, S, H]: S), else 0 (the broadcast is not a repetition of whole row blocks)."""
+    dims = (1,) * (len(shape) - len(small)) + tuple(small)
+    lead = 0
+    while lead < len(dims) - 1 and dims[lead] == 1:
+        lead += 1
+    if not shape or tuple(dims[lead:]) != tuple(shape[lead:]):
+        return 0
+    period = 1
+    for d in dims[:-1]:
+        period *= d
+    return period
+
+
 def normalize(
     x,
     scale,
@@ -163,16 +188,25 @@ def normalize(
     """
     import torch
 
+    period = 0  # (rows of a residual that repeat over x's, read in place; 0: one row each)
     if residual is not None and residual.shape != x.shape:  # the fused Add broadcasts
         both = torch.broadcast_shapes(x.shape, residual.shape)
-        x, residual = x.expand(both), residual.expand(both)
+        if tuple(x.shape) != tuple(both) and tuple(residual.shape) == tuple(both):
+            x, residual = residual, x  # (x + r in float32 either way)
+        if tuple(x.shape) == tuple(both) and both and both[-1] <= MAX_BLOCK:
+            period = _row_period(residual.shape, both)  # (rows that fit one block)
+        if not period:
+            x, residual = x.expand(both), residual.expand(both)
     shape = x.shape
     n = shape[-1] if x.dim() else 1
     rows = x.numel() // n if n else 0
     x2 = x.reshape(rows, n).contiguous()
     w = scale.reshape(-1).contiguous()
     b = bias.reshape(-1).contiguous() if bias is not None else w
-    r = residual.reshape(rows, n).contiguous() if residual is not None else x2
+    if period:
+        r = residual.reshape(period, n).contiguous()
+    else:
+        r = residual.reshape(rows, n).contiguous() if residual is not None else x2
     y = torch.empty_like(x2)
     long_rows = n > MAX_BLOCK
     s = torch.empty_like(x2) if residual is not None and (want_sum or long_rows) else y
@@ -194,9 +228,9 @@ def normalize(
                 per, warps = tile
             qout_code = qout(quantized[0].dtype) if quantized else 0
             _norm_rows[(triton.cdiv(rows, per),)](
-                x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, STORE_S=s is not y,
-                STATS=want_stats, QOUT=qout_code, ROWS=per, BLOCK_N=block_n,
-                num_warps=warps, **flags,
+                x2, r, w, b, y, s, mean, inv, q, qs, rows, n, eps, max(period, 1),
+                STORE_S=s is not y, STATS=want_stats, QOUT=qout_code, ROWS=per, BLOCK_N=block_n,
+                R_PERIODIC=period > 0, num_warps=warps, **flags,
             )  # fmt: skip
     out_sum = s.reshape(shape) if want_sum and residual is not None else None
     if not want_stats:
