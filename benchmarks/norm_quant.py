@@ -30,7 +30,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tensorkiln.kernels.triton.norm import _summed, _written, normalize, row_tile
+from tensorkiln.kernels.triton.norm import _row_block, _summed, _written, normalize, row_tile
 from tensorkiln.kernels.triton.quantize import requantize
 
 
@@ -39,12 +39,7 @@ def _norm_copy(
     X, R, W, B, Y, Q, QS, n_rows, N, eps,
     HAS_RES: tl.constexpr, MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    _, cols, _, cmask, mask, offs = _row_block(n_rows, N, ROWS, BLOCK_N)
     # (the library's reads and writes, with its quantization left out and done below)
     x = _summed(X, R, Y, Y, offs, mask, HAS_RES, False)
     mean = tl.sum(x, axis=1) / N

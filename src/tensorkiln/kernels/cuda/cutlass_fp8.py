@@ -1,5 +1,6 @@
-"""FP8 (and int8) GEMMs from a kernel library built ahead of time: tactics ``cutlass_fp8_<variant>`` of
-QGemmAct and of 1x1 QConvAct, where a library is configured and has a kernel for the layer.
+"""FP8 (and int8) GEMMs from a kernel library built ahead of time: tactics
+``cutlass_fp8_<variant>`` of QGemmAct and of 1x1 QConvAct, where a library is configured and has
+a kernel for the layer.
 
 The library is what ``benchmarks/cutlass_gemm_build.py`` writes: CUTLASS's persistent,
 warp-specialized Hopper GEMM (TMA loads and stores, WGMMA), compiled for sm_90a with CUTLASS's
@@ -10,29 +11,29 @@ here: the kernels are called through ctypes on torch's stream, with the CUDA run
 loaded.
 
 The kernels take E4M3 A (M x K) and B (N x K, the packed weight), both K-major, and write E4M3
-or float16 D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] + bias[n] +
-Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A quantized layer
-maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and ``bias = beta * B[n] /
-Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive division, and the
-kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not commute with it: a
-GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without the division and
-``D = gelu(acc * col[n] + bias[n]) * (1 / Y_scale)``, its GELU CUTLASS's polynomial for the
-normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step), or, ``gelu_tanh``, GELU's
-tanh form on the hardware's approximate tanh (within 2e-3; half the epilogue's instructions). A float16 output (a layer
-without Y_scale or activation: BERT's QKV, attention-output and second FFN GEMMs) takes ``col =
-alpha * X_scale * W_scale[n]`` and ``bias = beta * B[n]``. The same kernels with int8
-operands (int32 sums, exact) write int8 (GELU, its result saturated and rounded half to even,
-as QuantizeLinear rounds) or float16: the tactics keep the family's name, ``cutlass_fp8_``, and
-the kernel's name says its types (``gemm_i8_i8_...``). Dividing before rounding rather
-than after changes a value by at most one E4M3 step, which the autotuner's check of E4M3 outputs
-(one step of the tensor's largest value) allows. Shapes: M a multiple of 128, N and K of 16; a
-call at another shape (an engine's dynamic dimension away from the shape it was tuned at) runs
-the layer's exact default kernel instead.
+or float16 D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] +
+bias[n] + Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A
+quantized layer maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and
+``bias = beta * B[n] / Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive
+division, and the kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not
+commute with it: a GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without
+the division and ``D = gelu(acc * col[n] + bias[n]) * (1 / Y_scale)``, its GELU CUTLASS's
+polynomial for the normal CDF (within 0.001 of erf's GELU, far inside an E4M3 step), or,
+``gelu_tanh``, GELU's tanh form on the hardware's approximate tanh (within 2e-3; half the
+epilogue's instructions). A float16 output (a layer without Y_scale or activation: BERT's QKV,
+attention-output and second FFN GEMMs) takes ``col = alpha * X_scale * W_scale[n]`` and ``bias =
+beta * B[n]``. The same kernels with int8 operands (int32 sums, exact) write int8 (GELU, its
+result saturated and rounded half to even, as QuantizeLinear rounds) or float16: the tactics
+keep the family's name, ``cutlass_fp8_``, and the kernel's name says its types
+(``gemm_i8_i8_...``). Dividing before rounding rather than after changes a value by at most one
+E4M3 step, which the autotuner's check of E4M3 outputs (one step of the tensor's largest value)
+allows. Shapes: M a multiple of 128, N and K of 16; a call at another shape (an engine's dynamic
+dimension away from the shape it was tuned at) runs the layer's exact default kernel instead.
 
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
-still read defensively (bounded, every field checked), and a library that does not load or
-does not match is reported once and leaves these tactics out; an engine that names one of them
-then fails to load with the tactic's name rather than running something else.
+still read defensively (bounded, every field checked), and a library that does not load or does
+not match is reported once and leaves these tactics out; an engine that names one of them then
+fails to load with the tactic's name rather than running something else.
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     return "channel", m, n, k, out, operands
 
 
-def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int] | None:
+def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     at = spec.attrs
     x, w = spec.shapes[0], spec.shapes[2]
     if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or x is None or w is None:
@@ -434,18 +435,19 @@ def _gemm_fn(kernel: str) -> Callable:
     def run(a_q, a_scale, b_q, b_scale, c=None, y_scale=None, **attrs) -> torch.Tensor:
         call = qgemm_call(a_q, a_scale, b_q, b_scale, c, y_scale, attrs)
         lib = library()
-        wide = lib is not None and lib.kernels[kernel]["c"] == "f16"
-        if lib is None or (call.y_scale is None) != wide or not call.packed:
+        kern = lib.kernels[kernel] if lib is not None else None
+        wide = kern is not None and kern["c"] == "f16"
+        if kern is None or (call.y_scale is None) != wide or not call.packed:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library, or not a packed 8-bit layer")
         if wide and (call.out != torch.float16 or call.activation):
             raise KernelError(f"{PREFIX}{kernel}: writes float16 without an activation")
         m, n = call.a2.shape[0], call.b.shape[0]
         if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
-        gelu = lib.kernels[kernel]["activation"].startswith("gelu")  # (scaled after the GELU)
+        gelu = kern["activation"].startswith("gelu")  # (the output scale after the GELU)
         col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
                              call.beta, (n, call.alpha), over_y=not gelu)  # fmt: skip
-        d = torch.empty((m, n), dtype=_OUT_DTYPES[lib.kernels[kernel]["c"]], device=a_q.device)
+        d = torch.empty((m, n), dtype=_OUT_DTYPES[kern["c"]], device=a_q.device)
         scalar = 1.0 / _host_scalar(y_scale) if gelu else 0.0
         lib.run(kernel, call.a2.contiguous(), call.b.contiguous(), d, col, bias, None, scalar)
         return d.reshape(call.shape)

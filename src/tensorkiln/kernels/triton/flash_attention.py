@@ -121,15 +121,12 @@ def _attend(
             else:
                 s = s + mt.to(tl.float32) * 1.4426950408889634
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # (rows with nothing visible yet)
-    elif HAS_MASK:  # (a row mask over a whole block)
-        if MASK_BOOL:
-            s = tl.where((row != 0)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    elif HAS_MASK and MASK_BOOL:  # (a row mask over a whole block)
+        s = tl.where((row != 0)[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    if MASKED or HAS_MASK:  # (rows with nothing visible yet)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = m_new
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)

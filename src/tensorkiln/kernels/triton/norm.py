@@ -20,6 +20,8 @@ one block.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import triton
 import triton.language as tl
@@ -28,6 +30,18 @@ from tensorkiln.kernels.triton.quantize import qout, quantize_into, requantize, 
 
 MAX_BLOCK = 16384  # longest row held in registers at once (float32: 64 values a thread at 8 warps)
 LOOP_BLOCK = 4096
+
+
+@triton.jit
+def _row_block(n_rows, N, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's ROWS rows of N values as a [ROWS, BLOCK_N] tile: (rows, cols, row mask,
+    column mask, tile mask, offsets)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < n_rows
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    return rows, cols, rmask, cmask, mask, rows.to(tl.int64)[:, None] * N + cols[None, :]
 
 
 @triton.jit
@@ -71,12 +85,7 @@ def _norm_rows(
     RMS: tl.constexpr, QOUT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
     R_PERIODIC: tl.constexpr = False,
 ):  # fmt: skip
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < n_rows
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    rows, cols, rmask, cmask, mask, offs = _row_block(n_rows, N, ROWS, BLOCK_N)
     roffs = None
     if R_PERIODIC:  # (the residual's R_ROWS rows repeat: a position embedding over a batch)
         roffs = (rows % R_ROWS).to(tl.int64)[:, None] * N + cols[None, :]
@@ -159,10 +168,7 @@ def _row_period(small, shape) -> int:
         lead += 1
     if not shape or tuple(dims[lead:]) != tuple(shape[lead:]):
         return 0
-    period = 1
-    for d in dims[:-1]:
-        period *= d
-    return period
+    return math.prod(dims[:-1])
 
 
 def normalize(

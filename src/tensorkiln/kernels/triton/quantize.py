@@ -135,10 +135,11 @@ def saturated_e4m3_value(q):
 
 @triton.jit
 def _integer(q, z, lo, hi):
-    """round_half_even(q) + z clamped to [lo, hi], as int32."""
-    q = tl.minimum(tl.maximum(q, -1024.0), 1024.0)  # (beyond any 8-bit range + zero point)
-    q = (q + _ROUND) - _ROUND + z
-    return tl.minimum(tl.maximum(q, lo), hi).to(tl.int32)
+    """round_half_even(q) + z clamped to [lo, hi], as int32 (``z`` an integer: clamped to
+    [lo - z, hi - z] first, then rounded, is the same, and keeps the rounding's addition of
+    1.5 * 2**23 exact)."""
+    q = tl.minimum(tl.maximum(q, lo - z), hi - z)
+    return ((q + _ROUND) - _ROUND + z).to(tl.int32)
 
 
 @triton.jit
@@ -148,9 +149,7 @@ def requantize(v, s, QOUT: tl.constexpr):
     q = quotient(v, s)
     if QOUT == 2:
         return _saturated_e4m3(q)
-    # (no zero point: clamped to the integer bounds first, then rounded, is the same)
-    q = tl.minimum(tl.maximum(q, -128.0), 127.0)
-    return ((q + _ROUND) - _ROUND).to(tl.int32)
+    return _integer(q, 0.0, -128.0, 127.0)
 
 
 def qout(dtype: torch.dtype | None) -> int:
