@@ -31,6 +31,7 @@ class Backend(ABC):
     streams: bool = False  # its own streams, memory pools and CUDA events (a GPU)
     cuda_graphs: bool = False  # whole-engine CUDA graph capture and replay
     host_mirror: bool = False  # small shape values mirrored on the host (no device sync)
+    keeps_shape_values: bool = False  # values that follow from input shapes kept per shape
     math_modes: bool = False  # TF32 and reduced-precision switches apply (runtime/mathmode.py)
     autotunes: bool = False  # layers have tactic candidates that the builder times
     specializes: bool = False  # kernels' shape-specialized functions are kept per layer
@@ -93,6 +94,11 @@ class Backend(ABC):
     def inference(self) -> AbstractContextManager[Any]:
         """Entered around a run: no autograd bookkeeping."""
         return contextlib.nullcontext()
+
+    def capturing(self) -> bool:
+        """Whether the work queued now is being captured into a CUDA graph (kernels run then
+        only when the graph is replayed)."""
+        return False
 
     def prepare(self) -> None:
         """Process-wide setup before a context of this backend first runs (allocator, ...)."""

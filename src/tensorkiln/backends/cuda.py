@@ -23,6 +23,7 @@ class CudaBackend(TorchBackend):
 
     name = "cuda"
     host_mirror = True
+    keeps_shape_values = True
     math_modes = True
     autotunes = True
 
@@ -58,6 +59,9 @@ class CudaBackend(TorchBackend):
     def release_pool(self, pool: Any, stream: Any, kind: str = "activations") -> None:
         """Give back a pair from :meth:`acquire_pool` once its context is gone."""
         pools.release(pool, stream, self.device, kind)
+
+    def capturing(self) -> bool:
+        return self.streams and torch.cuda.is_current_stream_capturing()
 
     def synchronize(self) -> None:
         if self.streams:
