@@ -86,6 +86,11 @@ class Backend(ABC):
         """Attach ``array`` (the values of ``value``) as its host copy."""
         return None
 
+    def unchanging(self, value: Any) -> None:
+        """Mark ``value`` as never written from now on (the executor keeps it per input shapes),
+        so that kernels may keep what they prepare from it, as from a constant."""
+        return None
+
     # ------------------------------------------------------------------ scopes
     def scope(self) -> AbstractContextManager[Any]:
         """Entered around a run: the device new tensors are made on."""

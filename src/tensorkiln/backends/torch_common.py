@@ -63,6 +63,9 @@ class TorchBackend(Backend):
     def remember_on_host(self, value: Any, array: np.ndarray) -> None:
         remember_host_values(value, array)
 
+    def unchanging(self, value: Any) -> None:
+        mark_constant(value)
+
     def scope(self) -> AbstractContextManager[Any]:
         return use_device(self.device)
 

@@ -290,6 +290,9 @@ class Executor:
         self._shape_bytes += size
         number = len(table)
         table[key] = (number, list(outputs))
+        for r in outputs:
+            if r is not None:
+                self.backend.unchanging(r)
         return number
 
     def synchronize(self) -> None:

@@ -238,6 +238,25 @@ def test_gather_index_out_of_range_is_clamped_not_a_fault():
     assert y.tolist() == [3, 1]
 
 
+@pytest.mark.parametrize("constant", [False, True])
+def test_gather_wraps_negatives_and_clamps_the_rest(constant):
+    # every index from -size-3 to size+3, as the reference wraps them and the module doc clamps
+    from tensorkiln.kernels.cuda.convert import _KEPT, mark_constant
+
+    x = rand(5, 3, dtype=np.float32)
+    raw = rng.permutation(np.arange(-8, 9)).astype(np.int64)
+    idx = tt(raw)
+    if constant:  # (an engine's constant, or a value kept per input shape)
+        mark_constant(idx)
+    gather = lookup("Gather", "", 24, "cuda")
+    want = x[np.clip(np.where(raw < 0, raw + 5, raw), 0, 4)]
+    for _ in range(2):
+        (y,) = invoke(gather, [tt(x), idx], {}, 1)
+        np.testing.assert_array_equal(y.numpy(), want)
+    # the wrapped indices of a constant are made once and kept with it
+    assert (idx in _KEPT) == constant
+
+
 def test_gather_elements_and_gather_nd():
     x = rand(4, 5, 6, dtype=np.uint16)
     idx = rng.integers(-5, 5, size=(3, 5, 2))

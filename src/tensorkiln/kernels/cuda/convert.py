@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 _DEVICE: contextvars.ContextVar[torch.device | None] = contextvars.ContextVar(
     "tensorkiln_device", default=None
@@ -227,6 +228,38 @@ def mark_constant(t: Any) -> Any:
 def is_constant(t: Any) -> bool:
     """Whether ``t`` is marked by :func:`mark_constant` (views and copies of it are not)."""
     return isinstance(t, torch.Tensor) and getattr(t, _CONSTANT_ATTR, False)
+
+
+# What kernels prepare from an engine's constants (mark_constant: never written), kept per
+# constant tensor and key: cudnn_fp16's float16 weight (the 8-bit weight times its scale, in the
+# input's layout), cublas_fp8_rowwise's scale vectors and bias, a Gather's wrapped indices. A
+# CUDA graph then replays the layer without the small kernels that prepare it. A value changed
+# in place (its version) or another dependency tensor prepares it again; nothing is kept while a
+# stream is capturing (it would belong to that graph's memory pool), nor for values computed at
+# run time (an arena's memory changes under the same tensor).
+_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def kept(owner: torch.Tensor, key: tuple, make: Callable[[], Any], *deps: Any) -> Any:
+    """``make()``, kept for ``owner`` and ``key`` where ``owner`` and the tensors of ``deps``
+    are constants; made on every call otherwise."""
+    tensors = [d for d in deps if isinstance(d, torch.Tensor)]
+    if not (is_constant(owner) and all(is_constant(d) for d in tensors)):
+        return make()
+    try:
+        versions = (owner._version, *((id(d), d._version) for d in tensors))
+    except RuntimeError:  # inference tensors keep no version: made on every call
+        return make()
+    entries = _KEPT.get(owner)
+    hit = entries.get(key) if entries is not None else None
+    if hit is not None and hit[0] == versions:
+        return hit[1]
+    value = make()
+    if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if entries is None:
+            entries = _KEPT[owner] = {}
+        entries[key] = (versions, value, tensors)  # (the dependencies held: their ids stay theirs)
+    return value
 
 
 def host_values(t: Any) -> np.ndarray | None:

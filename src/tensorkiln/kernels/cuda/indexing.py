@@ -21,7 +21,7 @@ from tensorkiln.kernels.common.indexing import (
     check_nd_indices,
 )
 from tensorkiln.kernels.common.tensor import norm_axis
-from tensorkiln.kernels.cuda.convert import host_values
+from tensorkiln.kernels.cuda.convert import host_values, kept
 from tensorkiln.kernels.cuda.tensor import (
     as_signed,
     from_order_key,
@@ -33,10 +33,16 @@ from tensorkiln.kernels.registry import register
 
 
 def _indices(indices: torch.Tensor, size: int) -> torch.Tensor:
-    """``indices`` as int64 in [0, size): negatives wrapped, others clamped (see the module doc)."""
-    idx = indices.to(torch.int64)
-    idx = torch.where(idx < 0, idx + size, idx)
-    return idx.clamp(0, max(size - 1, 0))
+    """``indices`` as int64 in [0, size): negatives wrapped, others clamped (see the module doc),
+    in two kernels: clamped to [-size, size), then the negatives wrapped by the remainder. Kept
+    for constant indices (an engine's constants, values kept per input shape): none then."""
+
+    def make() -> torch.Tensor:
+        if size == 0:
+            return indices.to(torch.int64).clamp(0, 0)
+        return indices.to(torch.int64).clamp(-size, size - 1).remainder(size)
+
+    return kept(indices, ("indices", size), make)
 
 
 # ---------------------------------------------------------------------------------------------

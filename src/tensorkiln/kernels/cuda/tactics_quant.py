@@ -39,10 +39,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from tensorkiln.kernels.common.conv import conv_geometry
-from tensorkiln.kernels.cuda.convert import is_constant
+from tensorkiln.kernels.cuda.convert import kept as _kept
 from tensorkiln.kernels.cuda.fused_quant import (
     QConv,
     one_pass,
@@ -332,38 +331,6 @@ def _half_sums(
     float16's range, and X_scale follows in the epilogue's pass."""
     acc = conv_nd(x_q.to(w_half.dtype), w_half, None, call.geometry, call.group)
     return _scaled(acc, call.x_scale.expand(call.channels), bias, z, call)
-
-
-# What a tactic prepares from an engine's constants (convert.mark_constant: never written),
-# kept per constant tensor and key: cudnn_fp16's float16 weight (the 8-bit weight times its
-# scale, in the input's layout), cublas_fp8_rowwise's scale vectors and bias. A CUDA graph then
-# replays the GEMM or convolution without the small kernels that prepare them. A value changed
-# in place (its version) or another dependency tensor prepares it again; nothing is kept while a
-# stream is capturing (it would belong to that graph's memory pool), nor for values computed at
-# run time (an arena's memory changes under the same tensor).
-_KEPT: WeakIdKeyDictionary = WeakIdKeyDictionary()
-
-
-def _kept(owner: torch.Tensor, key: tuple, make: Callable[[], Any], *deps: Any) -> Any:
-    """``make()``, kept for ``owner`` and ``key`` where ``owner`` and the tensors of ``deps``
-    are constants; made on every call otherwise."""
-    tensors = [d for d in deps if isinstance(d, torch.Tensor)]
-    if not (is_constant(owner) and all(is_constant(d) for d in tensors)):
-        return make()
-    try:
-        versions = (owner._version, *((id(d), d._version) for d in tensors))
-    except RuntimeError:  # inference tensors keep no version: made on every call
-        return make()
-    entries = _KEPT.get(owner)
-    hit = entries.get(key) if entries is not None else None
-    if hit is not None and hit[0] == versions:
-        return hit[1]
-    value = make()
-    if not (owner.is_cuda and torch.cuda.is_current_stream_capturing()):
-        if entries is None:
-            entries = _KEPT[owner] = {}
-        entries[key] = (versions, value, tensors)  # (the dependencies held: their ids stay theirs)
-    return value
 
 
 def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
