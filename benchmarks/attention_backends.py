@@ -29,6 +29,7 @@ sys.path[:0] = [
 
 from benchmarks.norm_quant import _time  # noqa: E402
 
+from tensorkiln.kernels.cuda.tactics_attention import SHORT_TILES  # noqa: E402
 from tensorkiln.kernels.triton import flash_attention as flash  # noqa: E402
 
 
@@ -71,15 +72,19 @@ def main(argv: list[str] | None = None) -> int:
 
         return run
 
-    def tk(block_m: int, stages: int, quantized=None):
+    def tk(block_m: int, stages: int, quantized=None, persistent: int = 0):
         def run():
             return flash.attention(q, k, v, mask, scale=scale, mask_kind="additive",
-                                   block_m=block_m, stages=stages, quantized=quantized)  # fmt: skip
+                                   block_m=block_m, stages=stages, quantized=quantized,
+                                   persistent=persistent)  # fmt: skip
 
         return run
 
     variants = {f"tensorkiln flash m{m}{'_s3' if st == 3 else ''}": tk(m, st)
                 for m in (64, 128) for st in (2, 3)}  # fmt: skip
+    if s <= flash.SHORT_KEYS:  # the persistent one-block kernel: programs an SM, loop stages
+        variants |= {f"tensorkiln short m{m} x{p}{'_s3' if st == 3 else ''}": tk(m, st, None, p)
+                     for m in (64, 128) for p in (1, 2, 3, 4, 6, 8) for st in (2, 3)}  # fmt: skip
     variants |= {
         "SDPA (its choice)": sdpa(None),
         "SDPA cuDNN": sdpa(SDPBackend.CUDNN_ATTENTION),
@@ -91,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             variants[f"tensorkiln flash m{m}_s3 E4M3 out"] = tk(
                 m, 3, (torch.float8_e4m3fn, y_scale)
             )
+        if s <= flash.SHORT_KEYS:  # (the short kernel's tactics)
+            for m, p, st in SHORT_TILES:
+                variants[f"tensorkiln short m{m} x{p}{'_s3' if st == 3 else ''} E4M3 out"] = tk(
+                    m, st, (torch.float8_e4m3fn, y_scale), p
+                )
     for name, fn in variants.items():
         try:
             got = fn()

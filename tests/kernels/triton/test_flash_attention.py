@@ -192,6 +192,50 @@ def test_row_ends_against_numpy(kind):
     np.testing.assert_array_equal(to_numpy(got).reshape(2), last[:, 0, 0])
 
 
+SHORT = [
+    "triton_flash_short_m64_x2",
+    "triton_flash_short_m128_x1_s3",
+    "triton_flash_short_m128_x2_s3",
+]
+
+
+@pytest.mark.parametrize("name", SHORT)
+def test_short_sequences_on_the_persistent_kernel(name):
+    """Keys in one block, each program looping over tiles (more tiles than programs: the
+    interpreter's grid is 4 an SM's count): masks of every broadcast shape, bool and additive,
+    with rows that see no key; causal alone and with a key padding mask; keys fewer than the
+    block (75 of 128) and exactly one block (128), queries past a block height."""
+    tactic = get_tactic("Attention", "tensorkiln", name)
+    rng = np.random.default_rng()
+    for shape in MASKS:
+        for kind in ("additive", "bool") if shape is not None else ("",):
+            args = _qkv(rng)
+            attrs = {"scale": 0.3}
+            if shape is not None:
+                args.append(_mask(shape, kind, rng))
+                attrs["mask_kind"] = kind
+            assert _run(args, attrs, np.float16, tactic) < 1e-2, (shape, kind)
+    for sq, sk in ((128, 128), (150, 128), (40, 75)):
+        pad = _mask((B, 1, 1, sk), "additive", rng)
+        for causal in (0, 1):
+            args = [*_qkv(rng, sq=sq, sk=sk), pad]
+            attrs = {"mask_kind": "additive", "causal": causal, "scale": 0.25}
+            assert _run(args, attrs, np.float16, tactic) < 1e-2, (sq, sk, causal)
+        assert _run(_qkv(rng, sq=sq, sk=sk), {}, BF16, tactic) < 2e-2
+
+
+def test_the_persistent_kernel_takes_short_keys_only():
+    tactic = get_tactic("Attention", "tensorkiln", SHORT[0])
+    for sk, fits in ((128, True), (129, False)):
+        spec = LayerSpec("Attention", "tensorkiln", {}, ((1, 2, 8, 16), (1, 2, sk, 16),
+                         (1, 2, sk, 16)), ("float16",) * 3, device=DEVICE)  # fmt: skip
+        assert tactic.applies(spec) == fits
+    bsd = LayerSpec("Attention", "tensorkiln", {"num_heads": 2, "input_layout": "bsd"},
+                    ((1, 8, 32), (1, 200, 32), (1, 200, 32)), ("float16",) * 3,
+                    device=DEVICE)  # fmt: skip
+    assert not tactic.applies(bsd)
+
+
 def test_bsd_layout_bfloat16_and_a_wider_value():
     rng = np.random.default_rng()
     heads, d = 3, 16
@@ -237,7 +281,10 @@ def test_bert_and_gpt2_shapes_on_the_gpu():
 @pytest.mark.parametrize("q_dtype", [3, 17], ids=["int8", "fp8"])
 @pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "key-padding"])
 @pytest.mark.parametrize("layout", ["bhsd", "bsd"])
-def test_the_output_written_quantized_is_quantize_linear_of_the_float_one(q_dtype, masked, layout):
+@pytest.mark.parametrize("name", ["triton_flash_m64", SHORT[1]])
+def test_the_output_written_quantized_is_quantize_linear_of_the_float_one(
+    q_dtype, masked, layout, name
+):
     """With q_dtype and Y_scale the kernel's epilogue quantizes what it would have stored: the
     codes equal the reference QuantizeLinear of the same tactic's float16 output, bit for bit,
     including saturated values (the scale puts some outside the 8-bit range) and the zero rows
@@ -257,14 +304,15 @@ def test_the_output_written_quantized_is_quantize_linear_of_the_float_one(q_dtyp
         pad[1, ..., rng.integers(SK // 2, SK - 1) :] = np.float32(np.finfo(np.float32).min)
         attrs["mask_kind"] = "additive"
         args.append(pad)
+    tactic = get_tactic("Attention", "tensorkiln", name)
     device = [to_torch(a, DEVICE) for a in args]
-    float_out = to_numpy(TACTIC.fn(*device, **attrs))
+    float_out = to_numpy(tactic.fn(*device, **attrs))
     top = 448.0 if q_dtype == 17 else 127.0
     y_scale = np.float32(np.abs(float_out.astype(np.float32)).max() / (top * 1.5))
     want = quantize_linear(float_out, y_scale, output_dtype=q_dtype)
     if not masked:
         device.append(None)
-    got = to_numpy(TACTIC.fn(*device, to_torch(y_scale, DEVICE), **attrs, q_dtype=q_dtype))
+    got = to_numpy(tactic.fn(*device, to_torch(y_scale, DEVICE), **attrs, q_dtype=q_dtype))
     assert got.dtype == want.dtype and got.shape == want.shape
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     ratio = float_out.astype(np.float32) / y_scale

@@ -1,6 +1,8 @@
 """tensorkiln.Attention's Triton tactics, ``triton_flash_m64`` and ``triton_flash_m128``
 (kernels/triton/flash_attention.py; 64 or 128 query rows per program; ``_s3``: a three-stage
-pipeline over key blocks instead of two), and PackedAttention's, ``triton_flash_packed_m64`` /
+pipeline over key blocks instead of two), ``triton_flash_short_m128_x1_s3`` and its kin for keys
+that fit one block (a persistent grid, ``x1``: one program an SM, each looping over tiles of
+query rows, ``_s3``: three stages of that loop's pipeline), and PackedAttention's, ``triton_flash_packed_m64`` /
 ``_m128`` (and ``_s3``): the same kernel reading each sequence's rows of the packed
 operands (padding removal), where the default scatters them into padded tensors for SDPA.
 
@@ -63,15 +65,36 @@ def _fits(spec: LayerSpec) -> bool:
     return width is not None and 0 < width <= 256
 
 
+def _key_length(spec: LayerSpec) -> int | None:
+    k = spec.shapes[1] if len(spec.shapes) > 1 else None
+    if k is None:
+        return None
+    axis = 1 if spec.attrs.get("input_layout", "bhsd") == "bsd" else 2
+    return k[axis] if len(k) > axis and isinstance(k[axis], int) else None
+
+
+def _fits_short(spec: LayerSpec) -> bool:
+    """What _fits takes, with keys few enough for one block (flash.SHORT_KEYS)."""
+    sk = _key_length(spec) if _fits(spec) else None
+    return sk is not None and 0 < sk <= 128
+
+
+# The persistent one-block kernel's tactics: (query rows a program, programs an SM, pipeline
+# stages over its tiles), the fastest of 24 on an H200 for BERT-base's attention at batch 64
+# (S = 128, key padding mask, float16): 0.0213, 0.0239 and 0.0245 ms against 0.0269 for the
+# grid kernel (m64) and 0.0263 for cuDNN's through SDPA; benchmarks/attention_backends.py.
+SHORT_TILES = ((128, 1, 3), (128, 2, 3), (64, 2, 2))
+
 if available():
     from tensorkiln.kernels.triton import flash_attention as flash
 
     class TritonAttentionArrays(TorchAttentionArrays):
         """The attention math on the Triton flash kernel where it applies, SDPA elsewhere."""
 
-        def __init__(self, block_m: int, stages: int) -> None:
+        def __init__(self, block_m: int, stages: int, persistent: int = 0) -> None:
             self.block_m = block_m
             self.stages = stages
+            self.persistent = persistent
 
         def _flash(self, q, k, v, mask, scale, causal, mask_kind, quantized=None):
             """The flash kernel's result (``quantized``: flash.attention's), or None where it
@@ -83,6 +106,7 @@ if available():
             return flash.attention(
                 q, k, v, m, scale=s, causal=bool(causal), mask_kind=mask_kind,
                 block_m=self.block_m, stages=self.stages, quantized=quantized,
+                persistent=self.persistent,
             )  # fmt: skip
 
         def attend(self, q, k, v, mask, scale: float, causal: int, mask_kind: str):
@@ -99,8 +123,8 @@ if available():
             y_scale = y_scale.reshape(()).to(device=q.device, dtype=torch.float32)
             return self._flash(q, k, v, mask, scale, causal, mask_kind, (target, y_scale))
 
-    def _flash_fn(block_m: int, stages: int):
-        run = FusedAttention(TritonAttentionArrays(block_m, stages)).fused_attention
+    def _flash_fn(block_m: int, stages: int, persistent: int = 0):
+        run = FusedAttention(TritonAttentionArrays(block_m, stages, persistent)).fused_attention
 
         def attention_triton_flash(q, k, v, mask=None, y_scale=None, **attrs):
             """The attention in one Triton pass over blocks of keys (see the module's
@@ -138,5 +162,12 @@ if available():
                     _op, domain="tensorkiln", name=f"{_name}_m{_block_m}{_suffix}",
                     supports=_supports,
                 )(_make(_block_m, _stages))  # fmt: skip
+    # short sequences (keys up to flash.SHORT_KEYS) on the persistent one-block kernel
+    for _block_m, _per_sm, _stages in SHORT_TILES:
+        tactic(
+            "Attention", domain="tensorkiln",
+            name=f"triton_flash_short_m{_block_m}_x{_per_sm}{'_s3' if _stages == 3 else ''}",
+            supports=_fits_short,
+        )(_flash_fn(_block_m, _stages, _per_sm))  # fmt: skip
     # (keys in blocks of 128 instead of 64, BERT's sequence of 128 in one block, ran slower on
     # an H200: 0.034-0.037 ms against 0.028 for its attention at batch 64)

@@ -46,6 +46,7 @@ LOG2E = 1.4426950408889634
 # exact for it. finfo(float16).min (-65504, what the exported finfo(float32).min becomes after the
 # cast), -1e9 or -inf are below; -10000 (BERT's old exports) is not, and those blocks are visited.
 DEAD = -30000.0
+SHORT_KEYS = 128  # keys the persistent one-block kernel takes (attention's ``persistent``)
 
 
 @triton.jit
@@ -211,14 +212,69 @@ def _flash_kernel(
             MASKED=True, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=CAUSAL, UPCAST=UPCAST,
             MASK_ROW=MASK_ROW,
         )  # fmt: skip
+    _finish(
+        acc, l_i, q_ptr, o_ptr + o_off + h * soh, qs_ptr, offs_m, m_ok, offs_dv, DV, som, sod,
+        QOUT=QOUT,
+    )  # fmt: skip
+
+
+@triton.jit
+def _finish(
+    acc, l_i, q_ptr, o_base, qs_ptr, offs_m, m_ok, offs_dv, DV, som, sod, QOUT: tl.constexpr
+):
+    """The rows' sums divided out (zeros for a row that saw no key) and stored from ``o_base``,
+    quantized where QOUT asks as a QuantizeLinear reading the float output would."""
     out = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     if QOUT != 0:  # the float output as it would be stored, quantized as QuantizeLinear would
         stored = out.to(q_ptr.dtype.element_ty).to(tl.float32)
         out = requantize(stored, tl.load(qs_ptr), QOUT)
     tl.store(
-        o_ptr + o_off + h * soh + offs_m[:, None] * som + offs_dv[None, :] * sod,
-        out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :],
+        o_base + offs_m[:, None] * som + offs_dv[None, :] * sod,
+        out.to(o_base.dtype.element_ty), mask=m_ok[:, None] & (offs_dv < DV)[None, :],
     )  # fmt: skip
+
+
+@triton.jit
+def _flash_short_kernel(
+    q_ptr, k_ptr, v_ptr, m_ptr, o_ptr, qs_ptr, qk_scale, H, SQ, SK, D, DV,
+    sqb, sqh, sqm, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
+    smb, smh, smm, smn, sob, soh, som, sod, TILES, M_TILES,
+    HAS_MASK: tl.constexpr, MASK_BOOL: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
+    QOUT: tl.constexpr, MASK_ROW: tl.constexpr, MASKED: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+):  # fmt: skip
+    """Every key in one block (SK <= BLOCK_N), a persistent grid: each program takes tiles of
+    BLOCK_M query rows of one (batch, head), one after another, and the loop's software pipeline
+    loads the next tile's Q, K and V while this one computes (one tile a program, as the grid
+    kernel runs, leaves the loads of a program's one pass unoverlapped with anything of its own)."""
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    for tile in tl.range(tl.program_id(0), TILES, tl.num_programs(0), num_stages=STAGES):
+        start_m = tile % M_TILES
+        bh = tile // M_TILES
+        b = bh // H
+        h = bh % H
+        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < SQ
+        q = tl.load(
+            q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqm + offs_d[None, :] * sqd,
+            mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0,
+        )  # fmt: skip
+        if UPCAST:
+            q = q.to(tl.float32)
+        acc, l_i, _ = _attend(
+            tl.zeros((BLOCK_M, BLOCK_DV), tl.float32), tl.zeros((BLOCK_M,), tl.float32),
+            tl.full((BLOCK_M,), float("-inf"), tl.float32), q, 0, offs_m, m_ok,
+            k_ptr + b * skb + h * skh, v_ptr + b * svb + h * svh, m_ptr + b * smb + h * smh,
+            SK, D, DV, skn, skd, svn, svd, smm, smn, qk_scale, offs_n0, offs_d, offs_dv,
+            MASKED=MASKED, HAS_MASK=HAS_MASK, MASK_BOOL=MASK_BOOL, CAUSAL=CAUSAL,
+            UPCAST=UPCAST, MASK_ROW=MASK_ROW,
+        )  # fmt: skip
+        _finish(
+            acc, l_i, q_ptr, o_ptr + b * sob + h * soh, qs_ptr, offs_m, m_ok, offs_dv, DV, som,
+            sod, QOUT=QOUT,
+        )  # fmt: skip
 
 
 def _row_ends(m: torch.Tensor, boolean: bool) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -279,14 +335,17 @@ def attention(
     block_m: int = 128,
     stages: int = 2,
     quantized: tuple[torch.dtype, torch.Tensor] | None = None,
+    persistent: int = 0,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v of [B, H, Sq, D] / [B, H, Sk, D] / [B, H, Sk, Dv]
     operands; ``mask_kind`` "bool" (True: visible) or anything else (additive); ``block_m``
     query rows per program (64: twice the programs, for small batches); ``stages`` the software
     pipeline's depth over key blocks; ``quantized`` (int8 or float8_e4m3fn, a float32 scale of
     one element): the output written quantized, as a QuantizeLinear reading the float output
-    would quantize it. Returns [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The caller
-    checks :func:`applies`."""
+    would quantize it; ``persistent`` (keys up to SHORT_KEYS): that many programs an SM, each
+    looping over tiles of query rows with all the keys in one block (:func:`_flash_short_kernel`),
+    instead of a program a tile. Returns [B, H, Sq, Dv], a view of a [B, Sq, H, Dv] tensor. The
+    caller checks :func:`applies`."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     dtype, y_scale = quantized if quantized is not None else (q.dtype, q)
@@ -297,6 +356,9 @@ def attention(
     if has_mask and m.dtype == torch.bool:
         m = m.view(torch.uint8)
     block_m = 64 if sq <= 64 else block_m
+    if persistent and sk <= SHORT_KEYS:
+        return _short(q, k, v, m if has_mask else None, o, scale, causal, mask_kind, block_m,
+                      stages, y_scale, qout(dtype), persistent, out)  # fmt: skip
     block_n = 64
     grid = (triton.cdiv(sq, block_m), b * h)
     mstrides = m.stride() if has_mask else (0, 0, 0, 0)
@@ -313,6 +375,31 @@ def attention(
         HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
         UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False, QOUT=qout(dtype),
         MASK_ROW=has_mask and mstrides[2] == 0, **_tiles(block_m, block_n, d, dv, stages),
+    )  # fmt: skip
+    return out.permute(0, 2, 1, 3)
+
+
+def _short(q, k, v, m, o, scale, causal, mask_kind, block_m, stages, y_scale, qout_code,
+           per_sm, out) -> torch.Tensor:  # fmt: skip
+    """:func:`attention` on the persistent one-block kernel (its arguments, resolved)."""
+    b, h, sq, d = q.shape
+    sk, dv = k.shape[2], v.shape[3]
+    block_n = max(16, triton.next_power_of_2(sk))
+    m_tiles = triton.cdiv(sq, block_m)
+    tiles = m_tiles * b * h
+    sms = 4 if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
+    has_mask = m is not None
+    mstrides = m.stride() if has_mask else (0, 0, 0, 0)
+    mask_row = has_mask and mstrides[2] == 0
+    tiles_kw = _tiles(block_m, block_n, d, dv, stages)
+    tiles_kw["num_stages"] = 1  # (the persistent loop's own pipeline: STAGES)
+    _flash_short_kernel[(min(tiles, sms * per_sm),)](
+        q, k, v, m if has_mask else q, o, y_scale, float(scale) * LOG2E, h, sq, sk, d, dv,
+        *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), tiles, m_tiles,
+        HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
+        UPCAST=interpreting(), QOUT=qout_code, MASK_ROW=mask_row,
+        MASKED=bool(causal) or sk != block_n or (has_mask and not mask_row), STAGES=stages,
+        **tiles_kw,
     )  # fmt: skip
     return out.permute(0, 2, 1, 3)
 
