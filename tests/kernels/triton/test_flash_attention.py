@@ -236,6 +236,26 @@ def test_the_persistent_kernel_takes_short_keys_only():
     assert not tactic.applies(bsd)
 
 
+def test_the_autotuner_times_the_short_kernel_beside_the_grid_kernel():
+    # BERT's attention: [B, S, H*D] operands, S = 128; every short tactic survives the
+    # per-source candidate limit, as do the grid kernel's four
+    from tensorkiln.kernels.tactics import tactics_for
+    from tensorkiln.tactics.autotune import TuneOptions, _prune
+
+    attrs = {
+        "num_heads": 12,
+        "input_layout": "bsd",
+        "output_layout": "bsd",
+        "mask_kind": "additive",
+    }
+    spec = LayerSpec("Attention", "tensorkiln", attrs, ((64, 128, 768),) * 3 + ((64, 1, 1, 128),),
+                     ("float16",) * 4, device=DEVICE)  # fmt: skip
+    kept, _ = _prune(tactics_for("Attention", "tensorkiln", spec), spec,
+                     TuneOptions().max_candidates)  # fmt: skip
+    names = {t.name for t in kept}
+    assert set(SHORT) <= names and "triton_flash_m64" in names
+
+
 def test_bsd_layout_bfloat16_and_a_wider_value():
     rng = np.random.default_rng()
     heads, d = 3, 16

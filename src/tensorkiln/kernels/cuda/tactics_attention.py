@@ -162,12 +162,13 @@ if available():
                     _op, domain="tensorkiln", name=f"{_name}_m{_block_m}{_suffix}",
                     supports=_supports,
                 )(_make(_block_m, _stages))  # fmt: skip
-    # short sequences (keys up to flash.SHORT_KEYS) on the persistent one-block kernel
+    # short sequences (keys up to flash.SHORT_KEYS) on the persistent one-block kernel, timed
+    # beside the grid kernel's four (a group of their own for the autotuner's candidate slots)
     for _block_m, _per_sm, _stages in SHORT_TILES:
         tactic(
             "Attention", domain="tensorkiln",
             name=f"triton_flash_short_m{_block_m}_x{_per_sm}{'_s3' if _stages == 3 else ''}",
-            supports=_fits_short,
+            supports=_fits_short, group="triton_flash_short",
         )(_flash_fn(_block_m, _stages, _per_sm))  # fmt: skip
     # (keys in blocks of 128 instead of 64, BERT's sequence of 128 in one block, ran slower on
     # an H200: 0.034-0.037 ms against 0.028 for its attention at batch 64)
