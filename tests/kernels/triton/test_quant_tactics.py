@@ -186,7 +186,7 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     """cudnn_fp16 keeps the prepared weight of a constant weight tensor (a CUDA graph then
     replays the convolution alone) and prepares it again when the weight changes in place or
     another scale is given: every call matches the reference of its own operands."""
-    from tensorkiln.kernels.cuda import tactics_quant
+    from tensorkiln.kernels.cuda import convert
 
     rng = np.random.default_rng()
     m, attrs = 16, {"pads": [1, 1, 1, 1]}
@@ -205,9 +205,9 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
         np.testing.assert_allclose(to_numpy(got), ref, rtol=tol, atol=tol * np.abs(ref).max())
 
     check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
-    (kept,) = (v[1] for v in tactics_quant._KEPT[wt].values())
+    (kept,) = (v[1] for v in convert._KEPT[wt].values())
     check(w, scales[0], tactic.fn(xt, xs, wt, st[0], **attrs))
-    assert next(iter(tactics_quant._KEPT[wt].values()))[1] is kept  # (not prepared again)
+    assert next(iter(convert._KEPT[wt].values()))[1] is kept  # (not prepared again)
     check(w, scales[1], tactic.fn(xt, xs, wt, st[1], **attrs))  # another scale
     w2 = w.copy()
     w2[0] = -w2[0]
@@ -216,7 +216,7 @@ def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     # a weight computed at run time (not an engine's constant) is never kept
     w3 = to_torch(w2, DEVICE)
     check(w2, scales[1], tactic.fn(xt, xs, w3, st[1], **attrs))
-    assert w3 not in tactics_quant._KEPT
+    assert w3 not in convert._KEPT
 
 
 def _codes_agree(got: np.ndarray, want: np.ndarray) -> None:
@@ -393,9 +393,9 @@ def test_the_rowwise_fp8_gemm_writes_16_bits_with_scales_and_bias_fused(out_dtyp
         got = tactic.fn(to_torch(a, DEVICE), *tensors[1:], **attrs)
         np.testing.assert_allclose(got.float().cpu().numpy(), want, rtol=tol,
                                    atol=tol * np.abs(want).max())  # fmt: skip
-    from tensorkiln.kernels.cuda import tactics_quant
+    from tensorkiln.kernels.cuda import convert
 
-    assert {("rows", 21), ("rows", 10)} <= set(tactics_quant._KEPT[tensors[1]])
+    assert {("rows", 21), ("rows", 10)} <= set(convert._KEPT[tensors[1]])
 
 
 @pytest.mark.parametrize("quantized", [False, True], ids=["fp16-out", "fp8-out"])
