@@ -165,6 +165,6 @@ def test_transformers_keep_their_shape_values_and_match(name, tmp_path) -> None:
     for n, s in [(2, 7), (2, 7), (3, 11), (2, 7)]:
         feeds = token_feeds(n, s, rng)
         assert_outputs_close(ctx.infer(feeds), plain.infer(feeds))
-        kept.append(len(ctx._executor._shape_values))
+        kept.append(len(ctx._executor.shape_values))
     # a set of values per input shape: kept at the first run of each, reused after
     assert kept[0] > 0 and kept[1] == kept[0] and kept[2] == 2 * kept[0] and kept[3] == kept[2]

@@ -32,6 +32,7 @@ from tensorkiln.ir import Graph, Node, Value, node_reads
 from tensorkiln.kernels.derived import scope as derived_scope
 from tensorkiln.kernels.registry import KernelEntry, as_outputs, invoke, lookup, node_kwargs
 from tensorkiln.ops import RANDOM_OPS
+from tensorkiln.runtime.shape_values import ShapeValues, bind, keepable
 
 
 @dataclass(slots=True)
@@ -50,8 +51,8 @@ class _Step:
     # where exactly one input is not a constant: its position (a specialized function is then
     # keyed by that input's shape alone; the constants' shapes never change)
     key_input: int | None = None
-    # a top-graph layer whose outputs are kept per input shapes where its inputs follow from
-    # constants and shapes alone (see Executor.keep_shape_values)
+    # a top-graph layer whose outputs are kept per input shape where its inputs follow from
+    # constants and shapes alone (runtime/shape_values.py)
     keepable: bool = False
 
 
@@ -101,12 +102,9 @@ class Executor:
         self._consts: dict[Value, Any] = (
             {} if weights is None else weights.setdefault(str(self.device), {})
         )
-        # values that follow from the constants and the input shapes alone, kept by what they
-        # follow from (see keep_shape_values); None where the backend keeps none
-        self._shape_values: dict[tuple, tuple[int, list[Any]]] | None = (
-            {} if backend.keeps_shape_values else None
-        )
-        self._shape_bytes = 0
+        # values that follow from the constants and the input shapes alone, kept per input
+        # shape (runtime/shape_values.py); None where the backend keeps none
+        self.shape_values = ShapeValues(backend) if backend.keeps_shape_values else None
         self._plan(graph)
 
     def const(self, v: Value) -> Any:
@@ -156,8 +154,8 @@ class Executor:
             kwargs = node_kwargs(entry, n.attrs, len(n.outputs))
             free = tuple(frees.get(i, ()))
             step = _Step(n, entry, tuple(n.inputs), tuple(n.outputs), free, kwargs)
-            if graph is self.graph and self._shape_values is not None:
-                step.keepable = _keepable(n, entry, keep)
+            if graph is self.graph and self.shape_values is not None:
+                step.keepable = keepable(n, entry, keep)
             if self._specializes(entry):
                 # (shared by name for the top graph; a subgraph's layers keep their own)
                 shared = self._specialized if graph is self.graph else {}
@@ -243,58 +241,6 @@ class Executor:
                 self._references[key] = None
         return self._references[key]
 
-    def shape_key(self, step: _Step, env: Mapping[Value, Any], known: Mapping[Value, Any]):
-        """What ``step``'s outputs follow from, when they follow from constants and input
-        shapes alone: its node and, per input, the input's token in ``known`` (a constant, or an
-        output of a kept step), or for Shape and Size the shape of the tensor; None otherwise."""
-        node = step.node
-        if node.op in ("Shape", "Size") and node.domain == "":
-            x = env.get(step.inputs[0])  # type: ignore[arg-type]
-            return None if not hasattr(x, "shape") else (id(node), tuple(x.shape))
-        parts = []
-        for v in step.inputs:
-            if v is None:
-                parts.append(None)
-                continue
-            token = known.get(v)
-            if token is None:
-                return None
-            parts.append(token)
-        return id(node), tuple(parts)
-
-    def kept_shape_values(self, key: tuple) -> tuple[int, list[Any]] | None:
-        """The outputs kept under ``key`` (see :meth:`keep_shape_values`) and their entry's
-        number, or None."""
-        return self._shape_values.get(key)  # type: ignore[union-attr]
-
-    def keep_shape_values(self, key: tuple, outputs: list[Any]) -> int | None:
-        """Keep the outputs a step computed from constants and input shapes alone (the position
-        ids, the token types and the mask's index arithmetic of a transformer), so that later
-        runs at the same shapes, and the CUDA graph captured for them, reuse them instead of
-        launching the step's kernels again. Not while a CUDA graph is captured (the capture's
-        kernels only run when it is replayed), and not past a bound on their number and bytes
-        (nothing is dropped once kept: a captured graph may read it). Returns the entry's
-        number, or None when nothing was kept."""
-        table = self._shape_values
-        if table is None or len(table) >= _SHAPE_VALUES or self.backend.capturing():
-            return None
-        size = 0
-        for r in outputs:
-            if r is None:
-                continue
-            if not hasattr(r, "element_size"):  # (lists, sequences: computed every run)
-                return None
-            size += r.numel() * r.element_size()
-        if self._shape_bytes + size > _SHAPE_VALUE_BYTES:
-            return None
-        self._shape_bytes += size
-        number = len(table)
-        table[key] = (number, list(outputs))
-        for r in outputs:
-            if r is not None:
-                self.backend.unchanging(r)
-        return number
-
     def synchronize(self) -> None:
         """Wait for the device's queued work (a no-op on the host)."""
         self.backend.synchronize()
@@ -332,21 +278,16 @@ class Scope:
         timer = None if timings is None else self.executor.backend.layer_timer()
         executor = self.executor
         # (the top graph on a backend that keeps them: the tokens of the values that follow from
-        # constants and input shapes alone; see Executor.keep_shape_values)
-        known: dict[Value, Any] | None = None
-        if executor._shape_values is not None and graph is executor.graph:
-            known = {v: v for v in graph.initializers}
+        # constants and input shapes alone; runtime/shape_values.py)
+        kept_values = executor.shape_values if graph is executor.graph else None
+        known = kept_values.tokens(graph.initializers) if kept_values is not None else {}
         for step in executor._plan(graph):
             key = None
-            if known is not None and step.keepable:
-                key = executor.shape_key(step, env, known)
-                kept = None if key is None else executor.kept_shape_values(key)
+            if kept_values is not None and step.keepable:
+                key = kept_values.key(step.node, step.inputs, env, known)
+                kept = None if key is None else kept_values.get(key)
                 if kept is not None:
-                    number, outs = kept
-                    for i, (v, r) in enumerate(zip(step.outputs, outs)):
-                        if v is not None:
-                            env[v] = r
-                            known[v] = (number, i)
+                    bind(step.outputs, kept[1], kept[0], env, known)
                     if observer is not None:
                         observer(step.node, [None if v is None else env[v] for v in step.outputs])
                     for v in step.free:
@@ -362,11 +303,9 @@ class Scope:
                 executor.shadow_host_values(step.node, env)
             if key is not None:
                 outs = [None if v is None else env[v] for v in step.outputs]
-                number = executor.keep_shape_values(key, outs)
+                number = kept_values.keep(key, outs)  # type: ignore[union-attr]
                 if number is not None:
-                    for i, v in enumerate(step.outputs):
-                        if v is not None:
-                            known[v] = (number, i)  # type: ignore[index]
+                    bind(step.outputs, None, number, env, known)
             if observer is not None:  # (before the step's last uses are dropped)
                 observer(step.node, [None if v is None else env[v] for v in step.outputs])
             for v in step.free:
@@ -445,25 +384,6 @@ def _run_specialized(step: _Step, args: list[Any], kwargs: dict[str, Any]) -> An
             # chosen may be another path than the kernel's, with other roundings)
             return fn(*args)
     return result
-
-
-# Values kept per input shapes (Executor.keep_shape_values), at most: a transformer keeps a few
-# dozen small ones and its token-type embeddings per set of input shapes.
-_SHAPE_VALUES = 4096
-_SHAPE_VALUE_BYTES = 256 << 20
-
-
-def _keepable(node: Node, entry: KernelEntry, graph_outputs: set[Value]) -> bool:
-    """Whether ``node``'s outputs may be kept per input shapes: an ONNX or tensorkiln op whose
-    outputs follow from its inputs and attributes alone (no random ops, no subgraphs, no
-    plugins), none of them a graph output (the caller may write to those)."""
-    return (
-        node.domain in ("", "tensorkiln")
-        and node.op not in RANDOM_OPS
-        and not entry.wants_ctx
-        and not any(node.subgraphs())
-        and not any(v in graph_outputs for v in node.outputs if v is not None)
-    )
 
 
 def _host_args(node: Node, env: Mapping[Value, Any], host_values: Any) -> list | None:

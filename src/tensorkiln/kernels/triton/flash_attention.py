@@ -24,6 +24,11 @@ take without help, this one reads as it is:
   QuantizeLinear after it would quantize it (a quantized BERT's attention output projection
   reads it so).
 
+Up to SHORT_KEYS keys fit one block, and :func:`_flash_short_kernel` runs them on a persistent
+grid (``persistent`` programs an SM, each looping over tiles of query rows with the next tile's
+loads in flight): with a program a tile, the grid kernel's one pass per program overlaps its loads
+with nothing of its own (BERT-base's attention at batch 64 on an H200: 0.0213 against 0.0269 ms).
+
 float16 and bfloat16 operands (float32 accumulation); head widths up to 256.
 """
 
