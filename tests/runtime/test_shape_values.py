@@ -168,3 +168,34 @@ def test_transformers_keep_their_shape_values_and_match(name, tmp_path) -> None:
         kept.append(len(ctx._executor.shape_values))
     # a set of values per input shape: kept at the first run of each, reused after
     assert kept[0] > 0 and kept[1] == kept[0] and kept[2] == 2 * kept[0] and kept[3] == kept[2]
+
+
+def test_nothing_is_kept_past_the_bound_or_while_a_graph_is_captured(monkeypatch) -> None:
+    from tensorkiln.runtime import shape_values
+
+    calls: Counter = Counter()
+    ex = _executor(_positions_model(), calls)
+    rng = np.random.default_rng()
+
+    def run(n: int, s: int) -> None:
+        x = rng.standard_normal((n, s)).astype(np.float32)
+        (y,) = ex.run({ex.graph.inputs[0]: x})
+        np.testing.assert_array_equal(y.numpy(), x + np.arange(s, dtype=np.float32))
+
+    # capturing: the kernels run (into the graph), and nothing is kept
+    monkeypatch.setattr(ex.backend, "capturing", lambda: True)
+    run(2, 5)
+    run(2, 5)
+    assert len(ex.shape_values) == 0 and calls["range"] == 2
+    monkeypatch.undo()
+    # a bound on the bytes: 120, of which the first shape's five values take 104 (Shape 16,
+    # Gather 8, Range 40, Cast 20, Unsqueeze 20); the second's Shape fits, its Gather does not,
+    # and what follows the Gather is no longer keyed
+    monkeypatch.setattr(shape_values, "MOST_BYTES", 120)
+    run(2, 5)
+    assert len(ex.shape_values) == 5
+    run(3, 7)
+    assert len(ex.shape_values) == 6
+    calls.clear()
+    run(3, 7)  # the Gather and after: computed again, correctly
+    assert calls["shape"] == 0 and calls["n"] == calls["range"] == 1
