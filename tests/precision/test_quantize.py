@@ -298,7 +298,9 @@ def test_int8_with_fp16_takes_every_kind_of_calibration_source(tmp_path: Path) -
 def test_the_report_names_quantized_layers_left_on_the_exact_default() -> None:
     """A quantized layer on its float64 default kernel is right but slow on a GPU (every FP8
     convolution of a ResNet-50 ran so once, unnoticed): the build report says which and why."""
-    from tensorkiln.builder.builder import _quantized_defaults_notes
+    from tensorkiln.builder.precision_choice import (
+        quantized_defaults_notes as _quantized_defaults_notes,
+    )
 
     layers = [
         {"name": "a", "op": "tensorkiln.QConvAct", "tactic": "triton_qconv_x"},
@@ -373,7 +375,7 @@ def test_layers_measured_slower_quantized_stay_in_the_float_precision(
             for n in names
         }  # fmt: skip
 
-    monkeypatch.setattr(builder_module, "_precision_choice", choice)
+    monkeypatch.setattr(builder_module, "compare_layers", choice)
     builder = Builder("cuda", device="cpu")
     engine = builder.build(path, _choice_config("int8", iter(batches)))
     # compared on the fully quantized build, then once more on the build without conv2
@@ -403,7 +405,7 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
     pytest.importorskip("torch")
     from tensorkiln.builder import builder as builder_module
 
-    real_choice = builder_module._precision_choice
+    real_choice = builder_module.compare_layers
     quantized_ms = {"conv1": 2.0, "conv2": 0.8, "fc": 0.5}
     quantize_ms = {"x_quantize": 0.5, "r1_quantize": 0.5, "flat_quantize": 0.1}
     seen = []
@@ -417,7 +419,7 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
         seen.append(sorted(x["name"] for x in layers if x["op"] == "QuantizeLinear"))
         return real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
 
-    monkeypatch.setattr(builder_module, "_precision_choice", choice)
+    monkeypatch.setattr(builder_module, "compare_layers", choice)
     monkeypatch.setattr(builder_module, "_CHOICE_ROUNDS", rounds)
     rng = np.random.default_rng()
     model = _model(rng)
@@ -450,7 +452,7 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
 def test_the_precision_choice_compares_each_layer_with_its_float_form(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """_precision_choice: a quantized layer whose chosen tactic measured no faster than the
+    """compare_layers: a quantized layer whose chosen tactic measured no faster than the
     float engine's same-named layer is named; faster ones, layers with no measurement, and
     other ops are not."""
     from tensorkiln.builder import builder as builder_module
@@ -477,7 +479,7 @@ def test_the_precision_choice_compares_each_layer_with_its_float_form(
     monkeypatch.setattr(builder_module, "_lower", lower)
     float_ms = builder_module._float_layer_ms(None, None, None, None, None)
     assert float_ms == {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}  # (q is no float GEMM/conv)
-    choice = builder_module._precision_choice(quantized, float_ms)
+    choice = builder_module.compare_layers(quantized, float_ms)
     assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a", "d"}
     assert set(choice) == {"a", "b", "d"}  # (c was not measured quantized: not compared)
     assert choice["b"] == {"quantized_ms": 0.5, "quantize_ms": 0.0, "float_ms": 1.0,
@@ -501,7 +503,7 @@ def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer() -> 
         q("q_own", "xa", 0.6), layer("a", "xa", 0.5),  # 0.5 + 0.6 >= 1.0: slower
         q("q_shared", "xs", 0.6), layer("b", "xs", 0.5), layer("c", "xs", 0.5),  # 0.5 < 1.0
     ]  # fmt: skip
-    choice = builder_module._precision_choice(quantized, {"a": 1.0, "b": 1.0, "c": 1.0})
+    choice = builder_module.compare_layers(quantized, {"a": 1.0, "b": 1.0, "c": 1.0})
     assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a"}
     assert choice["a"]["quantize_ms"] == 0.6 and choice["b"]["quantize_ms"] == 0.0
 
@@ -514,9 +516,9 @@ def test_a_quantized_build_times_its_standalone_quantizations(tmp_path: Path, mo
     pytest.importorskip("torch")
     from tensorkiln.builder import builder as builder_module
 
-    real_choice = builder_module._precision_choice
+    real_choice = builder_module.compare_layers
     keep = lambda layers, floats: {}  # noqa: E731  (every layer stays quantized: one lowering)
-    monkeypatch.setattr(builder_module, "_precision_choice", keep)
+    monkeypatch.setattr(builder_module, "compare_layers", keep)
     path, config = _one_batch_int8(tmp_path, choose=True)
     builder = Builder("cuda", device="cpu")
     builder.build(path, config)

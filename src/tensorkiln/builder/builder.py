@@ -7,7 +7,6 @@ is timed for the build report; a progress bar shows in a terminal.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import os
 import sys
@@ -22,11 +21,28 @@ import onnx
 
 from tensorkiln.backends import Backend, get_backend, resolve
 from tensorkiln.builder.config import QUANTIZED_PRECISIONS, BuilderConfig, OptimizationProfile
+from tensorkiln.builder.precision_choice import (
+    FLOAT_LAYERS,
+    chooses_precision,
+    compare_layers,
+    copy_graph,
+    kept_float_note,
+    layer_ms,
+    quantized_defaults_notes,
+)
+from tensorkiln.builder.profiles import (
+    check_profiles,
+    guessed_shapes_notes,
+    opt_shapes,
+    pin_fixed_dims,
+    profile_extremes,
+    tuning_shapes_error,
+)
 from tensorkiln.engine.engine import Engine
 from tensorkiln.engine.memory import max_profile_symbols, plan_memory
-from tensorkiln.errors import BuildError, GraphError, InputError, TensorkilnError
+from tensorkiln.errors import BuildError, GraphError, TensorkilnError
 from tensorkiln.frontends.onnx import import_onnx, load_model_proto
-from tensorkiln.ir import Graph, TensorType
+from tensorkiln.ir import Graph
 from tensorkiln.ir.verify import verify
 from tensorkiln.kernels.evaluate import infer_shapes
 from tensorkiln.kernels.registry import lookup
@@ -38,7 +54,7 @@ from tensorkiln.precision.calib_data import CalibrationData
 from tensorkiln.precision.calibration import CalibrationRequest
 from tensorkiln.precision.io import set_io_types
 from tensorkiln.precision.overflow import value_ranges
-from tensorkiln.precision.quantize import has_qdq, quantize_graph
+from tensorkiln.precision.quantize import quantize_graph
 from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
@@ -130,8 +146,8 @@ class Builder:
             with _phase(report, "parse", bar):
                 source_bytes, default_name = _source_bytes(model, config.embed_source)
                 graph = import_onnx(model, backend=self.backend)
-                _check_profiles(graph, config.profiles)
-                report.notes += _pin_fixed_dims(graph, config.profiles)
+                check_profiles(graph, config.profiles)
+                report.notes += pin_fixed_dims(graph, config.profiles)
             with _phase(report, "optimize", bar):
                 report.nodes_before = len(graph.nodes)
                 # (a quantized build's GEMMs become QGemmAct, which takes no residual)
@@ -150,8 +166,8 @@ class Builder:
             float_graph = None
             before = list(report.notes)
             if quantized is not None:
-                if _chooses_precision(graph, config, backend):
-                    float_graph = _copy_graph(graph)
+                if chooses_precision(graph, config, backend):
+                    float_graph = copy_graph(graph)
                 with _phase(report, "calibrate", bar):
                     report.notes += _quantize(graph, config, backend, quantized, bar, request)
             policy = config.precision_policy or DefaultPolicy(_fp16_ranges(graph, config, backend))
@@ -163,9 +179,9 @@ class Builder:
             if chooses and report.layers:
                 with _phase(report, "precision choice", bar):
                     floats = _float_layer_ms(
-                        _copy_graph(float_graph), config, backend, policy, cache
+                        copy_graph(float_graph), config, backend, policy, cache
                     )
-                    report.precision_choice = _precision_choice(report.layers, floats)
+                    report.precision_choice = compare_layers(report.layers, floats)
                 settled, precision = _settle_precision(
                     float_graph, floats, report, before, bar, quantized, precision,
                     lambda g, slower: _quantize(g, config, backend, quantized, bar, request, slower),
@@ -296,7 +312,7 @@ def optimize(
 def _remove_padding(graph: Graph, report: BuildReport) -> Graph:
     """``graph`` with its masked tokens packed (passes/remove_padding.py), or ``graph`` itself
     where it does not qualify; the report gets the pass's note either way."""
-    packed = _copy_graph(graph)
+    packed = copy_graph(graph)
     try:
         count, note = remove_padding(packed)
         if count:
@@ -324,57 +340,6 @@ def _source_bytes(model: Any, embed: bool) -> tuple[bytes, str]:
         return path.read_bytes(), path.name  # (import_onnx checks the file and its data)
     proto = load_model_proto(path)  # validates and pulls external data in
     return proto.SerializeToString(), path.name
-
-
-def _check_profiles(graph: Graph, profiles: list[OptimizationProfile]) -> None:
-    inputs = {v.name: v for v in graph.inputs}
-    for i, p in enumerate(profiles):
-        for name, (lo, _, hi) in p.shapes.items():
-            v = inputs.get(name)
-            if v is None:
-                raise InputError(
-                    f"profile {i} names '{name}', which is not an input; inputs are "
-                    f"{', '.join(inputs)}"
-                )
-            if v.shape is None:
-                continue
-            if len(v.shape) != len(lo):
-                raise InputError(
-                    f"profile {i} gives '{name}' rank {len(lo)}; the model declares {list(v.shape)}"
-                )
-            for axis, (d, a, b) in enumerate(zip(v.shape, lo, hi)):
-                if isinstance(d, int) and not a == b == d:
-                    raise InputError(
-                        f"profile {i}: '{name}' axis {axis} is fixed at {d} in the model, but "
-                        f"the profile gives {a}..{b}"
-                    )
-
-
-def _pin_fixed_dims(graph: Graph, profiles: list[OptimizationProfile]) -> list[str]:
-    """Make the dynamic input dims that every profile fixes (min == max, the same value in each)
-    the model's own, and infer the types again: the shape arithmetic that reads them (Shape,
-    Gather, Concat, Range, Where... feeding Reshapes and masks) then folds to constants at
-    build time instead of running as dozens of tiny kernels in every inference. An engine whose
-    profiles pin an axis accepts nothing else on it anyway. Returns a note per pinned input."""
-    if not profiles:
-        return []
-    notes = []
-    for v in graph.inputs:
-        given = [p.shapes.get(v.name) for p in profiles]
-        if not isinstance(v.type, TensorType) or v.shape is None or None in given:
-            continue
-        dims = list(v.shape)
-        for axis, d in enumerate(dims):
-            ranges = {(g[0][axis], g[2][axis]) for g in given}
-            if not isinstance(d, int) and len(ranges) == 1:
-                lo, hi = next(iter(ranges))
-                dims[axis] = lo if lo == hi else d
-        if tuple(dims) != tuple(v.shape):
-            notes.append(f"input '{v.name}' fixed at {dims} by the profiles (was {list(v.shape)})")
-            v.type = TensorType(v.type.dtype, tuple(dims))
-    if notes:
-        infer_shapes(graph)
-    return notes
 
 
 def _record_formats(graph: Graph, backend: Backend) -> None:
@@ -422,8 +387,8 @@ def _lower(
             report.layers, report.timing_cache = _tune(
                 graph, config, backend, precision, policy, cache, time_quantize
             )
-            report.notes += _guessed_shapes_notes(graph, config)
-            report.notes += _quantized_defaults_notes(report.layers)
+            report.notes += guessed_shapes_notes(graph, config)
+            report.notes += quantized_defaults_notes(report.layers)
         else:
             report.layers = _choose_tactics(graph, backend)
     return precision
@@ -438,7 +403,7 @@ def _tune(
     cache: TimingCache,
     time_quantize: bool = False,
 ) -> tuple[list[dict], dict]:
-    shapes = _opt_shapes(graph, config.profiles)
+    shapes = opt_shapes(graph, config.profiles)
     sources = None if config.tactic_sources is None else frozenset(config.tactic_sources)
     options = TuneOptions(
         precision=precision,
@@ -458,52 +423,14 @@ def _tune(
                 shapes,
                 options,
                 cache,
-                also_shapes=_profile_extremes(graph, config.profiles),
+                also_shapes=profile_extremes(graph, config.profiles),
             )
     except GraphError as exc:  # the model does not infer at the shapes it is tuned at
-        raise BuildError(_tuning_shapes_error(graph, config.profiles, exc)) from None
+        raise BuildError(tuning_shapes_error(graph, config.profiles, exc)) from None
     return layers, {"hits": cache.hits, "misses": cache.misses}
 
 
 # ------------------------------------------------- INT8/FP8: each layer in the faster precision
-
-# (layer records name ops as "domain.op", the default domain bare)
-_FLOAT_LAYERS = ("Conv", "tensorkiln.ConvAct", "Gemm", "tensorkiln.GemmAct", "MatMul")
-_QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
-
-
-def _chooses_precision(graph: Graph, config: BuilderConfig, backend: Backend) -> bool:
-    """Whether an INT8/FP8 build compares each quantized layer with its float form and keeps
-    the faster (TensorRT's choice among the allowed precisions): as configured, by default on a
-    GPU, never for a model that carries its own Q/DQ (quantized as written), nor with an
-    accuracy budget or SmoothQuant (which choose the float layers themselves)."""
-    wanted = config.choose_precision_per_layer
-    if wanted is None:
-        wanted = backend.autotunes and backend.streams
-    if not wanted or not backend.autotunes or config.optimization_level == 0:
-        return False
-    if config.accuracy_budget is not None or config.smooth_quant is not None:
-        return False
-    return not has_qdq(graph)
-
-
-def _copy_graph(graph: Graph) -> Graph:
-    """A copy to lower separately, sharing the (never rewritten in place) constant arrays."""
-    memo: dict[int, Any] = {}
-    for v in graph.values():
-        if v.const is not None:
-            memo[id(v.const)] = v.const
-    return copy.deepcopy(graph, memo)
-
-
-def _layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
-    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``ops``."""
-    out = {}
-    for layer in layers:
-        timings = layer.get("timings_ms") or {}
-        if layer.get("op") in ops and layer.get("tactic") in timings:
-            out[layer["name"]] = float(timings[layer["tactic"]])
-    return out
 
 
 def _float_layer_ms(
@@ -517,29 +444,7 @@ def _float_layer_ms(
     lowered and tuned here), for the layers an INT8/FP8 build may quantize."""
     scratch = BuildReport()
     _lower(float_graph, config, backend, policy, scratch, _Progress(False), cache)
-    return _layer_ms(scratch.layers, _FLOAT_LAYERS)
-
-
-def _precision_choice(layers: list[dict], floats: dict[str, float]) -> dict[str, dict]:
-    """Each quantized layer's measured time against the same layer's in the float engine
-    (``floats``, from _float_layer_ms), and which to keep: float where the quantized layer is no
-    faster. A quantized layer's time includes the QuantizeLinear that exists only to feed it
-    (kept in float, the layer would not need it); a QuantizeLinear shared by several layers, or
-    not measured, is not counted."""
-    quantized = _layer_ms(layers, _QUANTIZED_LAYERS)
-    own = _own_quantize_ms(layers)
-    out = {}
-    for name, ms in quantized.items():
-        if name not in floats:
-            continue
-        q = ms + own.get(name, 0.0)
-        out[name] = {
-            "quantized_ms": q,
-            "quantize_ms": own.get(name, 0.0),
-            "float_ms": floats[name],
-            "kept": "float" if q >= floats[name] else "quantized",
-        }
-    return out
+    return layer_ms(scratch.layers, FLOAT_LAYERS)
 
 
 # quantize-and-lower rounds of the precision choice after the first, at most
@@ -576,7 +481,7 @@ def _settle_precision(
         if not new:
             break
         slower |= new
-        graph = _copy_graph(float_graph)  # the same ranges, the tactics from the cache
+        graph = copy_graph(float_graph)  # the same ranges, the tactics from the cache
         report.notes = list(notes_before)  # (the last round's notes were of another graph)
         with _phase(report, "calibrate", bar):
             report.notes += quantize(graph, slower)
@@ -584,147 +489,11 @@ def _settle_precision(
         if round_ == _CHOICE_ROUNDS:
             break
         with _phase(report, "precision choice", bar):
-            choice = _precision_choice(report.layers, floats)
+            choice = compare_layers(report.layers, floats)
         report.precision_choice.update(choice)  # (the float layers keep their earlier entry)
     if slower:
-        report.notes.append(_kept_float_note(slower, quantized, precision))
+        report.notes.append(kept_float_note(slower, quantized, precision))
     return graph, precision
-
-
-def _own_quantize_ms(layers: list[dict]) -> dict[str, float]:
-    """Layer name -> the measured milliseconds of the QuantizeLinear layers whose output only
-    that layer reads."""
-    quantize = {}  # output value -> the QuantizeLinear's measured ms
-    readers: dict[str, list[str]] = {}
-    for layer in layers:
-        for value in layer.get("inputs") or ():
-            readers.setdefault(value, []).append(layer.get("name", ""))
-        timings = layer.get("timings_ms") or {}
-        if layer.get("op") == "QuantizeLinear" and layer.get("tactic") in timings:
-            for value in (layer.get("outputs") or ())[:1]:
-                quantize[value] = float(timings[layer["tactic"]])
-    out: dict[str, float] = {}
-    for value, ms in quantize.items():
-        names = readers.get(value, [])
-        if len(names) == 1:
-            out[names[0]] = out.get(names[0], 0.0) + ms
-    return out
-
-
-def _kept_float_note(slower: set[str], quantized: str, precision: str) -> str:
-    names = sorted(slower)
-    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-    return (
-        f"{quantized}: {len(names)} layers kept in {precision} where the autotuner measured "
-        f"them faster than in {quantized}: {shown} (BuilderConfig.choose_precision_per_layer "
-        f"= False quantizes every layer)"
-    )
-
-
-def _unprofiled_axes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, list[str]]:
-    """Input -> its dynamic axes ("2 (height)") that no profile sizes: tuned at 1."""
-    given = profiles[0].shapes if profiles else {}
-    return {
-        v.name: [f"{a} ({d})" for a, d in enumerate(v.shape) if not isinstance(d, int)]
-        for v in graph.inputs
-        if v.name not in given
-        and v.shape is not None
-        and not all(isinstance(d, int) for d in v.shape)
-    }
-
-
-def _tuning_shapes_error(graph: Graph, profiles: list[OptimizationProfile], exc: Exception) -> str:
-    """The build error when the model does not infer at the shapes the builder tunes at: where
-    those were guessed (1 for a dynamic axis without a profile), which inputs need a profile, as
-    TensorRT refuses dynamic inputs without one."""
-    guessed = _unprofiled_axes(graph, profiles)
-    if not guessed:
-        where = "the optimization profile's shapes" if profiles else "its declared input shapes"
-        return f"the model does not run at {where}: {exc}"
-    axes = "; ".join(f"'{name}' axes {', '.join(a)}" for name, a in guessed.items())
-    shapes = {v.name: v.shape for v in graph.inputs if v.name in guessed}
-    example = " ".join(
-        f"{name}:" + "x".join(str(d) if isinstance(d, int) else f"<{d}>" for d in shape)
-        for name, shape in shapes.items()
-    )
-    return (
-        f"the model has dynamic inputs but no optimization profile sizes them ({axes}); tuning "
-        f"at 1 for each such axis fails: {exc}. Give the shapes to tune for with --opt-shapes "
-        f"(and --min-shapes/--max-shapes for a range), e.g. --opt-shapes {example}; in Python, "
-        "BuilderConfig.add_optimization_profile"
-    )
-
-
-def _guessed_shapes_notes(graph: Graph, config: BuilderConfig) -> list[str]:
-    """A note where layers were tuned at 1 for a dynamic axis past the first (a batch axis is
-    routinely tuned at 1; a sequence or image size of 1 says little about real ones)."""
-    if config.optimization_level <= 0 or config.tactic_sources == set():
-        return []
-    guessed = {
-        name: [a for a in axes if not a.startswith("0 ")]
-        for name, axes in _unprofiled_axes(graph, config.profiles).items()
-    }
-    axes = "; ".join(f"'{name}' axes {', '.join(a)}" for name, a in guessed.items() if a)
-    if not axes:
-        return []
-    return [
-        f"kernels were tuned at size 1 for dynamic axes without a profile ({axes}); give "
-        "--opt-shapes for timings that match the shapes the engine will run at"
-    ]
-
-
-def _quantized_defaults_notes(layers: list[dict]) -> list[str]:
-    """A note naming the quantized layers that kept their default kernel (exact sums in float64:
-    right, but far slower on a GPU than any tensor-core tactic), with why: no tactic took the
-    layer, tuning could not measure it, or every candidate was refused."""
-    kept = [x for x in layers if x.get("op") in _QUANTIZED_LAYERS and x.get("tactic") == "default"]
-    if not kept:
-        return []
-    total = sum(1 for x in layers if x.get("op") in _QUANTIZED_LAYERS)
-
-    def why(x: dict) -> str:
-        if x.get("fallback"):
-            return str(x["fallback"])
-        if not x.get("candidates"):
-            return "no tensor-core tactic takes its shapes and types"
-        if x.get("rejected"):
-            name, reason = next(iter(x["rejected"].items()))
-            return f"every candidate refused ({name}: {reason})"
-        return "the default measured fastest"
-
-    shown = "; ".join(f"{x.get('name')}: {why(x)}" for x in kept[:5])
-    more = f" and {len(kept) - 5} more" if len(kept) > 5 else ""
-    return [
-        f"{len(kept)} of {total} quantized layers run the exact default kernel (float64 sums, "
-        f"slow on a GPU): {shown}{more}"
-    ]
-
-
-def _profile_extremes(
-    graph: Graph, profiles: list[OptimizationProfile]
-) -> list[dict[str, tuple[int, ...]]]:
-    """Each profile's min and max input shapes: tactics must run at every shape in range."""
-    return [_input_shapes(graph, p, k) for p in profiles for k in (0, 2)]
-
-
-def _opt_shapes(graph: Graph, profiles: list[OptimizationProfile]) -> dict[str, tuple[int, ...]]:
-    """Input shapes to tune for: profile 0's opt shapes; a dynamic dim without one is 1."""
-    return _input_shapes(graph, profiles[0] if profiles else None, 1)
-
-
-def _input_shapes(
-    graph: Graph, profile: OptimizationProfile | None, k: int
-) -> dict[str, tuple[int, ...]]:
-    """Every input's shape: the profile's min (k=0), opt (1) or max (2) where it has one, else
-    the declared shape with 1 for each dynamic dim."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    given = profile.shapes if profile is not None else {}
-    for v in graph.inputs:
-        if v.name in given:
-            shapes[v.name] = given[v.name][k]
-        elif v.shape is not None:
-            shapes[v.name] = tuple(d if isinstance(d, int) else 1 for d in v.shape)
-    return shapes
 
 
 def _choose_tactics(graph: Graph, backend: Backend) -> list[dict]:
