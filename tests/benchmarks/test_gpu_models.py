@@ -217,3 +217,19 @@ def test_kernel_profiles_with_kernels_flag(tmp_path: Path) -> None:
         assert all(ms > 0 and n > 0 for _, ms, n in k["top"])
     text = (tmp_path / "results.md").read_text()
     assert "## Kernels per call" in text and "bert batch 1: tensorkiln" in text
+
+
+def test_rounds_time_every_peer_in_turns_and_report_the_median(tmp_path: Path) -> None:
+    r = _run(
+        "--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "bert",
+        "--batch", "large", "--peers", "tensorkiln,eager", "--rounds", "3",
+        "--inductor-cache", str(tmp_path / "ic"), timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    (row,) = json.loads((tmp_path / "bert.json").read_text())["rows"]
+    for peer in ("tensorkiln", "eager"):
+        cell = row["peers"][peer]
+        assert len(cell["values"]) == 3 and all(v > 0 for v in cell["values"]), cell
+        assert cell["value"] == sorted(cell["values"])[1]
+    tk, eager = row["peers"]["tensorkiln"]["value"], row["peers"]["eager"]["value"]
+    assert row["ratio"] == pytest.approx(tk / eager)
