@@ -104,7 +104,9 @@ class Executor:
         )
         # values that follow from the constants and the input shapes alone, kept per input
         # shape (runtime/shape_values.py); None where the backend keeps none
-        self.shape_values = ShapeValues(backend) if backend.keeps_shape_values else None
+        self.shape_values = (
+            ShapeValues(backend, graph.initializers) if backend.keeps_shape_values else None
+        )
         self._plan(graph)
 
     def const(self, v: Value) -> Any:
@@ -280,32 +282,28 @@ class Scope:
         # (the top graph on a backend that keeps them: the tokens of the values that follow from
         # constants and input shapes alone; runtime/shape_values.py)
         kept_values = executor.shape_values if graph is executor.graph else None
-        known = kept_values.tokens(graph.initializers) if kept_values is not None else {}
+        known: dict[Value, Any] = {}
         for step in executor._plan(graph):
-            key = None
+            key = kept = None
             if kept_values is not None and step.keepable:
                 key = kept_values.key(step.node, step.inputs, env, known)
                 kept = None if key is None else kept_values.get(key)
-                if kept is not None:
-                    bind(step.outputs, kept[1], kept[0], env, known)
-                    if observer is not None:
-                        observer(step.node, [None if v is None else env[v] for v in step.outputs])
-                    for v in step.free:
-                        local.pop(v, None)
-                    continue
-            if timer is None:
-                _run_step(step, env, inner)
+            if kept is not None:  # (the outputs of an earlier run at these shapes)
+                bind(step.outputs, kept[1], kept[0], env, known)
             else:
-                timer.start()
-                _run_step(step, env, inner)
-                timer.stop(step.node.name)
-            if shadow:
-                executor.shadow_host_values(step.node, env)
-            if key is not None:
-                outs = [None if v is None else env[v] for v in step.outputs]
-                number = kept_values.keep(key, outs)  # type: ignore[union-attr]
-                if number is not None:
-                    bind(step.outputs, None, number, env, known)
+                if timer is None:
+                    _run_step(step, env, inner)
+                else:
+                    timer.start()
+                    _run_step(step, env, inner)
+                    timer.stop(step.node.name)
+                if shadow:
+                    executor.shadow_host_values(step.node, env)
+                if key is not None:
+                    outs = [None if v is None else env[v] for v in step.outputs]
+                    number = kept_values.keep(key, outs)  # type: ignore[union-attr]
+                    if number is not None:
+                        bind(step.outputs, None, number, env, known)
             if observer is not None:  # (before the step's last uses are dropped)
                 observer(step.node, [None if v is None else env[v] for v in step.outputs])
             for v in step.free:

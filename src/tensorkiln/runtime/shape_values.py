@@ -20,7 +20,7 @@ they prepare from them, as from constants (a Gather's wrapped indices).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from tensorkiln.backends import Backend
@@ -47,35 +47,31 @@ def keepable(node: Node, entry: KernelEntry, graph_outputs: set[Value]) -> bool:
 
 
 class ShapeValues:
-    """One executor's kept values (see the module's docstring). A run starts its tokens from
-    :meth:`tokens` and asks :meth:`key`, :meth:`get` and :meth:`keep` layer by layer."""
+    """One executor's kept values (see the module's docstring), for a graph whose initializers
+    are ``constants``. A run starts with no tokens (``known``, filled by :func:`bind`) and asks
+    :meth:`key`, :meth:`get` and :meth:`keep` layer by layer."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, constants: Iterable[Value]) -> None:
         self.backend = backend
+        self._constants = frozenset(constants)  # (each stands for itself in a key)
         self._table: dict[tuple, tuple[int, list[Any]]] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
         return len(self._table)
 
-    @staticmethod
-    def tokens(initializers: Any) -> dict[Value, Any]:
-        """A run's tokens to start from: each initializer stands for itself."""
-        return {v: v for v in initializers}
-
-    @staticmethod
     def key(
-        node: Node, inputs: tuple[Value | None, ...], env: Mapping[Value, Any], known: dict
+        self, node: Node, inputs: tuple[Value | None, ...], env: Mapping[Value, Any], known: dict
     ) -> tuple | None:
         """What the node's outputs follow from, where that is constants and input shapes alone:
-        the node and its inputs' tokens in ``known`` (for Shape and Size, the tensor's shape);
-        None otherwise."""
+        the node and, per input, the constant itself or its token in ``known`` (for Shape and
+        Size, the tensor's shape); None otherwise."""
         if node.op in ("Shape", "Size") and node.domain == "":
             x = env.get(inputs[0])  # type: ignore[arg-type]
             return None if not hasattr(x, "shape") else (id(node), tuple(x.shape))
         parts = []
         for v in inputs:
-            token = None if v is None else known.get(v)
+            token = v if v is None or v in self._constants else known.get(v)
             if token is None and v is not None:
                 return None
             parts.append(token)
