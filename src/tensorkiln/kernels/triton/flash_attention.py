@@ -361,12 +361,17 @@ def attention(
     if has_mask and m.dtype == torch.bool:
         m = m.view(torch.uint8)
     block_m = 64 if sq <= 64 else block_m
+    mstrides = m.stride() if has_mask else (0, 0, 0, 0)
+    # (the flags both kernels take)
+    flags = dict(
+        HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
+        UPCAST=interpreting(), QOUT=qout(dtype), MASK_ROW=has_mask and mstrides[2] == 0,
+    )  # fmt: skip
     if persistent and sk <= SHORT_KEYS:
-        return _short(q, k, v, m if has_mask else None, o, scale, causal, mask_kind, block_m,
-                      stages, y_scale, qout(dtype), persistent, out)  # fmt: skip
+        return _short(q, k, v, m, o, out, scale, block_m, stages, y_scale, persistent, mstrides,
+                      flags)  # fmt: skip
     block_n = 64
     grid = (triton.cdiv(sq, block_m), b * h)
-    mstrides = m.stride() if has_mask else (0, 0, 0, 0)
     bounds, bstrides = q, (0, 0, 0)  # (no bounds: a placeholder pointer)
     if has_mask and sk > block_n:
         # (once for all the layers that read this mask: kernels/derived.py)
@@ -377,34 +382,28 @@ def attention(
     _flash_kernel[grid](
         q, k, v, m, o, bounds, q, y_scale, 0, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), *bstrides,
-        HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
-        UPCAST=interpreting(), BOUNDS=bounds is not q, PACKED=False, QOUT=qout(dtype),
-        MASK_ROW=has_mask and mstrides[2] == 0, **_tiles(block_m, block_n, d, dv, stages),
+        BOUNDS=bounds is not q, PACKED=False, **flags, **_tiles(block_m, block_n, d, dv, stages),
     )  # fmt: skip
     return out.permute(0, 2, 1, 3)
 
 
-def _short(q, k, v, m, o, scale, causal, mask_kind, block_m, stages, y_scale, qout_code,
-           per_sm, out) -> torch.Tensor:  # fmt: skip
-    """:func:`attention` on the persistent one-block kernel (its arguments, resolved)."""
+def _short(q, k, v, m, o, out, scale, block_m, stages, y_scale, per_sm, mstrides,
+           flags) -> torch.Tensor:  # fmt: skip
+    """:func:`attention` on the persistent one-block kernel (its arguments, resolved: ``m`` the
+    mask's [B, H, Sq, Sk] view or a placeholder, ``flags`` the kernels' common flags)."""
     b, h, sq, d = q.shape
     sk, dv = k.shape[2], v.shape[3]
     block_n = max(16, triton.next_power_of_2(sk))
     m_tiles = triton.cdiv(sq, block_m)
     tiles = m_tiles * b * h
     sms = 4 if interpreting() else torch.cuda.get_device_properties(q.device).multi_processor_count
-    has_mask = m is not None
-    mstrides = m.stride() if has_mask else (0, 0, 0, 0)
-    mask_row = has_mask and mstrides[2] == 0
     tiles_kw = _tiles(block_m, block_n, d, dv, stages)
     tiles_kw["num_stages"] = 1  # (the persistent loop's own pipeline: STAGES)
+    masked = flags["CAUSAL"] or sk != block_n or (flags["HAS_MASK"] and not flags["MASK_ROW"])
     _flash_short_kernel[(min(tiles, sms * per_sm),)](
-        q, k, v, m if has_mask else q, o, y_scale, float(scale) * LOG2E, h, sq, sk, d, dv,
+        q, k, v, m, o, y_scale, float(scale) * LOG2E, h, sq, sk, d, dv,
         *q.stride(), *k.stride(), *v.stride(), *mstrides, *o.stride(), tiles, m_tiles,
-        HAS_MASK=has_mask, MASK_BOOL=mask_kind == "bool", CAUSAL=bool(causal),
-        UPCAST=interpreting(), QOUT=qout_code, MASK_ROW=mask_row,
-        MASKED=bool(causal) or sk != block_n or (has_mask and not mask_row), STAGES=stages,
-        **tiles_kw,
+        MASKED=masked, STAGES=stages, **flags, **tiles_kw,
     )  # fmt: skip
     return out.permute(0, 2, 1, 3)
 
