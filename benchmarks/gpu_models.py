@@ -24,10 +24,10 @@ inputs: the largest relative L2 error over the outputs. A row is flagged, not st
 tensorkiln's error is above 2x PyTorch eager fp16's + 1e-3; a peer that fails shows
 "failed: <reason>" in its cell and the run goes on. Throughput at the large batch: the best of 3
 loops of 20 calls timed with CUDA events (after warm-up); batch-1 latency: the median of 200
-calls, each synchronized. With ``--rounds N`` every peer of a throughput row is timed N times, in turns once all are built
-(A B C, A B C, ...), and its median is reported, the rounds under "values" in the JSON: peers
-timed once each, one after the other, also differ by the GPU's drift between their turns. Per
-row, also: tensorkiln's build seconds (and those of a second, warm
+calls, each synchronized. With ``--rounds N`` every peer of a throughput row is timed N times,
+in turns once all are built (A B C, A B C, ...), and its median is reported, the rounds under
+"values" in the JSON: peers timed once each, one after the other, also differ by the GPU's drift
+between their turns. Per row, also: tensorkiln's build seconds (and those of a second, warm
 build from the timing cache the first filled), its planned activation memory and what its context
 holds after the runs, and its share of the fp16 GEMM peak (the model's
 FLOPs, counted once with FlopCounterMode on the fp32 eager model at that batch, per tensorkiln's
@@ -126,7 +126,8 @@ class Settings:
     quantize_all: bool = False  # int8/fp8: every layer quantized (no per-layer precision choice)
     rounds: int = 1  # throughput: times each peer is timed, in turns (the median is reported)
     peer: str = ""  # the peer being measured
-    # this row's throughput callables by peer (fn, batch), for the rounds after the first
+    # this row's throughput callables by peer (fn, batch, under inference mode), for the rounds
+    # after the first
     timers: dict = field(default_factory=dict)
 
     def sync(self) -> None:
@@ -179,7 +180,7 @@ def throughput(fn, batch: int) -> float:
 
 def timed(fn, batch: int) -> float:
     """:func:`throughput`, with ``fn`` kept for the rounds after the first (see :func:`rounds`)."""
-    S.timers[S.peer] = (fn, batch)
+    S.timers[S.peer] = (fn, batch, torch.is_inference_mode_enabled())
     return throughput(fn, batch)
 
 
@@ -192,9 +193,9 @@ def rounds(row: dict) -> None:
     one that fails a round keeps the rounds it has."""
     values = {peer: [row["peers"][peer]["value"]] for peer in S.timers}
     for _ in range(S.rounds - 1):
-        for peer, (fn, batch) in S.timers.items():
+        for peer, (fn, batch, inference) in S.timers.items():
             try:
-                with torch.inference_mode():  # (as the PyTorch peers were timed)
+                with torch.inference_mode(inference):  # (as its first round ran)
                     values[peer].append(throughput(fn, batch))
             except Exception as exc:  # (the cell keeps its first rounds)
                 common.log(f"{row['model']} batch {row['batch']}: {peer} round failed: {exc}")
