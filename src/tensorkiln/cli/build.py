@@ -58,9 +58,10 @@ compute in that precision; the reference backend computes in float32 and says so
 --int8 and --fp8 quantize the convolutions and GEMMs (weights per output channel, activations per
 tensor, symmetric), calibrated on --calib-data (a folder of .npy/.npz files, one per sample or
 batch, or one .npz of stacked samples) or taken from --calib-cache; a model with its own
-QuantizeLinear/DequantizeLinear nodes needs neither. INT8/FP8 kernels exist on the reference
-backend so far; the cuda backend warns and builds without them. --best allows every precision the
-backend implements (INT8/FP8 only with calibration data or a cache).
+QuantizeLinear/DequantizeLinear nodes needs neither. The reference and cuda backends run the
+quantized layers (on a GPU a layer measured faster in the engine's float precision stays in it,
+unless --quantize-all); the cpu backend warns and builds float32. --best allows every precision
+the backend implements (INT8/FP8 only with calibration data or a cache).
 """
 
 PRECISION_FLAGS = ("tf32", "fp16", "bf16", "int8", "fp8")
