@@ -23,6 +23,7 @@ import argparse
 import ctypes
 import json
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks._common import norm_rel_torch  # noqa: E402
-from benchmarks.conv_8bit_cudnn import SHAPES, _time  # noqa: E402
+from benchmarks.conv_8bit_cudnn import SHAPES  # noqa: E402
+from benchmarks.conv_8bit_cudnn import _time as _time_events  # noqa: E402
 
 from tensorkiln.errors import KernelError  # noqa: E402
 from tensorkiln.kernels.cuda.cutlass_fp8 import (  # noqa: E402
@@ -92,6 +94,40 @@ def _shapes(batch: int):
         yield f"BERT {m}x{n}x{k}", (m, n, k, count), None
 
 
+def _time_graph(fn, reps: int, inner: int = 20) -> float:
+    """Milliseconds a call: ``inner`` calls captured in one CUDA graph, the median over ``reps``
+    replays. A launch through ctypes costs the host about as long as a small GEMM runs, so
+    timing launches measures the host; an engine replays its kernels from a graph."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / inner)
+    return statistics.median(times)
+
+
+def _selected(args: argparse.Namespace) -> list:
+    """The shapes this run measures: those whose label holds ``--only``, the first ``--shapes``."""
+    shapes = [s for s in _shapes(args.batch) if args.only in s[0]]
+    return shapes[: args.shapes or None]
+
+
 def _isolated(args: argparse.Namespace) -> None:
     """Each shape in a child process (this script with ``--shape-index``) under a timeout: the
     rows as they come, a stalled shape reported and skipped, the weighted sums of the rest."""
@@ -108,9 +144,8 @@ def _isolated(args: argparse.Namespace) -> None:
         if not a.startswith("--isolate="):
             argv.append(a)
     totals: dict[str, float] = {}
-    shapes = list(_shapes(args.batch))
     header_done = False
-    for i, (label, *_) in enumerate(shapes[: args.shapes or None]):
+    for i, (label, *_) in enumerate(_selected(args)):
         cmd = [sys.executable, str(Path(__file__).resolve()), *argv, "--shape-index", str(i)]
         try:
             done = subprocess.run(
@@ -151,6 +186,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--shapes", type=int, default=0, help="the first N shapes only")
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="time calls replayed from a CUDA graph (no launch cost), as engines run",
+    )
+    ap.add_argument("--only", default="", help="the shapes whose label holds this, e.g. BERT")
     ap.add_argument("--every", action="store_true", help="print every kernel's time")
     ap.add_argument("--all-k", action="store_true",
                     help="run the variants with other stage counts (k2, e, s) at every K, not only "
@@ -167,6 +208,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     torch.backends.cudnn.benchmark = True
+    _time = _time_graph if args.graph else _time_events
     gemms = CutlassGemms(args.lib)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels: {len(gemms.kernels)}"
@@ -177,17 +219,17 @@ def main() -> None:
             for k in gemms.kernels.values()
         }
     )
-    acts = {"relu": torch.relu, "none": lambda v: v, "gelu": F.gelu, "gelu_erf": F.gelu}
+    acts = {"relu": torch.relu, "none": lambda v: v, "gelu": F.gelu, "gelu_erf": F.gelu,
+            "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}  # fmt: skip
     e4m3 = torch.float8_e4m3fn
-    dt = {"fp8": e4m3, "f16": torch.half}
+    dt = {"fp8": e4m3, "f16": torch.half, "i8": torch.int8}
     header = ["shape", "x", "conv fp16", "cuBLAS fp16", "_scaled_mm fp8->f16"]
     header += [f"CUTLASS {a}->{c} {e} {act} (tile)" for a, c, e, act in kinds]
     print(" | ".join(header))
     totals: dict[str, float] = {}
-    shapes = list(_shapes(args.batch))
-    chosen = shapes[: args.shapes or None]
+    chosen = _selected(args)
     if args.shape_index >= 0:
-        chosen = shapes[args.shape_index : args.shape_index + 1]
+        chosen = chosen[args.shape_index : args.shape_index + 1]
     for label, (m, n, k, count), conv in chosen:
         g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
         a32 = torch.randn(m, k, device="cuda", generator=g)
@@ -206,6 +248,12 @@ def main() -> None:
             "residual": acc * col + bias + z.float() * z_scale,
         }
         del acc
+        pre_i8 = a_i8 = b_i8 = None
+        if any(kind[0] == "i8" for kind in kinds):  # int8 operands: int32 sums, per channel
+            a_i8 = torch.randint(-64, 65, (m, k), device="cuda", generator=g, dtype=torch.int8)
+            b_i8 = torch.randint(-64, 65, (n, k), device="cuda", generator=g, dtype=torch.int8)
+            col_i8 = col / 64.0
+            pre_i8 = {"channel": (a_i8.double() @ b_i8.double().T).float() * col_i8 + bias}
         cells = [label, str(count)]
         row: dict[str, float] = {}
         if conv is not None:
@@ -227,13 +275,23 @@ def main() -> None:
         for key in ("conv fp16", "cuBLAS fp16", "_scaled_mm"):
             cells.append(f"{row[key]:.3f}" if key in row else "-")
         for a_kind, c_kind, epi, act in kinds:
-            want = acts[act](pre[epi])
+            vecs = (col, bias, z)
+            if a_kind == "i8":
+                if epi != "channel":
+                    continue
+                want = acts[act](pre_i8[epi])
+                vecs = (col_i8, bias, z)
+            else:
+                want = acts[act](pre[epi])
             if epi == "channel" and act.startswith("gelu"):  # (an output scale after the GELU)
                 want = want * scale
-            want = want.to(e4m3).float() if c_kind == "fp8" else want
+            if c_kind == "fp8":
+                want = want.to(e4m3).float()
+            elif c_kind == "i8":  # (QuantizeLinear's: half to even, saturated)
+                want = torch.round(want).clamp(-128, 127)
             s = z_scale if epi == "residual" else scale
             best = None
-            a_in, b_in = (a8, b8) if a_kind == "fp8" else (a16, b16)
+            a_in, b_in = {"fp8": (a8, b8), "i8": (a_i8, b_i8)}.get(a_kind, (a16, b16))
             for name, kern in gemms.kernels.items():
                 if (kern["a"], kern["c"], kern["epilogue"], kern.get("activation", "relu")) != (
                     a_kind,
@@ -251,17 +309,16 @@ def main() -> None:
                 if args.every:
                     print(f"  {name} on {label}: launched", flush=True)
                 try:
-                    gemms.run(name, a_in, b_in, d, s, col, bias, z)
+                    gemms.run(name, a_in, b_in, d, s, *vecs)
                     torch.cuda.synchronize()
                 except (RuntimeError, ValueError, KernelError) as exc:
                     print(f"  {name} on {label}: {exc}")
                     continue
                 err = norm_rel_torch([d.float()], [want])
-                limit = 2.0**-6 if c_kind == "fp8" else 2e-3
+                limit = {"fp8": 2.0**-6, "i8": 1e-2}.get(c_kind, 2e-3)
                 if not err <= limit:
                     print(f"  {name} on {label}: relative L2 {err:.2e} over {limit:.1e}, not timed")
                     continue
-                vecs = (col, bias, z)
                 t = _time(lambda name=name, a_in=a_in, b_in=b_in, d=d, s=s, v=vecs: (
                     gemms.run(name, a_in, b_in, d, s, *v)), args.reps)  # fmt: skip
                 if args.every:
@@ -280,7 +337,7 @@ def main() -> None:
         print(" | ".join(cells), flush=True)
         if args.shape_index >= 0:
             print("ROW " + json.dumps({"group": group, "count": count, "row": row}), flush=True)
-        del a32, b32, a8, b8, a16, b16, pre, col, bias, z
+        del a32, b32, a8, b8, a16, b16, pre, col, bias, z, pre_i8, a_i8, b_i8
         torch.cuda.empty_cache()
     print("\nWeighted by use (ResNet-50: each layer times how often the network runs it):")
     for key, t in sorted(totals.items()):

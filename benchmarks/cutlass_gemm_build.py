@@ -297,19 +297,19 @@ VARIANTS = (
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
     "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
-    "64x256e64x128",
+    "64x256e64x128", "128x128o2c1x2", "128x128c1x2w2",
 )  # fmt: skip
 
 
-def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int, tuple[int, int]]:
+def _tile(spec: str) -> tuple:
     found = re.fullmatch(
         r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?"
-        r"(?:c([12])x([12]))?",
+        r"(?:c([12])x([12]))?(w2)?",
         spec,
     )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN] "
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2] "
             "(M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
@@ -321,6 +321,7 @@ def _tile(spec: str) -> tuple[int, int, int, int, tuple[int, int] | None, int, t
         epi,
         int(found.group(7) or 4),
         (int(found.group(8) or 1), int(found.group(9) or 1)),
+        2 if found.group(10) else 0,  # math warpgroups: 0, the example's choice
     )
 
 
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass
     import cutlass.cute as cute
+    from cutlass import pipeline
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     out = args.out
@@ -389,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
         variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
     for epilogue, act, kind, shape in variants:
-        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster = shape
+        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups = shape
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
         tag = (
@@ -397,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f"e{epi_tile[0]}x{epi_tile[1]}" if epi_tile else "")
             + (f"s{stages}" if stages != 4 else "")
             + (f"c{cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
+            + ("w2" if warpgroups else "")
         )
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
@@ -412,6 +415,15 @@ def main(argv: list[str] | None = None) -> int:
         acc = cutlass.Int32 if a_name == "i8" else cutlass.Float32  # (int8: exact int32 sums)
         gemm = ex.HopperFP8GeluPersistentGemmKernel(acc, (tile_m, tile_n), cluster, 1, True)
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
+        if warpgroups == 2 and tile_m == 128:  # (two math warpgroups of 64 rows each, as the
+            # example picks for N > 128 only: the derived counts and the epilogue's barrier)
+            gemm.atom_layout_mnk = (2, 1, 1)
+            gemm.num_mma_warp_groups = 2
+            gemm.threads_per_cta = 3 * gemm.num_threads_per_warp_group
+            gemm.num_mma_threads = 2 * gemm.num_threads_per_warp_group
+            gemm.epilog_sync_barrier = pipeline.NamedBarrier(
+                barrier_id=1, num_threads=gemm.num_mma_threads
+            )
         ex.TK_EPI_STAGES = stages
         if epilogue == "residual":  # (the residual's tile, out of the main loop's stages)
             gemm.smem_capacity -= (tile_m * tile_n + 1024) * occupancy
@@ -442,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
              "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
-             "cluster": list(cluster)}
+             "cluster": list(cluster), "warpgroups": warpgroups or None}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
 

@@ -20,11 +20,12 @@ def build():
 
 
 def test_tiles_parse_and_bad_ones_are_refused(build) -> None:
-    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1))
-    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1))
-    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1))
+    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0)
+    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0)
+    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0)
+    assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2)
     for bad in ("96x128", "128x32", "128x128o3", "128x128k3", "128x128e64", "128x128s5", "x",
-                "128x128c4x1", "128x128c2x1o2"):  # fmt: skip
+                "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2"):  # fmt: skip
         with pytest.raises(SystemExit, match="is not MxN"):
             build._tile(bad)
     for spec in build.TILES:  # (the defaults are all well formed)

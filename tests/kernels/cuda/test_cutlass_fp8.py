@@ -359,3 +359,49 @@ def test_a_float16_output_takes_the_scales_undivided(monkeypatch) -> None:
         )
     with pytest.raises(KernelError, match="without an activation"):
         cf._gemm_fn("k")(a, a_scale, b, b_scale, c, None, **{**attrs, "activation": "Relu"})
+
+
+def test_a_cluster_kernel_takes_only_shapes_its_clusters_cover(tmp_path: Path, monkeypatch) -> None:
+    """Two CTAs along N share A's loads: the pair's kernel is listed (and ranked first) where N
+    holds whole pairs of its tiles, not elsewhere; at a shape of that kind an engine meets later,
+    the tactic runs the exact kernel instead of launching it."""
+    import torch
+
+    from tensorkiln.kernels.cuda.convert import mark_constant
+
+    pair = {**_kernel("channel", "relu", (128, 128), occupancy=2, cluster=[1, 2]),
+            "name": "gemm_fp8_fp8_channel_relu_128x128o2k4c1x2"}  # fmt: skip
+    single = _kernel("channel", "relu", (128, 128), occupancy=2)
+    loaded = _Loaded(_library(tmp_path, [pair, single]))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    assert _names(_gemm(n=256)) == sorted([pair["name"], single["name"]])
+    assert _names(_gemm(n=384)) == [single["name"]]  # (three tiles: the last pair half empty)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    spec = _gemm(n=768)
+    ranked = sorted((resolve(n) for n in cf._kernels_for(spec)), key=lambda t: -t.score(spec))
+    assert ranked[0].name == cf.PREFIX + pair["name"]
+    assert resolve(cf.PREFIX + pair["name"]).applies(_gemm(n=384))  # (there: the exact kernel)
+    for bad in ([1, 3], [2], "1x2"):
+        doc = [{**pair, "cluster": bad}]
+        with pytest.raises(KernelError, match="cluster"):
+            cf.read_manifest(_library(tmp_path, doc))
+
+    lib = _Recording("channel")
+    lib.kernels["k"].update(tile=[128, 128], cluster=[1, 2])
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(8)
+    e4m3 = torch.float8_e4m3fn
+    a = torch.randn(128, 32, generator=g).to(e4m3)
+    b = torch.randn(384, 32, generator=g).to(e4m3)
+    a_scale, y_scale = torch.tensor(0.04), torch.tensor(0.05)
+    b_scale = 0.01 + 0.02 * torch.rand(384, generator=g)
+    for t in (a_scale, y_scale, b_scale):
+        mark_constant(t)
+    attrs = {"transB": 1, "activation": "Relu", "out_dtype": 17}
+    y = cf._gemm_fn("k")(a, a_scale, b, b_scale, None, y_scale, **attrs)
+    assert lib.calls == []  # (N = 384: not whole pairs of 128-column tiles)
+    want = cf.qgemm_act(a, a_scale, b, b_scale, None, y_scale, **attrs)
+    assert y.dtype == e4m3 and torch.equal(y.float(), want.float())
+    lib.kernels["k"]["cluster"] = [1, 1]
+    cf._gemm_fn("k")(a, a_scale, b, b_scale, None, y_scale, **attrs)
+    assert len(lib.calls) == 1

@@ -170,6 +170,9 @@ def _checked_kernel(k: Any, where: str) -> bool:
         isinstance(tile, list) and len(tile) == 2 and tile[0] in _TILES_M and tile[1] in _TILES_N
     ):
         raise KernelError(f"{where}: tile {tile!r} is not one of M {_TILES_M} by N {_TILES_N}")
+    cluster = k.get("cluster", [1, 1])  # (a library built before clusters names none)
+    if not (isinstance(cluster, list) and len(cluster) == 2 and all(c in (1, 2) for c in cluster)):
+        raise KernelError(f"{where}: cluster {cluster!r} is not M x N CTAs of 1 or 2")
     tensors = k.get("tensors")
     want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
     if not isinstance(tensors, dict) or any(tensors.get(t) != [2, 2] for t in want):
@@ -380,6 +383,8 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
                 kern["a"]) != (epilogue, act, out, operands):  # fmt: skip
             continue
         tile_m, tile_n = kern["tile"]
+        if fit and not _fits(m, n, k, kern):
+            continue
         if epilogue == "residual" and ((fit and m % tile_m) or n % tile_n):
             continue  # (its tile is read unbounded; where it runs, M is a multiple of 128)
         if k > 64 and (kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or
@@ -442,7 +447,7 @@ def _gemm_fn(kernel: str) -> Callable:
         if wide and (call.out != torch.float16 or call.activation):
             raise KernelError(f"{PREFIX}{kernel}: writes float16 without an activation")
         m, n = call.a2.shape[0], call.b.shape[0]
-        if not _fits(m, n, call.a2.shape[1]):  # (a shape other than the tuned one's: exact)
+        if not _fits(m, n, call.a2.shape[1], kern):  # (a shape other than the tuned one's: exact)
             return qgemm_act(a_q, a_scale, b_q, b_scale, c, y_scale, **attrs)
         gelu = kern["activation"].startswith("gelu")  # (the output scale after the GELU)
         col, bias = _vectors(lambda: call.scale(torch.float32), b_scale, a_scale, y_scale, c,
@@ -462,7 +467,7 @@ def _conv_fn(kernel: str) -> Callable:
         if lib is None:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library")
         pixels = x_q.shape[0] * x_q.shape[2] * x_q.shape[3] if x_q.ndim == 4 else 0
-        if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1]):
+        if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1], lib.kernels[kernel]):
             return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
         def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
@@ -492,7 +497,9 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
     of its columns, and of those the widest reads A the fewest times; two CTAs an SM keep memory
     busier where tiles are small; on K = 64 layers, 64-byte stages and wider epilogue subtiles
     help; 64-row tiles rarely won; GELU on the hardware's tanh beat the polynomial on every
-    GELU GEMM of BERT-base (FP8 and int8), so its tiles come first."""
+    GELU GEMM of BERT-base (FP8 and int8), so its tiles come first; a cluster of two CTAs
+    along N (A's tiles loaded once for both, multicast) was as fast or faster on BERT-base's
+    GEMMs of K = 768 to 3072."""
     tile_m, tile_n = kernel["tile"]
     score = n / (-(-n // tile_n) * tile_n) * (0.8 + 0.2 * tile_n / 256)  # (wider: fewer loads)
     if kernel.get("occupancy", 1) == 2:
@@ -503,11 +510,21 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
         score *= 1.05
     if kernel.get("activation") == "gelu_tanh":
         score *= 1.2
+    if kernel.get("cluster") == [1, 2]:
+        score *= 1.2
     return score * (0.9 if tile_m == 64 else 1.0)
 
 
-def _fits(m: int, n: int, k: int) -> bool:
-    return not (m % _M_MULTIPLE or n % _NK_MULTIPLE or k % _NK_MULTIPLE or m * max(n, k) >= 2**31)
+def _fits(m: int, n: int, k: int, kernel: dict | None = None) -> bool:
+    """Whether an M x N x K GEMM is one the kernels take; with ``kernel``, that one: a cluster
+    of CTAs stays inside the matrix (its CTAs share their loads, so none is left without work)."""
+    if m % _M_MULTIPLE or n % _NK_MULTIPLE or k % _NK_MULTIPLE or m * max(n, k) >= 2**31:
+        return False
+    cm, cn = kernel.get("cluster", [1, 1]) if kernel is not None else (1, 1)
+    if cm * cn == 1:
+        return True
+    tile_m, tile_n = kernel["tile"]  # type: ignore[index]
+    return not (m % (tile_m * cm) or n % (tile_n * cn))
 
 
 def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tactic | None]:
