@@ -80,13 +80,14 @@ def test_gemm_kernels_match_the_exact_kernel(activation: str) -> None:
                                               **attrs).float())  # fmt: skip
 
 
+@pytest.mark.parametrize("n", [384, 512])
 @pytest.mark.parametrize("bias", [True, False])
-def test_float16_output_kernels_match_the_exact_kernel(bias: bool) -> None:
+def test_float16_output_kernels_match_the_exact_kernel(bias: bool, n: int) -> None:
     """The per-channel kernels that write float16 (a GEMM with no Y_scale and no activation, as
     BERT's QKV, attention-output and second FFN GEMMs are): to float16's rounding of the
-    exact kernel's result."""
+    exact kernel's result. (N = 512 is whole pairs of 128-column tiles: the clusters' kernels.)"""
     _library()
-    m, n, k = 512, 384, 256
+    m, k = 512, 256
     g, a, b, a_scale, b_scale = _fp8_operands(13, m, n, k)
     c = 0.5 * torch.randn(n, device="cuda", generator=g) if bias else None
     attrs = {"transB": 1, "activation": "", "out_dtype": 10, "alpha": 0.75, "beta": 0.5}
@@ -108,13 +109,15 @@ def test_float16_output_kernels_match_the_exact_kernel(bias: bool) -> None:
         )
 
 
+@pytest.mark.parametrize("n", [384, 512])
 @pytest.mark.parametrize("out", ["int8", "float16"])
-def test_int8_kernels_match_the_exact_kernel(out: str) -> None:
+def test_int8_kernels_match_the_exact_kernel(out: str, n: int) -> None:
     """The int8 kernels (exact int32 sums): a GELU GEMM writing int8 to within one code of the
-    exact kernel's, its output scale after the GELU; one writing float16 to float16's rounding."""
+    exact kernel's, its output scale after the GELU; one writing float16 to float16's rounding.
+    (N = 512 is whole pairs of 128-column tiles: the clusters' kernels.)"""
     _library()
     g = torch.Generator(device="cuda").manual_seed(14)
-    m, n, k = 512, 384, 768
+    m, k = 512, 768
     a = torch.randint(-128, 128, (m, k), device="cuda", generator=g, dtype=torch.int8)
     b = torch.randint(-128, 128, (n, k), device="cuda", generator=g, dtype=torch.int8)
     a_scale = torch.tensor(0.02, device="cuda")
