@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -251,6 +252,33 @@ def norm_rel_torch(got: list, want: list) -> float:
             raise ValueError(f"output shape {list(g.shape)}, the reference's {list(w.shape)}")
         errs.append(float(torch.linalg.vector_norm(g - w) / torch.linalg.vector_norm(w)))
     return max(errs)
+
+
+def graph_time_ms(fn, reps: int, calls: int = 20) -> float:
+    """Milliseconds a call of ``fn``: ``calls`` calls captured in one CUDA graph, the median of
+    ``reps`` replays (no launch cost: a launch through Python or ctypes costs the host about as
+    long as a small kernel runs, and an engine replays its kernels from a graph). The warm-up
+    calls run on a side stream, as capture wants."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / calls)
+    return statistics.median(times)
 
 
 def environment(device: str) -> dict:

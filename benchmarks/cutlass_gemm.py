@@ -23,14 +23,13 @@ import argparse
 import ctypes
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from benchmarks._common import norm_rel_torch  # noqa: E402
+from benchmarks._common import graph_time_ms, norm_rel_torch  # noqa: E402
 from benchmarks.conv_8bit_cudnn import SHAPES  # noqa: E402
 from benchmarks.conv_8bit_cudnn import _time as _time_events  # noqa: E402
 
@@ -92,34 +91,6 @@ def _shapes(batch: int):
         yield label, (batch * out_hw * out_hw, cout, cin * k * k, count), (cin, cout, k, stride, hw)
     for m, n, k, count in BERT:
         yield f"BERT {m}x{n}x{k}", (m, n, k, count), None
-
-
-def _time_graph(fn, reps: int, inner: int = 20) -> float:
-    """Milliseconds a call: ``inner`` calls captured in one CUDA graph, the median over ``reps``
-    replays. A launch through ctypes costs the host about as long as a small GEMM runs, so
-    timing launches measures the host; an engine replays its kernels from a graph."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
-    return statistics.median(times)
 
 
 def _selected(args: argparse.Namespace) -> list:
@@ -208,7 +179,7 @@ def main() -> None:
     import torch.nn.functional as F
 
     torch.backends.cudnn.benchmark = True
-    _time = _time_graph if args.graph else _time_events
+    _time = graph_time_ms if args.graph else _time_events
     gemms = CutlassGemms(args.lib)
     print(
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels: {len(gemms.kernels)}"

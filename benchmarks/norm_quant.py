@@ -20,7 +20,6 @@ each with the residual read (``+res``, BERT's LayerNorms after attention and FFN
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +28,9 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import graph_time_ms as _time
 
 from tensorkiln.kernels.triton.norm import _row_block, _summed, _written, normalize, row_tile
 from tensorkiln.kernels.triton.quantize import requantize
@@ -55,27 +57,6 @@ def _norm_copy(
     if MODE == 3:
         q = y.to(tl.float32) * (1.0 / tl.load(QS))
         tl.store(Q + offs, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
-
-
-def _time(fn, reps: int, calls: int = 20) -> float:
-    """ms a call: ``calls`` calls captured in one CUDA graph, the median of ``reps`` replays."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -188,7 +188,7 @@ def _layer_row(
     dtype: torch.dtype, c: int, hw: int, batch: int, reps: int, quick: bool = False
 ) -> dict:
     """One layer's times (ms): cuDNN float16, and the best tiling of each 8-bit kernel."""
-    from benchmarks.cutlass_gemm import _time_graph
+    from benchmarks._common import graph_time_ms
 
     from tensorkiln.kernels.common.window import Geometry
     from tensorkiln.kernels.triton import conv
@@ -198,7 +198,7 @@ def _layer_row(
     want = reference(x, w, col, bias, ys)
     x16, w16 = x.half(), w.half()
     row: dict = {
-        "cuDNN fp16": _time_graph(lambda: torch.nn.functional.conv2d(x16, w16, padding=1), reps)
+        "cuDNN fp16": graph_time_ms(lambda: torch.nn.functional.conv2d(x16, w16, padding=1), reps)
     }
     geom = Geometry((3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (hw, hw))
     relu = conv.Epilogue.of("Relu")
@@ -230,7 +230,7 @@ def _layer_row(
             if off > 1e-3:
                 print(f"{label}: {off:.2%} off by more than one step, not timed")
                 continue
-            t = _time_graph(lambda fn=fn, cfg=cfg: fn(cfg), reps)
+            t = graph_time_ms(lambda fn=fn, cfg=cfg: fn(cfg), reps)
             print(f"{label}: {t:.4f} ms", flush=True)
             if best is None or t < best[0]:
                 best = (t, cfg.name)
