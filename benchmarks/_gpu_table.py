@@ -238,8 +238,9 @@ def _choice_lines(rows: list[dict]) -> list[str]:
                 f"{c['quantized_ms']:.3f} ms (of which QuantizeLinear {c['quantize_ms']:.3f}) "
                 f"against {c['float_ms']:.3f} ms in float"
             )
-            for name, q, quant, f in c["worst"]:
-                out.append(f"  - `{name}`: {q:.4f} ms quantized ({quant:.4f} Q), {f:.4f} float")
+            for name, q, quant, f, *tactic in c["worst"]:  # (older JSON: no tactic)
+                on = f" on {tactic[0]}" if tactic and tactic[0] else ""
+                out.append(f"  - `{name}`: {q:.4f} ms quantized{on} ({quant:.4f} Q), {f:.4f} float")
     return out
 
 

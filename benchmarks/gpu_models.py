@@ -410,7 +410,8 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
 def choice_summary(choice: dict, top: int = 6) -> dict:
     """An INT8/FP8 build's per-layer precision choice in brief: how many layers were timed both
     ways and kept in each, the summed milliseconds each way, and the layers where the quantized
-    form lost by most (quantized ms with its own QuantizeLinear's, float ms)."""
+    form lost by most (quantized ms with its own QuantizeLinear's, float ms, the quantized
+    form's tactic); every layer's under "per_layer"."""
     worst = sorted(choice.items(), key=lambda kv: kv[1]["float_ms"] - kv[1]["quantized_ms"])
     return {
         "layers": len(choice),
@@ -419,8 +420,13 @@ def choice_summary(choice: dict, top: int = 6) -> dict:
         "quantize_ms": sum(c["quantize_ms"] for c in choice.values()),
         "float_ms": sum(c["float_ms"] for c in choice.values()),
         "worst": [
-            [name, c["quantized_ms"], c["quantize_ms"], c["float_ms"]] for name, c in worst[:top]
+            [name, c["quantized_ms"], c["quantize_ms"], c["float_ms"], c.get("tactic")]
+            for name, c in worst[:top]
         ],
+        "per_layer": {
+            name: [c["quantized_ms"], c["quantize_ms"], c["float_ms"], c.get("tactic")]
+            for name, c in choice.items()
+        },
     }
 
 

@@ -233,3 +233,21 @@ def test_rounds_time_every_peer_in_turns_and_report_the_median(tmp_path: Path) -
         assert cell["value"] == sorted(cell["values"])[1]
     tk, eager = row["peers"]["tensorkiln"]["value"], row["peers"]["eager"]["value"]
     assert row["ratio"] == pytest.approx(tk / eager)
+
+
+def test_the_precision_choice_lines_name_the_quantized_tactic() -> None:
+    """The table's precision-choice lines: each worst layer with the tactic its quantized form
+    was timed on; results written before the tactic was recorded still render."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import _gpu_table
+
+    choice = {"layers": 2, "kept_float": 1, "quantized_ms": 0.9, "quantize_ms": 0.04,
+              "float_ms": 0.7, "worst": [["conv3", 0.6, 0.04, 0.3, "cudnn_fp16"],
+                                         ["conv1", 0.3, 0.0, 0.4, None]]}  # fmt: skip
+    old = {**choice, "worst": [["conv3", 0.6, 0.04, 0.3]]}
+    rows = [{"model": "resnet50", "batch": 256, "peers": {"tensorkiln-fp8": {"precision_choice": c}}}
+            for c in (choice, old)]  # fmt: skip
+    lines = _gpu_table._choice_lines(rows)
+    assert "  - `conv3`: 0.6000 ms quantized on cudnn_fp16 (0.0400 Q), 0.3000 float" in lines
+    assert "  - `conv1`: 0.3000 ms quantized (0.0000 Q), 0.4000 float" in lines
+    assert lines.count("  - `conv3`: 0.6000 ms quantized (0.0400 Q), 0.3000 float") == 1

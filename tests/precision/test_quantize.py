@@ -439,7 +439,8 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
                         ["flat_quantize"]]  # fmt: skip
         assert ops == {"conv1": "ConvAct", "conv2": "ConvAct", "fc": "QGemmAct"}, ops
         assert choice_made["conv2"] == {"quantized_ms": 1.3, "quantize_ms": 0.5,
-                                        "float_ms": 1.0, "kept": "float"}  # fmt: skip
+                                        "float_ms": 1.0, "kept": "float",
+                                        "tactic": choice_made["conv2"]["tactic"]}  # fmt: skip
         assert any("2 layers kept in fp16" in n and "conv1, conv2" in n
                    for n in engine.build["notes"]), engine.build["notes"]  # fmt: skip
     assert choice_made["conv1"]["kept"] == "float" and choice_made["fc"]["kept"] == "quantized"
@@ -483,7 +484,8 @@ def test_the_precision_choice_compares_each_layer_with_its_float_form(
     assert {n for n, c in choice.items() if c["kept"] == "float"} == {"a", "d"}
     assert set(choice) == {"a", "b", "d"}  # (c was not measured quantized: not compared)
     assert choice["b"] == {"quantized_ms": 0.5, "quantize_ms": 0.0, "float_ms": 1.0,
-                           "kept": "quantized"}  # fmt: skip
+                           "kept": "quantized", "tactic": "u"}  # fmt: skip
+    assert choice["a"]["tactic"] == "t" and choice["d"]["tactic"] == "v"
 
 
 def test_the_precision_choice_counts_a_quantize_that_feeds_only_that_layer() -> None:
