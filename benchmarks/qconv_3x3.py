@@ -10,10 +10,10 @@ next layer's quantization fused, as a quantized engine runs it:
 - cuDNN's float16 convolution (``F.conv2d``, channels-last: the fp16 engine's kernel);
 - the project's Triton implicit-GEMM convolution (``kernels/triton/conv.py``, pointer loads
   with masks) at its tilings and at wider K steps;
-- an experimental kernel here, ``tma_conv3x3``: A's rows are the output pixels of the NHWC input
-  viewed as a (pixels, channels) matrix, each tap's tile is one TMA load of that matrix shifted
-  by the tap's offset (rows before the first or past the last pixel come back as zeros), and
-  the rows whose shifted pixel falls outside its image (the padding) are zeroed in registers.
+- ``kernels/triton/conv_tma.py``: A's rows are the output pixels of the NHWC input viewed as a
+  (pixels, channels) matrix, each tap's tile is one TMA load of that matrix shifted by the
+  tap's offset (rows before the first or past the last pixel come back as zeros), and the rows
+  whose shifted pixel falls outside its image (the padding) are zeroed in registers.
 
 Each 8-bit result is first checked against float64 arithmetic on the same 8-bit values (within
 one output step); times are the median of ``--reps`` replays of a CUDA graph of 20 calls.
@@ -27,83 +27,15 @@ from pathlib import Path
 
 import torch
 import triton
-import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from tensorkiln.kernels.triton import interpreting  # noqa: E402
-from tensorkiln.kernels.triton.gemm import TileConfig, swizzle  # noqa: E402
-from tensorkiln.kernels.triton.quantize import qout, requantize, storable  # noqa: E402
+from tensorkiln.kernels.triton import conv_tma  # noqa: E402
+from tensorkiln.kernels.triton.gemm import Epilogue, TileConfig  # noqa: E402
 
 # ResNet-50's stride-1 3x3 layers: (channels, pixels square, uses)
 LAYERS = ((64, 56, 3), (128, 28, 3), (256, 14, 5), (512, 7, 2))
-
-
-@triton.jit
-def _tma_conv3x3_kernel(
-    x_ptr, w_ptr, col_ptr, b_ptr, q_ptr, y_ptr, P, H, W, C, OC,
-    QUANT: tl.constexpr, QOUT: tl.constexpr, RELU: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr, GROUP_M: tl.constexpr,
-):  # fmt: skip
-    x_desc = tl.make_tensor_descriptor(
-        x_ptr, shape=[P, C], strides=[C, 1], block_shape=[BLOCK_M, BLOCK_K]
-    )
-    w_desc = tl.make_tensor_descriptor(
-        w_ptr, shape=[OC, 9 * C], strides=[9 * C, 1], block_shape=[BLOCK_N, BLOCK_K]
-    )
-    pid_m, pid_n = swizzle(tl.program_id(0), tl.cdiv(P, BLOCK_M), tl.cdiv(OC, BLOCK_N), GROUP_M)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    ow = rm % W
-    oh = (rm // W) % H
-    if QUANT == 1:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    c_steps = tl.cdiv(C, BLOCK_K)
-    for step in tl.range(0, 9 * c_steps, num_stages=STAGES):
-        tap = step // c_steps
-        c0 = (step % c_steps) * BLOCK_K
-        dh = tap // 3 - 1
-        dw = tap % 3 - 1
-        # (a row whose shifted pixel lies in another image row or image is padding: zero)
-        a = x_desc.load([pid_m * BLOCK_M + dh * W + dw, c0])
-        inside = (oh + dh >= 0) & (oh + dh < H) & (ow + dw >= 0) & (ow + dw < W)
-        a = tl.where(inside[:, None], a, tl.zeros_like(a))
-        b = w_desc.load([pid_n * BLOCK_N, tap * C + c0])
-        if QUANT == 1:
-            acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
-        elif UPCAST:  # (the interpreter has no E4M3 dot)
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32).T, acc)
-        else:
-            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = rn < OC
-    v = acc.to(tl.float32) * tl.load(col_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    v = v + tl.load(b_ptr + rn, mask=n_ok, other=0.0)[None, :]
-    if RELU:
-        v = tl.maximum(v, 0.0)
-    v = requantize(v, tl.load(q_ptr), QOUT)
-    y_ptrs = y_ptr + rm[:, None] * OC + rn[None, :]
-    tl.store(y_ptrs, v.to(y_ptr.dtype.element_ty), mask=(rm < P)[:, None] & n_ok[None, :])
-
-
-_ALLOCATOR_SET = False
-
-
-def _allocator() -> None:
-    """Device-side tensor descriptors need scratch memory from the caller."""
-    global _ALLOCATOR_SET
-    if not _ALLOCATOR_SET:
-        triton.set_allocator(
-            lambda size, align, stream: (
-                torch.empty(size, dtype=torch.int8, device="cuda")
-                if torch.cuda.is_available()
-                else torch.empty(size, dtype=torch.int8)
-            )
-        )
-        _ALLOCATOR_SET = True
 
 
 def tma_conv3x3(
@@ -116,31 +48,13 @@ def tma_conv3x3(
     relu: bool = True,
     config: TileConfig | None = None,
 ) -> torch.Tensor:
-    """``quantize(relu(conv3x3(x_q, w_q) * col + bias), y_scale)``, stride 1, padding 1: ``x_q``
-    (N, C, H, W) and ``w_q`` (OC, C, 3, 3) int8 or E4M3, channels-last; ``col`` and ``bias``
-    float32 of OC; the output in x_q's type, channels-last. C and OC multiples of 16."""
-    nb, c, h, w = x_q.shape
-    oc = w_q.shape[0]
-    if w_q.shape[1:] != (c, 3, 3) or c % 16 or oc % 16:
-        raise ValueError(f"tma_conv3x3: X {tuple(x_q.shape)}, W {tuple(w_q.shape)}")
-    config = config or TMA_CONFIGS[0]
-    _allocator()
-    x2 = x_q.permute(0, 2, 3, 1).reshape(nb * h * w, c)  # (a view when channels-last)
-    w2 = w_q.permute(0, 2, 3, 1).reshape(oc, 9 * c)
-    if not (x2.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("tma_conv3x3: X and W must be channels-last")
-    y = torch.empty((nb, oc, h, w), dtype=x_q.dtype, device=x_q.device,
-                    memory_format=torch.channels_last)  # fmt: skip
-    p = nb * h * w
-    grid = (triton.cdiv(p, config.block_m) * triton.cdiv(oc, config.block_n),)
-    _tma_conv3x3_kernel[grid](
-        x2, w2, col, bias, y_scale, storable(y), p, h, w, c, oc,
-        QUANT=1 if x_q.dtype == torch.int8 else 2, QOUT=qout(x_q.dtype), RELU=relu,
-        UPCAST=interpreting() and x_q.dtype == torch.float8_e4m3fn,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        STAGES=config.stages, GROUP_M=config.group_m, num_warps=config.warps,
+    """``quantize(relu(conv3x3(x_q, w_q) * col + bias), y_scale)`` through
+    ``kernels/triton/conv_tma.py`` (stride 1, padding 1), in x_q's 8-bit type, channels-last."""
+    one = torch.ones(1, device=x_q.device)
+    return conv_tma.conv3x3(
+        x_q, w_q, bias, scale=(one, col), epilogue=Epilogue.of("Relu" if relu else ""),
+        out_dtype=x_q.dtype, y_scale=y_scale, config=config or TMA_CONFIGS[0],
     )  # fmt: skip
-    return y
 
 
 def reference(x_q, w_q, col, bias, y_scale, relu: bool = True) -> torch.Tensor:

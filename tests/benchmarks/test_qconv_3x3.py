@@ -1,6 +1,7 @@
-"""The experimental TMA 3x3 convolution of benchmarks/qconv_3x3.py: interpreted, against float64
-arithmetic on the same 8-bit values (padding, image edges and a last row tile that runs past the
-pixels included), its refusals, and its compiled form for Hopper: TMA loads feeding WGMMA."""
+"""benchmarks/qconv_3x3.py's TMA 3x3 convolution (kernels/triton/conv_tma.py) as the benchmark
+runs it: interpreted, against the benchmark's float64 reference on the same 8-bit values
+(padding, image edges and a last row tile that runs past the pixels included), and the kernel's
+compiled form for Hopper: TMA loads feeding WGMMA."""
 
 from __future__ import annotations
 
@@ -37,34 +38,25 @@ def test_matches_float64_arithmetic_on_the_8_bit_values(dtype, nb: int, c: int, 
     assert float(want.float().abs().max()) > 60  # (the codes span the range)
 
 
-def test_refuses_what_it_does_not_compute() -> None:
-    x, w, col, bias, ys = q.operands(1, 16, 4, torch.int8, "cpu")
-    with pytest.raises(ValueError, match="channels-last"):
-        q.tma_conv3x3(x.contiguous(), w, col, bias, ys)
-    with pytest.raises(ValueError, match="tma_conv3x3"):
-        q.tma_conv3x3(x, w[:, :, :2, :2], col, bias, ys)
-    x12, w12, *_ = q.operands(1, 12, 4, torch.int8, "cpu")
-    with pytest.raises(ValueError, match="tma_conv3x3"):
-        q.tma_conv3x3(x12, w12, col[:12], bias[:12], ys)
-
-
 _CHILD = r"""
 import json, re, sys
-sys.path[:0] = [sys.argv[1], sys.argv[1] + "/src"]
+sys.path[:0] = [sys.argv[1] + "/src"]
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from benchmarks import qconv_3x3 as q
+from tensorkiln.kernels.triton import conv_tma
 out = {}
-for kind, ptr, y in (("fp8", "*fp8e4nv", "*u8"), ("int8", "*i8", "*i8")):
-    sig = {"x_ptr": ptr, "w_ptr": ptr, "col_ptr": "*fp32", "b_ptr": "*fp32", "q_ptr": "*fp32",
-           "y_ptr": y, "P": "i32", "H": "i32", "W": "i32", "C": "i32", "OC": "i32",
-           **{k: "constexpr" for k in ("QUANT", "QOUT", "RELU", "UPCAST", "BLOCK_M", "BLOCK_N",
-                                       "BLOCK_K", "STAGES", "GROUP_M")}}
-    const = {"QUANT": 2 if kind == "fp8" else 1, "QOUT": 2 if kind == "fp8" else 1,
-             "RELU": True, "UPCAST": False, "BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64,
-             "STAGES": 3, "GROUP_M": 8}
-    src = ASTSource(fn=q._tma_conv3x3_kernel, signature=sig, constexprs=const)
+for kind, el, y in (("fp8", "fp8e4nv", "*u8"), ("int8", "i8", "*i8")):
+    sig = {"x_desc": f"tensordesc<{el}[128, 64]>", "w_desc": f"tensordesc<{el}[64, 64]>",
+           "b_ptr": "*fp32", "y_ptr": y, "xs_ptr": "*fp32", "ws_ptr": "*fp32", "q_ptr": "*fp32",
+           **{k: "i32" for k in ("P", "H", "W", "C", "OC", "s_ws")},
+           **{k: "fp32" for k in ("p0", "p1", "lo", "hi")},
+           **{k: "constexpr" for k in ("HAS_B", "ACT", "QUANT", "QOUT", "UPCAST", "BLOCK_M",
+                                       "BLOCK_N", "BLOCK_K", "STAGES", "GROUP_M")}}
+    const = {"HAS_B": True, "ACT": 1, "QUANT": 2 if kind == "fp8" else 1,
+             "QOUT": 2 if kind == "fp8" else 1, "UPCAST": False, "BLOCK_M": 128, "BLOCK_N": 64,
+             "BLOCK_K": 64, "STAGES": 3, "GROUP_M": 8}
+    src = ASTSource(fn=conv_tma._conv3x3_kernel, signature=sig, constexprs=const)
     ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
     out[kind] = {"wgmma": re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)", ptx),
                  "tma": len(re.findall(r"cp\.async\.bulk\.tensor", ptx))}

@@ -489,3 +489,96 @@ def test_qconv_tactics_read_a_quantized_residual(kind, name) -> None:
     got = to_numpy(fn(*tensors, **attrs))
     tol = _tol(kind, name or "")
     np.testing.assert_allclose(got, ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+_TMA_3X3 = "triton_qconv3x3_128x64x64_w4_s3"
+
+
+def _tma_3x3_case(kind: str, rng: np.random.Generator, oc: int = 48) -> tuple[list, dict]:
+    """A 3x3 QConvAct of 32 channels, padded by 1 (the TMA kernel's), with a bias."""
+    args = [_q(rng, (2, 32, 6, 5), kind), np.float32(0.05), _q(rng, (oc, 32, 3, 3), kind),
+            rng.uniform(1e-3, 3e-3, oc).astype(np.float32),
+            rng.standard_normal(oc).astype(np.float32)]  # fmt: skip
+    return args, {"pads": [1, 1, 1, 1]}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("activation", ["Relu", ""])
+@pytest.mark.parametrize("name", [_TMA_3X3, "triton_qconv3x3_128x128x64_w8_s3"])
+def test_the_tma_3x3_qconv_against_the_reference(kind, activation, name) -> None:
+    """The TMA 3x3 convolution (kernels/triton/conv_tma.py): float32 out against the exact sums,
+    48 output channels in a 64- or 128-wide tile (the columns past them masked), an input whose
+    6 x 5 images make the taps cross image rows and images."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    args, attrs = _tma_3x3_case(kind, rng, oc=48 if name == _TMA_3X3 else 144)
+    attrs["activation"] = activation
+    _check("QConvAct", name, args, attrs, channels_last=True, rtol=_tol(kind))
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_the_tma_3x3_qconv_writes_the_quantized_output(kind) -> None:
+    """With Y_scale the TMA 3x3 convolution writes the next layer's 8-bit input, channels-last,
+    as QuantizeLinear would code the reference's float32 result."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    args, attrs = _tma_3x3_case(kind, rng)
+    attrs |= {"activation": "Relu", "out_dtype": 3 if kind == "int8" else 17}
+    ref_float = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args,
+                       {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+    args += [None, np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448))]
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tactic = get_tactic("QConvAct", "tensorkiln", _TMA_3X3)
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs,
+                     tuple(None if a is None else np.shape(a) for a in args),
+                     tuple(None if a is None else np.asarray(a).dtype.name for a in args),
+                     device="cuda")  # fmt: skip
+    assert tactic is not None and tactic.applies(spec)
+    tensors = [None if a is None else to_torch(np.asarray(a), DEVICE) for a in args]
+    for i in (0, 2):
+        tensors[i] = tensors[i].contiguous(memory_format=torch.channels_last)
+    y = tactic.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    _codes_agree(to_numpy(y), want)
+
+
+def test_the_tma_3x3_qconv_takes_only_its_convolutions() -> None:
+    """Other strides, windows, paddings, dilations, groups, channel counts and a residual are
+    another tactic's."""
+    pytest.importorskip("triton")
+    tactic = get_tactic("QConvAct", "tensorkiln", _TMA_3X3)
+    base = {"pads": [1, 1, 1, 1]}
+
+    def spec(x=(2, 32, 6, 5), w=(48, 32, 3, 3), attrs=base, dtype="int8", residual=False):
+        shapes = (x, (), w, (w[0],), (w[0],), (x[0], w[0], *x[2:]) if residual else None)
+        dtypes = (dtype, "float32", dtype, "float32", "float32", dtype if residual else None)
+        return LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes, device="cuda")
+
+    assert tactic.applies(spec()) and tactic.applies(spec(dtype="float8_e4m3fn"))
+    for other in (spec(attrs={**base, "strides": [2, 2]}), spec(attrs={}),
+                  spec(attrs={**base, "dilations": [2, 2]}), spec(w=(48, 32, 1, 1), attrs={}),
+                  spec(x=(2, 24, 6, 5), w=(48, 24, 3, 3)), spec(w=(40, 32, 3, 3)),
+                  spec(x=(2, 32, 6, 5), w=(48, 16, 3, 3), attrs={**base, "group": 2}),
+                  spec(residual=True), spec(dtype="float16")):  # fmt: skip
+        assert not tactic.applies(other), other
+
+
+def test_the_tma_3x3_qconv_reads_views_at_any_offset_and_layout() -> None:
+    """TMA reads dense rows from 16-byte aligned addresses: an input that is a view one byte
+    into a buffer, or not channels-last, is copied first, and the result is the same."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    args, attrs = _tma_3x3_case("int8", rng)
+    attrs["activation"] = "Relu"
+    tactic = get_tactic("QConvAct", "tensorkiln", _TMA_3X3)
+    tensors = [to_torch(np.asarray(a), DEVICE) for a in args]
+    x = tensors[0].contiguous(memory_format=torch.channels_last)
+    flat = torch.empty(x.numel() + 1, dtype=torch.int8, device=x.device)
+    shifted = flat[1:].view(2, 6, 5, 32).permute(0, 3, 1, 2)  # (channels-last, one byte in)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 and shifted.is_contiguous(memory_format=torch.channels_last)
+    want = to_numpy(tactic.fn(x, *tensors[1:], **attrs))
+    for variant in (shifted, tensors[0]):  # (one byte in; channels-first)
+        np.testing.assert_array_equal(to_numpy(tactic.fn(variant, *tensors[1:], **attrs)), want)
+    ref = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    np.testing.assert_allclose(want, ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())

@@ -56,7 +56,7 @@ from tensorkiln.kernels.triton import available, interpreting
 
 if available():
     from tensorkiln.kernels.cuda import tactics_gemm
-    from tensorkiln.kernels.triton import conv, epilogue, gemm
+    from tensorkiln.kernels.triton import conv, conv_tma, epilogue, gemm
     from tensorkiln.kernels.triton.gemm import Epilogue
 
 _ACT = {"activation", "activation_alpha", "activation_beta", "activation_min", "activation_max"}
@@ -389,6 +389,37 @@ def _triton_qconv(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv_{cfg.name}")
 
 
+def _qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """conv_tma's convolutions: 3x3, stride 1, padding 1, one group, no residual, 8-bit
+    channel counts in multiples of 16; a tile no wider than the output channels need."""
+    if not (spec.device == "cuda" or interpreting()):
+        return False
+    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
+    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return False
+    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    if not conv_tma.applies(x, w, _dtypes(spec)[0], g.kernel, g.strides, g.dilations, g.begin,
+                            g.end, spec.attrs.get("group", 1)):  # fmt: skip
+        return False
+    return cfg.block_n <= max(64, w[0])
+
+
+def _qconv3x3(cfg: Any) -> Callable:
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        if z is not None:
+            raise ValueError(f"triton_qconv3x3_{cfg.name}: takes no residual")
+        y = conv_tma.conv3x3(
+            x_q, w_q, bias, scale=(call.x_scale, call.w_scale),
+            epilogue=Epilogue.of(call.activation, *call.act), out_dtype=call.out,
+            y_scale=call.y_scale, config=cfg,
+        )  # fmt: skip
+        return y, True
+
+    return _qconv_with(sums, f"triton_qconv3x3_{cfg.name}")
+
+
 def _eight_bit_score(cfg: Any, m: int, n: int, k: int) -> float:
     """The autotuner's estimate of a tiling of an M x N output summing K-long runs (a GEMM's K,
     a convolution's channels per tap) for 8-bit operands; it times the best few. The share of
@@ -457,6 +488,9 @@ def _register() -> None:
         ("QGemmAct", "triton_qgemm", gemm.CONFIGS, _triton_qgemm_ok, _triton_qgemm, _qgemm_estimate),
         ("QConvAct", "triton_qconv", conv.CONFIGS, _triton_qconv_ok, _triton_qconv, _qconv_estimate),
     )  # fmt: skip
+    for cfg in conv_tma.CONFIGS:  # (their own group: timed beside the others where they apply)
+        tactic("QConvAct", domain="tensorkiln", name=f"triton_qconv3x3_{cfg.name}",
+               supports=partial(_qconv3x3_ok, cfg), group="triton_qconv3x3")(_qconv3x3(cfg))  # fmt: skip
     for op, prefix, configs, ok, kernel, estimate in triton_families:
         for cfg in QUANT_CONFIGS + configs:
             tactic(
