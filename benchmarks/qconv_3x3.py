@@ -15,8 +15,10 @@ next layer's quantization fused, as a quantized engine runs it:
   tap's offset (rows before the first or past the last pixel come back as zeros), and the rows
   whose shifted pixel falls outside its image (the padding) are zeroed in registers.
 
-Each 8-bit result is first checked against float64 arithmetic on the same 8-bit values (within
-one output step); times are the median of ``--reps`` replays of a CUDA graph of 20 calls.
+Each 8-bit result is first checked against float64 arithmetic on the same 8-bit values: within
+one output step, or (where Hopper's FP8 sums leave outputs near zero further off) within 1/64
+of the norm, as the tactic tests allow; times are the median of ``--reps`` replays of a CUDA
+graph of 20 calls.
 """
 
 from __future__ import annotations
@@ -141,9 +143,13 @@ def _layer_row(
                 print(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 continue
             off = _agree(got, want)
-            if off > 1e-3:
-                print(f"{label}: {off:.2%} off by more than one step, not timed")
+            g, wf = got.float(), want.float()
+            rel = float(torch.linalg.vector_norm(g - wf) / torch.linalg.vector_norm(wf))
+            if off > 1e-3 and rel > 2**-6:  # (the tactic tests' bound: within 1/64 of the norm)
+                print(f"{label}: {off:.2%} off by more than one step, rel L2 {rel:.1e}, not timed")
                 continue
+            if off > 1e-3:  # (Hopper's FP8 sums at a long K: near-zero outputs a few steps off)
+                print(f"{label}: {off:.2%} off by more than one step, rel L2 {rel:.1e}")
             t = graph_time_ms(lambda fn=fn, cfg=cfg: fn(cfg), reps)
             print(f"{label}: {t:.4f} ms", flush=True)
             if best is None or t < best[0]:
