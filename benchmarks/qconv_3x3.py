@@ -33,7 +33,8 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from tensorkiln.kernels.triton import conv_tma  # noqa: E402
+from tensorkiln.kernels.common.window import Geometry  # noqa: E402
+from tensorkiln.kernels.triton import conv, conv_tma  # noqa: E402
 from tensorkiln.kernels.triton.gemm import Epilogue, TileConfig  # noqa: E402
 
 # ResNet-50's stride-1 3x3 layers: (channels, pixels square, uses)
@@ -106,9 +107,6 @@ def _layer_row(
     """One layer's times (ms): cuDNN float16, and the best tiling of each 8-bit kernel."""
     from benchmarks._common import graph_time_ms
 
-    from tensorkiln.kernels.common.window import Geometry
-    from tensorkiln.kernels.triton import conv
-
     kind = "int8" if dtype == torch.int8 else "fp8"
     x, w, col, bias, ys = operands(batch, c, hw, dtype, "cuda")
     want = reference(x, w, col, bias, ys)
@@ -129,7 +127,8 @@ def _layer_row(
 
     kernels = (("triton", TRITON_CONFIGS, triton_conv), ("tma", TMA_CONFIGS, tma))
     if quick:  # (a few tilings each: compiling every one takes minutes)
-        kernels = (("triton", TRITON_CONFIGS[4:6], triton_conv), ("tma", TMA_CONFIGS[:4], tma))
+        kernels = (("triton", (conv.CONFIGS[-1], WIDER_K[0]), triton_conv),
+                   ("tma", TMA_CONFIGS[:4], tma))  # fmt: skip
     for name, configs, fn in kernels:
         best = None
         for cfg in configs:
@@ -165,11 +164,8 @@ TMA_CONFIGS = tuple(
     for t in ((128, 64, 64, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 64, 128, 4, 3),
               (64, 64, 64, 4, 4), (128, 128, 128, 8, 3), (256, 64, 64, 8, 3))
 )  # fmt: skip
-TRITON_CONFIGS = (
-    TileConfig(128, 128, 64, 8, 3), TileConfig(128, 128, 32, 4, 3), TileConfig(128, 64, 32, 4, 4),
-    TileConfig(64, 128, 32, 4, 4), TileConfig(64, 64, 32, 4, 4),  # (kernels/triton/conv.py's)
-    TileConfig(128, 64, 64, 4, 3), TileConfig(128, 64, 128, 4, 3),
-)  # fmt: skip
+WIDER_K = (TileConfig(128, 64, 64, 4, 3), TileConfig(128, 64, 128, 4, 3))
+TRITON_CONFIGS = (*conv.CONFIGS, *WIDER_K)  # (the tactics' tilings, and wider K steps)
 
 
 def main(argv: list[str] | None = None) -> int:

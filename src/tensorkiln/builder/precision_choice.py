@@ -54,10 +54,11 @@ def layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
 
 def compare_layers(layers: list[dict], floats: dict[str, float]) -> dict[str, dict]:
     """Each quantized layer's measured time against the same layer's in the float engine
-    (``floats``, layer_ms of the float build), and which to keep: float where the quantized layer is no
-    faster; with the quantized form's tactic, to see what it was timed on. A quantized layer's time includes the QuantizeLinear that exists only to feed it
-    (kept in float, the layer would not need it); a QuantizeLinear shared by several layers, or
-    not measured, is not counted."""
+    (``floats``, layer_ms of the float build), and which to keep: float where the quantized
+    layer is no faster; with the quantized form's tactic, to see what it was timed on. A
+    quantized layer's time includes the QuantizeLinear that exists only to feed it (kept in
+    float, the layer would not need it); a QuantizeLinear shared by several layers, or not
+    measured, is not counted."""
     quantized = layer_ms(layers, QUANTIZED_LAYERS)
     own = own_quantize_ms(layers)
     tactics = {layer["name"]: layer.get("tactic") for layer in layers if "name" in layer}

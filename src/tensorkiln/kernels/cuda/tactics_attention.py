@@ -2,9 +2,10 @@
 (kernels/triton/flash_attention.py; 64 or 128 query rows per program; ``_s3``: a three-stage
 pipeline over key blocks instead of two), ``triton_flash_short_m128_x1_s3`` and its kin for keys
 that fit one block (a persistent grid, ``x1``: one program an SM, each looping over tiles of
-query rows, ``_s3``: three stages of that loop's pipeline), and PackedAttention's, ``triton_flash_packed_m64`` /
-``_m128`` (and ``_s3``): the same kernel reading each sequence's rows of the packed
-operands (padding removal), where the default scatters them into padded tensors for SDPA.
+query rows, ``_s3``: three stages of that loop's pipeline), and PackedAttention's,
+``triton_flash_packed_m64`` / ``_m128`` (and ``_s3``): the same kernel reading each sequence's
+rows of the packed operands (padding removal), where the default scatters them into padded
+tensors for SDPA.
 
 The default kernel is SDPA, which picks cuDNN's or its own flash kernels, but with a mask it
 wants the mask broadcast to aligned strides (some are materialized at [B, H, Sq, Sk]), a causal
@@ -73,12 +74,6 @@ def _key_length(spec: LayerSpec) -> int | None:
     return k[axis] if len(k) > axis and isinstance(k[axis], int) else None
 
 
-def _fits_short(spec: LayerSpec) -> bool:
-    """What _fits takes, with keys few enough for one block (flash.SHORT_KEYS)."""
-    sk = _key_length(spec) if _fits(spec) else None
-    return sk is not None and 0 < sk <= 128
-
-
 # The persistent one-block kernel's tactics: (query rows a program, programs an SM, pipeline
 # stages over its tiles), the fastest of 24 on an H200 for BERT-base's attention at batch 64
 # (S = 128, key padding mask, float16): 0.0213, 0.0239 and 0.0245 ms against 0.0269 for the
@@ -87,6 +82,11 @@ SHORT_TILES = ((128, 1, 3), (128, 2, 3), (64, 2, 2))
 
 if available():
     from tensorkiln.kernels.triton import flash_attention as flash
+
+    def _fits_short(spec: LayerSpec) -> bool:
+        """What _fits takes, with keys few enough for one block (flash.SHORT_KEYS)."""
+        sk = _key_length(spec) if _fits(spec) else None
+        return sk is not None and 0 < sk <= flash.SHORT_KEYS
 
     class TritonAttentionArrays(TorchAttentionArrays):
         """The attention math on the Triton flash kernel where it applies, SDPA elsewhere."""

@@ -400,8 +400,7 @@ def _qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
     if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
         return False
     x, w = spec.shapes[0], spec.shapes[2]
-    if not conv_tma.applies(x, w, _dtypes(spec)[0], g.kernel, g.strides, g.dilations, g.begin,
-                            g.end, spec.attrs.get("group", 1)):  # fmt: skip
+    if not conv_tma.applies(x, w, _dtypes(spec)[0], g, spec.attrs.get("group", 1)):
         return False
     return cfg.block_n <= max(64, w[0])
 

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.triton import interpreting
 from tensorkiln.kernels.triton.gemm import (
     NO_ACTIVATION,
@@ -85,17 +86,17 @@ def _conv3x3_kernel(
     tl.store(y_ptrs, v.to(y_ptr.dtype.element_ty), mask=(rm < P)[:, None] & (rn < OC)[None, :])
 
 
-def applies(x_shape, w_shape, dtype: str, kernel, strides, dilations, begin, end, group) -> bool:
+def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int) -> bool:
     """Whether the kernel computes this convolution: 2-D, 3x3, stride 1, padding 1 on every
     side, no dilation, one group, int8 or E4M3, channel counts multiples of 16 (TMA's 16-byte
     rows), offsets within int32."""
     if len(x_shape) != 4 or len(w_shape) != 4 or group != 1:
         return False
-    if dtype not in ("int8", "float8_e4m3fn") or tuple(kernel) != (3, 3):
+    if dtype not in ("int8", "float8_e4m3fn") or tuple(geom.kernel) != (3, 3):
         return False
-    if tuple(strides) != (1, 1) or tuple(dilations) != (1, 1):
+    if tuple(geom.strides) != (1, 1) or tuple(geom.dilations) != (1, 1):
         return False
-    if tuple(begin) != (1, 1) or tuple(end) != (1, 1):
+    if tuple(geom.begin) != (1, 1) or tuple(geom.end) != (1, 1):
         return False
     nb, c, h, w = x_shape
     oc = w_shape[0]
