@@ -2,6 +2,7 @@
 quantized ResNet-50 needs is a 3x3 convolution faster in 8 bits than cuDNN is in 16.
 
     python benchmarks/qconv_3x3.py [--batch 256] [--reps 20] [--precision fp8|int8|both]
+        [--kernels triton,tma,gluon] [--quick]
 
 For each stride-1 3x3 layer of ResNet-50 (64, 128, 256 and 512 channels at 56, 28, 14 and 7
 pixels square) at ``--batch``, channels-last, with the per-channel scale, bias, ReLU and the
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from tensorkiln.kernels.common.window import Geometry  # noqa: E402
-from tensorkiln.kernels.triton import conv, conv_tma  # noqa: E402
+from tensorkiln.kernels.triton import conv, conv_gluon, conv_tma  # noqa: E402
 from tensorkiln.kernels.triton.gemm import Epilogue, TileConfig  # noqa: E402
 
 # ResNet-50's stride-1 3x3 layers: (channels, pixels square, uses)
@@ -102,7 +103,13 @@ def _agree(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 def _layer_row(
-    dtype: torch.dtype, c: int, hw: int, batch: int, reps: int, quick: bool = False
+    dtype: torch.dtype,
+    c: int,
+    hw: int,
+    batch: int,
+    reps: int,
+    quick: bool = False,
+    families: tuple[str, ...] = ("triton", "tma", "gluon"),
 ) -> dict:
     """One layer's times (ms): cuDNN float16, and the best tiling of each 8-bit kernel."""
     from benchmarks._common import graph_time_ms
@@ -125,14 +132,22 @@ def _layer_row(
     def tma(cfg: TileConfig) -> torch.Tensor:
         return tma_conv3x3(x, w, col, bias, ys, config=cfg)
 
-    kernels = (("triton", TRITON_CONFIGS, triton_conv), ("tma", TMA_CONFIGS, tma))
+    def gluon(cfg) -> torch.Tensor:
+        return conv_gluon.conv3x3(x, w, bias, scale=(one, col), relu=True, out_dtype=dtype,
+                                  y_scale=ys, config=cfg)  # fmt: skip
+
+    kernels = (("triton", TRITON_CONFIGS, triton_conv), ("tma", TMA_CONFIGS, tma),
+               ("gluon", conv_gluon.CONFIGS, gluon))  # fmt: skip
     if quick:  # (a few tilings each: compiling every one takes minutes)
         kernels = (("triton", (conv.CONFIGS[-1], WIDER_K[0]), triton_conv),
-                   ("tma", TMA_CONFIGS[:4], tma))  # fmt: skip
+                   ("tma", TMA_CONFIGS[:4], tma), ("gluon", conv_gluon.CONFIGS, gluon))  # fmt: skip
+    kernels = tuple(k for k in kernels if k[0] in families)
     for name, configs, fn in kernels:
         best = None
         for cfg in configs:
             if cfg.block_n > max(64, c):
+                continue
+            if name == "gluon" and (c % cfg.block_k or (kind == "int8" and not cfg.promote)):
                 continue
             label = f"  {name} {cfg.name} {kind} {c}@{hw}"
             try:
@@ -174,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--precision", choices=("fp8", "int8", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="two Triton and four TMA tilings only")
+    p.add_argument("--kernels", default="triton,tma,gluon",
+                   help="which 8-bit kernels to time (comma-separated: triton, tma, gluon)")  # fmt: skip
     args = p.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     dtypes = {"fp8": [torch.float8_e4m3fn], "int8": [torch.int8]}.get(
@@ -184,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in dtypes:
         kind = "int8" if dtype == torch.int8 else "fp8"
         for c, hw, uses in LAYERS:
-            row = _layer_row(dtype, c, hw, args.batch, args.reps, args.quick)
+            row = _layer_row(dtype, c, hw, args.batch, args.reps, args.quick,
+                             tuple(args.kernels.split(",")))  # fmt: skip
             cells = " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"({v})"
                                for k, v in row.items())  # fmt: skip
             print(f"{kind} {c}ch @{hw} x{uses}: {cells}", flush=True)

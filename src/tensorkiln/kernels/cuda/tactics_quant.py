@@ -20,6 +20,9 @@
 * ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
   with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
+* ``gluon_qconv3x3_<config>`` (QConvAct, Hopper): kernels/triton/conv_gluon.py, the 3x3
+  convolution whose taps are four-dimensional TMA loads (the padding is TMA's zero fill), both
+  WGMMA operands from shared memory, the scale, bias, ReLU and quantization fused.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused; a 1x1 convolution of a channels-last input
@@ -58,6 +61,11 @@ if available():
     from tensorkiln.kernels.cuda import tactics_gemm
     from tensorkiln.kernels.triton import conv, conv_tma, epilogue, gemm
     from tensorkiln.kernels.triton.gemm import Epilogue
+
+    try:  # (Gluon, Triton's layout-explicit dialect: Triton 3.5 and later)
+        from tensorkiln.kernels.triton import conv_gluon
+    except ImportError:  # pragma: no cover - an older Triton
+        conv_gluon = None
 
 _ACT = {"activation", "activation_alpha", "activation_beta", "activation_min", "activation_max"}
 _GEMM = {"alpha", "beta", "transA", "transB", "out_dtype"} | _ACT
@@ -419,6 +427,48 @@ def _qconv3x3(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv3x3_{cfg.name}")
 
 
+def _hopper() -> bool:
+    """Whether the current GPU is sm_90 (Gluon's WGMMA kernels compile for Hopper only)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+_GLUON_OUT = {"int8", "float8_e4m3fn", "float16", "bfloat16", "float32"}
+
+
+def _gluon_qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """conv_gluon's convolutions on Hopper: 3x3, stride 1, padding 1, one group, no residual,
+    ReLU or no activation, channels a multiple of the tiling's K step."""
+    if spec.device != "cuda" or conv_gluon is None or not _hopper():
+        return False
+    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
+    if g is None or spec.attrs.get("activation", "") not in ("", "Relu"):
+        return False
+    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+        return False
+    dx = _dtypes(spec)[0]
+    if dx == "int8" and not cfg.promote:  # (int8 sums are exact: the same kernel as promoting)
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    if not conv_gluon.applies(x, w, dx, g, spec.attrs.get("group", 1), cfg.block_k):
+        return False
+    return cfg.block_n <= max(64, w[0])
+
+
+def _gluon_qconv3x3(cfg: Any) -> Callable:
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        if z is not None:
+            raise ValueError(f"gluon_qconv3x3_{cfg.name}: takes no residual")
+        if call.activation not in ("", "Relu") or str(call.out).split(".")[-1] not in _GLUON_OUT:
+            raise ValueError(f"gluon_qconv3x3_{cfg.name}: ReLU or no activation, 8/16/32-bit out")
+        y = conv_gluon.conv3x3(
+            x_q, w_q, bias, scale=(call.x_scale, call.w_scale), relu=call.activation == "Relu",
+            out_dtype=call.out, y_scale=call.y_scale, config=cfg,
+        )  # fmt: skip
+        return y, True
+
+    return _qconv_with(sums, f"gluon_qconv3x3_{cfg.name}")
+
+
 def _eight_bit_score(cfg: Any, m: int, n: int, k: int) -> float:
     """The autotuner's estimate of a tiling of an M x N output summing K-long runs (a GEMM's K,
     a convolution's channels per tap) for 8-bit operands; it times the best few. The share of
@@ -490,6 +540,11 @@ def _register() -> None:
     for cfg in conv_tma.CONFIGS:  # (their own group: timed beside the others where they apply)
         tactic("QConvAct", domain="tensorkiln", name=f"triton_qconv3x3_{cfg.name}",
                supports=partial(_qconv3x3_ok, cfg), group="triton_qconv3x3")(_qconv3x3(cfg))  # fmt: skip
+    if conv_gluon is not None:  # (their own group too; Hopper only)
+        for cfg in conv_gluon.CONFIGS:
+            tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv3x3_{cfg.name}",
+                   supports=partial(_gluon_qconv3x3_ok, cfg), group="gluon_qconv3x3")(
+                _gluon_qconv3x3(cfg))  # fmt: skip
     for op, prefix, configs, ok, kernel, estimate in triton_families:
         for cfg in QUANT_CONFIGS + configs:
             tactic(

@@ -1,0 +1,315 @@
+"""An 8-bit 3x3 convolution (stride 1, padding 1, one group) for Hopper written in Gluon,
+Triton's layout-explicit dialect, for tiles of output pixels that are blocks of the image.
+
+A program computes a tile of ``BB x BH x BW`` output pixels (BB images, BH rows, BW columns:
+128 pixels) by ``BLOCK_N`` output channels. For each kernel tap (dh, dw) and block of
+``BLOCK_K`` input channels, its A operand is ONE four-dimensional TMA load of the NHWC input,
+box ``[BB, BH, BW, BLOCK_K]`` at ``[n0, h0 + dh, w0 + dw, c0]``: TMA fills the parts of the
+box outside the tensor (row or column -1, H or W; an image past the last) with zeros, which
+is exactly the convolution's zero padding, so nothing is masked or copied. In shared memory the
+box is ``BB * BH * BW`` rows of ``BLOCK_K`` bytes, the layout of a ``[128, BLOCK_K]`` tile, and
+is handed to WGMMA as one (a shared-memory reshape, no data moved): both operands go from
+shared memory to the tensor cores. (``conv_tma.py``'s Triton kernel has to zero the padding's
+rows in registers, so A goes through registers; Triton's own language cannot reshape a loaded
+four-dimensional block without doing the same.) B is the OHWI weight seen as
+``(out channels, 9 x channels)``, one TMA load a step. Loads run ``STAGES - 1`` steps ahead
+of the WGMMAs, one WGMMA in flight.
+
+The epilogue scales the sums per output channel (X_scale * W_scale), adds the bias, applies
+ReLU (or nothing) and quantizes to Y_scale (int8 or E4M3) or writes float16/float32, then
+stores the tile through shared memory with one four-dimensional TMA store, which drops the
+pixels outside the output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than float32, so
+with ``PROMOTE`` each tap's sums go into a float32 accumulator of their own (CUTLASS's
+promotion), at the cost of the WGMMAs of consecutive taps overlapping.
+
+This kernel only compiles for sm_90 (no interpreter): the tests compile it on any machine and
+check its PTX; its results are checked on the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from tensorkiln.kernels.common.window import Geometry
+from tensorkiln.kernels.triton.quantize import requantize
+
+_LIMIT = 2**31
+_GL_TYPES = {
+    torch.int8: gl.int8,
+    torch.float8_e4m3fn: gl.float8e4nv,
+    torch.float16: gl.float16,
+    torch.bfloat16: gl.bfloat16,
+    torch.float32: gl.float32,
+}
+
+
+@dataclass(frozen=True)
+class GluonTile:
+    """A tiling: 128 output pixels (a block of BB images x BH rows x BW columns, chosen per
+    shape by :func:`blocks` with columns at least ``min_bw`` wide) by ``block_n`` output
+    channels, ``block_k`` input channels a step, ``stages`` buffers, ``warps`` (4: one
+    warpgroup; 8: two, each taking 64 of the pixels), ``promote`` (E4M3 only: each tap's sums
+    added into float32)."""
+
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    promote: bool = True
+    min_bw: int = 4
+
+    @property
+    def name(self) -> str:
+        p = "p" if self.promote else ""
+        return f"128x{self.block_n}x{self.block_k}_w{self.warps}_s{self.stages}_c{self.min_bw}{p}"
+
+
+def blocks(nb: int, h: int, w: int, min_bw: int = 4, bm: int = 128) -> tuple[int, int, int]:
+    """(BB, BH, BW), powers of two whose product is ``bm``, for ``nb`` images of ``h x w``:
+    the block that wastes the fewest tensor-core rows on pixels outside the images (tiles
+    run past the last row, column or image), columns at least ``min_bw`` (or the whole row)
+    wide; ties to the wider block (longer runs of contiguous bytes for TMA)."""
+    best = None
+    bw = 1
+    while bw <= bm:
+        bh = 1
+        while bw * bh <= bm:
+            bb = bm // (bw * bh)
+            if bw >= min(min_bw, 1 << max(0, (w - 1).bit_length())):
+                covered = (-(-nb // bb) * bb) * (-(-h // bh) * bh) * (-(-w // bw) * bw)
+                key = (covered, -bw, -bh)
+                if best is None or key < best[0]:
+                    best = (key, (bb, bh, bw))
+            bh *= 2
+        bw *= 2
+    return best[1]
+
+
+@gluon.jit
+def _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, step, c_steps, C, n0, h0, w0, oc0,
+                STAGES: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+    slot = step % STAGES
+    tap = step // c_steps
+    c0 = (step % c_steps) * BLOCK_K
+    bar = bars.index(slot)
+    mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(x_desc, [n0, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0], bar,
+                                    a_bufs.index(slot))  # fmt: skip
+    tma.async_copy_global_to_shared(w_desc, [oc0, tap * C + c0], bar, b_bufs.index(slot))
+
+
+@gluon.jit
+def _conv3x3_kernel(
+    x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, q_ptr, H, W, C, OC, s_ws, tiles_h, tiles_w,
+    HAS_B: gl.constexpr, RELU: gl.constexpr, QUANT: gl.constexpr, QOUT: gl.constexpr,
+    PROMOTE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+):  # fmt: skip
+    BB: gl.constexpr = x_desc.block_type.shape[0]
+    BH: gl.constexpr = x_desc.block_type.shape[1]
+    BW: gl.constexpr = x_desc.block_type.shape[2]
+    BLOCK_K: gl.constexpr = x_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BLOCK_M: gl.constexpr = BB * BH * BW
+
+    pid = gl.program_id(0)
+    tiles_n = gl.cdiv(OC, BLOCK_N)
+    pid_n = pid % tiles_n  # (the channel tiles of one pixel tile run side by side: A stays in L2)
+    pix = pid // tiles_n
+    w0 = (pix % tiles_w) * BW
+    h0 = ((pix // tiles_w) % tiles_h) * BH
+    n0 = (pix // (tiles_w * tiles_h)) * BB
+    oc0 = pid_n * BLOCK_N
+
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,  # noqa: RUF005
+                                       x_desc.layout)  # fmt: skip
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,  # noqa: RUF005
+                                       w_desc.layout)  # fmt: skip
+    bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(bars.index(i), count=1)
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
+    )
+    if QUANT == 1:
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.int32, layout=mma_layout)
+    else:
+        acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+
+    c_steps = C // BLOCK_K
+    steps = 9 * c_steps
+    for i in gl.static_range(STAGES - 1):
+        if i < steps:
+            _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, i, c_steps, C, n0, h0, w0, oc0,
+                        STAGES, BLOCK_K)  # fmt: skip
+
+    if PROMOTE:
+        part = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
+        for step in range(steps):
+            slot = step % STAGES
+            mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+            a = a_bufs.index(slot).reshape([BLOCK_M, BLOCK_K])
+            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), part,
+                                 use_acc=(step % c_steps) != 0, is_async=True)  # fmt: skip
+            part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
+            nxt = step + STAGES - 1
+            if nxt < steps:
+                _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, nxt, c_steps, C, n0, h0, w0,
+                            oc0, STAGES, BLOCK_K)  # fmt: skip
+            if (step % c_steps) == c_steps - 1:  # (a tap's sums, promoted to float32)
+                acc = acc + part
+    else:
+        for step in range(steps):
+            slot = step % STAGES
+            mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
+            a = a_bufs.index(slot).reshape([BLOCK_M, BLOCK_K])
+            acc = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            nxt = step + STAGES - 1  # (its buffer's WGMMA, the previous step's, is done)
+            if nxt < steps:
+                _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, nxt, c_steps, C, n0, h0, w0,
+                            oc0, STAGES, BLOCK_K)  # fmt: skip
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(bars.index(i))
+
+    cols = oc0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    co = cols % OC  # (columns past the edge read a valid channel; the TMA store drops them)
+    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + co * s_ws).to(gl.float32)
+    v = acc.to(gl.float32) * gl.expand_dims(scale, 0)
+    if HAS_B:
+        v = v + gl.expand_dims(gl.load(b_ptr + co).to(gl.float32), 0)
+    if RELU:
+        v = gl.maximum(v, 0.0)
+    if QOUT != 0:  # (the project's quantization: correctly rounded quotient, half to even)
+        out = requantize(v, gl.load(q_ptr), QOUT)
+        if QOUT == 1:
+            out = out.to(gl.int8)
+        else:
+            out = out.to(gl.uint8).to(gl.float8e4nv, bitcast=True)
+    else:
+        out = v.to(y_desc.dtype)
+
+    y_smem = gl.allocate_shared_memory(y_desc.dtype, y_desc.block_type.shape, y_desc.layout)
+    y_smem.reshape([BLOCK_M, BLOCK_N]).store(out)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(y_desc, [n0, h0, w0, oc0], y_smem)
+    tma.store_wait(pendings=0)
+
+
+# the tactics' tilings: 64 output channels (ResNet's first stage) and 128, narrow and wide
+# column blocks, E4M3 sums promoted every tap (the last: not, where the check allows it)
+CONFIGS = (
+    GluonTile(64, 64, 4, 4),
+    GluonTile(64, 64, 4, 4, min_bw=16),
+    GluonTile(128, 64, 4, 8),
+    GluonTile(128, 128, 3, 8),
+    GluonTile(64, 64, 4, 4, promote=False),
+)
+
+
+def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int, block_k: int = 64) -> bool:
+    """Whether the kernel computes this convolution: 2-D, 3x3, stride 1, padding 1 on every
+    side, no dilation, one group, int8 or E4M3, channels a multiple of ``block_k`` (a step
+    stays within one tap), output channels of 16, offsets within int32."""
+    if len(x_shape) != 4 or len(w_shape) != 4 or group != 1:
+        return False
+    if dtype not in ("int8", "float8_e4m3fn") or tuple(geom.kernel) != (3, 3):
+        return False
+    if tuple(geom.strides) != (1, 1) or tuple(geom.dilations) != (1, 1):
+        return False
+    if tuple(geom.begin) != (1, 1) or tuple(geom.end) != (1, 1):
+        return False
+    nb, c, h, w = x_shape
+    oc = w_shape[0]
+    if c % block_k or oc % 16 or w_shape[1] != c:
+        return False
+    return nb * h * w * max(c, oc) < _LIMIT and oc * 9 * c < _LIMIT
+
+
+def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    return gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[dtype])
+
+
+def _nhwc(t: torch.Tensor) -> torch.Tensor:
+    """(N, C, H, W) ``t`` as the dense NHWC tensor TMA reads (a view when channels-last and
+    16-byte aligned, else a copy)."""
+    v = t.permute(0, 2, 3, 1)
+    if not v.is_contiguous() or v.data_ptr() % 16:
+        v = v.contiguous()
+    return v
+
+
+def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int]):
+    """The TMA descriptors of input (NHWC, box BB x BH x BW x BLOCK_K), weight (OC x 9C, box
+    BLOCK_N x BLOCK_K) and output (NHWC, box BB x BH x BW x BLOCK_N)."""
+    bb, bh, bw = block
+    x4 = _nhwc(x_q)
+    oc, c = w_q.shape[0], w_q.shape[1]
+    w2 = w_q.permute(0, 2, 3, 1).reshape(oc, 9 * c)
+    if not w2.is_contiguous() or w2.data_ptr() % 16:
+        w2 = w2.contiguous()
+    y4 = y.permute(0, 2, 3, 1)
+    xb = [bb, bh, bw, tile.block_k]
+    wb = [tile.block_n, tile.block_k]
+    yb = [bb, bh, bw, tile.block_n]
+    x_desc = TensorDescriptor.from_tensor(x4, xb, _layout(xb, x_q.dtype))
+    w_desc = TensorDescriptor.from_tensor(w2, wb, _layout(wb, w_q.dtype))
+    y_desc = TensorDescriptor.from_tensor(y4, yb, _layout(yb, y.dtype))
+    return x_desc, w_desc, y_desc, (x4, w2)
+
+
+def conv3x3(
+    x_q: torch.Tensor,
+    w_q: torch.Tensor,
+    b: torch.Tensor | None,
+    *,
+    scale: tuple[torch.Tensor, torch.Tensor],
+    relu: bool = False,
+    out_dtype: torch.dtype = torch.float32,
+    y_scale: torch.Tensor | None = None,
+    config: GluonTile = CONFIGS[0],
+) -> torch.Tensor:
+    """``relu?(conv3x3(x_q, w_q) * X_scale * W_scale + b)`` (stride 1, padding 1) in
+    ``out_dtype``, quantized to ``y_scale`` when given; x_q (N, C, H, W) and w_q (OC, C, 3, 3)
+    int8 or E4M3, read channels-last (a tensor in another layout is copied first). The output
+    is channels-last. Hopper only."""
+    nb, c, h, w = x_q.shape
+    oc = w_q.shape[0]
+    if c % config.block_k:
+        raise ValueError(f"conv_gluon: {c} channels are not a multiple of {config.block_k}")
+    y = torch.empty((nb, oc, h, w), dtype=out_dtype, device=x_q.device,
+                    memory_format=torch.channels_last)  # fmt: skip
+    if y.numel() == 0:
+        return y
+    block = blocks(nb, h, w, config.min_bw)
+    x_desc, w_desc, y_desc, keep = descriptors(x_q, w_q, y, config, block)
+    xs, ws = (t.reshape(-1).to(torch.float32) for t in scale)
+    bias = b.reshape(oc).to(torch.float32).contiguous() if b is not None else xs
+    tiles_h, tiles_w = triton.cdiv(h, block[1]), triton.cdiv(w, block[2])
+    grid = (triton.cdiv(nb, block[0]) * tiles_h * tiles_w * triton.cdiv(oc, config.block_n),)
+    quant = 1 if x_q.dtype == torch.int8 else 2
+    qout = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(out_dtype, 0)
+    if qout and y_scale is None:
+        raise ValueError("conv_gluon: an 8-bit output needs y_scale")
+    _conv3x3_kernel[grid](
+        x_desc, w_desc, y_desc, bias, xs, ws, y_scale if y_scale is not None else xs,
+        h, w, c, oc, 1 if ws.numel() > 1 else 0, tiles_h, tiles_w,
+        HAS_B=b is not None, RELU=relu, QUANT=quant, QOUT=qout,
+        PROMOTE=config.promote and quant == 2, STAGES=config.stages, num_warps=config.warps,
+    )  # fmt: skip
+    del keep
+    return y

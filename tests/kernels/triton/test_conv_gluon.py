@@ -1,0 +1,212 @@
+"""kernels/triton/conv_gluon.py, the Gluon 3x3 convolution for Hopper.
+
+Gluon kernels have no interpreter, so on any machine: the pixel blocks it picks, the shapes it
+takes, and its compiled form for sm_90 (every tap one four-dimensional TMA load, both WGMMA
+operands from shared memory, the output stored by TMA). On an H200 (marked gpu): its results
+against float64 arithmetic on the same 8-bit values, at shapes whose tiles run past the image's
+rows, columns and the last image, and through the tactic registry as an engine calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton.experimental.gluon")
+
+from tensorkiln.kernels.common.window import Geometry  # noqa: E402
+from tensorkiln.kernels.triton import conv_gluon as cg  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[3]
+HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def _pixels_covered(nb: int, h: int, w: int, block: tuple[int, int, int]) -> int:
+    bb, bh, bw = block
+    return math.ceil(nb / bb) * bb * math.ceil(h / bh) * bh * math.ceil(w / bw) * bw
+
+
+@pytest.mark.parametrize(("nb", "h", "w"), [(256, 56, 56), (256, 28, 28), (256, 14, 14),
+                                            (256, 7, 7), (3, 5, 6), (1, 1, 1), (2, 112, 40)])  # fmt: skip
+@pytest.mark.parametrize("min_bw", [4, 16])
+def test_pixel_blocks_are_128_pixels_of_the_fewest_wasted(nb, h, w, min_bw) -> None:
+    """Powers of two whose product is 128, columns at least ``min_bw`` wide (or the row), and
+    no block of those covers fewer pixels (counted here by brute force)."""
+    bb, bh, bw = cg.blocks(nb, h, w, min_bw)
+    assert bb * bh * bw == 128 and all(v & (v - 1) == 0 for v in (bb, bh, bw))
+    assert bw >= min(min_bw, 1 << (w - 1).bit_length())
+    got = _pixels_covered(nb, h, w, (bb, bh, bw))
+    for other_bw in (2**i for i in range(8)):
+        for other_bh in (2**i for i in range(8)):
+            if other_bw * other_bh > 128 or other_bw < min(min_bw, 1 << (w - 1).bit_length()):
+                continue
+            other = (128 // (other_bw * other_bh), other_bh, other_bw)
+            assert got <= _pixels_covered(nb, h, w, other), other
+    if (nb, h, w) == (256, 56, 56) and min_bw == 4:  # (ResNet's first stage: no pixel wasted)
+        assert got == nb * h * w
+
+
+def test_takes_only_its_convolutions() -> None:
+    """3x3, stride 1, padding 1, no dilation, one group, int8 or E4M3, channels in whole K
+    steps and output channels in 16s."""
+    ok = Geometry((3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (6, 5))
+    assert cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "int8", ok, 1)
+    assert cg.applies((2, 128, 6, 5), (48, 128, 3, 3), "float8_e4m3fn", ok, 1, block_k=128)
+    assert not cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "float16", ok, 1)
+    assert not cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "int8", ok, 2)
+    assert not cg.applies((2, 96, 6, 5), (48, 96, 3, 3), "int8", ok, 1, block_k=64)
+    assert not cg.applies((2, 64, 6, 5), (40, 64, 3, 3), "int8", ok, 1)
+    for other in (Geometry((3, 3), (2, 2), (1, 1), (1, 1), (1, 1), (3, 3)),
+                  Geometry((3, 3), (1, 1), (2, 2), (2, 2), (2, 2), (6, 5)),
+                  Geometry((3, 3), (1, 1), (1, 1), (0, 0), (0, 0), (4, 3)),
+                  Geometry((1, 1), (1, 1), (1, 1), (0, 0), (0, 0), (6, 5))):  # fmt: skip
+        assert not cg.applies((2, 64, 6, 5), (48, 64, *other.kernel), "int8", other, 1), other
+
+
+_CHILD = r"""
+import json, re, sys
+sys.path[:0] = [sys.argv[1] + "/src"]
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime.jit import mangle_type
+from triton.experimental.gluon._runtime import GluonASTSource
+from tensorkiln.kernels.triton import conv_gluon as cg
+out = {}
+cases = (("fp8", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[0]),
+         ("int8", torch.int8, torch.int8, cg.CONFIGS[2]),
+         ("fp8-f16-unpromoted", torch.float8_e4m3fn, torch.float16, cg.CONFIGS[-1]))
+for kind, xdt, ydt, tile in cases:
+    cl = torch.channels_last
+    x = torch.empty(2, 64, 56, 56, dtype=xdt).contiguous(memory_format=cl)
+    w = torch.empty(tile.block_n, 64, 3, 3, dtype=xdt).contiguous(memory_format=cl)
+    y = torch.empty(2, tile.block_n, 56, 56, dtype=ydt).contiguous(memory_format=cl)
+    xd, wd, yd, _ = cg.descriptors(x, w, y, tile, cg.blocks(2, 56, 56, tile.min_bw))
+    sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "y_desc": mangle_type(yd),
+           **{k: "*fp32" for k in ("b_ptr", "xs_ptr", "ws_ptr", "q_ptr")},
+           **{k: "i32" for k in ("H", "W", "C", "OC", "s_ws", "tiles_h", "tiles_w")},
+           **{k: "constexpr" for k in ("HAS_B", "RELU", "QUANT", "QOUT", "PROMOTE", "STAGES",
+                                       "num_warps")}}
+    quant = 1 if xdt == torch.int8 else 2
+    const = {"HAS_B": True, "RELU": True, "QUANT": quant,
+             "QOUT": {torch.int8: 1, torch.float8_e4m3fn: 2}.get(ydt, 0),
+             "PROMOTE": tile.promote and quant == 2, "STAGES": tile.stages,
+             "num_warps": tile.warps}
+    src = GluonASTSource(fn=cg._conv3x3_kernel, signature=sig, constexprs=const)
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
+    ptx = k.asm["ptx"]
+    mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)\.(\w+) \{[^}]*\}, "
+                     r"(\S+), (\S+),", ptx)
+    out[kind] = {"wgmma": sorted({m[:4] for m in mma}),
+                 "a_from_smem": all(m[4].startswith("%rd") for m in mma) and bool(mma),
+                 "load4d": len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global", ptx)),
+                 "load2d": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)),
+                 "store4d": len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
+                 "local": len(re.findall(r"(ld|st)\.local", ptx))}
+print(json.dumps(out))
+"""
+
+
+def test_compiles_for_hopper_to_tma_taps_and_wgmma_from_shared_memory(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["fp8"]["wgmma"] == [["m64n64k32", "f32", "e4m3", "e4m3"]], got["fp8"]
+    assert got["int8"]["wgmma"] == [["m64n128k32", "s32", "s8", "s8"]], got["int8"]
+    for kind, case in got.items():
+        # A and B as shared-memory descriptors (64-bit registers), not A's fragments in registers
+        assert case["a_from_smem"], (kind, case)
+        assert case["load4d"] > 0 and case["load2d"] > 0 and case["store4d"] == 1, (kind, case)
+        assert case["local"] == 0, (kind, case)  # (nothing spilled)
+
+
+# --- on the GPU ---------------------------------------------------------------------------
+
+needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
+
+
+def _operands(seed, nb, c, oc, h, w, dtype):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    cl = torch.channels_last
+    if dtype == torch.int8:
+        x = torch.randint(-128, 128, (nb, c, h, w), generator=g, device="cuda").to(dtype)
+        wq = torch.randint(-128, 128, (oc, c, 3, 3), generator=g, device="cuda").to(dtype)
+        unit = 127.0
+    else:
+        x = (torch.randn(nb, c, h, w, generator=g, device="cuda") * 64).to(dtype)
+        wq = (torch.randn(oc, c, 3, 3, generator=g, device="cuda") * 64).to(dtype)
+        unit = 64.0
+    ws = (0.5 + torch.rand(oc, generator=g, device="cuda")) / (unit * unit * (9 * c) ** 0.5)
+    xs = torch.tensor([1.0], device="cuda")
+    bias = 0.2 * torch.randn(oc, generator=g, device="cuda")
+    return x.contiguous(memory_format=cl), wq.contiguous(memory_format=cl), xs, ws, bias
+
+
+def _reference(x, wq, xs, ws, bias, relu):
+    acc = torch.nn.functional.conv2d(x.double(), wq.double(), padding=1)
+    v = acc * (xs.double() * ws.double()).reshape(1, -1, 1, 1) + bias.double().reshape(1, -1, 1, 1)
+    return v.clamp_min(0) if relu else v
+
+
+def _quantized(v: torch.Tensor, ys: float, dtype: torch.dtype) -> torch.Tensor:
+    q = v / ys
+    if dtype == torch.int8:
+        return torch.round(q).clamp(-128, 127).to(torch.int8)
+    return q.clamp(-448, 448).float().to(dtype)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("tile", cg.CONFIGS, ids=lambda t: t.name)
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize(("nb", "c", "oc", "h", "w"), [(3, 64, 80, 7, 7), (2, 128, 144, 14, 14),
+                                                       (2, 64, 64, 28, 20), (1, 256, 64, 5, 9)])  # fmt: skip
+@pytest.mark.parametrize("relu", [True, False])
+def test_float_outputs_match_float64_sums(tile, dtype, nb, c, oc, h, w, relu) -> None:
+    if c % tile.block_k or (dtype == torch.int8 and not tile.promote):
+        pytest.skip("not a shape or type this tiling takes")
+    x, wq, xs, ws, bias = _operands(nb * 1000 + c + oc, nb, c, oc, h, w, dtype)
+    want = _reference(x, wq, xs, ws, bias, relu)
+    for out in (torch.float32, torch.float16):
+        got = cg.conv3x3(x, wq, bias, scale=(xs, ws), relu=relu, out_dtype=out, config=tile)
+        assert got.dtype == out and got.shape == want.shape
+        assert got.is_contiguous(memory_format=torch.channels_last)
+        err = float((got.double() - want).norm() / want.norm())
+        # int8: exact sums, then float32 (or float16) rounding; E4M3: Hopper's FP8 sums
+        bound = {torch.float32: 1e-6, torch.float16: 1e-3}[out]
+        if dtype != torch.int8:
+            bound = max(bound, 1e-3 if tile.promote else 2**-6)
+        assert err <= bound, (out, err)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize(("nb", "c", "oc", "h", "w"), [(3, 64, 80, 7, 7), (2, 64, 64, 28, 20)])
+def test_quantized_outputs_are_within_one_step(dtype, nb, c, oc, h, w) -> None:
+    x, wq, xs, ws, bias = _operands(nb + c + h, nb, c, oc, h, w, dtype)
+    v = _reference(x, wq, xs, ws, bias, True)
+    ys = float(v.abs().max()) / (127 if dtype == torch.int8 else 448)
+    want = _quantized(v, ys, dtype)
+    got = cg.conv3x3(x, wq, bias, scale=(xs, ws), relu=True, out_dtype=dtype,
+                     y_scale=torch.tensor([ys], device="cuda"), config=cg.CONFIGS[0])  # fmt: skip
+    assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
+    g, wf = got.float(), want.float()
+    if dtype == torch.int8:
+        assert float((g - wf).abs().max()) <= 1
+    else:
+        step = torch.exp2(
+            torch.floor(torch.log2(torch.maximum(g.abs(), wf.abs()).clamp_min(2**-6))) - 3
+        )
+        assert bool(((g - wf).abs() <= step * 1.0001).all())
+    assert float((g == wf).float().mean()) > 0.98
+    assert 0.2 < float((wf == 0).float().mean()) < 0.8  # (ReLU bites, not everywhere)
