@@ -44,9 +44,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tensorkiln.kernels.common.window import Geometry
+from tensorkiln.kernels.triton import conv_tma
 from tensorkiln.kernels.triton.quantize import requantize
 
-_LIMIT = 2**31
 _GL_TYPES = {
     torch.int8: gl.int8,
     torch.float8_e4m3fn: gl.float8e4nv,
@@ -222,22 +222,12 @@ CONFIGS = (
 
 
 def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int, block_k: int = 64) -> bool:
-    """Whether the kernel computes this convolution: 2-D, 3x3, stride 1, padding 1 on every
-    side, no dilation, one group, int8 or E4M3, channels a multiple of ``block_k`` (a step
-    stays within one tap), output channels of 16, offsets within int32."""
-    if len(x_shape) != 4 or len(w_shape) != 4 or group != 1:
+    """Whether the kernel computes this convolution: the TMA kernel's (``conv_tma.applies``:
+    2-D, 3x3, stride 1, padding 1, no dilation, one group, int8 or E4M3, channel counts in 16s)
+    with input channels a multiple of ``block_k`` (a step stays within one tap)."""
+    if not conv_tma.applies(x_shape, w_shape, dtype, geom, group):
         return False
-    if dtype not in ("int8", "float8_e4m3fn") or tuple(geom.kernel) != (3, 3):
-        return False
-    if tuple(geom.strides) != (1, 1) or tuple(geom.dilations) != (1, 1):
-        return False
-    if tuple(geom.begin) != (1, 1) or tuple(geom.end) != (1, 1):
-        return False
-    nb, c, h, w = x_shape
-    oc = w_shape[0]
-    if c % block_k or oc % 16 or w_shape[1] != c:
-        return False
-    return nb * h * w * max(c, oc) < _LIMIT and oc * 9 * c < _LIMIT
+    return x_shape[1] % block_k == 0
 
 
 def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
