@@ -1,4 +1,5 @@
-"""kernels/triton/conv_gluon.py, the Gluon 3x3 convolution for Hopper.
+"""kernels/triton/conv_gluon.py, the Gluon 8-bit convolution for Hopper (1x1 and 3x3, stride 1
+or 2).
 
 Gluon kernels have no interpreter, so on any machine: the pixel blocks it picks, the shapes it
 takes, and its compiled form for sm_90 (every tap one four-dimensional TMA load, both WGMMA
@@ -54,20 +55,30 @@ def test_pixel_blocks_are_128_pixels_of_the_fewest_wasted(nb, h, w, min_bw) -> N
 
 
 def test_takes_only_its_convolutions() -> None:
-    """3x3, stride 1, padding 1, no dilation, one group, int8 or E4M3, channels in whole K
-    steps and output channels in 16s."""
-    ok = Geometry((3, 3), (1, 1), (1, 1), (1, 1), (1, 1), (6, 5))
-    assert cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "int8", ok, 1)
-    assert cg.applies((2, 128, 6, 5), (48, 128, 3, 3), "float8_e4m3fn", ok, 1, block_k=128)
-    assert not cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "float16", ok, 1)
-    assert not cg.applies((2, 64, 6, 5), (48, 64, 3, 3), "int8", ok, 2)
-    assert not cg.applies((2, 96, 6, 5), (48, 96, 3, 3), "int8", ok, 1, block_k=64)
-    assert not cg.applies((2, 64, 6, 5), (40, 64, 3, 3), "int8", ok, 1)
-    for other in (Geometry((3, 3), (2, 2), (1, 1), (1, 1), (1, 1), (3, 3)),
-                  Geometry((3, 3), (1, 1), (2, 2), (2, 2), (2, 2), (6, 5)),
-                  Geometry((3, 3), (1, 1), (1, 1), (0, 0), (0, 0), (4, 3)),
-                  Geometry((1, 1), (1, 1), (1, 1), (0, 0), (0, 0), (6, 5))):  # fmt: skip
-        assert not cg.applies((2, 64, 6, 5), (48, 64, *other.kernel), "int8", other, 1), other
+    """1x1 or 3x3 padded by half the window, stride 1 or 2 (2: even sides), no dilation, one
+    group, int8 or E4M3, channels in whole K steps and output channels in 16s."""
+
+    def geom(k, s, p, d=1, out=(6, 4)):
+        return Geometry((k, k), (s, s), (d, d), (p, p), (p, p), out)
+
+    x = (2, 64, 6, 4)
+    assert cg.applies(x, (48, 64, 3, 3), "int8", geom(3, 1, 1), 1)
+    assert cg.applies(x, (48, 64, 3, 3), "float8_e4m3fn", geom(3, 2, 1, out=(3, 2)), 1)
+    assert cg.applies(x, (48, 64, 1, 1), "int8", geom(1, 1, 0), 1)
+    assert cg.applies(x, (48, 64, 1, 1), "int8", geom(1, 2, 0, out=(3, 2)), 1)
+    assert cg.applies((2, 128, 6, 4), (48, 128, 3, 3), "int8", geom(3, 1, 1), 1, block_k=128)
+    for other_x, other_w, dtype, g, group in (
+        (x, (48, 64, 3, 3), "float16", geom(3, 1, 1), 1),
+        (x, (48, 32, 3, 3), "int8", geom(3, 1, 1), 2),
+        ((2, 96, 6, 4), (48, 96, 3, 3), "int8", geom(3, 1, 1), 1),  # (96: not in 64s)
+        (x, (40, 64, 3, 3), "int8", geom(3, 1, 1), 1),  # (40 output channels)
+        ((2, 64, 5, 4), (48, 64, 3, 3), "int8", geom(3, 2, 1, out=(3, 2)), 1),  # (odd height)
+        (x, (48, 64, 3, 3), "int8", geom(3, 3, 1, out=(2, 2)), 1),  # (stride 3)
+        (x, (48, 64, 3, 3), "int8", geom(3, 1, 2, 2), 1),  # (dilated)
+        (x, (48, 64, 3, 3), "int8", geom(3, 1, 0, out=(4, 2)), 1),  # (unpadded)
+        (x, (48, 64, 5, 5), "int8", geom(5, 1, 2), 1),
+    ):
+        assert not cg.applies(other_x, other_w, dtype, g, group), (other_w, g)
 
 
 _CHILD = r"""
@@ -79,33 +90,38 @@ from triton.runtime.jit import mangle_type
 from triton.experimental.gluon._runtime import GluonASTSource
 from tensorkiln.kernels.triton import conv_gluon as cg
 out = {}
-cases = (("fp8", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[0]),
-         ("int8", torch.int8, torch.int8, cg.CONFIGS[2]),
-         ("fp8-f16-unpromoted", torch.float8_e4m3fn, torch.float16, cg.CONFIGS[-1]))
-for kind, xdt, ydt, tile in cases:
+cases = (("fp8", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[0], 3, 1),
+         ("int8", torch.int8, torch.int8, cg.CONFIGS[2], 3, 1),
+         ("fp8-f16-unpromoted", torch.float8_e4m3fn, torch.float16, cg.CONFIGS[-1], 3, 1),
+         ("int8-stride2", torch.int8, torch.int8, cg.CONFIGS[0], 3, 2),
+         ("fp8-1x1-stride2", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[2], 1, 2))
+for kind, xdt, ydt, tile, k, stride in cases:
     cl = torch.channels_last
     x = torch.empty(2, 64, 56, 56, dtype=xdt).contiguous(memory_format=cl)
-    w = torch.empty(tile.block_n, 64, 3, 3, dtype=xdt).contiguous(memory_format=cl)
-    y = torch.empty(2, tile.block_n, 56, 56, dtype=ydt).contiguous(memory_format=cl)
-    xd, wd, yd, _ = cg.descriptors(x, w, y, tile, cg.blocks(2, 56, 56, tile.min_bw))
+    w = torch.empty(tile.block_n, 64, k, k, dtype=xdt).contiguous(memory_format=cl)
+    o = 56 // stride
+    y = torch.empty(2, tile.block_n, o, o, dtype=ydt).contiguous(memory_format=cl)
+    xd, wd, yd, _ = cg.descriptors(x, w, y, tile, cg.blocks(2, o, o, tile.min_bw), stride)
     sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "y_desc": mangle_type(yd),
            **{k: "*fp32" for k in ("b_ptr", "xs_ptr", "ws_ptr", "q_ptr")},
-           **{k: "i32" for k in ("H", "W", "C", "OC", "s_ws", "tiles_h", "tiles_w")},
-           **{k: "constexpr" for k in ("HAS_B", "RELU", "QUANT", "QOUT", "PROMOTE", "STAGES",
-                                       "num_warps")}}
+           **{k: "i32" for k in ("C", "OC", "s_ws", "tiles_h", "tiles_w")},
+           **{k: "constexpr" for k in ("KH", "KW", "PAD", "STRIDE", "HAS_B", "RELU", "QUANT",
+                                       "QOUT", "PROMOTE", "STAGES", "num_warps")}}
     quant = 1 if xdt == torch.int8 else 2
-    const = {"HAS_B": True, "RELU": True, "QUANT": quant,
+    const = {"KH": k, "KW": k, "PAD": k // 2, "STRIDE": stride, "HAS_B": True, "RELU": True,
+             "QUANT": quant,
              "QOUT": {torch.int8: 1, torch.float8_e4m3fn: 2}.get(ydt, 0),
              "PROMOTE": tile.promote and quant == 2, "STAGES": tile.stages,
              "num_warps": tile.warps}
-    src = GluonASTSource(fn=cg._conv3x3_kernel, signature=sig, constexprs=const)
+    src = GluonASTSource(fn=cg._conv_kernel, signature=sig, constexprs=const)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": tile.warps})
     ptx = k.asm["ptx"]
     mma = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(\w+)\.(\w+)\.(\w+)\.(\w+) \{[^}]*\}, "
                      r"(\S+), (\S+),", ptx)
     out[kind] = {"wgmma": sorted({m[:4] for m in mma}),
                  "a_from_smem": all(m[4].startswith("%rd") for m in mma) and bool(mma),
-                 "load4d": len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.shared::cluster\.global", ptx)),
+                 "load_x": len(re.findall(r"cp\.async\.bulk\.tensor\.[45]d\.shared::cluster\.global", ptx)),
+                 "load5d": len(re.findall(r"cp\.async\.bulk\.tensor\.5d\.shared::cluster\.global", ptx)),
                  "load2d": len(re.findall(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global", ptx)),
                  "store4d": len(re.findall(r"cp\.async\.bulk\.tensor\.4d\.global\.shared", ptx)),
                  "local": len(re.findall(r"(ld|st)\.local", ptx))}
@@ -125,8 +141,10 @@ def test_compiles_for_hopper_to_tma_taps_and_wgmma_from_shared_memory(tmp_path: 
     for kind, case in got.items():
         # A and B as shared-memory descriptors (64-bit registers), not A's fragments in registers
         assert case["a_from_smem"], (kind, case)
-        assert case["load4d"] > 0 and case["load2d"] > 0 and case["store4d"] == 1, (kind, case)
+        assert case["load_x"] > 0 and case["load2d"] > 0 and case["store4d"] == 1, (kind, case)
         assert case["local"] == 0, (kind, case)  # (nothing spilled)
+        # (stride 2: each tap one five-dimensional box of the (N, H/2, 2, W/2, 2C) view)
+        assert (case["load5d"] > 0) == ("stride2" in kind), (kind, case)
 
 
 # --- on the GPU ---------------------------------------------------------------------------
@@ -134,25 +152,26 @@ def test_compiles_for_hopper_to_tma_taps_and_wgmma_from_shared_memory(tmp_path: 
 needs_hopper = pytest.mark.skipif(not HOPPER, reason="needs an sm_90 GPU")
 
 
-def _operands(seed, nb, c, oc, h, w, dtype):
+def _operands(seed, nb, c, oc, h, w, dtype, k=3):
     g = torch.Generator(device="cuda").manual_seed(seed)
     cl = torch.channels_last
     if dtype == torch.int8:
         x = torch.randint(-128, 128, (nb, c, h, w), generator=g, device="cuda").to(dtype)
-        wq = torch.randint(-128, 128, (oc, c, 3, 3), generator=g, device="cuda").to(dtype)
+        wq = torch.randint(-128, 128, (oc, c, k, k), generator=g, device="cuda").to(dtype)
         unit = 127.0
     else:
         x = (torch.randn(nb, c, h, w, generator=g, device="cuda") * 64).to(dtype)
-        wq = (torch.randn(oc, c, 3, 3, generator=g, device="cuda") * 64).to(dtype)
+        wq = (torch.randn(oc, c, k, k, generator=g, device="cuda") * 64).to(dtype)
         unit = 64.0
-    ws = (0.5 + torch.rand(oc, generator=g, device="cuda")) / (unit * unit * (9 * c) ** 0.5)
+    ws = (0.5 + torch.rand(oc, generator=g, device="cuda")) / (unit * unit * (k * k * c) ** 0.5)
     xs = torch.tensor([1.0], device="cuda")
     bias = 0.2 * torch.randn(oc, generator=g, device="cuda")
     return x.contiguous(memory_format=cl), wq.contiguous(memory_format=cl), xs, ws, bias
 
 
-def _reference(x, wq, xs, ws, bias, relu):
-    acc = torch.nn.functional.conv2d(x.double(), wq.double(), padding=1)
+def _reference(x, wq, xs, ws, bias, relu, stride=1):
+    pad = wq.shape[2] // 2
+    acc = torch.nn.functional.conv2d(x.double(), wq.double(), stride=stride, padding=pad)
     v = acc * (xs.double() * ws.double()).reshape(1, -1, 1, 1) + bias.double().reshape(1, -1, 1, 1)
     return v.clamp_min(0) if relu else v
 
@@ -168,16 +187,23 @@ def _quantized(v: torch.Tensor, ys: float, dtype: torch.dtype) -> torch.Tensor:
 @needs_hopper
 @pytest.mark.parametrize("tile", cg.CONFIGS, ids=lambda t: t.name)
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
-@pytest.mark.parametrize(("nb", "c", "oc", "h", "w"), [(3, 64, 80, 7, 7), (2, 128, 144, 14, 14),
-                                                       (2, 64, 64, 28, 20), (1, 256, 64, 5, 9)])  # fmt: skip
+@pytest.mark.parametrize(("nb", "c", "oc", "h", "w", "k", "stride"), [
+    (3, 64, 80, 7, 7, 3, 1), (2, 128, 144, 14, 14, 3, 1), (2, 64, 64, 28, 20, 3, 1),
+    (1, 256, 64, 5, 9, 3, 1), (3, 64, 80, 14, 10, 3, 2), (2, 128, 64, 8, 6, 1, 2),
+    (2, 64, 96, 9, 7, 1, 1),
+])  # fmt: skip
 @pytest.mark.parametrize("relu", [True, False])
-def test_float_outputs_match_float64_sums(tile, dtype, nb, c, oc, h, w, relu) -> None:
+def test_float_outputs_match_float64_sums(tile, dtype, nb, c, oc, h, w, k, stride, relu) -> None:
+    """Float32 and float16 outputs against float64 sums of the same 8-bit values: tiles that run
+    past the rows, columns and images; 3x3 and 1x1, stride 1 and 2; output channels past a
+    tile's width."""
     if c % tile.block_k or (dtype == torch.int8 and not tile.promote):
         pytest.skip("not a shape or type this tiling takes")
-    x, wq, xs, ws, bias = _operands(nb * 1000 + c + oc, nb, c, oc, h, w, dtype)
-    want = _reference(x, wq, xs, ws, bias, relu)
+    x, wq, xs, ws, bias = _operands(nb * 1000 + c + oc + k, nb, c, oc, h, w, dtype, k)
+    want = _reference(x, wq, xs, ws, bias, relu, stride)
     for out in (torch.float32, torch.float16):
-        got = cg.conv3x3(x, wq, bias, scale=(xs, ws), relu=relu, out_dtype=out, config=tile)
+        got = cg.conv(x, wq, bias, scale=(xs, ws), stride=stride, relu=relu, out_dtype=out,
+                      config=tile)  # fmt: skip
         assert got.dtype == out and got.shape == want.shape
         assert got.is_contiguous(memory_format=torch.channels_last)
         err = float((got.double() - want).norm() / want.norm())

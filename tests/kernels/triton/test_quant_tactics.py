@@ -588,23 +588,25 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _HOPPER, reason="the Gluon 3x3 convolution runs on sm_90 only")
+@pytest.mark.skipif(not _HOPPER, reason="the Gluon convolution runs on sm_90 only")
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("activation", ["Relu", ""])
-def test_the_gluon_3x3_qconv_against_the_reference(kind, activation) -> None:
-    """Every gluon_qconv3x3 tiling that takes the layer (kernels/triton/conv_gluon.py), called
-    as an engine calls it: 64 input channels, 80 output channels (past a 64-wide tile), 6 x 5
+@pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (1, 1), (1, 2)])
+def test_the_gluon_qconv_against_the_reference(kind, activation, k, stride) -> None:
+    """Every gluon_qconv tiling that takes the layer (kernels/triton/conv_gluon.py), called as
+    an engine calls it: 64 input channels, 80 output channels (past a 64-wide tile), 6 x 4
     images whose pixel blocks run past their rows and columns."""
     from tensorkiln.kernels.triton import conv_gluon
 
     rng = np.random.default_rng()
-    args = [_q(rng, (3, 64, 6, 5), kind), np.float32(0.05), _q(rng, (80, 64, 3, 3), kind),
+    args = [_q(rng, (3, 64, 6, 4), kind), np.float32(0.05), _q(rng, (80, 64, k, k), kind),
             rng.uniform(1e-3, 3e-3, 80).astype(np.float32),
             rng.standard_normal(80).astype(np.float32)]  # fmt: skip
-    attrs = {"pads": [1, 1, 1, 1], "activation": activation}
+    p = k // 2
+    attrs = {"pads": [p, p, p, p], "strides": [stride, stride], "activation": activation}
     taken = [c for c in conv_gluon.CONFIGS
              if c.block_k == 64 and c.block_n <= 80 and (kind == "fp8" or c.promote)]  # fmt: skip
     assert taken
     for cfg in taken:
-        _check("QConvAct", f"gluon_qconv3x3_{cfg.name}", args, attrs, channels_last=True,
+        _check("QConvAct", f"gluon_qconv_{cfg.name}", args, attrs, channels_last=True,
                rtol=_tol(kind) if kind == "int8" else 2**-6)  # fmt: skip

@@ -20,9 +20,10 @@
 * ``cudnn_fp16`` (QConvAct): cuDNN's float16 convolution of the 8-bit values (exact in float16)
   with the weight's scale folded into it, X_scale, bias, residual and activation in one pass: the
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
-* ``gluon_qconv3x3_<config>`` (QConvAct, Hopper): kernels/triton/conv_gluon.py, the 3x3
-  convolution whose taps are four-dimensional TMA loads (the padding is TMA's zero fill), both
-  WGMMA operands from shared memory, the scale, bias, ReLU and quantization fused.
+* ``gluon_qconv_<config>`` (QConvAct, Hopper): kernels/triton/conv_gluon.py, 1x1 and 3x3
+  convolutions (stride 1 or 2) whose taps are four- or five-dimensional TMA loads (the padding
+  is TMA's zero fill), both WGMMA operands from shared memory, the scale, bias, ReLU and
+  quantization fused.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused; a 1x1 convolution of a channels-last input
@@ -435,9 +436,9 @@ def _hopper() -> bool:
 _GLUON_OUT = {"int8", "float8_e4m3fn", "float16", "bfloat16", "float32"}
 
 
-def _gluon_qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
-    """conv_gluon's convolutions on Hopper: 3x3, stride 1, padding 1, one group, no residual,
-    ReLU or no activation, channels a multiple of the tiling's K step."""
+def _gluon_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """conv_gluon's convolutions on Hopper: 1x1 or 3x3 padded by half the window, stride 1 or
+    2, one group, no residual, ReLU or no activation, channels a multiple of the K step."""
     if spec.device != "cuda" or conv_gluon is None or not _hopper():
         return False
     g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
@@ -454,19 +455,21 @@ def _gluon_qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
     return cfg.block_n <= max(64, w[0])
 
 
-def _gluon_qconv3x3(cfg: Any) -> Callable:
+def _gluon_qconv(cfg: Any) -> Callable:
+    name = f"gluon_qconv_{cfg.name}"
+
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
         if z is not None:
-            raise ValueError(f"gluon_qconv3x3_{cfg.name}: takes no residual")
+            raise ValueError(f"{name}: takes no residual")
         if call.activation not in ("", "Relu") or str(call.out).split(".")[-1] not in _GLUON_OUT:
-            raise ValueError(f"gluon_qconv3x3_{cfg.name}: ReLU or no activation, 8/16/32-bit out")
-        y = conv_gluon.conv3x3(
-            x_q, w_q, bias, scale=(call.x_scale, call.w_scale), relu=call.activation == "Relu",
-            out_dtype=call.out, y_scale=call.y_scale, config=cfg,
+            raise ValueError(f"{name}: ReLU or no activation, an 8, 16 or 32-bit output")
+        y = conv_gluon.conv(
+            x_q, w_q, bias, scale=(call.x_scale, call.w_scale), stride=call.geometry.strides[0],
+            relu=call.activation == "Relu", out_dtype=call.out, y_scale=call.y_scale, config=cfg,
         )  # fmt: skip
         return y, True
 
-    return _qconv_with(sums, f"gluon_qconv3x3_{cfg.name}")
+    return _qconv_with(sums, name)
 
 
 def _eight_bit_score(cfg: Any, m: int, n: int, k: int) -> float:
@@ -542,9 +545,9 @@ def _register() -> None:
                supports=partial(_qconv3x3_ok, cfg), group="triton_qconv3x3")(_qconv3x3(cfg))  # fmt: skip
     if conv_gluon is not None:  # (their own group too; Hopper only)
         for cfg in conv_gluon.CONFIGS:
-            tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv3x3_{cfg.name}",
-                   supports=partial(_gluon_qconv3x3_ok, cfg), group="gluon_qconv3x3")(
-                _gluon_qconv3x3(cfg))  # fmt: skip
+            tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv_{cfg.name}",
+                   supports=partial(_gluon_qconv_ok, cfg), group="gluon_qconv")(
+                _gluon_qconv(cfg))  # fmt: skip
     for op, prefix, configs, ok, kernel, estimate in triton_families:
         for cfg in QUANT_CONFIGS + configs:
             tactic(

@@ -1,26 +1,30 @@
-"""An 8-bit 3x3 convolution (stride 1, padding 1, one group) for Hopper written in Gluon,
-Triton's layout-explicit dialect, for tiles of output pixels that are blocks of the image.
+"""An 8-bit convolution for Hopper written in Gluon, Triton's layout-explicit dialect: 1x1
+and 3x3 windows padded by half the window, stride 1 or 2, one group (every convolution of
+ResNet-50 but its stem), with tiles of output pixels that are blocks of the image.
 
 A program computes a tile of ``BB x BH x BW`` output pixels (BB images, BH rows, BW columns:
-128 pixels) by ``BLOCK_N`` output channels. For each kernel tap (dh, dw) and block of
-``BLOCK_K`` input channels, its A operand is ONE four-dimensional TMA load of the NHWC input,
-box ``[BB, BH, BW, BLOCK_K]`` at ``[n0, h0 + dh, w0 + dw, c0]``: TMA fills the parts of the
-box outside the tensor (row or column -1, H or W; an image past the last) with zeros, which
-is exactly the convolution's zero padding, so nothing is masked or copied. In shared memory the
-box is ``BB * BH * BW`` rows of ``BLOCK_K`` bytes, the layout of a ``[128, BLOCK_K]`` tile, and
-is handed to WGMMA as one (a shared-memory reshape, no data moved): both operands go from
-shared memory to the tensor cores. (``conv_tma.py``'s Triton kernel has to zero the padding's
-rows in registers, so A goes through registers; Triton's own language cannot reshape a loaded
-four-dimensional block without doing the same.) B is the OHWI weight seen as
-``(out channels, 9 x channels)``, one TMA load a step. Loads run ``STAGES - 1`` steps ahead
+128 pixels) by ``BLOCK_N`` output channels. For each kernel tap (dy, dx) and block of
+``BLOCK_K`` input channels, its A operand is ONE TMA load of a box of the NHWC input,
+``[BB, BH, BW, BLOCK_K]`` at ``[n0, h0 + dy, w0 + dx, c0]``: TMA fills the parts of the box
+outside the tensor (row or column -1, H or W; an image past the last) with zeros, which is
+exactly the convolution's zero padding, so nothing is masked or copied. Stride 2 reads the
+``(N, H/2, 2, W/2, 2C)`` view of the same bytes, where input row ``2 * oh + dy`` is row
+``oh + floor(dy / 2)`` of phase ``dy mod 2`` (and the column's phase picks which C channels of
+the last dimension): one five-dimensional box a tap, again with TMA's zeros as the padding. In
+shared memory the box is ``BB * BH * BW`` rows of ``BLOCK_K`` bytes, the layout of a
+``[128, BLOCK_K]`` tile, handed to WGMMA as one (a shared-memory reshape, no data moved): both
+operands go from shared memory to the tensor cores. (``conv_tma.py``'s Triton kernel has to
+zero the padding's rows in registers, so A goes through registers; Triton's own language cannot
+reshape a loaded four-dimensional block without doing the same.) B is the OHWI weight seen as
+``(out channels, taps x channels)``, one TMA load a step. Loads run ``STAGES - 1`` steps ahead
 of the WGMMAs, one WGMMA in flight.
 
 The epilogue scales the sums per output channel (X_scale * W_scale), adds the bias, applies
-ReLU (or nothing) and quantizes to Y_scale (int8 or E4M3) or writes float16/float32, then
-stores the tile through shared memory with one four-dimensional TMA store, which drops the
-pixels outside the output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than float32, so
-with ``PROMOTE`` each tap's sums go into a float32 accumulator of their own (CUTLASS's
-promotion), at the cost of the WGMMAs of consecutive taps overlapping.
+ReLU (or nothing) and quantizes to Y_scale (int8 or E4M3, the project's rounding) or writes a
+float type, then stores the tile through shared memory with one four-dimensional TMA store,
+which drops the pixels outside the output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than
+float32, so with ``promote`` each tap's sums go into a float32 accumulator of their own
+(CUTLASS's promotion), at the cost of the WGMMAs of consecutive taps overlapping.
 
 This kernel only compiles for sm_90 (no interpreter): the tests compile it on any machine and
 check its PTX; its results are checked on the GPU.
@@ -44,7 +48,6 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tensorkiln.kernels.common.window import Geometry
-from tensorkiln.kernels.triton import conv_tma
 from tensorkiln.kernels.triton.quantize import requantize
 
 _GL_TYPES = {
@@ -100,28 +103,44 @@ def blocks(nb: int, h: int, w: int, min_bw: int = 4, bm: int = 128) -> tuple[int
 
 @gluon.jit
 def _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, step, c_steps, C, n0, h0, w0, oc0,
-                STAGES: gl.constexpr, BLOCK_K: gl.constexpr):  # fmt: skip
+                KW: gl.constexpr, PAD: gl.constexpr, STRIDE: gl.constexpr, STAGES: gl.constexpr,
+                BLOCK_K: gl.constexpr):  # fmt: skip
+    """Step ``step``'s A and B tiles into buffer ``step % STAGES``: the tap's block of input
+    pixels (output pixels h0.., w0.. of images n0..) and the weights of that tap and channel
+    block. Stride 2 reads the (N, H/2, 2, W/2, 2C) view of the input: input row 2 * oh + dy is
+    row oh + a of phase b, a = floor(dy / 2), b = dy - 2a (columns likewise, the phase
+    selecting which C channels of the last dimension)."""
     slot = step % STAGES
     tap = step // c_steps
     c0 = (step % c_steps) * BLOCK_K
+    dy = tap // KW - PAD
+    dx = tap % KW - PAD
     bar = bars.index(slot)
     mbarrier.expect(bar, x_desc.block_type.nbytes + w_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(x_desc, [n0, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0], bar,
-                                    a_bufs.index(slot))  # fmt: skip
+    if STRIDE == 1:
+        tma.async_copy_global_to_shared(x_desc, [n0, h0 + dy, w0 + dx, c0], bar,
+                                        a_bufs.index(slot))  # fmt: skip
+    else:
+        ay = (dy + 2) // 2 - 1  # (floor division of a value down to -2, in non-negatives)
+        ax = (dx + 2) // 2 - 1
+        tma.async_copy_global_to_shared(x_desc, [n0, h0 + ay, dy - 2 * ay, w0 + ax,
+                                                 (dx - 2 * ax) * C + c0], bar,
+                                        a_bufs.index(slot))  # fmt: skip
     tma.async_copy_global_to_shared(w_desc, [oc0, tap * C + c0], bar, b_bufs.index(slot))
 
 
 @gluon.jit
-def _conv3x3_kernel(
-    x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, q_ptr, H, W, C, OC, s_ws, tiles_h, tiles_w,
+def _conv_kernel(
+    x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, q_ptr, C, OC, s_ws, tiles_h, tiles_w,
+    KH: gl.constexpr, KW: gl.constexpr, PAD: gl.constexpr, STRIDE: gl.constexpr,
     HAS_B: gl.constexpr, RELU: gl.constexpr, QUANT: gl.constexpr, QOUT: gl.constexpr,
     PROMOTE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
-    BB: gl.constexpr = x_desc.block_type.shape[0]
-    BH: gl.constexpr = x_desc.block_type.shape[1]
-    BW: gl.constexpr = x_desc.block_type.shape[2]
-    BLOCK_K: gl.constexpr = x_desc.block_type.shape[3]
-    BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+    BB: gl.constexpr = y_desc.block_type.shape[0]
+    BH: gl.constexpr = y_desc.block_type.shape[1]
+    BW: gl.constexpr = y_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = y_desc.block_type.shape[3]
+    BLOCK_K: gl.constexpr = w_desc.block_type.shape[1]
     BLOCK_M: gl.constexpr = BB * BH * BW
 
     pid = gl.program_id(0)
@@ -150,11 +169,11 @@ def _conv3x3_kernel(
         acc = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
 
     c_steps = C // BLOCK_K
-    steps = 9 * c_steps
+    steps = KH * KW * c_steps
     for i in gl.static_range(STAGES - 1):
         if i < steps:
             _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, i, c_steps, C, n0, h0, w0, oc0,
-                        STAGES, BLOCK_K)  # fmt: skip
+                        KW, PAD, STRIDE, STAGES, BLOCK_K)  # fmt: skip
 
     if PROMOTE:
         part = gl.zeros((BLOCK_M, BLOCK_N), dtype=gl.float32, layout=mma_layout)
@@ -168,7 +187,7 @@ def _conv3x3_kernel(
             nxt = step + STAGES - 1
             if nxt < steps:
                 _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, nxt, c_steps, C, n0, h0, w0,
-                            oc0, STAGES, BLOCK_K)  # fmt: skip
+                            oc0, KW, PAD, STRIDE, STAGES, BLOCK_K)  # fmt: skip
             if (step % c_steps) == c_steps - 1:  # (a tap's sums, promoted to float32)
                 acc = acc + part
     else:
@@ -181,7 +200,7 @@ def _conv3x3_kernel(
             nxt = step + STAGES - 1  # (its buffer's WGMMA, the previous step's, is done)
             if nxt < steps:
                 _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, nxt, c_steps, C, n0, h0, w0,
-                            oc0, STAGES, BLOCK_K)  # fmt: skip
+                            oc0, KW, PAD, STRIDE, STAGES, BLOCK_K)  # fmt: skip
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
@@ -222,12 +241,27 @@ CONFIGS = (
 
 
 def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int, block_k: int = 64) -> bool:
-    """Whether the kernel computes this convolution: the TMA kernel's (``conv_tma.applies``:
-    2-D, 3x3, stride 1, padding 1, no dilation, one group, int8 or E4M3, channel counts in 16s)
-    with input channels a multiple of ``block_k`` (a step stays within one tap)."""
-    if not conv_tma.applies(x_shape, w_shape, dtype, geom, group):
+    """Whether the kernel computes this convolution: 2-D, one group, no dilation, a 1x1 or
+    3x3 window padded by half of it on every side, stride 1 or 2 (2: an even height and
+    width), int8 or E4M3, input channels a multiple of ``block_k`` (a step stays within one
+    tap), output channels of 16, offsets within int32."""
+    if len(x_shape) != 4 or len(w_shape) != 4 or group != 1:
         return False
-    return x_shape[1] % block_k == 0
+    if dtype not in ("int8", "float8_e4m3fn") or tuple(geom.dilations) != (1, 1):
+        return False
+    k = tuple(geom.kernel)
+    if k not in ((1, 1), (3, 3)) or tuple(geom.begin) != tuple(geom.end):
+        return False
+    if tuple(geom.begin) != (k[0] // 2, k[1] // 2):
+        return False
+    nb, c, h, w = x_shape
+    stride = tuple(geom.strides)
+    if stride not in ((1, 1), (2, 2)) or (stride == (2, 2) and (h % 2 or w % 2)):
+        return False
+    oc = w_shape[0]
+    if c % block_k or oc % 16 or w_shape[1] != c:
+        return False
+    return nb * h * w * max(c, oc) < 2**31 and oc * k[0] * k[1] * c < 2**31
 
 
 def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
@@ -243,63 +277,80 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int]):
-    """The TMA descriptors of input (NHWC, box BB x BH x BW x BLOCK_K), weight (OC x 9C, box
+def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], stride: int = 1):
+    """The TMA descriptors of input (NHWC, box BB x BH x BW x BLOCK_K; stride 2: its
+    (N, H/2, 2, W/2, 2C) view, box BB x BH x 1 x BW x BLOCK_K), weight (OC x KH*KW*C, box
     BLOCK_N x BLOCK_K) and output (NHWC, box BB x BH x BW x BLOCK_N)."""
     bb, bh, bw = block
     x4 = _nhwc(x_q)
     oc, c = w_q.shape[0], w_q.shape[1]
-    w2 = w_q.permute(0, 2, 3, 1).reshape(oc, 9 * c)
+    w2 = w_q.permute(0, 2, 3, 1).reshape(oc, -1)
     if not w2.is_contiguous() or w2.data_ptr() % 16:
         w2 = w2.contiguous()
     y4 = y.permute(0, 2, 3, 1)
-    xb = [bb, bh, bw, tile.block_k]
+    if stride == 1:
+        xt, xb = x4, [bb, bh, bw, tile.block_k]
+    else:
+        n, h, w, _ = x4.shape
+        xt, xb = x4.view(n, h // 2, 2, w // 2, 2 * c), [bb, bh, 1, bw, tile.block_k]
     wb = [tile.block_n, tile.block_k]
     yb = [bb, bh, bw, tile.block_n]
-    x_desc = TensorDescriptor.from_tensor(x4, xb, _layout(xb, x_q.dtype))
+    x_desc = TensorDescriptor.from_tensor(xt, xb, _layout(xb, x_q.dtype))
     w_desc = TensorDescriptor.from_tensor(w2, wb, _layout(wb, w_q.dtype))
     y_desc = TensorDescriptor.from_tensor(y4, yb, _layout(yb, y.dtype))
-    return x_desc, w_desc, y_desc, (x4, w2)
+    return x_desc, w_desc, y_desc, (xt, w2)
 
 
-def conv3x3(
+def conv(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
     b: torch.Tensor | None,
     *,
     scale: tuple[torch.Tensor, torch.Tensor],
+    stride: int = 1,
     relu: bool = False,
     out_dtype: torch.dtype = torch.float32,
     y_scale: torch.Tensor | None = None,
     config: GluonTile = CONFIGS[0],
 ) -> torch.Tensor:
-    """``relu?(conv3x3(x_q, w_q) * X_scale * W_scale + b)`` (stride 1, padding 1) in
-    ``out_dtype``, quantized to ``y_scale`` when given; x_q (N, C, H, W) and w_q (OC, C, 3, 3)
-    int8 or E4M3, read channels-last (a tensor in another layout is copied first). The output
-    is channels-last. Hopper only."""
+    """``relu?(conv(x_q, w_q) * X_scale * W_scale + b)`` of a 1x1 or 3x3 window padded by half
+    of it, stride 1 or 2, in ``out_dtype``, quantized to ``y_scale`` when given; x_q
+    (N, C, H, W) and w_q (OC, C, K, K) int8 or E4M3, read channels-last (a tensor in another
+    layout is copied first). The output is channels-last. Hopper only (:func:`applies` says
+    which convolutions)."""
     nb, c, h, w = x_q.shape
-    oc = w_q.shape[0]
-    if c % config.block_k:
-        raise ValueError(f"conv_gluon: {c} channels are not a multiple of {config.block_k}")
-    y = torch.empty((nb, oc, h, w), dtype=out_dtype, device=x_q.device,
+    oc, kh, kw = w_q.shape[0], w_q.shape[2], w_q.shape[3]
+    if c % config.block_k or kh != kw or kh not in (1, 3) or stride not in (1, 2):
+        raise ValueError(f"conv_gluon: not a convolution it takes ({list(w_q.shape)}, "
+                         f"stride {stride}, K step {config.block_k})")  # fmt: skip
+    if stride == 2 and (h % 2 or w % 2):
+        raise ValueError(f"conv_gluon: stride 2 takes an even height and width, not {h} x {w}")
+    oh, ow = h // stride, w // stride
+    y = torch.empty((nb, oc, oh, ow), dtype=out_dtype, device=x_q.device,
                     memory_format=torch.channels_last)  # fmt: skip
     if y.numel() == 0:
         return y
-    block = blocks(nb, h, w, config.min_bw)
-    x_desc, w_desc, y_desc, keep = descriptors(x_q, w_q, y, config, block)
+    block = blocks(nb, oh, ow, config.min_bw)
+    x_desc, w_desc, y_desc, keep = descriptors(x_q, w_q, y, config, block, stride)
     xs, ws = (t.reshape(-1).to(torch.float32) for t in scale)
     bias = b.reshape(oc).to(torch.float32).contiguous() if b is not None else xs
-    tiles_h, tiles_w = triton.cdiv(h, block[1]), triton.cdiv(w, block[2])
+    tiles_h, tiles_w = triton.cdiv(oh, block[1]), triton.cdiv(ow, block[2])
     grid = (triton.cdiv(nb, block[0]) * tiles_h * tiles_w * triton.cdiv(oc, config.block_n),)
     quant = 1 if x_q.dtype == torch.int8 else 2
     qout = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(out_dtype, 0)
     if qout and y_scale is None:
         raise ValueError("conv_gluon: an 8-bit output needs y_scale")
-    _conv3x3_kernel[grid](
+    _conv_kernel[grid](
         x_desc, w_desc, y_desc, bias, xs, ws, y_scale if y_scale is not None else xs,
-        h, w, c, oc, 1 if ws.numel() > 1 else 0, tiles_h, tiles_w,
+        c, oc, 1 if ws.numel() > 1 else 0, tiles_h, tiles_w,
+        KH=kh, KW=kw, PAD=kh // 2, STRIDE=stride,
         HAS_B=b is not None, RELU=relu, QUANT=quant, QOUT=qout,
         PROMOTE=config.promote and quant == 2, STAGES=config.stages, num_warps=config.warps,
     )  # fmt: skip
     del keep
     return y
+
+
+def conv3x3(x_q, w_q, b, **kwargs) -> torch.Tensor:
+    """:func:`conv` of a 3x3 window, stride 1, padding 1."""
+    return conv(x_q, w_q, b, **kwargs)
