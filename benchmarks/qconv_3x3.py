@@ -133,8 +133,8 @@ def _layer_row(
         return tma_conv3x3(x, w, col, bias, ys, config=cfg)
 
     def gluon(cfg) -> torch.Tensor:
-        return conv_gluon.conv3x3(x, w, bias, scale=(one, col), relu=True, out_dtype=dtype,
-                                  y_scale=ys, config=cfg)  # fmt: skip
+        return conv_gluon.conv(x, w, bias, scale=(one, col), epilogue=relu, out_dtype=dtype,
+                               y_scale=ys, config=cfg)  # fmt: skip
 
     kernels = (("triton", TRITON_CONFIGS, triton_conv), ("tma", TMA_CONFIGS, tma),
                ("gluon", conv_gluon.CONFIGS, gluon))  # fmt: skip

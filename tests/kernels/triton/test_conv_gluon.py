@@ -94,21 +94,27 @@ cases = (("fp8", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[0], 3, 1),
          ("int8", torch.int8, torch.int8, cg.CONFIGS[2], 3, 1),
          ("fp8-f16-unpromoted", torch.float8_e4m3fn, torch.float16, cg.CONFIGS[-1], 3, 1),
          ("int8-stride2", torch.int8, torch.int8, cg.CONFIGS[0], 3, 2),
-         ("fp8-1x1-stride2", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[2], 1, 2))
+         ("fp8-1x1-stride2", torch.float8_e4m3fn, torch.float8_e4m3fn, cg.CONFIGS[2], 1, 2),
+         ("int8-1x1-residual", torch.int8, torch.int8, cg.CONFIGS[0], 1, 1))
 for kind, xdt, ydt, tile, k, stride in cases:
     cl = torch.channels_last
     x = torch.empty(2, 64, 56, 56, dtype=xdt).contiguous(memory_format=cl)
     w = torch.empty(tile.block_n, 64, k, k, dtype=xdt).contiguous(memory_format=cl)
     o = 56 // stride
     y = torch.empty(2, tile.block_n, o, o, dtype=ydt).contiguous(memory_format=cl)
-    xd, wd, yd, _ = cg.descriptors(x, w, y, tile, cg.blocks(2, o, o, tile.min_bw), stride)
+    z = torch.empty_like(y) if "residual" in kind else None
+    xd, wd, yd, zd, _ = cg.descriptors(x, w, y, tile, cg.blocks(2, o, o, tile.min_bw), stride, z)
     sig = {"x_desc": mangle_type(xd), "w_desc": mangle_type(wd), "y_desc": mangle_type(yd),
-           **{k: "*fp32" for k in ("b_ptr", "xs_ptr", "ws_ptr", "q_ptr")},
+           "z_desc": mangle_type(zd),
+           **{k: "*fp32" for k in ("b_ptr", "xs_ptr", "ws_ptr", "q_ptr", "zs_ptr")},
            **{k: "i32" for k in ("C", "OC", "s_ws", "tiles_h", "tiles_w")},
-           **{k: "constexpr" for k in ("KH", "KW", "PAD", "STRIDE", "HAS_B", "RELU", "QUANT",
-                                       "QOUT", "PROMOTE", "STAGES", "num_warps")}}
+           **{k: "fp32" for k in ("p0", "p1", "lo", "hi")},
+           **{k: "constexpr" for k in ("KH", "KW", "PAD", "STRIDE", "HAS_B", "ACT", "HAS_Z",
+                                       "Z_AFTER", "Z_SCALED", "QUANT", "QOUT", "PROMOTE",
+                                       "STAGES", "num_warps")}}
     quant = 1 if xdt == torch.int8 else 2
-    const = {"KH": k, "KW": k, "PAD": k // 2, "STRIDE": stride, "HAS_B": True, "RELU": True,
+    const = {"KH": k, "KW": k, "PAD": k // 2, "STRIDE": stride, "HAS_B": True, "ACT": 1,
+             "HAS_Z": z is not None, "Z_AFTER": False, "Z_SCALED": z is not None,
              "QUANT": quant,
              "QOUT": {torch.int8: 1, torch.float8_e4m3fn: 2}.get(ydt, 0),
              "PROMOTE": tile.promote and quant == 2, "STAGES": tile.stages,
@@ -142,6 +148,9 @@ def test_compiles_for_hopper_to_tma_taps_and_wgmma_from_shared_memory(tmp_path: 
         # A and B as shared-memory descriptors (64-bit registers), not A's fragments in registers
         assert case["a_from_smem"], (kind, case)
         assert case["load_x"] > 0 and case["load2d"] > 0 and case["store4d"] == 1, (kind, case)
+        # (a residual: its tile one more 4-D load, issued before the sums)
+        if "residual" in kind:
+            assert case["load_x"] == got["int8"]["load_x"] + 1, (kind, case, got["int8"])
         assert case["local"] == 0, (kind, case)  # (nothing spilled)
         # (stride 2: each tap one five-dimensional box of the (N, H/2, 2, W/2, 2C) view)
         assert (case["load5d"] > 0) == ("stride2" in kind), (kind, case)
@@ -167,6 +176,12 @@ def _operands(seed, nb, c, oc, h, w, dtype, k=3):
     xs = torch.tensor([1.0], device="cuda")
     bias = 0.2 * torch.randn(oc, generator=g, device="cuda")
     return x.contiguous(memory_format=cl), wq.contiguous(memory_format=cl), xs, ws, bias
+
+
+def _act(relu: bool):
+    from tensorkiln.kernels.triton.gemm import Epilogue
+
+    return Epilogue.of("Relu" if relu else "")
 
 
 def _reference(x, wq, xs, ws, bias, relu, stride=1):
@@ -202,8 +217,8 @@ def test_float_outputs_match_float64_sums(tile, dtype, nb, c, oc, h, w, k, strid
     x, wq, xs, ws, bias = _operands(nb * 1000 + c + oc + k, nb, c, oc, h, w, dtype, k)
     want = _reference(x, wq, xs, ws, bias, relu, stride)
     for out in (torch.float32, torch.float16):
-        got = cg.conv(x, wq, bias, scale=(xs, ws), stride=stride, relu=relu, out_dtype=out,
-                      config=tile)  # fmt: skip
+        got = cg.conv(x, wq, bias, scale=(xs, ws), stride=stride, epilogue=_act(relu),
+                      out_dtype=out, config=tile)  # fmt: skip
         assert got.dtype == out and got.shape == want.shape
         assert got.is_contiguous(memory_format=torch.channels_last)
         err = float((got.double() - want).norm() / want.norm())
@@ -225,8 +240,8 @@ def test_quantized_outputs_are_within_one_step(dtype, nb, c, oc, h, w) -> None:
     v = _reference(x, wq, xs, ws, bias, True)
     ys = float(v.abs().max()) / (127 if dtype == torch.int8 else 448)
     want = _quantized(v, ys, dtype)
-    got = cg.conv3x3(x, wq, bias, scale=(xs, ws), relu=True, out_dtype=dtype,
-                     y_scale=torch.tensor([ys], device="cuda"), config=cg.CONFIGS[0])  # fmt: skip
+    got = cg.conv(x, wq, bias, scale=(xs, ws), epilogue=_act(True), out_dtype=dtype,
+                  y_scale=torch.tensor([ys], device="cuda"), config=cg.CONFIGS[0])  # fmt: skip
     assert got.dtype == dtype and got.is_contiguous(memory_format=torch.channels_last)
     g, wf = got.float(), want.float()
     if dtype == torch.int8:
@@ -239,3 +254,34 @@ def test_quantized_outputs_are_within_one_step(dtype, nb, c, oc, h, w) -> None:
         assert float(((g - wf).abs() > step * 1.0001).float().mean()) <= 1e-3
     assert float((g == wf).float().mean()) > 0.98
     assert 0.2 < float((wf == 0).float().mean()) < 0.8  # (ReLU bites, not everywhere)
+
+
+@pytest.mark.gpu
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn], ids=["int8", "fp8"])
+@pytest.mark.parametrize("z_dtype", [torch.float16, torch.float32, "same"])
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize(("k", "stride"), [(1, 1), (3, 1), (1, 2)])
+def test_the_residual_is_added_before_or_after_the_activation(dtype, z_dtype, after, k, stride):
+    """``relu(conv + b + z)`` (or ``relu(conv + b) + z``) with a float residual, or an 8-bit
+    one read as ``z * z_scale``, against float64 arithmetic on the same values."""
+    nb, c, oc, h, w = 2, 64, 80, 10, 6
+    x, wq, xs, ws, bias = _operands(7 + k + stride, nb, c, oc, h, w, dtype, k)
+    conv = _reference(x, wq, xs, ws, bias, False, stride)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    z32 = torch.randn(conv.shape, generator=g, device="cuda")
+    if z_dtype == "same":
+        z_scale = torch.tensor([0.02], device="cuda")
+        z = (z32 / 0.02).clamp(-127, 127).round().to(dtype) if dtype == torch.int8 else (
+            (z32 / 0.02).to(dtype))  # fmt: skip
+        z_val = z.double() * 0.02
+    else:
+        z_scale, z = None, z32.to(z_dtype)
+        z_val = z.double()
+    z = z.contiguous(memory_format=torch.channels_last)
+    want = (conv.clamp_min(0) + z_val) if after else (conv + z_val).clamp_min(0)
+    got = cg.conv(x, wq, bias, z, scale=(xs, ws), stride=stride, epilogue=_act(True),
+                  residual_after=after, out_dtype=torch.float32, z_scale=z_scale,
+                  config=cg.CONFIGS[0])  # fmt: skip
+    err = float((got.double() - want).norm() / want.norm())
+    assert err <= (1e-6 if dtype == torch.int8 else 2**-6), err

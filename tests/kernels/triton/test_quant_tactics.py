@@ -592,16 +592,21 @@ _HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize("activation", ["Relu", ""])
 @pytest.mark.parametrize(("k", "stride"), [(3, 1), (3, 2), (1, 1), (1, 2)])
-def test_the_gluon_qconv_against_the_reference(kind, activation, k, stride) -> None:
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_gluon_qconv_against_the_reference(kind, activation, k, stride, residual) -> None:
     """Every gluon_qconv tiling that takes the layer (kernels/triton/conv_gluon.py), called as
     an engine calls it: 64 input channels, 80 output channels (past a 64-wide tile), 6 x 4
-    images whose pixel blocks run past their rows and columns."""
+    images whose pixel blocks run past their rows and columns; with a quantized residual (read
+    as Z * Z_scale) or none."""
     from tensorkiln.kernels.triton import conv_gluon
 
     rng = np.random.default_rng()
     args = [_q(rng, (3, 64, 6, 4), kind), np.float32(0.05), _q(rng, (80, 64, k, k), kind),
             rng.uniform(1e-3, 3e-3, 80).astype(np.float32),
             rng.standard_normal(80).astype(np.float32)]  # fmt: skip
+    if residual:
+        o = (6 // stride, 4 // stride)
+        args += [_q(rng, (3, 80, *o), kind), None, np.float32(rng.uniform(0.01, 0.05))]
     p = k // 2
     attrs = {"pads": [p, p, p, p], "strides": [stride, stride], "activation": activation}
     taken = [c for c in conv_gluon.CONFIGS

@@ -22,8 +22,8 @@
   floor an 8-bit engine keeps where no 8-bit kernel is faster.
 * ``gluon_qconv_<config>`` (QConvAct, Hopper): kernels/triton/conv_gluon.py, 1x1 and 3x3
   convolutions (stride 1 or 2) whose taps are four- or five-dimensional TMA loads (the padding
-  is TMA's zero fill), both WGMMA operands from shared memory, the scale, bias, ReLU and
-  quantization fused.
+  is TMA's zero fill), both WGMMA operands from shared memory, the scale, bias, residual,
+  activation and quantization fused.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused; a 1x1 convolution of a channels-last input
@@ -433,18 +433,19 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-_GLUON_OUT = {"int8", "float8_e4m3fn", "float16", "bfloat16", "float32"}
+_GLUON_TYPES = {"int8", "float8_e4m3fn", "float16", "bfloat16", "float32"}
 
 
 def _gluon_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
     """conv_gluon's convolutions on Hopper: 1x1 or 3x3 padded by half the window, stride 1 or
-    2, one group, no residual, ReLU or no activation, channels a multiple of the K step."""
+    2, one group, an activation the fused epilogue has, a residual (if any) of a type it reads,
+    channels a multiple of the K step."""
     if spec.device != "cuda" or conv_gluon is None or not _hopper():
         return False
     g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
-    if g is None or spec.attrs.get("activation", "") not in ("", "Relu"):
+    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
         return False
-    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+    if len(spec.shapes) > 5 and spec.shapes[5] is not None and spec.dtypes[5] not in _GLUON_TYPES:
         return False
     dx = _dtypes(spec)[0]
     if dx == "int8" and not cfg.promote:  # (int8 sums are exact: the same kernel as promoting)
@@ -459,13 +460,13 @@ def _gluon_qconv(cfg: Any) -> Callable:
     name = f"gluon_qconv_{cfg.name}"
 
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
-        if z is not None:
-            raise ValueError(f"{name}: takes no residual")
-        if call.activation not in ("", "Relu") or str(call.out).split(".")[-1] not in _GLUON_OUT:
-            raise ValueError(f"{name}: ReLU or no activation, an 8, 16 or 32-bit output")
+        if str(call.out).split(".")[-1] not in _GLUON_TYPES:
+            raise ValueError(f"{name}: an 8, 16 or 32-bit output, not {call.out}")
         y = conv_gluon.conv(
-            x_q, w_q, bias, scale=(call.x_scale, call.w_scale), stride=call.geometry.strides[0],
-            relu=call.activation == "Relu", out_dtype=call.out, y_scale=call.y_scale, config=cfg,
+            x_q, w_q, bias, z, scale=(call.x_scale, call.w_scale),
+            stride=call.geometry.strides[0], epilogue=Epilogue.of(call.activation, *call.act),
+            residual_after=call.after, out_dtype=call.out, y_scale=call.y_scale,
+            z_scale=call.z_scale, config=cfg,
         )  # fmt: skip
         return y, True
 

@@ -19,10 +19,12 @@ reshape a loaded four-dimensional block without doing the same.) B is the OHWI w
 ``(out channels, taps x channels)``, one TMA load a step. Loads run ``STAGES - 1`` steps ahead
 of the WGMMAs, one WGMMA in flight.
 
-The epilogue scales the sums per output channel (X_scale * W_scale), adds the bias, applies
-ReLU (or nothing) and quantizes to Y_scale (int8 or E4M3, the project's rounding) or writes a
-float type, then stores the tile through shared memory with one four-dimensional TMA store,
-which drops the pixels outside the output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than
+The epilogue scales the sums per output channel (X_scale * W_scale), adds the bias and a
+residual (a float tensor, or an 8-bit one times its scale, whose tile TMA brings in while the
+sums are formed), applies the activation (the fused layers' own, ``gemm.finish``) and quantizes
+to Y_scale (int8 or E4M3, the project's rounding) or writes a float type, then stores the tile
+through shared memory with one four-dimensional TMA store, which drops the pixels outside the
+output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than
 float32, so with ``promote`` each tap's sums go into a float32 accumulator of their own
 (CUTLASS's promotion), at the cost of the WGMMAs of consecutive taps overlapping.
 
@@ -48,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tensorkiln.kernels.common.window import Geometry
+from tensorkiln.kernels.triton.gemm import NO_ACTIVATION, Epilogue, finish
 from tensorkiln.kernels.triton.quantize import requantize
 
 _GL_TYPES = {
@@ -131,10 +134,12 @@ def _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, step, c_steps, C, n0, h0, 
 
 @gluon.jit
 def _conv_kernel(
-    x_desc, w_desc, y_desc, b_ptr, xs_ptr, ws_ptr, q_ptr, C, OC, s_ws, tiles_h, tiles_w,
+    x_desc, w_desc, y_desc, z_desc, b_ptr, xs_ptr, ws_ptr, q_ptr, zs_ptr, C, OC, s_ws,
+    tiles_h, tiles_w, p0, p1, lo, hi,
     KH: gl.constexpr, KW: gl.constexpr, PAD: gl.constexpr, STRIDE: gl.constexpr,
-    HAS_B: gl.constexpr, RELU: gl.constexpr, QUANT: gl.constexpr, QOUT: gl.constexpr,
-    PROMOTE: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr,
+    HAS_B: gl.constexpr, ACT: gl.constexpr, HAS_Z: gl.constexpr, Z_AFTER: gl.constexpr,
+    Z_SCALED: gl.constexpr, QUANT: gl.constexpr, QOUT: gl.constexpr, PROMOTE: gl.constexpr,
+    STAGES: gl.constexpr, num_warps: gl.constexpr,
 ):  # fmt: skip
     BB: gl.constexpr = y_desc.block_type.shape[0]
     BH: gl.constexpr = y_desc.block_type.shape[1]
@@ -159,6 +164,13 @@ def _conv_kernel(
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
+
+    if HAS_Z:  # (the residual's tile comes in while the sums are formed)
+        z_smem = gl.allocate_shared_memory(z_desc.dtype, z_desc.block_type.shape, z_desc.layout)
+        z_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(z_bar, count=1)
+        mbarrier.expect(z_bar, z_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(z_desc, [n0, h0, w0, oc0], z_bar, z_smem)
 
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 32]
@@ -209,10 +221,17 @@ def _conv_kernel(
     co = cols % OC  # (columns past the edge read a valid channel; the TMA store drops them)
     scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + co * s_ws).to(gl.float32)
     v = acc.to(gl.float32) * gl.expand_dims(scale, 0)
+    bias = 0.0
     if HAS_B:
-        v = v + gl.expand_dims(gl.load(b_ptr + co).to(gl.float32), 0)
-    if RELU:
-        v = gl.maximum(v, 0.0)
+        bias = gl.expand_dims(gl.load(b_ptr + co).to(gl.float32), 0)
+    r = 0.0
+    if HAS_Z:
+        mbarrier.wait(z_bar, 0)
+        mbarrier.invalidate(z_bar)
+        r = z_smem.reshape([BLOCK_M, BLOCK_N]).load(mma_layout).to(gl.float32)
+        if Z_SCALED:  # (an int8 or E4M3 residual times its scale: its DequantizeLinear)
+            r = r * gl.load(zs_ptr)
+    v = finish(v, bias, r, HAS_B, HAS_Z, Z_AFTER, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # (the project's quantization: correctly rounded quotient, half to even)
         out = requantize(v, gl.load(q_ptr), QOUT)
         if QOUT == 1:
@@ -277,10 +296,12 @@ def _nhwc(t: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], stride: int = 1):
+def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], stride: int = 1,
+                z: torch.Tensor | None = None):  # fmt: skip
     """The TMA descriptors of input (NHWC, box BB x BH x BW x BLOCK_K; stride 2: its
     (N, H/2, 2, W/2, 2C) view, box BB x BH x 1 x BW x BLOCK_K), weight (OC x KH*KW*C, box
-    BLOCK_N x BLOCK_K) and output (NHWC, box BB x BH x BW x BLOCK_N)."""
+    BLOCK_N x BLOCK_K), output and residual (NHWC, box BB x BH x BW x BLOCK_N; without a
+    residual, the output's descriptor stands in for it)."""
     bb, bh, bw = block
     x4 = _nhwc(x_q)
     oc, c = w_q.shape[0], w_q.shape[1]
@@ -298,26 +319,32 @@ def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], strid
     x_desc = TensorDescriptor.from_tensor(xt, xb, _layout(xb, x_q.dtype))
     w_desc = TensorDescriptor.from_tensor(w2, wb, _layout(wb, w_q.dtype))
     y_desc = TensorDescriptor.from_tensor(y4, yb, _layout(yb, y.dtype))
-    return x_desc, w_desc, y_desc, (xt, w2)
+    z4 = None if z is None else _nhwc(z)
+    z_desc = y_desc if z4 is None else TensorDescriptor.from_tensor(z4, yb, _layout(yb, z.dtype))
+    return x_desc, w_desc, y_desc, z_desc, (xt, w2, z4)
 
 
 def conv(
     x_q: torch.Tensor,
     w_q: torch.Tensor,
     b: torch.Tensor | None,
+    z: torch.Tensor | None = None,
     *,
     scale: tuple[torch.Tensor, torch.Tensor],
     stride: int = 1,
-    relu: bool = False,
+    epilogue: Epilogue = NO_ACTIVATION,
+    residual_after: bool = False,
     out_dtype: torch.dtype = torch.float32,
     y_scale: torch.Tensor | None = None,
+    z_scale: torch.Tensor | None = None,
     config: GluonTile = CONFIGS[0],
 ) -> torch.Tensor:
-    """``relu?(conv(x_q, w_q) * X_scale * W_scale + b)`` of a 1x1 or 3x3 window padded by half
-    of it, stride 1 or 2, in ``out_dtype``, quantized to ``y_scale`` when given; x_q
-    (N, C, H, W) and w_q (OC, C, K, K) int8 or E4M3, read channels-last (a tensor in another
-    layout is copied first). The output is channels-last. Hopper only (:func:`applies` says
-    which convolutions)."""
+    """``act(conv(x_q, w_q) * X_scale * W_scale + b + z)`` (``residual_after``: the residual
+    after the activation) of a 1x1 or 3x3 window padded by half of it, stride 1 or 2, in
+    ``out_dtype``, quantized to ``y_scale`` when given; x_q (N, C, H, W) and w_q (OC, C, K, K)
+    int8 or E4M3, read channels-last (a tensor in another layout is copied first); the residual
+    ``z`` of the output's shape, float, or int8/E4M3 read as ``z * z_scale``. The output is
+    channels-last. Hopper only (:func:`applies` says which convolutions)."""
     nb, c, h, w = x_q.shape
     oc, kh, kw = w_q.shape[0], w_q.shape[2], w_q.shape[3]
     if c % config.block_k or kh != kw or kh not in (1, 3) or stride not in (1, 2):
@@ -328,10 +355,17 @@ def conv(
     oh, ow = h // stride, w // stride
     y = torch.empty((nb, oc, oh, ow), dtype=out_dtype, device=x_q.device,
                     memory_format=torch.channels_last)  # fmt: skip
+    if z is not None and tuple(z.shape) != tuple(y.shape):
+        raise ValueError(
+            f"conv_gluon: residual of shape {list(z.shape)}, the output's {list(y.shape)}"
+        )
+    scaled = z is not None and z.dtype in (torch.int8, torch.float8_e4m3fn)
+    if scaled and z_scale is None:
+        raise ValueError("conv_gluon: an 8-bit residual needs z_scale")
     if y.numel() == 0:
         return y
     block = blocks(nb, oh, ow, config.min_bw)
-    x_desc, w_desc, y_desc, keep = descriptors(x_q, w_q, y, config, block, stride)
+    x_desc, w_desc, y_desc, z_desc, keep = descriptors(x_q, w_q, y, config, block, stride, z)
     xs, ws = (t.reshape(-1).to(torch.float32) for t in scale)
     bias = b.reshape(oc).to(torch.float32).contiguous() if b is not None else xs
     tiles_h, tiles_w = triton.cdiv(oh, block[1]), triton.cdiv(ow, block[2])
@@ -340,17 +374,14 @@ def conv(
     qout = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(out_dtype, 0)
     if qout and y_scale is None:
         raise ValueError("conv_gluon: an 8-bit output needs y_scale")
+    zs = z_scale.reshape(-1).to(torch.float32) if scaled else xs
     _conv_kernel[grid](
-        x_desc, w_desc, y_desc, bias, xs, ws, y_scale if y_scale is not None else xs,
+        x_desc, w_desc, y_desc, z_desc, bias, xs, ws, y_scale if y_scale is not None else xs, zs,
         c, oc, 1 if ws.numel() > 1 else 0, tiles_h, tiles_w,
-        KH=kh, KW=kw, PAD=kh // 2, STRIDE=stride,
-        HAS_B=b is not None, RELU=relu, QUANT=quant, QOUT=qout,
+        epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
+        KH=kh, KW=kw, PAD=kh // 2, STRIDE=stride, HAS_B=b is not None, ACT=epilogue.code,
+        HAS_Z=z is not None, Z_AFTER=residual_after, Z_SCALED=scaled, QUANT=quant, QOUT=qout,
         PROMOTE=config.promote and quant == 2, STAGES=config.stages, num_warps=config.warps,
     )  # fmt: skip
     del keep
     return y
-
-
-def conv3x3(x_q, w_q, b, **kwargs) -> torch.Tensor:
-    """:func:`conv` of a 3x3 window, stride 1, padding 1."""
-    return conv(x_q, w_q, b, **kwargs)
