@@ -456,6 +456,16 @@ def _gluon_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
     return cfg.block_n <= max(64, w[0])
 
 
+def _gluon_estimate(cfg: Any, spec: LayerSpec) -> float:
+    """The autotuner's ranking of a tiling (it times the best few of the group): the share of
+    the tile's output channels that are the layer's, the wider tile first where both fill, the
+    promoting E4M3 sums (the tactic tests' accuracy) before the others."""
+    w = spec.shapes[2]
+    oc = w[0] if w else cfg.block_n
+    used = oc / (math.ceil(oc / cfg.block_n) * cfg.block_n)
+    return used * (1.1 if cfg.block_n == 128 else 1.0) * (1.0 if cfg.promote else 0.9)
+
+
 def _gluon_qconv(cfg: Any) -> Callable:
     name = f"gluon_qconv_{cfg.name}"
 
@@ -547,8 +557,8 @@ def _register() -> None:
     if conv_gluon is not None:  # (their own group too; Hopper only)
         for cfg in conv_gluon.CONFIGS:
             tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv_{cfg.name}",
-                   supports=partial(_gluon_qconv_ok, cfg), group="gluon_qconv")(
-                _gluon_qconv(cfg))  # fmt: skip
+                   supports=partial(_gluon_qconv_ok, cfg), group="gluon_qconv",
+                   estimate=partial(_gluon_estimate, cfg))(_gluon_qconv(cfg))  # fmt: skip
     for op, prefix, configs, ok, kernel, estimate in triton_families:
         for cfg in QUANT_CONFIGS + configs:
             tactic(
