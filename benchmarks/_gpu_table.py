@@ -259,9 +259,17 @@ def _layer_lines(rows: list[dict]) -> list[str]:
                 f"{prof['ms_per_run']:.3f} ms per run"
             )
             for x in prof["top"]:
+                ran = ", ".join(f"{k[:48]} x{n}" for k, _, n in x.get("kernels", []))
                 out.append(
                     f"  - {x['ms']:.4f} ms `{x['name']}` {x['op']} {x['tactic']} {x['precision']}"
+                    + (f" ({ran})" if ran else "")
                 )
+            copies = prof.get("copies") or {}
+            if copies:
+                n = sum(k[2] for kernels in copies.values() for k in kernels)
+                ms = sum(k[1] for kernels in copies.values() for k in kernels)
+                out.append(f"  - copies: {n} launches, {ms:.3f} ms, in {len(copies)} layers: "
+                           + ", ".join(f"`{name}`" for name in list(copies)[:12]))  # fmt: skip
     return out
 
 

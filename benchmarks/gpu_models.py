@@ -37,9 +37,9 @@ With ``--kernels N`` each peer is also run 20 times under the PyTorch profiler a
 its kernels per call, their summed GPU time and the top N go into the JSON and a section of
 results.md (where a batch-1 call's time goes: kernels, or the host between them). With
 ``--layers N`` each tensorkiln engine is also run layer by layer with CUDA events around each
-layer (what `tensorkiln run --dump-profile` shows): the N slowest layers, with their op, tactic
-and precisions, go into the JSON and results.md (which layer a kernel belongs to, and what the
-autotuner chose for it).
+layer (what `tensorkiln run --dump-profile` shows): the N slowest layers, with their op, tactic,
+precisions and the kernels they launched, go into the JSON and results.md (which layer a kernel
+belongs to, and what the autotuner chose for it), with every layer that launches a copy.
 
 Each model's rows go to DIR/<model>.json as soon as they are measured; the end of a run (and
 ``--merge DIR``) writes DIR/results.md and DIR/results.json from every model file in DIR, so
@@ -54,6 +54,7 @@ nothing.
 from __future__ import annotations
 
 import argparse
+import bisect
 import gc
 import json
 import os
@@ -384,13 +385,15 @@ def _kept_tokens(outs: list, mask) -> list:
 def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
     """The engine run layer by layer (a context without a CUDA graph; CUDA events around each
     layer): the total per run and the ``top`` slowest layers, each with its op, tactic,
-    precisions and milliseconds per run."""
+    precisions, milliseconds per run and what it ran (:func:`kernels_by_layer`); and the
+    copies (kernels named ``copy``) each layer launches, for every layer that launches any."""
     from tensorkiln.runtime.profile import profile_layers
 
     ctx = engine.create_execution_context()
     for _ in range(2):
         ctx.infer(dev)
     rows = profile_layers(ctx, dev, runs)
+    ran = kernels_by_layer(ctx, dev)
     info = {x["name"]: x for x in engine.layers}
     slowest = []
     for r in rows[:top]:
@@ -402,9 +405,66 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
                 "tactic": layer.get("tactic", ""),
                 "precision": f"{layer.get('precision', '')}/{layer.get('compute_precision', '')}",
                 "ms": r["total_ms"] / runs,
+                "kernels": ran.get(r["name"], [])[:4],
             }
         )
-    return {"ms_per_run": sum(r["total_ms"] for r in rows) / runs, "top": slowest}
+    copies = {
+        name: [k for k in kernels if "copy" in k[0].lower()]
+        for name, kernels in ran.items()
+        if any("copy" in k[0].lower() for k in kernels)
+    }
+    return {
+        "ms_per_run": sum(r["total_ms"] for r in rows) / runs,
+        "top": slowest,
+        "copies": copies,
+    }
+
+
+def kernels_by_layer(ctx, dev: dict) -> dict[str, list]:
+    """What each layer ran in one layer-by-layer run under the PyTorch profiler: per layer name,
+    ``[kernel, ms, launches]`` by time (CUDA kernels on the GPU, torch ops' self time on the
+    CPU). The device is synchronized after each layer and a marker recorded, so a kernel
+    belongs to the first layer whose marker follows its end."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = S.device == "cuda"
+    prefix = "tensorkiln.layer_done:"
+
+    def mark(node, _outputs) -> None:
+        S.sync()
+        with record_function(prefix + node.name):
+            pass
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        ctx.infer(dev, observer=mark)
+        S.sync()
+    events = list(prof.events())
+    marks = sorted((e.time_range.start, e.name[len(prefix) :]) for e in events
+                   if e.name.startswith(prefix))  # fmt: skip
+    starts = [t for t, _ in marks]
+    out: dict[str, dict[str, list]] = {}
+    for e in events:
+        if e.name.startswith(prefix):
+            continue
+        if cuda:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = e.device_time_total
+        else:
+            us = e.self_cpu_time_total
+        if us <= 0:
+            continue
+        i = bisect.bisect_left(starts, e.time_range.end)
+        if i == len(marks):
+            continue
+        entry = out.setdefault(marks[i][1], {}).setdefault(e.name[:100], [0.0, 0])
+        entry[0] += us / 1e3
+        entry[1] += 1
+    return {
+        layer: sorted(([k, ms, n] for k, (ms, n) in kernels.items()), key=lambda x: -x[1])
+        for layer, kernels in out.items()
+    }
 
 
 def choice_summary(choice: dict, top: int = 6) -> dict:

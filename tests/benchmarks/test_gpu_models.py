@@ -158,6 +158,16 @@ def test_merge_round_trip_and_a_second_call(smoke: Path, tmp_path: Path) -> None
     assert len(layers["top"]) == 3 and layers["ms_per_run"] >= sum(x["ms"] for x in layers["top"])
     assert all(x["ms"] > 0 and x["op"] and x["tactic"] for x in layers["top"])
     assert layers["top"][0]["ms"] >= layers["top"][-1]["ms"]
+    # what each ran (torch ops on the CPU), attributed by the marker after each layer: a MatMul
+    # or Gemm layer ran a matrix product, and no layer's ops are another's
+    ran = {x["name"]: x["kernels"] for x in layers["top"]}
+    assert all(kernels and all(ms >= 0 and n >= 1 for _, ms, n in kernels)
+               for kernels in ran.values()), ran  # fmt: skip
+    products = [x for x in layers["top"] if x["op"].rpartition(".")[2] in ("MatMul", "Gemm",
+                                                                          "GemmAct")]  # fmt: skip
+    for x in products:
+        assert any(("mm" in k or "matmul" in k or "linear" in k) for k, _, _ in x["kernels"]), x
+    assert isinstance(layers["copies"], dict)
     md = (tmp_path / "results.md").read_text()
     assert "## Slowest layers" in md and layers["top"][0]["name"] in md
 
