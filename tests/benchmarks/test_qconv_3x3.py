@@ -5,9 +5,6 @@ compiled form for Hopper: TMA loads feeding WGMMA."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import qconv_3x3 as q  # noqa: E402
 from tensorkiln.kernels.triton.gemm import TileConfig  # noqa: E402
+from tests.kernels.triton import compile_child  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
@@ -65,12 +63,7 @@ print(json.dumps(out))
 
 
 def test_compiles_for_hopper_to_tma_loads_and_wgmma(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = compile_child(_CHILD, ROOT, tmp_path)
     # 8-bit tensor-core instructions of 64 rows by the 64-column tile, 32 deep
     assert got["fp8"]["wgmma"] and all(
         w == ["m64n64k32", "f32", "e4m3"] for w in got["fp8"]["wgmma"]

@@ -8,6 +8,12 @@ It also asserts the tactic's ``supports`` accepts the layer.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 
 try:
@@ -79,3 +85,15 @@ def check(
         scale = float(np.abs(expected).max()) if expected.size else 0.0
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=RTOL * scale)
     return got
+
+
+def compile_child(code: str, root: Path, cache: Path) -> dict:
+    """Run ``code`` (which compiles kernels for sm_90 and prints one JSON line) in a fresh
+    Python with no GPU visible and a Triton cache of its own, outside the interpreter; its
+    JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"TRITON_CACHE_DIR": str(cache), "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+                          text=True, env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -10,11 +10,7 @@ rows, columns and the last image, and through the tactic registry as an engine c
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +20,7 @@ pytest.importorskip("triton.experimental.gluon")
 
 from tensorkiln.kernels.common.window import Geometry  # noqa: E402
 from tensorkiln.kernels.triton import conv_gluon as cg  # noqa: E402
+from tests.kernels.triton import compile_child  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[3]
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -136,12 +133,7 @@ print(json.dumps(out))
 
 
 def test_compiles_for_hopper_to_tma_taps_and_wgmma_from_shared_memory(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env |= {"TRITON_CACHE_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
+    got = compile_child(_CHILD, ROOT, tmp_path)
     assert got["fp8"]["wgmma"] == [["m64n64k32", "f32", "e4m3", "e4m3"]], got["fp8"]
     assert got["int8"]["wgmma"] == [["m64n128k32", "s32", "s8", "s8"]], got["int8"]
     for kind, case in got.items():
