@@ -420,6 +420,7 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
         return real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
 
     monkeypatch.setattr(builder_module, "compare_layers", choice)
+    monkeypatch.setattr(builder_module, "build_ms", _fake_build_ms(quantized_ms, quantize_ms))
     monkeypatch.setattr(builder_module, "_CHOICE_ROUNDS", rounds)
     rng = np.random.default_rng()
     model = _model(rng)
@@ -444,6 +445,71 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
         assert any("2 layers kept in fp16" in n and "conv1, conv2" in n
                    for n in engine.build["notes"]), engine.build["notes"]  # fmt: skip
     assert choice_made["conv1"]["kept"] == "float" and choice_made["fc"]["kept"] == "quantized"
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
+    want = _run_ort(model, {"x": x})
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
+
+
+def _fake_build_ms(quantized_ms: dict, quantize_ms: dict):
+    """build_ms over the tests' timings: a layer's quantized time when it is quantized, 1 ms in
+    float, a QuantizeLinear's own."""
+
+    def build_ms(layers: list[dict]) -> float:
+        total = 0.0
+        for layer in layers:
+            name, op = layer.get("name"), layer.get("op", "").rpartition(".")[2]
+            if name in quantized_ms:
+                total += quantized_ms[name] if op.startswith("Q") else 1.0
+            elif op == "QuantizeLinear":
+                total += quantize_ms[name]
+        return total
+
+    return build_ms
+
+
+def test_a_chain_faster_quantized_as_a_whole_stays_quantized(tmp_path: Path, monkeypatch) -> None:
+    """Layer by layer, conv1 loses quantized (1.1 ms and its input's quantization 0.1, against
+    1.0 in float); kept in float, it hands conv2 a QuantizeLinear of its own, and conv2 loses
+    too (0.5 + 0.5). But the fully quantized build measures 2.3 ms against the settled one's
+    2.6: the builder keeps every layer quantized and says why."""
+    pytest.importorskip("torch")
+    from tensorkiln.builder import builder as builder_module
+
+    real_choice = builder_module.compare_layers
+    quantized_ms = {"conv1": 1.1, "conv2": 0.5, "fc": 0.5}
+    quantize_ms = {"x_quantize": 0.1, "r1_quantize": 0.5, "flat_quantize": 0.1}
+    rounds = []
+
+    def choice(layers, floats):
+        layers = [dict(layer) for layer in layers]
+        for layer in layers:
+            ms = quantized_ms.get(layer["name"], quantize_ms.get(layer["name"]))
+            if ms is not None:
+                layer["tactic"], layer["timings_ms"] = "t", {"t": ms}
+        made = real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
+        rounds.append(sorted(n for n, c in made.items() if c["kept"] == "float"))
+        return made
+
+    monkeypatch.setattr(builder_module, "compare_layers", choice)
+    monkeypatch.setattr(builder_module, "build_ms", _fake_build_ms(quantized_ms, quantize_ms))
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    builder = Builder("cuda", device="cpu")
+    engine = builder.build(path, _choice_config("int8", iter(batches)))
+    assert rounds[:2] == [["conv1"], ["conv2"]], rounds  # (the layer-by-layer choice)
+    ops = {n.name: n.op for n in engine.graph.nodes if n.name in DATA_INPUT}
+    assert ops == {"conv1": "QConvAct", "conv2": "QConvAct", "fc": "QGemmAct"}, ops
+    notes = engine.build["notes"]
+    assert any("every layer kept quantized" in n and "2.300 ms against 2.600 ms" in n
+               for n in notes), notes  # fmt: skip
+    assert not any("kept in fp16" in n for n in notes), notes
+    made = builder.last_report.precision_choice
+    assert made["conv1"]["kept"] == made["conv2"]["kept"] == "quantized"
+    assert made["conv1"]["overruled"] == "whole build"
     x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})

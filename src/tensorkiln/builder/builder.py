@@ -23,10 +23,12 @@ from tensorkiln.backends import Backend, get_backend, resolve
 from tensorkiln.builder.config import QUANTIZED_PRECISIONS, BuilderConfig, OptimizationProfile
 from tensorkiln.builder.precision_choice import (
     FLOAT_LAYERS,
+    build_ms,
     chooses_precision,
     compare_layers,
     copy_graph,
     kept_float_note,
+    kept_whole_note,
     layer_ms,
     quantized_defaults_notes,
 )
@@ -470,12 +472,15 @@ def _settle_precision(
     which may then be slower than its float form as well. Each round compares the new build's
     quantized layers again (their own QuantizeLinear now measured) and only ever adds layers to
     the float set, so it ends; after _CHOICE_ROUNDS rounds the last set is built without a
-    further comparison. ``quantized`` names the 8-bit precision, ``precision`` the
-    float one the first build lowered to. Returns (the graph to use, None if the first build
-    stands; its precision)."""
+    further comparison. The choice goes layer by layer, so a chain of layers that is faster
+    quantized as a whole can still lose one layer at a time: the settled build is kept only
+    where it measures faster (:func:`build_ms`) than the fully quantized one. ``quantized``
+    names the 8-bit precision, ``precision`` the float one the first build lowered to.
+    Returns (the graph to use, None if the first build stands; its precision)."""
     graph = None
     slower: set[str] = set()
     choice = report.precision_choice
+    first = (list(report.layers), report.timing_cache, list(report.notes), precision)
     for round_ in range(1, _CHOICE_ROUNDS + 1):
         new = {n for n, c in choice.items() if c["kept"] == "float"} - slower
         if not new:
@@ -491,6 +496,13 @@ def _settle_precision(
         with _phase(report, "precision choice", bar):
             choice = compare_layers(report.layers, floats)
         report.precision_choice.update(choice)  # (the float layers keep their earlier entry)
+    whole, settled = build_ms(first[0]), build_ms(report.layers)
+    if slower and whole is not None and settled is not None and whole < settled:
+        report.layers, report.timing_cache, report.notes, precision = first
+        report.notes = [*first[2], kept_whole_note(slower, quantized, whole, settled)]
+        for name in slower & set(report.precision_choice):
+            report.precision_choice[name] |= {"kept": "quantized", "overruled": "whole build"}
+        return None, precision
     if slower:
         report.notes.append(kept_float_note(slower, quantized, precision))
     return graph, precision

@@ -52,6 +52,18 @@ def layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def build_ms(layers: list[dict]) -> float | None:
+    """A build's measured milliseconds: the chosen tactic's time of every layer the autotuner
+    timed (None where it timed none). Two builds of one model compare by it: the layers
+    neither times (shape arithmetic, copies the tuner does not see) are the same in both."""
+    times = [
+        float(layer["timings_ms"][layer["tactic"]])
+        for layer in layers
+        if layer.get("tactic") in (layer.get("timings_ms") or {})
+    ]
+    return sum(times) if times else None
+
+
 def compare_layers(layers: list[dict], floats: dict[str, float]) -> dict[str, dict]:
     """Each quantized layer's measured time against the same layer's in the float engine
     (``floats``, layer_ms of the float build), and which to keep: float where the quantized
@@ -95,6 +107,15 @@ def own_quantize_ms(layers: list[dict]) -> dict[str, float]:
         if len(names) == 1:
             out[names[0]] = out.get(names[0], 0.0) + ms
     return out
+
+
+def kept_whole_note(slower: set[str], quantized: str, whole: float, settled: float) -> str:
+    return (
+        f"{quantized}: every layer kept quantized: the fully quantized build measured "
+        f"{whole:.3f} ms against {settled:.3f} ms with {len(slower)} layers in float, which "
+        f"the layer-by-layer choice preferred (a layer can lose alone and win inside a fused "
+        f"{quantized} chain)"
+    )
 
 
 def kept_float_note(slower: set[str], quantized: str, precision: str) -> str:
