@@ -78,6 +78,20 @@ def test_takes_only_its_convolutions() -> None:
         assert not cg.applies(other_x, other_w, dtype, g, group), (other_w, g)
 
 
+def test_tma_reads_a_dense_aligned_copy_only_where_it_must() -> None:
+    """A channels-last input from an aligned address is read in place; one a byte into a
+    buffer (``contiguous`` would hand it back unmoved), or channels-first, is copied to an
+    aligned dense NHWC tensor with the same values."""
+    x = torch.randint(-128, 128, (2, 6, 5, 32), dtype=torch.int8)  # (NHWC values)
+    assert cg._nhwc(x.permute(0, 3, 1, 2)).data_ptr() == x.data_ptr()
+    flat = torch.empty(x.numel() + 1, dtype=torch.int8)
+    shifted = flat[1:].view(2, 6, 5, 32)
+    shifted.copy_(x)
+    for variant in (shifted.permute(0, 3, 1, 2), x.permute(0, 3, 1, 2).contiguous()):
+        got = cg._nhwc(variant)
+        assert got.data_ptr() % 16 == 0 and got.is_contiguous() and torch.equal(got, x)
+
+
 _CHILD = r"""
 import json, re, sys
 sys.path[:0] = [sys.argv[1] + "/src"]

@@ -24,9 +24,9 @@ residual (a float tensor, or an 8-bit one times its scale, whose tile TMA brings
 sums are formed), applies the activation (the fused layers' own, ``gemm.finish``) and quantizes
 to Y_scale (int8 or E4M3, the project's rounding) or writes a float type, then stores the tile
 through shared memory with one four-dimensional TMA store, which drops the pixels outside the
-output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than
-float32, so with ``promote`` each tap's sums go into a float32 accumulator of their own
-(CUTLASS's promotion), at the cost of the WGMMAs of consecutive taps overlapping.
+output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than float32, so with ``promote`` each
+tap's sums go into a float32 accumulator of their own (CUTLASS's promotion), at the cost of the
+WGMMAs of consecutive taps overlapping.
 
 This kernel only compiles for sm_90 (no interpreter): the tests compile it on any machine and
 check its PTX; its results are checked on the GPU.
@@ -289,13 +289,18 @@ def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     return gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[dtype])
 
 
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as TMA reads it: dense, from a 16-byte aligned address (a copy otherwise, as for a
+    view into the middle of a buffer, which ``contiguous`` would hand back as it is)."""
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
 def _nhwc(t: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) ``t`` as the dense NHWC tensor TMA reads (a view when channels-last and
     16-byte aligned, else a copy)."""
-    v = t.permute(0, 2, 3, 1)
-    if not v.is_contiguous() or v.data_ptr() % 16:
-        v = v.contiguous()
-    return v
+    return _dense(t.permute(0, 2, 3, 1))
 
 
 def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], stride: int = 1,
@@ -307,9 +312,7 @@ def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], strid
     bb, bh, bw = block
     x4 = _nhwc(x_q)
     oc, c = w_q.shape[0], w_q.shape[1]
-    w2 = w_q.permute(0, 2, 3, 1).reshape(oc, -1)
-    if not w2.is_contiguous() or w2.data_ptr() % 16:
-        w2 = w2.contiguous()
+    w2 = _dense(w_q.permute(0, 2, 3, 1).reshape(oc, -1))
     y4 = y.permute(0, 2, 3, 1)
     if stride == 1:
         xt, xb = x4, [bb, bh, bw, tile.block_k]
