@@ -405,30 +405,15 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
     pytest.importorskip("torch")
     from tensorkiln.builder import builder as builder_module
 
-    real_choice = builder_module.compare_layers
     quantized_ms = {"conv1": 2.0, "conv2": 0.8, "fc": 0.5}
     quantize_ms = {"x_quantize": 0.5, "r1_quantize": 0.5, "flat_quantize": 0.1}
     seen = []
-
-    def choice(layers, floats):  # the real comparison, over these timings
-        layers = [dict(layer) for layer in layers]  # (the engine keeps the real records)
-        for layer in layers:
-            ms = quantized_ms.get(layer["name"], quantize_ms.get(layer["name"]))
-            if ms is not None:
-                layer["tactic"], layer["timings_ms"] = "t", {"t": ms}
-        seen.append(sorted(x["name"] for x in layers if x["op"] == "QuantizeLinear"))
-        return real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
-
-    monkeypatch.setattr(builder_module, "compare_layers", choice)
-    monkeypatch.setattr(builder_module, "build_ms", _fake_build_ms(quantized_ms, quantize_ms))
     monkeypatch.setattr(builder_module, "_CHOICE_ROUNDS", rounds)
-    rng = np.random.default_rng()
-    model = _model(rng)
-    path = tmp_path / "net.onnx"
-    onnx.save(model, path)
-    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
-    builder = Builder("cuda", device="cpu")
-    engine = builder.build(path, _choice_config("int8", iter(batches)))
+    engine, builder, model, rng = _build_on_timings(
+        tmp_path, monkeypatch, quantized_ms, quantize_ms,
+        lambda layers, _made: seen.append(
+            sorted(x["name"] for x in layers if x["op"] == "QuantizeLinear")),
+    )  # fmt: skip
     ops = {n.name: n.op for n in engine.graph.nodes if n.name in DATA_INPUT}
     choice_made = builder.last_report.precision_choice
     if rounds == 1:
@@ -449,6 +434,35 @@ def test_a_layer_whose_input_quantization_is_no_longer_fused_is_compared_again(
     got = np.asarray(engine.create_execution_context().infer({"x": x})["y"], np.float32)
     want = _run_ort(model, {"x": x})
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
+
+
+def _build_on_timings(tmp_path: Path, monkeypatch, quantized_ms: dict, quantize_ms: dict, seen):
+    """An INT8 build of _model whose precision choice runs the real comparison over these
+    timings (each quantized layer's, each QuantizeLinear's, 1 ms for every layer in float),
+    ``seen(layers, choice)`` called each round; (engine, builder, model, rng)."""
+    from tensorkiln.builder import builder as builder_module
+
+    real_choice = builder_module.compare_layers
+
+    def choice(layers, floats):
+        layers = [dict(layer) for layer in layers]  # (the engine keeps the real records)
+        for layer in layers:
+            ms = quantized_ms.get(layer["name"], quantize_ms.get(layer["name"]))
+            if ms is not None:
+                layer["tactic"], layer["timings_ms"] = "t", {"t": ms}
+        made = real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
+        seen(layers, made)
+        return made
+
+    monkeypatch.setattr(builder_module, "compare_layers", choice)
+    monkeypatch.setattr(builder_module, "build_ms", _fake_build_ms(quantized_ms, quantize_ms))
+    rng = np.random.default_rng()
+    model = _model(rng)
+    path = tmp_path / "net.onnx"
+    onnx.save(model, path)
+    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
+    builder = Builder("cuda", device="cpu")
+    return builder.build(path, _choice_config("int8", iter(batches))), builder, model, rng
 
 
 def _fake_build_ms(quantized_ms: dict, quantize_ms: dict):
@@ -474,32 +488,15 @@ def test_a_chain_faster_quantized_as_a_whole_stays_quantized(tmp_path: Path, mon
     too (0.5 + 0.5). But the fully quantized build measures 2.3 ms against the settled one's
     2.6: the builder keeps every layer quantized and says why."""
     pytest.importorskip("torch")
-    from tensorkiln.builder import builder as builder_module
 
-    real_choice = builder_module.compare_layers
     quantized_ms = {"conv1": 1.1, "conv2": 0.5, "fc": 0.5}
     quantize_ms = {"x_quantize": 0.1, "r1_quantize": 0.5, "flat_quantize": 0.1}
     rounds = []
-
-    def choice(layers, floats):
-        layers = [dict(layer) for layer in layers]
-        for layer in layers:
-            ms = quantized_ms.get(layer["name"], quantize_ms.get(layer["name"]))
-            if ms is not None:
-                layer["tactic"], layer["timings_ms"] = "t", {"t": ms}
-        made = real_choice(layers, dict.fromkeys(quantized_ms, 1.0))
-        rounds.append(sorted(n for n, c in made.items() if c["kept"] == "float"))
-        return made
-
-    monkeypatch.setattr(builder_module, "compare_layers", choice)
-    monkeypatch.setattr(builder_module, "build_ms", _fake_build_ms(quantized_ms, quantize_ms))
-    rng = np.random.default_rng()
-    model = _model(rng)
-    path = tmp_path / "net.onnx"
-    onnx.save(model, path)
-    batches = [{"x": rng.standard_normal((4, 3, 8, 8)).astype(np.float32)} for _ in range(3)]
-    builder = Builder("cuda", device="cpu")
-    engine = builder.build(path, _choice_config("int8", iter(batches)))
+    engine, builder, model, rng = _build_on_timings(
+        tmp_path, monkeypatch, quantized_ms, quantize_ms,
+        lambda _layers, made: rounds.append(
+            sorted(n for n, c in made.items() if c["kept"] == "float")),
+    )  # fmt: skip
     assert rounds[:2] == [["conv1"], ["conv2"]], rounds  # (the layer-by-layer choice)
     ops = {n.name: n.op for n in engine.graph.nodes if n.name in DATA_INPUT}
     assert ops == {"conv1": "QConvAct", "conv2": "QConvAct", "fc": "QGemmAct"}, ops
