@@ -185,15 +185,17 @@ def measure(
     concurrency: int = 1,
     max_trials: int = 20,
     shared_memory: str = "none",
+    stability: int = 20,
 ) -> tuple[float, int] | str:
     """perf_analyzer over gRPC at batch 1 and ``concurrency``: (infer/s, p50 us), or what went
-    wrong. ``shared_memory``: where the tensors travel (none: in the message; system; cuda)."""
+    wrong. ``shared_memory``: where the tensors travel (none: in the message; system; cuda).
+    ``stability``: how far apart (percent) the last three windows may be."""
     cmd = [perf_analyzer, "-m", model, "-u", url, "-i", "grpc", "--concurrency-range",
            f"{concurrency}:{concurrency}", "-b", "1", "--measurement-interval", str(interval_ms),
            "--percentile", "50",
            # (three windows within 20% of each other, up to 20 windows: on a machine whose cores
            # the client shares with the server, 10% in 10 windows often never settles)
-           "--stability-percentage", "20", "--max-trials", str(max_trials),
+           "--stability-percentage", str(stability), "--max-trials", str(max_trials),
            "--shared-memory", shared_memory]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     rate = re.search(r"Throughput: ([\d.]+) infer/sec", done.stdout)

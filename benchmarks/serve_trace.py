@@ -218,6 +218,12 @@ def main() -> None:
     ap.add_argument(
         "--concurrency", type=int, default=1, help="clients at once (above 1: no trace)"
     )
+    ap.add_argument(
+        "--stability-percentage", type=int, default=20,
+        help="perf_analyzer's: how far apart its last three windows may be (a smoke run that "
+        "checks the trace, not the rate, on a machine whose cores the client shares with the "
+        "server, can take a loose one)",
+    )  # fmt: skip
     args = ap.parse_args()
     repo = args.model_repository
     if repo is None:
@@ -249,6 +255,7 @@ def main() -> None:
         got = measure(
             args.perf_analyzer, args.model, f"127.0.0.1:{port}", int(args.seconds * 1000),
             concurrency=args.concurrency, max_trials=10, shared_memory=args.shared_memory,
+            stability=args.stability_percentage,
         )  # fmt: skip
     finally:
         holder["loop"].call_soon_threadsafe(holder["loop"].stop)

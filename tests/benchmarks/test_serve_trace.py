@@ -32,7 +32,10 @@ def test_every_request_is_traced_through_every_stage(tmp_path) -> None:
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "serve_trace.py"), "--perf-analyzer",
          str(BINARY), "--model-repository", str(tmp_path / "repo"), "--model", "digits",
-         "--backend", "reference", "--seconds", "1"],
+         "--backend", "reference", "--seconds", "1",
+         # (the trace is what is checked, not the rate: windows as unsteady as a 2-core
+         # machine's, client and server sharing it, must not fail the run)
+         "--stability-percentage", "999"],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
