@@ -513,6 +513,77 @@ def test_a_chain_faster_quantized_as_a_whole_stays_quantized(tmp_path: Path, mon
     assert np.linalg.norm(got - want) / np.linalg.norm(want) < INT8_ERROR
 
 
+def test_the_choice_keeps_the_fastest_of_its_rounds(monkeypatch) -> None:
+    """The stem loses quantized even inside the 8-bit chain (3.0 ms against 1.0); kept in float,
+    it hands `a` a QuantizeLinear of its own and `a` loses (0.5 + 0.3 against 0.7), which hands
+    `b` one and `b` loses too. Of the builds made (whole 4.0 ms, stem in float 2.3, stem and a
+    2.5, all three 2.4) the one with only the stem in float is kept: its graph, its layer
+    records and notes, and `a` and `b` marked as overruled."""
+    from tensorkiln.builder import builder as builder_module
+    from tensorkiln.ir import Graph
+
+    quantized_ms = {"stem": 3.0, "a": 0.5, "b": 0.5}
+    floats = {"stem": 1.0, "a": 0.7, "b": 0.7}
+    after = {"stem": "a", "a": "b"}  # (kept in float, a layer hands the next its own quantize)
+
+    def layers(slower: set[str]) -> list[dict]:
+        out = []
+        for name, q in quantized_ms.items():
+            if name in slower:
+                out.append({"name": name, "op": "tensorkiln.ConvAct", "tactic": "t",
+                            "timings_ms": {"t": floats[name]}})  # fmt: skip
+                continue
+            out.append({"name": name, "op": "tensorkiln.QConvAct", "tactic": "t",
+                        "timings_ms": {"t": q}})  # fmt: skip
+            if any(after.get(f) == name for f in slower):
+                out.append({"name": f"{name}_quantize", "op": "QuantizeLinear", "tactic": "t",
+                            "timings_ms": {"t": 0.3}})  # fmt: skip
+        return out
+
+    def choice(records, _floats):  # (each layer against its float form, its quantize counted)
+        ms = {x["name"]: x["timings_ms"]["t"] for x in records}
+        made = {}
+        for x in records:
+            if x["op"] == "tensorkiln.QConvAct":
+                n = x["name"]
+                slow = ms[n] + ms.get(f"{n}_quantize", 0.0) >= floats[n]
+                made[n] = {"kept": "float" if slow else "quantized"}
+        return made
+
+    monkeypatch.setattr(builder_module, "compare_layers", choice)
+    report = builder_module.BuildReport()
+    report.layers = layers(set())
+    report.notes = ["before"]
+    report.precision_choice = choice(report.layers, floats)
+    state = {"slower": set(), "graphs": []}
+
+    def quantize(graph, slower):
+        state["slower"] = set(slower)
+        state["graphs"].append(graph)
+        return [f"quantized without {sorted(slower)}"]
+
+    def lower(graph):
+        report.layers = layers(state["slower"])
+        return "fp16"
+
+    class Bar:
+        def advance(self, _name):
+            pass
+
+    graph, precision = builder_module._settle_precision(
+        Graph("g"), floats, report, ["before"], Bar(), "int8", "fp16", quantize, lower
+    )
+    assert len(state["graphs"]) == 3  # (stem; stem and a; all three)
+    assert graph is state["graphs"][0] and precision == "fp16"
+    assert [x["name"] for x in report.layers] == ["stem", "a", "a_quantize", "b"]
+    assert report.notes[:2] == ["before", "quantized without ['stem']"]
+    assert any("1 layers kept in fp16" in n and "stem" in n for n in report.notes), report.notes
+    assert any("this mix measured 2.300 ms" in n and "2.400 ms" in n for n in report.notes)
+    assert report.precision_choice["stem"]["kept"] == "float"
+    for name in ("a", "b"):
+        assert report.precision_choice[name] == {"kept": "quantized", "overruled": "faster build"}
+
+
 def test_the_precision_choice_compares_each_layer_with_its_float_form(
     tmp_path: Path, monkeypatch
 ) -> None:

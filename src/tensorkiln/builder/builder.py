@@ -464,7 +464,8 @@ def _settle_precision(
     quantize: Callable[[Graph, set[str]], list[str]],
     lower: Callable[[Graph], str],
 ) -> tuple[Graph | None, str]:
-    """Quantize and lower again without the layers the choice keeps in float, until no more go.
+    """Quantize and lower again without the layers the choice keeps in float, until no more go;
+    then keep the fastest of the builds made.
 
     One comparison is not enough: in the fully quantized build a layer's input quantization is
     fused into the quantized layer that produces it, so it costs nothing there; once that
@@ -472,15 +473,17 @@ def _settle_precision(
     which may then be slower than its float form as well. Each round compares the new build's
     quantized layers again (their own QuantizeLinear now measured) and only ever adds layers to
     the float set, so it ends; after _CHOICE_ROUNDS rounds the last set is built without a
-    further comparison. The choice goes layer by layer, so a chain of layers that is faster
-    quantized as a whole can still lose one layer at a time: the settled build is kept only
-    where it measures faster (:func:`build_ms`) than the fully quantized one. ``quantized``
-    names the 8-bit precision, ``precision`` the float one the first build lowered to.
-    Returns (the graph to use, None if the first build stands; its precision)."""
-    graph = None
+    further comparison. Going layer by layer, the rounds can also cascade past the best mix (a
+    chain faster quantized as a whole loses one layer at a time), so of the fully quantized
+    build and each round's, the one that measures fastest (:func:`build_ms`) is kept (the
+    last, as settled, where one was not measured). ``quantized`` names the 8-bit precision,
+    ``precision`` the float one the first build lowered to. Returns (the graph to use, None if
+    the first build stands; its precision)."""
+    # (graph, its float set, its report's layers, timing cache and notes, its precision)
+    builds = [(None, frozenset(), list(report.layers), report.timing_cache, list(report.notes),
+               precision)]  # fmt: skip
     slower: set[str] = set()
     choice = report.precision_choice
-    first = (list(report.layers), report.timing_cache, list(report.notes), precision)
     for round_ in range(1, _CHOICE_ROUNDS + 1):
         new = {n for n, c in choice.items() if c["kept"] == "float"} - slower
         if not new:
@@ -491,20 +494,33 @@ def _settle_precision(
         with _phase(report, "calibrate", bar):
             report.notes += quantize(graph, slower)
         precision = lower(graph)
+        builds.append((graph, frozenset(slower), list(report.layers), report.timing_cache,
+                       list(report.notes), precision))  # fmt: skip
         if round_ == _CHOICE_ROUNDS:
             break
         with _phase(report, "precision choice", bar):
             choice = compare_layers(report.layers, floats)
         report.precision_choice.update(choice)  # (the float layers keep their earlier entry)
-    whole, settled = build_ms(first[0]), build_ms(report.layers)
-    if slower and whole is not None and settled is not None and whole < settled:
-        report.layers, report.timing_cache, report.notes, precision = first
-        report.notes = [*first[2], kept_whole_note(slower, quantized, whole, settled)]
-        for name in slower & set(report.precision_choice):
-            report.precision_choice[name] |= {"kept": "quantized", "overruled": "whole build"}
+    if not slower:
         return None, precision
-    if slower:
-        report.notes.append(kept_float_note(slower, quantized, precision))
+    times = [build_ms(b[2]) for b in builds]
+    best = len(builds) - 1
+    if all(t is not None for t in times):  # (the fastest; on a tie the later, more float)
+        best = min(range(len(builds)), key=lambda i: (times[i], -i))
+    graph, kept, report.layers, report.timing_cache, notes, precision = builds[best]
+    report.notes = list(notes)
+    if best == 0:
+        report.notes.append(kept_whole_note(slower, quantized, times[0], times[-1]))
+    else:
+        report.notes.append(kept_float_note(set(kept), quantized, precision))
+        if best < len(builds) - 1:
+            report.notes.append(
+                f"{quantized}: this mix measured {times[best]:.3f} ms; the choice's later rounds, "
+                f"with up to {len(slower)} layers in {precision}, {times[-1]:.3f} ms"
+            )
+    overruled = "whole build" if best == 0 else "faster build"
+    for name in (slower - kept) & set(report.precision_choice):
+        report.precision_choice[name] |= {"kept": "quantized", "overruled": overruled}
     return graph, precision
 
 
