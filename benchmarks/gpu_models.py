@@ -408,11 +408,10 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
                 "kernels": ran.get(r["name"], [])[:4],
             }
         )
-    copies = {
-        name: [k for k in kernels if "copy" in k[0].lower()]
-        for name, kernels in ran.items()
-        if any("copy" in k[0].lower() for k in kernels)
-    }
+    copies = {}
+    for name, kernels in ran.items():
+        if found := [k for k in kernels if "copy" in k[0].lower()]:
+            copies[name] = found
     return {
         "ms_per_run": sum(r["total_ms"] for r in rows) / runs,
         "top": slowest,

@@ -42,12 +42,13 @@ def copy_graph(graph: Graph) -> Graph:
     return copy.deepcopy(graph, memo)
 
 
-def layer_ms(layers: list[dict], ops: tuple[str, ...]) -> dict[str, float]:
-    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``ops``."""
+def layer_ms(layers: list[dict], ops: tuple[str, ...] | None = None) -> dict[str, float]:
+    """Layer name -> the measured milliseconds of its chosen tactic, for layers of ``ops``
+    (None: every layer)."""
     out = {}
     for layer in layers:
         timings = layer.get("timings_ms") or {}
-        if layer.get("op") in ops and layer.get("tactic") in timings:
+        if (ops is None or layer.get("op") in ops) and layer.get("tactic") in timings:
             out[layer["name"]] = float(timings[layer["tactic"]])
     return out
 
@@ -56,12 +57,8 @@ def build_ms(layers: list[dict]) -> float | None:
     """A build's measured milliseconds: the chosen tactic's time of every layer the autotuner
     timed (None where it timed none). Two builds of one model compare by it: the layers
     neither times (shape arithmetic, copies the tuner does not see) are the same in both."""
-    times = [
-        float(layer["timings_ms"][layer["tactic"]])
-        for layer in layers
-        if layer.get("tactic") in (layer.get("timings_ms") or {})
-    ]
-    return sum(times) if times else None
+    times = layer_ms(layers)
+    return sum(times.values()) if times else None
 
 
 def compare_layers(layers: list[dict], floats: dict[str, float]) -> dict[str, dict]:

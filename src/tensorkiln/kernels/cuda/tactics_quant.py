@@ -46,6 +46,7 @@ import torch
 
 from tensorkiln.kernels.common.conv import conv_geometry
 from tensorkiln.kernels.cuda.convert import kept as _kept
+from tensorkiln.kernels.cuda.convert import torch_dtype
 from tensorkiln.kernels.cuda.fused_quant import (
     QConv,
     one_pass,
@@ -433,9 +434,6 @@ def _hopper() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-_GLUON_TYPES = {"int8", "float8_e4m3fn", "float16", "bfloat16", "float32"}
-
-
 def _gluon_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
     """conv_gluon's convolutions on Hopper: 1x1 or 3x3 padded by half the window, stride 1 or
     2, one group, an activation the fused epilogue has, a residual (if any) of a type it reads,
@@ -445,8 +443,12 @@ def _gluon_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
     g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
     if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
         return False
-    if len(spec.shapes) > 5 and spec.shapes[5] is not None and spec.dtypes[5] not in _GLUON_TYPES:
-        return False
+    if len(spec.shapes) > 5 and spec.shapes[5] is not None:
+        try:  # (a residual of a type the kernel reads)
+            if torch_dtype(spec.dtypes[5]) not in conv_gluon.TYPES:
+                return False
+        except TypeError:
+            return False
     dx = _dtypes(spec)[0]
     if dx == "int8" and not cfg.promote:  # (int8 sums are exact: the same kernel as promoting)
         return False
@@ -471,7 +473,7 @@ def _gluon_qconv(cfg: Any) -> Callable:
     name = f"gluon_qconv_{cfg.name}"
 
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
-        if str(call.out).split(".")[-1] not in _GLUON_TYPES:
+        if call.out not in conv_gluon.TYPES:
             raise ValueError(f"{name}: an 8, 16 or 32-bit output, not {call.out}")
         y = conv_gluon.conv(
             x_q, w_q, bias, z, scale=(call.x_scale, call.w_scale),

@@ -50,10 +50,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from tensorkiln.kernels.common.window import Geometry
-from tensorkiln.kernels.triton.gemm import NO_ACTIVATION, Epilogue, finish
-from tensorkiln.kernels.triton.quantize import requantize
+from tensorkiln.kernels.triton.conv_tma import aligned
+from tensorkiln.kernels.triton.gemm import (
+    NO_ACTIVATION,
+    Epilogue,
+    channel_scale,
+    finish,
+    scale_operands,
+)
+from tensorkiln.kernels.triton.quantize import qout, requantize
 
-_GL_TYPES = {
+# the tensor types the kernel reads and writes, as Gluon names them
+TYPES = {
     torch.int8: gl.int8,
     torch.float8_e4m3fn: gl.float8e4nv,
     torch.float16: gl.float16,
@@ -219,8 +227,7 @@ def _conv_kernel(
 
     cols = oc0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
     co = cols % OC  # (columns past the edge read a valid channel; the TMA store drops them)
-    scale = gl.load(xs_ptr).to(gl.float32) * gl.load(ws_ptr + co * s_ws).to(gl.float32)
-    v = acc.to(gl.float32) * gl.expand_dims(scale, 0)
+    v = acc.to(gl.float32) * gl.expand_dims(channel_scale(xs_ptr, ws_ptr, s_ws, co), 0)
     bias = 0.0
     if HAS_B:
         bias = gl.expand_dims(gl.load(b_ptr + co).to(gl.float32), 0)
@@ -286,21 +293,13 @@ def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int, block_k: i
 
 
 def _layout(block: list[int], dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    return gl.NVMMASharedLayout.get_default_for(block, _GL_TYPES[dtype])
-
-
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as TMA reads it: dense, from a 16-byte aligned address (a copy otherwise, as for a
-    view into the middle of a buffer, which ``contiguous`` would hand back as it is)."""
-    if not t.is_contiguous() or t.data_ptr() % 16:
-        t = t.clone(memory_format=torch.contiguous_format)
-    return t
+    return gl.NVMMASharedLayout.get_default_for(block, TYPES[dtype])
 
 
 def _nhwc(t: torch.Tensor) -> torch.Tensor:
     """(N, C, H, W) ``t`` as the dense NHWC tensor TMA reads (a view when channels-last and
     16-byte aligned, else a copy)."""
-    return _dense(t.permute(0, 2, 3, 1))
+    return aligned(t.permute(0, 2, 3, 1))
 
 
 def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], stride: int = 1,
@@ -312,7 +311,7 @@ def descriptors(x_q, w_q, y, tile: GluonTile, block: tuple[int, int, int], strid
     bb, bh, bw = block
     x4 = _nhwc(x_q)
     oc, c = w_q.shape[0], w_q.shape[1]
-    w2 = _dense(w_q.permute(0, 2, 3, 1).reshape(oc, -1))
+    w2 = aligned(w_q.permute(0, 2, 3, 1).reshape(oc, -1))
     y4 = y.permute(0, 2, 3, 1)
     if stride == 1:
         xt, xb = x4, [bb, bh, bw, tile.block_k]
@@ -371,21 +370,21 @@ def conv(
         return y
     block = blocks(nb, oh, ow, config.min_bw)
     x_desc, w_desc, y_desc, z_desc, keep = descriptors(x_q, w_q, y, config, block, stride, z)
-    xs, ws = (t.reshape(-1).to(torch.float32) for t in scale)
+    xs, ws, s_ws = scale_operands(scale, y)
     bias = b.reshape(oc).to(torch.float32).contiguous() if b is not None else xs
     tiles_h, tiles_w = triton.cdiv(oh, block[1]), triton.cdiv(ow, block[2])
     grid = (triton.cdiv(nb, block[0]) * tiles_h * tiles_w * triton.cdiv(oc, config.block_n),)
     quant = 1 if x_q.dtype == torch.int8 else 2
-    qout = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(out_dtype, 0)
-    if qout and y_scale is None:
+    quantized = qout(out_dtype)
+    if quantized and y_scale is None:
         raise ValueError("conv_gluon: an 8-bit output needs y_scale")
     zs = z_scale.reshape(-1).to(torch.float32) if scaled else xs
     _conv_kernel[grid](
         x_desc, w_desc, y_desc, z_desc, bias, xs, ws, y_scale if y_scale is not None else xs, zs,
-        c, oc, 1 if ws.numel() > 1 else 0, tiles_h, tiles_w,
+        c, oc, s_ws, tiles_h, tiles_w,
         epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
         KH=kh, KW=kw, PAD=kh // 2, STRIDE=stride, HAS_B=b is not None, ACT=epilogue.code,
-        HAS_Z=z is not None, Z_AFTER=residual_after, Z_SCALED=scaled, QUANT=quant, QOUT=qout,
+        HAS_Z=z is not None, Z_AFTER=residual_after, Z_SCALED=scaled, QUANT=quant, QOUT=quantized,
         PROMOTE=config.promote and quant == 2, STAGES=config.stages, num_warps=config.warps,
     )  # fmt: skip
     del keep

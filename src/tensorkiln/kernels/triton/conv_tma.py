@@ -105,7 +105,7 @@ def applies(x_shape, w_shape, dtype: str, geom: Geometry, group: int) -> bool:
     return nb * h * w * max(c, oc) < _LIMIT and oc * 9 * c < _LIMIT
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
+def aligned(t: torch.Tensor) -> torch.Tensor:
     """``t`` as TMA reads it: dense rows from a 16-byte aligned address (a copy otherwise, as
     for a view into the middle of a buffer)."""
     if not t.is_contiguous() or t.data_ptr() % 16:
@@ -132,7 +132,7 @@ def conv3x3(
     oc = w_q.shape[0]
     x2 = x_q.permute(0, 2, 3, 1).reshape(nb * h * w, c)  # (a view when channels-last)
     w2 = w_q.permute(0, 2, 3, 1).reshape(oc, 9 * c)
-    x2, w2 = _aligned(x2), _aligned(w2)
+    x2, w2 = aligned(x2), aligned(w2)
     y = torch.empty((nb, oc, h, w), dtype=out_dtype, device=x_q.device,
                     memory_format=torch.channels_last)  # fmt: skip
     if y.numel() == 0:
