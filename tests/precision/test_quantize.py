@@ -690,21 +690,25 @@ def test_the_precision_choice_is_off_on_a_cpu_device_by_default(tmp_path: Path) 
     assert sum(n.op in ("QConvAct", "QGemmAct") for n in engine.graph.nodes) == 3
 
 
-def _residual_model(rng: np.random.Generator) -> onnx.ModelProto:
+def _residual_model(rng: np.random.Generator, projection: bool = False) -> onnx.ModelProto:
     """Two residual blocks as a ResNet's: r0 = Relu(conv0(x)); r1 = Relu(conv2(Relu(conv1(r0)))
-    + r0); r2 = Relu(conv4(Relu(conv3(r1))) + r1); then pool and a Gemm."""
+    + r0); r2 = Relu(conv4(Relu(conv3(r1))) + r1); then pool and a Gemm. ``projection``: the
+    first block adds a 1x1 convolution of its input, ``short0(r0)``, instead of r0 (a ResNet
+    stage's first block)."""
     c = 8
     inits, nodes = [], []
 
-    def conv(name: str, x: str, y: str, cin: int, act: bool = True) -> None:
-        w = (rng.standard_normal((c, cin, 3, 3)) * (0.5 / np.sqrt(cin * 9))).astype(np.float32)
+    def conv(name: str, x: str, y: str, cin: int, act: bool = True, k: int = 3) -> None:
+        scale = 0.5 / np.sqrt(cin * k * k)
+        w = (rng.standard_normal((c, cin, k, k)) * scale).astype(np.float32)
         b = (rng.standard_normal(c) * 0.1).astype(np.float32)
         inits.extend(
             [numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(b, f"{name}_b")]
         )
         out = f"{name}_out" if act else y
+        pads = [k // 2] * 4
         nodes.append(
-            helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out], name, pads=[1] * 4)
+            helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [out], name, pads=pads)
         )
         if act:
             nodes.append(helper.make_node("Relu", [out], [y], f"{name}_relu"))
@@ -713,6 +717,9 @@ def _residual_model(rng: np.random.Generator) -> onnx.ModelProto:
     for k, (i, o) in enumerate((("r0", "r1"), ("r1", "r2"))):
         conv(f"conv{2 * k + 1}", i, f"h{k}", c)
         conv(f"conv{2 * k + 2}", f"h{k}", f"s{k}_conv", c, act=False)
+        if projection and k == 0:
+            conv("short0", i, "p0", c, act=False, k=1)
+            i = "p0"
         nodes.append(helper.make_node("Add", [f"s{k}_conv", i], [f"s{k}"], f"add{k}"))
         nodes.append(helper.make_node("Relu", [f"s{k}"], [o], f"relu_add{k}"))
     w = (rng.standard_normal((10, c)) * 0.3).astype(np.float32)
@@ -770,6 +777,139 @@ def test_residual_blocks_quantize_as_tensorrt_runs_them(tmp_path: Path, precisio
     assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
 
 
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_shortcut_convolution_hands_its_residual_over_quantized(
+    tmp_path: Path, precision: str
+) -> None:
+    """A block whose shortcut is a convolution adds two convolutions' outputs: one of them
+    becomes the other's residual, and it is quantized too (calibrated with the layers' inputs),
+    so the layer that makes it writes it in 8 bits and the one that adds it reads it so, as
+    TensorRT's INT8 ResNets do; no QuantizeLinear runs on its own. The oracle: onnxruntime's
+    run of the explicit Q/DQ model written from the calibration cache's scales."""
+    rng = np.random.default_rng()
+    model = _residual_model(rng, projection=True)
+    path = tmp_path / "resnet.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    cache = tmp_path / "calib.json"
+    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
+                    calibrator="minmax")  # fmt: skip
+    import json
+
+    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
+    (shared,) = {"s0_conv", "p0"} & set(scales)  # (the residual: whichever the fusion picked)
+    layers = {n.name: n for n in engine.graph.nodes}
+    eight_bit = DType.INT8 if precision == "int8" else DType.FLOAT8E4M3FN
+    adds, makes = ("short0", "conv2") if shared == "s0_conv" else ("conv2", "short0")
+    assert layers[adds].op == "QConvAct" and layers[adds].inputs[5].dtype == eight_bit
+    assert layers[makes].attrs["out_dtype"] == {"int8": 3, "fp8": 17}[precision]
+    made_by = {v: n for n in engine.graph.nodes for v in n.outputs}
+    for q in (n for n in engine.graph.nodes if n.op == "QuantizeLinear"):
+        assert q.inputs[0] not in made_by or made_by[q.inputs[0]].op != "QConvAct", q.name
+    oracle = _qdq_model_of(model, scales, precision)
+    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _run_ort(oracle, {"x": x})
+    err = np.abs(got - want)  # (as above: a rounding edge may move a value one step, rarely)
+    off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
+    assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
+
+
+def test_a_cache_without_the_residual_ranges_still_fits(tmp_path: Path) -> None:
+    """A calibration cache written before residuals were quantized has the layers' inputs only:
+    it still builds, and the residual is read in float."""
+    import json
+
+    rng = np.random.default_rng()
+    path = tmp_path / "resnet.onnx"
+    onnx.save(_residual_model(rng, projection=True), path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(2)]
+    cache = tmp_path / "calib.json"
+    _build(path, "int8", calibration_data=calib, calibration_cache=str(cache))
+    doc = json.loads(cache.read_text())
+    for name in ("s0_conv", "p0"):
+        doc["tensors"].pop(name, None)
+    cache.write_text(json.dumps(doc))
+    engine = _build(path, "int8", calibration_cache=str(cache))
+    residuals = [n.inputs[5] for n in engine.graph.nodes
+                 if n.op == "QConvAct" and len(n.inputs) > 5 and n.inputs[5] is not None]  # fmt: skip
+    # (the second block's residual is the next layer's input, quantized for it anyway)
+    assert sorted(v.dtype.name for v in residuals) == ["FLOAT", "INT8"]
+
+
+def _stem_model(rng: np.random.Generator) -> onnx.ModelProto:
+    """A ResNet's stem: Relu(conv0(x)), a 3x3 max pool of stride 2, then Relu(conv1(.)), pool
+    and a Gemm."""
+    inits = []
+    for name, cin in (("conv0", 3), ("conv1", 8)):
+        w = (rng.standard_normal((8, cin, 3, 3)) / np.sqrt(cin * 9)).astype(np.float32)
+        b = (rng.standard_normal(8) * 0.1).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(b, f"{name}_b")]
+    inits += [
+        numpy_helper.from_array((rng.standard_normal((10, 8)) * 0.3).astype(np.float32), "fc_w"),
+        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
+    ]
+    nodes = [
+        helper.make_node("Conv", ["x", "conv0_w", "conv0_b"], ["c0"], "conv0", pads=[1] * 4),
+        helper.make_node("Relu", ["c0"], ["r0"], "relu0"),
+        helper.make_node(
+            "MaxPool", ["r0"], ["m"], "pool", kernel_shape=[3, 3], strides=[2, 2], pads=[1] * 4
+        ),
+        helper.make_node("Conv", ["m", "conv1_w", "conv1_b"], ["c1"], "conv1", pads=[1] * 4),
+        helper.make_node("Relu", ["c1"], ["r1"], "relu1"),
+        helper.make_node("GlobalAveragePool", ["r1"], ["p"], "gap"),
+        helper.make_node("Flatten", ["p"], ["flat"], "flatten"),
+        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], "fc", transB=1),
+    ]
+    graph = helper.make_graph(
+        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 12, 12])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])], inits,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+
+
+@pytest.mark.parametrize("backend", ["reference", "cuda"])
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_a_pool_after_a_quantized_layer_pools_8_bit_values(
+    tmp_path: Path, precision: str, backend: str
+) -> None:
+    """Q(MaxPool(y)) = MaxPool(Q(y)): the stem writes its output quantized at the scale of the
+    pool's output (the next layer's input), and the pool reads and writes 8 bits; no
+    QuantizeLinear but the input's runs. The oracle: onnxruntime's run of the explicit Q/DQ
+    model (the quantization after the pool) written from the calibration cache's scales."""
+    if backend == "cuda":
+        pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    model = _stem_model(rng)
+    path = tmp_path / "stem.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((8, 3, 12, 12)).astype(np.float32)} for _ in range(2)]
+    cache = tmp_path / "calib.json"
+    config = BuilderConfig()
+    config.set_flag(precision)
+    config.calibration_data, config.calibration_cache = calib, str(cache)
+    config.calibrator = "minmax"
+    config.choose_precision_per_layer = False
+    engine = Builder(backend, device="cpu").build(path, config)
+    layers = {n.name: n for n in engine.graph.nodes}
+    eight_bit = DType.INT8 if precision == "int8" else DType.FLOAT8E4M3FN
+    assert layers["conv0"].op == "QConvAct" and layers["conv0"].outputs[0].dtype == eight_bit
+    assert layers["pool"].inputs[0].dtype == layers["pool"].outputs[0].dtype == eight_bit
+    # (the input's QuantizeLinear, and the classifier's after the average pool)
+    quantized = sorted(n.inputs[0].name for n in engine.graph.nodes if n.op == "QuantizeLinear")
+    assert quantized == ["flat", "x"]
+    import json
+
+    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
+    oracle = _qdq_model_of(model, scales, precision)
+    x = rng.standard_normal((5, 3, 12, 12)).astype(np.float32)
+    got = engine.create_execution_context().infer({"x": x})["y"]
+    want = _run_ort(oracle, {"x": x})
+    err = np.abs(got - want)  # (a rounding edge may move a value one step, rarely)
+    off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
+    assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
+
+
 def _qdq_model_of(
     model: onnx.ModelProto, scales: dict[str, float], precision: str
 ) -> onnx.ModelProto:
@@ -795,8 +935,10 @@ def _qdq_model_of(
                 helper.make_node("DequantizeLinear", [f"{w}_q", f"{w}_s"], [f"{w}_dq"], axis=0)
             )
             node.input[0], node.input[1] = f"{node.input[0]}_dq", f"{w}_dq"
-        if node.op_type == "Add" and node.input[1] in scales:
-            node.input[1] = f"{node.input[1]}_dq"
+        if node.op_type == "Add":
+            for j, v in enumerate(node.input):
+                if v in scales:
+                    node.input[j] = f"{v}_dq"
     known = (
         {i.name for i in graph.input}
         | {t.name for t in graph.initializer}

@@ -320,6 +320,34 @@ def _quantize_fits(view: View, q: Node) -> int | None:
     return code
 
 
+# QConvAct -> MaxPool -> QuantizeLinear (a ResNet's stem, its pool, the quantized input of the
+# first block): Q(MaxPool(y)) = MaxPool(Q(y)) exactly, since quantizing with a positive scale and
+# a zero point of zero is monotone (ties and saturation only merge values) and every window holds
+# one input element. Quantized first, the layer writes y in 8 bits (requantize_in_epilogue) and
+# the pool reads and writes 8 bits: a quarter of the bytes of a float16 y, one pass less.
+
+
+def _quantize_before_max_pool(view: View, found: Found) -> Rewrite | None:
+    q = found.root
+    pool = view.made_by(q.inputs[0], "MaxPool") if q.inputs else None
+    if pool is None or len([v for v in pool.outputs if v is not None]) != 1:
+        return None
+    y = pool.inputs[0]
+    layer = view.producers.get(y) if y is not None else None
+    if layer is None or layer.domain != DOMAIN or layer.op not in _Y_SCALE:
+        return None
+    if view.sole(y) is not pool or view.sole(q.inputs[0]) is not q or y.dtype != DType.FLOAT:
+        return None
+    if layer.attrs.get("out_dtype", 1) != DType.FLOAT.value or _quantize_fits(view, q) is None:
+        return None
+    if float(view.const(q.inputs[1]).reshape(-1)[0]) <= 0:
+        return None
+    y_q = Value(view.fresh_name(f"{y.name}_quantized"), TensorType(q.outputs[0].dtype, y.shape))
+    new_q = Node("QuantizeLinear", [y, *q.inputs[1:]], [y_q], dict(q.attrs), name=q.name)
+    new_pool = Node("MaxPool", [y_q], [q.outputs[0]], dict(pool.attrs), name=pool.name)
+    return Rewrite(remove=[pool, q], add=[new_q, new_pool], count=1)
+
+
 # LayerNorm -> QuantizeLinear (the next quantized GEMM's input, BERT's and GPT-2's): the
 # normalization writes the quantized tensor too, from the values it writes (its Y_scale input,
 # q_dtype, the quantized output second); the float output stays for its other readers (the
@@ -393,6 +421,7 @@ def _residual_dequantize(view: View, found: Found) -> Rewrite | None:
 
 REQUANTIZE = (
     Rule("requantize_in_epilogue", Op("QuantizeLinear"), _requantize),
+    Rule("quantize_before_max_pool", Op("QuantizeLinear"), _quantize_before_max_pool),
     Rule("quantize_in_layer_norm", Op("QuantizeLinear"), _quantize_layer_norm),
     Rule("quantize_in_attention", Op("QuantizeLinear"), _quantize_attention),
     Rule("residual_dequantize_in_epilogue", Op("QConvAct", domain=DOMAIN), _residual_dequantize),

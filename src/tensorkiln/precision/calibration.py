@@ -201,13 +201,17 @@ def calibrate(
     request: CalibrationRequest,
     progress: Progress | None = None,
     channels: Collection[Value] = (),
+    optional: Mapping[Value, str] | None = None,
 ) -> CalibrationTable:
     """Each of ``tensors``' range (a Value of ``graph`` -> the layer that quantizes it), from the
     cache when it has them, else by running ``graph`` (float32) over the calibration data with an
-    executor ``executor_factory(graph)`` makes; a new table is written to the cache path."""
+    executor ``executor_factory(graph)`` makes; a new table is written to the cache path.
+    ``optional`` tensors are calibrated with them, but a cache without their ranges still fits
+    (the build leaves those tensors in float)."""
+    tensors = {**(optional or {}), **tensors}
     method = request.calibrator or DEFAULT_CALIBRATOR[precision]
     check_method(method, precision, request.percentile)
-    names = {v.name: layer for v, layer in tensors.items()}
+    names = {v.name: layer for v, layer in tensors.items() if v not in (optional or {})}
     cache = Path(request.cache) if request.cache is not None else None
     if cache is not None and cache.exists():
         table = CalibrationTable.load(cache)

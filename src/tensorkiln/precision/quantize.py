@@ -40,6 +40,7 @@ QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct"
 ELEMENT = {"int8": DType.INT8, "fp8": DType.FLOAT8E4M3FN}
 _NUMPY = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 _PRECISION_OF = {DType.INT8: "int8", DType.FLOAT8E4M3FN: "fp8"}
+_RESIDUAL = 3  # ConvAct's input slot of the residual (X, W, B, Z)
 
 
 def quantized_precision(node: Node) -> str | None:
@@ -117,6 +118,7 @@ def quantize_graph(
             ]
         return [f"{precision}: no convolution or GEMM with a constant weight to quantize"]
     tensors = calibrated_tensors(layers)
+    residuals = quantized_residuals(graph, layers, tensors)
     if budget is not None:
         request.keep_batches = BUDGET_BATCHES
     counted = None if progress is None else (lambda n, _: progress(f"calibrating: {n} samples"))
@@ -129,11 +131,12 @@ def quantize_graph(
         request.capture = frozenset(v.name for v in channels)
     table = request.table  # (given: this build calibrated already, the same graph)
     if table is None:
-        table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels)
+        table = calibrate(graph, executor_factory, tensors, precision, request, counted, channels,
+                          optional=residuals)  # fmt: skip
     request.table = table
     samples = _samples(graph, request, executor_factory) if smooth == "auto" and channels else {}
     chosen: dict[str, float | None] = {}
-    switches = insert_qdq(graph, table, layers, precision, smooth, samples, chosen)
+    switches = insert_qdq(graph, table, layers, precision, smooth, samples, chosen, residuals)
     notes = list(request.notes)
     if smoothed and smooth != "auto":
         notes.append(f"smoothquant: the inputs of {len(smoothed)} GEMMs smoothed (alpha {smooth})")
@@ -194,6 +197,30 @@ def calibrated_tensors(layers: Collection[Node]) -> dict[Value, str]:
     return tensors
 
 
+def quantized_residuals(
+    graph: Graph, layers: Collection[Node], tensors: Collection[Value] = ()
+) -> dict[Value, str]:
+    """The residuals quantized besides the layers' data inputs (tensor -> the layer that adds
+    it): a convolution's residual that another quantizable layer makes and that only this
+    convolution reads, not already a quantized input (``tensors``). In a ResNet, the first
+    block of each stage adds its shortcut's convolution and its last one: quantized, the layer
+    that makes the tensor writes it in 8 bits and the one that adds it reads it so (half the
+    bytes of a float16 residual, and the 8-bit residual kernels apply), as TensorRT fuses an
+    INT8 residual add."""
+    quantized = set(layers)
+    producers, readers = graph.producers(), graph.consumers()
+    found: dict[Value, str] = {}
+    for n in layers:
+        if (n.domain, n.op) != ("tensorkiln", "ConvAct") or len(n.inputs) <= _RESIDUAL:
+            continue
+        z = n.inputs[_RESIDUAL]
+        if z is None or z in tensors or z in graph.outputs or producers.get(z) not in quantized:
+            continue
+        if z.dtype == DType.FLOAT and [m for m in readers.get(z, []) if m is not n] == []:
+            found.setdefault(z, n.name or n.op)
+    return found
+
+
 def budget_feeds(graph: Graph, request: CalibrationRequest) -> list[dict[str, np.ndarray]]:
     """The calibration batches an accuracy budget is measured on: those calibration kept, else
     the first of the data (when the ranges came from the cache)."""
@@ -239,6 +266,7 @@ def insert_qdq(
     smooth: float | str | None = None,
     samples: Mapping[str, np.ndarray] | None = None,
     chosen: dict[str, float | None] | None = None,
+    residuals: Collection[Value] = (),
 ) -> list[Switch]:
     """Each layer's data input through QuantizeLinear/DequantizeLinear (one pair per tensor, at
     its calibrated scale) and its weight as a quantized constant through DequantizeLinear;
@@ -246,7 +274,8 @@ def insert_qdq(
     (SmoothQuant's alpha), GEMMs whose input has per-channel ranges in ``table`` read it
     smoothed (precision/smooth.py); ``"auto"``: each GEMM takes the alpha (or no smoothing) that
     brings its output on ``samples`` (tensor -> values) closest to float, recorded in
-    ``chosen``."""
+    ``chosen``. ``residuals`` (:func:`quantized_residuals`) get a Q/DQ pair of their own where
+    ``table`` has their range."""
     chosen = {} if chosen is None else chosen
     switches = []
     rw = Rewrite()
@@ -278,22 +307,24 @@ def insert_qdq(
         w_dq = _dequantize(rw, names, wq_v, ws_v, None, w, axis)
         switches.append(Switch(n, (x, n.inputs[1]), (x_dq, w_dq)))
         n.inputs = [x_dq, w_dq, *n.inputs[2:]]
+    for z in residuals:
+        if z not in dequantized and z.name in table.amax:
+            scale = add_constant(graph, f"{z.name}_scale", np.float32(table.scale(z.name)))
+            dequantized[z] = _qdq(rw, names, z, scale, zp, precision)
     for sw in switches:
         _quantized_residual(sw, dequantized)
     rw.apply(graph)
     return switches
 
 
-_RESIDUAL = 3  # ConvAct's input slot of the residual (X, W, B, Z)
-
-
 def _quantized_residual(sw: Switch, dequantized: Mapping[Value, Value]) -> None:
     """A quantized convolution whose residual is a tensor quantized for another layer (the
-    block input a ResNet adds back, which the next block's first convolution reads) reads the
-    residual through that same Q/DQ pair, as TensorRT's INT8 ResNets do. The tensor then has
-    the Q as its one reader, so its producer writes it quantized (fuse_requantize), and this
-    layer reads it quantized (the DQ fused into its epilogue): no QuantizeLinear runs on its own
-    between blocks. The residual carries the quantization error of the tensor it is."""
+    block input a ResNet adds back, which the next block's first convolution reads), or one of
+    the residuals quantized for it (:func:`quantized_residuals`), reads the residual through
+    that Q/DQ pair, as TensorRT's INT8 ResNets do. The tensor then has the Q as its one reader,
+    so its producer writes it quantized (fuse_requantize), and this layer reads it quantized
+    (the DQ fused into its epilogue): no QuantizeLinear runs on its own between blocks. The
+    residual carries the quantization error of the tensor it is."""
     n = sw.node
     if (n.domain, n.op) != ("tensorkiln", "ConvAct") or len(n.inputs) <= _RESIDUAL:
         return

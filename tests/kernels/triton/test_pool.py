@@ -72,3 +72,25 @@ def test_max_pool_indices_output_goes_to_the_default_kernel() -> None:
     want_y, want_idx = invoke(lookup("MaxPool", "", 22, "reference"), [x], attrs, 2)
     np.testing.assert_array_equal(to_numpy(y), want_y)
     np.testing.assert_array_equal(to_numpy(idx), want_idx)
+
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", [np.dtype(np.int8), E4M3], ids=["int8", "e4m3"])
+@pytest.mark.parametrize("shape,attrs", POOLS)
+def test_max_pool_of_8_bit_tensors_equals_the_reference(shape, attrs, dtype) -> None:
+    """A quantized engine pools its 8-bit tensors (the max commutes with quantizing): the Triton
+    tactic and the cuda backend's default kernel (float16 inside for E4M3, which torch does not
+    pool) give the reference kernel's values on the same 8-bit input, in its type."""
+    wide = rand(*shape) * 40
+    x = np.clip(np.rint(wide), -127, 127).astype(dtype) if dtype.kind == "i" else wide.astype(dtype)
+    want = _reference_pool(x, attrs)
+    assert want.dtype == dtype
+    t = _channels_last(to_torch(x, DEVICE))
+    for name in ("triton", None):
+        fn = get_tactic("MaxPool", "", name).fn if name else lookup("MaxPool", "", 22, "cuda").fn
+        y = fn(t, **attrs)
+        got = to_numpy(y)
+        assert got.dtype == dtype, name
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))

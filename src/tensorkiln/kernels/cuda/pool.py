@@ -29,6 +29,9 @@ _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVG_POOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 
 
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _lowest(dtype: torch.dtype) -> float | int:
     if dtype == torch.bool:
         return False
@@ -157,6 +160,13 @@ def max_pool(
         x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
     )
     with_index = _n_outputs > 1
+    if x.dtype in _FLOAT8:  # (torch has no float8 pooling: float16 holds every value exactly)
+        y = max_pool(
+            x.to(torch.float16), auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations,
+            kernel_shape=kernel_shape, pads=pads, storage_order=storage_order, strides=strides,
+            _n_outputs=_n_outputs,
+        )  # fmt: skip
+        return (y[0].to(x.dtype), y[1]) if with_index else y.to(x.dtype)
     if x.dtype.is_floating_point and x.ndim - 2 <= 3:
         return _max_pool_torch(x, g, ceil_mode, storage_order, with_index)
     return _max_pool_taps(x, g, storage_order, with_index)

@@ -17,6 +17,7 @@ from tensorkiln.kernels.triton import available, interpreting
 from tensorkiln.kernels.triton.pointwise import can_generate
 
 NORM_DTYPES = frozenset(["float16", "bfloat16", "float32"])
+_POOL_DTYPES = NORM_DTYPES | {"int8", "float8_e4m3fn"}
 
 
 def _runs_here(spec: LayerSpec) -> bool:
@@ -95,9 +96,9 @@ def _pointwise_fits(spec: LayerSpec) -> bool:
 
 
 def _max_pool_fits(spec: LayerSpec) -> bool:
-    """A 2-D max pool of a float tensor whose windows the geometry accepts."""
+    """A 2-D max pool of a float, int8 or E4M3 tensor whose windows the geometry accepts."""
     x = spec.shapes[0]
-    if not _runs_here(spec) or spec.dtypes[0] not in NORM_DTYPES or x is None or len(x) != 4:
+    if not _runs_here(spec) or spec.dtypes[0] not in _POOL_DTYPES or x is None or len(x) != 4:
         return False
     a = spec.attrs
     try:

@@ -11,6 +11,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+import ml_dtypes
 import numpy as np
 
 from tensorkiln.kernels.common.pool import MaxUnpool, pool_geometry, pow_p, root_p
@@ -26,7 +27,13 @@ def _taps(xp: np.ndarray, g: Geometry) -> Iterator[tuple[tuple[int, ...], np.nda
 
 
 def _lowest(dtype: np.dtype):
-    return np.iinfo(dtype).min if dtype.kind in "iu" else -np.inf
+    """The padding of a max: the type's least value (float8's finite one: E4M3 has no -inf,
+    and a window always holds one element of the input)."""
+    if dtype.kind in "iu":
+        return np.iinfo(dtype).min
+    if dtype.kind == "V":  # (ml_dtypes' float8 types)
+        return ml_dtypes.finfo(dtype).min
+    return -np.inf
 
 
 def _tap_index(g: Geometry, tap: Sequence[int], in_sizes: Sequence[int], column_major: bool):

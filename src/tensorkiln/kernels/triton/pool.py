@@ -21,7 +21,9 @@ import triton.language as tl
 
 from tensorkiln.kernels.common.window import Geometry
 
-FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# the types it pools: float ones, and the 8-bit ones of quantized engines (whose max commutes
+# with the quantization: a quantized layer writes 8 bits and the pool reads them)
+TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn)
 BLOCK_P = 32  # output positions per program
 
 
@@ -50,15 +52,20 @@ def _max_pool2d_kernel(
             ok = p_ok & h_ok & (iw >= 0) & (iw < W)
             rows = n * sxn + ih * sxh + iw * sxw
             ptrs = x_ptr + rows[:, None] + (c * sxc)[None, :]
-            v = tl.load(ptrs, mask=ok[:, None] & c_ok[None, :], other=float("-inf"))
-            acc = tl.maximum(acc, v.to(tl.float32), propagate_nan=tl.PropagateNan.ALL)
+            inside = ok[:, None] & c_ok[None, :]
+            v = tl.load(ptrs, mask=inside).to(tl.float32)  # (exact for every type it takes)
+            v = tl.where(inside, v, float("-inf"))
+            acc = tl.maximum(acc, v, propagate_nan=tl.PropagateNan.ALL)
     out = y_ptr + (n * syn + oh * syh + ow * syw)[:, None] + (c * syc)[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=p_ok[:, None] & c_ok[None, :])
+    kept = p_ok[:, None] & c_ok[None, :]
+    acc = tl.where(kept, acc, 0.0)  # (no -inf left to convert to an integer type)
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=kept)
 
 
 def applies(x: torch.Tensor, g: Geometry) -> bool:
-    """Whether :func:`max_pool2d` takes ``x`` (N, C, H, W) of a float dtype, windows ``g``."""
-    return x.ndim == 4 and x.dtype in FLOATS and len(g.kernel) == 2 and x.numel() > 0
+    """Whether :func:`max_pool2d` takes ``x`` (N, C, H, W) of one of :data:`TYPES`, windows
+    ``g``."""
+    return x.ndim == 4 and x.dtype in TYPES and len(g.kernel) == 2 and x.numel() > 0
 
 
 def max_pool2d(x: torch.Tensor, g: Geometry) -> torch.Tensor:
