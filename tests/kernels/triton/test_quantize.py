@@ -153,3 +153,28 @@ def test_the_division_rounds_as_ieee_at_every_scale(target):
         got = to_numpy(quantize.quantize(to_torch(x, DEVICE), to_torch(scale, DEVICE), None,
                                          torch_t))  # fmt: skip
         assert np.array_equal(_bits(got), _bits(want)), float(scale)
+
+
+@pytest.mark.parametrize("out", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("source", ["int8", "e4m3"])
+@pytest.mark.parametrize("layout", ["row_major", "channels_last"])
+def test_widening_gives_the_numpy_values(source, out, layout):
+    """widen: 8-bit values in a float type in one pass, exact, NaN codes kept, the input's
+    layout kept; the oracle is numpy's (ml_dtypes') conversion of the same codes."""
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 256, size=(3, 6, 5, 7), dtype=np.uint8)
+    codes.reshape(-1)[:256] = np.arange(256, dtype=np.uint8)  # (every code, NaN included)
+    np_type = np.int8 if source == "int8" else ml_dtypes.float8_e4m3fn
+    x = codes.view(np_type)
+    t = to_torch(x, DEVICE)
+    if layout == "channels_last":
+        t = t.contiguous(memory_format=torch.channels_last)
+    assert quantize.widen_applies(t, out)
+    y = quantize.widen(t, out)
+    assert y.dtype == out and y.stride() == t.stride()
+    got = to_numpy(y.float())
+    want = x.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    assert not quantize.widen_applies(t[:, :, ::2], out)  # (not dense: torch's cast)
+    assert not quantize.widen_applies(t, torch.int32)

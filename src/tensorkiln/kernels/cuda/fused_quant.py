@@ -25,6 +25,7 @@ from tensorkiln.kernels.common.conv import check_conv_act
 from tensorkiln.kernels.common.gemm import gemm_layout
 from tensorkiln.kernels.common.quant import check_quantized_output, check_quantized_residual
 from tensorkiln.kernels.common.window import Geometry
+from tensorkiln.kernels.cuda.convert import kept
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.cuda.quant import quantize_linear
@@ -186,7 +187,8 @@ def qconv(
     call = QConv(g, a["group"], m, a["activation"], _activation(a),
                  a["residual_order"] == "act_add", out_type(a["out_dtype"], y_scale),
                  x_scale.reshape(()).to(torch.float32), ws, ys, zs)  # fmt: skip
-    bias = None if b is None else b.reshape(m).to(torch.float32)
+    # (kept per constant: a float16 engine's bias would otherwise be widened on every call)
+    bias = None if b is None else kept(b, ("float32", m), lambda: b.reshape(m).to(torch.float32))
     y, finished = sums(x_q, w_q, bias, z, call)
     if not finished:
         y = conv_epilogue_(y, bias, call.residual(z), call.activation, call.act, call.after)

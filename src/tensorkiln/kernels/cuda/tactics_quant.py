@@ -61,13 +61,15 @@ from tensorkiln.kernels.triton import available, interpreting
 
 if available():
     from tensorkiln.kernels.cuda import tactics_gemm
-    from tensorkiln.kernels.triton import conv, conv_tma, epilogue, gemm
+    from tensorkiln.kernels.triton import conv, conv_tma, epilogue, gemm, quantize
     from tensorkiln.kernels.triton.gemm import Epilogue
 
     try:  # (Gluon, Triton's layout-explicit dialect: Triton 3.5 and later)
         from tensorkiln.kernels.triton import conv_gluon
     except ImportError:  # pragma: no cover - an older Triton
         conv_gluon = None
+else:  # (no Triton: torch's cast widens)
+    quantize = None
 
 _ACT = {"activation", "activation_alpha", "activation_beta", "activation_min", "activation_max"}
 _GEMM = {"alpha", "beta", "transA", "transB", "out_dtype"} | _ACT
@@ -339,8 +341,20 @@ def _half_sums(
     """The convolution in float16 on cuDNN: int8 and E4M3 values are exact in float16; the
     weight (``w_half``) carries its per-channel scale (rounded to float16) so the sums stay in
     float16's range, and X_scale follows in the epilogue's pass."""
-    acc = conv_nd(x_q.to(w_half.dtype), w_half, None, call.geometry, call.group)
+    wide = w_half.dtype
+    xh = quantize.widen(x_q, wide) if _widens(x_q, wide) else x_q.to(wide)
+    acc = conv_nd(xh, w_half, None, call.geometry, call.group)
     return _scaled(acc, call.x_scale.expand(call.channels), bias, z, call)
+
+
+def _widens(x_q: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether Triton's one-pass widening (kernels/triton/quantize.py) takes ``x_q``: on the GPU
+    (or in Triton's interpreter)."""
+    return (
+        quantize is not None
+        and (x_q.is_cuda or interpreting())
+        and quantize.widen_applies(x_q, dtype)
+    )
 
 
 def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
