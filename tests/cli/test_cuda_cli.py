@@ -31,9 +31,9 @@ def test_cuda_run_flags_need_a_cuda_engine(cli, mlp, tmp_path) -> None:
 
 
 def test_unknown_tactic_source_is_a_clear_error(cli, mlp, tmp_path) -> None:
-    rc, _, err = cli("build", mlp, "-o", tmp_path / "m.engine", "--tactic-sources", "cutlass")
+    rc, _, err = cli("build", mlp, "-o", tmp_path / "m.engine", "--tactic-sources", "tensorrt")
     assert_one_line_error(rc, err)
-    assert "unknown tactic source(s) cutlass; choose from triton" in err
+    assert "unknown tactic source(s) tensorrt; choose from triton, gluon, cutlass" in err
 
 
 @pytest.mark.gpu

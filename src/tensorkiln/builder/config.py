@@ -24,7 +24,7 @@ BACKEND_PRECISIONS = {
 QUANTIZED_PRECISIONS = ("int8", "fp8")
 LOG_LEVELS = ("error", "warning", "info", "verbose")
 # the kinds of tactic; each tactic's name starts with its kind: "triton_gemm_...", "cudnn_fused"
-TACTIC_SOURCES = ("triton", "cudnn", "cublas", "cublaslt", "sdpa")
+TACTIC_SOURCES = ("triton", "gluon", "cutlass", "cudnn", "cublas", "cublaslt", "sdpa")
 
 
 class PrecisionWarning(UserWarning):

@@ -101,7 +101,9 @@ def add_parser(sub: Any) -> None:
         "--tactic-sources",
         metavar="LIST",
         help="kinds of tactic the autotuner may try besides each op's default kernel: triton "
-        "(generated kernels), cudnn (fused cuDNN calls), cublas (convolutions as GEMMs), "
+        "(generated kernels), gluon (Hopper 8-bit convolutions in Triton's Gluon), cutlass "
+        "(8-bit GEMMs of the CUTLASS kernel library, where one is built), cudnn (fused cuDNN "
+        "calls), cublas (convolutions as GEMMs), "
         "cublaslt (each GEMM algorithm cuBLASLt's heuristic offers, epilogues fused), sdpa "
         "(PyTorch's FlashAttention-2 on packed tokens); 'none' times nothing but the defaults "
         "(default: all)",
