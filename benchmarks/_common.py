@@ -200,12 +200,14 @@ def build(
     calibration: list[dict] | None = None,
     remove_padding: bool = False,
     quantize_all: bool = False,
+    tactic_sources: set[str] | None = None,
 ) -> tuple[tensorkiln.Engine, float, BuildReport]:
     """An engine of the cuda backend on ``device``; ``precision``: one or several joined by '+'
     ("int8+fp16"); ``shapes``: name -> (min, opt, max), one optimization profile; ``io_format``
     ("fp16"...): the type of every float input and output (float32 when None); ``calibration``:
     INT8/FP8 calibration feeds; ``remove_padding``: BuilderConfig.remove_padding;
-    ``quantize_all``: every layer that can be quantized is (no per-layer precision choice).
+    ``quantize_all``: every layer that can be quantized is (no per-layer precision choice);
+    ``tactic_sources``: BuilderConfig.tactic_sources (None: all).
     Returns the engine, the build's seconds and the build's report (its ``timing_cache`` hits and
     misses, an INT8/FP8 build's ``precision_choice``)."""
     config = BuilderConfig()
@@ -216,6 +218,7 @@ def build(
     config.remove_padding = remove_padding
     if quantize_all:
         config.choose_precision_per_layer = False
+    config.tactic_sources = tactic_sources
     if io_format:
         config.input_io_formats = config.output_io_formats = [io_format]
     config.timing_cache = str(cache)

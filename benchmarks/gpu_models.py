@@ -125,6 +125,7 @@ class Settings:
     layers: int = 0  # > 0: also profile tensorkiln's layers, keeping this many of the slowest
     precision: str = "fp16"  # tensorkiln's: fp16, or int8/fp8 (with fp16 for the other layers)
     quantize_all: bool = False  # int8/fp8: every layer quantized (no per-layer precision choice)
+    tactic_sources: set[str] | None = None  # tensorkiln's builds (None: every source)
     rounds: int = 1  # throughput: times each peer is timed, in turns (the median is reported)
     peer: str = ""  # the peer being measured
     # this row's throughput callables by peer (fn, batch, under inference mode), for the rounds
@@ -319,7 +320,7 @@ def tensorkiln_peer(
         ]
     engine, secs, report = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
-        remove_padding=packed, quantize_all=S.quantize_all,
+        remove_padding=packed, quantize_all=S.quantize_all, tactic_sources=S.tactic_sources,
     )  # fmt: skip
     if packed and not report.passes.get("remove_padding"):
         return {"skipped": next((n for n in report.notes if "padding" in n), "not packed")}
@@ -341,7 +342,7 @@ def tensorkiln_peer(
     # the same build again, every layer's timing from the cache the first one filled
     cell["warm_build_s"] = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
-        remove_padding=packed,
+        remove_padding=packed, quantize_all=S.quantize_all, tactic_sources=S.tactic_sources,
     )[1]  # fmt: skip
     cell["precision"] = precision
     cell["tactics"] = tactic_summary(engine.layers)
@@ -738,6 +739,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "each quantized layer's timed candidates go into the JSON",
     )
     ap.add_argument(
+        "--tactic-sources",
+        metavar="LIST",
+        help="tensorkiln's builds try only these tactic sources (tensorkiln build's "
+        "--tactic-sources; default: all)",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
         default=0,
@@ -781,6 +788,8 @@ def main(argv: list[str] | None = None) -> int:
     S.layers = max(args.layers, 0)
     S.precision = args.tk_precision
     S.quantize_all = args.quantize_all
+    if args.tactic_sources is not None:
+        S.tactic_sources = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
     S.rounds = max(args.rounds, 1)
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5

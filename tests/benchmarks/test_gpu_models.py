@@ -68,7 +68,8 @@ def test_int8_and_fp8_rows(tmp_path: Path) -> None:
     r = _run(
         "--device", "cpu", "--tiny", "--out", str(tmp_path), "--models", "resnet50,bert",
         "--batch", "1", "--peers", "tensorkiln,tensorkiln-int8,tensorkiln-fp8,eager",
-        "--inductor-cache", str(tmp_path / "ic"), timeout=300,
+        "--inductor-cache", str(tmp_path / "ic"), "--quantize-all", "--tactic-sources",
+        "triton,cudnn", timeout=300,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     for name in ("resnet50", "bert"):
