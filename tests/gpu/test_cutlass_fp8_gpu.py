@@ -150,11 +150,13 @@ def test_int8_kernels_match_the_exact_kernel(out: str, n: int) -> None:
             torch.testing.assert_close(got.float(), w, rtol=2e-3, atol=2e-3 * float(w.abs().max()))
 
 
+@pytest.mark.parametrize("stride", [1, 2])
 @pytest.mark.parametrize("residual", [True, False])
-def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
+def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool, stride: int) -> None:
     _library()
     g = torch.Generator(device="cuda").manual_seed(12)
-    nb, c_in, m, hw = 4, 128, 256, 16
+    nb, c_in, m, hw = 4, 128, 256, 16 * stride
+    out = hw // stride
     x = torch.randn(nb, c_in, hw, hw, device="cuda", generator=g).to(E4M3)
     x = x.contiguous(memory_format=torch.channels_last)
     w = torch.randn(m, c_in, 1, 1, device="cuda", generator=g).to(E4M3)
@@ -165,12 +167,12 @@ def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool) -> None:
     y_scale = torch.tensor(0.05, device="cuda")
     z = z_scale = None
     if residual:
-        z = torch.randn(nb, m, hw, hw, device="cuda", generator=g).to(E4M3)
+        z = torch.randn(nb, m, out, out, device="cuda", generator=g).to(E4M3)
         z = z.contiguous(memory_format=torch.channels_last)
         z_scale = torch.tensor(0.1, device="cuda")
-    attrs = {"activation": "Relu", "out_dtype": 17, "group": 1}
+    attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [stride, stride]}
     shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,),
-              (nb, m, hw, hw) if residual else None, (), () if residual else None)  # fmt: skip
+              (nb, m, out, out) if residual else None, (), () if residual else None)  # fmt: skip
     dtypes = ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32", "float32",
               "float8_e4m3fn" if residual else None, "float32",
               "float32" if residual else None)  # fmt: skip

@@ -130,12 +130,15 @@ def _gemm(m=256, n=128, k=256, *, act="Relu", y=True, out=17, dtype=E4M3, trans_
     return LayerSpec("QGemmAct", "tensorkiln", attrs, shapes, dtypes)
 
 
-def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu"):
-    z = (n, m, hw, hw) if residual else None
+def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu", pads=None):
+    out = -(-hw // strides[0])
+    z = (n, m, out, out) if residual else None
     shapes = ((n, c, hw, hw), (), (m, c, k, k), (m,), (m,), z, (), () if residual else None)
     dtypes = (E4M3, "float32", E4M3, "float32", "float32", E4M3 if residual else None,
               "float32", "float32" if residual else None)  # fmt: skip
     attrs = {"activation": act, "out_dtype": 17, "strides": list(strides), "group": 1}
+    if pads is not None:
+        attrs["pads"] = list(pads)
     return LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes)
 
 
@@ -185,8 +188,10 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_conv(m=64)) == ["gemm_fp8_fp8_residual_relu_128x64o1k4"]
     assert _names(_conv(residual=False, c=128)) == relu
     assert _names(_conv(residual=False)) == sorted([*relu, "gemm_fp8_fp8_channel_relu_128x64o1k2"])
-    for spec in (_conv(k=3), _conv(strides=(2, 2)), _conv(act="Sigmoid"), _conv(hw=7),
-                 _conv(act="Gelu", residual=False)):  # fmt: skip
+    # stride 2 (a ResNet's downsampling shortcut): the GEMM of every other row and column
+    assert _names(_conv(strides=(2, 2), hw=32)) == _names(_conv())
+    for spec in (_conv(k=3), _conv(strides=(2, 2), pads=(1, 1, 1, 1)), _conv(act="Sigmoid"),
+                 _conv(hw=7), _conv(act="Gelu", residual=False)):  # fmt: skip
         assert _names(spec) == []
 
 
@@ -290,6 +295,28 @@ def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
     torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(shift.double(), bias.double() / 0.05, rtol=1e-6, atol=0)
     assert zs == pytest.approx(0.1 / 0.05, rel=1e-6)
+
+
+def test_a_strided_conv_layer_hands_its_kernel_the_pixels_it_reads(monkeypatch) -> None:
+    """A 1x1 convolution of stride 2 (a ResNet stage's shortcut) is the GEMM of every other row
+    and column of its input: those pixels, as rows, and the residual of the output's size."""
+    import torch
+
+    lib = _Recording("residual")
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(2, 16, 15, 16).to(e4m3).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 1, 1).to(e4m3)
+    z = torch.randn(2, 32, 8, 8).to(e4m3).contiguous(memory_format=torch.channels_last)
+    scales = (torch.tensor(0.04), torch.tensor(0.05), torch.tensor(0.1))
+    w_scale = 0.01 + 0.02 * torch.rand(32)
+    y = cf._conv_fn("k")(x, scales[0], w, w_scale, torch.randn(32), z, scales[1], scales[2],
+                         activation="Relu", out_dtype=17, strides=[2, 2])  # fmt: skip
+    assert y.shape == (2, 32, 8, 8) and y.is_contiguous(memory_format=torch.channels_last)
+    ((a, _, _, _, z2, _),) = lib.calls
+    picked = x[:, :, ::2, ::2].float().permute(0, 2, 3, 1).reshape(128, 16)
+    assert torch.equal(a.float(), picked)
+    assert torch.equal(z2.float(), z.float().permute(0, 2, 3, 1).reshape(128, 32))
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])

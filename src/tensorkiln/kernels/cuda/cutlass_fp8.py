@@ -342,7 +342,8 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
         return None
     if len(x) != 4 or len(w) != 4 or tuple(w[2:]) != (1, 1) or at.get("group", 1) != 1:
         return None
-    if any(s != 1 for s in at.get("strides") or (1, 1)) or any(at.get("pads") or ()):
+    strides = tuple(at.get("strides") or (1, 1))
+    if len(strides) != 2 or any(s < 1 for s in strides) or any(at.get("pads") or ()):
         return None
     if at.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return None
@@ -353,15 +354,16 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     if at.get("activation", "") not in _ACTIVATIONS:
         return None
     z = spec.shapes[5] if len(spec.shapes) > 5 else None
+    oh, ow = -(-x[2] // strides[0]), -(-x[3] // strides[1])  # (1x1, no padding)
     epilogue = "channel"
     if z is not None:  # (a quantized residual, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
-        if not quantized or spec.dtypes[5] != _E4M3 or tuple(z) != (x[0], w[0], x[2], x[3]):
+        if not quantized or spec.dtypes[5] != _E4M3 or tuple(z) != (x[0], w[0], oh, ow):
             return None
         if at.get("residual_order", "add_act") != "add_act":
             return None
         epilogue = "residual"
-    return epilogue, x[0] * x[2] * x[3], w[0], w[1], "fp8", "fp8"
+    return epilogue, x[0] * oh * ow, w[0], w[1], "fp8", "fp8"
 
 
 def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
@@ -461,16 +463,29 @@ def _gemm_fn(kernel: str) -> Callable:
     return run
 
 
+def _subsampled(x: torch.Tensor, strides: tuple[int, int]) -> torch.Tensor:
+    """The pixels a 1x1 convolution of ``strides`` (no padding) reads: ``x`` itself at unit
+    strides, else every strides-th row and column, copied to a dense channels-last tensor (a
+    quarter of the input at stride 2, in 8 bits: the GEMM then reads it as rows)."""
+    if strides == (1, 1):
+        return x
+    return x[:, :, :: strides[0], :: strides[1]].contiguous(memory_format=torch.channels_last)
+
+
 def _conv_fn(kernel: str) -> Callable:
     def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, z_scale=None, **attrs):
         lib = library()
         if lib is None:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library")
-        pixels = x_q.shape[0] * x_q.shape[2] * x_q.shape[3] if x_q.ndim == 4 else 0
+        strides = tuple(attrs.get("strides") or (1, 1))
+        pixels = 0
+        if x_q.ndim == 4 and len(strides) == 2:
+            pixels = x_q.shape[0] * -(-x_q.shape[2] // strides[0]) * -(-x_q.shape[3] // strides[1])
         if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1], lib.kernels[kernel]):
             return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
         def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
+            xq = _subsampled(xq, strides)  # (qconv checked the geometry: 1x1, no padding)
             nb, ch, h, wd = xq.shape
             m = wq.shape[0]
             rows = xq.permute(0, 2, 3, 1).reshape(nb * h * wd, ch)  # (a view when channels-last)
