@@ -25,8 +25,9 @@ sums are formed), applies the activation (the fused layers' own, ``gemm.finish``
 to Y_scale (int8 or E4M3, the project's rounding) or writes a float type, then stores the tile
 through shared memory with one four-dimensional TMA store, which drops the pixels outside the
 output. E4M3 sums: Hopper's FP8 WGMMA keeps fewer bits than float32, so with ``promote`` each
-tap's sums go into a float32 accumulator of their own (CUTLASS's promotion), at the cost of the
-WGMMAs of consecutive taps overlapping.
+step's sums (``BLOCK_K`` channels of one tap) go into a float32 accumulator of their own
+(CUTLASS's promotion), at the cost of the WGMMAs of consecutive steps overlapping; a 1x1
+convolution of 1,024 channels would otherwise sum them all in the narrower accumulator.
 
 This kernel only compiles for sm_90 (no interpreter): the tests compile it on any machine and
 check its PTX; its results are checked on the GPU.
@@ -75,7 +76,7 @@ class GluonTile:
     """A tiling: 128 output pixels (a block of BB images x BH rows x BW columns, chosen per
     shape by :func:`blocks` with columns at least ``min_bw`` wide) by ``block_n`` output
     channels, ``block_k`` input channels a step, ``stages`` buffers, ``warps`` (4: one
-    warpgroup; 8: two, each taking 64 of the pixels), ``promote`` (E4M3 only: each tap's sums
+    warpgroup; 8: two, each taking 64 of the pixels), ``promote`` (E4M3 only: each step's sums
     added into float32)."""
 
     block_n: int
@@ -201,15 +202,14 @@ def _conv_kernel(
             slot = step % STAGES
             mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
             a = a_bufs.index(slot).reshape([BLOCK_M, BLOCK_K])
-            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), part,
-                                 use_acc=(step % c_steps) != 0, is_async=True)  # fmt: skip
+            part = warpgroup_mma(a, b_bufs.index(slot).permute((1, 0)), part, use_acc=False,
+                                 is_async=True)  # fmt: skip
             part = warpgroup_mma_wait(num_outstanding=0, deps=(part,))
             nxt = step + STAGES - 1
             if nxt < steps:
                 _issue_load(x_desc, w_desc, bars, a_bufs, b_bufs, nxt, c_steps, C, n0, h0, w0,
                             oc0, KW, PAD, STRIDE, STAGES, BLOCK_K)  # fmt: skip
-            if (step % c_steps) == c_steps - 1:  # (a tap's sums, promoted to float32)
-                acc = acc + part
+            acc = acc + part  # (each step's sums, promoted to float32)
     else:
         for step in range(steps):
             slot = step % STAGES
@@ -256,7 +256,7 @@ def _conv_kernel(
 
 
 # the tactics' tilings: 64 output channels (ResNet's first stage) and 128, narrow and wide
-# column blocks; E4M3 sums promoted every tap, and (the last two) not, where the autotuner's
+# column blocks; E4M3 sums promoted every step, and (the last two) not, where the autotuner's
 # check of the result allows it
 CONFIGS = (
     GluonTile(64, 64, 4, 4),
