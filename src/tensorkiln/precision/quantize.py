@@ -138,6 +138,13 @@ def quantize_graph(
     chosen: dict[str, float | None] = {}
     switches = insert_qdq(graph, table, layers, precision, smooth, samples, chosen, residuals)
     notes = list(request.notes)
+    unranged = [z.name for z in residuals if z.name not in table.amax]
+    if unranged:
+        shown = ", ".join(unranged[:4]) + (", ..." if len(unranged) > 4 else "")
+        notes.append(
+            f"quantization: the calibration cache has no range for {len(unranged)} residual "
+            f"tensor(s) ({shown}); they stay in float (calibrate again to quantize them)"
+        )
     if smoothed and smooth != "auto":
         notes.append(f"smoothquant: the inputs of {len(smoothed)} GEMMs smoothed (alpha {smooth})")
     elif chosen:
@@ -216,7 +223,7 @@ def quantized_residuals(
         z = n.inputs[_RESIDUAL]
         if z is None or z in tensors or z in graph.outputs or producers.get(z) not in quantized:
             continue
-        if z.dtype == DType.FLOAT and [m for m in readers.get(z, []) if m is not n] == []:
+        if z.dtype == DType.FLOAT and all(m is n for m in readers.get(z, [])):
             found.setdefault(z, n.name or n.op)
     return found
 
