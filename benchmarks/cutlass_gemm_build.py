@@ -292,7 +292,7 @@ VARIANTS = (
     "scalar:relu:fp8_fp8", "scalar:relu:f16_f16", "channel:relu:fp8_fp8", "channel:none:fp8_fp8",
     "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8", "channel:none:fp8_f16",
     "channel:gelu:i8_i8", "channel:none:i8_f16", "channel:gelu_tanh:fp8_fp8",
-    "channel:gelu_tanh:i8_i8",
+    "channel:gelu_tanh:i8_i8", "channel:relu:i8_i8", "channel:none:i8_i8",
 )  # fmt: skip
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",

@@ -1,7 +1,8 @@
 """The CUTLASS FP8 tactics' CPU side: the kernel library's manifest is read defensively (every
 malformed field a KernelError naming the file), and the layers the tactics claim are the ones
-their kernels compute (E4M3 operands, a packed weight, a quantized E4M3 output, ReLU or none,
-1x1 convolutions with a quantized residual, shapes the kernels assume). The kernels themselves
+their kernels compute (E4M3 or int8 operands, a packed weight, an 8-bit output of the operands'
+type, ReLU or none, 1x1 convolutions of stride 1 or 2 and in FP8 with a quantized residual,
+shapes the kernels assume). The kernels themselves
 run in tests/gpu/test_cutlass_fp8_gpu.py."""
 
 from __future__ import annotations
@@ -130,13 +131,14 @@ def _gemm(m=256, n=128, k=256, *, act="Relu", y=True, out=17, dtype=E4M3, trans_
     return LayerSpec("QGemmAct", "tensorkiln", attrs, shapes, dtypes)
 
 
-def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu", pads=None):
+def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu", pads=None,
+          dtype=E4M3, out_dtype=17):  # fmt: skip
     out = -(-hw // strides[0])
     z = (n, m, out, out) if residual else None
     shapes = ((n, c, hw, hw), (), (m, c, k, k), (m,), (m,), z, (), () if residual else None)
-    dtypes = (E4M3, "float32", E4M3, "float32", "float32", E4M3 if residual else None,
+    dtypes = (dtype, "float32", dtype, "float32", "float32", dtype if residual else None,
               "float32", "float32" if residual else None)  # fmt: skip
-    attrs = {"activation": act, "out_dtype": 17, "strides": list(strides), "group": 1}
+    attrs = {"activation": act, "out_dtype": out_dtype, "strides": list(strides), "group": 1}
     if pads is not None:
         attrs["pads"] = list(pads)
     return LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes)
@@ -193,6 +195,30 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     for spec in (_conv(k=3), _conv(strides=(2, 2), pads=(1, 1, 1, 1)), _conv(act="Sigmoid"),
                  _conv(hw=7), _conv(act="Gelu", residual=False)):  # fmt: skip
         assert _names(spec) == []
+
+
+def test_int8_pointwise_convolutions_take_the_int8_kernels(tmp_path: Path, monkeypatch) -> None:
+    """int8 1x1 convolutions writing int8 (ReLU or none, stride 1 or 2) run the int8 kernels;
+    the residual kernels read an E4M3 residual, so an int8 layer with a residual is not
+    theirs, nor one whose output type is not its operands'."""
+    kernels = [
+        _kernel("channel", "relu", (128, 128), out="i8", a="i8"),
+        _kernel("channel", "none", (128, 256), out="i8", a="i8"),
+        _kernel("channel", "relu", (128, 64)),
+        _kernel("residual", "relu", (128, 64)),
+    ]
+    loaded = _Loaded(_library(tmp_path, kernels))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+
+    def int8(**kw) -> LayerSpec:
+        return _conv(dtype="int8", out_dtype=3, residual=False, **kw)
+
+    assert _names(int8()) == ["gemm_i8_i8_channel_relu_128x128o1k4"]
+    assert _names(int8(act="")) == ["gemm_i8_i8_channel_none_128x256o1k4"]
+    assert _names(int8(strides=(2, 2), hw=32)) == ["gemm_i8_i8_channel_relu_128x128o1k4"]
+    assert _names(_conv(dtype="int8", out_dtype=3)) == []  # (an int8 residual)
+    assert _names(_conv(dtype="int8", out_dtype=17, residual=False)) == []
+    assert _names(_conv(residual=False)) == ["gemm_fp8_fp8_channel_relu_128x64o1k4"]
 
 
 def test_no_library_no_candidates(monkeypatch) -> None:

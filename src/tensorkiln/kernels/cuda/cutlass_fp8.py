@@ -22,8 +22,8 @@ polynomial for the normal CDF (within 0.001 of erf's GELU, far inside an E4M3 st
 ``gelu_tanh``, GELU's tanh form on the hardware's approximate tanh (within 2e-3; half the
 epilogue's instructions). A float16 output (a layer without Y_scale or activation: BERT's QKV,
 attention-output and second FFN GEMMs) takes ``col = alpha * X_scale * W_scale[n]`` and ``bias =
-beta * B[n]``. The same kernels with int8 operands (int32 sums, exact) write int8 (GELU, its
-result saturated and rounded half to even, as QuantizeLinear rounds) or float16: the tactics
+beta * B[n]``. The same kernels with int8 operands (int32 sums, exact) write int8 (GELU, ReLU
+or none, saturated and rounded half to even, as QuantizeLinear rounds) or float16: the tactics
 keep the family's name, ``cutlass_fp8_``, and the kernel's name says its types
 (``gemm_i8_i8_...``). Dividing before rounding rather than after changes a value by at most one
 E4M3 step, which the autotuner's check of E4M3 outputs (one step of the tensor's largest value)
@@ -69,7 +69,7 @@ _KERNELS_LIMIT = 4096
 # every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
 # the FP8 ones with a per-channel or residual epilogue and ReLU or none (or a per-channel one
 # with GELU and its output scale after it, or a per-channel one writing float16 with no
-# activation; the same with int8 operands and outputs), and pass over the rest
+# activation; the per-channel ones with int8 operands and outputs too), and pass over the rest
 _ANY_KERNEL = re.compile(r"gemm_(fp8|f16|i8)_(fp8|f16|i8)_(scalar|channel|residual)_([a-z_]{1,20})_"
                          r"([0-9a-z]{1,40})\Z")  # fmt: skip
 _KERNEL_NAME = re.compile(
@@ -338,7 +338,8 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
 def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     at = spec.attrs
     x, w = spec.shapes[0], spec.shapes[2]
-    if spec.dtypes[0] != _E4M3 or spec.dtypes[2] != _E4M3 or x is None or w is None:
+    operands = _OPERANDS.get(spec.dtypes[0])
+    if operands is None or spec.dtypes[2] != spec.dtypes[0] or x is None or w is None:
         return None
     if len(x) != 4 or len(w) != 4 or tuple(w[2:]) != (1, 1) or at.get("group", 1) != 1:
         return None
@@ -349,21 +350,25 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
         return None
     if any(d != 1 for d in at.get("dilations") or (1, 1)) or x[1] != w[1]:
         return None
-    if len(spec.shapes) < 7 or spec.shapes[6] is None or at.get("out_dtype") != _E4M3_CODE:
+    if len(spec.shapes) < 7 or spec.shapes[6] is None:
+        return None
+    if at.get("out_dtype") != _QUANTIZED_OUT[operands]:  # (8 bits out, the operands' type)
         return None
     if at.get("activation", "") not in _ACTIVATIONS:
         return None
     z = spec.shapes[5] if len(spec.shapes) > 5 else None
     oh, ow = -(-x[2] // strides[0]), -(-x[3] // strides[1])  # (1x1, no padding)
     epilogue = "channel"
-    if z is not None:  # (a quantized residual, added before the activation)
+    if z is not None:  # (a quantized residual, added before the activation: E4M3 only)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
-        if not quantized or spec.dtypes[5] != _E4M3 or tuple(z) != (x[0], w[0], oh, ow):
+        if operands != "fp8" or not quantized or spec.dtypes[5] != _E4M3:
+            return None
+        if tuple(z) != (x[0], w[0], oh, ow):
             return None
         if at.get("residual_order", "add_act") != "add_act":
             return None
         epilogue = "residual"
-    return epilogue, x[0] * oh * ow, w[0], w[1], "fp8", "fp8"
+    return epilogue, x[0] * oh * ow, w[0], w[1], operands, operands
 
 
 def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
@@ -490,7 +495,7 @@ def _conv_fn(kernel: str) -> Callable:
             m = wq.shape[0]
             rows = xq.permute(0, 2, 3, 1).reshape(nb * h * wd, ch)  # (a view when channels-last)
             col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, b, 1.0, (m,))
-            d = torch.empty((nb * h * wd, m), dtype=torch.float8_e4m3fn, device=xq.device)
+            d = torch.empty((nb * h * wd, m), dtype=xq.dtype, device=xq.device)  # (8 bits out)
             zs = 0.0
             z2 = None
             if zz is not None:
