@@ -153,8 +153,8 @@ _POST_SCALE_PATCH = (
 )
 
 
-# The residual epilogue (``residual``): the channel epilogue plus an E4M3 residual of the
-# output's shape times a scale (the scalar argument, which the channel epilogue leaves unused),
+# The residual epilogue (``residual``): the channel epilogue plus an 8-bit residual of the
+# output's shape and type (E4M3 or int8) times a scale (the scalar argument, which the channel epilogue leaves unused),
 # added before the activation: ``op(acc * col[n] + bias[n] + z * z_scale)``, a ResNet block's
 # last convolution with its shortcut. The tile's residual is copied to a row-major shared-memory
 # tile by the epilogue's threads when the tile starts (16-byte cp.async copies), so the copy runs
@@ -181,7 +181,7 @@ _RESIDUAL_PATCHES = (
         "                ],\n                self.buffer_align_bytes,\n            ]\n"
         "            sR: cute.struct.Align[\n"
         "                cute.struct.MemRange[\n"
-        "                    cutlass.Float8E4M3FN, self.tile_shape_mnk[0] * self.tile_shape_mnk[1]\n"
+        "                    self.c_dtype, self.tile_shape_mnk[0] * self.tile_shape_mnk[1]\n"
         "                ],\n"
         "                128,\n"
         "            ]\n",
@@ -204,7 +204,7 @@ _RESIDUAL_PATCHES = (
         "                tk_tpr = self.tile_shape_mnk[1] // 16\n"
         "                tk_ld = cute.make_tiled_copy_tv(\n"
         "                    cute.make_copy_atom(\n"
-        "                        cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float8E4M3FN,\n"
+        "                        cute.nvgpu.cpasync.CopyG2SOp(), self.c_dtype,\n"
         "                        num_bits_per_copy=128,\n"
         "                    ),\n"
         "                    cute.make_layout(\n"
@@ -293,6 +293,7 @@ VARIANTS = (
     "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8", "channel:none:fp8_f16",
     "channel:gelu:i8_i8", "channel:none:i8_f16", "channel:gelu_tanh:fp8_fp8",
     "channel:gelu_tanh:i8_i8", "channel:relu:i8_i8", "channel:none:i8_i8",
+    "residual:relu:i8_i8",
 )  # fmt: skip
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
@@ -383,9 +384,9 @@ def main(argv: list[str] | None = None) -> int:
         epilogue, act, kind = variant.split(":")
         if epilogue not in modules or act not in activations or kind not in KINDS:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        # (the residual epilogue's tile is E4M3 and its output 8 bits; a per-channel epilogue
-        # writes 16 bits from E4M3 operands, fp8_f16)
-        wrong = {"residual": kind != "fp8_fp8", "channel": kind == "f16_f16",
+        # (the residual epilogue's tile is of the output's 8-bit type, as its operands are; a
+        # per-channel epilogue writes 16 bits from E4M3 operands, fp8_f16)
+        wrong = {"residual": kind not in ("fp8_fp8", "i8_i8"), "channel": kind == "f16_f16",
                  "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
@@ -437,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         if epilogue == "residual":
             extra += (
-                make_fake_compact_tensor(
-                    cutlass.Float8E4M3FN, (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
+                make_fake_compact_tensor(  # (the residual: the output's type)
+                    dtypes[c_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
                 ),
             )
         # the scalar scales the sums (scalar), the GELU's result (channel) or the residual

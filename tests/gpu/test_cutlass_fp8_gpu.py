@@ -187,11 +187,13 @@ def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool, stride: i
         _within_a_step(got, want.contiguous(memory_format=torch.channels_last))
 
 
-@pytest.mark.parametrize("act", ["Relu", ""])
+@pytest.mark.parametrize(("act", "residual"), [("Relu", False), ("", False), ("Relu", True)])
 @pytest.mark.parametrize("stride", [1, 2])
-def test_int8_pointwise_conv_kernels_match_the_exact_kernel(stride: int, act: str) -> None:
-    """int8 1x1 convolutions writing int8 (exact int32 sums, ReLU or none, stride 1 or 2): within
-    one code of the exact kernel, the project's rounding."""
+def test_int8_pointwise_conv_kernels_match_the_exact_kernel(
+    stride: int, act: str, residual: bool
+) -> None:
+    """int8 1x1 convolutions writing int8 (exact int32 sums, ReLU or none, stride 1 or 2, an int8
+    residual or none): within one code of the exact kernel, the project's rounding."""
     _library()
     g = torch.Generator(device="cuda").manual_seed(15)
     nb, c_in, m, hw = 4, 128, 256, 16 * stride
@@ -204,15 +206,23 @@ def test_int8_pointwise_conv_kernels_match_the_exact_kernel(stride: int, act: st
     w_scale = 0.0005 + 0.001 * torch.rand(m, device="cuda", generator=g)
     bias = 0.5 * torch.randn(m, device="cuda", generator=g)
     y_scale = torch.tensor(0.05, device="cuda")
+    out = hw // stride
+    z = z_scale = None
+    if residual:
+        z = torch.randint(-128, 128, (nb, m, out, out), device="cuda", generator=g,
+                          dtype=torch.int8).contiguous(memory_format=cl)  # fmt: skip
+        z_scale = torch.tensor(0.03, device="cuda")
     attrs = {"activation": act, "out_dtype": 3, "group": 1, "strides": [stride, stride]}
-    shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,), None, ())
-    dtypes = ("int8", "float32", "int8", "float32", "float32", None, "float32")
+    shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,),
+              (nb, m, out, out) if residual else None, (), () if residual else None)  # fmt: skip
+    dtypes = ("int8", "float32", "int8", "float32", "float32", "int8" if residual else None,
+              "float32", "float32" if residual else None)  # fmt: skip
     names = cf._kernels_for(LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes))
     assert names, "the library has no int8 kernel for this layer"
-    want = qconv_act(x, x_scale, w, w_scale, bias, None, y_scale, None, **attrs)
+    want = qconv_act(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
     resolve = cf._resolver("QConvAct", cf._conv_fn)
     for name in names:
-        got = resolve(name).fn(x, x_scale, w, w_scale, bias, None, y_scale, None, **attrs)
+        got = resolve(name).fn(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
         torch.cuda.synchronize()
         assert got.dtype == torch.int8 and got.is_contiguous(memory_format=cl)
         diff = (got.int() - want.contiguous(memory_format=cl).int()).abs()

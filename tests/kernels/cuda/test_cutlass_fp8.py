@@ -75,7 +75,7 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         _kernel("channel", "gelu", (128, 64), out="f16", post_scale=True),
         _kernel("channel", "none", (128, 64), out="fp8", a="i8"),  # (int8 in, E4M3 out)
         _kernel("channel", "none", (128, 64), out="i8", a="fp8"),
-        _kernel("residual", "relu", (128, 64), out="i8", a="i8"),  # (int8: per-channel alone)
+        _kernel("residual", "relu", (128, 64), out="f16", a="i8"),  # (int8 in, 16 bits out)
     ]
     _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
@@ -198,12 +198,13 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
 
 
 def test_int8_pointwise_convolutions_take_the_int8_kernels(tmp_path: Path, monkeypatch) -> None:
-    """int8 1x1 convolutions writing int8 (ReLU or none, stride 1 or 2) run the int8 kernels;
-    the residual kernels read an E4M3 residual, so an int8 layer with a residual is not
-    theirs, nor one whose output type is not its operands'."""
+    """int8 1x1 convolutions writing int8 (ReLU or none, stride 1 or 2, an int8 residual or
+    none) run the int8 kernels; not a layer whose output or residual type is not its
+    operands'."""
     kernels = [
         _kernel("channel", "relu", (128, 128), out="i8", a="i8"),
         _kernel("channel", "none", (128, 256), out="i8", a="i8"),
+        _kernel("residual", "relu", (128, 128), out="i8", a="i8"),
         _kernel("channel", "relu", (128, 64)),
         _kernel("residual", "relu", (128, 64)),
     ]
@@ -216,9 +217,14 @@ def test_int8_pointwise_convolutions_take_the_int8_kernels(tmp_path: Path, monke
     assert _names(int8()) == ["gemm_i8_i8_channel_relu_128x128o1k4"]
     assert _names(int8(act="")) == ["gemm_i8_i8_channel_none_128x256o1k4"]
     assert _names(int8(strides=(2, 2), hw=32)) == ["gemm_i8_i8_channel_relu_128x128o1k4"]
-    assert _names(_conv(dtype="int8", out_dtype=3)) == []  # (an int8 residual)
+    assert _names(_conv(dtype="int8", out_dtype=3)) == ["gemm_i8_i8_residual_relu_128x128o1k4"]
     assert _names(_conv(dtype="int8", out_dtype=17, residual=False)) == []
     assert _names(_conv(residual=False)) == ["gemm_fp8_fp8_channel_relu_128x64o1k4"]
+    assert _names(_conv()) == ["gemm_fp8_fp8_residual_relu_128x64o1k4"]
+    mixed = _conv(dtype="int8", out_dtype=3)  # (an E4M3 residual to an int8 layer)
+    mixed = LayerSpec(mixed.op, mixed.domain, mixed.attrs, mixed.shapes,
+                      (*mixed.dtypes[:5], E4M3, *mixed.dtypes[6:]))  # fmt: skip
+    assert _names(mixed) == []
 
 
 def test_no_library_no_candidates(monkeypatch) -> None:

@@ -12,8 +12,8 @@ loaded.
 
 The kernels take E4M3 A (M x K) and B (N x K, the packed weight), both K-major, and write E4M3
 or float16 D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] +
-bias[n] + Z * z)`` (``residual``, Z an E4M3 M x N tensor), with ``act`` ReLU or none. A
-quantized layer maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and
+bias[n] + Z * z)`` (``residual``, Z an 8-bit M x N tensor of D's type), with ``act`` ReLU or
+none. A quantized layer maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and
 ``bias = beta * B[n] / Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive
 division, and the kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not
 commute with it: a GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without
@@ -23,7 +23,8 @@ polynomial for the normal CDF (within 0.001 of erf's GELU, far inside an E4M3 st
 epilogue's instructions). A float16 output (a layer without Y_scale or activation: BERT's QKV,
 attention-output and second FFN GEMMs) takes ``col = alpha * X_scale * W_scale[n]`` and ``bias =
 beta * B[n]``. The same kernels with int8 operands (int32 sums, exact) write int8 (GELU, ReLU
-or none, saturated and rounded half to even, as QuantizeLinear rounds) or float16: the tactics
+or none, with an int8 residual or without, saturated and rounded half to even, as QuantizeLinear
+rounds) or float16: the tactics
 keep the family's name, ``cutlass_fp8_``, and the kernel's name says its types
 (``gemm_i8_i8_...``). Dividing before rounding rather than after changes a value by at most one
 E4M3 step, which the autotuner's check of E4M3 outputs (one step of the tensor's largest value)
@@ -69,7 +70,8 @@ _KERNELS_LIMIT = 4096
 # every kernel the build writes: gemm_<A>_<D>_<epilogue>_<activation>_<tile>; the tactics use
 # the FP8 ones with a per-channel or residual epilogue and ReLU or none (or a per-channel one
 # with GELU and its output scale after it, or a per-channel one writing float16 with no
-# activation; the per-channel ones with int8 operands and outputs too), and pass over the rest
+# activation; the per-channel and residual ones with int8 operands and outputs too), and pass
+# over the rest
 _ANY_KERNEL = re.compile(r"gemm_(fp8|f16|i8)_(fp8|f16|i8)_(scalar|channel|residual)_([a-z_]{1,20})_"
                          r"([0-9a-z]{1,40})\Z")  # fmt: skip
 _KERNEL_NAME = re.compile(
@@ -159,8 +161,8 @@ def _checked_kernel(k: Any, where: str) -> bool:
         return False  # (a GELU kernel built to scale before its activation: not one of these)
     if out == "f16" and (epilogue != "channel" or activation.startswith("gelu")):
         return False  # (16-bit outputs: the per-channel epilogue, no output scale)
-    if out not in (a, "f16") or (a == "i8" and epilogue != "channel"):
-        return False  # (8-bit outputs of the operands' type; int8: the per-channel epilogue)
+    if out not in (a, "f16"):
+        return False  # (8-bit outputs of the operands' type)
     if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
         a, out, epilogue, activation,
     ):  # fmt: skip
@@ -359,9 +361,9 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     z = spec.shapes[5] if len(spec.shapes) > 5 else None
     oh, ow = -(-x[2] // strides[0]), -(-x[3] // strides[1])  # (1x1, no padding)
     epilogue = "channel"
-    if z is not None:  # (a quantized residual, added before the activation: E4M3 only)
+    if z is not None:  # (a residual quantized as the operands are, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
-        if operands != "fp8" or not quantized or spec.dtypes[5] != _E4M3:
+        if not quantized or spec.dtypes[5] != spec.dtypes[0]:
             return None
         if tuple(z) != (x[0], w[0], oh, ow):
             return None
