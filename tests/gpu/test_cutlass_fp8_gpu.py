@@ -171,20 +171,29 @@ def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool, stride: i
         z = z.contiguous(memory_format=torch.channels_last)
         z_scale = torch.tensor(0.1, device="cuda")
     attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [stride, stride]}
-    shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,),
-              (nb, m, out, out) if residual else None, (), () if residual else None)  # fmt: skip
-    dtypes = ("float8_e4m3fn", "float32", "float8_e4m3fn", "float32", "float32",
-              "float8_e4m3fn" if residual else None, "float32",
-              "float32" if residual else None)  # fmt: skip
+    for _, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs):
+        _within_a_step(got, want)
+
+
+def _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs):
+    """(name, output, the exact kernel's output) for each library kernel that claims this 1x1
+    QConvAct; outputs channels-last."""
+    kind = "int8" if x.dtype == torch.int8 else "float8_e4m3fn"
+    m, zs = w.shape[0], z is not None
+    shapes = (tuple(x.shape), (), tuple(w.shape), (m,), (m,), tuple(z.shape) if zs else None, (),
+              () if zs else None)  # fmt: skip
+    dtypes = (kind, "float32", kind, "float32", "float32", kind if zs else None, "float32",
+              "float32" if zs else None)  # fmt: skip
     names = cf._kernels_for(LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes))
-    assert names, "the library has no kernel for this layer"
+    assert names, f"the library has no {kind} kernel for this layer"
     want = qconv_act(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
+    want = want.contiguous(memory_format=torch.channels_last)
     resolve = cf._resolver("QConvAct", cf._conv_fn)
     for name in names:
         got = resolve(name).fn(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
         torch.cuda.synchronize()
-        assert got.is_contiguous(memory_format=torch.channels_last)
-        _within_a_step(got, want.contiguous(memory_format=torch.channels_last))
+        assert got.dtype == want.dtype and got.is_contiguous(memory_format=torch.channels_last)
+        yield name, got, want
 
 
 @pytest.mark.parametrize(("act", "residual"), [("Relu", False), ("", False), ("Relu", True)])
@@ -213,19 +222,9 @@ def test_int8_pointwise_conv_kernels_match_the_exact_kernel(
                           dtype=torch.int8).contiguous(memory_format=cl)  # fmt: skip
         z_scale = torch.tensor(0.03, device="cuda")
     attrs = {"activation": act, "out_dtype": 3, "group": 1, "strides": [stride, stride]}
-    shapes = ((nb, c_in, hw, hw), (), (m, c_in, 1, 1), (m,), (m,),
-              (nb, m, out, out) if residual else None, (), () if residual else None)  # fmt: skip
-    dtypes = ("int8", "float32", "int8", "float32", "float32", "int8" if residual else None,
-              "float32", "float32" if residual else None)  # fmt: skip
-    names = cf._kernels_for(LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes))
-    assert names, "the library has no int8 kernel for this layer"
-    want = qconv_act(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
-    resolve = cf._resolver("QConvAct", cf._conv_fn)
-    for name in names:
-        got = resolve(name).fn(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)
-        torch.cuda.synchronize()
-        assert got.dtype == torch.int8 and got.is_contiguous(memory_format=cl)
-        diff = (got.int() - want.contiguous(memory_format=cl).int()).abs()
+    kernels = _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs)
+    for name, got, want in kernels:
+        diff = (got.int() - want.int()).abs()
         assert int(diff.max()) <= 1, (name, int(diff.max()))
         assert int(want.int().abs().max()) > 60  # (the codes span the range)
 

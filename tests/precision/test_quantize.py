@@ -722,20 +722,26 @@ def _residual_model(rng: np.random.Generator, projection: bool = False) -> onnx.
             i = "p0"
         nodes.append(helper.make_node("Add", [f"s{k}_conv", i], [f"s{k}"], f"add{k}"))
         nodes.append(helper.make_node("Relu", [f"s{k}"], [o], f"relu_add{k}"))
+    return _with_classifier(rng, nodes, inits, "r2", c, "resnet", 8, "pool")
+
+
+def _with_classifier(rng, nodes, inits, source: str, c: int, name: str, side: int, pool: str):
+    """The model of ``nodes`` (input x: n x 3 x side x side) then a global average pool (node
+    ``pool``) of ``source`` (c channels), Flatten ("flat") and a 10-way Gemm ("fc") to y."""
     w = (rng.standard_normal((10, c)) * 0.3).astype(np.float32)
-    inits += [
-        numpy_helper.from_array(w, "fc_w"),
+    inits = [
+        *inits, numpy_helper.from_array(w, "fc_w"),
         numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
-    ]
-    nodes += [
-        helper.make_node("GlobalAveragePool", ["r2"], ["p"], "pool"),
+    ]  # fmt: skip
+    nodes = [
+        *nodes,
+        helper.make_node("GlobalAveragePool", [source], ["p"], pool),
         helper.make_node("Flatten", ["p"], ["flat"], "flatten"),
         helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], "fc", transB=1),
     ]
-    graph = helper.make_graph(
-        nodes, "resnet", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 8, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])], inits,
-    )  # fmt: skip
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, side, side])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])
+    graph = helper.make_graph(nodes, name, [x], [y], inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
 
 
@@ -746,14 +752,7 @@ def test_residual_blocks_quantize_as_tensorrt_runs_them(tmp_path: Path, precisio
     QuantizeLinear runs between blocks. The oracle: onnxruntime's run of the explicit Q/DQ
     model written here from the calibration cache's scales, with the residual read through the
     same Q/DQ pair as the next convolution's input."""
-    rng = np.random.default_rng()
-    model = _residual_model(rng)
-    path = tmp_path / "resnet.onnx"
-    onnx.save(model, path)
-    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
-    cache = tmp_path / "calib.json"
-    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
-                    calibrator="minmax")  # fmt: skip
+    model, cache, engine = _residual_build(tmp_path, precision)
     layers = {n.name: n for n in engine.graph.nodes}
     code = {"int8": 3, "fp8": 17}[precision]
     for k in range(2):
@@ -761,20 +760,29 @@ def test_residual_blocks_quantize_as_tensorrt_runs_them(tmp_path: Path, precisio
         assert last.op == "QConvAct" and len(last.inputs) == 8
         assert last.inputs[5].dtype == (DType.INT8 if precision == "int8" else DType.FLOAT8E4M3FN)
     assert layers["conv2"].attrs["out_dtype"] == code  # (block 1's output, written quantized)
+    _no_layer_output_quantized_apart(engine)
+    _agrees_with_its_qdq_model(engine, model, cache, precision, (5, 3, 8, 8))
+
+
+def _residual_build(tmp_path: Path, precision: str, projection: bool = False):
+    """_residual_model, calibrated (min-max, a cache) and built on the reference backend: the
+    model, the cache's path and the engine."""
+    rng = np.random.default_rng()
+    model = _residual_model(rng, projection)
+    path = tmp_path / "resnet.onnx"
+    onnx.save(model, path)
+    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
+    cache = tmp_path / "calib.json"
+    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
+                    calibrator="minmax")  # fmt: skip
+    return model, cache, engine
+
+
+def _no_layer_output_quantized_apart(engine) -> None:
+    """No QuantizeLinear reads a quantized layer's output (each writes its own quantized)."""
     made_by = {v: n for n in engine.graph.nodes for v in n.outputs}
     for q in (n for n in engine.graph.nodes if n.op == "QuantizeLinear"):
         assert q.inputs[0] not in made_by or made_by[q.inputs[0]].op != "QConvAct", q.name
-    import json
-
-    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
-    oracle = _qdq_model_of(model, scales, precision)
-    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
-    got = engine.create_execution_context().infer({"x": x})["y"]
-    want = _run_ort(oracle, {"x": x})
-    # (as above: a value on a later quantizer's rounding edge may land one step away, rarely)
-    err = np.abs(got - want)
-    off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
-    assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
 
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
@@ -786,33 +794,15 @@ def test_a_shortcut_convolution_hands_its_residual_over_quantized(
     so the layer that makes it writes it in 8 bits and the one that adds it reads it so, as
     TensorRT's INT8 ResNets do; no QuantizeLinear runs on its own. The oracle: onnxruntime's
     run of the explicit Q/DQ model written from the calibration cache's scales."""
-    rng = np.random.default_rng()
-    model = _residual_model(rng, projection=True)
-    path = tmp_path / "resnet.onnx"
-    onnx.save(model, path)
-    calib = [{"x": rng.standard_normal((8, 3, 8, 8)).astype(np.float32)} for _ in range(4)]
-    cache = tmp_path / "calib.json"
-    engine = _build(path, precision, calibration_data=calib, calibration_cache=str(cache),
-                    calibrator="minmax")  # fmt: skip
-    import json
-
-    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
-    (shared,) = {"s0_conv", "p0"} & set(scales)  # (the residual: whichever the fusion picked)
+    model, cache, engine = _residual_build(tmp_path, precision, projection=True)
+    (shared,) = {"s0_conv", "p0"} & set(_cache_scales(cache))  # (whichever the fusion picked)
     layers = {n.name: n for n in engine.graph.nodes}
     eight_bit = DType.INT8 if precision == "int8" else DType.FLOAT8E4M3FN
     adds, makes = ("short0", "conv2") if shared == "s0_conv" else ("conv2", "short0")
     assert layers[adds].op == "QConvAct" and layers[adds].inputs[5].dtype == eight_bit
     assert layers[makes].attrs["out_dtype"] == {"int8": 3, "fp8": 17}[precision]
-    made_by = {v: n for n in engine.graph.nodes for v in n.outputs}
-    for q in (n for n in engine.graph.nodes if n.op == "QuantizeLinear"):
-        assert q.inputs[0] not in made_by or made_by[q.inputs[0]].op != "QConvAct", q.name
-    oracle = _qdq_model_of(model, scales, precision)
-    x = rng.standard_normal((5, 3, 8, 8)).astype(np.float32)
-    got = engine.create_execution_context().infer({"x": x})["y"]
-    want = _run_ort(oracle, {"x": x})
-    err = np.abs(got - want)  # (as above: a rounding edge may move a value one step, rarely)
-    off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
-    assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
+    _no_layer_output_quantized_apart(engine)
+    _agrees_with_its_qdq_model(engine, model, cache, precision, (5, 3, 8, 8))
 
 
 def test_a_cache_without_the_residual_ranges_still_fits(tmp_path: Path) -> None:
@@ -850,10 +840,6 @@ def _stem_model(rng: np.random.Generator) -> onnx.ModelProto:
         w = (rng.standard_normal((8, cin, 3, 3)) / np.sqrt(cin * 9)).astype(np.float32)
         b = (rng.standard_normal(8) * 0.1).astype(np.float32)
         inits += [numpy_helper.from_array(w, f"{name}_w"), numpy_helper.from_array(b, f"{name}_b")]
-    inits += [
-        numpy_helper.from_array((rng.standard_normal((10, 8)) * 0.3).astype(np.float32), "fc_w"),
-        numpy_helper.from_array(np.zeros(10, np.float32), "fc_b"),
-    ]
     nodes = [
         helper.make_node("Conv", ["x", "conv0_w", "conv0_b"], ["c0"], "conv0", pads=[1] * 4),
         helper.make_node("Relu", ["c0"], ["r0"], "relu0"),
@@ -862,15 +848,8 @@ def _stem_model(rng: np.random.Generator) -> onnx.ModelProto:
         ),
         helper.make_node("Conv", ["m", "conv1_w", "conv1_b"], ["c1"], "conv1", pads=[1] * 4),
         helper.make_node("Relu", ["c1"], ["r1"], "relu1"),
-        helper.make_node("GlobalAveragePool", ["r1"], ["p"], "gap"),
-        helper.make_node("Flatten", ["p"], ["flat"], "flatten"),
-        helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["y"], "fc", transB=1),
     ]
-    graph = helper.make_graph(
-        nodes, "stem", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3, 12, 12])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])], inits,
-    )  # fmt: skip
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    return _with_classifier(rng, nodes, inits, "r1", 8, "stem", 12, "gap")
 
 
 @pytest.mark.parametrize("backend", ["reference", "cuda"])
@@ -903,14 +882,24 @@ def test_a_pool_after_a_quantized_layer_pools_8_bit_values(
     # (the input's QuantizeLinear, and the classifier's after the average pool)
     quantized = sorted(n.inputs[0].name for n in engine.graph.nodes if n.op == "QuantizeLinear")
     assert quantized == ["flat", "x"]
+    _agrees_with_its_qdq_model(engine, model, cache, precision, (5, 3, 12, 12))
+
+
+def _cache_scales(cache: Path) -> dict[str, float]:
     import json
 
-    scales = {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
-    oracle = _qdq_model_of(model, scales, precision)
-    x = rng.standard_normal((5, 3, 12, 12)).astype(np.float32)
+    return {k: v["scale"] for k, v in json.loads(cache.read_text())["tensors"].items()}
+
+
+def _agrees_with_its_qdq_model(engine, model, cache: Path, precision: str, shape) -> None:
+    """``engine`` against onnxruntime's run of ``model`` with the explicit Q/DQ pairs of the
+    calibration cache's scales, on fresh inputs of ``shape``: equal but where a value on a later
+    quantizer's rounding edge lands one step away (rarely: one image at most)."""
+    oracle = _qdq_model_of(model, _cache_scales(cache), precision)
+    x = np.random.default_rng().standard_normal(shape).astype(np.float32)
     got = engine.create_execution_context().infer({"x": x})["y"]
     want = _run_ort(oracle, {"x": x})
-    err = np.abs(got - want)  # (a rounding edge may move a value one step, rarely)
+    err = np.abs(got - want)
     off = (err > 1e-4 * np.abs(want).max()).any(axis=1)
     assert off.sum() <= 1 and err.max() < 4 * np.abs(want).max() / QMAX[precision]
 
