@@ -421,3 +421,55 @@ def test_growing_a_qconvact_keeps_its_residual_scale() -> None:
     (grown,) = graph.nodes
     assert grown.inputs[5] is zq and grown.inputs[7] is zs and grown.attrs["activation"] == "Relu"
     np.testing.assert_array_equal(_run_graph(graph, feeds)[0], want)
+
+
+def _pooled_graph(rng, kind: DType, *, extra_reader: bool = False) -> Graph:
+    """x_q -> QConvAct (ReLU) -> y -> MaxPool 3x3/2 -> m -> QuantizeLinear(t) -> out (8-bit),
+    optionally with y an output too."""
+    np_t = np.int8 if kind == DType.INT8 else ml_dtypes.float8_e4m3fn
+    xq = _v("xq", DType.INT8, (2, 4, 9, 9))
+    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
+    wq = _v("wq", DType.INT8, (6, 4, 3, 3), rng.integers(-127, 128, (6, 4, 3, 3)).astype(np.int8))
+    ws = _v("ws", DType.FLOAT, (6,), rng.uniform(0.01, 0.03, 6).astype(np.float32))
+    b = _v("b", DType.FLOAT, (6,), rng.standard_normal(6).astype(np.float32))
+    t = _v("t", DType.FLOAT, (), np.float32(rng.uniform(0.08, 0.15)))
+    zp = _v("zp", kind, (), np.array(0).astype(np_t))
+    y, m = _v("y", DType.FLOAT, (2, 6, 9, 9)), _v("m", DType.FLOAT, (2, 6, 5, 5))
+    out = _v("out", kind, (2, 6, 5, 5))
+    layer = Node("QConvAct", [xq, xs, wq, ws, b], [y], {"pads": [1, 1, 1, 1],
+                 "activation": "Relu"}, domain="tensorkiln", name="conv")  # fmt: skip
+    pool = Node("MaxPool", [y], [m], {"kernel_shape": [3, 3], "strides": [2, 2],
+                "pads": [1, 1, 1, 1]}, name="pool")  # fmt: skip
+    q = Node("QuantizeLinear", [m, t, zp], [out], name="q")
+    return Graph(inputs=[xq], outputs=[out, y] if extra_reader else [out],
+                 initializers=[xs, wq, ws, b, t, zp], opsets={"": 21, "tensorkiln": 1},
+                 nodes=[layer, pool, q])  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [DType.INT8, DType.FLOAT8E4M3FN])
+def test_quantization_moves_ahead_of_a_max_pool_into_the_layer(kind) -> None:
+    """Before: QConvAct -> MaxPool -> QuantizeLinear. Expected: the QConvAct writes its output
+    quantized (Y_scale = the Q's scale) and the pool pools the 8-bit codes into the Q's output:
+    the same codes, bit for bit, on fresh data. Not moved: a second reader of the float
+    result (the Q would then run on its own, on four times the values)."""
+    import copy
+
+    from tensorkiln.passes.fuse_qdq import fuse_requantize
+
+    rng = np.random.default_rng()
+    graph = _pooled_graph(rng, kind)
+    before = copy.deepcopy(graph)
+    changed = step = fuse_requantize(graph)
+    while step:  # (to the fixed point, as the PassManager runs it)
+        step = fuse_requantize(graph)
+        changed += step
+    assert changed == 2  # (the Q moved ahead of the pool, then into the layer)
+    layer, pool = graph.nodes
+    assert layer.op == "QConvAct" and layer.inputs[6].name == "t"
+    assert pool.op == "MaxPool" and pool.inputs[0] is layer.outputs[0]
+    assert pool.inputs[0].dtype == kind and pool.outputs[0].name == "out"
+    x = rng.integers(-15, 16, (2, 4, 9, 9)).astype(np.int8)
+    got, want = _run_graph(graph, {"xq": x})[0], _run_graph(before, {"xq": x})[0]
+    assert got.dtype == want.dtype and len(np.unique(want)) > 8
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+    assert fuse_requantize(_pooled_graph(rng, kind, extra_reader=True)) == 0

@@ -340,6 +340,9 @@ def _quantize_before_max_pool(view: View, found: Found) -> Rewrite | None:
         return None
     if layer.attrs.get("out_dtype", 1) != DType.FLOAT.value or _quantize_fits(view, q) is None:
         return None
+    slot = _Y_SCALE[layer.op]  # (free: the layer can then take the Q, as _requantize does)
+    if len(layer.inputs) > slot and layer.inputs[slot] is not None:
+        return None
     if float(view.const(q.inputs[1]).reshape(-1)[0]) <= 0:
         return None
     y_q = Value(view.fresh_name(f"{y.name}_quantized"), TensorType(q.outputs[0].dtype, y.shape))
