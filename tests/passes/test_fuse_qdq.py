@@ -237,15 +237,24 @@ def test_propagation_moves_relu_ahead_and_drops_same_scale_requantization() -> N
                                       _run_graph(before, {"y": x})[0])  # fmt: skip
 
 
+def _qconv_operands(rng, side: int) -> tuple[Value, ...]:
+    """A QConvAct's X_q (2 x 4 x side x side int8 input), X_scale, W_q (6 x 4 x 3 x 3), W_scale
+    per channel and bias."""
+    w = rng.integers(-127, 128, (6, 4, 3, 3)).astype(np.int8)
+    return (
+        _v("xq", DType.INT8, (2, 4, side, side)),
+        _v("xs", DType.FLOAT, (), np.float32(0.1)),
+        _v("wq", DType.INT8, (6, 4, 3, 3), w),
+        _v("ws", DType.FLOAT, (6,), rng.uniform(0.01, 0.03, 6).astype(np.float32)),
+        _v("b", DType.FLOAT, (6,), rng.standard_normal(6).astype(np.float32)),
+    )
+
+
 def _requant_graph(rng, kind: DType, *, zp_value=0, extra_reader=False, per_axis=False):
     """x_q -> QConvAct (ReLU) -> QuantizeLinear(t) -> out (8-bit), optionally with a second
     reader of the float result, a non-zero zero point or a per-channel output scale."""
     np_t = np.int8 if kind == DType.INT8 else ml_dtypes.float8_e4m3fn
-    xq = _v("xq", DType.INT8, (2, 4, 5, 5))
-    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
-    wq = _v("wq", DType.INT8, (6, 4, 3, 3), rng.integers(-127, 128, (6, 4, 3, 3)).astype(np.int8))
-    ws = _v("ws", DType.FLOAT, (6,), rng.uniform(0.01, 0.03, 6).astype(np.float32))
-    b = _v("b", DType.FLOAT, (6,), rng.standard_normal(6).astype(np.float32))
+    xq, xs, wq, ws, b = _qconv_operands(rng, 5)
     t_data = rng.uniform(0.08, 0.15, 6 if per_axis else ()).astype(np.float32)
     t = _v("t", DType.FLOAT, t_data.shape, t_data)
     zp = _v("zp", kind, (), np.array(zp_value).astype(np_t))
@@ -427,11 +436,7 @@ def _pooled_graph(rng, kind: DType, *, extra_reader: bool = False) -> Graph:
     """x_q -> QConvAct (ReLU) -> y -> MaxPool 3x3/2 -> m -> QuantizeLinear(t) -> out (8-bit),
     optionally with y an output too."""
     np_t = np.int8 if kind == DType.INT8 else ml_dtypes.float8_e4m3fn
-    xq = _v("xq", DType.INT8, (2, 4, 9, 9))
-    xs = _v("xs", DType.FLOAT, (), np.float32(0.1))
-    wq = _v("wq", DType.INT8, (6, 4, 3, 3), rng.integers(-127, 128, (6, 4, 3, 3)).astype(np.int8))
-    ws = _v("ws", DType.FLOAT, (6,), rng.uniform(0.01, 0.03, 6).astype(np.float32))
-    b = _v("b", DType.FLOAT, (6,), rng.standard_normal(6).astype(np.float32))
+    xq, xs, wq, ws, b = _qconv_operands(rng, 9)
     t = _v("t", DType.FLOAT, (), np.float32(rng.uniform(0.08, 0.15)))
     zp = _v("zp", kind, (), np.array(0).astype(np_t))
     y, m = _v("y", DType.FLOAT, (2, 6, 9, 9)), _v("m", DType.FLOAT, (2, 6, 5, 5))
