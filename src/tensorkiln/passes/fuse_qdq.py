@@ -282,16 +282,23 @@ _OUT_CODES = {DType.INT8: 3, DType.FLOAT8E4M3FN: 17}
 _Y_SCALE = {"QConvAct": 6, "QGemmAct": 5}  # the input slot of Y_scale
 
 
+def _writes_float(layer: Node | None) -> bool:
+    """Whether ``layer`` is a QConvAct or QGemmAct writing float, its Y_scale slot free: one
+    that can take a QuantizeLinear of its output into its epilogue."""
+    if layer is None or layer.domain != DOMAIN or layer.op not in _Y_SCALE:
+        return False
+    slot = _Y_SCALE[layer.op]
+    if layer.attrs.get("out_dtype", 1) != DType.FLOAT.value:
+        return False
+    return len(layer.inputs) <= slot or layer.inputs[slot] is None
+
+
 def _requantize(view: View, found: Found) -> Rewrite | None:
     q = found.root
     layer = view.producers.get(q.inputs[0]) if q.inputs else None
-    if layer is None or layer.domain != DOMAIN or layer.op not in _Y_SCALE:
+    if not _writes_float(layer) or view.sole(q.inputs[0]) is not q:
         return None
     slot = _Y_SCALE[layer.op]
-    if view.sole(q.inputs[0]) is not q or layer.attrs.get("out_dtype", 1) != DType.FLOAT.value:
-        return None
-    if len(layer.inputs) > slot and layer.inputs[slot] is not None:
-        return None
     out = q.outputs[0]
     code = _quantize_fits(view, q)
     if code is None:
@@ -334,16 +341,11 @@ def _quantize_before_max_pool(view: View, found: Found) -> Rewrite | None:
         return None
     y = pool.inputs[0]
     layer = view.producers.get(y) if y is not None else None
-    if layer is None or layer.domain != DOMAIN or layer.op not in _Y_SCALE:
+    if not _writes_float(layer):  # (then it takes the moved Q, as _requantize does)
         return None
     if view.sole(y) is not pool or view.sole(q.inputs[0]) is not q or y.dtype != DType.FLOAT:
         return None
-    if layer.attrs.get("out_dtype", 1) != DType.FLOAT.value or _quantize_fits(view, q) is None:
-        return None
-    slot = _Y_SCALE[layer.op]  # (free: the layer can then take the Q, as _requantize does)
-    if len(layer.inputs) > slot and layer.inputs[slot] is not None:
-        return None
-    if float(view.const(q.inputs[1]).reshape(-1)[0]) <= 0:
+    if _quantize_fits(view, q) is None or float(view.const(q.inputs[1]).reshape(-1)[0]) <= 0:
         return None
     y_q = Value(view.fresh_name(f"{y.name}_quantized"), TensorType(q.outputs[0].dtype, y.shape))
     new_q = Node("QuantizeLinear", [y, *q.inputs[1:]], [y_q], dict(q.attrs), name=q.name)

@@ -208,10 +208,11 @@ def calibrate(
     executor ``executor_factory(graph)`` makes; a new table is written to the cache path.
     ``optional`` tensors are calibrated with them, but a cache without their ranges still fits
     (the build leaves those tensors in float)."""
-    tensors = {**(optional or {}), **tensors}
+    optional = optional or {}
+    names = {v.name: layer for v, layer in tensors.items()}  # (what the cache must have)
+    tensors = {**optional, **tensors}
     method = request.calibrator or DEFAULT_CALIBRATOR[precision]
     check_method(method, precision, request.percentile)
-    names = {v.name: layer for v, layer in tensors.items() if v not in (optional or {})}
     cache = Path(request.cache) if request.cache is not None else None
     if cache is not None and cache.exists():
         table = CalibrationTable.load(cache)

@@ -359,7 +359,7 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     if at.get("activation", "") not in _ACTIVATIONS:
         return None
     z = spec.shapes[5] if len(spec.shapes) > 5 else None
-    oh, ow = -(-x[2] // strides[0]), -(-x[3] // strides[1])  # (1x1, no padding)
+    oh, ow = _out_size(x, strides)
     epilogue = "channel"
     if z is not None:  # (a residual quantized as the operands are, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
@@ -470,6 +470,12 @@ def _gemm_fn(kernel: str) -> Callable:
     return run
 
 
+def _out_size(x_shape, strides: tuple[int, ...]) -> tuple[int, int]:
+    """The output's height and width of a 1x1 convolution of ``strides``, no padding, on an
+    (N, C, H, W) input."""
+    return -(-x_shape[2] // strides[0]), -(-x_shape[3] // strides[1])
+
+
 def _subsampled(x: torch.Tensor, strides: tuple[int, int]) -> torch.Tensor:
     """The pixels a 1x1 convolution of ``strides`` (no padding) reads: ``x`` itself at unit
     strides, else every strides-th row and column, copied to a dense channels-last tensor (a
@@ -487,7 +493,7 @@ def _conv_fn(kernel: str) -> Callable:
         strides = tuple(attrs.get("strides") or (1, 1))
         pixels = 0
         if x_q.ndim == 4 and len(strides) == 2:
-            pixels = x_q.shape[0] * -(-x_q.shape[2] // strides[0]) * -(-x_q.shape[3] // strides[1])
+            pixels = x_q.shape[0] * math.prod(_out_size(x_q.shape, strides))
         if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1], lib.kernels[kernel]):
             return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
