@@ -13,7 +13,8 @@ the GPU is the exported object code, linked with the DSL's small CUDA runtime sh
 
 Each variant is compiled with dynamic M, N and K (M a multiple of 128, N and K of 16), for sm_90a:
 A is M x K and B is N x K, both K-major (a channels-last activation and a weight as stored);
-D is M x N, N-major. The manifest (``manifest.json``) names each variant's entry point and its
+D is M x N, N-major. ``--convs`` adds implicit-GEMM convolutions (``conv3x3s1_...``): the same
+kernels with A an NHWC input read through TMA's im2col mode (see ``_CONV_PATCHES``). The manifest (``manifest.json``) names each variant's entry point and its
 tensors' dynamic extents, as the exported headers declare them.
 
 The example is patched as it is read (the patches below, each of which must match exactly once,
@@ -267,9 +268,76 @@ _SHAPE_PATCHES = (
 )
 
 
+# Implicit-GEMM convolutions (``--convs``): the same kernel with A read by TMA's im2col mode. A
+# conv kernel's A is the NHWC input seen as (N, D = 1, H, W, C); the TMA descriptor walks the
+# output pixels of a tile (M: images x rows x columns, any extents) and, for each K step, one
+# window tap (r, s) and ``BLOCK_K`` channels, with the padding's pixels filled with zeros by the
+# TMA unit. The K steps run channels first, then s, then r (the im2col tensor's K mode is
+# (C, S, R, T)), which is the order of an OHWI weight's columns: B stays the GEMM's 2-D
+# (out channels x KH*KW*C) operand, and D the GEMM's (pixels x out channels) output, so only A's
+# descriptor and its tiling change. ``tk_conv`` (kernel, pad, stride) is set by the build on the
+# conv kernels only; the GEMMs' text paths are unchanged. The main loop's stages are capped
+# (``TK_MAX_AB_STAGES``, unset for the GEMMs), since 64-byte stages leave room for 18 of them.
+_CONV_PATCHES = (
+    (
+        "        self.a_layout = utils.LayoutEnum.from_tensor(a)\n",
+        "        self.a_layout = (\n"
+        "            utils.LayoutEnum.ROW_MAJOR if getattr(self, 'tk_conv', None)\n"
+        "            else utils.LayoutEnum.from_tensor(a)\n"
+        "        )\n",
+    ),
+    (
+        "        tma_atom_a, tma_tensor_a = self._make_tma_atoms_and_tensors(\n",
+        "        tma_atom_a, tma_tensor_a = (\n"
+        "            self._tk_im2col_a if getattr(self, 'tk_conv', None)\n"
+        "            else self._make_tma_atoms_and_tensors\n"
+        "        )(\n",
+    ),
+    (
+        "            mA_mkl,\n            cute.slice_(self.tile_shape_mnk, (None, 0, None)),\n",
+        "            mA_mkl,\n"
+        "            (self.tile_shape_mnk[0], (self.tile_shape_mnk[2],))\n"
+        "            if getattr(self, 'tk_conv', None)\n"
+        "            else cute.slice_(self.tile_shape_mnk, (None, 0, None)),\n",
+    ),
+    (
+        "        ab_stage = (\n"
+        "            smem_capacity // occupancy - (mbar_helpers_bytes + epi_bytes)\n"
+        "        ) // ab_bytes_per_stage\n",
+        "        ab_stage = (\n"
+        "            smem_capacity // occupancy - (mbar_helpers_bytes + epi_bytes)\n"
+        "        ) // ab_bytes_per_stage\n"
+        "        ab_stage = min(ab_stage, globals().get('TK_MAX_AB_STAGES') or ab_stage)\n",
+    ),
+    (
+        "    @staticmethod\n    def _make_tma_atoms_and_tensors(\n",
+        "    def _tk_im2col_a(self, a, smem_layout_staged, smem_tile, mcast_dim):\n"
+        "        kernel, pad, stride = self.tk_conv\n"
+        "        m_a = cute.make_tensor(a.iterator, cute.select(a.layout, mode=[3, 2, 1, 0, 4]))\n"
+        "        m_a = cute.group_modes(m_a, begin=0, end=4)  # ((W, H, D, N), C)\n"
+        "        tma_atom, tma_tensor = cute.nvgpu.cpasync.make_im2col_tma_atom(\n"
+        "            cute.nvgpu.cpasync.CopyBulkTensorIm2ColG2SOp(),\n"
+        "            m_a,\n"
+        "            cute.slice_(smem_layout_staged, (None, None, 0)),\n"
+        "            (smem_tile[0], (smem_tile[1],)),\n"
+        "            lower_corner_whd=(-pad, -pad, 0),\n"
+        "            upper_corner_whd=(pad - (kernel - 1), pad - (kernel - 1), 0),\n"
+        "            lower_padding_whd=(pad, pad, 0),\n"
+        "            upper_padding_whd=(pad, pad, 0),\n"
+        "            stride_whd=(stride, stride, 1),\n"
+        "            lower_srt=(0, 0, 0),\n"
+        "            stride_srt=(1, 1, 1),\n"
+        "        )\n"
+        "        batched = cute.append(tma_tensor.layout, cute.make_layout(1))  # (M, K, L = 1)\n"
+        "        return tma_atom, cute.make_tensor(tma_tensor.iterator, batched)\n\n"
+        "    @staticmethod\n    def _make_tma_atoms_and_tensors(\n",
+    ),
+)  # fmt: skip
+
+
 def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
     text = path.read_text()
-    patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES]
+    patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES, *_CONV_PATCHES]
     if epilogue in ("channel", "residual"):
         patches += _CHANNEL_PATCHES
     if epilogue == "channel":
@@ -295,6 +363,16 @@ VARIANTS = (
     "channel:gelu_tanh:i8_i8", "channel:relu:i8_i8", "channel:none:i8_i8",
     "residual:relu:i8_i8",
 )  # fmt: skip
+# geometry:epilogue:activation:kind of the implicit-GEMM convolutions (``--convs``): a 3x3 window
+# padded by 1 of stride 1 or 2 with ReLU (a ResNet bottleneck's middle layer), a 1x1 of stride 2
+# with none (a stage's shortcut: the GEMM tactics would first copy its every other pixel)
+CONVS = (
+    "3x3s1:channel:relu:fp8_fp8", "3x3s2:channel:relu:fp8_fp8", "1x1s2:channel:none:fp8_fp8",
+    "3x3s1:channel:relu:i8_i8", "3x3s2:channel:relu:i8_i8", "1x1s2:channel:none:i8_i8",
+)  # fmt: skip
+# their tiles: 64-byte K steps (k2) for 64 input channels (a K step stays within one tap)
+CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x128k2")
+CONV_MAX_STAGES = 8
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
     "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
@@ -326,6 +404,17 @@ def _tile(spec: str) -> tuple:
     )
 
 
+def _conv(geometry: str) -> tuple[int, int, int]:
+    """(kernel, pad, stride) of a convolution geometry ``KxKsS``: a square window padded by half
+    of it, 3x3 or 1x1, stride 1 or 2."""
+    found = re.fullmatch(r"([13])x\1s([12])", geometry)
+    if found is None:
+        raise SystemExit(f"cutlass_gemm_build: conv geometry {geometry!r} is not 3x3s1, 3x3s2, "
+                         "1x1s1 or 1x1s2")  # fmt: skip
+    kernel = int(found.group(1))
+    return kernel, kernel // 2, int(found.group(2))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--kernel", type=Path, required=True, help="CUTLASS's Hopper FP8 GEMM example")
@@ -336,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
                         "stages, c2x1: a cluster of 2 x 1 CTAs (TMA multicast)")  # fmt: skip
     p.add_argument("--variants", default=",".join(VARIANTS),
                    help="epilogue:activation:kind (A type _ D type), each built at every tile")  # fmt: skip
+    p.add_argument("--convs", default=",".join(CONVS),
+                   help="implicit-GEMM convolutions, geometry:epilogue:activation:kind (geometry "
+                        "KxKsS: 3x3s1, 3x3s2, 1x1s2; '' for none)")  # fmt: skip
+    p.add_argument("--conv-tiles", default=",".join(CONV_TILES), help="the convolutions' tiles")
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
     args = p.parse_args(argv)
 
@@ -379,8 +472,21 @@ def main(argv: list[str] | None = None) -> int:
     manifest = {"kernels": []}
     m = cute.sym_int32(divisibility=128)
     n, k = cute.sym_int32(divisibility=16), cute.sym_int32(divisibility=16)
+    images, height, width = cute.sym_int32(), cute.sym_int32(), cute.sym_int32()
+    channels = cute.sym_int32(divisibility=16)
     variants = []
-    for variant in args.variants.split(","):
+    for variant in args.convs.split(",") if args.convs else ():
+        geometry, rest = variant.split(":", 1)
+        conv = _conv(geometry)
+        epilogue, act, kind = rest.split(":")
+        if epilogue != "channel" or act not in activations or kind not in ("fp8_fp8", "i8_i8"):
+            raise SystemExit(f"cutlass_gemm_build: no conv variant {variant!r}")
+        for tile in args.conv_tiles.split(","):
+            shape = _tile(tile)
+            if shape[6] != (1, 1):
+                raise SystemExit(f"cutlass_gemm_build: conv tile {tile!r} has a cluster")
+            variants.append((epilogue, act, kind, shape, (geometry, conv)))
+    for variant in args.variants.split(",") if args.variants else ():
         epilogue, act, kind = variant.split(":")
         if epilogue not in modules or act not in activations or kind not in KINDS:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
@@ -390,8 +496,8 @@ def main(argv: list[str] | None = None) -> int:
                  "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        variants += [(epilogue, act, kind, _tile(tile)) for tile in args.tiles.split(",")]
-    for epilogue, act, kind, shape in variants:
+        variants += [(epilogue, act, kind, _tile(tile), None) for tile in args.tiles.split(",")]
+    for epilogue, act, kind, shape, conv in variants:
         tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups = shape
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
@@ -407,6 +513,14 @@ def main(argv: list[str] | None = None) -> int:
         a = make_fake_compact_tensor(
             dtypes[a_name], (m, k, 1), stride_order=(1, 0, 2), assumed_align=16
         )
+        if conv is not None:  # (A: the NHWC input as (N, D = 1, H, W, C), read through im2col)
+            name = f"conv{conv[0]}_{kind}_{epilogue}_{act}_{tag}"
+            a = make_fake_compact_tensor(
+                dtypes[a_name],
+                (images, 1, height, width, channels),
+                stride_order=(4, 3, 2, 1, 0),
+                assumed_align=16,
+            )
         b = make_fake_compact_tensor(
             dtypes[a_name], (n, k, 1), stride_order=(1, 0, 2), assumed_align=16
         )
@@ -416,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
         acc = cutlass.Int32 if a_name == "i8" else cutlass.Float32  # (int8: exact int32 sums)
         gemm = ex.HopperFP8GeluPersistentGemmKernel(acc, (tile_m, tile_n), cluster, 1, True)
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
+        gemm.tk_conv = conv[1] if conv is not None else None
+        ex.TK_MAX_AB_STAGES = CONV_MAX_STAGES if conv is not None else None
         if warpgroups == 2 and tile_m == 128:  # (two math warpgroups of 64 rows each, as the
             # example picks for N > 128 only: the derived counts and the epilogue's barrier)
             gemm.atom_layout_mnk = (2, 1, 1)
@@ -455,7 +571,8 @@ def main(argv: list[str] | None = None) -> int:
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
              "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
-             "cluster": list(cluster), "warpgroups": warpgroups or None}
+             "cluster": list(cluster), "warpgroups": warpgroups or None,
+             **({"conv": list(conv[1])} if conv is not None else {})}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
 

@@ -2,7 +2,7 @@
 quantized ResNet-50 needs is a 3x3 convolution faster in 8 bits than cuDNN is in 16.
 
     python benchmarks/qconv_3x3.py [--batch 256] [--reps 20] [--precision fp8|int8|both]
-        [--kernels triton,tma,gluon] [--quick]
+        [--kernels triton,tma,gluon,cutlass] [--quick]
 
 For each stride-1 3x3 layer of ResNet-50 (64, 128, 256 and 512 channels at 56, 28, 14 and 7
 pixels square) at ``--batch``, channels-last, with the per-channel scale, bias, ReLU and the
@@ -14,7 +14,12 @@ next layer's quantization fused, as a quantized engine runs it:
 - ``kernels/triton/conv_tma.py``: A's rows are the output pixels of the NHWC input viewed as a
   (pixels, channels) matrix, each tap's tile is one TMA load of that matrix shifted by the
   tap's offset (rows before the first or past the last pixel come back as zeros), and the rows
-  whose shifted pixel falls outside its image (the padding) are zeroed in registers.
+  whose shifted pixel falls outside its image (the padding) are zeroed in registers;
+- ``kernels/triton/conv_gluon.py``: one four-dimensional TMA box of the NHWC input a tap, the
+  padding TMA's zeros, both WGMMA operands from shared memory;
+- ``cutlass``: the kernel library's implicit-GEMM convolutions (``TENSORKILN_CUTLASS_KERNELS``,
+  built by ``benchmarks/cutlass_gemm_build.py``): CUTLASS's persistent, warp-specialized Hopper
+  GEMM with A read by TMA's im2col mode, every ``conv3x3s1`` kernel of the layer's type.
 
 Each 8-bit result is first checked against float64 arithmetic on the same 8-bit values: within
 one output step, or (where Hopper's FP8 sums leave outputs near zero further off) within 1/64
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -35,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from tensorkiln.kernels.common.window import Geometry  # noqa: E402
+from tensorkiln.kernels.cuda import cutlass_fp8  # noqa: E402
 from tensorkiln.kernels.triton import conv, conv_gluon, conv_tma  # noqa: E402
 from tensorkiln.kernels.triton.gemm import Epilogue, TileConfig  # noqa: E402
 
@@ -136,11 +143,32 @@ def _layer_row(
         return conv_gluon.conv(x, w, bias, scale=(one, col), epilogue=relu, out_dtype=dtype,
                                y_scale=ys, config=cfg)  # fmt: skip
 
+    library = cutlass_fp8.library() if "cutlass" in families else None
+    image = x.permute(0, 2, 3, 1).contiguous()  # (NHWC: a view's copy only if not channels-last)
+    taps = w.permute(0, 2, 3, 1).reshape(c, 9 * c).contiguous()  # (OHWI's columns)
+
+    def cutlass(cfg) -> torch.Tensor:  # (the scales and bias over Y_scale: ReLU commutes)
+        d = torch.empty((batch * hw * hw, c), dtype=dtype, device="cuda")
+        library.run(cfg.name, image, taps, d, col / ys, bias / ys)  # type: ignore[union-attr]
+        return d.view(batch, hw, hw, c).permute(0, 3, 1, 2)
+
+    cutlass_configs = ()
+    if library is not None:
+        code = "i8" if kind == "int8" else "fp8"
+        cutlass_configs = tuple(
+            SimpleNamespace(name=name, block_n=k["tile"][1])
+            for name, k in library.kernels.items()
+            if k.get("conv") == [3, 1, 1] and k["a"] == code and k["activation"] == "relu"
+            and c % (32 * k.get("k_steps", 4)) == 0
+        )  # fmt: skip
+    elif "cutlass" in families:
+        print(f"  cutlass: no kernel library ({cutlass_fp8.ENV} names none, or it did not load)")
     kernels = (("triton", TRITON_CONFIGS, triton_conv), ("tma", TMA_CONFIGS, tma),
-               ("gluon", conv_gluon.CONFIGS, gluon))  # fmt: skip
+               ("gluon", conv_gluon.CONFIGS, gluon), ("cutlass", cutlass_configs, cutlass))  # fmt: skip
     if quick:  # (a few tilings each: compiling every one takes minutes)
         kernels = (("triton", (conv.CONFIGS[-1], WIDER_K[0]), triton_conv),
-                   ("tma", TMA_CONFIGS[:4], tma), ("gluon", conv_gluon.CONFIGS, gluon))  # fmt: skip
+                   ("tma", TMA_CONFIGS[:4], tma), ("gluon", conv_gluon.CONFIGS, gluon),
+                   ("cutlass", cutlass_configs, cutlass))  # fmt: skip
     kernels = tuple(k for k in kernels if k[0] in families)
     for name, configs, fn in kernels:
         best = None
@@ -190,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("fp8", "int8", "both"), default="both")
     p.add_argument("--quick", action="store_true", help="two Triton and four TMA tilings only")
     p.add_argument("--kernels", default="triton,tma,gluon",
-                   help="which 8-bit kernels to time (comma-separated: triton, tma, gluon)")  # fmt: skip
+                   help="which 8-bit kernels to time (comma-separated: triton, tma, gluon, "
+                        "cutlass)")  # fmt: skip
     args = p.parse_args(argv)
     torch.backends.cudnn.benchmark = True
     dtypes = {"fp8": [torch.float8_e4m3fn], "int8": [torch.int8]}.get(

@@ -71,7 +71,7 @@ def _anchors(patches) -> str:
 
 def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Path) -> None:
     source = tmp_path / "example.py"
-    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES]
+    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES, *build._CONV_PATCHES]
     post = [build._POST_SCALE_PATCH]
     source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES) + _anchors(post))
     patched = build._patched_source(source, tmp_path, "channel").read_text()
@@ -94,3 +94,24 @@ def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Pat
     source.write_text(_anchors(base) * 2)
     with pytest.raises(SystemExit, match="is not the example this patch fits"):
         build._patched_source(source, tmp_path, "scalar")
+
+
+def test_conv_geometries_parse_and_bad_ones_are_refused(build) -> None:
+    assert build._conv("3x3s1") == (3, 1, 1)
+    assert build._conv("3x3s2") == (3, 1, 2)
+    assert build._conv("1x1s2") == (1, 0, 2)
+    for bad in ("3x1s1", "5x5s1", "3x3s3", "3x3", "1x1s2 ", ""):
+        with pytest.raises(SystemExit, match="is not 3x3s1"):
+            build._conv(bad)
+    for spec in build.CONVS:  # (the defaults are all well formed)
+        build._conv(spec.split(":")[0])
+        build._tile(build.CONV_TILES[0])
+
+
+def test_the_conv_patches_leave_the_gemms_path_as_it_was(build, tmp_path: Path) -> None:
+    """The im2col reading of A is taken only where the build set ``tk_conv``, and the stage cap
+    is unset (the GEMMs' stage count) unless the build sets it."""
+    for _, new in build._CONV_PATCHES:
+        assert "tk_conv" in new or "TK_MAX_AB_STAGES" in new
+    stage_cap = build._CONV_PATCHES[3][1]
+    assert "globals().get('TK_MAX_AB_STAGES') or ab_stage" in stage_cap

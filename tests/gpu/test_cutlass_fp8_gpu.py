@@ -1,6 +1,7 @@
 """The CUTLASS FP8 tactics on an H200 against the layers' exact kernels: every kernel of the
-library that claims a QGemmAct (ReLU, none and GELU) or a 1x1 QConvAct (with and without a quantized
-residual) writes what the exact kernel writes, to one E4M3 step of the output's largest value
+library that claims a QGemmAct (ReLU, none and GELU), a 1x1 QConvAct (with and without a
+quantized residual) or, through a convolution kernel (implicit GEMM), a 3x3 or strided 1x1
+QConvAct writes what the exact kernel writes, to one E4M3 step of the output's largest value
 (the autotuner's own check of E4M3 outputs); and a call at a shape the kernels do not take runs
 the exact kernel.
 
@@ -227,6 +228,53 @@ def test_int8_pointwise_conv_kernels_match_the_exact_kernel(
         diff = (got.int() - want.int()).abs()
         assert int(diff.max()) <= 1, (name, int(diff.max()))
         assert int(want.int().abs().max()) > 60  # (the codes span the range)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize(
+    ("window", "stride", "channels", "act"),
+    [(3, 1, 64, "Relu"), (3, 1, 128, "Relu"), (3, 2, 128, "Relu"), (1, 2, 256, "")],
+)
+def test_implicit_gemm_conv_kernels_match_the_exact_kernel(
+    kind: str, window: int, stride: int, channels: int, act: str
+) -> None:
+    """The conv kernels (A read through TMA's im2col mode): 3x3 padded by 1 at stride 1 and 2
+    and 1x1 at stride 2, on 14 x 14 outputs, so that a tile of 128 pixels spans rows and
+    images, against the exact kernel: within one E4M3 step, or one int8 code."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(20 + window + stride + channels)
+    nb, m, hw = 32, 128, 14 * stride
+    cl = torch.channels_last
+    if kind == "fp8":
+        x = torch.randn(nb, channels, hw, hw, device="cuda", generator=g).to(E4M3)
+        w = torch.randn(m, channels, window, window, device="cuda", generator=g).to(E4M3)
+        x_scale, code = torch.tensor(0.04, device="cuda"), 17
+        w_scale = (0.01 + 0.02 * torch.rand(m, device="cuda", generator=g)) / window
+    else:
+        x = torch.randint(-128, 128, (nb, channels, hw, hw), device="cuda", generator=g,
+                          dtype=torch.int8)  # fmt: skip
+        w = torch.randint(-128, 128, (m, channels, window, window), device="cuda", generator=g,
+                          dtype=torch.int8)  # fmt: skip
+        x_scale, code = torch.tensor(0.02, device="cuda"), 3
+        w_scale = (0.0005 + 0.001 * torch.rand(m, device="cuda", generator=g)) / window
+    x, w = x.contiguous(memory_format=cl), w.contiguous(memory_format=cl)
+    bias = 0.2 * torch.randn(m, device="cuda", generator=g)
+    y_scale = torch.tensor(0.05, device="cuda")
+    attrs = {"activation": act, "out_dtype": code, "group": 1, "strides": [stride, stride],
+             "pads": [window // 2] * 4}  # fmt: skip
+    ran = []
+    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, None, y_scale, None,
+                                             attrs):  # fmt: skip
+        if not name.startswith(cf.PREFIX + "conv"):
+            continue
+        ran.append(name)
+        if kind == "fp8":
+            _within_a_step(got, want)
+        else:
+            diff = (got.int() - want.int()).abs()
+            assert int(diff.max()) <= 1, (name, int(diff.max()))
+            assert int(want.int().abs().max()) > 60  # (the codes span the range)
+    assert ran, "the library has no conv kernel for this convolution"
 
 
 def _mlp(rng, rows: int):

@@ -38,6 +38,17 @@ def _library(tmp_path: Path, kernels: list[dict], library: str = "libk.so") -> P
     return tmp_path
 
 
+def _conv_kernel(geometry: str, act: str, tile: tuple[int, int], a: str = "fp8", **extra) -> dict:
+    """A convolution's kernel as the build writes it: A the NHWC input (four extents and
+    strides), the window, padding and stride in ``conv``."""
+    k = _kernel("channel", act, tile, out=a, a=a, **extra)
+    k["name"] = f"conv{geometry}_{k['name'].removeprefix('gemm_')}"
+    k["tensors"]["a"] = [4, 4]
+    window = int(geometry[0])
+    k["conv"] = [window, window // 2, int(geometry[-1])]
+    return k
+
+
 KERNELS = [
     _kernel("channel", "relu", (128, 128)),
     _kernel("channel", "none", (128, 256)),
@@ -93,7 +104,7 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         (lambda d: d["kernels"][0].update(entry="system"), "is not an exported kernel's"),
         (lambda d: d["kernels"][0].update(tile=[96, 128]), "is not one of M"),
         (lambda d: d["kernels"][0].update(c="f16"), "do not match the name"),
-        (lambda d: d["kernels"][2]["tensors"].pop("res"), "are not dynamic 2-D"),
+        (lambda d: d["kernels"][2]["tensors"].pop("res"), "are not the dynamic ones it takes"),
         (lambda d: d["kernels"].append(7), "expected an object"),
     ],
 )
@@ -464,3 +475,152 @@ def test_a_cluster_kernel_takes_only_shapes_its_clusters_cover(tmp_path: Path, m
     lib.kernels["k"]["cluster"] = [1, 1]
     cf._gemm_fn("k")(a, a_scale, b, b_scale, None, y_scale, **attrs)
     assert len(lib.calls) == 1
+
+
+CONV_KERNELS = [
+    _conv_kernel("3x3s1", "relu", (128, 64), k_steps=2),  # (64-byte K steps: 64 channels)
+    _conv_kernel("3x3s1", "relu", (128, 128)),  # (128-byte K steps: 128 channels and more)
+    _conv_kernel("3x3s2", "relu", (128, 128)),
+    _conv_kernel("1x1s2", "none", (128, 256)),
+    _conv_kernel("3x3s1", "relu", (128, 128), a="i8"),
+]
+
+
+def test_conv_kernels_are_read_and_checked(tmp_path: Path) -> None:
+    _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *CONV_KERNELS]))
+    assert sorted(kernels) == sorted(k["name"] for k in (*KERNELS, *CONV_KERNELS))
+    bad = [
+        ({"conv": [3, 1, 2]}, "does not match the name"),  # (another stride than the name's)
+        ({"conv": None}, "does not match the name"),
+        ({"tensors": {"a": [2, 2], "b": [2, 2], "c": [2, 2]}}, "not the dynamic ones"),
+        ({"cluster": [1, 2]}, "not a convolution's kernel"),
+    ]
+    for change, message in bad:
+        with pytest.raises(KernelError, match=message):
+            cf.read_manifest(_library(tmp_path, [{**CONV_KERNELS[1], **change}]))
+    residual = {**CONV_KERNELS[1], "epilogue": "residual"}
+    residual["name"] = residual["name"].replace("_channel_", "_residual_")
+    with pytest.raises(KernelError, match="not a convolution's kernel"):
+        cf.read_manifest(_library(tmp_path, [residual]))
+
+
+def test_the_convolutions_the_conv_kernels_take(tmp_path: Path, monkeypatch) -> None:
+    """A conv kernel takes the convolutions of its geometry (3x3 padded by 1, stride 1 or 2 on
+    an even image; 1x1 of stride 2), of its types, with no residual, where its K steps stay
+    within one tap; a 1x1 of stride 2 is the GEMM kernels' too (of every other pixel)."""
+    loaded = _Loaded(_library(tmp_path, [*KERNELS, *CONV_KERNELS]))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    three = {"k": 3, "residual": False, "pads": (1, 1, 1, 1)}
+    assert _names(_conv(c=64, **three)) == ["conv3x3s1_fp8_fp8_channel_relu_128x64o1k2"]
+    assert _names(_conv(c=128, **three)) == [
+        "conv3x3s1_fp8_fp8_channel_relu_128x128o1k4", "conv3x3s1_fp8_fp8_channel_relu_128x64o1k2",
+    ]  # fmt: skip
+    assert _names(_conv(c=128, strides=(2, 2), hw=32, **three)) == [
+        "conv3x3s2_fp8_fp8_channel_relu_128x128o1k4"
+    ]
+    assert _names(_conv(c=128, dtype="int8", out_dtype=3, **three)) == [
+        "conv3x3s1_i8_i8_channel_relu_128x128o1k4"
+    ]
+    same = _conv(c=128, k=3, residual=False)
+    same = LayerSpec(same.op, same.domain, {**same.attrs, "auto_pad": "SAME_UPPER"}, same.shapes,
+                     same.dtypes)  # fmt: skip
+    assert _names(same) == _names(_conv(c=128, **three))
+    assert "conv1x1s2_fp8_fp8_channel_none_128x256o1k4" in _names(
+        _conv(c=128, strides=(2, 2), hw=32, act="", residual=False)
+    )
+    # not theirs: a residual, another padding, odd images at stride 2, channels of no K step,
+    # a float16 output, another activation
+    for spec in (_conv(c=128, k=3, pads=(1, 1, 1, 1)), _conv(c=128, k=3, residual=False),
+                 _conv(c=128, k=3, residual=False, pads=(0, 0, 1, 1)),
+                 _conv(c=128, strides=(2, 2), hw=15, **three), _conv(c=48, **three),
+                 _conv(c=128, out_dtype=10, **three), _conv(c=128, act="Sigmoid", **three)):  # fmt: skip
+        assert not [n for n in _names(spec) if n.startswith("conv")]
+
+
+class _Im2col:
+    """A stand-in library for a conv kernel: computes what the kernel is specified to compute
+    from the operands it is handed (A an NHWC image, B (out channels, KH x KW x C) with the
+    channels fastest, then the window's column, then its row; zeros outside the image), in
+    float64, and records them."""
+
+    def __init__(self, window: int, stride: int) -> None:
+        name = f"conv{window}x{window}s{stride}"
+        self.kernels = {name: {"epilogue": "channel", "activation": "relu", "c": "fp8",
+                               "a": "fp8", "conv": [window, window // 2, stride],
+                               "tile": [128, 128], "k_steps": 2}}  # fmt: skip
+        self.name, self.window, self.stride = name, window, stride
+        self.calls: list[tuple] = []
+
+    def run(self, name, a, b, d, col, bias, z=None, z_scale=0.0) -> None:
+        import torch
+
+        nb, h, w, c = a.shape
+        k, pad, s = self.window, self.window // 2, self.stride
+        padded = torch.zeros(nb, h + 2 * pad, w + 2 * pad, c, dtype=torch.float64)
+        padded[:, pad : pad + h, pad : pad + w] = a.double()
+        oh, ow = (h + 2 * pad - k) // s + 1, (w + 2 * pad - k) // s + 1
+        taps = [padded[:, r : r + s * (oh - 1) + 1 : s, q : q + s * (ow - 1) + 1 : s]
+                for r in range(k) for q in range(k)]  # fmt: skip
+        rows = torch.cat(taps, dim=3).reshape(nb * oh * ow, k * k * c)
+        acc = rows @ b.double().T
+        d.copy_(torch.relu(acc * col.double() + bias.double()).to(d.dtype))
+        self.calls.append((a, b, col, bias, acc))
+
+
+@pytest.mark.parametrize(("window", "stride"), [(3, 1), (3, 2), (1, 2)])
+def test_a_conv_kernel_is_handed_the_convolution(monkeypatch, window: int, stride: int) -> None:
+    """What the tactic hands a conv kernel describes the layer's convolution: the im2col sums
+    of its operands equal torch's convolution of the layer's input and weight (exactly: E4M3
+    products and their sums are exact in float64), the epilogue vectors are the layer's scales
+    and bias over Y_scale, and the output comes back channels-last in the layer's shape."""
+    import torch
+    import torch.nn.functional as F
+
+    lib = _Im2col(window, stride)
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(11 + window + stride)
+    e4m3 = torch.float8_e4m3fn
+    x = (
+        torch.randn(2, 64, 16, 16, generator=g)
+        .to(e4m3)
+        .contiguous(memory_format=torch.channels_last)
+    )
+    w = torch.randn(96, 64, window, window, generator=g).to(e4m3)
+    x_scale, y_scale = torch.tensor(0.04), torch.tensor(0.5)
+    w_scale = 0.01 + 0.02 * torch.rand(96, generator=g)
+    bias = torch.randn(96, generator=g)
+    pads = [window // 2] * 4
+    y = cf._conv_fn(lib.name)(x, x_scale, w, w_scale, bias, None, y_scale, None,
+                              activation="Relu", out_dtype=17, strides=[stride] * 2, pads=pads)  # fmt: skip
+    ((a, _, col, shift, acc),) = lib.calls
+    assert a.shape == (2, 16, 16, 64) and a.is_contiguous()  # (the NHWC input itself)
+    want = F.conv2d(x.double(), w.double(), stride=stride, padding=window // 2)
+    oh = want.shape[2]
+    assert y.shape == want.shape and y.dtype == e4m3
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(acc, want.permute(0, 2, 3, 1).reshape(2 * oh * oh, 96))
+    scale = (x_scale.double() * w_scale.double() / y_scale.double()).reshape(1, 96, 1, 1)
+    expected = torch.relu(want * scale + (bias.double() / 0.5).reshape(1, 96, 1, 1))
+    assert torch.equal(y.float(), expected.to(e4m3).float())
+    torch.testing.assert_close(shift.double(), bias.double() / 0.5, rtol=1e-6, atol=0)
+    torch.testing.assert_close(col.double(), scale.reshape(96), rtol=1e-6, atol=0)
+
+
+def test_a_conv_kernel_at_a_shape_it_does_not_take_runs_the_exact_kernel(monkeypatch) -> None:
+    """At an engine's other shapes (a batch whose pixels are not a multiple of 128 here) the
+    tactic runs the exact default kernel, and nothing reaches the library."""
+    import torch
+    import torch.nn.functional as F
+
+    lib = _Im2col(3, 1)
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(1, 64, 5, 5).to(e4m3)
+    w = torch.randn(32, 64, 3, 3).to(e4m3)
+    scales = (torch.tensor(0.04), 0.01 + 0.02 * torch.rand(32), torch.tensor(0.5))
+    y = cf._conv_fn(lib.name)(x, scales[0], w, scales[1], None, None, scales[2], None,
+                              activation="Relu", out_dtype=17, pads=[1, 1, 1, 1])  # fmt: skip
+    assert lib.calls == [] and y.shape == (1, 32, 5, 5)
+    ref = F.conv2d(x.double(), w.double(), padding=1)
+    ref = ref * (0.04 * scales[1].double() / 0.5).reshape(1, 32, 1, 1)
+    torch.testing.assert_close(y.double(), torch.relu(ref).to(e4m3).double(), rtol=0.07, atol=0.01)

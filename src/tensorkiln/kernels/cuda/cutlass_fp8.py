@@ -1,6 +1,7 @@
-"""FP8 (and int8) GEMMs from a kernel library built ahead of time: tactics
-``cutlass_fp8_<variant>`` of QGemmAct and of 1x1 QConvAct, where a library is configured and has
-a kernel for the layer.
+"""FP8 (and int8) GEMMs and convolutions from a kernel library built ahead of time: tactics
+``cutlass_fp8_<variant>`` of QGemmAct and of QConvAct (1x1 as a GEMM of the pixels; 3x3 padded
+by 1 of stride 1 or 2, and 1x1 of stride 2, as implicit GEMMs), where a library is configured and
+has a kernel for the layer.
 
 The library is what ``benchmarks/cutlass_gemm_build.py`` writes: CUTLASS's persistent,
 warp-specialized Hopper GEMM (TMA loads and stores, WGMMA), compiled for sm_90a with CUTLASS's
@@ -31,6 +32,13 @@ E4M3 step, which the autotuner's check of E4M3 outputs (one step of the tensor's
 allows. Shapes: M a multiple of 128, N and K of 16; a call at another shape (an engine's dynamic
 dimension away from the shape it was tuned at) runs the layer's exact default kernel instead.
 
+The convolution kernels (``conv3x3s1_...``, ``conv3x3s2_...``, ``conv1x1s2_...``) are the same
+GEMM with A read by TMA's im2col mode: A is the dense NHWC input, each K step one window tap and
+``32 x k_steps`` input channels (so the channels are a multiple of that), the padding's pixels
+zeros the TMA unit fills in, B the weight as (out channels, KH x KW x C) in the order of an OHWI
+weight's columns, D the (pixels x out channels) output, channels-last; per-channel epilogue, ReLU
+or none, an 8-bit output of the operands' type, no residual.
+
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
 still read defensively (bounded, every field checked), and a library that does not load or does
 not match is reported once and leaves these tactics out; an engine that names one of them then
@@ -49,7 +57,7 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -72,10 +80,12 @@ _KERNELS_LIMIT = 4096
 # with GELU and its output scale after it, or a per-channel one writing float16 with no
 # activation; the per-channel and residual ones with int8 operands and outputs too), and pass
 # over the rest
-_ANY_KERNEL = re.compile(r"gemm_(fp8|f16|i8)_(fp8|f16|i8)_(scalar|channel|residual)_([a-z_]{1,20})_"
-                         r"([0-9a-z]{1,40})\Z")  # fmt: skip
+_ANY_KERNEL = re.compile(r"(?:gemm|conv[13]x[13]s[12])_(fp8|f16|i8)_(fp8|f16|i8)_"
+                         r"(scalar|channel|residual)_([a-z_]{1,20})_([0-9a-z]{1,40})\Z")  # fmt: skip
+# (a convolution's kernel, conv<K>x<K>s<S>: A read through TMA's im2col mode, implicit GEMM)
 _KERNEL_NAME = re.compile(
-    r"gemm_(fp8|i8)_(fp8|i8|f16)_(channel|residual)_(relu|none|gelu|gelu_tanh)_([0-9a-z]{1,40})\Z"
+    r"(?:gemm|conv(?P<geometry>3x3s[12]|1x1s2))_(fp8|i8)_(fp8|i8|f16)_(channel|residual)_"
+    r"(relu|none|gelu|gelu_tanh)_([0-9a-z]{1,40})\Z"
 )
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
@@ -100,6 +110,14 @@ class TensorArg(ctypes.Structure):  # a 2-D row-major tensor: extents and the tw
         ("data", ctypes.c_void_p),
         ("shapes", ctypes.c_int32 * 2),
         ("strides", ctypes.c_int64 * 2),
+    ]
+
+
+class ImageArg(ctypes.Structure):  # an NHWC image seen as (N, D = 1, H, W, C): N, H, W, C and the
+    _fields_ = [  # strides of N, D, H and W
+        ("data", ctypes.c_void_p),
+        ("shapes", ctypes.c_int32 * 4),
+        ("strides", ctypes.c_int64 * 4),
     ]
 
 
@@ -156,7 +174,8 @@ def _checked_kernel(k: Any, where: str) -> bool:
         return False
     if not isinstance(entry, str) or not _ENTRY.fullmatch(entry):
         raise KernelError(f"{where}: entry point {entry!r} is not an exported kernel's")
-    a, out, epilogue, activation = found.groups()[:4]
+    geometry = found.group("geometry")
+    a, out, epilogue, activation = found.groups()[1:5]
     if activation.startswith("gelu") and (epilogue != "channel" or k.get("post_scale") is not True):
         return False  # (a GELU kernel built to scale before its activation: not one of these)
     if out == "f16" and (epilogue != "channel" or activation.startswith("gelu")):
@@ -177,9 +196,22 @@ def _checked_kernel(k: Any, where: str) -> bool:
         raise KernelError(f"{where}: cluster {cluster!r} is not M x N CTAs of 1 or 2")
     tensors = k.get("tensors")
     want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
-    if not isinstance(tensors, dict) or any(tensors.get(t) != [2, 2] for t in want):
-        raise KernelError(f"{where}: tensors {tensors!r} are not dynamic 2-D row-major ones")
+    extents = {t: [2, 2] for t in want}
+    if geometry is not None:  # (A: the NHWC input as (N, 1, H, W, C), four extents and strides)
+        if epilogue != "channel" or out != a or cluster != [1, 1]:
+            raise KernelError(f"{where}: {name} is not a convolution's kernel of the build")
+        if k.get("conv") != list(_conv_geometry(geometry)):
+            raise KernelError(f"{where}: conv {k.get('conv')!r} does not match the name {name!r}")
+        extents["a"] = [4, 4]
+    if not isinstance(tensors, dict) or any(tensors.get(t) != e for t, e in extents.items()):
+        raise KernelError(f"{where}: tensors {tensors!r} are not the dynamic ones it takes")
     return True
+
+
+def _conv_geometry(geometry: str) -> tuple[int, int, int]:
+    """(window, padding, stride) of a conv kernel's geometry, ``3x3s1``, ``3x3s2`` or ``1x1s2``."""
+    window, stride = int(geometry[0]), int(geometry[-1])
+    return window, window // 2, stride
 
 
 class Library:
@@ -209,8 +241,10 @@ class Library:
         scalar: float = 0.0,
     ) -> None:
         """``d = act(a @ b.T * col + bias [+ z * scalar])`` (a residual kernel) or ``act(a @ b.T *
-        col + bias) * scalar`` (a GELU one) on torch's current stream."""
-        structs: list[ctypes.Structure] = [tensor_arg(a), tensor_arg(b), tensor_arg(d)]
+        col + bias) * scalar`` (a GELU one) on torch's current stream; for a convolution's
+        kernel, ``a`` is the dense NHWC input and ``a @ b.T`` its im2col matrix times b."""
+        first = image_arg(a) if self.kernels[name].get("conv") else tensor_arg(a)
+        structs: list[ctypes.Structure] = [first, tensor_arg(b), tensor_arg(d)]
         structs += [VectorArg(v.data_ptr(), (v.shape[0],)) for v in (col, bias)]
         if self.kernels[name]["epilogue"] == "residual":
             if z is None:
@@ -263,6 +297,13 @@ def tensor_arg(t: torch.Tensor) -> TensorArg:
     return TensorArg(t.data_ptr(), (rows, cols), (cols, rows * cols))
 
 
+def image_arg(t: torch.Tensor) -> ImageArg:
+    nb, h, w, c = t.shape
+    if not t.is_contiguous() or t.data_ptr() % 16:
+        raise KernelError("CUTLASS convolutions take a dense NHWC input on a 16-byte boundary")
+    return ImageArg(t.data_ptr(), (nb, h, w, c), (h * w * c, h * w * c, w * c, c))
+
+
 def load_cudart() -> None:
     """The CUDA runtime torch uses, made global so that the kernels' launchers bind to it (one
     runtime, one context)."""
@@ -299,9 +340,25 @@ def library() -> Library | None:
     return lib
 
 
-def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
-    """(epilogue, M, N, K, output: "fp8", "i8" or "f16", operands: "fp8" or "i8") of a layer
-    the kernels compute, else None."""
+class _Layer(NamedTuple):
+    """What the kernels need to know of a layer: the epilogue, the GEMM's M x N x K (a
+    convolution's: output pixels x output channels x window taps times input channels), the
+    output and operand types, and a convolution's window (``1x1`` for one the GEMM kernels take
+    alone; ``1x1s2``, ``3x3s1``, ``3x3s2`` for ones a conv kernel of that geometry takes, the
+    first also the GEMM kernels) with its input channels."""
+
+    epilogue: str
+    m: int
+    n: int
+    k: int
+    out: str
+    operands: str
+    geometry: str | None = None
+    channels: int = 0
+
+
+def _layer(spec: LayerSpec) -> _Layer | None:
+    """The layer ``spec`` describes, if the kernels compute it, else None."""
     if spec.device != "cuda":
         return None
     if spec.op == "QGemmAct":
@@ -311,7 +368,7 @@ def _layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     return None
 
 
-def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
+def _gemm_layer(spec: LayerSpec) -> _Layer | None:
     at = spec.attrs
     operands = _OPERANDS.get(spec.dtypes[0])
     if operands is None or spec.dtypes[2] != spec.dtypes[0] or len(spec.shapes) < 5:
@@ -334,24 +391,45 @@ def _gemm_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     c = spec.shapes[4]
     if c is not None and math.prod(c) != n:
         return None  # (a bias of one row)
-    return "channel", m, n, k, out, operands
+    return _Layer("channel", m, n, k, out, operands)
 
 
-def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
+def _window(x, w, at: dict) -> tuple[str, int, int] | None:
+    """(geometry, OH, OW) of a convolution the kernels take: a 1x1 window without padding of
+    any stride (``1x1``; ``1x1s2`` at stride 2 on an even image), or a 3x3 one padded by 1 on
+    every side, stride 1 or 2 (2: an even image), else None."""
+    strides = tuple(at.get("strides") or (1, 1))
+    if len(strides) != 2 or any(s < 1 for s in strides):
+        return None
+    if any(d != 1 for d in at.get("dilations") or (1, 1)):
+        return None
+    auto_pad, pads = at.get("auto_pad", "NOTSET"), tuple(at.get("pads") or (0, 0, 0, 0))
+    even = x[2] % 2 == 0 and x[3] % 2 == 0
+    if tuple(w[2:]) == (1, 1):
+        if any(pads) or auto_pad not in ("NOTSET", "VALID"):
+            return None
+        oh, ow = _out_size(x, strides)
+        return ("1x1s2" if strides == (2, 2) and even else "1x1"), oh, ow
+    if tuple(w[2:]) != (3, 3) or strides not in ((1, 1), (2, 2)) or (strides[0] == 2 and not even):
+        return None
+    same = auto_pad in ("SAME_UPPER", "SAME_LOWER") and strides == (1, 1)
+    if not (same or (auto_pad == "NOTSET" and pads == (1, 1, 1, 1))):
+        return None
+    return f"3x3s{strides[0]}", x[2] // strides[0], x[3] // strides[0]
+
+
+def _conv_layer(spec: LayerSpec) -> _Layer | None:
     at = spec.attrs
     x, w = spec.shapes[0], spec.shapes[2]
     operands = _OPERANDS.get(spec.dtypes[0])
     if operands is None or spec.dtypes[2] != spec.dtypes[0] or x is None or w is None:
         return None
-    if len(x) != 4 or len(w) != 4 or tuple(w[2:]) != (1, 1) or at.get("group", 1) != 1:
+    if len(x) != 4 or len(w) != 4 or at.get("group", 1) != 1 or x[1] != w[1]:
         return None
-    strides = tuple(at.get("strides") or (1, 1))
-    if len(strides) != 2 or any(s < 1 for s in strides) or any(at.get("pads") or ()):
+    window = _window(x, w, at)
+    if window is None:
         return None
-    if at.get("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
-        return None
-    if any(d != 1 for d in at.get("dilations") or (1, 1)) or x[1] != w[1]:
-        return None
+    geometry, oh, ow = window
     if len(spec.shapes) < 7 or spec.shapes[6] is None:
         return None
     if at.get("out_dtype") != _QUANTIZED_OUT[operands]:  # (8 bits out, the operands' type)
@@ -359,18 +437,31 @@ def _conv_layer(spec: LayerSpec) -> tuple[str, int, int, int, str, str] | None:
     if at.get("activation", "") not in _ACTIVATIONS:
         return None
     z = spec.shapes[5] if len(spec.shapes) > 5 else None
-    oh, ow = _out_size(x, strides)
     epilogue = "channel"
     if z is not None:  # (a residual quantized as the operands are, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
-        if not quantized or spec.dtypes[5] != spec.dtypes[0]:
+        if not quantized or spec.dtypes[5] != spec.dtypes[0] or geometry.startswith("3x3"):
             return None
         if tuple(z) != (x[0], w[0], oh, ow):
             return None
         if at.get("residual_order", "add_act") != "add_act":
             return None
         epilogue = "residual"
-    return epilogue, x[0] * oh * ow, w[0], w[1], operands, operands
+    taps = w[2] * w[3]
+    return _Layer(epilogue, x[0] * oh * ow, w[0], taps * w[1], operands, operands, geometry, w[1])
+
+
+def _takes(kern: dict, layer: _Layer) -> bool:
+    """Whether kernel ``kern`` (a manifest entry) computes ``layer``'s kind: a GEMM kernel a
+    GEMM or a 1x1 convolution, a conv kernel a convolution of its geometry whose input
+    channels its K steps divide (each step within one tap)."""
+    conv = kern.get("conv")
+    if conv is None:
+        return layer.geometry in (None, "1x1", "1x1s2")
+    window, _, stride = conv
+    if layer.geometry != f"{window}x{window}s{stride}":
+        return False
+    return layer.channels % (32 * kern.get("k_steps", 4)) == 0
 
 
 def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
@@ -382,23 +473,26 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
     layer = _layer(spec) if lib is not None else None
     if layer is None:
         return []
-    epilogue, m, n, k, out, operands = layer
-    if fit and not _fits(m, n, k):
+    if fit and not _fits(layer.m, layer.n, layer.k):
         return []
     act = _GEMM_ACTIVATIONS[spec.attrs.get("activation", "")]
     names = []
     for name, kern in lib.kernels.items():  # type: ignore[union-attr]
         if (kern["epilogue"], _SAME_AS.get(kern["activation"], kern["activation"]), kern["c"],
-                kern["a"]) != (epilogue, act, out, operands):  # fmt: skip
+                kern["a"]) != (layer.epilogue, act, layer.out, layer.operands):  # fmt: skip
+            continue
+        if not _takes(kern, layer):
             continue
         tile_m, tile_n = kern["tile"]
-        if fit and not _fits(m, n, k, kern):
+        if fit and not _fits(layer.m, layer.n, layer.k, kern):
             continue
-        if epilogue == "residual" and ((fit and m % tile_m) or n % tile_n):
+        if layer.epilogue == "residual" and ((fit and layer.m % tile_m) or layer.n % tile_n):
             continue  # (its tile is read unbounded; where it runs, M is a multiple of 128)
-        if k > 64 and (kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or
-                       kern.get("epi_stages", 4) != 4):  # fmt: skip
-            continue  # (variants that change stage counts stalled the GPU at larger K)
+        staged = (
+            kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or kern.get("epi_stages", 4) != 4
+        )
+        if layer.k > 64 and staged and not kern.get("conv"):
+            continue  # (GEMM variants that change stage counts stalled the GPU at larger K)
         names.append(PREFIX + name)
     return names
 
@@ -490,11 +584,15 @@ def _conv_fn(kernel: str) -> Callable:
         lib = library()
         if lib is None:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library")
+        kern = lib.kernels[kernel]
+        if kern.get("conv"):
+            return _implicit_gemm(kernel, kern, x_q, x_scale, w_q, w_scale, b, z, y_scale,
+                                  z_scale, attrs)  # fmt: skip
         strides = tuple(attrs.get("strides") or (1, 1))
         pixels = 0
         if x_q.ndim == 4 and len(strides) == 2:
             pixels = x_q.shape[0] * math.prod(_out_size(x_q.shape, strides))
-        if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1], lib.kernels[kernel]):
+        if not pixels or not _fits(pixels, w_q.shape[0], w_q.shape[1], kern):
             return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
         def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
@@ -517,6 +615,47 @@ def _conv_fn(kernel: str) -> Callable:
 
     run.__name__ = f"{PREFIX}{kernel}"
     return run
+
+
+def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale,
+                   attrs: dict) -> torch.Tensor:  # fmt: skip
+    """A convolution through a conv kernel of the library: the dense NHWC input (a view when
+    channels-last) read through TMA's im2col mode, the weight as (out channels, KH x KW x C),
+    its columns in the order of an OHWI weight's (kept per constant), the output (pixels x out
+    channels), channels-last. A layer it does not take at this shape (an engine's dynamic
+    dimension away from the tuned one) runs the exact default kernel."""
+    window, _, stride = kern["conv"]
+    x_shape, w_shape = tuple(x_q.shape), tuple(w_q.shape)
+    layer = None
+    if len(x_shape) == 4 and len(w_shape) == 4 and x_shape[1] == w_shape[1]:
+        layer = _window(x_shape, w_shape, attrs)
+    ok = layer is not None and layer[0] == f"{window}x{window}s{stride}"
+    if ok:
+        pixels = x_shape[0] * layer[1] * layer[2]
+        taken = _Layer("channel", pixels, w_shape[0], window * window * w_shape[1], "", "",
+                       layer[0], w_shape[1])  # fmt: skip
+        ok = _takes(kern, taken) and _fits(taken.m, taken.n, taken.k, kern)
+    if not ok or z is not None:
+        return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
+
+    def sums(xq, wq, _bias, _z, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
+        nb = xq.shape[0]
+        m = wq.shape[0]
+        oh, ow = call.geometry.out
+        image = xq.permute(0, 2, 3, 1)
+        image = image if image.is_contiguous() else image.contiguous()
+        taps = _kept(
+            w_q, ("cutlass_ohwi", m), lambda: wq.permute(0, 2, 3, 1).reshape(m, -1).contiguous()
+        )
+        col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, b, 1.0, (m,))
+        d = torch.empty((nb * oh * ow, m), dtype=xq.dtype, device=xq.device)  # (8 bits out)
+        lib = library()
+        if lib is None:
+            raise KernelError(f"{PREFIX}{kernel}: no kernel library")
+        lib.run(kernel, image, taps, d, col, bias2)
+        return d.reshape(nb, oh, ow, m).permute(0, 3, 1, 2), True
+
+    return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
 
 def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
@@ -570,7 +709,7 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
 
             def estimate(spec: LayerSpec, entry: dict = lib.kernels[kernel]) -> float:
                 layer = _layer(spec)
-                return 0.0 if layer is None else _estimate(entry, *layer[1:4])
+                return 0.0 if layer is None else _estimate(entry, layer.m, layer.n, layer.k)
 
             made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, estimate, PREFIX)
         return made[name]
