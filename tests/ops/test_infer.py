@@ -97,3 +97,32 @@ def test_quantize_linear_infers_float8_at_an_older_opset():
     types = {v.name: v.type for v in concrete.values()}
     assert types["q"] == TensorType(DType.FLOAT8E4M3FN, (4, 8))
     assert types["d"] == TensorType(DType.FLOAT, (4, 8))
+
+
+def test_a_pool_of_float8_codes_infers_at_concrete_shapes():
+    """An FP8 engine pools E4M3 codes (the stem's max pool, rewritten to run on its quantized
+    output); ONNX's MaxPool takes no float8 at any opset, so its types come from float32
+    inference, narrowed back. Left symbolic, every layer after the pool would have no
+    concrete shape for the autotuner to time it at. The oracle: onnxruntime's output shape
+    for the same pool on float32."""
+    import onnxruntime as ort
+
+    from tensorkiln.ir import DType, Graph, Node, Value
+
+    attrs = {"kernel_shape": [3, 3], "pads": [1, 1, 1, 1], "strides": [2, 2]}
+    x = Value("x", TensorType(DType.FLOAT8E4M3FN, ("n", 16, 30, 30)))
+    y = Value("y", TensorType(DType.FLOAT8E4M3FN, ("n", 16, "h", "w")))
+    graph = Graph(inputs=[x], outputs=[y], opsets={"": 19},
+                  nodes=[Node("MaxPool", [x], [y], attrs=attrs)])  # fmt: skip
+    concrete = infer.infer_at_shapes(graph, {"x": (5, 16, 30, 30)})
+    got = {v.name: v.type for v in concrete.values()}["y"]
+    pool = helper.make_node("MaxPool", ["x"], ["y"], **attrs)
+    model = helper.make_model(
+        helper.make_graph([pool], "p", [helper.make_tensor_value_info("x", 1, [5, 16, 30, 30])],
+                          [helper.make_tensor_value_info("y", 1, None)]),
+        opset_imports=[helper.make_opsetid("", 19)],
+    )  # fmt: skip
+    feed = rng.standard_normal((5, 16, 30, 30)).astype(np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (want,) = sess.run(None, {"x": feed})
+    assert got == TensorType(DType.FLOAT8E4M3FN, want.shape)

@@ -233,13 +233,20 @@ def _attr_to_proto(name: str, value: object) -> onnx.AttributeProto | None:
     return helper.make_attribute(name, value)
 
 
+# the float types an op version's type constraints may leave out, though our kernels take them
+# (engines in reduced precision: bfloat16 and float16 layers, an FP8 engine's pool of E4M3 codes)
+_NARROW = {DType.BFLOAT16, DType.FLOAT16, DType.FLOAT8E4M3FN, DType.FLOAT8E5M2}
+
+
 def _onnx_infer(graph: Graph, node: Node) -> list[Type | None]:
     types = _onnx_infer_as(graph, node, {})
-    narrow = {v.dtype for v in node.inputs if v is not None} & {DType.BFLOAT16, DType.FLOAT16}
-    if all(t is None for t in types) and narrow:
-        # Older op versions leave bfloat16 (or float16) out of their type constraints, though our
-        # kernels take it (engines in reduced precision): infer in float32 and narrow the result.
-        (dt,) = narrow if len(narrow) == 1 else (DType.BFLOAT16,)
+    narrow = {v.dtype for v in node.inputs if v is not None} & _NARROW
+    if narrow == {DType.BFLOAT16, DType.FLOAT16}:
+        narrow = {DType.BFLOAT16}
+    if all(t is None for t in types) and len(narrow) == 1:
+        # Older op versions leave such a type out of their type constraints (MaxPool takes no
+        # float8 at any opset): infer in float32 and narrow the result.
+        (dt,) = narrow
         wide = _onnx_infer_as(graph, node, {dt: DType.FLOAT})
         types = [
             TensorType(dt, t.shape) if isinstance(t, TensorType) and t.dtype == DType.FLOAT else t
