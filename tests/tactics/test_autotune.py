@@ -21,6 +21,7 @@ from tensorkiln.errors import BuildError, EngineCompatibilityError  # noqa: E402
 from tensorkiln.kernels import tactics as registry  # noqa: E402
 from tensorkiln.kernels.registry import lookup  # noqa: E402
 from tensorkiln.runtime import Runner  # noqa: E402
+from tensorkiln.tactics import autotune  # noqa: E402
 from tests.passes.util import model  # noqa: E402
 
 F = TensorProto.FLOAT
@@ -453,3 +454,27 @@ def test_a_timed_tactic_derives_shared_values_once_for_all_its_calls() -> None:
     assert getattr(derived._local, "cache", None) is None
     kernel(x)  # (outside a timing: computed at every call, as before)
     assert made == [1, 1, 1, 1]
+
+
+def test_a_layer_without_concrete_shapes_says_why_it_was_not_timed(
+    test_tactics, tmp_path, monkeypatch
+) -> None:
+    """Where shape inference leaves a layer's input symbolic at the profile's shapes, the
+    autotuner has nothing to time it at: the layer keeps its default kernel and its record
+    (and the build report) says why, rather than that no tactic takes it."""
+    from tensorkiln.ir import TensorType
+
+    real = autotune._concrete_types
+
+    def symbolic_h(graph, shapes):  # (as an op ONNX cannot infer leaves its output)
+        types = real(graph, shapes)
+        return {k: (TensorType(t.dtype, ("n", *t.shape[1:])) if k == "r" else t)
+                for k, t in types.items()}  # fmt: skip
+
+    monkeypatch.setattr(autotune, "_concrete_types", symbolic_h)
+    engine, report = _build(tmp_path, cache=False)
+    by_input = {layer["inputs"][0]: layer for layer in engine.layers if layer.get("inputs")}
+    second = by_input["r"]
+    assert second["tactic"] == "default" and "not concrete" in second["fallback"]
+    assert any(x.get("timings_ms") for x in engine.layers)  # (the first layer is still timed)
+    assert "not concrete" in report.summary()

@@ -127,6 +127,9 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         and all(s is None or t.applies(s) for s in other_specs)
         and _allowed(t.name, options.sources)
     ]
+    if spec is None and options.enabled and tactics_for(node.op, node.domain):
+        # (shape inference left an input's shape symbolic at these shapes: nothing to time it at)
+        layer["fallback"] = "its input shapes are not concrete at the profile's shapes"
     if not candidates and (spec is None or node.op not in options.timed_ops):
         return layer
     candidates, pruned = _prune(candidates, spec, options.max_candidates)
