@@ -365,10 +365,13 @@ VARIANTS = (
 )  # fmt: skip
 # geometry:epilogue:activation:kind of the implicit-GEMM convolutions (``--convs``): a 3x3 window
 # padded by 1 of stride 1 or 2 with ReLU (a ResNet bottleneck's middle layer), a 1x1 of stride 2
-# with none (a stage's shortcut: the GEMM tactics would first copy its every other pixel)
+# (a stage's shortcut, where the GEMM tactics first copy every other pixel) with none, or with
+# the block's residual and ReLU (where a quantized engine adds the block's other branch)
 CONVS = (
     "3x3s1:channel:relu:fp8_fp8", "3x3s2:channel:relu:fp8_fp8", "1x1s2:channel:none:fp8_fp8",
+    "1x1s2:residual:relu:fp8_fp8",
     "3x3s1:channel:relu:i8_i8", "3x3s2:channel:relu:i8_i8", "1x1s2:channel:none:i8_i8",
+    "1x1s2:residual:relu:i8_i8",
 )  # fmt: skip
 # their tiles: 64-byte K steps (k2) for 64 input channels (a K step stays within one tap)
 CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x128k2")
@@ -479,7 +482,11 @@ def main(argv: list[str] | None = None) -> int:
         geometry, rest = variant.split(":", 1)
         conv = _conv(geometry)
         epilogue, act, kind = rest.split(":")
-        if epilogue != "channel" or act not in activations or kind not in ("fp8_fp8", "i8_i8"):
+        if (
+            epilogue not in ("channel", "residual")
+            or act not in activations
+            or kind not in ("fp8_fp8", "i8_i8")
+        ):
             raise SystemExit(f"cutlass_gemm_build: no conv variant {variant!r}")
         for tile in args.conv_tiles.split(","):
             shape = _tile(tile)

@@ -38,10 +38,13 @@ def _library(tmp_path: Path, kernels: list[dict], library: str = "libk.so") -> P
     return tmp_path
 
 
-def _conv_kernel(geometry: str, act: str, tile: tuple[int, int], a: str = "fp8", **extra) -> dict:
+def _conv_kernel(
+    geometry: str, act: str, tile: tuple[int, int], a: str = "fp8", epilogue: str = "channel",
+    **extra,
+) -> dict:  # fmt: skip
     """A convolution's kernel as the build writes it: A the NHWC input (four extents and
     strides), the window, padding and stride in ``conv``."""
-    k = _kernel("channel", act, tile, out=a, a=a, **extra)
+    k = _kernel(epilogue, act, tile, out=a, a=a, **extra)
     k["name"] = f"conv{geometry}_{k['name'].removeprefix('gemm_')}"
     k["tensors"]["a"] = [4, 4]
     window = int(geometry[0])
@@ -482,6 +485,7 @@ CONV_KERNELS = [
     _conv_kernel("3x3s1", "relu", (128, 128)),  # (128-byte K steps: 128 channels and more)
     _conv_kernel("3x3s2", "relu", (128, 128)),
     _conv_kernel("1x1s2", "none", (128, 256)),
+    _conv_kernel("1x1s2", "relu", (128, 128), epilogue="residual"),
     _conv_kernel("3x3s1", "relu", (128, 128), a="i8"),
 ]
 
@@ -498,10 +502,10 @@ def test_conv_kernels_are_read_and_checked(tmp_path: Path) -> None:
     for change, message in bad:
         with pytest.raises(KernelError, match=message):
             cf.read_manifest(_library(tmp_path, [{**CONV_KERNELS[1], **change}]))
-    residual = {**CONV_KERNELS[1], "epilogue": "residual"}
-    residual["name"] = residual["name"].replace("_channel_", "_residual_")
+    wrong = {**CONV_KERNELS[1], "c": "f16"}
+    wrong["name"] = wrong["name"].replace("_fp8_fp8_", "_fp8_f16_")
     with pytest.raises(KernelError, match="not a convolution's kernel"):
-        cf.read_manifest(_library(tmp_path, [residual]))
+        cf.read_manifest(_library(tmp_path, [wrong]))  # (8 bits out only)
 
 
 def test_the_convolutions_the_conv_kernels_take(tmp_path: Path, monkeypatch) -> None:
@@ -528,13 +532,29 @@ def test_the_convolutions_the_conv_kernels_take(tmp_path: Path, monkeypatch) -> 
     assert "conv1x1s2_fp8_fp8_channel_none_128x256o1k4" in _names(
         _conv(c=128, strides=(2, 2), hw=32, act="", residual=False)
     )
-    # not theirs: a residual, another padding, odd images at stride 2, channels of no K step,
-    # a float16 output, another activation
+    # a stage's shortcut with the block's residual (a quantized engine adds it there): the
+    # residual conv kernel as well as the GEMM's residual kernels
+    shortcut = _names(_conv(c=128, strides=(2, 2), hw=32))
+    assert "conv1x1s2_fp8_fp8_residual_relu_128x128o1k4" in shortcut
+    assert "gemm_fp8_fp8_residual_relu_128x256o1k4" in shortcut
+    # not theirs: a residual (no 3x3 residual kernel here), another padding, odd images at
+    # stride 2, channels of no K step, a float16 output, another activation
     for spec in (_conv(c=128, k=3, pads=(1, 1, 1, 1)), _conv(c=128, k=3, residual=False),
                  _conv(c=128, k=3, residual=False, pads=(0, 0, 1, 1)),
                  _conv(c=128, strides=(2, 2), hw=15, **three), _conv(c=48, **three),
                  _conv(c=128, out_dtype=10, **three), _conv(c=128, act="Sigmoid", **three)):  # fmt: skip
         assert not [n for n in _names(spec) if n.startswith("conv")]
+
+
+def _within_one_step(got, want) -> None:
+    """Equal E4M3 codes, or one step apart where the float32 scales' rounding lands a value on
+    the other side of a rounding boundary."""
+    import torch
+
+    g, w = got.double(), want.double()
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(g.abs(), w.abs()).clamp_min(2**-6))) - 3)
+    assert bool(((g - w).abs() <= step).all())
+    assert float((g != w).double().mean()) < 0.01  # (almost all the same code)
 
 
 class _Im2col:
@@ -543,9 +563,9 @@ class _Im2col:
     channels fastest, then the window's column, then its row; zeros outside the image), in
     float64, and records them."""
 
-    def __init__(self, window: int, stride: int) -> None:
+    def __init__(self, window: int, stride: int, epilogue: str = "channel") -> None:
         name = f"conv{window}x{window}s{stride}"
-        self.kernels = {name: {"epilogue": "channel", "activation": "relu", "c": "fp8",
+        self.kernels = {name: {"epilogue": epilogue, "activation": "relu", "c": "fp8",
                                "a": "fp8", "conv": [window, window // 2, stride],
                                "tile": [128, 128], "k_steps": 2}}  # fmt: skip
         self.name, self.window, self.stride = name, window, stride
@@ -563,7 +583,10 @@ class _Im2col:
                 for r in range(k) for q in range(k)]  # fmt: skip
         rows = torch.cat(taps, dim=3).reshape(nb * oh * ow, k * k * c)
         acc = rows @ b.double().T
-        d.copy_(torch.relu(acc * col.double() + bias.double()).to(d.dtype))
+        v = acc * col.double() + bias.double()
+        if z is not None:  # (the residual: rows of the output's shape, times its scale)
+            v = v + z.double() * z_scale
+        d.copy_(torch.relu(v).to(d.dtype))
         self.calls.append((a, b, col, bias, acc))
 
 
@@ -601,7 +624,7 @@ def test_a_conv_kernel_is_handed_the_convolution(monkeypatch, window: int, strid
     assert torch.equal(acc, want.permute(0, 2, 3, 1).reshape(2 * oh * oh, 96))
     scale = (x_scale.double() * w_scale.double() / y_scale.double()).reshape(1, 96, 1, 1)
     expected = torch.relu(want * scale + (bias.double() / 0.5).reshape(1, 96, 1, 1))
-    assert torch.equal(y.float(), expected.to(e4m3).float())
+    _within_one_step(y, expected.to(e4m3))
     torch.testing.assert_close(shift.double(), bias.double() / 0.5, rtol=1e-6, atol=0)
     torch.testing.assert_close(col.double(), scale.reshape(96), rtol=1e-6, atol=0)
 
@@ -624,3 +647,34 @@ def test_a_conv_kernel_at_a_shape_it_does_not_take_runs_the_exact_kernel(monkeyp
     ref = F.conv2d(x.double(), w.double(), padding=1)
     ref = ref * (0.04 * scales[1].double() / 0.5).reshape(1, 32, 1, 1)
     torch.testing.assert_close(y.double(), torch.relu(ref).to(e4m3).double(), rtol=0.07, atol=0.01)
+
+
+def test_a_residual_conv_kernel_is_handed_the_residual(monkeypatch) -> None:
+    """A stride-2 shortcut that adds the block's 8-bit residual: the kernel gets the residual
+    as rows of the output's pixels and its scale over Y_scale, and what comes back is the
+    layer's: ReLU(conv * scale + bias + Z * Z_scale) / Y_scale, computed here from torch's
+    convolution in float64."""
+    import torch
+    import torch.nn.functional as F
+
+    lib = _Im2col(1, 2, "residual")
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(31)
+    e4m3, cl = torch.float8_e4m3fn, torch.channels_last
+    x = torch.randn(2, 64, 16, 16, generator=g).to(e4m3).contiguous(memory_format=cl)
+    w = torch.randn(128, 64, 1, 1, generator=g).to(e4m3)
+    z = torch.randn(2, 128, 8, 8, generator=g).to(e4m3).contiguous(memory_format=cl)
+    x_scale, y_scale, z_scale = torch.tensor(0.04), torch.tensor(0.5), torch.tensor(0.25)
+    w_scale = 0.01 + 0.02 * torch.rand(128, generator=g)
+    bias = torch.randn(128, generator=g)
+    y = cf._conv_fn(lib.name)(x, x_scale, w, w_scale, bias, z, y_scale, z_scale,
+                              activation="Relu", out_dtype=17, strides=[2, 2])  # fmt: skip
+    assert len(lib.calls) == 1 and y.shape == (2, 128, 8, 8)
+    conv = F.conv2d(x.double(), w.double(), stride=2)
+    v = conv * (0.04 * w_scale.double() / 0.5).reshape(1, 128, 1, 1)
+    v = v + (bias.double() / 0.5).reshape(1, 128, 1, 1) + z.double() * (0.25 / 0.5)
+    _within_one_step(y, torch.relu(v).to(e4m3))
+    # a residual kernel without a residual (another layer): the exact kernel, not the library
+    cf._conv_fn(lib.name)(x, x_scale, w, w_scale, bias, None, y_scale, None,
+                          activation="Relu", out_dtype=17, strides=[2, 2])  # fmt: skip
+    assert len(lib.calls) == 1

@@ -36,8 +36,8 @@ The convolution kernels (``conv3x3s1_...``, ``conv3x3s2_...``, ``conv1x1s2_...``
 GEMM with A read by TMA's im2col mode: A is the dense NHWC input, each K step one window tap and
 ``32 x k_steps`` input channels (so the channels are a multiple of that), the padding's pixels
 zeros the TMA unit fills in, B the weight as (out channels, KH x KW x C) in the order of an OHWI
-weight's columns, D the (pixels x out channels) output, channels-last; per-channel epilogue, ReLU
-or none, an 8-bit output of the operands' type, no residual.
+weight's columns, D the (pixels x out channels) output, channels-last; the per-channel or the
+residual epilogue, ReLU or none, an 8-bit output of the operands' type.
 
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
 still read defensively (bounded, every field checked), and a library that does not load or does
@@ -198,7 +198,7 @@ def _checked_kernel(k: Any, where: str) -> bool:
     want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
     extents = {t: [2, 2] for t in want}
     if geometry is not None:  # (A: the NHWC input as (N, 1, H, W, C), four extents and strides)
-        if epilogue != "channel" or out != a or cluster != [1, 1]:
+        if out != a or cluster != [1, 1]:
             raise KernelError(f"{where}: {name} is not a convolution's kernel of the build")
         if k.get("conv") != list(_conv_geometry(geometry)):
             raise KernelError(f"{where}: conv {k.get('conv')!r} does not match the name {name!r}")
@@ -440,7 +440,7 @@ def _conv_layer(spec: LayerSpec) -> _Layer | None:
     epilogue = "channel"
     if z is not None:  # (a residual quantized as the operands are, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
-        if not quantized or spec.dtypes[5] != spec.dtypes[0] or geometry.startswith("3x3"):
+        if not quantized or spec.dtypes[5] != spec.dtypes[0]:
             return None
         if tuple(z) != (x[0], w[0], oh, ow):
             return None
@@ -621,9 +621,10 @@ def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_
                    attrs: dict) -> torch.Tensor:  # fmt: skip
     """A convolution through a conv kernel of the library: the dense NHWC input (a view when
     channels-last) read through TMA's im2col mode, the weight as (out channels, KH x KW x C),
-    its columns in the order of an OHWI weight's (kept per constant), the output (pixels x out
-    channels), channels-last. A layer it does not take at this shape (an engine's dynamic
-    dimension away from the tuned one) runs the exact default kernel."""
+    its columns in the order of an OHWI weight's (kept per constant), the residual (a residual
+    kernel's) as (pixels x out channels) rows, the output likewise, channels-last. A layer it
+    does not take at this shape (an engine's dynamic dimension away from the tuned one) runs
+    the exact default kernel."""
     window, _, stride = kern["conv"]
     x_shape, w_shape = tuple(x_q.shape), tuple(w_q.shape)
     layer = None
@@ -635,10 +636,11 @@ def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_
         taken = _Layer("channel", pixels, w_shape[0], window * window * w_shape[1], "", "",
                        layer[0], w_shape[1])  # fmt: skip
         ok = _takes(kern, taken) and _fits(taken.m, taken.n, taken.k, kern)
-    if not ok or z is not None:
+    residual = kern["epilogue"] == "residual"
+    if not ok or residual != (z is not None):
         return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
-    def sums(xq, wq, _bias, _z, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
+    def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
         nb = xq.shape[0]
         m = wq.shape[0]
         oh, ow = call.geometry.out
@@ -652,7 +654,11 @@ def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_
         lib = library()
         if lib is None:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library")
-        lib.run(kernel, image, taps, d, col, bias2)
+        z2, zs = None, 0.0
+        if zz is not None:  # (8 bits of the operands' type, as the layer's check made sure)
+            z2 = zz.permute(0, 2, 3, 1).reshape(nb * oh * ow, m).contiguous()
+            zs = _host_scalar(z_scale) / _host_scalar(y_scale)
+        lib.run(kernel, image, taps, d, col, bias2, z2, zs)
         return d.reshape(nb, oh, ow, m).permute(0, 3, 1, 2), True
 
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
