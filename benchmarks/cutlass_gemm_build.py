@@ -373,8 +373,9 @@ CONVS = (
     "3x3s1:channel:relu:i8_i8", "3x3s2:channel:relu:i8_i8", "1x1s2:channel:none:i8_i8",
     "1x1s2:residual:relu:i8_i8",
 )  # fmt: skip
-# their tiles: 64-byte K steps (k2) for 64 input channels (a K step stays within one tap)
-CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x128k2")
+# their tiles: 64-byte K steps (k2) for 64 input channels (a K step stays within one tap);
+# w2: two math warpgroups of 64 rows each
+CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x128k2", "128x128w2")
 CONV_MAX_STAGES = 8
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
