@@ -335,9 +335,84 @@ _CONV_PATCHES = (
 )  # fmt: skip
 
 
+# Promoted FP8 sums (tiles ``...p``): Hopper's FP8 WGMMA adds its products in a format narrower
+# than float32, so over a long K (a 3x3 convolution of 512 channels sums 4,608) the example's one
+# accumulator drifts. With ``tk_promote`` each K step's MMAs go into a second register tile,
+# zeroed first, whose sums are added into the float32 accumulator once they are complete
+# (CUTLASS's promotion, at one K step); no MMA is then left in flight across steps
+# (``k_pipe_mmas`` 0), and the second tile takes as many registers as the first, so the build
+# allows it only where the accumulator is 64 registers a thread (a 128 x 64 tile, or 128 x 128 over
+# two math warpgroups).
+_PROMOTE_PATCHES = (
+    (
+        "        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)\n",
+        "        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)\n"
+        "        if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
+        "            tk_sums = cute.make_rmem_tensor(acc_shape, self.acc_dtype)\n"
+        "        else:\n"
+        "            tk_sums = accumulators\n",
+    ),
+    (
+        "            k_pipe_mmas = 1\n",
+        "            k_pipe_mmas = 0 if getattr(self, 'tk_promote', False) else 1\n",
+    ),
+    (
+        "                for k_tile in range(prologue_mma_cnt, k_tile_cnt):\n"
+        "                    # Wait for TMA copies to complete\n"
+        "                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)\n"
+        "                    # WGMMA\n"
+        "                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):\n"
+        "                        k_block_coord = (\n"
+        "                            None,\n"
+        "                            None,\n"
+        "                            k_block_idx,\n"
+        "                            mainloop_consumer_read_state.index,\n"
+        "                        )\n"
+        "                        cute.gemm(\n"
+        "                            tiled_mma,\n"
+        "                            accumulators,\n"
+        "                            tCrA[k_block_coord],\n"
+        "                            tCrB[k_block_coord],\n"
+        "                            accumulators,\n"
+        "                        )\n"
+        "\n"
+        "                    cute.nvgpu.warpgroup.commit_group()\n"
+        "                    # Wait on the wgmma barrier for WGMMA to complete\n"
+        "                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)\n",
+        "                for k_tile in range(prologue_mma_cnt, k_tile_cnt):\n"
+        "                    # Wait for TMA copies to complete\n"
+        "                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)\n"
+        "                    if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
+        "                        tk_sums.fill(0.0)\n"
+        "                        cute.nvgpu.warpgroup.fence()\n"
+        "                    # WGMMA\n"
+        "                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):\n"
+        "                        k_block_coord = (\n"
+        "                            None,\n"
+        "                            None,\n"
+        "                            k_block_idx,\n"
+        "                            mainloop_consumer_read_state.index,\n"
+        "                        )\n"
+        "                        cute.gemm(\n"
+        "                            tiled_mma,\n"
+        "                            tk_sums,\n"
+        "                            tCrA[k_block_coord],\n"
+        "                            tCrB[k_block_coord],\n"
+        "                            tk_sums,\n"
+        "                        )\n"
+        "\n"
+        "                    cute.nvgpu.warpgroup.commit_group()\n"
+        "                    # Wait on the wgmma barrier for WGMMA to complete\n"
+        "                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)\n"
+        "                    if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
+        "                        accumulators.store(accumulators.load() + tk_sums.load())\n",
+    ),
+)
+
+
 def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
     text = path.read_text()
-    patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES, *_CONV_PATCHES]
+    patches = [_OCCUPANCY_PATCH, *_SHAPE_PATCHES, *_CONV_PATCHES, *_PROMOTE_PATCHES]
     if epilogue in ("channel", "residual"):
         patches += _CHANNEL_PATCHES
     if epilogue == "channel":
@@ -377,6 +452,8 @@ CONVS = (
 # w2: two math warpgroups of 64 rows each
 CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x128k2", "128x128w2")
 CONV_MAX_STAGES = 8
+# the E4M3 variants' (GEMMs' and convolutions') tiles with promoted sums
+PROMOTE_TILES = ("128x64p", "128x128w2p")
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
     "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
@@ -387,15 +464,22 @@ TILES = (
 def _tile(spec: str) -> tuple:
     found = re.fullmatch(
         r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?"
-        r"(?:c([12])x([12]))?(w2)?",
+        r"(?:c([12])x([12]))?(w2)?(p)?",
         spec,
     )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2] "
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2][p] "
             "(M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
+    tile_m, tile_n = int(found.group(1)), int(found.group(2))
+    warpgroups = 2 if found.group(10) or (tile_m > 64 and tile_n > 128) else 1
+    if found.group(11) and tile_m * tile_n // (128 * warpgroups) > 64:
+        raise SystemExit(
+            f"cutlass_gemm_build: tile {spec!r}: promoted sums take a second accumulator, which "
+            "fits where the first is 64 registers a thread (128x64, 64x128, 128x128w2)"
+        )
     return (
         int(found.group(1)),
         int(found.group(2)),
@@ -405,7 +489,17 @@ def _tile(spec: str) -> tuple:
         int(found.group(7) or 4),
         (int(found.group(8) or 1), int(found.group(9) or 1)),
         2 if found.group(10) else 0,  # math warpgroups: 0, the example's choice
+        bool(found.group(11)),  # FP8 sums promoted into float32 every K step
     )
+
+
+def _with_promoted(tiles: str, promoted: str, kind: str) -> list[str]:
+    """A variant's tiles: ``tiles``, and for E4M3 operands the promoted ones too (int8 sums are
+    exact, so theirs are not built)."""
+    names = [t for t in tiles.split(",") if t]
+    if kind.startswith("fp8"):
+        names += [t for t in promoted.split(",") if t]
+    return names
 
 
 def _conv(geometry: str) -> tuple[int, int, int]:
@@ -433,6 +527,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="implicit-GEMM convolutions, geometry:epilogue:activation:kind (geometry "
                         "KxKsS: 3x3s1, 3x3s2, 1x1s2; '' for none)")  # fmt: skip
     p.add_argument("--conv-tiles", default=",".join(CONV_TILES), help="the convolutions' tiles")
+    p.add_argument("--promote-tiles", default=",".join(PROMOTE_TILES),
+                   help="tiles built with promoted sums (p), for the E4M3 variants only")  # fmt: skip
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
     args = p.parse_args(argv)
 
@@ -489,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
             or kind not in ("fp8_fp8", "i8_i8")
         ):
             raise SystemExit(f"cutlass_gemm_build: no conv variant {variant!r}")
-        for tile in args.conv_tiles.split(","):
+        for tile in _with_promoted(args.conv_tiles, args.promote_tiles, kind):
             shape = _tile(tile)
             if shape[6] != (1, 1):
                 raise SystemExit(f"cutlass_gemm_build: conv tile {tile!r} has a cluster")
@@ -504,9 +600,10 @@ def main(argv: list[str] | None = None) -> int:
                  "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        variants += [(epilogue, act, kind, _tile(tile), None) for tile in args.tiles.split(",")]
+        tiles = _with_promoted(args.tiles, args.promote_tiles, kind)
+        variants += [(epilogue, act, kind, _tile(tile), None) for tile in tiles]
     for epilogue, act, kind, shape, conv in variants:
-        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups = shape
+        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups, promote = shape
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
         tag = (
@@ -515,6 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f"s{stages}" if stages != 4 else "")
             + (f"c{cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
             + ("w2" if warpgroups else "")
+            + ("p" if promote else "")
         )
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
@@ -539,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         gemm = ex.HopperFP8GeluPersistentGemmKernel(acc, (tile_m, tile_n), cluster, 1, True)
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
         gemm.tk_conv = conv[1] if conv is not None else None
+        gemm.tk_promote = promote
         ex.TK_MAX_AB_STAGES = CONV_MAX_STAGES if conv is not None else None
         if warpgroups == 2 and tile_m == 128:  # (two math warpgroups of 64 rows each, as the
             # example picks for N > 128 only: the derived counts and the epilogue's barrier)
@@ -579,7 +678,7 @@ def main(argv: list[str] | None = None) -> int:
             {"name": name, "a": a_name, "c": c_name, "tile": [tile_m, tile_n], "occupancy": occupancy, "tag": tag,
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
              "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
-             "cluster": list(cluster), "warpgroups": warpgroups or None,
+             "cluster": list(cluster), "warpgroups": warpgroups or None, "promote": promote,
              **({"conv": list(conv[1])} if conv is not None else {})}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)

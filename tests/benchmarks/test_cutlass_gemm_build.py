@@ -20,10 +20,16 @@ def build():
 
 
 def test_tiles_parse_and_bad_ones_are_refused(build) -> None:
-    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0)
-    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0)
-    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0)
-    assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2)
+    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0, False)
+    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0, False)
+    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0, False)
+    assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2, False)
+    assert build._tile("128x128w2p") == (128, 128, 1, 4, None, 4, (1, 1), 2, True)
+    assert build._tile("128x64p")[-1] and build._tile("64x128p")[-1]
+    # promoted sums need a second accumulator: only where the first is 64 registers a thread
+    for bad in ("128x128p", "128x256p", "128x256w2p"):
+        with pytest.raises(SystemExit, match="second accumulator"):
+            build._tile(bad)
     for bad in ("96x128", "128x32", "128x128o3", "128x128k3", "128x128e64", "128x128s5", "x",
                 "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2"):  # fmt: skip
         with pytest.raises(SystemExit, match="is not MxN"):
@@ -71,7 +77,12 @@ def _anchors(patches) -> str:
 
 def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Path) -> None:
     source = tmp_path / "example.py"
-    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES, *build._CONV_PATCHES]
+    base = [
+        build._OCCUPANCY_PATCH,
+        *build._SHAPE_PATCHES,
+        *build._CONV_PATCHES,
+        *build._PROMOTE_PATCHES,
+    ]
     post = [build._POST_SCALE_PATCH]
     source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES) + _anchors(post))
     patched = build._patched_source(source, tmp_path, "channel").read_text()
@@ -115,3 +126,18 @@ def test_the_conv_patches_leave_the_gemms_path_as_it_was(build, tmp_path: Path) 
         assert "tk_conv" in new or "TK_MAX_AB_STAGES" in new
     stage_cap = build._CONV_PATCHES[3][1]
     assert "globals().get('TK_MAX_AB_STAGES') or ab_stage" in stage_cap
+
+
+def test_promoted_tiles_are_built_for_e4m3_operands_only(build) -> None:
+    """int8 sums are exact (int32): its variants get no promoted tiles."""
+    assert build._with_promoted("128x64,128x128", "128x64p", "fp8_fp8") == [
+        "128x64", "128x128", "128x64p"
+    ]  # fmt: skip
+    assert build._with_promoted("128x64,128x128", "128x64p", "fp8_f16")[-1] == "128x64p"
+    assert build._with_promoted("128x64,128x128", "128x64p", "i8_i8") == ["128x64", "128x128"]
+    assert build._with_promoted("128x64", "", "fp8_fp8") == ["128x64"]
+    for spec in build.PROMOTE_TILES:
+        assert build._tile(spec)[-1]
+    # the promoting branch is taken only where the build set tk_promote
+    for _, new in build._PROMOTE_PATCHES:
+        assert "tk_promote" in new

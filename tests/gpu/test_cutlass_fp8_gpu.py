@@ -277,6 +277,38 @@ def test_implicit_gemm_conv_kernels_match_the_exact_kernel(
     assert ran, "the library has no conv kernel for this convolution"
 
 
+def test_promoted_fp8_conv_kernels_hold_over_a_long_k() -> None:
+    """A 3x3 convolution of 512 channels sums 4,608 products: the kernels that promote their E4M3
+    sums into float32 every K step stay within one E4M3 step of the exact kernel; the others'
+    largest differences are printed (Hopper's FP8 sums are narrower than float32), which is what
+    the autotuner's check decides on."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(44)
+    nb, c, hw = 32, 512, 7  # (ResNet-50's last stage at a batch of 32: 1,568 pixels)
+    cl = torch.channels_last
+    x = torch.randn(nb, c, hw, hw, device="cuda", generator=g).to(E4M3).contiguous(memory_format=cl)
+    w = torch.randn(c, c, 3, 3, device="cuda", generator=g).to(E4M3).contiguous(memory_format=cl)
+    x_scale = torch.tensor(0.04, device="cuda")
+    w_scale = (0.01 + 0.02 * torch.rand(c, device="cuda", generator=g)) / 24
+    bias = 0.2 * torch.randn(c, device="cuda", generator=g)
+    y_scale = torch.tensor(0.02, device="cuda")
+    attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [1, 1],
+             "pads": [1, 1, 1, 1]}  # fmt: skip
+    promoted = []
+    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, None, y_scale, None,
+                                             attrs):  # fmt: skip
+        if not name.startswith(cf.PREFIX + "conv"):
+            continue
+        off = float((got.float() - want.float()).abs().max())
+        print(
+            f"{name}: largest difference {off:.4g} (largest output {float(want.float().max()):.4g})"
+        )
+        if name.endswith("p"):
+            _within_a_step(got, want)
+            promoted.append(name)
+    assert promoted, "the library has no promoted FP8 conv kernel for this convolution"
+
+
 def _mlp(rng, rows: int):
     """Three GEMMs (256 -> 1024, GELU; 1024 -> 256, ReLU; 256 -> 256): the first two write an
     8-bit output for the next, the shapes the kernels take."""

@@ -678,3 +678,22 @@ def test_a_residual_conv_kernel_is_handed_the_residual(monkeypatch) -> None:
     cf._conv_fn(lib.name)(x, x_scale, w, w_scale, bias, None, y_scale, None,
                           activation="Relu", out_dtype=17, strides=[2, 2])  # fmt: skip
     assert len(lib.calls) == 1
+
+
+def test_promoted_kernels_rank_first_only_over_a_long_k(tmp_path: Path, monkeypatch) -> None:
+    """Kernels that promote their E4M3 sums every K step are slower, but over a long K they are
+    the ones whose outputs pass the autotuner's check: there they rank first, elsewhere last."""
+    plain = _kernel("channel", "relu", (128, 64))
+    promoted = {**_kernel("channel", "relu", (128, 64)), "promote": True}
+    promoted["name"] += "p"
+    loaded = _Loaded(_library(tmp_path, [plain, promoted]))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+
+    def first(spec: LayerSpec) -> str:
+        tactics = [resolve(n) for n in cf._kernels_for(spec)]
+        assert len(tactics) == 2
+        return max(tactics, key=lambda t: t.score(spec)).name.removeprefix(cf.PREFIX)
+
+    assert first(_gemm(n=64, k=4608)) == promoted["name"]
+    assert first(_gemm(n=64, k=256)) == plain["name"]

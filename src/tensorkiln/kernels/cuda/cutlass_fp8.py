@@ -39,6 +39,11 @@ zeros the TMA unit fills in, B the weight as (out channels, KH x KW x C) in the 
 weight's columns, D the (pixels x out channels) output, channels-last; the per-channel or the
 residual epilogue, ReLU or none, an 8-bit output of the operands' type.
 
+E4M3 kernels with promoted sums (a tile ending in ``p``) add each K step's sums into a float32
+accumulator, as CUTLASS's C++ FP8 GEMMs do by default: Hopper's FP8 tensor-core sums are
+narrower than float32, which over a long K (a 3x3 convolution of 512 channels sums 4,608
+products) can move an output past the autotuner's check.
+
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
 still read defensively (bounded, every field checked), and a library that does not load or does
 not match is reported once and leaves these tactics out; an engine that names one of them then
@@ -672,7 +677,9 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
     help; 64-row tiles rarely won; GELU on the hardware's tanh beat the polynomial on every
     GELU GEMM of BERT-base (FP8 and int8), so its tiles come first; a cluster of two CTAs
     along N (A's tiles loaded once for both, multicast) was as fast or faster on BERT-base's
-    GEMMs of K = 768 to 3072."""
+    GEMMs of K = 768 to 3072; kernels that promote their E4M3 sums into float32 every K step
+    (``p``) run slower, but over a long K (2,048 and more) they are the ones whose outputs
+    pass the autotuner's check, so there they rank first and elsewhere last."""
     tile_m, tile_n = kernel["tile"]
     score = n / (-(-n // tile_n) * tile_n) * (0.8 + 0.2 * tile_n / 256)  # (wider: fewer loads)
     if kernel.get("occupancy", 1) == 2:
@@ -685,6 +692,8 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
         score *= 1.2
     if kernel.get("cluster") == [1, 2]:
         score *= 1.2
+    if kernel.get("promote"):
+        score *= 1.5 if k >= 2048 else 0.8
     return score * (0.9 if tile_m == 64 else 1.0)
 
 
