@@ -343,6 +343,42 @@ _CONV_PATCHES = (
 # (``k_pipe_mmas`` 0), and the second tile takes as many registers as the first, so the build
 # allows it only where the accumulator is 64 registers a thread (a 128 x 64 tile, or 128 x 128 over
 # two math warpgroups).
+_PROMOTING = "                    if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
+_WAITED = "                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)\n"
+_MMAS_DONE = "                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)\n"
+# the example's main loop (the prologue's MMAs, before it, are the same text; with promotion
+# the prologue has no step to run)
+_MAIN_LOOP = (
+    "                for k_tile in range(prologue_mma_cnt, k_tile_cnt):\n"
+    "                    # Wait for TMA copies to complete\n"
+    + _WAITED
+    + "                    # WGMMA\n"
+    "                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):\n"
+    "                        k_block_coord = (\n"
+    "                            None,\n"
+    "                            None,\n"
+    "                            k_block_idx,\n"
+    "                            mainloop_consumer_read_state.index,\n"
+    "                        )\n"
+    "                        cute.gemm(\n"
+    "                            tiled_mma,\n"
+    "                            accumulators,\n"
+    "                            tCrA[k_block_coord],\n"
+    "                            tCrB[k_block_coord],\n"
+    "                            accumulators,\n"
+    "                        )\n"
+    "\n"
+    "                    cute.nvgpu.warpgroup.commit_group()\n"
+    "                    # Wait on the wgmma barrier for WGMMA to complete\n" + _MMAS_DONE
+)
+# the same loop making each step's sums in tk_sums (zeroed first) and adding them once complete
+_PROMOTED_LOOP = (
+    _MAIN_LOOP.replace("accumulators,", "tk_sums,")
+    .replace(_WAITED, _WAITED + _PROMOTING + "                        tk_sums.fill(0.0)\n"
+             "                        cute.nvgpu.warpgroup.fence()\n")
+    .replace(_MMAS_DONE, _MMAS_DONE + _PROMOTING + "                        "
+             "accumulators.store(accumulators.load() + tk_sums.load())\n")
+)  # fmt: skip
 _PROMOTE_PATCHES = (
     (
         "        accumulators = cute.make_rmem_tensor(acc_shape, self.acc_dtype)\n",
@@ -356,57 +392,7 @@ _PROMOTE_PATCHES = (
         "            k_pipe_mmas = 1\n",
         "            k_pipe_mmas = 0 if getattr(self, 'tk_promote', False) else 1\n",
     ),
-    (
-        "                for k_tile in range(prologue_mma_cnt, k_tile_cnt):\n"
-        "                    # Wait for TMA copies to complete\n"
-        "                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)\n"
-        "                    # WGMMA\n"
-        "                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):\n"
-        "                        k_block_coord = (\n"
-        "                            None,\n"
-        "                            None,\n"
-        "                            k_block_idx,\n"
-        "                            mainloop_consumer_read_state.index,\n"
-        "                        )\n"
-        "                        cute.gemm(\n"
-        "                            tiled_mma,\n"
-        "                            accumulators,\n"
-        "                            tCrA[k_block_coord],\n"
-        "                            tCrB[k_block_coord],\n"
-        "                            accumulators,\n"
-        "                        )\n"
-        "\n"
-        "                    cute.nvgpu.warpgroup.commit_group()\n"
-        "                    # Wait on the wgmma barrier for WGMMA to complete\n"
-        "                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)\n",
-        "                for k_tile in range(prologue_mma_cnt, k_tile_cnt):\n"
-        "                    # Wait for TMA copies to complete\n"
-        "                    mainloop_pipeline.consumer_wait(mainloop_consumer_read_state)\n"
-        "                    if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
-        "                        tk_sums.fill(0.0)\n"
-        "                        cute.nvgpu.warpgroup.fence()\n"
-        "                    # WGMMA\n"
-        "                    for k_block_idx in cutlass.range_constexpr(num_k_blocks):\n"
-        "                        k_block_coord = (\n"
-        "                            None,\n"
-        "                            None,\n"
-        "                            k_block_idx,\n"
-        "                            mainloop_consumer_read_state.index,\n"
-        "                        )\n"
-        "                        cute.gemm(\n"
-        "                            tiled_mma,\n"
-        "                            tk_sums,\n"
-        "                            tCrA[k_block_coord],\n"
-        "                            tCrB[k_block_coord],\n"
-        "                            tk_sums,\n"
-        "                        )\n"
-        "\n"
-        "                    cute.nvgpu.warpgroup.commit_group()\n"
-        "                    # Wait on the wgmma barrier for WGMMA to complete\n"
-        "                    cute.nvgpu.warpgroup.wait_group(k_pipe_mmas)\n"
-        "                    if cutlass.const_expr(getattr(self, 'tk_promote', False)):\n"
-        "                        accumulators.store(accumulators.load() + tk_sums.load())\n",
-    ),
+    (_MAIN_LOOP, _PROMOTED_LOOP),
 )
 
 
