@@ -239,6 +239,81 @@ _RESIDUAL_PATCHES = (
 )  # fmt: skip
 
 
+# The per-channel vectors staged in shared memory (tiles ``...v``): the channel epilogue reads
+# each subtile's ``col`` and ``bias`` from global memory after the tile's main loop, one L2
+# round trip a subtile between the epilogue's barriers, which a memory-bound layer (a ResNet's
+# 1x1 convolutions) cannot hide. With ``tk_vec_smem`` the math warpgroup copies the tile's two
+# rows of N floats to shared memory with cp.async when the tile starts (as the residual's tile
+# is), so the copy runs under the main loop, and the epilogue reads them from there through the
+# same zero-row-stride view.
+_VECTOR_STAGED = "getattr(self, 'tk_vec_smem', False)"
+_VECTOR_PATCHES = (
+    (
+        "                    cute.cosize(self.epi_smem_layout_staged),\n"
+        "                ],\n                self.buffer_align_bytes,\n            ]\n",
+        "                    cute.cosize(self.epi_smem_layout_staged),\n"
+        "                ],\n                self.buffer_align_bytes,\n            ]\n"
+        "            sV: cute.struct.Align[\n"
+        "                cute.struct.MemRange[\n"
+        f"                    cutlass.Float32, 2 * self.tile_shape_mnk[1] if {_VECTOR_STAGED} else 0\n"
+        "                ],\n"
+        "                128,\n"
+        "            ]\n",
+    ),
+    (
+        "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n",
+        "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n"
+        f"                if cutlass.const_expr({_VECTOR_STAGED}):\n"
+        "                    tk_vn = self.tile_shape_mnk[1]\n"
+        "                    tk_svec = storage.sV.get_tensor(cute.make_layout((2, tk_vn), stride=(tk_vn, 1)))\n"
+        "                    tk_vld = cute.make_tiled_copy_tv(\n"
+        "                        cute.make_copy_atom(\n"
+        "                            cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32,\n"
+        "                            num_bits_per_copy=128,\n"
+        "                        ),\n"
+        "                        cute.make_layout(tk_vn // 4),\n"
+        "                        cute.make_layout(4),\n"
+        "                    )\n"
+        "                    tk_vidx = tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group\n"
+        "                    if tk_vidx < tk_vn // 4:\n"
+        "                        tk_vthr = tk_vld.get_slice(tk_vidx)\n"
+        "                        cute.copy(\n"
+        "                            tk_vld,\n"
+        "                            tk_vthr.partition_S(gCol_mnl[(None, None, *tile_coord_mnl)][(0, None)]),\n"
+        "                            tk_vthr.partition_D(tk_svec[(0, None)]),\n"
+        "                        )\n"
+        "                        cute.copy(\n"
+        "                            tk_vld,\n"
+        "                            tk_vthr.partition_S(gBias_mnl[(None, None, *tile_coord_mnl)][(0, None)]),\n"
+        "                            tk_vthr.partition_D(tk_svec[(1, None)]),\n"
+        "                        )\n"
+        "                    cute.arch.cp_async_commit_group()\n"
+        "                    tk_rows = cute.make_layout(\n"
+        "                        (self.tile_shape_mnk[0], tk_vn), stride=(0, 1)\n"
+        "                    )\n"
+        "                    tk_cols = cute.make_tensor(tk_svec[(0, None)].iterator, tk_rows)\n"
+        "                    tk_biases = cute.make_tensor(tk_svec[(1, None)].iterator, tk_rows)\n",
+    ),
+    (
+        "                # Epilogue\n",
+        "                # Epilogue\n"
+        f"                if cutlass.const_expr({_VECTOR_STAGED}):\n"
+        "                    cute.arch.cp_async_wait_group(0)\n"
+        "                    self.epilog_sync_barrier.arrive_and_wait()\n",
+    ),
+    (
+        "                        gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n",
+        f"                        tk_cols if {_VECTOR_STAGED}\n"
+        "                        else gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n",
+    ),
+    (
+        "                        gBias_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n",
+        f"                        tk_biases if {_VECTOR_STAGED}\n"
+        "                        else gBias_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord\n",
+    ),
+)  # fmt: skip
+
+
 # Two CTAs an SM (``--tiles 128x128o2``): the example launches with ``min_blocks_per_mp=1`` whatever
 # its occupancy; the launch bound follows the occupancy here, so the compiler keeps each thread to
 # half the register file, and the MMA warp group takes 216 of them once the load warp group has
@@ -405,6 +480,8 @@ def _patched_source(path: Path, out: Path, epilogue: str) -> Path:
         patches.append(_POST_SCALE_PATCH)
     if epilogue == "residual":
         patches += _RESIDUAL_PATCHES
+    if epilogue in ("channel", "residual"):
+        patches += _VECTOR_PATCHES
     for old, new in patches:
         if text.count(old) != 1:
             raise SystemExit(f"cutlass_gemm_build: {path} is not the example this patch fits")
@@ -440,6 +517,11 @@ CONV_TILES = ("128x64k2", "128x64o2k2", "128x128", "128x128o2", "128x256", "128x
 CONV_MAX_STAGES = 8
 # the E4M3 variants' (GEMMs' and convolutions') tiles with promoted sums
 PROMOTE_TILES = ("128x64p", "128x128w2p")
+# tiles with the vectors staged in shared memory, for the variants of a quantized ResNet's
+# memory-bound layers (8-bit output, ReLU or none) and every convolution
+VECTOR_TILES = ("128x64o2v", "128x128o2v", "128x256v", "128x128o2c1x2v", "128x128c1x2w2v",
+                "128x64o2k2v")  # fmt: skip
+CONV_VECTOR_TILES = ("128x64o2k2v", "128x128o2v", "128x256v")
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
     "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
@@ -450,12 +532,12 @@ TILES = (
 def _tile(spec: str) -> tuple:
     found = re.fullmatch(
         r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?"
-        r"(?:c([12])x([12]))?(w2)?(p)?",
+        r"(?:c([12])x([12]))?(w2)?(p)?(v)?",
         spec,
     )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2][p] "
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2][p][v] "
             "(M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
@@ -476,16 +558,17 @@ def _tile(spec: str) -> tuple:
         (int(found.group(8) or 1), int(found.group(9) or 1)),
         2 if found.group(10) else 0,  # math warpgroups: 0, the example's choice
         bool(found.group(11)),  # FP8 sums promoted into float32 every K step
+        bool(found.group(12)),  # the epilogue's vectors staged in shared memory
     )
 
 
-def _with_promoted(tiles: str, promoted: str, kind: str) -> list[str]:
+def _with_promoted(tiles: str, promoted: str, kind: str, staged: str = "") -> list[str]:
     """A variant's tiles: ``tiles``, and for E4M3 operands the promoted ones too (int8 sums are
-    exact, so theirs are not built)."""
+    exact, so theirs are not built), then ``staged`` (the tiles with staged vectors)."""
     names = [t for t in tiles.split(",") if t]
     if kind.startswith("fp8"):
         names += [t for t in promoted.split(",") if t]
-    return names
+    return names + [t for t in staged.split(",") if t]
 
 
 def _conv(geometry: str) -> tuple[int, int, int]:
@@ -515,6 +598,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--conv-tiles", default=",".join(CONV_TILES), help="the convolutions' tiles")
     p.add_argument("--promote-tiles", default=",".join(PROMOTE_TILES),
                    help="tiles built with promoted sums (p), for the E4M3 variants only")  # fmt: skip
+    p.add_argument("--vector-tiles", default=",".join(VECTOR_TILES),
+                   help="tiles built with the epilogue's vectors staged in shared memory (v), "
+                        "for the 8-bit ReLU or none GEMM variants")  # fmt: skip
+    p.add_argument("--conv-vector-tiles", default=",".join(CONV_VECTOR_TILES),
+                   help="the same for the convolutions")  # fmt: skip
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
     args = p.parse_args(argv)
 
@@ -571,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
             or kind not in ("fp8_fp8", "i8_i8")
         ):
             raise SystemExit(f"cutlass_gemm_build: no conv variant {variant!r}")
-        for tile in _with_promoted(args.conv_tiles, args.promote_tiles, kind):
+        for tile in _with_promoted(args.conv_tiles, args.promote_tiles, kind,
+                                   args.conv_vector_tiles):  # fmt: skip
             shape = _tile(tile)
             if shape[6] != (1, 1):
                 raise SystemExit(f"cutlass_gemm_build: conv tile {tile!r} has a cluster")
@@ -586,10 +675,15 @@ def main(argv: list[str] | None = None) -> int:
                  "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        tiles = _with_promoted(args.tiles, args.promote_tiles, kind)
+        memory_bound = (
+            epilogue != "scalar" and act in ("relu", "none") and kind in ("fp8_fp8", "i8_i8")
+        )  # (a quantized ResNet's 1x1 layers)
+        tiles = _with_promoted(args.tiles, args.promote_tiles, kind,
+                               args.vector_tiles if memory_bound else "")  # fmt: skip
         variants += [(epilogue, act, kind, _tile(tile), None) for tile in tiles]
     for epilogue, act, kind, shape, conv in variants:
-        tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups, promote = shape
+        (tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups, promote,
+         staged) = shape  # fmt: skip
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
         tag = (
@@ -599,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             + (f"c{cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
             + ("w2" if warpgroups else "")
             + ("p" if promote else "")
+            + ("v" if staged else "")
         )
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
@@ -624,6 +719,11 @@ def main(argv: list[str] | None = None) -> int:
         gemm.k_steps, gemm.epi_tile = k_steps, epi_tile
         gemm.tk_conv = conv[1] if conv is not None else None
         gemm.tk_promote = promote
+        gemm.tk_vec_smem = staged
+        if staged and epilogue == "scalar":
+            raise SystemExit(f"cutlass_gemm_build: {name}: the scalar epilogue has no vectors")
+        if staged:  # (the two rows of N floats, out of the main loop's stages)
+            gemm.smem_capacity -= (8 * tile_n + 128) * occupancy
         ex.TK_MAX_AB_STAGES = CONV_MAX_STAGES if conv is not None else None
         if warpgroups == 2 and tile_m == 128:  # (two math warpgroups of 64 rows each, as the
             # example picks for N > 128 only: the derived counts and the epilogue's barrier)
@@ -665,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
              "k_steps": k_steps, "epi_tile": epi_tile, "epi_stages": stages, "entry": entry,
              "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
              "cluster": list(cluster), "warpgroups": warpgroups or None, "promote": promote,
+             "vectors_in_smem": staged,
              **({"conv": list(conv[1])} if conv is not None else {})}
         )  # fmt: skip
         print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -147,9 +147,11 @@ def _layer_row(
     image = x.permute(0, 2, 3, 1).contiguous()  # (NHWC: a view's copy only if not channels-last)
     taps = w.permute(0, 2, 3, 1).reshape(c, 9 * c).contiguous()  # (OHWI's columns)
 
-    def cutlass(cfg) -> torch.Tensor:  # (the scales and bias over Y_scale: ReLU commutes)
+    col_y, bias_y = col / ys, bias / ys  # (the scales and bias over Y_scale: ReLU commutes)
+
+    def cutlass(cfg) -> torch.Tensor:  # (only tiles no wider than the layer's channels run)
         d = torch.empty((batch * hw * hw, c), dtype=dtype, device="cuda")
-        library.run(cfg.name, image, taps, d, col / ys, bias / ys)  # type: ignore[union-attr]
+        library.run(cfg.name, image, taps, d, col_y, bias_y)  # type: ignore[union-attr]
         return d.view(batch, hw, hw, c).permute(0, 3, 1, 2)
 
     cutlass_configs = ()

@@ -20,18 +20,20 @@ def build():
 
 
 def test_tiles_parse_and_bad_ones_are_refused(build) -> None:
-    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0, False)
-    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0, False)
-    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0, False)
-    assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2, False)
-    assert build._tile("128x128w2p") == (128, 128, 1, 4, None, 4, (1, 1), 2, True)
-    assert build._tile("128x64p")[-1] and build._tile("64x128p")[-1]
+    no = (False, False)  # (promoted sums, vectors staged in shared memory)
+    assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0, *no)
+    assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0, *no)
+    assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0, *no)
+    assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2, *no)
+    assert build._tile("128x128w2p") == (128, 128, 1, 4, None, 4, (1, 1), 2, True, False)
+    assert build._tile("128x128o2c1x2v") == (128, 128, 2, 4, None, 4, (1, 2), 0, False, True)
+    assert build._tile("128x64p")[-2] and build._tile("64x128pv")[-2:] == (True, True)
     # promoted sums need a second accumulator: only where the first is 64 registers a thread
     for bad in ("128x128p", "128x256p", "128x256w2p"):
         with pytest.raises(SystemExit, match="second accumulator"):
             build._tile(bad)
     for bad in ("96x128", "128x32", "128x128o3", "128x128k3", "128x128e64", "128x128s5", "x",
-                "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2"):  # fmt: skip
+                "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2", "128x64vp"):  # fmt: skip
         with pytest.raises(SystemExit, match="is not MxN"):
             build._tile(bad)
     for spec in build.TILES:  # (the defaults are all well formed)
@@ -71,8 +73,16 @@ def test_header_entry_point_and_tensor_extents(build) -> None:
         build._header_entry(_HEADER.replace("void **args", "void *args"))
 
 
-def _anchors(patches) -> str:
-    return "".join(old for old, _ in patches)
+def _anchors(*groups) -> str:
+    """A stand-in example: each patch's anchor once, leaving out those an earlier patch writes."""
+    seen, written, text = set(), "", ""
+    for group in groups:
+        for old, new in group:
+            if old not in seen and old not in written:
+                text += old
+                seen.add(old)
+            written += new
+    return text
 
 
 def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Path) -> None:
@@ -84,10 +94,12 @@ def test_patches_apply_once_each_and_refuse_another_example(build, tmp_path: Pat
         *build._PROMOTE_PATCHES,
     ]
     post = [build._POST_SCALE_PATCH]
-    source.write_text(_anchors(base) + _anchors(build._CHANNEL_PATCHES) + _anchors(post))
+    source.write_text(_anchors(base, build._CHANNEL_PATCHES, post, build._RESIDUAL_PATCHES,
+                               build._VECTOR_PATCHES))  # fmt: skip
     patched = build._patched_source(source, tmp_path, "channel").read_text()
-    for _, new in (*base, *build._CHANNEL_PATCHES, *post):
+    for _, new in (*base, *post):
         assert new in patched
+    assert "mCol_mnl: cute.Tensor" in patched
     assert "mRes_mnl" not in patched  # (the residual's patches are the residual's own)
     # the output scale after the activation is the channel epilogue's alone
     assert "activation = activation * scale_ab" in patched
@@ -136,8 +148,31 @@ def test_promoted_tiles_are_built_for_e4m3_operands_only(build) -> None:
     assert build._with_promoted("128x64,128x128", "128x64p", "fp8_f16")[-1] == "128x64p"
     assert build._with_promoted("128x64,128x128", "128x64p", "i8_i8") == ["128x64", "128x128"]
     assert build._with_promoted("128x64", "", "fp8_fp8") == ["128x64"]
+    assert build._with_promoted("128x64", "128x64p", "fp8_fp8", "128x64v") == [
+        "128x64", "128x64p", "128x64v"
+    ]  # fmt: skip
     for spec in build.PROMOTE_TILES:
+        assert build._tile(spec)[-2]
+    for spec in (*build.VECTOR_TILES, *build.CONV_VECTOR_TILES):
         assert build._tile(spec)[-1]
     # the promoting branch is taken only where the build set tk_promote
     for _, new in build._PROMOTE_PATCHES:
         assert "tk_promote" in new
+
+
+def test_staged_vectors_replace_the_epilogues_reads_only_where_asked(build, tmp_path) -> None:
+    """The channel and residual epilogues read ``col`` and ``bias`` from global memory unless the
+    build set ``tk_vec_smem``, then from their copy in shared memory (``tk_cols``,
+    ``tk_biases``), made with cp.async when the tile starts and waited for before the epilogue."""
+    source = tmp_path / "example.py"
+    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES, *build._CONV_PATCHES,
+            *build._PROMOTE_PATCHES]  # fmt: skip
+    source.write_text(_anchors(base, build._CHANNEL_PATCHES, [build._POST_SCALE_PATCH],
+                               build._RESIDUAL_PATCHES, build._VECTOR_PATCHES))  # fmt: skip
+    for epilogue in ("channel", "residual"):
+        patched = build._patched_source(source, tmp_path, epilogue).read_text()
+        # (the unstaged epilogue keeps the example's own expression: its code is unchanged)
+        assert "tk_cols if getattr(self, 'tk_vec_smem', False)" in patched
+        assert "else gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord" in patched
+        assert patched.count("cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32") == 1
+    assert "tk_cols" not in build._patched_source(source, tmp_path, "scalar").read_text()

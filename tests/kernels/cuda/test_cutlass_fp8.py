@@ -306,8 +306,16 @@ class _Recording:
         self.calls: list[tuple] = []
 
     def run(self, name, a, b, d, col, bias, z=None, z_scale=0.0) -> None:
-        self.calls.append((a, b, col, bias, z, z_scale))
+        self.calls.append((a, b, *_columns(col, bias, d.shape[1]), z, z_scale))
         d.zero_()
+
+
+def _columns(col, bias, n: int) -> tuple:
+    """The epilogue's vectors as a kernel reads them: N columns, then zeros to a whole number of
+    the widest tile's columns (a tile wider than N reads past N)."""
+    for v in (col, bias):
+        assert v.shape[0] % 256 == 0 and v.shape[0] >= n and not bool(v[n:].any())
+    return col[:n], bias[:n]
 
 
 def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
@@ -333,7 +341,7 @@ def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
     assert y.shape == (2, 32, 8, 8) and y.dtype == e4m3
     assert y.is_contiguous(memory_format=torch.channels_last)
     (a, b, col, shift, z2, zs), again = lib.calls
-    assert again[2] is col and again[3] is shift
+    assert again[2].data_ptr() == col.data_ptr() and again[3].data_ptr() == shift.data_ptr()
     assert torch.equal(a.float(), x.permute(0, 2, 3, 1).reshape(128, 16).float())
     assert torch.equal(b.float(), w.reshape(32, 16).float())
     assert torch.equal(z2.float(), z.permute(0, 2, 3, 1).reshape(128, 32).float())
@@ -583,6 +591,7 @@ class _Im2col:
                 for r in range(k) for q in range(k)]  # fmt: skip
         rows = torch.cat(taps, dim=3).reshape(nb * oh * ow, k * k * c)
         acc = rows @ b.double().T
+        col, bias = _columns(col, bias, d.shape[1])
         v = acc * col.double() + bias.double()
         if z is not None:  # (the residual: rows of the output's shape, times its scale)
             v = v + z.double() * z_scale
@@ -697,3 +706,20 @@ def test_promoted_kernels_rank_first_only_over_a_long_k(tmp_path: Path, monkeypa
 
     assert first(_gemm(n=64, k=4608)) == promoted["name"]
     assert first(_gemm(n=64, k=256)) == plain["name"]
+
+
+def test_staged_vector_kernels_rank_first_where_k_is_short(tmp_path: Path, monkeypatch) -> None:
+    """A memory-bound layer (short K) ranks the tile that stages its epilogue's vectors in shared
+    memory before the same tile reading them from global memory; a long K does not care."""
+    plain = _kernel("channel", "relu", (128, 64))
+    staged = {**_kernel("channel", "relu", (128, 64)), "vectors_in_smem": True}
+    staged["name"] += "v"
+    loaded = _Loaded(_library(tmp_path, [plain, staged]))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    scores = {n: resolve(n).score(_gemm(n=64, k=256)) for n in cf._kernels_for(_gemm(n=64, k=256))}
+    assert max(scores, key=scores.get) == cf.PREFIX + staged["name"]
+    long_k = _gemm(n=64, k=4096)
+    assert resolve(cf.PREFIX + staged["name"]).score(long_k) == resolve(
+        cf.PREFIX + plain["name"]
+    ).score(long_k)

@@ -44,6 +44,10 @@ accumulator, as CUTLASS's C++ FP8 GEMMs do by default: Hopper's FP8 tensor-core 
 narrower than float32, which over a long K (a 3x3 convolution of 512 channels sums 4,608
 products) can move an output past the autotuner's check.
 
+Kernels whose tile ends in ``v`` copy the tile's ``col`` and ``bias`` to shared memory when the
+tile starts (cp.async, under the main loop) and read them from there in the epilogue, where the
+others read them from global memory between the epilogue's barriers.
+
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
 still read defensively (bounded, every field checked), and a library that does not load or does
 not match is reported once and leaves these tactics out; an engine that names one of them then
@@ -108,6 +112,7 @@ _GEMM_ACTIVATIONS = {**_ACTIVATIONS, "Gelu": "gelu"}  # (QGemmAct's: with the ou
 # (within 2e-3 of erf's, inside an 8-bit step; the autotuner checks each kernel's outputs)
 _SAME_AS = {"gelu_tanh": "gelu"}
 _M_MULTIPLE, _NK_MULTIPLE = 128, 16
+_VECTOR_PAD = max(_TILES_N)  # (the epilogue's vectors: whole tiles of columns)
 
 
 class TensorArg(ctypes.Structure):  # a 2-D row-major tensor: extents and the two dynamic strides
@@ -515,13 +520,18 @@ def _vectors(
     """The epilogue's (col, bias), float32 vectors of N: the layer's per-column scale (``scale()``,
     its call's) and its bias times ``beta``, over Y_scale unless ``over_y`` is False; kept per
     constant as the other quantized tactics keep theirs (tactics_quant._kept), so an engine's
-    calls make them once. Without ``y_scale`` (a 16-bit output) nothing is divided."""
+    calls make them once. Without ``y_scale`` (a 16-bit output) nothing is divided. Each is
+    zero-padded to a whole number of the widest tile's columns: a tile wider than N reads its
+    vectors' columns past N (the TMA store drops those outputs), and they stay in the tensor."""
     n = key[0]
     over_y = over_y and y_scale is not None
     key = (*key, over_y)
 
     def over(v: torch.Tensor) -> torch.Tensor:
-        return (v / y_scale.reshape(()).to(torch.float32) if over_y else v).contiguous()
+        v = v / y_scale.reshape(()).to(torch.float32) if over_y else v
+        padded = v.new_zeros(-(-n // _VECTOR_PAD) * _VECTOR_PAD)
+        padded[:n] = v
+        return padded
 
     def col() -> torch.Tensor:
         return over(scale().expand(n).to(torch.float32))
@@ -530,7 +540,8 @@ def _vectors(
         return over(bias.reshape(n).to(torch.float32) * beta)
 
     def zeros() -> torch.Tensor:
-        return torch.zeros(n, dtype=torch.float32, device=w_scale.device)
+        return torch.zeros(-(-n // _VECTOR_PAD) * _VECTOR_PAD, dtype=torch.float32,
+                           device=w_scale.device)  # fmt: skip
 
     cols = _kept(w_scale, ("cutlass_col", *key), col, x_scale, y_scale)
     if bias is None:
@@ -679,7 +690,9 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
     along N (A's tiles loaded once for both, multicast) was as fast or faster on BERT-base's
     GEMMs of K = 768 to 3072; kernels that promote their E4M3 sums into float32 every K step
     (``p``) run slower, but over a long K (2,048 and more) they are the ones whose outputs
-    pass the autotuner's check, so there they rank first and elsewhere last."""
+    pass the autotuner's check, so there they rank first and elsewhere last; kernels that stage
+    the epilogue's vectors in shared memory (``v``) rank a little higher where K is short and the
+    layer is bound by memory, which the epilogue's reads from global memory would slow."""
     tile_m, tile_n = kernel["tile"]
     score = n / (-(-n // tile_n) * tile_n) * (0.8 + 0.2 * tile_n / 256)  # (wider: fewer loads)
     if kernel.get("occupancy", 1) == 2:
@@ -694,6 +707,8 @@ def _estimate(kernel: dict, m: int, n: int, k: int) -> float:
         score *= 1.2
     if kernel.get("promote"):
         score *= 1.5 if k >= 2048 else 0.8
+    if kernel.get("vectors_in_smem") and k <= 1024:
+        score *= 1.1
     return score * (0.9 if tile_m == 64 else 1.0)
 
 
