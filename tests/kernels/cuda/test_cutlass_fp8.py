@@ -723,3 +723,19 @@ def test_staged_vector_kernels_rank_first_where_k_is_short(tmp_path: Path, monke
     assert resolve(cf.PREFIX + staged["name"]).score(long_k) == resolve(
         cf.PREFIX + plain["name"]
     ).score(long_k)
+
+
+def test_a_conv_kernels_input_is_passed_as_its_image() -> None:
+    """A conv kernel's A argument: N, H, W, C and the strides of N, D (= 1), H and W of a dense
+    NHWC tensor, as the exported kernel declares them (four dynamic extents and strides); a
+    tensor that is not dense is refused, not read with the wrong strides."""
+    import torch
+
+    t = torch.zeros(3, 5, 7, 32, dtype=torch.int8)
+    arg = cf.image_arg(t)
+    assert arg.data == t.data_ptr()
+    assert list(arg.shapes) == [3, 5, 7, 32]
+    assert list(arg.strides) == [5 * 7 * 32, 5 * 7 * 32, 7 * 32, 32]
+    assert list(t.stride()[:3]) == [arg.strides[0], arg.strides[2], arg.strides[3]]
+    with pytest.raises(KernelError, match="dense NHWC"):
+        cf.image_arg(t.permute(0, 2, 1, 3))
