@@ -59,7 +59,8 @@ class CutlassGemms:
         load_cudart()
         manifest = json.loads((folder / "manifest.json").read_text())
         self.lib = ctypes.CDLL(str(folder / manifest["library"]), mode=ctypes.RTLD_GLOBAL)
-        self.kernels = {k["name"]: k for k in manifest["kernels"]}
+        # (the GEMMs: a conv kernel's A is an NHWC image, which qconv_3x3.py times)
+        self.kernels = {k["name"]: k for k in manifest["kernels"] if not k.get("conv")}
         self._entries = {}
         for name, k in self.kernels.items():
             for t in ("a", "b", "c", "res") if k["epilogue"] == "residual" else ("a", "b", "c"):
