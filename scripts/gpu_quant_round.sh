@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# On a Hopper GPU, from the repository root: the 8-bit convolution kernels' checks and times, then
+# ResNet-50's INT8 and FP8 engines against PyTorch (#14's target). Each step runs under its own
+# time limit, so that a kernel that hangs or faults costs its step only; logs go to $OUT (or
+# ./gpu-logs), and each step's last lines are printed.
+#
+#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS conv kernels first, then Gluon, the rest
+#   scripts/gpu_quant_round.sh time     # benchmarks/qconv_3x3.py: 8-bit 3x3 kernels vs cuDNN fp16
+#   scripts/gpu_quant_round.sh models   # ResNet-50, every layer quantized (--quantize-all), alone
+#   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
+#   scripts/gpu_quant_round.sh compare  # the target's run: both 8-bit engines and the best PyTorch
+#                                       # (eager channels-last, and torch.compile's three modes)
+#                                       # in one process, on the same inputs
+#
+# The CUTLASS kernel library (benchmarks/cutlass_gemm_build.py) is read from
+# $TENSORKILN_CUTLASS_KERNELS (default build/cutlass_rt). QUANT_ROUND_LIMIT scales every step's
+# limit (default 1.0).
+set -uo pipefail
+part=${1:-check}
+case "$part" in check | time | models | choice | compare) ;; *)
+    echo "usage: $0 check|time|models|choice|compare" >&2
+    exit 2
+    ;;
+esac
+export PYTHONPATH=src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export TENSORKILN_CUTLASS_KERNELS=${TENSORKILN_CUTLASS_KERNELS:-build/cutlass_rt}
+out=${OUT:-gpu-logs}
+scale=${QUANT_ROUND_LIMIT:-1.0}
+mkdir -p "$out"
+if [ ! -f "$TENSORKILN_CUTLASS_KERNELS/manifest.json" ]; then
+    echo "no kernel library at $TENSORKILN_CUTLASS_KERNELS (build it with" \
+        "benchmarks/cutlass_gemm_build.py, or set TENSORKILN_CUTLASS_KERNELS)" >&2
+    exit 2
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
+
+# step NAME SECONDS COMMAND...: run COMMAND under a limit, its output in $out/NAME.log
+step() {
+    local name=$1 limit
+    limit=$(awk -v s="$2" -v f="$scale" 'BEGIN { printf "%d", s * f }')
+    shift 2
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    local how="exit $rc"
+    [ $rc -eq 124 ] && how="TIMED OUT after ${limit}s"
+    echo "== $name: $how, $((SECONDS - t0)) s"
+    grep -E "^FAILED|Fatal Python|Error" "$out/$name.log" | head -5
+    tail -4 "$out/$name.log"
+}
+
+# (the Triton kernels' own tests are not marked gpu: they run on CUDA tensors where there is one)
+pytest=(python3 -X faulthandler -m pytest -q -rf --tb=short -p no:cacheprovider)
+case "$part" in
+check)
+    # the implicit-GEMM conv kernels' first run, alone: a fault ends this process only
+    step cutlass_conv 240 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
+        -k "implicit or pointwise or promoted"
+    step gluon 240 "${pytest[@]}" -m gpu tests/kernels/triton/test_conv_gluon.py
+    step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
+        tests/kernels/triton/test_quantize.py tests/kernels/triton/test_pool.py \
+        tests/gpu/test_cutlass_fp8_gpu.py tests/gpu/test_quant_gpu.py
+    ;;
+time)
+    step qconv_3x3 560 python3 benchmarks/qconv_3x3.py --kernels tma,gluon,cutlass --reps 10
+    ;;
+models)
+    step resnet50_quantize_all 580 python3 benchmarks/gpu_models.py --models resnet50 \
+        --batch large --peers tensorkiln-fp8,tensorkiln-int8 --quantize-all --kernels 25 \
+        --layers 60
+    ;;
+choice)
+    step resnet50_choice 580 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
+        --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25
+    ;;
+compare)
+    step resnet50_compare 590 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
+        --peers tensorkiln-fp8,tensorkiln-int8,eager,compile,max-autotune,reduce-overhead \
+        --quantize-all
+    ;;
+esac
