@@ -498,10 +498,10 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
             continue
         if layer.epilogue == "residual" and ((fit and layer.m % tile_m) or layer.n % tile_n):
             continue  # (its tile is read unbounded; where it runs, M is a multiple of 128)
-        staged = (
+        restaged = (
             kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or kern.get("epi_stages", 4) != 4
         )
-        if layer.k > 64 and staged and not kern.get("conv"):
+        if layer.k > 64 and restaged and not kern.get("conv"):
             continue  # (GEMM variants that change stage counts stalled the GPU at larger K)
         names.append(PREFIX + name)
     return names
