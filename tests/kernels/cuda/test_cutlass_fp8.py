@@ -739,3 +739,33 @@ def test_a_conv_kernels_input_is_passed_as_its_image() -> None:
     assert list(t.stride()[:3]) == [arg.strides[0], arg.strides[2], arg.strides[3]]
     with pytest.raises(KernelError, match="dense NHWC"):
         cf.image_arg(t.permute(0, 2, 1, 3))
+
+
+def test_a_kernel_that_does_not_load_is_left_out_not_the_library(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    """One kernel of a few hundred that does not load (a damaged or foreign object) is left out
+    with a warning naming it; the rest stay candidates. A library none of whose kernels loads is
+    a clear error."""
+    folder = _library(tmp_path, KERNELS[:3])
+    monkeypatch.setattr(cf, "load_cudart", lambda: None)
+    monkeypatch.setattr(cf.ctypes, "CDLL", lambda *a, **k: object())
+    bad = KERNELS[1]["name"]
+
+    def load(lib, name, entry, where):
+        if name == bad:
+            raise KernelError(f"{where}: {name} did not load (CUDA error 200)")
+        return object()
+
+    monkeypatch.setattr(cf, "load_kernel", load)
+    with caplog.at_level("WARNING"):
+        lib = cf.Library(folder)
+    assert sorted(lib.kernels) == sorted(k["name"] for k in (KERNELS[0], KERNELS[2]))
+    assert bad in caplog.text and "1 of its kernels left out" in caplog.text
+
+    def none(lib, name, entry, where):
+        raise KernelError(f"{where}: {name} did not load (CUDA error 209)")
+
+    monkeypatch.setattr(cf, "load_kernel", none)
+    with pytest.raises(KernelError, match="none of its 3 kernels loads"):
+        cf.Library(folder)

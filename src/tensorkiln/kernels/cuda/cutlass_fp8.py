@@ -225,19 +225,30 @@ def _conv_geometry(geometry: str) -> tuple[int, int, int]:
 
 
 class Library:
-    """The kernels of one library, loaded on the current CUDA device."""
+    """The kernels of one library, loaded on the current CUDA device. A kernel that does not
+    load is left out with a warning naming it (the others stay candidates); a library none of
+    whose kernels loads is a KernelError."""
 
     def __init__(self, folder: Path) -> None:
-        lib_path, self.kernels = read_manifest(folder)
+        lib_path, kernels = read_manifest(folder)
         load_cudart()
+        where = f"kernel library {lib_path}"
         try:
             self._lib = ctypes.CDLL(str(lib_path), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
-            raise KernelError(f"kernel library {lib_path}: does not load ({exc})") from None
-        self._entries = {
-            name: load_kernel(self._lib, name, k["entry"], f"kernel library {lib_path}")
-            for name, k in self.kernels.items()
-        }
+            raise KernelError(f"{where}: does not load ({exc})") from None
+        self._entries, failed = {}, []
+        for name, k in kernels.items():
+            try:
+                self._entries[name] = load_kernel(self._lib, name, k["entry"], where)
+            except KernelError as exc:
+                failed.append(str(exc))
+        if kernels and not self._entries:
+            raise KernelError(f"{where}: none of its {len(kernels)} kernels loads ({failed[0]})")
+        if failed:
+            log.warning("%s: %d of its kernels left out: %s", where, len(failed),
+                        "; ".join(failed[:3]) + (" ..." if len(failed) > 3 else ""))  # fmt: skip
+        self.kernels = {name: k for name, k in kernels.items() if name in self._entries}
 
     def run(
         self,
