@@ -55,7 +55,7 @@ case "$part" in
 check)
     # the implicit-GEMM conv kernels' first run, alone: a fault ends this process only
     step cutlass_conv 240 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
-        -k "implicit or pointwise or promoted"
+        -k "implicit or pointwise or promoted or strided"
     step gluon 240 "${pytest[@]}" -m gpu tests/kernels/triton/test_conv_gluon.py
     step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
         tests/kernels/triton/test_quantize.py tests/kernels/triton/test_pool.py \

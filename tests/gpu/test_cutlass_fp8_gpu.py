@@ -277,6 +277,50 @@ def test_implicit_gemm_conv_kernels_match_the_exact_kernel(
     assert ran, "the library has no conv kernel for this convolution"
 
 
+# ResNet-50's strided layers at 224 x 224: (input channels, output channels, window, input size)
+STRIDED = [(128, 128, 3, 56), (256, 256, 3, 28), (512, 512, 3, 14),
+           (256, 512, 1, 56), (512, 1024, 1, 28), (1024, 2048, 1, 14)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("c_in", "c_out", "window", "hw"), STRIDED)
+def test_conv_kernels_on_resnet50s_strided_layers(c_in: int, c_out: int, window: int, hw: int):
+    """Every conv kernel that claims one of ResNet-50's stride-2 layers (a 3x3 with ReLU, or a
+    shortcut 1x1 adding the block's 8-bit residual, as a quantized engine runs it), in E4M3 at
+    its real channel counts and image size, batch 16: within one E4M3 step of the exact kernel
+    (over K >= 2,048 the kernels that promote their sums; the others' differences printed)."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(c_in + window)
+    nb, out, cl = 16, hw // 2, torch.channels_last
+    x = (
+        torch.randn(nb, c_in, hw, hw, device="cuda", generator=g)
+        .to(E4M3)
+        .contiguous(memory_format=cl)
+    )
+    w = torch.randn(c_out, c_in, window, window, device="cuda", generator=g).to(E4M3)
+    w = w.contiguous(memory_format=cl)
+    x_scale, y_scale = torch.tensor(0.04, device="cuda"), torch.tensor(0.05, device="cuda")
+    w_scale = (0.01 + 0.02 * torch.rand(c_out, device="cuda", generator=g)) / (window * 8)
+    bias = 0.2 * torch.randn(c_out, device="cuda", generator=g)
+    z = z_scale = None
+    if window == 1:
+        z = torch.randn(nb, c_out, out, out, device="cuda", generator=g).to(E4M3)
+        z, z_scale = z.contiguous(memory_format=cl), torch.tensor(0.1, device="cuda")
+    attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [2, 2],
+             "pads": [window // 2] * 4}  # fmt: skip
+    ran = []
+    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale,
+                                             attrs):  # fmt: skip
+        if not name.startswith(cf.PREFIX + "conv"):
+            continue
+        if c_in * window * window >= 2048 and not name.endswith("p"):  # (Hopper's FP8 sums: see
+            off = float((got.float() - want.float()).abs().max())  # the promoted kernels' test)
+            print(f"{name}: largest difference {off:.4g}, unpromoted over K >= 2048")
+            continue
+        _within_a_step(got, want)
+        ran.append(name)
+    assert ran, "the library has no conv kernel for this layer that must hold"
+
+
 def test_promoted_fp8_conv_kernels_hold_over_a_long_k() -> None:
     """A 3x3 convolution of 512 channels sums 4,608 products: the kernels that promote their E4M3
     sums into float32 every K step stay within one E4M3 step of the exact kernel; the others'
