@@ -12,11 +12,15 @@
 #                                       # (eager channels-last, and torch.compile's three modes)
 #                                       # in one process, on the same inputs
 #
+# Arguments after the step's name go to its benchmark (time, models, choice, compare), for
+# example `models --tactic-sources triton,cutlass,cudnn,cublas,cublaslt` to leave Gluon out.
 # The CUTLASS kernel library (benchmarks/cutlass_gemm_build.py) is read from
 # $TENSORKILN_CUTLASS_KERNELS (default build/cutlass_rt). QUANT_ROUND_LIMIT scales every step's
 # limit (default 1.0).
 set -uo pipefail
 part=${1:-check}
+shift || true
+extra=("$@")
 case "$part" in check | time | models | choice | compare) ;; *)
     echo "usage: $0 check|time|models|choice|compare" >&2
     exit 2
@@ -62,20 +66,21 @@ check)
         tests/gpu/test_cutlass_fp8_gpu.py tests/gpu/test_quant_gpu.py
     ;;
 time)
-    step qconv_3x3 560 python3 benchmarks/qconv_3x3.py --kernels tma,gluon,cutlass --reps 10
+    step qconv_3x3 560 python3 benchmarks/qconv_3x3.py --kernels tma,gluon,cutlass --reps 10 \
+        "${extra[@]}"
     ;;
 models)
     step resnet50_quantize_all 580 python3 benchmarks/gpu_models.py --models resnet50 \
         --batch large --peers tensorkiln-fp8,tensorkiln-int8 --quantize-all --kernels 25 \
-        --layers 60
+        --layers 60 "${extra[@]}"
     ;;
 choice)
     step resnet50_choice 580 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
-        --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25
+        --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25 "${extra[@]}"
     ;;
 compare)
     step resnet50_compare 590 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
         --peers tensorkiln-fp8,tensorkiln-int8,eager,compile,max-autotune,reduce-overhead \
-        --quantize-all
+        --quantize-all "${extra[@]}"
     ;;
 esac
