@@ -263,10 +263,7 @@ def test_implicit_gemm_conv_kernels_match_the_exact_kernel(
     attrs = {"activation": act, "out_dtype": code, "group": 1, "strides": [stride, stride],
              "pads": [window // 2] * 4}  # fmt: skip
     ran = []
-    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, None, y_scale, None,
-                                             attrs):  # fmt: skip
-        if not name.startswith(cf.PREFIX + "conv"):
-            continue
+    for name, got, want in _conv_kernels(x, x_scale, w, w_scale, bias, None, y_scale, None, attrs):
         ran.append(name)
         if kind == "fp8":
             _within_a_step(got, want)
@@ -308,10 +305,7 @@ def test_conv_kernels_on_resnet50s_strided_layers(c_in: int, c_out: int, window:
     attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [2, 2],
              "pads": [window // 2] * 4}  # fmt: skip
     ran = []
-    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale,
-                                             attrs):  # fmt: skip
-        if not name.startswith(cf.PREFIX + "conv"):
-            continue
+    for name, got, want in _conv_kernels(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs):
         if c_in * window * window >= 2048 and not name.endswith("p"):  # (Hopper's FP8 sums: see
             off = float((got.float() - want.float()).abs().max())  # the promoted kernels' test)
             print(f"{name}: largest difference {off:.4g}, unpromoted over K >= 2048")
@@ -339,10 +333,7 @@ def test_promoted_fp8_conv_kernels_hold_over_a_long_k() -> None:
     attrs = {"activation": "Relu", "out_dtype": 17, "group": 1, "strides": [1, 1],
              "pads": [1, 1, 1, 1]}  # fmt: skip
     promoted = []
-    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, None, y_scale, None,
-                                             attrs):  # fmt: skip
-        if not name.startswith(cf.PREFIX + "conv"):
-            continue
+    for name, got, want in _conv_kernels(x, x_scale, w, w_scale, bias, None, y_scale, None, attrs):
         off = float((got.float() - want.float()).abs().max())
         print(
             f"{name}: largest difference {off:.4g} (largest output {float(want.float().max()):.4g})"
@@ -351,6 +342,13 @@ def test_promoted_fp8_conv_kernels_hold_over_a_long_k() -> None:
             _within_a_step(got, want)
             promoted.append(name)
     assert promoted, "the library has no promoted FP8 conv kernel for this convolution"
+
+
+def _conv_kernels(*args):
+    """_each_conv_kernel's results for the library's conv kernels (implicit GEMM) only."""
+    for name, got, want in _each_conv_kernel(*args):
+        if name.startswith(cf.PREFIX + "conv"):
+            yield name, got, want
 
 
 def _mlp(rng, rows: int):

@@ -689,15 +689,21 @@ def test_a_residual_conv_kernel_is_handed_the_residual(monkeypatch) -> None:
     assert len(lib.calls) == 1
 
 
+def _a_tile_and_its_variant(tmp_path: Path, monkeypatch, suffix: str, **flag) -> tuple:
+    """A library of one 128x64 GEMM kernel and the same tile with ``flag`` (its name ending in
+    ``suffix``): (the kernel, the variant, the GEMM tactics' resolver)."""
+    plain = _kernel("channel", "relu", (128, 64))
+    variant = {**_kernel("channel", "relu", (128, 64)), **flag}
+    variant["name"] += suffix
+    loaded = _Loaded(_library(tmp_path, [plain, variant]))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    return plain, variant, cf._resolver("QGemmAct", cf._gemm_fn)
+
+
 def test_promoted_kernels_rank_first_only_over_a_long_k(tmp_path: Path, monkeypatch) -> None:
     """Kernels that promote their E4M3 sums every K step are slower, but over a long K they are
     the ones whose outputs pass the autotuner's check: there they rank first, elsewhere last."""
-    plain = _kernel("channel", "relu", (128, 64))
-    promoted = {**_kernel("channel", "relu", (128, 64)), "promote": True}
-    promoted["name"] += "p"
-    loaded = _Loaded(_library(tmp_path, [plain, promoted]))
-    monkeypatch.setattr(cf, "library", lambda: loaded)
-    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    plain, promoted, resolve = _a_tile_and_its_variant(tmp_path, monkeypatch, "p", promote=True)
 
     def first(spec: LayerSpec) -> str:
         tactics = [resolve(n) for n in cf._kernels_for(spec)]
@@ -711,12 +717,9 @@ def test_promoted_kernels_rank_first_only_over_a_long_k(tmp_path: Path, monkeypa
 def test_staged_vector_kernels_rank_first_where_k_is_short(tmp_path: Path, monkeypatch) -> None:
     """A memory-bound layer (short K) ranks the tile that stages its epilogue's vectors in shared
     memory before the same tile reading them from global memory; a long K does not care."""
-    plain = _kernel("channel", "relu", (128, 64))
-    staged = {**_kernel("channel", "relu", (128, 64)), "vectors_in_smem": True}
-    staged["name"] += "v"
-    loaded = _Loaded(_library(tmp_path, [plain, staged]))
-    monkeypatch.setattr(cf, "library", lambda: loaded)
-    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    plain, staged, resolve = _a_tile_and_its_variant(
+        tmp_path, monkeypatch, "v", vectors_in_smem=True
+    )
     scores = {n: resolve(n).score(_gemm(n=64, k=256)) for n in cf._kernels_for(_gemm(n=64, k=256))}
     assert max(scores, key=scores.get) == cf.PREFIX + staged["name"]
     long_k = _gemm(n=64, k=4096)
