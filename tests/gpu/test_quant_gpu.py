@@ -48,21 +48,33 @@ def _net(rng: np.random.Generator) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _reference_and_gpu(tmp_path: Path, model: onnx.ModelProto, shape: tuple[int, ...],
+                       precision: str, quantize_all: bool = False) -> tuple:  # fmt: skip
+    """``model`` (input x of ``shape``) calibrated and built on the reference backend (two random
+    batches, written to a calibration cache), then built and autotuned on the GPU from that
+    cache: (its path, the reference engine, the GPU engine, the GPU build's config)."""
+    rng = np.random.default_rng()
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    cache = tmp_path / "calib.json"
+    calib = [{"x": rng.standard_normal(shape).astype(np.float32)} for _ in range(2)]
+    configs = []
+    for data in (calib, None):
+        config = BuilderConfig()
+        config.set_flag(precision)
+        config.calibration_data, config.calibration_cache = data, str(cache)
+        if quantize_all:
+            config.choose_precision_per_layer = False
+        configs.append(config)
+    ref = Builder("reference").build(path, configs[0])
+    return path, ref, Builder("cuda").build(path, configs[1]), configs[1]
+
+
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_quantized_engine_on_the_gpu(tmp_path: Path, precision: str) -> None:
     rng = np.random.default_rng()
-    path = tmp_path / "net.onnx"
-    onnx.save(_net(rng), path)
-    cache = tmp_path / "calib.json"
-    calib = [{"x": rng.standard_normal((32, 64, 14, 14)).astype(np.float32)} for _ in range(2)]
-    ref_config = BuilderConfig()
-    ref_config.set_flag(precision)
-    ref_config.calibration_data, ref_config.calibration_cache = calib, str(cache)
-    ref = Builder("reference").build(path, ref_config)
-    config = BuilderConfig()
-    config.set_flag(precision)
-    config.calibration_cache = str(cache)
-    engine = Builder("cuda").build(path, config)
+    path, ref, engine, config = _reference_and_gpu(tmp_path, _net(rng), (32, 64, 14, 14),
+                                                   precision)  # fmt: skip
     chosen = {x["name"]: x.get("tactic", "default") for x in engine.layers}
     quantized = [n.name for n in engine.graph.nodes if n.op in ("QConvAct", "QGemmAct")]
     assert len(quantized) == 3, [n.op for n in engine.graph.nodes]
@@ -128,19 +140,8 @@ def test_a_quantized_resnet_stage_stays_8_bit_on_the_gpu(tmp_path: Path, precisi
     the shortcut's sum is handed over in 8 bits, and the engine autotuned on the GPU agrees with
     the reference backend's build from the same calibration cache."""
     rng = np.random.default_rng()
-    path = tmp_path / "stage.onnx"
-    onnx.save(_stage(rng), path)
-    cache = tmp_path / "calib.json"
-    calib = [{"x": rng.standard_normal((16, 3, 32, 32)).astype(np.float32)} for _ in range(2)]
-    configs = []
-    for data in (calib, None):
-        config = BuilderConfig()
-        config.set_flag(precision)
-        config.calibration_data, config.calibration_cache = data, str(cache)
-        config.choose_precision_per_layer = False
-        configs.append(config)
-    ref = Builder("reference").build(path, configs[0])
-    engine = Builder("cuda").build(path, configs[1])
+    _, ref, engine, _ = _reference_and_gpu(tmp_path, _stage(rng), (16, 3, 32, 32), precision,
+                                           quantize_all=True)  # fmt: skip
     eight_bit = {"int8", "float8_e4m3fn", "INT8", "FLOAT8E4M3FN"}
     pool = next(n for n in engine.graph.nodes if n.op == "MaxPool")
     assert pool.inputs[0].dtype.name in eight_bit and pool.outputs[0].dtype.name in eight_bit

@@ -612,9 +612,9 @@ def _conv_fn(kernel: str) -> Callable:
         if lib is None:
             raise KernelError(f"{PREFIX}{kernel}: no kernel library")
         kern = lib.kernels[kernel]
+        scales = (x_scale, w_scale, y_scale, z_scale)
         if kern.get("conv"):
-            return _implicit_gemm(kernel, kern, x_q, x_scale, w_q, w_scale, b, z, y_scale,
-                                  z_scale, attrs)  # fmt: skip
+            return _implicit_gemm(lib, kernel, x_q, w_q, b, z, scales, attrs)
         strides = tuple(attrs.get("strides") or (1, 1))
         pixels = 0
         if x_q.ndim == 4 and len(strides) == 2:
@@ -625,18 +625,9 @@ def _conv_fn(kernel: str) -> Callable:
         def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
             xq = _subsampled(xq, strides)  # (qconv checked the geometry: 1x1, no padding)
             nb, ch, h, wd = xq.shape
-            m = wq.shape[0]
             rows = xq.permute(0, 2, 3, 1).reshape(nb * h * wd, ch)  # (a view when channels-last)
-            col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, b, 1.0, (m,))
-            d = torch.empty((nb * h * wd, m), dtype=xq.dtype, device=xq.device)  # (8 bits out)
-            zs = 0.0
-            z2 = None
-            if zz is not None:
-                z2 = zz.permute(0, 2, 3, 1).reshape(nb * h * wd, m).contiguous()
-                zs = _host_scalar(z_scale) / _host_scalar(y_scale)
-            lib.run(kernel, rows.contiguous(), wq.reshape(m, ch).contiguous(), d, col, bias2,
-                    z2, zs)  # fmt: skip
-            return d.reshape(nb, h, wd, m).permute(0, 3, 1, 2), True
+            b2 = wq.reshape(wq.shape[0], ch).contiguous()
+            return _run_conv(lib, kernel, rows.contiguous(), b2, (nb, h, wd), b, zz, scales, call)
 
         return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
@@ -644,14 +635,34 @@ def _conv_fn(kernel: str) -> Callable:
     return run
 
 
-def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale,
-                   attrs: dict) -> torch.Tensor:  # fmt: skip
+def _run_conv(lib: Library, kernel: str, a, b2, pixels: tuple[int, int, int], bias, zz, scales,
+              call) -> tuple[torch.Tensor, bool]:  # fmt: skip
+    """A convolution's sums and epilogue by library kernel ``kernel``: A ``a`` (pixel rows, or a
+    conv kernel's NHWC image) and B ``b2`` (out channels x K), the output's ``pixels`` (images,
+    rows, columns) written in 8 bits as (pixels x out channels) rows and handed back as a
+    channels-last NCHW view; the epilogue's vectors from the layer's ``scales`` (X, W, Y, Z) and
+    ``bias``, the residual ``zz`` (if any) as rows of the output's pixels."""
+    x_scale, w_scale, y_scale, z_scale = scales
+    nb, oh, ow = pixels
+    m = b2.shape[0]
+    col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, bias, 1.0, (m,))
+    d = torch.empty((nb * oh * ow, m), dtype=a.dtype, device=a.device)  # (8 bits out)
+    z2, zs = None, 0.0
+    if zz is not None:  # (8 bits of the operands' type, as the layer's check made sure)
+        z2 = zz.permute(0, 2, 3, 1).reshape(nb * oh * ow, m).contiguous()
+        zs = _host_scalar(z_scale) / _host_scalar(y_scale)
+    lib.run(kernel, a, b2, d, col, bias2, z2, zs)
+    return d.reshape(nb, oh, ow, m).permute(0, 3, 1, 2), True
+
+
+def _implicit_gemm(lib: Library, kernel: str, x_q, w_q, b, z, scales, attrs: dict) -> torch.Tensor:
     """A convolution through a conv kernel of the library: the dense NHWC input (a view when
     channels-last) read through TMA's im2col mode, the weight as (out channels, KH x KW x C),
     its columns in the order of an OHWI weight's (kept per constant), the residual (a residual
     kernel's) as (pixels x out channels) rows, the output likewise, channels-last. A layer it
     does not take at this shape (an engine's dynamic dimension away from the tuned one) runs
     the exact default kernel."""
+    kern = lib.kernels[kernel]
     window, _, stride = kern["conv"]
     x_shape, w_shape = tuple(x_q.shape), tuple(w_q.shape)
     layer = None
@@ -663,30 +674,20 @@ def _implicit_gemm(kernel: str, kern: dict, x_q, x_scale, w_q, w_scale, b, z, y_
         taken = _Layer("channel", pixels, w_shape[0], window * window * w_shape[1], "", "",
                        layer[0], w_shape[1])  # fmt: skip
         ok = _takes(kern, taken) and _fits(taken.m, taken.n, taken.k, kern)
+    x_scale, w_scale, y_scale, z_scale = scales
     residual = kern["epilogue"] == "residual"
     if not ok or residual != (z is not None):
         return qconv_act(x_q, x_scale, w_q, w_scale, b, z, y_scale, z_scale, **attrs)
 
     def sums(xq, wq, _bias, zz, call) -> tuple[torch.Tensor, bool]:  # (b read as given)
-        nb = xq.shape[0]
         m = wq.shape[0]
-        oh, ow = call.geometry.out
         image = xq.permute(0, 2, 3, 1)
         image = image if image.is_contiguous() else image.contiguous()
         taps = _kept(
             w_q, ("cutlass_ohwi", m), lambda: wq.permute(0, 2, 3, 1).reshape(m, -1).contiguous()
         )
-        col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, b, 1.0, (m,))
-        d = torch.empty((nb * oh * ow, m), dtype=xq.dtype, device=xq.device)  # (8 bits out)
-        lib = library()
-        if lib is None:
-            raise KernelError(f"{PREFIX}{kernel}: no kernel library")
-        z2, zs = None, 0.0
-        if zz is not None:  # (8 bits of the operands' type, as the layer's check made sure)
-            z2 = zz.permute(0, 2, 3, 1).reshape(nb * oh * ow, m).contiguous()
-            zs = _host_scalar(z_scale) / _host_scalar(y_scale)
-        lib.run(kernel, image, taps, d, col, bias2, z2, zs)
-        return d.reshape(nb, oh, ow, m).permute(0, 3, 1, 2), True
+        pixels = (xq.shape[0], *call.geometry.out)
+        return _run_conv(lib, kernel, image, taps, pixels, b, zz, scales, call)
 
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
