@@ -2,7 +2,8 @@
 
     python benchmarks/gpu_models.py [--models resnet50,bert,vit,gpt2,bert_large]
         [--peers tensorkiln,eager,compile,max-autotune,reduce-overhead] [--batch large|1|both]
-        [--out DIR] [--inductor-cache DIR] [--static-export] [--kernels N] [--rounds N]
+        [--out DIR] [--inductor-cache DIR] [--timing-cache FILE] [--static-export] [--kernels N]
+        [--rounds N]
     python benchmarks/gpu_models.py --merge DIR          # no GPU needed
     python benchmarks/gpu_models.py --device cpu --tiny  # the smoke test (CI)
 
@@ -668,7 +669,8 @@ def run_model(name: str, args, env: dict, tmp: Path) -> dict:
         model16 = model16.to(memory_format=torch.channels_last)
     file = Path(args.out) / f"{name}.json"
     for case in cases:
-        result["rows"].append(measure(name, case, model16, args.peers, env, tmp / "tc"))
+        cache = Path(args.timing_cache) if args.timing_cache else tmp / "tc"
+        result["rows"].append(measure(name, case, model16, args.peers, env, cache))
         write_json(file, with_earlier(file, result))
     del model, model16, cases
     return result
@@ -719,6 +721,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--tiny", action="store_true", help="small models (a smoke test)")
     ap.add_argument("--out", default=os.environ.get("OUT") or "gpu-results")
     ap.add_argument("--inductor-cache", default="/tmp/tensorkiln-bench-inductor")
+    ap.add_argument(
+        "--timing-cache",
+        metavar="FILE",
+        help="tensorkiln's builds read and extend this timing cache (default: a new one in a "
+        "temporary folder), so that a later call's builds time only what this one did not",
+    )
     ap.add_argument(
         "--static-export",
         action="store_true",
