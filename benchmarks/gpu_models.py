@@ -580,7 +580,9 @@ def failed(exc: BaseException) -> dict:
 # ---------------------------------------------------------------- one model
 
 
-def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path) -> dict:
+def measure(
+    name: str, case: tuple, model16, peers: list, env: dict, cache: Path, save=None
+) -> dict:
     batch, path, dev, want, flops = case
     large = batch > 1  # throughput; batch 1: latency
     row: dict = {"model": name, "batch": batch, "large": large, "flops": flops, "peers": {}}
@@ -616,6 +618,8 @@ def measure(name: str, case: tuple, model16, peers: list, env: dict, cache: Path
         if "value" not in cell:
             S.timers.pop(peer, None)
         common.log(f"{name} batch {batch}: {peer} {_brief(cell, large)}")
+        if save is not None:  # (what a call cut short by its time limit still keeps)
+            save(table.derive(row, env["gemm_peak"]["flops"]))
     if large and S.rounds > 1:
         rounds(row)
     S.timers = {}
@@ -670,7 +674,12 @@ def run_model(name: str, args, env: dict, tmp: Path) -> dict:
     file = Path(args.out) / f"{name}.json"
     for case in cases:
         cache = Path(args.timing_cache) if args.timing_cache else tmp / "tc"
-        result["rows"].append(measure(name, case, model16, args.peers, env, cache))
+        done = list(result["rows"])
+
+        def save(row: dict, done: list = done) -> None:
+            write_json(file, with_earlier(file, {**result, "rows": [*done, row]}))
+
+        result["rows"].append(measure(name, case, model16, args.peers, env, cache, save))
         write_json(file, with_earlier(file, result))
     del model, model16, cases
     return result
