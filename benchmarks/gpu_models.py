@@ -388,7 +388,7 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
     """The engine run layer by layer (a context without a CUDA graph; CUDA events around each
     layer): the total per run and the ``top`` slowest layers, each with its op, tactic,
     precisions, milliseconds per run and what it ran (:func:`kernels_by_layer`); and the
-    copies (kernels named ``copy``) each layer launches, for every layer that launches any."""
+    copies (:func:`is_copy`) each layer launches, for every layer that launches any."""
     from tensorkiln.runtime.profile import profile_layers
 
     ctx = engine.create_execution_context()
@@ -412,13 +412,20 @@ def layer_profile(engine, dev: dict, top: int, runs: int = 10) -> dict:
         )
     copies = {}
     for name, kernels in ran.items():
-        if found := [k for k in kernels if "copy" in k[0].lower()]:
+        if found := [k for k in kernels if is_copy(k[0])]:
             copies[name] = found
     return {
         "ms_per_run": sum(r["total_ms"] for r in rows) / runs,
         "top": slowest,
         "copies": copies,
     }
+
+
+def is_copy(kernel: str) -> bool:
+    """Whether a kernel's name is a copy's (torch's ``direct_copy``, a memcpy): "copy" in its
+    name, not counting CuTe's ``CopyAtom`` (a template argument of every CUTLASS kernel)."""
+    name = kernel.lower()
+    return "memcpy" in name or "copy" in name.replace("copyatom", "")
 
 
 def kernels_by_layer(ctx, dev: dict) -> dict[str, list]:

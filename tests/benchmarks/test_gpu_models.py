@@ -262,3 +262,24 @@ def test_the_precision_choice_lines_name_the_quantized_tactic() -> None:
     assert "  - `conv3`: 0.6000 ms quantized on cudnn_fp16 (0.0400 Q), 0.3000 float" in lines
     assert "  - `conv1`: 0.3000 ms quantized (0.0000 Q), 0.4000 float" in lines
     assert lines.count("  - `conv3`: 0.6000 ms quantized (0.0400 Q), 0.3000 float") == 1
+
+
+def test_copies_are_told_from_cutlass_kernels(monkeypatch) -> None:
+    """The layer profile's copies: torch's casting copy and a memcpy are copies; a CUTLASS
+    kernel, whose name carries CuTe's CopyAtom, is not (kernel names from an H200 profile)."""
+    for p in (ROOT / "src", ROOT):
+        monkeypatch.syspath_prepend(str(p))
+    spec = importlib.util.spec_from_file_location("gpu_models_copies", SCRIPT)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)
+    spec.loader.exec_module(bench)
+    assert bench.is_copy(
+        "void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<"
+        "at::native::direct_copy_kernel_cuda(at::T"
+    )
+    assert bench.is_copy("Memcpy DtoD (Device -> Device)")
+    assert not bench.is_copy(
+        "kernel_cutlass_kernel_cutlass_hopper_gemm_exampleHopperFP8GeluPersistentGemmKernel_"
+        "object_at__CopyAtom_ThrID10_TVLayoutS"
+    )
+    assert not bench.is_copy("_widen_kernel")

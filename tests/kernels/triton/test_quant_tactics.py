@@ -182,6 +182,22 @@ def test_qconv_through_the_float16_convolution(kind, residual) -> None:
     _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=True, rtol=_tol(kind, "cudnn_fp16"))
 
 
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_qconv_of_a_three_channel_image_through_the_float16_convolution(kind, layout) -> None:
+    """cudnn_fp16 on a stem (3 input channels, 7x7, stride 2): the image is widened into 4
+    channels and the weight given a zero fourth channel; the result is the reference's
+    convolution of the 3 channels, from either layout of the input."""
+    rng = np.random.default_rng()
+    m = 16
+    args = [_q(rng, (2, 3, 20, 18), kind), np.float32(0.02), _q(rng, (m, 3, 7, 7), kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    attrs = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}
+    _check("QConvAct", "cudnn_fp16", args, attrs, channels_last=layout == "channels_last",
+           rtol=_tol(kind, "cudnn_fp16"))  # fmt: skip
+
+
 def test_the_float16_weight_is_prepared_once_per_weight() -> None:
     """cudnn_fp16 keeps the prepared weight of a constant weight tensor (a CUDA graph then
     replays the convolution alone) and prepares it again when the weight changes in place or

@@ -178,3 +178,31 @@ def test_widening_gives_the_numpy_values(source, out, layout):
     np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
     assert not quantize.widen_applies(t[:, :, ::2], out)  # (not dense: torch's cast)
     assert not quantize.widen_applies(t, torch.int32)
+
+
+@pytest.mark.parametrize("source", ["int8", "e4m3"])
+@pytest.mark.parametrize("layout", ["row_major", "channels_last", "strided"])
+def test_padded_widening_adds_zero_channels(source, layout):
+    """widen_padded: a 3-channel 8-bit image as float16 with a fourth, zero channel,
+    channels-last, from any input layout; the oracle is numpy's (ml_dtypes') conversion of the
+    same codes, padded by numpy."""
+    rng = np.random.default_rng()
+    codes = rng.integers(0, 256, size=(2, 3, 9, 11), dtype=np.uint8)
+    np_type = np.int8 if source == "int8" else ml_dtypes.float8_e4m3fn
+    x = codes.view(np_type)
+    t = to_torch(x, DEVICE)
+    if layout == "channels_last":
+        t = t.contiguous(memory_format=torch.channels_last)
+    elif layout == "strided":  # (every other column of a wider image)
+        wide = np.repeat(codes, 2, axis=3).view(np_type)
+        t = to_torch(wide, DEVICE)[..., ::2]
+        x = wide[..., ::2]
+    y = quantize.widen_padded(t, torch.float16, 4)
+    assert y.shape == (2, 4, 9, 11) and y.is_contiguous(memory_format=torch.channels_last)
+    got = to_numpy(y.float())
+    want = np.zeros((2, 4, 9, 11), np.float32)
+    want[:, :3] = x.astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
+    with pytest.raises(ValueError, match="at most 2 channels"):
+        quantize.widen_padded(t, torch.float16, 2)

@@ -342,7 +342,10 @@ def _half_sums(
     weight (``w_half``) carries its per-channel scale (rounded to float16) so the sums stay in
     float16's range, and X_scale follows in the epilogue's pass."""
     wide = w_half.dtype
-    xh = quantize.widen(x_q, wide) if _widens(x_q, wide) else x_q.to(wide)
+    if w_half.shape[1] > x_q.shape[1]:  # (a 3-channel image: widened into 4 channels)
+        xh = quantize.widen_padded(x_q, wide, w_half.shape[1])
+    else:
+        xh = quantize.widen(x_q, wide) if _widens(x_q, wide) else x_q.to(wide)
     acc = conv_nd(xh, w_half, None, call.geometry, call.group)
     return _scaled(acc, call.x_scale.expand(call.channels), bias, z, call)
 
@@ -357,17 +360,31 @@ def _widens(x_q: torch.Tensor, dtype: torch.dtype) -> bool:
     )
 
 
-def _half_weight(x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def _half_weight(
+    x_q: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, group: int = 1
+) -> torch.Tensor:
+    """The float16 weight (float32 on the CPU), channels-last for a 2-D convolution. A
+    3-channel 2-D convolution of one group (an image's stem) gets a fourth, zero input channel:
+    cuDNN runs 3-channel images by first copying them into 4 channels, which
+    :func:`quantize.widen_padded` does in the widening pass it already makes."""
     half = torch.float16 if x_q.is_cuda else torch.float32  # (CPU tests: float32's rounding)
     layout = w_q.ndim == 4 and x_q.ndim == 4
+    pads = (
+        quantize is not None
+        and (x_q.is_cuda or interpreting())
+        and x_q.dtype in (torch.int8, torch.float8_e4m3fn)
+    )
+    pad = 1 if layout and group == 1 and w_q.shape[1] == 3 and pads else 0
 
     def make() -> torch.Tensor:
         m = w_q.shape[0]
         scale = w_scale.to(torch.float32).reshape(-1).expand(m)
         w = (w_q.to(torch.float32) * scale.reshape(m, *(1,) * (w_q.ndim - 1))).to(half)
+        if pad:
+            w = torch.nn.functional.pad(w, (0, 0, 0, 0, 0, pad))
         return w.contiguous(memory_format=torch.channels_last) if layout else w
 
-    return _kept(w_q, ("half", half, layout), make, w_scale)
+    return _kept(w_q, ("half", half, layout, pad), make, w_scale)
 
 
 def qconv_half(
@@ -378,7 +395,8 @@ def qconv_half(
 
     def sums(xq, wq, bias, zz, call: QConv) -> tuple[torch.Tensor, bool]:
         # (after qconv's checks of the operands: a bad scale is named, not a torch error)
-        return _half_sums(xq, wq, bias, zz, call, w_half=_half_weight(xq, wq, w_scale))
+        w_half = _half_weight(xq, wq, w_scale, call.group)
+        return _half_sums(xq, wq, bias, zz, call, w_half=w_half)
 
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 

@@ -265,6 +265,51 @@ def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _widen_padded_kernel(
+    x_ptr, y_ptr, N, C, H, W, sn, sc, sh, sw,
+    CP: tl.constexpr, FLOAT8: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    # y: (n, h, w, c) in that order, CP channels; channels C.. are zeros
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    c = offs % CP
+    pix = offs // CP
+    w = pix % W
+    h = (pix // W) % H
+    n = pix // (W * H)
+    src = n * sn + c * sc + h * sh + w * sw
+    x = tl.load(x_ptr + src, mask=ok & (c < C), other=0)
+    if FLOAT8:
+        v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
+    else:
+        v = x.to(tl.float32)
+    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
+
+
+def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Tensor:
+    """``x`` (N, C, H, W, int8 or E4M3, any strides) as ``dtype`` with ``channels`` >= C
+    channels, channels-last, the added channels zero: one pass. cuDNN's float16 convolutions
+    take 3-channel images (a stem) through a padding copy of their own; this is the widening
+    and that copy in one."""
+    if x.dim() != 4 or channels < x.shape[1] or x.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(
+            f"widen_padded: takes a 4-D int8 or E4M3 tensor of at most {channels} channels, "
+            f"not {x.dtype} {tuple(x.shape)}"
+        )
+    n, c, h, w = x.shape
+    y = torch.empty((n, channels, h, w), dtype=dtype, device=x.device)
+    y = y.contiguous(memory_format=torch.channels_last)
+    total = y.numel()
+    if total:
+        _widen_padded_kernel[(triton.cdiv(total, WIDEN_BLOCK),)](
+            storable(x), y, total, c, h, w, *x.stride(), CP=channels,
+            FLOAT8=x.dtype == torch.float8_e4m3fn, BLOCK=WIDEN_BLOCK,
+        )  # fmt: skip
+    return y
+
+
 def widen_applies(x: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`widen` takes ``x`` to ``dtype``: int8 or E4M3 in a dense layout, to a
     16 or 32-bit float type."""
