@@ -16,21 +16,21 @@ def _v(name, dtype, shape, const=None):
     return Value(name, TensorType(dtype, shape), const=const)
 
 
-def _graph(extra_reader: str | None = None) -> tuple[Graph, Value]:
+def _graph(extra_reader: str | None = None, c: int = 8) -> tuple[Graph, Value]:
     rng = np.random.default_rng()
-    x = _v("x", DType.FLOAT, (1, 3, 8, 8))
+    x = _v("x", DType.FLOAT, (1, c, 8, 8))
     s = _v("s", DType.FLOAT, (), np.float32(0.05))
     zp = _v("zp", DType.INT8, (), np.int8(0))
-    wq = _v("wq", DType.INT8, (4, 3, 3, 3), rng.integers(-127, 128, (4, 3, 3, 3)).astype(np.int8))
+    wq = _v("wq", DType.INT8, (4, c, 3, 3), rng.integers(-127, 128, (4, c, 3, 3)).astype(np.int8))
     ws = _v("ws", DType.FLOAT, (4,), np.full(4, 0.01, np.float32))
-    q, y = _v("q", DType.INT8, (1, 3, 8, 8)), _v("y", DType.FLOAT, (1, 4, 6, 6))
+    q, y = _v("q", DType.INT8, (1, c, 8, 8)), _v("y", DType.FLOAT, (1, 4, 6, 6))
     nodes = [
         Node("QuantizeLinear", [x, s, zp], [q], name="quantize"),
         Node("QConvAct", [q, s, wq, ws], [y], domain="tensorkiln", name="conv"),
     ]
     outputs = [y]
     if extra_reader is not None:
-        other = _v("other", DType.FLOAT if extra_reader == "x" else DType.INT8, (1, 3, 8, 8))
+        other = _v("other", DType.FLOAT if extra_reader == "x" else DType.INT8, (1, c, 8, 8))
         nodes.append(Node("Identity", [x if extra_reader == "x" else q], [other], name="id"))
         outputs.append(other)
     graph = Graph(inputs=[x], outputs=outputs, initializers=[s, zp, wq, ws],
@@ -46,6 +46,15 @@ def test_an_input_quantized_for_convolutions_alone_goes_channels_last() -> None:
     for reader in ("x", "q"):  # another reader of the input, or of its quantized values
         graph, _ = _graph(reader)
         assert _conv_inputs(graph, _conv_weights(graph)) == frozenset()
+
+
+def test_a_three_channel_image_quantized_for_its_stem_stays_as_given() -> None:
+    """A 3-channel image quantized for a convolution (a quantized stem) is not copied
+    channels-last on the way in: the convolution's float16 route widens it into 4 channels,
+    channels-last, from any layout (tests/kernels/triton/test_quant_tactics.py checks that
+    route's values from an NCHW input)."""
+    graph, _ = _graph(c=3)
+    assert _conv_inputs(graph, _conv_weights(graph)) == frozenset()
 
 
 def test_triton_convolution_output_follows_the_weight_layout() -> None:

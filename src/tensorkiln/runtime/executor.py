@@ -431,10 +431,22 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
     return frozenset(found)
 
 
+def _three_channels(n: Node) -> bool:
+    """Whether ``n`` is a 2-D quantized convolution of one group over 3 input channels."""
+    if (n.domain, n.op) != ("tensorkiln", "QConvAct") or len(n.inputs) < 3:
+        return False
+    w = n.inputs[2]
+    shape = None if w is None or w.const is None else np.shape(w.const)
+    return shape is not None and len(shape) == 4 and shape[1] == 3 and n.attrs.get("group", 1) == 1
+
+
 def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
     """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``, or
     only by QuantizeLinear nodes whose outputs those convolutions alone read (an INT8/FP8
-    engine's first layer), anywhere, subgraphs included, and not themselves outputs."""
+    engine's first layer), anywhere, subgraphs included, and not themselves outputs. Not an
+    image of 3 channels quantized for such a convolution (a quantized stem): its float16 route
+    widens the 8-bit image into 4 channels, channels-last, in one pass from any layout, so a
+    channels-last copy of the float input would be a pass of its own for nothing."""
     if not weights:
         return frozenset()
     readers: dict[Value, list[tuple[Node, int]]] = {}
@@ -452,7 +464,9 @@ def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
             return False
         q = n.outputs[0]
         users = readers.get(q, [])
-        return bool(users) and q not in graph.outputs and all(conv_reads(m, j, q) for m, j in users)
+        if not users or q in graph.outputs or any(_three_channels(m) for m, _ in users):
+            return False
+        return all(conv_reads(m, j, q) for m, j in users)
 
     return frozenset(
         v
