@@ -283,11 +283,14 @@ STRIDED = [(128, 128, 3, 56), (256, 256, 3, 28), (512, 512, 3, 14),
 def test_conv_kernels_on_resnet50s_strided_layers(c_in: int, c_out: int, window: int, hw: int):
     """Every conv kernel that claims one of ResNet-50's stride-2 layers (a 3x3 with ReLU, or a
     shortcut 1x1 adding the block's 8-bit residual, as a quantized engine runs it), in E4M3 at
-    its real channel counts and image size, batch 16: within one E4M3 step of the exact kernel
-    (over K >= 2,048 the kernels that promote their sums; the others' differences printed)."""
+    its real channel counts and image size, at least 16 images and as many as make whole tiles
+    of 128 output pixels (the kernels' M; at 7 x 7 that is 128 images, as at ResNet-50's batch
+    of 256): within one E4M3 step of the exact kernel (over K >= 2,048 the kernels that promote
+    their sums; the others' differences printed)."""
     _library()
     g = torch.Generator(device="cuda").manual_seed(c_in + window)
-    nb, out, cl = 16, hw // 2, torch.channels_last
+    out, cl = hw // 2, torch.channels_last
+    nb = max(16, 128 // math.gcd(out * out, 128))
     x = (
         torch.randn(nb, c_in, hw, hw, device="cuda", generator=g)
         .to(E4M3)
