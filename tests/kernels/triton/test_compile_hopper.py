@@ -78,3 +78,38 @@ def test_quantizing_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> No
     assert len(counts) == 2
     for name, c in counts.items():
         assert (c["cvt_e4m3"] > 0) == name.endswith("_hw"), (name, c)
+
+
+_WIDEN_CHILD = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tensorkiln.kernels.triton import quantize
+
+src = ASTSource(
+    fn=quantize._widen_padded_kernel,
+    signature={"x_ptr": "*u8", "y_ptr": "*fp16", "P": "i32", "C": "i32", "H": "i32", "W": "i32",
+               "sn": "i64", "sc": "i64", "sh": "i64", "sw": "i64", "CP": "constexpr",
+               "FLOAT8": "constexpr", "BLOCK": "constexpr"},
+    constexprs={"CP": 4, "FLOAT8": True, "BLOCK": 1024},
+    attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},  # (as launched)
+)
+ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+print(json.dumps({"stores": ptx.count("st.global"), "wide": ptx.count("st.global.v2")
+                  + ptx.count("st.global.v4")}))
+"""
+
+
+def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
+    """quantize.widen_padded's kernel (a block of pixels by 4 channels) compiles for Hopper, and
+    writes each pixel's 4 float16 channels with vector stores (8 bytes and more)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, "-c", _WIDEN_CHILD], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts["stores"] > 0 and counts["wide"] > 0, counts

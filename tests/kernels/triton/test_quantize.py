@@ -206,3 +206,5 @@ def test_padded_widening_adds_zero_channels(source, layout):
     np.testing.assert_array_equal(np.nan_to_num(got), np.nan_to_num(want))
     with pytest.raises(ValueError, match="at most 2 channels"):
         quantize.widen_padded(t, torch.float16, 2)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize.widen_padded(t, torch.float16, 6)

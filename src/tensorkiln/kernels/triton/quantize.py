@@ -267,25 +267,28 @@ def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _widen_padded_kernel(
-    x_ptr, y_ptr, N, C, H, W, sn, sc, sh, sw,
+    x_ptr, y_ptr, P, C, H, W, sn, sc, sh, sw,
     CP: tl.constexpr, FLOAT8: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # y: (n, h, w, c) in that order, CP channels; channels C.. are zeros
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    c = offs % CP
-    pix = offs // CP
+    # a block of BLOCK pixels (n, h, w) by CP channels: read along the pixels of each channel's
+    # plane (coalesced for NCHW), written as BLOCK x CP contiguous values (channels-last);
+    # channels C.. are zeros
+    pix = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.arange(0, CP)
     w = pix % W
     h = (pix // W) % H
     n = pix // (W * H)
-    src = n * sn + c * sc + h * sh + w * sw
-    x = tl.load(x_ptr + src, mask=ok & (c < C), other=0)
+    base = n * sn + h * sh + w * sw
+    ok = pix < P
+    src = base[:, None] + c[None, :].to(tl.int64) * sc
+    x = tl.load(x_ptr + src, mask=ok[:, None] & (c[None, :] < C), other=0)
     if FLOAT8:
         v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
     else:
         v = x.to(tl.float32)
-    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
+    dst = pix[:, None] * CP + c[None, :]
+    tl.store(y_ptr + dst, v.to(y_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Tensor:
@@ -299,13 +302,17 @@ def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Te
             f"not {x.dtype} {tuple(x.shape)}"
         )
     n, c, h, w = x.shape
-    y = torch.empty((n, channels, h, w), dtype=dtype, device=x.device)
-    y = y.contiguous(memory_format=torch.channels_last)
-    total = y.numel()
-    if total:
-        _widen_padded_kernel[(triton.cdiv(total, WIDEN_BLOCK),)](
-            storable(x), y, total, c, h, w, *x.stride(), CP=channels,
-            FLOAT8=x.dtype == torch.float8_e4m3fn, BLOCK=WIDEN_BLOCK,
+    if channels & (channels - 1):
+        raise ValueError(f"widen_padded: {channels} channels; a power of two is taken")
+    y = torch.empty(
+        (n, channels, h, w), dtype=dtype, device=x.device, memory_format=torch.channels_last
+    )
+    pixels = n * h * w
+    if pixels:
+        block = max(WIDEN_BLOCK // channels, 1)
+        _widen_padded_kernel[(triton.cdiv(pixels, block),)](
+            storable(x), y, pixels, c, h, w, *x.stride(), CP=channels,
+            FLOAT8=x.dtype == torch.float8_e4m3fn, BLOCK=block,
         )  # fmt: skip
     return y
 
