@@ -679,8 +679,8 @@ def run_model(name: str, args, env: dict, tmp: Path) -> dict:
     if SPECS[name].channels_last:
         model16 = model16.to(memory_format=torch.channels_last)
     file = Path(args.out) / f"{name}.json"
+    cache = Path(args.timing_cache) if args.timing_cache else tmp / "tc"
     for case in cases:
-        cache = Path(args.timing_cache) if args.timing_cache else tmp / "tc"
         done = list(result["rows"])
 
         def save(row: dict, done: list = done) -> None:

@@ -535,12 +535,13 @@ def _vectors(
     zero-padded to a whole number of the widest tile's columns: a tile wider than N reads its
     vectors' columns past N (the TMA store drops those outputs), and they stay in the tensor."""
     n = key[0]
+    size = -(-n // _VECTOR_PAD) * _VECTOR_PAD
     over_y = over_y and y_scale is not None
     key = (*key, over_y)
 
     def over(v: torch.Tensor) -> torch.Tensor:
         v = v / y_scale.reshape(()).to(torch.float32) if over_y else v
-        padded = v.new_zeros(-(-n // _VECTOR_PAD) * _VECTOR_PAD)
+        padded = v.new_zeros(size)
         padded[:n] = v
         return padded
 
@@ -551,8 +552,7 @@ def _vectors(
         return over(bias.reshape(n).to(torch.float32) * beta)
 
     def zeros() -> torch.Tensor:
-        return torch.zeros(-(-n // _VECTOR_PAD) * _VECTOR_PAD, dtype=torch.float32,
-                           device=w_scale.device)  # fmt: skip
+        return torch.zeros(size, dtype=torch.float32, device=w_scale.device)
 
     cols = _kept(w_scale, ("cutlass_col", *key), col, x_scale, y_scale)
     if bias is None:

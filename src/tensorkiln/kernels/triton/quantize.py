@@ -253,16 +253,23 @@ WIDEN_BLOCK = 4096
 
 
 @triton.jit
-def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < N
-    x = tl.load(x_ptr + offs, mask=ok, other=0)
-    if FLOAT8:  # (x_ptr: the E4M3 codes as bytes; 0x7F and 0xFF are NaN, E4M3 has no infinity)
+def _widened(x, FLOAT8: tl.constexpr):
+    """8-bit values as float32: int8, or E4M3 codes as bytes (0x7F and 0xFF are NaN, E4M3 has
+    no infinity)."""
+    if FLOAT8:
         v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
     else:
         v = x.to(tl.float32)
-    tl.store(y_ptr + offs, v.to(y_ptr.dtype.element_ty), mask=ok)
+    return v
+
+
+@triton.jit
+def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < N
+    x = tl.load(x_ptr + offs, mask=ok, other=0)
+    tl.store(y_ptr + offs, _widened(x, FLOAT8).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -282,13 +289,8 @@ def _widen_padded_kernel(
     ok = pix < P
     src = base[:, None] + c[None, :].to(tl.int64) * sc
     x = tl.load(x_ptr + src, mask=ok[:, None] & (c[None, :] < C), other=0)
-    if FLOAT8:
-        v = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        v = tl.where((x & 0x7F) == 0x7F, float("nan"), v)
-    else:
-        v = x.to(tl.float32)
     dst = pix[:, None] * CP + c[None, :]
-    tl.store(y_ptr + dst, v.to(y_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(y_ptr + dst, _widened(x, FLOAT8).to(y_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Tensor:
