@@ -25,6 +25,7 @@ benchmarks/RESULTS.md were measured with CUTLASS at commit 7107b0553 and the DSL
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.util
 import json
 import os
@@ -157,12 +158,24 @@ _POST_SCALE_PATCH = (
 # The residual epilogue (``residual``): the channel epilogue plus an 8-bit residual of the
 # output's shape and type (E4M3 or int8) times a scale (the scalar argument, which the channel epilogue leaves unused),
 # added before the activation: ``op(acc * col[n] + bias[n] + z * z_scale)``, a ResNet block's
-# last convolution with its shortcut. The tile's residual is copied to a row-major shared-memory
-# tile by the epilogue's threads when the tile starts (16-byte cp.async copies), so the copy runs
-# under the tile's main loop; the epilogue waits for it once, then reads each subtile through the
-# partition the fragment is stored with. (Read from global memory through that partition, a byte
-# or two at a time, or copied subtile by subtile just before its use, the residual made these
-# layers twice as slow as without it.)
+# last convolution with its shortcut. The epilogue's threads copy a tile's residual to shared
+# memory with 16-byte cp.async copies when the tile starts, so the copy runs under the tile's main
+# loop; the epilogue waits for it, then reads each subtile through the partition the fragment is
+# stored with. (Read from global memory through that partition, a byte or two at a time, or
+# copied subtile by subtile just before its use, the residual made these layers twice as slow as
+# without it.) The tile's rows lie N + 16 bytes apart in shared memory, not N: the fragment's
+# threads read two bytes each from eight rows at once, and rows a multiple of 128 bytes apart put
+# all eight in the same two banks (eight-way conflicts on every read; N + 16 spreads them over
+# sixteen banks).
+# Tiles ``...d`` keep two residual buffers: the first tile's residual is requested before the
+# loop and each tile requests the next one's (a second scheduler runs one tile ahead) before its
+# own main loop, so the copy also runs under this tile's epilogue, and the epilogue waits for all
+# but the newest group of copies (``cp.async.wait_group 1``). A buffer is refilled only after the
+# last epilogue barrier of the tile that read it. The second buffer costs the main loop stages:
+# 128x128o2 keeps one.
+_RESIDUAL_ROW = "(self.tile_shape_mnk[1] + 16)"
+_RESIDUAL_DOUBLE = "getattr(self, 'tk_res_double', False)"
+_VECTOR_STAGED = "getattr(self, 'tk_vec_smem', False)"  # (the staged vectors' tiles, below)
 _RESIDUAL_PATCHES = (
     ("        bias: cute.Tensor,\n", "        bias: cute.Tensor,\n        res: cute.Tensor,\n"),
     ("            bias_mnl,\n            self.tiled_mma,",
@@ -182,7 +195,8 @@ _RESIDUAL_PATCHES = (
         "                ],\n                self.buffer_align_bytes,\n            ]\n"
         "            sR: cute.struct.Align[\n"
         "                cute.struct.MemRange[\n"
-        "                    self.c_dtype, self.tile_shape_mnk[0] * self.tile_shape_mnk[1]\n"
+        "                    self.c_dtype,\n"
+        f"                    (2 if {_RESIDUAL_DOUBLE} else 1) * self.tile_shape_mnk[0] * {_RESIDUAL_ROW},\n"
         "                ],\n"
         "                128,\n"
         "            ]\n",
@@ -194,45 +208,80 @@ _RESIDUAL_PATCHES = (
         "            epi_smem_layout_staged.outer, swizzle=epi_smem_layout_staged.inner\n        )\n"
         "        sR = storage.sR.get_tensor(\n"
         "            cute.make_layout(\n"
-        "                (self.tile_shape_mnk[0], self.tile_shape_mnk[1]),\n"
-        "                stride=(self.tile_shape_mnk[1], 1),\n"
+        f"                (self.tile_shape_mnk[0], self.tile_shape_mnk[1], 2 if {_RESIDUAL_DOUBLE} else 1),\n"
+        f"                stride=({_RESIDUAL_ROW}, 1, self.tile_shape_mnk[0] * {_RESIDUAL_ROW}),\n"
         "            )\n"
         "        )\n",
     ),
     (
+        "            tma_store_pipeline = pipeline.PipelineTmaStore.create(\n"
+        "                num_stages=self.epi_stage,\n"
+        "                producer_group=tma_store_producer_group,\n"
+        "            )\n",
+        "            tma_store_pipeline = pipeline.PipelineTmaStore.create(\n"
+        "                num_stages=self.epi_stage,\n"
+        "                producer_group=tma_store_producer_group,\n"
+        "            )\n"
+        "            tk_tpr = self.tile_shape_mnk[1] // 16\n"
+        "            tk_ld = cute.make_tiled_copy_tv(\n"
+        "                cute.make_copy_atom(\n"
+        "                    cute.nvgpu.cpasync.CopyG2SOp(), self.c_dtype,\n"
+        "                    num_bits_per_copy=128,\n"
+        "                ),\n"
+        "                cute.make_layout(\n"
+        "                    (self.num_mma_threads // tk_tpr, tk_tpr), stride=(tk_tpr, 1)\n"
+        "                ),\n"
+        "                cute.make_layout((1, 16)),\n"
+        "            )\n"
+        "            tk_thr = tk_ld.get_slice(\n"
+        "                tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group\n"
+        "            )\n"
+        "            tk_ahead = utils.StaticPersistentTileScheduler.create(\n"
+        "                tile_sched_params, cute.arch.block_idx(), cute.arch.grid_dim()\n"
+        "            )\n"
+        f"            if cutlass.const_expr({_RESIDUAL_DOUBLE}):\n"
+        "                if work_tile.is_valid_tile:\n"
+        "                    cute.copy(\n"
+        "                        tk_ld,\n"
+        "                        tk_thr.partition_S(gRes_mnl[(None, None, *work_tile.tile_idx)]),\n"
+        "                        tk_thr.partition_D(sR[(None, None, 0)]),\n"
+        "                    )\n"
+        "                cute.arch.cp_async_commit_group()\n"
+        "                tk_ahead.advance_to_next_work()\n",
+    ),
+    (
         "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n",
         "                gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]\n"
-        "                tk_tpr = self.tile_shape_mnk[1] // 16\n"
-        "                tk_ld = cute.make_tiled_copy_tv(\n"
-        "                    cute.make_copy_atom(\n"
-        "                        cute.nvgpu.cpasync.CopyG2SOp(), self.c_dtype,\n"
-        "                        num_bits_per_copy=128,\n"
-        "                    ),\n"
-        "                    cute.make_layout(\n"
-        "                        (self.num_mma_threads // tk_tpr, tk_tpr), stride=(tk_tpr, 1)\n"
-        "                    ),\n"
-        "                    cute.make_layout((1, 16)),\n"
-        "                )\n"
-        "                tk_thr = tk_ld.get_slice(\n"
-        "                    tidx - self.num_dma_warp_groups * self.num_threads_per_warp_group\n"
-        "                )\n"
-        "                cute.copy(\n"
-        "                    tk_ld,\n"
-        "                    tk_thr.partition_S(gRes_mnl[(None, None, *tile_coord_mnl)]),\n"
-        "                    tk_thr.partition_D(sR),\n"
-        "                )\n"
-        "                cute.arch.cp_async_commit_group()\n",
+        f"                tk_rbuf = tile_sched.num_tiles_executed % 2 if {_RESIDUAL_DOUBLE} else 0\n"
+        f"                if cutlass.const_expr({_RESIDUAL_DOUBLE}):\n"
+        "                    tk_next = tk_ahead.get_current_work()\n"
+        "                    if tk_next.is_valid_tile:\n"
+        "                        cute.copy(\n"
+        "                            tk_ld,\n"
+        "                            tk_thr.partition_S(gRes_mnl[(None, None, *tk_next.tile_idx)]),\n"
+        "                            tk_thr.partition_D(sR[(None, None, 1 - tk_rbuf)]),\n"
+        "                        )\n"
+        "                    cute.arch.cp_async_commit_group()\n"
+        "                    tk_ahead.advance_to_next_work()\n"
+        "                else:\n"
+        "                    cute.copy(\n"
+        "                        tk_ld,\n"
+        "                        tk_thr.partition_S(gRes_mnl[(None, None, *tile_coord_mnl)]),\n"
+        "                        tk_thr.partition_D(sR[(None, None, 0)]),\n"
+        "                    )\n"
+        "                    cute.arch.cp_async_commit_group()\n",
     ),
     (
         "                # Epilogue\n",
         "                # Epilogue\n"
-        "                cute.arch.cp_async_wait_group(0)\n"
-        "                self.epilog_sync_barrier.arrive_and_wait()\n",
+        f"                if cutlass.const_expr(not {_VECTOR_STAGED}):\n"
+        f"                    cute.arch.cp_async_wait_group(1 if {_RESIDUAL_DOUBLE} else 0)\n"
+        "                    self.epilog_sync_barrier.arrive_and_wait()\n",
     ),
     (
         "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias\n",
         "                    tk_res = thr_copy_r2s.partition_D(\n"
-        "                        cute.local_tile(sR, self.epi_tile, tk_coord)\n"
+        "                        cute.local_tile(sR[(None, None, tk_rbuf)], self.epi_tile, tk_coord)\n"
         "                    ).load().reshape(tRS_rD_layout.shape)\n"
         "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias + tk_res.to(cutlass.Float32) * scale_ab\n",
     ),
@@ -245,8 +294,8 @@ _RESIDUAL_PATCHES = (
 # 1x1 convolutions) cannot hide. With ``tk_vec_smem`` the math warpgroup copies the tile's two
 # rows of N floats to shared memory with cp.async when the tile starts (as the residual's tile
 # is), so the copy runs under the main loop, and the epilogue reads them from there through the
-# same zero-row-stride view.
-_VECTOR_STAGED = "getattr(self, 'tk_vec_smem', False)"
+# same zero-row-stride view. (It waits for every group of copies but, in a residual kernel, the
+# newest: the next tile's residual where it has two buffers, ``tk_groups_ahead``.)
 _VECTOR_PATCHES = (
     (
         "                    cute.cosize(self.epi_smem_layout_staged),\n"
@@ -298,7 +347,7 @@ _VECTOR_PATCHES = (
         "                # Epilogue\n",
         "                # Epilogue\n"
         f"                if cutlass.const_expr({_VECTOR_STAGED}):\n"
-        "                    cute.arch.cp_async_wait_group(0)\n"
+        "                    cute.arch.cp_async_wait_group(getattr(self, 'tk_groups_ahead', 0))\n"
         "                    self.epilog_sync_barrier.arrive_and_wait()\n",
     ),
     (
@@ -522,6 +571,10 @@ PROMOTE_TILES = ("128x64p", "128x128w2p")
 VECTOR_TILES = ("128x64o2v", "128x128o2v", "128x256v", "128x128o2c1x2v", "128x128c1x2w2v",
                 "128x64o2k2v")  # fmt: skip
 CONV_VECTOR_TILES = ("128x64o2k2v", "128x128o2v", "128x256v")
+# tiles with two residual buffers, for the residual variants only (GEMMs and convolutions; the
+# convolutions leave out the clusters)
+RESIDUAL_TILES = ("128x64o2k2vd", "128x128o2k2vd", "128x64o2vd", "128x128o2vd",
+                  "128x128o2c1x2vd", "128x128vd", "128x256vd")  # fmt: skip
 TILES = (
     "128x64", "128x128", "128x256", "64x128", "64x256", "128x64o2", "128x128o2", "64x128o2",
     "128x256k2", "128x64o2k2", "128x128o2k2", "64x256k2", "128x256e128x64", "128x128o2e64x128",
@@ -532,12 +585,12 @@ TILES = (
 def _tile(spec: str) -> tuple:
     found = re.fullmatch(
         r"(64|128)x(64|128|256)(?:o([12]))?(?:k([124]))?(?:e(\d+)x(\d+))?(?:s(2|4|8|16))?"
-        r"(?:c([12])x([12]))?(w2)?(p)?(v)?",
+        r"(?:c([12])x([12]))?(w2)?(p)?(v)?(d)?",
         spec,
     )
     if found is None:
         raise SystemExit(
-            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2][p][v] "
+            f"cutlass_gemm_build: tile {spec!r} is not MxN[oO][kK][eMxN][sS][cMxN][w2][p][v][d] "
             "(M 64/128, N 64/128/256)"
         )
     epi = (int(found.group(5)), int(found.group(6))) if found.group(5) else None
@@ -559,6 +612,7 @@ def _tile(spec: str) -> tuple:
         2 if found.group(10) else 0,  # math warpgroups: 0, the example's choice
         bool(found.group(11)),  # FP8 sums promoted into float32 every K step
         bool(found.group(12)),  # the epilogue's vectors staged in shared memory
+        bool(found.group(13)),  # two residual buffers (residual kernels only)
     )
 
 
@@ -603,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
                         "for the 8-bit ReLU or none GEMM variants")  # fmt: skip
     p.add_argument("--conv-vector-tiles", default=",".join(CONV_VECTOR_TILES),
                    help="the same for the convolutions")  # fmt: skip
+    p.add_argument("--residual-tiles", default=",".join(RESIDUAL_TILES),
+                   help="tiles built for the residual variants only, typically with two "
+                        "residual buffers (d)")  # fmt: skip
     p.add_argument("--sms", type=int, default=132, help="persistent CTAs (the GPU's SM count)")
     args = p.parse_args(argv)
 
@@ -659,8 +716,10 @@ def main(argv: list[str] | None = None) -> int:
             or kind not in ("fp8_fp8", "i8_i8")
         ):
             raise SystemExit(f"cutlass_gemm_build: no conv variant {variant!r}")
-        for tile in _with_promoted(args.conv_tiles, args.promote_tiles, kind,
-                                   args.conv_vector_tiles):  # fmt: skip
+        tiles = _with_promoted(args.conv_tiles, args.promote_tiles, kind, args.conv_vector_tiles)
+        if epilogue == "residual":
+            tiles += [t for t in args.residual_tiles.split(",") if t and _tile(t)[6] == (1, 1)]
+        for tile in tiles:
             shape = _tile(tile)
             if shape[6] != (1, 1):
                 raise SystemExit(f"cutlass_gemm_build: conv tile {tile!r} has a cluster")
@@ -680,10 +739,12 @@ def main(argv: list[str] | None = None) -> int:
         )  # (a quantized ResNet's 1x1 layers)
         tiles = _with_promoted(args.tiles, args.promote_tiles, kind,
                                args.vector_tiles if memory_bound else "")  # fmt: skip
+        if epilogue == "residual":
+            tiles += [t for t in args.residual_tiles.split(",") if t]
         variants += [(epilogue, act, kind, _tile(tile), None) for tile in tiles]
     for epilogue, act, kind, shape, conv in variants:
         (tile_m, tile_n, occupancy, k_steps, epi_tile, stages, cluster, warpgroups, promote,
-         staged) = shape  # fmt: skip
+         staged, double) = shape  # fmt: skip
         a_name, c_name = kind.split("_")
         ex = modules[epilogue]
         tag = (
@@ -694,7 +755,10 @@ def main(argv: list[str] | None = None) -> int:
             + ("w2" if warpgroups else "")
             + ("p" if promote else "")
             + ("v" if staged else "")
+            + ("d" if double else "")
         )
+        if double and epilogue != "residual":
+            raise SystemExit(f"cutlass_gemm_build: tile {tag}: only residual kernels take ...d")
         name = f"gemm_{kind}_{epilogue}_{act}_{tag}"
         t0 = time.perf_counter()
         a = make_fake_compact_tensor(
@@ -735,8 +799,9 @@ def main(argv: list[str] | None = None) -> int:
                 barrier_id=1, num_threads=gemm.num_mma_threads
             )
         ex.TK_EPI_STAGES = stages
-        if epilogue == "residual":  # (the residual's tile, out of the main loop's stages)
-            gemm.smem_capacity -= (tile_m * tile_n + 1024) * occupancy
+        if epilogue == "residual":  # (the residual's tiles, out of the main loop's stages)
+            gemm.smem_capacity -= ((1 + double) * tile_m * (tile_n + 16) + 1024) * occupancy
+            gemm.tk_res_double = gemm.tk_groups_ahead = double
         if occupancy == 2:
             gemm.occupancy = 2
             gemm.mma_register_requirement = 216
@@ -766,9 +831,16 @@ def main(argv: list[str] | None = None) -> int:
              "tensors": tensors, "epilogue": epilogue, "activation": act, "post_scale": post_scale,
              "cluster": list(cluster), "warpgroups": warpgroups or None, "promote": promote,
              "vectors_in_smem": staged,
+             **({"residual_buffers": 1 + double} if epilogue == "residual" else {}),
+             # (the object code's digest: a timing cache's key, so a rebuilt kernel is retimed)
+             "sha256": hashlib.sha256((out / f"{name}.o").read_bytes()).hexdigest(),
              **({"conv": list(conv[1])} if conv is not None else {})}
         )  # fmt: skip
-        print(f"{name}: compiled in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(
+            f"{name}: compiled in {time.perf_counter() - t0:.1f} s ({gemm.ab_stage} main-loop "
+            f"stages, {gemm.epi_stage} epilogue stages)",
+            flush=True,
+        )
 
     runtime = Path(cutlass.__file__).resolve().parents[2] / "cu13" / "lib"
     static = runtime / "libcuda_dialect_runtime_static.a"

@@ -176,6 +176,57 @@ def test_pointwise_conv_kernels_match_the_exact_kernel(residual: bool, stride: i
         _within_a_step(got, want)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize(("c_in", "stride"), [(64, 1), (256, 1), (256, 2)])
+def test_residual_kernels_over_several_tiles_a_cta(kind: str, c_in: int, stride: int) -> None:
+    """The residual kernels at a size where every CTA runs several tiles (32 x 32 x 32 output
+    pixels by 256 channels: 1,024 tiles of 128 x 64 for 264 CTAs), so that the kernels with two
+    residual buffers read each tile's residual from the buffer its predecessor filled, and the
+    others refill their one buffer tile after tile; K = 64 and 256 (one main-loop stage and
+    several), stride 1 and 2 (GEMM and convolution kernels). Within one E4M3 step or one int8
+    code of the exact kernel, and the two-buffer kernels among those run."""
+    lib = _library()
+    g = torch.Generator(device="cuda").manual_seed(31 + c_in + stride)
+    nb, m, hw, cl = 32, 256, 32 * stride, torch.channels_last
+    if kind == "fp8":
+        x = torch.randn(nb, c_in, hw, hw, device="cuda", generator=g).to(E4M3)
+        w = torch.randn(m, c_in, 1, 1, device="cuda", generator=g).to(E4M3)
+        z = torch.randn(nb, m, 32, 32, device="cuda", generator=g).to(E4M3)
+        x_scale, code = torch.tensor(0.04, device="cuda"), 17
+        # (the sums, the bias and the residual each about one unit of the output's scale)
+        w_scale = (0.5 + torch.rand(m, device="cuda", generator=g)) * 1.25 / c_in**0.5
+    else:
+
+        def codes(*shape):
+            return torch.randint(-128, 128, shape, device="cuda", generator=g, dtype=torch.int8)
+
+        x, w, z = codes(nb, c_in, hw, hw), codes(m, c_in, 1, 1), codes(nb, m, 32, 32)
+        x_scale, code = torch.tensor(0.02, device="cuda"), 3
+        w_scale = (0.0005 + 0.001 * torch.rand(m, device="cuda", generator=g)) * (64 / c_in) ** 0.5
+    x, w, z = (t.contiguous(memory_format=cl) for t in (x, w, z))
+    bias = 0.05 * torch.randn(m, device="cuda", generator=g)
+    y_scale = torch.tensor(0.05, device="cuda")
+    z_scale = torch.tensor(0.05 if kind == "fp8" else 0.03, device="cuda")
+    attrs = {"activation": "Relu", "out_dtype": code, "group": 1, "strides": [stride, stride]}
+    ran = []
+    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale,
+                                             attrs):  # fmt: skip
+        ran.append(name)
+        if kind == "fp8":
+            _within_a_step(got, want)
+        else:
+            diff = (got.int() - want.int()).abs()
+            assert int(diff.max()) <= 1, (name, int(diff.max()))
+            assert int(want.int().abs().max()) > 60  # (the codes span the range)
+    doubles = [
+        n for n in ran if lib.kernels[n.removeprefix(cf.PREFIX)].get("residual_buffers") == 2
+    ]
+    print(f"{len(ran)} kernels, {len(doubles)} with two residual buffers")
+    assert ran
+    if any(k.get("residual_buffers") == 2 for k in lib.kernels.values()):
+        assert doubles, "the library's two-buffer residual kernels did not claim this layer"
+
+
 def _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs):
     """(name, output, the exact kernel's output) for each library kernel that claims this 1x1
     QConvAct; outputs channels-last."""

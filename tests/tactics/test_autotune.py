@@ -117,6 +117,28 @@ def test_timing_cache_makes_the_rebuild_measure_nothing(test_tactics, tmp_path) 
     )
 
 
+def test_a_rebuilt_tactic_is_timed_again(test_tactics, tmp_path) -> None:
+    """A tactic's version (a kernel library's object-code digest) is part of the cache's key: a
+    rebuild with the same versions measures nothing, one where a candidate's code changed under
+    the same name times its layers again."""
+
+    def versioned(version: str) -> None:
+        for tactics in test_tactics.values():
+            t = tactics["t_same"]
+            tactics["t_same"] = registry.Tactic(
+                t.name, t.op, t.domain, t.fn, t.supports, t.estimate, t.group, version
+            )
+
+    versioned("a" * 16)
+    _, r1 = _build(tmp_path)
+    _, r2 = _build(tmp_path)
+    assert r1.timing_cache["misses"] > 0
+    assert r2.timing_cache == {"hits": r1.timing_cache["misses"], "misses": 0}
+    versioned("b" * 16)
+    _, r3 = _build(tmp_path)
+    assert r3.timing_cache == {"hits": 0, "misses": r1.timing_cache["misses"]}
+
+
 def test_damaged_timing_cache_is_a_clear_error(test_tactics, tmp_path) -> None:
     (tmp_path / "timing.cache").write_text("{not json")
     with pytest.raises(BuildError, match=r"timing cache .*timing\.cache"):

@@ -53,6 +53,10 @@ class Tactic:
     estimate: Callable[[LayerSpec], float] | None = None
     # the candidates the autotuner's max_candidates counts together (None: the name's source)
     group: str | None = None
+    # what identifies the code behind the name where a rebuild can change it under the same name
+    # (a kernel library's object code): part of the timing cache's key, so a rebuilt kernel is
+    # timed again rather than chosen on the old one's timings
+    version: str | None = None
 
     def score(self, spec: LayerSpec) -> float:
         """How well the tactic should suit the layer (0 where it has no estimate, or the

@@ -138,7 +138,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         layer["pruned"] = pruned
     if not options.enabled:
         return layer
-    key = TimingCache.key(_signature(node, spec, options, executor.backend))
+    key = TimingCache.key(_signature(node, spec, options, executor.backend, candidates))
     hit = cache.get(key) if cache is not None else None
     if hit is not None and all(
         n == "default" or get_tactic(node.op, node.domain, n)
@@ -343,7 +343,9 @@ def _attr_text(a: Any) -> Any:
     return a
 
 
-def _signature(node: Node, spec: LayerSpec, options: TuneOptions, backend: Backend) -> dict:
+def _signature(
+    node: Node, spec: LayerSpec, options: TuneOptions, backend: Backend, candidates=()
+) -> dict:
     import torch  # lazy: torch is optional (an autotuning backend has it)
 
     device = backend.device
@@ -362,6 +364,9 @@ def _signature(node: Node, spec: LayerSpec, options: TuneOptions, backend: Backe
     }
     if node.precision not in (None, options.precision):  # (held to that precision's tolerance)
         sig["layer_precision"] = node.precision
+    versions = {t.name: t.version for t in candidates if t.version}
+    if versions:  # (a rebuilt kernel library: its kernels are timed again)
+        sig["versions"] = versions
     if backend.streams:  # a GPU: timings hold for this model of it, with these libraries
         props = torch.cuda.get_device_properties(device)
         sig["device"] = f"{props.name} sm_{props.major}{props.minor}"

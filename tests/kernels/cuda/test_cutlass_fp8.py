@@ -109,6 +109,10 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         (lambda d: d["kernels"][0].update(c="f16"), "do not match the name"),
         (lambda d: d["kernels"][2]["tensors"].pop("res"), "are not the dynamic ones it takes"),
         (lambda d: d["kernels"].append(7), "expected an object"),
+        (lambda d: d["kernels"][0].update(sha256="../x"), "is not a hexadecimal digest"),
+        (lambda d: d["kernels"][0].update(sha256=12), "is not a hexadecimal digest"),
+        (lambda d: d["kernels"][0].update(residual_buffers=2), "is not 1, or 2 for a residual"),
+        (lambda d: d["kernels"][2].update(residual_buffers=3), "is not 1, or 2 for a residual"),
     ],
 )
 def test_a_malformed_manifest_is_a_clear_error(tmp_path: Path, change, message: str) -> None:
@@ -280,6 +284,23 @@ def test_the_estimate_ranks_fitting_tiles_first(tmp_path: Path, monkeypatch) -> 
         assert resolve(name).supports(_gemm()) and resolve(name).supports(_gemm(m=200))
         assert not resolve(name).supports(_gemm(act="Sigmoid"))
         assert not resolve(name).supports(_gemm(y=False, out=10))
+
+
+def test_a_kernels_digest_is_its_tactics_version(tmp_path: Path, monkeypatch) -> None:
+    """The build records each kernel's object-code digest; the tactic carries it as its version
+    (the timing cache's key), and a library without digests gives tactics without one."""
+    digest = "0123456789abcdef" * 4
+    kernels = [
+        _kernel("residual", "relu", (128, 128), occupancy=2, sha256=digest, residual_buffers=2),
+        _kernel("residual", "relu", (128, 64)),
+    ]
+    kernels[0]["name"] += "vd"
+    kernels[0]["entry"] = f"_mlir_{kernels[0]['name']}__mlir_ciface_x"
+    loaded = _Loaded(_library(tmp_path, kernels))
+    monkeypatch.setattr(cf, "library", lambda: loaded)
+    resolve = cf._resolver("QGemmAct", cf._gemm_fn)
+    assert resolve(cf.PREFIX + kernels[0]["name"]).version == digest
+    assert resolve(cf.PREFIX + kernels[1]["name"]).version is None
 
 
 def test_a_tactic_timed_at_one_shape_applies_at_a_dynamic_batch_of_one(

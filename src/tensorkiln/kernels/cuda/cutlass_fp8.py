@@ -46,7 +46,13 @@ products) can move an output past the autotuner's check.
 
 Kernels whose tile ends in ``v`` copy the tile's ``col`` and ``bias`` to shared memory when the
 tile starts (cp.async, under the main loop) and read them from there in the epilogue, where the
-others read them from global memory between the epilogue's barriers.
+others read them from global memory between the epilogue's barriers. Residual kernels whose
+tile ends in ``d`` keep two buffers of the residual's tile in shared memory and request the next
+tile's while this one's runs (``residual_buffers`` 2 in the manifest).
+
+A manifest entry's ``sha256`` (its object code's digest, which the build records) is the
+tactic's version: a timing cache keys its entries with it, so a rebuilt library's kernels are
+timed again rather than chosen on their predecessors' timings.
 
 The library is code: a folder named here is trusted as a plugin library is. Its manifest is
 still read defensively (bounded, every field checked), and a library that does not load or does
@@ -97,6 +103,7 @@ _KERNEL_NAME = re.compile(
     r"(relu|none|gelu|gelu_tanh)_([0-9a-z]{1,40})\Z"
 )
 _ENTRY = re.compile(r"_mlir_[A-Za-z0-9_]{1,480}\Z")
+_DIGEST = re.compile(r"[0-9a-f]{16,64}\Z")
 _LIBRARY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,100}\.so\Z")
 _TILES_M, _TILES_N = (64, 128), (64, 128, 256)
 _E4M3 = "float8_e4m3fn"
@@ -204,6 +211,12 @@ def _checked_kernel(k: Any, where: str) -> bool:
     cluster = k.get("cluster", [1, 1])  # (a library built before clusters names none)
     if not (isinstance(cluster, list) and len(cluster) == 2 and all(c in (1, 2) for c in cluster)):
         raise KernelError(f"{where}: cluster {cluster!r} is not M x N CTAs of 1 or 2")
+    digest = k.get("sha256")  # (a build since per-kernel digests: the object code's)
+    if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
+        raise KernelError(f"{where}: sha256 {digest!r} is not a hexadecimal digest")
+    buffers = k.get("residual_buffers", 1)
+    if buffers not in (1, 2) or (buffers == 2 and epilogue != "residual"):
+        raise KernelError(f"{where}: residual_buffers {buffers!r} is not 1, or 2 for a residual")
     tensors = k.get("tensors")
     want = ("a", "b", "c", "res") if epilogue == "residual" else ("a", "b", "c")
     extents = {t: [2, 2] for t in want}
@@ -753,7 +766,12 @@ def _resolver(op: str, fn_of: Callable[[str], Callable]) -> Callable[[str], Tact
                 layer = _layer(spec)
                 return 0.0 if layer is None else _estimate(entry, layer.m, layer.n, layer.k)
 
-            made[name] = Tactic(name, op, "tensorkiln", fn_of(kernel), supports, estimate, PREFIX)
+            # (the kernel's object code, where the build recorded its digest: a rebuilt kernel
+            # of the same name is timed again, not chosen from a timing cache's old entry)
+            version = lib.kernels[kernel].get("sha256")
+            made[name] = Tactic(
+                name, op, "tensorkiln", fn_of(kernel), supports, estimate, PREFIX, version
+            )
         return made[name]
 
     return resolve
