@@ -631,3 +631,138 @@ def test_the_gluon_qconv_against_the_reference(kind, activation, k, stride, resi
     for cfg in taken:
         _check("QConvAct", f"gluon_qconv_{cfg.name}", args, attrs, channels_last=True,
                rtol=_tol(kind) if kind == "int8" else 2**-6)  # fmt: skip
+
+
+_STEM = "triton_qconv_stem_64_w4_s4"
+# (input channels, window, attributes): ResNet's stem, a 5 x 5 window padded unevenly at stride
+# 1 over 4 channels, a one-channel 3 x 3 at stride (2, 1)
+STEM_CASES = [
+    (3, 7, {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}),
+    (4, 5, {"pads": [2, 1, 1, 2], "strides": [1, 1]}),
+    (1, 3, {"pads": [1, 1, 1, 1], "strides": [2, 1], "activation": "Relu"}),
+]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize(("channels", "window", "attrs"), STEM_CASES)
+def test_qconv_of_an_image_through_the_stem_kernel(kind, layout, channels, window, attrs) -> None:
+    """triton_qconv_stem: the image packed into 4 channels with its padding, each window row one
+    K step; against the reference's exact sums, from either layout of the input, with 24 output
+    channels (a tile of 32: the last 8 computed, not written)."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    m = 24
+    args = [_q(rng, (2, channels, 19, 18), kind), np.float32(0.02),
+            _q(rng, (m, channels, window, window), kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    _check("QConvAct", _STEM, args, attrs, channels_last=layout == "channels_last",
+           rtol=_tol(kind))  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("config", ["64_w4_s4", "128_w4_s3", "256_w8_s3"])
+def test_the_stem_kernel_writes_the_quantized_output(kind, config) -> None:
+    """With Y_scale, the stem kernel writes the next layer's 8-bit input (ResNet's stem: 3
+    channels, 7 x 7 at stride 2, ReLU, 64 output channels), channels-last as the engine runs
+    it, over more pixels than one tile of each configuration holds."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    m = 64
+    attrs = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu",
+             "out_dtype": 3 if kind == "int8" else 17}  # fmt: skip
+    args = [_q(rng, (2, 3, 30, 36), kind), np.float32(0.02), _q(rng, (m, 3, 7, 7), kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    ref_float = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args,
+                       {**attrs, "out_dtype": 1}, 1)[0]  # fmt: skip
+    args += [None, np.float32(np.abs(ref_float).max() / (127 if kind == "int8" else 448))]
+    tactic = get_tactic("QConvAct", "tensorkiln", f"triton_qconv_stem_{config}")
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    tensors = [None if a is None else to_torch(np.asarray(a), DEVICE) for a in args]
+    tensors[2] = tensors[2].contiguous(memory_format=torch.channels_last)  # (as uploaded)
+    y = tactic.fn(*tensors, **attrs)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    _codes_agree(to_numpy(y), want)
+
+
+@pytest.mark.parametrize(
+    ("x_shape", "w_shape", "attrs", "residual"),
+    [
+        ((2, 5, 12, 12), (16, 5, 3, 3), {"pads": [1, 1, 1, 1]}, False),  # (5 channels)
+        ((2, 3, 12, 12), (16, 3, 9, 9), {"pads": [4, 4, 4, 4]}, False),  # (9 wide)
+        ((2, 4, 12, 12), (16, 2, 3, 3), {"group": 2}, False),
+        ((2, 3, 12, 12), (16, 3, 3, 3), {"dilations": [2, 2]}, False),
+        ((2, 3, 12, 12), (512, 3, 3, 3), {}, False),  # (more output channels than a tile)
+        ((2, 3, 12, 12), (16, 3, 3, 3), {"pads": [1, 1, 1, 1]}, True),
+    ],
+)
+def test_the_stem_kernel_leaves_out_what_it_does_not_take(x_shape, w_shape, attrs, residual):
+    pytest.importorskip("triton")
+    tactic = get_tactic("QConvAct", "tensorkiln", _STEM)
+    shapes = [x_shape, (), w_shape, (w_shape[0],), (w_shape[0],)]
+    dtypes = ["int8", "float32", "int8", "float32", "float32"]
+    if residual:
+        shapes.append((x_shape[0], w_shape[0], *x_shape[2:]))
+        dtypes.append("float32")
+    spec = LayerSpec("QConvAct", "tensorkiln", attrs, tuple(shapes), tuple(dtypes), device="cuda")
+    assert not tactic.applies(spec)
+    ok = LayerSpec("QConvAct", "tensorkiln", {"pads": [1, 1, 1, 1]},
+                   ((2, 3, 12, 12), (), (16, 3, 3, 3), (16,), (16,)),
+                   ("int8", "float32", "int8", "float32", "float32"), device="cuda")  # fmt: skip
+    assert tactic.applies(ok)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_the_stem_kernels_packed_image(kind, layout) -> None:
+    """pack_image: (N, height, width, 4) of the input's type, each value at its place past the
+    top and left margins, zeros in the margins and the fourth channel."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.triton import conv_stem
+
+    rng = np.random.default_rng()
+    x = _q(rng, (2, 3, 9, 7), kind)
+    xt = to_torch(x, DEVICE)
+    if layout == "channels_last":
+        xt = xt.contiguous(memory_format=torch.channels_last)
+    got = to_numpy(conv_stem.pack_image(xt, 2, 3, 13, 16))
+    want = np.zeros((2, 13, 16, 4), dtype=x.dtype)
+    want[:, 2:11, 3:10, :3] = x.transpose(0, 2, 3, 1)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+    with pytest.raises(ValueError, match="does not hold"):
+        conv_stem.pack_image(xt, 2, 3, 10, 16)
+    with pytest.raises(ValueError, match="at most 4 channels"):
+        conv_stem.pack_image(to_torch(_q(rng, (1, 5, 4, 4), kind), DEVICE), 0, 0, 4, 4)
+
+
+def test_the_stem_kernels_weight_is_packed_once_per_weight() -> None:
+    """The packed weight of a constant weight tensor is kept (a CUDA graph replays the image's
+    packing and the convolution alone), and packed again when the weight changes in place."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.cuda import convert
+
+    rng = np.random.default_rng()
+    m, attrs = 16, {"pads": [3, 3, 3, 3], "strides": [2, 2]}
+    x = _q(rng, (1, 3, 11, 10), "int8")
+    w = _q(rng, (m, 3, 7, 7), "int8")
+    scale = rng.uniform(1e-3, 1e-2, m).astype(np.float32)
+    tactic = get_tactic("QConvAct", "tensorkiln", _STEM)
+    xt, wt = to_torch(x, DEVICE), mark_constant(to_torch(w, DEVICE))
+    st, xs = mark_constant(to_torch(scale, DEVICE)), to_torch(np.float32(0.02), DEVICE)
+    reference = lookup("QConvAct", "tensorkiln", 1, "reference")
+
+    def check(w_now: np.ndarray, got: torch.Tensor) -> None:
+        ref = invoke(reference, [x, np.float32(0.02), w_now, scale], attrs, 1)[0]
+        np.testing.assert_allclose(to_numpy(got), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+
+    check(w, tactic.fn(xt, xs, wt, st, **attrs))
+    packed = [v[1] for v in convert._KEPT[wt].values()]
+    check(w, tactic.fn(xt, xs, wt, st, **attrs))
+    assert [v[1] for v in convert._KEPT[wt].values()] == packed  # (not packed again)
+    w2 = w.copy()
+    w2[0] = -w2[0]
+    wt.copy_(to_torch(w2, DEVICE))  # the weight changed in place
+    check(w2, tactic.fn(xt, xs, wt, st, **attrs))

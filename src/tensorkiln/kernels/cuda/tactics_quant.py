@@ -24,6 +24,10 @@
   convolutions (stride 1 or 2) whose taps are four- or five-dimensional TMA loads (the padding
   is TMA's zero fill), both WGMMA operands from shared memory, the scale, bias, residual,
   activation and quantization fused.
+* ``triton_qconv_stem_<config>`` (QConvAct of an image: at most 4 channels, a window at most
+  8 wide, as ResNet's 7 x 7 stem): kernels/triton/conv_stem.py, the image packed once
+  channels-last into 4 channels with its padding, each window row one K step of 32 8-bit values,
+  the scale, bias, activation and quantization fused.
 * ``triton_qconv_<config>`` (QConvAct): the Triton implicit-GEMM convolution of
   kernels/triton/conv.py with int8 operands and int32 sums (or E4M3 with float32 sums), the
   per-channel scale and the ConvAct epilogue fused; a 1x1 convolution of a channels-last input
@@ -49,6 +53,7 @@ from tensorkiln.kernels.cuda.convert import kept as _kept
 from tensorkiln.kernels.cuda.convert import torch_dtype
 from tensorkiln.kernels.cuda.fused_quant import (
     QConv,
+    channels_last_like,
     one_pass,
     one_pass_epilogue,
     qconv,
@@ -61,7 +66,7 @@ from tensorkiln.kernels.triton import available, interpreting
 
 if available():
     from tensorkiln.kernels.cuda import tactics_gemm
-    from tensorkiln.kernels.triton import conv, conv_tma, epilogue, gemm, quantize
+    from tensorkiln.kernels.triton import conv, conv_stem, conv_tma, epilogue, gemm, quantize
     from tensorkiln.kernels.triton.gemm import Epilogue
 
     try:  # (Gluon, Triton's layout-explicit dialect: Triton 3.5 and later)
@@ -461,6 +466,41 @@ def _qconv3x3(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv3x3_{cfg.name}")
 
 
+_EIGHT_BIT = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
+
+
+def _stem_ok(spec: LayerSpec) -> bool:
+    """conv_stem's convolutions: an 8-bit image of at most 4 channels, a window at most 8
+    wide, one group, no dilation, no residual."""
+    if not (spec.device == "cuda" or interpreting()):
+        return False
+    g = _qconv_geometry(spec, tuple(_EIGHT_BIT))
+    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return False
+    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+        return False
+    x, w = spec.shapes[0], spec.shapes[2]
+    kind = _EIGHT_BIT[_dtypes(spec)[0]]
+    return conv_stem.applies(x, w, kind, g, spec.attrs.get("group", 1))
+
+
+def _stem(cfg: Any) -> Callable:
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        if z is not None:
+            raise ValueError(f"triton_qconv_stem_{cfg.name}: takes no residual")
+        bn = conv_stem.block_n(w_q.shape[0])
+        packed = _kept(w_q, ("stem", bn), lambda: conv_stem.pack_weight(w_q, bn))
+        y = conv_stem.conv_stem(
+            x_q, w_q, bias, geom=call.geometry, scale=(call.x_scale, call.w_scale),
+            epilogue=Epilogue.of(call.activation, *call.act), out_dtype=call.out,
+            y_scale=call.y_scale, channels_last=channels_last_like(x_q, w_q), w_packed=packed,
+            config=cfg,
+        )  # fmt: skip
+        return y, True
+
+    return _qconv_with(sums, f"triton_qconv_stem_{cfg.name}")
+
+
 def _hopper() -> bool:
     """Whether the current GPU is sm_90 (Gluon's WGMMA kernels compile for Hopper only)."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -589,6 +629,9 @@ def _register() -> None:
     for cfg in conv_tma.CONFIGS:  # (their own group: timed beside the others where they apply)
         tactic("QConvAct", domain="tensorkiln", name=f"triton_qconv3x3_{cfg.name}",
                supports=partial(_qconv3x3_ok, cfg), group="triton_qconv3x3")(_qconv3x3(cfg))  # fmt: skip
+    for cfg in conv_stem.CONFIGS:  # (an image's convolution: their own group too)
+        tactic("QConvAct", domain="tensorkiln", name=f"triton_qconv_stem_{cfg.name}",
+               supports=_stem_ok, group="triton_qconv_stem")(_stem(cfg))  # fmt: skip
     if conv_gluon is not None:  # (their own group too; Hopper only)
         for cfg in conv_gluon.CONFIGS:
             tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv_{cfg.name}",
