@@ -113,3 +113,54 @@ def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     counts = json.loads(done.stdout.strip().splitlines()[-1])
     assert counts["stores"] > 0 and counts["wide"] > 0, counts
+
+
+_STEM_CHILD = r"""
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tensorkiln.kernels.triton import conv_stem
+
+names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "M", "OC", "OH", "OW",
+         "HP", "WP", "KH", "s_ws", "sy_n", "sy_c", "sy_h", "sy_w", "p0", "p1", "lo", "hi"]
+# (as ResNet-50's stem launches it: the pointers, M, 64 channels, the packed width 240 and the
+# channels-last output's strides divisible by 16, its channel stride 1)
+aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "M", "OC", "WP",
+           "sy_n", "sy_h", "sy_w")
+out = {}
+for quant, eight in ((1, "*i8"), (2, "*fp8e4nv")):
+    types = [eight, eight, "*fp32", "*i8" if quant == 1 else "*u8", "*fp32", "*fp32", "*fp32"]
+    signature = dict(zip(names, types + ["i32"] * 12 + ["fp32"] * 4))
+    constexprs = {"sy_c": 1, "STRIDE_H": 2, "STRIDE_W": 2, "CPK": 4, "HAS_B": True, "ACT": 1,
+                  "QUANT": quant, "QOUT": quant, "UPCAST": False, "BLOCK_M": 128,
+                  "BLOCK_N": 64, "BLOCK_K": 32}
+    signature.update({k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=conv_stem._stem_kernel, signature=signature, constexprs=constexprs,
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    out[quant] = {"wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n64k32"),
+                  "loads": ptx.count("cp.async.ca.shared.global"),
+                  "wide_loads": ptx.count("], 0x8,"), "stores": ptx.count("st.global"),
+                  "wide_stores": ptx.count("st.global.v4")}
+print(json.dumps(out))
+"""
+
+
+def test_the_stem_convolution_compiles_for_sm90(tmp_path: Path) -> None:
+    """conv_stem's kernel compiles for Hopper with 8-bit tensor-core instructions (WGMMA, K 32,
+    int8 and E4M3), its window rows loaded 8 bytes at a time into shared memory ahead of their
+    use (cp.async), and its 8-bit output written 16 bytes at a time."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, "-c", _STEM_CHILD], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    for quant, c in counts.items():
+        assert c["wgmma"] > 0, (quant, c)
+        assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
+        assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)

@@ -190,7 +190,7 @@ def _stem_kernel(
     acc = finish(acc, bias, 0.0, HAS_B, False, False, ACT, p0, p1, lo, hi)
     if QOUT != 0:  # the next layer's input quantization, fused (int8, or E4M3 bytes)
         acc = requantize(acc, tl.load(q_ptr), QOUT)
-    y_ptrs = y_ptr + (n * sy_n + oh * sy_h + ow * sy_w)[:, None] + co[None, :] * sy_c
+    y_ptrs = y_ptr + (n * sy_n + oh * sy_h + ow * sy_w)[:, None] + rn[None, :] * sy_c
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < OC)[None, :])
 
 
