@@ -139,6 +139,34 @@ def test_a_rebuilt_tactic_is_timed_again(test_tactics, tmp_path) -> None:
     assert r3.timing_cache == {"hits": 0, "misses": r1.timing_cache["misses"]}
 
 
+def test_a_tactic_added_since_the_cache_was_written_is_timed(test_tactics, tmp_path) -> None:
+    """A cache entry names the candidates it weighed: a build with a candidate the entry never
+    saw (a new kernel) times the layer again, rather than keeping the old choice untimed; an
+    entry from before entries named them counts the candidates it has timings of."""
+    _, r1 = _build(tmp_path)
+    tuned = r1.timing_cache["misses"]
+    path = tmp_path / "timing.cache"
+    data = json.loads(path.read_text())
+    assert all("t_wrong" in e["candidates"] for e in data["entries"].values())
+    for domain, op in list(test_tactics):
+        default = _default(op, domain)
+        registry.tactic(op, domain=domain, name="t_new")(lambda *a, _f=default, **k: _f(*a, **k))
+    engine, r2 = _build(tmp_path)
+    assert r2.timing_cache == {"hits": 0, "misses": tuned}
+    assert all("t_new" in x["timings_ms"] for x in engine.layers if x.get("timings_ms"))
+    _, r3 = _build(tmp_path)
+    assert r3.timing_cache == {"hits": tuned, "misses": 0}
+    # an older entry, no candidates named: t_wrong (rejected, so never timed) is not known
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        del entry["candidates"]
+    path.write_text(json.dumps(data))
+    _, r4 = _build(tmp_path)
+    assert r4.timing_cache == {"hits": 0, "misses": tuned}
+    _, r5 = _build(tmp_path)
+    assert r5.timing_cache == {"hits": tuned, "misses": 0}
+
+
 def test_damaged_timing_cache_is_a_clear_error(test_tactics, tmp_path) -> None:
     (tmp_path / "timing.cache").write_text("{not json")
     with pytest.raises(BuildError, match=r"timing cache .*timing\.cache"):

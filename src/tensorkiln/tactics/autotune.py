@@ -30,6 +30,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -139,7 +140,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
     if not options.enabled:
         return layer
     key = TimingCache.key(_signature(node, spec, options, executor.backend, candidates))
-    hit = cache.get(key) if cache is not None else None
+    hit = cache.get(key, partial(_covers, layer["candidates"])) if cache is not None else None
     if hit is not None and all(
         n == "default" or get_tactic(node.op, node.domain, n)
         for n in (hit["tactic"], hit.get("tactic_eager", "default"))
@@ -156,7 +157,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
             log(f"{node.name} ({node.op}): default kept: {choice['fallback']}")
         return layer
     if cache is not None:
-        cache.put(key, {k: choice[k] for k in CACHED_KEYS})
+        cache.put(key, {**{k: choice[k] for k in CACHED_KEYS}, "candidates": layer["candidates"]})
     if log is not None:
         log(
             f"{node.name} ({node.op}): {choice['tactic']} "
@@ -168,6 +169,16 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
 # what a timing cache entry holds: the choice for engines run as CUDA graphs (kernel time) and for
 # engines run layer by layer (Python's launch overhead included), and the timings behind both
 CACHED_KEYS = ("tactic", "timings_ms", "tactic_eager", "timings_eager_ms")
+
+
+def _covers(candidates: list[str], hit: dict) -> bool:
+    """Whether a cache entry weighed every one of a layer's candidates: a tactic added since
+    (a new kernel, a rebuilt library's new tile) is timed, not passed over for the old choice.
+    An entry from before entries named their candidates counts the ones it has timings of."""
+    known = hit.get("candidates")
+    if not (isinstance(known, list) and all(isinstance(n, str) for n in known)):
+        known = ["default", *hit["timings_ms"]]
+    return set(candidates) <= set(known)
 
 
 def _cached_choice(hit: dict) -> dict:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +35,11 @@ class TimingCache:
         text = json.dumps(signature, sort_keys=True, separators=(",", ":"), default=str)
         return hashlib.sha256(text.encode()).hexdigest()
 
-    def get(self, key: str) -> dict | None:
+    def get(self, key: str, usable: Callable[[dict], bool] | None = None) -> dict | None:
+        """The entry of ``key`` (None, a miss, where there is none or ``usable`` turns it down)."""
         hit = self.entries.get(key)
+        if hit is not None and usable is not None and not usable(hit):
+            hit = None
         if hit is None:
             self.misses += 1
         else:
