@@ -90,6 +90,8 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         _kernel("channel", "none", (128, 64), out="fp8", a="i8"),  # (int8 in, E4M3 out)
         _kernel("channel", "none", (128, 64), out="i8", a="fp8"),
         _kernel("residual", "relu", (128, 64), out="f16", a="i8"),  # (int8 in, 16 bits out)
+        # (one main-loop stage: the example's loop would wait on it for the next K tile)
+        {**_kernel("residual", "relu", (128, 128), occupancy=2), "ab_stages": 1},
     ]
     _, kernels = cf.read_manifest(_library(tmp_path, [*KERNELS, *others]))
     assert sorted(kernels) == sorted(k["name"] for k in KERNELS)
@@ -113,6 +115,7 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         (lambda d: d["kernels"][0].update(sha256=12), "is not a hexadecimal digest"),
         (lambda d: d["kernels"][0].update(residual_buffers=2), "is not 1, or 2 for a residual"),
         (lambda d: d["kernels"][2].update(residual_buffers=3), "is not 1, or 2 for a residual"),
+        (lambda d: d["kernels"][2].update(ab_stages="2"), "is not a count of main-loop stages"),
     ],
 )
 def test_a_malformed_manifest_is_a_clear_error(tmp_path: Path, change, message: str) -> None:

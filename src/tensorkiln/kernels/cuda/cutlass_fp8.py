@@ -214,6 +214,11 @@ def _checked_kernel(k: Any, where: str) -> bool:
     digest = k.get("sha256")  # (a build since per-kernel digests: the object code's)
     if digest is not None and not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):
         raise KernelError(f"{where}: sha256 {digest!r} is not a hexadecimal digest")
+    stages = k.get("ab_stages", 2)  # (recorded since residual kernels have two buffers)
+    if not isinstance(stages, int) or stages < 1:
+        raise KernelError(f"{where}: ab_stages {stages!r} is not a count of main-loop stages")
+    if stages < 2:
+        return False  # (the main loop would wait on its one stage for the next K tile: a hang)
     buffers = k.get("residual_buffers", 1)
     if buffers not in (1, 2) or (buffers == 2 and epilogue != "residual"):
         raise KernelError(f"{where}: residual_buffers {buffers!r} is not 1, or 2 for a residual")
@@ -526,7 +531,10 @@ def _kernels_for(spec: LayerSpec, fit: bool = True) -> list[str]:
             kern.get("k_steps", 4) != 4 or kern.get("epi_tile") or kern.get("epi_stages", 4) != 4
         )
         if layer.k > 64 and restaged and not kern.get("conv"):
-            continue  # (GEMM variants that change stage counts stalled the GPU at larger K)
+            # (GEMM variants that change stage counts stalled the GPU at larger K: at least
+            # those left one main-loop stage, which the build now leaves out; which variant
+            # stalled at K = 576 is not known, so they stay at K = 64)
+            continue
         names.append(PREFIX + name)
     return names
 
