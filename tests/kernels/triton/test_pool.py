@@ -39,13 +39,14 @@ def _reference_pool(x: np.ndarray, attrs: dict) -> np.ndarray:
     return invoke(lookup("MaxPool", "", 22, "reference"), [x], attrs, 1)[0]
 
 
+@pytest.mark.parametrize("name", ["triton", "triton_p128"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16], ids=["f32", "f16", "bf16"])
 @pytest.mark.parametrize("layout", ["channels_last", "row_major"])
 @pytest.mark.parametrize("shape,attrs", POOLS)
-def test_max_pool_equals_the_reference(shape, attrs, layout, dtype) -> None:
+def test_max_pool_equals_the_reference(shape, attrs, layout, dtype, name) -> None:
     x = rand(*shape).astype(dtype)
     transform = _channels_last if layout == "channels_last" else None
-    got = check("MaxPool", "", "triton", [x], attrs, transform=transform)
+    got = check("MaxPool", "", name, [x], attrs, transform=transform)
     want = _reference_pool(x.astype(np.float32), attrs).astype(dtype)
     np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
 
@@ -88,7 +89,7 @@ def test_max_pool_of_8_bit_tensors_equals_the_reference(shape, attrs, dtype) -> 
     want = _reference_pool(x, attrs)
     assert want.dtype == dtype
     t = _channels_last(to_torch(x, DEVICE))
-    for name in ("triton", None):
+    for name in ("triton", "triton_p128", None):
         fn = get_tactic("MaxPool", "", name).fn if name else lookup("MaxPool", "", 22, "cuda").fn
         y = fn(t, **attrs)
         got = to_numpy(y)

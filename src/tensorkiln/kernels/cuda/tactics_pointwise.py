@@ -205,20 +205,28 @@ if available():
         """LogSoftmax over the last axis."""
         return softmax.softmax_last(x, log=True)
 
-    @tactic("MaxPool", name="triton", supports=_max_pool_fits)
-    def max_pool_triton(
-        x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, dilations=None, kernel_shape=None,
-        pads=None, storage_order: int = 0, strides=None, _n_outputs: int = 1,
-    ):  # fmt: skip
-        """2-D max pooling in one pass over channels-last input (the indices output, or a layout
-        the kernel does not take, go to the default kernel)."""
-        g = pool_geometry(
-            x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
-        )
-        if _n_outputs == 1 and triton_pool.applies(x, g):
-            return triton_pool.max_pool2d(x, g)
-        return max_pool(
-            x, auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations,
-            kernel_shape=kernel_shape, pads=pads, storage_order=storage_order, strides=strides,
-            _n_outputs=_n_outputs,
-        )  # fmt: skip
+    def _max_pool_triton(block_p: int, warps: int) -> Callable:
+        def max_pool_triton(
+            x, *, auto_pad: str = "NOTSET", ceil_mode: int = 0, dilations=None,
+            kernel_shape=None, pads=None, storage_order: int = 0, strides=None,
+            _n_outputs: int = 1,
+        ):  # fmt: skip
+            """2-D max pooling in one pass over channels-last input, ``block_p`` output
+            positions a program (the indices output, or a layout the kernel does not take, go
+            to the default kernel)."""
+            g = pool_geometry(
+                x.shape, "MaxPool", kernel_shape, strides, dilations, pads, auto_pad, ceil_mode
+            )
+            if _n_outputs == 1 and triton_pool.applies(x, g):
+                return triton_pool.max_pool2d(x, g, block_p=block_p, warps=warps)
+            return max_pool(
+                x, auto_pad=auto_pad, ceil_mode=ceil_mode, dilations=dilations,
+                kernel_shape=kernel_shape, pads=pads, storage_order=storage_order,
+                strides=strides, _n_outputs=_n_outputs,
+            )  # fmt: skip
+
+        return max_pool_triton
+
+    # (32 positions a program, and 128 for large pools: an 8-bit engine's stem pool reads 205 MB)
+    for _name, _block_p, _warps in (("triton", 32, 4), ("triton_p128", 128, 8)):
+        tactic("MaxPool", name=_name, supports=_max_pool_fits)(_max_pool_triton(_block_p, _warps))

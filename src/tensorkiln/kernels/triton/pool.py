@@ -68,10 +68,12 @@ def applies(x: torch.Tensor, g: Geometry) -> bool:
     return x.ndim == 4 and x.dtype in TYPES and len(g.kernel) == 2 and x.numel() > 0
 
 
-def max_pool2d(x: torch.Tensor, g: Geometry) -> torch.Tensor:
+def max_pool2d(
+    x: torch.Tensor, g: Geometry, *, block_p: int = BLOCK_P, warps: int = 4
+) -> torch.Tensor:
     """The maximum over each window of ``g``; the output in ``x``'s layout (channels-last stays
-    channels-last). A window that covers only padding gives -inf. The caller checks
-    :func:`applies`."""
+    channels-last). A window that covers only padding gives -inf. ``block_p`` output positions
+    (a power of two) a program of ``warps`` warps. The caller checks :func:`applies`."""
     n, c, h, w = x.shape
     oh, ow = g.out
     fmt = (
@@ -84,11 +86,11 @@ def max_pool2d(x: torch.Tensor, g: Geometry) -> torch.Tensor:
         return y
     block_c = min(triton.next_power_of_2(c), 64)
     positions = n * oh * ow
-    grid = (triton.cdiv(positions, BLOCK_P), triton.cdiv(c, block_c))
+    grid = (triton.cdiv(positions, block_p), triton.cdiv(c, block_c))
     _max_pool2d_kernel[grid](
         x, y, positions, c, oh, ow, h, w, *x.stride(), *y.stride(),
         SH=g.strides[0], SW=g.strides[1], PH=g.begin[0], PW=g.begin[1],
         DH=g.dilations[0], DW=g.dilations[1], KH=g.kernel[0], KW=g.kernel[1],
-        BLOCK_P=BLOCK_P, BLOCK_C=block_c, num_warps=4,
+        BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps,
     )  # fmt: skip
     return y
