@@ -444,8 +444,9 @@ def _conv_inputs(graph: Graph, weights: frozenset[Value]) -> frozenset[Value]:
     """The graph inputs read only as input 0 of convolutions whose weight is in ``weights``, or
     only by QuantizeLinear nodes whose outputs those convolutions alone read (an INT8/FP8
     engine's first layer), anywhere, subgraphs included, and not themselves outputs. Not an
-    image of 3 channels quantized for such a convolution (a quantized stem): its float16 route
-    widens the 8-bit image into 4 channels, channels-last, in one pass from any layout, so a
+    image of 3 channels quantized for such a convolution (a quantized stem): its tactics lay the
+    8-bit image out in one pass from any layout (the float16 route widens it into 4 channels,
+    channels-last; the stem kernel packs it into 4 channels with its padding), so a
     channels-last copy of the float input would be a pass of its own for nothing."""
     if not weights:
         return frozenset()
