@@ -20,24 +20,27 @@ def build():
 
 
 def test_tiles_parse_and_bad_ones_are_refused(build) -> None:
-    no = (False, False)  # (promoted sums, vectors staged in shared memory)
+    no = (False, False, False)  # (promoted sums, vectors staged, two residual buffers)
     assert build._tile("128x256") == (128, 256, 1, 4, None, 4, (1, 1), 0, *no)
     assert build._tile("128x128o2k2e64x128s8") == (128, 128, 2, 2, (64, 128), 8, (1, 1), 0, *no)
     assert build._tile("128x128c2x1") == (128, 128, 1, 4, None, 4, (2, 1), 0, *no)
     assert build._tile("128x128c1x2w2") == (128, 128, 1, 4, None, 4, (1, 2), 2, *no)
-    assert build._tile("128x128w2p") == (128, 128, 1, 4, None, 4, (1, 1), 2, True, False)
-    assert build._tile("128x128o2c1x2v") == (128, 128, 2, 4, None, 4, (1, 2), 0, False, True)
-    assert build._tile("128x64p")[-2] and build._tile("64x128pv")[-2:] == (True, True)
+    assert build._tile("128x128w2p") == (128, 128, 1, 4, None, 4, (1, 1), 2, True, False, False)
+    assert build._tile("128x128o2c1x2v") == (128, 128, 2, 4, None, 4, (1, 2), 0, False, True, False)
+    assert build._tile("128x64p")[-3] and build._tile("64x128pv")[-3:-1] == (True, True)
+    assert build._tile("128x64o2k2vd")[-3:] == (False, True, True)
     # promoted sums need a second accumulator: only where the first is 64 registers a thread
     for bad in ("128x128p", "128x256p", "128x256w2p"):
         with pytest.raises(SystemExit, match="second accumulator"):
             build._tile(bad)
     for bad in ("96x128", "128x32", "128x128o3", "128x128k3", "128x128e64", "128x128s5", "x",
-                "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2", "128x64vp"):  # fmt: skip
+                "128x128c4x1", "128x128c2x1o2", "128x128w3", "128x128w2c1x2", "128x64vp",
+                "128x64dv"):  # fmt: skip
         with pytest.raises(SystemExit, match="is not MxN"):
             build._tile(bad)
-    for spec in build.TILES:  # (the defaults are all well formed)
+    for spec in (*build.TILES, *build.RESIDUAL_TILES):  # (the defaults are all well formed)
         build._tile(spec)
+    assert all(build._tile(spec)[-1] for spec in build.RESIDUAL_TILES)
 
 
 # The shape of what ``export_to_c`` writes (DSL 4.8.1): one struct per tensor argument with its
@@ -152,9 +155,9 @@ def test_promoted_tiles_are_built_for_e4m3_operands_only(build) -> None:
         "128x64", "128x64p", "128x64v"
     ]  # fmt: skip
     for spec in build.PROMOTE_TILES:
-        assert build._tile(spec)[-2]
+        assert build._tile(spec)[-3]
     for spec in (*build.VECTOR_TILES, *build.CONV_VECTOR_TILES):
-        assert build._tile(spec)[-1]
+        assert build._tile(spec)[-2]
     # the promoting branch is taken only where the build set tk_promote
     for _, new in build._PROMOTE_PATCHES:
         assert "tk_promote" in new
@@ -176,3 +179,32 @@ def test_staged_vectors_replace_the_epilogues_reads_only_where_asked(build, tmp_
         assert "else gCol_mnl[(None, None, *tile_coord_mnl)], self.epi_tile, tk_coord" in patched
         assert patched.count("cute.nvgpu.cpasync.CopyG2SOp(), cutlass.Float32") == 1
     assert "tk_cols" not in build._patched_source(source, tmp_path, "scalar").read_text()
+
+
+def test_the_residual_tile_is_read_from_padded_rows_and_two_buffers_where_asked(
+    build, tmp_path: Path
+) -> None:
+    """The residual's shared-memory rows are N + 16 bytes apart (rows a multiple of 128 bytes
+    apart put a warp's eight rows in two banks), and the second buffer, the scheduler one tile
+    ahead and the wait for all but the newest group of copies are taken only where the build
+    set ``tk_res_double``; a staged-vector kernel's own wait leaves that group in flight too
+    (``tk_groups_ahead``)."""
+    source = tmp_path / "example.py"
+    base = [build._OCCUPANCY_PATCH, *build._SHAPE_PATCHES, *build._CONV_PATCHES,
+            *build._PROMOTE_PATCHES]  # fmt: skip
+    source.write_text(_anchors(base, build._CHANNEL_PATCHES, [build._POST_SCALE_PATCH],
+                               build._RESIDUAL_PATCHES, build._VECTOR_PATCHES))  # fmt: skip
+    patched = build._patched_source(source, tmp_path, "residual").read_text()
+    assert patched.count("(self.tile_shape_mnk[1] + 16)") == 3  # (size, row stride, buffer)
+    double = "getattr(self, 'tk_res_double', False)"
+    assert f"if cutlass.const_expr({double}):" in patched
+    assert f"cute.arch.cp_async_wait_group(1 if {double} else 0)" in patched
+    assert "tk_ahead.advance_to_next_work()" in patched
+    assert "sR[(None, None, 1 - tk_rbuf)]" in patched
+    assert "cute.arch.cp_async_wait_group(getattr(self, 'tk_groups_ahead', 0))" in patched
+    # the staged vectors are requested before the next tile's residual: the epilogue's wait for
+    # all but the newest group covers them
+    tile_start = patched.index("gC_mnl_slice = gC_mnl[(None, None, *tile_coord_mnl)]")
+    assert tile_start < patched.index("tk_svec = storage.sV") < patched.index("tk_next = ")
+    channel = build._patched_source(source, tmp_path, "channel").read_text()
+    assert "tk_res_double" not in channel and "sR" not in channel
