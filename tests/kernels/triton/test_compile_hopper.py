@@ -26,6 +26,20 @@ pytest.importorskip("torch")
 
 ROOT = Path(__file__).resolve().parents[3]
 
+
+def _compiled(tmp_path: Path, child: str, *args: str) -> dict:
+    """Run ``child`` (it compiles for a stated target and prints JSON last) in a process of its
+    own: no interpreter, no GPU asked, a Triton cache of its own. Its JSON."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env["CUDA_VISIBLE_DEVICES"] = ""  # (the target is stated; no GPU is asked)
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    done = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True,
+                          env=env, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 _CHILD = r"""
 import json, sys
 import triton, triton.language as tl
@@ -67,14 +81,7 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("variant", ["hardware", "integer"])
 def test_quantizing_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""  # (the target is stated; no GPU is asked)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    done = subprocess.run([sys.executable, "-c", _CHILD, variant], capture_output=True,
-                          text=True, env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _compiled(tmp_path, _CHILD, variant)
     assert len(counts) == 2
     for name, c in counts.items():
         assert (c["cvt_e4m3"] > 0) == name.endswith("_hw"), (name, c)
@@ -90,9 +97,10 @@ from tensorkiln.kernels.triton import quantize
 src = ASTSource(
     fn=quantize._widen_padded_kernel,
     signature={"x_ptr": "*u8", "y_ptr": "*fp16", "P": "i32", "C": "i32", "H": "i32", "W": "i32",
+               "HP": "i32", "WP": "i32", "top": "i32", "left": "i32",
                "sn": "i64", "sc": "i64", "sh": "i64", "sw": "i64", "CP": "constexpr",
-               "FLOAT8": "constexpr", "BLOCK": "constexpr"},
-    constexprs={"CP": 4, "FLOAT8": True, "BLOCK": 1024},
+               "FLOAT8": "constexpr", "WIDEN": "constexpr", "BLOCK": "constexpr"},
+    constexprs={"CP": 4, "FLOAT8": True, "WIDEN": True, "BLOCK": 1024},
     attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},  # (as launched)
 )
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
@@ -104,14 +112,7 @@ print(json.dumps({"stores": ptx.count("st.global"), "wide": ptx.count("st.global
 def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
     """quantize.widen_padded's kernel (a block of pixels by 4 channels) compiles for Hopper, and
     writes each pixel's 4 float16 channels with vector stores (8 bytes and more)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    done = subprocess.run([sys.executable, "-c", _WIDEN_CHILD], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _compiled(tmp_path, _WIDEN_CHILD)
     assert counts["stores"] > 0 and counts["wide"] > 0, counts
 
 
@@ -152,14 +153,7 @@ def test_the_stem_convolution_compiles_for_sm90(tmp_path: Path) -> None:
     """conv_stem's kernel compiles for Hopper with 8-bit tensor-core instructions (WGMMA, K 32,
     int8 and E4M3), its window rows loaded 8 bytes at a time into shared memory ahead of their
     use (cp.async), and its 8-bit output written 16 bytes at a time."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    done = subprocess.run([sys.executable, "-c", _STEM_CHILD], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    counts = _compiled(tmp_path, _STEM_CHILD)
     for quant, c in counts.items():
         assert c["wgmma"] > 0, (quant, c)
         assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)

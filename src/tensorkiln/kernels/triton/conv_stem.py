@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from tensorkiln.kernels.common.window import Geometry
-from tensorkiln.kernels.triton import interpreting
+from tensorkiln.kernels.triton import interpreting, quantize
 from tensorkiln.kernels.triton.gemm import (
     NO_ACTIVATION,
     Epilogue,
@@ -67,50 +67,11 @@ class StemConfig:
 CONFIGS = (StemConfig(128, 4, 3), StemConfig(256, 8, 3), StemConfig(64, 4, 4))
 
 
-@triton.jit
-def _pack_kernel(
-    x_ptr, y_ptr, P, C, H, W, HP, WP, top, left, sn, sc, sh, sw,
-    CPK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
-    # a block of BLOCK padded pixels (n, hp, wp) by CPK channels: zeros outside the image and past
-    # its channels, written as BLOCK x CPK contiguous bytes
-    pix = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    c = tl.arange(0, CPK)
-    wp = pix % WP
-    hp = (pix // WP) % HP
-    n = pix // (WP * HP)
-    h = hp - top
-    w = wp - left
-    inside = (pix < P) & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-    src = x_ptr + (n * sn + h * sh + w * sw)[:, None] + (c * sc)[None, :]
-    v = tl.load(src, mask=inside[:, None] & (c < C)[None, :], other=0)
-    dst = y_ptr + pix[:, None] * CPK + c[None, :]
-    tl.store(dst, v, mask=(pix < P)[:, None])
-
-
 def pack_image(x: torch.Tensor, top: int, left: int, height: int, width: int) -> torch.Tensor:
     """``x`` (N, C, H, W, int8 or E4M3, any strides, C <= CP) as an (N, height, width, CP)
-    contiguous tensor of its type: ``x[n, c, h, w]`` at ``[n, top + h, left + w, c]``, zeros
-    elsewhere."""
-    if x.dim() != 4 or x.dtype not in _EIGHT_BIT or x.shape[1] > CP:
-        raise ValueError(
-            f"pack_image: takes a 4-D int8 or E4M3 tensor of at most {CP} channels, not "
-            f"{x.dtype} {tuple(x.shape)}"
-        )
-    n, c, h, w = x.shape
-    if top < 0 or left < 0 or height < top + h or width < left + w:
-        raise ValueError(
-            f"pack_image: {height} x {width} does not hold {h} x {w} at ({top}, {left})"
-        )
-    y = torch.empty((n, height, width, CP), dtype=x.dtype, device=x.device)
-    pixels = n * height * width
-    if pixels:
-        block = 256
-        _pack_kernel[(triton.cdiv(pixels, block),)](
-            storable(x), storable(y), pixels, c, h, w, height, width, top, left, *x.stride(),
-            CPK=CP, BLOCK=block,
-        )  # fmt: skip
-    return y
+    contiguous tensor of its type, the image past ``top`` rows and ``left`` columns, zeros
+    elsewhere (:func:`quantize.pad_image`)."""
+    return quantize.pad_image(x, CP, top, left, height, width)
 
 
 def pack_weight(w: torch.Tensor, block_n: int) -> torch.Tensor:

@@ -274,23 +274,51 @@ def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _widen_padded_kernel(
-    x_ptr, y_ptr, P, C, H, W, sn, sc, sh, sw,
-    CP: tl.constexpr, FLOAT8: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr, y_ptr, P, C, H, W, HP, WP, top, left, sn, sc, sh, sw,
+    CP: tl.constexpr, FLOAT8: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # a block of BLOCK pixels (n, h, w) by CP channels: read along the pixels of each channel's
-    # plane (coalesced for NCHW), written as BLOCK x CP contiguous values (channels-last);
-    # channels C.. are zeros
+    # a block of BLOCK pixels (n, hp, wp) of the (HP, WP) output by CP channels: read along the
+    # pixels of each channel's plane (coalesced for NCHW), written as BLOCK x CP contiguous
+    # values (channels-last); the image sits past ``top`` rows and ``left`` columns, and the
+    # margins and channels C.. are zeros. WIDEN: as float values, else the 8-bit codes as read
     pix = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     c = tl.arange(0, CP)
-    w = pix % W
-    h = (pix // W) % H
-    n = pix // (W * H)
-    base = n * sn + h * sh + w * sw
+    wp = pix % WP
+    hp = (pix // WP) % HP
+    n = pix // (WP * HP)
+    h = hp - top
+    w = wp - left
     ok = pix < P
-    src = base[:, None] + c[None, :].to(tl.int64) * sc
-    x = tl.load(x_ptr + src, mask=ok[:, None] & (c[None, :] < C), other=0)
+    inside = ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
+    src = (n * sn + h * sh + w * sw)[:, None] + c[None, :].to(tl.int64) * sc
+    x = tl.load(x_ptr + src, mask=inside[:, None] & (c[None, :] < C), other=0)
     dst = pix[:, None] * CP + c[None, :]
-    tl.store(y_ptr + dst, _widened(x, FLOAT8).to(y_ptr.dtype.element_ty), mask=ok[:, None])
+    if WIDEN:
+        x = _widened(x, FLOAT8).to(y_ptr.dtype.element_ty)
+    tl.store(y_ptr + dst, x, mask=ok[:, None])
+
+
+def _check_image(x: torch.Tensor, channels: int, what: str) -> None:
+    if x.dim() != 4 or channels < x.shape[1] or x.dtype not in (torch.int8, torch.float8_e4m3fn):
+        raise ValueError(
+            f"{what}: takes a 4-D int8 or E4M3 tensor of at most {channels} channels, not "
+            f"{x.dtype} {tuple(x.shape)}"
+        )
+    if channels & (channels - 1):
+        raise ValueError(f"{what}: {channels} channels; a power of two is taken")
+
+
+def _lay_out(x: torch.Tensor, y: torch.Tensor, hwc: tuple, top: int, left: int, widen: bool):
+    """Fill ``y``, laid out as (N, HP, WP, CP) = (N, *hwc) in memory, from ``x``."""
+    n, c, h, w = x.shape
+    hp, wp, cp = hwc
+    pixels = n * hp * wp
+    if pixels:
+        block = max(WIDEN_BLOCK // cp, 1)
+        _widen_padded_kernel[(triton.cdiv(pixels, block),)](
+            storable(x), storable(y), pixels, c, h, w, hp, wp, top, left, *x.stride(), CP=cp,
+            FLOAT8=x.dtype == torch.float8_e4m3fn, WIDEN=widen, BLOCK=block,
+        )  # fmt: skip
 
 
 def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Tensor:
@@ -298,24 +326,29 @@ def widen_padded(x: torch.Tensor, dtype: torch.dtype, channels: int) -> torch.Te
     channels, channels-last, the added channels zero: one pass. cuDNN's float16 convolutions
     take 3-channel images (a stem) through a padding copy of their own; this is the widening
     and that copy in one."""
-    if x.dim() != 4 or channels < x.shape[1] or x.dtype not in (torch.int8, torch.float8_e4m3fn):
-        raise ValueError(
-            f"widen_padded: takes a 4-D int8 or E4M3 tensor of at most {channels} channels, "
-            f"not {x.dtype} {tuple(x.shape)}"
-        )
-    n, c, h, w = x.shape
-    if channels & (channels - 1):
-        raise ValueError(f"widen_padded: {channels} channels; a power of two is taken")
+    _check_image(x, channels, "widen_padded")
+    n, _, h, w = x.shape
     y = torch.empty(
         (n, channels, h, w), dtype=dtype, device=x.device, memory_format=torch.channels_last
     )
-    pixels = n * h * w
-    if pixels:
-        block = max(WIDEN_BLOCK // channels, 1)
-        _widen_padded_kernel[(triton.cdiv(pixels, block),)](
-            storable(x), y, pixels, c, h, w, *x.stride(), CP=channels,
-            FLOAT8=x.dtype == torch.float8_e4m3fn, BLOCK=block,
-        )  # fmt: skip
+    _lay_out(x, y, (h, w, channels), 0, 0, widen=True)
+    return y
+
+
+def pad_image(
+    x: torch.Tensor, channels: int, top: int, left: int, height: int, width: int
+) -> torch.Tensor:
+    """``x`` (N, C, H, W, int8 or E4M3, any strides, C <= ``channels``) as an (N, height, width,
+    channels) contiguous tensor of its type: ``x[n, c, h, w]`` at ``[n, top + h, left + w, c]``,
+    zeros elsewhere (a convolution's padding laid out with the image)."""
+    _check_image(x, channels, "pad_image")
+    n, _, h, w = x.shape
+    if top < 0 or left < 0 or height < top + h or width < left + w:
+        raise ValueError(
+            f"pad_image: {height} x {width} does not hold {h} x {w} at ({top}, {left})"
+        )
+    y = torch.empty((n, height, width, channels), dtype=x.dtype, device=x.device)
+    _lay_out(x, y, (height, width, channels), top, left, widen=False)
     return y
 
 
