@@ -4,7 +4,8 @@
 # time limit, so that a kernel that hangs or faults costs its step only; logs go to $OUT (or
 # ./gpu-logs), and each step's last lines are printed.
 #
-#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS conv kernels first, then Gluon, the rest
+#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, the stem kernel and the
+#                                       # pools, then Gluon, the rest
 #   scripts/gpu_quant_round.sh time     # benchmarks/qconv_3x3.py: 8-bit 3x3 kernels vs cuDNN fp16
 #   scripts/gpu_quant_round.sh models   # ResNet-50, every layer quantized (--quantize-all), alone
 #   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
@@ -57,9 +58,12 @@ step() {
 pytest=(python3 -X faulthandler -m pytest -q -rf --tb=short -p no:cacheprovider)
 case "$part" in
 check)
-    # the implicit-GEMM conv kernels' first run, alone: a fault ends this process only
+    # the residual kernels (padded rows, two buffers) and the conv kernels first, alone: a fault
+    # or a hang ends this process only; then the stem kernel and the pools
     step cutlass_conv 240 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
-        -k "implicit or pointwise or promoted or strided"
+        -k "residual or implicit or pointwise or promoted or strided"
+    step stem 200 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py -k stem \
+        tests/kernels/triton/test_pool.py
     step gluon 240 "${pytest[@]}" -m gpu tests/kernels/triton/test_conv_gluon.py
     step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
         tests/kernels/triton/test_quantize.py tests/kernels/triton/test_pool.py \
