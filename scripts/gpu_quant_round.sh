@@ -11,7 +11,8 @@
 #   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
 #   scripts/gpu_quant_round.sh compare  # the target's run: both 8-bit engines and the best PyTorch
 #                                       # (eager channels-last, and torch.compile's three modes)
-#                                       # in one process, on the same inputs
+#                                       # in one process, on the same inputs; max-autotune
+#                                       # last, its compile the longest (about 270 s)
 #
 # Arguments after the step's name go to its benchmark (time, models, choice, compare), for
 # example `models --tactic-sources triton,cutlass,cudnn,cublas,cublaslt` to leave Gluon out.
@@ -84,7 +85,7 @@ choice)
     ;;
 compare)
     step resnet50_compare 590 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
-        --peers tensorkiln-fp8,tensorkiln-int8,eager,compile,max-autotune,reduce-overhead \
+        --peers tensorkiln-fp8,tensorkiln-int8,eager,compile,reduce-overhead,max-autotune \
         --quantize-all "${extra[@]}"
     ;;
 esac
