@@ -5,7 +5,7 @@
 # ./gpu-logs), and each step's last lines are printed.
 #
 #   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, the stem kernel and the
-#                                       # pools, then Gluon, the rest
+#                                       # pools (and benchmarks/qconv_stem.py), the rest, Gluon
 #   scripts/gpu_quant_round.sh time     # benchmarks/qconv_3x3.py: 8-bit 3x3 kernels vs cuDNN fp16
 #   scripts/gpu_quant_round.sh models   # ResNet-50, every layer quantized (--quantize-all), alone
 #   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
@@ -65,10 +65,11 @@ check)
         -k "residual or implicit or pointwise or promoted or strided"
     step stem 200 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py -k stem \
         tests/kernels/triton/test_pool.py
-    step gluon 240 "${pytest[@]}" -m gpu tests/kernels/triton/test_conv_gluon.py
+    step stem_time 150 python3 benchmarks/qconv_stem.py --reps 10
     step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
-        tests/kernels/triton/test_quantize.py tests/kernels/triton/test_pool.py \
-        tests/gpu/test_cutlass_fp8_gpu.py tests/gpu/test_quant_gpu.py
+        tests/kernels/triton/test_quantize.py tests/gpu/test_cutlass_fp8_gpu.py \
+        tests/gpu/test_quant_gpu.py
+    step gluon 240 "${pytest[@]}" -m gpu tests/kernels/triton/test_conv_gluon.py
     ;;
 time)
     step qconv_3x3 560 python3 benchmarks/qconv_3x3.py --kernels tma,gluon,cutlass --reps 10 \

@@ -1,0 +1,51 @@
+"""benchmarks/qconv_stem.py's logic on the CPU (Triton's interpreter, a 32-pixel image, a
+stand-in timer): every tactic of the stem's convolution agrees with cudnn_fp16's output (float32
+on the CPU) and is timed, every pool tactic equals the default kernel; the times themselves
+are the GPU's business."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "qconv_stem.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("qconv_stem", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_every_stem_tactic_is_checked_then_timed(bench, dtype: str) -> None:
+    kind = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
+    timed = []
+
+    def timer(fn, reps: int) -> float:
+        fn()
+        timed.append(reps)
+        return 0.125
+
+    rows = bench.stem_rows(kind, 1, 3, side=32, device="cpu", timer=timer)
+    convs = [r for r in rows if " conv " in r]
+    pools = [r for r in rows if " pool " in r]
+    assert len(convs) == 1 + len(bench.conv_stem.CONFIGS), rows
+    assert all(r.endswith(")") and "0.1250 ms" in r for r in convs), rows
+    assert "the reference here" in convs[0]
+    nonzero = float(convs[0].split("here, ")[1].split("%")[0])
+    assert 20 < nonzero < 100, convs[0]  # (after ReLU about half: the check means something)
+    assert [r.split(" pool ")[1].split(":")[0] for r in pools] == [
+        "default",
+        "triton",
+        "triton_p128",
+    ]
+    assert all("(equal)" in r for r in pools), rows
+    assert timed == [3] * (len(convs) + len(pools))
