@@ -5,7 +5,7 @@ are the GPU's business."""
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,19 +13,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "qconv_stem.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("qconv_stem", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks import qconv_stem as bench  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_every_stem_tactic_is_checked_then_timed(bench, dtype: str) -> None:
+def test_every_stem_tactic_is_checked_then_timed(dtype: str) -> None:
     kind = torch.int8 if dtype == "int8" else torch.float8_e4m3fn
     timed = []
 

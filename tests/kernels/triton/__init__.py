@@ -87,13 +87,13 @@ def check(
     return got
 
 
-def compile_child(code: str, root: Path, cache: Path) -> dict:
+def compile_child(code: str, root: Path, cache: Path, *args: str) -> dict:
     """Run ``code`` (which compiles kernels for sm_90 and prints one JSON line) in a fresh
-    Python with no GPU visible and a Triton cache of its own, outside the interpreter; its
-    JSON."""
+    Python with no GPU visible and a Triton cache of its own, outside the interpreter, with the
+    repository's root as its first argument and ``args`` after it; its JSON."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"TRITON_CACHE_DIR": str(cache), "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True,
+    done = subprocess.run([sys.executable, "-c", code, str(root), *args], capture_output=True,
                           text=True, env=env, timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])

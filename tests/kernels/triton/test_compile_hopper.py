@@ -13,10 +13,6 @@ Triton's compile cache does not tell the variants apart (the flag is a module gl
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,24 +20,13 @@ import pytest
 pytest.importorskip("triton")
 pytest.importorskip("torch")
 
+from tests.kernels.triton import compile_child
+
 ROOT = Path(__file__).resolve().parents[3]
-
-
-def _compiled(tmp_path: Path, child: str, *args: str) -> dict:
-    """Run ``child`` (it compiles for a stated target and prints JSON last) in a process of its
-    own: no interpreter, no GPU asked, a Triton cache of its own. Its JSON."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    env["CUDA_VISIBLE_DEVICES"] = ""  # (the target is stated; no GPU is asked)
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    done = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True,
-                          env=env, timeout=600)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
 
 _CHILD = r"""
 import json, sys
+sys.path[:0] = [sys.argv[1] + "/src"]
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -49,7 +34,7 @@ from tensorkiln.kernels.triton import norm, quantize
 
 target = GPUTarget("cuda", 90, 32)
 out = {}
-hardware = sys.argv[1] == "hardware"
+hardware = sys.argv[2] == "hardware"
 quantize.HARDWARE_E4M3 = tl.constexpr(hardware)  # (read when a kernel is compiled)
 kernels = {
     "quantize": (quantize._quantize_kernel,
@@ -81,14 +66,15 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("variant", ["hardware", "integer"])
 def test_quantizing_kernels_compile_for_sm90(tmp_path: Path, variant: str) -> None:
-    counts = _compiled(tmp_path, _CHILD, variant)
+    counts = compile_child(_CHILD, ROOT, tmp_path / "triton-cache", variant)
     assert len(counts) == 2
     for name, c in counts.items():
         assert (c["cvt_e4m3"] > 0) == name.endswith("_hw"), (name, c)
 
 
 _WIDEN_CHILD = r"""
-import json
+import json, sys
+sys.path[:0] = [sys.argv[1] + "/src"]
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -112,12 +98,13 @@ print(json.dumps({"stores": ptx.count("st.global"), "wide": ptx.count("st.global
 def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
     """quantize.widen_padded's kernel (a block of pixels by 4 channels) compiles for Hopper, and
     writes each pixel's 4 float16 channels with vector stores (8 bytes and more)."""
-    counts = _compiled(tmp_path, _WIDEN_CHILD)
+    counts = compile_child(_WIDEN_CHILD, ROOT, tmp_path / "triton-cache")
     assert counts["stores"] > 0 and counts["wide"] > 0, counts
 
 
 _STEM_CHILD = r"""
-import json
+import json, sys
+sys.path[:0] = [sys.argv[1] + "/src"]
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -153,7 +140,7 @@ def test_the_stem_convolution_compiles_for_sm90(tmp_path: Path) -> None:
     """conv_stem's kernel compiles for Hopper with 8-bit tensor-core instructions (WGMMA, K 32,
     int8 and E4M3), its window rows loaded 8 bytes at a time into shared memory ahead of their
     use (cp.async), and its 8-bit output written 16 bytes at a time."""
-    counts = _compiled(tmp_path, _STEM_CHILD)
+    counts = compile_child(_STEM_CHILD, ROOT, tmp_path / "triton-cache")
     for quant, c in counts.items():
         assert c["wgmma"] > 0, (quant, c)
         assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
