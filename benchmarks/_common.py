@@ -257,6 +257,16 @@ def norm_rel_torch(got: list, want: list) -> float:
     return max(errs)
 
 
+def steps_off(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The share of 8-bit outputs more than one output step from the reference's (int8: one
+    code; E4M3: one step of the larger's exponent)."""
+    g, w = got.float(), want.float()
+    if got.dtype == torch.int8:
+        return float(((g - w).abs() > 1).float().mean())
+    step = torch.exp2(torch.floor(torch.log2(torch.maximum(g.abs(), w.abs()).clamp_min(2**-6))) - 3)
+    return float(((g - w).abs() > step * 1.0001).float().mean())
+
+
 def graph_time_ms(fn, reps: int, calls: int = 20) -> float:
     """Milliseconds a call of ``fn``: ``calls`` calls captured in one CUDA graph, the median of
     ``reps`` replays (no launch cost: a launch through Python or ctypes costs the host about as

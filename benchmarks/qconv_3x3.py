@@ -99,16 +99,6 @@ def operands(nb: int, c: int, hw: int, dtype: torch.dtype, device: str, seed: in
     return x, w, col, bias, y_scale
 
 
-def _agree(got: torch.Tensor, want: torch.Tensor) -> float:
-    """The share of outputs more than one output step from the reference (int8: one code;
-    E4M3: one step of the larger's exponent)."""
-    g, w = got.float(), want.float()
-    if got.dtype == torch.int8:
-        return float(((g - w).abs() > 1).float().mean())
-    step = torch.exp2(torch.floor(torch.log2(torch.maximum(g.abs(), w.abs()).clamp_min(2**-6))) - 3)
-    return float(((g - w).abs() > step * 1.0001).float().mean())
-
-
 def _layer_row(
     dtype: torch.dtype,
     c: int,
@@ -119,7 +109,7 @@ def _layer_row(
     families: tuple[str, ...] = ("triton", "tma", "gluon"),
 ) -> dict:
     """One layer's times (ms): cuDNN float16, and the best tiling of each 8-bit kernel."""
-    from benchmarks._common import graph_time_ms
+    from benchmarks._common import graph_time_ms, steps_off
 
     kind = "int8" if dtype == torch.int8 else "fp8"
     x, w, col, bias, ys = operands(batch, c, hw, dtype, "cuda")
@@ -186,7 +176,7 @@ def _layer_row(
             except Exception as exc:  # (a tiling the compiler refuses)
                 print(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0][:120]}")
                 continue
-            off = _agree(got, want)
+            off = steps_off(got, want)
             g, wf = got.float(), want.float()
             rel = float(torch.linalg.vector_norm(g - wf) / torch.linalg.vector_norm(wf))
             if off > 1e-3 and rel > 2**-6:  # (the tactic tests' bound: within 1/64 of the norm)

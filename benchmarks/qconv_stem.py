@@ -27,7 +27,7 @@ import triton
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
-from benchmarks._common import graph_time_ms  # noqa: E402
+from benchmarks._common import graph_time_ms, norm_rel_torch, steps_off  # noqa: E402
 
 from tensorkiln.kernels.cuda.convert import mark_constant  # noqa: E402
 from tensorkiln.kernels.registry import lookup  # noqa: E402
@@ -64,17 +64,6 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _steps_off(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(the share of outputs more than one step from ``want``'s, the relative L2 distance)."""
-    g, w = got.float(), want.float()
-    if got.dtype == torch.int8:
-        off = float(((g - w).abs() > 1).float().mean())
-    else:  # (one E4M3 step at each value's own binade)
-        step = torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(2.0**-6))) - 3)
-        off = float(((g - w).abs() > step).float().mean())
-    return off, float(torch.linalg.vector_norm(g - w) / torch.linalg.vector_norm(w))
-
-
 def stem_rows(
     dtype: torch.dtype, batch: int, reps: int, *, side: int = 224, device: str = "cuda",
     timer=graph_time_ms,
@@ -97,7 +86,7 @@ def stem_rows(
             nonzero = float((got.view(torch.uint8) != 0).float().mean())
             want, note = got, f"the reference here, {nonzero:.0%} of its outputs nonzero"
         else:
-            off, rel = _steps_off(got, want)
+            off, rel = steps_off(got, want), norm_rel_torch([got], [want])
             note = f"{off:.3%} more than a step off, rel L2 {rel:.1e}"
             if off > 1e-3 and rel > 2**-6:
                 rows.append(f"{kind} conv {name}: {note}; not timed")

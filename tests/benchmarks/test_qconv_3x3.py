@@ -16,6 +16,8 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks._common import steps_off  # noqa: E402
+
 from benchmarks import qconv_3x3 as q  # noqa: E402
 from tensorkiln.kernels.triton.gemm import TileConfig  # noqa: E402
 from tests.kernels.triton import compile_child  # noqa: E402
@@ -30,7 +32,7 @@ def test_matches_float64_arithmetic_on_the_8_bit_values(dtype, nb: int, c: int, 
     got = q.tma_conv3x3(x, w, col, bias, ys, config=TileConfig(16, 16, 16, 1, 1))
     assert got.dtype == dtype and got.shape == want.shape
     assert got.is_contiguous(memory_format=torch.channels_last)
-    assert q._agree(got, want) == 0.0  # (none more than one output step away)
+    assert steps_off(got, want) == 0.0  # (none more than one output step away)
     assert float((got.float() == want.float()).float().mean()) > 0.98
     assert 0.2 < float((want.float() == 0).float().mean()) < 0.8  # (ReLU bites, not everywhere)
     assert float(want.float().abs().max()) > 60  # (the codes span the range)

@@ -406,11 +406,23 @@ def qconv_half(
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, sums, z_scale)
 
 
-def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
+def _fused_qconv_geometry(spec: LayerSpec, residual: bool = True) -> Any:
+    """The geometry of an 8-bit QConvAct a Triton convolution with the fused epilogue takes
+    (on the GPU or in Triton's interpreter, an activation the epilogue has, a residual only
+    where ``residual``), else None."""
     if not (spec.device == "cuda" or interpreting()):
-        return False
+        return None
     g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
     if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
+        return None
+    if not residual and len(spec.shapes) > 5 and spec.shapes[5] is not None:
+        return None
+    return g
+
+
+def _triton_qconv_ok(cfg: Any, spec: LayerSpec) -> bool:
+    g = _fused_qconv_geometry(spec)
+    if g is None:
         return False
     x, w = spec.shapes[0], spec.shapes[2]
     group = spec.attrs.get("group", 1)
@@ -439,12 +451,8 @@ def _triton_qconv(cfg: Any) -> Callable:
 def _qconv3x3_ok(cfg: Any, spec: LayerSpec) -> bool:
     """conv_tma's convolutions: 3x3, stride 1, padding 1, one group, no residual, 8-bit
     channel counts in multiples of 16; a tile no wider than the output channels need."""
-    if not (spec.device == "cuda" or interpreting()):
-        return False
-    g = _qconv_geometry(spec, ("int8", "float8_e4m3fn"))
-    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
-        return False
-    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+    g = _fused_qconv_geometry(spec, residual=False)
+    if g is None:
         return False
     x, w = spec.shapes[0], spec.shapes[2]
     if not conv_tma.applies(x, w, _dtypes(spec)[0], g, spec.attrs.get("group", 1)):
@@ -466,21 +474,14 @@ def _qconv3x3(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv3x3_{cfg.name}")
 
 
-_EIGHT_BIT = {"int8": torch.int8, "float8_e4m3fn": torch.float8_e4m3fn}
-
-
 def _stem_ok(spec: LayerSpec) -> bool:
     """conv_stem's convolutions: an 8-bit image of at most 4 channels, a window at most 8
     wide, one group, no dilation, no residual."""
-    if not (spec.device == "cuda" or interpreting()):
-        return False
-    g = _qconv_geometry(spec, tuple(_EIGHT_BIT))
-    if g is None or spec.attrs.get("activation", "") not in gemm.ACT_CODES:
-        return False
-    if len(spec.shapes) > 5 and spec.shapes[5] is not None:  # (a residual: not taken)
+    g = _fused_qconv_geometry(spec, residual=False)
+    if g is None:
         return False
     x, w = spec.shapes[0], spec.shapes[2]
-    kind = _EIGHT_BIT[_dtypes(spec)[0]]
+    kind = torch_dtype(_dtypes(spec)[0])
     return conv_stem.applies(x, w, kind, g, spec.attrs.get("group", 1))
 
 

@@ -85,7 +85,7 @@ def pack_weight(w: torch.Tensor, block_n: int) -> torch.Tensor:
 
 def block_n(oc: int) -> int:
     """The tile's output channels: ``oc`` rounded up to a power of two, at least 16."""
-    return max(16, 1 << max(oc - 1, 0).bit_length())
+    return max(16, triton.next_power_of_2(oc))
 
 
 def applies(x_shape, w_shape, dtype: torch.dtype, geom: Geometry, group: int) -> bool:
