@@ -36,6 +36,21 @@ def test_unknown_tactic_source_is_a_clear_error(cli, mlp, tmp_path) -> None:
     assert "unknown tactic source(s) tensorrt; choose from triton, gluon, cutlass" in err
 
 
+def test_tactic_exclusions_are_recorded_and_a_bad_timeout_is_a_clear_error(
+    cli, mlp, tmp_path
+) -> None:
+    from tensorkiln.engine import Engine
+
+    engine = tmp_path / "m.engine"
+    rc, _, err = cli("build", mlp, "-o", engine, "--tactic-exclude", "cutlass_*d, t_x",
+                     "--tactic-timeout", "60", "--backend", "reference")  # fmt: skip
+    assert rc == 0, err
+    assert Engine.load(engine).build["config"]["tactic_exclude"] == ["cutlass_*d", "t_x"]
+    rc, _, err = cli("build", mlp, "-o", engine, "--tactic-timeout", "-1")
+    assert_one_line_error(rc, err)
+    assert "--tactic-timeout" in err and "positive number of seconds" in err
+
+
 @pytest.mark.gpu
 def test_build_inspect_run_on_the_gpu(cli, digits, tmp_path) -> None:
     engine, cache = tmp_path / "d.engine", tmp_path / "d.cache"

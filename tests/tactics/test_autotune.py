@@ -167,6 +167,98 @@ def test_a_tactic_added_since_the_cache_was_written_is_timed(test_tactics, tmp_p
     assert r5.timing_cache == {"hits": tuned, "misses": 0}
 
 
+def _build_excluding(tmp_path, exclude: list[str]):
+    cfg = BuilderConfig(timing_cache=str(tmp_path / "timing.cache"), tactic_exclude=exclude)
+    b = Builder("cuda", device="cpu")
+    return b.build(_mlp(), cfg, progress=False), b.last_report
+
+
+def test_excluded_tactics_are_not_tried(test_tactics, tmp_path) -> None:
+    """--tactic-exclude's names and patterns take tactics out of the candidates; a cache entry
+    whose choice is excluded since is timed again, the others still answer."""
+    engine, r1 = _build_excluding(tmp_path, ["t_s*"])
+    tuned = [x for x in engine.layers if x.get("timings_ms")]
+    assert tuned and r1.timing_cache == {"hits": 0, "misses": len(tuned)}
+    for layer in tuned:
+        assert layer["candidates"] == ["default", "t_wrong"]
+        assert set(layer["timings_ms"]) == {"default"} and layer["tactic"] == "default"
+    assert engine.build["config"]["tactic_exclude"] == ["t_s*"]
+    # a full build, then every entry made to have chosen t_same (as a faster run would)
+    _, r2 = _build_excluding(tmp_path, [])
+    assert r2.timing_cache == {"hits": 0, "misses": len(tuned)}  # (more candidates than r1's)
+    path = tmp_path / "timing.cache"
+    data = json.loads(path.read_text())
+    for entry in data["entries"].values():
+        entry["tactic"] = entry["tactic_eager"] = "t_same"
+    path.write_text(json.dumps(data))
+    engine, r3 = _build_excluding(tmp_path, ["t_slow"])
+    assert r3.timing_cache == {"hits": len(tuned), "misses": 0}
+    assert all(x["tactic"] == "t_same" for x in engine.layers if x.get("timings_ms"))
+    engine, r4 = _build_excluding(tmp_path, ["t_same"])
+    assert r4.timing_cache == {"hits": 0, "misses": len(tuned)}
+    assert all(x["tactic"] in ("default", "t_slow") for x in engine.layers if x.get("timings_ms"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("tactic_exclude", "t_same"), ("tactic_exclude", [""]), ("tactic_timeout", 0),
+     ("tactic_timeout", float("nan")), ("tactic_timeout", True)],
+)  # fmt: skip
+def test_bad_tactic_options_are_clear_errors(field, value) -> None:
+    from tensorkiln.errors import InputError
+
+    with pytest.raises(InputError, match=field):
+        BuilderConfig(**{field: value}).validate()
+
+
+_HANGING_BUILD = """
+import sys, time
+from tensorkiln.builder import Builder, BuilderConfig
+from tensorkiln.kernels import tactics as registry
+from tensorkiln.kernels.registry import lookup
+from tests.tactics.test_autotune import _mlp
+
+registry._load()
+registry._TACTICS.clear()
+fused = lookup("GemmAct", "tensorkiln", 1, "cuda").fn
+registry.tactic("GemmAct", domain="tensorkiln", name="t_fine")(lambda *a, **k: fused(*a, **k))
+def hang(*a, **k):
+    time.sleep(120)  # (as a kernel that never ends keeps the synchronization waiting)
+registry.tactic("MatMul", name="t_hang")(hang)
+cfg = BuilderConfig(timing_cache=sys.argv[1], tactic_timeout=float(sys.argv[2]))
+Builder("cuda", device="cpu").build(_mlp(), cfg, progress=False)
+print("the build finished")
+"""
+
+
+def test_a_tactic_that_does_not_finish_stops_the_build_and_names_it(tmp_path) -> None:
+    """With a tactic timeout, a candidate that never returns ends the process (status 3) with
+    the layer and the tactic named and the way around it, and the layers tuned before it saved
+    in the timing cache; a rebuild that excludes it then times only that layer."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cache = tmp_path / "timing.cache"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), str(root)])}
+    t0 = time.perf_counter()
+    run = subprocess.run(
+        [sys.executable, "-c", _HANGING_BUILD, str(cache), "3"],
+        capture_output=True, text=True, timeout=100, env=env, cwd=root,
+    )  # fmt: skip
+    assert run.returncode == autotune.STUCK_EXIT, run.stderr[-2000:]
+    assert time.perf_counter() - t0 < 90  # (not the two minutes of the hanging tactic)
+    assert "the build finished" not in run.stdout
+    err = run.stderr
+    assert "tactic 't_hang'" in err and "did not finish within 3 s" in err, err[-2000:]
+    assert "(MatMul)" in err and "--tactic-exclude 't_hang'" in err
+    assert str(cache) in err
+    data = json.loads(cache.read_text())
+    assert [e["candidates"] for e in data["entries"].values()] == [["default", "t_fine"]]
+
+
 def test_damaged_timing_cache_is_a_clear_error(test_tactics, tmp_path) -> None:
     (tmp_path / "timing.cache").write_text("{not json")
     with pytest.raises(BuildError, match=r"timing cache .*timing\.cache"):

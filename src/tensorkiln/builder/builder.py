@@ -416,6 +416,8 @@ def _tune(
         max_candidates=None if config.optimization_level >= 4 else 4,
         # (a standalone quantization's cost is part of the precision choice's comparison)
         timed_ops=frozenset({"QuantizeLinear"}) if time_quantize else frozenset(),
+        exclude=tuple(p.strip() for p in config.tactic_exclude),
+        timeout_s=config.tactic_timeout,
     )
     try:
         with math_mode(precision):

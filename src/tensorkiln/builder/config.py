@@ -52,6 +52,13 @@ class BuilderConfig:
     # the kinds of tactic the autotuner may try besides each op's default kernel (cuBLAS/cuDNN
     # through torch): "triton" for the generated kernels; None allows every kind
     tactic_sources: set[str] | None = None
+    # tactics never tried, by name or shell-style pattern ("cutlass_*d"): a way around one
+    # kernel that fails or hangs on some device, without giving up its whole source
+    tactic_exclude: list[str] = field(default_factory=list)
+    # seconds one tactic's check and timing may take before the build stops (naming the layer
+    # and the tactic, the timing cache saved): a kernel that never ends holds the GPU, and no
+    # call in this process gets it back, so the process exits (status 3); None: no limit
+    tactic_timeout: float | None = None
     # per-layer precision constraints (TensorRT's ILayer.precision): layer name -> precision, a
     # layer of the optimized graph; the default policy honours fp32 on fp16/bf16 engines
     layer_precisions: dict[str, str] = field(default_factory=dict)
@@ -117,6 +124,20 @@ class BuilderConfig:
             raise InputError(
                 f"unknown tactic source(s) {', '.join(sorted(unknown))}; choose from "
                 f"{', '.join(TACTIC_SOURCES)}"
+            )
+        if not (
+            isinstance(self.tactic_exclude, list | tuple)
+            and all(isinstance(p, str) and p.strip() for p in self.tactic_exclude)
+        ):
+            raise InputError(
+                "tactic_exclude (--tactic-exclude) must be a list of tactic names or patterns"
+            )
+        t = self.tactic_timeout
+        if t is not None and (
+            isinstance(t, bool) or not isinstance(t, int | float) or not 0 < t < 1e9
+        ):
+            raise InputError(
+                f"tactic_timeout (--tactic-timeout) must be a positive number of seconds, got {t!r}"
             )
         if self.log_level not in LOG_LEVELS:
             raise InputError(f"log level must be one of {', '.join(LOG_LEVELS)}")
@@ -187,6 +208,7 @@ class BuilderConfig:
                 if self.tactic_sources is None
                 else sorted(self.tactic_sources),
             }
+            | ({"tactic_exclude": list(self.tactic_exclude)} if self.tactic_exclude else {})
             | ({"layer_precisions": dict(self.layer_precisions)} if self.layer_precisions else {})
             | ({"remove_padding": True} if self.remove_padding else {})
             | (

@@ -108,6 +108,21 @@ def add_parser(sub: Any) -> None:
         "(PyTorch's FlashAttention-2 on packed tokens); 'none' times nothing but the defaults "
         "(default: all)",
     )
+    p.add_argument(
+        "--tactic-exclude",
+        metavar="LIST",
+        help="tactics the autotuner never tries, by name or shell-style pattern, comma-separated "
+        "(cutlass_qconv_*d): a way around one kernel that fails or hangs, keeping the rest of "
+        "its source; a timing cache entry that chose one is timed again",
+    )
+    p.add_argument(
+        "--tactic-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop the build when one tactic's check and timing take longer (a kernel that "
+        "never ends holds the GPU): the layer and the tactic are named, the timing cache is "
+        "saved, and the exit status is 3 (default: no limit)",
+    )
     add_backend_option(
         p, "cuda (GPU kernels, autotuned) or reference (numpy); auto: cuda where a GPU is present"
     )
@@ -329,6 +344,10 @@ def _config(args: argparse.Namespace, plan: dict | None, backend: str) -> Any:
     if args.tactic_sources is not None:
         names = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
         config.tactic_sources = set() if names == {"none"} else names
+    exclude = getattr(args, "tactic_exclude", None)
+    if exclude:
+        config.tactic_exclude = [x.strip() for x in exclude.split(",") if x.strip()]
+    config.tactic_timeout = getattr(args, "tactic_timeout", None)
     given = getattr(args, "layer_precisions", None)
     pins = parse_layer_precisions(given) if given else old.get("layer_precisions", {})
     config.layer_precisions = dict(pins)

@@ -24,11 +24,16 @@ default kernel. A timing cache hit skips steps 1-5.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import math
+import os
 import statistics
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -42,7 +47,7 @@ from tensorkiln.ir.printer import format_graph
 from tensorkiln.kernels import derived
 from tensorkiln.kernels.evaluate import infer_at_shapes
 from tensorkiln.kernels.registry import KernelEntry, invoke, lookup
-from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactics_for
+from tensorkiln.kernels.tactics import LayerSpec, tactics_for
 from tensorkiln.precision.policy import TOLERANCE
 from tensorkiln.runtime.executor import Executor, Scope, with_fn
 from tensorkiln.tactics.cache import TimingCache
@@ -66,6 +71,11 @@ class TuneOptions:
     # ops whose default kernel is timed even where no tactic applies (an INT8/FP8 build's
     # precision choice counts what a QuantizeLinear of its own adds to a quantized layer)
     timed_ops: frozenset[str] = frozenset()
+    # tactic names or shell-style patterns never tried (BuilderConfig.tactic_exclude)
+    exclude: tuple[str, ...] = ()
+    # seconds a candidate's check and timing may take before the process stops (None: no
+    # limit; BuilderConfig.tactic_timeout)
+    timeout_s: float | None = None
 
 
 def choose_tactics(
@@ -93,13 +103,14 @@ def choose_tactics(
             raise
         types, others = {}, []  # nothing is timed: every layer keeps its default, unlisted
     layers = []
+    watchdog = _Watchdog(options.timeout_s, cache)
     with backend.scope(), backend.inference():
         # the real activations are only worth computing when something is measured on them
         values = LayerInputs(graph, executor, shapes) if _measures(options) else None
         for i, node in enumerate(graph.nodes):
             t0 = time.perf_counter()
             layer = _tune_layer(
-                graph, node, executor, (types, *others), options, cache, log, values
+                graph, node, executor, (types, *others), options, cache, log, values, watchdog
             )
             if "candidates" in layer:
                 layer["tune_s"] = round(time.perf_counter() - t0, 3)
@@ -114,7 +125,7 @@ def _measures(options: TuneOptions) -> bool:
     return options.enabled and options.sources != frozenset()
 
 
-def _tune_layer(graph, node, executor, types, options, cache, log, values) -> dict:
+def _tune_layer(graph, node, executor, types, options, cache, log, values, watchdog) -> dict:
     """``types``: the values' types at the opt shapes, then at the profiles' other shapes;
     ``values``: the graph's activations at the opt shapes (None when nothing is measured)."""
     opset = graph.opset(node.domain)
@@ -126,7 +137,7 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         for t in (tactics_for(node.op, node.domain, spec) if spec else ())
         if t.applies(spec)
         and all(s is None or t.applies(s) for s in other_specs)
-        and _allowed(t.name, options.sources)
+        and _allowed(t.name, options.sources, options.exclude)
     ]
     if spec is None and options.enabled and tactics_for(node.op, node.domain):
         # (shape inference left an input's shape symbolic at these shapes: nothing to time it at)
@@ -141,16 +152,13 @@ def _tune_layer(graph, node, executor, types, options, cache, log, values) -> di
         return layer
     key = TimingCache.key(_signature(node, spec, options, executor.backend, candidates))
     hit = cache.get(key, partial(_covers, layer["candidates"])) if cache is not None else None
-    if hit is not None and all(
-        n == "default" or get_tactic(node.op, node.domain, n)
-        for n in (hit["tactic"], hit.get("tactic_eager", "default"))
-    ):
+    if hit is not None:
         layer.update(_cached_choice(hit))
         return layer
     args = values.for_layer(node, spec) if values is not None else None
     if args is None:
         return layer
-    choice = _measure_candidates(node, entry, candidates, args, executor, options)
+    choice = _measure_candidates(node, entry, candidates, args, executor, options, watchdog)
     layer.update(choice)
     if "fallback" in choice:  # not a measurement: the next build tries again
         if log is not None:
@@ -172,9 +180,13 @@ CACHED_KEYS = ("tactic", "timings_ms", "tactic_eager", "timings_eager_ms")
 
 
 def _covers(candidates: list[str], hit: dict) -> bool:
-    """Whether a cache entry weighed every one of a layer's candidates: a tactic added since
-    (a new kernel, a rebuilt library's new tile) is timed, not passed over for the old choice.
-    An entry from before entries named their candidates counts the ones it has timings of."""
+    """Whether a cache entry weighed every one of a layer's candidates and chose among them: a
+    tactic added since (a new kernel, a rebuilt library's new tile) is timed, not passed over
+    for the old choice, and so is a layer whose choice is excluded since (or gone). An entry
+    from before entries named their candidates counts the ones it has timings of."""
+    chosen = (hit["tactic"], hit.get("tactic_eager", "default"))
+    if not all(n in candidates for n in chosen):
+        return False
     known = hit.get("candidates")
     if not (isinstance(known, list) and all(isinstance(n, str) for n in known)):
         known = ["default", *hit["timings_ms"]]
@@ -191,7 +203,7 @@ def _cached_choice(hit: dict) -> dict:
     }
 
 
-def _measure_candidates(node, entry, candidates, args, executor, options) -> dict:
+def _measure_candidates(node, entry, candidates, args, executor, options, watchdog) -> dict:
     """Check every candidate against the oracle, time the ones that agree, pick the fastest.
 
     The default kernel is what runs without tuning, so it is never rejected: where it cannot be
@@ -203,11 +215,13 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     """
     scope = Scope(executor, {})
     n_out = len(node.outputs)
+    layer = f"layer '{node.name}' ({node.op})"
     try:
-        oracle = _oracle(entry, node, args, n_out, scope)
-        default = invoke(entry, args, node.attrs, n_out, scope)
-        default_err = _rel_error(default, oracle)
-        default_ms = _time(entry, args, node.attrs, n_out, scope, executor.backend, options)
+        with watchdog.guard(f"{layer}: its default kernel"):
+            oracle = _oracle(entry, node, args, n_out, scope)
+            default = invoke(entry, args, node.attrs, n_out, scope)
+            default_err = _rel_error(default, oracle)
+            default_ms = _time(entry, args, node.attrs, n_out, scope, executor.backend, options)
     except Exception as exc:  # e.g. drawn inputs outside what the op accepts
         return _fallback(f"the default kernel failed on the tuning inputs: {_reason(exc)}")
     if not _checkable(oracle):
@@ -218,16 +232,17 @@ def _measure_candidates(node, entry, candidates, args, executor, options) -> dic
     for t in candidates:
         e = with_fn(entry, t.fn)
         try:
-            got = invoke(e, args, node.attrs, n_out, scope)
-            err = _rel_error(got, oracle)
-            if not err <= bound:
-                rejected[t.name] = f"relative error {err:.2e} vs the float32 oracle"
-                if math.isinf(err):
-                    rejected[t.name] += f" ({_mismatch(got, oracle)})"
-                continue
-            graph_ms[t.name], eager_ms[t.name] = _time(
-                e, args, node.attrs, n_out, scope, executor.backend, options
-            )
+            with watchdog.guard(f"{layer}: tactic '{t.name}'", t.name):
+                got = invoke(e, args, node.attrs, n_out, scope)
+                err = _rel_error(got, oracle)
+                if not err <= bound:
+                    rejected[t.name] = f"relative error {err:.2e} vs the float32 oracle"
+                    if math.isinf(err):
+                        rejected[t.name] += f" ({_mismatch(got, oracle)})"
+                    continue
+                graph_ms[t.name], eager_ms[t.name] = _time(
+                    e, args, node.attrs, n_out, scope, executor.backend, options
+                )
         except Exception as exc:  # a candidate that cannot run here is rejected, not fatal
             rejected[t.name] = _reason(exc)
     out = {
@@ -284,8 +299,62 @@ def _source(name: str) -> str:
     return name.split("_", 1)[0]
 
 
-def _allowed(name: str, sources: frozenset[str] | None) -> bool:
-    return sources is None or _source(name) in sources
+def _allowed(name: str, sources: frozenset[str] | None, exclude: tuple[str, ...] = ()) -> bool:
+    """Whether a tactic's source is allowed and no exclusion pattern matches its name."""
+    return (sources is None or _source(name) in sources) and not any(
+        fnmatch.fnmatchcase(name, p) for p in exclude
+    )
+
+
+# the exit status of a build stopped by --tactic-timeout (a tactic that did not finish)
+STUCK_EXIT = 3
+
+
+class _Watchdog:
+    """Stops the process when one tactic's check and timing take longer than ``seconds``.
+
+    A GPU kernel that never ends (a deadlocked pipeline, say) holds the device: the build's
+    next synchronization waits forever, and nothing in this process can take the device back.
+    So on the timer's thread the watchdog saves the timing cache (the layers tuned so far, so
+    that a rebuild starts where this one stopped), names the layer and the tactic on stderr
+    with the way around it, and ends the process with :data:`STUCK_EXIT`. Python runs the
+    timer while the main thread waits in the driver (torch releases the GIL there)."""
+
+    def __init__(self, seconds: float | None, cache: TimingCache | None) -> None:
+        self.seconds = seconds
+        self.cache = cache
+
+    @contextmanager
+    def guard(self, what: str, tactic: str | None = None) -> Iterator[None]:
+        if self.seconds is None:
+            yield
+            return
+        timer = threading.Timer(self.seconds, self._stop, (what, tactic))
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+
+    def _stop(self, what: str, tactic: str | None) -> None:
+        saved = ""
+        path = getattr(self.cache, "path", None)
+        if path is not None:
+            try:  # (a snapshot: the main thread is blocked, or about to be stopped)
+                TimingCache(dict(self.cache.entries)).save(path)
+                saved = f"; the layers tuned before it are saved in the timing cache '{path}'"
+            except OSError as exc:
+                saved = f"; the timing cache '{path}' could not be saved ({exc})"
+        around = f" (tensorkiln build --tactic-exclude '{tactic}')" if tactic else ""
+        sys.stderr.write(
+            f"tensorkiln: error: {what} did not finish within {self.seconds:g} s (the tactic "
+            f"timeout), so the build stops: a kernel that does not end holds the device{saved}. "
+            f"Rebuild without that tactic{around}, or with a longer timeout if it was only "
+            "slow (a first compilation, say).\n"
+        )
+        sys.stderr.flush()
+        os._exit(STUCK_EXIT)
 
 
 def describe_layer(node: Node, entry: KernelEntry) -> dict:

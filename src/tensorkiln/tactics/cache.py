@@ -27,6 +27,7 @@ class TimingCache:
 
     def __init__(self, entries: dict[str, dict] | None = None) -> None:
         self.entries: dict[str, dict] = dict(entries or {})
+        self.path: Path | None = None  # the file it was loaded from (load)
         self.hits = 0
         self.misses = 0
 
@@ -54,6 +55,12 @@ class TimingCache:
     def load(cls, path: str | os.PathLike) -> TimingCache:
         """Read ``path``; a missing file is an empty cache, a damaged one a BuildError."""
         path = Path(path)
+        cache = cls._read(path)
+        cache.path = path
+        return cache
+
+    @classmethod
+    def _read(cls, path: Path) -> TimingCache:
         if not path.exists():
             return cls()
         try:
