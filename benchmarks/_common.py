@@ -201,13 +201,17 @@ def build(
     remove_padding: bool = False,
     quantize_all: bool = False,
     tactic_sources: set[str] | None = None,
+    tactic_exclude: list[str] | tuple = (),
+    tactic_timeout: float | None = None,
 ) -> tuple[tensorkiln.Engine, float, BuildReport]:
     """An engine of the cuda backend on ``device``; ``precision``: one or several joined by '+'
     ("int8+fp16"); ``shapes``: name -> (min, opt, max), one optimization profile; ``io_format``
     ("fp16"...): the type of every float input and output (float32 when None); ``calibration``:
     INT8/FP8 calibration feeds; ``remove_padding``: BuilderConfig.remove_padding;
     ``quantize_all``: every layer that can be quantized is (no per-layer precision choice);
-    ``tactic_sources``: BuilderConfig.tactic_sources (None: all).
+    ``tactic_sources``: BuilderConfig.tactic_sources (None: all); ``tactic_exclude`` and
+    ``tactic_timeout``: BuilderConfig's (tactics never tried; a tactic that does not finish
+    in that many seconds ends the process, naming it).
     Returns the engine, the build's seconds and the build's report (its ``timing_cache`` hits and
     misses, an INT8/FP8 build's ``precision_choice``)."""
     config = BuilderConfig()
@@ -219,6 +223,8 @@ def build(
     if quantize_all:
         config.choose_precision_per_layer = False
     config.tactic_sources = tactic_sources
+    config.tactic_exclude = list(tactic_exclude)
+    config.tactic_timeout = tactic_timeout
     if io_format:
         config.input_io_formats = config.output_io_formats = [io_format]
     config.timing_cache = str(cache)

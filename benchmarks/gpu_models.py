@@ -127,6 +127,8 @@ class Settings:
     precision: str = "fp16"  # tensorkiln's: fp16, or int8/fp8 (with fp16 for the other layers)
     quantize_all: bool = False  # int8/fp8: every layer quantized (no per-layer precision choice)
     tactic_sources: set[str] | None = None  # tensorkiln's builds (None: every source)
+    tactic_exclude: tuple[str, ...] = ()  # tactics tensorkiln's builds never try
+    tactic_timeout: float | None = None  # a tactic that takes longer ends the run, named
     rounds: int = 1  # throughput: times each peer is timed, in turns (the median is reported)
     peer: str = ""  # the peer being measured
     # this row's throughput callables by peer (fn, batch, under inference mode), for the rounds
@@ -292,6 +294,15 @@ def reference(model, dev: dict) -> tuple[list, int]:
     return [w.float() for w in want], int(counter.get_total_flops())
 
 
+def tuning() -> dict:
+    """The autotuner's options of tensorkiln's builds, from the command line."""
+    return {
+        "tactic_sources": S.tactic_sources,
+        "tactic_exclude": S.tactic_exclude,
+        "tactic_timeout": S.tactic_timeout,
+    }
+
+
 def tensorkiln_peer(
     path: Path,
     dev: dict,
@@ -321,7 +332,7 @@ def tensorkiln_peer(
         ]
     engine, secs, report = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
-        remove_padding=packed, quantize_all=S.quantize_all, tactic_sources=S.tactic_sources,
+        remove_padding=packed, quantize_all=S.quantize_all, **tuning(),
     )  # fmt: skip
     if packed and not report.passes.get("remove_padding"):
         return {"skipped": next((n for n in report.notes if "padding" in n), "not packed")}
@@ -343,7 +354,7 @@ def tensorkiln_peer(
     # the same build again, every layer's timing from the cache the first one filled
     cell["warm_build_s"] = common.build(
         path, flags, cache, S.device, shapes, io_format="fp16", calibration=calib,
-        remove_padding=packed, quantize_all=S.quantize_all, tactic_sources=S.tactic_sources,
+        remove_padding=packed, quantize_all=S.quantize_all, **tuning(),
     )[1]  # fmt: skip
     cell["precision"] = precision
     cell["tactics"] = tactic_summary(engine.layers)
@@ -769,6 +780,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--tactic-sources; default: all)",
     )
     ap.add_argument(
+        "--tactic-exclude",
+        metavar="LIST",
+        help="tactics tensorkiln's builds never try, names or shell-style patterns "
+        "(tensorkiln build's --tactic-exclude)",
+    )
+    ap.add_argument(
+        "--tactic-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="a tactic whose check and timing take longer ends the run, naming it, the timing "
+        "cache saved (tensorkiln build's --tactic-timeout; default: no limit)",
+    )
+    ap.add_argument(
         "--layers",
         type=int,
         default=0,
@@ -814,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
     S.quantize_all = args.quantize_all
     if args.tactic_sources is not None:
         S.tactic_sources = {x.strip() for x in args.tactic_sources.split(",") if x.strip()}
+    S.tactic_exclude = tuple(x.strip() for x in (args.tactic_exclude or "").split(",") if x.strip())
+    S.tactic_timeout = args.tactic_timeout
     S.rounds = max(args.rounds, 1)
     if S.tiny:
         S.loops, S.iters, S.warmup, S.latency_runs = 3, 2, 1, 5
