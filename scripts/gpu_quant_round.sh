@@ -4,8 +4,12 @@
 # time limit, so that a kernel that hangs or faults costs its step only; logs go to $OUT (or
 # ./gpu-logs), and each step's last lines are printed.
 #
-#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, the stem kernel and the
-#                                       # pools (and benchmarks/qconv_stem.py), the rest, Gluon
+#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, then the stem kernel and
+#                                       # the pools (and benchmarks/qconv_stem.py); at most 590 s,
+#                                       # one device call
+#   scripts/gpu_quant_round.sh stem     # the stem kernel's and the pools' part of check alone (no
+#                                       # kernel library needed: while a new checkout builds one)
+#   scripts/gpu_quant_round.sh check_more  # the other 8-bit GPU tests, then Gluon's
 #   scripts/gpu_quant_round.sh time     # benchmarks/qconv_3x3.py: 8-bit 3x3 kernels vs cuDNN fp16
 #   scripts/gpu_quant_round.sh models   # ResNet-50, every layer quantized (--quantize-all), alone
 #   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
@@ -31,8 +35,8 @@ set -uo pipefail
 part=${1:-check}
 shift || true
 extra=("$@")
-case "$part" in check | time | models | choice | compare) ;; *)
-    echo "usage: $0 check|time|models|choice|compare" >&2
+case "$part" in check | stem | check_more | time | models | choice | compare) ;; *)
+    echo "usage: $0 check|stem|check_more|time|models|choice|compare" >&2
     exit 2
     ;;
 esac
@@ -41,9 +45,9 @@ export TENSORKILN_CUTLASS_KERNELS=${TENSORKILN_CUTLASS_KERNELS:-build/cutlass_rt
 out=${OUT:-gpu-logs}
 scale=${QUANT_ROUND_LIMIT:-1.0}
 mkdir -p "$out"
-if [ ! -f "$TENSORKILN_CUTLASS_KERNELS/manifest.json" ]; then
+if [ "$part" != stem ] && [ ! -f "$TENSORKILN_CUTLASS_KERNELS/manifest.json" ]; then
     echo "no kernel library at $TENSORKILN_CUTLASS_KERNELS (build it with" \
-        "benchmarks/cutlass_gemm_build.py, or set TENSORKILN_CUTLASS_KERNELS)" >&2
+        "scripts/build_cutlass_library.sh, or set TENSORKILN_CUTLASS_KERNELS)" >&2
     exit 2
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.used --format=csv,noheader
@@ -58,8 +62,9 @@ step() {
     local rc=$?
     local how="exit $rc"
     [ $rc -eq 124 ] && how="TIMED OUT after ${limit}s"
+    [ $rc -eq 3 ] && how="STOPPED at a tactic that did not finish (exit 3)"
     echo "== $name: $how, $((SECONDS - t0)) s"
-    grep -E "^FAILED|Fatal Python|Error" "$out/$name.log" | head -5
+    grep -E "^FAILED|Fatal Python|Error|did not finish within" "$out/$name.log" | head -5
     tail -4 "$out/$name.log"
 }
 
@@ -71,9 +76,13 @@ check)
     # or a hang ends this process only; then the stem kernel and the pools
     step cutlass_conv 240 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
         -k "residual or implicit or pointwise or promoted or strided"
+    ;&
+stem)
     step stem 200 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py -k stem \
         tests/kernels/triton/test_pool.py
     step stem_time 150 python3 benchmarks/qconv_stem.py --reps 10
+    ;;
+check_more)
     step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
         tests/kernels/triton/test_quantize.py tests/gpu/test_cutlass_fp8_gpu.py \
         tests/gpu/test_quant_gpu.py

@@ -42,10 +42,10 @@ def test_tactic_exclusions_are_recorded_and_a_bad_timeout_is_a_clear_error(
     from tensorkiln.engine import Engine
 
     engine = tmp_path / "m.engine"
-    rc, _, err = cli("build", mlp, "-o", engine, "--tactic-exclude", "cutlass_*d, t_x",
+    rc, _, err = cli("build", mlp, "-o", engine, "--tactic-exclude", "cutlass_fp8_*vd, t_x",
                      "--tactic-timeout", "60", "--backend", "reference")  # fmt: skip
     assert rc == 0, err
-    assert Engine.load(engine).build["config"]["tactic_exclude"] == ["cutlass_*d", "t_x"]
+    assert Engine.load(engine).build["config"]["tactic_exclude"] == ["cutlass_fp8_*vd", "t_x"]
     rc, _, err = cli("build", mlp, "-o", engine, "--tactic-timeout", "-1")
     assert_one_line_error(rc, err)
     assert "--tactic-timeout" in err and "positive number of seconds" in err

@@ -52,7 +52,7 @@ class BuilderConfig:
     # the kinds of tactic the autotuner may try besides each op's default kernel (cuBLAS/cuDNN
     # through torch): "triton" for the generated kernels; None allows every kind
     tactic_sources: set[str] | None = None
-    # tactics never tried, by name or shell-style pattern ("cutlass_*d"): a way around one
+    # tactics never tried, by name or shell-style pattern ("cutlass_fp8_*vd"): a way around one
     # kernel that fails or hangs on some device, without giving up its whole source
     tactic_exclude: list[str] = field(default_factory=list)
     # seconds one tactic's check and timing may take before the build stops (naming the layer

@@ -112,7 +112,7 @@ def add_parser(sub: Any) -> None:
         "--tactic-exclude",
         metavar="LIST",
         help="tactics the autotuner never tries, by name or shell-style pattern, comma-separated "
-        "(cutlass_qconv_*d): a way around one kernel that fails or hangs, keeping the rest of "
+        "(cutlass_fp8_*vd): a way around one kernel that fails or hangs, keeping the rest of "
         "its source; a timing cache entry that chose one is timed again",
     )
     p.add_argument(
