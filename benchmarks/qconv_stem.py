@@ -1,6 +1,7 @@
 """ResNet-50's stem in 8 bits, tactic by tactic, as a quantized engine runs it: the 7 x 7
 convolution of stride 2 over the 3-channel image (scale, bias, ReLU and the pool's 8-bit input
-fused), then the 3 x 3 max pool of stride 2 over its output.
+fused), then the 3 x 3 max pool of stride 2 over its output; then both in one kernel
+(``conv_stem.conv_stem_pool``, not yet an engine's tactic), against the two apart.
 
     python benchmarks/qconv_stem.py [--batch 256] [--reps 20] [--precision fp8|int8|both]
 
@@ -29,10 +30,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "src")]
 
 from benchmarks._common import graph_time_ms, norm_rel_torch, steps_off  # noqa: E402
 
+from tensorkiln.kernels.common.conv import conv_geometry  # noqa: E402
 from tensorkiln.kernels.cuda.convert import mark_constant  # noqa: E402
 from tensorkiln.kernels.registry import lookup  # noqa: E402
 from tensorkiln.kernels.tactics import get_tactic  # noqa: E402
 from tensorkiln.kernels.triton import conv_stem  # noqa: E402
+from tensorkiln.kernels.triton.gemm import Epilogue  # noqa: E402
 
 CONV = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}
 POOL = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
@@ -100,12 +103,52 @@ def stem_rows(
     pools = {"default": lookup("MaxPool", "", 22, "cuda").fn}
     pools |= {name: get_tactic("MaxPool", "", name).fn for name in ("triton", "triton_p128")}
     exact = pools["default"](y, **POOL)
+    pool_best = None
     for name, fn in pools.items():
         got = fn(y, **POOL)
         _sync(device)
         same = bool(torch.equal(got.view(torch.uint8), exact.view(torch.uint8)))
         t = timer(lambda fn=fn: fn(y, **POOL), reps)
         rows.append(f"{kind} pool {name}: {t:.4f} ms ({'equal' if same else 'DIFFERS'})")
+        pool_best = t if pool_best is None or t < pool_best else pool_best
+    return rows + fused_rows(args, attrs, exact, best[0] + pool_best, reps, device, timer, kind)
+
+
+def fused_rows(args, attrs, want, apart_ms, reps, device, timer, kind) -> list[str]:
+    """conv_stem_pool's configurations (the stem and its pool in one kernel), each checked
+    against the pool of the fastest convolution's output (``want``) and timed; ``apart_ms``:
+    that convolution's time plus the fastest pool's."""
+    x, x_scale, w, w_scale, bias, _, y_scale = args
+    geom = conv_geometry(x.shape, w.shape, "NOTSET", None, None, CONV["pads"], CONV["strides"])
+    out = {3: torch.int8, 17: torch.float8_e4m3fn}[attrs["out_dtype"]]
+    bn = conv_stem.block_n(w.shape[0])
+    packed = conv_stem.pack_weight(w, bn)  # (once, as the tactics keep it for a constant)
+    rows = []
+    for cfg in conv_stem.POOL_CONFIGS:
+
+        def fn(cfg=cfg):
+            return conv_stem.conv_stem_pool(
+                x, w, bias, geom=geom, scale=(x_scale, w_scale), epilogue=Epilogue.of("Relu"),
+                out_dtype=out, y_scale=y_scale, w_packed=packed, config=cfg,
+            )  # fmt: skip
+
+        name = f"conv_stem_pool_{cfg.name}"
+        try:
+            got = fn()
+            _sync(device)
+        except Exception as exc:  # (a tiling the compiler refuses)
+            rows.append(f"{kind} stem+pool {name}: {type(exc).__name__}: {str(exc)[:120]}")
+            continue
+        off, rel = steps_off(got, want), norm_rel_torch([got], [want])
+        note = f"{off:.3%} more than a step off the pool of the fastest, rel L2 {rel:.1e}"
+        if off > 1e-3 and rel > 2**-6:
+            rows.append(f"{kind} stem+pool {name}: {note}; not timed")
+            continue
+        t = timer(fn, reps)
+        rows.append(
+            f"{kind} stem+pool {name}: {t:.4f} ms, {apart_ms / t:.2f}x the fastest convolution "
+            f"and pool apart ({apart_ms:.4f} ms; {note})"
+        )
     return rows
 
 

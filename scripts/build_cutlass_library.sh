@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Build the CUTLASS kernel library that the cutlass tactics load (benchmarks/cutlass_gemm_build.py)
 # on a machine without a GPU: the CuTe DSL into its own folder (pip --target, kept out of the
-# project's environment), then every kernel compiled ahead of time for sm_90a (about 10 minutes
+# project's environment), then every kernel compiled ahead of time for sm_90a (about 7 minutes
 # on two cores). The library is a build output, not part of the repository: build it in a new
 # checkout before a GPU round, and carry build/cutlass_rt there.
 #
-#   scripts/build_cutlass_library.sh EXAMPLE [OUT]
+#   scripts/build_cutlass_library.sh EXAMPLE [OUT]   # (OUT.work: the build's intermediates)
 #
 # EXAMPLE: CUTLASS's examples/python/CuTeDSL/cute/hopper/kernel/dense_gemm/
 # dense_gemm_fp8_gelu_persistent.py (github.com/NVIDIA/cutlass; the figures in
@@ -28,15 +28,20 @@ if [ ! -d "$dsl/nvidia_cutlass_dsl" ]; then
     echo "installing nvidia-cutlass-dsl $version into $dsl"
     python -m pip install -q --target "$dsl" "nvidia-cutlass-dsl[cu13]==$version"
 fi
-mkdir -p "$(dirname "$out")"
+# (the build's sources, headers and objects in OUT.work; OUT gets what the tactics load: the
+# shared library and its manifest, about 18 MB, which is what a GPU machine needs carried)
+work=$out.work
+mkdir -p "$work" "$out"
 # shellcheck disable=SC2086  # (CUTLASS_BUILD_ARGS: several arguments)
 PYTHONPATH="$dsl:$dsl/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}" \
-    python benchmarks/cutlass_gemm_build.py --kernel "$example" --out "$out" ${CUTLASS_BUILD_ARGS:-}
-python - "$out" <<'EOF'
-import json, sys
+    python benchmarks/cutlass_gemm_build.py --kernel "$example" --out "$work" ${CUTLASS_BUILD_ARGS:-}
+python - "$work" "$out" <<'EOF'
+import json, shutil, sys
 from pathlib import Path
-m = json.loads((Path(sys.argv[1]) / "manifest.json").read_text())
-kernels = m["kernels"]
-size = sum(f.stat().st_size for f in Path(sys.argv[1]).rglob("*") if f.is_file())
-print(f"{sys.argv[1]}: {len(kernels)} kernels, {size / 1e6:.1f} MB")
+work, out = Path(sys.argv[1]), Path(sys.argv[2])
+manifest = json.loads((work / "manifest.json").read_text())
+for name in ("manifest.json", manifest["library"]):
+    shutil.copy2(work / name, out / name)
+size = sum((out / n).stat().st_size for n in ("manifest.json", manifest["library"]))
+print(f"{out}: {len(manifest['kernels'])} kernels, {size / 1e6:.1f} MB")
 EOF

@@ -29,8 +29,8 @@ def test_every_stem_tactic_is_checked_then_timed(dtype: str) -> None:
         return 0.125
 
     rows = bench.stem_rows(kind, 1, 3, side=32, device="cpu", timer=timer)
-    convs = [r for r in rows if " conv " in r]
-    pools = [r for r in rows if " pool " in r]
+    convs = [r for r in rows if r.split(" ")[1] == "conv"]
+    pools = [r for r in rows if r.split(" ")[1] == "pool"]
     assert len(convs) == 1 + len(bench.conv_stem.CONFIGS), rows
     assert all(r.endswith(")") and "0.1250 ms" in r for r in convs), rows
     assert "the reference here" in convs[0]
@@ -42,4 +42,10 @@ def test_every_stem_tactic_is_checked_then_timed(dtype: str) -> None:
         "triton_p128",
     ]
     assert all("(equal)" in r for r in pools), rows
-    assert timed == [3] * (len(convs) + len(pools))
+    fused = [r for r in rows if r.split(" ")[1] == "stem+pool"]
+    assert len(fused) == len(bench.conv_stem.POOL_CONFIGS), rows
+    # (checked against the pool of the fastest convolution, then timed: 0.125 ms against the
+    # convolution's and the pool's 0.125 each)
+    assert all("2.00x the fastest convolution and pool apart" in r for r in fused), rows
+    assert all("0.000% more than a step off" in r for r in fused), rows
+    assert timed == [3] * (len(convs) + len(pools) + len(fused))

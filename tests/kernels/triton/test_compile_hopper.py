@@ -145,3 +145,49 @@ def test_the_stem_convolution_compiles_for_sm90(tmp_path: Path) -> None:
         assert c["wgmma"] > 0, (quant, c)
         assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
         assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)
+
+
+_STEM_POOL_CHILD = r"""
+import json, sys
+sys.path[:0] = [sys.argv[1] + "/src"]
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from tensorkiln.kernels.triton import conv_stem
+
+names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "OH", "OW", "PH",
+         "PW", "HP", "WP", "KH", "s_ws", "sy_n", "sy_c", "sy_h", "sy_w", "p0", "p1", "lo", "hi"]
+# (as ResNet-50's stem and pool launch it: 64 channels, the packed width 240, the channels-last
+# pooled output's strides divisible by 16 and its channel stride 1)
+aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "WP", "sy_n",
+           "sy_h", "sy_w")
+out = {}
+for quant, eight in ((1, "*i8"), (2, "*fp8e4nv")):
+    types = [eight, eight, "*fp32", "*i8" if quant == 1 else "*u8", "*fp32", "*fp32", "*fp32"]
+    signature = dict(zip(names, types + ["i32"] * 13 + ["fp32"] * 4))
+    cfg = conv_stem.POOL_CONFIGS[1]
+    constexprs = {"sy_c": 1, "STRIDE_H": 2, "STRIDE_W": 2, "CPK": 4, "HAS_B": True, "ACT": 1,
+                  "QUANT": quant, "QOUT": quant, "UPCAST": False, "ROWS": cfg.rows,
+                  "BLOCK_P": cfg.block_p, "BLOCK_N": 64, "BLOCK_K": 32}
+    signature.update({k: "constexpr" for k in constexprs})
+    src = ASTSource(fn=conv_stem._stem_pool_kernel, signature=signature, constexprs=constexprs,
+                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
+    out[quant] = {"wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n64k32"),
+                  "loads": ptx.count("cp.async.ca.shared.global"),
+                  "wide_loads": ptx.count("], 0x8,"), "stores": ptx.count("st.global"),
+                  "wide_stores": ptx.count("st.global.v4")}
+print(json.dumps(out))
+"""
+
+
+def test_the_stem_and_pool_kernel_compiles_for_sm90(tmp_path: Path) -> None:
+    """conv_stem_pool's kernel compiles for Hopper: 8-bit WGMMA (K 32) for each of a stem row's
+    two tiles, window rows loaded 8 bytes at a time ahead of their use, and the pooled 8-bit
+    output written 16 bytes at a time (the gather of the odd columns lowered with the rest)."""
+    counts = compile_child(_STEM_POOL_CHILD, ROOT, tmp_path / "triton-cache")
+    for quant, c in counts.items():
+        assert c["wgmma"] > 0, (quant, c)
+        assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
+        assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)

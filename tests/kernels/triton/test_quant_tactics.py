@@ -687,6 +687,74 @@ def test_the_stem_kernel_writes_the_quantized_output(kind, config) -> None:
     _codes_agree(to_numpy(y), want)
 
 
+def _stem_pool_case(rng, kind: str, quantized: bool) -> tuple[list, dict, np.ndarray]:
+    """The stem's operands (3 channels, 7 x 7 at stride 2, ReLU, 64 output channels) on a
+    37 x 45 image (a 19 x 23 output, pooled to 10 x 12), and the reference's MaxPool of the
+    reference's convolution."""
+    m = 64
+    attrs = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}
+    args = [_q(rng, (2, 3, 37, 45), kind), np.float32(0.02), _q(rng, (m, 3, 7, 7), kind),
+            rng.uniform(1e-3, 1e-2, m).astype(np.float32),
+            rng.standard_normal(m).astype(np.float32)]  # fmt: skip
+    conv = lookup("QConvAct", "tensorkiln", 1, "reference")
+    if quantized:
+        attrs["out_dtype"] = 3 if kind == "int8" else 17
+        top = np.abs(invoke(conv, args, {**attrs, "out_dtype": 1}, 1)[0]).max()
+        args += [None, np.float32(top / (127 if kind == "int8" else 448))]
+    y = invoke(conv, args, attrs, 1)[0]
+    pool = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    return args, attrs, invoke(lookup("MaxPool", "", 22, "reference"), [y], pool, 1)[0]
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(
+    ("quantized", "config"),
+    [(True, (3, 8, 4, 3)), (False, (2, 16, 4, 2)), (True, (4, 64, 4, 3))],
+)
+def test_the_stem_and_its_pool_in_one_kernel(kind, quantized, config) -> None:
+    """conv_stem_pool: ResNet's stem and its 3 x 3 max pool of stride 2 in one kernel, against
+    the reference's convolution then its pool: pooled rows in bands of ``rows`` (the first
+    band's top above the image, a band's last rows past it), pooled columns in tiles of
+    ``block_p - 1`` (the first tile's halo left of the image, the next tiles' the previous
+    tile's last column), the 8-bit output's codes or the float output."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.common.conv import conv_geometry
+    from tensorkiln.kernels.triton import conv_stem
+    from tensorkiln.kernels.triton.gemm import Epilogue
+
+    rng = np.random.default_rng()
+    args, attrs, want = _stem_pool_case(rng, kind, quantized)
+    x, xs, w, ws, b = (to_torch(np.asarray(a), DEVICE) for a in args[:5])
+    geom = conv_geometry(x.shape, w.shape, "NOTSET", None, None, attrs["pads"], attrs["strides"])
+    out = {3: torch.int8, 17: torch.float8_e4m3fn}.get(attrs.get("out_dtype"), torch.float32)
+    y_scale = to_torch(np.asarray(args[6]), DEVICE) if quantized else None
+    got = conv_stem.conv_stem_pool(
+        x, w.contiguous(memory_format=torch.channels_last), b, geom=geom, scale=(xs, ws),
+        epilogue=Epilogue.of("Relu"), out_dtype=out, y_scale=y_scale,
+        config=conv_stem.StemPoolConfig(*config),
+    )  # fmt: skip
+    assert got.shape == want.shape == (2, 64, 10, 12)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    if quantized:
+        _codes_agree(to_numpy(got), want)
+    else:
+        tol = _tol(kind)
+        np.testing.assert_allclose(to_numpy(got), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_the_stem_pool_kernel_takes_only_resnets_pool_after_relu() -> None:
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.triton import conv_stem
+    from tensorkiln.kernels.triton.gemm import Epilogue
+
+    relu, pool = Epilogue.of("Relu"), dict(conv_stem.POOL)
+    assert conv_stem.pool_applies(pool, relu)
+    assert not conv_stem.pool_applies(pool, Epilogue.of(""))  # (negative values: -inf pads)
+    for change in ({"kernel_shape": (2, 2)}, {"strides": (1, 1)}, {"pads": (0, 0, 1, 1)},
+                   {"ceil_mode": 1}, {"dilations": (2, 2)}, {"auto_pad": "SAME_UPPER"}):  # fmt: skip
+        assert not conv_stem.pool_applies({**pool, **change}, relu), change
+
+
 @pytest.mark.parametrize(
     ("x_shape", "w_shape", "attrs", "residual"),
     [

@@ -22,6 +22,16 @@ with its widening and requantizing passes. Here:
 
 It runs where the window is at most ``TAPS`` wide, the input has at most ``CP`` channels and the
 convolution has one group and no dilation (:func:`applies`).
+
+:func:`conv_stem_pool` is the same convolution with ResNet's 3 x 3 max pool of stride 2 (padded
+by 1) after it, in one kernel: the stem's output (four times the pool's) is never written. A
+program takes one image's band of pooled rows; stem rows are computed once each, in order, the
+pool's shared row carried from one pooled row to the next (one more stem row a band). Each stem
+row is two tiles, its even and its odd columns: pooled column c is the maximum of odd column
+c - 1, even column c and odd column c, the first a gather of the odd tile one place along. The
+activation must be ReLU, so that every value is at least 0 and the pool's padding (minus
+infinity) can be zeros, and the maximum is taken before the output's quantization (which keeps
+order, so it is the same).
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import triton.language as tl
 from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.triton import interpreting, quantize
 from tensorkiln.kernels.triton.gemm import (
+    ACT_CODES,
     NO_ACTIVATION,
     Epilogue,
     channel_scale,
@@ -201,6 +212,196 @@ def conv_stem(
         QOUT=qout(y.dtype) if y_scale is not None else 0,
         UPCAST=interpreting() and x.dtype == torch.float8_e4m3fn,
         BLOCK_M=config.block_m, BLOCK_N=bn, BLOCK_K=TAPS * CP,
+        num_warps=config.warps, num_stages=config.stages,
+    )  # fmt: skip
+    return y
+
+
+# ---------------------------------------------------------------- the stem and its max pool
+
+
+@dataclass(frozen=True)
+class StemPoolConfig:
+    """Pooled rows a program, pooled columns a tile (the first a halo), warps, stages."""
+
+    rows: int
+    block_p: int
+    warps: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"r{self.rows}_p{self.block_p}_w{self.warps}_s{self.stages}"
+
+
+POOL_CONFIGS = (
+    StemPoolConfig(4, 64, 4, 3),
+    StemPoolConfig(7, 64, 4, 3),
+    StemPoolConfig(14, 64, 4, 3),
+)
+# the pool it fuses: ONNX MaxPool's attributes as ResNet's stem has them
+POOL = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}
+
+
+def pool_applies(pool_attrs: dict, epilogue: Epilogue) -> bool:
+    """Whether :func:`conv_stem_pool` fuses this MaxPool after the convolution: a 3 x 3 window
+    of stride 2 padded by 1 on every side, no dilation, floor rounding, one output, and the
+    convolution's activation ReLU."""
+    a = pool_attrs
+    return (
+        epilogue.code == ACT_CODES["Relu"]
+        and tuple(a.get("kernel_shape", ())) == POOL["kernel_shape"]
+        and tuple(a.get("strides", (1, 1))) == POOL["strides"]
+        and tuple(a.get("pads", (0, 0, 0, 0))) == POOL["pads"]
+        and tuple(a.get("dilations", (1, 1))) == (1, 1)
+        and not a.get("ceil_mode", 0)
+        and a.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")
+        and not a.get("storage_order", 0)
+    )
+
+
+def pooled_size(oh: int, ow: int) -> tuple[int, int]:
+    """The pool's output size over an oh x ow convolution output."""
+    return (oh - 1) // 2 + 1, (ow - 1) // 2 + 1
+
+
+@triton.jit
+def _stem_tile(
+    x_ptr, w_ptr, n, oh, cols, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo, hi,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr, HAS_B: tl.constexpr,
+    ACT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Stem row ``oh`` at columns ``cols`` of image ``n``: the activated float32 outputs,
+    zeros where the row or a column is outside the output (the pool's padding)."""
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    ok = (cols >= 0) & (cols < OW) & (oh >= 0) & (oh < OH)
+    corner = x_ptr + ((n * HP + oh * STRIDE_H) * WP + cols * STRIDE_W) * CPK
+    if QUANT == 1:
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.int32)
+    else:
+        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for kh in range(0, KH):
+        a = tl.load(corner[:, None] + kh * WP * CPK + rk[None, :], mask=ok[:, None], other=0.0)
+        b = tl.load(w_ptr + (kh * BLOCK_K + rk)[:, None] * BLOCK_N + rn[None, :])
+        acc = dot_step(a, b, acc, QUANT, UPCAST, "ieee", BLOCK_K)
+    v = finish(acc.to(tl.float32) * scale, bias, 0.0, HAS_B, False, False, ACT, p0, p1, lo, hi)
+    return tl.where(ok[:, None], v, 0.0)
+
+
+@triton.jit
+def _pooled_row(
+    x_ptr, w_ptr, n, oh, c, shift, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo, hi,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr, HAS_B: tl.constexpr,
+    ACT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Stem row ``oh`` pooled along the row for pooled columns ``c``: the maximum of its
+    columns 2c - 1, 2c and 2c + 1 (``shift``: each tile row's predecessor, for the first)."""
+    even = _stem_tile(x_ptr, w_ptr, n, oh, 2 * c, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo,
+                      hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P, BLOCK_N,
+                      BLOCK_K)  # fmt: skip
+    odd = _stem_tile(x_ptr, w_ptr, n, oh, 2 * c + 1, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo,
+                     hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P, BLOCK_N,
+                     BLOCK_K)  # fmt: skip
+    before = tl.gather(odd, shift, 0)  # (odd column c - 1; the halo row's is never stored)
+    return tl.maximum(tl.maximum(even, odd), before)
+
+
+@triton.jit
+def _stem_pool_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, xs_ptr, ws_ptr, q_ptr,
+    OC, OH, OW, PH, PW, HP, WP, KH, s_ws, sy_n, sy_c, sy_h, sy_w, p0, p1, lo, hi,
+    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr,
+    HAS_B: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, QOUT: tl.constexpr,
+    UPCAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    bands = tl.cdiv(PH, ROWS)
+    n = tl.program_id(0) // bands
+    r0 = (tl.program_id(0) % bands) * ROWS
+    i = tl.arange(0, BLOCK_P)
+    # pooled columns: the tile's first is the previous tile's last (a halo, not stored)
+    c = tl.program_id(1) * (BLOCK_P - 1) - 1 + i
+    shift = tl.maximum(i - 1, 0)[:, None] + tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.int32)
+    rn = tl.arange(0, BLOCK_N)
+    co = tl.minimum(rn, OC - 1)  # (columns past the output channels: computed, not stored)
+    scale = channel_scale(xs_ptr, ws_ptr, s_ws, co)[None, :]
+    bias = 0.0
+    if HAS_B:
+        bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
+    # stem row 2 r0 - 1, the first pooled row's top (zeros above the image)
+    prev = _pooled_row(x_ptr, w_ptr, n, 2 * r0 - 1, c, shift, scale, bias, OH, OW, HP, WP, KH,
+                       p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
+                       BLOCK_P, BLOCK_N, BLOCK_K)  # fmt: skip
+    store_ok = ((i > 0) & (c < PW))[:, None] & (rn < OC)[None, :]
+    y_cols = y_ptr + n * sy_n + c[:, None] * sy_w + rn[None, :] * sy_c
+    for r in range(r0, tl.minimum(r0 + ROWS, PH)):
+        mid = _pooled_row(x_ptr, w_ptr, n, 2 * r, c, shift, scale, bias, OH, OW, HP, WP, KH, p0,
+                          p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P,
+                          BLOCK_N, BLOCK_K)  # fmt: skip
+        low = _pooled_row(x_ptr, w_ptr, n, 2 * r + 1, c, shift, scale, bias, OH, OW, HP, WP, KH,
+                          p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
+                          BLOCK_P, BLOCK_N, BLOCK_K)  # fmt: skip
+        v = tl.maximum(tl.maximum(prev, mid), low)
+        if QOUT != 0:  # (the maximum before the quantization: the same, which keeps order)
+            v = requantize(v, tl.load(q_ptr), QOUT)
+        tl.store(y_cols + r * sy_h, v.to(y_ptr.dtype.element_ty), mask=store_ok)
+        prev = low
+
+
+def conv_stem_pool(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    *,
+    geom: Geometry,
+    scale: tuple[torch.Tensor, torch.Tensor],
+    epilogue: Epilogue,
+    out_dtype: torch.dtype = torch.float32,
+    y_scale: torch.Tensor | None = None,
+    channels_last: bool = True,
+    w_packed: torch.Tensor | None = None,
+    config: StemPoolConfig = POOL_CONFIGS[0],
+) -> torch.Tensor:
+    """MaxPool(act(conv(x, w) * X_scale * W_scale + b)) with :data:`POOL`'s pool, for what
+    :func:`applies` takes and a ReLU ``epilogue``: :func:`conv_stem`'s arguments, the output
+    (N, OC, PH, PW) the pool's."""
+    if not applies(tuple(x.shape), tuple(w.shape), x.dtype, geom, 1) or w.dtype != x.dtype:
+        raise ValueError(
+            f"conv_stem_pool: takes an 8-bit 2-D convolution of at most {CP} channels and a "
+            f"window at most {TAPS} wide: X {x.dtype} {tuple(x.shape)}, W {w.dtype} "
+            f"{tuple(w.shape)}"
+        )
+    if epilogue.code != ACT_CODES["Relu"]:
+        raise ValueError("conv_stem_pool: the convolution's activation must be ReLU")
+    if config.block_p < 2 or config.rows < 1:
+        raise ValueError(f"conv_stem_pool: bad configuration {config}")
+    nb = x.shape[0]
+    oc, _, kh, _ = w.shape
+    oh, ow = geom.out
+    ph, pw = pooled_size(oh, ow)
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    y = torch.empty((nb, oc, ph, pw), dtype=out_dtype, device=x.device, memory_format=layout)
+    if y.numel() == 0:
+        return y
+    bn = block_n(oc)
+    height, width = padded_size(tuple(x.shape), tuple(w.shape), geom)
+    xp = pack_image(x, geom.begin[0], geom.begin[1], height, width)
+    wk = pack_weight(w, bn) if w_packed is None else w_packed
+    xs, ws, s_ws = scale_operands(scale, y)
+    grid = (nb * triton.cdiv(ph, config.rows), triton.cdiv(pw, config.block_p - 1))
+    _stem_pool_kernel[grid](
+        xp, wk, b if b is not None else y, storable(y), xs, ws,
+        y_scale if y_scale is not None else y,
+        oc, oh, ow, ph, pw, height, width, kh, s_ws, *y.stride(),
+        epilogue.alpha, epilogue.beta, epilogue.lo, epilogue.hi,
+        STRIDE_H=geom.strides[0], STRIDE_W=geom.strides[1], CPK=CP,
+        HAS_B=b is not None, ACT=epilogue.code, QUANT=1 if x.dtype == torch.int8 else 2,
+        QOUT=qout(y.dtype) if y_scale is not None else 0,
+        UPCAST=interpreting() and x.dtype == torch.float8_e4m3fn,
+        ROWS=config.rows, BLOCK_P=config.block_p, BLOCK_N=bn, BLOCK_K=TAPS * CP,
         num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return y
