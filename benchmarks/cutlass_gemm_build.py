@@ -156,7 +156,7 @@ _POST_SCALE_PATCH = (
 
 
 # The residual epilogue (``residual``): the channel epilogue plus an 8-bit residual of the
-# output's shape and type (E4M3 or int8) times a scale (the scalar argument, which the channel epilogue leaves unused),
+# output's shape and the operands' type (E4M3 or int8) times a scale (the scalar argument, which the channel epilogue leaves unused),
 # added before the activation: ``op(acc * col[n] + bias[n] + z * z_scale)``, a ResNet block's
 # last convolution with its shortcut. The epilogue's threads copy a tile's residual to shared
 # memory with 16-byte cp.async copies when the tile starts, so the copy runs under the tile's main
@@ -173,8 +173,12 @@ _POST_SCALE_PATCH = (
 # but the newest group of copies (``cp.async.wait_group 1``). A buffer is refilled only after the
 # last epilogue barrier of the tile that read it. The second buffer costs the main loop stages:
 # 128x128o2 keeps one.
+# A float16 output (``fp8_f16``, ``i8_f16``: a network's last block, whose sum goes on in float)
+# reads the residual through the partition its vectors are read with (the copy's source, as
+# ``stmatrix`` stores 16 bits), from a tile of the operands' type.
 _RESIDUAL_ROW = "(self.tile_shape_mnk[1] + 16)"
 _RESIDUAL_DOUBLE = "getattr(self, 'tk_res_double', False)"
+_RESIDUAL_DTYPE = "getattr(self, 'tk_res_dtype', self.c_dtype)"  # (the operands' 8-bit type)
 _VECTOR_STAGED = "getattr(self, 'tk_vec_smem', False)"  # (the staged vectors' tiles, below)
 _RESIDUAL_PATCHES = (
     ("        bias: cute.Tensor,\n", "        bias: cute.Tensor,\n        res: cute.Tensor,\n"),
@@ -195,7 +199,7 @@ _RESIDUAL_PATCHES = (
         "                ],\n                self.buffer_align_bytes,\n            ]\n"
         "            sR: cute.struct.Align[\n"
         "                cute.struct.MemRange[\n"
-        "                    self.c_dtype,\n"
+        f"                    {_RESIDUAL_DTYPE},\n"
         f"                    (2 if {_RESIDUAL_DOUBLE} else 1) * self.tile_shape_mnk[0] * {_RESIDUAL_ROW},\n"
         "                ],\n"
         "                128,\n"
@@ -225,7 +229,7 @@ _RESIDUAL_PATCHES = (
         "            tk_tpr = self.tile_shape_mnk[1] // 16\n"
         "            tk_ld = cute.make_tiled_copy_tv(\n"
         "                cute.make_copy_atom(\n"
-        "                    cute.nvgpu.cpasync.CopyG2SOp(), self.c_dtype,\n"
+        f"                    cute.nvgpu.cpasync.CopyG2SOp(), {_RESIDUAL_DTYPE},\n"
         "                    num_bits_per_copy=128,\n"
         "                ),\n"
         "                cute.make_layout(\n"
@@ -280,7 +284,7 @@ _RESIDUAL_PATCHES = (
     ),
     (
         "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias\n",
-        "                    tk_res = thr_copy_r2s.partition_D(\n"
+        "                    tk_res = tk_part(\n"
         "                        cute.local_tile(sR[(None, None, tk_rbuf)], self.epi_tile, tk_coord)\n"
         "                    ).load().reshape(tRS_rD_layout.shape)\n"
         "                    acc_vec = acc_vec.to(cutlass.Float32) * tk_col + tk_bias + tk_res.to(cutlass.Float32) * scale_ab\n",
@@ -548,7 +552,7 @@ VARIANTS = (
     "channel:gelu:fp8_fp8", "residual:relu:fp8_fp8", "channel:none:fp8_f16",
     "channel:gelu:i8_i8", "channel:none:i8_f16", "channel:gelu_tanh:fp8_fp8",
     "channel:gelu_tanh:i8_i8", "channel:relu:i8_i8", "channel:none:i8_i8",
-    "residual:relu:i8_i8",
+    "residual:relu:i8_i8", "residual:relu:fp8_f16", "residual:relu:i8_f16",
 )  # fmt: skip
 # geometry:epilogue:activation:kind of the implicit-GEMM convolutions (``--convs``): a 3x3 window
 # padded by 1 of stride 1 or 2 with ReLU (a ResNet bottleneck's middle layer), a 1x1 of stride 2
@@ -730,9 +734,9 @@ def main(argv: list[str] | None = None) -> int:
         epilogue, act, kind = variant.split(":")
         if epilogue not in modules or act not in activations or kind not in KINDS:
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
-        # (the residual epilogue's tile is of the output's 8-bit type, as its operands are; a
-        # per-channel epilogue writes 16 bits from E4M3 operands, fp8_f16)
-        wrong = {"residual": kind not in ("fp8_fp8", "i8_i8"), "channel": kind == "f16_f16",
+        # (the residual epilogue's tile is of the operands' 8-bit type, its output of that type
+        # or float16; a per-channel epilogue writes 16 bits from E4M3 operands, fp8_f16)
+        wrong = {"residual": kind == "f16_f16", "channel": kind == "f16_f16",
                  "scalar": kind.startswith("i8")}  # fmt: skip
         if wrong.get(epilogue, False):
             raise SystemExit(f"cutlass_gemm_build: no variant {variant!r}")
@@ -741,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
         )  # (a quantized ResNet's 1x1 layers)
         tiles = _with_promoted(args.tiles, args.promote_tiles, kind,
                                args.vector_tiles if memory_bound else "")  # fmt: skip
-        if epilogue == "residual":
+        if epilogue == "residual" and memory_bound:  # (their staged vectors: 8-bit outputs)
             tiles += [t for t in args.residual_tiles.split(",") if t]
         variants += [(epilogue, act, kind, _tile(tile), None) for tile in tiles]
     for epilogue, act, kind, shape, conv in variants:
@@ -804,6 +808,7 @@ def main(argv: list[str] | None = None) -> int:
         if epilogue == "residual":  # (the residual's tiles, out of the main loop's stages)
             gemm.smem_capacity -= ((1 + double) * tile_m * (tile_n + 16) + 1024) * occupancy
             gemm.tk_res_double = gemm.tk_groups_ahead = double
+            gemm.tk_res_dtype = dtypes[a_name]
         if occupancy == 2:
             gemm.occupancy = 2
             gemm.mma_register_requirement = 216
@@ -814,17 +819,24 @@ def main(argv: list[str] | None = None) -> int:
             )
         if epilogue == "residual":
             extra += (
-                make_fake_compact_tensor(  # (the residual: the output's type)
-                    dtypes[c_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
+                make_fake_compact_tensor(  # (the residual: the operands' type)
+                    dtypes[a_name], (m, n, 1), stride_order=(1, 0, 2), assumed_align=16
                 ),
             )
         # the scalar scales the sums (scalar), the GELU's result (channel) or the residual
         post_scale = epilogue == "channel" and act.startswith("gelu")
-        fn = cute.compile(
-            gemm, a, b, c, *extra, 1.0, epilogue == "scalar" or post_scale,
-            args.sms * occupancy // (cluster[0] * cluster[1]),
-            make_fake_stream(), activations[act] or ex.poly11_gelu, options="--gpu-arch sm_90a",
-        )  # fmt: skip
+        try:
+            fn = cute.compile(
+                gemm, a, b, c, *extra, 1.0, epilogue == "scalar" or post_scale,
+                args.sms * occupancy // (cluster[0] * cluster[1]),
+                make_fake_stream(), activations[act] or ex.poly11_gelu,
+                options="--gpu-arch sm_90a",
+            )  # fmt: skip
+        except ValueError as exc:  # (no main-loop stage beside a wide output's epilogue)
+            if "strictly positive" not in str(exc):
+                raise
+            print(f"{name}: left out: no main-loop stage beside the epilogue's shared memory")
+            continue
         if gemm.ab_stage < 2:  # (the example's main loop waits for a second K tile before it
             # releases the first: with one stage that is a deadlock wherever K spans more than
             # one, as 128x128o2k4s8 and an e64x128 variant stalled the GPU in earlier rounds)

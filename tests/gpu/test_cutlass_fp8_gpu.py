@@ -233,15 +233,59 @@ def test_residual_kernels_over_several_tiles_a_cta(kind: str, c_in: int, stride:
         assert doubles, "the library's two-buffer residual kernels did not claim this layer"
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+@pytest.mark.parametrize(("c_in", "c_out", "hw"), [(512, 2048, 7), (256, 1024, 14)])
+def test_float16_residual_kernels_match_the_exact_kernel(kind, c_in, c_out, hw) -> None:
+    """The residual kernels that write float16 (a network's last block: ResNet-50's layer4.2
+    conv3, 512 channels to 2,048 at 7 x 7, adds the 8-bit shortcut before a float pool reads
+    the sum), at 128 images (whole tiles of 128 pixels): to float16's rounding of the exact
+    kernel's result, and past the ReLU, so the check means something."""
+    _library()
+    g = torch.Generator(device="cuda").manual_seed(41 + c_in)
+    nb, cl = 128, torch.channels_last
+    if kind == "fp8":
+        x = torch.randn(nb, c_in, hw, hw, device="cuda", generator=g).to(E4M3)
+        w = torch.randn(c_out, c_in, 1, 1, device="cuda", generator=g).to(E4M3)
+        z = torch.randn(nb, c_out, hw, hw, device="cuda", generator=g).to(E4M3)
+        x_scale = torch.tensor(0.04, device="cuda")
+        w_scale = (0.5 + torch.rand(c_out, device="cuda", generator=g)) * 1.25 / c_in**0.5
+    else:
+
+        def codes(*shape):
+            return torch.randint(-128, 128, shape, device="cuda", generator=g, dtype=torch.int8)
+
+        x, w = codes(nb, c_in, hw, hw), codes(c_out, c_in, 1, 1)
+        z = codes(nb, c_out, hw, hw)
+        x_scale = torch.tensor(0.02, device="cuda")
+        w_scale = (0.0005 + 0.001 * torch.rand(c_out, device="cuda", generator=g)) * (
+            64 / c_in
+        ) ** 0.5
+    x, w, z = (t.contiguous(memory_format=cl) for t in (x, w, z))
+    bias = 0.05 * torch.randn(c_out, device="cuda", generator=g)
+    z_scale = torch.tensor(0.05, device="cuda")
+    attrs = {"activation": "Relu", "out_dtype": 10, "group": 1}
+    ran = []
+    for name, got, want in _each_conv_kernel(x, x_scale, w, w_scale, bias, z, None, z_scale,
+                                             attrs):  # fmt: skip
+        ran.append(name)
+        assert got.dtype == want.dtype == torch.float16, name
+        assert float((want > 0).float().mean()) > 0.2  # (past the ReLU)
+        # (float32 sums in another order, then rounded to float16: a few float16 steps)
+        torch.testing.assert_close(
+            got.float(), want.float(), rtol=4e-3, atol=4e-3 * float(want.float().abs().max())
+        )
+    print(f"{len(ran)} float16 residual kernels")
+
+
 def _each_conv_kernel(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, attrs):
     """(name, output, the exact kernel's output) for each library kernel that claims this 1x1
     QConvAct; outputs channels-last."""
     kind = "int8" if x.dtype == torch.int8 else "float8_e4m3fn"
-    m, zs = w.shape[0], z is not None
-    shapes = (tuple(x.shape), (), tuple(w.shape), (m,), (m,), tuple(z.shape) if zs else None, (),
-              () if zs else None)  # fmt: skip
-    dtypes = (kind, "float32", kind, "float32", "float32", kind if zs else None, "float32",
-              "float32" if zs else None)  # fmt: skip
+    m, zs, ys = w.shape[0], z is not None, y_scale is not None
+    shapes = (tuple(x.shape), (), tuple(w.shape), (m,), (m,), tuple(z.shape) if zs else None,
+              () if ys else None, () if zs else None)  # fmt: skip
+    dtypes = (kind, "float32", kind, "float32", "float32", kind if zs else None,
+              "float32" if ys else None, "float32" if zs else None)  # fmt: skip
     names = cf._kernels_for(LayerSpec("QConvAct", "tensorkiln", attrs, shapes, dtypes))
     assert names, f"the library has no {kind} kernel for this layer"
     want = qconv_act(x, x_scale, w, w_scale, bias, z, y_scale, z_scale, **attrs)

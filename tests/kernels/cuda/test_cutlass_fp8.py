@@ -63,6 +63,8 @@ KERNELS = [
     _kernel("channel", "none", (128, 128), out="f16"),  # (a float16 output)
     _kernel("channel", "gelu", (128, 128), out="i8", a="i8", post_scale=True),  # (int8)
     _kernel("channel", "none", (128, 64), out="f16", a="i8"),
+    _kernel("residual", "relu", (128, 256), out="f16"),  # (a last block's float16 sum)
+    _kernel("residual", "relu", (128, 64), out="f16", a="i8"),
 ]
 
 
@@ -85,11 +87,9 @@ def test_kernels_the_tactics_do_not_use_are_passed_over(tmp_path: Path) -> None:
         },
         _kernel("channel", "gelu", (64, 128)),
         _kernel("channel", "gelu", (64, 256), post_scale=False),
-        _kernel("residual", "relu", (128, 64), out="f16"),  # (16 bits: per-channel alone)
         _kernel("channel", "gelu", (128, 64), out="f16", post_scale=True),
         _kernel("channel", "none", (128, 64), out="fp8", a="i8"),  # (int8 in, E4M3 out)
         _kernel("channel", "none", (128, 64), out="i8", a="fp8"),
-        _kernel("residual", "relu", (128, 64), out="f16", a="i8"),  # (int8 in, 16 bits out)
         # (one main-loop stage: the example's loop would wait on it for the next K tile)
         {**_kernel("residual", "relu", (128, 128), occupancy=2), "ab_stages": 1},
     ]
@@ -153,10 +153,11 @@ def _gemm(m=256, n=128, k=256, *, act="Relu", y=True, out=17, dtype=E4M3, trans_
 
 
 def _conv(n=2, c=64, m=256, hw=16, *, k=1, residual=True, strides=(1, 1), act="Relu", pads=None,
-          dtype=E4M3, out_dtype=17):  # fmt: skip
+          dtype=E4M3, out_dtype=17, y=True):  # fmt: skip
     out = -(-hw // strides[0])
     z = (n, m, out, out) if residual else None
-    shapes = ((n, c, hw, hw), (), (m, c, k, k), (m,), (m,), z, (), () if residual else None)
+    shapes = ((n, c, hw, hw), (), (m, c, k, k), (m,), (m,), z, () if y else None,
+              () if residual else None)  # fmt: skip
     dtypes = (dtype, "float32", dtype, "float32", "float32", dtype if residual else None,
               "float32", "float32" if residual else None)  # fmt: skip
     attrs = {"activation": act, "out_dtype": out_dtype, "strides": list(strides), "group": 1}
@@ -215,6 +216,15 @@ def test_the_layers_the_kernels_compute(tmp_path: Path, monkeypatch) -> None:
     assert _names(_conv(strides=(2, 2), hw=32)) == _names(_conv())
     for spec in (_conv(k=3), _conv(strides=(2, 2), pads=(1, 1, 1, 1)), _conv(act="Sigmoid"),
                  _conv(hw=7), _conv(act="Gelu", residual=False)):  # fmt: skip
+        assert _names(spec) == []
+    # with ReLU and the 8-bit residual, writing float16 (a last block's sum, a float pool after
+    # it): the 16-bit residual kernels of the operands' type, undivided by a Y_scale
+    assert _names(_conv(y=False, out_dtype=10)) == ["gemm_fp8_f16_residual_relu_128x256o1k4"]
+    assert _names(_conv(y=False, out_dtype=10, dtype="int8")) == [
+        "gemm_i8_f16_residual_relu_128x64o1k4"
+    ]
+    for spec in (_conv(y=False, out_dtype=10, residual=False), _conv(y=False, out_dtype=1),
+                 _conv(out_dtype=10), _conv(y=False, out_dtype=17)):  # fmt: skip
         assert _names(spec) == []
 
 
@@ -373,6 +383,37 @@ def test_the_epilogue_a_conv_layer_hands_its_kernel(monkeypatch) -> None:
     torch.testing.assert_close(col.double(), want, rtol=1e-6, atol=0)
     torch.testing.assert_close(shift.double(), bias.double() / 0.05, rtol=1e-6, atol=0)
     assert zs == pytest.approx(0.1 / 0.05, rel=1e-6)
+
+
+def test_a_float16_residual_conv_layer_hands_its_kernel_undivided_scales(monkeypatch) -> None:
+    """A 1x1 convolution with ReLU and an 8-bit residual writing float16 (no Y_scale): its
+    kernel gets ``X_scale * W_scale[n]``, the bias and ``Z_scale`` as they are, and a float16
+    output; an 8-bit layer handed to it is refused, not run wrongly."""
+    import torch
+
+    lib = _Recording("residual", out="f16")
+    monkeypatch.setattr(cf, "library", lambda: lib)
+    g = torch.Generator().manual_seed(9)
+    e4m3 = torch.float8_e4m3fn
+    x = torch.randn(2, 16, 8, 8, generator=g).to(e4m3).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 1, 1, generator=g).to(e4m3)
+    z = torch.randn(2, 32, 8, 8, generator=g).to(e4m3).contiguous(memory_format=torch.channels_last)
+    x_scale, z_scale = torch.tensor(0.04), torch.tensor(0.1)
+    w_scale = 0.01 + 0.02 * torch.rand(32, generator=g)
+    bias = torch.randn(32, generator=g)
+    y = cf._conv_fn("k")(x, x_scale, w, w_scale, bias, z, None, z_scale, activation="Relu",
+                         out_dtype=10)  # fmt: skip
+    assert y.shape == (2, 32, 8, 8) and y.dtype == torch.float16
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    ((a, _, col, shift, z2, zs),) = lib.calls
+    assert torch.equal(a.float(), x.float().permute(0, 2, 3, 1).reshape(128, 16))
+    assert torch.equal(z2.float(), z.float().permute(0, 2, 3, 1).reshape(128, 32))
+    torch.testing.assert_close(col.double(), x_scale.double() * w_scale.double(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(shift.double(), bias.double(), rtol=1e-6, atol=0)
+    assert zs == pytest.approx(0.1, rel=1e-6)
+    with pytest.raises(KernelError, match=r"writes torch\.float16"):
+        cf._conv_fn("k")(x, x_scale, w, w_scale, bias, z, torch.tensor(0.05), z_scale,
+                         activation="Relu", out_dtype=17)  # fmt: skip
 
 
 def test_a_strided_conv_layer_hands_its_kernel_the_pixels_it_reads(monkeypatch) -> None:

@@ -13,8 +13,8 @@ loaded.
 
 The kernels take E4M3 A (M x K) and B (N x K, the packed weight), both K-major, and write E4M3
 or float16 D (M x N): ``D = act(acc * col[n] + bias[n])`` (``channel``) or ``act(acc * col[n] +
-bias[n] + Z * z)`` (``residual``, Z an 8-bit M x N tensor of D's type), with ``act`` ReLU or
-none. A quantized layer maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and
+bias[n] + Z * z)`` (``residual``, Z an 8-bit M x N tensor of the operands' type), with ``act``
+ReLU or none. A quantized layer maps onto them with ``col = alpha * X_scale * W_scale[n] / Y_scale`` and
 ``bias = beta * B[n] / Y_scale`` (and ``z = Z_scale / Y_scale``): ReLU commutes with the positive
 division, and the kernel's conversion to E4M3 saturates as QuantizeLinear does. GELU does not
 commute with it: a GEMM with GELU (``channel``, QGemmAct's) takes ``col`` and ``bias`` without
@@ -23,7 +23,9 @@ polynomial for the normal CDF (within 0.001 of erf's GELU, far inside an E4M3 st
 ``gelu_tanh``, GELU's tanh form on the hardware's approximate tanh (within 2e-3; half the
 epilogue's instructions). A float16 output (a layer without Y_scale or activation: BERT's QKV,
 attention-output and second FFN GEMMs) takes ``col = alpha * X_scale * W_scale[n]`` and ``bias =
-beta * B[n]``. The same kernels with int8 operands (int32 sums, exact) write int8 (GELU, ReLU
+beta * B[n]``, and so does a 1x1 convolution with ReLU and an 8-bit residual that writes
+float16 (a network's last block, whose sum a float pool reads), with ``z = Z_scale``. The same
+kernels with int8 operands (int32 sums, exact) write int8 (GELU, ReLU
 or none, with an int8 residual or without, saturated and rounded half to even, as QuantizeLinear
 rounds) or float16: the tactics
 keep the family's name, ``cutlass_fp8_``, and the kernel's name says its types
@@ -195,8 +197,8 @@ def _checked_kernel(k: Any, where: str) -> bool:
     a, out, epilogue, activation = found.groups()[1:5]
     if activation.startswith("gelu") and (epilogue != "channel" or k.get("post_scale") is not True):
         return False  # (a GELU kernel built to scale before its activation: not one of these)
-    if out == "f16" and (epilogue != "channel" or activation.startswith("gelu")):
-        return False  # (16-bit outputs: the per-channel epilogue, no output scale)
+    if out == "f16" and activation.startswith("gelu"):
+        return False  # (16-bit outputs: no output scale after the activation)
     if out not in (a, "f16"):
         return False  # (8-bit outputs of the operands' type)
     if (k.get("a"), k.get("c"), k.get("epilogue"), k.get("activation")) != (
@@ -469,13 +471,16 @@ def _conv_layer(spec: LayerSpec) -> _Layer | None:
     if window is None:
         return None
     geometry, oh, ow = window
-    if len(spec.shapes) < 7 or spec.shapes[6] is None:
-        return None
-    if at.get("out_dtype") != _QUANTIZED_OUT[operands]:  # (8 bits out, the operands' type)
+    z = spec.shapes[5] if len(spec.shapes) > 5 else None
+    quantized_out = len(spec.shapes) > 6 and spec.shapes[6] is not None
+    if quantized_out and at.get("out_dtype") == _QUANTIZED_OUT[operands]:
+        out = operands  # (8 bits out, the operands' type)
+    elif not quantized_out and z is not None and at.get("out_dtype") == _F16_CODE:
+        out = "f16"  # (a last block's sum, read on in float: the residual kernels only)
+    else:
         return None
     if at.get("activation", "") not in _ACTIVATIONS:
         return None
-    z = spec.shapes[5] if len(spec.shapes) > 5 else None
     epilogue = "channel"
     if z is not None:  # (a residual quantized as the operands are, added before the activation)
         quantized = len(spec.shapes) > 7 and spec.shapes[7] is not None
@@ -487,7 +492,7 @@ def _conv_layer(spec: LayerSpec) -> _Layer | None:
             return None
         epilogue = "residual"
     taps = w[2] * w[3]
-    return _Layer(epilogue, x[0] * oh * ow, w[0], taps * w[1], operands, operands, geometry, w[1])
+    return _Layer(epilogue, x[0] * oh * ow, w[0], taps * w[1], out, operands, geometry, w[1])
 
 
 def _takes(kern: dict, layer: _Layer) -> bool:
@@ -660,18 +665,22 @@ def _run_conv(lib: Library, kernel: str, a, b2, pixels: tuple[int, int, int], bi
               call) -> tuple[torch.Tensor, bool]:  # fmt: skip
     """A convolution's sums and epilogue by library kernel ``kernel``: A ``a`` (pixel rows, or a
     conv kernel's NHWC image) and B ``b2`` (out channels x K), the output's ``pixels`` (images,
-    rows, columns) written in 8 bits as (pixels x out channels) rows and handed back as a
-    channels-last NCHW view; the epilogue's vectors from the layer's ``scales`` (X, W, Y, Z) and
-    ``bias``, the residual ``zz`` (if any) as rows of the output's pixels."""
+    rows, columns) written in 8 bits (or float16, where the kernel writes it) as (pixels x out
+    channels) rows and handed back as a channels-last NCHW view; the epilogue's vectors from the
+    layer's ``scales`` (X, W, Y, Z) and ``bias``, the residual ``zz`` (if any) as rows of the
+    output's pixels."""
     x_scale, w_scale, y_scale, z_scale = scales
     nb, oh, ow = pixels
     m = b2.shape[0]
+    out = _OUT_DTYPES[lib.kernels[kernel]["c"]]  # (8 bits, the operands' type, or float16)
+    if (y_scale is None) != (out == torch.float16) or call.out != out:
+        raise KernelError(f"{PREFIX}{kernel}: writes {out}, the layer {call.out}")
     col, bias2 = _vectors(call.scale, w_scale, x_scale, y_scale, bias, 1.0, (m,))
-    d = torch.empty((nb * oh * ow, m), dtype=a.dtype, device=a.device)  # (8 bits out)
+    d = torch.empty((nb * oh * ow, m), dtype=out, device=a.device)
     z2, zs = None, 0.0
     if zz is not None:  # (8 bits of the operands' type, as the layer's check made sure)
         z2 = zz.permute(0, 2, 3, 1).reshape(nb * oh * ow, m).contiguous()
-        zs = _host_scalar(z_scale) / _host_scalar(y_scale)
+        zs = _host_scalar(z_scale) / (1.0 if y_scale is None else _host_scalar(y_scale))
     lib.run(kernel, a, b2, d, col, bias2, z2, zs)
     return d.reshape(nb, oh, ow, m).permute(0, 3, 1, 2), True
 
