@@ -266,26 +266,8 @@ def pooled_size(oh: int, ow: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _stem_tile(
-    x_ptr, w_ptr, n, oh, cols, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo, hi,
-    STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr, HAS_B: tl.constexpr,
-    ACT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """Stem row ``oh`` at columns ``cols`` of image ``n``: the activated float32 outputs,
-    zeros where the row or a column is outside the output (the pool's padding)."""
-    rn = tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    ok = (cols >= 0) & (cols < OW) & (oh >= 0) & (oh < OH)
-    corner = x_ptr + ((n * HP + oh * STRIDE_H) * WP + cols * STRIDE_W) * CPK
-    if QUANT == 1:
-        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.int32)
-    else:
-        acc = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for kh in range(0, KH):
-        a = tl.load(corner[:, None] + kh * WP * CPK + rk[None, :], mask=ok[:, None], other=0.0)
-        b = tl.load(w_ptr + (kh * BLOCK_K + rk)[:, None] * BLOCK_N + rn[None, :])
-        acc = dot_step(a, b, acc, QUANT, UPCAST, "ieee", BLOCK_K)
+def _activated(acc, ok, scale, bias, p0, p1, lo, hi, HAS_B: tl.constexpr, ACT: tl.constexpr):
+    """A tile's sums scaled, biased and activated, zeros where ``ok`` is False."""
     v = finish(acc.to(tl.float32) * scale, bias, 0.0, HAS_B, False, False, ACT, p0, p1, lo, hi)
     return tl.where(ok[:, None], v, 0.0)
 
@@ -297,14 +279,34 @@ def _pooled_row(
     ACT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Stem row ``oh`` pooled along the row for pooled columns ``c``: the maximum of its
-    columns 2c - 1, 2c and 2c + 1 (``shift``: each tile row's predecessor, for the first)."""
-    even = _stem_tile(x_ptr, w_ptr, n, oh, 2 * c, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo,
-                      hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P, BLOCK_N,
-                      BLOCK_K)  # fmt: skip
-    odd = _stem_tile(x_ptr, w_ptr, n, oh, 2 * c + 1, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo,
-                     hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P, BLOCK_N,
-                     BLOCK_K)  # fmt: skip
+    """Stem row ``oh`` of image ``n`` pooled along the row for pooled columns ``c``: the
+    maximum of its columns 2c - 1, 2c and 2c + 1 (``shift``: each tile row's predecessor, for
+    the first). The even and the odd columns are two tiles of one loop over the window's rows,
+    each K step's weight loaded once for both; outputs outside the stem's rows and columns are
+    zeros (the pool's padding, as every output is at least 0)."""
+    rn = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    row_ok = (oh >= 0) & (oh < OH)
+    even_ok = (2 * c >= 0) & (2 * c < OW) & row_ok
+    odd_ok = (2 * c + 1 >= 0) & (2 * c + 1 < OW) & row_ok
+    # (the odd column's window starts STRIDE_W pixels past the even one's)
+    even_at = x_ptr + ((n * HP + oh * STRIDE_H) * WP + 2 * c * STRIDE_W) * CPK
+    odd_at = even_at + STRIDE_W * CPK
+    if QUANT == 1:
+        even = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.int32)
+        odd = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.int32)
+    else:
+        even = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+        odd = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
+    for kh in range(0, KH):
+        step = kh * WP * CPK + rk[None, :]
+        b = tl.load(w_ptr + (kh * BLOCK_K + rk)[:, None] * BLOCK_N + rn[None, :])
+        a = tl.load(even_at[:, None] + step, mask=even_ok[:, None], other=0.0)
+        even = dot_step(a, b, even, QUANT, UPCAST, "ieee", BLOCK_K)
+        a = tl.load(odd_at[:, None] + step, mask=odd_ok[:, None], other=0.0)
+        odd = dot_step(a, b, odd, QUANT, UPCAST, "ieee", BLOCK_K)
+    even = _activated(even, even_ok, scale, bias, p0, p1, lo, hi, HAS_B, ACT)
+    odd = _activated(odd, odd_ok, scale, bias, p0, p1, lo, hi, HAS_B, ACT)
     before = tl.gather(odd, shift, 0)  # (odd column c - 1; the halo row's is never stored)
     return tl.maximum(tl.maximum(even, odd), before)
 
