@@ -19,7 +19,9 @@ Per layer with more than one applicable tactic:
    its tuning took (``tune_s``).
 
 Layers whose shapes depend on values, or whose non-float inputs have no real values, keep their
-default kernel. A timing cache hit skips steps 1-5.
+default kernel. A timing cache hit skips steps 1-5. Tactics that ``exclude`` names are never
+candidates; with ``timeout_s``, a candidate whose check and timing run longer ends the process
+(a kernel that never ends holds the GPU: :class:`_Watchdog`).
 """
 
 from __future__ import annotations
