@@ -166,6 +166,29 @@ def _stem_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & (rn < OC)[None, :])
 
 
+def _check(name: str, x: torch.Tensor, w: torch.Tensor, geom: Geometry) -> None:
+    """ValueError naming ``name`` unless :func:`applies` takes ``x`` and ``w``, of one type."""
+    if not applies(tuple(x.shape), tuple(w.shape), x.dtype, geom, 1) or w.dtype != x.dtype:
+        raise ValueError(
+            f"{name}: takes an 8-bit 2-D convolution of at most {CP} channels and a window at "
+            f"most {TAPS} wide: X {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)}"
+        )
+
+
+def _output(x: torch.Tensor, shape: tuple, dtype: torch.dtype, channels_last: bool):
+    layout = torch.channels_last if channels_last else torch.contiguous_format
+    return torch.empty(shape, dtype=dtype, device=x.device, memory_format=layout)
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor, geom: Geometry, w_packed: torch.Tensor | None):
+    """(the packed image, its height and width, the packed weight, the tile's output channels)."""
+    bn = block_n(w.shape[0])
+    height, width = padded_size(tuple(x.shape), tuple(w.shape), geom)
+    xp = pack_image(x, geom.begin[0], geom.begin[1], height, width)
+    wk = pack_weight(w, bn) if w_packed is None else w_packed
+    return xp, height, width, wk, bn
+
+
 def conv_stem(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -184,22 +207,14 @@ def conv_stem(
     and weight ``w`` (OC, C, KH, KW) of the same type, for a case :func:`applies` takes; the
     output in ``out_dtype`` (with ``y_scale``: int8 or E4M3, quantized to it), channels-last or
     contiguous. ``w_packed``: :func:`pack_weight`'s result, where the caller keeps it."""
-    if not applies(tuple(x.shape), tuple(w.shape), x.dtype, geom, 1) or w.dtype != x.dtype:
-        raise ValueError(
-            f"conv_stem: takes an 8-bit 2-D convolution of at most {CP} channels and a window "
-            f"at most {TAPS} wide: X {x.dtype} {tuple(x.shape)}, W {w.dtype} {tuple(w.shape)}"
-        )
+    _check("conv_stem", x, w, geom)
     nb = x.shape[0]
     oc, _, kh, _ = w.shape
     oh, ow = geom.out
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    y = torch.empty((nb, oc, oh, ow), dtype=out_dtype, device=x.device, memory_format=layout)
+    y = _output(x, (nb, oc, oh, ow), out_dtype, channels_last)
     if y.numel() == 0:
         return y
-    bn = block_n(oc)
-    height, width = padded_size(tuple(x.shape), tuple(w.shape), geom)
-    xp = pack_image(x, geom.begin[0], geom.begin[1], height, width)
-    wk = pack_weight(w, bn) if w_packed is None else w_packed
+    xp, height, width, wk, bn = _packed(x, w, geom, w_packed)
     xs, ws, s_ws = scale_operands(scale, y)
     m = nb * oh * ow
     _stem_kernel[(triton.cdiv(m, config.block_m),)](
@@ -370,12 +385,7 @@ def conv_stem_pool(
     """MaxPool(act(conv(x, w) * X_scale * W_scale + b)) with :data:`POOL`'s pool, for what
     :func:`applies` takes and a ReLU ``epilogue``: :func:`conv_stem`'s arguments, the output
     (N, OC, PH, PW) the pool's."""
-    if not applies(tuple(x.shape), tuple(w.shape), x.dtype, geom, 1) or w.dtype != x.dtype:
-        raise ValueError(
-            f"conv_stem_pool: takes an 8-bit 2-D convolution of at most {CP} channels and a "
-            f"window at most {TAPS} wide: X {x.dtype} {tuple(x.shape)}, W {w.dtype} "
-            f"{tuple(w.shape)}"
-        )
+    _check("conv_stem_pool", x, w, geom)
     if epilogue.code != ACT_CODES["Relu"]:
         raise ValueError("conv_stem_pool: the convolution's activation must be ReLU")
     if config.block_p < 2 or config.rows < 1:
@@ -384,14 +394,10 @@ def conv_stem_pool(
     oc, _, kh, _ = w.shape
     oh, ow = geom.out
     ph, pw = pooled_size(oh, ow)
-    layout = torch.channels_last if channels_last else torch.contiguous_format
-    y = torch.empty((nb, oc, ph, pw), dtype=out_dtype, device=x.device, memory_format=layout)
+    y = _output(x, (nb, oc, ph, pw), out_dtype, channels_last)
     if y.numel() == 0:
         return y
-    bn = block_n(oc)
-    height, width = padded_size(tuple(x.shape), tuple(w.shape), geom)
-    xp = pack_image(x, geom.begin[0], geom.begin[1], height, width)
-    wk = pack_weight(w, bn) if w_packed is None else w_packed
+    xp, height, width, wk, bn = _packed(x, w, geom, w_packed)
     xs, ws, s_ws = scale_operands(scale, y)
     grid = (nb * triton.cdiv(ph, config.rows), triton.cdiv(pw, config.block_p - 1))
     _stem_pool_kernel[grid](
