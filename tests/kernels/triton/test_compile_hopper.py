@@ -102,6 +102,9 @@ def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
     assert counts["stores"] > 0 and counts["wide"] > 0, counts
 
 
+# the stem's kernel ("stem") or the stem-and-pool one ("pool"), as ResNet-50's stem launches it:
+# the pointers, 64 channels, the packed width 240 and the channels-last output's strides
+# divisible by 16, its channel stride 1
 _STEM_CHILD = r"""
 import json, sys
 sys.path[:0] = [sys.argv[1] + "/src"]
@@ -110,84 +113,55 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from tensorkiln.kernels.triton import conv_stem
 
-names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "M", "OC", "OH", "OW",
-         "HP", "WP", "KH", "s_ws", "sy_n", "sy_c", "sy_h", "sy_w", "p0", "p1", "lo", "hi"]
-# (as ResNet-50's stem launches it: the pointers, M, 64 channels, the packed width 240 and the
-# channels-last output's strides divisible by 16, its channel stride 1)
-aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "M", "OC", "WP",
-           "sy_n", "sy_h", "sy_w")
+pool = sys.argv[2] == "pool"
+sizes = ["OC", "OH", "OW", "PH", "PW"] if pool else ["M", "OC", "OH", "OW"]
+names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", *sizes, "HP", "WP",
+         "KH", "s_ws", "sy_n", "sy_c", "sy_h", "sy_w", "p0", "p1", "lo", "hi"]
+aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "WP", "sy_n",
+           "sy_h", "sy_w", *(() if pool else ("M",)))
+cfg = conv_stem.POOL_CONFIGS[1]
+tiling = ({"ROWS": cfg.rows, "BLOCK_P": cfg.block_p} if pool else {"BLOCK_M": 128})
+kernel = conv_stem._stem_pool_kernel if pool else conv_stem._stem_kernel
+options = ({"num_warps": cfg.warps, "num_stages": cfg.stages} if pool
+           else {"num_warps": 4, "num_stages": 3})
 out = {}
 for quant, eight in ((1, "*i8"), (2, "*fp8e4nv")):
     types = [eight, eight, "*fp32", "*i8" if quant == 1 else "*u8", "*fp32", "*fp32", "*fp32"]
-    signature = dict(zip(names, types + ["i32"] * 12 + ["fp32"] * 4))
+    signature = dict(zip(names, types + ["i32"] * (len(names) - 11) + ["fp32"] * 4))
     constexprs = {"sy_c": 1, "STRIDE_H": 2, "STRIDE_W": 2, "CPK": 4, "HAS_B": True, "ACT": 1,
-                  "QUANT": quant, "QOUT": quant, "UPCAST": False, "BLOCK_M": 128,
-                  "BLOCK_N": 64, "BLOCK_K": 32}
+                  "QUANT": quant, "QOUT": quant, "UPCAST": False, **tiling, "BLOCK_N": 64,
+                  "BLOCK_K": 32}
     signature.update({k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=conv_stem._stem_kernel, signature=signature, constexprs=constexprs,
+    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                     attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
     out[quant] = {"wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n64k32"),
                   "loads": ptx.count("cp.async.ca.shared.global"),
                   "wide_loads": ptx.count("], 0x8,"), "stores": ptx.count("st.global"),
                   "wide_stores": ptx.count("st.global.v4")}
 print(json.dumps(out))
 """
+
+
+def _stem_ptx(kernel: str, tmp_path: Path) -> None:
+    """The stem child's counts for ``kernel``: 8-bit WGMMA, every window load 8 bytes wide, every
+    store 16 bytes wide."""
+    counts = compile_child(_STEM_CHILD, ROOT, tmp_path / "triton-cache", kernel)
+    for quant, c in counts.items():
+        assert c["wgmma"] > 0, (quant, c)
+        assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
+        assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)
 
 
 def test_the_stem_convolution_compiles_for_sm90(tmp_path: Path) -> None:
     """conv_stem's kernel compiles for Hopper with 8-bit tensor-core instructions (WGMMA, K 32,
     int8 and E4M3), its window rows loaded 8 bytes at a time into shared memory ahead of their
     use (cp.async), and its 8-bit output written 16 bytes at a time."""
-    counts = compile_child(_STEM_CHILD, ROOT, tmp_path / "triton-cache")
-    for quant, c in counts.items():
-        assert c["wgmma"] > 0, (quant, c)
-        assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
-        assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)
-
-
-_STEM_POOL_CHILD = r"""
-import json, sys
-sys.path[:0] = [sys.argv[1] + "/src"]
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from tensorkiln.kernels.triton import conv_stem
-
-names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "OH", "OW", "PH",
-         "PW", "HP", "WP", "KH", "s_ws", "sy_n", "sy_c", "sy_h", "sy_w", "p0", "p1", "lo", "hi"]
-# (as ResNet-50's stem and pool launch it: 64 channels, the packed width 240, the channels-last
-# pooled output's strides divisible by 16 and its channel stride 1)
-aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "WP", "sy_n",
-           "sy_h", "sy_w")
-out = {}
-for quant, eight in ((1, "*i8"), (2, "*fp8e4nv")):
-    types = [eight, eight, "*fp32", "*i8" if quant == 1 else "*u8", "*fp32", "*fp32", "*fp32"]
-    signature = dict(zip(names, types + ["i32"] * 13 + ["fp32"] * 4))
-    cfg = conv_stem.POOL_CONFIGS[1]
-    constexprs = {"sy_c": 1, "STRIDE_H": 2, "STRIDE_W": 2, "CPK": 4, "HAS_B": True, "ACT": 1,
-                  "QUANT": quant, "QOUT": quant, "UPCAST": False, "ROWS": cfg.rows,
-                  "BLOCK_P": cfg.block_p, "BLOCK_N": 64, "BLOCK_K": 32}
-    signature.update({k: "constexpr" for k in constexprs})
-    src = ASTSource(fn=conv_stem._stem_pool_kernel, signature=signature, constexprs=constexprs,
-                    attrs={(names.index(a),): [["tt.divisibility", 16]] for a in aligned})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": cfg.warps, "num_stages": cfg.stages}).asm["ptx"]
-    out[quant] = {"wgmma": ptx.count("wgmma.mma_async.sync.aligned.m64n64k32"),
-                  "loads": ptx.count("cp.async.ca.shared.global"),
-                  "wide_loads": ptx.count("], 0x8,"), "stores": ptx.count("st.global"),
-                  "wide_stores": ptx.count("st.global.v4")}
-print(json.dumps(out))
-"""
+    _stem_ptx("stem", tmp_path)
 
 
 def test_the_stem_and_pool_kernel_compiles_for_sm90(tmp_path: Path) -> None:
     """conv_stem_pool's kernel compiles for Hopper: 8-bit WGMMA (K 32) for each of a stem row's
     two tiles, window rows loaded 8 bytes at a time ahead of their use, and the pooled 8-bit
     output written 16 bytes at a time (the gather of the odd columns lowered with the rest)."""
-    counts = compile_child(_STEM_POOL_CHILD, ROOT, tmp_path / "triton-cache")
-    for quant, c in counts.items():
-        assert c["wgmma"] > 0, (quant, c)
-        assert c["loads"] > 0 and c["wide_loads"] == c["loads"], (quant, c)
-        assert c["stores"] > 0 and c["wide_stores"] == c["stores"], (quant, c)
+    _stem_ptx("pool", tmp_path)

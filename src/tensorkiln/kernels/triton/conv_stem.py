@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tensorkiln.kernels.common.window import Geometry
+from tensorkiln.kernels.common.window import Geometry, geometry
 from tensorkiln.kernels.triton import interpreting, quantize
 from tensorkiln.kernels.triton.gemm import (
     ACT_CODES,
@@ -275,11 +275,6 @@ def pool_applies(pool_attrs: dict, epilogue: Epilogue) -> bool:
     )
 
 
-def pooled_size(oh: int, ow: int) -> tuple[int, int]:
-    """The pool's output size over an oh x ow convolution output."""
-    return (oh - 1) // 2 + 1, (ow - 1) // 2 + 1
-
-
 @triton.jit
 def _activated(acc, ok, scale, bias, p0, p1, lo, hi, HAS_B: tl.constexpr, ACT: tl.constexpr):
     """A tile's sums scaled, biased and activated, zeros where ``ok`` is False."""
@@ -393,7 +388,7 @@ def conv_stem_pool(
     nb = x.shape[0]
     oc, _, kh, _ = w.shape
     oh, ow = geom.out
-    ph, pw = pooled_size(oh, ow)
+    ph, pw = geometry((oh, ow), POOL["kernel_shape"], POOL["strides"], None, POOL["pads"]).out
     y = _output(x, (nb, oc, ph, pw), out_dtype, channels_last)
     if y.numel() == 0:
         return y
