@@ -40,6 +40,10 @@ def test_cast_numeric(src, dst):
     x = _rand((3, 7), NUMERIC[src])
     if np.dtype(NUMERIC[src]).kind == "f" and np.dtype(NUMERIC[dst]).kind == "u":
         x = np.abs(x)  # negative floats to unsigned are undefined behaviour
+    if NUMERIC[src] == np.float64 and NUMERIC[dst] == np.float16:
+        # onnxruntime rounds double to float16 through float32 (twice), the kernel once; values
+        # that float32 holds exactly round the same both ways (about one draw in 1,500 did not)
+        x = x.astype(np.float32).astype(np.float64)
     check_against_ort("Cast", {"X": x}, {"to": dst}, opset=21, rtol=0, atol=0)
 
 
