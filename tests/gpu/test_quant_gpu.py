@@ -136,16 +136,18 @@ def _stage(rng: np.random.Generator) -> onnx.ModelProto:
 
 @pytest.mark.parametrize("precision", ["int8", "fp8"])
 def test_a_quantized_resnet_stage_stays_8_bit_on_the_gpu(tmp_path: Path, precision: str) -> None:
-    """Every layer quantized (no per-layer choice): the stem writes 8 bits, the pool pools them,
-    the shortcut's sum is handed over in 8 bits, and the engine autotuned on the GPU agrees with
-    the reference backend's build from the same calibration cache."""
+    """Every layer quantized (no per-layer choice): the stem and its pool are one layer
+    (QConvPool) writing the pooled 8 bits, the shortcut's sum is handed over in 8 bits, and the
+    engine autotuned on the GPU agrees with the reference backend's build (the stem and the
+    pool apart) from the same calibration cache."""
     rng = np.random.default_rng()
     _, ref, engine, _ = _reference_and_gpu(tmp_path, _stage(rng), (16, 3, 32, 32), precision,
                                            quantize_all=True)  # fmt: skip
     eight_bit = {"int8", "float8_e4m3fn", "INT8", "FLOAT8E4M3FN"}
-    pool = next(n for n in engine.graph.nodes if n.op == "MaxPool")
-    assert pool.inputs[0].dtype.name in eight_bit and pool.outputs[0].dtype.name in eight_bit
-    quantized = [n.name for n in engine.graph.nodes if n.op == "QConvAct"]
+    (stem,) = [n for n in engine.graph.nodes if n.name == "stem"]
+    assert stem.op == "QConvPool" and stem.outputs[0].dtype.name in eight_bit
+    assert not any(n.op == "MaxPool" for n in engine.graph.nodes)
+    quantized = [n.name for n in engine.graph.nodes if n.op in ("QConvAct", "QConvPool")]
     assert len(quantized) == 5
     adds = [n for n in engine.graph.nodes if n.op == "QConvAct" and len(n.inputs) > 5
             and n.inputs[5] is not None]  # fmt: skip

@@ -478,3 +478,95 @@ def test_quantization_moves_ahead_of_a_max_pool_into_the_layer(kind) -> None:
     assert got.dtype == want.dtype and len(np.unique(want)) > 8
     assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
     assert fuse_requantize(_pooled_graph(rng, kind, extra_reader=True)) == 0
+
+
+def _stem_graph(rng, kind: DType, *, activation_node: bool = True, **change) -> Graph:
+    """:func:`_pooled_graph` with the ReLU as a node of its own after the QConvAct (as a
+    quantized model has it before fuse_conv_act), and ``change`` applied to the pool's
+    attributes or (``activation``) the layer's."""
+    graph = _pooled_graph(rng, kind)
+    layer, pool, _ = graph.nodes
+    act = change.pop("activation", "Relu")
+    pool.attrs.update(change)
+    if activation_node:
+        layer.attrs.pop("activation")
+        y = layer.outputs[0]
+        c = _v("c", DType.FLOAT, (2, 6, 9, 9))
+        layer.outputs[0] = c
+        graph.nodes.insert(1, Node(act, [c], [y], name="act"))
+    else:
+        layer.attrs["activation"] = act
+    return graph
+
+
+@pytest.mark.parametrize("kind", [DType.INT8, DType.FLOAT8E4M3FN])
+def test_a_stem_and_its_pool_become_one_layer_on_cuda(kind) -> None:
+    """Before: QConvAct (4 channels in, 3 x 3) -> Relu -> MaxPool 3x3/2 padded by 1 ->
+    QuantizeLinear. Expected, from the cuda backend's passes: one QConvPool writing the Q's
+    output, the ReLU and the quantization in its epilogue, the pool's attributes carried; the
+    same codes, bit for bit, as the graph before, on fresh data (the reference kernels run
+    both). The reference backend's passes keep the pool apart."""
+    import copy
+
+    from tensorkiln.passes import PassManager
+
+    rng = np.random.default_rng()
+    graph = _stem_graph(rng, kind)
+    before = copy.deepcopy(graph)
+    PassManager(level=3, backend="cuda", verify=True).run(graph)
+    (layer,) = graph.nodes
+    assert (layer.domain, layer.op) == ("tensorkiln", "QConvPool")
+    assert layer.name == "conv" and layer.outputs[0].name == "out"
+    assert layer.inputs[6].name == "t" and layer.attrs["activation"] == "Relu"
+    assert list(layer.attrs["pool_kernel_shape"]) == [3, 3]
+    assert list(layer.attrs["pool_strides"]) == [2, 2]
+    assert layer.outputs[0].dtype == kind and layer.outputs[0].shape == (2, 6, 5, 5)
+    x = rng.integers(-15, 16, (2, 4, 9, 9)).astype(np.int8)
+    got, want = _run_graph(graph, {"xq": x})[0], _run_graph(before, {"xq": x})[0]
+    assert got.dtype == want.dtype and len(np.unique(want)) > 8
+    assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+    reference = _stem_graph(rng, kind)
+    PassManager(level=3, backend="reference").run(reference)
+    assert [n.op for n in reference.nodes] == ["QConvAct", "MaxPool"]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"activation": "Sigmoid"},  # (values below 0: the pool's padding is not zero)
+        {"kernel_shape": [2, 2]},
+        {"strides": [1, 1]},
+        {"pads": [0, 0, 0, 0]},
+        {"ceil_mode": 1},
+        {"dilations": [2, 2]},
+    ],
+)
+def test_a_pool_a_stem_kernel_does_not_take_stays_apart(change) -> None:
+    from tensorkiln.passes.fuse_qdq import fuse_requantize, fuse_stem_pool
+
+    graph = _stem_graph(np.random.default_rng(), DType.INT8, activation_node=False, **change)
+    while fuse_requantize(graph):
+        pass
+    assert fuse_stem_pool(graph) == 0
+    assert [n.op for n in graph.nodes] == ["QConvAct", "MaxPool"]
+
+
+def test_a_stem_pool_is_not_fused_past_a_second_reader_or_a_wide_image() -> None:
+    """The convolution's output read by more than the pool, or an image of more channels than
+    the stem kernel packs (a QConvAct of 5 channels), keep the layers apart."""
+    from tensorkiln.passes.fuse_qdq import fuse_requantize, fuse_stem_pool
+
+    rng = np.random.default_rng()
+    graph = _pooled_graph(rng, DType.INT8, extra_reader=True)
+    assert fuse_stem_pool(graph) == 0
+    wide = _pooled_graph(rng, DType.INT8)
+    layer = wide.nodes[0]
+    w = rng.integers(-127, 128, (6, 5, 3, 3)).astype(np.int8)
+    layer.inputs[0] = _v("xq5", DType.INT8, (2, 5, 9, 9))
+    layer.inputs[2] = _v("wq5", DType.INT8, w.shape, w)
+    wide.inputs = [layer.inputs[0]]
+    wide.initializers.append(layer.inputs[2])
+    while fuse_requantize(wide):
+        pass
+    assert fuse_stem_pool(wide) == 0

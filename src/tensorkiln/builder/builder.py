@@ -279,6 +279,8 @@ def _quantize(
         else AccuracyBudget.parse(config.accuracy_budget),
         smooth=config.smooth_quant,
     )
+    # (the optimizer ran on the float graph: its fusions of quantized layers run now)
+    optimize(graph, config.optimization_level, backend=backend.name, quantized_only=True)
     infer_shapes(graph)
     verify(graph)
     return notes
@@ -299,12 +301,16 @@ def optimize(
     dump_dir: str | os.PathLike | None = None,
     backend: str | None = None,
     exclude: frozenset[str] = frozenset(),
+    quantized_only: bool = False,
 ) -> dict[str, int]:
     """Run the graph optimizer at ``level`` (0 = none) in place, with the passes of ``backend``
-    (None: all) but those named in ``exclude``; returns matches per pass."""
+    (None: all) but those named in ``exclude`` (with ``quantized_only``, only the fusions of
+    quantized layers); returns matches per pass."""
     if level <= 0:
         return {}
-    pm = PassManager(level, dump_dir=dump_dir, backend=backend, exclude=exclude)
+    pm = PassManager(
+        level, dump_dir=dump_dir, backend=backend, exclude=exclude, quantized_only=quantized_only
+    )
     pm.run(graph)
     infer_shapes(graph)
     verify(graph)

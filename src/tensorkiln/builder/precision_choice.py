@@ -15,7 +15,10 @@ from tensorkiln.precision.quantize import has_qdq
 
 # (layer records name ops as "domain.op", the default domain bare)
 FLOAT_LAYERS = ("Conv", "tensorkiln.ConvAct", "Gemm", "tensorkiln.GemmAct", "MatMul")
-QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
+QUANTIZED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct", "tensorkiln.QConvPool")
+# the quantized layers weighed against their float form: a QConvPool (a stem with its pool) has
+# no one float layer of its time, so it is not weighed and stays quantized
+COMPARED_LAYERS = ("tensorkiln.QConvAct", "tensorkiln.QGemmAct")
 
 
 def chooses_precision(graph: Graph, config: BuilderConfig, backend: Backend) -> bool:
@@ -68,7 +71,7 @@ def compare_layers(layers: list[dict], floats: dict[str, float]) -> dict[str, di
     quantized layer's time includes the QuantizeLinear that exists only to feed it (kept in
     float, the layer would not need it); a QuantizeLinear shared by several layers, or not
     measured, is not counted."""
-    quantized = layer_ms(layers, QUANTIZED_LAYERS)
+    quantized = layer_ms(layers, COMPARED_LAYERS)
     own = own_quantize_ms(layers)
     tactics = {layer["name"]: layer.get("tactic") for layer in layers if "name" in layer}
     out = {}

@@ -51,6 +51,15 @@ _EPILOGUE = {
     "activation_min": None,
     "activation_max": None,
 }
+# MaxPool's attributes, as QConvPool carries them for its pool
+_POOL = {
+    "pool_auto_pad": "NOTSET",
+    "pool_ceil_mode": 0,
+    "pool_dilations": None,
+    "pool_kernel_shape": None,
+    "pool_pads": None,
+    "pool_strides": None,
+}
 _CONV = {
     "auto_pad": "NOTSET",
     "dilations": None,
@@ -86,6 +95,16 @@ define(
     "float32, float16 or bfloat16; with Y_scale, int8 or float8 E4M3: the result quantized to "
     "Y_scale); with Z_scale the residual Z is quantized too (int8 or float8, read as "
     "Z * Z_scale in float32: its DequantizeLinear, fused)",
+)
+define(
+    "QConvPool",
+    domain=DOMAIN,
+    traits=[FUSED],
+    attributes={**_CONV, **_EPILOGUE, "out_dtype": 1, **_POOL},
+    doc="MaxPool(QConvAct(...)): QConvAct's inputs (no residual) and attributes, then a max "
+    "pool with the pool_* attributes (MaxPool's: kernel_shape, strides, pads, dilations, "
+    "ceil_mode, auto_pad) over its output; a network's stem and its pool in one layer, so that "
+    "a kernel can pool the convolution's tiles before they are written",
 )
 define(
     "QGemmAct",
@@ -197,6 +216,36 @@ def _conv_act_shape(ctx: InferContext) -> list[Type | None]:
 @rule("QConvAct", domain=DOMAIN)
 def _qconv_act_shape(ctx: InferContext) -> list[Type | None]:
     return [TensorType(_out_dtype(ctx), _conv_out(ctx, ctx.shape(0), ctx.shape(2)))]
+
+
+@rule("QConvPool", domain=DOMAIN)
+def _qconv_pool_shape(ctx: InferContext) -> list[Type | None]:
+    conv = _conv_out(ctx, ctx.shape(0), ctx.shape(2))
+    return [TensorType(_out_dtype(ctx), _pool_out(ctx, conv))]
+
+
+def pool_attrs(attrs: dict) -> dict:
+    """QConvPool's pool as MaxPool's attributes (the ``pool_`` prefix dropped)."""
+    return {k[5:]: v for k, v in attrs.items() if k.startswith("pool_") and v is not None}
+
+
+def _pool_out(ctx: InferContext, conv: Shape | None) -> Shape | None:
+    """(N, M, *out) of QConvPool's pool over the convolution's output ``conv``."""
+    if conv is None:
+        return None
+    spatial = conv[2:]
+    if not all(isinstance(d, int) for d in spatial):
+        return (*conv[:2], *(fresh_dim() for _ in spatial))
+    out = geometry(
+        spatial,  # type: ignore[arg-type]
+        ctx.attr("pool_kernel_shape"),
+        ctx.attr("pool_strides"),
+        ctx.attr("pool_dilations"),
+        ctx.attr("pool_pads"),
+        ctx.attr("pool_auto_pad", "NOTSET"),
+        int(ctx.attr("pool_ceil_mode", 0) or 0),
+    ).out
+    return (*conv[:2], *out)
 
 
 def _out_dtype(ctx: InferContext) -> DType:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from tensorkiln.ir import DType, Graph, Node, TensorType, Value
+from tensorkiln.kernels.common.stem import fuses_pool, takes_image
 from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import lookup, node_kwargs
 from tensorkiln.passes.pattern import Found, Op
@@ -440,3 +441,58 @@ def fuse_requantize(graph: Graph) -> int:
     LayerNorm and Attention where a Q reads them), and ``QConvAct(..., DQ(Z_q))`` -> QConvAct
     reading its residual quantized."""
     return run_rules(graph, REQUANTIZE)
+
+
+# ------------------------------------------------------------------------------ a stem's pool
+#
+# QConvAct (an image's convolution, ReLU) -> MaxPool 3x3/2 -> QConvPool: a ResNet's stem and its
+# pool as one layer, where a kernel computes the stem's rows and pools them before anything is
+# written (kernels/triton/conv_stem.py's conv_stem_pool: the stem's output, four times the
+# pool's, is neither written nor read back). Its other tactics run the two kernels apart, so
+# the layer is never slower than the two were, by more than the autotuner's choice of each.
+# Only on the cuda backend, and only where such a kernel takes the convolution and the pool
+# (kernels/common/stem.py); not before the pool's QuantizeLinear has moved into the layer
+# (fuse_requantize), so that the layer writes the 8-bit tensor the pool then keeps a quarter of.
+
+
+def _stem_pool(view: View, found: Found) -> Rewrite | None:
+    pool = found.root
+    outs = [v for v in pool.outputs if v is not None]
+    if len(outs) != 1 or outs[0] is not pool.outputs[0] or not pool.inputs:
+        return None
+    y = pool.inputs[0]
+    layer = view.producers.get(y) if y is not None else None
+    if layer is None or (layer.domain, layer.op) != (DOMAIN, "QConvAct"):
+        return None
+    if view.sole(y) is not pool or any(
+        v is not None for v in [*layer.inputs[5:6], *layer.inputs[7:]]
+    ):
+        return None  # (a residual: not a stem's)
+    writes_float = layer.attrs.get("out_dtype", 1) == DType.FLOAT.value
+    if writes_float and view.sole(outs[0], "QuantizeLinear") is not None:
+        return None  # (fuse_requantize moves that Q into the layer first)
+    w = view.const(layer.inputs[2]) if len(layer.inputs) > 2 else None
+    geometry_ok = w is not None and takes_image(
+        w.shape, int(layer.attrs.get("group", 1)), layer.attrs.get("dilations")
+    )
+    if not geometry_ok or not fuses_pool(pool.attrs, str(layer.attrs.get("activation", ""))):
+        return None
+    attrs = dict(layer.attrs)
+    attrs.pop("residual_order", None)
+    attrs |= {f"pool_{k}": v for k, v in pool.attrs.items() if k != "storage_order"}
+    inputs = list(layer.inputs[:7])
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    fused = Node("QConvPool", inputs, [outs[0]], attrs, domain=DOMAIN, name=layer.name)
+    return Rewrite(remove=[layer, pool], add=[fused], count=1)
+
+
+STEM_POOL = (Rule("stem_and_its_pool", Op("MaxPool"), _stem_pool),)
+
+
+# after fuse_conv_act has put the ReLU into the layer (level 3) and the pool's Q has moved in
+@register_pass("fuse_stem_pool", level=3, order=58, backends=("cuda",), quantized=True)
+def fuse_stem_pool(graph: Graph) -> int:
+    """``MaxPool(QConvAct(image))`` -> tensorkiln.QConvPool, where a stem kernel can pool the
+    convolution's tiles itself (cuda)."""
+    return run_rules(graph, STEM_POOL)

@@ -26,7 +26,9 @@ __all__ = ["PASSES", "PassInfo", "PassManager", "register_pass"]
 
 
 class PassManager:
-    """Runs the registered passes of an optimization level in stages, each to its fixed point."""
+    """Runs the registered passes of an optimization level in stages, each to its fixed point
+    (``quantized_only``: only the passes registered ``quantized``, which the builder runs again
+    after implicit quantization)."""
 
     def __init__(
         self,
@@ -38,6 +40,7 @@ class PassManager:
         only: list[str] | None = None,
         backend: str | None = None,
         exclude: frozenset[str] = frozenset(),
+        quantized_only: bool = False,
     ) -> None:
         self.level = level
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
@@ -49,6 +52,7 @@ class PassManager:
             if 0 < p.level <= level
             and (backend is None or p.backends is None or backend in p.backends)
             and p.name not in exclude
+            and (p.quantized or not quantized_only)
         ]
         if only is not None:
             unknown = set(only) - set(PASSES)

@@ -23,6 +23,8 @@ class PassInfo:
     order: int
     late: bool = False
     backends: tuple[str, ...] | None = None  # None: every backend
+    # run again after implicit quantization (a fusion of the quantized layers it makes)
+    quantized: bool = False
 
 
 PASSES: dict[str, PassInfo] = {}
@@ -35,17 +37,20 @@ def register_pass(
     order: int,
     late: bool = False,
     backends: tuple[str, ...] | None = None,
+    quantized: bool = False,
 ) -> Callable[[PassFn], PassFn]:
     """Register a pass run at optimization ``level`` and above, in ascending ``order``.
 
     A ``late`` pass (generic fusion of what is left) joins its stage only once the other passes
     of the stage have reached their fixed point, so it never takes a pattern they would fuse.
     ``backends`` limits the pass to graphs built for those backends (a fusion that pays on one
-    and not another); a PassManager given no backend runs every pass.
+    and not another); a PassManager given no backend runs every pass. A ``quantized`` pass fuses
+    quantized layers: the builder runs it again after implicit quantization (which makes them
+    from the optimized float graph).
     """
 
     def decorator(fn: PassFn) -> PassFn:
-        PASSES[name] = PassInfo(name, level, fn, order, late, backends)
+        PASSES[name] = PassInfo(name, level, fn, order, late, backends, quantized)
         return fn
 
     return decorator

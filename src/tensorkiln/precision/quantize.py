@@ -36,7 +36,9 @@ from tensorkiln.precision.calibration import (
 from tensorkiln.precision.calibrators import QMAX
 from tensorkiln.precision.smooth import choose_alpha, factors, smoothable, smoothed_amax
 
-QUANTIZED_OPS = frozenset({("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct")})
+QUANTIZED_OPS = frozenset(
+    {("tensorkiln", "QConvAct"), ("tensorkiln", "QGemmAct"), ("tensorkiln", "QConvPool")}
+)
 ELEMENT = {"int8": DType.INT8, "fp8": DType.FLOAT8E4M3FN}
 _NUMPY = {"int8": np.dtype(np.int8), "fp8": np.dtype(ml_dtypes.float8_e4m3fn)}
 _PRECISION_OF = {DType.INT8: "int8", DType.FLOAT8E4M3FN: "fp8"}

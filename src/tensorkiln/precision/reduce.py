@@ -33,6 +33,7 @@ KEEP_FP32_INPUTS: dict[tuple[str, str], tuple[int, ...]] = {
     # quantization scales: float16 would round them, and the quantized values with them
     ("", "QuantizeLinear"): (1,),
     ("tensorkiln", "QConvAct"): (1, 3, 6, 7),
+    ("tensorkiln", "QConvPool"): (1, 3, 6),
     ("tensorkiln", "QGemmAct"): (1, 3, 5),
     ("tensorkiln", "LayerNorm"): (4,),
     ("tensorkiln", "Attention"): (4,),
@@ -48,6 +49,7 @@ _DTYPE_ATTRS = {
     ("", "Multinomial"): "dtype",
     ("", "Bernoulli"): "dtype",
     ("tensorkiln", "QConvAct"): "out_dtype",
+    ("tensorkiln", "QConvPool"): "out_dtype",
     ("tensorkiln", "QGemmAct"): "out_dtype",
 }
 

@@ -416,8 +416,14 @@ def with_fn(entry: KernelEntry, fn: Any) -> KernelEntry:
     )
 
 
-# where each convolution reads its weight: Conv and ConvAct input 1, QConvAct (X_q, X_scale, W_q)
-_WEIGHT_INPUT = {("", "Conv"): 1, ("tensorkiln", "ConvAct"): 1, ("tensorkiln", "QConvAct"): 2}
+# where each convolution reads its weight: Conv and ConvAct input 1, QConvAct and QConvPool
+# (X_q, X_scale, W_q) input 2
+_WEIGHT_INPUT = {
+    ("", "Conv"): 1,
+    ("tensorkiln", "ConvAct"): 1,
+    ("tensorkiln", "QConvAct"): 2,
+    ("tensorkiln", "QConvPool"): 2,
+}
 
 
 def _conv_weights(graph: Graph) -> frozenset[Value]:
@@ -433,7 +439,7 @@ def _conv_weights(graph: Graph) -> frozenset[Value]:
 
 def _three_channels(n: Node) -> bool:
     """Whether ``n`` is a 2-D quantized convolution of one group over 3 input channels."""
-    if (n.domain, n.op) != ("tensorkiln", "QConvAct") or len(n.inputs) < 3:
+    if _WEIGHT_INPUT.get((n.domain, n.op)) != 2 or len(n.inputs) < 3:
         return False
     w = n.inputs[2]
     shape = None if w is None or w.const is None else np.shape(w.const)

@@ -687,13 +687,22 @@ def test_the_stem_kernel_writes_the_quantized_output(kind, config) -> None:
     _codes_agree(to_numpy(y), want)
 
 
-def _stem_pool_case(rng, kind: str, quantized: bool) -> tuple[list, dict, np.ndarray]:
+def _stem_pool_case(
+    rng, kind: str, quantized: bool, window: int = 7
+) -> tuple[list, dict, np.ndarray]:
     """The stem's operands (3 channels, 7 x 7 at stride 2, ReLU, 64 output channels) on a
     37 x 45 image (a 19 x 23 output, pooled to 10 x 12), and the reference's MaxPool of the
-    reference's convolution."""
+    reference's convolution; ``window`` 3: a 3 x 3 stem of stride 1 on a 19 x 23 image (the
+    same output)."""
     m = 64
     attrs = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}
-    args = [_q(rng, (2, 3, 37, 45), kind), np.float32(0.02), _q(rng, (m, 3, 7, 7), kind),
+    image = (2, 3, 37, 45)
+    if window == 3:
+        attrs, image = (
+            {"pads": [1, 1, 1, 1], "strides": [1, 1], "activation": "Relu"},
+            (2, 3, 19, 23),
+        )
+    args = [_q(rng, image, kind), np.float32(0.02), _q(rng, (m, 3, window, window), kind),
             rng.uniform(1e-3, 1e-2, m).astype(np.float32),
             rng.standard_normal(m).astype(np.float32)]  # fmt: skip
     conv = lookup("QConvAct", "tensorkiln", 1, "reference")
@@ -742,17 +751,76 @@ def test_the_stem_and_its_pool_in_one_kernel(kind, quantized, config) -> None:
         np.testing.assert_allclose(to_numpy(got), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
-def test_the_stem_pool_kernel_takes_only_resnets_pool_after_relu() -> None:
-    pytest.importorskip("triton")
-    from tensorkiln.kernels.triton import conv_stem
-    from tensorkiln.kernels.triton.gemm import Epilogue
+_POOL_ATTRS = {"pool_kernel_shape": [3, 3], "pool_strides": [2, 2], "pool_pads": [1, 1, 1, 1]}
 
-    relu, pool = Epilogue.of("Relu"), dict(conv_stem.POOL)
-    assert conv_stem.pool_applies(pool, relu)
-    assert not conv_stem.pool_applies(pool, Epilogue.of(""))  # (negative values: -inf pads)
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize(("quantized", "window"), [(True, 7), (False, 7), (True, 3)])
+def test_every_tactic_of_a_stem_with_its_pool(kind, quantized, window) -> None:
+    """tensorkiln.QConvPool (passes/fuse_qdq.py's fuse_stem_pool makes it): its reference kernel
+    is the reference's convolution then its pool, and each of its cuda tactics (the stem-pool
+    kernel's configurations; the stem kernels and cuDNN's float16 route each followed by the
+    pool's Triton kernel) takes ResNet's stem and computes the same, from a channels-last
+    weight as the engine uploads it."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.tactics import tactics_for
+
+    rng = np.random.default_rng()
+    args, attrs, want = _stem_pool_case(rng, kind, quantized, window)
+    attrs = {**attrs, **_POOL_ATTRS}
+    ref = invoke(lookup("QConvPool", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    assert ref.dtype == want.dtype and np.array_equal(ref.view(np.uint8), want.view(np.uint8))
+    spec = LayerSpec("QConvPool", "tensorkiln", attrs,
+                     tuple(None if a is None else np.shape(a) for a in args),
+                     tuple(None if a is None else np.asarray(a).dtype.name for a in args),
+                     device="cuda")  # fmt: skip
+    names = [t.name for t in tactics_for("QConvPool", "tensorkiln") if t.applies(spec)]
+    assert len(names) == 7, names  # (3 fused, 3 stem kernels + pool, cudnn_fp16 + pool)
+    tensors = [None if a is None else to_torch(np.asarray(a), DEVICE) for a in args]
+    tensors[2] = tensors[2].contiguous(memory_format=torch.channels_last)
+    for name in names:
+        got = to_numpy(get_tactic("QConvPool", "tensorkiln", name).fn(*tensors, **attrs))
+        assert got.shape == want.shape == (2, 64, 10, 12), name
+        if quantized:
+            _codes_agree(got, want)
+        else:
+            tol = _tol(kind, name)
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
+                                       err_msg=name)  # fmt: skip
+
+
+def test_a_stem_pool_tactic_leaves_out_what_it_does_not_take() -> None:
+    """The fused kernel takes only ResNet's pool after a ReLU; the two-kernel tactics take any
+    pool after what their convolution takes."""
+    pytest.importorskip("triton")
+    rng = np.random.default_rng()
+    args, attrs, _ = _stem_pool_case(rng, "int8", True)
+
+    def takes(name: str, **change) -> bool:
+        a = {**attrs, **_POOL_ATTRS, **change}
+        spec = LayerSpec("QConvPool", "tensorkiln", a,
+                         tuple(None if x is None else np.shape(x) for x in args),
+                         tuple(None if x is None else np.asarray(x).dtype.name for x in args),
+                         device="cuda")  # fmt: skip
+        return get_tactic("QConvPool", "tensorkiln", name).applies(spec)
+
+    fused, chained = "triton_qconv_stem_pool_r4_p64_w4_s3", "triton_qconv_stem_64_w4_s4+pool"
+    assert takes(fused) and takes(chained)
+    assert not takes(fused, pool_strides=[1, 1]) and takes(chained, pool_strides=[1, 1])
+    assert not takes(fused, activation="Sigmoid") and takes(chained, activation="Sigmoid")
+    assert not takes(chained, group=3)
+
+
+def test_the_stem_pool_kernel_takes_only_resnets_pool_after_relu() -> None:
+    from tensorkiln.kernels.common.stem import POOL, fuses_pool
+
+    pool = dict(POOL)
+    assert fuses_pool(pool, "Relu")
+    assert not fuses_pool(pool, "")  # (negative values: -inf pads)
     for change in ({"kernel_shape": (2, 2)}, {"strides": (1, 1)}, {"pads": (0, 0, 1, 1)},
-                   {"ceil_mode": 1}, {"dilations": (2, 2)}, {"auto_pad": "SAME_UPPER"}):  # fmt: skip
-        assert not conv_stem.pool_applies({**pool, **change}, relu), change
+                   {"ceil_mode": 1}, {"dilations": (2, 2)}, {"auto_pad": "SAME_UPPER"},
+                   {"storage_order": 1}):  # fmt: skip
+        assert not fuses_pool({**pool, **change}, "Relu"), change
 
 
 @pytest.mark.parametrize(

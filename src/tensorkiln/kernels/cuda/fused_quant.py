@@ -28,11 +28,13 @@ from tensorkiln.kernels.common.window import Geometry
 from tensorkiln.kernels.cuda.convert import kept
 from tensorkiln.kernels.cuda.fused_conv import activate_, conv_epilogue_, geometry_of
 from tensorkiln.kernels.cuda.nn import conv_nd
+from tensorkiln.kernels.cuda.pool import max_pool
 from tensorkiln.kernels.cuda.quant import quantize_linear
 from tensorkiln.kernels.registry import register
 from tensorkiln.kernels.triton import available as triton_available
 from tensorkiln.kernels.triton import interpreting
 from tensorkiln.ops import attribute_defaults
+from tensorkiln.ops.fused import pool_attrs
 
 if triton_available():
     from tensorkiln.kernels.triton import epilogue
@@ -225,6 +227,28 @@ def qconv_act(
     returned in ``out_dtype`` (quantized to ``y_scale`` when given; Z quantized with
     ``z_scale``); attributes as ops/fused.py records them."""
     return qconv(x_q, x_scale, w_q, w_scale, b, z, y_scale, attrs, _exact_conv, z_scale)
+
+
+def qconv_pool_with(
+    conv: Callable[..., torch.Tensor], pool: Callable[..., torch.Tensor]
+) -> Callable[..., torch.Tensor]:
+    """QConvPool as two kernels: ``conv`` (a QConvAct kernel or tactic) on the layer's inputs
+    and convolution attributes, then ``pool`` (a MaxPool kernel or tactic) on its output."""
+
+    def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
+        if z is not None:
+            raise ValueError("QConvPool takes no residual Z")
+        conv_attrs = {k: v for k, v in attrs.items() if not k.startswith("pool_")}
+        y = conv(x_q, x_scale, w_q, w_scale, b, None, y_scale, **conv_attrs)
+        return pool(y, **pool_attrs(attrs))
+
+    return run
+
+
+# (the default: the exact convolution, then the pool)
+register("QConvPool", domain="tensorkiln", since=1, backend="cuda")(
+    qconv_pool_with(qconv_act, max_pool)
+)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ default kernel (exact float64 sums) and checks them against it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from functools import partial
@@ -49,6 +50,7 @@ from typing import Any
 import torch
 
 from tensorkiln.kernels.common.conv import conv_geometry
+from tensorkiln.kernels.common.stem import fuses_pool
 from tensorkiln.kernels.cuda.convert import kept as _kept
 from tensorkiln.kernels.cuda.convert import torch_dtype
 from tensorkiln.kernels.cuda.fused_quant import (
@@ -57,12 +59,14 @@ from tensorkiln.kernels.cuda.fused_quant import (
     one_pass,
     one_pass_epilogue,
     qconv,
+    qconv_pool_with,
     qgemm,
     qgemm_call,
 )
 from tensorkiln.kernels.cuda.nn import conv_nd
-from tensorkiln.kernels.tactics import LayerSpec, tactic
+from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactic
 from tensorkiln.kernels.triton import available, interpreting
+from tensorkiln.ops.fused import pool_attrs
 
 if available():
     from tensorkiln.kernels.cuda import tactics_gemm
@@ -502,6 +506,63 @@ def _stem(cfg: Any) -> Callable:
     return _qconv_with(sums, f"triton_qconv_stem_{cfg.name}")
 
 
+def _conv_part(spec: LayerSpec) -> LayerSpec:
+    """A QConvPool layer's convolution as the QConvAct it fuses (its pool's attributes left out)."""
+    attrs = {k: v for k, v in spec.attrs.items() if not k.startswith("pool_")}
+    return dataclasses.replace(spec, op="QConvAct", attrs=attrs)
+
+
+def _stem_pool_ok(spec: LayerSpec) -> bool:
+    """conv_stem_pool's layers: the stem kernel's convolution, then the pool it fuses."""
+    conv = _conv_part(spec)
+    return _stem_ok(conv) and fuses_pool(pool_attrs(spec.attrs), conv.attrs.get("activation", ""))
+
+
+def _stem_pool(cfg: Any) -> Callable:
+    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
+        if z is not None:
+            raise ValueError(f"triton_qconv_stem_pool_{cfg.name}: takes no residual")
+        bn = conv_stem.block_n(w_q.shape[0])
+        packed = _kept(w_q, ("stem", bn), lambda: conv_stem.pack_weight(w_q, bn))
+        y = conv_stem.conv_stem_pool(
+            x_q, w_q, bias, geom=call.geometry, scale=(call.x_scale, call.w_scale),
+            epilogue=Epilogue.of(call.activation, *call.act), out_dtype=call.out,
+            y_scale=call.y_scale, channels_last=channels_last_like(x_q, w_q), w_packed=packed,
+            config=cfg,
+        )  # fmt: skip
+        return y, True
+
+    conv = _qconv_with(sums, f"triton_qconv_stem_pool_{cfg.name}")
+
+    def run(*inputs, **attrs) -> torch.Tensor:  # (the pool's attributes: what fuses_pool took)
+        return conv(*inputs, **{k: v for k, v in attrs.items() if not k.startswith("pool_")})
+
+    return run
+
+
+# QConvPool's two-kernel tactics: a QConvAct tactic, then this MaxPool tactic on its output
+_CHAIN_POOL = "triton_p128"
+
+
+def _chain_ok(conv_tactic: str, spec: LayerSpec) -> bool:
+    found = get_tactic("QConvAct", "tensorkiln", conv_tactic)
+    return found is not None and found.applies(_conv_part(spec))
+
+
+def _chain(conv_tactic: str) -> Callable:
+    """QConvPool as ``conv_tactic`` (a QConvAct tactic) and the pool's Triton kernel."""
+
+    def run(*inputs, **attrs) -> torch.Tensor:
+        conv = get_tactic("QConvAct", "tensorkiln", conv_tactic)
+        pool = get_tactic("MaxPool", "", _CHAIN_POOL)
+        if conv is None or pool is None:
+            raise RuntimeError(f"QConvPool: tactic {conv_tactic} or {_CHAIN_POOL} is missing")
+        return qconv_pool_with(conv.fn, pool.fn)(*inputs, **attrs)
+
+    run.__name__ = f"qconv_pool_{conv_tactic}"
+    return run
+
+
 def _hopper() -> bool:
     """Whether the current GPU is sm_90 (Gluon's WGMMA kernels compile for Hopper only)."""
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
@@ -633,6 +694,15 @@ def _register() -> None:
     for cfg in conv_stem.CONFIGS:  # (an image's convolution: their own group too)
         tactic("QConvAct", domain="tensorkiln", name=f"triton_qconv_stem_{cfg.name}",
                supports=_stem_ok, group="triton_qconv_stem")(_stem(cfg))  # fmt: skip
+    # a stem and its pool (QConvPool): fused, or the two kernels apart, each group timed whole
+    for cfg in conv_stem.POOL_CONFIGS:
+        tactic("QConvPool", domain="tensorkiln", name=f"triton_qconv_stem_pool_{cfg.name}",
+               supports=_stem_pool_ok, group="triton_qconv_stem_pool")(_stem_pool(cfg))  # fmt: skip
+    for conv_tactic in ("cudnn_fp16", *(f"triton_qconv_stem_{c.name}" for c in conv_stem.CONFIGS)):
+        tactic("QConvPool", domain="tensorkiln", name=f"{conv_tactic}+pool",
+               supports=partial(_chain_ok, conv_tactic), group="qconv_pool_chain")(
+            _chain(conv_tactic)
+        )  # fmt: skip
     if conv_gluon is not None:  # (their own group too; Hopper only)
         for cfg in conv_gluon.CONFIGS:
             tactic("QConvAct", domain="tensorkiln", name=f"gluon_qconv_{cfg.name}",

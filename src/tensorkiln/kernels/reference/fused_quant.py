@@ -21,8 +21,10 @@ from onnx.helper import tensor_dtype_to_np_dtype
 from tensorkiln.kernels.common.quant import check_quantized_output, check_quantized_residual
 from tensorkiln.kernels.reference.fused_conv import _epilogue, activate, conv_act
 from tensorkiln.kernels.reference.fused_gemm import gemm_act
+from tensorkiln.kernels.reference.pool import max_pool
 from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import register
+from tensorkiln.ops.fused import pool_attrs
 
 _QUANTIZED = frozenset(
     np.dtype(t) for t in (np.int8, np.uint8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -100,6 +102,27 @@ def qconv_act(
     act = (activation, activation_alpha, activation_beta, activation_min, activation_max)
     _epilogue(y, bb, zz, act, residual_order == "act_add")
     return _as_out(y.reshape(acc.shape), out_dtype, y_scale)
+
+
+@register("QConvPool", domain="tensorkiln", since=1)
+def qconv_pool(
+    x_q: np.ndarray,
+    x_scale: np.ndarray,
+    w_q: np.ndarray,
+    w_scale: np.ndarray,
+    b: np.ndarray | None = None,
+    z: np.ndarray | None = None,
+    y_scale: np.ndarray | None = None,
+    **attrs,
+) -> np.ndarray:
+    """MaxPool(QConvAct(...)): the layer's result (quantized to ``y_scale`` where given) pooled
+    with the ``pool_`` attributes. (Quantizing with a positive scale keeps order, so pooling
+    the quantized values gives what quantizing the pooled ones would.)"""
+    if z is not None:
+        raise ValueError("QConvPool takes no residual Z")
+    conv = {k: v for k, v in attrs.items() if not k.startswith("pool_")}
+    y = qconv_act(x_q, x_scale, w_q, w_scale, b, None, y_scale, **conv)
+    return max_pool(y, **pool_attrs(attrs))
 
 
 def residual(z: np.ndarray, z_scale: np.ndarray | None) -> np.ndarray:

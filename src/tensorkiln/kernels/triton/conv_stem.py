@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tensorkiln.kernels.common.stem import CP, POOL, TAPS
 from tensorkiln.kernels.common.window import Geometry, geometry
 from tensorkiln.kernels.triton import interpreting, quantize
 from tensorkiln.kernels.triton.gemm import (
@@ -55,8 +56,6 @@ from tensorkiln.kernels.triton.gemm import (
 )
 from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
-CP = 4  # channels of the packed image
-TAPS = 8  # window columns a K step reads
 MAX_OUT = 256  # output channels one tile covers
 _LIMIT = 2**31  # int32 element offsets
 _EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
@@ -254,25 +253,6 @@ POOL_CONFIGS = (
     StemPoolConfig(7, 64, 4, 3),
     StemPoolConfig(14, 64, 4, 3),
 )
-# the pool it fuses: ONNX MaxPool's attributes as ResNet's stem has them
-POOL = {"kernel_shape": (3, 3), "strides": (2, 2), "pads": (1, 1, 1, 1)}
-
-
-def pool_applies(pool_attrs: dict, epilogue: Epilogue) -> bool:
-    """Whether :func:`conv_stem_pool` fuses this MaxPool after the convolution: a 3 x 3 window
-    of stride 2 padded by 1 on every side, no dilation, floor rounding, one output, and the
-    convolution's activation ReLU."""
-    a = pool_attrs
-    return (
-        epilogue.code == ACT_CODES["Relu"]
-        and tuple(a.get("kernel_shape", ())) == POOL["kernel_shape"]
-        and tuple(a.get("strides", (1, 1))) == POOL["strides"]
-        and tuple(a.get("pads", (0, 0, 0, 0))) == POOL["pads"]
-        and tuple(a.get("dilations", (1, 1))) == (1, 1)
-        and not a.get("ceil_mode", 0)
-        and a.get("auto_pad", "NOTSET") in ("NOTSET", b"NOTSET")
-        and not a.get("storage_order", 0)
-    )
 
 
 @triton.jit
