@@ -229,6 +229,11 @@ def pool_attrs(attrs: dict) -> dict:
     return {k[5:]: v for k, v in attrs.items() if k.startswith("pool_") and v is not None}
 
 
+def conv_attrs(attrs: dict) -> dict:
+    """QConvPool's convolution as QConvAct's attributes (the pool's left out)."""
+    return {k: v for k, v in attrs.items() if not k.startswith("pool_")}
+
+
 def _pool_out(ctx: InferContext, conv: Shape | None) -> Shape | None:
     """(N, M, *out) of QConvPool's pool over the convolution's output ``conv``."""
     if conv is None:

@@ -34,7 +34,7 @@ from tensorkiln.kernels.registry import register
 from tensorkiln.kernels.triton import available as triton_available
 from tensorkiln.kernels.triton import interpreting
 from tensorkiln.ops import attribute_defaults
-from tensorkiln.ops.fused import pool_attrs
+from tensorkiln.ops.fused import conv_attrs, pool_attrs
 
 if triton_available():
     from tensorkiln.kernels.triton import epilogue
@@ -238,8 +238,7 @@ def qconv_pool_with(
     def run(x_q, x_scale, w_q, w_scale, b=None, z=None, y_scale=None, **attrs) -> torch.Tensor:
         if z is not None:
             raise ValueError("QConvPool takes no residual Z")
-        conv_attrs = {k: v for k, v in attrs.items() if not k.startswith("pool_")}
-        y = conv(x_q, x_scale, w_q, w_scale, b, None, y_scale, **conv_attrs)
+        y = conv(x_q, x_scale, w_q, w_scale, b, None, y_scale, **conv_attrs(attrs))
         return pool(y, **pool_attrs(attrs))
 
     return run

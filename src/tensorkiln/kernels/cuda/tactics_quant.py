@@ -66,7 +66,7 @@ from tensorkiln.kernels.cuda.fused_quant import (
 from tensorkiln.kernels.cuda.nn import conv_nd
 from tensorkiln.kernels.tactics import LayerSpec, get_tactic, tactic
 from tensorkiln.kernels.triton import available, interpreting
-from tensorkiln.ops.fused import pool_attrs
+from tensorkiln.ops.fused import conv_attrs, pool_attrs
 
 if available():
     from tensorkiln.kernels.cuda import tactics_gemm
@@ -489,13 +489,18 @@ def _stem_ok(spec: LayerSpec) -> bool:
     return conv_stem.applies(x, w, kind, g, spec.attrs.get("group", 1))
 
 
-def _stem(cfg: Any) -> Callable:
+def _stem(cfg: Any, pooled: bool = False) -> Callable:
+    """The stem kernel's QConvAct tactic of configuration ``cfg``; ``pooled``: conv_stem_pool's
+    QConvPool tactic (the pool's attributes are what _stem_pool_ok took)."""
+    name = f"triton_qconv_stem_{'pool_' if pooled else ''}{cfg.name}"
+    kernel = conv_stem.conv_stem_pool if pooled else conv_stem.conv_stem
+
     def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
         if z is not None:
-            raise ValueError(f"triton_qconv_stem_{cfg.name}: takes no residual")
+            raise ValueError(f"{name}: takes no residual")
         bn = conv_stem.block_n(w_q.shape[0])
         packed = _kept(w_q, ("stem", bn), lambda: conv_stem.pack_weight(w_q, bn))
-        y = conv_stem.conv_stem(
+        y = kernel(
             x_q, w_q, bias, geom=call.geometry, scale=(call.x_scale, call.w_scale),
             epilogue=Epilogue.of(call.activation, *call.act), out_dtype=call.out,
             y_scale=call.y_scale, channels_last=channels_last_like(x_q, w_q), w_packed=packed,
@@ -503,41 +508,26 @@ def _stem(cfg: Any) -> Callable:
         )  # fmt: skip
         return y, True
 
-    return _qconv_with(sums, f"triton_qconv_stem_{cfg.name}")
+    conv = _qconv_with(sums, name)
+    if not pooled:
+        return conv
+
+    def run(*inputs, **attrs) -> torch.Tensor:
+        return conv(*inputs, **conv_attrs(attrs))
+
+    run.__name__ = name
+    return run
 
 
 def _conv_part(spec: LayerSpec) -> LayerSpec:
     """A QConvPool layer's convolution as the QConvAct it fuses (its pool's attributes left out)."""
-    attrs = {k: v for k, v in spec.attrs.items() if not k.startswith("pool_")}
-    return dataclasses.replace(spec, op="QConvAct", attrs=attrs)
+    return dataclasses.replace(spec, op="QConvAct", attrs=conv_attrs(spec.attrs))
 
 
 def _stem_pool_ok(spec: LayerSpec) -> bool:
     """conv_stem_pool's layers: the stem kernel's convolution, then the pool it fuses."""
     conv = _conv_part(spec)
     return _stem_ok(conv) and fuses_pool(pool_attrs(spec.attrs), conv.attrs.get("activation", ""))
-
-
-def _stem_pool(cfg: Any) -> Callable:
-    def sums(x_q, w_q, bias, z, call: QConv) -> tuple[torch.Tensor, bool]:
-        if z is not None:
-            raise ValueError(f"triton_qconv_stem_pool_{cfg.name}: takes no residual")
-        bn = conv_stem.block_n(w_q.shape[0])
-        packed = _kept(w_q, ("stem", bn), lambda: conv_stem.pack_weight(w_q, bn))
-        y = conv_stem.conv_stem_pool(
-            x_q, w_q, bias, geom=call.geometry, scale=(call.x_scale, call.w_scale),
-            epilogue=Epilogue.of(call.activation, *call.act), out_dtype=call.out,
-            y_scale=call.y_scale, channels_last=channels_last_like(x_q, w_q), w_packed=packed,
-            config=cfg,
-        )  # fmt: skip
-        return y, True
-
-    conv = _qconv_with(sums, f"triton_qconv_stem_pool_{cfg.name}")
-
-    def run(*inputs, **attrs) -> torch.Tensor:  # (the pool's attributes: what fuses_pool took)
-        return conv(*inputs, **{k: v for k, v in attrs.items() if not k.startswith("pool_")})
-
-    return run
 
 
 # QConvPool's two-kernel tactics: a QConvAct tactic, then this MaxPool tactic on its output
@@ -697,7 +687,7 @@ def _register() -> None:
     # a stem and its pool (QConvPool): fused, or the two kernels apart, each group timed whole
     for cfg in conv_stem.POOL_CONFIGS:
         tactic("QConvPool", domain="tensorkiln", name=f"triton_qconv_stem_pool_{cfg.name}",
-               supports=_stem_pool_ok, group="triton_qconv_stem_pool")(_stem_pool(cfg))  # fmt: skip
+               supports=_stem_pool_ok, group="triton_qconv_stem_pool")(_stem(cfg, pooled=True))  # fmt: skip
     for conv_tactic in ("cudnn_fp16", *(f"triton_qconv_stem_{c.name}" for c in conv_stem.CONFIGS)):
         tactic("QConvPool", domain="tensorkiln", name=f"{conv_tactic}+pool",
                supports=partial(_chain_ok, conv_tactic), group="qconv_pool_chain")(

@@ -24,7 +24,7 @@ from tensorkiln.kernels.reference.fused_gemm import gemm_act
 from tensorkiln.kernels.reference.pool import max_pool
 from tensorkiln.kernels.reference.quant import quantize_linear
 from tensorkiln.kernels.registry import register
-from tensorkiln.ops.fused import pool_attrs
+from tensorkiln.ops.fused import conv_attrs, pool_attrs
 
 _QUANTIZED = frozenset(
     np.dtype(t) for t in (np.int8, np.uint8, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2)
@@ -105,23 +105,14 @@ def qconv_act(
 
 
 @register("QConvPool", domain="tensorkiln", since=1)
-def qconv_pool(
-    x_q: np.ndarray,
-    x_scale: np.ndarray,
-    w_q: np.ndarray,
-    w_scale: np.ndarray,
-    b: np.ndarray | None = None,
-    z: np.ndarray | None = None,
-    y_scale: np.ndarray | None = None,
-    **attrs,
-) -> np.ndarray:
-    """MaxPool(QConvAct(...)): the layer's result (quantized to ``y_scale`` where given) pooled
-    with the ``pool_`` attributes. (Quantizing with a positive scale keeps order, so pooling
-    the quantized values gives what quantizing the pooled ones would.)"""
-    if z is not None:
+def qconv_pool(*inputs: np.ndarray | None, **attrs) -> np.ndarray:
+    """MaxPool(QConvAct(...)) of QConvAct's inputs (X_q, X_scale, W_q, W_scale, B, no Z,
+    Y_scale): the layer's result (quantized to Y_scale where given) pooled with the ``pool_``
+    attributes. (Quantizing with a positive scale keeps order, so pooling the quantized values
+    gives what quantizing the pooled ones would.)"""
+    if len(inputs) > 5 and inputs[5] is not None:
         raise ValueError("QConvPool takes no residual Z")
-    conv = {k: v for k, v in attrs.items() if not k.startswith("pool_")}
-    y = qconv_act(x_q, x_scale, w_q, w_scale, b, None, y_scale, **conv)
+    y = qconv_act(*inputs, **conv_attrs(attrs))
     return max_pool(y, **pool_attrs(attrs))
 
 
