@@ -244,10 +244,13 @@ def qconv_pool_with(
     return run
 
 
-# (the default: the exact convolution, then the pool)
-register("QConvPool", domain="tensorkiln", since=1, backend="cuda")(
-    qconv_pool_with(qconv_act, max_pool)
-)
+_exact_conv_then_pool = qconv_pool_with(qconv_act, max_pool)
+
+
+@register("QConvPool", domain="tensorkiln", since=1, backend="cuda")
+def qconv_pool(*inputs: torch.Tensor | None, **attrs) -> torch.Tensor:
+    """MaxPool(QConvAct(...)) (ops/fused.py): the exact convolution, then the pool."""
+    return _exact_conv_then_pool(*inputs, **attrs)
 
 
 @dataclass(frozen=True)
