@@ -1,7 +1,7 @@
 """ResNet-50's stem in 8 bits, tactic by tactic, as a quantized engine runs it: the 7 x 7
 convolution of stride 2 over the 3-channel image (scale, bias, ReLU and the pool's 8-bit input
 fused), then the 3 x 3 max pool of stride 2 over its output; then both in one kernel
-(``conv_stem.conv_stem_pool``, not yet an engine's tactic), against the two apart.
+(``conv_stem.conv_stem_pool``: the QConvPool layer's fused tactics), against the two apart.
 
     python benchmarks/qconv_stem.py [--batch 256] [--reps 20] [--precision fp8|int8|both]
 
