@@ -25,6 +25,8 @@
 # of a kernel included), naming it, with the timing cache saved: rerun with
 # `--tactic-exclude NAME` (or the library built without it) rather than losing the call's time.
 # A new checkout has no kernel library: build it first (scripts/build_cutlass_library.sh).
+# compare leaves torch.compile's caches in $OUT/inductor.tgz (where they fit in 16 MiB): copied
+# to build/ and carried, the next compare call starts from them.
 #
 # Arguments after the step's name go to its benchmark (time, models, choice, compare), for
 # example `models --tactic-sources triton,cutlass,cudnn,cublas,cublaslt` to leave Gluon out.
@@ -102,8 +104,21 @@ choice)
         --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25 --tactic-timeout 150 "${extra[@]}"
     ;;
 compare)
-    step resnet50_compare 590 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
+    # torch.compile's caches (Inductor's compiled graphs, Triton's kernels, max-autotune's
+    # choices) from an earlier call, carried as build/inductor.tgz: the compiles then mostly
+    # hit them (max-autotune-no-cudagraphs alone compiled for about 270 s cold)
+    inductor=/tmp/tensorkiln-bench-inductor
+    if [ -f build/inductor.tgz ] && [ ! -d "$inductor" ]; then
+        tar xzf build/inductor.tgz -C /tmp && echo "Inductor cache: build/inductor.tgz"
+    fi
+    step resnet50_compare 570 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
         --peers tensorkiln-fp8,tensorkiln-int8,eager,max-autotune,reduce-overhead,compile \
-        --quantize-all --tactic-timeout 150 "${extra[@]}"
+        --quantize-all --tactic-timeout 150 --inductor-cache "$inductor" "${extra[@]}"
+    # (back through $OUT for the next call's carry, where it fits a returned file's 16 MiB)
+    if [ -d "$inductor" ] && timeout 20 tar czf "$out/inductor.tgz" -C /tmp "${inductor#/tmp/}"; then
+        bytes=$(stat -c %s "$out/inductor.tgz")
+        echo "Inductor cache: $bytes bytes in $out/inductor.tgz"
+        [ "$bytes" -le $((16 * 1024 * 1024)) ] || rm -f "$out/inductor.tgz"
+    fi
     ;;
 esac
