@@ -151,6 +151,39 @@ def test_known_feeds_replay_the_graph_directly() -> None:
     assert ctx.cuda_graph_fallback is None
 
 
+def test_a_graphs_own_input_buffers_replay_without_a_copy() -> None:
+    """input_buffers: the tensors the captured graph reads; inputs written into them and passed
+    back replay the graph with no copy before it (no kernel but the graph's own: one fewer
+    than a call with other tensors), with right results for new values; other tensors still
+    work; a context without CUDA graphs refuses with the reason."""
+    engine, _ = _engine()
+    ctx = engine.create_execution_context(use_cuda_graph=True)
+    runner = Runner(_cnn())
+    first = torch.from_numpy(_x(4, 0)).cuda()
+    buffers = ctx.input_buffers({"x": first})
+    assert set(buffers) == {"x"} and buffers["x"].data_ptr() != first.data_ptr()
+    for seed in (1, 2):
+        buffers["x"].copy_(torch.from_numpy(_x(4, seed)))
+        got = ctx.infer(buffers)["y"]
+        assert _rel(got, runner.infer({"x": _x(4, seed)})["y"]) < 1e-5
+
+    def kernels(feeds) -> int:
+        ctx.infer(feeds)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            ctx.infer(feeds)
+            torch.cuda.synchronize()
+        return sum(1 for e in prof.events() if e.device_type.name == "CUDA")
+
+    other = torch.from_numpy(_x(4, 3)).cuda()
+    assert kernels(buffers) < kernels({"x": other})  # (the input's copy)
+    assert _rel(ctx.infer({"x": other})["y"], runner.infer({"x": _x(4, 3)})["y"]) < 1e-5
+    with pytest.raises(RuntimeError, match="use_cuda_graph"):
+        engine.create_execution_context().input_buffers({"x": first})
+    with pytest.raises(TypeError, match="device tensors"):
+        ctx.input_buffers({"x": _x(4, 0)})
+
+
 def test_known_host_feeds_replay_the_graph_directly() -> None:
     """numpy in, numpy out: a second call with arrays of the same names, shapes and dtypes
     replays the graph through page-locked buffers; the results are right for new values and

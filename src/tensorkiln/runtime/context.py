@@ -559,6 +559,31 @@ class ExecutionContext:
             total += sum(seg.get("total_size", 0) for seg in snapshot)
         return total
 
+    def input_buffers(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        """The device tensors that the CUDA graph for feeds like ``feeds`` (device tensors of
+        these names, shapes and dtypes) reads its inputs from, by name; the graph is captured
+        now (one :meth:`infer` call on ``feeds``) if it was not yet. Write the next inputs into
+        them and pass them to :meth:`infer`: the replay then copies nothing before it runs, as
+        TensorRT's bound input addresses. Other tensors still work, copied in. Only for a context
+        that replays CUDA graphs (``use_cuda_graph=True``, on a GPU), not for an engine that
+        removes padding (its graphs read inputs staged per call)."""
+        if self._graphs is None or self._tokens is not None:
+            raise RuntimeError(
+                "input_buffers: this context replays no CUDA graph of its own inputs (create it "
+                "with use_cuda_graph=True on a GPU; an engine that removes padding stages its "
+                "inputs on every call)"
+            )
+        sig = _feed_signature(feeds)
+        if sig is None:
+            raise TypeError("input_buffers takes a dict of device tensors (name -> torch.Tensor)")
+        self.infer(feeds)
+        known = self._known_feeds.get(sig)
+        if known is None or known[1] is None:
+            reason = self.cuda_graph_fallback or "the feeds do not name the engine's inputs"
+            raise RuntimeError(f"input_buffers: no CUDA graph for these feeds ({reason})")
+        order, (_, static_in, _) = known
+        return dict(zip(order, static_in))
+
     @property
     def cuda_graph_fallback(self) -> str | None:
         """Why CUDA graphs were not used (None when they were, or were not asked for)."""
