@@ -518,12 +518,9 @@ def _bound_inputs(ctx, dev: dict) -> dict | None:
     """The CUDA graph's own input tensors holding ``dev``'s values (ExecutionContext
     .input_buffers), or None where the context has none (no graph: the engine runs eagerly)."""
     try:
-        bound = ctx.input_buffers(dev)
+        return ctx.input_buffers(dev)
     except (RuntimeError, TypeError):
         return None
-    for name, x in bound.items():
-        x.copy_(dev[name])
-    return bound
 
 
 def tactic_summary(layers: list) -> dict:

@@ -162,6 +162,7 @@ def test_a_graphs_own_input_buffers_replay_without_a_copy() -> None:
     first = torch.from_numpy(_x(4, 0)).cuda()
     buffers = ctx.input_buffers({"x": first})
     assert set(buffers) == {"x"} and buffers["x"].data_ptr() != first.data_ptr()
+    assert torch.equal(buffers["x"], first)  # (the feeds' values, put there by the call)
     for seed in (1, 2):
         buffers["x"].copy_(torch.from_numpy(_x(4, seed)))
         got = ctx.infer(buffers)["y"]

@@ -561,10 +561,10 @@ class ExecutionContext:
 
     def input_buffers(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
         """The device tensors that the CUDA graph for feeds like ``feeds`` (device tensors of
-        these names, shapes and dtypes) reads its inputs from, by name; the graph is captured
-        now (one :meth:`infer` call on ``feeds``) if it was not yet. Write the next inputs into
-        them and pass them to :meth:`infer`: the replay then copies nothing before it runs, as
-        TensorRT's bound input addresses. Other tensors still work, copied in. Only for a context
+        these names, shapes and dtypes) reads its inputs from, by name, holding ``feeds``' values
+        (one :meth:`infer` call on ``feeds`` puts them there, capturing the graph if it was not
+        yet). Write the next inputs into them and pass them to :meth:`infer`: the replay then
+        copies nothing before it runs, as TensorRT's bound input addresses. Other tensors still work, copied in. Only for a context
         that replays CUDA graphs (``use_cuda_graph=True``, on a GPU), not for an engine that
         removes padding (its graphs read inputs staged per call)."""
         if self._graphs is None or self._tokens is not None:
