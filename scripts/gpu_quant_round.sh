@@ -4,9 +4,10 @@
 # time limit, so that a kernel that hangs or faults costs its step only; logs go to $OUT (or
 # ./gpu-logs), and each step's last lines are printed.
 #
-#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, then the stem kernel and
-#                                       # the pools (and benchmarks/qconv_stem.py); at most 590 s,
-#                                       # one device call
+#   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, then the stem kernels,
+#                                       # the stem-pool layer and the pools, a quantized ResNet
+#                                       # stage's engine (and benchmarks/qconv_stem.py); at most
+#                                       # 580 s, one device call
 #   scripts/gpu_quant_round.sh stem     # the stem kernel's and the pools' part of check alone (no
 #                                       # kernel library needed: while a new checkout builds one)
 #   scripts/gpu_quant_round.sh check_more  # the other 8-bit GPU tests, then Gluon's
@@ -76,13 +77,17 @@ case "$part" in
 check)
     # the residual kernels (padded rows, two buffers) and the conv kernels first, alone: a fault
     # or a hang ends this process only; then the stem kernel and the pools
-    step cutlass_conv 240 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
+    step cutlass_conv 200 "${pytest[@]}" -x -m gpu tests/gpu/test_cutlass_fp8_gpu.py \
         -k "residual or implicit or pointwise or promoted or strided"
     ;&
 stem)
-    step stem 200 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py -k stem \
+    # (the stem kernels, the stem-pool layer's tactics, the pools; then a quantized ResNet
+    # stage's engine, its stem and pool one layer, and replays on the graph's own inputs)
+    step stem 160 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py -k stem \
         tests/kernels/triton/test_pool.py
-    step stem_time 150 python3 benchmarks/qconv_stem.py --reps 10
+    step engine 100 "${pytest[@]}" -m gpu tests/gpu/test_quant_gpu.py \
+        tests/gpu/test_cuda_engine.py -k "resnet_stage or input_buffers"
+    step stem_time 120 python3 benchmarks/qconv_stem.py --reps 10
     ;;
 check_more)
     step quant 300 "${pytest[@]}" tests/kernels/triton/test_quant_tactics.py \
