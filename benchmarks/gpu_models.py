@@ -76,6 +76,7 @@ import torch  # noqa: E402
 from benchmarks import _common as common  # noqa: E402
 from benchmarks import _gpu_table as table  # noqa: E402
 from tensorkiln.builder import BuilderConfig  # noqa: E402
+from tensorkiln.runtime.context import in_graph_buffers  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -369,9 +370,8 @@ def tensorkiln_peer(
     batch = next(iter(dev.values())).shape[0]
     # timed on the inputs in the graph's own buffers (TensorRT's bound input addresses): the
     # replay copies nothing first, as the PyTorch peers read their inputs where they are
-    bound = _bound_inputs(ctx, dev) if not packed else None
-    cell["inputs"] = "bound" if bound is not None else "copied"
-    run = bound or dev
+    run = in_graph_buffers(ctx, dev)
+    cell["inputs"] = "bound" if run is not dev else "copied"
     cell["value"] = (
         timed(lambda: ctx.infer(run), batch) if large else latency_ms(lambda: ctx.infer(run))
     )
@@ -512,15 +512,6 @@ def choice_summary(choice: dict, top: int = 6) -> dict:
             for name, c in choice.items()
         },
     }
-
-
-def _bound_inputs(ctx, dev: dict) -> dict | None:
-    """The CUDA graph's own input tensors holding ``dev``'s values (ExecutionContext
-    .input_buffers), or None where the context has none (no graph: the engine runs eagerly)."""
-    try:
-        return ctx.input_buffers(dev)
-    except (RuntimeError, TypeError):
-        return None
 
 
 def tactic_summary(layers: list) -> dict:

@@ -35,6 +35,7 @@ from tensorkiln.cli.inputs import (
     random_inputs,
 )
 from tensorkiln.cli.layer_profile import add_profile_options, print_profile, profile_report
+from tensorkiln.runtime.context import in_graph_buffers
 
 EPILOG = """examples:
   tensorkiln run model.engine
@@ -209,15 +210,6 @@ def stats_ms(seconds: list[float], pcts: list[float]) -> dict[str, float]:
     return out
 
 
-def _in_graph_buffers(ctx: Any, feeds: dict) -> dict:
-    """The CUDA graph's own input buffers holding ``feeds`` (device tensors), which the replays
-    then read in place; ``feeds`` as given where the context replays no graph."""
-    try:
-        return ctx.input_buffers(feeds)
-    except (RuntimeError, TypeError):
-        return feeds
-
-
 def _iterations_and_duration(args: argparse.Namespace) -> tuple[int, float]:
     if args.iterations is None and args.duration is None:
         return DEFAULT_ITERATIONS, DEFAULT_DURATION_S
@@ -258,7 +250,7 @@ def run_loaded(args: argparse.Namespace, loaded: Loaded, shapes: dict[str, tuple
             ctx.set_input_shape(name, np.shape(arr))  # a clear error for shapes outside the profile
         run_feeds = {k: backend.to_device(v) for k, v in feeds.items()} if args.device_io else feeds
         if args.device_io and args.use_cuda_graph:
-            run_feeds = _in_graph_buffers(ctx, run_feeds)
+            run_feeds = in_graph_buffers(ctx, run_feeds)
         timings, outputs = measure(ctx, run_feeds, args.warmup, iterations, duration)
         outputs = {k: backend.to_host(v) for k, v in outputs.items()}
         held = ctx.device_memory_bytes() if on_gpu else None

@@ -564,9 +564,10 @@ class ExecutionContext:
         these names, shapes and dtypes) reads its inputs from, by name, holding ``feeds``' values
         (one :meth:`infer` call on ``feeds`` puts them there, capturing the graph if it was not
         yet). Write the next inputs into them and pass them to :meth:`infer`: the replay then
-        copies nothing before it runs, as TensorRT's bound input addresses. Other tensors still work, copied in. Only for a context
-        that replays CUDA graphs (``use_cuda_graph=True``, on a GPU), not for an engine that
-        removes padding (its graphs read inputs staged per call)."""
+        copies nothing before it runs, as TensorRT's bound input addresses. Other tensors still
+        work, copied in. Only for a context that replays CUDA graphs (``use_cuda_graph=True``,
+        on a GPU), not for an engine that removes padding (its graphs read inputs staged per
+        call); :func:`in_graph_buffers` falls back to the feeds themselves there."""
         if self._graphs is None or self._tokens is not None:
             raise RuntimeError(
                 "input_buffers: this context replays no CUDA graph of its own inputs (create it "
@@ -594,6 +595,16 @@ class ExecutionContext:
 
     def __exit__(self, *exc: object) -> None:
         return None
+
+
+def in_graph_buffers(ctx: ExecutionContext, feeds: dict[str, Any]) -> dict[str, Any]:
+    """``ctx``'s CUDA graph's own input buffers holding ``feeds`` (device tensors), which its
+    replays read in place (:meth:`ExecutionContext.input_buffers`); ``feeds`` themselves where
+    the context replays no graph of its own inputs."""
+    try:
+        return ctx.input_buffers(feeds)
+    except (RuntimeError, TypeError):
+        return feeds
 
 
 def _check_fits(memory: Mapping[str, Any], backend: Backend, held: int) -> None:

@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -540,14 +540,19 @@ def _chain_ok(conv_tactic: str, spec: LayerSpec) -> bool:
 
 
 def _chain(conv_tactic: str) -> Callable:
-    """QConvPool as ``conv_tactic`` (a QConvAct tactic) and the pool's Triton kernel."""
+    """QConvPool as ``conv_tactic`` (a QConvAct tactic) and the pool's Triton kernel (both
+    looked up on the first call: every tactic has registered by then)."""
 
-    def run(*inputs, **attrs) -> torch.Tensor:
+    @cache
+    def chained() -> Callable[..., torch.Tensor]:
         conv = get_tactic("QConvAct", "tensorkiln", conv_tactic)
         pool = get_tactic("MaxPool", "", _CHAIN_POOL)
         if conv is None or pool is None:
             raise RuntimeError(f"QConvPool: tactic {conv_tactic} or {_CHAIN_POOL} is missing")
-        return qconv_pool_with(conv.fn, pool.fn)(*inputs, **attrs)
+        return qconv_pool_with(conv.fn, pool.fn)
+
+    def run(*inputs, **attrs) -> torch.Tensor:
+        return chained()(*inputs, **attrs)
 
     run.__name__ = f"qconv_pool_{conv_tactic}"
     return run
