@@ -14,6 +14,9 @@
 #   scripts/gpu_quant_round.sh time     # benchmarks/qconv_3x3.py: 8-bit 3x3 kernels vs cuDNN fp16
 #   scripts/gpu_quant_round.sh models   # ResNet-50, every layer quantized (--quantize-all), alone
 #   scripts/gpu_quant_round.sh choice   # ResNet-50 with the per-layer precision choice, alone
+#   scripts/gpu_quant_round.sh int8     # ResNet-50's INT8 engine alone (every layer quantized),
+#                                       # the GPU's clocks, power and throttle reasons logged
+#                                       # every 2 s beside it (clocks.csv)
 #   scripts/gpu_quant_round.sh compare  # the target's run: both 8-bit engines and the best PyTorch
 #                                       # (eager channels-last, and torch.compile's three modes)
 #                                       # in one process, on the same inputs; max-autotune right
@@ -38,8 +41,8 @@ set -uo pipefail
 part=${1:-check}
 shift || true
 extra=("$@")
-case "$part" in check | stem | check_more | time | models | choice | compare) ;; *)
-    echo "usage: $0 check|stem|check_more|time|models|choice|compare" >&2
+case "$part" in check | stem | check_more | time | models | choice | int8 | compare) ;; *)
+    echo "usage: $0 check|stem|check_more|time|models|choice|int8|compare" >&2
     exit 2
     ;;
 esac
@@ -107,6 +110,17 @@ models)
 choice)
     step resnet50_choice 580 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
         --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25 --tactic-timeout 150 "${extra[@]}"
+    ;;
+int8)
+    # (INT8's CUTLASS kernels timed 1.4-14x their FP8 twins in one build on an H100: whether the
+    # card slowed down, or the kernels, is what the clocks beside the build tell)
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+        --format=csv -lms 2000 >"$out/clocks.csv" 2>&1 &
+    smi=$!
+    step resnet50_int8 560 python3 benchmarks/gpu_models.py --models resnet50 --batch large \
+        --peers tensorkiln-int8 --quantize-all --kernels 25 --tactic-timeout 150 "${extra[@]}"
+    kill "$smi" 2>/dev/null
+    sort -t, -k2 -n "$out/clocks.csv" | head -3
     ;;
 compare)
     # torch.compile's caches (Inductor's compiled graphs, Triton's kernels, max-autotune's
