@@ -274,25 +274,26 @@ def _widen_kernel(x_ptr, y_ptr, N, FLOAT8: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _widen_padded_kernel(
-    x_ptr, y_ptr, P, C, H, W, HP, WP, top, left, sn, sc, sh, sw,
+    x_ptr, y_ptr, C, H, W, HP, WP, top, left, sn, sc, sh, sw,
     CP: tl.constexpr, FLOAT8: tl.constexpr, WIDEN: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    # a block of BLOCK pixels (n, hp, wp) of the (HP, WP) output by CP channels: read along the
-    # pixels of each channel's plane (coalesced for NCHW), written as BLOCK x CP contiguous
-    # values (channels-last); the image sits past ``top`` rows and ``left`` columns, and the
-    # margins and channels C.. are zeros. WIDEN: as float values, else the 8-bit codes as read
-    pix = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    # one output row (n, hp) of the (HP, WP) output per program along axis 0, BLOCK of its
+    # columns by CP channels per program along axis 1 (the row's image and batch index are
+    # divided out once, not per value): read along each channel's row (coalesced for NCHW),
+    # written as BLOCK x CP contiguous values (channels-last); the image sits past ``top`` rows
+    # and ``left`` columns, and the margins and channels C.. are zeros. WIDEN: as float
+    # values, else the 8-bit codes as read
+    row = tl.program_id(0).to(tl.int64)
+    n = row // HP
+    h = row % HP - top
+    wp = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     c = tl.arange(0, CP)
-    wp = pix % WP
-    hp = (pix // WP) % HP
-    n = pix // (WP * HP)
-    h = hp - top
     w = wp - left
-    ok = pix < P
+    ok = wp < WP
     inside = ok & (h >= 0) & (h < H) & (w >= 0) & (w < W)
-    src = (n * sn + h * sh + w * sw)[:, None] + c[None, :].to(tl.int64) * sc
+    src = (n * sn + h * sh) + (w.to(tl.int64) * sw)[:, None] + c[None, :].to(tl.int64) * sc
     x = tl.load(x_ptr + src, mask=inside[:, None] & (c[None, :] < C), other=0)
-    dst = pix[:, None] * CP + c[None, :]
+    dst = (row * WP + wp)[:, None] * CP + c[None, :]
     if WIDEN:
         x = _widened(x, FLOAT8).to(y_ptr.dtype.element_ty)
     tl.store(y_ptr + dst, x, mask=ok[:, None])
@@ -312,11 +313,11 @@ def _lay_out(x: torch.Tensor, y: torch.Tensor, hwc: tuple, top: int, left: int, 
     """Fill ``y``, laid out as (N, HP, WP, CP) = (N, *hwc) in memory, from ``x``."""
     n, c, h, w = x.shape
     hp, wp, cp = hwc
-    pixels = n * hp * wp
-    if pixels:
-        block = max(WIDEN_BLOCK // cp, 1)
-        _widen_padded_kernel[(triton.cdiv(pixels, block),)](
-            storable(x), storable(y), pixels, c, h, w, hp, wp, top, left, *x.stride(), CP=cp,
+    if n * hp * wp:
+        # (a row's columns in one program where they fit in WIDEN_BLOCK values, as a stem's do)
+        block = min(triton.next_power_of_2(wp), max(WIDEN_BLOCK // cp, 1))
+        _widen_padded_kernel[(n * hp, triton.cdiv(wp, block))](
+            storable(x), storable(y), c, h, w, hp, wp, top, left, *x.stride(), CP=cp,
             FLOAT8=x.dtype == torch.float8_e4m3fn, WIDEN=widen, BLOCK=block,
         )  # fmt: skip
 
