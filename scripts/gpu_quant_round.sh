@@ -112,8 +112,9 @@ choice)
         --peers tensorkiln-fp8,tensorkiln-int8 --kernels 25 --tactic-timeout 150 "${extra[@]}"
     ;;
 int8)
-    # (INT8's CUTLASS kernels timed 1.4-14x their FP8 twins in one build on an H100: whether the
-    # card slowed down, or the kernels, is what the clocks beside the build tell)
+    # (INT8's tactics timed 1.4-14x their FP8 twins in one build on an H100, on NCHW inputs:
+    # int8 weights were held NCHW, now channels-last; the clocks beside the build show whether
+    # the card's speed held as well)
     nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
         --format=csv -lms 2000 >"$out/clocks.csv" 2>&1 &
     smi=$!

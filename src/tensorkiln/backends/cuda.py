@@ -48,7 +48,7 @@ class CudaBackend(TorchBackend):
     def constant(self, array: np.ndarray, *, conv_weight: bool = False) -> Any:
         c = super().constant(array)
         if conv_weight and self.holds_weights:
-            c = mark_constant(held_conv.hold_weight(c))
+            c = mark_constant(hold_conv_weight(c))
             self.remember_on_host(c, array)
         return c
 
@@ -95,6 +95,19 @@ class CudaBackend(TorchBackend):
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
         }
+
+
+def hold_conv_weight(w: Any) -> Any:
+    """A convolution's constant weight as this backend holds it: a 4-D weight channels-last,
+    int8 as well as floating point (E4M3 among them). An 8-bit layer's default kernel writes
+    channels-last where its input or weight is, as its tactics do; with int8 weights held NCHW,
+    an INT8 engine's default kernels wrote every activation NCHW, so that the autotuner timed
+    each layer's tactics on NCHW inputs (a layout copy in every call) while FP8's were
+    channels-last."""
+    w = held_conv.hold_weight(w)
+    if isinstance(w, torch.Tensor) and w.ndim == 4 and w.dtype in (torch.int8, torch.uint8):
+        return w.contiguous(memory_format=torch.channels_last)
+    return w
 
 
 def _image(t: Any) -> bool:

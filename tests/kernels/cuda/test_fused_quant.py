@@ -124,3 +124,46 @@ def test_the_exact_qconv_writes_the_layout_its_tactics_write(monkeypatch, requan
         None if a is None else to_torch(a, DEVICE) for a in args
     ]  # (NCHW operands: NCHW out, as before)
     assert invoke(lookup("QConvAct", "tensorkiln", 1, "cuda"), plain, attrs, 1)[0].is_contiguous()
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_a_held_8_bit_weight_makes_the_stems_output_channels_last(monkeypatch, kind) -> None:
+    """The cuda backend holds a convolution's 4-D weight channels-last, int8 as well as E4M3
+    (backends/cuda.py's hold_conv_weight), so that a quantized stem reading an NCHW 8-bit image
+    writes channels-last in either type, and every default kernel after it keeps that layout:
+    the autotuner times an INT8 engine's tactics on the layout they will be given, as FP8's.
+    Values against the reference backend's kernel."""
+    from tensorkiln.backends.cuda import hold_conv_weight
+    from tensorkiln.kernels.cuda import fused_quant
+
+    real = fused_quant.conv_nd  # (cuDNN's float64 convolution writes NCHW: simulated here)
+    monkeypatch.setattr(fused_quant, "conv_nd", lambda *a: real(*a).contiguous())
+    rng = np.random.default_rng()
+    args = [
+        _quantized(rng, (2, 3, 16, 16), kind),
+        np.float32(rng.uniform(0.01, 0.1)),
+        _quantized(rng, (8, 3, 7, 7), kind),
+        rng.uniform(1e-3, 1e-2, 8).astype(np.float32),
+        rng.standard_normal(8).astype(np.float32),
+        None,
+        np.float32(0.05),
+    ]
+    attrs = {"pads": [3, 3, 3, 3], "strides": [2, 2], "activation": "Relu"}
+    attrs["out_dtype"] = 3 if kind == "int8" else 17
+    want = invoke(lookup("QConvAct", "tensorkiln", 1, "reference"), args, attrs, 1)[0]
+    inputs = [None if a is None else to_torch(a, DEVICE) for a in args]
+    assert inputs[0].is_contiguous()  # (the image as QuantizeLinear writes it: NCHW)
+    held = hold_conv_weight(inputs[2])
+    assert held.is_contiguous(memory_format=torch.channels_last) and not held.is_contiguous()
+    assert torch.equal(held.view(torch.uint8), inputs[2].view(torch.uint8))
+    inputs[2] = held
+    got = invoke(lookup("QConvAct", "tensorkiln", 1, "cuda"), inputs, attrs, 1)[0]
+    assert got.is_contiguous(memory_format=torch.channels_last) and not got.is_contiguous()
+    assert np.array_equal(to_numpy(got).view(np.uint8), want.view(np.uint8))
+
+
+def test_only_4_d_weights_are_held_channels_last() -> None:
+    from tensorkiln.backends.cuda import hold_conv_weight
+
+    w = torch.randint(-127, 128, (8, 16), dtype=torch.int8)
+    assert hold_conv_weight(w) is w
