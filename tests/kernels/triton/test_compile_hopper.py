@@ -82,24 +82,29 @@ from tensorkiln.kernels.triton import quantize
 
 src = ASTSource(
     fn=quantize._widen_padded_kernel,
-    signature={"x_ptr": "*u8", "y_ptr": "*fp16", "P": "i32", "C": "i32", "H": "i32", "W": "i32",
+    signature={"x_ptr": "*u8", "y_ptr": "*fp16", "C": "i32", "H": "i32", "W": "i32",
                "HP": "i32", "WP": "i32", "top": "i32", "left": "i32",
                "sn": "i64", "sc": "i64", "sh": "i64", "sw": "i64", "CP": "constexpr",
                "FLOAT8": "constexpr", "WIDEN": "constexpr", "BLOCK": "constexpr"},
-    constexprs={"CP": 4, "FLOAT8": True, "WIDEN": True, "BLOCK": 1024},
+    constexprs={"CP": 4, "FLOAT8": True, "WIDEN": True, "BLOCK": 256},  # (a stem's row)
     attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]},  # (as launched)
 )
 ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 print(json.dumps({"stores": ptx.count("st.global"), "wide": ptx.count("st.global.v2")
-                  + ptx.count("st.global.v4")}))
+                  + ptx.count("st.global.v4"),
+                  "divisions": sum(ptx.count(f"{op}.{t}64") for op in ("div", "rem")
+                                   for t in ("s", "u"))}))
 """
 
 
 def test_padded_widening_compiles_for_sm90(tmp_path: Path) -> None:
-    """quantize.widen_padded's kernel (a block of pixels by 4 channels) compiles for Hopper, and
-    writes each pixel's 4 float16 channels with vector stores (8 bytes and more)."""
+    """quantize.widen_padded's kernel (a block of a row's pixels by 4 channels) compiles for
+    Hopper, writes each pixel's 4 float16 channels with vector stores (8 bytes and more), and
+    divides the row's index into batch and row once, if at all in 64 bits (at most two 64-bit
+    divisions in its PTX, where dividing every pixel's index compiled to 25)."""
     counts = compile_child(_WIDEN_CHILD, ROOT, tmp_path / "triton-cache")
     assert counts["stores"] > 0 and counts["wide"] > 0, counts
+    assert counts["divisions"] <= 2, counts
 
 
 # the stem's kernel ("stem") or the stem-and-pool one ("pool"), as ResNet-50's stem launches it:
