@@ -125,7 +125,7 @@ names = ["x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", *sizes
 aligned = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "xs_ptr", "ws_ptr", "q_ptr", "OC", "WP", "sy_n",
            "sy_h", "sy_w", *(() if pool else ("M",)))
 cfg = conv_stem.POOL_CONFIGS[1]
-tiling = ({"ROWS": cfg.rows, "BLOCK_P": cfg.block_p} if pool else {"BLOCK_M": 128})
+tiling = ({"ROWS": cfg.rows, "BLOCK_P": cfg.block_p, "KPAD": 0} if pool else {"BLOCK_M": 128})
 kernel = conv_stem._stem_pool_kernel if pool else conv_stem._stem_kernel
 options = ({"num_warps": cfg.warps, "num_stages": cfg.stages} if pool
            else {"num_warps": 4, "num_stages": 3})

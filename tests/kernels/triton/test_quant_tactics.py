@@ -718,14 +718,16 @@ def _stem_pool_case(
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 @pytest.mark.parametrize(
     ("quantized", "config"),
-    [(True, (3, 8, 4, 3)), (False, (2, 16, 4, 2)), (True, (4, 64, 4, 3))],
-)
+    [(True, (3, 8, 4, 3)), (False, (2, 16, 4, 2)), (True, (4, 64, 4, 3)),
+     (True, (3, 16, 4, 2, True)), (False, (2, 8, 4, 1, True))],
+)  # fmt: skip
 def test_the_stem_and_its_pool_in_one_kernel(kind, quantized, config) -> None:
     """conv_stem_pool: ResNet's stem and its 3 x 3 max pool of stride 2 in one kernel, against
     the reference's convolution then its pool: pooled rows in bands of ``rows`` (the first
     band's top above the image, a band's last rows past it), pooled columns in tiles of
     ``block_p - 1`` (the first tile's halo left of the image, the next tiles' the previous
-    tile's last column), the 8-bit output's codes or the float output."""
+    tile's last column), the 8-bit output's codes or the float output; ``flat`` configurations
+    (the last field) with the whole window one K step."""
     pytest.importorskip("triton")
     from tensorkiln.kernels.common.conv import conv_geometry
     from tensorkiln.kernels.triton import conv_stem
@@ -749,6 +751,28 @@ def test_the_stem_and_its_pool_in_one_kernel(kind, quantized, config) -> None:
     else:
         tol = _tol(kind)
         np.testing.assert_allclose(to_numpy(got), want, rtol=tol, atol=tol * np.abs(want).max())
+
+
+def test_a_flat_stem_configuration_refuses_a_window_past_its_k_step() -> None:
+    """A flat configuration takes the whole window as one K step of at most FLAT_K values: a
+    window of 9 rows (9 x 32 packed values) is refused by name, and its tactic does not apply,
+    while the configurations that loop over the window's rows take it."""
+    pytest.importorskip("triton")
+    from tensorkiln.kernels.common.conv import conv_geometry
+    from tensorkiln.kernels.triton import conv_stem
+    from tensorkiln.kernels.triton.gemm import Epilogue
+
+    flat = next(c for c in conv_stem.POOL_CONFIGS if c.flat)
+    assert conv_stem.fits(flat, (64, 3, 7, 7)) and not conv_stem.fits(flat, (64, 3, 9, 7))
+    assert all(conv_stem.fits(c, (64, 3, 9, 7)) for c in conv_stem.POOL_CONFIGS if not c.flat)
+    rng = np.random.default_rng()
+    x = to_torch(_q(rng, (1, 3, 21, 21), "int8"), DEVICE)
+    w = to_torch(_q(rng, (16, 3, 9, 7), "int8"), DEVICE)
+    geom = conv_geometry(x.shape, w.shape, "NOTSET", None, None, [4, 3, 4, 3], [2, 2])
+    one = torch.ones((), dtype=torch.float32, device=DEVICE)
+    with pytest.raises(ValueError, match=f"configuration.*{flat.rows}.*W \\(16, 3, 9, 7\\)"):
+        conv_stem.conv_stem_pool(x, w, None, geom=geom, scale=(one, one),
+                                 epilogue=Epilogue.of("Relu"), config=flat)  # fmt: skip
 
 
 _POOL_ATTRS = {"pool_kernel_shape": [3, 3], "pool_strides": [2, 2], "pool_pads": [1, 1, 1, 1]}
@@ -775,7 +799,7 @@ def test_every_tactic_of_a_stem_with_its_pool(kind, quantized, window) -> None:
                      tuple(None if a is None else np.asarray(a).dtype.name for a in args),
                      device="cuda")  # fmt: skip
     names = [t.name for t in tactics_for("QConvPool", "tensorkiln") if t.applies(spec)]
-    assert len(names) == 7, names  # (3 fused, 3 stem kernels + pool, cudnn_fp16 + pool)
+    assert len(names) == 9, names  # (5 fused, 3 stem kernels + pool, cudnn_fp16 + pool)
     tensors = [None if a is None else to_torch(np.asarray(a), DEVICE) for a in args]
     tensors[2] = tensors[2].contiguous(memory_format=torch.channels_last)
     for name in names:

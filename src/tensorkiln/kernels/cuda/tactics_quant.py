@@ -524,10 +524,15 @@ def _conv_part(spec: LayerSpec) -> LayerSpec:
     return dataclasses.replace(spec, op="QConvAct", attrs=conv_attrs(spec.attrs))
 
 
-def _stem_pool_ok(spec: LayerSpec) -> bool:
-    """conv_stem_pool's layers: the stem kernel's convolution, then the pool it fuses."""
+def _stem_pool_ok(cfg: Any, spec: LayerSpec) -> bool:
+    """conv_stem_pool's layers for configuration ``cfg``: the stem kernel's convolution (its
+    window within what ``cfg`` takes), then the pool it fuses."""
     conv = _conv_part(spec)
-    return _stem_ok(conv) and fuses_pool(pool_attrs(spec.attrs), conv.attrs.get("activation", ""))
+    return (
+        _stem_ok(conv)
+        and conv_stem.fits(cfg, spec.shapes[2])
+        and fuses_pool(pool_attrs(spec.attrs), conv.attrs.get("activation", ""))
+    )
 
 
 # QConvPool's two-kernel tactics: a QConvAct tactic, then this MaxPool tactic on its output
@@ -692,7 +697,7 @@ def _register() -> None:
     # a stem and its pool (QConvPool): fused, or the two kernels apart, each group timed whole
     for cfg in conv_stem.POOL_CONFIGS:
         tactic("QConvPool", domain="tensorkiln", name=f"triton_qconv_stem_pool_{cfg.name}",
-               supports=_stem_pool_ok, group="triton_qconv_stem_pool")(_stem(cfg, pooled=True))  # fmt: skip
+               supports=partial(_stem_pool_ok, cfg), group="triton_qconv_stem_pool")(_stem(cfg, pooled=True))  # fmt: skip
     for conv_tactic in ("cudnn_fp16", *(f"triton_qconv_stem_{c.name}" for c in conv_stem.CONFIGS)):
         tactic("QConvPool", domain="tensorkiln", name=f"{conv_tactic}+pool",
                supports=partial(_chain_ok, conv_tactic), group="qconv_pool_chain")(

@@ -57,6 +57,7 @@ from tensorkiln.kernels.triton.gemm import (
 from tensorkiln.kernels.triton.quantize import qout, requantize, storable
 
 MAX_OUT = 256  # output channels one tile covers
+FLAT_K = 256  # the longest window (KH * TAPS * CP values) a flat configuration takes as one K step
 _LIMIT = 2**31  # int32 element offsets
 _EIGHT_BIT = (torch.int8, torch.float8_e4m3fn)
 
@@ -242,17 +243,27 @@ class StemPoolConfig:
     block_p: int
     warps: int
     stages: int
+    flat: bool = False  # the whole window one K step (one load and one dot a tile), not KH
 
     @property
     def name(self) -> str:
-        return f"r{self.rows}_p{self.block_p}_w{self.warps}_s{self.stages}"
+        flat = "_flat" if self.flat else ""
+        return f"r{self.rows}_p{self.block_p}_w{self.warps}_s{self.stages}{flat}"
 
 
 POOL_CONFIGS = (
     StemPoolConfig(4, 64, 4, 3),
     StemPoolConfig(7, 64, 4, 3),
     StemPoolConfig(14, 64, 4, 3),
+    StemPoolConfig(14, 64, 4, 1, flat=True),
+    StemPoolConfig(14, 64, 8, 1, flat=True),
 )
+
+
+def fits(config: StemPoolConfig, w_shape) -> bool:
+    """Whether ``config`` takes a weight of ``w_shape``: a flat one a window of at most FLAT_K
+    values."""
+    return not config.flat or w_shape[2] * TAPS * CP <= FLAT_K
 
 
 @triton.jit
@@ -263,17 +274,28 @@ def _activated(acc, ok, scale, bias, p0, p1, lo, hi, HAS_B: tl.constexpr, ACT: t
 
 
 @triton.jit
+def _windows(at, ok, WP, KH, CPK: tl.constexpr, BLOCK_K: tl.constexpr, KPAD: tl.constexpr):
+    """The windows whose top-left corners are ``at`` (masked by ``ok``) as one (rows, KPAD)
+    tile: window row kh's BLOCK_K values at columns kh * BLOCK_K on, zeros past KH of them."""
+    rk = tl.arange(0, KPAD)
+    step = (rk // BLOCK_K) * (WP * CPK) + rk % BLOCK_K
+    ok = ok[:, None] & (rk < KH * BLOCK_K)[None, :]
+    return tl.load(at[:, None] + step[None, :], mask=ok, other=0.0)
+
+
+@triton.jit
 def _pooled_row(
-    x_ptr, w_ptr, n, oh, c, shift, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo, hi,
+    x_ptr, w_ptr, wt, n, oh, c, shift, scale, bias, OH, OW, HP, WP, KH, p0, p1, lo, hi,
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr, HAS_B: tl.constexpr,
     ACT: tl.constexpr, QUANT: tl.constexpr, UPCAST: tl.constexpr, BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KPAD: tl.constexpr,
 ):  # fmt: skip
     """Stem row ``oh`` of image ``n`` pooled along the row for pooled columns ``c``: the
     maximum of its columns 2c - 1, 2c and 2c + 1 (``shift``: each tile row's predecessor, for
     the first). The even and the odd columns are two tiles of one loop over the window's rows,
-    each K step's weight loaded once for both; outputs outside the stem's rows and columns are
-    zeros (the pool's padding, as every output is at least 0)."""
+    each K step's weight loaded once for both; ``KPAD`` > 0: the whole window one K step of
+    KPAD, against the weight ``wt`` (KPAD, BLOCK_N) the program loaded once. Outputs outside
+    the stem's rows and columns are zeros (the pool's padding, as every output is at least 0)."""
     rn = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     row_ok = (oh >= 0) & (oh < OH)
@@ -288,13 +310,20 @@ def _pooled_row(
     else:
         even = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
         odd = tl.zeros((BLOCK_P, BLOCK_N), dtype=tl.float32)
-    for kh in range(0, KH):
-        step = kh * WP * CPK + rk[None, :]
-        b = tl.load(w_ptr + (kh * BLOCK_K + rk)[:, None] * BLOCK_N + rn[None, :])
-        a = tl.load(even_at[:, None] + step, mask=even_ok[:, None], other=0.0)
-        even = dot_step(a, b, even, QUANT, UPCAST, "ieee", BLOCK_K)
-        a = tl.load(odd_at[:, None] + step, mask=odd_ok[:, None], other=0.0)
-        odd = dot_step(a, b, odd, QUANT, UPCAST, "ieee", BLOCK_K)
+    if KPAD > 0:
+        # (E4M3's narrower accumulator still folded into float32 every BLOCK_K)
+        a = _windows(even_at, even_ok, WP, KH, CPK, BLOCK_K, KPAD)
+        even = dot_step(a, wt, even, QUANT, UPCAST, "ieee", BLOCK_K)
+        a = _windows(odd_at, odd_ok, WP, KH, CPK, BLOCK_K, KPAD)
+        odd = dot_step(a, wt, odd, QUANT, UPCAST, "ieee", BLOCK_K)
+    else:
+        for kh in range(0, KH):
+            step = kh * WP * CPK + rk[None, :]
+            b = tl.load(w_ptr + (kh * BLOCK_K + rk)[:, None] * BLOCK_N + rn[None, :])
+            a = tl.load(even_at[:, None] + step, mask=even_ok[:, None], other=0.0)
+            even = dot_step(a, b, even, QUANT, UPCAST, "ieee", BLOCK_K)
+            a = tl.load(odd_at[:, None] + step, mask=odd_ok[:, None], other=0.0)
+            odd = dot_step(a, b, odd, QUANT, UPCAST, "ieee", BLOCK_K)
     even = _activated(even, even_ok, scale, bias, p0, p1, lo, hi, HAS_B, ACT)
     odd = _activated(odd, odd_ok, scale, bias, p0, p1, lo, hi, HAS_B, ACT)
     before = tl.gather(odd, shift, 0)  # (odd column c - 1; the halo row's is never stored)
@@ -308,7 +337,7 @@ def _stem_pool_kernel(
     STRIDE_H: tl.constexpr, STRIDE_W: tl.constexpr, CPK: tl.constexpr,
     HAS_B: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr, QOUT: tl.constexpr,
     UPCAST: tl.constexpr, ROWS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, KPAD: tl.constexpr,
 ):  # fmt: skip
     bands = tl.cdiv(PH, ROWS)
     n = tl.program_id(0) // bands
@@ -323,19 +352,24 @@ def _stem_pool_kernel(
     bias = 0.0
     if HAS_B:
         bias = tl.load(b_ptr + co).to(tl.float32)[None, :]
+    wt = 0
+    if KPAD > 0:  # the whole packed weight, once: (KH * BLOCK_K rows, zeros to KPAD)
+        rk = tl.arange(0, KPAD)
+        wt = tl.load(w_ptr + rk[:, None] * BLOCK_N + rn[None, :], mask=(rk < KH * BLOCK_K)[:, None],
+                     other=0.0)  # fmt: skip
     # stem row 2 r0 - 1, the first pooled row's top (zeros above the image)
-    prev = _pooled_row(x_ptr, w_ptr, n, 2 * r0 - 1, c, shift, scale, bias, OH, OW, HP, WP, KH,
-                       p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
-                       BLOCK_P, BLOCK_N, BLOCK_K)  # fmt: skip
+    prev = _pooled_row(x_ptr, w_ptr, wt, n, 2 * r0 - 1, c, shift, scale, bias, OH, OW, HP, WP,
+                       KH, p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
+                       BLOCK_P, BLOCK_N, BLOCK_K, KPAD)  # fmt: skip
     store_ok = ((i > 0) & (c < PW))[:, None] & (rn < OC)[None, :]
     y_cols = y_ptr + n * sy_n + c[:, None] * sy_w + rn[None, :] * sy_c
     for r in range(r0, tl.minimum(r0 + ROWS, PH)):
-        mid = _pooled_row(x_ptr, w_ptr, n, 2 * r, c, shift, scale, bias, OH, OW, HP, WP, KH, p0,
-                          p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST, BLOCK_P,
-                          BLOCK_N, BLOCK_K)  # fmt: skip
-        low = _pooled_row(x_ptr, w_ptr, n, 2 * r + 1, c, shift, scale, bias, OH, OW, HP, WP, KH,
+        mid = _pooled_row(x_ptr, w_ptr, wt, n, 2 * r, c, shift, scale, bias, OH, OW, HP, WP, KH,
                           p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
-                          BLOCK_P, BLOCK_N, BLOCK_K)  # fmt: skip
+                          BLOCK_P, BLOCK_N, BLOCK_K, KPAD)  # fmt: skip
+        low = _pooled_row(x_ptr, w_ptr, wt, n, 2 * r + 1, c, shift, scale, bias, OH, OW, HP, WP,
+                          KH, p0, p1, lo, hi, STRIDE_H, STRIDE_W, CPK, HAS_B, ACT, QUANT, UPCAST,
+                          BLOCK_P, BLOCK_N, BLOCK_K, KPAD)  # fmt: skip
         v = tl.maximum(tl.maximum(prev, mid), low)
         if QOUT != 0:  # (the maximum before the quantization: the same, which keeps order)
             v = requantize(v, tl.load(q_ptr), QOUT)
@@ -363,8 +397,8 @@ def conv_stem_pool(
     _check("conv_stem_pool", x, w, geom)
     if epilogue.code != ACT_CODES["Relu"]:
         raise ValueError("conv_stem_pool: the convolution's activation must be ReLU")
-    if config.block_p < 2 or config.rows < 1:
-        raise ValueError(f"conv_stem_pool: bad configuration {config}")
+    if config.block_p < 2 or config.rows < 1 or not fits(config, tuple(w.shape)):
+        raise ValueError(f"conv_stem_pool: bad configuration {config} for W {tuple(w.shape)}")
     nb = x.shape[0]
     oc, _, kh, _ = w.shape
     oh, ow = geom.out
@@ -385,6 +419,7 @@ def conv_stem_pool(
         QOUT=qout(y.dtype) if y_scale is not None else 0,
         UPCAST=interpreting() and x.dtype == torch.float8_e4m3fn,
         ROWS=config.rows, BLOCK_P=config.block_p, BLOCK_N=bn, BLOCK_K=TAPS * CP,
+        KPAD=triton.next_power_of_2(kh * TAPS * CP) if config.flat else 0,
         num_warps=config.warps, num_stages=config.stages,
     )  # fmt: skip
     return y
