@@ -773,6 +773,19 @@ def test_a_flat_stem_configuration_refuses_a_window_past_its_k_step() -> None:
     with pytest.raises(ValueError, match=f"configuration.*{flat.rows}.*W \\(16, 3, 9, 7\\)"):
         conv_stem.conv_stem_pool(x, w, None, geom=geom, scale=(one, one),
                                  epilogue=Epilogue.of("Relu"), config=flat)  # fmt: skip
+    # (no configuration named: the first that takes the window, against the reference's
+    # convolution then its pool)
+    xs, ws = np.float32(0.02), rng.uniform(1e-3, 1e-2, 16).astype(np.float32)
+    got = conv_stem.conv_stem_pool(x, w, None, geom=geom, scale=(xs * one, to_torch(ws, DEVICE)),
+                                   epilogue=Epilogue.of("Relu"))  # fmt: skip
+    attrs = {"pads": [4, 3, 4, 3], "strides": [2, 2], "activation": "Relu"}
+    conv = lookup("QConvAct", "tensorkiln", 1, "reference")
+    y = invoke(conv, [to_numpy(x), xs, to_numpy(w), ws, None], attrs, 1)[0]
+    pool = {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]}
+    want = invoke(lookup("MaxPool", "", 22, "reference"), [y], pool, 1)[0]
+    assert got.shape == want.shape
+    tol = _tol("int8")
+    np.testing.assert_allclose(to_numpy(got), want, rtol=tol, atol=tol * np.abs(want).max())
 
 
 _POOL_ATTRS = {"pool_kernel_shape": [3, 3], "pool_strides": [2, 2], "pool_pads": [1, 1, 1, 1]}
