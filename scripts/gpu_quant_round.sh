@@ -7,7 +7,7 @@
 #   scripts/gpu_quant_round.sh check    # GPU tests: CUTLASS kernels first, then the stem kernels,
 #                                       # the stem-pool layer and the pools, a quantized ResNet
 #                                       # stage's engine (and benchmarks/qconv_stem.py); at most
-#                                       # 580 s, one device call
+#                                       # 580 s
 #   scripts/gpu_quant_round.sh stem     # the stem kernel's and the pools' part of check alone (no
 #                                       # kernel library needed: while a new checkout builds one)
 #   scripts/gpu_quant_round.sh check_more  # the other 8-bit GPU tests, then Gluon's
