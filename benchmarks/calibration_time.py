@@ -13,6 +13,7 @@ calibration cache the second wrote (DIR/calib.json), so it calibrates nothing.
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,10 @@ from tensorkiln.builder import Builder, BuilderConfig, OptimizationProfile  # no
 
 
 def main(out: Path) -> dict:
+    # (each build phase's seconds as it ends, so that a run stopped by a time limit still shows
+    # how far it got: calibration is the "calibrate" phase)
+    logging.basicConfig(format="%(asctime)s %(message)s", stream=sys.stdout, force=True)
+    logging.getLogger("tensorkiln.builder.builder").setLevel(logging.DEBUG)
     out.mkdir(parents=True, exist_ok=True)
     onnx_path = common.export_dynamic(
         common.make_model("resnet50"), common.image_feeds(2, 224, 0), out / "resnet50.onnx"

@@ -8,6 +8,7 @@ is timed for the build report; a progress bar shows in a terminal.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import sys
 import time
@@ -61,6 +62,8 @@ from tensorkiln.runtime.executor import Executor
 from tensorkiln.runtime.mathmode import math_mode
 from tensorkiln.tactics.autotune import TuneOptions, choose_tactics, describe_layer
 from tensorkiln.tactics.cache import TimingCache
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -548,7 +551,9 @@ def _phase(report: BuildReport, name: str, bar: Any):
         raise
     finally:
         # (a phase run again, as an INT8 build's precision choice does, adds up)
-        report.phases[name] = report.phases.get(name, 0.0) + time.perf_counter() - t0
+        spent = time.perf_counter() - t0
+        report.phases[name] = report.phases.get(name, 0.0) + spent
+        log.debug("build phase %s: %.2f s", name, spent)
         bar.advance(name)
 
 
