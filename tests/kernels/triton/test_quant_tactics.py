@@ -755,8 +755,9 @@ def test_the_stem_and_its_pool_in_one_kernel(kind, quantized, config) -> None:
 
 def test_a_flat_stem_configuration_refuses_a_window_past_its_k_step() -> None:
     """A flat configuration takes the whole window as one K step of at most FLAT_K values: a
-    window of 9 rows (9 x 32 packed values) is refused by name, and its tactic does not apply,
-    while the configurations that loop over the window's rows take it."""
+    window of 9 rows (9 x 32 packed values) does not fit it (``fits``, which its tactic's
+    support check asks) and is refused by name, while the configurations that loop over the
+    window's rows take it: with none named, the first of them runs it."""
     pytest.importorskip("triton")
     from tensorkiln.kernels.common.conv import conv_geometry
     from tensorkiln.kernels.triton import conv_stem
